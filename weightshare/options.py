@@ -1,0 +1,32 @@
+"""Options every converter understands."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .blob import AlignPolicy
+
+INLINE_THRESHOLD = 1024  # payloads below this stay inside the model file: a page of padding would cost more
+
+
+@dataclass
+class ConvertOptions:
+    """
+    Args:
+        align: payload alignment (``--align``, ``--align-threshold``).
+        inline_threshold: payloads smaller than this many bytes stay inline.
+        keep_packed: do not unpack (no fp16->fp32 folding, typed fields stay as they are).
+        unpack: opt-in unpackings, e.g. {"int8", "sparse"}.
+        blob_name: file name of the external blob inside OUTDIR (ONNX, TFLite --external).
+        external: TFLite only: write an external safetensors blob instead of appending.
+        progress: called with a byte count as payload bytes are written (for progress bars).
+    """
+
+    align: AlignPolicy = field(default_factory=AlignPolicy)
+    inline_threshold: int = INLINE_THRESHOLD
+    keep_packed: bool = False
+    unpack: frozenset[str] = frozenset()
+    blob_name: str | None = None
+    external: bool = False
+    progress: Callable[[int], None] | None = None

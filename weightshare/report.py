@@ -1,0 +1,38 @@
+"""What a conversion did, in numbers a user can check."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class ConversionReport:
+    """Filled in by a format converter; rendered by the CLI (table or ``--json``).
+
+    Byte counts are payload bytes: ``bytes_in`` as found in the input (packed),
+    ``bytes_out`` as placed in the blob after unpacking (before dedupe), and
+    ``bytes_written`` the unique bytes actually stored.
+    """
+
+    model: str
+    format: str
+    outputs: list[str] = field(default_factory=list)
+    tensors_moved: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    bytes_written: int = 0
+    deduplicated: int = 0  # payloads stored as a reference to an identical earlier one
+    deduplicated_bytes: int = 0
+    unpacked: int = 0  # payloads turned into the runtime's native form (fp16->fp32, typed fields -> raw)
+    unpacked_bytes_in: int = 0
+    unpacked_bytes_out: int = 0
+    ops_removed: int = 0  # Cast / DEQUANTIZE nodes folded away
+    inline_kept: int = 0  # payloads left inline (small, or shape tensors)
+    inline_kept_bytes: int = 0
+    blob_bytes: int = 0  # size of the blob file (payloads + alignment padding + header)
+    wall_time_s: float = 0.0
+    peak_rss_mib: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
