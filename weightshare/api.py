@@ -51,3 +51,20 @@ def convert(model: str | os.PathLike, out_dir: str | os.PathLike, options: Conve
     report.wall_time_s = round(time.perf_counter() - start, 3)
     report.peak_rss_mib = round(peak_rss_mib(), 1)
     return report
+
+
+def merge(sources: list[str | os.PathLike], out: str | os.PathLike, function_names: list[str] | None = None,
+          default_function: str | None = None, options: ConvertOptions | None = None) -> ConversionReport:
+    """Merge Core ML packages into one multifunction .mlpackage, streaming the weights."""
+    from .formats.coreml import merge as coreml_merge
+
+    options = options or ConvertOptions()
+    out = Path(out)
+    prepare_out_dir(out.parent if str(out.parent) else Path("."))
+    start = time.perf_counter()
+    with OutputTransaction() as tx:
+        report = coreml_merge.merge_packages([Path(s) for s in sources], list(function_names or []),
+                                             default_function, out, options, tx)
+    report.wall_time_s = round(time.perf_counter() - start, 3)
+    report.peak_rss_mib = round(peak_rss_mib(), 1)
+    return report
