@@ -1,0 +1,1 @@
+"""Core ML ML Program packages (.mlpackage): weight.bin re-layout (convert) and streaming multifunction merge."""

@@ -1,0 +1,157 @@
+"""``weightshare convert MODEL.mlpackage``: the same package with a page-aligned, deduplicated weight.bin.
+
+scan: walk the program spec for every ``BlobFileValue`` (const values, constexpr
+attributes and input bindings, function/block/program attributes, nested blocks
+of control-flow ops); write: copy each referenced payload in chunks into the new
+weight.bin (``WeightFileWriter``); emit: point the ``BlobFileValue`` at the new
+record, write the spec, copy every other file of the package byte for byte.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ...atomic import OutputTransaction
+from ...errors import InvalidModel, OutputError
+from ...options import ConvertOptions
+from ...report import ConversionReport
+from .milblob import WeightFile, WeightFileWriter
+from .package import (MANIFEST, MODEL_PATH_PREFIX, WEIGHT_FILE, WEIGHTS_NAME, Package, copy_tree, dump_manifest,
+                      read_package, resolve_blob_file, stable_id, write_file)
+
+BLOB_FILE_VALUE = "CoreML.Specification.MILSpec.Value.BlobFileValue"
+NEW_FILE_NAME = f"{MODEL_PATH_PREFIX}{WEIGHTS_NAME}/{WEIGHT_FILE}"
+# Nested blocks (cond/while_loop bodies) add about six message levels each; protobuf's
+# parser stops at 100 levels anyway, this guards specs built in memory.
+MAX_DEPTH = 400
+
+
+def iter_blob_file_values(message, depth: int = 0, origin=None):
+    """Yield every ``BlobFileValue`` below ``message``, in field order (deterministic)."""
+    if depth > MAX_DEPTH:
+        raise InvalidModel(f"program nesting is deeper than {MAX_DEPTH} levels", origin)
+    if message.DESCRIPTOR.full_name == BLOB_FILE_VALUE:
+        yield message
+        return
+    for fd, value in message.ListFields():
+        if fd.message_type is None:
+            continue
+        if fd.message_type.GetOptions().map_entry:
+            value_fd = fd.message_type.fields_by_name["value"]
+            if value_fd.message_type is None:
+                continue
+            children = [value[k] for k in sorted(value)]
+        elif fd.is_repeated:
+            children = value
+        else:
+            children = (value,)
+        for child in children:
+            yield from iter_blob_file_values(child, depth + 1, origin)
+
+
+class BlobRelocator:
+    """Moves the payloads a program references into one ``WeightFileWriter``.
+
+    The same (file, record offset) referenced twice is copied once; identical bytes
+    under different records are stored once by the writer's content hash.
+    """
+
+    def __init__(self, writer: WeightFileWriter):
+        self.writer = writer
+        self._files: dict[Path, WeightFile] = {}
+        self._moved: dict[tuple[Path, int], int] = {}
+        self.referenced: set[Path] = set()
+        self.values = 0
+
+    def relocate(self, pkg: Package, message) -> None:
+        for bfv in iter_blob_file_values(message, origin=pkg.model_path):
+            path = resolve_blob_file(pkg, bfv.fileName)
+            key = (path, bfv.offset)
+            new_offset = self._moved.get(key)
+            if new_offset is None:
+                wf = self._files.get(path)
+                if wf is None:
+                    wf = self._files[path] = WeightFile(path)
+                rec = wf.record(bfv.offset)
+                new_offset = self._moved[key] = self.writer.add(rec, wf.payload(rec))
+            self.referenced.add(path)
+            bfv.fileName = NEW_FILE_NAME
+            bfv.offset = new_offset
+            self.values += 1
+
+    @property
+    def blobs_moved(self) -> int:
+        return len(self._moved)
+
+
+def open_weight_file(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+    except OSError as e:
+        raise OutputError(f"cannot create the weight file: {e.strerror}", path) from None
+
+
+def fill_report(report: ConversionReport, relocator: BlobRelocator, blob_bytes: int) -> None:
+    writer = relocator.writer
+    report.tensors_moved = relocator.blobs_moved
+    report.bytes_in = writer.bytes_in
+    report.bytes_out = writer.bytes_in
+    report.bytes_written = writer.bytes_written
+    report.deduplicated = writer.duplicates
+    report.deduplicated_bytes = writer.duplicate_bytes
+    report.blob_bytes = blob_bytes
+
+
+def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
+    """Write ``out_dir/<src.name>``: ``src`` with its weights re-laid out page-aligned and deduplicated."""
+    src = Path(src)
+    pkg = read_package(src)
+    final = Path(out_dir) / src.name
+    report = ConversionReport(model=str(src), format="coreml", outputs=[str(final)])
+    if options.unpack:
+        report.notes.append("Core ML: constexpr decompression (--unpack) is not implemented; weights kept as stored")
+
+    tmp = tx.new_dir(final)
+    model_rel = Path(pkg.model_item_path())
+    out_model_dir = tmp / "Data" / model_rel.parent
+    (out_model_dir / WEIGHTS_NAME).mkdir(parents=True, exist_ok=True)
+    weight_path = out_model_dir / WEIGHTS_NAME / WEIGHT_FILE
+    fd = open_weight_file(weight_path)
+    try:
+        writer = WeightFileWriter(fd, options.align, options.progress)
+        relocator = BlobRelocator(writer)
+        relocator.relocate(pkg, pkg.spec.mlProgram)
+        blob_bytes = writer.finish() if relocator.values else 0
+    finally:
+        os.close(fd)
+
+    manifest = pkg.manifest
+    skip = {pkg.model_path.resolve()}
+    if relocator.values:
+        skip |= relocator.referenced
+        skip.add((pkg.model_dir / WEIGHTS_NAME / WEIGHT_FILE).resolve())  # replaced, referenced or not
+        manifest = _manifest_with_weights(pkg, model_rel)
+        if manifest is not pkg.manifest:
+            skip.add((pkg.root / MANIFEST).resolve())
+    else:
+        weight_path.unlink()
+    copy_tree(pkg.root, tmp, skip)
+    if manifest is not pkg.manifest:
+        write_file(tmp / MANIFEST, dump_manifest(manifest))
+    write_file(tmp / "Data" / model_rel, pkg.spec.SerializeToString(deterministic=True))
+    fill_report(report, relocator, blob_bytes)
+    return report
+
+
+def _manifest_with_weights(pkg: Package, model_rel: Path) -> dict:
+    """The source manifest, unchanged when it already lists the weights directory where we write it."""
+    want = (model_rel.parent / WEIGHTS_NAME).as_posix()
+    item = pkg.items.get(pkg.weights_id) if pkg.weights_id else None
+    if item is not None and item["path"] == want:
+        return pkg.manifest
+    manifest = {**pkg.manifest, "itemInfoEntries": dict(pkg.items)}
+    ident = pkg.weights_id or stable_id(pkg.root_id, WEIGHTS_NAME)
+    manifest["itemInfoEntries"][ident] = {"author": "com.apple.CoreML", "description": "CoreML Model Weights",
+                                          "name": WEIGHTS_NAME, "path": want}
+    return manifest
