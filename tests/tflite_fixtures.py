@@ -1,0 +1,200 @@
+"""TFLite fixture models, built in code with the schema object API and the flatbuffers builder.
+
+``GraphBuilder`` adds tensors, constants and ops to one subgraph; ``build_model``
+packs subgraphs, signatures and metadata into a .tflite file. The builder keeps
+inline buffer data 16-byte aligned, as the TFLite converter does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import flatbuffers
+import numpy as np
+from ai_edge_litert import schema_py_generated as s
+
+OP = s.BuiltinOperator
+TT = s.TensorType
+_NP_TYPES = {np.dtype("float32"): TT.FLOAT32, np.dtype("float16"): TT.FLOAT16, np.dtype("int8"): TT.INT8,
+             np.dtype("int32"): TT.INT32, np.dtype("uint8"): TT.UINT8, np.dtype("int64"): TT.INT64}
+_OP_VERSIONS = {OP.DEQUANTIZE: 3}
+
+
+class _AlignedBufferT(s.BufferT):
+    def Pack(self, builder):
+        if self.data is None:
+            s.BufferStart(builder)
+            return s.BufferEnd(builder)
+        data = bytes(self.data)
+        builder.StartVector(1, len(data), 16)
+        builder.head = builder.head - len(data)
+        builder.Bytes[builder.head: builder.head + len(data)] = data
+        builder.vectorNumElems = len(data)
+        vec = builder.EndVector()
+        s.BufferStart(builder)
+        s.BufferAddData(builder, vec)
+        return s.BufferEnd(builder)
+
+
+class ModelBuilder:
+    """Owns the buffers and operator codes shared by all subgraphs."""
+
+    def __init__(self):
+        self.buffers: list[s.BufferT] = [_AlignedBufferT()]  # buffer 0 is the empty sentinel
+        self.opcodes: list[int] = []
+        self.subgraphs: list[GraphBuilder] = []
+        self.signatures: list[s.SignatureDefT] = []
+        self.metadata: list[s.MetadataT] = []
+
+    def buffer(self, data: bytes) -> int:
+        self.buffers.append(_AlignedBufferT(data=data))
+        return len(self.buffers) - 1
+
+    def opcode(self, code: int) -> int:
+        if code not in self.opcodes:
+            self.opcodes.append(code)
+        return self.opcodes.index(code)
+
+    def subgraph(self, name: str) -> "GraphBuilder":
+        g = GraphBuilder(self, name)
+        self.subgraphs.append(g)
+        return g
+
+    def signature(self, key: str, graph: "GraphBuilder") -> None:
+        sd = s.SignatureDefT(signatureKey=key, subgraphIndex=self.subgraphs.index(graph))
+        sd.inputs = [s.TensorMapT(name=graph.tensors[i].name, tensorIndex=i) for i in graph.inputs]
+        sd.outputs = [s.TensorMapT(name=graph.tensors[i].name, tensorIndex=i) for i in graph.outputs]
+        self.signatures.append(sd)
+
+    def add_metadata(self, name: str, data: bytes) -> None:
+        self.metadata.append(s.MetadataT(name=name, buffer=self.buffer(data)))
+
+    def to_bytes(self) -> bytes:
+        m = s.ModelT(version=3, description="weightshare test fixture")
+        m.operatorCodes = [s.OperatorCodeT(deprecatedBuiltinCode=min(c, 127), builtinCode=c,
+                                           version=_OP_VERSIONS.get(c, 1)) for c in self.opcodes]
+        m.subgraphs = [g.to_subgraph() for g in self.subgraphs]
+        m.buffers = self.buffers
+        m.signatureDefs = self.signatures or None
+        m.metadata = self.metadata or None
+        b = flatbuffers.Builder(1 << 20)
+        b.Finish(m.Pack(b), file_identifier=b"TFL3")
+        return bytes(b.Output())
+
+    def save(self, path: Path) -> Path:
+        Path(path).write_bytes(self.to_bytes())
+        return Path(path)
+
+
+class GraphBuilder:
+    def __init__(self, model: ModelBuilder, name: str):
+        self.model = model
+        self.name = name
+        self.tensors: list[s.TensorT] = []
+        self.ops: list[s.OperatorT] = []
+        self.inputs: list[int] = []
+        self.outputs: list[int] = []
+
+    def tensor(self, name: str, shape, dtype, buffer: int = 0, quant: tuple | None = None) -> int:
+        t = s.TensorT(shape=list(shape), type=_NP_TYPES[np.dtype(dtype)], buffer=buffer, name=name)
+        if quant is not None:
+            scale, zero = quant
+            t.quantization = s.QuantizationParametersT(scale=np.atleast_1d(np.asarray(scale, np.float32)),
+                                                       zeroPoint=np.atleast_1d(np.asarray(zero, np.int64)))
+        self.tensors.append(t)
+        return len(self.tensors) - 1
+
+    def const(self, name: str, array: np.ndarray, quant: tuple | None = None) -> int:
+        array = np.ascontiguousarray(array)
+        return self.tensor(name, array.shape, array.dtype, self.model.buffer(array.tobytes()), quant)
+
+    def input(self, name: str, shape, dtype="float32", quant=None) -> int:
+        i = self.tensor(name, shape, dtype, quant=quant)
+        self.inputs.append(i)
+        return i
+
+    def op(self, code: int, inputs: list[int], outputs: list[int], options_type: int = 0, options=None) -> None:
+        self.ops.append(s.OperatorT(opcodeIndex=self.model.opcode(code), inputs=inputs, outputs=outputs,
+                                    builtinOptionsType=options_type, builtinOptions=options))
+
+    def dequantize(self, name: str, array16: np.ndarray) -> int:
+        """A constant fp16 tensor feeding DEQUANTIZE; returns the fp32 output tensor."""
+        src = self.const(name + "_fp16", array16.astype(np.float16))
+        out = self.tensor(name, array16.shape, "float32")
+        self.op(OP.DEQUANTIZE, [src], [out])
+        return out
+
+    def to_subgraph(self) -> s.SubGraphT:
+        return s.SubGraphT(tensors=self.tensors, inputs=self.inputs, outputs=self.outputs, operators=self.ops,
+                           name=self.name)
+
+
+def _conv_options():
+    return s.BuiltinOptions.Conv2DOptions, s.Conv2DOptionsT(padding=s.Padding.SAME, strideW=1, strideH=1)
+
+
+def _dw_options():
+    return (s.BuiltinOptions.DepthwiseConv2DOptions,
+            s.DepthwiseConv2DOptionsT(padding=s.Padding.SAME, strideW=1, strideH=1, depthMultiplier=1))
+
+
+def float_graph(mb: ModelBuilder, rng: np.random.Generator, fc_out: int = 1024) -> GraphBuilder:
+    """CONV_2D(fp16 filter) -> DEPTHWISE_CONV_2D -> RESHAPE -> FULLY_CONNECTED(fp16) -> ADD(twin constants)."""
+    g = mb.subgraph("float")
+    x = g.input("x", [1, 8, 8, 3])
+    w = g.dequantize("conv_w", rng.standard_normal((16, 3, 3, 3)).astype(np.float16))  # 864 B fp16 -> 1728 B
+    b = g.const("conv_b", rng.standard_normal(16).astype(np.float32))
+    c = g.tensor("conv", [1, 8, 8, 16], "float32")
+    g.op(OP.CONV_2D, [x, w, b], [c], *_conv_options())
+    dw_w = g.const("dw_w", rng.standard_normal((1, 3, 3, 16)).astype(np.float32))
+    dw_b = g.const("dw_b", np.zeros(16, np.float32))
+    d = g.tensor("dw", [1, 8, 8, 16], "float32")
+    g.op(OP.DEPTHWISE_CONV_2D, [c, dw_w, dw_b], [d], *_dw_options())
+    shape = g.const("shape", np.array([1, 1024], np.int32))
+    r = g.tensor("flat", [1, 1024], "float32")
+    g.op(OP.RESHAPE, [d, shape], [r], s.BuiltinOptions.ReshapeOptions, s.ReshapeOptionsT(newShape=[1, 1024]))
+    fc_w = g.dequantize("fc_w", (rng.standard_normal((fc_out, 1024)) * 0.05).astype(np.float16))
+    fc_b = g.const("fc_b", rng.standard_normal(fc_out).astype(np.float32))
+    f = g.tensor("fc", [1, fc_out], "float32")
+    g.op(OP.FULLY_CONNECTED, [r, fc_w, fc_b], [f], s.BuiltinOptions.FullyConnectedOptions,
+         s.FullyConnectedOptionsT())
+    twin = rng.standard_normal(fc_out).astype(np.float32)
+    a1 = g.const("offset_a", twin)
+    a2 = g.const("offset_b", twin.copy())  # same bytes: stored once
+    s1 = g.tensor("sum1", [1, fc_out], "float32")
+    y = g.tensor("y", [1, fc_out], "float32")
+    g.op(OP.ADD, [f, a1], [s1], s.BuiltinOptions.AddOptions, s.AddOptionsT())
+    g.op(OP.ADD, [s1, a2], [y], s.BuiltinOptions.AddOptions, s.AddOptionsT())
+    g.outputs = [y]
+    return g
+
+
+def int8_graph(mb: ModelBuilder, rng: np.random.Generator) -> GraphBuilder:
+    """Fully quantized int8 FULLY_CONNECTED with per-tensor scales and an int32 bias."""
+    g = mb.subgraph("int8")
+    x = g.input("q_x", [1, 64], "int8", quant=(0.05, -3))
+    w = g.const("q_w", rng.integers(-127, 128, (64, 64), dtype=np.int8), quant=(0.02, 0))
+    b = g.const("q_b", rng.integers(-500, 500, 64, dtype=np.int32), quant=(0.05 * 0.02, 0))
+    y = g.tensor("q_y", [1, 64], "int8", quant=(0.3, 2))
+    g.op(OP.FULLY_CONNECTED, [x, w, b], [y], s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
+    g.outputs = [y]
+    return g
+
+
+def sample_model(path: Path, seed: int = 0, fc_out: int = 1024) -> Path:
+    """Two subgraphs with a signature each, fp16+DEQUANTIZE, int8 tensors, twin constants and metadata."""
+    rng = np.random.default_rng(seed)
+    mb = ModelBuilder()
+    fg = float_graph(mb, rng, fc_out)
+    qg = int8_graph(mb, rng)
+    mb.signature("serving_default", fg)
+    mb.signature("quantized", qg)
+    mb.add_metadata("min_runtime_version", b"1.5.0".ljust(16, b"\0"))
+    mb.add_metadata("weightshare_test_blob", bytes(range(256)) * 8)  # 2 KiB: metadata stays inline anyway
+    return mb.save(path)
+
+
+def sample_inputs(seed: int = 1) -> dict[str, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    return {"serving_default": {"x": rng.standard_normal((1, 8, 8, 3)).astype(np.float32)},
+            "quantized": {"q_x": rng.integers(-128, 128, (1, 64), dtype=np.int8)}}

@@ -1,0 +1,244 @@
+"""``weightshare convert MODEL.tflite``: scan -> plan -> write -> emit.
+
+scan: ``flatbuf`` locates every buffer's bytes and reads the graph without them.
+plan: ``graph`` folds fp16 DEQUANTIZE; each output buffer is then empty, inline
+(below the inline threshold, and metadata buffers) or moved.
+write: moved payloads stream through the shared ``BlobWriter``, appended after
+the flatbuffer (default) or into a safetensors blob (``--external``).
+emit: the flatbuffer is rebuilt from the schema object API.
+
+Appending needs the flatbuffer's size before the first payload offset is known:
+the model is built once with placeholder offsets, which makes every moved
+Buffer's ``offset``/``size`` a present uint64 field, then built again with the
+real values. Both builds write the same fields with the same widths, so they have
+the same size, and the second one is written over the first at offset 0.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import flatbuffers
+from ai_edge_litert import schema_py_generated as schema
+
+from ...blob import BlobWriter, PlannedTensor, SafetensorsBlob
+from ...errors import OutputError, Unsupported
+from ...options import ConvertOptions
+from ...paths import resolve_inside
+from ...report import ConversionReport
+from ...tensors import BytesSource, ElementwiseSource, PayloadSource, fp16_to_fp32
+from . import flatbuf
+from .graph import NUMPY_DTYPES, TYPE_NAMES, apply_folds, plan_fp16_folds, referenced_buffers, tensor_name, validate
+
+INLINE_DATA_ALIGN = 16  # schema.fbs: Buffer.data has (force_align: 16); the Python builder ignores it
+TRAILING_ZEROS = 16  # after the last appended payload, as the TFLite converter writes it
+_PLACEHOLDER = flatbuf.OFFSET_PLACEHOLDER
+
+
+@dataclass
+class BufferPlan:
+    """What output buffer ``index`` holds and where it goes."""
+
+    index: int
+    source: PayloadSource | None  # None: empty buffer
+    inline: bool = False
+    name: str = ""
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+    unpacked_from: int = 0  # input bytes of an fp16 payload this fp32 one was unpacked from
+
+
+class _InlineBufferT(schema.BufferT):
+    """A Buffer whose data vector starts 16-byte aligned, as LiteRT kernels expect."""
+
+    def Pack(self, builder: flatbuffers.Builder) -> int:
+        data = bytes(self.data)
+        builder.StartVector(1, len(data), INLINE_DATA_ALIGN)
+        builder.head = builder.head - len(data)
+        builder.Bytes[builder.head: builder.head + len(data)] = data
+        builder.vectorNumElems = len(data)
+        vector = builder.EndVector()
+        schema.BufferStart(builder)
+        schema.BufferAddData(builder, vector)
+        return schema.BufferEnd(builder)
+
+
+def _read_small(source: PayloadSource) -> bytes:
+    return b"".join(bytes(c) for c in source.chunks())
+
+
+def _describe(graph: "schema.ModelT", nbuffers: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """Name, dtype and shape of each buffer, from the first tensor that uses it."""
+    info = [(f"buffer{i}", "uint8", ()) for i in range(nbuffers)]
+    seen = set()
+    for si, sg in enumerate(graph.subgraphs):
+        for t in sg.tensors or []:
+            if t.buffer and t.buffer not in seen:
+                seen.add(t.buffer)
+                dtype = NUMPY_DTYPES.get(TYPE_NAMES.get(t.type, ""), "uint8")
+                shape = tuple(int(d) for d in (t.shape if t.shape is not None else ()))
+                info[t.buffer] = (tensor_name(t) if si == 0 else f"{si}/{tensor_name(t)}", dtype, shape)
+    return info
+
+
+def plan_buffers(graph, refs, folds, options: ConvertOptions, path: str) -> list[BufferPlan]:
+    """Decide each output buffer: empty, inline or moved. Applies the folds to ``graph``."""
+    new_indices = apply_folds(graph, folds, len(refs))
+    metadata_buffers = {m.buffer for m in graph.metadata or [] if m is not None}
+    used = referenced_buffers(graph)
+    folded_away = {f.fp16_buffer for f in folds} - used
+    info = _describe(graph, len(refs) + len(folds))
+    plans = []
+    for ref in refs:
+        if ref.nbytes == 0 or ref.index in folded_away:
+            plans.append(BufferPlan(ref.index, None))
+            continue
+        name, dtype, shape = info[ref.index]
+        plans.append(BufferPlan(ref.index, ref.source(path), name=name, dtype=dtype, shape=shape))
+    for fold, index in zip(folds, new_indices):
+        ref = refs[fold.fp16_buffer]
+        source = ElementwiseSource(ref.source(path), 2, 4, fp16_to_fp32)
+        name, _dtype, shape = info[index]
+        plans.append(BufferPlan(index, source, name=name, dtype="float32", shape=shape, unpacked_from=ref.nbytes))
+    for p in plans:
+        if p.source is not None:
+            # Metadata stays in the flatbuffer: readers of Model.metadata (ReadAllMetadata, tflite_support) look
+            # only at Buffer.data.
+            p.inline = p.source.nbytes < options.inline_threshold or p.index in metadata_buffers
+    return plans
+
+
+def _build(graph: "schema.ModelT") -> bytes:
+    builder = flatbuffers.Builder(1 << 16)
+    builder.Finish(graph.Pack(builder), file_identifier=flatbuf.FILE_IDENTIFIER)
+    return bytes(builder.Output())
+
+
+def _inline_buffers(plans: list[BufferPlan]) -> list:
+    buffers = []
+    for p in plans:
+        if p.source is not None and p.inline:
+            buffers.append(_InlineBufferT(data=_read_small(p.source)))
+        else:
+            buffers.append(schema.BufferT())
+    return buffers
+
+
+def _account(report: ConversionReport, plan: BufferPlan, entry) -> None:
+    report.tensors_moved += 1
+    report.bytes_in += plan.unpacked_from or plan.source.nbytes
+    report.bytes_out += entry.nbytes
+    if entry.duplicate:
+        report.deduplicated += 1
+        report.deduplicated_bytes += entry.nbytes
+    else:
+        report.bytes_written += entry.nbytes
+
+
+def write_appended(graph, plans: list[BufferPlan], options: ConvertOptions, tmp: Path,
+                   report: ConversionReport) -> None:
+    """Payloads after the flatbuffer, addressed by Buffer.offset (from the start of the file) and Buffer.size."""
+    buffers = _inline_buffers(plans)
+    moved = [p for p in plans if p.source is not None and not p.inline]
+    for p in moved:
+        buffers[p.index] = schema.BufferT(offset=_PLACEHOLDER, size=_PLACEHOLDER)
+    graph.buffers = buffers
+    size = len(_build(graph))
+    fd = os.open(tmp, os.O_WRONLY)
+    try:
+        writer = BlobWriter(fd, size, options.align)
+        for p in moved:
+            entry = writer.add(p.source, progress=options.progress)
+            buffers[p.index] = schema.BufferT(offset=entry.offset, size=entry.nbytes)
+            _account(report, p, entry)
+        end = writer.finish(TRAILING_ZEROS if moved else 0)
+        model = _build(graph)
+        if len(model) != size:  # same fields, same widths: a mismatch is a bug here, not bad input
+            raise OutputError(f"rebuilt flatbuffer has {len(model)} bytes, planned {size}")
+        writer.pwrite(model, 0)
+    finally:
+        os.close(fd)
+    report.blob_bytes = end - size
+
+
+def write_external(graph, plans: list[BufferPlan], options: ConvertOptions, out_dir: Path, stem: str,
+                   tx, report: ConversionReport) -> Path:
+    """Payloads in a safetensors blob beside the model, referenced through ExternalBuffer groups.
+
+    LiteRT's weight loader joins the group name to the model's directory and maps
+    ``offset`` (absolute in the group file) .. ``offset + length``; tensors name
+    their ExternalBuffer by ``id`` (0 means none), groups are indexed by position.
+    """
+    blob_name = options.blob_name or f"{stem}.weights.safetensors"
+    final = resolve_inside(out_dir, blob_name, "blob")
+    moved = [p for p in plans if p.source is not None and not p.inline]
+    planned = {p.index: PlannedTensor(p.name, p.dtype, p.shape, p.source.nbytes) for p in moved}
+    blob_tmp = tx.new_file(final)  # created before the model, so committed before it
+    fd = os.open(blob_tmp, os.O_WRONLY)
+    try:
+        blob = SafetensorsBlob(fd, list(planned.values()), options.align)
+        externals = []
+        for p in moved:
+            entry = blob.add(planned[p.index], p.source, progress=options.progress)
+            externals.append(schema.ExternalBufferT(id=len(externals) + 1, group=0, offset=entry.offset,
+                                                    length=entry.nbytes))
+            _account(report, p, entry)
+        report.blob_bytes = blob.finish()
+    finally:
+        os.close(fd)
+    ids = {p.index: e.id for p, e in zip(moved, externals)}
+    for sg in graph.subgraphs:
+        for t in sg.tensors or []:
+            if t.buffer in ids:
+                t.externalBuffer = ids[t.buffer]
+                t.buffer = 0
+    graph.buffers = _inline_buffers(plans)
+    if externals:
+        graph.externalBufferGroups = [schema.ExternalBufferGroupT(name=blob_name)]
+        graph.externalBuffers = externals
+    report.outputs.append(str(final))
+    return final
+
+
+def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> ConversionReport:
+    path = str(src)
+    reader, _mapping = flatbuf.open_model(path)
+    flatbuf.check_header(reader)
+    refs = flatbuf.read_buffer_refs(reader)
+    graph = flatbuf.read_graph(reader)
+    validate(graph, len(refs), path)
+    report = ConversionReport(model=path, format="tflite")
+    unknown = set(options.unpack) - {"sparse"}
+    if unknown:
+        raise Unsupported(f"--unpack {', '.join(sorted(unknown))} is not supported for TFLite (only 'sparse')", src)
+    if "sparse" in options.unpack:
+        report.notes.append("--unpack sparse is not implemented for TFLite yet; DENSIFY ops were kept")
+    folds, notes = ([], []) if options.keep_packed else plan_fp16_folds(graph, refs, path)
+    report.notes.extend(notes)
+    plans = plan_buffers(graph, refs, folds, options, path)
+    report.ops_removed = len(folds)
+    for p in plans:
+        if p.unpacked_from:
+            report.unpacked += 1
+            report.unpacked_bytes_in += p.unpacked_from
+            report.unpacked_bytes_out += p.source.nbytes
+        if p.source is not None and p.inline:
+            report.inline_kept += 1
+            report.inline_kept_bytes += p.source.nbytes
+    final = out_dir / src.name
+    if options.external:
+        write_external(graph, plans, options, out_dir, src.stem, tx, report)
+        tmp = tx.new_file(final)
+        model = _build(graph)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(model)
+        except OSError as e:
+            raise OutputError(f"cannot write the model: {e.strerror}", final) from None
+    else:
+        tmp = tx.new_file(final)
+        write_appended(graph, plans, options, tmp, report)
+    report.outputs.insert(0, str(final))
+    return report
