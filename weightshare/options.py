@@ -21,6 +21,7 @@ class ConvertOptions:
         blob_name: file name of the external blob inside OUTDIR (ONNX, TFLite --external).
         external: TFLite only: write an external safetensors blob instead of appending.
         progress: called with a byte count as payload bytes are written (for progress bars).
+        progress_total: called once with the payload bytes a converter is about to write.
     """
 
     align: AlignPolicy = field(default_factory=AlignPolicy)
@@ -30,3 +31,4 @@ class ConvertOptions:
     blob_name: str | None = None
     external: bool = False
     progress: Callable[[int], None] | None = None
+    progress_total: Callable[[int], None] | None = None

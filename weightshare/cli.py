@@ -1,0 +1,202 @@
+"""The `weightshare` command: a thin Typer layer over ``weightshare.api``.
+
+Exit codes: 0 ok, 1 a check or verify found a problem, 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from . import api
+from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy
+from .errors import WeightshareError
+from .options import INLINE_THRESHOLD, ConvertOptions
+from .report import ConversionReport
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
+                       "shared by every session, interpreter, function and process.")
+out = Console()
+err = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> None:
+    err.print(f"weightshare: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def user_errors():
+    """Turn input problems into one line and exit code 2; never a traceback."""
+    try:
+        yield
+    except WeightshareError as e:
+        fail(e.line())
+    except KeyboardInterrupt:
+        fail("interrupted; no output was left behind", 130)
+    except MemoryError:
+        fail("out of memory")
+    except OSError as e:
+        fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+
+
+@contextmanager
+def progress_bar(enabled: bool, desc: str):
+    """A byte progress bar on stderr when it is a terminal; nothing in pipes and CI."""
+    if not enabled or not sys.stderr.isatty():
+        yield None, None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr)
+
+    def total(n: int) -> None:
+        bar.reset(total=n)
+
+    try:
+        yield bar.update, total
+    finally:
+        bar.close()
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def render_report(r: ConversionReport) -> None:
+    t = Table(title=f"{r.model} ({r.format})", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("written", "\n".join(r.outputs))
+    t.add_row("payloads moved", f"{r.tensors_moved} ({_mib(r.bytes_in)} in, {_mib(r.bytes_out)} after unpacking)")
+    t.add_row("unique bytes stored", f"{_mib(r.bytes_written)} ({r.deduplicated} duplicates, "
+                                     f"{_mib(r.deduplicated_bytes)} saved)")
+    t.add_row("unpacked", f"{r.unpacked} payloads ({_mib(r.unpacked_bytes_in)} -> {_mib(r.unpacked_bytes_out)}), "
+                          f"{r.ops_removed} ops removed")
+    t.add_row("kept inline", f"{r.inline_kept} ({r.inline_kept_bytes:,} bytes)")
+    t.add_row("blob size", _mib(r.blob_bytes))
+    t.add_row("time / peak RSS", f"{r.wall_time_s:.2f} s / {r.peak_rss_mib:.0f} MiB")
+    for note in r.notes:
+        t.add_row("note", note)
+    out.print(t)
+
+
+@app.command()
+def convert(
+    models: List[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output directory (created if missing)."),
+    blob: Optional[str] = typer.Option(None, "--blob", help="Blob file name inside OUTDIR "
+                                       "[default: MODEL.weights.safetensors]."),
+    keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
+                                     "typed protobuf fields as they are."),
+    unpack: List[str] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite DENSIFY), 'int8'."),
+    external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
+                                  "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
+                                  "Interpreter does not."),
+    align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
+    align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold", help="Payload size from which "
+                                        "--align applies; smaller payloads are 64-byte aligned."),
+    inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold", help="Payloads smaller than this "
+                                         "stay inside the model file."),
+    as_json: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bar."),
+) -> None:
+    """Rewrite MODEL(s) into OUTDIR with every weight in a page-aligned, memory-mappable blob.
+
+    Unpacks fp16 weights that the runtime would otherwise convert per session
+    (ONNX Cast to float, TFLite DEQUANTIZE) and stores identical payloads once.
+    Outputs appear all together or not at all.
+    """
+    reports = []
+    with user_errors():
+        if blob is not None and len(models) > 1:
+            fail("--blob names one model's blob; with several models leave it out")
+        for model in models:
+            with progress_bar(not quiet, model.name) as (update, total):
+                opts = ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
+                                      inline_threshold=inline_threshold, keep_packed=keep_packed,
+                                      unpack=frozenset(unpack), blob_name=blob, external=external,
+                                      progress=update, progress_total=total)
+                reports.append(api.convert(model, output, opts))
+    if as_json:
+        payload = [r.to_dict() for r in reports]
+        print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
+    else:
+        for r in reports:
+            render_report(r)
+
+
+@app.command()
+def merge(
+    sources: List[Path] = typer.Argument(..., help="Core ML .mlpackage files (multifunction sources contribute all "
+                                         "their functions)."),
+    function_name: List[str] = typer.Option([], "--function-name", "--name", help="Function name for each source, "
+                                            "in order [default: the source's stem]."),
+    default_function: Optional[str] = typer.Option(None, "--default-function", help="Function run by default "
+                                                   "[default: the first]."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output .mlpackage."),
+    align: int = typer.Option(LARGE_ALIGN, "--align"),
+    align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold"),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Merge Core ML models into one multifunction .mlpackage, storing each distinct weight once.
+
+    Streams weight data chunk by chunk: memory does not grow with the number of functions.
+    """
+    with user_errors():
+        opts = ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold))
+        report = api.merge(sources, output, function_name, default_function, opts)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        render_report(report)
+
+
+@app.command()
+def demo(
+    workdir: Path = typer.Option(Path("weightshare-demo"), "--dir", help="Where to put the sample models."),
+    sessions: int = typer.Option(4, "--sessions", help="ONNX Runtime sessions to open per variant."),
+    layers: int = typer.Option(12, "--layers", help="MLP layers of 2048x2048 fp16 weights (8 MiB each)."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Build a sample fp16 ONNX model, convert it, and show the memory of N sessions before and after."""
+    from .demo import run_demo
+
+    with user_errors():
+        result = run_demo(workdir, sessions, layers, progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    t = Table(title=f"{sessions} ONNX Runtime sessions in one process (session.disable_prepacking=1)")
+    for col in ("model", "file size", "PSS 1 session", f"PSS {sessions} sessions", "per extra session"):
+        t.add_column(col, justify="right" if col != "model" else "left")
+    for row in result["rows"]:
+        t.add_row(row["variant"], _mib(row["file_bytes"]), f"{row['pss_1_mib']:,.1f} MiB",
+                  f"{row['pss_n_mib']:,.1f} MiB", f"{row['per_session_mib']:,.1f} MiB")
+    out.print(t)
+    out.print(f"converted: {result['converted']}  (outputs equal: {result['outputs_equal']})")
+    out.print(f"PSS of {sessions} sessions: original {result['ratio_original']:.2f}x one session, "
+              f"converted {result['ratio_converted']:.2f}x")
+
+
+def main() -> None:
+    if os.environ.get("WEIGHTSHARE_DEBUG"):
+        app()
+        return
+    try:
+        app()
+    except SystemExit:
+        raise
+    except Exception as e:  # a bug in weightshare: still one line, and how to get the traceback
+        err.print(f"weightshare: internal error: {type(e).__name__}: {e} (set WEIGHTSHARE_DEBUG=1 for a traceback)",
+                  markup=False, highlight=False, soft_wrap=True)
+        sys.exit(2)

@@ -1,0 +1,38 @@
+"""`weightshare demo`: the whole story on a sample model, offline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from . import api
+from .samples import mlp_onnx
+
+
+def run_demo(workdir: Path, sessions: int = 4, layers: int = 12, progress=lambda msg: None) -> dict:
+    from .runtimes.ort import measure_sessions, new_session
+
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    original = workdir / "mlp_fp16.onnx"
+    progress(f"building {original} ({layers} layers of 2048x2048 fp16 behind Cast)")
+    mlp_onnx(original, layers=layers, dim=2048, weights="float16")
+    progress("converting")
+    report = api.convert(original, workdir / "converted")
+    converted = Path(report.outputs[0])
+
+    x = np.random.default_rng(0).standard_normal((1, 2048), dtype=np.float32)
+    outputs_equal = bool(np.array_equal(new_session(str(original)).run(None, {"x": x})[0],
+                                        new_session(str(converted)).run(None, {"x": x})[0]))
+    rows = []
+    for variant, path in (("original: fp16 + Cast", original), ("converted: fp32 blob", converted)):
+        progress(f"opening {sessions} sessions of {path.name} in a fresh process")
+        m = measure_sessions(str(path), [1, sessions])
+        one, n = m[0]["pss_mib"], m[-1]["pss_mib"]
+        size = path.stat().st_size + sum(Path(p).stat().st_size for p in report.outputs[1:] if path == converted)
+        rows.append({"variant": variant, "file_bytes": size, "pss_1_mib": one, "pss_n_mib": n,
+                     "per_session_mib": round((n - one) / max(1, sessions - 1), 1)})
+    return {"rows": rows, "converted": str(converted), "outputs_equal": outputs_equal, "report": report.to_dict(),
+            "ratio_original": rows[0]["pss_n_mib"] / rows[0]["pss_1_mib"],
+            "ratio_converted": rows[1]["pss_n_mib"] / rows[1]["pss_1_mib"]}

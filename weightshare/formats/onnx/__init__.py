@@ -1,0 +1,1 @@
+"""ONNX: a protobuf wire-level scanner, Cast folding, and the rewrite to external data."""

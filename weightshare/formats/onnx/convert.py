@@ -1,0 +1,170 @@
+"""ONNX: scan -> plan -> write -> emit.
+
+1. scan: the wire-level scanner cuts every payload out of the model (``scan.py``).
+2. fold + plan: on the small parsed skeleton, fold Cast(fp16 -> float) of constants
+   (``fold.py``) and decide per payload: external, or inline (small, int64 shape
+   tensor, or a typed field under ``--keep-packed``).
+3. write: stream external payloads, unpacked to raw little-endian, into the
+   page-aligned safetensors blob.
+4. emit: point each tensor at its blob range and write the model file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from ...atomic import OutputTransaction
+from ...blob import PlannedTensor, SafetensorsBlob
+from ...errors import InvalidModel
+from ...options import ConvertOptions
+from ...paths import resolve_inside
+from ...report import ConversionReport
+from ...tensors import ElementwiseSource, PayloadSource, bf16_to_fp32, fp16_to_fp32
+from . import dtypes
+from .fold import fold_fp16_casts, shape_tensor_names
+from .graph import Site, collect_sites
+from .scan import TensorRef, scan_model
+
+
+@dataclass
+class Placement:
+    ref: TensorRef
+    site: Site
+    external: bool
+    fold: bool  # fp16/bf16 -> fp32
+    reason: str = ""  # why it stays inline
+    out_nbytes: int = 0
+
+    @property
+    def source(self) -> PayloadSource:
+        src = self.ref.native_source()
+        if self.fold:
+            convert = fp16_to_fp32 if self.ref.data_type == dtypes.FLOAT16 else bf16_to_fp32
+            src = ElementwiseSource(src, 2, 4, convert)
+        return src
+
+
+def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(skeleton)
+    except (DecodeError, RecursionError) as e:
+        raise InvalidModel(f"not a valid ONNX model ({e})", path) from None
+    return model
+
+
+def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_names: set[str],
+         options: ConvertOptions) -> list[Placement]:
+    placements = []
+    for ref in refs:
+        site = sites.get(ref.index)
+        if site is None:
+            raise InvalidModel(f"tensor {ref.name!r} sits where weightshare cannot place it", ref.path)
+        fold = ref.index in folded
+        p = Placement(ref, site, external=False, fold=fold)
+        p.out_nbytes = ref.native_nbytes * (2 if fold else 1)
+        if ref.typed and options.keep_packed:
+            p.reason = "typed field kept packed"
+        elif ref.data_type == dtypes.INT64 and site.name in shape_names:
+            p.reason = "int64 shape tensor"
+        elif p.out_nbytes < options.inline_threshold:
+            p.reason = "below the inline threshold"
+        else:
+            p.external = True
+        placements.append(p)
+    return placements
+
+
+def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del tensor.external_data[:]
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+def _set_inline(p: Placement, wire_bytes: bytes | None) -> None:
+    tensor = p.site.tensor
+    del tensor.external_data[:]
+    tensor.ClearField("data_location")
+    if wire_bytes is not None:  # the original typed fields, as they were
+        tensor.MergeFromString(wire_bytes)
+    else:
+        tensor.raw_data = b"".join(bytes(c) for c in p.source.chunks())
+
+
+def _read_wire(ref: TensorRef) -> bytes:
+    with open(ref.path, "rb") as f:
+        parts = []
+        for start, end in ref.wire:
+            f.seek(start)
+            parts.append(f.read(end - start))
+    return b"".join(parts)
+
+
+def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
+    report = ConversionReport(model=str(src), format="onnx")
+    skeleton, refs = scan_model(src)
+    model = load_skeleton(skeleton, src)
+    del skeleton
+    sites = collect_sites(model)
+    folded: set[int] = set()
+    if not options.keep_packed:
+        folded, report.ops_removed = fold_fp16_casts(model, sites)
+    placements = plan(refs, sites, folded, shape_tensor_names(model), options)
+    external = [p for p in placements if p.external]
+
+    blob_name = options.blob_name or f"{src.stem}.weights.safetensors"
+    blob_path = resolve_inside(out_dir, blob_name, "blob")
+    if blob_path.name == src.name or blob_path == (out_dir / src.name).resolve():
+        raise InvalidModel(f"blob name {blob_name!r} would overwrite the model file", src)
+    if external:
+        blob_path.parent.mkdir(parents=True, exist_ok=True)
+        _write_blob(tx.new_file(blob_path), external, blob_name, options, report)
+        report.outputs.append(str(blob_path))
+
+    for p in placements:
+        if p.fold or (p.ref.typed and not options.keep_packed):
+            report.unpacked += 1
+            report.unpacked_bytes_in += p.ref.nbytes_in
+            report.unpacked_bytes_out += p.out_nbytes
+        if not p.external:
+            report.inline_kept += 1
+            report.inline_kept_bytes += p.out_nbytes
+            keep_wire = p.ref.typed and options.keep_packed
+            _set_inline(p, _read_wire(p.ref) if keep_wire else None)
+    out_model = out_dir / src.name
+    tmp = tx.new_file(out_model)
+    with open(tmp, "wb") as f:
+        f.write(model.SerializeToString())
+    report.outputs.insert(0, str(out_model))
+    return report
+
+
+def _write_blob(tmp: Path, external: list[Placement], location: str, options: ConvertOptions,
+                report: ConversionReport) -> None:
+    planned = [PlannedTensor(p.site.name, dtypes.NAMES.get(dtypes.FLOAT if p.fold else p.ref.data_type, "uint8"),
+                             p.ref.dims, p.out_nbytes) for p in external]
+    fd = os.open(tmp, os.O_RDWR)
+    try:
+        blob = SafetensorsBlob(fd, planned, options.align)
+        if options.progress_total is not None:
+            options.progress_total(sum(t.nbytes for t in planned))
+        for p, t in zip(external, planned):
+            entry = blob.add(t, p.source, progress=options.progress)
+            _set_external(p.site.tensor, location, entry.offset, entry.nbytes)
+            report.tensors_moved += 1
+            report.bytes_in += p.ref.nbytes_in
+            report.bytes_out += p.out_nbytes
+            if entry.duplicate:
+                report.deduplicated += 1
+                report.deduplicated_bytes += entry.nbytes
+        report.blob_bytes = blob.finish()
+        report.bytes_written = blob.bytes_written
+    finally:
+        os.close(fd)

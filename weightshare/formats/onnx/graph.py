@@ -1,0 +1,84 @@
+"""Walking the parsed skeleton: scopes (graphs, subgraphs, functions) and where each payload sits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import onnx
+
+from .scan import REF_KEY
+
+
+@dataclass
+class Site:
+    """Where the payload with ref ``index`` sits in the skeleton."""
+
+    index: int
+    tensor: onnx.TensorProto
+    name: str  # the value name the graph knows it by (initializer name, Constant output, ...)
+    kind: str  # "initializer", "constant", "sparse", "attribute"
+    scope: onnx.GraphProto | onnx.FunctionProto
+    node: onnx.NodeProto | None = None
+
+
+def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    for attr in node.attribute:
+        if attr.HasField("g"):
+            yield attr.g
+        yield from attr.graphs
+
+
+def iter_scopes(model: onnx.ModelProto) -> Iterator[onnx.GraphProto | onnx.FunctionProto]:
+    """Every graph (main, nested at any depth, training) and every model-local function."""
+    stack: list = []
+    if model.HasField("graph"):
+        stack.append(model.graph)
+    for info in model.training_info:
+        stack.extend(g for g in (info.initialization, info.algorithm) if g.ByteSize())
+    stack.extend(reversed(model.functions))
+    seen: list = []
+    while stack:
+        scope = stack.pop()
+        seen.append(scope)
+        for node in scope.node:
+            stack.extend(subgraphs(node))
+    yield from seen
+
+
+def ref_index(tensor: onnx.TensorProto) -> int | None:
+    for entry in tensor.external_data:
+        if entry.key == REF_KEY:
+            return int(entry.value)
+    return None
+
+
+def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
+    sites: dict[int, Site] = {}
+
+    def add(tensor: onnx.TensorProto, name: str, kind: str, node=None) -> None:
+        index = ref_index(tensor)
+        if index is not None:
+            sites[index] = Site(index, tensor, tensor.name or name, kind, scope, node)
+
+    for scope in iter_scopes(model):
+        if isinstance(scope, onnx.GraphProto):
+            for t in scope.initializer:
+                add(t, t.name, "initializer")
+            for sp in scope.sparse_initializer:
+                add(sp.values, sp.values.name, "sparse")
+                add(sp.indices, f"{sp.values.name}.indices", "sparse")
+        for node in scope.node:
+            owner = node.output[0] if node.output else node.name
+            for attr in node.attribute:
+                is_value = node.op_type == "Constant" and attr.name == "value"
+                if attr.HasField("t"):
+                    add(attr.t, owner if is_value else f"{owner}.{attr.name}", "constant" if is_value else "attribute",
+                        node)
+                for i, t in enumerate(attr.tensors):
+                    add(t, f"{owner}.{attr.name}.{i}", "attribute", node)
+                sparse = list(attr.sparse_tensors) + ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else [])
+                for i, sp in enumerate(sparse):
+                    add(sp.values, f"{owner}.{attr.name}.{i}.values", "sparse", node)
+                    add(sp.indices, f"{owner}.{attr.name}.{i}.indices", "sparse", node)
+    return sites

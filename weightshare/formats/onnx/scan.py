@@ -1,0 +1,261 @@
+"""scan: find every tensor payload of an ONNX model without parsing it whole.
+
+The walk follows ModelProto at the wire level: graph initializers and sparse
+initializers, ``Constant`` and other tensor-valued node attributes, subgraphs of
+If/Loop/Scan at any depth, model-local functions and training graphs. Each
+payload becomes a ``TensorRef`` (where its bytes are, in which encoding) and is
+cut out of the model; what remains is the *skeleton*, small enough to parse with
+onnx. Every cut tensor is marked in the skeleton with an ``external_data`` entry
+``weightshare.ref = <index>`` so the emitter can find it again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ...errors import InvalidModel, Unsupported
+from ...paths import resolve_inside
+from ...tensors import ConcatSource, FileRange, PayloadSource
+from . import dtypes
+from .wire import LEN, VARINT, Field, PackedVarintSource, WireFile, decode_varints, encode_len_field, \
+    encode_varint_field
+
+REF_KEY = "weightshare.ref"
+MAX_DEPTH = 200  # message nesting; a subgraph costs 3 levels (Graph > Node > Attribute)
+EXTERNAL = 1
+
+# Which length-delimited fields of each message kind can (transitively) hold tensors.
+_CHILDREN = {
+    "model": {7: "graph", 20: "training", 25: "function"},
+    "training": {1: "graph", 2: "graph"},
+    "graph": {1: "node", 5: "tensor", 15: "sparse"},
+    "function": {7: "node"},
+    "node": {5: "attribute"},
+    "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse", 23: "sparse"},
+    "sparse": {1: "tensor", 2: "tensor"},
+}
+
+
+@dataclass
+class TensorRef:
+    """One payload found by the scan."""
+
+    index: int
+    name: str
+    data_type: int
+    dims: tuple[int, ...]
+    field: int  # dtypes.RAW_DATA, a typed field number, or 0 when it was external data
+    parts: list[FileRange]  # the payload bytes (packed field contents, raw bytes or the external range)
+    wire: list[tuple[int, int]] = field(default_factory=list)  # whole payload fields in the model file
+    path: str = ""
+
+    @property
+    def nbytes_in(self) -> int:
+        return sum(p.length for p in self.parts)
+
+    @property
+    def typed(self) -> bool:
+        return self.field not in (0, dtypes.RAW_DATA)
+
+    @property
+    def native_nbytes(self) -> int:
+        return dtypes.raw_nbytes(self.data_type, self.dims)
+
+    def native_source(self) -> PayloadSource:
+        """The payload as raw little-endian bytes, the form external data and raw_data hold."""
+        inner = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
+        if not self.typed:
+            return inner
+        kind, count, itemsize = dtypes.typed_layout(self.field, self.data_type, self.dims)
+        if kind == "copy":
+            return inner
+        return PackedVarintSource(inner, count, itemsize, self.path)
+
+
+class Scanner:
+    def __init__(self, wf: WireFile, model_dir: Path):
+        self.wf = wf
+        self.model_dir = model_dir
+        self.refs: list[TensorRef] = []
+
+    def scan(self) -> bytes:
+        """Return the skeleton (the model with payloads cut out); fills ``self.refs``."""
+        if self.wf.size == 0:
+            raise self.wf.error("empty file")
+        new = self._message(0, self.wf.size, "model", 0)
+        return new if new is not None else self.wf.read(0, self.wf.size)
+
+    def _message(self, start: int, end: int, kind: str, depth: int) -> bytes | None:
+        """Rewritten content of a message, or None when it holds no payload (copy it as it is)."""
+        if depth > MAX_DEPTH:
+            raise self.wf.error(f"messages nested deeper than {MAX_DEPTH} levels at offset {start}")
+        if kind == "tensor":
+            return self._tensor(start, end)
+        children = _CHILDREN[kind]
+        out: list[bytes] = []
+        copy_from = start
+        changed = False
+        for f in self.wf.fields(start, end):
+            child = children.get(f.number)
+            if child is None or f.wire_type != LEN:
+                continue
+            new = self._message(f.value_start, f.end, child, depth + 1)
+            if new is None:
+                continue
+            changed = True
+            out.append(self.wf.read(copy_from, f.start - copy_from))
+            out.append(encode_len_field(f.number, new))
+            copy_from = f.end
+        if not changed:
+            return None
+        out.append(self.wf.read(copy_from, end - copy_from))
+        return b"".join(out)
+
+    def _tensor(self, start: int, end: int) -> bytes | None:
+        wf = self.wf
+        dims: list[int] = []
+        data_type = 0
+        name = ""
+        payload: list[Field] = []
+        external: dict[str, str] = {}
+        location = 0
+        kept: list[bytes] = []
+        for f in wf.fields(start, end):
+            n = f.number
+            if n == 1:
+                dims.extend(self._dims(f))
+            elif n == 2 and f.wire_type == VARINT:
+                data_type = f.value
+            elif n == 8 and f.wire_type == LEN:
+                name = wf.read(f.value_start, f.value).decode("utf-8", "replace")
+            elif n == 3:
+                raise Unsupported(f"tensor {name!r} uses segments, which weightshare does not handle", wf.path)
+            elif n == dtypes.RAW_DATA or n in dtypes.TYPED_FIELDS:
+                if f.wire_type != LEN:
+                    raise Unsupported(f"tensor {name!r} stores {dtypes.TYPED_FIELDS.get(n, 'raw_data')} unpacked; "
+                                      "re-save the model with onnx to pack it", wf.path)
+                payload.append(f)
+                continue
+            elif n == 13 and f.wire_type == LEN:
+                key, value = self._string_pair(f)
+                external[key] = value
+                continue
+            elif n == 14 and f.wire_type == VARINT:
+                location = f.value
+                continue
+            kept.append(wf.read(f.start, f.end - f.start))
+        if not payload and location != EXTERNAL:
+            return None  # strings, empty tensors: nothing to move
+        dims_t = tuple(dims)
+        if data_type not in dtypes.BITS:
+            raise InvalidModel(f"tensor {name!r} has data type {data_type}, which cannot hold a numeric payload",
+                               wf.path)
+        ref = self._ref(name, data_type, dims_t, payload, external if location == EXTERNAL else None)
+        marker = encode_len_field(1, REF_KEY.encode()) + encode_len_field(2, str(ref.index).encode())
+        kept.append(encode_len_field(13, marker))
+        kept.append(encode_varint_field(14, EXTERNAL))
+        return b"".join(kept)
+
+    def _dims(self, f: Field) -> list[int]:
+        if f.wire_type == VARINT:
+            values = [f.value]
+        elif f.wire_type == LEN:
+            if f.value > 64 * 10:
+                raise self.wf.error(f"tensor at offset {f.start} declares more than 64 dims")
+            arr, used = decode_varints(np.frombuffer(self.wf.read(f.value_start, f.value), np.uint8))
+            if used != f.value:
+                raise self.wf.error(f"corrupt dims at offset {f.start}")
+            values = [int(v) for v in arr]
+        else:
+            raise self.wf.error(f"corrupt dims at offset {f.start}")
+        dims = [v - (1 << 64) if v >= 1 << 63 else v for v in values]
+        if any(d < 0 for d in dims):
+            raise self.wf.error(f"tensor at offset {f.start} has a negative dimension {min(dims)}")
+        return dims
+
+    def _string_pair(self, f: Field) -> tuple[str, str]:
+        key = value = ""
+        for g in self.wf.fields(f.value_start, f.end):
+            if g.wire_type == LEN and g.number in (1, 2):
+                text = self.wf.read(g.value_start, g.value).decode("utf-8", "replace")
+                if g.number == 1:
+                    key = text
+                else:
+                    value = text
+        return key, value
+
+    def _ref(self, name: str, data_type: int, dims: tuple[int, ...], payload: list[Field],
+             external: dict[str, str] | None) -> TensorRef:
+        wf = self.wf
+        expected = dtypes.raw_nbytes(data_type, dims)
+        index = len(self.refs)
+        if external is not None:
+            if payload:
+                raise InvalidModel(f"tensor {name!r} has both external and embedded data", wf.path)
+            part = self._external_range(name, external, expected)
+            ref = TensorRef(index, name, data_type, dims, 0, [part], path=wf.path)
+        else:
+            numbers = {f.number for f in payload}
+            if len(numbers) > 1:
+                raise InvalidModel(f"tensor {name!r} has data in more than one field", wf.path)
+            number = numbers.pop()
+            if number == dtypes.RAW_DATA:
+                payload = payload[-1:]  # a repeated non-repeated field: the last one wins
+            parts = [FileRange(wf.path, f.value_start, f.value) for f in payload]
+            ref = TensorRef(index, name, data_type, dims, number, parts,
+                            [(f.start, f.end) for f in payload], wf.path)
+            self._check_typed_size(ref, expected)
+        self.refs.append(ref)
+        return ref
+
+    def _check_typed_size(self, ref: TensorRef, expected: int) -> None:
+        if ref.field == dtypes.RAW_DATA:
+            if ref.nbytes_in != expected:
+                raise InvalidModel(f"tensor {ref.name!r}: raw_data has {ref.nbytes_in} bytes, its dims and type "
+                                   f"need {expected}", ref.path)
+            return
+        layout = dtypes.typed_layout(ref.field, ref.data_type, ref.dims)
+        field_name = dtypes.TYPED_FIELDS[ref.field]
+        if layout is None:
+            raise Unsupported(f"tensor {ref.name!r}: data type {ref.data_type} stored in {field_name} is not "
+                              "supported", ref.path)
+        kind, count, itemsize = layout
+        if kind == "copy" and ref.nbytes_in != count * itemsize:
+            raise InvalidModel(f"tensor {ref.name!r}: {field_name} has {ref.nbytes_in // itemsize} values, its "
+                               f"dims need {count}", ref.path)
+        if kind == "varint" and not (count <= ref.nbytes_in <= 10 * count):
+            raise InvalidModel(f"tensor {ref.name!r}: {field_name} has {ref.nbytes_in} bytes, which cannot hold "
+                               f"the {count} values its dims need", ref.path)
+
+    def _external_range(self, name: str, info: dict[str, str], expected: int) -> FileRange:
+        wf = self.wf
+        location = info.get("location")
+        if not location:
+            raise InvalidModel(f"tensor {name!r} is external but has no location", wf.path)
+        target = resolve_inside(self.model_dir, location, f"external data of tensor {name!r}", wf.path)
+        if not target.is_file():
+            raise InvalidModel(f"external data file {location!r} of tensor {name!r} is missing", wf.path)
+        try:
+            offset = int(info.get("offset", "0"))
+            size = target.stat().st_size
+            length = int(info["length"]) if "length" in info else size - offset
+        except ValueError:
+            raise InvalidModel(f"tensor {name!r} has a non-numeric external offset or length", wf.path) from None
+        if offset < 0 or length < 0 or offset + length > size:
+            raise InvalidModel(f"external data of tensor {name!r} (offset {offset}, length {length}) runs past the "
+                               f"end of {location!r} ({size} bytes)", wf.path)
+        if length != expected:
+            raise InvalidModel(f"external data of tensor {name!r} has {length} bytes, its dims and type need "
+                               f"{expected}", wf.path)
+        return FileRange(str(target), offset, length)
+
+
+def scan_model(path: Path) -> tuple[bytes, list[TensorRef]]:
+    """Return (skeleton bytes, payload refs) of the ONNX model at ``path``."""
+    with WireFile(path) as wf:
+        scanner = Scanner(wf, path.resolve().parent)
+        skeleton = scanner.scan()
+    return skeleton, scanner.refs

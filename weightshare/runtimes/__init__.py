@@ -1,0 +1,1 @@
+"""Running models in their real runtimes and measuring memory (optional dependencies)."""

@@ -1,0 +1,85 @@
+"""ONNX Runtime: sessions that share weights, and their memory.
+
+``session.disable_prepacking=1``: without it MLAS pre-packs MatMul/Gemm weights
+into a private heap copy per session, which defeats any sharing (DESIGN.md 7).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from .memory import memory_now
+
+
+def session_options(share: bool = True):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if share:
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    so.log_severity_level = 3
+    return so
+
+
+def new_session(model_path: str, share: bool = True):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model_path, session_options(share), providers=["CPUExecutionProvider"])
+
+
+_ORT_TYPES = {
+    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64", "tensor(int64)": "int64",
+    "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(bool)": "bool",
+    "tensor(int16)": "int16", "tensor(uint16)": "uint16", "tensor(uint32)": "uint32", "tensor(uint64)": "uint64",
+}
+
+
+def random_feeds(session, seed: int = 0, dims: dict[str, int] | None = None) -> dict:
+    """Seeded random inputs from a session's input signature; symbolic dims default to 1."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for inp in session.get_inputs():
+        shape = [d if isinstance(d, int) else (dims or {}).get(str(d), 1) for d in inp.shape]
+        dtype = _ORT_TYPES.get(inp.type)
+        if dtype is None:
+            raise RuntimeError(f"input {inp.name!r} has type {inp.type}, which cannot be generated")
+        if dtype == "bool":
+            feeds[inp.name] = rng.integers(0, 2, shape).astype(bool)
+        elif dtype.startswith(("int", "uint")):
+            feeds[inp.name] = rng.integers(0, 3, shape).astype(dtype)
+        else:
+            feeds[inp.name] = rng.standard_normal(shape).astype(dtype)
+    return feeds
+
+
+def _probe(model_path: str, counts: list[int], share: bool) -> list[dict]:
+    """In this process: open sessions one by one, record memory after each count in ``counts``."""
+    import time
+
+    rows, sessions = [], []
+    base = memory_now()
+    t0 = time.perf_counter()
+    for n in range(1, max(counts) + 1):
+        session = new_session(model_path, share)
+        session.run(None, random_feeds(session))  # page the weights in, as serving would
+        sessions.append(session)
+        if n in counts:
+            row = {"sessions": n, **memory_now(), "load_s": round(time.perf_counter() - t0, 3)}
+            row["baseline_pss_mib"] = base["pss_mib"]
+            rows.append(row)
+    return rows
+
+
+def measure_sessions(model_path: str, counts: list[int], share: bool = True) -> list[dict]:
+    """Memory of 1..N ONNX Runtime sessions of ``model_path``, in a fresh process."""
+    code = ("import json, sys; from weightshare.runtimes.ort import _probe; "
+            "print(json.dumps(_probe(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == '1')))")
+    res = subprocess.run([sys.executable, "-c", code, model_path, json.dumps(sorted(counts)), "1" if share else "0"],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"onnxruntime probe failed: {res.stderr.strip().splitlines()[-1:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
