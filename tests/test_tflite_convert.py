@@ -1,0 +1,200 @@
+"""TFLite conversion: same outputs in LiteRT, page-aligned appended buffers, external blobs.
+
+Before: a fixture model (tests/tflite_fixtures.py) with inline weights, fp16 constants behind DEQUANTIZE.
+Under test: ``weightshare.api.convert`` on it.
+After: LiteRT gives bit-identical outputs (with and without XNNPACK), every weight at or above the inline
+threshold sits outside the flatbuffer at an aligned offset, and everything else in the model is unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from ai_edge_litert import schema_py_generated as s
+from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+from tflite_fixtures import OP, ModelBuilder, sample_inputs, sample_model
+from weightshare.api import convert
+from weightshare.blob import AlignPolicy
+from weightshare.options import ConvertOptions
+
+RESOLVERS = [OpResolverType.AUTO, OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES]
+
+
+def run_interpreter(path, resolver=OpResolverType.AUTO, inputs=None):
+    it = Interpreter(model_path=str(path), experimental_op_resolver_type=resolver)
+    return {key: it.get_signature_runner(key)(**feeds) for key, feeds in (inputs or sample_inputs()).items()}
+
+
+def assert_same_outputs(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].keys() == b[key].keys()
+        for name in a[key]:
+            assert a[key][name].dtype == b[key][name].dtype
+            assert np.array_equal(a[key][name], b[key][name]), f"{key}/{name} differs"
+
+
+def model_of(path) -> s.ModelT:
+    return s.ModelT.InitFromPackedBuf(bytearray(path.read_bytes()), 0)
+
+
+def builtin(model: s.ModelT, op: s.OperatorT) -> int:
+    code = model.operatorCodes[op.opcodeIndex]
+    return max(code.builtinCode, code.deprecatedBuiltinCode)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tfl")
+    src = sample_model(d / "sample.tflite")
+    report = convert(src, d / "out")
+    return src, d / "out" / "sample.tflite", report
+
+
+@pytest.mark.parametrize("resolver", RESOLVERS, ids=["xnnpack", "builtin"])
+def test_outputs_bit_identical(converted, resolver):
+    src, out, _ = converted
+    assert_same_outputs(run_interpreter(src, resolver), run_interpreter(out, resolver))
+
+
+def test_buffers_moved_aligned_and_deduplicated(converted):
+    src, out, report = converted
+    data = out.read_bytes()
+    model = s.Model.GetRootAs(data, 0)
+    policy, threshold = AlignPolicy(), ConvertOptions().inline_threshold
+    metadata_buffers = {model.Metadata(i).Buffer() for i in range(model.MetadataLength())}
+    placed, ends = {}, []
+    for i in range(model.BuffersLength()):
+        b = model.Buffers(i)
+        if b.Offset() > 1:
+            assert b.DataIsNone()
+            assert b.Offset() % policy.for_size(b.Size()) == 0, f"buffer {i} at {b.Offset()} is not aligned"
+            assert b.Size() >= threshold
+            placed.setdefault(b.Offset(), []).append(i)
+            ends.append(b.Offset() + b.Size())
+        elif not b.DataIsNone() and b.DataLength():
+            assert b.DataLength() < threshold or i in metadata_buffers, f"buffer {i} stayed inline"
+            assert b.Data(0) is not None
+            pos = b._tab.Vector(4)
+            assert pos % 16 == 0, f"inline buffer {i} data at {pos} is not 16-byte aligned"
+    assert len(data) == max(ends) + 16 and data[max(ends):] == bytes(16)
+    assert any(len(v) == 2 for v in placed.values()), "twin constants should share one payload"
+    assert report.deduplicated == 1 and report.ops_removed == 2 and report.unpacked == 2
+    assert any(b % (64 << 10) == 0 and model.Buffers(v[0]).Size() >= 1 << 20 for b, v in placed.items())
+
+
+def test_everything_but_buffers_preserved(converted):
+    src, out, _ = converted
+    a, b = model_of(src), model_of(out)
+    assert [sd.signatureKey for sd in a.signatureDefs] == [sd.signatureKey for sd in b.signatureDefs]
+    assert [(m.name, bytes(a.buffers[m.buffer].data)) for m in a.metadata] == \
+           [(m.name, bytes(b.buffers[m.buffer].data)) for m in b.metadata]
+    assert b.description == a.description and len(b.subgraphs) == len(a.subgraphs) == 2
+    for ga, gb in zip(a.subgraphs, b.subgraphs):
+        assert ga.name == gb.name
+        assert [t.name for t in ga.tensors] == [t.name for t in gb.tensors]
+        for ta, tb in zip(ga.tensors, gb.tensors):
+            assert ta.type == tb.type and list(ta.shape) == list(tb.shape)
+            if ta.quantization is not None and ta.quantization.scale is not None:
+                assert np.array_equal(ta.quantization.scale, tb.quantization.scale)
+                assert np.array_equal(ta.quantization.zeroPoint, tb.quantization.zeroPoint)
+    ops_a = [builtin(a, op) for op in a.subgraphs[0].operators]
+    ops_b = [builtin(b, op) for op in b.subgraphs[0].operators]
+    assert ops_b == [c for c in ops_a if c != OP.DEQUANTIZE] and OP.DEQUANTIZE in ops_a
+
+
+def test_keep_packed_keeps_dequantize(tmp_path, converted):
+    src, _, _ = converted
+    report = convert(src, tmp_path, ConvertOptions(keep_packed=True))
+    out = tmp_path / src.name
+    assert report.ops_removed == 0 and report.unpacked == 0
+    assert OP.DEQUANTIZE in [builtin(model_of(out), op) for op in model_of(out).subgraphs[0].operators]
+    assert_same_outputs(run_interpreter(src), run_interpreter(out))
+
+
+def test_align_options_and_determinism(tmp_path, converted):
+    src, _, _ = converted
+    opts = ConvertOptions(align=AlignPolicy(large=4096, small=256, threshold=4096), inline_threshold=100)
+    convert(src, tmp_path / "a", opts)
+    convert(src, tmp_path / "b", opts)
+    data = (tmp_path / "a" / src.name).read_bytes()
+    assert data == (tmp_path / "b" / src.name).read_bytes()
+    model = s.Model.GetRootAs(data, 0)
+    sizes = []
+    for i in range(model.BuffersLength()):
+        b = model.Buffers(i)
+        if b.Offset() > 1:
+            assert b.Offset() % (4096 if b.Size() >= 4096 else 256) == 0
+            sizes.append(b.Size())
+    assert min(sizes) < 4096 <= max(sizes)
+    assert_same_outputs(run_interpreter(src), run_interpreter(tmp_path / "a" / src.name))
+
+
+def _edge_model(path):
+    """fp16 constant read by two DEQUANTIZE ops, one of whose outputs is also a subgraph output."""
+    rng = np.random.default_rng(3)
+    mb = ModelBuilder()
+    g = mb.subgraph("edge")
+    x = g.input("x", [1, 512])
+    w16 = g.const("w_fp16", rng.standard_normal((1, 512)).astype(np.float16))
+    d1, d2 = g.tensor("w1", [1, 512], "float32"), g.tensor("w2", [1, 512], "float32")
+    g.op(OP.DEQUANTIZE, [w16], [d1])
+    g.op(OP.DEQUANTIZE, [w16], [d2])
+    y = g.tensor("y", [1, 512], "float32")
+    g.op(OP.ADD, [x, d1], [y], s.BuiltinOptions.AddOptions, s.AddOptionsT())
+    g.outputs = [y, d2]
+    mb.signature("edge", g)
+    return mb.save(path)
+
+
+@pytest.mark.parametrize("resolver", RESOLVERS, ids=["xnnpack", "builtin"])
+def test_fold_shared_fp16_and_subgraph_output(tmp_path, resolver):
+    src = _edge_model(tmp_path / "edge.tflite")
+    report = convert(src, tmp_path / "out")
+    assert report.ops_removed == 2
+    inputs = {"edge": {"x": np.arange(512, dtype=np.float32).reshape(1, 512)}}
+    # The reference runs without XNNPACK: LiteRT 2.3's XNNPACK delegate fails to set up the original
+    # (a DEQUANTIZE output that is also a graph output); the converted model runs under both.
+    reference = run_interpreter(src, OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES, inputs)
+    assert_same_outputs(reference, run_interpreter(tmp_path / "out" / src.name, resolver, inputs))
+
+
+def run_compiled(path, inputs=None):
+    from ai_edge_litert.compiled_model import CompiledModel
+
+    cm = CompiledModel.from_file(str(path))
+    out = {}
+    for key, feeds in (inputs or sample_inputs()).items():
+        idx = cm.get_signature_index(key)
+        sig = cm.get_signature_list()[key]
+        ins, outs = cm.create_input_buffers(idx), cm.create_output_buffers(idx)
+        for name, buf in zip(sig["inputs"], ins):
+            buf.write(feeds[name])
+        cm.run_by_index(idx, ins, outs)
+        details = cm.get_output_tensor_details(key)
+        out[key] = {name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])
+                    for name, buf in zip(sig["outputs"], outs)}
+    return out
+
+
+def test_external_blob_through_compiled_model(converted, tmp_path):
+    from safetensors.numpy import load_file
+
+    src, _, _ = converted
+    report = convert(src, tmp_path, ConvertOptions(external=True))
+    model_path, blob_path = tmp_path / src.name, tmp_path / "sample.weights.safetensors"
+    assert report.outputs == [str(model_path), str(blob_path)]
+    assert_same_outputs(run_compiled(src), run_compiled(model_path))
+    m = model_of(model_path)
+    assert [g.name for g in m.externalBufferGroups] == [b"sample.weights.safetensors"]
+    threshold = ConvertOptions().inline_threshold
+    assert all(b.data is None or len(b.data) < threshold or i in {md.buffer for md in m.metadata}
+               for i, b in enumerate(m.buffers))
+    for e in m.externalBuffers:
+        assert e.offset % AlignPolicy().for_size(e.length) == 0
+    tensors = load_file(str(blob_path))  # a valid safetensors file
+    original = model_of(src)
+    fp16 = next(t for t in original.subgraphs[0].tensors if t.name == b"fc_w_fp16")
+    expected = np.frombuffer(bytes(original.buffers[fp16.buffer].data), np.float16).astype(np.float32)
+    assert np.array_equal(tensors["fc_w"].reshape(-1), expected)
