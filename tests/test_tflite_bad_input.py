@@ -1,0 +1,146 @@
+"""Untrusted .tflite input: one clear line naming the file, no output, never a traceback.
+
+Before: a fixture model damaged in one specific way (or at random, with hypothesis).
+Under test: ``weightshare.api.convert`` (and the CLI, exit code 2).
+After: a ``WeightshareError`` (``InvalidModel``/``Unsupported``) and an empty output directory.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ai_edge_litert import schema_py_generated as s
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tflite_fixtures import OP, ModelBuilder, sample_model
+from weightshare.api import convert
+from weightshare.errors import InvalidModel, Unsupported, WeightshareError
+
+
+def _small_model() -> ModelBuilder:
+    mb = ModelBuilder()
+    g = mb.subgraph("g")
+    x = g.input("x", [1, 512])
+    w = g.dequantize("w", np.linspace(-1, 1, 512, dtype=np.float32).reshape(1, 512).astype(np.float16))
+    y = g.tensor("y", [1, 512], "float32")
+    g.op(OP.ADD, [x, w], [y], s.BuiltinOptions.AddOptions, s.AddOptionsT())
+    g.outputs = [y]
+    mb.signature("g", g)
+    return mb
+
+
+def _expect_error(src: Path, out: Path, kind=InvalidModel, words: str = "") -> WeightshareError:
+    with pytest.raises(kind) as info:
+        convert(src, out)
+    err = info.value
+    assert "\n" not in str(err) and str(src) in str(err)
+    assert words in err.message, err.message
+    assert not out.exists() or list(out.iterdir()) == [], "no output may be left behind"
+    return err
+
+
+@pytest.mark.parametrize("keep", [8, 40, 0.5, -1])
+def test_truncated_flatbuffer(tmp_path, keep):
+    data = sample_model(tmp_path / "full.tflite", fc_out=8).read_bytes()
+    cut = int(len(data) * keep) if isinstance(keep, float) else (keep if keep > 0 else len(data) + keep)
+    src = tmp_path / "cut.tflite"
+    src.write_bytes(data[:cut])
+    _expect_error(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("offset,size", [(10 ** 9, 4096), (64, 10 ** 12), (2 ** 64 - 8, 16)])
+def test_buffer_offset_or_size_past_end(tmp_path, offset, size):
+    mb = _small_model()
+    mb.buffers.append(s.BufferT(offset=offset, size=size))
+    _expect_error(mb.save(tmp_path / "m.tflite"), tmp_path / "out", words="past the end")
+
+
+def test_buffer_offset_placeholder(tmp_path):
+    mb = _small_model()
+    mb.buffers.append(s.BufferT(offset=1, size=64))
+    _expect_error(mb.save(tmp_path / "m.tflite"), tmp_path / "out", words="placeholder")
+
+
+def test_buffer_index_out_of_range(tmp_path):
+    mb = _small_model()
+    mb.subgraphs[0].tensors[0].buffer = 999
+    _expect_error(mb.save(tmp_path / "m.tflite"), tmp_path / "out", words="buffer 999")
+
+
+def test_operator_code_and_tensor_index_out_of_range(tmp_path):
+    mb = _small_model()
+    mb.subgraphs[0].ops[0].opcodeIndex = 7
+    _expect_error(mb.save(tmp_path / "a.tflite"), tmp_path / "out", words="operator code 7")
+    mb = _small_model()
+    mb.subgraphs[0].ops[1].inputs = [0, 42]
+    _expect_error(mb.save(tmp_path / "b.tflite"), tmp_path / "out", words="tensor 42")
+
+
+def test_fp16_payload_not_matching_shape(tmp_path):
+    mb = _small_model()
+    mb.subgraphs[0].tensors[1].shape = [1, 600]
+    _expect_error(mb.save(tmp_path / "m.tflite"), tmp_path / "out", words="needs 1200")
+
+
+def test_dequantize_to_non_float32(tmp_path):
+    mb = _small_model()
+    mb.subgraphs[0].tensors[2].type = s.TensorType.INT8
+    _expect_error(mb.save(tmp_path / "m.tflite"), tmp_path / "out", words="expected FLOAT32")
+
+
+def test_external_buffers_in_input_unsupported(tmp_path):
+    mb = _small_model()
+    mb.subgraphs[0].tensors[0].externalBuffer = 1
+    _expect_error(mb.save(tmp_path / "m.tflite"), tmp_path / "out", kind=Unsupported)
+
+
+def test_non_constant_fp16_dequantize_is_kept_with_a_note(tmp_path):
+    mb = ModelBuilder()
+    g = mb.subgraph("g")
+    x = g.input("x16", [1, 8], "float16")
+    y = g.tensor("y", [1, 8], "float32")
+    g.op(OP.DEQUANTIZE, [x], [y])
+    g.outputs = [y]
+    report = convert(mb.save(tmp_path / "m.tflite"), tmp_path / "out")
+    assert report.ops_removed == 0 and any("not a constant" in n for n in report.notes)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("weightshare.cli") is None, reason="CLI not merged yet")
+def test_cli_bad_input_exit_code_2(tmp_path):
+    mb = _small_model()
+    mb.subgraphs[0].tensors[0].buffer = 999
+    src = mb.save(tmp_path / "m.tflite")
+    proc = subprocess.run([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith(("INFO:", "WARNING:"))]
+    assert len(lines) == 1 and "buffer 999" in lines[0] and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out" / "m.tflite").exists()
+
+
+_SEED_MODEL = _small_model().to_bytes()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cut=st.integers(0, len(_SEED_MODEL)),
+       flips=st.lists(st.tuples(st.integers(0, len(_SEED_MODEL) - 1), st.integers(0, 255)), max_size=6))
+def test_damaged_models_fail_cleanly(cut, flips):
+    data = bytearray(_SEED_MODEL)
+    for pos, value in flips:
+        data[pos] = value
+    data = data[:cut] if cut >= 8 else data
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "m.tflite"
+        src.write_bytes(bytes(data))
+        try:
+            convert(src, Path(d) / "out")
+        except WeightshareError as e:
+            assert "\n" not in str(e)
+            assert list((Path(d) / "out").iterdir()) == [] if (Path(d) / "out").exists() else True
