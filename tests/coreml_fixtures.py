@@ -103,3 +103,78 @@ def multifunction(path: Path, sources: list[Path], names: list[str], default: st
     desc.default_function_name = default or names[0]
     ct.utils.save_multifunction(desc, str(path))
     return Path(path)
+
+
+def odd_subbyte(path: Path, kind: str, seed: int = 30) -> Path:
+    """A weight with an element count that leaves padding bits in its sub-byte payload (33 x 65 = 2145 elements)."""
+    from coremltools.optimize import coreml as cto
+
+    w = weights(seed, (33, 65))
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 65))], opset_version=ct.target.iOS18)
+    def prog(x):
+        return mb.linear(x=x, weight=w, name="out")
+
+    base = _save(prog, path.with_name(path.name + ".base.mlpackage"), ct.target.iOS18)
+    model = ct.models.MLModel(str(base), skip_model_load=True)
+    if kind == "int4":
+        cfg = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", weight_threshold=10)
+        out = cto.linear_quantize_weights(model, cto.OptimizationConfig(global_config=cfg))
+    else:
+        cfg = cto.OpPalettizerConfig(mode="uniform", nbits=int(kind[3:]), weight_threshold=10)
+        out = cto.palettize_weights(model, cto.OptimizationConfig(global_config=cfg))
+    out.save(str(path))
+    return Path(path)
+
+
+# --- reading packages back, for assertions -------------------------------------------------------------------------
+
+MODEL_REL = Path("Data/com.apple.CoreML/model.mlmodel")
+
+
+def load_spec(pkg: Path):
+    from coremltools.proto import Model_pb2
+
+    spec = Model_pb2.Model()
+    spec.ParseFromString((Path(pkg) / MODEL_REL).read_bytes())
+    return spec
+
+
+def blob_values(spec):
+    """Every BlobFileValue of the program, in the traversal order weightshare uses."""
+    from weightshare.formats.coreml.convert import iter_blob_file_values
+
+    return list(iter_blob_file_values(spec.mlProgram))
+
+
+_READERS = {1: "read_fp16_data", 2: "read_float_data", 3: "read_uint8_data", 4: "read_int8_data",
+            6: "read_int16_data", 7: "read_uint16_data", 8: "read_int4_data", 9: "read_uint1_data",
+            10: "read_uint2_data", 11: "read_uint4_data", 12: "read_uint3_data", 13: "read_uint6_data",
+            14: "read_int32_data", 15: "read_uint32_data"}
+
+
+def decode_blob(pkg: Path, bfv) -> tuple[int, bytes]:
+    """(mil dtype, decoded element bytes) of one BlobFileValue, through coremltools' own blob reader."""
+    from coremltools.libmilstoragepython import _BlobStorageReader
+
+    from weightshare.formats.coreml.milblob import WeightFile
+
+    path = Path(pkg) / "Data/com.apple.CoreML" / bfv.fileName.removeprefix("@model_path/")
+    dtype = WeightFile(path).record(bfv.offset).dtype
+    reader = _BlobStorageReader(str(path))
+    return dtype, np.asarray(getattr(reader, _READERS[dtype])(bfv.offset)).tobytes()
+
+
+def walk_records(path: Path) -> list[int]:
+    """Record offsets as MILBlob's StorageReader::GetAllOffsets finds them (header count, 64-byte steps)."""
+    import struct
+
+    data = Path(path).read_bytes()
+    count = struct.unpack_from("<I", data)[0]
+    offsets, pos = [], 64
+    for _ in range(count):
+        sentinel, _dtype, size, offset = struct.unpack_from("<IIQQ", data, pos)
+        assert sentinel == 0xDEADBEEF, f"walk hit a non-record at {pos}"
+        offsets.append(pos)
+        pos = (offset + size + 63) // 64 * 64
+    return offsets

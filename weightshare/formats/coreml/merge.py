@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...atomic import OutputTransaction
-from ...errors import InvalidModel, UsageError
+from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport
 from .convert import BlobRelocator, fill_report, open_weight_file
@@ -31,6 +31,8 @@ from .package import (AUTHOR, MANIFEST, MODEL_NAME, WEIGHT_FILE, WEIGHTS_NAME, P
                       read_package, stable_id, write_file)
 
 SPEC_VERSION_IOS18 = 9  # multifunction models need Core ML 8 (iOS 18 / macOS 15)
+# Specification version -> MIL opset name (coremltools converters/mil/backend/mil/load.py ``_OPSET``).
+OPSETS = {6: "CoreML5", 7: "CoreML6", 8: "CoreML7", 9: "CoreML8", 10: "CoreML9"}
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 MODEL_ITEM = "com.apple.CoreML/" + MODEL_NAME
 WEIGHTS_ITEM = "com.apple.CoreML/" + WEIGHTS_NAME
@@ -115,6 +117,11 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
     for key in sorted(first.mlProgram.attributes):
         program.attributes[key].CopyFrom(first.mlProgram.attributes[key])
 
+    opset = OPSETS.get(spec.specificationVersion)
+    if opset is None:
+        raise Unsupported(f"specification version {spec.specificationVersion} is newer than weightshare knows",
+                          pkgs[0].model_path)
+
     tmp = tx.new_dir(out)
     model_dir = tmp / "Data" / "com.apple.CoreML"
     (model_dir / WEIGHTS_NAME).mkdir(parents=True)
@@ -127,6 +134,7 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
             fdesc.name = name
             func = program.functions[name]
             func.CopyFrom(f.pkg.spec.mlProgram.functions[f.name])
+            relabel_opset(func, opset, f.pkg)
             relocator.relocate(f.pkg, func)
         blob_bytes = relocator.writer.finish()
     finally:
@@ -150,6 +158,24 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
     if extra:
         report.notes.append(f"{extra} package item(s) other than the model spec and weights were not carried over")
     return report
+
+
+def relabel_opset(func, opset: str, pkg: Package) -> None:
+    """Declare the function in the output's opset, as save_multifunction does.
+
+    coremltools exports every function of a multifunction program with the opset of the
+    output's specification version; ops keep their own form (an iOS16-style
+    constexpr_lut_to_dense stays one), which the newer opsets still accept.
+    """
+    if func.opset == opset:
+        return
+    if len(func.block_specializations) != 1 or func.opset not in func.block_specializations:
+        raise Unsupported(f"function with {len(func.block_specializations)} block specializations "
+                          f"(opset {func.opset!r}) cannot be merged", pkg.model_path)
+    block = func.block_specializations[func.opset]
+    func.block_specializations[opset].CopyFrom(block)
+    del func.block_specializations[func.opset]
+    func.opset = opset
 
 
 def _item_ids(pkg: Package) -> tuple[str, str]:
