@@ -72,6 +72,8 @@ def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_
             p.reason = "typed field kept packed"
         elif ref.data_type == dtypes.INT64 and site.name in shape_names:
             p.reason = "int64 shape tensor"
+        elif site.kind == "sparse indices":
+            p.reason = "sparse indices (onnx.checker validates them and cannot read external data)"
         elif p.out_nbytes < options.inline_threshold:
             p.reason = "below the inline threshold"
         else:

@@ -17,7 +17,7 @@ class Site:
     index: int
     tensor: onnx.TensorProto
     name: str  # the value name the graph knows it by (initializer name, Constant output, ...)
-    kind: str  # "initializer", "constant", "sparse", "attribute"
+    kind: str  # "initializer", "constant", "sparse", "sparse indices", "attribute"
     scope: onnx.GraphProto | onnx.FunctionProto
     node: onnx.NodeProto | None = None
 
@@ -67,7 +67,7 @@ def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
                 add(t, t.name, "initializer")
             for sp in scope.sparse_initializer:
                 add(sp.values, sp.values.name, "sparse")
-                add(sp.indices, f"{sp.values.name}.indices", "sparse")
+                add(sp.indices, f"{sp.values.name}.indices", "sparse indices")
         for node in scope.node:
             owner = node.output[0] if node.output else node.name
             for attr in node.attribute:
@@ -80,5 +80,5 @@ def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
                 sparse = list(attr.sparse_tensors) + ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else [])
                 for i, sp in enumerate(sparse):
                     add(sp.values, f"{owner}.{attr.name}.{i}.values", "sparse", node)
-                    add(sp.indices, f"{owner}.{attr.name}.{i}.indices", "sparse", node)
+                    add(sp.indices, f"{owner}.{attr.name}.{i}.indices", "sparse indices", node)
     return sites
