@@ -178,3 +178,10 @@ def walk_records(path: Path) -> list[int]:
         offsets.append(pos)
         pos = (offset + size + 63) // 64 * 64
     return offsets
+
+
+def blob_values_of(message):
+    """Every BlobFileValue below one message (a Function, a Block)."""
+    from weightshare.formats.coreml.convert import iter_blob_file_values
+
+    return list(iter_blob_file_values(message))

@@ -160,15 +160,36 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
     return report
 
 
+# iOS16 ops whose inputs iOS18 redefined (attributes lut/indices/shape -> typed inputs): under the CoreML8 opset
+# coremltools' loader rejects them ("Unknown input 'shape'"), so save_multifunction cannot merge them either.
+REDEFINED_IN_IOS18 = {"constexpr_lut_to_dense", "constexpr_sparse_to_dense"}
+
+
+def _op_types(block, depth: int = 0):
+    if depth > 64:
+        return
+    for op in block.operations:
+        yield op.type
+        for inner in op.blocks:
+            yield from _op_types(inner, depth + 1)
+
+
 def relabel_opset(func, opset: str, pkg: Package) -> None:
     """Declare the function in the output's opset, as save_multifunction does.
 
     coremltools exports every function of a multifunction program with the opset of the
-    output's specification version; ops keep their own form (an iOS16-style
-    constexpr_lut_to_dense stays one), which the newer opsets still accept.
+    output's specification version; ops keep their own form, which the newer opsets
+    accept except for the iOS16 constexpr ops that iOS18 redefined.
     """
     if func.opset == opset:
         return
+    if func.opset < "CoreML8" <= opset:
+        for block in func.block_specializations.values():
+            old = sorted(REDEFINED_IN_IOS18.intersection(_op_types(block)))
+            if old:
+                raise Unsupported(f"{', '.join(old)} in its {func.opset} form cannot be merged into an iOS18 "
+                                  "multifunction model (coremltools cannot either); re-export the model with "
+                                  "minimum_deployment_target=iOS18", pkg.model_path)
     if len(func.block_specializations) != 1 or func.opset not in func.block_specializations:
         raise Unsupported(f"function with {len(func.block_specializations)} block specializations "
                           f"(opset {func.opset!r}) cannot be merged", pkg.model_path)
