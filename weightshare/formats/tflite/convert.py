@@ -227,6 +227,9 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> Conve
         if p.source is not None and p.inline:
             report.inline_kept += 1
             report.inline_kept_bytes += p.source.nbytes
+    total = getattr(options, "progress_total", None)
+    if total is not None:
+        total(sum(p.source.nbytes for p in plans if p.source is not None and not p.inline))
     final = out_dir / src.name
     if options.external:
         write_external(graph, plans, options, out_dir, src.stem, tx, report)
