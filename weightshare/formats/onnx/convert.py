@@ -55,6 +55,11 @@ def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
         model.ParseFromString(skeleton)
     except (DecodeError, RecursionError) as e:
         raise InvalidModel(f"not a valid ONNX model ({e})", path) from None
+    # A cut at a field boundary still parses; a model without these is truncated or not a model.
+    if not model.HasField("graph"):
+        raise InvalidModel("not a valid ONNX model (no graph; truncated?)", path)
+    if model.ir_version >= 3 and not model.opset_import:
+        raise InvalidModel("not a valid ONNX model (no opset_import; truncated?)", path)
     return model
 
 
