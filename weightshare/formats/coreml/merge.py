@@ -28,7 +28,7 @@ from ...report import ConversionReport
 from .convert import BlobRelocator, fill_report, open_weight_file
 from .milblob import WeightFileWriter
 from .package import (AUTHOR, MANIFEST, MODEL_NAME, WEIGHT_FILE, WEIGHTS_NAME, Package, dump_manifest,
-                      read_package, stable_id, write_file)
+                      read_package, spec_protos, stable_id, write_file)
 
 SPEC_VERSION_IOS18 = 9  # multifunction models need Core ML 8 (iOS 18 / macOS 15)
 # Specification version -> MIL opset name (coremltools converters/mil/backend/mil/load.py ``_OPSET``).
@@ -47,8 +47,7 @@ class SourceFunction:
 
 def source_functions(pkg: Package) -> list[SourceFunction]:
     """The functions a package contributes, in order, with their descriptions (as save_multifunction builds them)."""
-    from coremltools.proto import Model_pb2
-
+    Model_pb2, _ = spec_protos()
     desc = pkg.spec.description
     program = pkg.spec.mlProgram
     if not desc.functions:
@@ -89,8 +88,7 @@ def assign_names(functions: list[SourceFunction], names: list[str]) -> list[str]
 def merge_packages(sources: list[Path], function_names: list[str], default_function: str | None, out: Path,
                    options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     """Write one multifunction .mlpackage at ``out`` from ``sources``; see the module docstring."""
-    from coremltools.proto import Model_pb2
-
+    Model_pb2, _ = spec_protos()
     if not sources:
         raise UsageError("merge needs at least one source .mlpackage")
     out = Path(out)

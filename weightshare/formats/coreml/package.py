@@ -15,6 +15,7 @@ reading, and symlinks are refused rather than followed or copied.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -34,6 +35,24 @@ WEIGHT_FILE = "weight.bin"
 MODEL_PATH_PREFIX = "@model_path/"
 MAX_MANIFEST_BYTES = 16 << 20
 MAX_SPEC_BYTES = (2 << 30) - 1  # protobuf's own limit for one message
+
+
+def spec_protos():
+    """coremltools' Model_pb2 and MIL_pb2 modules.
+
+    Importing any part of coremltools runs its package __init__, which on Linux logs
+    "Failed to load _MLModelProxy ..." warnings (no Core ML framework); through logging's
+    last-resort handler they would reach stderr and break the CLI's one-line errors.
+    """
+    logger = logging.getLogger("coremltools")
+    level = logger.level
+    if level == logging.NOTSET:
+        logger.setLevel(logging.ERROR)
+    try:
+        from coremltools.proto import MIL_pb2, Model_pb2
+    finally:
+        logger.setLevel(level)
+    return Model_pb2, MIL_pb2
 
 
 @dataclass
@@ -93,8 +112,7 @@ def read_manifest(root: Path) -> dict:
 
 def read_package(root: Path) -> Package:
     """Read and check an .mlpackage; parse its model spec (small: weights live in weight.bin)."""
-    from coremltools.proto import Model_pb2
-
+    Model_pb2, _ = spec_protos()
     root = Path(root)
     if not root.is_dir():
         raise InvalidModel("is not an .mlpackage directory", root)

@@ -1,0 +1,176 @@
+"""Hostile or broken .mlpackage inputs: one line naming the file and the problem, exit code 2, nothing left behind.
+
+Before: a valid package built by coremltools, then damaged in one way per case.
+Under test: weightshare.api.convert / merge, and the CLI for a representative subset.
+After: a WeightshareError whose message is one line with the file path; the output directory holds nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import coreml_fixtures as F
+import weightshare.api as api
+from weightshare.errors import InvalidModel, UnsafePath, Unsupported
+
+MODEL = "Data/com.apple.CoreML/model.mlmodel"
+WEIGHTS = "Data/com.apple.CoreML/weights/weight.bin"
+
+
+@pytest.fixture(scope="session")
+def good(tmp_path_factory) -> Path:
+    return F.mlp(tmp_path_factory.mktemp("coreml_good") / "good.mlpackage", "iOS16", hidden=256)
+
+
+def _edit_spec(pkg: Path, edit) -> None:
+    spec = F.load_spec(pkg)
+    edit(spec)
+    (pkg / MODEL).write_bytes(spec.SerializeToString())
+
+
+def _first_blob(spec):
+    return F.blob_values(spec)[0]
+
+
+def _patch(pkg: Path, rel: str, offset: int, data: bytes) -> None:
+    with open(pkg / rel, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def _set_offset(value):
+    def edit(spec):
+        _first_blob(spec).offset = value
+    return edit
+
+
+def _set_file(name):
+    def edit(spec):
+        _first_blob(spec).fileName = name
+    return edit
+
+
+def _outside_symlink(pkg: Path) -> None:
+    target = pkg.parent / "secret.bin"
+    shutil.copyfile(pkg / WEIGHTS, target)
+    (pkg / WEIGHTS).unlink()
+    os.symlink(target, pkg / WEIGHTS)
+
+
+def _neural_network(pkg: Path) -> None:
+    from coremltools.proto import Model_pb2
+
+    spec = Model_pb2.Model(specificationVersion=4)
+    spec.neuralNetwork.SetInParent()
+    (pkg / MODEL).write_bytes(spec.SerializeToString())
+
+
+CASES = {
+    "missing manifest": (lambda p: (p / "Manifest.json").unlink(), InvalidModel, "no Manifest.json"),
+    "manifest not json": (lambda p: (p / "Manifest.json").write_text("{not json"), InvalidModel, "not valid JSON"),
+    "manifest no root": (lambda p: (p / "Manifest.json").write_text(json.dumps({"itemInfoEntries": {"a": {
+        "path": "x"}}})), InvalidModel, "rootModelIdentifier"),
+    "manifest path escapes": (lambda p: (p / "Manifest.json").write_text(json.dumps({
+        "itemInfoEntries": {"a": {"path": "../../etc/passwd"}}, "rootModelIdentifier": "a"})), UnsafePath, "'..'"),
+    "spec not protobuf": (lambda p: (p / MODEL).write_bytes(b"\xff" * 64), InvalidModel, "not a valid Core ML"),
+    "neural network": (_neural_network, Unsupported, "not an ML Program"),
+    "bad sentinel": (lambda p: _patch(p, WEIGHTS, 64, b"\0\0\0\0"), InvalidModel, "bad sentinel"),
+    "bad version": (lambda p: _patch(p, WEIGHTS, 4, struct.pack("<I", 1)), InvalidModel, "storage version 1"),
+    "truncated header": (lambda p: open(p / WEIGHTS, "r+b").truncate(10), InvalidModel, "shorter"),
+    "offset past end": (lambda p: _edit_spec(p, _set_offset(1 << 40)), InvalidModel, "outside the weight file"),
+    "data past end": (lambda p: _patch(p, WEIGHTS, 64 + 8, struct.pack("<Q", 1 << 40)), InvalidModel,
+                      "runs past the end"),
+    "sub-byte padding": (lambda p: (_patch(p, WEIGHTS, 64 + 4, struct.pack("<I", 12)),
+                                    _patch(p, WEIGHTS, 64 + 24, struct.pack("<Q", 9))), InvalidModel, "padding bits"),
+    "blob file outside": (lambda p: _edit_spec(p, _set_file("@model_path/../../../../etc/passwd")), UnsafePath,
+                          "'..'"),
+    "blob file absolute": (lambda p: _edit_spec(p, _set_file("/etc/passwd")), UnsafePath, "@model_path/"),
+    "blob file symlink out": (_outside_symlink, UnsafePath, "symlink"),
+    "blob file missing": (lambda p: _edit_spec(p, _set_file("@model_path/weights/nope.bin")), InvalidModel,
+                          "does not exist"),
+}
+
+
+def _damaged(good: Path, tmp_path: Path, case: str) -> Path:
+    src = tmp_path / "src" / "model.mlpackage"
+    shutil.copytree(good, src)
+    CASES[case][0](src)
+    return src
+
+
+def _nothing_left(out_dir: Path) -> None:
+    assert not out_dir.exists() or list(out_dir.iterdir()) == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_convert_bad_input(good, tmp_path, case):
+    _, kind, message = CASES[case]
+    src = _damaged(good, tmp_path, case)
+    out_dir = tmp_path / "out"
+    with pytest.raises(kind) as err:
+        api.convert(src, out_dir)
+    line = str(err.value)
+    assert message in line and "\n" not in line
+    assert str(src) in line  # names the file (the package or a file inside it)
+    _nothing_left(out_dir)
+
+
+@pytest.mark.parametrize("case", ["bad sentinel", "offset past end", "blob file outside"])
+def test_merge_bad_input(good, tmp_path, case):
+    _, kind, message = CASES[case]
+    src = _damaged(good, tmp_path, case)
+    with pytest.raises(kind, match=message):
+        api.merge([good, src], tmp_path / "out" / "m.mlpackage", ["a", "b"])
+    _nothing_left(tmp_path / "out")
+
+
+def test_inputs_are_never_touched(good, tmp_path):
+    before = {p: p.read_bytes() for p in good.rglob("*") if p.is_file()}
+    api.convert(good, tmp_path / "out")
+    api.merge([good], tmp_path / "m" / "m.mlpackage", ["main_fn"])
+    assert {p: p.read_bytes() for p in good.rglob("*") if p.is_file()} == before
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weightshare", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("case", ["manifest not json", "bad sentinel", "blob file outside"])
+def test_cli_convert_bad_input_exit_2(good, tmp_path, case):
+    src = _damaged(good, tmp_path, case)
+    result = _cli("convert", src, "-o", tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and CASES[case][2] in lines[0] and str(src) in lines[0]
+    assert "Traceback" not in result.stderr
+    _nothing_left(tmp_path / "out")
+
+
+def test_cli_merge_duplicate_function_names_exit_2(good, tmp_path):
+    result = _cli("merge", good, good, "--function-name", "f", "--function-name", "f",
+                  "-o", tmp_path / "o" / "m.mlpackage")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "duplicate function name 'f'" in lines[0] and str(good) in lines[0]
+    _nothing_left(tmp_path / "o")
+
+
+def test_cli_merge_json_report(good, tmp_path):
+    out = tmp_path / "m.mlpackage"
+    copy = tmp_path / "copy.mlpackage"
+    shutil.copytree(good, copy)
+    result = _cli("merge", good, copy, "--function-name", "a", "--function-name", "b", "-o", out, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["deduplicated_bytes"] == report["bytes_written"] > 0
+    assert out.is_dir()
+
