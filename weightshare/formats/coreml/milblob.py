@@ -100,7 +100,9 @@ class WeightFile:
                                f"(expected 0x{SENTINEL:08X})", self.path)
         if dtype not in DTYPES:
             raise InvalidModel(f"unknown blob data type {dtype} in the record at offset {offset}", self.path)
-        if data_offset < HEADER_SIZE or data_offset + nbytes > self.size:
+        if data_offset < HEADER_SIZE:
+            raise InvalidModel(f"blob at offset {offset}: data at {data_offset} overlaps the file header", self.path)
+        if data_offset + nbytes > self.size:
             raise InvalidModel(f"blob at offset {offset}: data at {data_offset} with {nbytes} bytes runs past the end "
                                f"of the weight file ({self.size} bytes)", self.path)
         if dtype in SUB_BYTE_BITS:
