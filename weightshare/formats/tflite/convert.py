@@ -204,10 +204,10 @@ def write_external(graph, plans: list[BufferPlan], options: ConvertOptions, out_
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> ConversionReport:
     path = str(src)
-    reader, _mapping = flatbuf.open_model(path)
-    flatbuf.check_header(reader)
-    refs = flatbuf.read_buffer_refs(reader)
-    graph = flatbuf.read_graph(reader)
+    with flatbuf.open_model(path) as (reader, mapping):
+        flatbuf.check_header(reader)
+        refs = flatbuf.read_buffer_refs(reader)
+        graph = flatbuf.read_graph(reader, mapping)
     validate(graph, len(refs), path)
     report = ConversionReport(model=path, format="tflite")
     unknown = set(options.unpack) - {"sparse"}

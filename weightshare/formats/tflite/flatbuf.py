@@ -16,8 +16,11 @@ exception it raises on a malformed table is turned into ``InvalidModel``.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 from ai_edge_litert import schema_py_generated as schema
 
@@ -38,11 +41,16 @@ _U16, _U32, _I32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct
 
 
 class Reader:
-    """Typed little-endian reads over ``buf`` (bytes, mmap) that never pass its end."""
+    """Typed little-endian reads at absolute positions of a file, never past its end.
 
-    def __init__(self, buf, path):
-        self.buf = buf
-        self.size = len(buf)
+    Reads go through ``pread``, not the mapping: a data vector's length word sits
+    right before its payload, and touching it through mmap maps the surrounding
+    page-cache folio (up to a few MiB on current kernels) into our RSS.
+    """
+
+    def __init__(self, fd: int, size: int, path: str):
+        self.fd = fd
+        self.size = size
         self.path = path
 
     def need(self, pos: int, n: int, what: str) -> None:
@@ -51,21 +59,24 @@ class Reader:
                 f"truncated or corrupt flatbuffer: {what} at offset {pos} ({n} bytes) runs past the end of the "
                 f"file ({self.size} bytes)", self.path)
 
+    def read(self, pos: int, n: int, what: str) -> bytes:
+        self.need(pos, n, what)
+        data = os.pread(self.fd, n, pos)
+        if len(data) != n:
+            raise InvalidModel(f"file ended early while reading {what} at offset {pos}", self.path)
+        return data
+
     def u16(self, pos: int, what: str) -> int:
-        self.need(pos, 2, what)
-        return _U16.unpack_from(self.buf, pos)[0]
+        return _U16.unpack(self.read(pos, 2, what))[0]
 
     def u32(self, pos: int, what: str) -> int:
-        self.need(pos, 4, what)
-        return _U32.unpack_from(self.buf, pos)[0]
+        return _U32.unpack(self.read(pos, 4, what))[0]
 
     def i32(self, pos: int, what: str) -> int:
-        self.need(pos, 4, what)
-        return _I32.unpack_from(self.buf, pos)[0]
+        return _I32.unpack(self.read(pos, 4, what))[0]
 
     def u64(self, pos: int, what: str) -> int:
-        self.need(pos, 8, what)
-        return _U64.unpack_from(self.buf, pos)[0]
+        return _U64.unpack(self.read(pos, 8, what))[0]
 
     def indirect(self, pos: int, what: str) -> int:
         """Follow the uoffset stored at ``pos``."""
@@ -176,15 +187,14 @@ _MALFORMED = (IndexError, struct.error, ValueError, TypeError, OverflowError, Un
 
 
 def check_header(r: Reader) -> None:
-    r.need(0, 8, "file header")
-    if bytes(r.buf[4:8]) != FILE_IDENTIFIER:
+    if r.read(4, 4, "file identifier") != FILE_IDENTIFIER:
         raise InvalidModel("not a TFLite flatbuffer (no TFL3 identifier)", r.path)
 
 
-def read_graph(r: Reader) -> "schema.ModelT":
+def read_graph(r: Reader, mapping: mmap.mmap) -> "schema.ModelT":
     """The model without its buffers: the schema object API over the mapped file."""
     try:
-        model = schema.Model.GetRootAs(r.buf, 0)
+        model = schema.Model.GetRootAs(mapping, 0)
         graph = schema.ModelT.InitFromObj(_WithoutBuffers(model))
     except _MALFORMED as e:
         raise InvalidModel(f"corrupt flatbuffer: a table points outside the file ({type(e).__name__})",
@@ -194,11 +204,21 @@ def read_graph(r: Reader) -> "schema.ModelT":
     return graph
 
 
-def open_model(path: str) -> tuple[Reader, mmap.mmap]:
-    """Map ``path`` read-only; only the pages of the tables actually read are touched."""
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
+@contextmanager
+def open_model(path: str) -> Iterator[tuple[Reader, mmap.mmap]]:
+    """Open ``path`` for bounds-checked preads and map it read-only for the object API.
+
+    Only the pages of the tables the object API reads are touched; payload bytes
+    are never read through the mapping (``BufferRef.source`` preads them in chunks).
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
         if size < 8:
             raise InvalidModel(f"truncated flatbuffer: the file has only {size} bytes", path)
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    return Reader(mm, str(path)), mm
+        mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        if hasattr(mapping, "madvise"):
+            mapping.madvise(mmap.MADV_RANDOM)  # no read-ahead into weights next to the tables
+        yield Reader(fd, size, str(path)), mapping
+    finally:
+        os.close(fd)
