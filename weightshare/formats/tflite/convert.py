@@ -28,9 +28,11 @@ from ...errors import OutputError, Unsupported
 from ...options import ConvertOptions
 from ...paths import resolve_inside
 from ...report import ConversionReport
-from ...tensors import BytesSource, ElementwiseSource, PayloadSource, fp16_to_fp32
+from ...tensors import ElementwiseSource, PayloadSource, fp16_to_fp32
 from . import flatbuf
-from .graph import NUMPY_DTYPES, TYPE_NAMES, apply_folds, plan_fp16_folds, referenced_buffers, tensor_name, validate
+from .graph import (NUMPY_DTYPES, TYPE_NAMES, Fp16Fold, apply_folds, plan_fp16_folds, referenced_buffers, tensor_name,
+                    validate)
+from .sparse import apply_densify, plan_densify
 
 INLINE_DATA_ALIGN = 16  # schema.fbs: Buffer.data has (force_align: 16); the Python builder ignores it
 TRAILING_ZEROS = 16  # after the last appended payload, as the TFLite converter writes it
@@ -83,25 +85,29 @@ def _describe(graph: "schema.ModelT", nbuffers: int) -> list[tuple[str, str, tup
     return info
 
 
-def plan_buffers(graph, refs, folds, options: ConvertOptions, path: str) -> list[BufferPlan]:
-    """Decide each output buffer: empty, inline or moved. Applies the folds to ``graph``."""
-    new_indices = apply_folds(graph, folds, len(refs))
+def plan_buffers(graph, sources: list, folds: list[Fp16Fold], detached: set[int], options: ConvertOptions
+                 ) -> list[BufferPlan]:
+    """Decide each output buffer: empty, inline or moved. Applies the fp16 folds to ``graph``.
+
+    ``sources`` holds each buffer's payload (None when empty); ``detached`` the
+    buffers whose tensor a fold cut loose: they are emptied when nothing uses them any more.
+    """
+    new_indices = apply_folds(graph, folds, len(sources))
     metadata_buffers = {m.buffer for m in graph.metadata or [] if m is not None}
-    used = referenced_buffers(graph)
-    folded_away = {f.fp16_buffer for f in folds} - used
-    info = _describe(graph, len(refs) + len(folds))
+    dropped = (detached | {f.fp16_buffer for f in folds}) - referenced_buffers(graph)
+    info = _describe(graph, len(sources) + len(folds))
     plans = []
-    for ref in refs:
-        if ref.nbytes == 0 or ref.index in folded_away:
-            plans.append(BufferPlan(ref.index, None))
+    for index, source in enumerate(sources):
+        if source is None or source.nbytes == 0 or index in dropped:
+            plans.append(BufferPlan(index, None))
             continue
-        name, dtype, shape = info[ref.index]
-        plans.append(BufferPlan(ref.index, ref.source(path), name=name, dtype=dtype, shape=shape))
+        name, dtype, shape = info[index]
+        plans.append(BufferPlan(index, source, name=name, dtype=dtype, shape=shape))
     for fold, index in zip(folds, new_indices):
-        ref = refs[fold.fp16_buffer]
-        source = ElementwiseSource(ref.source(path), 2, 4, fp16_to_fp32)
+        fp16 = sources[fold.fp16_buffer]
         name, _dtype, shape = info[index]
-        plans.append(BufferPlan(index, source, name=name, dtype="float32", shape=shape, unpacked_from=ref.nbytes))
+        plans.append(BufferPlan(index, ElementwiseSource(fp16, 2, 4, fp16_to_fp32), name=name, dtype="float32",
+                                shape=shape, unpacked_from=fp16.nbytes))
     for p in plans:
         if p.source is not None:
             # Metadata stays in the flatbuffer: readers of Model.metadata (ReadAllMetadata, tflite_support) look
@@ -213,12 +219,23 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> Conve
     unknown = set(options.unpack) - {"sparse"}
     if unknown:
         raise Unsupported(f"--unpack {', '.join(sorted(unknown))} is not supported for TFLite (only 'sparse')", src)
+    sources: list = [ref.source(path) if ref.nbytes else None for ref in refs]
+    detached: set[int] = set()
+    densified = []
     if "sparse" in options.unpack:
-        report.notes.append("--unpack sparse is not implemented for TFLite yet; DENSIFY ops were kept")
-    folds, notes = ([], []) if options.keep_packed else plan_fp16_folds(graph, refs, path)
+        densified = plan_densify(graph, sources, path)
+        apply_densify(graph, [f for f, _ in densified], len(sources))
+        detached = {f.sparse_buffer for f, _ in densified}
+        sources.extend(source for _, source in densified)
+    folds, notes = ([], []) if options.keep_packed else plan_fp16_folds(
+        graph, [s.nbytes if s is not None else 0 for s in sources], path)
     report.notes.extend(notes)
-    plans = plan_buffers(graph, refs, folds, options, path)
-    report.ops_removed = len(folds)
+    plans = plan_buffers(graph, sources, folds, detached, options)
+    report.ops_removed = len(folds) + len(densified)
+    for fold, source in densified:
+        report.unpacked += 1
+        report.unpacked_bytes_in += sources[fold.sparse_buffer].nbytes
+        report.unpacked_bytes_out += source.nbytes
     for p in plans:
         if p.unpacked_from:
             report.unpacked += 1

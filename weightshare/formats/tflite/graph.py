@@ -17,7 +17,7 @@ from itertools import chain
 from ai_edge_litert import schema_py_generated as schema
 
 from ...errors import InvalidModel, Unsupported
-from .flatbuf import OFFSET_PLACEHOLDER, BufferRef
+from .flatbuf import OFFSET_PLACEHOLDER
 
 DEQUANTIZE = schema.BuiltinOperator.DEQUANTIZE
 DENSIFY = schema.BuiltinOperator.DENSIFY
@@ -126,9 +126,10 @@ def _consumers(sg: "schema.SubGraphT") -> dict[int, list[int]]:
     return used
 
 
-def plan_fp16_folds(graph: "schema.ModelT", refs: list[BufferRef], path: str) -> tuple[list[Fp16Fold], list[str]]:
+def plan_fp16_folds(graph: "schema.ModelT", sizes: list[int], path: str) -> tuple[list[Fp16Fold], list[str]]:
     """Find DEQUANTIZE ops of constant fp16 tensors whose every consumer is a DEQUANTIZE.
 
+    ``sizes`` gives each buffer's payload size (0: no data, so not a constant).
     Returns the folds and notes on the DEQUANTIZE ops left in place (and why).
     A fold candidate that contradicts itself (payload size not matching the
     shape, output not FLOAT32) is an invalid model, not a skip.
@@ -149,7 +150,7 @@ def plan_fp16_folds(graph: "schema.ModelT", refs: list[BufferRef], path: str) ->
             where = f"subgraph {si}: DEQUANTIZE operator {oi} of {tensor_name(src)!r}"
             if src.type != FLOAT16:
                 continue  # int8/int16 dequantization: kept (sharing it needs --unpack int8, not done for TFLite)
-            payload = refs[src.buffer].nbytes if src.buffer else 0
+            payload = sizes[src.buffer] if src.buffer else 0
             if not payload:
                 notes.append(f"{where}: input is not a constant, op kept")
                 continue
@@ -172,7 +173,7 @@ def plan_fp16_folds(graph: "schema.ModelT", refs: list[BufferRef], path: str) ->
             if any(codes[ops[c].opcodeIndex] != DEQUANTIZE for c in consumers.get(ins[0], [])):
                 notes.append(f"{where}: the fp16 tensor has other consumers, op kept")
                 continue
-            if (dst.buffer and refs[dst.buffer].nbytes) or outs[0] in set(_indices(sg.inputs)) or dst.isVariable:
+            if (dst.buffer and sizes[dst.buffer]) or outs[0] in set(_indices(sg.inputs)) or dst.isVariable:
                 raise InvalidModel(f"{where}: output tensor {tensor_name(dst)!r} is a constant, input or variable",
                                    path)
             folds.append(Fp16Fold(si, oi, ins[0], outs[0], src.buffer))
