@@ -198,3 +198,61 @@ def sample_inputs(seed: int = 1) -> dict[str, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
     return {"serving_default": {"x": rng.standard_normal((1, 8, 8, 3)).astype(np.float32)},
             "quantized": {"q_x": rng.integers(-128, 128, (1, 64), dtype=np.int8)}}
+
+
+def _int_vector(values, kind: str):
+    if kind == "u8":
+        return s.SparseIndexVector.Uint8Vector, s.Uint8VectorT(values=list(values))
+    if kind == "u16":
+        return s.SparseIndexVector.Uint16Vector, s.Uint16VectorT(values=list(values))
+    return s.SparseIndexVector.Int32Vector, s.Int32VectorT(values=list(values))
+
+
+def sparse_encode(dense: np.ndarray, block: int = 1, index_kind: str = "i32"):
+    """(values, SparsityParametersT) of a 2-D matrix: rows dense, columns CSR, optional 1 x ``block`` blocks."""
+    rows, cols = dense.shape
+    nblocks = cols // block
+    blocks = dense.reshape(rows, nblocks, block)
+    segments, indices, values = [0], [], []
+    for r in range(rows):
+        for b in range(nblocks):
+            if np.any(blocks[r, b] != 0):
+                indices.append(b)
+                values.append(blocks[r, b])
+        segments.append(len(indices))
+    seg_type, seg = _int_vector(segments, "i32")
+    idx_type, idx = _int_vector(indices, index_kind)
+    levels = [s.DimensionMetadataT(format=s.DimensionType.DENSE, denseSize=rows),
+              s.DimensionMetadataT(format=s.DimensionType.SPARSE_CSR, arraySegmentsType=seg_type, arraySegments=seg,
+                                   arrayIndicesType=idx_type, arrayIndices=idx)]
+    sparsity = s.SparsityParametersT(traversalOrder=[0, 1], dimMetadata=levels)
+    if block > 1:
+        levels.append(s.DimensionMetadataT(format=s.DimensionType.DENSE, denseSize=block))
+        sparsity.traversalOrder, sparsity.blockMap = [0, 1, 2], [1]
+    return np.concatenate(values).astype(dense.dtype) if values else dense[:0, 0], sparsity
+
+
+def sparse_model(path: Path, dtype=np.float32, block: int = 1, seed: int = 5, index_kind: str = "i32") -> Path:
+    """DENSIFY(constant sparse weights) [-> DEQUANTIZE for fp16] -> FULLY_CONNECTED."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    w[rng.random((64, 128 // 4)).repeat(4, axis=1) < 0.7] = 0  # 70% of 1x4 blocks are zero
+    w = w.astype(dtype)
+    values, sparsity = sparse_encode(w, block, index_kind)
+    mb = ModelBuilder()
+    g = mb.subgraph("sparse")
+    x = g.input("x", [1, 128])
+    sp = g.const("w_sparse", values)
+    g.tensors[sp].shape = [64, 128]
+    g.tensors[sp].sparsity = sparsity
+    dense = g.tensor("w_dense", [64, 128], dtype)
+    g.op(OP.DENSIFY, [sp], [dense])
+    if np.dtype(dtype) == np.float16:
+        w32 = g.tensor("w", [64, 128], "float32")
+        g.op(OP.DEQUANTIZE, [dense], [w32])
+        dense = w32
+    y = g.tensor("y", [1, 64], "float32")
+    g.op(OP.FULLY_CONNECTED, [x, dense, -1], [y], s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
+    g.outputs = [y]
+    mb.signature("sparse", g)
+    return mb.save(path)
