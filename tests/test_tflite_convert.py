@@ -198,3 +198,18 @@ def test_external_blob_through_compiled_model(converted, tmp_path):
     fp16 = next(t for t in original.subgraphs[0].tensors if t.name == b"fc_w_fp16")
     expected = np.frombuffer(bytes(original.buffers[fp16.buffer].data), np.float16).astype(np.float32)
     assert np.array_equal(tensors["fc_w"].reshape(-1), expected)
+
+
+def test_converted_model_is_a_fixed_point(converted, tmp_path):
+    """Input buffers already addressed by Buffer.offset are read in place; converting again changes nothing."""
+    _, out, _ = converted
+    report = convert(out, tmp_path)
+    assert report.ops_removed == 0 and report.tensors_moved > 0
+    assert (tmp_path / out.name).read_bytes() == out.read_bytes()
+
+
+def test_external_model_is_refused_by_classic_interpreter(converted, tmp_path):
+    src, _, _ = converted
+    convert(src, tmp_path, ConvertOptions(external=True))
+    with pytest.raises(Exception, match="lacks data"):
+        run_interpreter(tmp_path / src.name)
