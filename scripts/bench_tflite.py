@@ -82,35 +82,54 @@ def smaps(pid: int | str = "self") -> dict[str, float]:
     return fields
 
 
-def child_interpreters(path: str, n: int, delegate: bool) -> None:
-    """Runs in a child: n interpreters, each allocated and invoked once; prints PSS/RSS in MiB."""
+def _load(path: str, mode: str):
+    """One runtime instance of ``path``, invoked once; ``mode``: none | xnnpack | cache:<weight cache file>."""
     import numpy as np
+
+    x = np.ones((1, 8, 8, 64), np.float32)
+    if mode.startswith("cache:"):
+        from ai_edge_litert.compiled_model import CompiledModel
+        from ai_edge_litert.cpu_options import CpuOptions
+        from ai_edge_litert.options import Options
+
+        cm = CompiledModel.from_file(path, options=Options(cpu_options=CpuOptions(
+            xnnpack_weight_cache_path=mode[len("cache:"):])))
+        ins, outs = cm.create_input_buffers(0), cm.create_output_buffers(0)
+        ins[0].write(x)
+        cm.run_by_index(0, ins, outs)
+        return cm, ins, outs
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-    resolver = OpResolverType.AUTO if delegate else OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+    resolver = OpResolverType.AUTO if mode == "xnnpack" else OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+    it = Interpreter(model_path=path, experimental_op_resolver_type=resolver)
+    runner = it.get_signature_runner("serving_default")
+    runner(x=x)
+    return it, runner
+
+
+def child_interpreters(path: str, n: int, mode: str) -> None:
+    """Runs in a child: n runtime instances in one process; prints PSS/RSS in MiB."""
+    import ai_edge_litert.interpreter  # noqa: F401  (library mappings belong to the baseline)
+
     base = smaps()
-    keep = []
-    for _ in range(n):
-        it = Interpreter(model_path=path, experimental_op_resolver_type=resolver)
-        runner = it.get_signature_runner("serving_default")
-        runner(x=np.ones((1, 8, 8, 64), np.float32))
-        keep.append((it, runner))
+    keep = [_load(path, mode) for _ in range(n)]
     now = smaps()
     print(json.dumps({"pss": now["Pss"], "rss": now["Rss"], "pss_delta": now["Pss"] - base["Pss"]}))
     if os.environ.get("BENCH_HOLD"):
         sys.stdout.flush()
         sys.stdin.readline()
+    del keep
 
 
-def interpreters(path: Path, n: int, delegate: bool) -> dict:
-    cmd = [sys.executable, __file__, "--child", str(path), str(n), "1" if delegate else "0"]
+def interpreters(path: Path, n: int, mode: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", str(path), str(n), mode]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
 
 
 def two_processes(path: Path) -> float:
     """Sum of the PSS of two processes holding one interpreter each (no delegate), read while both live."""
     env = dict(os.environ, BENCH_HOLD="1")
-    cmd = [sys.executable, __file__, "--child", str(path), "1", "0"]
+    cmd = [sys.executable, __file__, "--child", str(path), "1", "none"]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                               text=True, env=env) for _ in range(2)]
     try:
@@ -132,7 +151,7 @@ def main() -> None:
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        child_interpreters(args.child[0], int(args.child[1]), args.child[2] == "1")
+        child_interpreters(args.child[0], int(args.child[1]), args.child[2])
         return
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_tflite_"))
     work.mkdir(parents=True, exist_ok=True)
@@ -147,13 +166,20 @@ def main() -> None:
           f"converted: {conv.stat().st_size / 2 ** 20:.0f} MiB")
     print("\n| conversion | peak RSS MiB | wall s |\n|---|---|---|")
     print(f"| cp | {cp_rss:.1f} | {cp_wall:.2f} |\n| weightshare convert | {cv_rss:.1f} | {cv_wall:.2f} |")
-    print("\n| interpreters | delegate | original PSS MiB | converted PSS MiB | original RSS MiB | "
-          "converted RSS MiB | ratio PSS |\n|---|---|---|---|---|---|---|")
-    for delegate in (False, True):
+    print("\n| instances | runtime | original PSS MiB | converted PSS MiB | original RSS MiB | "
+          "converted RSS MiB | original / converted PSS |\n|---|---|---|---|---|---|---|")
+    modes = {"none": "Interpreter, no delegate", "xnnpack": "Interpreter, XNNPACK (default)"}
+    for mode, label in modes.items():
         for n in [int(v) for v in args.sessions.split(",")]:
-            a, b = interpreters(src, n, delegate), interpreters(conv, n, delegate)
-            print(f"| {n} | {'XNNPACK' if delegate else 'none'} | {a['pss']:.0f} | {b['pss']:.0f} | {a['rss']:.0f} | "
-                  f"{b['rss']:.0f} | {a['pss'] / b['pss']:.2f}x |", flush=True)
+            a, b = interpreters(src, n, mode), interpreters(conv, n, mode)
+            print(f"| {n} | {label} | {a['pss']:.0f} | {b['pss']:.0f} | {a['rss']:.0f} | {b['rss']:.0f} | "
+                  f"{a['pss'] / b['pss']:.2f}x |", flush=True)
+    for model in (src, conv):  # the first instance writes the XNNPACK weight cache; measure with it in place
+        interpreters(model, 1, f"cache:{model}.xnn_cache")
+    for n in [int(v) for v in args.sessions.split(",")]:
+        a, b = (interpreters(m, n, f"cache:{m}.xnn_cache") for m in (src, conv))
+        print(f"| {n} | CompiledModel, XNNPACK weight cache | {a['pss']:.0f} | {b['pss']:.0f} | {a['rss']:.0f} | "
+              f"{b['rss']:.0f} | {a['pss'] / b['pss']:.2f}x |", flush=True)
     p_orig, p_conv = two_processes(src), two_processes(conv)
     print(f"\ntwo processes, one interpreter each, no delegate: PSS sum original {p_orig:.0f} MiB, "
           f"converted {p_conv:.0f} MiB")
