@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from tflite_fixtures import OP, ModelBuilder, sample_model
 from weightshare.api import convert
-from weightshare.errors import InvalidModel, Unsupported, WeightshareError
+from weightshare.errors import InvalidModel, UnsafePath, Unsupported, UsageError, WeightshareError
+from weightshare.options import ConvertOptions
 
 
 def _small_model() -> ModelBuilder:
@@ -144,3 +145,11 @@ def test_damaged_models_fail_cleanly(cut, flips):
         except WeightshareError as e:
             assert "\n" not in str(e)
             assert list((Path(d) / "out").iterdir()) == [] if (Path(d) / "out").exists() else True
+
+
+@pytest.mark.parametrize("blob,kind", [("../escape.safetensors", UnsafePath), ("m.tflite", UsageError)])
+def test_external_blob_name_must_stay_beside_the_model(tmp_path, blob, kind):
+    src = _small_model().save(tmp_path / "m.tflite")
+    with pytest.raises(kind):
+        convert(src, tmp_path / "out", ConvertOptions(external=True, blob_name=blob))
+    assert list((tmp_path / "out").iterdir()) == [] and not (tmp_path / "escape.safetensors").exists()

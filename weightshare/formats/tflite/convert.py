@@ -24,7 +24,7 @@ import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
 from ...blob import BlobWriter, PlannedTensor, SafetensorsBlob
-from ...errors import OutputError, Unsupported
+from ...errors import OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
 from ...report import ConversionReport
@@ -169,7 +169,7 @@ def write_appended(graph, plans: list[BufferPlan], options: ConvertOptions, tmp:
     report.blob_bytes = end - size
 
 
-def write_external(graph, plans: list[BufferPlan], options: ConvertOptions, out_dir: Path, stem: str,
+def write_external(graph, plans: list[BufferPlan], options: ConvertOptions, out_dir: Path, model_name: str,
                    tx, report: ConversionReport) -> Path:
     """Payloads in a safetensors blob beside the model, referenced through ExternalBuffer groups.
 
@@ -177,8 +177,10 @@ def write_external(graph, plans: list[BufferPlan], options: ConvertOptions, out_
     ``offset`` (absolute in the group file) .. ``offset + length``; tensors name
     their ExternalBuffer by ``id`` (0 means none), groups are indexed by position.
     """
-    blob_name = options.blob_name or f"{stem}.weights.safetensors"
+    blob_name = options.blob_name or f"{Path(model_name).stem}.weights.safetensors"
     final = resolve_inside(out_dir, blob_name, "blob")
+    if final == (out_dir / model_name).resolve():
+        raise UsageError(f"blob name {blob_name!r} would overwrite the model", out_dir)
     moved = [p for p in plans if p.source is not None and not p.inline]
     planned = {p.index: PlannedTensor(p.name, p.dtype, p.shape, p.source.nbytes) for p in moved}
     blob_tmp = tx.new_file(final)  # created before the model, so committed before it
@@ -249,7 +251,7 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> Conve
         total(sum(p.source.nbytes for p in plans if p.source is not None and not p.inline))
     final = out_dir / src.name
     if options.external:
-        write_external(graph, plans, options, out_dir, src.stem, tx, report)
+        write_external(graph, plans, options, out_dir, src.name, tx, report)
         tmp = tx.new_file(final)
         model = _build(graph)
         try:
