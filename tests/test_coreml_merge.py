@@ -152,3 +152,12 @@ def test_ios16_palettized_source_is_refused(sources, tmp_path):
     with pytest.raises(Unsupported, match="constexpr_lut_to_dense in its CoreML6 form"):
         api.merge([sources["s1"], sources["lut2-16"]], tmp_path / "m.mlpackage", ["a", "b"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_rewrites_every_function_of_a_multifunction_package(sources, tmp_path):
+    mf = F.multifunction(tmp_path / "mf.mlpackage", [sources["s1"], sources["other"]], ["a", "b"])
+    api.convert(mf, tmp_path / "out")
+    out = tmp_path / "out" / mf.name
+    assert _summary(out) == _summary(mf)
+    assert _blob_map(out) == _blob_map(mf)
+    assert all(v.fileName == "@model_path/weights/weight.bin" for v in F.blob_values(F.load_spec(out)))

@@ -24,6 +24,7 @@ Facts from coremltools' reader (``StorageReader.cpp``) that this writer relies o
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -131,6 +132,11 @@ def pack_header(count: int) -> bytes:
 class WeightFileWriter:
     """Writes a weight.bin whose payloads sit at ``policy`` alignment, each distinct payload once.
 
+    A payload is hashed before it is written: merging N functions that share their weights
+    then reads N copies but writes one (writing the copies and truncating them away, as a
+    plain ``BlobWriter`` would, costs N times the page-cache writes). A unique payload is
+    read twice; the second read comes from the page cache and is checked against the first.
+
     Example:
         w = WeightFileWriter(fd, AlignPolicy())
         new_offset = w.add(record, weight_file.payload(record))   # -> BlobFileValue.offset
@@ -143,21 +149,34 @@ class WeightFileWriter:
         self.count = 0
         self.duplicates = 0
         self.duplicate_bytes = 0
+        self.bytes_in = 0
+        self._seen: dict[tuple[str, int, str], int] = {}
         self.blob.pwrite(pack_header(0), 0)
 
     def add(self, rec: BlobRecord, source) -> int:
         """Copy one payload; return the offset of its metadata record in the new file."""
         # The dtype and padding are part of the identity: the same bytes read as fp16 and as
         # uint8 are two blobs to the reader, which checks the record's dtype.
-        entry = self.blob.add(source, tag=f"{rec.dtype}:{rec.padding_bits}", prefix_size=RECORD_SIZE,
-                              prefix_align=RECORD_ALIGN, progress=self.progress)
-        if entry.duplicate:
+        tag = f"{rec.dtype}:{rec.padding_bits}"
+        digest = hashlib.sha256()
+        for chunk in source.chunks(self.blob.chunk_size):
+            digest.update(chunk)
+        key = (tag, source.nbytes, digest.hexdigest())
+        self.bytes_in += source.nbytes
+        known = self._seen.get(key)
+        if known is not None:
             self.duplicates += 1
-            self.duplicate_bytes += entry.nbytes
-        else:
-            self.blob.pwrite(pack_record(rec.dtype, entry.nbytes, entry.offset, rec.padding_bits),
-                             entry.prefix_offset)
-            self.count += 1
+            self.duplicate_bytes += source.nbytes
+            if self.progress is not None:
+                self.progress(source.nbytes)
+            return known
+        entry = self.blob.add(source, tag=tag, prefix_size=RECORD_SIZE, prefix_align=RECORD_ALIGN,
+                              progress=self.progress)
+        if entry.sha256 != key[2] or entry.duplicate:
+            raise InvalidModel("weight data changed while it was being read", getattr(source, "path", None))
+        self.blob.pwrite(pack_record(rec.dtype, entry.nbytes, entry.offset, rec.padding_bits), entry.prefix_offset)
+        self.count += 1
+        self._seen[key] = entry.prefix_offset
         return entry.prefix_offset
 
     def finish(self) -> int:
@@ -171,10 +190,6 @@ class WeightFileWriter:
         except OSError as e:
             raise OutputError(f"cannot write the weight file: {e.strerror}") from None
         return size
-
-    @property
-    def bytes_in(self) -> int:
-        return self.blob.bytes_in
 
     @property
     def bytes_written(self) -> int:
