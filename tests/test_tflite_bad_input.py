@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import flatbuffers
 import numpy as np
 import pytest
 from ai_edge_litert import schema_py_generated as s
@@ -37,11 +38,12 @@ def _small_model() -> ModelBuilder:
     return mb
 
 
-def _expect_error(src: Path, out: Path, kind=InvalidModel, words: str = "") -> WeightshareError:
+def _expect_error(src: Path, out: Path, kind=InvalidModel, words: str = "", where: Path | None = None
+                  ) -> WeightshareError:
     with pytest.raises(kind) as info:
         convert(src, out)
     err = info.value
-    assert "\n" not in str(err) and str(src) in str(err)
+    assert "\n" not in str(err) and str(where or src) in str(err)
     assert words in err.message, err.message
     assert not out.exists() or list(out.iterdir()) == [], "no output may be left behind"
     return err
@@ -96,10 +98,32 @@ def test_dequantize_to_non_float32(tmp_path):
     _expect_error(mb.save(tmp_path / "m.tflite"), tmp_path / "out", words="expected FLOAT32")
 
 
-def test_external_buffers_in_input_unsupported(tmp_path):
+def _external_model(tmp_path, group: str, offset: int = 0, length: int = 1024, ext_id: int = 1) -> Path:
+    (tmp_path / "w.bin").write_bytes(bytes(4096))
     mb = _small_model()
-    mb.subgraphs[0].tensors[0].externalBuffer = 1
-    _expect_error(mb.save(tmp_path / "m.tflite"), tmp_path / "out", kind=Unsupported)
+    mb.subgraphs[0].tensors[1].buffer = 0
+    mb.subgraphs[0].tensors[1].externalBuffer = 1
+    path = mb.save(tmp_path / "m.tflite")
+    m = s.ModelT.InitFromPackedBuf(bytearray(path.read_bytes()), 0)
+    m.externalBufferGroups = [s.ExternalBufferGroupT(name=group)]
+    m.externalBuffers = [s.ExternalBufferT(id=ext_id, group=0, offset=offset, length=length)]
+    b = flatbuffers.Builder(1 << 16)
+    b.Finish(m.Pack(b), file_identifier=b"TFL3")
+    path.write_bytes(bytes(b.Output()))
+    return path
+
+
+@pytest.mark.parametrize("group,offset,length,ext_id,kind,words", [
+    ("../outside.bin", 0, 1024, 1, UnsafePath, "'..'"),
+    ("/etc/passwd", 0, 1024, 1, UnsafePath, "absolute"),
+    ("w.bin", 4000, 1024, 1, InvalidModel, "past the end"),  # names w.bin: the slice is wrong there
+    ("missing.bin", 0, 1024, 1, InvalidModel, "does not exist"),
+    ("w.bin", 0, 1024, 2, InvalidModel, "does not define"),
+])
+def test_hostile_external_buffers_in_input(tmp_path, group, offset, length, ext_id, kind, words):
+    src = _external_model(tmp_path, group, offset, length, ext_id)
+    where = tmp_path / "w.bin" if words == "past the end" else src
+    _expect_error(src, tmp_path / "out", kind, words, where)
 
 
 def test_non_constant_fp16_dequantize_is_kept_with_a_note(tmp_path):

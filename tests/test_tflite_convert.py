@@ -213,3 +213,13 @@ def test_external_model_is_refused_by_classic_interpreter(converted, tmp_path):
     convert(src, tmp_path, ConvertOptions(external=True))
     with pytest.raises(Exception, match="lacks data"):
         run_interpreter(tmp_path / src.name)
+
+
+def test_external_model_converts_back_to_appended(converted, tmp_path):
+    """ExternalBuffer groups in the input are read (paths checked) and appended like any other buffer."""
+    src, out, _ = converted
+    convert(src, tmp_path / "ext", ConvertOptions(external=True))
+    report = convert(tmp_path / "ext" / src.name, tmp_path / "back")
+    back = tmp_path / "back" / src.name
+    assert report.ops_removed == 0 and not model_of(back).externalBuffers
+    assert_same_outputs(run_interpreter(src), run_interpreter(back))

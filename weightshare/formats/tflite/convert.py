@@ -24,11 +24,11 @@ import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
 from ...blob import BlobWriter, PlannedTensor, SafetensorsBlob
-from ...errors import OutputError, Unsupported, UsageError
+from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, PayloadSource, fp16_to_fp32
+from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32
 from . import flatbuf
 from .graph import (NUMPY_DTYPES, TYPE_NAMES, Fp16Fold, apply_folds, plan_fp16_folds, referenced_buffers, tensor_name,
                     validate)
@@ -114,6 +114,47 @@ def plan_buffers(graph, sources: list, folds: list[Fp16Fold], detached: set[int]
             # only at Buffer.data.
             p.inline = p.source.nbytes < options.inline_threshold or p.index in metadata_buffers
     return plans
+
+
+def read_external_buffers(graph: "schema.ModelT", src: Path, sources: list) -> None:
+    """Turn the input's ExternalBuffer references into ordinary buffers (appended to ``sources``).
+
+    A group name is a path from the model file (LiteRT joins it to the model's
+    directory); it must stay inside that directory, and every slice inside its file.
+    """
+    groups = graph.externalBufferGroups or []
+    by_id = {}
+    for e in graph.externalBuffers or []:
+        if e is None:
+            continue
+        if e.id in by_id or e.id == 0:
+            raise InvalidModel(f"external buffer id {e.id} is zero or used twice", src)
+        by_id[e.id] = e
+    new_index: dict[int, int] = {}
+    for sg in graph.subgraphs:
+        for t in sg.tensors or []:
+            if not t.externalBuffer:
+                continue
+            ext = by_id.get(t.externalBuffer)
+            if ext is None:
+                raise InvalidModel(f"tensor {tensor_name(t)!r} uses external buffer {t.externalBuffer}, which the "
+                                   "model does not define", src)
+            if ext.id not in new_index:
+                if ext.group >= len(groups) or groups[ext.group] is None or not groups[ext.group].name:
+                    raise InvalidModel(f"external buffer {ext.id} uses undefined group {ext.group}", src)
+                if ext.packing and ext.packing not in (b"unpacked", "unpacked"):
+                    raise Unsupported(f"external buffer {ext.id} has packing {ext.packing!r}", src)
+                name = groups[ext.group].name
+                name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
+                file = resolve_inside(src.parent, name, "external buffer group", src)
+                if not file.is_file():
+                    raise InvalidModel(f"external buffer group file {name!r} does not exist", src)
+                source = FileRange(str(file), ext.offset, ext.length)
+                source.check_within(file.stat().st_size)
+                new_index[ext.id] = len(sources)
+                sources.append(source if ext.length else None)
+            t.buffer, t.externalBuffer = new_index[ext.id], 0
+    graph.externalBuffers = graph.externalBufferGroups = None
 
 
 def _build(graph: "schema.ModelT") -> bytes:
@@ -222,6 +263,7 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> Conve
     if unknown:
         raise Unsupported(f"--unpack {', '.join(sorted(unknown))} is not supported for TFLite (only 'sparse')", src)
     sources: list = [ref.source(path) if ref.nbytes else None for ref in refs]
+    read_external_buffers(graph, src, sources)
     detached: set[int] = set()
     densified = []
     if "sparse" in options.unpack:

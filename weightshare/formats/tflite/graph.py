@@ -72,8 +72,6 @@ def validate(graph: "schema.ModelT", nbuffers: int, path: str) -> None:
             if t.buffer >= nbuffers:
                 raise InvalidModel(f"subgraph {si}: tensor {ti} ({tensor_name(t)}) uses buffer {t.buffer}, but the "
                                    f"model has {nbuffers} buffers", path)
-            if t.externalBuffer:
-                raise Unsupported("model already references external buffers; convert its original instead", path)
         for idx in chain(_indices(sg.inputs), _indices(sg.outputs)):
             if not 0 <= idx < n:
                 raise InvalidModel(f"subgraph {si}: input/output tensor index {idx} out of range ({n} tensors)", path)
@@ -102,8 +100,6 @@ def validate(graph: "schema.ModelT", nbuffers: int, path: str) -> None:
         for tm in chain(sd.inputs or [], sd.outputs or []):
             if tm is not None and tm.tensorIndex >= n:
                 raise InvalidModel(f"signature tensor index {tm.tensorIndex} out of range ({n} tensors)", path)
-    if graph.externalBuffers or graph.externalBufferGroups:
-        raise Unsupported("model already references external buffers; convert its original instead", path)
 
 
 @dataclass
