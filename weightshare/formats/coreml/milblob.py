@@ -132,10 +132,12 @@ def pack_header(count: int) -> bytes:
 class WeightFileWriter:
     """Writes a weight.bin whose payloads sit at ``policy`` alignment, each distinct payload once.
 
-    A payload is hashed before it is written: merging N functions that share their weights
-    then reads N copies but writes one (writing the copies and truncating them away, as a
-    plain ``BlobWriter`` would, costs N times the page-cache writes). A unique payload is
-    read twice; the second read comes from the page cache and is checked against the first.
+    A payload that could be a duplicate (an earlier one has the same dtype and length) is
+    hashed before it is written: merging N functions that share their weights then reads N
+    copies but writes one (writing the copies and truncating them away, as a plain
+    ``BlobWriter`` would, costs N times the page-cache writes). Such a payload, when it turns
+    out new, is read twice; the second read is checked against the first. A payload of a new
+    length is written at once, hashed on the way.
 
     Example:
         w = WeightFileWriter(fd, AlignPolicy())
@@ -151,6 +153,7 @@ class WeightFileWriter:
         self.duplicate_bytes = 0
         self.bytes_in = 0
         self._seen: dict[tuple[str, int, str], int] = {}
+        self._lengths: set[tuple[str, int]] = set()
         self.blob.pwrite(pack_header(0), 0)
 
     def add(self, rec: BlobRecord, source) -> int:
@@ -158,25 +161,28 @@ class WeightFileWriter:
         # The dtype and padding are part of the identity: the same bytes read as fp16 and as
         # uint8 are two blobs to the reader, which checks the record's dtype.
         tag = f"{rec.dtype}:{rec.padding_bits}"
-        digest = hashlib.sha256()
-        for chunk in source.chunks(self.blob.chunk_size):
-            digest.update(chunk)
-        key = (tag, source.nbytes, digest.hexdigest())
         self.bytes_in += source.nbytes
-        known = self._seen.get(key)
-        if known is not None:
-            self.duplicates += 1
-            self.duplicate_bytes += source.nbytes
-            if self.progress is not None:
-                self.progress(source.nbytes)
-            return known
+        expected = None
+        if (tag, source.nbytes) in self._lengths:
+            digest = hashlib.sha256()
+            for chunk in source.chunks(self.blob.chunk_size):
+                digest.update(chunk)
+            expected = digest.hexdigest()
+            known = self._seen.get((tag, source.nbytes, expected))
+            if known is not None:
+                self.duplicates += 1
+                self.duplicate_bytes += source.nbytes
+                if self.progress is not None:
+                    self.progress(source.nbytes)
+                return known
         entry = self.blob.add(source, tag=tag, prefix_size=RECORD_SIZE, prefix_align=RECORD_ALIGN,
                               progress=self.progress)
-        if entry.sha256 != key[2] or entry.duplicate:
+        if entry.duplicate or expected not in (None, entry.sha256):
             raise InvalidModel("weight data changed while it was being read", getattr(source, "path", None))
+        self._lengths.add((tag, source.nbytes))
+        self._seen[(tag, source.nbytes, entry.sha256)] = entry.prefix_offset
         self.blob.pwrite(pack_record(rec.dtype, entry.nbytes, entry.offset, rec.padding_bits), entry.prefix_offset)
         self.count += 1
-        self._seen[key] = entry.prefix_offset
         return entry.prefix_offset
 
     def finish(self) -> int:
