@@ -8,6 +8,10 @@ threshold sits outside the flatbuffer at an aligned offset, and everything else 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from ai_edge_litert import schema_py_generated as s
@@ -223,3 +227,14 @@ def test_external_model_converts_back_to_appended(converted, tmp_path):
     back = tmp_path / "back" / src.name
     assert report.ops_removed == 0 and not model_of(back).externalBuffers
     assert_same_outputs(run_interpreter(src), run_interpreter(back))
+
+
+def test_cli_convert_external_json(converted, tmp_path):
+    src, _, _ = converted
+    proc = subprocess.run([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(tmp_path), "--external",
+                           "--json"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["format"] == "tflite" and report["ops_removed"] == 2
+    assert report["outputs"] == [str(tmp_path / src.name), str(tmp_path / "sample.weights.safetensors")]
+    assert_same_outputs(run_compiled(src), run_compiled(tmp_path / src.name))

@@ -219,9 +219,9 @@ def write_external(graph, plans: list[BufferPlan], options: ConvertOptions, out_
     their ExternalBuffer by ``id`` (0 means none), groups are indexed by position.
     """
     blob_name = options.blob_name or f"{Path(model_name).stem}.weights.safetensors"
-    final = resolve_inside(out_dir, blob_name, "blob")
-    if final == (out_dir / model_name).resolve():
+    if resolve_inside(out_dir, blob_name, "blob") == (out_dir / model_name).resolve():
         raise UsageError(f"blob name {blob_name!r} would overwrite the model", out_dir)
+    final = out_dir / blob_name
     moved = [p for p in plans if p.source is not None and not p.inline]
     planned = {p.index: PlannedTensor(p.name, p.dtype, p.shape, p.source.nbytes) for p in moved}
     blob_tmp = tx.new_file(final)  # created before the model, so committed before it
