@@ -238,3 +238,27 @@ def test_cli_convert_external_json(converted, tmp_path):
     assert report["format"] == "tflite" and report["ops_removed"] == 2
     assert report["outputs"] == [str(tmp_path / src.name), str(tmp_path / "sample.weights.safetensors")]
     assert_same_outputs(run_compiled(src), run_compiled(tmp_path / src.name))
+
+
+def test_golden_layout_of_a_single_weight(tmp_path):
+    """One 2 KiB fp16 constant: flatbuffer, zeros up to the next 64-byte boundary, 4 KiB of fp32, 16 zeros."""
+    mb = ModelBuilder()
+    g = mb.subgraph("g")
+    x = g.input("x", [1, 1024])
+    w16 = (np.arange(1024) - 512).astype(np.float16).reshape(1, 1024) / np.float16(8)
+    w = g.dequantize("w", w16)
+    y = g.tensor("y", [1, 1024], "float32")
+    g.op(OP.ADD, [x, w], [y], s.BuiltinOptions.AddOptions, s.AddOptionsT())
+    g.outputs = [y]
+    src = mb.save(tmp_path / "one.tflite")
+    convert(src, tmp_path / "out")
+    data = (tmp_path / "out" / "one.tflite").read_bytes()
+    model = s.Model.GetRootAs(data, 0)
+    moved = [model.Buffers(i) for i in range(model.BuffersLength()) if model.Buffers(i).Offset() > 1]
+    assert len(moved) == 1
+    offset, size = moved[0].Offset(), moved[0].Size()
+    assert size == 4096 and offset % 64 == 0
+    # Small payload: 64-byte alignment, so no more than alignment padding after the flatbuffer's last non-zero byte.
+    assert offset - len(data[:offset].rstrip(b"\0")) < 64 + 16
+    assert data[offset:offset + size] == w16.astype("<f4").tobytes()
+    assert data[offset + size:] == bytes(16) and len(data) == offset + size + 16
