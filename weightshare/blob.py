@@ -18,6 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -61,6 +63,9 @@ class BlobEntry:
     duplicate: bool = False  # True when these bytes were already stored (offset is the first copy's)
 
 
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightshare-blob")
+
+
 class BlobWriter:
     """Streams payloads into ``fd`` from offset ``start`` on.
 
@@ -95,14 +100,25 @@ class BlobWriter:
             offset = align_up(self.end, self.policy.for_size(nbytes))
         digest = hashlib.sha256()
         pos = offset
-        for chunk in source.chunks(self.chunk_size):
-            if pos + len(chunk) > offset + nbytes:
-                raise InvalidModel(f"payload is longer than its declared {nbytes} bytes")
-            digest.update(chunk)
-            self._pwrite_all(chunk, pos)
-            pos += len(chunk)
-            if progress is not None:
-                progress(len(chunk))
+        pending = None
+        # Two-stage pipeline: this thread reads and unpacks chunk i+1 while the writer thread
+        # hashes and writes chunk i (hashlib, pwrite, preadv and numpy casts release the GIL).
+        # The chunk is copied because sources reuse their buffers.
+        try:
+            for chunk in source.chunks(self.chunk_size):
+                if pos + len(chunk) > offset + nbytes:
+                    raise InvalidModel(f"payload is longer than its declared {nbytes} bytes")
+                data = bytes(chunk)
+                if pending is not None:
+                    pending.result()
+                pending = _WRITER.submit(self._consume, digest, data, pos)
+                pos += len(data)
+                if progress is not None:
+                    progress(len(data))
+        finally:
+            # Never return (or raise) with a write in flight: the caller may close the fd next.
+            if pending is not None:
+                pending.exception() if sys.exc_info()[0] else pending.result()
         if pos != offset + nbytes:
             raise InvalidModel(f"payload is shorter ({pos - offset} bytes) than its declared {nbytes} bytes")
         self.bytes_in += nbytes
@@ -118,6 +134,10 @@ class BlobWriter:
         self.end = offset + nbytes
         self.bytes_written += nbytes
         return entry
+
+    def _consume(self, digest, data: bytes, pos: int) -> None:
+        digest.update(data)
+        self._pwrite_all(memoryview(data), pos)
 
     def _pwrite_all(self, data: memoryview, pos: int) -> None:
         try:

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,10 +18,11 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from ...atomic import OutputTransaction
-from ...blob import PlannedTensor, SafetensorsBlob
-from ...errors import InvalidModel
+from ...blob import BlobEntry, PlannedTensor
+from ...errors import InvalidModel, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
+from ...pipeline import BlobPayload, PreparedModel, write_models
 from ...report import ConversionReport
 from ...tensors import ElementwiseSource, PayloadSource, bf16_to_fp32, fp16_to_fp32
 from . import dtypes
@@ -114,7 +114,8 @@ def _read_wire(ref: TensorRef) -> bytes:
     return b"".join(parts)
 
 
-def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
+def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+    """scan + fold + plan: everything but writing. Holds the skeleton, never a payload."""
     report = ConversionReport(model=str(src), format="onnx")
     skeleton, refs = scan_model(src)
     model = load_skeleton(skeleton, src)
@@ -124,16 +125,6 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
     if not options.keep_packed:
         folded, report.ops_removed = fold_fp16_casts(model, sites)
     placements = plan(refs, sites, folded, shape_tensor_names(model), options)
-    external = [p for p in placements if p.external]
-
-    blob_name = options.blob_name or f"{src.stem}.weights.safetensors"
-    blob_path = resolve_inside(out_dir, blob_name, "blob")
-    if blob_path.name == src.name or blob_path == (out_dir / src.name).resolve():
-        raise InvalidModel(f"blob name {blob_name!r} would overwrite the model file", src)
-    if external:
-        blob_path.parent.mkdir(parents=True, exist_ok=True)
-        _write_blob(tx.new_file(blob_path), external, blob_name, options, report)
-        report.outputs.append(str(blob_path))
 
     for p in placements:
         if p.fold or (p.ref.typed and not options.keep_packed):
@@ -145,33 +136,35 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
             report.inline_kept_bytes += p.out_nbytes
             keep_wire = p.ref.typed and options.keep_packed
             _set_inline(p, _read_wire(p.ref) if keep_wire else None)
-    out_model = out_dir / src.name
-    tmp = tx.new_file(out_model)
-    with open(tmp, "wb") as f:
-        f.write(model.SerializeToString())
-    report.outputs.insert(0, str(out_model))
-    return report
+
+    placed: list[tuple[onnx.TensorProto, BlobEntry]] = []
+    payloads = [BlobPayload(PlannedTensor(p.site.name, dtypes.NAMES.get(dtypes.FLOAT if p.fold else p.ref.data_type,
+                                                                       "uint8"), p.ref.dims, p.out_nbytes),
+                            p.source, p.ref.nbytes_in, lambda entry, t=p.site.tensor: placed.append((t, entry)))
+                for p in placements if p.external]
+
+    def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
+        for tensor, entry in placed:
+            _set_external(tensor, blob_location, entry.offset, entry.nbytes)
+        out_model = out_dir / src.name
+        tmp = tx.new_file(out_model)
+        with open(tmp, "wb") as f:
+            f.write(model.SerializeToString())
+        return [out_model]
+
+    return PreparedModel(report, payloads, emit)
 
 
-def _write_blob(tmp: Path, external: list[Placement], location: str, options: ConvertOptions,
-                report: ConversionReport) -> None:
-    planned = [PlannedTensor(p.site.name, dtypes.NAMES.get(dtypes.FLOAT if p.fold else p.ref.data_type, "uint8"),
-                             p.ref.dims, p.out_nbytes) for p in external]
-    fd = os.open(tmp, os.O_RDWR)
-    try:
-        blob = SafetensorsBlob(fd, planned, options.align)
-        if options.progress_total is not None:
-            options.progress_total(sum(t.nbytes for t in planned))
-        for p, t in zip(external, planned):
-            entry = blob.add(t, p.source, progress=options.progress)
-            _set_external(p.site.tensor, location, entry.offset, entry.nbytes)
-            report.tensors_moved += 1
-            report.bytes_in += p.ref.nbytes_in
-            report.bytes_out += p.out_nbytes
-            if entry.duplicate:
-                report.deduplicated += 1
-                report.deduplicated_bytes += entry.nbytes
-        report.blob_bytes = blob.finish()
-        report.bytes_written = blob.bytes_written
-    finally:
-        os.close(fd)
+def blob_target(src: Path, out_dir: Path, blob_name: str | None) -> tuple[str, Path]:
+    name = blob_name or f"{src.stem}.weights.safetensors"
+    path = resolve_inside(out_dir, name, "blob")
+    if path == (out_dir / src.name).resolve():
+        raise UsageError(f"blob name {name!r} would overwrite the model file", src)
+    return name, path
+
+
+def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
+    blob_name, blob_path = blob_target(src, out_dir, options.blob_name)
+    prepared = prepare(src, out_dir, options)
+    write_models([prepared], out_dir, blob_name, blob_path, options, tx)
+    return prepared.report
