@@ -183,3 +183,11 @@ def test_damaged_models_fail_cleanly(cut, flips):
 @given(cut=st.integers(0, len(_SPARSE_SEED)), flips=_FLIPS)
 def test_damaged_sparse_models_fail_cleanly(cut, flips):
     _convert_damaged(_SPARSE_SEED, cut, flips, ConvertOptions(unpack=frozenset({"sparse"})))
+
+
+def test_unpack_values(tmp_path):
+    src = _small_model().save(tmp_path / "m.tflite")
+    with pytest.raises(UsageError, match="unknown --unpack"):
+        convert(src, tmp_path / "a", ConvertOptions(unpack=frozenset({"bogus"})))
+    report = convert(src, tmp_path / "b", ConvertOptions(unpack=frozenset({"int8"})))
+    assert any("int8" in n for n in report.notes) and report.ops_removed == 1

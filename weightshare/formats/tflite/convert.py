@@ -259,9 +259,11 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> Conve
         graph = flatbuf.read_graph(reader, mapping)
     validate(graph, len(refs), path)
     report = ConversionReport(model=path, format="tflite")
-    unknown = set(options.unpack) - {"sparse"}
+    unknown = set(options.unpack) - {"sparse", "int8"}
     if unknown:
-        raise Unsupported(f"--unpack {', '.join(sorted(unknown))} is not supported for TFLite (only 'sparse')", src)
+        raise UsageError(f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse')", src)
+    if "int8" in options.unpack:
+        report.notes.append("--unpack int8 is not implemented for TFLite: int8 DEQUANTIZE ops were kept")
     sources: list = [ref.source(path) if ref.nbytes else None for ref in refs]
     read_external_buffers(graph, src, sources)
     detached: set[int] = set()
