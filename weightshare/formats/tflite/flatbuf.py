@@ -1,16 +1,16 @@
-"""A bounds-checked view of a TFLite flatbuffer, over mmap, that copies no payload.
+"""A bounds-checked scan of a TFLite flatbuffer that copies no payload.
 
 The generated schema code (``ai_edge_litert.schema_py_generated``) trusts every
 offset it reads, and its object API copies each ``Buffer.data`` vector into a
-numpy array. So the buffers table, which holds the weights, is read here: each
-``Buffer`` becomes a ``BufferRef`` that only says where its bytes are. Every
-uoffset, vtable and vector length is checked against the file size before it
-is followed, so a hostile or truncated file gives ``InvalidModel``, never a
-read past the end or an allocation sized by the file.
+numpy array. So the buffers table, which holds the weights, is read here with
+``pread``: each ``Buffer`` becomes a ``BufferRef`` that only says where its
+bytes are. Every uoffset, vtable and vector length is checked against the file
+size before it is followed, so a hostile or truncated file gives
+``InvalidModel``, never a read past the end or an allocation sized by the file.
 
 The rest of the model (graphs, operator codes, signatures: kilobytes) goes
-through the schema's object API, with the buffers hidden from it, and any
-exception it raises on a malformed table is turned into ``InvalidModel``.
+through the schema's object API over a read-only mapping, with the buffers
+hidden from it; any exception it raises on a malformed table becomes ``InvalidModel``.
 """
 
 from __future__ import annotations
