@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 
 from .atomic import OutputTransaction, clean_stale_temporaries
-from .errors import OutputError, UsageError
+from .errors import OutputError, Unsupported, UsageError
 from .formats import converter, detect_format
 from .options import ConvertOptions
-from .report import ConversionReport
+from .paths import resolve_inside
+from .pipeline import write_models
+from .report import ConversionReport, ZooReport
 
 
 def peak_rss_mib() -> float:
@@ -51,6 +53,89 @@ def convert(model: str | os.PathLike, out_dir: str | os.PathLike, options: Conve
     report.wall_time_s = round(time.perf_counter() - start, 3)
     report.peak_rss_mib = round(peak_rss_mib(), 1)
     return report
+
+
+ZOO_MARKER = ".weightshare-zoo.json"
+MODEL_SUFFIXES = (".onnx", ".tflite", ".mlpackage")
+
+
+def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
+    """Files as given; directories by their models (sorted); unexpanded globs expanded."""
+    import glob
+
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir() and path.suffix != ".mlpackage":
+            found += sorted(p for p in path.iterdir() if p.suffix in MODEL_SUFFIXES)
+        elif not path.exists() and glob.has_magic(str(item)):
+            found += sorted(Path(p) for p in glob.glob(str(item)))
+        else:
+            found.append(path)
+    return found
+
+
+def convert_zoo(models: list[str | os.PathLike], out_dir: str | os.PathLike, shared_blob: str,
+                options: ConvertOptions | None = None) -> ZooReport:
+    """Convert many models into ``out_dir`` so that all of them reference one blob, ``out_dir/shared_blob``.
+
+    Each distinct payload (same bytes after unpacking) is stored once. The whole
+    OUTDIR is built beside the old one and swapped in atomically, so re-running over a
+    changed zoo rewrites the blob and every model, and readers see either the old
+    complete OUTDIR or the new one.
+    """
+    import json
+
+    options = options or ConvertOptions()
+    sources = expand_inputs(models)
+    if not sources:
+        raise UsageError("no models to convert")
+    names = [s.name for s in sources]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise UsageError(f"two inputs share the file name {dupes[0]!r}; their outputs would collide")
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not (out / ZOO_MARKER).exists():
+        raise UsageError("output directory is not empty and was not written by --shared-blob; "
+                         "choose an empty or new directory", out)
+    for s in sources:
+        if s.resolve().parent == out.resolve():
+            raise UsageError("an input lies in the output directory, which is replaced as a whole", s)
+    prepare_out_dir(out.parent if str(out.parent) else Path("."))
+    start = time.perf_counter()
+    with OutputTransaction() as tx:
+        stage = tx.new_dir(out)
+        blob_path = resolve_inside(stage, shared_blob, "shared blob")
+        prepared = [prepare_for_blob(src, stage, options) for src in sources]
+        stems = [src.stem for src in sources]
+        for p, stem in zip(prepared, stems):
+            p.name_prefix = f"{stem}/" if len(prepared) > 1 else ""
+        write_models(prepared, stage, shared_blob, blob_path, options, tx)
+        report = ZooReport(blob=str(out / shared_blob), models=[p.report for p in prepared],
+                           blob_bytes=prepared[0].report.blob_bytes)
+        for m in report.models:
+            m.outputs = [str(out / Path(o).resolve().relative_to(stage.resolve())) for o in m.outputs]
+        (stage / ZOO_MARKER).write_text(json.dumps({"blob": shared_blob, "models": names}, indent=1) + "\n")
+    report.wall_time_s = round(time.perf_counter() - start, 3)
+    report.peak_rss_mib = round(peak_rss_mib(), 1)
+    for m in report.models:
+        m.wall_time_s, m.peak_rss_mib = report.wall_time_s, report.peak_rss_mib
+    return report
+
+
+def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions):
+    """A format's prepare step for a shared blob (ONNX; TFLite with --external)."""
+    fmt = detect_format(src)
+    if fmt == "onnx":
+        from .formats.onnx.convert import prepare
+    elif fmt == "tflite" and options.external:
+        from .formats.tflite.convert import prepare
+    elif fmt == "tflite":
+        raise UsageError("TFLite models join a shared blob only with --external", src)
+    else:
+        raise Unsupported("Core ML models keep their weights in the package's weight.bin; "
+                          "use `weightshare merge` to share weights between Core ML models", src)
+    return prepare(src, out_dir, options)
 
 
 def merge(sources: list[str | os.PathLike], out: str | os.PathLike, function_names: list[str] | None = None,

@@ -10,6 +10,7 @@ the ones a killed process left behind.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import secrets
 import shutil
@@ -58,6 +59,16 @@ def clean_stale_temporaries(directory: Path) -> list[Path]:
     return removed
 
 
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
 class OutputTransaction:
     """Collects temporary outputs and renames them into place together.
 
@@ -99,10 +110,11 @@ class OutputTransaction:
         return tmp
 
     def commit(self) -> None:
-        """Rename every temporary into place, files in the order they were created.
+        """Rename every temporary into place: files in the order they were created, then directories.
 
         A model file should be created after the blob it references, so a reader
-        never sees a model whose blob is not there yet.
+        never sees a model whose blob is not there yet. Files inside a staged
+        directory are renamed within it before the directory itself moves.
         """
         mode_file = 0o666 & ~_umask()
         try:
@@ -111,8 +123,14 @@ class OutputTransaction:
                     with open(tmp, "rb+") as f:
                         os.fsync(f.fileno())
                     os.chmod(tmp, mode_file)
-            for tmp, final, is_dir in self._pending:
+            # Files first (some live inside a staged directory), then directories, innermost last-created first.
+            files = [p for p in self._pending if not p[2]]
+            dirs = [p for p in reversed(self._pending) if p[2]]
+            for tmp, final, is_dir in files + dirs:
                 if is_dir and final.is_dir() and not final.is_symlink():
+                    if _exchange(tmp, final):  # one atomic step: readers see the old or the new tree
+                        shutil.rmtree(tmp, ignore_errors=True)
+                        continue
                     trash = self._tmp_name(final)
                     os.replace(final, trash)
                     os.replace(tmp, final)

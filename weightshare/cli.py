@@ -90,6 +90,20 @@ def render_report(r: ConversionReport) -> None:
     out.print(t)
 
 
+def render_zoo(z) -> None:
+    t = Table(title=f"{len(z.models)} models -> {z.blob}", title_justify="left")
+    for col in ("model", "payloads", "bytes in", "after unpacking", "new unique bytes", "deduplicated"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    for m in z.models:
+        t.add_row(Path(m.model).name, str(m.tensors_moved), _mib(m.bytes_in), _mib(m.bytes_out),
+                  _mib(m.bytes_written), str(m.deduplicated))
+    t.add_row("total", str(sum(m.tensors_moved for m in z.models)), _mib(z.bytes_in), _mib(z.bytes_out),
+              _mib(z.bytes_written), str(sum(m.deduplicated for m in z.models)), style="bold")
+    out.print(t)
+    out.print(f"blob {_mib(z.blob_bytes)}; dedupe ratio {z.dedupe_ratio:.2f}x; "
+              f"{z.wall_time_s:.2f} s, peak RSS {z.peak_rss_mib:.0f} MiB")
+
+
 @app.command()
 def convert(
     models: List[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
@@ -107,6 +121,10 @@ def convert(
                                         "--align applies; smaller payloads are 64-byte aligned."),
     inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold", help="Payloads smaller than this "
                                          "stay inside the model file."),
+    shared_blob: Optional[str] = typer.Option(None, "--shared-blob", help="Zoo mode: every model in OUTDIR "
+                                              "references this one blob; identical payloads are stored once. "
+                                              "OUTDIR is rebuilt as a whole and swapped in atomically. TFLite "
+                                              "models join with --external."),
     as_json: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bar."),
 ) -> None:
@@ -117,16 +135,29 @@ def convert(
     Outputs appear all together or not at all.
     """
     reports = []
+
+    def options(update=None, total=None) -> ConvertOptions:
+        return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
+                              inline_threshold=inline_threshold, keep_packed=keep_packed, unpack=frozenset(unpack),
+                              blob_name=blob, external=external, progress=update, progress_total=total)
+
     with user_errors():
+        if shared_blob is not None:
+            if blob is not None:
+                fail("--blob and --shared-blob exclude each other")
+            with progress_bar(not quiet, "zoo") as (update, total):
+                zoo = api.convert_zoo(models, output, shared_blob, options(update, total))
+            if as_json:
+                print(json.dumps(zoo.to_dict(), indent=2))
+            else:
+                render_zoo(zoo)
+            return
+        models = api.expand_inputs(models)
         if blob is not None and len(models) > 1:
-            fail("--blob names one model's blob; with several models leave it out")
+            fail("--blob names one model's blob; with several models use --shared-blob or leave it out")
         for model in models:
             with progress_bar(not quiet, model.name) as (update, total):
-                opts = ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
-                                      inline_threshold=inline_threshold, keep_packed=keep_packed,
-                                      unpack=frozenset(unpack), blob_name=blob, external=external,
-                                      progress=update, progress_total=total)
-                reports.append(api.convert(model, output, opts))
+                reports.append(api.convert(model, output, options(update, total)))
     if as_json:
         payload = [r.to_dict() for r in reports]
         print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))

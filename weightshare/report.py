@@ -36,3 +36,37 @@ class ConversionReport:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass
+class ZooReport:
+    """Many models, one blob: per-model reports and the totals that show the dedupe."""
+
+    blob: str
+    models: list[ConversionReport] = field(default_factory=list)
+    blob_bytes: int = 0
+    wall_time_s: float = 0.0
+    peak_rss_mib: float = 0.0
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(m.bytes_in for m in self.models)
+
+    @property
+    def bytes_out(self) -> int:
+        return sum(m.bytes_out for m in self.models)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(m.bytes_written for m in self.models)
+
+    @property
+    def dedupe_ratio(self) -> float:
+        """Payload bytes referenced by the models / unique bytes stored."""
+        return self.bytes_out / self.bytes_written if self.bytes_written else 1.0
+
+    def to_dict(self) -> dict:
+        return {"blob": self.blob, "blob_bytes": self.blob_bytes, "bytes_in": self.bytes_in,
+                "bytes_out": self.bytes_out, "bytes_written": self.bytes_written,
+                "dedupe_ratio": round(self.dedupe_ratio, 4), "wall_time_s": self.wall_time_s,
+                "peak_rss_mib": self.peak_rss_mib, "models": [m.to_dict() for m in self.models]}

@@ -1,0 +1,125 @@
+"""Zoo mode: many models, one deduplicated blob."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto as T, helper as h, numpy_helper as nh
+from safetensors import safe_open
+
+import weightshare
+from weightshare.api import convert_zoo
+from weightshare.blob import read_safetensors_metadata
+
+DIM = 256
+
+
+def weights(seed: int, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((DIM, DIM)) / 16).astype(np.float16) for _ in range(n)]
+
+
+def mlp(path: Path, ws: list[np.ndarray], fp16: bool, batch: int) -> Path:
+    """x[batch, DIM] through MatMuls; fp16 weights behind Cast, or the same values stored as fp32."""
+    nodes, inits, x = [], [], "x"
+    for i, w in enumerate(ws):
+        name = f"w{i}"
+        inits.append(nh.from_array(w if fp16 else w.astype(np.float32), name))
+        if fp16:
+            nodes.append(h.make_node("Cast", [name], [f"{name}_f"], to=T.FLOAT))
+            name = f"{name}_f"
+        y = "y" if i == len(ws) - 1 else f"h{i}"
+        nodes.append(h.make_node("MatMul", [x, name], [y]))
+        x = y
+    g = h.make_graph(nodes, "mlp", [h.make_tensor_value_info("x", T.FLOAT, [batch, DIM])],
+                     [h.make_tensor_value_info("y", T.FLOAT, [batch, DIM])], inits)
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    m.ir_version = 8
+    path.write_bytes(m.SerializeToString())
+    return path
+
+
+def run(path: Path, batch: int) -> np.ndarray:
+    x = np.random.default_rng(batch).standard_normal((batch, DIM)).astype(np.float32)
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+def make_zoo(d: Path) -> dict[str, tuple[Path, int]]:
+    shared = weights(0, 3)
+    return {
+        "a_fp16_b1": (mlp(d / "a_fp16_b1.onnx", shared, fp16=True, batch=1), 1),
+        "b_fp32_b4": (mlp(d / "b_fp32_b4.onnx", shared, fp16=False, batch=4), 4),
+        "c_extra_b8": (mlp(d / "c_extra_b8.onnx", shared + weights(1, 1), fp16=True, batch=8), 8),
+    }
+
+
+def test_three_models_share_one_blob(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    zoo = make_zoo(src)
+    report = convert_zoo([p for p, _ in zoo.values()], tmp_path / "out", "zoo.safetensors")
+    blob = tmp_path / "out" / "zoo.safetensors"
+
+    for name, (path, batch) in zoo.items():
+        out = tmp_path / "out" / path.name
+        onnx.checker.check_model(str(out), full_check=True)
+        assert np.array_equal(run(path, batch), run(out, batch)), name
+        locations = {e.value for t in onnx.load(str(out), load_external_data=False).graph.initializer
+                     for e in t.external_data if e.key == "location"}
+        assert locations == {"zoo.safetensors"}
+
+    # 4 distinct fp32 payloads (3 shared + 1 extra) of DIM*DIM*4 bytes, whatever the models stored them as
+    unique = 4 * DIM * DIM * 4
+    assert report.bytes_written == unique
+    assert report.bytes_out == (3 + 3 + 4) * DIM * DIM * 4
+    data_start, header, meta = read_safetensors_metadata(str(blob))
+    payload = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if not k.startswith("__pad"))
+    padding = sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k.startswith("__pad"))
+    assert payload == unique
+    assert all(v["shape"][0] < 65536 for k, v in header.items() if k.startswith("__pad"))
+    assert blob.stat().st_size == data_start + payload + padding
+    with safe_open(str(blob), "np") as f:
+        for key in f.keys():
+            if not key.startswith("__pad"):
+                assert hashlib.sha256(f.get_tensor(key).tobytes()).hexdigest() == meta[key]["sha256"]
+    assert [m.deduplicated for m in report.models] == [0, 3, 3]
+
+
+def test_rerun_with_a_model_added_rebuilds_a_complete_outdir(tmp_path, cli):
+    src = tmp_path / "src"
+    src.mkdir()
+    zoo = make_zoo(src)
+    out = tmp_path / "out"
+    first = [str(p) for p, _ in list(zoo.values())[:2]]
+    assert cli("convert", *first, "-o", out, "--shared-blob", "zoo.safetensors").returncode == 0
+    res = cli("convert", src, "-o", out, "--shared-blob", "zoo.safetensors", "--json")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert len(report["models"]) == 3 and report["dedupe_ratio"] == 2.5
+    assert sorted(p.name for p in out.iterdir()) == [".weightshare-zoo.json", "a_fp16_b1.onnx", "b_fp32_b4.onnx",
+                                                    "c_extra_b8.onnx", "zoo.safetensors"]
+    for path, batch in zoo.values():
+        assert np.array_equal(run(path, batch), run(out / path.name, batch))
+
+
+def test_zoo_refuses_a_foreign_nonempty_outdir(tmp_path, cli):
+    src = tmp_path / "src"
+    src.mkdir()
+    zoo = make_zoo(src)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    res = cli("convert", src, "-o", out, "--shared-blob", "zoo.safetensors")
+    assert res.returncode == 2 and "not empty" in res.stderr
+    assert (out / "precious.txt").read_text() == "keep me"
+
+
+def test_single_model_api_still_writes_its_own_blob(tmp_path):
+    path, _ = make_zoo(tmp_path)["a_fp16_b1"]
+    report = weightshare.convert(path, tmp_path / "one")
+    assert report.outputs[1].endswith("a_fp16_b1.weights.safetensors")
