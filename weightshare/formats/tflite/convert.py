@@ -173,6 +173,13 @@ def _inline_buffers(plans: list[BufferPlan]) -> list:
     return buffers
 
 
+def _open_output(tmp: Path) -> int:
+    try:
+        return os.open(tmp, os.O_WRONLY)
+    except OSError as e:
+        raise OutputError(f"cannot open output file: {e.strerror}", tmp) from None
+
+
 def _account(report: ConversionReport, plan: BufferPlan, entry) -> None:
     report.tensors_moved += 1
     report.bytes_in += plan.unpacked_from or plan.source.nbytes
@@ -193,7 +200,7 @@ def write_appended(graph, plans: list[BufferPlan], options: ConvertOptions, tmp:
         buffers[p.index] = schema.BufferT(offset=_PLACEHOLDER, size=_PLACEHOLDER)
     graph.buffers = buffers
     size = len(_build(graph))
-    fd = os.open(tmp, os.O_WRONLY)
+    fd = _open_output(tmp)
     try:
         writer = BlobWriter(fd, size, options.align)
         for p in moved:
@@ -225,7 +232,7 @@ def write_external(graph, plans: list[BufferPlan], options: ConvertOptions, out_
     moved = [p for p in plans if p.source is not None and not p.inline]
     planned = {p.index: PlannedTensor(p.name, p.dtype, p.shape, p.source.nbytes) for p in moved}
     blob_tmp = tx.new_file(final)  # created before the model, so committed before it
-    fd = os.open(blob_tmp, os.O_WRONLY)
+    fd = _open_output(blob_tmp)
     try:
         blob = SafetensorsBlob(fd, list(planned.values()), options.align)
         externals = []
