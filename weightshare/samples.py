@@ -14,8 +14,8 @@ import numpy as np
 
 
 def mlp_onnx(path: str | os.PathLike, layers: int = 12, dim: int = 2048, weights: str = "float16",
-             external: bool = False, seed: int = 0) -> Path:
-    """Write an MLP: x[1, dim] -> (MatMul W_i -> Add b_i -> Relu) x layers -> y.
+             external: bool = False, seed: int = 0, batch: int = 1) -> Path:
+    """Write an MLP: x[batch, dim] -> (MatMul W_i -> Add b_i -> Relu) x layers -> y.
 
     Args:
         weights: "float16" (fp16 initializers, each behind Cast(to=FLOAT)) or "float32".
@@ -60,8 +60,8 @@ def mlp_onnx(path: str | os.PathLike, layers: int = 12, dim: int = 2048, weights
     finally:
         if data is not None:
             data.close()
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, dim])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, dim])], inits)
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, dim])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, dim])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="weightshare-sample")
     model.ir_version = 8
     with open(path, "wb") as f:

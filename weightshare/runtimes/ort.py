@@ -74,12 +74,32 @@ def _probe(model_path: str, counts: list[int], share: bool) -> list[dict]:
     return rows
 
 
+def _probe_models(model_paths: list[str], share: bool) -> list[dict]:
+    """In this process: one session of each model, memory after each."""
+    rows, sessions = [], []
+    for i, path in enumerate(model_paths):
+        session = new_session(path, share)
+        session.run(None, random_feeds(session))
+        sessions.append(session)
+        rows.append({"models": i + 1, **memory_now()})
+    return rows
+
+
+def measure_models(model_paths: list[str], share: bool = True) -> list[dict]:
+    """Memory of one session of each model, all in one fresh process (zoo sharing)."""
+    return _in_child("_probe_models", [model_paths, share])
+
+
+def _in_child(func: str, args: list) -> list[dict]:
+    code = (f"import json, sys; from weightshare.runtimes.ort import {func}; "
+            f"print(json.dumps({func}(*json.loads(sys.argv[1]))))")
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = res.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"onnxruntime probe failed: {tail[0]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def measure_sessions(model_path: str, counts: list[int], share: bool = True) -> list[dict]:
     """Memory of 1..N ONNX Runtime sessions of ``model_path``, in a fresh process."""
-    code = ("import json, sys; from weightshare.runtimes.ort import _probe; "
-            "print(json.dumps(_probe(sys.argv[1], json.loads(sys.argv[2]), sys.argv[3] == '1')))")
-    res = subprocess.run([sys.executable, "-c", code, model_path, json.dumps(sorted(counts)), "1" if share else "0"],
-                         capture_output=True, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(f"onnxruntime probe failed: {res.stderr.strip().splitlines()[-1:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return _in_child("_probe", [model_path, sorted(counts), share])
