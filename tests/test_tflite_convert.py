@@ -262,3 +262,16 @@ def test_golden_layout_of_a_single_weight(tmp_path):
     assert offset - len(data[:offset].rstrip(b"\0")) < 64 + 16
     assert data[offset:offset + size] == w16.astype("<f4").tobytes()
     assert data[offset + size:] == bytes(16) and len(data) == offset + size + 16
+
+
+def test_zoo_shares_one_external_blob(tmp_path):
+    """Two models with the same weights (one with fp16 + DEQUANTIZE folded) store those weights once."""
+    from weightshare.api import convert_zoo
+
+    a = sample_model(tmp_path / "a.tflite", seed=0, fc_out=64)
+    b = sample_model(tmp_path / "b.tflite", seed=0, fc_out=64)
+    report = convert_zoo([a, b], tmp_path / "zoo", "shared.safetensors", ConvertOptions(external=True))
+    first, second = report.models
+    assert first.bytes_written > 0 and second.bytes_written == 0 and second.deduplicated == second.tensors_moved
+    for src in (a, b):
+        assert_same_outputs(run_compiled(src), run_compiled(tmp_path / "zoo" / src.name))

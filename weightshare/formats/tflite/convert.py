@@ -23,10 +23,11 @@ from pathlib import Path
 import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
-from ...blob import BlobWriter, PlannedTensor, SafetensorsBlob
+from ...blob import BlobEntry, BlobWriter, PlannedTensor
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
+from ...pipeline import BlobPayload, PreparedModel, write_models
 from ...report import ConversionReport
 from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32
 from . import flatbuf
@@ -217,48 +218,29 @@ def write_appended(graph, plans: list[BufferPlan], options: ConvertOptions, tmp:
     report.blob_bytes = end - size
 
 
-def write_external(graph, plans: list[BufferPlan], options: ConvertOptions, out_dir: Path, model_name: str,
-                   tx, report: ConversionReport) -> Path:
-    """Payloads in a safetensors blob beside the model, referenced through ExternalBuffer groups.
+def _emit_external(graph, plans: list[BufferPlan], entries: dict[int, BlobEntry], blob_location: str) -> None:
+    """Point every tensor of a moved buffer at an ExternalBuffer in the blob's group.
 
     LiteRT's weight loader joins the group name to the model's directory and maps
     ``offset`` (absolute in the group file) .. ``offset + length``; tensors name
     their ExternalBuffer by ``id`` (0 means none), groups are indexed by position.
     """
-    blob_name = options.blob_name or f"{Path(model_name).stem}.weights.safetensors"
-    if resolve_inside(out_dir, blob_name, "blob") == (out_dir / model_name).resolve():
-        raise UsageError(f"blob name {blob_name!r} would overwrite the model", out_dir)
-    final = out_dir / blob_name
-    moved = [p for p in plans if p.source is not None and not p.inline]
-    planned = {p.index: PlannedTensor(p.name, p.dtype, p.shape, p.source.nbytes) for p in moved}
-    blob_tmp = tx.new_file(final)  # created before the model, so committed before it
-    fd = _open_output(blob_tmp)
-    try:
-        blob = SafetensorsBlob(fd, list(planned.values()), options.align)
-        externals = []
-        for p in moved:
-            entry = blob.add(planned[p.index], p.source, progress=options.progress)
-            externals.append(schema.ExternalBufferT(id=len(externals) + 1, group=0, offset=entry.offset,
-                                                    length=entry.nbytes))
-            _account(report, p, entry)
-        report.blob_bytes = blob.finish()
-    finally:
-        os.close(fd)
-    ids = {p.index: e.id for p, e in zip(moved, externals)}
+    moved = [p.index for p in plans if p.index in entries]
+    ids = {index: k + 1 for k, index in enumerate(moved)}
+    externals = [schema.ExternalBufferT(id=ids[i], group=0, offset=entries[i].offset, length=entries[i].nbytes)
+                 for i in moved]
     for sg in graph.subgraphs:
         for t in sg.tensors or []:
             if t.buffer in ids:
-                t.externalBuffer = ids[t.buffer]
-                t.buffer = 0
+                t.externalBuffer, t.buffer = ids[t.buffer], 0
     graph.buffers = _inline_buffers(plans)
     if externals:
-        graph.externalBufferGroups = [schema.ExternalBufferGroupT(name=blob_name)]
+        graph.externalBufferGroups = [schema.ExternalBufferGroupT(name=blob_location)]
         graph.externalBuffers = externals
-    report.outputs.append(str(final))
-    return final
 
 
-def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> ConversionReport:
+def scan_and_plan(src: Path, options: ConvertOptions) -> tuple["schema.ModelT", list[BufferPlan], ConversionReport]:
+    """scan + fold + plan: the rewritten graph and where each buffer goes. Reads no payload (but sparse ones)."""
     path = str(src)
     with flatbuf.open_model(path) as (reader, mapping):
         flatbuf.check_header(reader)
@@ -297,21 +279,49 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> Conve
         if p.source is not None and p.inline:
             report.inline_kept += 1
             report.inline_kept_bytes += p.source.nbytes
-    total = getattr(options, "progress_total", None)
-    if total is not None:
-        total(sum(p.source.nbytes for p in plans if p.source is not None and not p.inline))
-    final = out_dir / src.name
-    if options.external:
-        write_external(graph, plans, options, out_dir, src.name, tx, report)
+    return graph, plans, report
+
+
+def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+    """``--external`` (and zoo mode): payloads go to a shared safetensors blob, the model references them."""
+    graph, plans, report = scan_and_plan(src, options)
+    entries: dict[int, BlobEntry] = {}
+    payloads = [BlobPayload(PlannedTensor(p.name, p.dtype, p.shape, p.source.nbytes), p.source,
+                            p.unpacked_from or p.source.nbytes,
+                            lambda entry, index=p.index: entries.__setitem__(index, entry))
+                for p in plans if p.source is not None and not p.inline]
+
+    def emit(blob_location: str, tx) -> list[Path]:
+        _emit_external(graph, plans, entries, blob_location)
+        final = out_dir / src.name
         tmp = tx.new_file(final)
-        model = _build(graph)
         try:
-            with open(tmp, "wb") as f:
-                f.write(model)
+            Path(tmp).write_bytes(_build(graph))
         except OSError as e:
             raise OutputError(f"cannot write the model: {e.strerror}", final) from None
-    else:
-        tmp = tx.new_file(final)
-        write_appended(graph, plans, options, tmp, report)
-    report.outputs.insert(0, str(final))
+        return [final]
+
+    return PreparedModel(report, payloads, emit)
+
+
+def blob_target(src: Path, out_dir: Path, blob_name: str | None) -> tuple[str, Path]:
+    name = blob_name or f"{src.stem}.weights.safetensors"
+    path = resolve_inside(out_dir, name, "blob")
+    if path == (out_dir / src.name).resolve():
+        raise UsageError(f"blob name {name!r} would overwrite the model", out_dir)
+    return name, out_dir / name
+
+
+def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> ConversionReport:
+    if options.external:
+        blob_name, blob_path = blob_target(src, out_dir, options.blob_name)
+        prepared = prepare(src, out_dir, options)
+        write_models([prepared], out_dir, blob_name, blob_path, options, tx)
+        return prepared.report
+    graph, plans, report = scan_and_plan(src, options)
+    if options.progress_total is not None:
+        options.progress_total(sum(p.source.nbytes for p in plans if p.source is not None and not p.inline))
+    final = out_dir / src.name
+    write_appended(graph, plans, options, tx.new_file(final), report)
+    report.outputs.append(str(final))
     return report
