@@ -1,11 +1,14 @@
 """``weightshare convert MODEL.tflite``: scan -> plan -> write -> emit.
 
 scan: ``flatbuf`` locates every buffer's bytes and reads the graph without them.
-plan: ``graph`` folds fp16 DEQUANTIZE; each output buffer is then empty, inline
-(below the inline threshold, and metadata buffers) or moved.
-write: moved payloads stream through the shared ``BlobWriter``, appended after
-the flatbuffer (default) or into a safetensors blob (``--external``).
-emit: the flatbuffer is rebuilt from the schema object API.
+plan: ``sparse`` (opt-in) and ``graph`` fold DENSIFY and fp16 DEQUANTIZE; each
+output buffer is then empty, inline (below the inline threshold, and metadata
+buffers) or moved.
+write + emit, default: moved payloads stream through the shared ``BlobWriter``,
+appended after the flatbuffer, which is rebuilt from the schema object API.
+write + emit, ``--external``: ``prepare`` hands the payloads to the shared
+pipeline (``weightshare.pipeline``), which also serves zoo mode (one blob for
+many models); ``emit`` points tensors at ExternalBuffers in the blob.
 
 Appending needs the flatbuffer's size before the first payload offset is known:
 the model is built once with placeholder offsets, which makes every moved
