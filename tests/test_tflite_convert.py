@@ -275,3 +275,24 @@ def test_zoo_shares_one_external_blob(tmp_path):
     assert first.bytes_written > 0 and second.bytes_written == 0 and second.deduplicated == second.tensors_moved
     for src in (a, b):
         assert_same_outputs(run_compiled(src), run_compiled(tmp_path / "zoo" / src.name))
+
+
+def test_dequantize_with_other_output_shape_is_kept(tmp_path):
+    """A [] output is broadcast as a scalar by LiteRT; folding would change the result, so the op stays."""
+    mb = ModelBuilder()
+    g = mb.subgraph("g")
+    x = g.input("x", [1, 512])
+    w16 = g.const("w_fp16", np.linspace(-2, 2, 512).astype(np.float16).reshape(1, 512))
+    w = g.tensor("w", [], "float32")
+    g.op(OP.DEQUANTIZE, [w16], [w])
+    y = g.tensor("y", [1, 512], "float32")
+    g.op(OP.ADD, [x, w], [y], s.BuiltinOptions.AddOptions, s.AddOptionsT())
+    g.outputs = [y]
+    mb.signature("g", g)
+    src = mb.save(tmp_path / "m.tflite")
+    report = convert(src, tmp_path / "out")
+    assert report.ops_removed == 0 and any("shape" in n for n in report.notes)
+    inputs = {"g": {"x": np.ones((1, 512), np.float32)}}
+    for resolver in RESOLVERS:
+        assert_same_outputs(run_interpreter(src, resolver, inputs),
+                            run_interpreter(tmp_path / "out" / src.name, resolver, inputs))

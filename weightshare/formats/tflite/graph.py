@@ -160,9 +160,11 @@ def plan_fp16_folds(graph: "schema.ModelT", sizes: list[int], path: str) -> tupl
             if count is None or payload != 2 * count:
                 raise InvalidModel(f"{where}: fp16 payload has {payload} bytes, but its shape "
                                    f"{_indices(src.shape)} needs {2 * (count or 0)}", path)
-            if element_count(dst) != count:
-                raise InvalidModel(f"{where}: output shape {_indices(dst.shape)} does not match input shape "
-                                   f"{_indices(src.shape)}", path)
+            if _indices(dst.shape) != _indices(src.shape):
+                # LiteRT prepares consumers with the output's declared shape (a [] output is read as a scalar
+                # broadcast), so a constant with the input's shape would change results: keep the op.
+                notes.append(f"{where}: output shape {_indices(dst.shape)} differs from the input's, op kept")
+                continue
             if ins[0] in boundary or src.isVariable:
                 notes.append(f"{where}: input is also a subgraph input/output, op kept")
                 continue
