@@ -69,7 +69,10 @@ def progress_bar(enabled: bool, desc: str):
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.1f} MiB"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
 
 
 def render_report(r: ConversionReport) -> None:
@@ -190,6 +193,155 @@ def merge(
         print(json.dumps(report.to_dict(), indent=2))
     else:
         render_report(report)
+
+
+@app.command()
+def inspect(
+    model: Path = typer.Argument(..., help="An ONNX, TFLite or Core ML model."),
+    as_json: bool = typer.Option(False, "--json", help="Print the inventory as JSON."),
+    no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
+    limit: int = typer.Option(40, "--limit", help="Payload rows to show (largest first); 0 for all."),
+) -> None:
+    """Show every weight payload: where it lives, its encoding, alignment and duplicates, and what a runtime
+    copies per session."""
+    from .inventory import inventory
+
+    with user_errors():
+        inv = inventory(model, hash_payloads=not no_hash)
+    if as_json:
+        print(json.dumps(inv.to_dict(), indent=2))
+        return
+    rows = sorted(inv.payloads, key=lambda p: -p.nbytes)
+    t = Table(title=f"{inv.model} ({inv.format}, {_mib(inv.file_bytes)})", title_justify="left")
+    for col in ("payload", "dtype", "size", "where", "encoding", "align", "per session", "note"):
+        t.add_column(col, justify="right" if col in ("size", "align", "per session") else "left")
+    for p in rows[: limit or None]:
+        where = "embedded" if p.location == "embedded" else f"{p.file}@{p.offset}"
+        note = "; ".join(x for x in (p.unpacked_at_load, f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
+                                     p.problem, p.stays_inline_because) if x)
+        t.add_row(p.name, p.dtype, _mib(p.nbytes), where, p.encoding, str(p.alignment or ""),
+                  _mib(p.copied_per_session) if p.copied_per_session else "0", note)
+    out.print(t)
+    if limit and len(rows) > limit:
+        out.print(f"... {len(rows) - limit} smaller payloads not shown (--limit 0 shows all)")
+    moves = sum(1 for p in inv.payloads if p.would_move)
+    out.print(f"{len(inv.payloads)} payloads: {_mib(inv.embedded_bytes)} embedded, {_mib(inv.external_bytes)} "
+              f"external, {_mib(inv.duplicate_bytes)} duplicated. Copied per session: "
+              f"{_mib(inv.copied_per_session)}. `convert` would move {moves} payloads and unpack "
+              f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}.")
+    for note in inv.notes:
+        out.print(f"note: {note}")
+
+
+@app.command()
+def check(
+    models: List[Path] = typer.Argument(..., help="Models, directories or globs."),
+    as_json: bool = typer.Option(False, "--json", help="Print findings as JSON."),
+    inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold",
+                                         help="Embedded payloads below this size are fine."),
+) -> None:
+    """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise."""
+    from .check import check as run_check
+
+    with user_errors():
+        paths = api.expand_inputs(models)
+        if not paths:
+            fail("no models found")
+        inventories, findings = run_check(paths, inline_threshold)
+    if as_json:
+        print(json.dumps({"ok": not findings, "models": [i.model for i in inventories],
+                          "findings": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        for f in findings:
+            print(f.line())
+        if not findings:
+            print(f"ok: {len(inventories)} model(s) share-ready")
+    raise typer.Exit(1 if findings else 0)
+
+
+@app.command()
+def verify(
+    original: Path = typer.Argument(..., help="The model before conversion."),
+    converted: Path = typer.Argument(..., help="The converted model."),
+    runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
+    dim: List[str] = typer.Option([], "--dim", help="Value for a symbolic input dimension, NAME=VALUE."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Run both models in the real runtime (ONNX Runtime CPU, LiteRT) on the same random inputs; pass only when
+    every output is bit-identical and every blob payload matches its recorded SHA-256."""
+    from .verify import verify as run_verify
+
+    with user_errors():
+        dims = {}
+        for item in dim:
+            name, sep, value = item.partition("=")
+            if not sep or not value.isdigit():
+                fail(f"--dim takes NAME=VALUE with a positive integer, got {item!r}")
+            dims[name] = int(value)
+        report = run_verify(original, converted, runs, dims, seed)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        for line in report.mismatches + report.checksum_mismatches:
+            print(f"FAIL: {line}")
+        for note in report.notes:
+            print(f"note: {note}")
+        verdict = "ok" if report.passed else "FAILED"
+        print(f"{verdict}: {report.runs} runs, {report.outputs_compared} outputs compared, "
+              f"{report.payloads_hashed} blob payloads re-hashed")
+    raise typer.Exit(0 if report.passed else 1)
+
+
+@app.command()
+def bench(
+    model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
+    sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
+    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of PSS vs sessions "
+                                             "(needs matplotlib: pip install 'weightshare[plot]')."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Memory (PSS, private, shared) of 1..N sessions of the original and the converted model, each setting in a
+    fresh process."""
+    from .bench import bench as run_bench, plot
+
+    with user_errors():
+        try:
+            counts = sorted({int(x) for x in sessions.split(",") if x.strip()})
+        except ValueError:
+            fail(f"--sessions takes comma-separated integers, got {sessions!r}")
+        if plot_path is not None:
+            plot_path = plot_path.resolve()
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                fail("--plot needs matplotlib: pip install 'weightshare[plot]'")
+        status = err.status("measuring") if sys.stderr.isatty() and not as_json else None
+        if status:
+            status.start()
+        try:
+            result = run_bench(model, counts, progress=(lambda m: status.update(m)) if status else (lambda m: None))
+        finally:
+            if status:
+                status.stop()
+        if plot_path is not None:
+            plot(result, plot_path)
+            result["plot"] = str(plot_path)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    t = Table(title=f"{result['model']}: memory after N sessions in one process", title_justify="left")
+    for col in ("variant", "runtime setting", "sessions", "PSS", "private", "shared", "load s", "PSS / 1 session"):
+        t.add_column(col, justify="left" if col in ("variant", "runtime setting") else "right")
+    first = {}
+    for r in result["rows"]:
+        key = (r["variant"], r["mode"])
+        first.setdefault(key, r["pss_mib"])
+        t.add_row(r["variant"], r["mode"], str(r["sessions"]), f"{r['pss_mib']:,.1f}", f"{r['private_mib']:,.1f}",
+                  f"{r['shared_mib']:,.1f}", f"{r['load_s']:.2f}", f"{r['pss_mib'] / first[key]:.2f}x")
+    out.print(t)
+    if plot_path is not None:
+        out.print(f"plot: {plot_path}")
 
 
 @app.command()

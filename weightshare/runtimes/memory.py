@@ -60,3 +60,20 @@ def run_child_peak(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProces
 
 def self_peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def in_child(module: str, func: str, args: list):
+    """Call ``module.func(*args)`` in a fresh Python process and return its JSON result.
+
+    Memory probes run in their own process so that nothing loaded before (another
+    model, another runtime) is counted, and so that PSS is per process.
+    """
+    import json
+
+    code = (f"import json, sys; from {module} import {func}; "
+            f"print(json.dumps({func}(*json.loads(sys.argv[1]))))")
+    res = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    if res.returncode != 0:
+        tail = res.stderr.strip().splitlines()[-1:] or ["(no output)"]
+        raise RuntimeError(f"{module}.{func} failed in a child process: {tail[0]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])

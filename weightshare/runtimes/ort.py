@@ -6,11 +6,7 @@ into a private heap copy per session, which defeats any sharing (DESIGN.md 7).
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
-from .memory import memory_now
+from .memory import in_child, memory_now
 
 
 def session_options(share: bool = True):
@@ -87,19 +83,9 @@ def _probe_models(model_paths: list[str], share: bool) -> list[dict]:
 
 def measure_models(model_paths: list[str], share: bool = True) -> list[dict]:
     """Memory of one session of each model, all in one fresh process (zoo sharing)."""
-    return _in_child("_probe_models", [model_paths, share])
-
-
-def _in_child(func: str, args: list) -> list[dict]:
-    code = (f"import json, sys; from weightshare.runtimes.ort import {func}; "
-            f"print(json.dumps({func}(*json.loads(sys.argv[1]))))")
-    res = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
-    if res.returncode != 0:
-        tail = res.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        raise RuntimeError(f"onnxruntime probe failed: {tail[0]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return in_child(__name__, "_probe_models", [model_paths, share])
 
 
 def measure_sessions(model_path: str, counts: list[int], share: bool = True) -> list[dict]:
     """Memory of 1..N ONNX Runtime sessions of ``model_path``, in a fresh process."""
-    return _in_child("_probe", [model_path, sorted(counts), share])
+    return in_child(__name__, "_probe", [model_path, sorted(counts), share])

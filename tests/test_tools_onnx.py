@@ -1,0 +1,107 @@
+"""inspect, check, verify and bench on ONNX models, through the CLI as a CI job would run them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from weightshare.blob import read_safetensors_metadata
+from weightshare.samples import mlp_onnx
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tools")
+    fp16 = mlp_onnx(d / "mlp.onnx", layers=2, dim=512, weights="float16")
+    return d, fp16
+
+
+def test_check_fails_on_fp16_model_and_passes_after_convert(models, cli):
+    d, fp16 = models
+    res = cli("check", fp16, "--json")
+    assert res.returncode == 1, res.stderr
+    report = json.loads(res.stdout)
+    assert {f["code"] for f in report["findings"]} == {"embedded-weights", "unpacked-per-session"}
+    assert cli("convert", fp16, "-o", d / "out").returncode == 0
+    res = cli("check", d / "out" / "mlp.onnx")
+    assert res.returncode == 0 and res.stdout.startswith("ok:"), res.stdout
+    res = cli("check", d / "out", "--json")  # a directory works too
+    assert res.returncode == 0 and json.loads(res.stdout)["ok"] is True
+
+
+def test_check_fails_on_unaligned_blob_and_private_mode(models, cli, tmp_path):
+    _, fp16 = models
+    out = tmp_path / "unaligned"
+    assert cli("convert", fp16, "-o", out, "--align", "64").returncode == 0
+    res = cli("check", out / "mlp.onnx")
+    assert res.returncode == 1 and "unaligned" in res.stdout
+    blob = out / "mlp.weights.safetensors"
+    os.chmod(blob, 0o600)
+    res = cli("check", out / "mlp.onnx", "--json")
+    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
+    assert codes == {"unaligned", "blob-not-world-readable"}
+
+
+def test_check_reports_missing_external_file(models, cli, tmp_path):
+    _, fp16 = models
+    out = tmp_path / "gone"
+    assert cli("convert", fp16, "-o", out).returncode == 0
+    (out / "mlp.weights.safetensors").unlink()
+    res = cli("check", out / "mlp.onnx", "--json")
+    assert res.returncode == 1
+    assert {f["code"] for f in json.loads(res.stdout)["findings"]} == {"missing-external-file"}
+
+
+def test_verify_passes_then_fails_on_a_flipped_weight_byte(models, cli, tmp_path):
+    _, fp16 = models
+    out = tmp_path / "v"
+    assert cli("convert", fp16, "-o", out).returncode == 0
+    res = cli("verify", fp16, out / "mlp.onnx", "--json", "--runs", "2")
+    report = json.loads(res.stdout)
+    assert res.returncode == 0 and report["passed"] and report["outputs_compared"] == 2
+    assert report["payloads_hashed"] == 4
+    blob = out / "mlp.weights.safetensors"
+    data_start, header, _ = read_safetensors_metadata(str(blob))
+    w0 = data_start + header["w0_f"]["data_offsets"][0] + 1000
+    with open(blob, "r+b") as f:
+        f.seek(w0)
+        byte = f.read(1)
+        f.seek(w0)
+        f.write(bytes([byte[0] ^ 0x40]))
+    res = cli("verify", fp16, out / "mlp.onnx", "--json")
+    report = json.loads(res.stdout)
+    assert res.returncode == 1 and not report["passed"]
+    assert report["checksum_mismatches"] and report["mismatches"]
+    assert cli("check", out / "mlp.onnx").returncode == 1
+
+
+def test_inspect_json_describes_every_payload(models, cli):
+    _, fp16 = models
+    res = cli("inspect", fp16, "--json")
+    assert res.returncode == 0
+    inv = json.loads(res.stdout)
+    assert len(inv["payloads"]) == 4
+    w0 = next(p for p in inv["payloads"] if p["name"] == "w0")
+    assert w0["dtype"] == "FLOAT16" and w0["location"] == "embedded" and w0["encoding"] == "raw_data"
+    assert "Cast" in w0["unpacked_at_load"] and w0["would_move"]
+    assert w0["copied_per_session"] == 512 * 512 * (2 + 4)
+    assert inv["copied_per_session"] == sum(p["copied_per_session"] for p in inv["payloads"])
+    assert cli("inspect", fp16).returncode == 0
+
+
+def test_bench_measures_original_and_converted(models, cli, tmp_path):
+    _, fp16 = models
+    res = cli("bench", fp16, "--sessions", "1,2", "--json")
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout)
+    seen = {(r["variant"], r["mode"], r["sessions"]) for r in result["rows"]}
+    assert len(seen) == 8 and all(r["pss_mib"] > 0 for r in result["rows"])
+
+
+def test_verify_dim_option_is_validated(models, cli):
+    _, fp16 = models
+    res = cli("verify", fp16, fp16, "--dim", "batch")
+    assert res.returncode == 2 and "NAME=VALUE" in res.stderr

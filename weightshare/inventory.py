@@ -1,0 +1,113 @@
+"""What a model's weights cost: where every payload lives, and what a runtime copies per session.
+
+One report model for every format (``ModelInventory``); each format fills it in
+its own ``inventory`` module. ``inspect`` renders it, ``check`` turns it into
+findings, ``verify`` re-hashes what it records.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .tensors import CHUNK_SIZE, PayloadSource
+
+
+@dataclass
+class PayloadInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int  # bytes as stored
+    location: str  # "embedded" (inside the model file) or "external"
+    encoding: str = "raw"  # "raw", a typed protobuf field name, "sparse", ...
+    file: str = ""  # external: the file, relative to the model directory
+    offset: int | None = None  # absolute offset in ``file`` (or in the model file when embedded and known)
+    alignment: int | None = None  # largest power of two dividing ``offset`` (capped at 1 MiB)
+    unpacked_at_load: str = ""  # what the runtime materialises per session, e.g. "Cast fp16->float"
+    copied_per_session: int = 0  # bytes the runtime copies to private memory per session/interpreter
+    sha256: str = ""
+    recorded_sha256: str = ""  # from the blob's metadata, when it has one
+    duplicate_of: str = ""
+    problem: str = ""  # a problem found while locating the payload (missing file, escape, ...)
+    would_move: bool = False  # `convert` would move it to the blob
+    stays_inline_because: str = ""
+
+
+@dataclass
+class ModelInventory:
+    model: str
+    format: str
+    file_bytes: int
+    payloads: list[PayloadInfo] = field(default_factory=list)
+    external_files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def copied_per_session(self) -> int:
+        return sum(p.copied_per_session for p in self.payloads)
+
+    @property
+    def embedded_bytes(self) -> int:
+        return sum(p.nbytes for p in self.payloads if p.location == "embedded")
+
+    @property
+    def external_bytes(self) -> int:
+        return sum(p.nbytes for p in self.payloads if p.location == "external")
+
+    @property
+    def duplicate_bytes(self) -> int:
+        return sum(p.nbytes for p in self.payloads if p.duplicate_of)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(copied_per_session=self.copied_per_session, embedded_bytes=self.embedded_bytes,
+                 external_bytes=self.external_bytes, duplicate_bytes=self.duplicate_bytes)
+        return d
+
+
+def alignment_of(offset: int | None) -> int | None:
+    if offset is None:
+        return None
+    if offset == 0:
+        return 1 << 20
+    return min(offset & -offset, 1 << 20)
+
+
+def sha256_of(source: PayloadSource) -> str:
+    digest = hashlib.sha256()
+    for chunk in source.chunks(CHUNK_SIZE):
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+def mark_duplicates(payloads: list[PayloadInfo]) -> None:
+    first: dict[tuple[int, str], str] = {}
+    for p in payloads:
+        if not p.sha256:
+            continue
+        key = (p.nbytes, p.sha256)
+        if key in first:
+            p.duplicate_of = first[key]
+        else:
+            first[key] = p.name
+
+
+def inventory(path: str | os.PathLike, hash_payloads: bool = True) -> ModelInventory:
+    """Inventory of the model at ``path`` (format detected from the file)."""
+    from .formats import detect_format
+
+    path = Path(path)
+    fmt = detect_format(path)
+    if fmt == "onnx":
+        from .formats.onnx.inventory import inventory_file
+    elif fmt == "tflite":
+        from .formats.tflite.inventory import inventory_file
+    else:
+        from .formats.coreml.inventory import inventory_file
+    inv = inventory_file(path, hash_payloads)
+    if hash_payloads:
+        mark_duplicates(inv.payloads)
+    return inv
