@@ -1,0 +1,146 @@
+"""TFLite inventory: the scan and the plan of `convert`, reported instead of executed.
+
+The classic Interpreter memory-maps the model file, so buffer data, inline or
+appended (``Buffer.offset``), is read in place and shared between interpreters;
+inline data is only 16-byte aligned, though. What each interpreter copies is
+what its kernels materialise: DEQUANTIZE of a constant fp16 tensor (a private
+fp32 copy, twice the fp16 bytes) and DENSIFY of a constant sparse tensor (the
+dense tensor). ExternalBuffer groups are loaded, and mapped, by CompiledModel only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...blob import read_safetensors_metadata
+from ...errors import WeightshareError
+from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
+from ...options import ConvertOptions
+from ...paths import resolve_inside
+from ...tensors import FileRange
+from . import flatbuf
+from .graph import DENSIFY, TYPE_NAMES, builtin_code, element_count, plan_fp16_folds, tensor_name, validate
+
+_ITEMSIZE = {"FLOAT32": 4, "FLOAT16": 2, "INT8": 1, "UINT8": 1, "INT16": 2, "INT32": 4, "INT64": 8, "BOOL": 1,
+             "FLOAT64": 8, "UINT16": 2, "UINT32": 4, "UINT64": 8, "BFLOAT16": 2}
+
+
+def _first_tensors(graph) -> dict[int, object]:
+    first = {}
+    for sg in graph.subgraphs:
+        for t in sg.tensors or []:
+            if t.buffer and t.buffer not in first:
+                first[t.buffer] = t
+    return first
+
+
+def _per_interpreter_copies(graph, sizes: list[int], path: str) -> dict[int, tuple[str, int]]:
+    """buffer -> (what LiteRT materialises per interpreter, bytes)."""
+    copies: dict[int, tuple[str, int]] = {}
+    folds, _notes = plan_fp16_folds(graph, sizes, path)
+    for fold in folds:
+        copies[fold.fp16_buffer] = ("DEQUANTIZE fp16->fp32 per interpreter", 2 * sizes[fold.fp16_buffer])
+    codes = [builtin_code(c) for c in graph.operatorCodes or []]
+    for sg in graph.subgraphs:
+        for op in sg.operators or []:
+            ins, outs = [int(v) for v in op.inputs], [int(v) for v in op.outputs]
+            if codes[op.opcodeIndex] == DENSIFY and len(ins) == 1 and len(outs) == 1 and min(ins + outs) >= 0:
+                src, dst = sg.tensors[ins[0]], sg.tensors[outs[0]]
+                count = element_count(dst) or 0
+                if src.buffer and sizes[src.buffer]:
+                    dense = count * _ITEMSIZE.get(TYPE_NAMES.get(dst.type, ""), 1)
+                    copies[src.buffer] = ("DENSIFY per interpreter", dense)
+    return copies
+
+
+def _external_payloads(graph, path: Path, inv: ModelInventory, hash_payloads: bool) -> None:
+    groups = graph.externalBufferGroups or []
+    used = {t.externalBuffer: t for sg in graph.subgraphs for t in sg.tensors or [] if t.externalBuffer}
+    checksums: dict[tuple[str, int], str] = {}
+    for ext in graph.externalBuffers or []:
+        if ext is None or ext.id not in used:
+            continue
+        t = used[ext.id]
+        name = groups[ext.group].name if ext.group < len(groups) and groups[ext.group] is not None else None
+        name = name.decode("utf-8", "replace") if isinstance(name, bytes) else (name or "")
+        info = PayloadInfo(name=tensor_name(t), dtype=TYPE_NAMES.get(t.type, str(t.type)),
+                           shape=tuple(int(d) for d in (t.shape if t.shape is not None else ())),
+                           nbytes=ext.length, location="external", file=name, offset=ext.offset,
+                           alignment=alignment_of(ext.offset))
+        try:
+            file = resolve_inside(path.resolve().parent, name, "external buffer group", path)
+            if not file.is_file():
+                raise WeightshareError(f"external buffer group file {name!r} is missing", path)
+            source = FileRange(str(file), ext.offset, ext.length)
+            source.check_within(file.stat().st_size)
+        except WeightshareError as e:
+            info.problem = e.message
+        else:
+            if name not in inv.external_files:
+                inv.external_files.append(name)
+                checksums.update(_blob_checksums(file, name))
+            info.recorded_sha256 = checksums.get((name, ext.offset), "")
+            if hash_payloads:
+                info.sha256 = sha256_of(source)
+        inv.payloads.append(info)
+    inv.external_files.sort()
+
+
+def _blob_checksums(file: Path, name: str) -> dict[tuple[str, int], str]:
+    """(group name, absolute offset) -> SHA-256 recorded by weightshare in a safetensors blob."""
+    try:
+        data_start, header, meta = read_safetensors_metadata(str(file))
+    except (WeightshareError, OSError):
+        return {}
+    sums = {}
+    for key, entry in meta.items():
+        t = header.get(key)
+        if isinstance(t, dict) and isinstance(entry, dict) and "sha256" in entry:
+            sums[(name, data_start + t["data_offsets"][0])] = entry["sha256"]
+    return sums
+
+
+def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
+    path = Path(path)
+    inv = ModelInventory(model=str(path), format="tflite", file_bytes=path.stat().st_size)
+    with flatbuf.open_model(str(path)) as (reader, mapping):
+        flatbuf.check_header(reader)
+        refs = flatbuf.read_buffer_refs(reader)
+        graph = flatbuf.read_graph(reader, mapping)
+    validate(graph, len(refs), str(path))
+    copies = _per_interpreter_copies(graph, [r.nbytes for r in refs], str(path))
+    first = _first_tensors(graph)
+    metadata = {m.buffer for m in graph.metadata or [] if m is not None}
+    threshold = ConvertOptions().inline_threshold
+    for ref in refs:
+        if not ref.nbytes:
+            continue
+        t = first.get(ref.index)
+        info = PayloadInfo(name=tensor_name(t) if t is not None else f"buffer{ref.index}",
+                           dtype=TYPE_NAMES.get(t.type, str(t.type)) if t is not None else "UINT8",
+                           shape=tuple(int(d) for d in (t.shape if t is not None and t.shape is not None else ())),
+                           nbytes=ref.nbytes, location="embedded", offset=ref.file_offset,
+                           alignment=alignment_of(ref.file_offset), encoding="inline")
+        if ref.out_of_line:  # after the flatbuffer, addressed by Buffer.offset: mapped like an external blob
+            info.location, info.file, info.encoding = "external", path.name, "appended"
+        if t is not None and t.sparsity is not None:
+            info.encoding = "sparse"
+        if ref.index in copies:
+            info.unpacked_at_load, info.copied_per_session = copies[ref.index]
+            info.would_move = True
+        elif ref.index in metadata:
+            info.stays_inline_because = "metadata buffer"
+        elif ref.nbytes < threshold:
+            info.stays_inline_because = f"below the inline threshold ({threshold} B)"
+        else:
+            info.would_move = not ref.out_of_line
+        if hash_payloads:
+            info.sha256 = sha256_of(ref.source(str(path)))
+        inv.payloads.append(info)
+    _external_payloads(graph, path, inv, hash_payloads)
+    if any(p.location == "external" and p.file == path.name for p in inv.payloads):
+        inv.external_files.append(path.name)
+    if any(p.encoding == "inline" and p.would_move for p in inv.payloads):
+        inv.notes.append("inline buffers are mapped with the file (shared), but only 16-byte aligned; "
+                         "`weightshare convert` moves them to page-aligned offsets")
+    return inv
