@@ -166,3 +166,34 @@ def test_small_alignment_option(packages, tmp_path):
     out_bin = tmp_path / src.name / "Data/com.apple.CoreML/weights/weight.bin"
     src_bin = src / "Data/com.apple.CoreML/weights/weight.bin"
     assert out_bin.stat().st_size <= src_bin.stat().st_size  # coremltools' own 64-byte layout, no larger
+
+
+def test_small_payloads_fill_the_alignment_gap(tmp_path):
+    """A 1 MiB weight needs a 64 KiB-aligned offset; small payloads go into the gap before it, so the file
+    grows by less than one small payload over coremltools' own 64-byte layout instead of by ~64 KiB."""
+    import coremltools as ct
+    from coremltools.converters.mil.mil import Builder as mb
+
+    big = F.weights(40, (1024, 512))
+    smalls = [F.weights(41 + i, (1024,)) for i in range(40)]  # 2 KiB each in fp16: 80 KiB in all
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 512))], opset_version=ct.target.iOS17)
+    def prog(x):
+        y = mb.linear(x=x, weight=big)
+        for s in smalls:
+            y = mb.relu(x=mb.add(x=y, y=s))  # relu keeps the adds from being folded into one
+        return mb.identity(x=y, name="out")
+
+    src = F._save(prog, tmp_path / "gap.mlpackage", ct.target.iOS17)
+    api.convert(src, tmp_path / "out")
+    out = tmp_path / "out" / src.name
+    src_size = (src / "Data/com.apple.CoreML/weights/weight.bin").stat().st_size
+    out_bin = out / "Data/com.apple.CoreML/weights/weight.bin"
+    assert out_bin.stat().st_size <= src_size + 64 + 2048
+    wf = WeightFile(out_bin)
+    recs = [wf.record(o) for o in F.walk_records(out_bin)]
+    large = [r for r in recs if r.nbytes >= 1 << 20]
+    assert len(large) == 1 and large[0].data_offset % (64 << 10) == 0
+    assert sum(r.offset < large[0].offset for r in recs) >= 25  # the gap holds most of the small payloads
+    assert [F.decode_blob(out, v) for v in F.blob_values(F.load_spec(out))] == \
+        [F.decode_blob(src, v) for v in F.blob_values(F.load_spec(src))]

@@ -16,7 +16,8 @@ from ...atomic import OutputTransaction
 from ...errors import InvalidModel, OutputError
 from ...options import ConvertOptions
 from ...report import ConversionReport
-from .milblob import WeightFile, WeightFileWriter
+from ...blob import align_up
+from .milblob import RECORD_ALIGN, RECORD_SIZE, BlobRecord, WeightFile, WeightFileWriter
 from .package import (MANIFEST, MODEL_PATH_PREFIX, WEIGHT_FILE, WEIGHTS_NAME, Package, copy_tree, dump_manifest,
                       read_package, resolve_blob_file, stable_id, write_file)
 
@@ -51,38 +52,85 @@ def iter_blob_file_values(message, depth: int = 0, origin=None):
 
 
 class BlobRelocator:
-    """Moves the payloads a program references into one ``WeightFileWriter``.
+    """Moves the payloads programs reference into one ``WeightFileWriter``.
 
-    The same (file, record offset) referenced twice is copied once; identical bytes
-    under different records are stored once by the writer's content hash.
+    ``collect`` checks every record a program references (nothing is written yet, so bad
+    input fails before any data moves); ``write`` copies the payloads and points every
+    ``BlobFileValue`` at its new record. The same (file, record offset) referenced twice is
+    copied once; identical bytes under different records are stored once by content hash.
     """
 
     def __init__(self, writer: WeightFileWriter):
         self.writer = writer
         self._files: dict[Path, WeightFile] = {}
-        self._moved: dict[tuple[Path, int], int] = {}
+        self._records: dict[tuple[Path, int], BlobRecord] = {}  # first-seen order
+        self._values: list[tuple[object, tuple[Path, int]]] = []
         self.referenced: set[Path] = set()
-        self.values = 0
 
-    def relocate(self, pkg: Package, message) -> None:
+    def collect(self, pkg: Package, message) -> None:
         for bfv in iter_blob_file_values(message, origin=pkg.model_path):
             path = resolve_blob_file(pkg, bfv.fileName)
             key = (path, bfv.offset)
-            new_offset = self._moved.get(key)
-            if new_offset is None:
+            if key not in self._records:
                 wf = self._files.get(path)
                 if wf is None:
                     wf = self._files[path] = WeightFile(path)
-                rec = wf.record(bfv.offset)
-                new_offset = self._moved[key] = self.writer.add(rec, wf.payload(rec))
+                self._records[key] = wf.record(bfv.offset)
             self.referenced.add(path)
+            self._values.append((bfv, key))
+
+    def write(self) -> None:
+        moved = {key: self._add(key) for key in self._in_layout_order()}
+        for bfv, key in self._values:
             bfv.fileName = NEW_FILE_NAME
-            bfv.offset = new_offset
-            self.values += 1
+            bfv.offset = moved[key]
+
+    def _add(self, key: tuple[Path, int]) -> int:
+        rec = self._records[key]
+        return self.writer.add(rec, self._files[key[0]].payload(rec))
+
+    def _place(self, end: int, nbytes: int) -> tuple[int, int]:
+        """(data offset, data end) of a payload appended after ``end``."""
+        data = align_up(align_up(end, RECORD_ALIGN) + RECORD_SIZE, self.writer.blob.policy.for_size(nbytes))
+        return data, data + nbytes
+
+    def _in_layout_order(self):
+        """Yield record keys so that small payloads fill the alignment gaps before large ones.
+
+        Each record must sit at the 64-byte boundary after the previous payload (the
+        ``GetAllOffsets`` walk), so a large payload's alignment gap can only lie between its
+        record and its data. Small payloads that fit there, each with its own record, go
+        first; the gap shrinks and the file is no larger than it must be. The order depends
+        only on the input, so the output stays deterministic.
+        """
+        policy = self.writer.blob.policy
+        large, small = [], []
+        for key, rec in self._records.items():
+            (large if policy.for_size(rec.nbytes) > RECORD_ALIGN else small).append(key)
+        for key in large:
+            target, _ = self._place(self.writer.blob.end, self._records[key].nbytes)
+            kept = []
+            for i, s in enumerate(small):
+                end = self.writer.blob.end
+                if align_up(end, RECORD_ALIGN) + 3 * RECORD_SIZE > target:  # not even a 1-byte payload fits
+                    kept.extend(small[i:])
+                    break
+                _, s_end = self._place(end, self._records[s].nbytes)
+                if self._place(s_end, self._records[key].nbytes)[0] == target:
+                    yield s
+                else:
+                    kept.append(s)
+            small = kept
+            yield key
+        yield from small
 
     @property
     def blobs_moved(self) -> int:
-        return len(self._moved)
+        return len(self._records)
+
+    @property
+    def values(self) -> int:
+        return len(self._values)
 
 
 def open_weight_file(path: Path) -> int:
@@ -121,7 +169,8 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
     try:
         writer = WeightFileWriter(fd, options.align, options.progress)
         relocator = BlobRelocator(writer)
-        relocator.relocate(pkg, pkg.spec.mlProgram)
+        relocator.collect(pkg, pkg.spec.mlProgram)
+        relocator.write()
         blob_bytes = writer.finish() if relocator.values else 0
     finally:
         os.close(fd)

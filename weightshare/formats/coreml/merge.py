@@ -133,7 +133,10 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
             func = program.functions[name]
             func.CopyFrom(f.pkg.spec.mlProgram.functions[f.name])
             relabel_opset(func, opset, f.pkg)
-            relocator.relocate(f.pkg, func)
+        # Collect after every function is in place: no map insertion after a reference is held.
+        for name, f in zip(names, functions):
+            relocator.collect(f.pkg, program.functions[name])
+        relocator.write()
         blob_bytes = relocator.writer.finish()
     finally:
         os.close(fd)
