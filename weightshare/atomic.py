@@ -11,9 +11,11 @@ the ones a killed process left behind.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import secrets
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import OutputError
@@ -57,6 +59,25 @@ def clean_stale_temporaries(directory: Path) -> list[Path]:
             entry.unlink(missing_ok=True)
         removed.append(entry)
     return removed
+
+
+@contextmanager
+def _locked(directories):
+    """Hold an exclusive flock on each output directory while renaming.
+
+    Two conversions into the same OUTDIR then commit one after the other, so the
+    last one wins with a model and a blob that belong together, never a mix.
+    """
+    fds = []
+    try:
+        for d in sorted(str(x) for x in directories):
+            fd = os.open(d, os.O_RDONLY)
+            fds.append(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -126,21 +147,28 @@ class OutputTransaction:
             # Files first (some live inside a staged directory), then directories, innermost last-created first.
             files = [p for p in self._pending if not p[2]]
             dirs = [p for p in reversed(self._pending) if p[2]]
-            for tmp, final, is_dir in files + dirs:
-                if is_dir and final.is_dir() and not final.is_symlink():
-                    if _exchange(tmp, final):  # one atomic step: readers see the old or the new tree
-                        shutil.rmtree(tmp, ignore_errors=True)
-                        continue
-                    trash = self._tmp_name(final)
-                    os.replace(final, trash)
-                    os.replace(tmp, final)
-                    shutil.rmtree(trash, ignore_errors=True)
-                else:
-                    os.replace(tmp, final)
+            with _locked({final.parent for _tmp, final, _is_dir in self._pending}):
+                self._rename_all(files + dirs)
         except OSError as e:
             self.abort()
             raise OutputError(f"cannot move output into place: {e.strerror}", e.filename) from None
+        except BaseException:  # Ctrl-C during fsync or rename: nothing half-done stays behind
+            self.abort()
+            raise
         self._done = True
+
+    def _rename_all(self, pending: list[tuple[Path, Path, bool]]) -> None:
+        for tmp, final, is_dir in pending:
+            if is_dir and final.is_dir() and not final.is_symlink():
+                if _exchange(tmp, final):  # one atomic step: readers see the old or the new tree
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    continue
+                trash = self._tmp_name(final)
+                os.replace(final, trash)
+                os.replace(tmp, final)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
 
     def abort(self) -> None:
         for tmp, _final, is_dir in self._pending:

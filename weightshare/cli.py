@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -372,6 +373,9 @@ def demo(
 
 
 def main() -> None:
+    # A file size limit (RLIMIT_FSIZE, quota-like) must surface as an EFBIG write error that we clean up
+    # after, not as a SIGXFSZ that kills the process and leaves temporaries behind.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if os.environ.get("WEIGHTSHARE_DEBUG"):
         app()
         return
