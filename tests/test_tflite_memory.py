@@ -42,3 +42,51 @@ def test_peak_rss_flat_as_model_grows(tmp_path):
     big = _peak_rss_mib(big_src, tmp_path / "b")
     assert (tmp_path / "b" / "big.tflite").stat().st_size > 192 << 20
     assert big - small < 24, f"peak RSS grew from {small:.1f} MiB to {big:.1f} MiB"
+
+
+_INTERPRETERS = """
+import sys, numpy as np
+from ai_edge_litert.interpreter import Interpreter, OpResolverType
+def pss():
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+base = pss()
+keep = []
+for _ in range(int(sys.argv[2])):
+    it = Interpreter(model_path=sys.argv[1],
+                     experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    run = it.get_signature_runner("g")
+    run(x=np.ones((1, 4096), np.float32))
+    keep.append((it, run))
+print(pss() - base)
+"""
+
+
+def _fc_model(path):
+    mb = ModelBuilder()
+    g = mb.subgraph("g")
+    x = g.input("x", [1, 4096])
+    w = g.dequantize("w", (np.arange(1024 * 4096) % 1999 - 999).astype(np.float16).reshape(1024, 4096))
+    y = g.tensor("y", [1, 1024], "float32")
+    g.op(OP.FULLY_CONNECTED, [x, w, -1], [y], s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
+    g.outputs = [y]
+    mb.signature("g", g)
+    return mb.save(path)
+
+
+def _pss_growth_mib(path, n: int) -> float:
+    out = subprocess.run([sys.executable, "-c", _INTERPRETERS, str(path), str(n)], check=True, capture_output=True,
+                         text=True).stdout
+    return float(out.split()[-1])
+
+
+def test_eight_interpreters_share_the_converted_weights(tmp_path):
+    """16 MiB of fp32 weights (8 MiB fp16 + DEQUANTIZE): 8 interpreters of the converted model cost about one."""
+    src = _fc_model(tmp_path / "fc.tflite")
+    convert_out = tmp_path / "out"
+    subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(convert_out)], check=True)
+    one, eight = (_pss_growth_mib(convert_out / src.name, n) for n in (1, 8))
+    original_eight = _pss_growth_mib(src, 8)
+    assert eight <= 1.1 * one, f"8 interpreters: {eight:.1f} MiB, one: {one:.1f} MiB"
+    assert original_eight > 4 * one  # the original pays a private fp32 copy per interpreter
