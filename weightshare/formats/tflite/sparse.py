@@ -117,6 +117,8 @@ def plan_densify(graph: "schema.ModelT", sources: list, path: str) -> list[tuple
             itemsize = np.dtype(_VALUE_TYPES[src.type]).itemsize
             if count is None or count * itemsize > MAX_DENSE_BYTES:
                 raise Unsupported(f"{where}: dense size is unknown or above {MAX_DENSE_BYTES >> 20} MiB", path)
+            if source.nbytes > count * itemsize:
+                raise InvalidModel(f"{where}: {source.nbytes} bytes of values for {count} dense elements", path)
             raw = b"".join(bytes(c) for c in source.chunks())
             if len(raw) % itemsize:
                 raise InvalidModel(f"{where}: payload is not a whole number of elements", path)
