@@ -177,3 +177,35 @@ def sparse_model(directory: Path, seed: int = 0) -> Path:
     path = directory / "sparse.onnx"
     path.write_bytes(model.SerializeToString())
     return path
+
+
+def fuzz_seed_model(directory: Path, seed: int = 0) -> Path:
+    """A small model (about 12 KB) with one of each payload kind, for mutation fuzzing."""
+    rng = np.random.default_rng(seed)
+    f32 = lambda *shape: (rng.standard_normal(shape) / 8).astype(np.float32)  # noqa: E731
+    data_path = directory / "fz.data"
+    data_path.unlink(missing_ok=True)
+    inits = [nh.from_array(f32(300), "raw"), nh.from_array(f32(300).astype(np.float16), "half"),
+             _typed("i8", rng.integers(-128, 128, 300).astype(np.int8), T.INT8),
+             _typed("i64", rng.integers(-9, 9, 300).astype(np.int64), T.INT64),
+             _typed("fd", f32(300), T.FLOAT),
+             _external(nh.from_array(f32(300), "ext"), data_path, "fz.data"),
+             nh.from_array(np.array([300], np.int64), "shape")]
+    sub = h.make_graph([h.make_node("Add", ["x", "sub_w"], ["sub_y"])], "sub", [],
+                       [h.make_tensor_value_info("sub_y", T.FLOAT, [300])], [nh.from_array(f32(300), "sub_w")])
+    nodes = [h.make_node("Cast", ["half"], ["half_f"], to=T.FLOAT), h.make_node("Add", ["x", "half_f"], ["a"]),
+             h.make_node("Constant", [], ["c"], value=nh.from_array(f32(300), "cv")),
+             h.make_node("Add", ["a", "c"], ["b"]), h.make_node("If", ["cond"], ["y"], then_branch=sub,
+                                                                  else_branch=sub),
+             h.make_node("Reshape", ["b", "shape"], ["z"]), h.make_node("LocalF", ["z"], ["w"], domain="local")]
+    fn = h.make_function("local", "LocalF", ["fx"], ["fy"], [
+        h.make_node("Constant", [], ["fc"], value=nh.from_array(f32(300), "fcv")),
+        h.make_node("Add", ["fx", "fc"], ["fy"])], [h.make_opsetid("", 17)])
+    graph = h.make_graph(nodes, "fz", [h.make_tensor_value_info("x", T.FLOAT, [300]),
+                                       h.make_tensor_value_info("cond", T.BOOL, [])],
+                         [h.make_tensor_value_info("y", T.FLOAT, [300]), h.make_tensor_value_info("w", T.FLOAT, [300])],
+                         inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("local", 1)], functions=[fn])
+    path = directory / "fz.onnx"
+    path.write_bytes(model.SerializeToString())
+    return path

@@ -1,0 +1,70 @@
+"""Mutation fuzzing of the ONNX converter: >= 2,000 damaged models, no traceback, nothing left behind."""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from weightshare.errors import InvalidModel
+from weightshare.api import convert
+from weightshare.formats.onnx.wire import encode_len_field, encode_varint_field
+from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, scratch_dir
+from onnx_fixtures import fuzz_seed_model
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fz")
+    model = fuzz_seed_model(d)
+    return model.read_bytes(), {"fz.data": (d / "fz.data").read_bytes()}
+
+
+def test_fuzz_2000_mutations(seed, tmp_path):
+    data, extra = seed
+    stats = FuzzStats()
+    rng = random.Random(20261130)
+    work = scratch_dir(tmp_path)
+    try:
+        for i in range(2000):
+            kind, mutated = mutate(data, rng, MUTATIONS[i % len(MUTATIONS)])
+            try:
+                check_one(mutated, "fz.onnx", work, stats, kind, extra)
+            except AssertionError as e:
+                (tmp_path / "failing.onnx").write_bytes(mutated)
+                raise AssertionError(f"input {i} ({kind}): {e}; saved as {tmp_path / 'failing.onnx'}") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert stats.inputs == 2000
+    assert stats.rejected > 500 and stats.converted > 100, stats  # both paths really exercised
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(st.binary(min_size=0, max_size=400))
+def test_fuzz_random_bytes(tmp_path, data):
+    check_one(data, "r.onnx", tmp_path / "w", FuzzStats())
+
+
+def _nested_if(depth: int) -> bytes:
+    graph = b""
+    for _ in range(depth):
+        attr = encode_len_field(1, b"then_branch") + encode_varint_field(20, 5) + encode_len_field(6, graph)
+        node = encode_len_field(1, b"c") + encode_len_field(4, b"If") + encode_len_field(5, attr)
+        graph = encode_len_field(1, node)
+    return encode_varint_field(1, 8) + encode_len_field(7, graph) + encode_len_field(8, encode_varint_field(2, 17))
+
+
+def test_deeply_nested_subgraphs_are_refused(tmp_path):
+    path = tmp_path / "deep.onnx"
+    path.write_bytes(_nested_if(400))
+    with pytest.raises(InvalidModel, match="nested deeper"):
+        convert(path, tmp_path / "out")
+
+
+def test_moderately_nested_subgraphs_convert(tmp_path):
+    path = tmp_path / "nested.onnx"
+    path.write_bytes(_nested_if(20))
+    convert(path, tmp_path / "out")
