@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Mutation fuzzing outside the test suite, with a time budget per format.
+
+    python scripts/fuzz.py --minutes 10 [--format onnx --format tflite --format coreml] [--seed N]
+
+Same harness as the tests (tests/fuzz_harness.py): every damaged model must convert or fail with a one-line
+WeightshareError naming the file, leave nothing in OUTDIR, and allocate no more than its size plus a fixed
+slack. A failing input is saved under --save and the run stops with exit code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from fuzz_harness import FuzzStats, check_one, mutate, scratch_dir  # noqa: E402
+
+
+def seeds(fmt: str, d: Path) -> list[tuple[str, bytes, dict[str, bytes]]]:
+    if fmt == "onnx":
+        from onnx_fixtures import fuzz_seed_model, kitchen_sink
+
+        out = []
+        for build in (fuzz_seed_model, kitchen_sink):
+            m = build(d)
+            extra = {p.name: p.read_bytes() for p in d.iterdir() if p.suffix == ".data"}
+            out.append((m.name, m.read_bytes(), extra))
+        return out
+    if fmt == "tflite":
+        from tflite_fixtures import sample_model, sparse_model
+
+        return [("m.tflite", sample_model(d / "m.tflite", fc_out=64).read_bytes(), {}),
+                ("s.tflite", sparse_model(d / "s.tflite").read_bytes(), {})]
+    if fmt == "coreml":
+        from coreml_fuzz import coreml_seeds  # noqa: F401  (package fuzzing lives beside the Core ML tests)
+
+        return coreml_seeds(d)
+    raise SystemExit(f"unknown format {fmt}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--minutes", type=float, default=10.0, help="time budget per format")
+    ap.add_argument("--format", action="append", choices=("onnx", "tflite", "coreml"))
+    ap.add_argument("--seed", type=int, default=int(time.time()))
+    ap.add_argument("--save", type=Path, default=Path("fuzz-failures"))
+    args = ap.parse_args()
+    formats = args.format or ["onnx", "tflite"]
+    print(f"seed {args.seed}")
+    failed = False
+    for fmt in formats:
+        with tempfile.TemporaryDirectory() as tmp:
+            corpus = seeds(fmt, Path(tmp))
+            rng = random.Random(args.seed)
+            stats = FuzzStats()
+            work = scratch_dir(Path(tmp) / "w")
+            deadline = time.monotonic() + args.minutes * 60
+            try:
+                while time.monotonic() < deadline:
+                    name, data, extra = rng.choice(corpus)
+                    kind, mutated = mutate(data, rng)
+                    if rng.random() < 0.3:  # stack a second mutation now and then
+                        kind2, mutated = mutate(mutated, rng)
+                        kind = f"{kind}+{kind2}"
+                    try:
+                        check_one(mutated, name, work, stats, kind, extra)
+                    except AssertionError as e:
+                        args.save.mkdir(parents=True, exist_ok=True)
+                        path = args.save / f"{fmt}-{stats.inputs}-{name}"
+                        path.write_bytes(mutated)
+                        print(f"{fmt}: FAIL on input {stats.inputs} ({kind}): {e} (saved {path})")
+                        failed = True
+                        break
+                    except Exception as e:  # a traceback: exactly what fuzzing looks for
+                        args.save.mkdir(parents=True, exist_ok=True)
+                        path = args.save / f"{fmt}-{stats.inputs}-{name}"
+                        path.write_bytes(mutated)
+                        print(f"{fmt}: CRASH on input {stats.inputs} ({kind}): {type(e).__name__}: {e} (saved {path})")
+                        failed = True
+                        break
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            print(f"{fmt}: {stats.inputs} inputs, {stats.converted} converted, {stats.rejected} rejected cleanly, "
+                  f"max traced allocation {stats.max_alloc / (1 << 20):.1f} MiB")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
