@@ -183,8 +183,9 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
         manifest = _manifest_with_weights(pkg, model_rel)
         if manifest is not pkg.manifest:
             skip.add((pkg.root / MANIFEST).resolve())
-    else:
+    else:  # no weights: the package is copied as it is
         weight_path.unlink()
+        weight_path.parent.rmdir()
     copy_tree(pkg.root, tmp, skip)
     if manifest is not pkg.manifest:
         write_file(tmp / MANIFEST, dump_manifest(manifest))
