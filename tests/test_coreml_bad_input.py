@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 import coreml_fixtures as F
 import weightshare.api as api
@@ -137,6 +138,25 @@ def test_inputs_are_never_touched(good, tmp_path):
     api.convert(good, tmp_path / "out")
     api.merge([good], tmp_path / "m" / "m.mlpackage", ["main_fn"])
     assert {p: p.read_bytes() for p in good.rglob("*") if p.is_file()} == before
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(manifest=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                             lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                                 st.sampled_from(["itemInfoEntries", "rootModelIdentifier", "path", "a", "../x"]),
+                                 inner, max_size=4), max_leaves=12))
+def test_any_manifest_gives_a_clear_error(good, tmp_path_factory, manifest):
+    """Arbitrary JSON in Manifest.json: a WeightshareError (or, by chance, a valid package); never a crash."""
+    from weightshare.errors import WeightshareError
+    from weightshare.formats.coreml.package import read_package
+
+    src = tmp_path_factory.mktemp("fuzz") / "model.mlpackage"
+    shutil.copytree(good, src)
+    (src / "Manifest.json").write_text(json.dumps(manifest))
+    try:
+        read_package(src)
+    except WeightshareError as e:
+        assert "\n" not in str(e) and str(src) in str(e)
 
 
 def _cli(*args) -> subprocess.CompletedProcess:

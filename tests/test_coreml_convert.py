@@ -197,3 +197,20 @@ def test_small_payloads_fill_the_alignment_gap(tmp_path):
     assert sum(r.offset < large[0].offset for r in recs) >= 25  # the gap holds most of the small payloads
     assert [F.decode_blob(out, v) for v in F.blob_values(F.load_spec(out))] == \
         [F.decode_blob(src, v) for v in F.blob_values(F.load_spec(src))]
+
+
+def test_package_without_weights_is_copied_as_is(tmp_path):
+    import coremltools as ct
+    from coremltools.converters.mil.mil import Builder as mb
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 8))], opset_version=ct.target.iOS16)
+    def prog(x):
+        return mb.relu(x=x, name="out")
+
+    src = F._save(prog, tmp_path / "noweights.mlpackage", ct.target.iOS16)
+    report = api.convert(src, tmp_path / "out")
+    out = tmp_path / "out" / src.name
+    assert report.tensors_moved == 0 and report.blob_bytes == 0
+    files = {p.relative_to(src): p.read_bytes() for p in src.rglob("*") if p.is_file()}
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == sorted(p.relative_to(src) for p in src.rglob("*"))

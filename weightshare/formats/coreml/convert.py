@@ -176,9 +176,9 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
         os.close(fd)
 
     manifest = pkg.manifest
-    skip = {pkg.model_path.resolve()}
+    skip = set()
     if relocator.values:
-        skip |= relocator.referenced
+        skip |= relocator.referenced | {pkg.model_path.resolve()}
         skip.add((pkg.model_dir / WEIGHTS_NAME / WEIGHT_FILE).resolve())  # replaced, referenced or not
         manifest = _manifest_with_weights(pkg, model_rel)
         if manifest is not pkg.manifest:
@@ -189,7 +189,8 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
     copy_tree(pkg.root, tmp, skip)
     if manifest is not pkg.manifest:
         write_file(tmp / MANIFEST, dump_manifest(manifest))
-    write_file(tmp / "Data" / model_rel, pkg.spec.SerializeToString(deterministic=True))
+    if relocator.values:
+        write_file(tmp / "Data" / model_rel, pkg.spec.SerializeToString(deterministic=True))
     fill_report(report, relocator, blob_bytes)
     return report
 
