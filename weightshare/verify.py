@@ -69,14 +69,20 @@ def _verify_onnx(report: VerifyReport, original: Path, converted: Path, runs: in
 
 
 def _verify_tflite(report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict, seed: int) -> None:
-    from .runtimes.litert import new_interpreter, random_feeds, run
+    """Every signature (or the primary subgraph when there is none), run by LiteRT's Interpreter."""
+    from .runtimes.litert import entry_points, new_interpreter
 
     a, b = new_interpreter(str(original)), new_interpreter(str(converted))
-    outs = [d["name"] for d in a.get_output_details()]
+    ea, eb = entry_points(a), entry_points(b)
+    if [k for k, _ in ea] != [k for k, _ in eb]:
+        report.mismatches.append("the models have different signatures")
+        return
     for r in range(runs):
-        feeds = random_feeds(a, seed + r, dims)
-        for name, x, y in zip(outs, run(a, feeds), run(b, feeds)):
-            _compare(report, name, x, y, r)
+        for (key, run_a), (_, run_b) in zip(ea, eb):
+            feeds = run_a.feeds(seed + r)
+            outs_a, outs_b = run_a(feeds), run_b(feeds)
+            for name in outs_a:
+                _compare(report, f"{key}:{name}" if key else name, outs_a[name], outs_b[name], r)
         report.runs += 1
 
 

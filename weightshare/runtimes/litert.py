@@ -18,20 +18,47 @@ def new_interpreter(model_path: str, share: bool = True):
     return interp
 
 
+def _random_array(rng, shape, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    info = np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100), shape).astype(dtype)
+
+
+class EntryPoint:
+    """One signature (or the primary subgraph): seeded random feeds in, outputs by name out."""
+
+    def __init__(self, interp, key: str | None):
+        self.interp, self.key = interp, key
+        self.runner = interp.get_signature_runner(key) if key else None
+
+    def feeds(self, seed: int) -> dict:
+        rng = np.random.default_rng(seed)
+        details = self.runner.get_input_details() if self.runner else {
+            d["index"]: d for d in self.interp.get_input_details()}
+        return {name: _random_array(rng, [int(x) for x in d["shape"]], d["dtype"]) for name, d in details.items()}
+
+    def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
+        if self.runner:
+            return {k: np.array(v) for k, v in self.runner(**feeds).items()}
+        outs = run(self.interp, feeds)
+        return {d["name"]: o for d, o in zip(self.interp.get_output_details(), outs)}
+
+
+def entry_points(interp) -> list[tuple[str, EntryPoint]]:
+    keys = list(interp.get_signature_list())
+    if not keys:
+        return [("", EntryPoint(interp, None))]
+    return [(k, EntryPoint(interp, k)) for k in keys]
+
+
 def random_feeds(interp, seed: int = 0, dims: dict[str, int] | None = None) -> dict[int, np.ndarray]:
     rng = np.random.default_rng(seed)
-    feeds = {}
-    for d in interp.get_input_details():
-        shape = [int(s) for s in d["shape"]]
-        dtype = np.dtype(d["dtype"])
-        if dtype.kind == "f":
-            feeds[d["index"]] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind == "b":
-            feeds[d["index"]] = rng.integers(0, 2, shape).astype(bool)
-        else:
-            info = np.iinfo(dtype)
-            feeds[d["index"]] = rng.integers(max(info.min, -100), min(info.max, 100), shape).astype(dtype)
-    return feeds
+    return {d["index"]: _random_array(rng, [int(s) for s in d["shape"]], d["dtype"])
+            for d in interp.get_input_details()}
 
 
 def run(interp, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:

@@ -1,0 +1,47 @@
+"""check and verify on TFLite models through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightshare.inventory import inventory
+from tflite_fixtures import sample_model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tt")
+    return sample_model(d / "m.tflite", fc_out=256)
+
+
+def test_check_fails_on_fp16_tflite_and_passes_after_convert(model, cli, tmp_path):
+    res = cli("check", model, "--json")
+    assert res.returncode == 1
+    assert "unpacked-per-session" in {f["code"] for f in json.loads(res.stdout)["findings"]}
+    assert cli("convert", model, "-o", tmp_path).returncode == 0
+    res = cli("check", tmp_path / "m.tflite")
+    assert res.returncode == 0, res.stdout
+
+
+def test_verify_every_signature_then_a_flipped_weight(model, cli, tmp_path):
+    assert cli("convert", model, "-o", tmp_path).returncode == 0
+    out = tmp_path / "m.tflite"
+    res = cli("verify", model, out, "--json", "--runs", "2")
+    report = json.loads(res.stdout)
+    assert res.returncode == 0 and report["passed"], report
+    assert report["outputs_compared"] >= 4  # two signatures, two runs
+    biggest = max((p for p in inventory(out).payloads if p.location == "external"), key=lambda p: p.nbytes)
+    data = bytearray(out.read_bytes())
+    data[biggest.offset + 8] ^= 0x40
+    out.write_bytes(bytes(data))
+    res = cli("verify", model, out, "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["mismatches"]
+
+
+def test_inspect_tflite(model, cli):
+    res = cli("inspect", model, "--json")
+    assert res.returncode == 0
+    inv = json.loads(res.stdout)
+    assert inv["format"] == "tflite" and inv["copied_per_session"] > 0
