@@ -143,7 +143,7 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
 
     model_id, weights_id = _item_ids(pkgs[0])
     manifest = {
-        "fileFormatVersion": pkgs[0].manifest.get("fileFormatVersion", "1.0.0"),
+        "fileFormatVersion": "1.0.0",  # what coremltools' ModelPackage writes
         "itemInfoEntries": {
             model_id: {"author": AUTHOR, "description": "CoreML Model Specification", "name": MODEL_NAME,
                        "path": MODEL_ITEM},
