@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tflite_fixtures import OP, ModelBuilder, sample_model, sparse_model
 from weightshare.api import convert
-from weightshare.errors import InvalidModel, UnsafePath, Unsupported, UsageError, WeightshareError
+from weightshare.errors import InvalidModel, UnsafePath, UsageError, WeightshareError
 from weightshare.options import ConvertOptions
 
 

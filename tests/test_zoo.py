@@ -110,7 +110,7 @@ def test_rerun_with_a_model_added_rebuilds_a_complete_outdir(tmp_path, cli):
 def test_zoo_refuses_a_foreign_nonempty_outdir(tmp_path, cli):
     src = tmp_path / "src"
     src.mkdir()
-    zoo = make_zoo(src)
+    make_zoo(src)
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")

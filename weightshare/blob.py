@@ -322,3 +322,17 @@ def read_safetensors_metadata(path: str) -> tuple[int, dict, dict]:
         except (TypeError, json.JSONDecodeError):
             raise InvalidModel("weightshare payload metadata is not valid JSON", path) from None
     return 8 + n, header, payloads
+
+
+def recorded_checksums(path: str) -> dict[int, str]:
+    """Absolute payload offset -> SHA-256 recorded by weightshare in a safetensors blob; {} for other files."""
+    try:
+        data_start, header, meta = read_safetensors_metadata(path)
+    except (InvalidModel, OSError):
+        return {}
+    sums = {}
+    for key, entry in meta.items():
+        t = header.get(key)
+        if isinstance(t, dict) and isinstance(entry, dict) and "sha256" in entry:
+            sums[data_start + t["data_offsets"][0]] = entry["sha256"]
+    return sums

@@ -16,7 +16,9 @@ from typing import Callable
 
 from .atomic import OutputTransaction
 from .blob import BlobEntry, PlannedTensor, SafetensorsBlob
+from .errors import UsageError
 from .options import ConvertOptions
+from .paths import resolve_inside
 from .report import ConversionReport
 from .tensors import PayloadSource
 
@@ -80,3 +82,12 @@ def write_models(models: list[PreparedModel], out_dir: Path, blob_name: str, blo
         files = m.emit(blob_name, tx)
         m.report.outputs = [str(f) for f in files] + ([str(blob_path)] if m.payloads else [])
         m.report.blob_bytes = size
+
+
+def blob_target(src: Path, out_dir: Path, blob_name: str | None) -> tuple[str, Path]:
+    """The blob's name as the model will reference it, and its path; it must stay inside ``out_dir``."""
+    name = blob_name or f"{src.stem}.weights.safetensors"
+    path = resolve_inside(out_dir, name, "blob")
+    if path == (out_dir / src.name).resolve():
+        raise UsageError(f"blob name {name!r} would overwrite the model file", src)
+    return name, out_dir / name

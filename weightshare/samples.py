@@ -22,7 +22,6 @@ def mlp_onnx(path: str | os.PathLike, layers: int = 12, dim: int = 2048, weights
         external: store weights in ``<stem>.data`` beside the model, written layer by layer
             so that models larger than protobuf's 2 GiB limit (and than RAM) can be made.
     """
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     path = Path(path)

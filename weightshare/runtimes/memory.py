@@ -8,7 +8,6 @@ Peak RSS of a finished child comes from ``getrusage(RUSAGE_CHILDREN)``.
 
 from __future__ import annotations
 
-import os
 import resource
 import subprocess
 import sys

@@ -19,10 +19,9 @@ from google.protobuf.message import DecodeError
 
 from ...atomic import OutputTransaction
 from ...blob import BlobEntry, PlannedTensor
-from ...errors import InvalidModel, UsageError
+from ...errors import InvalidModel
 from ...options import ConvertOptions
-from ...paths import resolve_inside
-from ...pipeline import BlobPayload, PreparedModel, write_models
+from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
 from ...tensors import ElementwiseSource, PayloadSource, bf16_to_fp32, fp16_to_fp32
 from . import dtypes
@@ -153,14 +152,6 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
         return [out_model]
 
     return PreparedModel(report, payloads, emit)
-
-
-def blob_target(src: Path, out_dir: Path, blob_name: str | None) -> tuple[str, Path]:
-    name = blob_name or f"{src.stem}.weights.safetensors"
-    path = resolve_inside(out_dir, name, "blob")
-    if path == (out_dir / src.name).resolve():
-        raise UsageError(f"blob name {name!r} would overwrite the model file", src)
-    return name, path
 
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:

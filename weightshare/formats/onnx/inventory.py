@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ...blob import read_safetensors_metadata
+from ...blob import recorded_checksums
 from ...errors import WeightshareError
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
-from ...paths import resolve_inside
 from ...tensors import FileRange
 from . import dtypes
 from .convert import load_skeleton, plan
@@ -40,21 +39,6 @@ class _LenientScanner(Scanner):
         except WeightshareError as e:
             self.problems[len(self.refs)] = (info.get("location", ""), e.message)
             return FileRange(self.wf.path, 0, 0)
-
-
-def _blob_checksums(model_dir: Path, files: set[str]) -> dict[tuple[str, int], str]:
-    """(file, absolute offset) -> recorded SHA-256, from weightshare safetensors blobs."""
-    sums = {}
-    for name in files:
-        try:
-            data_start, header, meta = read_safetensors_metadata(str(resolve_inside(model_dir, name, "blob")))
-        except (WeightshareError, OSError):
-            continue
-        for key, entry in meta.items():
-            t = header.get(key)
-            if isinstance(t, dict) and isinstance(entry, dict) and "sha256" in entry:
-                sums[(name, data_start + t["data_offsets"][0])] = entry["sha256"]
-    return sums
 
 
 def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
@@ -99,8 +83,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.sha256 = sha256_of(ref.parts[0] if len(ref.parts) == 1 else ref.native_source())
         inv.payloads.append(info)
     inv.external_files = sorted(external_files)
-    sums = _blob_checksums(path.resolve().parent, external_files)
+    sums = {name: recorded_checksums(str(path.resolve().parent / name)) for name in external_files}
     for info in inv.payloads:
-        if info.location == "external":
-            info.recorded_sha256 = sums.get((info.file, info.offset), "")
+        if info.location == "external" and info.file in sums:
+            info.recorded_sha256 = sums[info.file].get(info.offset, "")
     return inv

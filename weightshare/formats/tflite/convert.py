@@ -30,7 +30,7 @@ from ...blob import BlobEntry, BlobWriter, PlannedTensor
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
-from ...pipeline import BlobPayload, PreparedModel, write_models
+from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
 from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32
 from . import flatbuf
@@ -305,14 +305,6 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
         return [final]
 
     return PreparedModel(report, payloads, emit)
-
-
-def blob_target(src: Path, out_dir: Path, blob_name: str | None) -> tuple[str, Path]:
-    name = blob_name or f"{src.stem}.weights.safetensors"
-    path = resolve_inside(out_dir, name, "blob")
-    if path == (out_dir / src.name).resolve():
-        raise UsageError(f"blob name {name!r} would overwrite the model", out_dir)
-    return name, out_dir / name
 
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> ConversionReport:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...blob import read_safetensors_metadata
+from ...blob import recorded_checksums
 from ...errors import WeightshareError
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
@@ -78,26 +78,12 @@ def _external_payloads(graph, path: Path, inv: ModelInventory, hash_payloads: bo
         else:
             if name not in inv.external_files:
                 inv.external_files.append(name)
-                checksums.update(_blob_checksums(file, name))
+                checksums.update({(name, off): sha for off, sha in recorded_checksums(str(file)).items()})
             info.recorded_sha256 = checksums.get((name, ext.offset), "")
             if hash_payloads:
                 info.sha256 = sha256_of(source)
         inv.payloads.append(info)
     inv.external_files.sort()
-
-
-def _blob_checksums(file: Path, name: str) -> dict[tuple[str, int], str]:
-    """(group name, absolute offset) -> SHA-256 recorded by weightshare in a safetensors blob."""
-    try:
-        data_start, header, meta = read_safetensors_metadata(str(file))
-    except (WeightshareError, OSError):
-        return {}
-    sums = {}
-    for key, entry in meta.items():
-        t = header.get(key)
-        if isinstance(t, dict) and isinstance(entry, dict) and "sha256" in entry:
-            sums[(name, data_start + t["data_offsets"][0])] = entry["sha256"]
-    return sums
 
 
 def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
