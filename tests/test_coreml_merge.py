@@ -182,3 +182,52 @@ def test_convert_rewrites_every_function_of_a_multifunction_package(sources, tmp
     assert _summary(out) == _summary(mf)
     assert _blob_map(out) == _blob_map(mf)
     assert all(v.fileName == "@model_path/weights/weight.bin" for v in F.blob_values(F.load_spec(out)))
+
+
+_RSS_PROBE = """
+import sys
+from pathlib import Path
+import weightshare.api as api
+from weightshare.formats.coreml.package import spec_protos
+spec_protos()
+if sys.argv[1] != "-":
+    srcs = sys.argv[2:]
+    api.merge(srcs, sys.argv[1], [f"f{i}" for i in range(len(srcs))])
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the (large) pytest parent across fork and exec.
+print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for VmHWM")
+def test_peak_memory_does_not_grow_with_functions(tmp_path):
+    """DESIGN invariant 1: merge holds chunks, not payloads. 64 MiB of weights, merged 1x and 4x (four copies of
+    the package, so each one is read and hashed): coremltools' way would add ~64 MiB per function."""
+    import shutil
+    import subprocess
+    import sys
+
+    import coremltools as ct
+    from coremltools.converters.mil.mil import Builder as mb
+
+    ws = [F.weights(60 + i, (2048, 2048)).astype("float16") for i in range(8)]  # 8 MiB each in fp16
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 2048))], opset_version=ct.target.iOS18)
+    def prog(x):
+        for w in ws:
+            x = mb.linear(x=x, weight=w.astype("float32"))
+        return mb.identity(x=x, name="out")
+
+    src = F._save(prog, tmp_path / "big.mlpackage", ct.target.iOS18)
+    copies = [src] + [shutil.copytree(src, tmp_path / f"big{i}.mlpackage") for i in range(1, 4)]
+
+    def rss(out, sources):
+        args = [sys.executable, "-c", _RSS_PROBE, str(out), *map(str, sources)]
+        return float(subprocess.run(args, capture_output=True, text=True, check=True).stdout.split()[-1])
+
+    base = rss("-", [])
+    one = rss(tmp_path / "one.mlpackage", copies[:1])
+    four = rss(tmp_path / "four.mlpackage", copies)
+    assert (tmp_path / "four.mlpackage/Data/com.apple.CoreML/weights/weight.bin").stat().st_size < 70 << 20
+    print(f"peak RSS MiB: import {base:.0f}, 1 function {one:.0f}, 4 functions {four:.0f}")
+    assert one - base < 32, (base, one)  # less than half the weights
+    assert four - one < 16, (one, four)  # flat: not one more copy per function
