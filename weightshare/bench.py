@@ -32,11 +32,11 @@ def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathL
         if fmt == "onnx":
             from .runtimes.ort import measure_sessions as measure
 
-            modes = (("ORT disable_prepacking=1", True), ("ORT default", False))
+            modes = (("prepack off", True), ("default", False))
         else:
             from .runtimes.litert import measure_interpreters as measure
 
-            modes = (("LiteRT no delegate", True), ("LiteRT default delegate", False))
+            modes = (("no delegate", True), ("XNNPACK", False))
         for variant, path in (("original", model), ("converted", converted)):
             for mode, share in modes:
                 progress(f"{variant}, {mode}: {max(sessions)} sessions in a fresh process")

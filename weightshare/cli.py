@@ -331,15 +331,17 @@ def bench(
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    t = Table(title=f"{result['model']}: memory after N sessions in one process", title_justify="left")
-    for col in ("variant", "runtime setting", "sessions", "PSS", "private", "shared", "load s", "PSS / 1 session"):
-        t.add_column(col, justify="left" if col in ("variant", "runtime setting") else "right")
-    first = {}
+    counts = result["sessions"]
+    t = Table(title=f"{result['model']}: PSS (MiB) after N sessions in one process", title_justify="left")
+    for col in ["variant", "setting", *[f"{n}" for n in counts], f"{counts[-1]}/1", "private", "shared"]:
+        t.add_column(col, justify="left" if col in ("variant", "setting") else "right")
+    groups: dict = {}
     for r in result["rows"]:
-        key = (r["variant"], r["mode"])
-        first.setdefault(key, r["pss_mib"])
-        t.add_row(r["variant"], r["mode"], str(r["sessions"]), f"{r['pss_mib']:,.1f}", f"{r['private_mib']:,.1f}",
-                  f"{r['shared_mib']:,.1f}", f"{r['load_s']:.2f}", f"{r['pss_mib'] / first[key]:.2f}x")
+        groups.setdefault((r["variant"], r["mode"]), []).append(r)
+    for (variant, mode), rows in groups.items():
+        pss = [r["pss_mib"] for r in rows]
+        t.add_row(variant, mode, *[f"{v:,.0f}" for v in pss], f"{pss[-1] / pss[0]:.2f}x",
+                  f"{rows[-1]['private_mib']:,.0f}", f"{rows[-1]['shared_mib']:,.0f}")
     out.print(t)
     if plot_path is not None:
         out.print(f"plot: {plot_path}")
