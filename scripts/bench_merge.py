@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -49,7 +47,6 @@ def build(path: Path, length: int, blocks: int, dim: int) -> None:
             x = mb.add(x=x, y=mb.linear(x=mb.relu(x=mb.linear(x=x, weight=up, bias=bias)), weight=down))
         return x
 
-    del layers
     model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                        compute_precision=ct.precision.FLOAT16, skip_model_load=True)
     model.save(str(path))

@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 
 from ...atomic import OutputTransaction
+from ...blob import align_up
 from ...errors import InvalidModel, OutputError
 from ...options import ConvertOptions
 from ...report import ConversionReport
-from ...blob import align_up
 from .milblob import RECORD_ALIGN, RECORD_SIZE, BlobRecord, WeightFile, WeightFileWriter
 from .package import (MANIFEST, MODEL_PATH_PREFIX, WEIGHT_FILE, WEIGHTS_NAME, Package, copy_tree, dump_manifest,
                       read_package, resolve_blob_file, stable_id, write_file)
