@@ -30,6 +30,11 @@ from .graph import Site, collect_sites
 from .scan import TensorRef, scan_model
 
 
+# A real shape tensor has a handful of elements; a "shape" this large is hostile or a mistake, and keeping
+# it inline would mean holding it in memory, so it moves like any other payload.
+MAX_INLINE_SHAPE = 64 << 10
+
+
 @dataclass
 class Placement:
     ref: TensorRef
@@ -74,7 +79,7 @@ def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_
         p.out_nbytes = ref.native_nbytes * (2 if fold else 1)
         if ref.typed and options.keep_packed:
             p.reason = "typed field kept packed"
-        elif ref.data_type == dtypes.INT64 and site.name in shape_names:
+        elif ref.data_type == dtypes.INT64 and site.name in shape_names and p.out_nbytes <= MAX_INLINE_SHAPE:
             p.reason = "int64 shape tensor"
         elif site.kind == "sparse indices":
             p.reason = "sparse indices (onnx.checker validates them and cannot read external data)"
