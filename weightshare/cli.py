@@ -113,10 +113,11 @@ def convert(
     models: List[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (created if missing)."),
     blob: Optional[str] = typer.Option(None, "--blob", help="Blob file name inside OUTDIR "
-                                       "[default: MODEL.weights.safetensors]."),
+                                       "(default: MODEL.weights.safetensors)."),
     keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
                                      "typed protobuf fields as they are."),
-    unpack: List[str] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite DENSIFY), 'int8'."),
+    unpack: List[str] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a constant "
+                                "sparse tensor becomes a dense constant). 'int8' is accepted but not implemented yet."),
     external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
                                   "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
                                   "Interpreter does not."),
@@ -146,6 +147,9 @@ def convert(
                               blob_name=blob, external=external, progress=update, progress_total=total)
 
     with user_errors():
+        unknown = set(unpack) - {"sparse", "int8"}
+        if unknown:
+            fail(f"unknown --unpack value {', '.join(sorted(unknown))} (known: sparse, int8)")
         if shared_blob is not None:
             if blob is not None:
                 fail("--blob and --shared-blob exclude each other")
@@ -203,8 +207,10 @@ def inspect(
     no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
     limit: int = typer.Option(40, "--limit", help="Payload rows to show (largest first); 0 for all."),
 ) -> None:
-    """Show every weight payload: where it lives, its encoding, alignment and duplicates, and what a runtime
-    copies per session."""
+    """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
+
+    Also sums what each runtime copies per session and what `convert` would change.
+    """
     from .inventory import inventory
 
     with user_errors():
@@ -269,8 +275,13 @@ def verify(
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Run both models in the real runtime (ONNX Runtime CPU, LiteRT) on the same random inputs; pass only when
-    every output is bit-identical and every blob payload matches its recorded SHA-256."""
+    """Run both models in the real runtime on the same inputs: pass only if outputs are bit-identical.
+
+    ONNX Runtime CPU or the LiteRT Interpreter (every signature), on seeded random inputs
+    built from the input signature; NaN positions must match too. Every blob payload is
+    also re-hashed against its recorded SHA-256. Core ML (no runtime on Linux): weights
+    must decode to the same bytes and the programs must match op for op.
+    """
     from .verify import verify as run_verify
 
     with user_errors():
@@ -302,8 +313,11 @@ def bench(
                                              "(needs matplotlib: pip install 'weightshare[plot]')."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Memory (PSS, private, shared) of 1..N sessions of the original and the converted model, each setting in a
-    fresh process."""
+    """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
+
+    Each model and runtime setting runs in a fresh process; ONNX Runtime with and without
+    session.disable_prepacking, LiteRT without delegate and with the default XNNPACK one.
+    """
     from .bench import bench as run_bench, plot
 
     with user_errors():

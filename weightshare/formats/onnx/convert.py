@@ -121,6 +121,9 @@ def _read_wire(ref: TensorRef) -> bytes:
 def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     """scan + fold + plan: everything but writing. Holds the skeleton, never a payload."""
     report = ConversionReport(model=str(src), format="onnx")
+    if options.unpack:
+        report.notes.append(f"--unpack {','.join(sorted(options.unpack))} is not implemented for ONNX; "
+                            "DequantizeLinear and sparse tensors were kept as they are")
     skeleton, refs = scan_model(src)
     model = load_skeleton(skeleton, src)
     del skeleton
