@@ -123,3 +123,26 @@ def test_single_model_api_still_writes_its_own_blob(tmp_path):
     path, _ = make_zoo(tmp_path)["a_fp16_b1"]
     report = weightshare.convert(path, tmp_path / "one")
     assert report.outputs[1].endswith("a_fp16_b1.weights.safetensors")
+
+
+def test_onnx_and_tflite_external_share_one_blob(tmp_path):
+    """ONNX models and a TFLite --external model in one zoo: one blob, each model gives equal outputs."""
+    from test_tflite_convert import assert_same_outputs, run_compiled
+    from tflite_fixtures import sample_model
+
+    src = tmp_path / "src"
+    src.mkdir()
+    zoo = make_zoo(src)
+    tfl = sample_model(src / "t.tflite", fc_out=64)
+    models = [p for p, _ in zoo.values()] + [tfl]
+    report = convert_zoo(models, tmp_path / "out", "zoo.safetensors", weightshare.ConvertOptions(external=True))
+    out = tmp_path / "out"
+    assert [Path(m.model).name for m in report.models] == [p.name for p in models]
+    for name, (path, batch) in zoo.items():
+        assert np.array_equal(run(path, batch), run(out / path.name, batch)), name
+    assert_same_outputs(run_compiled(tfl), run_compiled(out / "t.tflite"))
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "a_fp16_b1.onnx", "b_fp32_b4.onnx", "c_extra_b8.onnx", "t.tflite", "zoo.safetensors"]
+    with safe_open(str(out / "zoo.safetensors"), "np") as f:
+        names = list(f.keys())
+    assert any(n.startswith("t/") for n in names) and any(n.startswith("a_fp16_b1/") for n in names)
