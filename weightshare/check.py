@@ -34,9 +34,20 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def _stored_twice(inv: ModelInventory) -> list:
+    """External payloads whose bytes are already stored at another place (aliases of one place are fine)."""
+    where = {}
+    for p in inv.payloads:
+        if p.location == "external" and not p.duplicate_of:
+            where.setdefault(p.name, (p.file, p.offset))
+    return [p for p in inv.payloads if p.location == "external" and p.duplicate_of and p.offset is not None
+            and where.get(p.duplicate_of, (p.file, p.offset)) != (p.file, p.offset)]
+
+
 def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) -> list[Finding]:
     out: list[Finding] = []
-    model_dir = Path(inv.model).resolve().parent
+    model = Path(inv.model).resolve()
+    model_dir = model if model.is_dir() else model.parent  # an .mlpackage: file names are relative to it
 
     def add(code: str, message: str) -> None:
         out.append(Finding(inv.model, code, message))
@@ -55,6 +66,10 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
     if unaligned:
         add("unaligned", f"{len(unaligned)} external payloads sit at offsets that are not page aligned "
             f"(64 KiB for >= 1 MiB, 64 B below): {_names(unaligned)}")
+    stored = _stored_twice(inv)
+    if stored:
+        add("duplicate-payloads", f"{len(stored)} external payloads ({_mib(sum(p.nbytes for p in stored))}) repeat "
+            f"bytes already stored elsewhere in the blob: {_names(stored)}")
     for problem in sorted({p.problem for p in inv.payloads if p.problem}):
         code = "blob-outside-model-dir" if ("outside" in problem or "absolute" in problem or ".." in problem) \
             else "missing-external-file" if "missing" in problem else "bad-external-data"

@@ -147,15 +147,16 @@ def read_package(root: Path) -> Package:
 def resolve_blob_file(pkg: Package, file_name: str) -> Path:
     """Map a ``BlobFileValue.fileName`` to a file inside the package."""
     if not file_name.startswith(MODEL_PATH_PREFIX):
-        raise UnsafePath(f"BlobFileValue file {file_name!r} does not start with {MODEL_PATH_PREFIX!r}",
-                         pkg.model_path)
+        raise UnsafePath(f"BlobFileValue file {file_name!r} does not start with {MODEL_PATH_PREFIX!r} "
+                         "(an absolute or foreign path, outside the package)", pkg.model_path)
     rel = file_name[len(MODEL_PATH_PREFIX):]
     path = resolve_inside(pkg.model_dir, rel, "BlobFileValue file", pkg.model_path)
     data = pkg.data_dir.resolve()
     if data not in path.parents:
         raise UnsafePath(f"BlobFileValue file {file_name!r} is outside the package", pkg.model_path)
     if not path.is_file():
-        raise InvalidModel(f"BlobFileValue file {file_name!r} does not exist", pkg.model_path)
+        raise InvalidModel(f"BlobFileValue file {file_name!r} does not exist (missing from the package)",
+                           pkg.model_path)
     return path
 
 
