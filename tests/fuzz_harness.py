@@ -36,6 +36,8 @@ ALLOC_SLACK = 48 << 20  # chunk buffers (4 MiB), varint decode temporaries, the 
 def mutate(data: bytes, rng: random.Random, kind: str | None = None) -> tuple[str, bytes]:
     kind = kind or rng.choice(MUTATIONS)
     n = len(data)
+    if n == 0:  # a stacked mutation after a truncation to nothing
+        return "empty", data
     pos = rng.randrange(max(1, n))
     if kind == "truncate":
         return kind, data[:pos]
