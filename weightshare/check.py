@@ -34,13 +34,15 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _stored_twice(inv: ModelInventory) -> list:
-    """External payloads whose bytes are already stored at another place (aliases of one place are fine)."""
+def _stored_twice(inv: ModelInventory, min_bytes: int) -> list:
+    """External payloads of ``min_bytes`` or more whose bytes are already stored at another place (aliases of one
+    place are fine; so are small repeats such as coremltools' zero biases, cheaper than a record of their own)."""
     where = {}
     for p in inv.payloads:
         if p.location == "external" and not p.duplicate_of:
             where.setdefault(p.name, (p.file, p.offset))
     return [p for p in inv.payloads if p.location == "external" and p.duplicate_of and p.offset is not None
+            and p.nbytes >= min_bytes
             and where.get(p.duplicate_of, (p.file, p.offset)) != (p.file, p.offset)]
 
 
@@ -66,7 +68,7 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
     if unaligned:
         add("unaligned", f"{len(unaligned)} external payloads sit at offsets that are not page aligned "
             f"(64 KiB for >= 1 MiB, 64 B below): {_names(unaligned)}")
-    stored = _stored_twice(inv)
+    stored = _stored_twice(inv, inline_threshold)
     if stored:
         add("duplicate-payloads", f"{len(stored)} external payloads ({_mib(sum(p.nbytes for p in stored))}) repeat "
             f"bytes already stored elsewhere in the blob: {_names(stored)}")

@@ -112,7 +112,7 @@ def _package_bytes(root: Path) -> int:
     return total
 
 
-class _Locator:
+class BlobLocator:
     """Resolves ``BlobFileValue`` references; weight files are opened (and their headers checked) once."""
 
     def __init__(self, pkg: Package):
@@ -143,7 +143,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     pkg = read_package(path)
     inv = ModelInventory(model=str(path), format="coreml", file_bytes=_package_bytes(path))
     policy = ConvertOptions().align
-    locator = _Locator(pkg)
+    locator = BlobLocator(pkg)
     hashes: dict[tuple[Path, int], str] = {}  # (file, record offset) -> sha256: one record referenced twice
     stored: dict[tuple, tuple[Path, int]] = {}  # (dtype, padding, nbytes, sha256) -> first record with those bytes
     files = set()
