@@ -110,6 +110,14 @@ def read_manifest(root: Path) -> dict:
     return manifest
 
 
+def _regular_file(path: Path, what: str, origin: Path) -> bool:
+    """Whether ``path`` is a regular file and not a symlink; a name the OS cannot even look up is the model's fault."""
+    try:
+        return not path.is_symlink() and path.is_file()
+    except OSError as e:  # ENAMETOOLONG, ELOOP, ... from a name taken from the model
+        raise InvalidModel(f"{what} path cannot be looked up ({e.strerror})", origin) from None
+
+
 def read_package(root: Path) -> Package:
     """Read and check an .mlpackage; parse its model spec (small: weights live in weight.bin)."""
     Model_pb2, _ = spec_protos()
@@ -121,7 +129,7 @@ def read_package(root: Path) -> Package:
     items = manifest["itemInfoEntries"]
     root_id = manifest["rootModelIdentifier"]
     model_path = resolve_inside(root / "Data", items[root_id]["path"], "root model item", manifest_path)
-    if model_path.is_symlink() or not model_path.is_file():
+    if not _regular_file(model_path, "root model item", manifest_path):
         raise InvalidModel(f"root model item {items[root_id]['path']!r} is not a file", manifest_path)
     size = model_path.stat().st_size
     if size > MAX_SPEC_BYTES:
@@ -154,7 +162,7 @@ def resolve_blob_file(pkg: Package, file_name: str) -> Path:
     data = pkg.data_dir.resolve()
     if data not in path.parents:
         raise UnsafePath(f"BlobFileValue file {file_name!r} is outside the package", pkg.model_path)
-    if not path.is_file():
+    if not _regular_file(path, "BlobFileValue file", pkg.model_path):
         raise InvalidModel(f"BlobFileValue file {file_name!r} does not exist (missing from the package)",
                            pkg.model_path)
     return path
