@@ -20,10 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from coreml_fuzz import check_package, coreml_seeds, mutate_package, save_package  # noqa: E402
 from fuzz_harness import FuzzStats, check_one, mutate, scratch_dir  # noqa: E402
 
 
-def seeds(fmt: str, d: Path) -> list[tuple[str, bytes, dict[str, bytes]]]:
+def seeds(fmt: str, d: Path) -> list:
+    """(name, bytes, extra files) per seed model; for Core ML, ``coreml_fuzz.PackageSeed`` objects."""
     if fmt == "onnx":
         from onnx_fixtures import fuzz_seed_model, kitchen_sink
 
@@ -39,9 +41,7 @@ def seeds(fmt: str, d: Path) -> list[tuple[str, bytes, dict[str, bytes]]]:
         return [("m.tflite", sample_model(d / "m.tflite", fc_out=64).read_bytes(), {}),
                 ("s.tflite", sparse_model(d / "s.tflite").read_bytes(), {})]
     if fmt == "coreml":
-        from coreml_fuzz import coreml_seeds  # noqa: F401  (package fuzzing lives beside the Core ML tests)
-
-        return coreml_seeds(d)
+        return coreml_seeds(d)  # PackageSeed objects: packages are directories, mutated one file at a time
     raise SystemExit(f"unknown format {fmt}")
 
 
@@ -64,25 +64,29 @@ def main() -> int:
             deadline = time.monotonic() + args.minutes * 60
             try:
                 while time.monotonic() < deadline:
-                    name, data, extra = rng.choice(corpus)
-                    kind, mutated = mutate(data, rng)
-                    if rng.random() < 0.3:  # stack a second mutation now and then
-                        kind2, mutated = mutate(mutated, rng)
-                        kind = f"{kind}+{kind2}"
+                    if fmt == "coreml":  # a package: one of its files damaged, the others as they were
+                        seed = rng.choice(corpus)
+                        name = seed.name
+                        kind, mutated = mutate_package(seed, rng)
+                        run = lambda: check_package(name, mutated, work, stats, kind)  # noqa: E731
+                    else:
+                        name, data, extra = rng.choice(corpus)
+                        kind, mutated = mutate(data, rng)
+                        if rng.random() < 0.3:  # stack a second mutation now and then
+                            kind2, mutated = mutate(mutated, rng)
+                            kind = f"{kind}+{kind2}"
+                        run = lambda: check_one(mutated, name, work, stats, kind, extra)  # noqa: E731
                     try:
-                        check_one(mutated, name, work, stats, kind, extra)
-                    except AssertionError as e:
+                        run()
+                    except Exception as e:  # a broken invariant (AssertionError) or a traceback: what fuzzing seeks
                         args.save.mkdir(parents=True, exist_ok=True)
                         path = args.save / f"{fmt}-{stats.inputs}-{name}"
-                        path.write_bytes(mutated)
-                        print(f"{fmt}: FAIL on input {stats.inputs} ({kind}): {e} (saved {path})")
-                        failed = True
-                        break
-                    except Exception as e:  # a traceback: exactly what fuzzing looks for
-                        args.save.mkdir(parents=True, exist_ok=True)
-                        path = args.save / f"{fmt}-{stats.inputs}-{name}"
-                        path.write_bytes(mutated)
-                        print(f"{fmt}: CRASH on input {stats.inputs} ({kind}): {type(e).__name__}: {e} (saved {path})")
+                        if fmt == "coreml":
+                            save_package(mutated, path)
+                        else:
+                            path.write_bytes(mutated)
+                        what = "FAIL" if isinstance(e, AssertionError) else f"CRASH {type(e).__name__}:"
+                        print(f"{fmt}: {what} on input {stats.inputs} ({kind}): {e} (saved {path})")
                         failed = True
                         break
             finally:
