@@ -194,3 +194,61 @@ def test_cli_merge_json_report(good, tmp_path):
     assert report["deduplicated_bytes"] == report["bytes_written"] > 0
     assert out.is_dir()
 
+
+
+def _symlinked_weights_dir(pkg: Path) -> None:
+    outside = pkg.parent / "outside_weights"
+    shutil.move(pkg / "Data/com.apple.CoreML/weights", outside)
+    os.symlink(outside, pkg / "Data/com.apple.CoreML/weights", target_is_directory=True)
+
+
+def _symlinked_spec(pkg: Path) -> None:
+    outside = pkg.parent / "outside.mlmodel"
+    shutil.move(pkg / MODEL, outside)
+    os.symlink(outside, pkg / MODEL)
+
+
+def _manifest_item(path: str):
+    def edit(pkg: Path) -> None:
+        manifest = json.loads((pkg / "Manifest.json").read_text())
+        manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"] = path
+        (pkg / "Manifest.json").write_text(json.dumps(manifest))
+    return edit
+
+
+# Every form a BlobFileValue name (or a manifest item path) can take to leave the package; each refused as
+# UnsafePath before the target is read.
+ESCAPES = {
+    "absolute after prefix": (_set_file("@model_path//etc/passwd"), "absolute"),
+    "dotdot after a directory": (_set_file("@model_path/weights/../../../../etc/passwd"), "'..'"),
+    "windows drive": (_set_file("@model_path/C:\\Windows\\weight.bin"), "absolute"),
+    "windows unc": (_set_file("@model_path/\\\\server\\share\\weight.bin"), "absolute"),
+    "nul byte": (_set_file("@model_path/weights/weight.bin\x00.txt"), "invalid path"),
+    "no prefix, relative": (_set_file("../weights/weight.bin"), "@model_path/"),
+}
+ESCAPES_ON_DISK = {
+    "weights dir symlinked out": (_symlinked_weights_dir, "symlink"),
+    "spec symlinked out": (_symlinked_spec, "symlink"),
+    "manifest item absolute": (_manifest_item("/etc/passwd"), "absolute"),
+    "manifest item dotdot": (_manifest_item("com.apple.CoreML/../../../model.mlmodel"), "'..'"),
+}
+
+
+@pytest.mark.parametrize("case", list(ESCAPES) + list(ESCAPES_ON_DISK))
+def test_path_escapes_are_refused(good, tmp_path, case):
+    src = tmp_path / "src" / "model.mlpackage"
+    shutil.copytree(good, src)
+    if case in ESCAPES:
+        _edit_spec(src, ESCAPES[case][0])
+        message = ESCAPES[case][1]
+    else:
+        ESCAPES_ON_DISK[case][0](src)
+        message = ESCAPES_ON_DISK[case][1]
+    with pytest.raises(UnsafePath) as err:
+        api.convert(src, tmp_path / "out")
+    assert message in str(err.value) and "\n" not in str(err.value) and str(src) in str(err.value)
+    _nothing_left(tmp_path / "out")
+    if case in ESCAPES:  # inspect/check report the same escape as a finding instead of stopping
+        from weightshare.inventory import inventory
+
+        assert any(message in p.problem for p in inventory(src).payloads)
