@@ -90,8 +90,8 @@ def _file(tmp_path, header=struct.pack("<II", 1, 2), records=b""):
     (pack_record(1, 5, 128, 0) + b"abcd", 64, "runs past the end"),
     (pack_record(1, 4, 1 << 63, 0) + b"abcd", 64, "runs past the end"),
     (pack_record(1, 4, 16, 0) + b"abcd", 64, "overlaps the file header"),
-    (pack_record(1, 4, 128, 0) + b"abcd", 1 << 62, "outside the weight file"),
-    (pack_record(1, 4, 128, 0) + b"abcd", 8, "outside the weight file"),
+    (pack_record(1, 4, 128, 0) + b"abcd", 1 << 62, "not a record offset in the weight file"),
+    (pack_record(1, 4, 128, 0) + b"abcd", 8, "not a record offset in the weight file"),
     (pack_record(11, 4, 128, 8) + b"abcd", 64, "padding bits"),  # uint4 with 8 padding bits
     (pack_record(12, 4, 128, 3) + b"abcd", 64, "padding bits"),  # uint3: 29 bits is not whole elements
     (pack_record(1, 4, 128, 12345) + b"abcd", 64, None),  # pre-iOS18 garbage in an unused field: ignored

@@ -90,7 +90,8 @@ class WeightFile:
 
     def record(self, offset: int) -> BlobRecord:
         if offset < HEADER_SIZE or offset + RECORD_SIZE > self.size:
-            raise InvalidModel(f"blob offset {offset} is outside the weight file ({self.size} bytes)", self.path)
+            raise InvalidModel(f"blob offset {offset} is not a record offset in the weight file ({self.size} bytes): "
+                               "past its end or inside its header", self.path)
         with open(self.path, "rb") as f:
             raw = os.pread(f.fileno(), RECORD_SIZE, offset)
         if len(raw) < RECORD_SIZE:
