@@ -174,3 +174,11 @@ def test_broken_references_are_findings(pkgs, tmp_path, case, code):
     assert len(inv.payloads) == 4 and inv.payloads[0].problem
     _, findings = check([pkg])
     assert [f.code for f in findings if f.code != "unaligned"] == [code]
+
+
+def test_check_private_weight_file(converted, tmp_path):
+    """weight.bin with mode 0600: other users' processes cannot map it (file names are relative to the package)."""
+    pkg = _copy(converted, tmp_path / "private.mlpackage")
+    (pkg / WEIGHTS).chmod(0o600)
+    _, findings = check([pkg])
+    assert [(f.code, f.message.split(" has mode")[0]) for f in findings] == [("blob-not-world-readable", WEIGHTS)]
