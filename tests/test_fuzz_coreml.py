@@ -52,6 +52,31 @@ def test_fuzz_2000_packages(seeds, tmp_path):
     assert len(structured) == 4, stats.by_kind
 
 
+def test_fuzz_check_and_verify(seeds, tmp_path):
+    """inspect/check and verify read the same untrusted packages: findings, mismatches or a WeightshareError."""
+    from weightshare.check import check
+    from weightshare.errors import WeightshareError
+    from weightshare.verify import verify
+
+    rng = random.Random(5)
+    outcomes = {"findings": 0, "clean": 0, "error": 0, "verify failed": 0}
+    for i in range(150):
+        seed = seeds[i % len(seeds)]
+        kind, files = mutate_package(seed, rng, TARGETS[i // len(seeds) % len(TARGETS)])
+        work = tmp_path / str(i)
+        original = save_package(seed.files, work / "a" / seed.name)
+        damaged = save_package(files, work / "b" / seed.name)
+        try:
+            _, findings = check([damaged])
+            outcomes["findings" if findings else "clean"] += 1
+            outcomes["verify failed"] += not verify(original, damaged).passed
+        except WeightshareError as e:
+            assert "\n" not in str(e) and str(work) in str(e), (kind, str(e))
+            outcomes["error"] += 1
+        shutil.rmtree(work)
+    assert min(outcomes.values()) >= 5, outcomes
+
+
 @settings(max_examples=100, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(st.binary(max_size=300))
