@@ -68,3 +68,14 @@ def test_moderately_nested_subgraphs_convert(tmp_path):
     path = tmp_path / "nested.onnx"
     path.write_bytes(_nested_if(20))
     convert(path, tmp_path / "out")
+
+
+def test_non_utf8_names_are_refused(seed, tmp_path):
+    # Found by scripts/fuzz.py: protobuf returns invalid UTF-8 in onnx's (proto2) string fields as bytes.
+    data, extra = seed
+    assert data.count(b"sub_w") >= 2
+    path = tmp_path / "fz.onnx"
+    path.write_bytes(data.replace(b"sub_w", b"\x80ub_w"))
+    (tmp_path / "fz.data").write_bytes(extra["fz.data"])
+    with pytest.raises(InvalidModel, match="not valid UTF-8"):
+        convert(path, tmp_path / "out")

@@ -26,7 +26,7 @@ from ...report import ConversionReport
 from ...tensors import ElementwiseSource, PayloadSource, bf16_to_fp32, fp16_to_fp32
 from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
-from .graph import Site, collect_sites
+from .graph import Site, collect_sites, iter_scopes
 from .scan import TensorRef, scan_model
 
 
@@ -64,7 +64,22 @@ def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
         raise InvalidModel("not a valid ONNX model (no graph; truncated?)", path)
     if model.ir_version >= 3 and not model.opset_import:
         raise InvalidModel("not a valid ONNX model (no opset_import; truncated?)", path)
+    _check_names_are_text(model, path)
     return model
+
+
+def _check_names_are_text(model: onnx.ModelProto, path: Path) -> None:
+    """onnx.proto is proto2, so protobuf hands back invalid UTF-8 in string fields as bytes; refuse such names."""
+    for scope in iter_scopes(model):
+        names = [*scope.input, *scope.output] if isinstance(scope, onnx.FunctionProto) else [
+            *(v.name for v in (*scope.input, *scope.output, *scope.value_info)),
+            *(t.name for t in scope.initializer), *(sp.values.name for sp in scope.sparse_initializer)]
+        for node in scope.node:
+            names += [*node.input, *node.output, node.op_type, node.domain]
+            names += [t.name for a in node.attribute for t in ([a.t] if a.HasField("t") else [])]
+        bad = next((n for n in names if not isinstance(n, str)), None)
+        if bad is not None:
+            raise InvalidModel(f"a name in the graph is not valid UTF-8 ({bytes(bad)[:40]!r})", path)
 
 
 def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_names: set[str],
