@@ -172,6 +172,8 @@ def test_broken_references_are_findings(pkgs, tmp_path, case, code):
     (pkg / MODEL).write_bytes(spec.SerializeToString())
     inv = inventory(pkg)
     assert len(inv.payloads) == 4 and inv.payloads[0].problem
+    if case in ("missing", "sentinel", "offset"):
+        assert inv.payloads[0].file == WEIGHTS and inv.payloads[0].offset is None
     _, findings = check([pkg])
     assert [f.code for f in findings if f.code != "unaligned"] == [code]
 

@@ -137,6 +137,12 @@ class BlobLocator:
     def relative(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix()
 
+    def shown(self, file_name: str) -> str:
+        """A BlobFileValue name as a package-relative path when it has the ``@model_path/`` form, else as it is."""
+        if not file_name.startswith(MODEL_PATH_PREFIX):
+            return file_name
+        return f"{self.relative(self.pkg.model_dir)}/{file_name.removeprefix(MODEL_PATH_PREFIX)}"
+
 
 def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     path = Path(path)
@@ -153,7 +159,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         dtype, shape = _declared(site.value)
         name = f"{site.scope}/{site.name}" if qualify and site.op is not None else site.name
         info = PayloadInfo(name=name, dtype=dtype, shape=shape, nbytes=0, location="external",
-                           encoding=site.encoding, file=bfv.fileName.removeprefix(MODEL_PATH_PREFIX))
+                           encoding=site.encoding, file=locator.shown(bfv.fileName))
         try:
             file, wf, rec = locator.locate(bfv.fileName, bfv.offset)
             source = wf.payload(rec)
