@@ -15,13 +15,10 @@ import json
 import random
 import shutil
 import struct
-import tracemalloc
 from dataclasses import dataclass
 from pathlib import Path
 
-from fuzz_harness import ALLOC_SLACK, FuzzStats, mutate
-from weightshare import api
-from weightshare.errors import WeightshareError
+from fuzz_harness import FuzzStats, convert_and_check, mutate
 
 MANIFEST = "Manifest.json"
 MODEL = "Data/com.apple.CoreML/model.mlmodel"
@@ -171,25 +168,7 @@ def check_package(name: str, files: dict[str, bytes], workdir: Path, stats: Fuzz
         path.write_bytes(content)
     size = sum(len(c) for c in files.values())
     _warm_up()
-    tracemalloc.start()
-    try:
-        api.convert(src, out)
-        outcome = "converted"
-    except WeightshareError as e:
-        line = e.line()
-        assert "\n" not in line, line
-        assert e.path, f"error without a file: {line}"
-        leftovers = sorted(p.name for p in out.iterdir()) if out.exists() else []
-        assert leftovers == [], f"{line}; left behind {leftovers}"
-        outcome = "rejected"
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-    assert peak <= size + ALLOC_SLACK, f"allocated {peak} bytes for a {size}-byte package"
-    stats.inputs += 1
-    stats.max_alloc = max(stats.max_alloc, peak)
-    setattr(stats, outcome, getattr(stats, outcome) + 1)
-    stats.by_kind.setdefault(kind, [0, 0])[outcome == "rejected"] += 1
+    convert_and_check(src, out, size, stats, kind)
 
 
 def save_package(files: dict[str, bytes], dest: Path) -> Path:

@@ -92,6 +92,12 @@ def check_one(data: bytes, name: str, workdir: Path, stats: FuzzStats, kind: str
     for rel, content in (extra or {}).items():
         if not (src_dir / rel).exists():
             (src_dir / rel).write_bytes(content)
+    convert_and_check(src, out, len(data), stats, kind, options)
+
+
+def convert_and_check(src: Path, out: Path, size: int, stats: FuzzStats, kind: str = "",
+                      options: ConvertOptions | None = None) -> None:
+    """Convert ``src`` into ``out`` and assert the invariants for an input of ``size`` bytes."""
     tracemalloc.start()
     try:
         api.convert(src, out, options)
@@ -106,7 +112,7 @@ def check_one(data: bytes, name: str, workdir: Path, stats: FuzzStats, kind: str
     finally:
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-    assert peak <= len(data) + ALLOC_SLACK, f"allocated {peak} bytes for a {len(data)}-byte input"
+    assert peak <= size + ALLOC_SLACK, f"allocated {peak} bytes for a {size}-byte input"
     stats.inputs += 1
     stats.max_alloc = max(stats.max_alloc, peak)
     setattr(stats, outcome, getattr(stats, outcome) + 1)

@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,8 +38,9 @@ MAX_MANIFEST_BYTES = 16 << 20
 MAX_SPEC_BYTES = (2 << 30) - 1  # protobuf's own limit for one message
 
 
-def spec_protos():
-    """coremltools' Model_pb2 and MIL_pb2 modules.
+@contextmanager
+def quiet_coremltools():
+    """Import coremltools without its Linux warnings on stderr.
 
     Importing any part of coremltools runs its package __init__, which on Linux logs
     "Failed to load _MLModelProxy ..." warnings (no Core ML framework); through logging's
@@ -49,9 +51,15 @@ def spec_protos():
     if level == logging.NOTSET:
         logger.setLevel(logging.ERROR)
     try:
-        from coremltools.proto import MIL_pb2, Model_pb2
+        yield
     finally:
         logger.setLevel(level)
+
+
+def spec_protos():
+    """coremltools' Model_pb2 and MIL_pb2 modules."""
+    with quiet_coremltools():
+        from coremltools.proto import MIL_pb2, Model_pb2
     return Model_pb2, MIL_pb2
 
 

@@ -11,7 +11,6 @@ pair of payloads in memory at a time.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ from ...errors import WeightshareError
 from ...verify import VerifyReport
 from .convert import iter_blob_file_values
 from .inventory import BlobLocator, blob_sites
-from .package import read_package
+from .package import quiet_coremltools, read_package
 
 # MIL blob dtype -> _BlobStorageReader method; bfloat16 and the float8 types have none and are compared as bytes.
 READERS = {1: "read_fp16_data", 2: "read_float_data", 3: "read_uint8_data", 4: "read_int8_data",
@@ -31,15 +30,8 @@ MAX_LINES = 50  # per kind of difference: one broken conversion should not print
 
 
 def _blob_reader_class():
-    # Same guard as package.spec_protos: coremltools' __init__ logs Core ML framework warnings on Linux.
-    logger = logging.getLogger("coremltools")
-    level = logger.level
-    if level == logging.NOTSET:
-        logger.setLevel(logging.ERROR)
-    try:
+    with quiet_coremltools():
         from coremltools.libmilstoragepython import _BlobStorageReader
-    finally:
-        logger.setLevel(level)
     return _BlobStorageReader
 
 
