@@ -7,6 +7,8 @@ After: a ``WeightshareError`` (``InvalidModel``/``Unsupported``) and an empty ou
 
 from __future__ import annotations
 
+import os
+
 import importlib.util
 import subprocess
 import sys
@@ -191,3 +193,14 @@ def test_unpack_values(tmp_path):
         convert(src, tmp_path / "a", ConvertOptions(unpack=frozenset({"bogus"})))
     report = convert(src, tmp_path / "b", ConvertOptions(unpack=frozenset({"int8"})))
     assert any("int8" in n for n in report.notes) and report.ops_removed == 1
+
+
+def test_external_buffer_group_through_symlink_outside(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.bin").write_bytes(bytes(4096))
+    d = tmp_path / "model"
+    d.mkdir()
+    src = _external_model(d, "link.bin")
+    os.symlink(outside / "secret.bin", d / "link.bin")
+    _expect_error(src, tmp_path / "out", UnsafePath, "symlink", src)
