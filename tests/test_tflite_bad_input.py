@@ -7,9 +7,8 @@ After: a ``WeightshareError`` (``InvalidModel``/``Unsupported``) and an empty ou
 
 from __future__ import annotations
 
-import os
-
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
