@@ -15,6 +15,7 @@ as gguf-py's writer does.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -64,6 +65,26 @@ class BlobEntry:
 
 
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightshare-blob")
+
+
+def _sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_SYNC_FILE_RANGE = _sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, pos: int, n: int) -> None:
+    """Let the disk start on what was just written (Linux), so the fsync before the final rename finds
+    little left to do. Measured on a 1 GiB fp16 model (2 GiB out): 10.6 s -> 7.3-9.1 s."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, pos, n, _SYNC_FILE_RANGE_WRITE)
 
 
 class BlobWriter:
@@ -138,6 +159,7 @@ class BlobWriter:
     def _consume(self, digest, data: bytes, pos: int) -> None:
         digest.update(data)
         self._pwrite_all(memoryview(data), pos)
+        _start_writeback(self.fd, pos, len(data))
 
     def _pwrite_all(self, data: memoryview, pos: int) -> None:
         try:
