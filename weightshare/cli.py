@@ -186,13 +186,15 @@ def merge(
     align: int = typer.Option(LARGE_ALIGN, "--align"),
     align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold"),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bar."),
 ) -> None:
     """Merge Core ML models into one multifunction .mlpackage, storing each distinct weight once.
 
     Streams weight data chunk by chunk: memory does not grow with the number of functions.
     """
-    with user_errors():
-        opts = ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold))
+    with user_errors(), progress_bar(not quiet, output.name) as (update, total):
+        opts = ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold), progress=update,
+                              progress_total=total)
         report = api.merge(sources, output, function_name, default_function, opts)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
