@@ -67,7 +67,9 @@ def test_ctrl_c_leaves_nothing(tmp_path, big):
     out = tmp_path / "out"
     out.mkdir()
     proc = start(["convert", big, "-o", out, "-q"])
-    time.sleep(1.3)
+    deadline = time.monotonic() + 60
+    while not os.listdir(out) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # interrupt once the conversion is writing, not while Python is still starting
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=60)
     if proc.returncode == 0:

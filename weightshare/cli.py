@@ -401,6 +401,9 @@ def main() -> None:
         app()
     except SystemExit:
         raise
+    except KeyboardInterrupt:  # outside a command's own handling (argument parsing, imports)
+        err.print("weightshare: error: interrupted; no output was left behind", markup=False, highlight=False)
+        sys.exit(130)
     except Exception as e:  # a bug in weightshare: still one line, and how to get the traceback
         err.print(f"weightshare: internal error: {type(e).__name__}: {e} (set WEIGHTSHARE_DEBUG=1 for a traceback)",
                   markup=False, highlight=False, soft_wrap=True)
