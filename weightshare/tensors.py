@@ -134,6 +134,12 @@ class ElementwiseSource:
             raise InvalidModel("payload length is not a whole number of elements")
 
 
+def read_all(source: PayloadSource) -> bytes:
+    """The whole payload in memory: only for payloads that stay inline (small by construction) or whose
+    caller has bounded the size."""
+    return b"".join(bytes(c) for c in source.chunks())
+
+
 def fp16_to_fp32(chunk: memoryview) -> np.ndarray:
     """IEEE half to single: exact for every value, NaN payloads and signed zeros kept."""
     return np.frombuffer(chunk, dtype="<f2").astype("<f4")

@@ -23,7 +23,7 @@ from ...errors import InvalidModel
 from ...options import ConvertOptions
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, PayloadSource, bf16_to_fp32, fp16_to_fp32
+from ...tensors import ElementwiseSource, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites, iter_scopes
@@ -121,7 +121,7 @@ def _set_inline(p: Placement, wire_bytes: bytes | None) -> None:
     if wire_bytes is not None:  # the original typed fields, as they were
         tensor.MergeFromString(wire_bytes)
     else:
-        tensor.raw_data = b"".join(bytes(c) for c in p.source.chunks())
+        tensor.raw_data = read_all(p.source)
 
 
 def _read_wire(ref: TensorRef) -> bytes:

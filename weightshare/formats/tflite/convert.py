@@ -32,7 +32,7 @@ from ...options import ConvertOptions
 from ...paths import resolve_inside
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32
+from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32, read_all
 from . import flatbuf
 from .graph import (NUMPY_DTYPES, TYPE_NAMES, Fp16Fold, apply_folds, plan_fp16_folds, referenced_buffers, tensor_name,
                     validate)
@@ -69,10 +69,6 @@ class _InlineBufferT(schema.BufferT):
         schema.BufferStart(builder)
         schema.BufferAddData(builder, vector)
         return schema.BufferEnd(builder)
-
-
-def _read_small(source: PayloadSource) -> bytes:
-    return b"".join(bytes(c) for c in source.chunks())
 
 
 def _describe(graph: "schema.ModelT", nbuffers: int) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -171,7 +167,7 @@ def _inline_buffers(plans: list[BufferPlan]) -> list:
     buffers = []
     for p in plans:
         if p.source is not None and p.inline:
-            buffers.append(_InlineBufferT(data=_read_small(p.source)))
+            buffers.append(_InlineBufferT(data=read_all(p.source)))
         else:
             buffers.append(schema.BufferT())
     return buffers

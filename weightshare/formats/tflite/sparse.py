@@ -19,7 +19,7 @@ import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
 from ...errors import InvalidModel, Unsupported
-from ...tensors import BytesSource, PayloadSource
+from ...tensors import BytesSource, PayloadSource, read_all
 from .graph import DENSIFY, TYPE_NAMES, builtin_code, element_count, tensor_name
 
 _VALUE_TYPES = {schema.TensorType.FLOAT32: "<f4", schema.TensorType.FLOAT16: "<f2",
@@ -119,7 +119,7 @@ def plan_densify(graph: "schema.ModelT", sources: list, path: str) -> list[tuple
                 raise Unsupported(f"{where}: dense size is unknown or above {MAX_DENSE_BYTES >> 20} MiB", path)
             if source.nbytes > count * itemsize:
                 raise InvalidModel(f"{where}: {source.nbytes} bytes of values for {count} dense elements", path)
-            raw = b"".join(bytes(c) for c in source.chunks())
+            raw = read_all(source)
             if len(raw) % itemsize:
                 raise InvalidModel(f"{where}: payload is not a whole number of elements", path)
             shape = [int(d) for d in (dst.shape if dst.shape is not None else ())]
