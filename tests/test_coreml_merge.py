@@ -231,3 +231,21 @@ def test_peak_memory_does_not_grow_with_functions(tmp_path):
     print(f"peak RSS MiB: import {base:.0f}, 1 function {one:.0f}, 4 functions {four:.0f}")
     assert one - base < 32, (base, one)  # less than half the weights
     assert four - one < 16, (one, four)  # flat: not one more copy per function
+
+
+def test_opsets_compare_by_number_not_as_strings():
+    """A CoreML10 function holding the iOS18 form of constexpr_lut_to_dense must not be treated as pre-iOS18
+    (as strings, "CoreML10" < "CoreML8")."""
+    from coremltools.proto import MIL_pb2
+
+    from weightshare.formats.coreml.merge import opset_number, relabel_opset
+
+    assert [opset_number(n, None) for n in ("CoreML5", "CoreML8", "CoreML10")] == [5, 8, 10]
+    func = MIL_pb2.Function(opset="CoreML10")
+    func.block_specializations["CoreML10"].operations.add(type="constexpr_lut_to_dense")
+    relabel_opset(func, "CoreML11", None)  # no refusal: both are iOS18 or later
+    assert func.opset == "CoreML11" and list(func.block_specializations) == ["CoreML11"]
+    old = MIL_pb2.Function(opset="CoreML7")
+    old.block_specializations["CoreML7"].operations.add(type="constexpr_lut_to_dense")
+    with pytest.raises(Exception, match="cannot be merged"):
+        relabel_opset(old, "CoreML8", type("P", (), {"model_path": Path("x")})())

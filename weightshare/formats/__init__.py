@@ -6,8 +6,6 @@ from pathlib import Path
 
 from ..errors import InvalidModel, Unsupported
 
-FORMATS = ("onnx", "tflite", "coreml")
-
 
 def detect_format(path: Path) -> str:
     """Tell the format from the file itself, falling back to the suffix; never trust only the name."""

@@ -8,7 +8,6 @@ Peak RSS of a finished child comes from ``getrusage(RUSAGE_CHILDREN)``.
 
 from __future__ import annotations
 
-import resource
 import subprocess
 import sys
 
@@ -55,10 +54,6 @@ def run_child_peak(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProces
     peak = float(lines[-1].split()[1]) if lines and lines[-1].startswith("__peak_mib__") else float("nan")
     res.stdout = "\n".join(lines[:-2]) if len(lines) >= 2 else ""
     return res, peak
-
-
-def self_peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def in_child(module: str, func: str, args: list):

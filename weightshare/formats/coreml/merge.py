@@ -175,6 +175,17 @@ def _op_types(block, depth: int = 0):
             yield from _op_types(inner, depth + 1)
 
 
+IOS18_OPSET = 8  # "CoreML8"
+
+
+def opset_number(name: str, pkg: Package) -> int:
+    """``"CoreML10"`` -> 10. Opset names must be compared by number: as strings "CoreML10" < "CoreML8"."""
+    match = re.fullmatch(r"CoreML(\d{1,4})", name)
+    if match is None:
+        raise Unsupported(f"unknown MIL opset {name!r}", pkg.model_path)
+    return int(match.group(1))
+
+
 def relabel_opset(func, opset: str, pkg: Package) -> None:
     """Declare the function in the output's opset, as save_multifunction does.
 
@@ -184,7 +195,7 @@ def relabel_opset(func, opset: str, pkg: Package) -> None:
     """
     if func.opset == opset:
         return
-    if func.opset < "CoreML8" <= opset:
+    if opset_number(func.opset, pkg) < IOS18_OPSET <= opset_number(opset, pkg):
         for block in func.block_specializations.values():
             old = sorted(REDEFINED_IN_IOS18.intersection(_op_types(block)))
             if old:
