@@ -1,42 +1,82 @@
-"""One package per model format. Each exposes ``convert_file(src, out_dir, options, tx) -> ConversionReport``."""
+"""The format registry: every dispatch on a model's format goes through ``detect`` / ``get``.
+
+A format is a folder here whose ``__init__.py`` defines ``FORMAT`` (see ``base.Format``);
+to add one, add the folder and its name to ``_BUILTIN`` (or call ``register`` at run time).
+"""
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from typing import Callable
 
 from ..errors import InvalidModel, Unsupported
+from .base import BenchRuntime, Format
+
+__all__ = ["BenchRuntime", "Format", "converter", "detect", "detect_format", "get", "model_suffixes", "register",
+           "registered"]
+
+# Asked in this order: a format that recognises its content by a magic number comes before one that
+# also accepts files by suffix.
+_BUILTIN = ("tflite", "coreml", "onnx")
+_registry: list[Format] = []
+
+
+def registered() -> list[Format]:
+    if not _registry:
+        _registry.extend(importlib.import_module(f"{__name__}.{name}").FORMAT for name in _BUILTIN)
+    return _registry
+
+
+def register(fmt: Format, first: bool = False) -> None:
+    """Add a format (e.g. a plug-in or a test's toy format); ``first`` asks it before the built-in ones."""
+    formats = registered()
+    formats[:] = [f for f in formats if f.name != fmt.name]
+    formats.insert(0 if first else len(formats), fmt)
+
+
+def unregister(name: str) -> None:
+    registered()[:] = [f for f in registered() if f.name != name]
+
+
+def get(name: str) -> Format:
+    for fmt in registered():
+        if fmt.name == name:
+            return fmt
+    raise Unsupported(f"unknown format {name!r}")
+
+
+def model_suffixes() -> tuple[str, ...]:
+    return tuple(s for fmt in registered() for s in fmt.suffixes)
+
+
+def _head(path: Path) -> bytes:
+    if path.is_dir():
+        return b""
+    if not path.exists():
+        raise InvalidModel("no such file", path)
+    if not path.is_file():
+        raise InvalidModel("not a regular file", path)
+    with open(path, "rb") as f:
+        return f.read(8)
+
+
+def detect(path: Path) -> Format:
+    """Tell the format from the file itself, falling back to the suffix; never trust only the name."""
+    path = Path(path)
+    head = _head(path)
+    for fmt in registered():
+        if fmt.claims(path, head):
+            return fmt
+    if path.is_dir():
+        raise InvalidModel("is a directory but not a model package (e.g. an .mlpackage with Manifest.json)", path)
+    known = ", ".join(model_suffixes())
+    raise Unsupported(f"unknown model format (expected one of {known})", path)
 
 
 def detect_format(path: Path) -> str:
-    """Tell the format from the file itself, falling back to the suffix; never trust only the name."""
-    if path.is_dir():
-        if path.suffix == ".mlpackage" or (path / "Manifest.json").exists():
-            return "coreml"
-        raise InvalidModel("is a directory but not an .mlpackage (no Manifest.json)", path)
-    if not path.exists():
-        raise InvalidModel("no such file", path)
-    if path.suffix == ".mlmodel":
-        raise Unsupported(
-            "NeuralNetwork .mlmodel files keep their weights inside the protobuf; convert the model to an "
-            "ML Program (.mlpackage) with coremltools first", path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if len(head) >= 8 and head[4:8] == b"TFL3":
-        return "tflite"
-    if path.suffix == ".tflite":
-        raise InvalidModel("not a TFLite flatbuffer (no TFL3 identifier)", path)
-    if path.suffix == ".onnx" or (head[:1] and head[0] == 0x08):  # ModelProto starts with ir_version (field 1)
-        return "onnx"
-    raise Unsupported("unknown model format (expected .onnx, .tflite or .mlpackage)", path)
+    return detect(path).name
 
 
-def converter(fmt: str):
-    if fmt == "onnx":
-        from .onnx import convert
-    elif fmt == "tflite":
-        from .tflite import convert
-    elif fmt == "coreml":
-        from .coreml import convert
-    else:
-        raise Unsupported(f"unknown format {fmt!r}")
-    return convert.convert_file
+def converter(name: str) -> Callable[..., object]:
+    return get(name).convert

@@ -1,1 +1,59 @@
 """Core ML ML Program packages (.mlpackage): weight.bin re-layout (convert) and streaming multifunction merge."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...errors import Unsupported
+from ..base import BenchRuntime
+
+if TYPE_CHECKING:
+    from ...atomic import OutputTransaction
+    from ...inventory import ModelInventory
+    from ...options import ConvertOptions
+    from ...pipeline import PreparedModel
+    from ...report import ConversionReport
+    from ...verify import VerifyReport
+
+
+class CoremlFormat:
+    name = "coreml"
+    suffixes = (".mlpackage",)
+
+    def claims(self, path: Path, head: bytes) -> bool:
+        if path.is_dir():
+            return path.suffix == ".mlpackage" or (path / "Manifest.json").exists()
+        if path.suffix == ".mlmodel":
+            raise Unsupported(
+                "NeuralNetwork .mlmodel files keep their weights inside the protobuf; convert the model to an "
+                "ML Program (.mlpackage) with coremltools first", path)
+        return False
+
+    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction
+                ) -> ConversionReport:
+        from .convert import convert_file
+
+        return convert_file(src, out_dir, options, tx)
+
+    def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+        raise Unsupported("Core ML models keep their weights in the package's weight.bin; "
+                          "use `weightshare merge` to share weights between Core ML models", src)
+
+    def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
+        from .inventory import inventory_file
+
+        return inventory_file(path, hash_payloads)
+
+    def verify(self, report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict[str, int],
+               seed: int) -> None:
+        from .verify import verify_programs
+
+        verify_programs(report, original, converted)
+
+    def bench_runtime(self, path: Path) -> BenchRuntime:
+        raise Unsupported("Core ML models cannot be loaded on this platform; use `inspect` for their structure",
+                          path)
+
+
+FORMAT = CoremlFormat()

@@ -1,1 +1,55 @@
 """ONNX: a protobuf wire-level scanner, Cast folding, and the rewrite to external data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..base import BenchRuntime
+
+if TYPE_CHECKING:
+    from ...atomic import OutputTransaction
+    from ...inventory import ModelInventory
+    from ...options import ConvertOptions
+    from ...pipeline import PreparedModel
+    from ...report import ConversionReport
+    from ...verify import VerifyReport
+
+
+class OnnxFormat:
+    name = "onnx"
+    suffixes = (".onnx",)
+
+    def claims(self, path: Path, head: bytes) -> bool:
+        # A ModelProto starts with ir_version (field 1, varint: tag byte 0x08).
+        return bool(head) and (path.suffix == ".onnx" or head[0] == 0x08)
+
+    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction
+                ) -> ConversionReport:
+        from .convert import convert_file
+
+        return convert_file(src, out_dir, options, tx)
+
+    def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+        from .convert import prepare
+
+        return prepare(src, out_dir, options)
+
+    def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
+        from .inventory import inventory_file
+
+        return inventory_file(path, hash_payloads)
+
+    def verify(self, report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict[str, int],
+               seed: int) -> None:
+        from ...verify import _verify_onnx
+
+        _verify_onnx(report, original, converted, runs, dims, seed)
+
+    def bench_runtime(self, path: Path) -> BenchRuntime:
+        from ...runtimes.ort import measure_sessions
+
+        return BenchRuntime(measure_sessions, (("prepack off", True), ("default", False)))
+
+
+FORMAT = OnnxFormat()

@@ -3,3 +3,63 @@
 Modules: ``flatbuf`` (bounds-checked scan over mmap), ``graph`` (validation, fp16 folds),
 ``convert`` (plan, write, emit).
 """
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ...errors import InvalidModel, UsageError
+from ..base import BenchRuntime
+
+if TYPE_CHECKING:
+    from ...atomic import OutputTransaction
+    from ...inventory import ModelInventory
+    from ...options import ConvertOptions
+    from ...pipeline import PreparedModel
+    from ...report import ConversionReport
+    from ...verify import VerifyReport
+
+
+class TfliteFormat:
+    name = "tflite"
+    suffixes = (".tflite",)
+
+    def claims(self, path: Path, head: bytes) -> bool:
+        if len(head) >= 8 and head[4:8] == b"TFL3":  # the flatbuffer file identifier
+            return True
+        if path.suffix == ".tflite" and not path.is_dir():
+            raise InvalidModel("not a TFLite flatbuffer (no TFL3 identifier)", path)
+        return False
+
+    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction
+                ) -> ConversionReport:
+        from .convert import convert_file
+
+        return convert_file(src, out_dir, options, tx)
+
+    def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+        if not options.external:
+            raise UsageError("TFLite models join a shared blob only with --external", src)
+        from .convert import prepare
+
+        return prepare(src, out_dir, options)
+
+    def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
+        from .inventory import inventory_file
+
+        return inventory_file(path, hash_payloads)
+
+    def verify(self, report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict[str, int],
+               seed: int) -> None:
+        from ...verify import _verify_tflite
+
+        _verify_tflite(report, original, converted, runs, dims, seed)
+
+    def bench_runtime(self, path: Path) -> BenchRuntime:
+        from ...runtimes.litert import measure_interpreters
+
+        return BenchRuntime(measure_interpreters, (("no delegate", True), ("XNNPACK", False)))
+
+
+FORMAT = TfliteFormat()

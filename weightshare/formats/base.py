@@ -1,0 +1,68 @@
+"""What a model format provides: the ``Format`` protocol every format folder implements.
+
+The pipeline is the same for every format (scan -> plan -> write -> emit); a format
+supplies the format-specific ends of it and the tools around it. Every dispatch on the
+format (convert, zoo mode, inspect/check, verify, bench) goes through a ``Format`` found
+by ``weightshare.formats.detect``; nothing outside a format's folder names a format.
+
+Adding a format: a folder ``weightshare/formats/<name>/`` whose ``__init__.py`` defines
+``FORMAT`` (an object satisfying this protocol), and one line in ``formats/__init__.py``'s
+``_BUILTIN``. Heavy imports (onnx, flatbuffers, coremltools, runtimes) belong inside the
+methods, so that detecting a format costs nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Protocol
+
+if TYPE_CHECKING:
+    from ..atomic import OutputTransaction
+    from ..inventory import ModelInventory
+    from ..options import ConvertOptions
+    from ..pipeline import PreparedModel
+    from ..report import ConversionReport
+    from ..verify import VerifyReport
+
+
+@dataclass(frozen=True)
+class BenchRuntime:
+    """How ``weightshare bench`` loads a model of this format: a measuring function run in a fresh process
+    (path, session counts, share) -> rows, and the runtime settings to measure, each (label, share)."""
+
+    measure: Callable[[str, list[int], bool], list[dict]]
+    modes: tuple[tuple[str, bool], ...]
+
+
+class Format(Protocol):
+    name: str  # "onnx", "tflite", "coreml": in reports and --json
+    suffixes: tuple[str, ...]  # what a directory walk picks up as models of this format
+
+    def claims(self, path: Path, head: bytes) -> bool:
+        """True when ``path`` is a model of this format; ``head`` is its first 8 bytes (b"" for a directory).
+        May raise ``InvalidModel``/``Unsupported`` for a file that has this format's name but not its content."""
+        ...
+
+    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction
+                ) -> ConversionReport:
+        """scan -> plan -> write -> emit one model into ``out_dir``; every file through ``tx``."""
+        ...
+
+    def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+        """scan + plan for a blob shared with other models (zoo mode); raise ``Unsupported`` when the format
+        (or these options) cannot reference a shared blob."""
+        ...
+
+    def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
+        """Where every payload lives and what each runtime setting copies per session (inspect / check)."""
+        ...
+
+    def verify(self, report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict[str, int],
+               seed: int) -> None:
+        """Run both models in the real runtime (or compare programs and weights) and fill ``report``."""
+        ...
+
+    def bench_runtime(self, path: Path) -> BenchRuntime:
+        """The runtime ``bench`` measures; raise ``Unsupported`` when none runs on this platform."""
+        ...
