@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from .atomic import OutputTransaction, clean_stale_temporaries
-from .errors import OutputError, Unsupported, UsageError
-from .formats import converter, detect_format
+from .errors import OutputError, UsageError
+from .formats import detect, model_suffixes
 from .options import ConvertOptions
 from .paths import resolve_inside
 from .pipeline import write_models
@@ -43,20 +43,19 @@ def convert(model: str | os.PathLike, out_dir: str | os.PathLike, options: Conve
     """Convert one model into ``out_dir``; outputs appear all together or not at all."""
     options = options or ConvertOptions()
     src = Path(model)
-    fmt = detect_format(src)
+    fmt = detect(src)
     out = prepare_out_dir(out_dir)
     if (out / src.name).resolve() == src.resolve():
         raise UsageError("output would overwrite the input; choose another output directory", src)
     start = time.perf_counter()
     with OutputTransaction() as tx:
-        report = converter(fmt)(src, out, options, tx)
+        report = fmt.convert(src, out, options, tx)
     report.wall_time_s = round(time.perf_counter() - start, 3)
     report.peak_rss_mib = round(peak_rss_mib(), 1)
     return report
 
 
 ZOO_MARKER = ".weightshare-zoo.json"
-MODEL_SUFFIXES = (".onnx", ".tflite", ".mlpackage")
 
 
 def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
@@ -67,7 +66,7 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
     for item in inputs:
         path = Path(item)
         if path.is_dir() and path.suffix != ".mlpackage":
-            found += sorted(p for p in path.iterdir() if p.suffix in MODEL_SUFFIXES)
+            found += sorted(p for p in path.iterdir() if p.suffix in model_suffixes())
         elif not path.exists() and glob.has_magic(str(item)):
             found += sorted(Path(p) for p in glob.glob(str(item)))
         else:
@@ -125,17 +124,7 @@ def convert_zoo(models: list[str | os.PathLike], out_dir: str | os.PathLike, sha
 
 def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions):
     """A format's prepare step for a shared blob (ONNX; TFLite with --external)."""
-    fmt = detect_format(src)
-    if fmt == "onnx":
-        from .formats.onnx.convert import prepare
-    elif fmt == "tflite" and options.external:
-        from .formats.tflite.convert import prepare
-    elif fmt == "tflite":
-        raise UsageError("TFLite models join a shared blob only with --external", src)
-    else:
-        raise Unsupported("Core ML models keep their weights in the package's weight.bin; "
-                          "use `weightshare merge` to share weights between Core ML models", src)
-    return prepare(src, out_dir, options)
+    return detect(src).prepare(src, out_dir, options)
 
 
 def merge(sources: list[str | os.PathLike], out: str | os.PathLike, function_names: list[str] | None = None,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from . import api
 from .errors import Unsupported, UsageError
-from .formats import detect_format
+from .formats import detect
 
 
 def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathLike | None = None,
@@ -21,28 +21,18 @@ def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathL
     model = Path(model)
     if not sessions or min(sessions) < 1:
         raise UsageError("--sessions needs positive counts, e.g. 1,2,4,8")
-    fmt = detect_format(model)
-    if fmt == "coreml":
-        raise Unsupported("Core ML models cannot be loaded on this platform; use `inspect` for their structure",
-                          model)
+    fmt = detect(model)
+    runtime = fmt.bench_runtime(model)
     with tempfile.TemporaryDirectory(prefix="weightshare-bench-", dir=workdir) as tmp:
         progress(f"converting {model.name}")
         converted = Path(api.convert(model, tmp).outputs[0])
         rows = []
-        if fmt == "onnx":
-            from .runtimes.ort import measure_sessions as measure
-
-            modes = (("prepack off", True), ("default", False))
-        else:
-            from .runtimes.litert import measure_interpreters as measure
-
-            modes = (("no delegate", True), ("XNNPACK", False))
         for variant, path in (("original", model), ("converted", converted)):
-            for mode, share in modes:
+            for mode, share in runtime.modes:
                 progress(f"{variant}, {mode}: {max(sessions)} sessions in a fresh process")
-                for row in measure(str(path), sessions, share):
+                for row in runtime.measure(str(path), sessions, share):
                     rows.append({"variant": variant, "mode": mode, **row})
-    return {"model": str(model), "format": fmt, "sessions": sorted(sessions), "rows": rows}
+    return {"model": str(model), "format": fmt.name, "sessions": sorted(sessions), "rows": rows}
 
 
 def plot(result: dict, path: str | os.PathLike) -> None:

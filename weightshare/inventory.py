@@ -97,17 +97,10 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
 
 def inventory(path: str | os.PathLike, hash_payloads: bool = True) -> ModelInventory:
     """Inventory of the model at ``path`` (format detected from the file)."""
-    from .formats import detect_format
+    from .formats import detect
 
     path = Path(path)
-    fmt = detect_format(path)
-    if fmt == "onnx":
-        from .formats.onnx.inventory import inventory_file
-    elif fmt == "tflite":
-        from .formats.tflite.inventory import inventory_file
-    else:
-        from .formats.coreml.inventory import inventory_file
-    inv = inventory_file(path, hash_payloads)
+    inv = detect(path).inventory(path, hash_payloads)
     if hash_payloads:
         mark_duplicates(inv.payloads)
     return inv

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import UsageError
-from .formats import detect_format
+from .formats import detect_format, get
 from .inventory import inventory
 
 
@@ -93,14 +93,7 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int 
     if detect_format(converted) != fmt:
         raise UsageError(f"{original} and {converted} are not the same format")
     report = VerifyReport(str(original), str(converted), fmt)
-    if fmt == "onnx":
-        _verify_onnx(report, original, converted, runs, dims or {}, seed)
-    elif fmt == "tflite":
-        _verify_tflite(report, original, converted, runs, dims or {}, seed)
-    else:
-        from .formats.coreml.verify import verify_programs
-
-        verify_programs(report, original, converted)
+    get(fmt).verify(report, original, converted, runs, dims or {}, seed)
     inv = inventory(converted, hash_payloads=True)
     for p in inv.payloads:
         if p.recorded_sha256:

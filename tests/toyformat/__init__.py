@@ -1,0 +1,96 @@
+"""A toy model format, used only in tests, that proves a format is one folder plus one registration.
+
+A ``.toymodel`` file is JSON: ``{"toymodel": 1, "tensors": {name: {"dtype", "shape", and either "data"
+(base64, embedded) or "location"/"offset"/"length" (external)}}}``. ``weightshare convert`` moves every
+embedded tensor of 1 KiB or more into the shared safetensors blob through the common pipeline; ``inspect``
+and ``check`` see where each payload lives. Nothing here is imported by weightshare itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+from weightshare.blob import PlannedTensor
+from weightshare.errors import InvalidModel, Unsupported
+from weightshare.formats.base import BenchRuntime
+from weightshare.inventory import ModelInventory, PayloadInfo, alignment_of
+from weightshare.pipeline import BlobPayload, PreparedModel, blob_target, write_models
+from weightshare.report import ConversionReport
+from weightshare.tensors import BytesSource
+
+
+def _load(path: Path) -> dict:
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidModel(f"not a toy model ({e})", path) from None
+    if not isinstance(doc, dict) or doc.get("toymodel") != 1 or not isinstance(doc.get("tensors"), dict):
+        raise InvalidModel("not a toy model (no 'toymodel': 1 header)", path)
+    return doc
+
+
+class ToyFormat:
+    name = "toy"
+    suffixes = (".toymodel",)
+
+    def claims(self, path: Path, head: bytes) -> bool:
+        return path.suffix == ".toymodel" and head[:1] == b"{"
+
+    def prepare(self, src: Path, out_dir: Path, options) -> PreparedModel:
+        doc = _load(src)
+        report = ConversionReport(model=str(src), format=self.name)
+        placed: dict[str, object] = {}
+        payloads = []
+        for name, t in doc["tensors"].items():
+            if "data" not in t:
+                continue
+            data = base64.b64decode(t["data"])
+            if len(data) < options.inline_threshold:
+                report.inline_kept += 1
+                continue
+            payloads.append(BlobPayload(PlannedTensor(name, t["dtype"], tuple(t["shape"]), len(data)),
+                                        BytesSource(data), len(data),
+                                        lambda entry, n=name: placed.__setitem__(n, entry)))
+
+        def emit(blob_location: str, tx) -> list[Path]:
+            for name, entry in placed.items():
+                t = doc["tensors"][name]
+                del t["data"]
+                t.update(location=blob_location, offset=entry.offset, length=entry.nbytes)
+            out = out_dir / src.name
+            Path(tx.new_file(out)).write_text(json.dumps(doc, sort_keys=True))
+            return [out]
+
+        return PreparedModel(report, payloads, emit)
+
+    def convert(self, src: Path, out_dir: Path, options, tx) -> ConversionReport:
+        blob_name, blob_path = blob_target(src, out_dir, options.blob_name)
+        prepared = self.prepare(src, out_dir, options)
+        write_models([prepared], out_dir, blob_name, blob_path, options, tx)
+        return prepared.report
+
+    def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
+        doc = _load(path)
+        inv = ModelInventory(model=str(path), format=self.name, file_bytes=path.stat().st_size)
+        for name, t in doc["tensors"].items():
+            if "data" in t:
+                n = len(base64.b64decode(t["data"]))
+                # The toy runtime decodes base64 into private memory in every session.
+                inv.payloads.append(PayloadInfo(name, t["dtype"], tuple(t["shape"]), n, "embedded",
+                                                copied_per_session=n, would_move=n >= 1024))
+            else:
+                inv.payloads.append(PayloadInfo(name, t["dtype"], tuple(t["shape"]), t["length"], "external",
+                                                file=t["location"], offset=t["offset"],
+                                                alignment=alignment_of(t["offset"])))
+        return inv
+
+    def verify(self, report, original: Path, converted: Path, runs: int, dims: dict, seed: int) -> None:
+        raise Unsupported("the toy format has no runtime", original)
+
+    def bench_runtime(self, path: Path) -> BenchRuntime:
+        raise Unsupported("the toy format has no runtime", path)
+
+
+FORMAT = ToyFormat()
