@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 
+import weightshare.check as check_mod
+import weightshare.inventory as inventory_mod
 from tflite_fixtures import sample_model
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
-
-inventory_mod = pytest.importorskip("weightshare.inventory")
-check_mod = pytest.importorskip("weightshare.check")
 
 
 @pytest.fixture(scope="module")
