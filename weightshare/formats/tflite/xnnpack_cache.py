@@ -263,6 +263,105 @@ def unpack_note(fp16_bytes: int, fp32_bytes: int, prepacked: bool) -> str:
             f"or use Interpreter(..., experimental_op_resolver_type=BUILTIN_WITHOUT_DEFAULT_DELEGATES)")
 
 
+@dataclass
+class SettingCost:
+    """Estimated weight memory of N instances of a model under one LiteRT setting: shared + N * per_instance."""
+
+    setting: str
+    shared_bytes: int  # file pages or cache pages mapped once per machine
+    per_instance_bytes: int  # private copies each Interpreter / CompiledModel makes
+    note: str = ""
+
+    def total(self, instances: int) -> int:
+        return self.shared_bytes + instances * self.per_instance_bytes
+
+
+def _weight_use(graph, sizes: list[int]) -> tuple[int, int, int]:
+    """(bytes DEQUANTIZE materialises per interpreter, packed bytes XNNPACK makes, file bytes it packs from)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from .graph import DEQUANTIZE, builtin_code, element_count
+
+    op = schema.BuiltinOperator
+    packed_ops = {op.FULLY_CONNECTED, op.CONV_2D, op.DEPTHWISE_CONV_2D, op.TRANSPOSE_CONV, op.BATCH_MATMUL}
+    ext = {e.id: e.length for e in graph.externalBuffers or [] if e is not None}
+    codes = [builtin_code(c) for c in graph.operatorCodes or []]
+    dequantized, packed, packed_from_file = 0, 0, 0
+    for sg in graph.subgraphs:
+        tensors = sg.tensors or []
+
+        def const_bytes(i: int) -> int:
+            t = tensors[i] if 0 <= i < len(tensors) else None
+            return 0 if t is None else sizes[t.buffer] if t.buffer else ext.get(t.externalBuffer, 0)
+
+        made = {}  # DEQUANTIZE output tensor -> its fp32 bytes, when its input is a constant
+        for o in sg.operators or []:
+            ins, outs = [int(v) for v in o.inputs], [int(v) for v in o.outputs]
+            if codes[o.opcodeIndex] == DEQUANTIZE and ins and outs and const_bytes(ins[0]):
+                made[outs[0]] = 4 * (element_count(tensors[outs[0]]) or 0)
+        dequantized += sum(made.values())
+        for o in sg.operators or []:
+            if codes[o.opcodeIndex] in packed_ops:
+                for i in [int(v) for v in o.inputs][1:3]:
+                    packed += made.get(i, 0) or const_bytes(i)
+                    packed_from_file += const_bytes(i)
+    return dequantized, packed, packed_from_file
+
+
+def interpreter_costs(model: str | os.PathLike) -> list[SettingCost]:
+    """Weight memory per LiteRT setting for ``model``: no delegate, default XNNPACK, CompiledModel + cache.
+
+    An estimate from the graph (XNNPACK packs FULLY_CONNECTED/CONV/DEPTHWISE/TRANSPOSE_CONV/BATCH_MATMUL
+    weights to about their fp32 size); the figures it models are measured in docs/tflite.md.
+    """
+    from . import flatbuf
+    from .graph import validate
+
+    model = Path(model)
+    with flatbuf.open_model(str(model)) as (reader, mapping):
+        flatbuf.check_header(reader)
+        refs = flatbuf.read_buffer_refs(reader)
+        graph = flatbuf.read_graph(reader, mapping)
+    validate(graph, len(refs), str(model))
+    sizes = [r.nbytes for r in refs]
+    in_file = sum(sizes) + sum(e.length for e in graph.externalBuffers or [] if e is not None)
+    dequantized, packed, packed_from_file = _weight_use(graph, sizes)
+    matching = [s.path for s in cache_status(model) if s.matches]
+    cache = matching[0].stat().st_size if matching else packed
+    cache_note = f"cache {matching[0].name}" if matching else ("no matching cache beside the model (convert "
+                                                               "--prepack writes one); size estimated")
+    costs = [SettingCost("Interpreter, no delegate", in_file, dequantized,
+                         "fp32 copies of DEQUANTIZE outputs per interpreter" if dequantized else ""),
+             SettingCost("Interpreter, default XNNPACK", in_file, packed,
+                         "XNNPACK packs a private copy per interpreter, reading the file pages to do it"),
+             SettingCost("CompiledModel + XNNPACK weight cache", cache + in_file - packed_from_file, 0, cache_note)]
+    if graph.externalBuffers:
+        for c in costs[:2]:
+            c.note = "the classic Interpreter does not load ExternalBuffer models"
+    return costs
+
+
+MISMATCH = "xnnpack-cache-mismatch"
+
+
+def inventory_notes(model: str | os.PathLike) -> list[str]:
+    """Lines for ``inspect``: weight memory per LiteRT setting, and every cache beside the model.
+
+    A cache that does not match starts with ``xnnpack-cache-mismatch:`` so that ``check`` can flag it.
+    """
+    notes = []
+    try:
+        for c in interpreter_costs(model):
+            notes.append(f"{c.setting}: {_mib(c.shared_bytes)} shared + {_mib(c.per_instance_bytes)} per instance "
+                         f"(8 instances: {_mib(c.total(8))})" + (f"; {c.note}" if c.note else ""))
+        for st in cache_status(model):
+            notes.append(f"XNNPACK weight cache {st.path.name}: {st.reason}" if st.matches
+                         else f"{MISMATCH}: {st.path.name}: {st.reason}")
+    except WeightshareError as e:
+        notes.append(f"LiteRT settings not estimated: {e.message}")
+    return notes
+
+
 def _child(model: str, cache: str) -> int:
     """Runs in the build process: open the model with the cache twice, print the cache size and peak RSS."""
     import resource

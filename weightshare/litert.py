@@ -1,0 +1,102 @@
+"""Open a converted TFLite model with LiteRT's ``CompiledModel`` and the XNNPACK weight cache that matches it.
+
+Example:
+    from weightshare.litert import compiled_model
+    cm = compiled_model("out/model.tflite")   # uses out/model.tflite.litert-<v>.<digest>.xnnpack-cache
+    print(cm.weightshare_cache)                # the cache used, or None
+
+``weightshare convert MODEL.tflite -o OUT --prepack`` writes the cache. XNNPACK itself cannot tell a cache built
+for another model of the same structure: it would silently compute with that model's weights. This helper
+only passes LiteRT a cache whose name carries the digest of the model's current content (model file, blob,
+LiteRT version, CPU flags); otherwise it opens the model without a cache (every instance then packs its own
+weights) and logs one warning on the ``weightshare.litert`` logger.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from pathlib import Path
+
+from .errors import UsageError
+from .formats.tflite import xnnpack_cache
+
+log = logging.getLogger("weightshare.litert")
+_RETRIES = 3  # the model replaced between hashing and loading (a re-conversion committing): hash again
+
+
+def find_cache(model: str | os.PathLike) -> tuple[Path | None, str]:
+    """The cache that matches ``model``'s current content, or None and why none is used."""
+    model = Path(model)
+    expected = xnnpack_cache.expected_cache(model)
+    if expected.is_file() and expected.stat().st_size > 0:
+        return expected, "matches"
+    others = [s for s in xnnpack_cache.cache_status(model) if not s.matches]
+    if others:
+        return None, f"{others[0].path.name} does not match the model ({others[0].reason})"
+    return None, f"no XNNPACK weight cache beside the model (expected {expected.name})"
+
+
+def _with_cache(kwargs: dict, cache: Path) -> dict:
+    """``from_file`` keyword arguments with the cache path set on (a copy of) the CPU options."""
+    from ai_edge_litert.cpu_options import CpuOptions
+    from ai_edge_litert.options import Options
+
+    kwargs = dict(kwargs)
+    options = kwargs.pop("options", None)
+    accel = kwargs.pop("hardware_accel", None)
+    if options is None:  # what CompiledModel.from_file uses when given no options
+        options = Options(cpu_options=CpuOptions(num_threads=1)) if accel is None else \
+            Options(hardware_accelerators=accel, cpu_options=CpuOptions(num_threads=1))
+    elif accel is not None:
+        raise UsageError("pass either options or hardware_accel, not both")
+    options = copy.copy(options)
+    cpu = copy.copy(options._cpu_options) if options._cpu_options is not None else CpuOptions(num_threads=1)
+    cpu.xnnpack_weight_cache_path = str(cache)
+    options._cpu_options = cpu  # Options keeps its groups in private fields and has no setter
+    kwargs["options"] = options
+    return kwargs
+
+
+def _file_state(path: Path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def compiled_model(path: str | os.PathLike, **kwargs):
+    """``CompiledModel.from_file(path, **kwargs)`` with the model's own XNNPACK weight cache when there is one.
+
+    The returned CompiledModel carries ``weightshare_cache``: the cache file used, or None.
+    """
+    from ai_edge_litert.compiled_model import CompiledModel
+
+    options = kwargs.get("options")
+    if options is not None and options._cpu_options is not None and \
+            options._cpu_options.xnnpack_weight_cache_path:
+        raise UsageError("compiled_model chooses the XNNPACK weight cache; pass options without "
+                         "xnnpack_weight_cache_path", path)
+    model = Path(path)
+    for _attempt in range(_RETRIES):
+        before = _file_state(model)
+        cache, why = find_cache(model)
+        if cache is None:
+            log.warning("weightshare: %s: %s; running without a cache (each instance packs its own weights)",
+                        model, why)
+            cm = CompiledModel.from_file(str(model), **kwargs)
+            cm.weightshare_cache = None
+            return cm
+        cache_before = _file_state(cache)
+        cm = CompiledModel.from_file(str(model), **_with_cache(kwargs, cache))
+        if _file_state(model) == before:  # LiteRT read the model whose digest named the cache
+            cm.weightshare_cache = cache
+            return cm
+        # The model was replaced while it loaded: LiteRT may have packed the new model into a cache named
+        # for the old one (if that cache vanished meanwhile); such a file must not survive.
+        cm.close()
+        if _file_state(cache) != cache_before:
+            cache.unlink(missing_ok=True)
+    raise UsageError(f"the model kept changing while it was being loaded ({_RETRIES} attempts)", model)
