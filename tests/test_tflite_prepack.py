@@ -206,3 +206,13 @@ def test_cli_prepack_with_shared_blob_is_a_usage_error(pair, tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--prepack" in r.stderr
     assert not (tmp_path / "z").exists() or not any((tmp_path / "z").iterdir())
+
+
+def test_verify_runs_compiled_model_with_the_cache(pair):
+    from weightshare.verify import verify
+
+    src, out, cache, _report, _ref = pair[0]
+    report = verify(src, out, runs=1)
+    assert report.passed and report.mismatches == [] and any(cache.name in n for n in report.notes)
+    other = verify(pair[1][0], out, runs=1)  # B's original against A's conversion: both runtimes see it
+    assert any(m.startswith("run 0: output 'CompiledModel + ") for m in other.mismatches)
