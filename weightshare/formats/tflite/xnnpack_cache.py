@@ -249,7 +249,10 @@ def _remove_superseded(model: Path, keep: Path) -> None:
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.1f} MiB"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
 
 
 def unpack_note(fp16_bytes: int, fp32_bytes: int, prepacked: bool) -> str:
@@ -362,10 +365,23 @@ def inventory_notes(model: str | os.PathLike) -> list[str]:
     return notes
 
 
-def _child(model: str, cache: str) -> int:
-    """Runs in the build process: open the model with the cache twice, print the cache size and peak RSS."""
+def _own_peak_mib() -> float:
+    """Peak RSS of this process's own address space (VmHWM).
+
+    Not ru_maxrss: Linux carries the spawning process's high-water mark across vfork + exec into it, so
+    the child would report the converter's peak whenever that is the larger one.
+    """
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _child(model: str, cache: str) -> int:
+    """Runs in the build process: open the model with the cache twice, print the cache size and peak RSS."""
     from ai_edge_litert.compiled_model import CompiledModel
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.options import Options
@@ -385,8 +401,7 @@ def _child(model: str, cache: str) -> int:
         print("ERROR: the XNNPACK weight cache changed when the model was opened again (incomplete cache)")
         return 3
     del first, second
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"nbytes": again.st_size, "peak_rss_mib": round(peak, 1)}))
+    print(json.dumps({"nbytes": again.st_size, "peak_rss_mib": round(_own_peak_mib(), 1)}))
     return 0
 
 
