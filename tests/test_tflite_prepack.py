@@ -175,6 +175,10 @@ def test_reconvert_replaces_the_cache(pair, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([src.name, second.name])
     again = Path(convert(src, tmp_path, ConvertOptions(prepack=True, inline_threshold=4096)).outputs[-1])
     assert again == second  # deterministic output, same name
+    convert(src, tmp_path, ConvertOptions(inline_threshold=4096))  # same output without --prepack: cache kept
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([src.name, second.name])
+    convert(src, tmp_path)  # other output: the cache no longer matches and goes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
 
 
 def test_interpreter_costs(pair):

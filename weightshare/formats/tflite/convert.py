@@ -341,6 +341,8 @@ def _xnnpack_accounting(final: Path, blob_name: str | None, plans: list[BufferPl
         report.outputs.append(cache)
         report.notes.append(f"XNNPACK weight cache {Path(cache).name} ({built.nbytes:,} bytes) built in a child "
                             f"process: peak RSS {built.peak_rss_mib:.1f} MiB, {built.wall_s:.2f} s")
+    else:
+        xnnpack_cache.drop_stale_after_commit(final, tx)
     fp16_in = sum(p.unpacked_from for p in plans if p.unpacked_from)
     if fp16_in:
         fp32_out = sum(p.source.nbytes for p in plans if p.unpacked_from)

@@ -237,8 +237,20 @@ def prepack(final_model: Path, blob_name: str | None, tx) -> tuple[BuildResult, 
     return result, str(final_cache)
 
 
-def _remove_superseded(model: Path, keep: Path) -> None:
+def drop_stale_after_commit(final_model: Path, tx) -> None:
+    """Without --prepack: caches an earlier --prepack run left beside ``final_model`` that no longer match the
+    new model are removed once it is in place (one that still matches, from identical output, stays)."""
+    if candidate_caches(final_model):
+        tx.after_commit(lambda: _remove_superseded(final_model, None))
+
+
+def _remove_superseded(model: Path, keep: Path | None) -> None:
     """Old caches of a re-converted model can never match it again: remove them (they are only disk)."""
+    if keep is None:
+        try:
+            keep = expected_cache(model)
+        except (WeightshareError, OSError):
+            return  # cannot tell which one matches: remove nothing
     for path in candidate_caches(model):
         m = _NAME.match(path.name)
         if path != keep and m is not None and m["model"] == model.name:
