@@ -220,3 +220,31 @@ def test_verify_runs_compiled_model_with_the_cache(pair):
     assert report.passed and report.mismatches == [] and any(cache.name in n for n in report.notes)
     other = verify(pair[1][0], out, runs=1)  # B's original against A's conversion: both runtimes see it
     assert any(m.startswith("run 0: output 'CompiledModel + ") for m in other.mismatches)
+
+
+def test_model_replaced_while_loading_leaves_no_misnamed_cache(pair, tmp_path, monkeypatch):
+    """A re-conversion commits between the helper's digest and LiteRT's load, and the old cache is gone: LiteRT
+    then packs the NEW model into a file named for the OLD one. The helper notices, removes it and loads again."""
+    import weightshare.litert as helper
+
+    (_sa, out_a, cache_a, _ra, _ref_a), (_sb, out_b, _cb, _rb, ref_b) = pair
+    model = tmp_path / out_a.name
+    shutil.copy(out_a, model)
+    shutil.copy(cache_a, tmp_path / cache_a.name)
+    real = helper.find_cache
+    calls = []
+
+    def find_then_replace(path):
+        found = real(path)
+        if not calls:  # first lookup: A's cache matches; then B's conversion lands and A's cache is removed
+            shutil.copy(out_b, tmp_path / "incoming")
+            os.replace(tmp_path / "incoming", model)
+            (tmp_path / cache_a.name).unlink()
+        calls.append(found)
+        return found
+
+    monkeypatch.setattr(helper, "find_cache", find_then_replace)
+    cm = helper.compiled_model(model)
+    assert calls[0][0] == tmp_path / cache_a.name and calls[1][0] is None
+    assert cm.weightshare_cache is None and same(run(cm), ref_b)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [model.name]  # LiteRT's misnamed cache was removed
