@@ -150,6 +150,9 @@ def test_changed_model_no_longer_matches(pair, tmp_path):
     shutil.copy(cache, tmp_path / other_version)
     reasons = {s.path.name: s.reason for s in xnnpack_cache.cache_status(model)}
     assert "built with LiteRT 0.0.1" in reasons[other_version]
+    other_model = cache.name.replace(out.name, f"{out.name}.b.tflite")  # another model's cache: not this one's
+    shutil.copy(cache, tmp_path / other_model)
+    assert other_model not in {s.path.name for s in xnnpack_cache.cache_status(model)}
 
 
 def test_external_prepack_binds_the_blob(pair, tmp_path):

@@ -56,7 +56,7 @@ def _with_cache(kwargs: dict, cache: Path) -> dict:
     elif accel is not None:
         raise UsageError("pass either options or hardware_accel, not both")
     options = copy.copy(options)
-    cpu = copy.copy(options._cpu_options) if options._cpu_options is not None else CpuOptions(num_threads=1)
+    cpu = copy.copy(options._cpu_options) if options._cpu_options is not None else CpuOptions()
     cpu.xnnpack_weight_cache_path = str(cache)
     options._cpu_options = cpu  # Options keeps its groups in private fields and has no setter
     kwargs["options"] = options

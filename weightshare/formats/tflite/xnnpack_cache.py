@@ -164,10 +164,12 @@ def cache_status(model: str | os.PathLike) -> list[CacheStatus]:
     statuses = []
     for path in found:
         m = _NAME.match(path.name)
+        if m is not None and m["model"] != model.name:
+            continue  # the cache of another model whose name starts with this one's ("a.tflite.b.tflite")
         if path.name == expected:
             ok = path.is_file() and path.stat().st_size > 0
             statuses.append(CacheStatus(path, ok, "matches the model" if ok else "empty or not a regular file"))
-        elif m is None or m["model"] != model.name:
+        elif m is None:
             statuses.append(CacheStatus(path, False, "not a weightshare cache name; never used"))
         elif m["version"] != litert_version():
             statuses.append(CacheStatus(path, False, f"built with LiteRT {m['version']}, installed "
@@ -393,7 +395,10 @@ def _own_peak_mib() -> float:
 
 
 def _child(model: str, cache: str) -> int:
-    """Runs in the build process: open the model with the cache twice, print the cache size and peak RSS."""
+    """Runs in the build process: open the model with the cache twice, print the cache size and peak RSS.
+
+    Its stdout is the protocol with ``build``: one JSON line, or a line with ERROR.
+    """
     from ai_edge_litert.compiled_model import CompiledModel
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.options import Options
