@@ -251,3 +251,25 @@ def test_model_replaced_while_loading_leaves_no_misnamed_cache(pair, tmp_path, m
     assert calls[0][0] == tmp_path / cache_a.name and calls[1][0] is None
     assert cm.weightshare_cache is None and same(run(cm), ref_b)
     assert sorted(p.name for p in tmp_path.iterdir()) == [model.name]  # LiteRT's misnamed cache was removed
+
+
+def test_group_names_of_damaged_models_fail_cleanly(pair, tmp_path):
+    """The helper's own flatbuffer walk (no schema module): damaged files give WeightshareError, nothing else."""
+    from weightshare.errors import WeightshareError
+
+    src = pair[0][0]
+    model, blob = (Path(p) for p in convert(src, tmp_path / "ext", ConvertOptions(external=True)).outputs)
+    assert xnnpack_cache.referenced_files(model) == [blob]
+    data = model.read_bytes()
+    rng = np.random.default_rng(0)
+    damaged = tmp_path / "ext" / "damaged.tflite"
+    for i in range(300):
+        b = bytearray(data[: int(rng.integers(0, len(data)))] if i % 3 == 0 else data)
+        for _ in range(4):
+            if b:
+                b[int(rng.integers(0, min(len(b), 256)))] = int(rng.integers(0, 256))
+        damaged.write_bytes(bytes(b))
+        try:
+            xnnpack_cache.referenced_files(damaged)
+        except WeightshareError:
+            pass

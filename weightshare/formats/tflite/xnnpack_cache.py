@@ -73,21 +73,63 @@ def cpu_fingerprint() -> str:
     return platform.machine() + ":" + ",".join(sorted(flags))
 
 
+_MODEL_EXTERNAL_BUFFER_GROUPS = 8  # Model field slot (schema.fbs); ExternalBufferGroup.name is slot 0
+
+
+class _Preader:
+    """Bounds-checked little-endian preads: just enough flatbuffer to find the group names.
+
+    The schema's generated module costs each serving process ~3 MiB of Python objects; ``compiled_model`` runs
+    in every process that loads the model, so this path does without it.
+    """
+
+    def __init__(self, fd: int, size: int, path: Path):
+        self.fd, self.size, self.path = fd, size, path
+
+    def read(self, pos: int, n: int) -> bytes:
+        if pos < 0 or n < 0 or pos + n > self.size:
+            raise InvalidModel(f"truncated or corrupt flatbuffer: {n} bytes at offset {pos} run past the end of the "
+                               f"file ({self.size} bytes)", self.path)
+        return os.pread(self.fd, n, pos)
+
+    def u(self, pos: int, n: int, signed: bool = False) -> int:
+        return int.from_bytes(self.read(pos, n), "little", signed=signed)
+
+    def field(self, table: int, slot: int) -> int | None:
+        """Position of the uoffset field ``slot`` of the table at ``table``, or None when absent."""
+        vtable = table - self.u(table, 4, signed=True)
+        entry = 4 + 2 * slot
+        if entry + 2 > self.u(vtable, 2):
+            return None
+        off = self.u(vtable + entry, 2)
+        return table + off if off else None
+
+    def deref(self, pos: int) -> int:
+        return pos + self.u(pos, 4)
+
+
 def referenced_files(model: Path) -> list[Path]:
     """The ExternalBuffer group files ``model`` names, resolved inside its directory (in group order)."""
-    from . import flatbuf
-
-    with flatbuf.open_model(str(model)) as (reader, mapping):
-        flatbuf.check_header(reader)
-        graph = flatbuf.read_graph(reader, mapping)
-    files = []
-    for group in graph.externalBufferGroups or []:
-        name = group.name if group is not None else None
-        if not name:
-            raise InvalidModel("an external buffer group has no name", model)
-        name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
-        files.append(resolve_inside(model.parent, name, "external buffer group", model))
-    return files
+    fd = os.open(model, os.O_RDONLY)
+    try:
+        r = _Preader(fd, os.fstat(fd).st_size, model)
+        if r.read(4, 4) != b"TFL3":
+            raise InvalidModel("not a TFLite flatbuffer (no TFL3 identifier)", model)
+        groups = r.field(r.deref(0), _MODEL_EXTERNAL_BUFFER_GROUPS)
+        if groups is None:
+            return []
+        vector = r.deref(groups)
+        files = []
+        for i in range(r.u(vector, 4)):
+            name = r.field(r.deref(vector + 4 + 4 * i), 0)
+            if name is None:
+                raise InvalidModel(f"external buffer group {i} has no name", model)
+            start = r.deref(name)
+            text = r.read(start + 4, r.u(start, 4)).decode("utf-8", "replace")
+            files.append(resolve_inside(model.parent, text, "external buffer group", model))
+        return files
+    finally:
+        os.close(fd)
 
 
 def _stat_key(path: Path) -> tuple:
