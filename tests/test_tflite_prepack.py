@@ -273,3 +273,51 @@ def test_group_names_of_damaged_models_fail_cleanly(pair, tmp_path):
             xnnpack_cache.referenced_files(damaged)
         except WeightshareError:
             pass
+
+
+_PSS_PROBE = """
+import json, sys
+import numpy as np
+from ai_edge_litert.compiled_model import CompiledModel
+from weightshare.litert import compiled_model
+
+def pss():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
+
+path, n, use_helper = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+base, keep = pss(), []
+for _ in range(n):
+    cm = compiled_model(path) if use_helper else CompiledModel.from_file(path)
+    ins, outs = cm.create_input_buffers(0), cm.create_output_buffers(0)
+    ins[0].write(np.ones((1, 8, 8, 3), np.float32))
+    cm.run_by_index(0, ins, outs)
+    keep.append((cm, ins, outs))
+print(json.dumps(pss() - base))
+"""
+
+
+def test_compiled_models_share_the_cache(tmp_path):
+    """PSS of 4 CompiledModels through the helper stays near one; without the cache each packs its own 32 MiB."""
+    src = sample_model(tmp_path / "wide.tflite", fc_out=8192)  # FULLY_CONNECTED 8192 x 1024: 32 MiB as fp32
+    out = Path(convert(src, tmp_path / "out", ConvertOptions(prepack=True)).outputs[0])
+
+    def pss(n: int, helper: bool) -> float:
+        r = subprocess.run([sys.executable, "-c", _PSS_PROBE, str(out), str(n), "1" if helper else "0"],
+                           capture_output=True, text=True, check=True)
+        return float(r.stdout.strip().splitlines()[-1])
+
+    weights = 32.0
+    one, four = pss(1, True), pss(4, True)
+    assert four < one + weights / 2, (one, four)
+    assert pss(4, False) > one + 2 * weights  # the same model without the cache: a packed copy per instance
+
+
+def test_failed_cache_build_leaves_nothing(pair, tmp_path, monkeypatch):
+    """The cache builder dies (here: the interpreter it runs exits 1 at once): one error, no model, no cache."""
+    from weightshare.errors import Unsupported
+
+    monkeypatch.setattr(sys, "executable", shutil.which("false"))
+    with pytest.raises(Unsupported, match="could not build the XNNPACK weight cache"):
+        convert(pair[0][0], tmp_path, ConvertOptions(prepack=True))
+    assert list(tmp_path.iterdir()) == []
