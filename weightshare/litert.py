@@ -33,6 +33,8 @@ _RETRIES = 3  # the model replaced between hashing and loading (a re-conversion 
 def find_cache(model: str | os.PathLike) -> tuple[Path | None, str]:
     """The cache that matches ``model``'s current content, or None and why none is used."""
     model = Path(model)
+    if not xnnpack_cache.candidate_caches(model):  # nothing to match: spare the hash of the model
+        return None, "no XNNPACK weight cache beside the model (`weightshare convert --prepack` writes one)"
     expected = xnnpack_cache.expected_cache(model)
     if expected.is_file() and expected.stat().st_size > 0:
         return expected, "matches"

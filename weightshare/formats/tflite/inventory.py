@@ -19,8 +19,8 @@ from ...options import ConvertOptions
 from ...paths import resolve_inside
 from ...tensors import FileRange
 from . import flatbuf
-from .xnnpack_cache import inventory_notes
 from .graph import DENSIFY, TYPE_NAMES, builtin_code, element_count, plan_fp16_folds, tensor_name, validate
+from .xnnpack_cache import inventory_notes
 
 _ITEMSIZE = {"FLOAT32": 4, "FLOAT16": 2, "INT8": 1, "UINT8": 1, "INT16": 2, "INT32": 4, "INT64": 8, "BOOL": 1,
              "FLOAT64": 8, "UINT16": 2, "UINT32": 4, "UINT64": 8, "BFLOAT16": 2}
