@@ -344,6 +344,6 @@ def _xnnpack_accounting(final: Path, blob_name: str | None, plans: list[BufferPl
     else:
         xnnpack_cache.drop_stale_after_commit(final, tx)
     fp16_in = sum(p.unpacked_from for p in plans if p.unpacked_from)
-    if fp16_in:
+    if fp16_in and not options.external:  # the classic Interpreter does not load --external models at all
         fp32_out = sum(p.source.nbytes for p in plans if p.unpacked_from)
         report.notes.append(xnnpack_cache.unpack_note(fp16_in, fp32_out, options.prepack))
