@@ -5,21 +5,28 @@ converts it with weightshare, then measures in fresh child processes:
   1. peak RSS (ru_maxrss of the child) and wall time of the conversion vs `cp` of the same file;
   2. PSS (/proc/<pid>/smaps_rollup) of 1, 2, 4, 8 interpreters in one process, original vs converted,
      with the default XNNPACK delegate and with BUILTIN_WITHOUT_DEFAULT_DELEGATES;
-  3. PSS of two processes with one interpreter each (no delegate).
-Optionally (--big-gib 1) the conversion peak RSS on a ~1 GiB model.
+  3. PSS of two processes with one interpreter each (no delegate);
+  4. the XNNPACK weight cache (`convert --prepack`, loaded with `weightshare.litert.compiled_model`): PSS above an
+     idle process that imported the runtime for 1/4/8 CompiledModels in one process and for 1/2/4 processes, next
+     to CompiledModel without a cache and the default Interpreter; load and run latency; outputs compared
+     byte for byte with the original model run through CompiledModel without a cache;
+  5. peak RSS of `convert --prepack` (the converter, and the child process that builds the cache).
+Optionally (--big-gib 1) the conversion peak RSS on a ~1 GiB model (with and without --prepack).
 
-Usage: python scripts/bench_tflite.py [--workdir DIR] [--fp32-mib 256] [--big-gib 1]
+Usage: python scripts/bench_tflite.py [--workdir DIR] [--fp32-mib 256] [--big-gib 1] [--only-cache]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,40 +90,76 @@ def smaps(pid: int | str = "self") -> dict[str, float]:
 
 
 def _load(path: str, mode: str):
-    """One runtime instance of ``path``, invoked once; ``mode``: none | xnnpack | cache:<weight cache file>."""
+    """One runtime instance of ``path``, invoked once; returns (keep-alive, run callable).
+
+    ``mode``: none | xnnpack (Interpreter) | compiled (CompiledModel, no cache) | cache:<file> (CompiledModel with
+    that weight cache, straight LiteRT) | helper (``weightshare.litert.compiled_model``).
+    """
     import numpy as np
 
     x = np.ones((1, 8, 8, 64), np.float32)
-    if mode.startswith("cache:"):
+    if mode in ("compiled", "helper") or mode.startswith("cache:"):
         from ai_edge_litert.compiled_model import CompiledModel
         from ai_edge_litert.cpu_options import CpuOptions
         from ai_edge_litert.options import Options
 
-        cm = CompiledModel.from_file(path, options=Options(cpu_options=CpuOptions(
-            xnnpack_weight_cache_path=mode[len("cache:"):])))
+        if mode == "helper":
+            from weightshare.litert import compiled_model
+
+            cm = compiled_model(path)
+            assert cm.weightshare_cache is not None, "no matching cache"
+        elif mode == "compiled":
+            cm = CompiledModel.from_file(path)
+        else:
+            cm = CompiledModel.from_file(path, options=Options(cpu_options=CpuOptions(
+                num_threads=1, xnnpack_weight_cache_path=mode[len("cache:"):])))
         ins, outs = cm.create_input_buffers(0), cm.create_output_buffers(0)
         ins[0].write(x)
-        cm.run_by_index(0, ins, outs)
-        return cm, ins, outs
+        n = int(np.prod(cm.get_output_tensor_details("serving_default")[cm.get_signature_list()[
+            "serving_default"]["outputs"][0]]["shape"]))
+
+        def run():
+            cm.run_by_index(0, ins, outs)
+            return outs[0].read(n, np.float32)
+        run()
+        return (cm, ins, outs), run
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
     resolver = OpResolverType.AUTO if mode == "xnnpack" else OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
     it = Interpreter(model_path=path, experimental_op_resolver_type=resolver)
     runner = it.get_signature_runner("serving_default")
-    runner(x=x)
-    return it, runner
+
+    def run_it():
+        return next(iter(runner(x=x).values()))
+    run_it()
+    return (it, runner), run_it
 
 
 def child_interpreters(path: str, n: int, mode: str) -> None:
-    """Runs in a child: n runtime instances in one process; prints PSS/RSS in MiB."""
-    import ai_edge_litert.interpreter  # noqa: F401  (library mappings belong to the baseline)
+    """Runs in a child: n runtime instances in one process; prints PSS/RSS in MiB, latency and an output digest."""
+    import ai_edge_litert.compiled_model  # noqa: F401  (library mappings belong to the baseline)
+    import ai_edge_litert.interpreter  # noqa: F401
 
     base = smaps()
-    keep = [_load(path, mode) for _ in range(n)]
+    keep, load_s = [], []
+    for _ in range(n if mode != "idle" else 0):
+        t = time.perf_counter()
+        keep.append(_load(path, mode))
+        load_s.append(time.perf_counter() - t)
     now = smaps()
-    print(json.dumps({"pss": now["Pss"], "rss": now["Rss"], "pss_delta": now["Pss"] - base["Pss"]}))
+    result = {"pss": now["Pss"], "rss": now["Rss"], "pss_delta": now["Pss"] - base["Pss"]}
+    if keep:
+        run = keep[0][1]
+        out = run()
+        times = []
+        for _ in range(10):
+            t = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t)
+        result.update(load_s=sorted(load_s)[len(load_s) // 2], run_ms=1000 * sorted(times)[len(times) // 2],
+                      out_sha=hashlib.sha256(out.tobytes()).hexdigest())
+    print(json.dumps(result), flush=True)
     if os.environ.get("BENCH_HOLD"):
-        sys.stdout.flush()
         sys.stdin.readline()
     del keep
 
@@ -126,12 +169,12 @@ def interpreters(path: Path, n: int, mode: str) -> dict:
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
 
 
-def two_processes(path: Path) -> float:
-    """Sum of the PSS of two processes holding one interpreter each (no delegate), read while both live."""
+def processes(path: Path, k: int, mode: str) -> float:
+    """Sum of the PSS (MiB) of k processes holding one instance each, read while all of them live."""
     env = dict(os.environ, BENCH_HOLD="1")
-    cmd = [sys.executable, __file__, "--child", str(path), "1", "none"]
+    cmd = [sys.executable, __file__, "--child", str(path), "1", mode]
     procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True, env=env) for _ in range(2)]
+                              text=True, env=env) for _ in range(k)]
     try:
         for p in procs:
             p.stdout.readline()
@@ -142,12 +185,84 @@ def two_processes(path: Path) -> float:
             p.wait()
 
 
+def two_processes(path: Path) -> float:
+    """Sum of the PSS of two processes holding one interpreter each (no delegate), read while both live."""
+    return processes(path, 2, "none")
+
+
+def convert_prepack(src: Path, out: Path) -> dict:
+    """`weightshare convert --prepack --json` in a fresh process: its own peak RSS, the cache builder's, wall."""
+    shutil.rmtree(out, ignore_errors=True)
+    t = time.perf_counter()
+    # Spawned through a fresh, small Python: Linux carries the spawning process's RSS high-water mark across
+    # vfork + exec into the child's ru_maxrss, so spawning from this (big) process would inflate the figure.
+    relay = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
+    r = subprocess.run([sys.executable, "-c", relay, sys.executable, "-m", "weightshare", "convert", str(src), "-o",
+                        str(out), "--prepack", "--json", "-q"], check=True, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    report = json.loads(r.stdout)
+    note = next(n for n in report["notes"] if "built in a child process" in n)
+    child = float(note.split("peak RSS ")[1].split(" MiB")[0])
+    return {"peak_rss": report["peak_rss_mib"], "child_rss": child, "wall": wall, "cache": report["outputs"][-1]}
+
+
+def cache_section(src: Path, work: Path, counts: list[int]) -> None:
+    """--prepack + weightshare.litert.compiled_model, next to the other ways of running the same weights."""
+    out = work / "out_prepack"
+    cp = convert_prepack(src, out)
+    conv = out / src.name
+    print(f"\n`weightshare convert --prepack`: converter peak RSS {cp['peak_rss']:.1f} MiB, cache builder (child) "
+          f"peak RSS {cp['child_rss']:.1f} MiB, wall {cp['wall']:.2f} s; cache {Path(cp['cache']).name} "
+          f"({Path(cp['cache']).stat().st_size / 2 ** 20:.0f} MiB)")
+    reference = interpreters(src, 1, "compiled")
+    idle = interpreters(src, 1, "idle")
+    rows = [("original, CompiledModel, no cache", src, "compiled"),
+            ("original, Interpreter, XNNPACK (default)", src, "xnnpack"),
+            ("converted, Interpreter, XNNPACK (default)", conv, "xnnpack"),
+            ("converted, Interpreter, no delegate", conv, "none"),
+            ("converted --prepack, weightshare.litert.compiled_model", conv, "helper")]
+    print(f"\nPSS above an idle process that imported the runtime ({idle['pss']:.0f} MiB), MiB; latency of one run "
+          "(median of 10) and load + first run of one instance (median)\n")
+    print("| runtime | " + " | ".join(f"{n} inst." for n in counts) + f" | {counts[-1]} / 1 | load + first run s | "
+          "run ms | outputs = original (CompiledModel, no cache) |\n|---|" + "---|" * (len(counts) + 4))
+    for label, model, mode in rows:
+        res = [interpreters(model, n, mode) for n in counts]
+        same = "yes" if res[0]["out_sha"] == reference["out_sha"] else "NO"
+        print(f"| {label} | " + " | ".join(f"{r['pss_delta']:.0f}" for r in res) +
+              f" | {res[-1]['pss_delta'] / res[0]['pss_delta']:.2f}x | {res[0]['load_s']:.2f} | "
+              f"{res[0]['run_ms']:.1f} | {same} |", flush=True)
+    print("\nk processes with one instance each: sum of PSS minus k idle processes (that imported the runtime), MiB\n")
+    ks = [1, 2, 4]
+    base = {k: processes(src, k, "idle") for k in ks}
+    print("| runtime | " + " | ".join(f"{k} proc." for k in ks) + " | 4 / 1 |\n|---|" + "---|" * (len(ks) + 1))
+    for label, model, mode in rows:
+        d = {k: processes(model, k, mode) - base[k] for k in ks}
+        print(f"| {label} | " + " | ".join(f"{d[k]:.0f}" for k in ks) + f" | {d[4] / d[1]:.2f}x |", flush=True)
+
+
+def cache_sections(src: Path, work: Path, args) -> None:
+    cache_section(src, work, [int(v) for v in args.sessions.split(",") if int(v) in (1, 4, 8)] or [1])
+    sizes = [int(v) for v in args.prepack_sizes.split(",") if v]
+    if sizes:
+        print("\n| model (fp32 weights) | converter peak RSS MiB | cache builder peak RSS MiB | wall s |\n"
+              "|---|---|---|---|")
+    for mib in sizes:
+        model = generate(work / f"prepack_{mib}.tflite", mib, seed=2)
+        r = convert_prepack(model, work / f"prepack_{mib}_out")
+        print(f"| {mib} MiB | {r['peak_rss']:.1f} | {r['child_rss']:.1f} | {r['wall']:.2f} |", flush=True)
+        shutil.rmtree(work / f"prepack_{mib}_out", ignore_errors=True)
+        model.unlink()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--fp32-mib", type=int, default=256)
     ap.add_argument("--big-gib", type=float, default=0, help="also measure conversion of a model this big (fp16 file)")
     ap.add_argument("--sessions", default="1,2,4,8")
+    ap.add_argument("--only-cache", action="store_true", help="only the --prepack / XNNPACK weight cache sections")
+    ap.add_argument("--prepack-sizes", default="128,1024", help="fp32 MiB of the models whose `convert --prepack` "
+                    "peak RSS is measured (empty: skip)")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -156,6 +271,9 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_tflite_"))
     work.mkdir(parents=True, exist_ok=True)
     src = generate(work / "model.tflite", args.fp32_mib)
+    if args.only_cache:
+        cache_sections(src, work, args)
+        return
     out_dir = work / "out"
     shutil.rmtree(out_dir, ignore_errors=True)
     size = src.stat().st_size / 2 ** 20
@@ -183,6 +301,7 @@ def main() -> None:
     p_orig, p_conv = two_processes(src), two_processes(conv)
     print(f"\ntwo processes, one interpreter each, no delegate: PSS sum original {p_orig:.0f} MiB, "
           f"converted {p_conv:.0f} MiB")
+    cache_sections(src, work, args)
     if args.big_gib:
         big = generate(work / "big.tflite", int(args.big_gib * 2048), seed=1)
         shutil.rmtree(work / "big_out", ignore_errors=True)

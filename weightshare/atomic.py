@@ -102,6 +102,7 @@ class OutputTransaction:
 
     def __init__(self) -> None:
         self._pending: list[tuple[Path, Path, bool]] = []  # (tmp, final, is_dir)
+        self._after: list = []  # callables run after the renames, still under the directory locks
         self._done = False
 
     def _tmp_name(self, final: Path) -> Path:
@@ -130,6 +131,14 @@ class OutputTransaction:
         self._pending.append((tmp, final, True))
         return tmp
 
+    def staged(self, final: Path) -> Path | None:
+        """The temporary path that ``commit`` will rename to ``final`` (None when nothing is staged there)."""
+        return next((tmp for tmp, f, _is_dir in self._pending if f == Path(final)), None)
+
+    def after_commit(self, action) -> None:
+        """Run ``action()`` once every output is in place (e.g. removing files the new outputs supersede)."""
+        self._after.append(action)
+
     def commit(self) -> None:
         """Rename every temporary into place: files in the order they were created, then directories.
 
@@ -149,6 +158,8 @@ class OutputTransaction:
             dirs = [p for p in reversed(self._pending) if p[2]]
             with _locked({final.parent for _tmp, final, _is_dir in self._pending}):
                 self._rename_all(files + dirs)
+                for action in self._after:
+                    action()
         except OSError as e:
             self.abort()
             raise OutputError(f"cannot move output into place: {e.strerror}", e.filename) from None

@@ -121,6 +121,9 @@ def convert(
     external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
                                   "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
                                   "Interpreter does not."),
+    prepack: bool = typer.Option(False, "--prepack", help="TFLite: also write the XNNPACK weight cache of the "
+                                 "converted model (its name carries a digest of the model, its blob and the LiteRT "
+                                 "version); load with weightshare.litert.compiled_model to share packed weights."),
     align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
     align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold", help="Payload size from which "
                                         "--align applies; smaller payloads are 64-byte aligned."),
@@ -144,7 +147,7 @@ def convert(
     def options(update=None, total=None) -> ConvertOptions:
         return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
                               inline_threshold=inline_threshold, keep_packed=keep_packed, unpack=frozenset(unpack),
-                              blob_name=blob, external=external, progress=update, progress_total=total)
+                              blob_name=blob, external=external, prepack=prepack, progress=update, progress_total=total)
 
     with user_errors():
         unknown = set(unpack) - {"sparse", "int8"}

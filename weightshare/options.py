@@ -20,6 +20,8 @@ class ConvertOptions:
         unpack: opt-in unpackings, e.g. {"int8", "sparse"}.
         blob_name: file name of the external blob inside OUTDIR (ONNX, TFLite --external).
         external: TFLite only: write an external safetensors blob instead of appending.
+        prepack: also write the runtime's pre-packed weights beside the model (TFLite: an XNNPACK weight cache
+            bound to the model's content, see ``weightshare.litert``).
         progress: called with a byte count as payload bytes are written (for progress bars).
         progress_total: called once with the payload bytes a converter is about to write.
     """
@@ -30,5 +32,6 @@ class ConvertOptions:
     unpack: frozenset[str] = frozenset()
     blob_name: str | None = None
     external: bool = False
+    prepack: bool = False
     progress: Callable[[int], None] | None = None
     progress_total: Callable[[int], None] | None = None

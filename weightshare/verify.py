@@ -84,6 +84,14 @@ def _verify_tflite(report: VerifyReport, original: Path, converted: Path, runs: 
             for name in outs_a:
                 _compare(report, f"{key}:{name}" if key else name, outs_a[name], outs_b[name], r)
         report.runs += 1
+    from .litert import compiled_pairs  # issue 13: a --prepack cache is checked through CompiledModel too
+
+    cache, pairs = compiled_pairs(original, converted, runs, seed)
+    for r, name, x, y in pairs:
+        _compare(report, f"CompiledModel + {cache.name}: {name}", x, y, r)
+    if cache is not None:
+        report.notes.append(f"also ran CompiledModel: the original without a cache, the converted model with the "
+                            f"XNNPACK weight cache {cache.name}")
 
 
 def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int = 3,

@@ -282,7 +282,15 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple["schema.ModelT", 
 
 
 def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
-    """``--external`` (and zoo mode): payloads go to a shared safetensors blob, the model references them."""
+    """Zoo mode (``--shared-blob``): payloads go to a shared safetensors blob, the model references them."""
+    if options.prepack:
+        raise UsageError("--prepack is not supported with --shared-blob for TFLite models; convert them one by "
+                         "one with --external --prepack", src)
+    return _prepare(src, out_dir, options)
+
+
+def _prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+    """``--external``: payloads go to a safetensors blob, the model references them."""
     graph, plans, report = scan_and_plan(src, options)
     entries: dict[int, BlobEntry] = {}
     payloads = [BlobPayload(PlannedTensor(p.name, p.dtype, p.shape, p.source.nbytes), p.source,
@@ -300,19 +308,42 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             raise OutputError(f"cannot write the model: {e.strerror}", final) from None
         return [final]
 
-    return PreparedModel(report, payloads, emit)
+    return PreparedModel(report, payloads, emit, extra={"plans": plans})
 
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> ConversionReport:
+    final = out_dir / src.name
+    blob_name = None
     if options.external:
         blob_name, blob_path = blob_target(src, out_dir, options.blob_name)
-        prepared = prepare(src, out_dir, options)
+        prepared = _prepare(src, out_dir, options)
         write_models([prepared], out_dir, blob_name, blob_path, options, tx)
-        return prepared.report
-    graph, plans, report = scan_and_plan(src, options)
-    if options.progress_total is not None:
-        options.progress_total(sum(p.source.nbytes for p in plans if p.source is not None and not p.inline))
-    final = out_dir / src.name
-    write_appended(graph, plans, options, tx.new_file(final), report)
-    report.outputs.append(str(final))
+        report, plans = prepared.report, prepared.extra["plans"]
+        if not prepared.payloads:
+            blob_name = None
+    else:
+        graph, plans, report = scan_and_plan(src, options)
+        if options.progress_total is not None:
+            options.progress_total(sum(p.source.nbytes for p in plans if p.source is not None and not p.inline))
+        write_appended(graph, plans, options, tx.new_file(final), report)
+        report.outputs.append(str(final))
+    _xnnpack_accounting(final, blob_name, plans, options, tx, report)
     return report
+
+
+def _xnnpack_accounting(final: Path, blob_name: str | None, plans: list[BufferPlan], options: ConvertOptions, tx,
+                        report: ConversionReport) -> None:
+    """--prepack: stage the XNNPACK weight cache; and say what unpacking fp16 costs default-XNNPACK users."""
+    from . import xnnpack_cache
+
+    if options.prepack:
+        built, cache = xnnpack_cache.prepack(final, blob_name, tx)
+        report.outputs.append(cache)
+        report.notes.append(f"XNNPACK weight cache {Path(cache).name} ({built.nbytes:,} bytes) built in a child "
+                            f"process: peak RSS {built.peak_rss_mib:.1f} MiB, {built.wall_s:.2f} s")
+    else:
+        xnnpack_cache.drop_stale_after_commit(final, tx)
+    fp16_in = sum(p.unpacked_from for p in plans if p.unpacked_from)
+    if fp16_in and not options.external:  # the classic Interpreter does not load --external models at all
+        fp32_out = sum(p.source.nbytes for p in plans if p.unpacked_from)
+        report.notes.append(xnnpack_cache.unpack_note(fp16_in, fp32_out, options.prepack))

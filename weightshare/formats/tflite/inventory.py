@@ -20,6 +20,7 @@ from ...paths import resolve_inside
 from ...tensors import FileRange
 from . import flatbuf
 from .graph import DENSIFY, TYPE_NAMES, builtin_code, element_count, plan_fp16_folds, tensor_name, validate
+from .xnnpack_cache import inventory_notes
 
 _ITEMSIZE = {"FLOAT32": 4, "FLOAT16": 2, "INT8": 1, "UINT8": 1, "INT16": 2, "INT32": 4, "INT64": 8, "BOOL": 1,
              "FLOAT64": 8, "UINT16": 2, "UINT32": 4, "UINT64": 8, "BFLOAT16": 2}
@@ -126,6 +127,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     _external_payloads(graph, path, inv, hash_payloads)
     if any(p.location == "external" and p.file == path.name for p in inv.payloads):
         inv.external_files.append(path.name)
+    inv.notes.extend(inventory_notes(path))  # per-setting cost and XNNPACK cache status (issue 13)
     if any(p.encoding == "inline" and p.would_move for p in inv.payloads):
         inv.notes.append("inline buffers are mapped with the file (shared), but only 16-byte aligned; "
                          "`weightshare convert` moves them to page-aligned offsets")

@@ -1,0 +1,153 @@
+"""Open a converted TFLite model with LiteRT's ``CompiledModel`` and the XNNPACK weight cache that matches it.
+
+Example:
+    from weightshare.litert import compiled_model
+    cm = compiled_model("out/model.tflite")   # uses out/model.tflite.litert-<v>.<digest>.xnnpack-cache
+    print(cm.weightshare_cache)                # the cache used, or None
+
+``weightshare convert MODEL.tflite -o OUT --prepack`` writes the cache. XNNPACK itself cannot tell a cache built
+for another model of the same structure: it would silently compute with that model's weights. This helper
+only passes LiteRT a cache whose name carries the digest of the model's current content (model file, blob,
+LiteRT version, CPU flags); otherwise it opens the model without a cache (every instance then packs its own
+weights) and logs one warning on the ``weightshare.litert`` logger.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .errors import UsageError
+from .formats.tflite import xnnpack_cache
+
+if TYPE_CHECKING:
+    import numpy as np
+
+log = logging.getLogger("weightshare.litert")
+_RETRIES = 3  # the model replaced between hashing and loading (a re-conversion committing): hash again
+
+
+def find_cache(model: str | os.PathLike) -> tuple[Path | None, str]:
+    """The cache that matches ``model``'s current content, or None and why none is used."""
+    model = Path(model)
+    if not xnnpack_cache.candidate_caches(model):  # nothing to match: spare the hash of the model
+        return None, "no XNNPACK weight cache beside the model (`weightshare convert --prepack` writes one)"
+    expected = xnnpack_cache.expected_cache(model)
+    if expected.is_file() and expected.stat().st_size > 0:
+        return expected, "matches"
+    others = [s for s in xnnpack_cache.cache_status(model) if not s.matches]
+    if others:
+        return None, f"{others[0].path.name} does not match the model ({others[0].reason})"
+    return None, f"no XNNPACK weight cache beside the model (expected {expected.name})"
+
+
+def _with_cache(kwargs: dict, cache: Path) -> dict:
+    """``from_file`` keyword arguments with the cache path set on (a copy of) the CPU options."""
+    from ai_edge_litert.cpu_options import CpuOptions
+    from ai_edge_litert.options import Options
+
+    kwargs = dict(kwargs)
+    options = kwargs.pop("options", None)
+    accel = kwargs.pop("hardware_accel", None)
+    if options is None:  # what CompiledModel.from_file uses when given no options
+        options = Options(cpu_options=CpuOptions(num_threads=1)) if accel is None else \
+            Options(hardware_accelerators=accel, cpu_options=CpuOptions(num_threads=1))
+    elif accel is not None:
+        raise UsageError("pass either options or hardware_accel, not both")
+    options = copy.copy(options)
+    cpu = copy.copy(options._cpu_options) if options._cpu_options is not None else CpuOptions()
+    cpu.xnnpack_weight_cache_path = str(cache)
+    options._cpu_options = cpu  # Options keeps its groups in private fields and has no setter
+    kwargs["options"] = options
+    return kwargs
+
+
+def _file_state(path: Path):
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def compiled_model(path: str | os.PathLike, **kwargs):
+    """``CompiledModel.from_file(path, **kwargs)`` with the model's own XNNPACK weight cache when there is one.
+
+    The returned CompiledModel carries ``weightshare_cache``: the cache file used, or None.
+    """
+    from ai_edge_litert.compiled_model import CompiledModel
+
+    options = kwargs.get("options")
+    if options is not None and options._cpu_options is not None and \
+            options._cpu_options.xnnpack_weight_cache_path:
+        raise UsageError("compiled_model chooses the XNNPACK weight cache; pass options without "
+                         "xnnpack_weight_cache_path", path)
+    model = Path(path)
+    for _attempt in range(_RETRIES):
+        before = _file_state(model)
+        cache, why = find_cache(model)
+        if cache is None:
+            log.warning("weightshare: %s: %s; running without a cache (each instance packs its own weights)",
+                        model, why)
+            cm = CompiledModel.from_file(str(model), **kwargs)
+            cm.weightshare_cache = None
+            return cm
+        cache_before = _file_state(cache)
+        cm = CompiledModel.from_file(str(model), **_with_cache(kwargs, cache))
+        if _file_state(model) == before:  # LiteRT read the model whose digest named the cache
+            cm.weightshare_cache = cache
+            return cm
+        # The model was replaced while it loaded: LiteRT may have packed the new model into a cache named
+        # for the old one (if that cache vanished meanwhile); such a file must not survive.
+        cm.close()
+        if _file_state(cache) != cache_before:
+            cache.unlink(missing_ok=True)
+    raise UsageError(f"the model kept changing while it was being loaded ({_RETRIES} attempts)", model)
+
+
+def run_signatures(cm, seed: int) -> dict[str, dict[str, "np.ndarray"]]:
+    """Run every signature of a CompiledModel on seeded random inputs: {signature: {output: array}}."""
+    import numpy as np
+
+    from .runtimes.litert import _random_array
+
+    results = {}
+    for key, sig in cm.get_signature_list().items():
+        idx = cm.get_signature_index(key)
+        rng = np.random.default_rng(seed)
+        ins, outs = cm.create_input_buffers(idx), cm.create_output_buffers(idx)
+        details = cm.get_input_tensor_details(key)
+        for name, buf in zip(sig["inputs"], ins):
+            buf.write(_random_array(rng, [int(d) for d in details[name]["shape"]], details[name]["dtype"]))
+        cm.run_by_index(idx, ins, outs)
+        details = cm.get_output_tensor_details(key)
+        results[key] = {name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"]).reshape(
+            [int(d) for d in details[name]["shape"]]) for name, buf in zip(sig["outputs"], outs)}
+    return results
+
+
+def compiled_pairs(original: str | os.PathLike, converted: str | os.PathLike, runs: int, seed: int):
+    """For ``verify``: the converted model through CompiledModel with its matching cache, the original without.
+
+    Returns (cache used or None, [(run, "signature:output", original array, converted array)]); no pairs
+    when ``converted`` has no matching cache beside it.
+    """
+    import numpy as np
+    from ai_edge_litert.compiled_model import CompiledModel
+
+    cache, _why = find_cache(converted)
+    if cache is None:
+        return None, []
+    a = CompiledModel.from_file(str(original))
+    b = CompiledModel.from_file(str(converted), **_with_cache({}, cache))
+    pairs = []
+    for r in range(runs):
+        outs_a, outs_b = run_signatures(a, seed + r), run_signatures(b, seed + r)
+        for key in outs_a:
+            for name in outs_a[key]:
+                missing = np.zeros(0, outs_a[key][name].dtype)  # an output the converted model lacks: a mismatch
+                pairs.append((r, f"{key}:{name}", outs_a[key][name], outs_b.get(key, {}).get(name, missing)))
+    return cache, pairs
