@@ -30,6 +30,11 @@ out = Console()
 err = Console(stderr=True)
 
 
+def info(message: str) -> None:
+    """Detail a user may want; silenced by -q."""
+    print(message)
+
+
 def fail(message: str, code: int = 2) -> None:
     err.print(f"weightshare: error: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -268,41 +273,72 @@ def check(
     raise typer.Exit(1 if findings else 0)
 
 
+def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        if not sep or not name or not value:
+            fail(f"{option} takes NAME={what}, got {item!r}")
+        pairs.append((name, value))
+    return pairs
+
+
+def _verify_args(dim: list[str], shape: list[str], inputs: list[str]) -> tuple[dict, dict, dict]:
+    from .verify import load_input
+
+    dims, shapes = {}, {}
+    for name, value in _pairs(dim, "--dim", "VALUE"):
+        if not value.isdigit() or int(value) < 1:
+            fail(f"--dim takes NAME=VALUE with a positive integer, got {name}={value!r}")
+        dims[name] = int(value)
+    for name, value in _pairs(shape, "--shape", "D0,D1,..."):
+        parts = [p.strip() for p in value.split(",")]
+        if not all(p.isdigit() for p in parts):
+            fail(f"--shape takes NAME=D0,D1,... with non-negative integers, got {name}={value!r}")
+        shapes[name] = [int(p) for p in parts]
+    given = {name: load_input(name, value) for name, value in _pairs(inputs, "--input", "FILE.npy")}
+    return dims, shapes, given
+
+
 @app.command()
 def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
     runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
-    dim: List[str] = typer.Option([], "--dim", help="Value for a symbolic input dimension, NAME=VALUE."),
-    seed: int = typer.Option(0, "--seed"),
-    as_json: bool = typer.Option(False, "--json"),
+    dim: List[str] = typer.Option([], "--dim", help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
+                                  "sets every other dynamic dimension (TFLite dims have no names). Repeatable."),
+    shape: List[str] = typer.Option([], "--shape", help="TFLite: full shape of an input with dynamic dims, "
+                                    "NAME=1,16000. Repeatable."),
+    inputs: List[str] = typer.Option([], "--input", help="Use real values for an input in every run: "
+                                     "NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
+    as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
 ) -> None:
-    """Run both models in the real runtime on the same inputs: pass only if outputs are bit-identical.
+    """Run both models in the real runtime on the same inputs: pass only if outputs are byte-identical.
 
-    ONNX Runtime CPU or the LiteRT Interpreter (every signature), on seeded random inputs
-    built from the input signature; NaN positions must match too. Every blob payload is
-    also re-hashed against its recorded SHA-256. Core ML (no runtime on Linux): weights
-    must decode to the same bytes and the programs must match op for op.
+    Compares output names, count and order, then each output's dtype, shape and raw
+    bytes (sequences, maps and optionals element by element). ONNX Runtime CPU at
+    default options; LiteRT without delegate and with XNNPACK (every signature), or
+    CompiledModel for ExternalBuffer models. Every blob payload is re-hashed against its
+    recorded SHA-256. Core ML (no runtime on Linux): weights must decode to the same
+    bytes and the programs must match op for op. Exit 1 on a difference, 2 when the
+    original itself does not run.
     """
     from .verify import verify as run_verify
 
     with user_errors():
-        dims = {}
-        for item in dim:
-            name, sep, value = item.partition("=")
-            if not sep or not value.isdigit():
-                fail(f"--dim takes NAME=VALUE with a positive integer, got {item!r}")
-            dims[name] = int(value)
-        report = run_verify(original, converted, runs, dims, seed)
+        dims, shapes, given = _verify_args(dim, shape, inputs)
+        report = run_verify(original, converted, runs, dims, seed, given, shapes)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        for line in report.mismatches + report.checksum_mismatches:
+        for line in report.checksum_mismatches + report.mismatches:
             print(f"FAIL: {line}")
         for note in report.notes:
-            print(f"note: {note}")
+            info(f"note: {note}")
         verdict = "ok" if report.passed else "FAILED"
-        print(f"{verdict}: {report.runs} runs, {report.outputs_compared} outputs compared, "
+        ran = f" ({'; '.join(report.paths)})" if report.paths else ""
+        print(f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
               f"{report.payloads_hashed} blob payloads re-hashed")
     raise typer.Exit(0 if report.passed else 1)
 
