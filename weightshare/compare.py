@@ -59,18 +59,18 @@ def tensor_difference(a: np.ndarray, b: np.ndarray) -> str:
     count = int(np.count_nonzero(mask))
     if not count:
         return ""
-    first = np.argwhere(mask)[0].tolist() if mask.ndim else []
+    flat = mask.reshape(-1)
+    first = [int(i) for i in np.unravel_index(int(np.argmax(flat)), mask.shape)] if mask.ndim else []
     parts = [f"{count} of {a.size} elements differ, first at {first}"]
     if a.dtype.kind in "iuf":
+        xa, xb = np.ascontiguousarray(a).reshape(-1)[flat], np.ascontiguousarray(b).reshape(-1)[flat]
         with np.errstate(all="ignore"):
-            x, y = a[mask].astype(np.float64), b[mask].astype(np.float64)
-            diff = np.abs(x - y)
+            diff = np.abs(xa.astype(np.float64) - xb.astype(np.float64))
             finite = diff[np.isfinite(diff)]
             if finite.size:
                 parts.append(f"max abs diff {float(finite.max()):.6g}")
             if a.dtype.kind == "f":
-                ulp = np.abs(_ordered(np.ascontiguousarray(a[mask])) - _ordered(np.ascontiguousarray(b[mask])))
-                parts.append(f"max ULP diff {int(ulp.max())}")
+                parts.append(f"max ULP diff {int(np.abs(_ordered(xa) - _ordered(xb)).max())}")
     return ", ".join(parts)
 
 
