@@ -120,15 +120,23 @@ def _verify_onnx(report: VerifyReport, original: Path, converted: Path, opts: di
 
 
 def _open_paths(original: Path, converted: Path, external: bool):
-    """(path name, original entry points, converted entry points or an error line) for every path that runs."""
+    """(path name, original entry points, converted entry points or an error line), one per LiteRT mode."""
     from .runtimes.litert import MODES, compiled_entry_points, entry_points, open_mode
 
-    compiled = None
-    if external:  # only CompiledModel loads ExternalBuffer groups
+    if external:  # only CompiledModel loads ExternalBuffer groups: run both models through it, same kernels
         try:
-            compiled = compiled_entry_points(str(converted))
+            ea = compiled_entry_points(str(original))
+            # CompiledModel has no shape signatures or op list: the classic Interpreter's view makes the inputs
+            feeders = dict(entry_points(open_mode(str(original), MODES[0])))
+            for key, entry in ea:
+                entry.feeds = feeders[key].feeds
         except Exception as e:  # noqa: BLE001
-            compiled = f"the converted model fails to load in LiteRT CompiledModel: {first_line(e)}"
+            return [], [f"CompiledModel: {first_line(e)}"]
+        try:
+            eb: Any = compiled_entry_points(str(converted))
+        except Exception as e:  # noqa: BLE001
+            eb = f"the converted model fails to load in LiteRT CompiledModel: {first_line(e)}"
+        return [("CompiledModel", "LiteRT CompiledModel", ea, eb)], []
     opened, refusals = [], []
     for mode in MODES:
         try:
@@ -136,53 +144,64 @@ def _open_paths(original: Path, converted: Path, external: bool):
         except Exception as e:  # noqa: BLE001
             refusals.append(f"{mode}: {first_line(e)}")
             continue
-        if compiled is not None:
-            opened.append((f"LiteRT Interpreter ({mode}) vs CompiledModel", ea, compiled))
-            continue
         try:
-            eb: Any = entry_points(open_mode(str(converted), mode))
+            eb = entry_points(open_mode(str(converted), mode))
         except Exception as e:  # noqa: BLE001
             eb = f"the converted model fails to load in LiteRT ({mode}): {first_line(e)}"
-        opened.append((f"LiteRT Interpreter, {mode}", ea, eb))
+        opened.append((mode, f"LiteRT Interpreter, {mode}", ea, eb))
     return opened, refusals
+
+
+def _run_path(report: VerifyReport, path: str, ea, eb, opts: dict) -> str:
+    """Compare on one LiteRT path; returns why the original could not run on it in the first run ('' if it ran)."""
+    before = len(report.mismatches)
+    compare_names(report, "signature", [k for k, _ in ea], [k for k, _ in eb])
+    if len(report.mismatches) > before:
+        return ""
+    for r in range(opts["runs"]):
+        for (key, run_a), (_, run_b) in zip(ea, eb):
+            feeds = run_a.feeds(opts["seed"] + r, opts["inputs"], opts["shapes"], opts["dims"])
+            try:
+                outs_a = run_a(feeds)
+            except Exception as e:  # noqa: BLE001
+                if r == 0:  # this path does not run the original (an op it lacks, a shape it refuses)
+                    return first_line(e)
+                raise OriginalFails(f"the original model fails in {path}: {first_line(e)} ({_hint('tflite')})",
+                                    report.original) from None
+            try:
+                outs_b = run_b(feeds)
+            except Exception as e:  # noqa: BLE001
+                report.mismatches.append(f"run {r}: the converted model fails in {path}: {first_line(e)}")
+                return ""
+            compare_names(report, "output", list(outs_a), list(outs_b))
+            compare_outputs(report, list(outs_a), outs_a, outs_b, r, f"{key}:" if key else "")
+        report.runs += 1
+    return ""
 
 
 def _verify_tflite(report: VerifyReport, original: Path, converted: Path, opts: dict, broken: bool) -> None:
     """Every signature (or the primary subgraph), on every path the original runs on."""
     external = any(p.location == "external" and p.file != converted.name for p in inventory(converted, False).payloads)
     opened, refusals = _open_paths(original, converted, external)
-    if not opened:
+    for mode, path, ea, eb in opened:
+        if broken:
+            break
+        if isinstance(eb, str):
+            report.paths.append(path)
+            report.mismatches.append(eb)
+            continue
+        refused = _run_path(report, path, ea, eb, opts)
+        if refused:
+            refusals.append(f"{mode}: {refused}")
+        else:
+            report.paths.append(path)
+    if not report.paths and not broken:
         raise OriginalFails(f"the original model fails in LiteRT: {'; '.join(refusals)} ({_hint('tflite')})",
                             original)
     for line in refusals:
         report.notes.append(f"the original model does not run with LiteRT {line}; that path was skipped")
     if broken:
         report.mismatches.append("the converted model was not run: its external data is broken (see above)")
-        return
-    for path, ea, eb in opened:
-        report.paths.append(path)
-        if isinstance(eb, str):
-            report.mismatches.append(eb)
-            continue
-        compare_names(report, "signature", [k for k, _ in ea], [k for k, _ in eb])
-        if report.mismatches:
-            return
-        for r in range(opts["runs"]):
-            for (key, run_a), (_, run_b) in zip(ea, eb):
-                feeds = run_a.feeds(opts["seed"] + r, opts["inputs"], opts["shapes"], opts["dims"])
-                try:
-                    outs_a = run_a(feeds)
-                except Exception as e:  # noqa: BLE001
-                    raise OriginalFails(f"the original model fails in {path}: {first_line(e)} ({_hint('tflite')})",
-                                        original) from None
-                try:
-                    outs_b = run_b(feeds)
-                except Exception as e:  # noqa: BLE001
-                    report.mismatches.append(f"run {r}: the converted model fails in {path}: {first_line(e)}")
-                    return
-                compare_names(report, "output", list(outs_a), list(outs_b))
-                compare_outputs(report, list(outs_a), outs_a, outs_b, r, f"{key}:" if key else "")
-            report.runs += 1
 
 
 def _check_blob(report: VerifyReport, converted: Path) -> bool:
@@ -226,7 +245,10 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int 
     if fmt == "onnx":
         _verify_onnx(report, original, converted, opts, broken)
     elif fmt == "tflite":
-        _verify_tflite(report, original, converted, opts, broken)
+        from .runtimes.litert import native_stderr_silenced
+
+        with native_stderr_silenced():
+            _verify_tflite(report, original, converted, opts, broken)
     else:
         from .formats.coreml.verify import verify_programs
 
