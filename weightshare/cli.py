@@ -26,8 +26,10 @@ from .report import ConversionReport
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
                        "shared by every session, interpreter, function and process.")
-out = Console()
-err = Console(stderr=True)
+# Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
+# Colour only on a terminal; rich also honours NO_COLOR.
+out = Console(width=None if sys.stdout.isatty() else 4096, highlight=False)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 4096, highlight=False)
 
 
 def info(message: str) -> None:
@@ -210,67 +212,89 @@ def merge(
 @app.command()
 def inspect(
     model: Path = typer.Argument(..., help="An ONNX, TFLite or Core ML model."),
-    as_json: bool = typer.Option(False, "--json", help="Print the inventory as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the inventory and findings as one JSON document."),
     no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
     limit: int = typer.Option(40, "--limit", help="Payload rows to show (largest first); 0 for all."),
 ) -> None:
     """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
 
-    Also sums what each runtime copies per session and what `convert` would change.
+    Per-session copies are shown per runtime setting side by side (ONNX Runtime with
+    session.disable_prepacking=1 and with default options; LiteRT without delegate, with
+    XNNPACK, and CompiledModel with a weight cache), followed by check's findings.
     """
+    from .check import findings_for
     from .inventory import inventory
 
     with user_errors():
         inv = inventory(model, hash_payloads=not no_hash)
+        findings = findings_for(inv)
     if as_json:
-        print(json.dumps(inv.to_dict(), indent=2))
+        print(json.dumps({**inv.to_dict(), "findings": [f.to_dict() for f in findings]}, indent=2))
         return
     rows = sorted(inv.payloads, key=lambda p: -p.nbytes)
     t = Table(title=f"{inv.model} ({inv.format}, {_mib(inv.file_bytes)})", title_justify="left")
-    for col in ("payload", "dtype", "size", "where", "encoding", "align", "per session", "note"):
-        t.add_column(col, justify="right" if col in ("size", "align", "per session") else "left")
+    settings = inv.settings[:3] if len(inv.settings) > 1 else []
+    for col in ("payload", "dtype", "size", "where", "encoding", "align"):
+        t.add_column(col, justify="right" if col in ("size", "align") else "left")
+    for setting in settings or ["per session"]:
+        t.add_column(f"copied/session: {setting}" if settings else setting, justify="right")
+    t.add_column("note")
     for p in rows[: limit or None]:
         where = "embedded" if p.location == "embedded" else f"{p.file}@{p.offset}"
-        note = "; ".join(x for x in (p.unpacked_at_load, f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
+        note = "; ".join(x for x in (p.unpacked_at_load, p.copy_reason,
+                                     f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
                                      p.problem, p.stays_inline_because) if x)
+        copies = [p.copies.get(s, p.copied_per_session) for s in settings] if settings else [p.copied_per_session]
         t.add_row(p.name, p.dtype, _mib(p.nbytes), where, p.encoding, str(p.alignment or ""),
-                  _mib(p.copied_per_session) if p.copied_per_session else "0", note)
+                  *[_mib(c) if c else "0" for c in copies], note)
     out.print(t)
     if limit and len(rows) > limit:
         out.print(f"... {len(rows) - limit} smaller payloads not shown (--limit 0 shows all)")
     moves = sum(1 for p in inv.payloads if p.would_move)
+    per_setting = "; ".join(f"{s}: {_mib(inv.copied_under(s))}" for s in settings) or _mib(inv.copied_per_session)
     out.print(f"{len(inv.payloads)} payloads: {_mib(inv.embedded_bytes)} embedded, {_mib(inv.external_bytes)} "
-              f"external, {_mib(inv.duplicate_bytes)} duplicated. Copied per session: "
-              f"{_mib(inv.copied_per_session)}. `convert` would move {moves} payloads and unpack "
+              f"external, {_mib(inv.duplicate_bytes)} duplicated. Copied per session: {per_setting}. "
+              f"`convert` would move {moves} payloads and unpack "
               f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}.")
     for note in inv.notes:
         out.print(f"note: {note}")
+    for f in findings:
+        out.print(f"{f.severity.value}: {f.code.value}: {f.message} (fix: {f.fix})")
 
 
 @app.command()
 def check(
-    models: List[Path] = typer.Argument(..., help="Models, directories or globs."),
-    as_json: bool = typer.Option(False, "--json", help="Print findings as JSON."),
+    models: List[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
+    as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),
     inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold",
                                          help="Embedded payloads below this size are fine."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on warnings too (copies that only a runtime's "
+                                "default setting makes, 16-byte aligned inline TFLite buffers)."),
 ) -> None:
-    """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise."""
+    """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
+
+    Errors fail the gate; warnings (a copy that a runtime setting avoids, named in the
+    fix) fail it only with --strict. docs/ci.md lists every finding code.
+    """
     from .check import check as run_check
+    from .findings import Severity
 
     with user_errors():
         paths = api.expand_inputs(models)
         if not paths:
             fail("no models found")
         inventories, findings = run_check(paths, inline_threshold)
+    failing = [f for f in findings if strict or f.severity == Severity.ERROR]
     if as_json:
-        print(json.dumps({"ok": not findings, "models": [i.model for i in inventories],
+        print(json.dumps({"ok": not failing, "models": [i.model for i in inventories],
                           "findings": [f.to_dict() for f in findings]}, indent=2))
     else:
         for f in findings:
             print(f.line())
-        if not findings:
-            print(f"ok: {len(inventories)} model(s) share-ready")
-    raise typer.Exit(1 if findings else 0)
+        if not failing:
+            info(f"ok: {len(inventories)} model(s) share-ready"
+                 + (f" ({len(findings)} warnings)" if findings else ""))
+    raise typer.Exit(1 if failing else 0)
 
 
 def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
