@@ -112,7 +112,7 @@ def fc_tflite(path):
 def _agrees(predicted: int, measured: float, weights: int) -> bool:
     if predicted == 0:
         return measured < 0.25 * weights
-    return 0.6 * predicted <= measured <= 2.5 * predicted + 2 * MIB
+    return 0.6 * predicted <= measured <= 1.6 * predicted + 2 * MIB
 
 
 @pytest.mark.slow
@@ -133,7 +133,7 @@ def test_onnx_copies_per_setting_match_measured_pss(tmp_path):
             assert _agrees(predicted, got, weights), (path.name, setting, predicted, got)
     conv, mm = (inventory(p) for p in paths)
     # the facts themselves, so a rule change cannot make both sides agree on nothing
-    assert conv.copied_under("ORT disable_prepacking") == conv.external_bytes  # NCHWc: copied either way
+    assert conv.copied_under("ORT disable_prepacking") == 2 * conv.external_bytes  # NCHWc: copied either way
     assert mm.copied_under("ORT disable_prepacking") == 0 and mm.copied_under("ORT defaults") == mm.external_bytes
     codes = {f.code.value: f for f in findings_for(conv)}
     assert codes["ort-nchwc-copy-per-session"].severity == "error"

@@ -104,6 +104,30 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
     return out
 
 
+def find_models(inputs: list[str | os.PathLike]) -> list[Path]:
+    """Files as given; directories searched recursively (sorted), an ``.mlpackage`` being a model, not a folder;
+    unexpanded globs expanded."""
+    import glob
+
+    from .api import MODEL_SUFFIXES
+
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir() and path.suffix != ".mlpackage":
+            for root, dirs, files in os.walk(path):
+                packages = sorted(d for d in dirs if d.endswith(".mlpackage"))
+                dirs[:] = sorted(d for d in dirs if not d.endswith(".mlpackage"))  # walk the rest, in order
+                here = Path(root)
+                found += sorted([here / f for f in files if Path(f).suffix in MODEL_SUFFIXES]
+                                + [here / d for d in packages])
+        elif not path.exists() and glob.has_magic(str(item)):
+            found += sorted(Path(p) for p in glob.glob(str(item)))
+        else:
+            found.append(path)
+    return found
+
+
 def check(paths: list[str | os.PathLike], inline_threshold: int = INLINE_THRESHOLD) -> tuple[list[ModelInventory],
                                                                                                list[Finding]]:
     inventories, findings = [], []

@@ -276,11 +276,11 @@ def check(
     Errors fail the gate; warnings (a copy that a runtime setting avoids, named in the
     fix) fail it only with --strict. docs/ci.md lists every finding code.
     """
-    from .check import check as run_check
+    from .check import check as run_check, find_models
     from .findings import Severity
 
     with user_errors():
-        paths = api.expand_inputs(models)
+        paths = find_models(models)
         if not paths:
             fail("no models found")
         inventories, findings = run_check(paths, inline_threshold)
