@@ -32,9 +32,47 @@ out = Console(width=None if sys.stdout.isatty() else 4096, highlight=False)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 4096, highlight=False)
 
 
+# -1 quiet (errors and findings only), 0 normal, 1 verbose; set by the global -q/-v and the commands' own -q.
+VERBOSITY = {"level": 0}
+
+
+def quiet(flag: bool) -> bool:
+    if flag:
+        VERBOSITY["level"] = -1
+    return VERBOSITY["level"] < 0
+
+
 def info(message: str) -> None:
-    """Detail a user may want; silenced by -q."""
-    print(message)
+    """Normal output a user may want; silenced by -q."""
+    if VERBOSITY["level"] >= 0:
+        out.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def detail(message: str) -> None:
+    """Shown with -v only."""
+    if VERBOSITY["level"] > 0:
+        out.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"weightshare {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _global(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+    quiet_all: bool = typer.Option(False, "-q", "--quiet", help="Print nothing but errors, findings and "
+                                   "requested JSON."),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Print more detail (per-model tables, notes)."),
+) -> None:
+    """Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and shared by every
+    session, interpreter, function and process."""
+    VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -137,8 +175,8 @@ def convert(
                                               "references this one blob; identical payloads are stored once. "
                                               "OUTDIR is rebuilt as a whole and swapped in atomically. TFLite "
                                               "models join with --external."),
-    as_json: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
-    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the conversion report as one JSON document."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only."),
 ) -> None:
     """Rewrite MODEL(s) into OUTDIR with every weight in a page-aligned, memory-mappable blob.
 
@@ -147,6 +185,7 @@ def convert(
     Outputs appear all together or not at all.
     """
     reports = []
+    quiet_ = quiet(quiet_)
 
     def options(update=None, total=None) -> ConvertOptions:
         return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
@@ -160,25 +199,44 @@ def convert(
         if shared_blob is not None:
             if blob is not None:
                 fail("--blob and --shared-blob exclude each other")
-            with progress_bar(not quiet, "zoo") as (update, total):
+            with progress_bar(not quiet_, "zoo") as (update, total):
                 zoo = api.convert_zoo(models, output, shared_blob, options(update, total))
             if as_json:
                 print(json.dumps(zoo.to_dict(), indent=2))
-            else:
+            elif not quiet(False):
                 render_zoo(zoo)
             return
         models = api.expand_inputs(models)
         if blob is not None and len(models) > 1:
             fail("--blob names one model's blob; with several models use --shared-blob or leave it out")
         for model in models:
-            with progress_bar(not quiet, model.name) as (update, total):
+            with progress_bar(not quiet_, model.name) as (update, total):
                 reports.append(api.convert(model, output, options(update, total)))
-    if as_json:
-        payload = [r.to_dict() for r in reports]
-        print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
-    else:
+    if as_json:  # one document: the report, or for a batch every report and the totals
+        if len(reports) == 1:
+            print(json.dumps(reports[0].to_dict(), indent=2))
+        else:
+            print(json.dumps({"models": [r.to_dict() for r in reports], "total": _totals(reports)}, indent=2))
+    elif quiet(False):
+        return
+    elif len(reports) == 1 or VERBOSITY["level"] > 0:
         for r in reports:
             render_report(r)
+    if not as_json and len(reports) > 1:
+        for r in reports:
+            info(f"{r.model}: {r.tensors_moved} payloads moved, {_mib(r.bytes_written)} stored, "
+                 f"{r.unpacked} unpacked, {r.wall_time_s:.2f} s, peak RSS {r.peak_rss_mib:.0f} MiB -> {r.outputs[0]}")
+        t = _totals(reports)
+        info(f"total: {t['models']} models, {t['tensors_moved']} payloads moved, {_mib(t['bytes_written'])} stored, "
+             f"{t['wall_time_s']:.2f} s, peak RSS {t['peak_rss_mib']:.0f} MiB")
+
+
+def _totals(reports: list[ConversionReport]) -> dict:
+    return {"models": len(reports), "tensors_moved": sum(r.tensors_moved for r in reports),
+            "bytes_in": sum(r.bytes_in for r in reports), "bytes_written": sum(r.bytes_written for r in reports),
+            "blob_bytes": sum(r.blob_bytes for r in reports),
+            "wall_time_s": round(sum(r.wall_time_s for r in reports), 3),
+            "peak_rss_mib": max((r.peak_rss_mib for r in reports), default=0.0)}
 
 
 @app.command()
@@ -190,22 +248,24 @@ def merge(
     default_function: Optional[str] = typer.Option(None, "--default-function", help="Function run by default "
                                                    "[default: the first]."),
     output: Path = typer.Option(..., "-o", "--output", help="Output .mlpackage."),
-    align: int = typer.Option(LARGE_ALIGN, "--align"),
-    align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold"),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bar."),
+    align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
+    align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold", help="Payload size from which "
+                                        "--align applies; smaller payloads are 64-byte aligned."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only."),
 ) -> None:
     """Merge Core ML models into one multifunction .mlpackage, storing each distinct weight once.
 
     Streams weight data chunk by chunk: memory does not grow with the number of functions.
     """
-    with user_errors(), progress_bar(not quiet, output.name) as (update, total):
+    quiet_ = quiet(quiet_)
+    with user_errors(), progress_bar(not quiet_, output.name) as (update, total):
         opts = ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold), progress=update,
                               progress_total=total)
         report = api.merge(sources, output, function_name, default_function, opts)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
-    else:
+    elif not quiet_:
         render_report(report)
 
 
@@ -270,6 +330,7 @@ def check(
                                          help="Embedded payloads below this size are fine."),
     strict: bool = typer.Option(False, "--strict", help="Fail on warnings too (copies that only a runtime's "
                                 "default setting makes, 16-byte aligned inline TFLite buffers)."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
 
@@ -279,6 +340,7 @@ def check(
     from .check import check as run_check, find_models
     from .findings import Severity
 
+    quiet(quiet_)
     with user_errors():
         paths = find_models(models)
         if not paths:
@@ -337,6 +399,7 @@ def verify(
                                      "NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
 ) -> None:
     """Run both models in the real runtime on the same inputs: pass only if outputs are byte-identical.
 
@@ -350,6 +413,7 @@ def verify(
     """
     from .verify import verify as run_verify
 
+    quiet(quiet_)
     with user_errors():
         dims, shapes, given = _verify_args(dim, shape, inputs)
         report = run_verify(original, converted, runs, dims, seed, given, shapes)
@@ -362,7 +426,7 @@ def verify(
             info(f"note: {note}")
         verdict = "ok" if report.passed else "FAILED"
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
-        print(f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
+        info(f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
               f"{report.payloads_hashed} blob payloads re-hashed")
     raise typer.Exit(0 if report.passed else 1)
 
@@ -372,8 +436,8 @@ def bench(
     model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of PSS vs sessions "
-                                             "(needs matplotlib: pip install 'weightshare[plot]')."),
-    as_json: bool = typer.Option(False, "--json"),
+                                             "(needs matplotlib: pip install \"weightshare[plot]\")."),
+    as_json: bool = typer.Option(False, "--json", help="Print the measurements as one JSON document."),
 ) -> None:
     """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
 
@@ -392,7 +456,7 @@ def bench(
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                fail("--plot needs matplotlib: pip install 'weightshare[plot]'")
+                fail('--plot needs matplotlib: pip install "weightshare[plot]"')
         status = err.status("measuring") if sys.stderr.isatty() and not as_json else None
         if status:
             status.start()
@@ -425,16 +489,26 @@ def bench(
 
 @app.command()
 def demo(
-    workdir: Path = typer.Option(Path("weightshare-demo"), "--dir", help="Where to put the sample models."),
+    workdir: Path = typer.Option(Path("weightshare-demo"), "--dir", help="Where to put the sample models "
+                                 "(about 24 MiB per layer: ~290 MiB with the default 12 layers)."),
     sessions: int = typer.Option(4, "--sessions", help="ONNX Runtime sessions to open per variant."),
     layers: int = typer.Option(12, "--layers", help="MLP layers of 2048x2048 fp16 weights (8 MiB each)."),
-    as_json: bool = typer.Option(False, "--json"),
+    clean: bool = typer.Option(False, "--clean", help="Remove the demo directory (--dir) and exit."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
 ) -> None:
     """Build a sample fp16 ONNX model, convert it, and show the memory of N sessions before and after."""
-    from .demo import run_demo
+    from .demo import clean_demo, run_demo
 
     with user_errors():
-        result = run_demo(workdir, sessions, layers, progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+        if clean:
+            removed = clean_demo(workdir)
+            info(f"removed {workdir.resolve()}" if removed else f"nothing to remove at {workdir.resolve()}")
+            return
+        size = layers * 2048 * 2048 * (2 + 4 + 4) // 10 * 10  # fp16 original, fp32 blob, and a little more
+        if not as_json:
+            info(f"writing about {_mib(size)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
+                 f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})")
+        result = run_demo(workdir, sessions, layers, progress=lambda msg: detail(msg))
     if as_json:
         print(json.dumps(result, indent=2))
         return
