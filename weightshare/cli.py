@@ -27,9 +27,10 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
                        "shared by every session, interpreter, function and process.")
 # Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
-# Colour only on a terminal; rich also honours NO_COLOR.
-out = Console(width=None if sys.stdout.isatty() else 4096, highlight=False)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 4096, highlight=False)
+# Colour (and any other escape code) only on a terminal; none at all with NO_COLOR (https://no-color.org).
+_STYLES = None if os.environ.get("NO_COLOR") else "auto"
+out = Console(width=None if sys.stdout.isatty() else 4096, highlight=False, color_system=_STYLES)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 4096, highlight=False, color_system=_STYLES)
 
 
 # -1 quiet (errors and findings only), 0 normal, 1 verbose; set by the global -q/-v and the commands' own -q.
