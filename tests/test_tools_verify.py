@@ -9,6 +9,7 @@ dynamic dimension.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -244,3 +245,33 @@ def test_tensor_difference_says_where_and_how_much():
     assert differences({"k": a}, {"k": b}, "o")[0].startswith("o['k']: 2 of 6")
     assert differences(None, a, "o") == ["o: empty optional vs tensor"]
     assert differences([a], [a, a], "o") == ["o: sequence of 1 vs 2 elements"]
+
+
+def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
+    """A record no tensor points at (as --prepack's packed copies are) is still checked against its SHA-256."""
+    from weightshare.blob import read_safetensors_metadata
+
+    a, b = W, W[:, ::-1] * 3
+    src = _model([helper.make_node("Add", ["x", "A"], ["s"]), helper.make_node("Mul", ["s", "B"], ["y"])],
+                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 512])],
+                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 512])],
+                 [numpy_helper.from_array(a, "A"), numpy_helper.from_array(np.ascontiguousarray(b), "B")],
+                 tmp_path / "ab.onnx")
+    out = _convert(cli, src, tmp_path / "out")
+    blob, _, _ = _blob_of(out)
+    _edit(out, lambda m: m.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(b), "B")))
+    res = cli("verify", src, out, "--json", "--runs", "1")
+    report = json.loads(res.stdout)
+    assert res.returncode == 0 and report["payloads_hashed"] == 2, report  # A as a tensor, B as a bare record
+    data_start, header, _ = read_safetensors_metadata(blob)
+    at = data_start + header["B"]["data_offsets"][0] + 8
+    with open(blob, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 1]))
+    res = cli("verify", src, out, "--json", "--runs", "1")
+    report = json.loads(res.stdout)
+    assert res.returncode == 1 and not report["mismatches"], report  # outputs still equal: B is inline now
+    assert report["checksum_mismatches"] == [f"blob record 'B' in {Path(blob).name} at offset "
+                                             f"{at - 8}: SHA-256 differs from the one recorded in the blob"]
