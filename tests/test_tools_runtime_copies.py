@@ -158,3 +158,19 @@ def test_tflite_inline_weights_are_shared_without_delegate_and_packed_by_xnnpack
     codes = {f.code.value for f in findings_for(inv)}
     assert "embedded-weights" not in codes  # inline TFLite data is mapped, not copied (the old contradiction)
     assert {"inline-unaligned", "xnnpack-pack-copy-per-interpreter"} <= codes
+
+
+def test_prepacked_entries_mean_no_default_option_copy(tmp_path):
+    """A tensor carrying ORT's `prepacked_*` external-data entry (what --prepack writes) is mapped at default
+    options: inspect must not count a per-session pre-pack for it."""
+    matmul_model(tmp_path / "mm.onnx", dim=128, layers=1)
+    convert(tmp_path / "mm.onnx", tmp_path / "out")
+    path = tmp_path / "out" / "mm.onnx"
+    assert inventory(path).copied_under("ORT defaults") == 128 * 128 * 4
+    model = onnx.load(str(path), load_external_data=False)
+    entry = model.graph.initializer[0].external_data.add()
+    entry.key, entry.value = "prepacked_0", "MatMul+0123|0;65536;0"
+    onnx.save(model, str(path))
+    inv = inventory(path)
+    assert inv.copied_under("ORT defaults") == 0 and "ort-prepack-copy-per-session" not in {
+        f.code.value for f in findings_for(inv)}

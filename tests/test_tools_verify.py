@@ -181,6 +181,8 @@ def test_original_that_fails_is_exit_2_with_a_hint_only_converted_failing_is_exi
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "the original model fails in onnxruntime:" in lines[0] and "--dim" in lines[0], lines
     assert cli("verify", src, out, "--dim", "N=3").returncode == 0
+    res = cli("verify", src, out, "--dim", "batch=3")  # a typo must not silently leave N at 1
+    assert res.returncode == 2 and "no input of reshape.onnx has a dimension of that name" in res.stderr
     _edit(out, lambda m: m.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([5, -1], np.int64),
                                                                                   "shape")))
     res = cli("verify", src, out, "--dim", "N=3")

@@ -117,6 +117,11 @@ def test_dynamic_length_needs_a_shape_and_runs_both_paths_with_it(models, cli, t
     assert res.returncode == 0, res.stdout + res.stderr
     assert json.loads(res.stdout)["paths"] == ["LiteRT Interpreter, no delegate", "LiteRT Interpreter, XNNPACK"]
     assert cli("verify", dynamic, out, "--dim", "*=128").returncode == 0
+    res = cli("verify", dynamic, out, "--dim", "length=128")
+    assert res.returncode == 2 and "TFLite dimensions have no names" in res.stderr
+    np.save(tmp_path / "x.npy", np.linspace(-1, 1, 192, dtype=np.float32).reshape(1, 192))
+    res = cli("verify", dynamic, out, "--input", f"x={tmp_path / 'x.npy'}", "--runs", "1")
+    assert res.returncode == 0, res.stdout + res.stderr
     res = cli("verify", dynamic, out, "--shape", "x=1,a")
     assert res.returncode == 2 and "--shape takes NAME=D0,D1" in res.stderr
     _flip_largest(out)

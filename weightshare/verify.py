@@ -97,6 +97,11 @@ def _verify_onnx(report: VerifyReport, original: Path, converted: Path, opts: di
     except Exception as e:  # noqa: BLE001
         report.mismatches.append(f"the converted model fails to load in onnxruntime: {first_line(e)}")
         return
+    symbolic = {str(d) for i in a.get_inputs() for d in i.shape if isinstance(d, str)}
+    unknown = sorted(set(opts["dims"]) - symbolic - {"*"})
+    if unknown:  # a typo would otherwise be ignored silently and the dim left at 1
+        raise UsageError(f"--dim {unknown[0]}: no input of {original.name} has a dimension of that name "
+                         f"(symbolic dims: {', '.join(sorted(symbolic)) or 'none'}; '*' sets every dynamic one)")
     compare_names(report, "input", [i.name for i in a.get_inputs()], [i.name for i in b.get_inputs()])
     names_a, names_b = [o.name for o in a.get_outputs()], [o.name for o in b.get_outputs()]
     compare_names(report, "output", names_a, names_b)
@@ -279,6 +284,11 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int 
         _verify_onnx(report, original, converted, opts, broken)
     elif fmt == "tflite":
         from .runtimes.litert import native_stderr_silenced
+
+        named = sorted(set(opts["dims"]) - {"*"})
+        if named:
+            raise UsageError(f"--dim {named[0]}: TFLite dimensions have no names; use --dim '*=N' for every "
+                             "dynamic dimension or --shape INPUT=D0,D1,... for one input")
 
         with native_stderr_silenced():
             _verify_tflite(report, original, converted, opts, broken)

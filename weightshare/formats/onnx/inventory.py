@@ -48,9 +48,12 @@ class _LenientScanner(Scanner):
 
     def __init__(self, wf, model_dir):
         super().__init__(wf, model_dir)
-        self.problems: dict[int, tuple[str, str]] = {}  # ref index -> (location, problem)
+        self.problems: dict[int, tuple[str, str, str]] = {}  # ref index -> (location, problem, code)
+        self.prepacked: set[int] = set()  # refs whose external data carries ORT's pre-packed copy (--prepack)
 
     def _external_range(self, name, info, expected):
+        if any(key.startswith("prepacked") for key in info):
+            self.prepacked.add(len(self.refs))
         try:
             return super()._external_range(name, info, expected)
         except WeightshareError as e:
@@ -81,7 +84,7 @@ def _nchwc_reordered(node, dims: list[int]) -> bool:
     return group == 1 or (group == dims[0] and dims[1] == 1)  # plain or depthwise: NCHWc has kernels for both
 
 
-def _ort_copies(site: Site, uses: list[tuple[object, int]]) -> tuple[int, int, str, str]:
+def _ort_copies(site: Site, uses: list[tuple[object, int]], packed: bool) -> tuple[int, int, str, str]:
     """(bytes copied under every setting, extra bytes at default options only, why, finding code) of a constant."""
     t = site.tensor
     if t.data_type != dtypes.FLOAT:
@@ -91,7 +94,7 @@ def _ort_copies(site: Site, uses: list[tuple[object, int]]) -> tuple[int, int, s
     if any(_nchwc_reordered(node, dims) for node, i in uses if i == 1):
         # measured: each session grows by twice the weight (the reordered initializer, and the tensor made of it)
         return 2 * nbytes, 0, "Conv weights reordered to NCHWc per session at ORT_ENABLE_ALL", Code.ORT_NCHWC_COPY.value
-    packed = any(e.key.startswith("prepacked") for e in t.external_data)  # --prepack: ORT maps the packed copy
+    # with --prepack's packed copy in the file (``packed``), ORT maps it instead of packing per session
     if not packed and len(dims) == 2 and any(node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx")
                                              and i == 1 for node, i in uses):
         return 0, nbytes, "MatMul/Gemm B pre-packed by MLAS per session at default options", \
@@ -143,8 +146,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             key = id(site.scope)
             if key not in uses_by_scope:
                 uses_by_scope[key] = _uses(site.scope)
-            always, default_only, info.copy_reason, info.copy_code = _ort_copies(site, uses_by_scope[key].get(
-                site.name, []))
+            always, default_only, info.copy_reason, info.copy_code = _ort_copies(
+                site, uses_by_scope[key].get(site.name, []), ref.index in scanner.prepacked)
             info.copied_per_session += always
             info.copies = {ORT_SHARE: info.copied_per_session, ORT_DEFAULT: info.copied_per_session + default_only}
         info.would_move = p.external and (ref.field != 0 or p.fold)
