@@ -28,7 +28,7 @@ def _mib(n: int) -> str:
 def _stored_twice(inv: ModelInventory, min_bytes: int) -> list:
     """External payloads of ``min_bytes`` or more whose bytes are already stored at another place (aliases of one
     place are fine; so are small repeats such as coremltools' zero biases, cheaper than a record of their own)."""
-    where = {}
+    where: dict[str, tuple[str, int | None]] = {}
     for p in inv.payloads:
         if p.location == "external" and not p.duplicate_of:
             where.setdefault(p.name, (p.file, p.offset))

@@ -130,19 +130,16 @@ def _open_paths(original: Path, converted: Path, external: bool):
 
     if external:  # only CompiledModel loads ExternalBuffer groups: run both models through it, same kernels
         try:
-            ea = compiled_entry_points(str(original))
-            # CompiledModel has no shape signatures or op list: the classic Interpreter's view makes the inputs
-            feeders = dict(entry_points(open_mode(str(original), MODES[0])))
-            for key, entry in ea:
-                entry.feeds = feeders[key].feeds
+            ca: Any = compiled_entry_points(str(original), str(original))
         except Exception as e:  # noqa: BLE001
             return [], [f"CompiledModel: {first_line(e)}"]
         try:
-            eb: Any = compiled_entry_points(str(converted))
+            cb: Any = compiled_entry_points(str(converted), str(original))
         except Exception as e:  # noqa: BLE001
-            eb = f"the converted model fails to load in LiteRT CompiledModel: {first_line(e)}"
-        return [("CompiledModel", "LiteRT CompiledModel", ea, eb)], []
-    opened, refusals = [], []
+            cb = f"the converted model fails to load in LiteRT CompiledModel: {first_line(e)}"
+        return [("CompiledModel", "LiteRT CompiledModel", ca, cb)], []
+    opened: list[tuple[str, str, Any, Any]] = []
+    refusals: list[str] = []
     for mode in MODES:
         try:
             ea = entry_points(open_mode(str(original), mode))
@@ -150,7 +147,7 @@ def _open_paths(original: Path, converted: Path, external: bool):
             refusals.append(f"{mode}: {first_line(e)}")
             continue
         try:
-            eb = entry_points(open_mode(str(converted), mode))
+            eb: Any = entry_points(open_mode(str(converted), mode))
         except Exception as e:  # noqa: BLE001
             eb = f"the converted model fails to load in LiteRT ({mode}): {first_line(e)}"
         opened.append((mode, f"LiteRT Interpreter, {mode}", ea, eb))
@@ -274,7 +271,8 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int 
     if runs < 1:
         raise UsageError("--runs must be at least 1")
     report = VerifyReport(str(original), str(converted), fmt)
-    opts = {"runs": runs, "dims": dims or {}, "seed": seed, "inputs": inputs or {}, "shapes": shapes or {}}
+    opts: dict[str, Any] = {"runs": runs, "dims": dims or {}, "seed": seed, "inputs": inputs or {},
+                            "shapes": shapes or {}}
     try:
         broken = _check_blob(report, converted)
     except InvalidModel as e:

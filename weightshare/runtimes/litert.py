@@ -148,8 +148,9 @@ def open_mode(model_path: str, mode: str):
 class CompiledEntry:
     """One signature run through LiteRT's CompiledModel (the only loader of ExternalBuffer groups)."""
 
-    def __init__(self, model, key: str):
+    def __init__(self, model, key: str, feeds):
         self.model, self.key = model, key
+        self.feeds = feeds  # CompiledModel has no shape signatures or op list: the Interpreter's view makes inputs
         self.index = model.get_signature_index(key) if key else 0
         self.signature = model.get_signature_by_index(self.index)
 
@@ -168,12 +169,14 @@ class CompiledEntry:
             [int(x) for x in details[name]["shape"]]) for name, buf in zip(self.signature["outputs"], outs)}
 
 
-def compiled_entry_points(model_path: str) -> list[tuple[str, CompiledEntry]]:
+def compiled_entry_points(model_path: str, inputs_from: str) -> list[tuple[str, CompiledEntry]]:
+    """Every signature of ``model_path`` through CompiledModel; inputs made from ``inputs_from``'s Interpreter."""
     from ai_edge_litert.compiled_model import CompiledModel
 
+    feeders = dict(entry_points(open_mode(inputs_from, MODES[0])))
     model = CompiledModel.from_file(model_path)
-    keys = list(model.get_signature_list())
-    return [(k, CompiledEntry(model, k)) for k in keys] or [("", CompiledEntry(model, ""))]
+    keys = list(model.get_signature_list()) or [""]
+    return [(k, CompiledEntry(model, k, feeders[k].feeds)) for k in keys]
 
 
 def random_feeds(interp, seed: int = 0, dims: dict[str, int] | None = None) -> dict[int, np.ndarray]:

@@ -65,8 +65,10 @@ def index_bounds(model_path: str) -> dict[str, int | None]:
             continue
         name, data = node.input[where[0]], shapes.get(node.input[where[1]])
         axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        size: int | None
         if node.op_type.endswith("ND"):
-            size = min(data) if data and all(d for d in data) else None
+            known = [d for d in data or [] if d]
+            size = min(known) if data and len(known) == len(data) else None
         else:
             size = data[axis] if data and -len(data) <= axis < len(data) and data[axis] else None
         old = bounds.get(name, size)
