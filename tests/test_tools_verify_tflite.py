@@ -100,7 +100,7 @@ def test_a_model_only_xnnpack_runs_is_verified_on_that_path(models, cli, tmp_pat
     res = cli("verify", deconv, out, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
     report = json.loads(res.stdout)
-    assert report["paths"] == ["LiteRT Interpreter, XNNPACK"]
+    assert report["paths"] == ["LiteRT Interpreter, XNNPACK"] and res.stderr == ""
     assert any("does not run with LiteRT no delegate" in n for n in report["notes"])
     _flip_largest(out)
     res = cli("verify", deconv, out, "--json")
@@ -137,6 +137,7 @@ def test_external_buffers_are_verified_through_compiled_model(models, cli, tmp_p
     report = json.loads(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr
     assert report["paths"] == ["LiteRT CompiledModel"] and report["outputs_compared"] == 2
+    assert res.stderr == ""  # no LiteRT INFO lines (environment setup, accelerators destroyed at exit)
     _flip_largest(out)
     res = cli("verify", dynamic, out, "--shape", "x=1,128", "--json")
     assert res.returncode == 1 and json.loads(res.stdout)["checksum_mismatches"]

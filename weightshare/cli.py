@@ -429,6 +429,11 @@ def verify(
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
         info(f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
               f"{report.payloads_hashed} blob payloads re-hashed")
+    if report.format == "tflite":
+        from .runtimes.litert import silence_native_stderr_until_exit
+
+        sys.stdout.flush()
+        silence_native_stderr_until_exit()
     raise typer.Exit(0 if report.passed else 1)
 
 

@@ -9,6 +9,7 @@ conversion is (a verify failure, exit 1).
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -290,6 +291,7 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int 
 
         with native_stderr_silenced():
             _verify_tflite(report, original, converted, opts, broken)
+            gc.collect()  # LiteRT environments log as they are destroyed: while stderr is still silenced
     else:
         from .formats.coreml.verify import verify_programs
 

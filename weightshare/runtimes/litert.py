@@ -28,6 +28,14 @@ def native_stderr_silenced():
         os.close(saved)
 
 
+def silence_native_stderr_until_exit() -> None:
+    """LiteRT's accelerator registry logs "DestroyAccelerator" from static destructors at process exit; once a
+    command has written everything it has to say, fd 2 goes to /dev/null so a CI log holds nothing else."""
+    sys.stderr.flush()
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+
+
 # verify runs every path a user may run: the classic Interpreter without delegate and with the default
 # XNNPACK delegate (which also provides custom ops such as Convolution2DTransposeBias).
 MODES = ("no delegate", "XNNPACK")
