@@ -3,7 +3,7 @@
 Before: a Conv model (NCHWc-eligible weights) and a MatMul model, converted; a TFLite model with an inline
 fp32 FULLY_CONNECTED weight. Under test: ``inventory(...).copied_under(setting)`` against the PSS growth from 1
 to 3 sessions in a fresh child process, per runtime setting (ORT disable_prepacking / defaults, LiteRT no
-delegate / XNNPACK). After: where inspect predicts a copy, each extra session grows by about that much;
+delegate / XNNPACK / CompiledModel with an XNNPACK weight cache). After: where inspect predicts a copy, each extra session grows by about that much;
 where it predicts none, it grows by a small fraction of the weights. Generous bounds: the machine is shared.
 """
 
@@ -67,6 +67,22 @@ for setting, resolver in (("LiteRT no delegate", OpResolverType.BUILTIN_WITHOUT_
         keep.append((it, run))
         sizes.append(pss())
     out[setting] = (sizes[2] - sizes[0]) / 2
+from ai_edge_litert.compiled_model import CompiledModel
+from ai_edge_litert.cpu_options import CpuOptions
+from ai_edge_litert.options import Options
+def compiled():
+    cm = CompiledModel.from_file(path, options=Options(cpu_options=CpuOptions(xnnpack_weight_cache_path=cache)))
+    ins, outs = cm.create_input_buffers(0), cm.create_output_buffers(0)
+    ins[0].write(np.ones((1, 1024), np.float32))
+    cm.run_by_index(0, ins, outs)
+    return cm, ins, outs
+cache = sys.argv[2]
+del_me = compiled()  # builds the cache file ahead of the measured instances, as a deployment would
+sizes = []
+for _ in range(3):
+    keep.append(compiled())
+    sizes.append(pss())
+out["CompiledModel + weight cache"] = (sizes[2] - sizes[0]) / 2
 print(json.dumps(out))
 """
 
@@ -146,14 +162,16 @@ def test_onnx_copies_per_setting_match_measured_pss(tmp_path):
 @pytest.mark.slow
 def test_tflite_inline_weights_are_shared_without_delegate_and_packed_by_xnnpack(tmp_path):
     src = fc_tflite(tmp_path / "fc.tflite")
-    res = subprocess.run([sys.executable, "-c", LITERT_CHILD, str(src)], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", LITERT_CHILD, str(src), str(tmp_path / "fc.xnnpack_cache")],
+                         capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     measured = json.loads(res.stdout)
     inv = inventory(src)
     weights = 2048 * 1024 * 4
     assert [p.location for p in inv.payloads if p.nbytes == weights] == ["embedded"]
     assert inv.copied_under("LiteRT no delegate") == 0 and inv.copied_under("LiteRT XNNPACK") == weights
-    for setting in ("LiteRT no delegate", "LiteRT XNNPACK"):
+    assert inv.copied_under("CompiledModel + weight cache") == 0
+    for setting in ("LiteRT no delegate", "LiteRT XNNPACK", "CompiledModel + weight cache"):
         assert _agrees(inv.copied_under(setting), measured[setting], weights), (setting, measured)
     codes = {f.code.value for f in findings_for(inv)}
     assert "embedded-weights" not in codes  # inline TFLite data is mapped, not copied (the old contradiction)
