@@ -64,6 +64,17 @@ def test_every_option_has_help():
     assert missing == []
 
 
+def test_help_paragraphs_wrap_cleanly(cli):
+    """Docstring paragraphs are reflowed: no ragged lines holding one word of a sentence that goes on."""
+    for command in ["", "convert", "merge", "inspect", "check", "verify", "bench", "demo"]:
+        res = cli(*([command] if command else []), "--help", env={"COLUMNS": "80"})
+        assert res.returncode == 0, res.stderr
+        text = res.stdout.split("╭", 1)[0]
+        ragged = [line for line in text.splitlines()
+                  if len(line.split()) == 1 and not line.strip().endswith((".", ":"))]
+        assert ragged == [], (command, ragged)
+
+
 def test_tables_are_not_cut_at_80_columns_in_a_pipe(cli, tmp_path):
     name = "encoder.layers.11.self_attention.query_key_value.weight_with_a_long_exporter_generated_suffix_0123456789"
     w = numpy_helper.from_array(np.ones((64, 64), np.float32), name)

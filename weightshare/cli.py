@@ -23,7 +23,10 @@ from .errors import WeightshareError
 from .options import INLINE_THRESHOLD, ConvertOptions
 from .report import ConversionReport
 
+# markdown: docstring paragraphs are reflowed to the terminal width (rich mode kept their hard line breaks, which
+# then wrapped again into ragged one-word lines)
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown",
                   help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
                        "shared by every session, interpreter, function and process.")
 # Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
