@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 
 import flatbuffers
 import numpy as np
 import pytest
 
 from tflite_fixtures import OP, ModelBuilder, s
+from weightshare.api import convert
 from weightshare.inventory import inventory
+from weightshare.options import ConvertOptions
 
 
 class _CustomOpModel(ModelBuilder):
@@ -80,10 +83,9 @@ def models(tmp_path_factory):
     return deconv_model(d / "deconv.tflite"), dynamic_model(d / "dynamic.tflite")
 
 
-def _convert(cli, src, out, *extra):
-    res = cli("convert", src, "-o", out, "-q", *extra)
-    assert res.returncode == 0, res.stderr
-    return out / src.name
+def _convert(cli, src, out, external=False):
+    """In-process (the CLI's convert has its own tests): the converted model's path from the report."""
+    return Path(convert(src, out, ConvertOptions(external=external)).outputs[0])
 
 
 def _flip_largest(model):
@@ -132,7 +134,7 @@ def test_dynamic_length_needs_a_shape_and_runs_both_paths_with_it(models, cli, t
 
 def test_external_buffers_are_verified_through_compiled_model(models, cli, tmp_path):
     _, dynamic = models
-    out = _convert(cli, dynamic, tmp_path, "--external")
+    out = _convert(cli, dynamic, tmp_path, external=True)
     res = cli("verify", dynamic, out, "--shape", "x=1,128", "--json", "--runs", "2")
     report = json.loads(res.stdout)
     assert res.returncode == 0, res.stdout + res.stderr
