@@ -66,11 +66,11 @@ def shipped_cases(root: Path):
         yield d.name, d / "model.onnx", model, (lambda d=d, model=model: test_inputs(d, model))
 
 
-def generated_cases(work: Path):
-    """(name, model path, inputs) generated from onnx's node case definitions."""
+def generated_cases(work: Path, op_type: str | None = None):
+    """(name, model path, inputs) generated from onnx's node case definitions (of one op type if given)."""
     from onnx.backend.test.case import node
 
-    for case in node.collect_testcases():
+    for case in node.collect_testcases(op_type):
         if not case.model or not case.data_sets:
             continue
         path = work / "src" / case.name / "model.onnx"

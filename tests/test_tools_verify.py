@@ -278,3 +278,17 @@ def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
     assert res.returncode == 1 and not report["mismatches"], report  # outputs still equal: B is inline now
     assert report["checksum_mismatches"] == [f"blob record 'B' in {Path(blob).name} at offset "
                                              f"{at - 8}: SHA-256 differs from the one recorded in the blob"]
+
+
+@pytest.mark.slow
+def test_onnx_backend_if_tests_convert_and_verify_with_their_own_inputs(tmp_path):
+    """test_if, test_if_seq and test_if_opt as onnx defines them, through scripts/verify_backend_suite.py."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "verify_backend_suite.py"
+    spec = importlib.util.spec_from_file_location("verify_backend_suite", script)
+    suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(suite)
+    outcomes = {name: suite.run_one(name, src, model, inputs, tmp_path)
+                for name, src, model, inputs in suite.generated_cases(tmp_path, "If")}
+    assert outcomes == {name: ("verified", "") for name in ("test_if", "test_if_seq", "test_if_opt")}, outcomes
