@@ -363,6 +363,13 @@ def check(
     raise typer.Exit(1 if failing else 0)
 
 
+def _silence_litert() -> None:
+    from .runtimes.litert import silence_native_stderr_until_exit
+
+    sys.stdout.flush()
+    silence_native_stderr_until_exit()
+
+
 def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
     pairs = []
     for item in items:
@@ -418,9 +425,13 @@ def verify(
     from .verify import verify as run_verify
 
     quiet(quiet_)
-    with user_errors():
-        dims, shapes, given = _verify_args(dim, shape, inputs)
-        report = run_verify(original, converted, runs, dims, seed, given, shapes)
+    try:
+        with user_errors():
+            dims, shapes, given = _verify_args(dim, shape, inputs)
+            report = run_verify(original, converted, runs, dims, seed, given, shapes)
+    finally:  # after the one error line, if any: LiteRT logs its teardown at exit
+        if original.suffix == ".tflite":
+            _silence_litert()
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
@@ -432,11 +443,6 @@ def verify(
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
         info(f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
               f"{report.payloads_hashed} blob payloads re-hashed")
-    if report.format == "tflite":
-        from .runtimes.litert import silence_native_stderr_until_exit
-
-        sys.stdout.flush()
-        silence_native_stderr_until_exit()
     raise typer.Exit(0 if report.passed else 1)
 
 
