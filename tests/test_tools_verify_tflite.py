@@ -143,3 +143,9 @@ def test_external_buffers_are_verified_through_compiled_model(models, cli, tmp_p
     _flip_largest(out)
     res = cli("verify", dynamic, out, "--shape", "x=1,128", "--json")
     assert res.returncode == 1 and json.loads(res.stdout)["checksum_mismatches"]
+    p = max((p for p in inventory(out).payloads if p.location == "external"), key=lambda p: p.nbytes)
+    with open(out.parent / p.file, "r+b") as f:
+        f.truncate(p.offset + p.nbytes // 2)
+    res = cli("verify", dynamic, out, "--shape", "x=1,128")
+    assert res.returncode == 1 and res.stderr == "", res.stderr
+    assert f"FAIL: tensor '{p.name}':" in res.stdout, res.stdout
