@@ -23,10 +23,14 @@ def test_check_fails_on_fp16_model_and_passes_after_convert(models, cli):
     res = cli("check", fp16, "--json")
     assert res.returncode == 1, res.stderr
     report = json.loads(res.stdout)
-    assert {f["code"] for f in report["findings"]} == {"embedded-weights", "unpacked-per-session"}
+    errors = {f["code"] for f in report["findings"] if f["severity"] == "error"}
+    assert errors == {"embedded-weights", "unpacked-per-session"}
+    warnings = {f["code"] for f in report["findings"] if f["severity"] == "warning"}
+    assert warnings == {"ort-prepack-copy-per-session"}  # MatMul B at default options
     assert cli("convert", fp16, "-o", d / "out").returncode == 0
     res = cli("check", d / "out" / "mlp.onnx")
-    assert res.returncode == 0 and res.stdout.startswith("ok:"), res.stdout
+    assert res.returncode == 0 and res.stdout.splitlines()[-1].startswith("ok:"), res.stdout
+    assert cli("check", d / "out" / "mlp.onnx", "--strict").returncode == 1  # the default-options copy remains
     res = cli("check", d / "out", "--json")  # a directory works too
     assert res.returncode == 0 and json.loads(res.stdout)["ok"] is True
 
@@ -40,7 +44,7 @@ def test_check_fails_on_unaligned_blob_and_private_mode(models, cli, tmp_path):
     blob = out / "mlp.weights.safetensors"
     os.chmod(blob, 0o600)
     res = cli("check", out / "mlp.onnx", "--json")
-    codes = {f["code"] for f in json.loads(res.stdout)["findings"]}
+    codes = {f["code"] for f in json.loads(res.stdout)["findings"] if f["severity"] == "error"}
     assert codes == {"unaligned", "blob-not-world-readable"}
 
 
@@ -51,7 +55,8 @@ def test_check_reports_missing_external_file(models, cli, tmp_path):
     (out / "mlp.weights.safetensors").unlink()
     res = cli("check", out / "mlp.onnx", "--json")
     assert res.returncode == 1
-    assert {f["code"] for f in json.loads(res.stdout)["findings"]} == {"missing-external-file"}
+    errors = [f for f in json.loads(res.stdout)["findings"] if f["severity"] == "error"]
+    assert [f["code"] for f in errors] == ["missing-external-file"] and errors[0]["tensor"], errors
 
 
 def test_verify_passes_then_fails_on_a_flipped_weight_byte(models, cli, tmp_path):

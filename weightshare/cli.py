@@ -23,11 +23,60 @@ from .errors import WeightshareError
 from .options import INLINE_THRESHOLD, ConvertOptions
 from .report import ConversionReport
 
+# markdown: docstring paragraphs are reflowed to the terminal width (rich mode kept their hard line breaks, which
+# then wrapped again into ragged one-word lines)
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode="markdown",
                   help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
                        "shared by every session, interpreter, function and process.")
-out = Console()
-err = Console(stderr=True)
+# Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
+# Colour (and any other escape code) only on a terminal; none at all with NO_COLOR (https://no-color.org).
+_STYLES = None if os.environ.get("NO_COLOR") else "auto"
+out = Console(width=None if sys.stdout.isatty() else 4096, highlight=False, color_system=_STYLES)
+err = Console(stderr=True, width=None if sys.stderr.isatty() else 4096, highlight=False, color_system=_STYLES)
+
+
+# -1 quiet (errors and findings only), 0 normal, 1 verbose; set by the global -q/-v and the commands' own -q.
+VERBOSITY = {"level": 0}
+
+
+def quiet(flag: bool) -> bool:
+    if flag:
+        VERBOSITY["level"] = -1
+    return VERBOSITY["level"] < 0
+
+
+def info(message: str) -> None:
+    """Normal output a user may want; silenced by -q."""
+    if VERBOSITY["level"] >= 0:
+        out.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def detail(message: str) -> None:
+    """Shown with -v only."""
+    if VERBOSITY["level"] > 0:
+        out.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        print(f"weightshare {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _global(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+    quiet_all: bool = typer.Option(False, "-q", "--quiet", help="Print nothing but errors, findings and "
+                                   "requested JSON."),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Print more detail (per-model tables, notes)."),
+) -> None:
+    """Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and shared by every
+    session, interpreter, function and process."""
+    VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -133,8 +182,8 @@ def convert(
                                               "references this one blob; identical payloads are stored once. "
                                               "OUTDIR is rebuilt as a whole and swapped in atomically. TFLite "
                                               "models join with --external."),
-    as_json: bool = typer.Option(False, "--json", help="Print the conversion report as JSON."),
-    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bar."),
+    as_json: bool = typer.Option(False, "--json", help="Print the conversion report as one JSON document."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only."),
 ) -> None:
     """Rewrite MODEL(s) into OUTDIR with every weight in a page-aligned, memory-mappable blob.
 
@@ -143,6 +192,7 @@ def convert(
     Outputs appear all together or not at all.
     """
     reports = []
+    quiet_ = quiet(quiet_)
 
     def options(update=None, total=None) -> ConvertOptions:
         return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
@@ -156,25 +206,44 @@ def convert(
         if shared_blob is not None:
             if blob is not None:
                 fail("--blob and --shared-blob exclude each other")
-            with progress_bar(not quiet, "zoo") as (update, total):
+            with progress_bar(not quiet_, "zoo") as (update, total):
                 zoo = api.convert_zoo(models, output, shared_blob, options(update, total))
             if as_json:
                 print(json.dumps(zoo.to_dict(), indent=2))
-            else:
+            elif not quiet(False):
                 render_zoo(zoo)
             return
         models = api.expand_inputs(models)
         if blob is not None and len(models) > 1:
             fail("--blob names one model's blob; with several models use --shared-blob or leave it out")
         for model in models:
-            with progress_bar(not quiet, model.name) as (update, total):
+            with progress_bar(not quiet_, model.name) as (update, total):
                 reports.append(api.convert(model, output, options(update, total)))
-    if as_json:
-        payload = [r.to_dict() for r in reports]
-        print(json.dumps(payload[0] if len(payload) == 1 else payload, indent=2))
-    else:
+    if as_json:  # one document: the report, or for a batch every report and the totals
+        if len(reports) == 1:
+            print(json.dumps(reports[0].to_dict(), indent=2))
+        else:
+            print(json.dumps({"models": [r.to_dict() for r in reports], "total": _totals(reports)}, indent=2))
+    elif quiet(False):
+        return
+    elif len(reports) == 1 or VERBOSITY["level"] > 0:
         for r in reports:
             render_report(r)
+    if not as_json and len(reports) > 1:
+        for r in reports:
+            info(f"{r.model}: {r.tensors_moved} payloads moved, {_mib(r.bytes_written)} stored, "
+                 f"{r.unpacked} unpacked, {r.wall_time_s:.2f} s, peak RSS {r.peak_rss_mib:.0f} MiB -> {r.outputs[0]}")
+        t = _totals(reports)
+        info(f"total: {t['models']} models, {t['tensors_moved']} payloads moved, {_mib(t['bytes_written'])} stored, "
+             f"{t['wall_time_s']:.2f} s, peak RSS {t['peak_rss_mib']:.0f} MiB")
+
+
+def _totals(reports: list[ConversionReport]) -> dict:
+    return {"models": len(reports), "tensors_moved": sum(r.tensors_moved for r in reports),
+            "bytes_in": sum(r.bytes_in for r in reports), "bytes_written": sum(r.bytes_written for r in reports),
+            "blob_bytes": sum(r.blob_bytes for r in reports),
+            "wall_time_s": round(sum(r.wall_time_s for r in reports), 3),
+            "peak_rss_mib": max((r.peak_rss_mib for r in reports), default=0.0)}
 
 
 @app.command()
@@ -186,89 +255,149 @@ def merge(
     default_function: Optional[str] = typer.Option(None, "--default-function", help="Function run by default "
                                                    "[default: the first]."),
     output: Path = typer.Option(..., "-o", "--output", help="Output .mlpackage."),
-    align: int = typer.Option(LARGE_ALIGN, "--align"),
-    align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold"),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
-    quiet: bool = typer.Option(False, "-q", "--quiet", help="No progress bar."),
+    align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
+    align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold", help="Payload size from which "
+                                        "--align applies; smaller payloads are 64-byte aligned."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only."),
 ) -> None:
     """Merge Core ML models into one multifunction .mlpackage, storing each distinct weight once.
 
     Streams weight data chunk by chunk: memory does not grow with the number of functions.
     """
-    with user_errors(), progress_bar(not quiet, output.name) as (update, total):
+    quiet_ = quiet(quiet_)
+    with user_errors(), progress_bar(not quiet_, output.name) as (update, total):
         opts = ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold), progress=update,
                               progress_total=total)
         report = api.merge(sources, output, function_name, default_function, opts)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
-    else:
+    elif not quiet_:
         render_report(report)
 
 
 @app.command()
 def inspect(
     model: Path = typer.Argument(..., help="An ONNX, TFLite or Core ML model."),
-    as_json: bool = typer.Option(False, "--json", help="Print the inventory as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="Print the inventory and findings as one JSON document."),
     no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
     limit: int = typer.Option(40, "--limit", help="Payload rows to show (largest first); 0 for all."),
 ) -> None:
     """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
 
-    Also sums what each runtime copies per session and what `convert` would change.
+    Per-session copies are shown per runtime setting side by side (ONNX Runtime with
+    session.disable_prepacking=1 and with default options; LiteRT without delegate, with
+    XNNPACK, and CompiledModel with a weight cache), followed by check's findings.
     """
+    from .check import findings_for
     from .inventory import inventory
 
     with user_errors():
         inv = inventory(model, hash_payloads=not no_hash)
+        findings = findings_for(inv)
     if as_json:
-        print(json.dumps(inv.to_dict(), indent=2))
+        print(json.dumps({**inv.to_dict(), "findings": [f.to_dict() for f in findings]}, indent=2))
         return
     rows = sorted(inv.payloads, key=lambda p: -p.nbytes)
     t = Table(title=f"{inv.model} ({inv.format}, {_mib(inv.file_bytes)})", title_justify="left")
-    for col in ("payload", "dtype", "size", "where", "encoding", "align", "per session", "note"):
-        t.add_column(col, justify="right" if col in ("size", "align", "per session") else "left")
+    settings = inv.settings[:3] if len(inv.settings) > 1 else []
+    for col in ("payload", "dtype", "size", "where", "encoding", "align"):
+        t.add_column(col, justify="right" if col in ("size", "align") else "left")
+    for setting in settings or ["per session"]:
+        t.add_column(f"copied/session: {setting}" if settings else setting, justify="right")
+    t.add_column("note")
     for p in rows[: limit or None]:
         where = "embedded" if p.location == "embedded" else f"{p.file}@{p.offset}"
-        note = "; ".join(x for x in (p.unpacked_at_load, f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
+        note = "; ".join(x for x in (p.unpacked_at_load, p.copy_reason,
+                                     f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
                                      p.problem, p.stays_inline_because) if x)
+        copies = [p.copies.get(s, p.copied_per_session) for s in settings] if settings else [p.copied_per_session]
         t.add_row(p.name, p.dtype, _mib(p.nbytes), where, p.encoding, str(p.alignment or ""),
-                  _mib(p.copied_per_session) if p.copied_per_session else "0", note)
+                  *[_mib(c) if c else "0" for c in copies], note)
     out.print(t)
     if limit and len(rows) > limit:
         out.print(f"... {len(rows) - limit} smaller payloads not shown (--limit 0 shows all)")
     moves = sum(1 for p in inv.payloads if p.would_move)
+    per_setting = "; ".join(f"{s}: {_mib(inv.copied_under(s))}" for s in settings) or _mib(inv.copied_per_session)
     out.print(f"{len(inv.payloads)} payloads: {_mib(inv.embedded_bytes)} embedded, {_mib(inv.external_bytes)} "
-              f"external, {_mib(inv.duplicate_bytes)} duplicated. Copied per session: "
-              f"{_mib(inv.copied_per_session)}. `convert` would move {moves} payloads and unpack "
+              f"external, {_mib(inv.duplicate_bytes)} duplicated. Copied per session: {per_setting}. "
+              f"`convert` would move {moves} payloads and unpack "
               f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}.")
     for note in inv.notes:
         out.print(f"note: {note}")
+    for f in findings:
+        out.print(f"{f.severity.value}: {f.code.value}: {f.message} (fix: {f.fix})")
 
 
 @app.command()
 def check(
-    models: List[Path] = typer.Argument(..., help="Models, directories or globs."),
-    as_json: bool = typer.Option(False, "--json", help="Print findings as JSON."),
+    models: List[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
+    as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),
     inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold",
                                          help="Embedded payloads below this size are fine."),
+    strict: bool = typer.Option(False, "--strict", help="Fail on warnings too (copies that only a runtime's "
+                                "default setting makes, 16-byte aligned inline TFLite buffers)."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
-    """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise."""
-    from .check import check as run_check
+    """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
 
+    Errors fail the gate; warnings (a copy that a runtime setting avoids, named in the
+    fix) fail it only with --strict. docs/ci.md lists every finding code.
+    """
+    from .check import check as run_check, find_models
+    from .findings import Severity
+
+    quiet(quiet_)
     with user_errors():
-        paths = api.expand_inputs(models)
+        paths = find_models(models)
         if not paths:
             fail("no models found")
         inventories, findings = run_check(paths, inline_threshold)
+    failing = [f for f in findings if strict or f.severity == Severity.ERROR]
     if as_json:
-        print(json.dumps({"ok": not findings, "models": [i.model for i in inventories],
+        print(json.dumps({"ok": not failing, "models": [i.model for i in inventories],
                           "findings": [f.to_dict() for f in findings]}, indent=2))
     else:
         for f in findings:
             print(f.line())
-        if not findings:
-            print(f"ok: {len(inventories)} model(s) share-ready")
-    raise typer.Exit(1 if findings else 0)
+        if not failing:
+            info(f"ok: {len(inventories)} model(s) share-ready"
+                 + (f" ({len(findings)} warnings)" if findings else ""))
+    raise typer.Exit(1 if failing else 0)
+
+
+def _silence_litert() -> None:
+    from .runtimes.litert import silence_native_stderr_until_exit
+
+    sys.stdout.flush()
+    silence_native_stderr_until_exit()
+
+
+def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        if not sep or not name or not value:
+            fail(f"{option} takes NAME={what}, got {item!r}")
+        pairs.append((name, value))
+    return pairs
+
+
+def _verify_args(dim: list[str], shape: list[str], inputs: list[str]) -> tuple[dict, dict, dict]:
+    from .verify import load_input
+
+    dims, shapes = {}, {}
+    for name, value in _pairs(dim, "--dim", "VALUE"):
+        if not value.isdigit() or int(value) < 1:
+            fail(f"--dim takes NAME=VALUE with a positive integer, got {name}={value!r}")
+        dims[name] = int(value)
+    for name, value in _pairs(shape, "--shape", "D0,D1,..."):
+        parts = [p.strip() for p in value.split(",")]
+        if not all(p.isdigit() for p in parts):
+            fail(f"--shape takes NAME=D0,D1,... with non-negative integers, got {name}={value!r}")
+        shapes[name] = [int(p) for p in parts]
+    given = {name: load_input(name, value) for name, value in _pairs(inputs, "--input", "FILE.npy")}
+    return dims, shapes, given
 
 
 @app.command()
@@ -276,36 +405,46 @@ def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
     runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
-    dim: List[str] = typer.Option([], "--dim", help="Value for a symbolic input dimension, NAME=VALUE."),
-    seed: int = typer.Option(0, "--seed"),
-    as_json: bool = typer.Option(False, "--json"),
+    dim: List[str] = typer.Option([], "--dim", help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
+                                  "sets every other dynamic dimension (TFLite dims have no names). Repeatable."),
+    shape: List[str] = typer.Option([], "--shape", help="TFLite: full shape of an input with dynamic dims, "
+                                    "NAME=1,16000. Repeatable."),
+    inputs: List[str] = typer.Option([], "--input", help="Use real values for an input in every run: "
+                                     "NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
+    as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
 ) -> None:
-    """Run both models in the real runtime on the same inputs: pass only if outputs are bit-identical.
+    """Run both models in the real runtime on the same inputs: pass only if outputs are byte-identical.
 
-    ONNX Runtime CPU or the LiteRT Interpreter (every signature), on seeded random inputs
-    built from the input signature; NaN positions must match too. Every blob payload is
-    also re-hashed against its recorded SHA-256. Core ML (no runtime on Linux): weights
-    must decode to the same bytes and the programs must match op for op.
+    Compares output names, count and order, then each output's dtype, shape and raw
+    bytes (sequences, maps and optionals element by element). ONNX Runtime CPU at
+    default options; LiteRT without delegate and with XNNPACK (every signature), or
+    CompiledModel for ExternalBuffer models. Every blob payload is re-hashed against its
+    recorded SHA-256. Core ML (no runtime on Linux): weights must decode to the same
+    bytes and the programs must match op for op. Exit 1 on a difference, 2 when the
+    original itself does not run.
     """
     from .verify import verify as run_verify
 
-    with user_errors():
-        dims = {}
-        for item in dim:
-            name, sep, value = item.partition("=")
-            if not sep or not value.isdigit():
-                fail(f"--dim takes NAME=VALUE with a positive integer, got {item!r}")
-            dims[name] = int(value)
-        report = run_verify(original, converted, runs, dims, seed)
+    quiet(quiet_)
+    try:
+        with user_errors():
+            dims, shapes, given = _verify_args(dim, shape, inputs)
+            report = run_verify(original, converted, runs, dims, seed, given, shapes)
+    finally:  # after the one error line, if any: LiteRT logs its teardown at exit
+        if original.suffix == ".tflite":
+            _silence_litert()
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:
-        for line in report.mismatches + report.checksum_mismatches:
+        for line in report.checksum_mismatches + report.mismatches:
             print(f"FAIL: {line}")
         for note in report.notes:
-            print(f"note: {note}")
+            info(f"note: {note}")
         verdict = "ok" if report.passed else "FAILED"
-        print(f"{verdict}: {report.runs} runs, {report.outputs_compared} outputs compared, "
+        ran = f" ({'; '.join(report.paths)})" if report.paths else ""
+        info(f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
               f"{report.payloads_hashed} blob payloads re-hashed")
     raise typer.Exit(0 if report.passed else 1)
 
@@ -315,8 +454,8 @@ def bench(
     model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
     plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of PSS vs sessions "
-                                             "(needs matplotlib: pip install 'weightshare[plot]')."),
-    as_json: bool = typer.Option(False, "--json"),
+                                             "(needs matplotlib: pip install \"weightshare[plot]\")."),
+    as_json: bool = typer.Option(False, "--json", help="Print the measurements as one JSON document."),
 ) -> None:
     """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
 
@@ -335,7 +474,7 @@ def bench(
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                fail("--plot needs matplotlib: pip install 'weightshare[plot]'")
+                fail('--plot needs matplotlib: pip install "weightshare[plot]"')
         status = err.status("measuring") if sys.stderr.isatty() and not as_json else None
         if status:
             status.start()
@@ -368,16 +507,26 @@ def bench(
 
 @app.command()
 def demo(
-    workdir: Path = typer.Option(Path("weightshare-demo"), "--dir", help="Where to put the sample models."),
+    workdir: Path = typer.Option(Path("weightshare-demo"), "--dir", help="Where to put the sample models "
+                                 "(24 MiB per layer: ~290 MiB with the default 12 layers)."),
     sessions: int = typer.Option(4, "--sessions", help="ONNX Runtime sessions to open per variant."),
     layers: int = typer.Option(12, "--layers", help="MLP layers of 2048x2048 fp16 weights (8 MiB each)."),
-    as_json: bool = typer.Option(False, "--json"),
+    clean: bool = typer.Option(False, "--clean", help="Remove the demo directory (--dir) and exit."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
 ) -> None:
     """Build a sample fp16 ONNX model, convert it, and show the memory of N sessions before and after."""
-    from .demo import run_demo
+    from .demo import clean_demo, run_demo
 
     with user_errors():
-        result = run_demo(workdir, sessions, layers, progress=lambda msg: err.print(f"[dim]{msg}[/dim]"))
+        if clean:
+            removed = clean_demo(workdir)
+            info(f"removed {workdir.resolve()}" if removed else f"nothing to remove at {workdir.resolve()}")
+            return
+        size = layers * (2048 * 2048 + 2048) * (2 + 4)  # the fp16 original and the fp32 blob
+        if not as_json:
+            info(f"writing about {_mib(size)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
+                 f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})")
+        result = run_demo(workdir, sessions, layers, progress=lambda msg: detail(msg))
     if as_json:
         print(json.dumps(result, indent=2))
         return

@@ -10,6 +10,32 @@ from . import api
 from .samples import mlp_onnx
 
 
+DEMO_FILES = ("mlp_fp16.onnx", "converted")
+
+
+def clean_demo(workdir: Path) -> bool:
+    """Remove what ``run_demo`` wrote in ``workdir``; only a directory holding nothing but demo files is removed
+    (``--dir`` may name a user's folder, which must not be deleted wholesale)."""
+    import shutil
+
+    workdir = Path(workdir)
+    if not workdir.is_dir():
+        return False
+    removed = False
+    for name in DEMO_FILES:
+        target = workdir / name
+        if target.is_dir():
+            shutil.rmtree(target)
+            removed = True
+        elif target.exists():
+            target.unlink()
+            removed = True
+    if not any(workdir.iterdir()):
+        workdir.rmdir()
+        removed = True
+    return removed
+
+
 def run_demo(workdir: Path, sessions: int = 4, layers: int = 12, progress=lambda msg: None) -> dict:
     from .runtimes.ort import measure_sessions, new_session
 

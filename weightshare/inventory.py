@@ -27,11 +27,15 @@ class PayloadInfo:
     offset: int | None = None  # absolute offset in ``file`` (or in the model file when embedded and known)
     alignment: int | None = None  # largest power of two dividing ``offset`` (capped at 1 MiB)
     unpacked_at_load: str = ""  # what the runtime materialises per session, e.g. "Cast fp16->float"
-    copied_per_session: int = 0  # bytes the runtime copies to private memory per session/interpreter
+    copied_per_session: int = 0  # bytes copied to private memory per session under the sharing setting
+    copies: dict[str, int] = field(default_factory=dict)  # runtime setting -> bytes copied per session
+    copy_reason: str = ""  # why a setting copies it, e.g. "MLAS pre-packs MatMul B at default options"
+    copy_code: str = ""  # findings.Code value of that copy, set by the rule that found it
     sha256: str = ""
     recorded_sha256: str = ""  # from the blob's metadata, when it has one
     duplicate_of: str = ""
     problem: str = ""  # a problem found while locating the payload (missing file, escape, ...)
+    problem_code: str = ""  # findings.Code value of ``problem``, set where it was detected
     would_move: bool = False  # `convert` would move it to the blob
     stays_inline_because: str = ""
 
@@ -44,6 +48,12 @@ class ModelInventory:
     payloads: list[PayloadInfo] = field(default_factory=list)
     external_files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # Runtime settings whose per-session copies ``PayloadInfo.copies`` records; the first is the one that shares
+    # most (what ``copied_per_session`` reports), the others are the runtime's defaults.
+    settings: list[str] = field(default_factory=list)
+
+    def copied_under(self, setting: str) -> int:
+        return sum(p.copies.get(setting, p.copied_per_session) for p in self.payloads)
 
     @property
     def copied_per_session(self) -> int:
@@ -64,7 +74,8 @@ class ModelInventory:
     def to_dict(self) -> dict:
         d = asdict(self)
         d.update(copied_per_session=self.copied_per_session, embedded_bytes=self.embedded_bytes,
-                 external_bytes=self.external_bytes, duplicate_bytes=self.duplicate_bytes)
+                 external_bytes=self.external_bytes, duplicate_bytes=self.duplicate_bytes,
+                 copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings})
         return d
 
 

@@ -1,16 +1,29 @@
-"""`weightshare verify ORIGINAL CONVERTED`: same outputs in the real runtime, blob checksums intact."""
+"""`weightshare verify ORIGINAL CONVERTED`: same outputs, byte for byte, in the real runtime; blob checksums intact.
+
+Compared: output names, count and order, then every output's kind (tensor,
+sequence, map, optional), dtype, shape and raw bytes. A runtime failure is not a
+bug in weightshare: when the original itself fails, the inputs or the runtime are
+the problem (``OriginalFails``, exit 2); when only the converted model fails, the
+conversion is (a verify failure, exit 1).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
-import numpy as np
-
-from .errors import UsageError
+from .compare import differences
+from .errors import InvalidModel, UsageError, WeightshareError
 from .formats import detect_format, get
 from .inventory import inventory
+
+
+class OriginalFails(WeightshareError):
+    """The original model does not run in the runtime with these inputs: nothing to compare against."""
+
+    kind = "original-fails"
 
 
 @dataclass
@@ -23,6 +36,7 @@ class VerifyReport:
     mismatches: list[str] = field(default_factory=list)
     payloads_hashed: int = 0
     checksum_mismatches: list[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)  # runtime paths that ran, e.g. "LiteRT Interpreter, XNNPACK"
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -33,80 +47,128 @@ class VerifyReport:
         return {**asdict(self), "passed": self.passed}
 
 
-def same_array(a: np.ndarray, b: np.ndarray) -> bool:
-    """Bit-for-bit equal values, NaN positions equal."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if a.dtype.kind in "fc":
-        return bool(np.array_equal(a, b, equal_nan=True))
-    return bool(np.array_equal(a, b))
+def first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return text.splitlines()[0][:300]
 
 
-def _compare(report: VerifyReport, name: str, a: np.ndarray, b: np.ndarray, run: int) -> None:
-    report.outputs_compared += 1
-    if not same_array(a, b):
-        if a.shape != b.shape or a.dtype != b.dtype:
-            what = f"{a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        else:
-            diff = np.argwhere(~((a == b) | (np.isnan(a) & np.isnan(b)) if a.dtype.kind in "fc" else a == b))
-            what = f"{len(diff)} of {a.size} values differ, first at {diff[0].tolist()}"
-        report.mismatches.append(f"run {run}: output {name!r}: {what}")
+def hint(fmt: str) -> str:
+    if fmt == "onnx":
+        return "give real inputs with --input NAME=FILE.npy, or symbolic dims with --dim NAME=VALUE"
+    return "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --shape NAME=1,16000 / --dim '*=N'"
 
 
-def _verify_onnx(report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict, seed: int) -> None:
-    from .runtimes.ort import new_session, random_feeds
-
-    a, b = new_session(str(original), share=False), new_session(str(converted), share=False)
-    if [i.name for i in a.get_inputs()] != [i.name for i in b.get_inputs()]:
-        report.mismatches.append("the models have different inputs")
-        return
-    names = [o.name for o in a.get_outputs()]
-    for r in range(runs):
-        feeds = random_feeds(a, seed + r, dims)
-        for name, x, y in zip(names, a.run(None, feeds), b.run(None, feeds)):
-            _compare(report, name, x, y, r)
-        report.runs += 1
+def compare_outputs(report: VerifyReport, names: list[str], outs_a: dict[str, Any], outs_b: dict[str, Any],
+                    run: int, prefix: str = "") -> None:
+    """Every output of the original against the converted one's output of the same name."""
+    for name in names:
+        if name not in outs_b:
+            continue  # reported once as a missing output
+        report.outputs_compared += 1
+        for line in differences(outs_a[name], outs_b[name], f"output {prefix}{name!r}"):
+            report.mismatches.append(f"run {run}: {line}")
 
 
-def _verify_tflite(report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict, seed: int) -> None:
-    """Every signature (or the primary subgraph when there is none), run by LiteRT's Interpreter."""
-    from .runtimes.litert import entry_points, new_interpreter
+def compare_names(report: VerifyReport, what: str, a: list[str], b: list[str]) -> None:
+    for name in a:
+        if name not in b:
+            report.mismatches.append(f"{what} {name!r} is missing from the converted model")
+    for name in b:
+        if name not in a:
+            report.mismatches.append(f"{what} {name!r} exists only in the converted model")
+    if set(a) == set(b) and a != b:
+        report.mismatches.append(f"{what}s are in another order: {a} vs {b}")
 
-    a, b = new_interpreter(str(original)), new_interpreter(str(converted))
-    ea, eb = entry_points(a), entry_points(b)
-    if [k for k, _ in ea] != [k for k, _ in eb]:
-        report.mismatches.append("the models have different signatures")
-        return
-    for r in range(runs):
-        for (key, run_a), (_, run_b) in zip(ea, eb):
-            feeds = run_a.feeds(seed + r)
-            outs_a, outs_b = run_a(feeds), run_b(feeds)
-            for name in outs_a:
-                _compare(report, f"{key}:{name}" if key else name, outs_a[name], outs_b[name], r)
-        report.runs += 1
-    from .litert import compiled_pairs  # issue 13: a --prepack cache is checked through CompiledModel too
 
-    cache, pairs = compiled_pairs(original, converted, runs, seed)
-    for r, name, x, y in pairs:
-        _compare(report, f"CompiledModel + {cache.name}: {name}", x, y, r)
-    if cache is not None:
-        report.notes.append(f"also ran CompiledModel: the original without a cache, the converted model with the "
-                            f"XNNPACK weight cache {cache.name}")
+def _check_blob(report: VerifyReport, converted: Path) -> bool:
+    """Re-hash every payload against its recorded SHA-256; True when an external reference is broken."""
+    inv = inventory(converted, hash_payloads=True)
+    broken = False
+    for p in inv.payloads:
+        if p.problem:
+            broken = True
+            report.checksum_mismatches.append(f"tensor {p.name!r}: {p.problem}")
+        elif p.recorded_sha256:
+            report.payloads_hashed += 1
+            if p.sha256 != p.recorded_sha256:
+                report.checksum_mismatches.append(f"tensor {p.name!r} in {p.file} at offset {p.offset}: SHA-256 "
+                                                  "differs from the one recorded in the blob")
+    _check_other_records(report, converted, inv)
+    return broken
+
+
+def _check_other_records(report: VerifyReport, converted: Path, inv) -> None:
+    """Re-hash the blob records no tensor references directly (e.g. ORT pre-packed copies of ``--prepack``): every
+    record with a recorded SHA-256 is checked, so a flipped byte in a packed copy fails verify too."""
+    from .blob import read_safetensors_metadata
+    from .inventory import sha256_of
+    from .tensors import FileRange
+
+    seen = {(p.file, p.offset) for p in inv.payloads}
+    base = converted.resolve() if converted.is_dir() else converted.resolve().parent
+    for name in inv.external_files:
+        path = base / name
+        try:
+            data_start, header, meta = read_safetensors_metadata(str(path))
+        except (InvalidModel, OSError):
+            continue  # not a weightshare blob: nothing recorded
+        for key, entry in meta.items():
+            t = header.get(key)
+            if not (isinstance(t, dict) and isinstance(entry, dict) and "sha256" in entry):
+                continue
+            begin, end = (data_start + int(x) for x in t["data_offsets"])
+            if (name, begin) in seen:
+                continue
+            seen.add((name, begin))
+            report.payloads_hashed += 1
+            if end > path.stat().st_size:
+                report.checksum_mismatches.append(f"blob record {key!r} in {name} at offset {begin}: runs past "
+                                                  "the end of the file")
+            elif sha256_of(FileRange(str(path), begin, end - begin)) != entry["sha256"]:
+                report.checksum_mismatches.append(f"blob record {key!r} in {name} at offset {begin}: SHA-256 "
+                                                  "differs from the one recorded in the blob")
 
 
 def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int = 3,
-           dims: dict[str, int] | None = None, seed: int = 0) -> VerifyReport:
+           dims: dict[str, int] | None = None, seed: int = 0, inputs: dict[str, Any] | None = None,
+           shapes: dict[str, list[int]] | None = None) -> VerifyReport:
+    """Run ``original`` and ``converted`` on the same inputs and compare; re-hash the blob.
+
+    ``inputs``: name -> value used in every run instead of random values; ``dims``:
+    symbolic dim name (or ``"*"`` for every other dynamic dim) -> value; ``shapes``
+    (TFLite): input name -> full shape for inputs with dynamic dims.
+    """
     original, converted = Path(original), Path(converted)
     fmt = detect_format(original)
     if detect_format(converted) != fmt:
         raise UsageError(f"{original} and {converted} are not the same format")
+    if runs < 1:
+        raise UsageError("--runs must be at least 1")
     report = VerifyReport(str(original), str(converted), fmt)
-    get(fmt).verify(report, original, converted, runs, dims or {}, seed)
-    inv = inventory(converted, hash_payloads=True)
-    for p in inv.payloads:
-        if p.recorded_sha256:
-            report.payloads_hashed += 1
-            if p.sha256 != p.recorded_sha256:
-                report.checksum_mismatches.append(f"{p.name} in {p.file} at offset {p.offset}: SHA-256 differs "
-                                                  "from the one recorded in the blob")
+    opts: dict[str, Any] = {"runs": runs, "dims": dims or {}, "seed": seed, "inputs": inputs or {},
+                            "shapes": shapes or {}}
+    try:
+        broken = _check_blob(report, converted)
+    except InvalidModel as e:
+        report.checksum_mismatches.append(f"the converted model cannot be read: {e.message}")
+        return report
+    get(fmt).verify(report, original, converted, opts, broken)
     return report
+
+
+def load_input(name: str, file: str | os.PathLike) -> Any:
+    """A value for ``--input NAME=FILE``: a .npy array, or a serialized ONNX TensorProto (.pb)."""
+    import numpy as np
+
+    path = Path(file)
+    try:
+        if path.suffix == ".pb":
+            import onnx
+            from onnx import numpy_helper
+
+            proto = onnx.TensorProto()
+            proto.ParseFromString(path.read_bytes())
+            return numpy_helper.to_array(proto)
+        return np.load(path, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 -- unreadable input file: the user's problem, one line
+        raise UsageError(f"--input {name}: cannot read {path}: {first_line(e)}") from None

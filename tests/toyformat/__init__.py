@@ -86,7 +86,7 @@ class ToyFormat:
                                                 alignment=alignment_of(t["offset"])))
         return inv
 
-    def verify(self, report, original: Path, converted: Path, runs: int, dims: dict, seed: int) -> None:
+    def verify(self, report, original: Path, converted: Path, opts: dict, broken: bool) -> None:
         raise Unsupported("the toy format has no runtime", original)
 
     def bench_runtime(self, path: Path) -> BenchRuntime:

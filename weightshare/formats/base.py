@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 if TYPE_CHECKING:
     from ..atomic import OutputTransaction
@@ -58,9 +58,11 @@ class Format(Protocol):
         """Where every payload lives and what each runtime setting copies per session (inspect / check)."""
         ...
 
-    def verify(self, report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict[str, int],
-               seed: int) -> None:
-        """Run both models in the real runtime (or compare programs and weights) and fill ``report``."""
+    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
+               broken: bool) -> None:
+        """Run both models in the real runtime (or compare programs and weights) and fill ``report``.
+        ``opts``: runs, seed, dims, inputs, shapes; ``broken``: the converted model's external data is damaged
+        (already reported): do not run it."""
         ...
 
     def bench_runtime(self, path: Path) -> BenchRuntime:

@@ -6,26 +6,93 @@ weights into a private copy per interpreter (DESIGN.md 7).
 
 from __future__ import annotations
 
+import os
+import sys
+from contextlib import contextmanager
+
 import numpy as np
 
 
-def new_interpreter(model_path: str, share: bool = True):
+@contextmanager
+def native_stderr_silenced():
+    """LiteRT's C++ logs ("INFO: Created TensorFlow Lite XNNPACK delegate", kernel errors) go straight to fd 2;
+    a CI gate's stderr must hold only our one line. Errors still arrive as Python exceptions."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def silence_native_stderr_until_exit() -> None:
+    """LiteRT's accelerator registry logs "DestroyAccelerator" from static destructors at process exit; once a
+    command has written everything it has to say, fd 2 goes to /dev/null so a CI log holds nothing else."""
+    sys.stderr.flush()
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+
+
+# verify runs every path a user may run: the classic Interpreter without delegate and with the default
+# XNNPACK delegate (which also provides custom ops such as Convolution2DTransposeBias).
+MODES = ("no delegate", "XNNPACK")
+
+
+def new_interpreter(model_path: str, share: bool = True, allocate: bool = True):
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
     kwargs = {"experimental_op_resolver_type": OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES} if share else {}
     interp = Interpreter(model_path=model_path, **kwargs)
-    interp.allocate_tensors()
+    if allocate:
+        interp.allocate_tensors()
     return interp
 
 
-def _random_array(rng, shape, dtype) -> np.ndarray:
+def _random_array(rng, shape, dtype, bound: int | None = None) -> np.ndarray:
     dtype = np.dtype(dtype)
+    if bound is not None:
+        return rng.integers(0, bound, shape).astype(dtype)
     if dtype.kind == "f":
         return rng.standard_normal(shape).astype(dtype)
     if dtype.kind == "b":
         return rng.integers(0, 2, shape).astype(bool)
     info = np.iinfo(dtype)
     return rng.integers(max(info.min, -100), min(info.max, 100), shape).astype(dtype)
+
+
+# op -> (position of the index input, position of the indexed tensor)
+_INDEXING = {"GATHER": (1, 0), "GATHER_ND": (1, 0), "EMBEDDING_LOOKUP": (0, 1)}
+
+
+def index_bounds(interp) -> dict[int, int | None]:
+    """Tensor index of a graph input used as indices -> exclusive bound (None when unknown)."""
+    try:
+        ops = interp._get_ops_details()  # no public API lists ops and their tensors
+    except Exception:  # noqa: BLE001 -- an older LiteRT: fall back to the plain integer range
+        return {}
+    inputs = {d["index"] for d in interp.get_input_details()}
+    shapes = {d["index"]: [int(x) for x in d["shape_signature"]] for d in interp.get_tensor_details()}
+    bounds: dict[int, int | None] = {}
+    for op in ops:
+        where = _INDEXING.get(op.get("op_name", ""))
+        ins = [int(i) for i in op.get("inputs", [])]
+        if where is None or len(ins) <= max(where) or ins[where[0]] not in inputs:
+            continue
+        data = shapes.get(ins[where[1]], [])
+        size = (min(data) if op["op_name"] == "GATHER_ND" else data[0]) if data else None
+        bounds[ins[where[0]]] = None if size is None or size < 1 else size
+    return bounds
+
+
+def _shape(details: dict, shapes: dict[str, list[int]], dims: dict[str, int], name: str) -> list[int]:
+    if name in shapes:
+        return shapes[name]
+    sig = details.get("shape_signature")
+    sig = [int(x) for x in (sig if sig is not None and len(sig) else details["shape"])]
+    return [d if d >= 0 else dims.get("*", 1) for d in sig]
 
 
 class EntryPoint:
@@ -35,16 +102,38 @@ class EntryPoint:
         self.interp, self.key = interp, key
         self.runner = interp.get_signature_runner(key) if key else None
 
-    def feeds(self, seed: int) -> dict:
+    def input_details(self) -> dict[str, dict]:
+        if self.runner:
+            return self.runner.get_input_details()
+        return {d["name"]: d for d in self.interp.get_input_details()}
+
+    def feeds(self, seed: int, given: dict | None = None, shapes: dict | None = None,
+              dims: dict | None = None) -> dict:
+        from ..errors import UsageError
+
         rng = np.random.default_rng(seed)
-        details = self.runner.get_input_details() if self.runner else {
-            d["index"]: d for d in self.interp.get_input_details()}
-        return {name: _random_array(rng, [int(x) for x in d["shape"]], d["dtype"]) for name, d in details.items()}
+        bounds = index_bounds(self.interp)
+        feeds = {}
+        for name, d in self.input_details().items():
+            if given and name in given:
+                feeds[name] = given[name]
+                continue
+            if d["index"] in bounds and bounds[d["index"]] is None:
+                raise UsageError(f"input {name!r} indexes a tensor of unknown size, so random values would be "
+                                 f"out of range; give it with --input {name}=FILE.npy")
+            feeds[name] = _random_array(rng, _shape(d, shapes or {}, dims or {}, name), d["dtype"],
+                                        bounds.get(d["index"]))
+        return feeds
 
     def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
         if self.runner:
             return {k: np.array(v) for k, v in self.runner(**feeds).items()}
-        outs = run(self.interp, feeds)
+        details = self.interp.get_input_details()
+        for d in details:
+            if list(feeds[d["name"]].shape) != [int(x) for x in d["shape"]]:
+                self.interp.resize_tensor_input(d["index"], list(feeds[d["name"]].shape))
+        self.interp.allocate_tensors()
+        outs = run(self.interp, {d["index"]: feeds[d["name"]] for d in details})
         return {d["name"]: o for d, o in zip(self.interp.get_output_details(), outs)}
 
 
@@ -53,6 +142,49 @@ def entry_points(interp) -> list[tuple[str, EntryPoint]]:
     if not keys:
         return [("", EntryPoint(interp, None))]
     return [(k, EntryPoint(interp, k)) for k in keys]
+
+
+def open_mode(model_path: str, mode: str):
+    """A classic Interpreter in one of ``MODES``."""
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+
+    resolver = OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES if mode == MODES[0] else OpResolverType.AUTO
+    # Not allocated here: a signature runner resizes the inputs to the feeds, then allocates.
+    return Interpreter(model_path=model_path, experimental_op_resolver_type=resolver)
+
+
+class CompiledEntry:
+    """One signature run through LiteRT's CompiledModel (the only loader of ExternalBuffer groups)."""
+
+    def __init__(self, model, key: str, feeds):
+        self.model, self.key = model, key
+        self.feeds = feeds  # CompiledModel has no shape signatures or op list: the Interpreter's view makes inputs
+        self.index = model.get_signature_index(key) if key else 0
+        self.signature = model.get_signature_by_index(self.index)
+
+    def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
+        key = self.signature.get("key", self.key)
+        declared = self.model.get_input_tensor_details(key)
+        for name in self.signature["inputs"]:
+            if [int(x) for x in declared[name]["shape"]] != list(feeds[name].shape):
+                self.model.resize_input_tensor_by_name(key, name, list(feeds[name].shape))
+        ins, outs = self.model.create_input_buffers(self.index), self.model.create_output_buffers(self.index)
+        for name, buf in zip(self.signature["inputs"], ins):
+            buf.write(np.ascontiguousarray(feeds[name]))
+        self.model.run_by_index(self.index, ins, outs)
+        details = self.model.get_output_tensor_details(key)
+        return {name: np.array(buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])).reshape(
+            [int(x) for x in details[name]["shape"]]) for name, buf in zip(self.signature["outputs"], outs)}
+
+
+def compiled_entry_points(model_path: str, inputs_from: str) -> list[tuple[str, CompiledEntry]]:
+    """Every signature of ``model_path`` through CompiledModel; inputs made from ``inputs_from``'s Interpreter."""
+    from ai_edge_litert.compiled_model import CompiledModel
+
+    feeders = dict(entry_points(open_mode(inputs_from, MODES[0])))
+    model = CompiledModel.from_file(model_path)
+    keys = list(model.get_signature_list()) or [""]
+    return [(k, CompiledEntry(model, k, feeders[k].feeds)) for k in keys]
 
 
 def random_feeds(interp, seed: int = 0, dims: dict[str, int] | None = None) -> dict[int, np.ndarray]:

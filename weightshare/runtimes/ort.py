@@ -9,20 +9,21 @@ from __future__ import annotations
 from .memory import in_child, memory_now
 
 
-def session_options(share: bool = True):
+def session_options(share: bool = True, log_level: int = 3):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     if share:
         so.add_session_config_entry("session.disable_prepacking", "1")
-    so.log_severity_level = 3
+    so.log_severity_level = log_level
     return so
 
 
-def new_session(model_path: str, share: bool = True):
+def new_session(model_path: str, share: bool = True, log_level: int = 3):
     import onnxruntime as ort
 
-    return ort.InferenceSession(model_path, session_options(share), providers=["CPUExecutionProvider"])
+    ort.set_default_logger_severity(max(log_level, 3))  # the process-wide logger also prints load errors
+    return ort.InferenceSession(model_path, session_options(share, log_level), providers=["CPUExecutionProvider"])
 
 
 _ORT_TYPES = {
@@ -31,19 +32,79 @@ _ORT_TYPES = {
     "tensor(int16)": "int16", "tensor(uint16)": "uint16", "tensor(uint32)": "uint32", "tensor(uint64)": "uint64",
 }
 
+# op type -> (position of its index input, position of the tensor it indexes)
+_INDEXING = {"Gather": (1, 0), "GatherElements": (1, 0), "GatherND": (1, 0), "ScatterElements": (1, 0),
+             "ScatterND": (1, 0), "Scatter": (1, 0)}
 
-def random_feeds(session, seed: int = 0, dims: dict[str, int] | None = None) -> dict:
-    """Seeded random inputs from a session's input signature; symbolic dims default to 1."""
+
+def _known_shapes(graph) -> dict[str, list[int | None]]:
+    shapes: dict[str, list[int | None]] = {t.name: list(t.dims) for t in graph.initializer}
+    for vi in list(graph.input) + list(graph.value_info):
+        if vi.name not in shapes and vi.type.HasField("tensor_type"):
+            dims = vi.type.tensor_type.shape.dim
+            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    return shapes
+
+
+def index_bounds(model_path: str) -> dict[str, int | None]:
+    """Graph inputs used directly as indices: name -> exclusive upper bound (None when the indexed size is unknown).
+
+    Random indices outside the indexed axis make the original model fail (ORT checks
+    Gather indices), so they are drawn from [0, bound). Only direct uses are seen.
+    """
+    import onnx
+
+    model = onnx.load(model_path, load_external_data=False)
+    graph = model.graph
+    inputs = {i.name for i in graph.input} - {t.name for t in graph.initializer}
+    shapes = _known_shapes(graph)
+    bounds: dict[str, int | None] = {}
+    for node in graph.node:
+        where = _INDEXING.get(node.op_type)
+        if where is None or len(node.input) <= max(where) or node.input[where[0]] not in inputs:
+            continue
+        name, data = node.input[where[0]], shapes.get(node.input[where[1]])
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        size: int | None
+        if node.op_type.endswith("ND"):
+            known = [d for d in data or [] if d]
+            size = min(known) if data and len(known) == len(data) else None
+        else:
+            size = data[axis] if data and -len(data) <= axis < len(data) and data[axis] else None
+        old = bounds.get(name, size)
+        bounds[name] = None if old is None or size is None else min(old, size)
+    return bounds
+
+
+def random_feeds(session, seed: int = 0, dims: dict[str, int] | None = None, given: dict | None = None,
+                 bounds: dict[str, int | None] | None = None) -> dict:
+    """Seeded random inputs from a session's input signature, except those ``given``.
+
+    Symbolic dims take ``dims[name]``, else ``dims["*"]``, else 1. Integer inputs
+    used as indices (``bounds``) stay inside the axis they index.
+    """
     import numpy as np
 
+    from ..errors import UsageError
+
     rng = np.random.default_rng(seed)
+    dims, given, bounds = dims or {}, given or {}, bounds or {}
     feeds = {}
     for inp in session.get_inputs():
-        shape = [d if isinstance(d, int) else (dims or {}).get(str(d), 1) for d in inp.shape]
+        if inp.name in given:
+            feeds[inp.name] = given[inp.name]
+            continue
+        shape = [d if isinstance(d, int) and d >= 0 else dims.get(str(d), dims.get("*", 1)) for d in inp.shape]
         dtype = _ORT_TYPES.get(inp.type)
         if dtype is None:
-            raise RuntimeError(f"input {inp.name!r} has type {inp.type}, which cannot be generated")
-        if dtype == "bool":
+            raise UsageError(f"input {inp.name!r} has type {inp.type}, which cannot be generated; "
+                             f"give it with --input {inp.name}=FILE.npy")
+        if inp.name in bounds:
+            if bounds[inp.name] is None:
+                raise UsageError(f"input {inp.name!r} indexes a tensor of unknown size, so random values would "
+                                 f"be out of range; give it with --input {inp.name}=FILE.npy")
+            feeds[inp.name] = rng.integers(0, bounds[inp.name], shape).astype(dtype)
+        elif dtype == "bool":
             feeds[inp.name] = rng.integers(0, 2, shape).astype(bool)
         elif dtype.startswith(("int", "uint")):
             feeds[inp.name] = rng.integers(0, 3, shape).astype(dtype)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import Unsupported
 from ..base import BenchRuntime
@@ -45,8 +45,8 @@ class CoremlFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def verify(self, report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict[str, int],
-               seed: int) -> None:
+    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
+               broken: bool) -> None:
         from .verify import verify_programs
 
         verify_programs(report, original, converted)

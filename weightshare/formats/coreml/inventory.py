@@ -16,7 +16,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...errors import InvalidModel, WeightshareError
+from ...errors import InvalidModel, UnsafePath, WeightshareError
+from ...findings import problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
 from .convert import MAX_DEPTH
@@ -165,6 +166,10 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             source = wf.payload(rec)
         except WeightshareError as e:
             info.problem = e.message
+            # never stat a name that failed the containment check
+            exists = not isinstance(e, UnsafePath) and (
+                pkg.model_dir / bfv.fileName.removeprefix(MODEL_PATH_PREFIX)).is_file()
+            info.problem_code = problem_code(e, exists).value
             inv.payloads.append(info)
             continue
         info.file = locator.relative(file)
@@ -181,6 +186,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.would_move = info.would_move or first != key  # the same bytes stored twice: convert keeps one
         inv.payloads.append(info)
     inv.external_files = sorted(files)
+    inv.settings = ["Core ML"]
     inv.notes.append("Core ML memory-maps weight.bin: payloads are shared by every load and function, nothing is "
                      "copied per session; per-function copies happen when coremltools' save_multifunction builds "
                      "a package, not at load")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..base import BenchRuntime
 
@@ -40,11 +40,11 @@ class OnnxFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def verify(self, report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict[str, int],
-               seed: int) -> None:
-        from ...verify import _verify_onnx
+    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
+               broken: bool) -> None:
+        from .verify import verify_in_runtime
 
-        _verify_onnx(report, original, converted, runs, dims, seed)
+        verify_in_runtime(report, original, converted, opts, broken)
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
         from ...runtimes.ort import measure_sessions

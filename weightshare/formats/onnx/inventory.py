@@ -4,26 +4,43 @@ ONNX Runtime copies every embedded initializer into its own heap tensor per
 session, constant-folds Cast(fp16 -> float) of an initializer into a new fp32
 heap tensor per session, and decodes typed fields; external data at an offset it
 can map is shared (DESIGN.md 1).
+
+What ONNX Runtime 1.32 copies per session beyond that depends on the session
+settings; the rules below were measured (PSS of 1 vs 3 sessions, x86-64 AVX2,
+tests/test_tools_runtime_copies.py keeps them honest):
+- default options: MLAS pre-packs every constant fp32 MatMul/Gemm B (rank 2) into a
+  private buffer per session; ``session.disable_prepacking=1`` avoids it, and so do
+  ``prepacked_*`` external-data entries (ORT maps the packed copy from the file);
+- at ORT_ENABLE_ALL (the default level) the NCHWc transformer reorders every 2-D Conv
+  weight whose output channels are a multiple of the NCHWc block (8 on AVX2, 16 on
+  AVX-512) into a new initializer per session, with or without disable_prepacking:
+  each session grows by twice the weight's bytes; ORT_ENABLE_EXTENDED avoids it.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
 from ...blob import recorded_checksums
-from ...errors import WeightshareError
+from ...errors import UnsafePath, WeightshareError
+from ...findings import Code, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
 from ...tensors import FileRange
 from . import dtypes
 from .convert import load_skeleton, plan
 from .fold import fold_fp16_casts, shape_tensor_names
-from .graph import collect_sites
+from .graph import Site, collect_sites
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 
 DTYPE_NAMES = {v: k for k, v in __import__("onnx").TensorProto.DataType.items()}
+
+ORT_SHARE = "ORT disable_prepacking"  # the setting weightshare's sharing relies on
+ORT_DEFAULT = "ORT defaults"
+NCHWC_BLOCK = 8  # the smallest NCHWc block (AVX2); AVX-512 machines use 16 and reorder fewer Convs
 
 
 class _LenientScanner(Scanner):
@@ -31,14 +48,58 @@ class _LenientScanner(Scanner):
 
     def __init__(self, wf, model_dir):
         super().__init__(wf, model_dir)
-        self.problems: dict[int, tuple[str, str]] = {}  # ref index -> (location, problem)
+        self.problems: dict[int, tuple[str, str, str]] = {}  # ref index -> (location, problem, code)
+        self.prepacked: set[int] = set()  # refs whose external data carries ORT's pre-packed copy (--prepack)
 
     def _external_range(self, name, info, expected):
+        if any(key.startswith("prepacked") for key in info):
+            self.prepacked.add(len(self.refs))
         try:
             return super()._external_range(name, info, expected)
         except WeightshareError as e:
-            self.problems[len(self.refs)] = (info.get("location", ""), e.message)
+            location = info.get("location", "")
+            # never stat a name that failed the containment check
+            exists = not isinstance(e, UnsafePath) and bool(location) and (self.model_dir / location).is_file()
+            self.problems[len(self.refs)] = (location, e.message, problem_code(e, exists).value)
             return FileRange(self.wf.path, 0, 0)
+
+
+def _uses(scope) -> dict[str, list[tuple[object, int]]]:
+    """value name -> [(node, input position)] in one scope."""
+    uses: dict[str, list[tuple[object, int]]] = {}
+    for node in scope.node:
+        for i, name in enumerate(node.input):
+            uses.setdefault(name, []).append((node, i))
+    return uses
+
+
+def _attr(node, name: str, default: int) -> int:
+    return next((a.i for a in node.attribute if a.name == name), default)
+
+
+def _nchwc_reordered(node, dims: list[int]) -> bool:
+    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(dims) != 4 or dims[0] % NCHWC_BLOCK:
+        return False
+    group = _attr(node, "group", 1)
+    return group == 1 or (group == dims[0] and dims[1] == 1)  # plain or depthwise: NCHWc has kernels for both
+
+
+def _ort_copies(site: Site, uses: list[tuple[object, int]], packed: bool) -> tuple[int, int, str, str]:
+    """(bytes copied under every setting, extra bytes at default options only, why, finding code) of a constant."""
+    t = site.tensor
+    if t.data_type != dtypes.FLOAT:
+        return 0, 0, "", ""
+    dims = list(t.dims)
+    nbytes = 4 * math.prod(dims)
+    if any(_nchwc_reordered(node, dims) for node, i in uses if i == 1):
+        # measured: each session grows by twice the weight (the reordered initializer, and the tensor made of it)
+        return 2 * nbytes, 0, "Conv weights reordered to NCHWc per session at ORT_ENABLE_ALL", Code.ORT_NCHWC_COPY.value
+    # with --prepack's packed copy in the file (``packed``), ORT maps it instead of packing per session
+    if not packed and len(dims) == 2 and any(node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx")
+                                             and i == 1 for node, i in uses):
+        return 0, nbytes, "MatMul/Gemm B pre-packed by MLAS per session at default options", \
+            Code.ORT_PREPACK_COPY.value
+    return 0, 0, "", ""
 
 
 def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
@@ -53,15 +114,18 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     folded, _ = fold_fp16_casts(model, sites)  # on this private copy: tells which Casts ORT would fold per session
     placements = plan(refs, sites, folded, shape_tensor_names(model), ConvertOptions())
     external_files = set()
+    inv.settings = [ORT_SHARE, ORT_DEFAULT]
+    uses_by_scope: dict[int, dict] = {}
     for p in placements:
         ref = p.ref
         info = PayloadInfo(name=names[ref.index], dtype=DTYPE_NAMES.get(ref.data_type, str(ref.data_type)),
                            shape=ref.dims, nbytes=ref.nbytes_in, location="embedded")
         if ref.field == 0:
             info.location = "external"
-            location, problem = scanner.problems.get(ref.index, ("", ""))
+            location, problem, code = scanner.problems.get(ref.index, ("", "", ""))
             if problem:
                 info.file, info.problem, info.nbytes = location, problem, ref.native_nbytes
+                info.problem_code = code
             else:
                 part = ref.parts[0]
                 info.file = os.path.relpath(part.path, path.resolve().parent)
@@ -77,6 +141,15 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.copied_per_session = ref.native_nbytes * 2  # the fp32 copy (plus the embedded one, if any)
             if ref.field != 0:
                 info.copied_per_session += ref.native_nbytes
+        site = sites.get(ref.index)
+        if site is not None and site.kind in ("initializer", "constant"):
+            key = id(site.scope)
+            if key not in uses_by_scope:
+                uses_by_scope[key] = _uses(site.scope)
+            always, default_only, info.copy_reason, info.copy_code = _ort_copies(
+                site, uses_by_scope[key].get(site.name, []), ref.index in scanner.prepacked)
+            info.copied_per_session += always
+            info.copies = {ORT_SHARE: info.copied_per_session, ORT_DEFAULT: info.copied_per_session + default_only}
         info.would_move = p.external and (ref.field != 0 or p.fold)
         info.stays_inline_because = p.reason
         if hash_payloads and not info.problem:

@@ -7,7 +7,7 @@ Modules: ``flatbuf`` (bounds-checked scan over mmap), ``graph`` (validation, fp1
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidModel, UsageError
 from ..base import BenchRuntime
@@ -50,11 +50,11 @@ class TfliteFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def verify(self, report: VerifyReport, original: Path, converted: Path, runs: int, dims: dict[str, int],
-               seed: int) -> None:
-        from ...verify import _verify_tflite
+    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
+               broken: bool) -> None:
+        from .verify import verify_in_runtime
 
-        _verify_tflite(report, original, converted, runs, dims, seed)
+        verify_in_runtime(report, original, converted, opts, broken)
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
         from ...runtimes.litert import measure_interpreters

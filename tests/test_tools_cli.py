@@ -1,0 +1,176 @@
+"""CLI conventions: --version, -q/-v, batch lines, one JSON document, help everywhere, width, colour, hints, demo
+cleanup, and a peak RSS that is the converter's own.
+
+Under test: `weightshare ...` in child processes (a pipe, as in CI; a pseudo-terminal for colour).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import typer.core
+import typer.main
+from onnx import TensorProto, helper, numpy_helper
+
+from weightshare import __version__
+from weightshare.cli import app
+from weightshare.samples import mlp_onnx
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    return mlp_onnx(d / "a.onnx", layers=1, dim=256), mlp_onnx(d / "b.onnx", layers=2, dim=128, seed=1)
+
+
+def test_version(cli):
+    res = cli("--version")
+    assert res.returncode == 0 and res.stdout.strip() == f"weightshare {__version__}"
+
+
+def test_quiet_convert_prints_nothing_and_batch_prints_one_line_per_model(two, cli, tmp_path):
+    a, b = two
+    res = cli("convert", a, "-o", tmp_path / "q", "-q")
+    assert res.returncode == 0 and res.stdout == "" and res.stderr == ""
+    res = cli("-q", "convert", a, "-o", tmp_path / "q2")
+    assert res.returncode == 0 and res.stdout == ""
+    res = cli("convert", a, b, "-o", tmp_path / "batch")
+    lines = res.stdout.strip().splitlines()
+    assert res.returncode == 0 and len(lines) == 3, res.stdout
+    assert lines[0].startswith(f"{a}: ") and lines[1].startswith(f"{b}: ") and lines[2].startswith("total: 2 models")
+    res = cli("convert", a, b, "-o", tmp_path / "json", "--json")
+    doc = json.loads(res.stdout)  # one document
+    assert [Path(m["model"]).name for m in doc["models"]] == ["a.onnx", "b.onnx"] and doc["total"]["models"] == 2
+    assert doc["total"]["tensors_moved"] == sum(m["tensors_moved"] for m in doc["models"])
+    res = cli("-v", "convert", a, b, "-o", tmp_path / "verbose")
+    assert res.stdout.count("payloads moved") >= 4  # a table per model, then the lines
+
+
+def test_every_option_has_help():
+    group = typer.main.get_command(app)
+    missing = [f"{name} {p.opts}" for name, cmd in [("", group), *group.commands.items()]
+               for p in cmd.params if isinstance(p, typer.core.TyperOption) and not (p.help or "").strip()]
+    assert missing == []
+
+
+def test_help_paragraphs_wrap_cleanly(cli):
+    """Docstring paragraphs are reflowed: no ragged lines holding one word of a sentence that goes on."""
+    for command in ["", "convert", "merge", "inspect", "check", "verify", "bench", "demo"]:
+        res = cli(*([command] if command else []), "--help", env={"COLUMNS": "80"})
+        assert res.returncode == 0, res.stderr
+        text = res.stdout.split("╭", 1)[0]
+        ragged = [line for line in text.splitlines()
+                  if len(line.split()) == 1 and not line.strip().endswith((".", ":"))]
+        assert ragged == [], (command, ragged)
+
+
+def test_tables_are_not_cut_at_80_columns_in_a_pipe(cli, tmp_path):
+    name = "encoder.layers.11.self_attention.query_key_value.weight_with_a_long_exporter_generated_suffix_0123456789"
+    w = numpy_helper.from_array(np.ones((64, 64), np.float32), name)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", name], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "long.onnx"))
+    res = cli("inspect", tmp_path / "long.onnx")
+    assert res.returncode == 0 and name in res.stdout and "…" not in res.stdout
+    assert max(len(line) for line in res.stdout.splitlines()) > 120
+    assert not ANSI.search(res.stdout)  # a pipe: no colour
+
+
+def _in_terminal(args: list[str], env: dict) -> str:
+    """Run the CLI with stdout/stderr on a pseudo-terminal; return what it wrote."""
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "weightshare", *args], stdout=follower, stderr=follower,
+                            env={**os.environ, "TERM": "xterm-256color", **env})
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            data = os.read(leader, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    proc.wait(timeout=60)
+    os.close(leader)
+    return b"".join(chunks).decode("utf-8", "replace")
+
+
+def test_colour_only_on_a_terminal_and_never_with_no_color(two):
+    a, _ = two
+    env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
+    coloured = _in_terminal(["inspect", str(a)], {**env, "COLUMNS": "200"})
+    assert ANSI.search(coloured), coloured[:300]
+    plain = _in_terminal(["inspect", str(a)], {"NO_COLOR": "1", "COLUMNS": "200"})
+    assert "payload" in plain and not ANSI.search(plain), plain[:300]
+
+
+def test_bench_plot_without_matplotlib_is_a_one_line_hint(two, cli, tmp_path):
+    a, _ = two
+    fake = tmp_path / "site"
+    (fake / "matplotlib").mkdir(parents=True)
+    (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
+    res = cli("bench", a, "--plot", tmp_path / "p.png", env=env)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == ['weightshare: error: --plot needs matplotlib: '
+                                               'pip install "weightshare[plot]"']
+
+
+def test_demo_clean_removes_only_what_the_demo_wrote(cli, tmp_path):
+    demo = tmp_path / "demo"
+    (demo / "converted").mkdir(parents=True)
+    (demo / "mlp_fp16.onnx").write_bytes(b"x")
+    (demo / "converted" / "mlp_fp16.onnx").write_bytes(b"x")
+    res = cli("demo", "--clean", "--dir", demo)
+    assert res.returncode == 0 and not demo.exists() and "removed" in res.stdout
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "mlp_fp16.onnx").write_bytes(b"x")
+    (mine / "notes.txt").write_text("keep me")
+    assert cli("demo", "--clean", "--dir", mine).returncode == 0
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.slow
+def test_demo_says_where_it_writes_and_how_much(cli, tmp_path):
+    demo = tmp_path / "d"
+    res = cli("demo", "--dir", demo, "--layers", "1", "--sessions", "2")
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[0]
+    assert first.startswith("writing about 24.0 MiB to ") and str(demo) in first and "--clean" in first
+    written = sum(p.stat().st_size for p in demo.rglob("*") if p.is_file())
+    assert 23 << 20 < written < 25 << 20, written
+    assert cli("demo", "--clean", "--dir", demo).returncode == 0 and not demo.exists()
+
+
+PARENT = r"""
+import json, subprocess, sys
+import numpy as np
+ballast = np.ones(300 << 18, np.float32)  # 300 MiB resident in the parent
+res = subprocess.run([sys.executable, "-m", "weightshare", "convert", sys.argv[1], "-o", sys.argv[2], "--json"],
+                     capture_output=True, text=True)
+print(res.stdout)
+"""
+
+
+def test_report_peak_rss_is_the_converters_own_not_its_parents(two, tmp_path):
+    a, _ = two
+    res = subprocess.run([sys.executable, "-c", PARENT, str(a), str(tmp_path / "o")], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    peak = json.loads(res.stdout)["peak_rss_mib"]
+    assert 10 < peak < 250, peak  # ru_maxrss would report the parent's 300+ MiB

@@ -1,0 +1,136 @@
+"""Findings as data: a stable code, a severity, where, what, and how to fix it.
+
+A finding is created where the problem is detected (a format's inventory when it
+locates a payload, ``check`` when it reads the inventory); ``check`` and ``inspect``
+only render them. ``CODES`` is the one table of meanings and fixes; docs/ci.md
+lists the same codes, and a test keeps the two in step.
+
+Severity: ``error`` -- weights are copied per session even with the settings that
+share them, or the model is broken: ``check`` exits 1. ``warning`` -- a copy that
+only a runtime's default setting makes (the fix names the setting that avoids
+it), or a layout that works but is not optimal: ``check`` exits 1 only with
+``--strict``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class _StrEnum(str, Enum):
+    """Compares and hashes like its value, so ``"unaligned" in {Code.UNALIGNED}`` holds."""
+
+    def __hash__(self) -> int:
+        return str.__hash__(self)
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Severity(_StrEnum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+class Code(_StrEnum):
+    EMBEDDED_WEIGHTS = "embedded-weights"
+    UNPACKED_PER_SESSION = "unpacked-per-session"
+    ORT_NCHWC_COPY = "ort-nchwc-copy-per-session"
+    ORT_PREPACK_COPY = "ort-prepack-copy-per-session"
+    XNNPACK_PACK_COPY = "xnnpack-pack-copy-per-interpreter"
+    INLINE_UNALIGNED = "inline-unaligned"
+    UNALIGNED = "unaligned"
+    DUPLICATE_PAYLOADS = "duplicate-payloads"
+    BLOB_OUTSIDE_MODEL_DIR = "blob-outside-model-dir"
+    MISSING_EXTERNAL_FILE = "missing-external-file"
+    BAD_EXTERNAL_DATA = "bad-external-data"
+    BLOB_NOT_WORLD_READABLE = "blob-not-world-readable"
+    CHECKSUM_MISMATCH = "checksum-mismatch"
+
+
+@dataclass(frozen=True)
+class CodeInfo:
+    severity: Severity
+    meaning: str
+    fix: str
+
+
+CODES: dict[Code, CodeInfo] = {
+    Code.EMBEDDED_WEIGHTS: CodeInfo(
+        Severity.ERROR, "Weights are stored inside the ONNX/Core ML model file; the runtime copies them into "
+        "private memory in every session.", "weightshare convert MODEL -o OUT"),
+    Code.UNPACKED_PER_SESSION: CodeInfo(
+        Severity.ERROR, "The runtime converts these weights in every session (ONNX Cast fp16->float constant "
+        "folding, TFLite DEQUANTIZE or DENSIFY of a constant) into a private copy.",
+        "weightshare convert MODEL -o OUT (stores the converted form in the blob)"),
+    Code.ORT_NCHWC_COPY: CodeInfo(
+        Severity.ERROR, "ONNX Runtime's NCHWc layout transformer (graph optimization level ORT_ENABLE_ALL, the "
+        "default) copies these Conv weights into every session, even with session.disable_prepacking=1.",
+        "convert with --prepack, or create sessions with graph_optimization_level=ORT_ENABLE_EXTENDED (and "
+        "session.disable_prepacking=1)"),
+    Code.ORT_PREPACK_COPY: CodeInfo(
+        Severity.WARNING, "With default session options ONNX Runtime (MLAS) pre-packs a private copy of every "
+        "constant MatMul/Gemm B weight per session.",
+        "create sessions with session.disable_prepacking=1, or convert with --prepack"),
+    Code.XNNPACK_PACK_COPY: CodeInfo(
+        Severity.WARNING, "LiteRT's default XNNPACK delegate packs FULLY_CONNECTED/CONV weights into a private "
+        "copy per interpreter.", "create interpreters with OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES, or "
+        "use CompiledModel with an XNNPACK weight cache file"),
+    Code.INLINE_UNALIGNED: CodeInfo(
+        Severity.WARNING, "TFLite buffers inside the flatbuffer are mapped with the file and shared, but only "
+        "16-byte aligned: pages are shared partly, XNNPACK cannot map them.", "weightshare convert MODEL -o OUT"),
+    Code.UNALIGNED: CodeInfo(
+        Severity.ERROR, "External payloads sit at offsets that are not page aligned (64 KiB for >= 1 MiB, 64 B "
+        "below).", "weightshare convert MODEL -o OUT (re-lays the blob)"),
+    Code.DUPLICATE_PAYLOADS: CodeInfo(
+        Severity.ERROR, "External payloads repeat bytes already stored elsewhere: the same weights are mapped "
+        "twice.", "weightshare convert MODEL -o OUT (stores identical payloads once)"),
+    Code.BLOB_OUTSIDE_MODEL_DIR: CodeInfo(
+        Severity.ERROR, "An external data path is absolute, contains a '..' component or resolves outside the "
+        "model directory; runtimes refuse it.", "keep external data files beside the model and reference them "
+        "by a relative name"),
+    Code.MISSING_EXTERNAL_FILE: CodeInfo(
+        Severity.ERROR, "A file the model references for its weights does not exist.",
+        "ship the blob next to the model (copy the whole output directory)"),
+    Code.BAD_EXTERNAL_DATA: CodeInfo(
+        Severity.ERROR, "An external reference is malformed: offset/length past the end of the file, a size "
+        "that does not match the tensor, a bad record.", "re-run weightshare convert from the original model"),
+    Code.BLOB_NOT_WORLD_READABLE: CodeInfo(
+        Severity.ERROR, "The blob's mode keeps other users (and services running as them) from mapping it.",
+        "chmod a+r BLOB"),
+    Code.CHECKSUM_MISMATCH: CodeInfo(
+        Severity.ERROR, "A payload differs from the SHA-256 recorded in the blob: the blob was modified or "
+        "corrupted.", "re-run weightshare convert from the original model; check the storage"),
+}
+
+
+@dataclass
+class Finding:
+    code: Code
+    severity: Severity
+    file: str  # the model (or package) the finding is about
+    tensor: str  # the first tensor concerned, "" when the finding is about the file
+    message: str
+    fix: str
+
+    @classmethod
+    def of(cls, code: Code, file: str, message: str, tensor: str = "") -> "Finding":
+        info = CODES[code]
+        return cls(code, info.severity, file, tensor, message, info.fix)
+
+    def line(self) -> str:
+        return f"{self.file}: {self.severity.value}: {self.code.value}: {self.message} (fix: {self.fix})"
+
+    def to_dict(self) -> dict:
+        return {"code": self.code.value, "severity": self.severity.value, "file": self.file, "model": self.file,
+                "tensor": self.tensor, "message": self.message, "fix": self.fix}
+
+
+def problem_code(error: Exception, file_exists: bool) -> Code:
+    """The code of a payload-location error, from its type and the file's existence (never its wording)."""
+    from .errors import UnsafePath
+
+    if isinstance(error, UnsafePath):
+        return Code.BLOB_OUTSIDE_MODEL_DIR
+    return Code.BAD_EXTERNAL_DATA if file_exists else Code.MISSING_EXTERNAL_FILE

@@ -1,0 +1,125 @@
+"""verify for TFLite: every signature on every LiteRT path the original runs on, outputs compared byte for byte.
+
+Paths: the Interpreter without a delegate and with the default XNNPACK delegate; CompiledModel for models with
+ExternalBuffer groups (only it loads them); and CompiledModel with the XNNPACK weight cache that ``--prepack``
+wrote beside the converted model.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from typing import Any
+
+from ...errors import UsageError
+from ...inventory import inventory
+from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line, hint
+
+
+def verify_in_runtime(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
+                      broken: bool) -> None:
+    from ...runtimes.litert import native_stderr_silenced
+
+    named = sorted(set(opts["dims"]) - {"*"})
+    if named:
+        raise UsageError(f"--dim {named[0]}: TFLite dimensions have no names; use --dim '*=N' for every "
+                         "dynamic dimension or --shape INPUT=D0,D1,... for one input")
+    with native_stderr_silenced():
+        _verify_paths(report, original, converted, opts, broken)
+        if not broken:
+            _verify_weight_cache(report, original, converted, opts)
+        gc.collect()  # LiteRT environments log as they are destroyed: while stderr is still silenced
+
+
+def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any]) -> None:
+    """A --prepack XNNPACK weight cache, checked through CompiledModel: original without, converted with it."""
+    from ...litert import compiled_pairs
+
+    cache, pairs = compiled_pairs(original, converted, opts["runs"], opts["seed"])
+    if cache is None:
+        return
+    for r, name, x, y in pairs:
+        compare_outputs(report, [name], {name: x}, {name: y}, r, f"CompiledModel + {cache.name}: ")
+    report.paths.append(f"LiteRT CompiledModel + XNNPACK weight cache {cache.name}")
+
+
+def _open_paths(original: Path, converted: Path, external: bool):
+    """(path name, original entry points, converted entry points or an error line), one per LiteRT mode."""
+    from ...runtimes.litert import MODES, compiled_entry_points, entry_points, open_mode
+
+    if external:  # only CompiledModel loads ExternalBuffer groups: run both models through it, same kernels
+        try:
+            ca: Any = compiled_entry_points(str(original), str(original))
+        except Exception as e:  # noqa: BLE001
+            return [], [f"CompiledModel: {first_line(e)}"]
+        try:
+            cb: Any = compiled_entry_points(str(converted), str(original))
+        except Exception as e:  # noqa: BLE001
+            cb = f"the converted model fails to load in LiteRT CompiledModel: {first_line(e)}"
+        return [("CompiledModel", "LiteRT CompiledModel", ca, cb)], []
+    opened: list[tuple[str, str, Any, Any]] = []
+    refusals: list[str] = []
+    for mode in MODES:
+        try:
+            ea = entry_points(open_mode(str(original), mode))
+        except Exception as e:  # noqa: BLE001
+            refusals.append(f"{mode}: {first_line(e)}")
+            continue
+        try:
+            eb: Any = entry_points(open_mode(str(converted), mode))
+        except Exception as e:  # noqa: BLE001
+            eb = f"the converted model fails to load in LiteRT ({mode}): {first_line(e)}"
+        opened.append((mode, f"LiteRT Interpreter, {mode}", ea, eb))
+    return opened, refusals
+
+
+def _run_path(report: VerifyReport, path: str, ea, eb, opts: dict) -> str:
+    """Compare on one LiteRT path; returns why the original could not run on it in the first run ('' if it ran)."""
+    before = len(report.mismatches)
+    compare_names(report, "signature", [k for k, _ in ea], [k for k, _ in eb])
+    if len(report.mismatches) > before:
+        return ""
+    for r in range(opts["runs"]):
+        for (key, run_a), (_, run_b) in zip(ea, eb):
+            feeds = run_a.feeds(opts["seed"] + r, opts["inputs"], opts["shapes"], opts["dims"])
+            try:
+                outs_a = run_a(feeds)
+            except Exception as e:  # noqa: BLE001
+                if r == 0:  # this path does not run the original (an op it lacks, a shape it refuses)
+                    return first_line(e)
+                raise OriginalFails(f"the original model fails in {path}: {first_line(e)} ({hint('tflite')})",
+                                    report.original) from None
+            try:
+                outs_b = run_b(feeds)
+            except Exception as e:  # noqa: BLE001
+                report.mismatches.append(f"run {r}: the converted model fails in {path}: {first_line(e)}")
+                return ""
+            compare_names(report, "output", list(outs_a), list(outs_b))
+            compare_outputs(report, list(outs_a), outs_a, outs_b, r, f"{key}:" if key else "")
+        report.runs += 1
+    return ""
+
+
+def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: dict, broken: bool) -> None:
+    """Every signature (or the primary subgraph), on every path the original runs on."""
+    external = any(p.location == "external" and p.file != converted.name for p in inventory(converted, False).payloads)
+    opened, refusals = _open_paths(original, converted, external)
+    for mode, path, ea, eb in opened:
+        if broken:
+            break
+        if isinstance(eb, str):
+            report.paths.append(path)
+            report.mismatches.append(eb)
+            continue
+        refused = _run_path(report, path, ea, eb, opts)
+        if refused:
+            refusals.append(f"{mode}: {refused}")
+        else:
+            report.paths.append(path)
+    if not report.paths and not broken:
+        raise OriginalFails(f"the original model fails in LiteRT: {'; '.join(refusals)} ({hint('tflite')})",
+                            original)
+    for line in refusals:
+        report.notes.append(f"the original model does not run with LiteRT {line}; that path was skipped")
+    if broken:
+        report.mismatches.append("the converted model was not run: its external data is broken (see above)")
