@@ -7,6 +7,7 @@ from typing import Callable
 
 from .blob import AlignPolicy
 
+BLOB_GRACE_S = 600.0  # an unreferenced old blob stays this long: readers that opened the old model still find it
 INLINE_THRESHOLD = 1024  # payloads below this stay inside the model file: a page of padding would cost more
 
 
@@ -19,6 +20,8 @@ class ConvertOptions:
         keep_packed: do not unpack (no fp16->fp32 folding, typed fields stay as they are).
         unpack: opt-in unpackings, e.g. {"int8", "sparse"}.
         blob_name: file name of the external blob inside OUTDIR (ONNX, TFLite --external).
+        blob_grace_s: an earlier blob that no model in OUTDIR references any more is removed by a later
+            run once it has been unreferenced this many seconds (``--blob-grace``).
         external: TFLite only: write an external safetensors blob instead of appending.
         progress: called with a byte count as payload bytes are written (for progress bars).
         progress_total: called once with the payload bytes a converter is about to write.
@@ -29,6 +32,7 @@ class ConvertOptions:
     keep_packed: bool = False
     unpack: frozenset[str] = frozenset()
     blob_name: str | None = None
+    blob_grace_s: float = BLOB_GRACE_S
     external: bool = False
     progress: Callable[[int], None] | None = None
     progress_total: Callable[[int], None] | None = None
