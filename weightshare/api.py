@@ -94,10 +94,25 @@ def convert_many(models: list[str | os.PathLike], out_dir: str | os.PathLike, op
         prepare_out_dir(out, tx)
         for src, fmt in zip(sources, formats):
             t0 = time.perf_counter()
-            reports.append(_finish(converter(fmt)(src, out, options, tx), t0))
+            reports.append(_finish(_convert_one(converter(fmt), src, out, options, tx), t0))
     if len(reports) == 1:  # the commit is part of the one model's time
         _finish(reports[0], start)
     return reports
+
+
+def _convert_one(convert_file, src: Path, out: Path, options: ConvertOptions, tx: OutputTransaction
+                 ) -> ConversionReport:
+    """One model's conversion; a write error (EFBIG, ENOSPC) names the output it was writing."""
+    try:
+        return convert_file(src, out, options, tx)
+    except OutputError as e:
+        if e.path is None or Path(e.path).name.startswith(TMP_PREFIX):
+            raise OutputError(e.message, out / src.name) from None
+        raise
+    except OSError as e:
+        if e.filename is None or Path(str(e.filename)).name.startswith(TMP_PREFIX):
+            raise OutputError(f"cannot write the output: {e.strerror or e}", out / src.name) from None
+        raise
 
 
 def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:

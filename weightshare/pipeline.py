@@ -49,9 +49,13 @@ class PreparedModel:
     extra: dict = field(default_factory=dict)
 
 
-def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOptions, tx: OutputTransaction
-               ) -> tuple[Path, int, str]:
-    """Stream every payload of ``models`` into one blob; return (its temporary, its size, its content digest)."""
+def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOptions, tx: OutputTransaction,
+               shown: Path | None = None) -> tuple[Path, int, str]:
+    """Stream every payload of ``models`` into one blob; return (its temporary, its size, its content digest).
+
+    ``blob_path`` names the temporary; ``shown`` is the blob as error messages name it.
+    """
+    shown = shown or blob_path
     for m in models:
         for p in m.payloads:
             if m.name_prefix:
@@ -62,7 +66,7 @@ def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOpt
     try:
         fd = os.open(tmp, os.O_RDWR)
     except OSError as e:
-        raise OutputError(f"cannot write the blob: {e.strerror}", blob_path) from None
+        raise OutputError(f"cannot write the blob: {e.strerror}", shown) from None
     try:
         blob = SafetensorsBlob(fd, planned, options.align)
         if options.progress_total is not None:
@@ -84,7 +88,11 @@ def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOpt
         # The header lists every payload's SHA-256, dtype, shape and offset: equal digests, equal files.
         return tmp, size, hashlib.sha256(blob.header()).hexdigest()[:DIGEST_CHARS]
     except OSError as e:  # EFBIG, ENOSPC, EIO: name the file being written, not just the errno
-        raise OutputError(f"cannot write the blob: {e.strerror or e}", blob_path) from None
+        raise OutputError(f"cannot write the blob: {e.strerror or e}", shown) from None
+    except OutputError as e:
+        if e.path is None:  # the blob writer knows the errno, not the file
+            raise OutputError(e.message, shown) from None
+        raise
     finally:
         os.close(fd)
 
@@ -118,7 +126,8 @@ def write_models(models: list[PreparedModel], out_dir: Path, target: "BlobTarget
     size, blob_path, location = 0, None, ""
     if any(m.payloads for m in models):
         tx.make_dirs(target.directory)
-        tmp, size, digest = write_blob(models, target.directory / f"{target.base}.blob", options, tx)
+        tmp, size, digest = write_blob(models, target.directory / f"{target.base}{SUFFIX}", options, tx,
+                                       shown=target.directory / f"{target.base}.<digest>{SUFFIX}")
         location, blob_path = target.named(digest)
         tx.retarget(tmp, blob_path)
         tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
