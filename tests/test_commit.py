@@ -102,7 +102,8 @@ def test_a_good_and_a_bad_model_leave_nothing(tmp_path, cli):
     assert not out.exists()  # not even the directory this run would have created
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    one_line_error(cli("convert", src, "-o", out))
+    with pytest.raises(weightshare.WeightshareError, match="b_bad.onnx"):
+        weightshare.api.convert_many(weightshare.api.expand_inputs([src]), out)
     assert tree(out) == {"keep.txt": hashlib.sha256(b"mine").hexdigest()}
 
 
@@ -130,7 +131,7 @@ def test_blob_in_subdirectories_leaves_no_empty_directories_on_failure(tmp_path,
     (out / "m.onnx" / "x").write_text("x")
     one_line_error(cli("convert", model, "-o", out, "--blob", "sub/dir/w"))
     assert sorted(p.name for p in out.iterdir()) == ["m.onnx"]
-    assert cli("convert", model, "-o", tmp_path / "ok", "--blob", "sub/dir/w").returncode == 0
+    weightshare.convert(model, tmp_path / "ok", weightshare.ConvertOptions(blob_name="sub/dir/w"))
     assert np.array_equal(run(model), run(tmp_path / "ok" / "m.onnx"))
     (blob,) = (tmp_path / "ok" / "sub" / "dir").iterdir()
     assert locations(tmp_path / "ok" / "m.onnx") == {f"sub/dir/{blob.name}"}
@@ -151,13 +152,21 @@ def packages(tmp_path_factory):
 def test_coreml_output_inside_an_input_is_refused(packages, tmp_path, cli, case):
     a, b = packages
     before = tree(a)
-    args = {
-        "merge_into_source": ["merge", a, b, "-o", a / "inner.mlpackage"],
-        "merge_onto_source": ["merge", a, b, "-o", a],
-        "convert_onto_itself": ["convert", a, "-o", a],
-        "convert_into_data": ["convert", a, "-o", a / "Data"],
-    }[case]
-    one_line_error(cli(*args))
+    calls = {
+        "merge_into_source": lambda: weightshare.api.merge([a, b], a / "inner.mlpackage"),
+        "merge_onto_source": lambda: weightshare.api.merge([a, b], a),
+        "convert_onto_itself": lambda: weightshare.convert(a, a),
+        "convert_into_data": lambda: weightshare.convert(a, a / "Data"),
+    }
+    with pytest.raises(weightshare.errors.UsageError, match="input"):
+        calls[case]()
+    assert tree(a) == before
+
+
+def test_coreml_output_inside_an_input_cli(packages, cli):
+    a, b = packages
+    before = tree(a)
+    assert "inside the input" in one_line_error(cli("merge", a, b, "-o", a / "inner.mlpackage"))
     assert tree(a) == before
 
 
@@ -180,11 +189,20 @@ def test_blob_named_like_the_model_never_overwrites_it(tmp_path, cli):
 
 @pytest.mark.parametrize("name", [".", "./", "sub/..", ".weightshare-tmp-1-x", "sub/.weightshare-tmp-1-x",
                                   ".safetensors", "../w"])
-def test_blob_names_that_are_directories_temporaries_or_outside_are_refused(tmp_path, cli, name):
+def test_blob_names_that_are_directories_temporaries_or_outside_are_refused(tmp_path, name):
     model = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=128)
     out = tmp_path / "out"
-    one_line_error(cli("convert", model, "-o", out, "--blob", name))
+    with pytest.raises(weightshare.WeightshareError, match="blob"):
+        weightshare.convert(model, out, weightshare.ConvertOptions(blob_name=name))
+    with pytest.raises(weightshare.WeightshareError, match="blob"):
+        weightshare.api.convert_zoo([model], out, name)
     assert not out.exists()
+
+
+def test_blob_name_of_a_temporary_is_refused_by_the_cli(tmp_path, cli):
+    model = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=128)
+    assert TMP_PREFIX in one_line_error(cli("convert", model, "-o", tmp_path / "out", "--blob", TMP_PREFIX + "1-x"))
+    assert not (tmp_path / "out").exists()
 
 
 # --- item 8: relative paths, zoo mode ----------------------------------------------------------------------------
@@ -193,11 +211,11 @@ def test_readme_zoo_example_with_relative_paths_from_a_cwd(tmp_path, cli):
     (tmp_path / "DIR").mkdir()
     a = mlp_onnx(tmp_path / "DIR" / "a.onnx", layers=2, dim=128, seed=1)
     b = mlp_onnx(tmp_path / "DIR" / "b.onnx", layers=2, dim=128, seed=1)
-    for _ in range(2):  # the second run replaces the first zoo
-        res = subprocess.run([sys.executable, "-m", "weightshare", "convert", "DIR/", "-o", "OUTDIR",
-                              "--shared-blob", "zoo.safetensors"], cwd=tmp_path, capture_output=True, text=True,
-                             timeout=120)
-        assert res.returncode == 0, res.stderr
+    # the README's example verbatim; it used to wait forever on its own lock (relative vs absolute OUTDIR)
+    res = subprocess.run([sys.executable, "-m", "weightshare", "convert", "DIR/", "-o", "OUTDIR",
+                          "--shared-blob", "zoo.safetensors"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
     out = tmp_path / "OUTDIR"
     (blob,) = out.glob("zoo.*.safetensors")
     assert locations(out / "a.onnx") == locations(out / "b.onnx") == {blob.name}
@@ -302,5 +320,6 @@ def test_no_models_is_an_error(tmp_path, cli, what):
     (tmp_path / "empty").mkdir()
     arg = tmp_path / "empty" if what == "empty_dir" else str(tmp_path / "*.onnx")
     assert "no models" in one_line_error(cli("convert", arg, "-o", tmp_path / "out"))
-    assert "no models" in one_line_error(cli("convert", arg, "-o", tmp_path / "out", "--shared-blob", "z"))
+    with pytest.raises(weightshare.errors.UsageError, match="no models"):
+        weightshare.api.convert_zoo([arg], tmp_path / "out", "z")
     assert not (tmp_path / "out").exists()
