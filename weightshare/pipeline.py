@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from .atomic import TMP_PREFIX, CommitHook, OutputTransaction
+from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from .blob import BlobEntry, PlannedTensor, SafetensorsBlob
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
@@ -126,6 +126,8 @@ def write_models(models: list[PreparedModel], out_dir: Path, target: "BlobTarget
     size, blob_path, location = 0, None, ""
     if any(m.payloads for m in models):
         tx.make_dirs(target.directory)
+        if target.prefix:  # OUTDIR itself was cleaned by prepare_out_dir
+            clean_stale_temporaries(target.directory)
         tmp, size, digest = write_blob(models, target.directory / f"{target.base}{SUFFIX}", options, tx,
                                        shown=target.directory / f"{target.base}.<digest>{SUFFIX}")
         location, blob_path = target.named(digest)
