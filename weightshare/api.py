@@ -147,7 +147,8 @@ class _DropRemovedModels(CommitHook):
     """After a zoo commit: remove the models the previous zoo listed and this one does not."""
 
     def __init__(self, out: Path, keep: list[str]) -> None:
-        self.out, self.keep, self.old = out, set(keep), []
+        self.out, self.keep = out, set(keep)
+        self.old: list[str] = []
 
     def before(self) -> None:
         try:

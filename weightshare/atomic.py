@@ -217,7 +217,7 @@ class OutputTransaction:
         mode_file = 0o666 & ~_umask()
         try:
             for t in self._pending:
-                if not t.is_dir:
+                if not t.is_dir and t.fd is not None:
                     os.fsync(t.fd)
                     os.fchmod(t.fd, mode_file)
             files = [t for t in self._pending if not t.is_dir]
