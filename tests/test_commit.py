@@ -323,3 +323,17 @@ def test_no_models_is_an_error(tmp_path, cli, what):
     with pytest.raises(weightshare.errors.UsageError, match="no models"):
         weightshare.api.convert_zoo([arg], tmp_path / "out", "z")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_named_like_its_own_blob_is_refused(tmp_path):
+    """The 'blob would overwrite the model file' guard: only a model input named like a blob can reach it."""
+    model = onnx_in(tmp_path / "src", seed=1)
+    first = weightshare.convert(model, tmp_path / "probe", weightshare.ConvertOptions(blob_name="x"))
+    blob_name = Path(first.outputs[1]).name  # x.<digest12>.safetensors: the digest depends on the content only
+    renamed = tmp_path / "src2" / blob_name
+    renamed.parent.mkdir()
+    renamed.write_bytes(model.read_bytes())
+    out = tmp_path / "out"
+    with pytest.raises(weightshare.errors.UsageError, match="would overwrite the model file"):
+        weightshare.convert(renamed, out, weightshare.ConvertOptions(blob_name="x"))
+    assert not out.exists()

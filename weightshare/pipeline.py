@@ -135,6 +135,9 @@ def write_models(models: list[PreparedModel], out_dir: Path, target: "BlobTarget
         tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
     for m in models:
         files = m.emit(location, tx)
+        if blob_path is not None and Path(blob_path).resolve() in {Path(f).resolve() for f in files}:
+            # only a model input named like a blob gets here; refuse rather than commit one over the other
+            raise UsageError(f"blob {blob_path.name!r} would overwrite the model file", m.report.model)
         m.report.outputs = [str(f) for f in files] + ([str(blob_path)] if m.payloads else [])
         m.report.blob_bytes = size
 
