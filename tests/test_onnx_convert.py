@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,8 @@ def test_nothing_large_stays_embedded_except_shape_tensors(sink):
     assert leftovers == []
     # every kind the fixture has ended up external: main graph, nested subgraphs, function, Loop body
     external = {e.value for t in all_tensors(model) for e in t.external_data if e.key == "location"}
-    assert external == {"sink.weights.safetensors"}
+    (blob,) = out.parent.glob("*.safetensors")  # the name carries a content digest
+    assert external == {blob.name} and blob.name.startswith("sink.weights.")
     fn_const = model.functions[0].node[0].attribute[0].t
     assert fn_const.data_location == onnx.TensorProto.EXTERNAL
     assert report.tensors_moved >= 25
@@ -109,7 +111,7 @@ def test_fp16_casts_folded_and_typed_fields_unpacked(sink):
 
 def test_blob_is_valid_safetensors_aligned_and_deduplicated(sink):
     _, out, report = sink
-    blob = out.parent / "sink.weights.safetensors"
+    (blob,) = out.parent.glob("sink.weights.*.safetensors")
     assert oct(blob.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
     data_start, header, meta = read_safetensors_metadata(str(blob))
     with safe_open(str(blob), "np") as f:
@@ -162,7 +164,8 @@ def test_conversion_is_deterministic(tmp_path):
     src = kitchen_sink(tmp_path)
     weightshare.convert(src, tmp_path / "a")
     weightshare.convert(src, tmp_path / "b")
-    for name in ("sink.onnx", "sink.weights.safetensors"):
+    assert sorted(os.listdir(tmp_path / "a")) == sorted(os.listdir(tmp_path / "b"))  # same digest, same blob name
+    for name in os.listdir(tmp_path / "a"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
@@ -171,9 +174,11 @@ def test_cli_convert_json_and_blob_name(tmp_path, cli):
     res = cli("convert", src, "-o", tmp_path / "out", "--blob", "shared.safetensors", "--json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
-    assert report["outputs"] == [str(tmp_path / "out" / "sink.onnx"), str(tmp_path / "out" / "shared.safetensors")]
+    blob = Path(report["outputs"][1])  # --blob NAME is a stable prefix: NAME.<digest12>.safetensors
+    assert report["outputs"] == [str(tmp_path / "out" / "sink.onnx"), str(blob)]
+    assert blob.parent == tmp_path / "out" and re.fullmatch(r"shared\.[0-9a-f]{12}\.safetensors", blob.name)
     assert report["tensors_moved"] > 0 and report["peak_rss_mib"] > 0 and report["wall_time_s"] > 0
-    assert sorted(os.listdir(tmp_path / "out")) == ["shared.safetensors", "sink.onnx"]
+    assert sorted(os.listdir(tmp_path / "out")) == [blob.name, "sink.onnx"]
 
 
 def test_align_options(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 import sys
 
 import numpy as np
@@ -187,11 +188,12 @@ def test_external_blob_through_compiled_model(converted, tmp_path):
 
     src, _, _ = converted
     report = convert(src, tmp_path, ConvertOptions(external=True))
-    model_path, blob_path = tmp_path / src.name, tmp_path / "sample.weights.safetensors"
+    model_path, blob_path = tmp_path / src.name, Path(report.outputs[1])
     assert report.outputs == [str(model_path), str(blob_path)]
+    assert blob_path.parent == tmp_path and blob_path.name.startswith("sample.weights.")
     assert_same_outputs(run_compiled(src), run_compiled(model_path))
     m = model_of(model_path)
-    assert [g.name for g in m.externalBufferGroups] == [b"sample.weights.safetensors"]
+    assert [g.name for g in m.externalBufferGroups] == [blob_path.name.encode()]
     threshold = ConvertOptions().inline_threshold
     assert all(b.data is None or len(b.data) < threshold or i in {md.buffer for md in m.metadata}
                for i, b in enumerate(m.buffers))
@@ -236,7 +238,8 @@ def test_cli_convert_external_json(converted, tmp_path):
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["format"] == "tflite" and report["ops_removed"] == 2
-    assert report["outputs"] == [str(tmp_path / src.name), str(tmp_path / "sample.weights.safetensors")]
+    (blob,) = tmp_path.glob("sample.weights.*.safetensors")
+    assert report["outputs"] == [str(tmp_path / src.name), str(blob)]
     assert_same_outputs(run_compiled(src), run_compiled(tmp_path / src.name))
 
 

@@ -41,7 +41,7 @@ def test_check_fails_on_unaligned_blob_and_private_mode(models, cli, tmp_path):
     assert cli("convert", fp16, "-o", out, "--align", "64").returncode == 0
     res = cli("check", out / "mlp.onnx")
     assert res.returncode == 1 and "unaligned" in res.stdout
-    blob = out / "mlp.weights.safetensors"
+    blob = next(out.glob("mlp.weights.*.safetensors"))
     os.chmod(blob, 0o600)
     res = cli("check", out / "mlp.onnx", "--json")
     codes = {f["code"] for f in json.loads(res.stdout)["findings"] if f["severity"] == "error"}
@@ -52,7 +52,7 @@ def test_check_reports_missing_external_file(models, cli, tmp_path):
     _, fp16 = models
     out = tmp_path / "gone"
     assert cli("convert", fp16, "-o", out).returncode == 0
-    (out / "mlp.weights.safetensors").unlink()
+    (next(out.glob("mlp.weights.*.safetensors"))).unlink()
     res = cli("check", out / "mlp.onnx", "--json")
     assert res.returncode == 1
     errors = [f for f in json.loads(res.stdout)["findings"] if f["severity"] == "error"]
@@ -67,7 +67,7 @@ def test_verify_passes_then_fails_on_a_flipped_weight_byte(models, cli, tmp_path
     report = json.loads(res.stdout)
     assert res.returncode == 0 and report["passed"] and report["outputs_compared"] == 2
     assert report["payloads_hashed"] == 4
-    blob = out / "mlp.weights.safetensors"
+    blob = next(out.glob("mlp.weights.*.safetensors"))
     data_start, header, _ = read_safetensors_metadata(str(blob))
     w0 = data_start + header["w0_f"]["data_offsets"][0] + 1000
     with open(blob, "r+b") as f:

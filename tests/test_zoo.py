@@ -63,7 +63,8 @@ def test_three_models_share_one_blob(tmp_path):
     src.mkdir()
     zoo = make_zoo(src)
     report = convert_zoo([p for p, _ in zoo.values()], tmp_path / "out", "zoo.safetensors")
-    blob = tmp_path / "out" / "zoo.safetensors"
+    blob = Path(report.blob)
+    assert blob.parent == tmp_path / "out" and blob.name.startswith("zoo.") and blob.name.endswith(".safetensors")
 
     for name, (path, batch) in zoo.items():
         out = tmp_path / "out" / path.name
@@ -71,7 +72,7 @@ def test_three_models_share_one_blob(tmp_path):
         assert np.array_equal(run(path, batch), run(out, batch)), name
         locations = {e.value for t in onnx.load(str(out), load_external_data=False).graph.initializer
                      for e in t.external_data if e.key == "location"}
-        assert locations == {"zoo.safetensors"}
+        assert locations == {blob.name}
 
     # 4 distinct fp32 payloads (3 shared + 1 extra) of DIM*DIM*4 bytes, whatever the models stored them as
     unique = 4 * DIM * DIM * 4
@@ -101,8 +102,12 @@ def test_rerun_with_a_model_added_rebuilds_a_complete_outdir(tmp_path, cli):
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert len(report["models"]) == 3 and report["dedupe_ratio"] == 2.5
-    assert sorted(p.name for p in out.iterdir()) == [".weightshare-zoo.json", "a_fp16_b1.onnx", "b_fp32_b4.onnx",
-                                                    "c_extra_b8.onnx", "zoo.safetensors"]
+    blob = Path(report["blob"]).name
+    # the first run's blob stays for the grace period: readers that opened an old model still find it
+    blobs = sorted(p.name for p in out.glob("zoo.*.safetensors"))
+    assert len(blobs) == 2 and blob in blobs
+    assert sorted(p.name for p in out.iterdir() if p.name not in blobs) == [
+        ".weightshare-zoo.json", "a_fp16_b1.onnx", "b_fp32_b4.onnx", "c_extra_b8.onnx"]
     for path, batch in zoo.values():
         assert np.array_equal(run(path, batch), run(out / path.name, batch))
 
@@ -122,7 +127,8 @@ def test_zoo_refuses_a_foreign_nonempty_outdir(tmp_path, cli):
 def test_single_model_api_still_writes_its_own_blob(tmp_path):
     path, _ = make_zoo(tmp_path)["a_fp16_b1"]
     report = weightshare.convert(path, tmp_path / "one")
-    assert report.outputs[1].endswith("a_fp16_b1.weights.safetensors")
+    blob = Path(report.outputs[1])
+    assert blob.name.startswith("a_fp16_b1.weights.") and blob.suffix == ".safetensors"
 
 
 def test_onnx_and_tflite_external_share_one_blob(tmp_path):
@@ -141,8 +147,8 @@ def test_onnx_and_tflite_external_share_one_blob(tmp_path):
     for name, (path, batch) in zoo.items():
         assert np.array_equal(run(path, batch), run(out / path.name, batch)), name
     assert_same_outputs(run_compiled(tfl), run_compiled(out / "t.tflite"))
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
-        "a_fp16_b1.onnx", "b_fp32_b4.onnx", "c_extra_b8.onnx", "t.tflite", "zoo.safetensors"]
-    with safe_open(str(out / "zoo.safetensors"), "np") as f:
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted([
+        "a_fp16_b1.onnx", "b_fp32_b4.onnx", "c_extra_b8.onnx", "t.tflite", Path(report.blob).name])
+    with safe_open(report.blob, "np") as f:
         names = list(f.keys())
     assert any(n.startswith("t/") for n in names) and any(n.startswith("a_fp16_b1/") for n in names)

@@ -8,18 +8,22 @@ Example:
 
 from __future__ import annotations
 
+import json
 import os
 import resource
+import stat
 import time
 from pathlib import Path
 
-from .atomic import OutputTransaction, clean_stale_temporaries
+from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from .errors import OutputError, UsageError
-from .formats import detect, model_suffixes
+from .formats import Format, detect, model_suffixes
 from .options import ConvertOptions
-from .paths import resolve_inside
-from .pipeline import write_models
+from .paths import check_no_overlap
+from .pipeline import PreparedModel, blob_target, write_models
 from .report import ConversionReport, ZooReport
+
+ZOO_MARKER = ".weightshare-zoo.json"
 
 
 def reset_peak_rss() -> None:
@@ -44,37 +48,100 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def prepare_out_dir(out_dir: str | os.PathLike) -> Path:
+def prepare_out_dir(out_dir: str | os.PathLike, tx: OutputTransaction | None = None) -> Path:
+    """Create OUTDIR (removed again if the run fails and it stays empty) and remove stale temporaries in it."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError("output must be a directory", out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"cannot create output directory: {e.strerror}", out) from None
+    if tx is not None:
+        tx.make_dirs(out)
+    else:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise OutputError(f"cannot create output directory: {e.strerror}", out) from None
     clean_stale_temporaries(out)
     return out
 
 
-def convert(model: str | os.PathLike, out_dir: str | os.PathLike, options: ConvertOptions | None = None
-            ) -> ConversionReport:
-    """Convert one model into ``out_dir``; outputs appear all together or not at all."""
-    options = options or ConvertOptions()
-    src = Path(model)
-    fmt = detect(src)
-    out = prepare_out_dir(out_dir)
-    if (out / src.name).resolve() == src.resolve():
-        raise UsageError("output would overwrite the input; choose another output directory", src)
-    start = time.perf_counter()
-    reset_peak_rss()
-    with OutputTransaction() as tx:
-        report = fmt.convert(src, out, options, tx)
+def check_input(src: Path) -> None:
+    """Refuse what cannot be a model before opening it: a FIFO or device would block or never end."""
+    try:
+        st = os.stat(src)
+    except OSError:
+        return  # missing or unreadable: detect_format says so with the file's name
+    if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):
+        return
+    raise UsageError("is not a regular file (a FIFO, socket or device); refusing to read it", src)
+
+
+def _finish(report, start: float):
     report.wall_time_s = round(time.perf_counter() - start, 3)
     report.peak_rss_mib = round(peak_rss_mib(), 1)
     return report
 
 
-ZOO_MARKER = ".weightshare-zoo.json"
+def convert(model: str | os.PathLike, out_dir: str | os.PathLike, options: ConvertOptions | None = None
+            ) -> ConversionReport:
+    """Convert one model into ``out_dir``; outputs appear all together or not at all."""
+    return convert_many([model], out_dir, options)[0]
+
+
+def convert_many(models: list[str | os.PathLike], out_dir: str | os.PathLike, options: ConvertOptions | None = None
+                 ) -> list[ConversionReport]:
+    """Convert several models into ``out_dir`` in one transaction: every output is committed, or none.
+
+    Refused before anything is written: two inputs whose outputs would have the same path,
+    an output onto an input, and an output inside an input (.mlpackage).
+    """
+    options = options or ConvertOptions()
+    sources = [Path(m) for m in models]
+    if not sources:
+        raise UsageError("no models to convert")
+    if options.blob_name is not None and len(sources) > 1:
+        raise UsageError("--blob names one model's blob; with several models use --shared-blob or leave it out")
+    out = Path(out_dir)
+    _check_outputs(sources, [out / s.name for s in sources])
+    for s in sources:
+        check_input(s)
+    formats = [detect(s) for s in sources]
+    start = time.perf_counter()
+    reset_peak_rss()
+    reports = []
+    with OutputTransaction() as tx:
+        prepare_out_dir(out, tx)
+        for src, fmt in zip(sources, formats):
+            t0 = time.perf_counter()
+            reports.append(_finish(_convert_one(fmt, src, out, options, tx), t0))
+    if len(reports) == 1:  # the commit is part of the one model's time
+        _finish(reports[0], start)
+    return reports
+
+
+def _convert_one(fmt: Format, src: Path, out: Path, options: ConvertOptions, tx: OutputTransaction
+                 ) -> ConversionReport:
+    """One model's conversion; a write error (EFBIG, ENOSPC) names the output it was writing."""
+    try:
+        return fmt.convert(src, out, options, tx)
+    except OutputError as e:
+        if e.path is None or Path(e.path).name.startswith(TMP_PREFIX):
+            raise OutputError(e.message, out / src.name) from None
+        raise
+    except OSError as e:
+        if e.filename is None or Path(str(e.filename)).name.startswith(TMP_PREFIX):
+            raise OutputError(f"cannot write the output: {e.strerror or e}", out / src.name) from None
+        raise
+
+
+def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:
+    seen: dict[Path, Path] = {}
+    for src, o in zip(sources, outputs):
+        key = o.resolve()
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {src} would both be written to {o}; convert them into "
+                             "different output directories", src)
+        seen[key] = src
+    check_no_overlap(sources, outputs)
 
 
 def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
@@ -85,7 +152,8 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
     for item in inputs:
         path = Path(item)
         if path.is_dir() and path.suffix not in model_suffixes():
-            found += sorted(p for p in path.iterdir() if p.suffix in model_suffixes())
+            found += sorted(p for p in path.iterdir() if p.suffix in model_suffixes()
+                            and not p.name.startswith(TMP_PREFIX))
         elif not path.exists() and glob.has_magic(str(item)):
             found += sorted(Path(p) for p in glob.glob(str(item)))
         else:
@@ -93,56 +161,76 @@ def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
     return found
 
 
+class _DropRemovedModels(CommitHook):
+    """After a zoo commit: remove the models the previous zoo listed and this one does not."""
+
+    def __init__(self, out: Path, keep: list[str]) -> None:
+        self.out, self.keep = out, set(keep)
+        self.old: list[str] = []
+
+    def before(self) -> None:
+        try:
+            self.old = list(json.loads((self.out / ZOO_MARKER).read_text()).get("models", []))
+        except (OSError, ValueError, AttributeError):
+            self.old = []
+
+    def after(self) -> None:
+        for name in self.old:
+            if isinstance(name, str) and name not in self.keep and "/" not in name and name not in ("", ".", ".."):
+                try:
+                    (self.out / name).unlink()
+                except OSError:
+                    pass
+
+
 def convert_zoo(models: list[str | os.PathLike], out_dir: str | os.PathLike, shared_blob: str,
                 options: ConvertOptions | None = None) -> ZooReport:
-    """Convert many models into ``out_dir`` so that all of them reference one blob, ``out_dir/shared_blob``.
+    """Convert many models into ``out_dir`` so that all of them reference one blob, ``shared_blob``.
 
-    Each distinct payload (same bytes after unpacking) is stored once. The whole
-    OUTDIR is built beside the old one and swapped in atomically, so re-running over a
-    changed zoo rewrites the blob and every model, and readers see either the old
-    complete OUTDIR or the new one.
+    Each distinct payload (same bytes after unpacking) is stored once, in
+    ``<shared_blob>.<digest12>.safetensors`` (``.safetensors`` stripped from the name first). The new blob
+    and every model are committed in one transaction, each model by one rename: a reader opening
+    a model sees the old one with the old blob or the new one with the new blob. Models of the
+    previous zoo that are not in this one are removed; the old blob stays for the grace period.
     """
-    import json
-
     options = options or ConvertOptions()
     sources = expand_inputs(models)
     if not sources:
         raise UsageError("no models to convert")
-    names = [s.name for s in sources]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise UsageError(f"two inputs share the file name {dupes[0]!r}; their outputs would collide")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError("output must be a directory", out)
     if out.exists() and any(out.iterdir()) and not (out / ZOO_MARKER).exists():
         raise UsageError("output directory is not empty and was not written by --shared-blob; "
                          "choose an empty or new directory", out)
     for s in sources:
         if s.resolve().parent == out.resolve():
-            raise UsageError("an input lies in the output directory, which is replaced as a whole", s)
-    prepare_out_dir(out.parent if str(out.parent) else Path("."))
+            raise UsageError("an input lies in the output directory, which is rewritten as a whole", s)
+    _check_outputs(sources, [out / s.name for s in sources])
+    for s in sources:
+        check_input(s)
+    target = blob_target(None, out, shared_blob)
     start = time.perf_counter()
     reset_peak_rss()
     with OutputTransaction() as tx:
-        stage = tx.new_dir(out)
-        blob_path = resolve_inside(stage, shared_blob, "shared blob")
-        prepared = [prepare_for_blob(src, stage, options) for src in sources]
-        stems = [src.stem for src in sources]
-        for p, stem in zip(prepared, stems):
-            p.name_prefix = f"{stem}/" if len(prepared) > 1 else ""
-        write_models(prepared, stage, shared_blob, blob_path, options, tx)
-        report = ZooReport(blob=str(out / shared_blob), models=[p.report for p in prepared],
-                           blob_bytes=prepared[0].report.blob_bytes)
-        for m in report.models:
-            m.outputs = [str(out / Path(o).resolve().relative_to(stage.resolve())) for o in m.outputs]
-        (stage / ZOO_MARKER).write_text(json.dumps({"blob": shared_blob, "models": names}, indent=1) + "\n")
-    report.wall_time_s = round(time.perf_counter() - start, 3)
-    report.peak_rss_mib = round(peak_rss_mib(), 1)
+        prepare_out_dir(out, tx)
+        prepared = [prepare_for_blob(src, out, options) for src in sources]
+        for p, src in zip(prepared, sources):
+            p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
+        write_models(prepared, out, target, options, tx)
+        blob = next((o for p in prepared for o in p.report.outputs if o.endswith(".safetensors")), "")
+        report = ZooReport(blob=blob, models=[p.report for p in prepared], blob_bytes=prepared[0].report.blob_bytes)
+        names = [s.name for s in sources]
+        marker = tx.new_file(out / ZOO_MARKER)
+        marker.write_text(json.dumps({"blob": Path(blob).name, "models": names}, indent=1) + "\n")
+        tx.add_hook(_DropRemovedModels(out, names))
+    _finish(report, start)
     for m in report.models:
         m.wall_time_s, m.peak_rss_mib = report.wall_time_s, report.peak_rss_mib
     return report
 
 
-def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions):
+def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     """A format's prepare step for a shared blob (ONNX; TFLite with --external)."""
     return detect(src).prepare(src, out_dir, options)
 
@@ -154,12 +242,13 @@ def merge(sources: list[str | os.PathLike], out: str | os.PathLike, function_nam
 
     options = options or ConvertOptions()
     out = Path(out)
-    prepare_out_dir(out.parent if str(out.parent) else Path("."))
+    paths = [Path(s) for s in sources]
+    check_no_overlap(paths, [out])
+    for s in paths:
+        check_input(s)
     start = time.perf_counter()
     reset_peak_rss()
     with OutputTransaction() as tx:
-        report = coreml_merge.merge_packages([Path(s) for s in sources], list(function_names or []),
-                                             default_function, out, options, tx)
-    report.wall_time_s = round(time.perf_counter() - start, 3)
-    report.peak_rss_mib = round(peak_rss_mib(), 1)
-    return report
+        prepare_out_dir(out.parent if str(out.parent) else Path("."), tx)
+        report = coreml_merge.merge_packages(paths, list(function_names or []), default_function, out, options, tx)
+    return _finish(report, start)

@@ -2,10 +2,16 @@
 
 Every output file (or directory) is first written under a temporary name in its
 final directory, so the final ``os.replace`` is a same-filesystem rename. Until
-``commit()`` nothing exists under a final name; an exception, Ctrl-C or a full
-disk removes the temporaries and leaves earlier outputs untouched. Temporaries
-are recognisable (``.weightshare-tmp-<pid>-...``) so that a later run can remove
-the ones a killed process left behind.
+``commit()`` nothing exists under a final name; an exception, Ctrl-C, SIGTERM or a
+full disk removes the temporaries and leaves earlier outputs untouched. One
+transaction holds every output of a run, so a run with several models commits
+all of them or none.
+
+Temporaries are named ``.weightshare-tmp-<pid>-...`` and each one is held under an
+exclusive ``flock`` by the process writing it, from its creation to the end of the
+transaction. A later run removes only temporaries whose lock it can take: a PID
+from another PID namespace (another container sharing the volume) may look dead
+here, but its lock is still visible through the shared file.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import os
 import secrets
 import shutil
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 from .errors import OutputError
 
@@ -29,48 +37,54 @@ def _umask() -> int:
     return mask
 
 
-def _pid_alive(pid: int) -> bool:
+def _try_lock(path: Path) -> int | None:
+    """An fd holding an exclusive flock on ``path``, or None when another process holds it (or it vanished)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def clean_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove temporaries left by weightshare processes that no longer run."""
-    removed = []
+    """Remove temporaries that no live process holds (their writer's flock is gone)."""
+    removed: list[Path] = []
     if not directory.is_dir():
         return removed
     for entry in directory.iterdir():
-        if not entry.name.startswith(TMP_PREFIX):
+        if not entry.name.startswith(TMP_PREFIX) or entry.is_symlink():
+            continue
+        fd = _try_lock(entry)
+        if fd is None:  # a live writer holds it, whatever its PID looks like from here
             continue
         try:
-            pid = int(entry.name[len(TMP_PREFIX):].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid == os.getpid() or _pid_alive(pid):
-            continue
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
         removed.append(entry)
     return removed
 
 
 @contextmanager
-def _locked(directories):
+def locked_dirs(directories: Iterable[Path]):
     """Hold an exclusive flock on each output directory while renaming.
 
     Two conversions into the same OUTDIR then commit one after the other, so the
     last one wins with a model and a blob that belong together, never a mix.
+    Directories are resolved and deduplicated first: flock-ing one directory
+    through two open file descriptions (``out`` and ``/abs/out``) would wait on itself.
     """
     fds = []
     try:
-        for d in sorted(str(x) for x in directories):
+        for d in sorted({str(Path(x).resolve()) for x in directories}):
             fd = os.open(d, os.O_RDONLY)
             fds.append(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -90,6 +104,33 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
+@dataclass
+class _Temp:
+    tmp: Path
+    final: Path
+    is_dir: bool
+    fd: int | None = None  # holds the temporary's flock
+
+
+@dataclass
+class _Done:
+    """One rename done at commit, and how to undo it if a later rename fails."""
+
+    final: Path
+    old: Path | None  # where the previous output now lives (a backup link or the swapped-out tree)
+    exchanged: bool = False
+
+
+class CommitHook:
+    """Work done under the OUTDIR locks around the renames (e.g. collecting old blobs)."""
+
+    def before(self) -> None:
+        pass
+
+    def after(self) -> None:
+        pass
+
+
 class OutputTransaction:
     """Collects temporary outputs and renames them into place together.
 
@@ -97,45 +138,80 @@ class OutputTransaction:
         with OutputTransaction() as tx:
             tmp = tx.new_file(out_dir / "model.onnx")
             tmp.write_bytes(data)
-        # both renamed into place here; on an exception, nothing was.
+        # renamed into place here; on an exception, nothing was.
     """
 
     def __init__(self) -> None:
-        self._pending: list[tuple[Path, Path, bool]] = []  # (tmp, final, is_dir)
-        self._after: list = []  # callables run after the renames, still under the directory locks
+        self._pending: list[_Temp] = []
+        self._made_dirs: list[Path] = []
+        self._hooks: list[CommitHook] = []
+        self._after: list[Callable[[], None]] = []  # run after the renames, under the directory locks
         self._done = False
 
     def _tmp_name(self, final: Path) -> Path:
-        return final.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{final.name}"
+        return final.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{final.name}"[:255]
+
+    def _create(self, final: Path, is_dir: bool) -> Path:
+        """Register, create and lock a temporary; registered first so an interrupt in between leaves nothing."""
+        final = Path(final)
+        for _attempt in range(10):
+            t = _Temp(self._tmp_name(final), final, is_dir)
+            self._pending.append(t)
+            try:
+                if is_dir:
+                    os.mkdir(t.tmp, 0o777)
+                    t.fd = os.open(t.tmp, os.O_RDONLY | os.O_DIRECTORY)
+                else:
+                    t.fd = os.open(t.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                fcntl.flock(t.fd, fcntl.LOCK_EX)
+                if os.stat(t.tmp, follow_symlinks=False).st_ino == os.fstat(t.fd).st_ino:
+                    return t.tmp
+                # another run's stale cleanup removed it between creation and lock: try a new name
+            except OSError as e:
+                what = "directory" if is_dir else "file"
+                raise OutputError(f"cannot create output {what}: {e.strerror}", final) from None
+        raise OutputError("cannot create a temporary output (removed again and again)", final)
 
     def new_file(self, final: Path) -> Path:
         """Create an empty temporary file that ``commit`` renames to ``final``."""
-        final = Path(final)
-        tmp = self._tmp_name(final)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        except OSError as e:
-            raise OutputError(f"cannot create output file: {e.strerror}", final) from None
-        os.close(fd)
-        self._pending.append((tmp, final, False))
-        return tmp
+        return self._create(final, False)
 
     def new_dir(self, final: Path) -> Path:
         """Create an empty temporary directory that ``commit`` renames to ``final``."""
-        final = Path(final)
-        tmp = self._tmp_name(final)
-        try:
-            os.mkdir(tmp, 0o777)
-        except OSError as e:
-            raise OutputError(f"cannot create output directory: {e.strerror}", final) from None
-        self._pending.append((tmp, final, True))
-        return tmp
+        return self._create(final, True)
+
+    def make_dirs(self, path: Path) -> None:
+        """``mkdir -p path``; the directories created here are removed again (when empty) on abort."""
+        missing = []
+        p = Path(path)
+        while not p.exists() and p != p.parent:
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o777)
+            except FileExistsError:
+                continue
+            except OSError as e:
+                raise OutputError(f"cannot create output directory: {e.strerror}", d) from None
+            self._made_dirs.append(d)
+
+    def retarget(self, tmp: Path, final: Path) -> None:
+        """Rename ``tmp`` to ``final`` at commit instead (a name known only after writing, e.g. a digest)."""
+        for t in self._pending:
+            if t.tmp == tmp:
+                t.final = Path(final)
+                return
+        raise KeyError(tmp)
+
+    def add_hook(self, hook: CommitHook) -> None:
+        self._hooks.append(hook)
 
     def staged(self, final: Path) -> Path | None:
         """The temporary path that ``commit`` will rename to ``final`` (None when nothing is staged there)."""
-        return next((tmp for tmp, f, _is_dir in self._pending if f == Path(final)), None)
+        return next((t.tmp for t in self._pending if t.final == Path(final)), None)
 
-    def after_commit(self, action) -> None:
+    def after_commit(self, action: Callable[[], None]) -> None:
         """Run ``action()`` once every output is in place (e.g. removing files the new outputs supersede)."""
         self._after.append(action)
 
@@ -144,20 +220,23 @@ class OutputTransaction:
 
         A model file should be created after the blob it references, so a reader
         never sees a model whose blob is not there yet. Files inside a staged
-        directory are renamed within it before the directory itself moves.
+        directory are renamed within it before the directory itself moves. If a
+        rename fails, the renames already done are undone.
         """
         mode_file = 0o666 & ~_umask()
         try:
-            for tmp, _final, is_dir in self._pending:
-                if not is_dir:
-                    with open(tmp, "rb+") as f:
-                        os.fsync(f.fileno())
-                    os.chmod(tmp, mode_file)
-            # Files first (some live inside a staged directory), then directories, innermost last-created first.
-            files = [p for p in self._pending if not p[2]]
-            dirs = [p for p in reversed(self._pending) if p[2]]
-            with _locked({final.parent for _tmp, final, _is_dir in self._pending}):
+            for t in self._pending:
+                if not t.is_dir and t.fd is not None:
+                    os.fsync(t.fd)
+                    os.fchmod(t.fd, mode_file)
+            files = [t for t in self._pending if not t.is_dir]
+            dirs = [t for t in reversed(self._pending) if t.is_dir]
+            with locked_dirs({t.final.parent for t in self._pending}):
+                for hook in self._hooks:
+                    hook.before()
                 self._rename_all(files + dirs)
+                for hook in self._hooks:
+                    hook.after()
                 for action in self._after:
                     action()
         except OSError as e:
@@ -166,31 +245,69 @@ class OutputTransaction:
         except BaseException:  # Ctrl-C during fsync or rename: nothing half-done stays behind
             self.abort()
             raise
+        self._release()
         self._done = True
 
-    def _rename_all(self, pending: list[tuple[Path, Path, bool]]) -> None:
-        for tmp, final, is_dir in pending:
-            if is_dir and final.is_dir() and not final.is_symlink():
-                if _exchange(tmp, final):  # one atomic step: readers see the old or the new tree
-                    shutil.rmtree(tmp, ignore_errors=True)
-                    continue
-                trash = self._tmp_name(final)
-                os.replace(final, trash)
-                os.replace(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
+    def _rename_all(self, pending: list[_Temp]) -> None:
+        done: list[_Done] = []
+        try:
+            for t in pending:
+                done.append(self._rename(t))
+        except BaseException:
+            for d in reversed(done):
+                _undo(d)
+            raise
+        for d in done:  # every rename succeeded: drop what they replaced
+            if d.old is not None:
+                _remove(d.old)
+
+    def _rename(self, t: _Temp) -> _Done:
+        final = t.final
+        if t.is_dir and final.is_dir() and not final.is_symlink():
+            if _exchange(t.tmp, final):  # one atomic step: readers see the old or the new tree
+                return _Done(final, t.tmp, exchanged=True)
+            trash = self._tmp_name(final)
+            os.replace(final, trash)
+            os.replace(t.tmp, final)
+            return _Done(final, trash)
+        backup = None
+        if not t.is_dir and final.is_file() and not final.is_symlink():
+            backup = self._tmp_name(final)
+            try:
+                os.link(final, backup)  # kept until every rename of the run succeeded, to undo this one
+            except OSError:
+                backup = None
+        try:
+            os.replace(t.tmp, final)
+        except BaseException:
+            if backup is not None:
+                _remove(backup)
+            raise
+        return _Done(final, backup)
+
+    def _release(self) -> None:
+        for t in self._pending:
+            if t.fd is not None:
+                os.close(t.fd)
+                t.fd = None
+        self._pending.clear()
 
     def abort(self) -> None:
-        for tmp, _final, is_dir in self._pending:
-            if is_dir:
-                shutil.rmtree(tmp, ignore_errors=True)
+        for t in self._pending:
+            if t.is_dir:
+                shutil.rmtree(t.tmp, ignore_errors=True)
             else:
                 try:
-                    os.unlink(tmp)
+                    os.unlink(t.tmp)
                 except OSError:
                     pass
-        self._pending.clear()
+        self._release()
+        for d in reversed(self._made_dirs):
+            try:
+                os.rmdir(d)  # only if still empty
+            except OSError:
+                pass
+        self._made_dirs.clear()
         self._done = True
 
     def __enter__(self) -> "OutputTransaction":
@@ -201,3 +318,27 @@ class OutputTransaction:
             self.commit()
         elif not self._done:
             self.abort()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _undo(d: _Done) -> None:
+    """Put back what one rename replaced; best effort (we are already failing)."""
+    try:
+        if d.exchanged and d.old is not None:
+            _exchange(d.old, d.final)  # the new tree goes back to the temporary, which abort removes
+        elif d.old is not None:
+            os.replace(d.old, d.final)
+        else:
+            _remove(d.final)
+    except OSError:
+        pass
+

@@ -84,6 +84,14 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (timeout, docker stop, kill): unwound like Ctrl-C so that temporaries are removed."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
+
+
 @contextmanager
 def user_errors():
     """Turn input problems into one line and exit code 2; never a traceback."""
@@ -91,6 +99,8 @@ def user_errors():
         yield
     except WeightshareError as e:
         fail(e.line())
+    except Terminated:
+        fail("terminated; no output was left behind", 128 + signal.SIGTERM)
     except KeyboardInterrupt:
         fail("interrupted; no output was left behind", 130)
     except MemoryError:
@@ -161,8 +171,11 @@ def render_zoo(z) -> None:
 def convert(
     models: List[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (created if missing)."),
-    blob: Optional[str] = typer.Option(None, "--blob", help="Blob file name inside OUTDIR "
-                                       "(default: MODEL.weights.safetensors)."),
+    blob: Optional[str] = typer.Option(None, "--blob", help="Blob name inside OUTDIR: the blob is written as "
+                                       "NAME.<digest12>.safetensors, digest of its content (default NAME: "
+                                       "MODEL.weights)."),
+    blob_grace: float = typer.Option(600.0, "--blob-grace", help="Seconds an earlier blob that no model in "
+                                     "OUTDIR references any more is kept, for readers that opened the old model."),
     keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
                                      "typed protobuf fields as they are."),
     unpack: List[str] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a constant "
@@ -179,9 +192,9 @@ def convert(
     inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold", help="Payloads smaller than this "
                                          "stay inside the model file."),
     shared_blob: Optional[str] = typer.Option(None, "--shared-blob", help="Zoo mode: every model in OUTDIR "
-                                              "references this one blob; identical payloads are stored once. "
-                                              "OUTDIR is rebuilt as a whole and swapped in atomically. TFLite "
-                                              "models join with --external."),
+                                              "references this one blob (NAME.<digest12>.safetensors); identical "
+                                              "payloads are stored once. Models are swapped in one by one, each "
+                                              "with its blob. TFLite models join with --external."),
     as_json: bool = typer.Option(False, "--json", help="Print the conversion report as one JSON document."),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only."),
 ) -> None:
@@ -197,7 +210,8 @@ def convert(
     def options(update=None, total=None) -> ConvertOptions:
         return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
                               inline_threshold=inline_threshold, keep_packed=keep_packed, unpack=frozenset(unpack),
-                              blob_name=blob, external=external, prepack=prepack, progress=update, progress_total=total)
+                              blob_name=blob, external=external, prepack=prepack, progress=update,
+                              progress_total=total, blob_grace_s=blob_grace)
 
     with user_errors():
         unknown = set(unpack) - {"sparse", "int8"}
@@ -214,11 +228,13 @@ def convert(
                 render_zoo(zoo)
             return
         models = api.expand_inputs(models)
+        if not models:
+            fail("no models to convert (empty directory, or a glob that matched nothing)")
         if blob is not None and len(models) > 1:
             fail("--blob names one model's blob; with several models use --shared-blob or leave it out")
-        for model in models:
-            with progress_bar(not quiet_, model.name) as (update, total):
-                reports.append(api.convert(model, output, options(update, total)))
+        with progress_bar(not quiet_, models[0].name if len(models) == 1 else f"{len(models)} models"
+                          ) as (update, total):
+            reports = api.convert_many(models, output, options(update, total))
     if as_json:  # one document: the report, or for a batch every report and the totals
         if len(reports) == 1:
             print(json.dumps(reports[0].to_dict(), indent=2))
@@ -546,6 +562,7 @@ def main() -> None:
     # A file size limit (RLIMIT_FSIZE, quota-like) must surface as an EFBIG write error that we clean up
     # after, not as a SIGXFSZ that kills the process and leaves temporaries behind.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _terminate)
     if os.environ.get("WEIGHTSHARE_DEBUG"):
         app()
         return
@@ -553,9 +570,10 @@ def main() -> None:
         app()
     except SystemExit:
         raise
-    except KeyboardInterrupt:  # outside a command's own handling (argument parsing, imports)
-        err.print("weightshare: error: interrupted; no output was left behind", markup=False, highlight=False)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # outside a command's own handling (argument parsing, imports)
+        what = "terminated" if isinstance(e, Terminated) else "interrupted"
+        err.print(f"weightshare: error: {what}; no output was left behind", markup=False, highlight=False)
+        sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
     except Exception as e:  # a bug in weightshare: still one line, and how to get the traceback
         err.print(f"weightshare: internal error: {type(e).__name__}: {e} (set WEIGHTSHARE_DEBUG=1 for a traceback)",
                   markup=False, highlight=False, soft_wrap=True)

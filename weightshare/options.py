@@ -7,6 +7,7 @@ from typing import Callable
 
 from .blob import AlignPolicy
 
+BLOB_GRACE_S = 600.0  # an unreferenced old blob stays this long: readers that opened the old model still find it
 INLINE_THRESHOLD = 1024  # payloads below this stay inside the model file: a page of padding would cost more
 
 
@@ -19,6 +20,8 @@ class ConvertOptions:
         keep_packed: do not unpack (no fp16->fp32 folding, typed fields stay as they are).
         unpack: opt-in unpackings, e.g. {"int8", "sparse"}.
         blob_name: file name of the external blob inside OUTDIR (ONNX, TFLite --external).
+        blob_grace_s: an earlier blob that no model in OUTDIR references any more is removed by a later
+            run once it has been unreferenced this many seconds (``--blob-grace``).
         external: TFLite only: write an external safetensors blob instead of appending.
         prepack: also write the runtime's pre-packed weights beside the model (TFLite: an XNNPACK weight cache
             bound to the model's content, see ``weightshare.litert``).
@@ -31,6 +34,7 @@ class ConvertOptions:
     keep_packed: bool = False
     unpack: frozenset[str] = frozenset()
     blob_name: str | None = None
+    blob_grace_s: float = BLOB_GRACE_S
     external: bool = False
     prepack: bool = False
     progress: Callable[[int], None] | None = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from .errors import UnsafePath
+from .errors import UnsafePath, UsageError
 
 
 def resolve_inside(base_dir: Path, name: str, what: str, origin: str | os.PathLike | None = None) -> Path:
@@ -34,3 +34,26 @@ def resolve_inside(base_dir: Path, name: str, what: str, origin: str | os.PathLi
     if target != base and base not in target.parents:
         raise UnsafePath(f"{what} path {name!r} resolves outside the model directory (symlink?)", where)
     return target
+
+
+def _inside(a: Path, b: Path) -> bool:
+    """``a`` is ``b`` or lies under it (both resolved)."""
+    return a == b or b in a.parents
+
+
+def check_no_overlap(inputs: list[Path], outputs: list[Path]) -> None:
+    """Refuse an output that is an input, lies inside one (an .mlpackage), or contains one.
+
+    Checked on resolved paths before anything is created, so ``-o A.mlpackage/Data`` or
+    ``merge A B -o A/inner.mlpackage`` never modify (or recurse into) an input.
+    """
+    for o in outputs:
+        ro = Path(o).resolve()
+        for i in inputs:
+            ri = Path(i).resolve()
+            if ro == ri:
+                raise UsageError("output would overwrite the input; choose another output", i)
+            if _inside(ro, ri):
+                raise UsageError(f"output {o} would be written inside the input; choose an output outside it", i)
+            if _inside(ri, ro):
+                raise UsageError(f"output {o} would replace a directory that holds the input", i)

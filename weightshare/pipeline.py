@@ -9,18 +9,27 @@ weights stores each distinct payload once.
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import os
+import re
+import signal
+import time
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable
 
-from .atomic import OutputTransaction
+from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from .blob import BlobEntry, PlannedTensor, SafetensorsBlob
-from .errors import UsageError
+from .errors import OutputError, UsageError
 from .options import ConvertOptions
 from .paths import resolve_inside
 from .report import ConversionReport
 from .tensors import PayloadSource
+
+SUFFIX = ".safetensors"
+DIGEST_CHARS = 12
+MODEL_SUFFIXES = (".onnx", ".tflite")  # the formats whose models reference a safetensors blob by name
 
 
 @dataclass
@@ -40,15 +49,24 @@ class PreparedModel:
     extra: dict = field(default_factory=dict)
 
 
-def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOptions, tx: OutputTransaction) -> int:
-    """Stream every payload of ``models`` into one blob at ``blob_path``; return the blob size."""
+def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOptions, tx: OutputTransaction,
+               shown: Path | None = None) -> tuple[Path, int, str]:
+    """Stream every payload of ``models`` into one blob; return (its temporary, its size, its content digest).
+
+    ``blob_path`` names the temporary; ``shown`` is the blob as error messages name it.
+    """
+    shown = shown or blob_path
     for m in models:
         for p in m.payloads:
             if m.name_prefix:
                 p.tensor.name = f"{m.name_prefix}{p.tensor.name}"
     planned = [p.tensor for m in models for p in m.payloads]
     tmp = tx.new_file(blob_path)
-    fd = os.open(tmp, os.O_RDWR)
+    progress = _signal_hook(options.progress)
+    try:
+        fd = os.open(tmp, os.O_RDWR)
+    except OSError as e:
+        raise OutputError(f"cannot write the blob: {e.strerror}", shown) from None
     try:
         blob = SafetensorsBlob(fd, planned, options.align)
         if options.progress_total is not None:
@@ -57,7 +75,7 @@ def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOpt
             written_before = blob.bytes_written
             r = m.report
             for p in m.payloads:
-                entry = blob.add(p.tensor, p.source, progress=options.progress)
+                entry = blob.add(p.tensor, p.source, progress=progress)
                 p.placed(entry)
                 r.tensors_moved += 1
                 r.bytes_in += p.nbytes_in
@@ -66,28 +84,166 @@ def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOpt
                     r.deduplicated += 1
                     r.deduplicated_bytes += entry.nbytes
             r.bytes_written = blob.bytes_written - written_before
-        return blob.finish()
+        size = blob.finish()
+        # The header lists every payload's SHA-256, dtype, shape and offset: equal digests, equal files.
+        return tmp, size, hashlib.sha256(blob.header()).hexdigest()[:DIGEST_CHARS]
+    except OSError as e:  # EFBIG, ENOSPC, EIO: name the file being written, not just the errno
+        raise OutputError(f"cannot write the blob: {e.strerror or e}", shown) from None
+    except OutputError as e:
+        if e.path is None:  # the blob writer knows the errno, not the file
+            raise OutputError(e.message, shown) from None
+        raise
     finally:
         os.close(fd)
 
 
-def write_models(models: list[PreparedModel], out_dir: Path, blob_name: str, blob_path: Path,
-                 options: ConvertOptions, tx: OutputTransaction) -> None:
-    """Write the blob (when any model has payloads), then every model file."""
-    size = 0
+def _signal_hook(progress: Callable[[int], None] | None) -> Callable[[int], None] | None:
+    """Test hook: ``WEIGHTSHARE_TEST_SIGNAL=NAME:BYTES`` sends signal NAME to this process once BYTES are written.
+
+    The interrupt and kill tests need to land mid-write deterministically; timing a signal from outside
+    either misses the write on a fast machine or fires before Python has started on a slow one.
+    """
+    spec = os.environ.get("WEIGHTSHARE_TEST_SIGNAL")
+    if not spec:
+        return progress
+    name, _, after = spec.partition(":")
+    signum, threshold, seen = getattr(signal, name), int(after or 0), [0, False]
+
+    def hook(n: int) -> None:
+        seen[0] += n
+        if not seen[1] and seen[0] >= threshold:
+            seen[1] = True
+            os.kill(os.getpid(), signum)
+        if progress is not None:
+            progress(n)
+
+    return hook
+
+
+def write_models(models: list[PreparedModel], out_dir: Path, target: "BlobTarget", options: ConvertOptions,
+                 tx: OutputTransaction) -> None:
+    """Write the blob (when any model has payloads) under its content-derived name, then every model file."""
+    size, blob_path, location = 0, None, ""
     if any(m.payloads for m in models):
-        blob_path.parent.mkdir(parents=True, exist_ok=True)
-        size = write_blob(models, blob_path, options, tx)
+        tx.make_dirs(target.directory)
+        if target.prefix:  # OUTDIR itself was cleaned by prepare_out_dir
+            clean_stale_temporaries(target.directory)
+        tmp, size, digest = write_blob(models, target.directory / f"{target.base}{SUFFIX}", options, tx,
+                                       shown=target.directory / f"{target.base}.<digest>{SUFFIX}")
+        location, blob_path = target.named(digest)
+        tx.retarget(tmp, blob_path)
+        tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
     for m in models:
-        files = m.emit(blob_name, tx)
+        files = m.emit(location, tx)
+        if blob_path is not None and Path(blob_path).resolve() in {Path(f).resolve() for f in files}:
+            # only a model input named like a blob gets here; refuse rather than commit one over the other
+            raise UsageError(f"blob {blob_path.name!r} would overwrite the model file", m.report.model)
         m.report.outputs = [str(f) for f in files] + ([str(blob_path)] if m.payloads else [])
         m.report.blob_bytes = size
 
 
-def blob_target(src: Path, out_dir: Path, blob_name: str | None) -> tuple[str, Path]:
-    """The blob's name as the model will reference it, and its path; it must stay inside ``out_dir``."""
-    name = blob_name or f"{src.stem}.weights.safetensors"
-    path = resolve_inside(out_dir, name, "blob")
-    if path == (out_dir / src.name).resolve():
-        raise UsageError(f"blob name {name!r} would overwrite the model file", src)
-    return name, out_dir / name
+@dataclass
+class BlobTarget:
+    """Where a blob goes: ``directory/<base>.<digest>.safetensors``, referenced from the model as ``prefix`` + that."""
+
+    directory: Path
+    base: str
+    prefix: str  # the blob's directory relative to OUTDIR, as the model references it ("" or "sub/dir/")
+
+    def named(self, digest: str) -> tuple[str, Path]:
+        name = f"{self.base}.{digest}{SUFFIX}"
+        return self.prefix + name, self.directory / name
+
+
+def blob_target(src: Path | None, out_dir: Path, blob_name: str | None) -> BlobTarget:
+    """Validate a blob name (``--blob``, ``--shared-blob``, or the default) and say where its blob goes.
+
+    ``NAME`` (``.safetensors`` stripped) becomes ``NAME.<digest12>.safetensors``; the default NAME is
+    ``<model stem>.weights``. The digest makes every blob name unique per content, so a blob is
+    never rewritten in place and a reader that opened the old model still finds the old blob.
+    """
+    name = blob_name if blob_name is not None else f"{src.stem}.weights"  # type: ignore[union-attr]
+    where = src if src is not None else out_dir
+    path = resolve_inside(out_dir, name, "blob", origin=where)
+    rel = PurePosixPath(name.replace("\\", "/"))
+    if path == Path(out_dir).resolve() or rel.name in ("", ".") or name.endswith(("/", "\\")):
+        raise UsageError(f"blob name {name!r} names a directory, not a file", where)
+    if any(part.startswith(TMP_PREFIX) for part in rel.parts):
+        raise UsageError(f"blob name {name!r} starts with {TMP_PREFIX!r}, which marks weightshare's temporaries",
+                         where)
+    base = rel.name.removesuffix(SUFFIX)
+    if not base or base.startswith("."):
+        raise UsageError(f"blob name {name!r} must start with a name (not a dot)", where)
+    parent = rel.parent
+    prefix = "" if str(parent) == "." else f"{parent.as_posix()}/"
+    return BlobTarget(Path(out_dir) / parent, base, prefix)
+
+
+class OldBlobCollector(CommitHook):
+    """Removes earlier blobs of the same name once nothing references them for ``grace_s`` seconds.
+
+    Candidates are only files named ``<base>.<12 hex digits>.safetensors`` beside the new blob. A
+    candidate is referenced when its file name occurs in a model file (.onnx, .tflite) in OUTDIR or
+    in the blob's directory: a byte search, so it can only err on the side of keeping a blob. A blob
+    that a model referenced until this commit gets its mtime set to now; the grace period counts from
+    there, so a reader that opened the old model just before the swap still finds its blob.
+    """
+
+    def __init__(self, target: BlobTarget, out_dir: Path, keep: str, grace_s: float) -> None:
+        self.pattern = re.compile(re.escape(target.base) + rf"\.[0-9a-f]{{{DIGEST_CHARS}}}" + re.escape(SUFFIX) + "$")
+        self.blob_dir, self.keep, self.grace_s = target.directory, keep, grace_s
+        self.model_dirs = {out_dir, target.directory}
+        self.was_referenced: set[str] = set()
+
+    def _candidates(self) -> list[Path]:
+        return [p for p in self.blob_dir.iterdir()
+                if self.pattern.match(p.name) and p.name != self.keep and p.is_file() and not p.is_symlink()]
+
+    def before(self) -> None:
+        try:
+            self.was_referenced = referenced_names(self._candidates(), self.model_dirs)
+        except OSError:
+            self.was_referenced = {"*"}  # cannot tell: keep everything this time
+
+    def after(self) -> None:
+        if "*" in self.was_referenced:
+            return
+        try:
+            candidates = self._candidates()
+            live = referenced_names(candidates, self.model_dirs)
+            now = time.time()
+            for c in candidates:
+                if c.name in live:
+                    continue
+                if c.name in self.was_referenced:
+                    os.utime(c)  # unreferenced from now on: the grace period starts here
+                elif now - c.stat().st_mtime >= self.grace_s:
+                    c.unlink(missing_ok=True)
+        except OSError:
+            pass  # collecting old blobs is housekeeping; the conversion itself has committed
+
+
+def referenced_names(candidates: list[Path], model_dirs: set[Path]) -> set[str]:
+    """The candidate file names that occur in any model file of ``model_dirs``."""
+    if not candidates:
+        return set()
+    wanted = {c.name: c.name.encode() for c in candidates}
+    found: set[str] = set()
+    for d in model_dirs:
+        if not d.is_dir():
+            continue
+        for f in d.iterdir():
+            if f.suffix not in MODEL_SUFFIXES or f.name.startswith(TMP_PREFIX) or not f.is_file():
+                continue
+            found |= _names_in(f, wanted)
+            if len(found) == len(wanted):
+                return found
+    return found
+
+
+def _names_in(path: Path, wanted: dict[str, bytes]) -> set[str]:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return set()
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return {name for name, raw in wanted.items() if m.find(raw) >= 0}

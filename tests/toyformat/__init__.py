@@ -66,9 +66,9 @@ class ToyFormat:
         return PreparedModel(report, payloads, emit)
 
     def convert(self, src: Path, out_dir: Path, options, tx) -> ConversionReport:
-        blob_name, blob_path = blob_target(src, out_dir, options.blob_name)
+        target = blob_target(src, out_dir, options.blob_name)
         prepared = self.prepare(src, out_dir, options)
-        write_models([prepared], out_dir, blob_name, blob_path, options, tx)
+        write_models([prepared], out_dir, target, options, tx)
         return prepared.report
 
     def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:

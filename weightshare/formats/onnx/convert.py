@@ -178,7 +178,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
 
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
-    blob_name, blob_path = blob_target(src, out_dir, options.blob_name)
+    target = blob_target(src, out_dir, options.blob_name)
     prepared = prepare(src, out_dir, options)
-    write_models([prepared], out_dir, blob_name, blob_path, options, tx)
+    write_models([prepared], out_dir, target, options, tx)
     return prepared.report

@@ -315,12 +315,12 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> Conve
     final = out_dir / src.name
     blob_name = None
     if options.external:
-        blob_name, blob_path = blob_target(src, out_dir, options.blob_name)
+        target = blob_target(src, out_dir, options.blob_name)
         prepared = _prepare(src, out_dir, options)
-        write_models([prepared], out_dir, blob_name, blob_path, options, tx)
+        write_models([prepared], out_dir, target, options, tx)
         report, plans = prepared.report, prepared.extra["plans"]
-        if not prepared.payloads:
-            blob_name = None
+        blob = next((o for o in report.outputs if o.endswith(".safetensors")), None)
+        blob_name = Path(blob).relative_to(out_dir).as_posix() if blob else None
     else:
         graph, plans, report = scan_and_plan(src, options)
         if options.progress_total is not None:
