@@ -26,7 +26,7 @@ from ...report import ConversionReport
 from ...tensors import ElementwiseSource, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
-from .graph import Site, collect_sites, iter_scopes
+from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .scan import TensorRef, scan_model
 
 
@@ -65,6 +65,7 @@ def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
     if model.ir_version >= 3 and not model.opset_import:
         raise InvalidModel("not a valid ONNX model (no opset_import; truncated?)", path)
     _check_names_are_text(model, path)
+    check_unique_constants(model, path)
     return model
 
 
@@ -80,6 +81,19 @@ def _check_names_are_text(model: onnx.ModelProto, path: Path) -> None:
         bad = next((n for n in names if not isinstance(n, str)), None)
         if bad is not None:
             raise InvalidModel(f"a name in the graph is not valid UTF-8 ({bytes(bad)[:40]!r})", path)
+
+
+def _fold_keeps_bits(ref: TensorRef) -> bool:
+    """Whether our fp16/bf16 -> fp32 conversion gives the bits ORT's own Cast gives, on every machine.
+
+    bf16: ORT shifts the bits, as we do. fp16: ORT quiets a signalling NaN in its SIMD blocks of 16 and keeps
+    it in the scalar tail and on CPUs without F16C (0x7c01 -> 0x7fc02000 or 0x7f802000), so no fixed
+    conversion matches; a payload holding one stays fp16 behind its Cast. Costs one more read of the fp16
+    payload (from the page cache in practice).
+    """
+    if ref.data_type != dtypes.FLOAT16:
+        return True
+    return not dtypes.fp16_has_signalling_nan(ref.native_source().chunks())
 
 
 def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_names: set[str],
@@ -145,7 +159,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     sites = collect_sites(model)
     folded: set[int] = set()
     if not options.keep_packed:
-        folded, report.ops_removed = fold_fp16_casts(model, sites)
+        folded, report.ops_removed = fold_fp16_casts(model, sites, lambda site: _fold_keeps_bits(refs[site.index]))
     placements = plan(refs, sites, folded, shape_tensor_names(model), options)
 
     for p in placements:

@@ -63,3 +63,19 @@ def typed_layout(field: int, data_type: int, dims: tuple[int, ...]) -> tuple[str
         if bits in (2, 4):  # one packed byte per int32 value, as onnx.helper.make_tensor writes them
             return "varint", (n * bits + 7) // 8, 1
     return None
+
+
+def fp16_has_signalling_nan(chunks) -> bool:
+    """Whether any little-endian fp16 value in ``chunks`` (whole elements each) is a signalling NaN.
+
+    Exponent all ones, quiet bit (0x0200) clear, rest of the mantissa non-zero: with the sign masked off
+    that is exactly the range 0x7c01..0x7dff, one subtraction and one compare in uint16.
+    """
+    import numpy as np
+
+    for chunk in chunks:
+        u = np.frombuffer(chunk, "<u2") & np.uint16(0x7FFF)
+        u -= np.uint16(0x7C01)
+        if (u < np.uint16(0x1FF)).any():
+            return True
+    return False
