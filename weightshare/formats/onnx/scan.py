@@ -73,7 +73,7 @@ class TensorRef:
         kind, count, itemsize = dtypes.typed_layout(self.field, self.data_type, self.dims)
         if kind == "copy":
             return inner
-        return PackedVarintSource(inner, count, itemsize, self.path)
+        return PackedVarintSource(inner, count, itemsize, self.path, boolean=self.data_type == dtypes.BOOL)
 
 
 class Scanner:

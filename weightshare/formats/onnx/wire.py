@@ -174,6 +174,7 @@ class PackedVarintSource:
     count: int
     itemsize: int
     path: str = ""
+    boolean: bool = False  # BOOL in int32_data: ORT casts each int32 to bool (any non-zero value is 1)
 
     @property
     def nbytes(self) -> int:
@@ -198,6 +199,8 @@ class PackedVarintSource:
             if produced > self.count:
                 raise InvalidModel(f"packed field has more values than the {self.count} its dims declare", self.path)
             if len(values):
+                if self.boolean:
+                    values = values != 0
                 yield memoryview(values.astype(out_type)).cast("B")
         if len(carry) or produced != self.count:
             raise InvalidModel(
