@@ -199,8 +199,7 @@ def test_bool_in_int32_data_is_nonzero_as_ort_reads_it(tmp_path):
     # Found by scripts/fuzz.py --mode structure: ORT casts each int32 to bool (256 -> true); keeping the low
     # byte (256 -> 0) changed outputs.
     values = np.resize(np.array([0, 1, 2, 256, -1, 0x3C00, 1 << 20], np.int64), 2000)
-    t = onnx.helper.make_tensor("b", onnx.TensorProto.BOOL, [values.size], [False])
-    del t.int32_data[:]
+    t = onnx.TensorProto(name="b", data_type=onnx.TensorProto.BOOL, dims=[values.size])
     t.int32_data.extend(values.tolist())
     graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["b"], ["y"])], "g", [],
                                    [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.BOOL, None)], [t])
