@@ -19,6 +19,7 @@ import numpy as np
 
 from ...errors import InvalidModel, Unsupported
 from ...paths import resolve_inside
+from ...recorded import CheckedSource, recorded_payloads
 from ...tensors import ConcatSource, FileRange, PayloadSource
 from . import dtypes
 from .wire import LEN, VARINT, Field, PackedVarintSource, WireFile, decode_varints, encode_len_field, \
@@ -52,6 +53,7 @@ class TensorRef:
     parts: list[FileRange]  # the payload bytes (packed field contents, raw bytes or the external range)
     wire: list[tuple[int, int]] = field(default_factory=list)  # whole payload fields in the model file
     path: str = ""
+    recorded_sha256: str | None = None  # the digest weightshare recorded for these bytes, when it wrote them
 
     @property
     def nbytes_in(self) -> int:
@@ -68,6 +70,8 @@ class TensorRef:
     def native_source(self) -> PayloadSource:
         """The payload as raw little-endian bytes, the form external data and raw_data hold."""
         inner = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
+        if self.recorded_sha256 is not None:
+            inner = CheckedSource(inner, self.recorded_sha256, self.name, self.parts[0].path)
         if not self.typed:
             return inner
         kind, count, itemsize = dtypes.typed_layout(self.field, self.data_type, self.dims)
@@ -81,6 +85,12 @@ class Scanner:
         self.wf = wf
         self.model_dir = model_dir
         self.refs: list[TensorRef] = []
+        self._digests: dict[str, dict[tuple[int, int], str]] = {}
+
+    def _recorded(self, path: str) -> dict[tuple[int, int], str]:
+        if path not in self._digests:  # one header read per external file
+            self._digests[path] = recorded_payloads(path)
+        return self._digests[path]
 
     def scan(self) -> bytes:
         """Return the skeleton (the model with payloads cut out); fills ``self.refs``."""
@@ -199,7 +209,8 @@ class Scanner:
             if payload:
                 raise InvalidModel(f"tensor {name!r} has both external and embedded data", wf.path)
             part = self._external_range(name, external, expected)
-            ref = TensorRef(index, name, data_type, dims, 0, [part], path=wf.path)
+            ref = TensorRef(index, name, data_type, dims, 0, [part], path=wf.path,
+                            recorded_sha256=self._recorded(part.path).get((part.offset, part.length)))
         else:
             numbers = {f.number for f in payload}
             if len(numbers) > 1:
