@@ -163,6 +163,9 @@ def mutate_onnx(model, rng: random.Random, data_files: list[str]) -> str:
     pick_name = lambda: rng.choice(names + ["", "fresh"]) if names else "fresh"  # noqa: E731
     if kind in ("dims", "dtype", "tensor-name", "external", "dup-tensor") and tensors:
         scope, t = rng.choice(tensors)
+        external = [(s, x) for s, x in tensors if x.external_data]
+        if kind == "external" and external and rng.random() < 0.7:  # the seeds hold few external tensors
+            scope, t = rng.choice(external)
         if kind == "dims":
             if t.dims and rng.random() < 0.8:
                 i = rng.randrange(len(t.dims))
