@@ -7,11 +7,15 @@ chained by Add, and times, each in a fresh child process:
   - onnx.load + onnx.save               (the floor the issue compares with)
 
     python scripts/bench_fold.py [--count 4000] [--workdir /tmp/ws-bench-fold]
+
+Run it from outside the checkout (or with PYTHONPATH set) to pick the weightshare you mean: `python -m`
+puts the current directory first on sys.path.
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import shutil
 import subprocess
 import sys
@@ -40,13 +44,16 @@ def build(path: Path, count: int, elements: int = 4096) -> None:
     onnx.save(model, path)
 
 
-def timed(cmd: list[str]) -> float:
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one child: CPU is the robust figure on a loaded machine."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if res.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{res.stderr}")
-    return wall
+    return wall, (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
 
 
 def main() -> int:
@@ -58,12 +65,13 @@ def main() -> int:
     args.workdir.mkdir(parents=True)
     model = args.workdir / "m.onnx"
     build(model, args.count)
-    onnx_wall = timed([sys.executable, "-c", "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])",
+    onnx_wall, onnx_cpu = timed([sys.executable, "-c", "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])",
                        str(model), str(args.workdir / "copy.onnx")])
-    ws_wall = timed([sys.executable, "-m", "weightshare", "convert", "-q", str(model), "-o", str(args.workdir / "out")])
+    ws_wall, ws_cpu = timed([sys.executable, "-m", "weightshare", "convert", "-q", str(model), "-o", str(args.workdir / "out")])
     print(f"{args.count} fp16+Cast initializers of 8 KiB ({model.stat().st_size / 2**20:.1f} MiB):")
-    print(f"  onnx load+save       {onnx_wall:7.2f} s")
-    print(f"  weightshare convert  {ws_wall:7.2f} s  ({ws_wall / onnx_wall:.2f}x)")
+    print(f"  onnx load+save       {onnx_wall:7.2f} s wall {onnx_cpu:7.2f} s CPU")
+    print(f"  weightshare convert  {ws_wall:7.2f} s wall {ws_cpu:7.2f} s CPU  "
+          f"({ws_wall / onnx_wall:.2f}x wall, {ws_cpu / onnx_cpu:.2f}x CPU)")
     return 0
 
 
