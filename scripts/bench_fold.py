@@ -65,9 +65,11 @@ def main() -> int:
     args.workdir.mkdir(parents=True)
     model = args.workdir / "m.onnx"
     build(model, args.count)
-    onnx_wall, onnx_cpu = timed([sys.executable, "-c", "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])",
-                       str(model), str(args.workdir / "copy.onnx")])
-    ws_wall, ws_cpu = timed([sys.executable, "-m", "weightshare", "convert", "-q", str(model), "-o", str(args.workdir / "out")])
+    onnx_wall, onnx_cpu = timed([sys.executable, "-c",
+                                 "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])",
+                                 str(model), str(args.workdir / "copy.onnx")])
+    ws_wall, ws_cpu = timed([sys.executable, "-m", "weightshare", "convert", "-q", str(model),
+                             "-o", str(args.workdir / "out")])
     print(f"{args.count} fp16+Cast initializers of 8 KiB ({model.stat().st_size / 2**20:.1f} MiB):")
     print(f"  onnx load+save       {onnx_wall:7.2f} s wall {onnx_cpu:7.2f} s CPU")
     print(f"  weightshare convert  {ws_wall:7.2f} s wall {ws_cpu:7.2f} s CPU  "

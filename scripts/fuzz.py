@@ -4,7 +4,8 @@
     python scripts/fuzz.py --minutes 10 [--format onnx --format tflite --format coreml] [--seed N]
     python scripts/fuzz.py --mode structure --minutes 10 [--format onnx --format tflite] [--seed N]
 
---mode bytes (the default) damages the file's bytes. Same harness as the tests (tests/fuzz_harness.py): every damaged model must convert or fail with a one-line
+--mode bytes (the default) damages the file's bytes. Same harness as the tests (tests/fuzz_harness.py):
+every damaged model must convert or fail with a one-line
 WeightshareError naming the file, leave nothing in OUTDIR, and allocate no more than its size plus a fixed
 slack. A failing input is saved under --save and the run stops with exit code 1.
 
