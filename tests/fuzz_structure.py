@@ -291,10 +291,10 @@ def mutate_tflite(m, rng: random.Random) -> str:
     if kind in ("shape", "type", "buffer", "quant") and tensors:
         t = rng.choice(tensors)
         if kind == "shape":
-            shape = list(t.shape if t.shape is not None else [])
+            shape = [int(v) for v in (t.shape if t.shape is not None else [])]  # Python ints: no int32 overflow
             if shape and rng.random() < 0.8:
                 i = rng.randrange(len(shape))
-                shape[i] = rng.choice((0, 1, -1, shape[i] + 1, shape[i] * 2, 1 << 30))
+                shape[i] = max(-1, min(rng.choice((0, 1, -1, shape[i] + 1, shape[i] * 2, 1 << 30)), (1 << 31) - 1))
             else:
                 shape.append(rng.choice((1, 2)))
             t.shape = np.array(shape, np.int32)
