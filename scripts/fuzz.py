@@ -2,10 +2,18 @@
 """Mutation fuzzing outside the test suite, with a time budget per format.
 
     python scripts/fuzz.py --minutes 10 [--format onnx --format tflite --format coreml] [--seed N]
+    python scripts/fuzz.py --mode structure --minutes 10 [--format onnx --format tflite] [--seed N]
 
-Same harness as the tests (tests/fuzz_harness.py): every damaged model must convert or fail with a one-line
+--mode bytes (the default) damages the file's bytes. Same harness as the tests (tests/fuzz_harness.py):
+every damaged model must convert or fail with a one-line
 WeightshareError naming the file, leave nothing in OUTDIR, and allocate no more than its size plus a fixed
 slack. A failing input is saved under --save and the run stops with exit code 1.
+
+--mode structure mutates fields of the parsed model (ONNX ModelProto, TFLite ModelT): dims, data types,
+names, attributes, node inputs, external data entries, fp16 payload bits; it re-serialises, converts, and
+whenever the original runs (ORT CPU / LiteRT builtin kernels, in a worker process) compares the outputs of
+original and converted byte for byte (tests/fuzz_structure.py). It keeps going after a finding (saving each)
+and prints the counts: converted / rejected / internal errors / output mismatches.
 """
 
 from __future__ import annotations
@@ -51,7 +59,10 @@ def main() -> int:
     ap.add_argument("--format", action="append", choices=("onnx", "tflite", "coreml"))
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--save", type=Path, default=Path("fuzz-failures"))
+    ap.add_argument("--mode", choices=("bytes", "structure"), default="bytes")
     args = ap.parse_args()
+    if args.mode == "structure":
+        return structure(args)
     formats = args.format or ["onnx", "tflite"]
     print(f"seed {args.seed}")
     failed = False
@@ -94,6 +105,41 @@ def main() -> int:
             print(f"{fmt}: {stats.inputs} inputs, {stats.converted} converted, {stats.rejected} rejected cleanly, "
                   f"max traced allocation {stats.max_alloc / (1 << 20):.1f} MiB")
     return 1 if failed else 0
+
+
+def structure(args) -> int:
+    from fuzz_structure import Finding, Runner, StructStats, one_input, seeds as struct_seeds
+
+    formats = [f for f in (args.format or ["onnx", "tflite"]) if f != "coreml"]
+    print(f"seed {args.seed} (structure)", flush=True)
+    findings = 0
+    for fmt in formats:
+        runner = Runner()
+        stats = StructStats()
+        with tempfile.TemporaryDirectory() as tmp:
+            corpus = struct_seeds(fmt, Path(tmp))
+            rng = random.Random(args.seed)
+            work = scratch_dir(Path(tmp) / "w")
+            deadline = time.monotonic() + args.minutes * 60
+            try:
+                while time.monotonic() < deadline:
+                    name, model, extra = rng.choice(corpus)
+                    try:
+                        one_input(fmt, model, name, rng, work, extra, runner, stats)
+                    except Finding as e:
+                        findings += 1
+                        args.save.mkdir(parents=True, exist_ok=True)
+                        saved = args.save / f"{fmt}-structure-{args.seed}-{stats.inputs}-{name}"
+                        src = work / "in" / name
+                        if src.exists():
+                            shutil.copyfile(src, saved)
+                        print(f"{fmt}: FINDING on input {stats.inputs}: {str(e)[:2000]} (saved {saved})", flush=True)
+            finally:
+                runner.close()
+                shutil.rmtree(work, ignore_errors=True)
+        print(stats.line(fmt), flush=True)
+        print(f"{fmt}: mutations {dict(sorted(stats.kinds.items()))}", flush=True)
+    return 1 if findings else 0
 
 
 if __name__ == "__main__":

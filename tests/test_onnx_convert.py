@@ -198,3 +198,19 @@ def test_converting_a_converted_model_is_stable(sink, tmp_path):
     assert again.ops_removed == 0 and again.unpacked == 0 and again.tensors_moved > 0
     for a, b in zip(run(src, feeds(9, False)), run(tmp_path / "again" / "sink.onnx", feeds(9, False))):
         assert np.array_equal(a, b)
+
+
+def test_bool_in_int32_data_is_nonzero_as_ort_reads_it(tmp_path):
+    # Found by scripts/fuzz.py --mode structure: ORT casts each int32 to bool (256 -> true); keeping the low
+    # byte (256 -> 0) changed outputs.
+    values = np.resize(np.array([0, 1, 2, 256, -1, 0x3C00, 1 << 20], np.int64), 2000)
+    t = onnx.TensorProto(name="b", data_type=onnx.TensorProto.BOOL, dims=[values.size])
+    t.int32_data.extend(values.tolist())
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["b"], ["y"])], "g", [],
+                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.BOOL, None)], [t])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    weightshare.convert(tmp_path / "m.onnx", tmp_path / "out")
+    before, after = run(tmp_path / "m.onnx", {})[0], run(tmp_path / "out" / "m.onnx", {})[0]
+    assert before.tobytes() == after.tobytes() == (values != 0).tobytes()

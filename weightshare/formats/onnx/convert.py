@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +24,11 @@ from ...errors import InvalidModel
 from ...options import ConvertOptions
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
+from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, \
+    read_all
 from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
-from .graph import Site, collect_sites, iter_scopes
+from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .scan import TensorRef, scan_model
 
 
@@ -65,6 +67,7 @@ def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
     if model.ir_version >= 3 and not model.opset_import:
         raise InvalidModel("not a valid ONNX model (no opset_import; truncated?)", path)
     _check_names_are_text(model, path)
+    check_unique_constants(model, path)
     return model
 
 
@@ -80,6 +83,45 @@ def _check_names_are_text(model: onnx.ModelProto, path: Path) -> None:
         bad = next((n for n in names if not isinstance(n, str)), None)
         if bad is not None:
             raise InvalidModel(f"a name in the graph is not valid UTF-8 ({bytes(bad)[:40]!r})", path)
+
+
+class _SignallingNanProbe:
+    """Whether our fp16/bf16 -> fp32 conversion gives the bits ORT's own Cast gives, on every machine.
+
+    bf16: ORT shifts the bits, as we do. fp16: ORT quiets a signalling NaN in its SIMD blocks of 16 and keeps
+    it in the scalar tail and on CPUs without F16C (0x7c01 -> 0x7fc02000 or 0x7f802000), so no fixed
+    conversion matches; a payload holding one stays fp16 behind its Cast. Costs one more read of each fp16
+    fold candidate (from the page cache in practice), through one descriptor per file: thousands of small
+    payloads must not cost an open() each.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def keeps_bits(self, ref: TensorRef) -> bool:
+        if ref.data_type != dtypes.FLOAT16:
+            return True
+        if ref.typed or ref.recorded_sha256 is not None or not all(isinstance(p, FileRange) for p in ref.parts):
+            return not dtypes.fp16_has_signalling_nan(ref.native_source().chunks())
+        return not dtypes.fp16_has_signalling_nan(self._raw_chunks(ref.parts))
+
+    def _raw_chunks(self, parts: list[FileRange]):
+        for part in parts:
+            fd = self._fds.get(part.path)
+            if fd is None:
+                fd = self._fds[part.path] = os.open(part.path, os.O_RDONLY)
+            pos, end = part.offset, part.offset + part.length
+            while pos < end:
+                data = os.pread(fd, min(CHUNK_SIZE, end - pos), pos)
+                if not data:
+                    raise InvalidModel(f"file ended early at offset {pos} (expected data up to {end})", part.path)
+                yield data[: len(data) - len(data) % 2]  # whole elements; a split one is re-read next time
+                pos += len(data) - len(data) % 2
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_names: set[str],
@@ -145,7 +187,11 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     sites = collect_sites(model)
     folded: set[int] = set()
     if not options.keep_packed:
-        folded, report.ops_removed = fold_fp16_casts(model, sites)
+        probe = _SignallingNanProbe()
+        try:
+            folded, report.ops_removed = fold_fp16_casts(model, sites, lambda site: probe.keeps_bits(refs[site.index]))
+        finally:
+            probe.close()
     placements = plan(refs, sites, folded, shape_tensor_names(model), options)
 
     for p in placements:

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import onnx
 
+from ...errors import InvalidModel
 from .scan import REF_KEY
 
 
@@ -59,7 +60,9 @@ def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
     def add(tensor: onnx.TensorProto, name: str, kind: str, node=None) -> None:
         index = ref_index(tensor)
         if index is not None:
-            sites[index] = Site(index, tensor, tensor.name or name, kind, scope, node)
+            # A Constant's value is known by the node's output name; the tensor's own name is decoration.
+            sites[index] = Site(index, tensor, name if kind == "constant" else tensor.name or name, kind, scope,
+                                node)
 
     for scope in iter_scopes(model):
         if isinstance(scope, onnx.GraphProto):
@@ -82,3 +85,23 @@ def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
                     add(sp.values, f"{owner}.{attr.name}.{i}.values", "sparse", node)
                     add(sp.indices, f"{owner}.{attr.name}.{i}.indices", "sparse indices", node)
     return sites
+
+
+def check_unique_constants(model: onnx.ModelProto, path) -> None:
+    """Refuse a scope that defines one constant name twice (initializers, sparse initializers, Constants).
+
+    ORT loads such a model with a warning, but which definition wins depends on how each is stored
+    (measured with ORT 1.32: inline, the first of two 2 KB initializers; external, the last), so a
+    conversion that only moves bytes could change the model's outputs.
+    """
+    for scope in iter_scopes(model):
+        seen: set[str] = set()
+        names = [n.output[0] for n in scope.node if n.op_type == "Constant" and len(n.output) == 1]
+        if isinstance(scope, onnx.GraphProto):
+            names += [t.name for t in scope.initializer] + [sp.values.name for sp in scope.sparse_initializer]
+        for name in names:
+            if name in seen:
+                where = f"graph {scope.name!r}" if isinstance(scope, onnx.GraphProto) else f"function {scope.name!r}"
+                raise InvalidModel(f"tensor {name!r} is defined twice in {where}; ONNX Runtime picks one depending "
+                                   "on how each is stored, so rename or remove one", path)
+            seen.add(name)

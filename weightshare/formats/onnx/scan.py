@@ -11,6 +11,7 @@ onnx. Every cut tensor is marked in the skeleton with an ``external_data`` entry
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 
 from ...errors import InvalidModel, Unsupported
 from ...paths import resolve_inside
+from ...recorded import CheckedSource, recorded_payloads
 from ...tensors import ConcatSource, FileRange, PayloadSource
 from . import dtypes
 from .wire import LEN, VARINT, Field, PackedVarintSource, WireFile, decode_varints, encode_len_field, \
@@ -51,6 +53,7 @@ class TensorRef:
     parts: list[FileRange]  # the payload bytes (packed field contents, raw bytes or the external range)
     wire: list[tuple[int, int]] = field(default_factory=list)  # whole payload fields in the model file
     path: str = ""
+    recorded_sha256: str | None = None  # the digest weightshare recorded for these bytes, when it wrote them
 
     @property
     def nbytes_in(self) -> int:
@@ -67,12 +70,14 @@ class TensorRef:
     def native_source(self) -> PayloadSource:
         """The payload as raw little-endian bytes, the form external data and raw_data hold."""
         inner = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
+        if self.recorded_sha256 is not None:
+            inner = CheckedSource(inner, self.recorded_sha256, self.name, self.parts[0].path)
         if not self.typed:
             return inner
         kind, count, itemsize = dtypes.typed_layout(self.field, self.data_type, self.dims)
         if kind == "copy":
             return inner
-        return PackedVarintSource(inner, count, itemsize, self.path)
+        return PackedVarintSource(inner, count, itemsize, self.path, boolean=self.data_type == dtypes.BOOL)
 
 
 class Scanner:
@@ -80,6 +85,12 @@ class Scanner:
         self.wf = wf
         self.model_dir = model_dir
         self.refs: list[TensorRef] = []
+        self._digests: dict[str, dict[tuple[int, int], str]] = {}
+
+    def _recorded(self, path: str) -> dict[tuple[int, int], str]:
+        if path not in self._digests:  # one header read per external file
+            self._digests[path] = recorded_payloads(path)
+        return self._digests[path]
 
     def scan(self) -> bytes:
         """Return the skeleton (the model with payloads cut out); fills ``self.refs``."""
@@ -141,7 +152,9 @@ class Scanner:
                 continue
             elif n == 13 and f.wire_type == LEN:
                 key, value = self._string_pair(f)
-                external[key] = value
+                if key == "location" and "location" in external:
+                    raise InvalidModel(f"tensor {name!r} has two external data locations", wf.path)
+                external[key] = value  # a repeated offset or length: the last one counts, as in ORT
                 continue
             elif n == 14 and f.wire_type == VARINT:
                 location = f.value
@@ -196,7 +209,8 @@ class Scanner:
             if payload:
                 raise InvalidModel(f"tensor {name!r} has both external and embedded data", wf.path)
             part = self._external_range(name, external, expected)
-            ref = TensorRef(index, name, data_type, dims, 0, [part], path=wf.path)
+            ref = TensorRef(index, name, data_type, dims, 0, [part], path=wf.path,
+                            recorded_sha256=self._recorded(part.path).get((part.offset, part.length)))
         else:
             numbers = {f.number for f in payload}
             if len(numbers) > 1:
@@ -232,25 +246,51 @@ class Scanner:
 
     def _external_range(self, name: str, info: dict[str, str], expected: int) -> FileRange:
         wf = self.wf
+        _check_external_keys(name, info, wf.path)
         location = info.get("location")
         if not location:
             raise InvalidModel(f"tensor {name!r} is external but has no location", wf.path)
         target = resolve_inside(self.model_dir, location, f"external data of tensor {name!r}", wf.path)
         if not target.is_file():
             raise InvalidModel(f"external data file {location!r} of tensor {name!r} is missing", wf.path)
-        try:
-            offset = int(info.get("offset", "0"))
-            size = target.stat().st_size
-            length = int(info["length"]) if "length" in info else size - offset
-        except ValueError:
-            raise InvalidModel(f"tensor {name!r} has a non-numeric external offset or length", wf.path) from None
-        if offset < 0 or length < 0 or offset + length > size:
+        offset = _ort_integer(name, "offset", info.get("offset", "0"), wf.path)
+        length = _ort_integer(name, "length", info.get("length", "0"), wf.path)
+        size = target.stat().st_size
+        if length == 0:  # ORT: no length, or 0, means "the tensor's own size from offset"
+            length = expected
+        if offset < 0 or offset + length > size:
             raise InvalidModel(f"external data of tensor {name!r} (offset {offset}, length {length}) runs past the "
                                f"end of {location!r} ({size} bytes)", wf.path)
         if length != expected:
             raise InvalidModel(f"external data of tensor {name!r} has {length} bytes, its dims and type need "
                                f"{expected}", wf.path)
         return FileRange(str(target), offset, length)
+
+
+# What ONNX Runtime (1.32, tensor_external_data_info.cc) accepts as external data: these keys, a non-empty
+# value each, and offset/length as plain ASCII decimal (ParseStringWithClassicLocale: no sign but an offset's
+# "-", no spaces, no "_", no other digits, within int64). Python's int() accepts "+16", " 16", "16_384" and
+# "١٦"; reading such a model would give the converted file offsets that the original never had in ORT.
+_EXTERNAL_KEYS = ("location", "offset", "length", "checksum")
+_ORT_DIGITS = {"offset": re.compile(r"-?[0-9]+"), "length": re.compile(r"[0-9]+")}
+
+
+def _check_external_keys(name: str, info: dict[str, str], path: str) -> None:
+    for key, value in info.items():
+        if key not in _EXTERNAL_KEYS and not key.startswith("prepacked"):
+            raise InvalidModel(f"tensor {name!r} has an unknown external data key {key[:40]!r} (ONNX Runtime "
+                               "refuses it)", path)
+        if not value:
+            raise InvalidModel(f"tensor {name!r} has an empty external data {key[:40]!r} (ONNX Runtime refuses it)",
+                               path)
+
+
+def _ort_integer(name: str, key: str, value: str, path: str) -> int:
+    number = int(value) if _ORT_DIGITS[key].fullmatch(value) else None
+    if number is None or not -(1 << 63) <= number < 1 << 63:
+        raise InvalidModel(f"tensor {name!r} has external data {key} {value[:40]!r}, which is not a plain decimal "
+                           "integer (ONNX Runtime refuses it)", path)
+    return number
 
 
 def scan_model(path: Path) -> tuple[bytes, list[TensorRef]]:

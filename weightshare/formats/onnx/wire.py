@@ -93,7 +93,13 @@ class WireFile:
             raise self.error(f"message at offset {start} with length {end - start} runs past the end of the file")
         pos = start
         while pos < end:
-            tag, vpos = self.varint(pos, end)
+            # Fast path for the common one-byte tag (field numbers below 16), read from the window in place:
+            # the scan calls this for every field of every node, so a method call per tag shows in big graphs.
+            i = pos - self._win_start
+            if 0 <= i < len(self._win) and self._win[i] < 0x80:
+                tag, vpos = self._win[i], pos + 1
+            else:
+                tag, vpos = self.varint(pos, end)
             number, wire_type = tag >> 3, tag & 7
             if number == 0:
                 raise self.error(f"invalid field number 0 at offset {pos}")
@@ -101,7 +107,11 @@ class WireFile:
             if wire_type == VARINT:
                 value, fend = self.varint(vpos, end)
             elif wire_type == LEN:
-                value, vpos = self.varint(vpos, end)
+                i = vpos - self._win_start
+                if 0 <= i < len(self._win) and self._win[i] < 0x80 and vpos < end:
+                    value, vpos = self._win[i], vpos + 1
+                else:
+                    value, vpos = self.varint(vpos, end)
                 fend = vpos + value
             elif wire_type == FIXED64:
                 fend = vpos + 8
@@ -174,6 +184,7 @@ class PackedVarintSource:
     count: int
     itemsize: int
     path: str = ""
+    boolean: bool = False  # BOOL in int32_data: ORT casts each int32 to bool (any non-zero value is 1)
 
     @property
     def nbytes(self) -> int:
@@ -198,6 +209,8 @@ class PackedVarintSource:
             if produced > self.count:
                 raise InvalidModel(f"packed field has more values than the {self.count} its dims declare", self.path)
             if len(values):
+                if self.boolean:
+                    values = values != 0
                 yield memoryview(values.astype(out_type)).cast("B")
         if len(carry) or produced != self.count:
             raise InvalidModel(

@@ -30,6 +30,7 @@ from ...blob import BlobEntry, BlobWriter, PlannedTensor
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
+from ...recorded import CheckedSource, recorded_payloads
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
 from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32, read_all
@@ -151,6 +152,9 @@ def read_external_buffers(graph: "schema.ModelT", src: Path, sources: list) -> N
                     raise InvalidModel(f"external buffer group file {name!r} does not exist", src)
                 source = FileRange(str(file), ext.offset, ext.length)
                 source.check_within(file.stat().st_size)
+                digest = recorded_payloads(str(file)).get((ext.offset, ext.length))
+                if digest is not None:  # a weightshare blob: a payload modified since must not be laundered
+                    source = CheckedSource(source, digest, tensor_name(t), str(file))
                 new_index[ext.id] = len(sources)
                 sources.append(source if ext.length else None)
             t.buffer, t.externalBuffer = new_index[ext.id], 0

@@ -153,16 +153,16 @@ def read_buffer_refs(r: Reader) -> list[BufferRef]:
         t = r.table(r.indirect(first + 4 * i, what), what)
         offset, size = t.u64(BUFFER_OFFSET), t.u64(BUFFER_SIZE)
         data = t.field(BUFFER_DATA, 4)
-        if offset > OFFSET_PLACEHOLDER:
+        if data is not None:  # LiteRT's InterpreterBuilder reads a present data vector first, offset or not
+            start, n = r.vector(data, 1, f"{what} data")
+            refs.append(BufferRef(i, start, n, False))
+        elif offset > OFFSET_PLACEHOLDER:
             if offset + size > r.size:
                 raise InvalidModel(f"{what}: data at offset {offset} with size {size} runs past the end of the file "
                                    f"({r.size} bytes)", r.path)
             refs.append(BufferRef(i, offset, size, True))
         elif offset == OFFSET_PLACEHOLDER and size:
             raise InvalidModel(f"{what}: offset is the converter's placeholder 1, the data was never written", r.path)
-        elif data is not None:
-            start, n = r.vector(data, 1, f"{what} data")
-            refs.append(BufferRef(i, start, n, False))
         else:
             refs.append(BufferRef(i, 0, 0, False))
     return refs

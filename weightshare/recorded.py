@@ -1,0 +1,61 @@
+"""Digests weightshare recorded in a blob it wrote, checked again when that blob is read as an input.
+
+Re-converting a weightshare output must not launder a blob modified after it was written: the new blob
+would get fresh digests and ``check`` would pass. When an input payload sits exactly where a recorded
+payload sits, its bytes are hashed while they stream and compared at the end of the stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from .blob import read_safetensors_metadata
+from .errors import InvalidModel, WeightshareError
+from .tensors import CHUNK_SIZE, PayloadSource
+
+
+def recorded_payloads(path: str) -> dict[tuple[int, int], str]:
+    """(absolute offset, length) -> SHA-256 hex of every payload a weightshare blob records; {} for any other
+    file (not safetensors, no weightshare metadata, or a header too odd to trust for a lookup)."""
+    try:
+        data_start, header, meta = read_safetensors_metadata(path)
+    except (WeightshareError, OSError, ValueError, RecursionError):
+        return {}
+    out: dict[tuple[int, int], str] = {}
+    if not isinstance(meta, dict):
+        return out
+    for key, entry in meta.items():
+        t = header.get(key) if isinstance(key, str) else None
+        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        if not (isinstance(digest, str) and isinstance(offsets, list) and len(offsets) == 2
+                and all(type(o) is int and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
+            continue
+        out[(data_start + offsets[0], offsets[1] - offsets[0])] = digest.lower()
+    return out
+
+
+@dataclass
+class CheckedSource:
+    """``inner``'s bytes, unchanged; raises InvalidModel naming ``tensor`` if they do not hash to ``sha256``."""
+
+    inner: PayloadSource
+    sha256: str
+    tensor: str
+    path: str  # the blob, for the message
+    _seen: int = field(default=0, repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]:
+        digest = hashlib.sha256()
+        for chunk in self.inner.chunks(chunk_size):
+            digest.update(chunk)
+            yield chunk
+        if digest.hexdigest() != self.sha256:
+            raise InvalidModel(f"tensor {self.tensor!r}: its bytes no longer match the SHA-256 weightshare recorded "
+                               "when it wrote this blob (modified since?); refusing to re-convert it", self.path)
