@@ -174,6 +174,8 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto) -> int:
     Raises NotAdoptable (``model`` untouched) when the graphs do not line up node for node.
     """
     g = model.graph
+    if not any(_is_inserted(p) for p in probe.node):
+        return 0  # nothing to do: leave the graph exactly as it was
     if model.functions or any(True for n in g.node for _ in subgraphs(n)):
         raise NotAdoptable("the model has local functions or subgraphs (ORT inlines or rewrites them)")
     if [v.name for v in g.input] != [v.name for v in probe.input] or \
@@ -247,6 +249,9 @@ def unpack_for_cpu(model: onnx.ModelProto, refs: list[TensorRef], src: Path, not
         added = adopt_inserted_casts(model, probe.graph)
     except NotAdoptable as e:
         notes.append(f"--unpack ort-cpu: left as it is: {e}")
+        return {}
+    if not added:
+        notes.append(f"--unpack ort-cpu: onnxruntime {probe.version} CPU inserts no Cast in this model")
         return {}
     on_weights = len(probe.cast_initializers())
     notes.append(f"--unpack ort-cpu: adopted {added} Cast(s) onnxruntime {probe.version} CPU inserts per session "
