@@ -18,6 +18,7 @@ from onnx import TensorProto as T, helper as h, numpy_helper as nh
 from onnxconverter_common import float16
 
 import weightshare
+from weightshare.inventory import inventory
 from weightshare.formats.onnx.ortcpu import ort_cpu_cast_bytes
 from weightshare.options import ConvertOptions
 from weightshare.runtimes.ort import measure_sessions
@@ -242,3 +243,11 @@ def test_subgraph_model_is_left_as_it_is_with_a_note(tmp_path):
     report = weightshare.convert(src, tmp_path / "out", ORT_CPU)
     assert any("left as it is" in n and "subgraphs" in n for n in report.notes), report.notes
     assert report.unpacked == 0
+
+
+def test_inspect_reports_the_per_session_cast_and_suggests_the_flag(tmp_path, cli):
+    src = save(to_fp16(mlp_fp32(d=64, layers=2)), tmp_path / "m.onnx")
+    notes = inventory(src).notes
+    assert any("casts 4 fp16 initializers" in n and "--unpack ort-cpu" in n for n in notes), notes
+    out = model_out(weightshare.convert(src, tmp_path / "out", ORT_CPU))
+    assert not any("--unpack ort-cpu" in n for n in inventory(out).notes)

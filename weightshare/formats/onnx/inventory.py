@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import onnx
+
 from ...blob import recorded_checksums
 from ...errors import WeightshareError
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
@@ -20,6 +22,7 @@ from . import dtypes
 from .convert import load_skeleton, plan
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import collect_sites
+from .ortcpu import inventory_notes
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 
@@ -50,7 +53,10 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     model = load_skeleton(skeleton, path)
     sites = collect_sites(model)
     names = {i: site.name for i, site in sites.items()}  # before folding renames them
-    folded, _ = fold_fp16_casts(model, sites)  # on this private copy: tells which Casts ORT would fold per session
+    pristine = onnx.ModelProto()
+    pristine.CopyFrom(model)  # the probe needs the graph before the fold below rewrites it
+    folded, _ = fold_fp16_casts(model, sites)
+    inv.notes += inventory_notes(pristine, refs, folded, path)  # on this private copy: tells which Casts ORT would fold per session
     placements = plan(refs, sites, folded, shape_tensor_names(model), ConvertOptions())
     external_files = set()
     for p in placements:

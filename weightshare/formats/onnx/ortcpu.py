@@ -131,7 +131,7 @@ def run_probe(skeleton: onnx.ModelProto, refs: list[TensorRef], src: Path) -> Pr
         out = Path(tmp) / "optimized.onnx"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
         try:
-            proc = subprocess.run([sys.executable, "-c", _CHILD, str(probe_path), str(out)], capture_output=True,
+            proc = subprocess.run([sys.executable, "-c", _CHILD, str(probe_path), str(out)], capture_output=True, check=False,
                                   text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd=tmp)
         except subprocess.TimeoutExpired:
             raise InvalidModel(f"onnxruntime did not load the model within {PROBE_TIMEOUT_S} s", src) from None
@@ -152,7 +152,7 @@ class NotAdoptable(Exception):
 
 
 def _strip(name: str) -> str:
-    return name[len(PREFIX):] if name.startswith(PREFIX) else name
+    return name.removeprefix(PREFIX)
 
 
 def _defined(graph: onnx.GraphProto) -> set[str]:
@@ -234,12 +234,14 @@ def ort_cpu_cast_bytes(model_path: Path) -> tuple[int, int]:
 
     skeleton, refs = scan_model(model_path)
     model = load_skeleton(skeleton, model_path)
-    probe = run_probe(model, refs, model_path)
+    return _cast_bytes(model, refs, run_probe(model, refs, model_path))
+
+
+def _cast_bytes(model: onnx.ModelProto, refs: list[TensorRef], probe: Probe) -> tuple[int, int]:
     by_index = {r.index: r for r in refs}
     dims = {site.name: by_index[i].dims for i, site in collect_sites(model).items() if site.kind == "initializer"}
     names = probe.cast_initializers()
-    nbytes = sum(dtypes.element_count(dims[n]) * 4 for n in names if n in dims)
-    return len(names), nbytes
+    return len(names), sum(dtypes.element_count(dims[n]) * 4 for n in names if n in dims)
 
 
 def unpack_for_cpu(model: onnx.ModelProto, refs: list[TensorRef], src: Path, notes: list[str]) -> dict[str, str]:
@@ -258,3 +260,24 @@ def unpack_for_cpu(model: onnx.ModelProto, refs: list[TensorRef], src: Path, not
                  f"({on_weights} on initializers, folded to fp32 below); CPU-specific: a GPU provider would have "
                  f"run the fp16 graph natively (probe child peak RSS {probe.child_peak_rss_mib:.0f} MiB)")
     return {"weightshare.unpack": "ort-cpu", "weightshare.onnxruntime": probe.version}
+
+
+def inventory_notes(model: onnx.ModelProto, refs: list[TensorRef], folded: set[int], src: Path) -> list[str]:
+    """For ``inspect``/``check``: what ORT's CPU provider casts per session, and the flag that makes it once.
+
+    Runs the probe only for models with fp16/bf16 payloads that no explicit Cast fold covers, and only when
+    onnxruntime is installed; ``model`` must be the skeleton before any fold.
+    """
+    half = [r for r in refs if r.data_type in (dtypes.FLOAT16, dtypes.BFLOAT16) and r.index not in folded]
+    if not half or onnxruntime_version() is None:
+        return []
+    try:
+        probe = run_probe(model, refs, src)
+    except InvalidModel as e:
+        return [f"could not ask onnxruntime which Casts its CPU provider inserts: {e.message}"]
+    n, nbytes = _cast_bytes(model, refs, probe)
+    if not n:
+        return []
+    return [f"onnxruntime {probe.version} (CPU provider) casts {n} fp16 initializers to a private fp32 copy "
+            f"per session ({nbytes / (1 << 20):.1f} MiB); `weightshare convert --unpack ort-cpu` makes that copy "
+            "once, in the blob (CPU-specific)"]
