@@ -100,7 +100,7 @@ def make_cnn(path: Path) -> Path:
     import onnx
     from onnx import TensorProto as T, helper as h, numpy_helper as nh
 
-    c, layers, hw = 512, 4, 16
+    c, layers, hw = 512, 4, 8
     rng = np.random.default_rng(0)
     f32 = lambda *s: (rng.standard_normal(s) / 32).astype(np.float32)  # noqa: E731
     nodes, inits, x = [], [], "x"
@@ -221,7 +221,7 @@ def main() -> None:
     args = ap.parse_args()
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = {}
-    for mib in (int(s) for s in args.sizes.split(",")):
+    for mib in (int(s) for s in args.sizes.split(",") if s):
         d = args.workdir / f"mlp-{mib}M"
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir()
