@@ -34,7 +34,7 @@ from ...errors import InvalidModel, UsageError
 from ...tensors import read_all
 from . import dtypes
 from .graph import collect_sites, subgraphs
-from .scan import TensorRef
+from .scan import REF_KEY, TensorRef
 
 ORT_CPU = "ort-cpu"  # the --unpack value
 PREFIX = "InsertedPrecisionFreeCast_"
@@ -68,6 +68,7 @@ class Probe:
     """What ORT's CPU provider would run, as saved by ORT itself."""
 
     graph: onnx.GraphProto
+    opsets: dict[str, int]  # domain -> version, as ORT saved them (function bodies may bring new domains)
     version: str  # onnxruntime version that answered
     child_peak_rss_mib: float
 
@@ -92,14 +93,14 @@ def _to_float(node: onnx.NodeProto) -> bool:
     return any(a.name == "to" and a.i == dtypes.FLOAT for a in node.attribute)
 
 
-def _stand_in(tensor: onnx.TensorProto, ref: TensorRef) -> int:
+def _stand_in(tensor: onnx.TensorProto, ref: TensorRef, real: bool) -> int:
     """Give one cut-out payload a body ORT accepts; returns the bytes it maps from the zeros file."""
     del tensor.external_data[:]
     tensor.ClearField("data_location")
     if ref.data_type == dtypes.STRING:
         raise InvalidModel("--unpack ort-cpu: string tensors are not supported", ref.path)
     nbytes = ref.native_nbytes
-    if nbytes <= REAL_BYTES_MAX:
+    if real or nbytes <= REAL_BYTES_MAX:
         tensor.raw_data = read_all(ref.native_source())
         return 0
     tensor.data_location = onnx.TensorProto.EXTERNAL
@@ -115,7 +116,8 @@ def write_probe_model(skeleton: onnx.ModelProto, refs: list[TensorRef], director
     by_index = {r.index: r for r in refs}
     zeros = 0
     for index, site in collect_sites(probe).items():
-        zeros = max(zeros, _stand_in(site.tensor, by_index[index]))
+        # ORT densifies sparse initializers at load: zero indices could be refused, so they keep their bytes.
+        zeros = max(zeros, _stand_in(site.tensor, by_index[index], real=site.kind.startswith("sparse")))
     with open(directory / ZEROS, "wb") as f:
         f.truncate(zeros)  # a hole: no disk, and ORT maps it without reading
     path = directory / "probe.onnx"
@@ -144,7 +146,8 @@ def run_probe(skeleton: onnx.ModelProto, refs: list[TensorRef], src: Path) -> Pr
             optimized.ParseFromString(out.read_bytes())
         except (DecodeError, OSError) as e:  # ORT wrote it; a failure here is ours to report plainly
             raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
-    return Probe(optimized.graph, answer["version"], answer["peak_rss_mib"])
+    opsets = {o.domain: o.version for o in optimized.opset_import}
+    return Probe(optimized.graph, opsets, answer["version"], answer["peak_rss_mib"])
 
 
 class NotAdoptable(Exception):
@@ -162,16 +165,24 @@ def _defined(graph: onnx.GraphProto) -> set[str]:
     return names | {""}
 
 
+def _has_payload(node: onnx.NodeProto) -> bool:
+    tensors = [t for a in node.attribute for t in ([a.t] if a.HasField("t") else []) + list(a.tensors)]
+    return any(e.key == REF_KEY for t in tensors for e in t.external_data) or any(
+        a.HasField("sparse_tensor") or a.sparse_tensors for a in node.attribute)
+
+
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     new = onnx.NodeProto()
     new.CopyFrom(node)
     return new
 
 
-def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto) -> int:
+def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets: dict[str, int] | None = None) -> int:
     """Rewrite ``model``'s main graph into the probe's (inserted Casts, fp32 outputs). Returns Casts added.
 
-    Raises NotAdoptable (``model`` untouched) when the graphs do not line up node for node.
+    Nodes are matched by output name (ORT renames an output X it turns fp32 into ``InsertedPrecisionFreeCast_X``);
+    probe nodes without a match (inserted Casts, bodies of function ops ORT expanded) are copied in. Raises
+    NotAdoptable (``model`` untouched) when the result would not be a sound graph.
     """
     g = model.graph
     if not any(_is_inserted(p) for p in probe.node):
@@ -188,13 +199,13 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto) -> int:
     matched: set[int] = set()
     added = 0
     for p in probe.node:
-        if _is_inserted(p) and p.name not in names:
-            new_nodes.append(p)
-            added += 1
-            continue
         mine = ours.get(tuple(_strip(o) for o in p.output))
-        if mine is None or (mine.op_type, mine.domain) != (p.op_type, p.domain):
-            raise NotAdoptable(f"onnxruntime node {p.name or p.op_type!r} has no counterpart in the model")
+        if (_is_inserted(p) and p.name not in names) or mine is None or \
+                (mine.op_type, mine.domain) != (p.op_type, p.domain):
+            # A Cast ORT inserted, or a node of a function body ORT expanded for want of an fp16 kernel.
+            new_nodes.append(_copy(p))
+            added += _is_inserted(p)
+            continue
         node = _copy(mine)  # keeps attributes and payload markers; takes ORT's wiring
         node.input[:] = p.input
         node.output[:] = p.output
@@ -204,19 +215,30 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto) -> int:
     constants = [n for n in g.node if id(n) not in matched and n.op_type == "Constant" and
                  all(o in probe_inits for o in n.output)]
     dropped = [n for n in g.node if id(n) not in matched and not any(n is c for c in constants)]
-    if any(n.op_type != "Cast" for n in dropped):  # ORT only ever drops Casts it made redundant
-        raise NotAdoptable(f"onnxruntime dropped a {dropped[0].op_type} node")
+    if any(_has_payload(n) for n in dropped):
+        raise NotAdoptable("onnxruntime replaced a node that holds a payload")
     new_nodes = [_copy(c) for c in constants] + new_nodes
+    # Constants of expanded function bodies, which ORT made initializers: small, with their bytes inline.
+    known = {t.name for t in g.initializer} | {o for c in constants for o in c.output}
+    new_inits = [t for t in probe.initializer if t.name not in known]
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in new_inits):
+        raise NotAdoptable("onnxruntime added an initializer backed by the probe's stand-in data")
     check = onnx.GraphProto()
     check.CopyFrom(g)
     del check.node[:]
     check.node.extend(new_nodes)
+    check.initializer.extend(new_inits)
     defined = _defined(check)
     missing = next((i for n in new_nodes for i in n.input if i not in defined), None)
     if missing is not None:
         raise NotAdoptable(f"value {missing!r} is used but not defined after adoption")
+    have = {o.domain for o in model.opset_import}
+    for domain, version in (opsets or {}).items():
+        if domain not in have:
+            model.opset_import.add(domain=domain, version=version)
     del g.node[:]
     g.node.extend(new_nodes)
+    g.initializer.extend(new_inits)
     produced = {o for n in new_nodes for o in n.output}
     del g.value_info[:]
     g.value_info.extend(v for v in probe.value_info if v.name in produced)
@@ -248,7 +270,7 @@ def unpack_for_cpu(model: onnx.ModelProto, refs: list[TensorRef], src: Path, not
     """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header."""
     probe = run_probe(model, refs, src)
     try:
-        added = adopt_inserted_casts(model, probe.graph)
+        added = adopt_inserted_casts(model, probe.graph, probe.opsets)
     except NotAdoptable as e:
         notes.append(f"--unpack ort-cpu: left as it is: {e}")
         return {}
