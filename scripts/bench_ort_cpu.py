@@ -102,7 +102,7 @@ def make_cnn(path: Path) -> Path:
 
     c, layers, hw = 512, 4, 8
     rng = np.random.default_rng(0)
-    f32 = lambda *s: (rng.standard_normal(s) / 32).astype(np.float32)  # noqa: E731
+    f32 = lambda *s: (rng.standard_normal(s) / 32).astype(np.float32)
     nodes, inits, x = [], [], "x"
     for i in range(layers):
         inits += [nh.from_array(f32(c, c, 3, 3), f"cw{i}"), nh.from_array(f32(c), f"cb{i}")]
@@ -202,7 +202,8 @@ def bench_model(label: str, src: Path, work: Path, width: int, levels: list[str]
             print(f"{level:8s} prepack={'off' if share else 'on ':3s} PSS 1/4/8 original "
                   f"{'/'.join(str(o['pss'][str(n)]) for n in SESSIONS)} MiB (4/1 = "
                   f"{o['pss']['4'] / o['pss']['1']:.2f}x), converted "
-                  f"{'/'.join(str(c['pss'][str(n)]) for n in SESSIONS)} MiB (4/1 = {c['pss']['4'] / c['pss']['1']:.2f}x);"
+                  f"{'/'.join(str(c['pss'][str(n)]) for n in SESSIONS)} MiB "
+                  f"(4/1 = {c['pss']['4'] / c['pss']['1']:.2f}x);"
                   f" latency b1 {o['latency_ms']['1']} -> {c['latency_ms']['1']} ms, b16 {o['latency_ms']['16']} -> "
                   f"{c['latency_ms']['16']} ms; outputs bit-identical: {same}", flush=True)
             result["runs"].append(row)
@@ -215,7 +216,8 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ws-ortcpu"))
-    ap.add_argument("--sizes", default="64,256,1024", help="MLP sizes in MiB of fp16 weights (sessions measured up to 64)")
+    ap.add_argument("--sizes", default="64,256,1024",
+                    help="MLP sizes in MiB of fp16 weights (sessions are measured up to 64)")
     ap.add_argument("--no-cnn", action="store_true")
     ap.add_argument("--json", type=Path, help="also write all figures to this file")
     args = ap.parse_args()

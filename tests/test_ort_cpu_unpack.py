@@ -50,7 +50,7 @@ def mlp_fp32(d: int = 64, layers: int = 3, seed: int = 0) -> onnx.ModelProto:
 def cnn_fp32(c: int = 8, seed: int = 0) -> onnx.ModelProto:
     """Conv + Relu twice, then Reshape and MatMul + Add: the 'small CNN (Conv + MatMul)' of the issue."""
     rng = np.random.default_rng(seed)
-    f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)  # noqa: E731
+    f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)
     inits = [nh.from_array(f32(c, 3, 3, 3), "cw0"), nh.from_array(f32(c), "cb0"),
              nh.from_array(f32(c, c, 3, 3), "cw1"), nh.from_array(f32(c), "cb1"),
              nh.from_array(np.array([0, -1], np.int64), "shape"), nh.from_array(f32(c * 64, 10), "fw"),
@@ -65,7 +65,7 @@ def cnn_fp32(c: int = 8, seed: int = 0) -> onnx.ModelProto:
 def attention_fp32(d: int = 32, vocab: int = 50, seed: int = 0) -> onnx.ModelProto:
     """Gather + LayerNorm + self-attention: fp16 Softmax has no CPU kernel, so ORT expands its function body."""
     rng = np.random.default_rng(seed)
-    f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)  # noqa: E731
+    f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)
     inits = [nh.from_array(f32(vocab, d), "emb"), nh.from_array(np.ones(d, np.float32), "g"),
              nh.from_array(np.zeros(d, np.float32), "beta"), nh.from_array(f32(d, d), "wq"),
              nh.from_array(f32(d, d), "wk"), nh.from_array(f32(d, d), "wv"), nh.from_array(f32(d), "bo")]

@@ -117,9 +117,9 @@ def convert(
     keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
                                      "typed protobuf fields as they are."),
     unpack: List[str] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a constant "
-                                "sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 weights as the fp32 "
-                                "copies ONNX Runtime's CPU provider makes per session; CPU-specific, a GPU provider "
-                                "would run fp16). 'int8' is accepted but not implemented yet."),
+                                "sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 weights as the "
+                                "fp32 copies ONNX Runtime's CPU provider makes per session; CPU-specific, a GPU "
+                                "provider would run fp16). 'int8' is accepted but not implemented yet."),
     external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
                                   "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
                                   "Interpreter does not."),

@@ -55,8 +55,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     names = {i: site.name for i, site in sites.items()}  # before folding renames them
     pristine = onnx.ModelProto()
     pristine.CopyFrom(model)  # the probe needs the graph before the fold below rewrites it
-    folded, _ = fold_fp16_casts(model, sites)
-    inv.notes += inventory_notes(pristine, refs, folded, path)  # on this private copy: tells which Casts ORT would fold per session
+    folded, _ = fold_fp16_casts(model, sites)  # on this private copy: tells which Casts ORT would fold per session
+    inv.notes += inventory_notes(pristine, refs, folded, path)
     placements = plan(refs, sites, folded, shape_tensor_names(model), ConvertOptions())
     external_files = set()
     for p in placements:

@@ -133,8 +133,8 @@ def run_probe(skeleton: onnx.ModelProto, refs: list[TensorRef], src: Path) -> Pr
         out = Path(tmp) / "optimized.onnx"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
         try:
-            proc = subprocess.run([sys.executable, "-c", _CHILD, str(probe_path), str(out)], capture_output=True, check=False,
-                                  text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd=tmp)
+            proc = subprocess.run([sys.executable, "-c", _CHILD, str(probe_path), str(out)], capture_output=True,
+                                  check=False, text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd=tmp)
         except subprocess.TimeoutExpired:
             raise InvalidModel(f"onnxruntime did not load the model within {PROBE_TIMEOUT_S} s", src) from None
         if proc.returncode != 0:
@@ -279,8 +279,9 @@ def unpack_for_cpu(model: onnx.ModelProto, refs: list[TensorRef], src: Path, not
         return {}
     on_weights = len(probe.cast_initializers())
     notes.append(f"--unpack ort-cpu: adopted {added} Cast(s) onnxruntime {probe.version} CPU inserts per session "
-                 f"({on_weights} on initializers, folded to fp32 below); CPU-specific: a GPU provider would have "
-                 f"run the fp16 graph natively (probe child peak RSS {probe.child_peak_rss_mib:.0f} MiB)")
+                 f"({on_weights} on initializers, stored as fp32 where a Cast is their only consumer); "
+                 "CPU-specific: a GPU provider would have run the fp16 graph natively "
+                 f"(probe child peak RSS {probe.child_peak_rss_mib:.0f} MiB)")
     return {"weightshare.unpack": "ort-cpu", "weightshare.onnxruntime": probe.version}
 
 
@@ -300,6 +301,7 @@ def inventory_notes(model: onnx.ModelProto, refs: list[TensorRef], folded: set[i
     n, nbytes = _cast_bytes(model, refs, probe)
     if not n:
         return []
-    return [f"onnxruntime {probe.version} (CPU provider) casts {n} fp16 initializers to a private fp32 copy "
+    note = (f"onnxruntime {probe.version} (CPU provider) casts {n} fp16 initializers to a private fp32 copy "
             f"per session ({nbytes / (1 << 20):.1f} MiB); `weightshare convert --unpack ort-cpu` makes that copy "
-            "once, in the blob (CPU-specific)"]
+            "once, in the blob (CPU-specific)")
+    return [note]
