@@ -269,3 +269,18 @@ def test_inspect_reports_the_per_session_cast_and_suggests_the_flag(tmp_path, cl
     assert any("casts 4 fp16 initializers" in n and "--unpack ort-cpu" in n for n in notes), notes
     out = model_out(weightshare.convert(src, tmp_path / "out", ORT_CPU))
     assert not any("--unpack ort-cpu" in n for n in inventory(out).notes)
+
+
+def test_probe_model_holds_no_weight_bytes(tmp_path):
+    """The probe stand-in keeps big payloads out: they map a sparse file of zeros, so the probe is flat in size."""
+    from weightshare.formats.onnx.convert import load_skeleton
+    from weightshare.formats.onnx.ortcpu import ZEROS, write_probe_model
+    from weightshare.formats.onnx.scan import scan_model
+
+    src = save(to_fp16(mlp_fp32(d=512, layers=2)), tmp_path / "m.onnx")  # 2 x 512 KiB fp16 weights
+    skeleton, refs = scan_model(src)
+    (tmp_path / "probe").mkdir()
+    probe = write_probe_model(load_skeleton(skeleton, src), refs, tmp_path / "probe")
+    assert probe.stat().st_size < 16 << 10
+    zeros = tmp_path / "probe" / ZEROS
+    assert zeros.stat().st_size == 512 * 512 * 2 and zeros.stat().st_blocks * 512 < zeros.stat().st_size  # a hole
