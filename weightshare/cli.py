@@ -179,7 +179,9 @@ def convert(
     keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
                                      "typed protobuf fields as they are."),
     unpack: List[str] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a constant "
-                                "sparse tensor becomes a dense constant). 'int8' is accepted but not implemented yet."),
+                                "sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 weights as the "
+                                "fp32 copies ONNX Runtime's CPU provider makes per session; CPU-specific, a GPU "
+                                "provider would run fp16). 'int8' is accepted but not implemented yet."),
     external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
                                   "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
                                   "Interpreter does not."),
@@ -214,9 +216,11 @@ def convert(
                               progress_total=total, blob_grace_s=blob_grace)
 
     with user_errors():
-        unknown = set(unpack) - {"sparse", "int8"}
+        unknown = set(unpack) - {"sparse", "int8", "ort-cpu"}
         if unknown:
-            fail(f"unknown --unpack value {', '.join(sorted(unknown))} (known: sparse, int8)")
+            fail(f"unknown --unpack value {', '.join(sorted(unknown))} (known: sparse, int8, ort-cpu)")
+        if "ort-cpu" in unpack and keep_packed:
+            fail("--unpack ort-cpu and --keep-packed exclude each other")
         if shared_blob is not None:
             if blob is not None:
                 fail("--blob and --shared-blob exclude each other")

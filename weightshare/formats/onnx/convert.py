@@ -29,6 +29,7 @@ from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, 
 from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
+from .ortcpu import ORT_CPU, unpack_for_cpu
 from .scan import TensorRef, scan_model
 
 
@@ -178,12 +179,16 @@ def _read_wire(ref: TensorRef) -> bytes:
 def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     """scan + fold + plan: everything but writing. Holds the skeleton, never a payload."""
     report = ConversionReport(model=str(src), format="onnx")
-    if options.unpack:
-        report.notes.append(f"--unpack {','.join(sorted(options.unpack))} is not implemented for ONNX; "
+    other = options.unpack - {ORT_CPU}
+    if other:
+        report.notes.append(f"--unpack {','.join(sorted(other))} is not implemented for ONNX; "
                             "DequantizeLinear and sparse tensors were kept as they are")
     skeleton, refs = scan_model(src)
     model = load_skeleton(skeleton, src)
     del skeleton
+    blob_metadata = {}
+    if ORT_CPU in options.unpack and not options.keep_packed:  # before the fold, which then folds ORT's Casts
+        blob_metadata = unpack_for_cpu(model, refs, src, report.notes)
     sites = collect_sites(model)
     folded: set[int] = set()
     if not options.keep_packed:
@@ -220,7 +225,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             f.write(model.SerializeToString())
         return [out_model]
 
-    return PreparedModel(report, payloads, emit)
+    return PreparedModel(report, payloads, emit, extra={"blob_metadata": blob_metadata} if blob_metadata else {})
 
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:

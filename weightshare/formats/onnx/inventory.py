@@ -23,6 +23,8 @@ import math
 import os
 from pathlib import Path
 
+import onnx
+
 from ...blob import recorded_checksums
 from ...errors import UnsafePath, WeightshareError
 from ...findings import Code, problem_code
@@ -33,6 +35,7 @@ from . import dtypes
 from .convert import load_skeleton, plan
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
+from .ortcpu import inventory_notes
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 
@@ -111,7 +114,10 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     model = load_skeleton(skeleton, path)
     sites = collect_sites(model)
     names = {i: site.name for i, site in sites.items()}  # before folding renames them
+    pristine = onnx.ModelProto()
+    pristine.CopyFrom(model)  # the probe needs the graph before the fold below rewrites it
     folded, _ = fold_fp16_casts(model, sites)  # on this private copy: tells which Casts ORT would fold per session
+    inv.notes += inventory_notes(pristine, refs, folded, path)
     placements = plan(refs, sites, folded, shape_tensor_names(model), ConvertOptions())
     external_files = set()
     inv.settings = [ORT_SHARE, ORT_DEFAULT]

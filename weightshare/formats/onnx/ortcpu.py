@@ -1,0 +1,307 @@
+"""``--unpack ort-cpu``: make once, in the file, the fp16 -> fp32 Casts ONNX Runtime's CPU provider inserts per session.
+
+Models from ``onnxconverter_common.float16.convert_float_to_float16`` feed fp16 weights straight into MatMul/Conv/
+Gemm. The CPU provider has no fp16 kernel for many ops, so at every session creation its InsertCastTransformer puts
+``Cast(fp16 -> float)`` nodes (``InsertedPrecisionFreeCast_*``) in front of them and each session ends up with a
+private fp32 copy of the weights. Which Casts ORT inserts changes with its kernel set, so we ask ORT itself:
+
+1. probe: a small stand-in of the model (the skeleton; big payloads point at one sparse file of zeros, small ones
+   carry their real bytes since kernels and shape inference may read them) is loaded by ORT at ORT_DISABLE_ALL in a
+   child process with ``optimized_model_filepath``. The saved graph is exactly what the CPU provider runs: the
+   model's nodes with the inserted Casts, no other rewrite. The child maps the zeros and never touches them, so the
+   probe costs the same for a 64 MiB and a 1 GiB model, and an ORT crash on a hostile file cannot take us down.
+2. adopt: the probe graph's nodes replace the skeleton's (matched by output name, so the skeleton's nodes keep their
+   payload markers), then the ordinary fold (``fold_fp16_casts``) stores the Cast-fed initializers as fp32.
+
+The result is CPU-specific: a GPU provider would have run the fp16 graph natively.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from ...errors import InvalidModel, UsageError
+from ...tensors import read_all
+from . import dtypes
+from .graph import collect_sites, subgraphs
+from .scan import REF_KEY, TensorRef
+
+ORT_CPU = "ort-cpu"  # the --unpack value
+PREFIX = "InsertedPrecisionFreeCast_"
+# Payloads up to this size keep their real bytes in the probe (shape tensors, pads, scales that kernels or shape
+# inference read); larger ones are stand-ins mapped from the zeros file, never read at ORT_DISABLE_ALL.
+REAL_BYTES_MAX = 64 << 10
+ZEROS = "zeros.bin"
+PROBE_TIMEOUT_S = 600
+
+# Runs in a fresh interpreter that imports nothing of ours: ORT loads the probe and saves what it would run.
+_CHILD = r"""
+import json, resource, sys
+import onnxruntime as ort
+so = ort.SessionOptions()
+so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+so.optimized_model_filepath = sys.argv[2]
+so.add_session_config_entry("session.disable_prepacking", "1")
+so.log_severity_level = 3
+try:
+    ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+except Exception as e:
+    print(" ".join(str(e).split())[:300], file=sys.stderr)
+    sys.exit(3)
+print(json.dumps({"version": ort.__version__,
+                  "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+@dataclass
+class Probe:
+    """What ORT's CPU provider would run, as saved by ORT itself."""
+
+    graph: onnx.GraphProto
+    opsets: dict[str, int]  # domain -> version, as ORT saved them (function bodies may bring new domains)
+    version: str  # onnxruntime version that answered
+    child_peak_rss_mib: float
+
+    def cast_initializers(self) -> list[str]:
+        """Names of initializers ORT casts fp16 -> float per session (a private fp32 copy each)."""
+        inits = {t.name for t in self.graph.initializer}
+        return [n.input[0] for n in self.graph.node if _is_inserted(n) and n.input[0] in inits and _to_float(n)]
+
+
+def onnxruntime_version() -> str | None:
+    try:
+        return metadata.version("onnxruntime")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _is_inserted(node: onnx.NodeProto) -> bool:
+    return node.op_type == "Cast" and node.name.startswith(PREFIX) and len(node.input) == 1
+
+
+def _to_float(node: onnx.NodeProto) -> bool:
+    return any(a.name == "to" and a.i == dtypes.FLOAT for a in node.attribute)
+
+
+def _stand_in(tensor: onnx.TensorProto, ref: TensorRef, real: bool) -> int:
+    """Give one cut-out payload a body ORT accepts; returns the bytes it maps from the zeros file."""
+    del tensor.external_data[:]
+    tensor.ClearField("data_location")
+    if ref.data_type == dtypes.STRING:
+        raise InvalidModel("--unpack ort-cpu: string tensors are not supported", ref.path)
+    nbytes = ref.native_nbytes
+    if real or nbytes <= REAL_BYTES_MAX:
+        tensor.raw_data = read_all(ref.native_source())
+        return 0
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    for key, value in (("location", ZEROS), ("offset", "0"), ("length", str(nbytes))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+    return nbytes
+
+
+def write_probe_model(skeleton: onnx.ModelProto, refs: list[TensorRef], directory: Path) -> Path:
+    probe = onnx.ModelProto()
+    probe.CopyFrom(skeleton)
+    by_index = {r.index: r for r in refs}
+    zeros = 0
+    for index, site in collect_sites(probe).items():
+        # ORT densifies sparse initializers at load: zero indices could be refused, so they keep their bytes.
+        zeros = max(zeros, _stand_in(site.tensor, by_index[index], real=site.kind.startswith("sparse")))
+    with open(directory / ZEROS, "wb") as f:
+        f.truncate(zeros)  # a hole: no disk, and ORT maps it without reading
+    path = directory / "probe.onnx"
+    path.write_bytes(probe.SerializeToString())
+    return path
+
+
+def run_probe(skeleton: onnx.ModelProto, refs: list[TensorRef], src: Path) -> Probe:
+    if onnxruntime_version() is None:
+        raise UsageError("--unpack ort-cpu needs onnxruntime installed (pip install onnxruntime)", src)
+    with tempfile.TemporaryDirectory(prefix="weightshare-ortcpu-") as tmp:
+        probe_path = write_probe_model(skeleton, refs, Path(tmp))
+        out = Path(tmp) / "optimized.onnx"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
+        try:
+            proc = subprocess.run([sys.executable, "-c", _CHILD, str(probe_path), str(out)], capture_output=True,
+                                  check=False, text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd=tmp)
+        except subprocess.TimeoutExpired:
+            raise InvalidModel(f"onnxruntime did not load the model within {PROBE_TIMEOUT_S} s", src) from None
+        if proc.returncode != 0:
+            why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            raise InvalidModel(f"onnxruntime (CPU) cannot load the model: {why}", src)
+        answer = json.loads(proc.stdout.strip().splitlines()[-1])
+        optimized = onnx.ModelProto()
+        try:
+            optimized.ParseFromString(out.read_bytes())
+        except (DecodeError, OSError) as e:  # ORT wrote it; a failure here is ours to report plainly
+            raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
+    opsets = {o.domain: o.version for o in optimized.opset_import}
+    return Probe(optimized.graph, opsets, answer["version"], answer["peak_rss_mib"])
+
+
+class NotAdoptable(Exception):
+    """The probe graph cannot be mapped onto the skeleton; the model is left as it is."""
+
+
+def _strip(name: str) -> str:
+    return name.removeprefix(PREFIX)
+
+
+def _defined(graph: onnx.GraphProto) -> set[str]:
+    names = {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    names |= {sp.values.name for sp in graph.sparse_initializer}
+    names |= {o for n in graph.node for o in n.output}
+    return names | {""}
+
+
+def _has_payload(node: onnx.NodeProto) -> bool:
+    tensors = [t for a in node.attribute for t in ([a.t] if a.HasField("t") else []) + list(a.tensors)]
+    return any(e.key == REF_KEY for t in tensors for e in t.external_data) or any(
+        a.HasField("sparse_tensor") or a.sparse_tensors for a in node.attribute)
+
+
+def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
+    new = onnx.NodeProto()
+    new.CopyFrom(node)
+    return new
+
+
+def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets: dict[str, int] | None = None) -> int:
+    """Rewrite ``model``'s main graph into the probe's (inserted Casts, fp32 outputs). Returns Casts added.
+
+    Nodes are matched by output name (ORT renames an output X it turns fp32 into ``InsertedPrecisionFreeCast_X``);
+    probe nodes without a match (inserted Casts, bodies of function ops ORT expanded) are copied in. Raises
+    NotAdoptable (``model`` untouched) when the result would not be a sound graph.
+    """
+    g = model.graph
+    if not any(_is_inserted(p) for p in probe.node):
+        return 0  # nothing to do: leave the graph exactly as it was
+    if model.functions or any(True for n in g.node for _ in subgraphs(n)):
+        raise NotAdoptable("the model has local functions or subgraphs (ORT inlines or rewrites them)")
+    if [v.name for v in g.input] != [v.name for v in probe.input] or \
+            [v.name for v in g.output] != [v.name for v in probe.output]:
+        raise NotAdoptable("onnxruntime changed the graph inputs or outputs")
+    ours = {tuple(n.output): n for n in g.node}
+    names = {n.name for n in g.node if n.name}
+    probe_inits = {t.name for t in probe.initializer}
+    new_nodes: list[onnx.NodeProto] = []
+    matched: set[int] = set()
+    added = 0
+    for p in probe.node:
+        mine = ours.get(tuple(_strip(o) for o in p.output))
+        if (_is_inserted(p) and p.name not in names) or mine is None or \
+                (mine.op_type, mine.domain) != (p.op_type, p.domain):
+            # A Cast ORT inserted, or a node of a function body ORT expanded for want of an fp16 kernel.
+            new_nodes.append(_copy(p))
+            added += _is_inserted(p)
+            continue
+        node = _copy(mine)  # keeps attributes and payload markers; takes ORT's wiring
+        node.input[:] = p.input
+        node.output[:] = p.output
+        new_nodes.append(node)
+        matched.add(id(mine))
+    # ORT turns Constant nodes into initializers; keep ours (they carry the payload markers), in front.
+    constants = [n for n in g.node if id(n) not in matched and n.op_type == "Constant" and
+                 all(o in probe_inits for o in n.output)]
+    dropped = [n for n in g.node if id(n) not in matched and not any(n is c for c in constants)]
+    if any(_has_payload(n) for n in dropped):
+        raise NotAdoptable("onnxruntime replaced a node that holds a payload")
+    new_nodes = [_copy(c) for c in constants] + new_nodes
+    # Constants of expanded function bodies, which ORT made initializers: small, with their bytes inline.
+    known = {t.name for t in g.initializer} | {o for c in constants for o in c.output}
+    new_inits = [t for t in probe.initializer if t.name not in known]
+    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in new_inits):
+        raise NotAdoptable("onnxruntime added an initializer backed by the probe's stand-in data")
+    check = onnx.GraphProto()
+    check.CopyFrom(g)
+    del check.node[:]
+    check.node.extend(new_nodes)
+    check.initializer.extend(new_inits)
+    defined = _defined(check)
+    missing = next((i for n in new_nodes for i in n.input if i not in defined), None)
+    if missing is not None:
+        raise NotAdoptable(f"value {missing!r} is used but not defined after adoption")
+    have = {o.domain for o in model.opset_import}
+    for domain, version in (opsets or {}).items():
+        if domain not in have:
+            model.opset_import.add(domain=domain, version=version)
+    del g.node[:]
+    g.node.extend(new_nodes)
+    g.initializer.extend(new_inits)
+    produced = {o for n in new_nodes for o in n.output}
+    del g.value_info[:]
+    g.value_info.extend(v for v in probe.value_info if v.name in produced)
+    return added
+
+
+def ort_cpu_cast_bytes(model_path: Path) -> tuple[int, int]:
+    """(initializers, fp32 bytes) that ORT's CPU provider casts fp16 -> float into a private copy per session.
+
+    Runs the probe (onnxruntime in a child process); raises UsageError without onnxruntime, InvalidModel when
+    ORT cannot load the model.
+    """
+    from .convert import load_skeleton
+    from .scan import scan_model
+
+    skeleton, refs = scan_model(model_path)
+    model = load_skeleton(skeleton, model_path)
+    return _cast_bytes(model, refs, run_probe(model, refs, model_path))
+
+
+def _cast_bytes(model: onnx.ModelProto, refs: list[TensorRef], probe: Probe) -> tuple[int, int]:
+    by_index = {r.index: r for r in refs}
+    dims = {site.name: by_index[i].dims for i, site in collect_sites(model).items() if site.kind == "initializer"}
+    names = probe.cast_initializers()
+    return len(names), sum(dtypes.element_count(dims[n]) * 4 for n in names if n in dims)
+
+
+def unpack_for_cpu(model: onnx.ModelProto, refs: list[TensorRef], src: Path, notes: list[str]) -> dict[str, str]:
+    """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header."""
+    probe = run_probe(model, refs, src)
+    try:
+        added = adopt_inserted_casts(model, probe.graph, probe.opsets)
+    except NotAdoptable as e:
+        notes.append(f"--unpack ort-cpu: left as it is: {e}")
+        return {}
+    if not added:
+        notes.append(f"--unpack ort-cpu: onnxruntime {probe.version} CPU inserts no Cast in this model")
+        return {}
+    on_weights = len(probe.cast_initializers())
+    notes.append(f"--unpack ort-cpu: adopted {added} Cast(s) onnxruntime {probe.version} CPU inserts per session "
+                 f"({on_weights} on initializers, stored as fp32 where a Cast is their only consumer); "
+                 "CPU-specific: a GPU provider would have run the fp16 graph natively "
+                 f"(probe child peak RSS {probe.child_peak_rss_mib:.0f} MiB)")
+    return {"weightshare.unpack": "ort-cpu", "weightshare.onnxruntime": probe.version}
+
+
+def inventory_notes(model: onnx.ModelProto, refs: list[TensorRef], folded: set[int], src: Path) -> list[str]:
+    """For ``inspect``/``check``: what ORT's CPU provider casts per session, and the flag that makes it once.
+
+    Runs the probe only for models with fp16/bf16 payloads that no explicit Cast fold covers, and only when
+    onnxruntime is installed; ``model`` must be the skeleton before any fold.
+    """
+    half = [r for r in refs if r.data_type in (dtypes.FLOAT16, dtypes.BFLOAT16) and r.index not in folded]
+    if not half or onnxruntime_version() is None:
+        return []
+    try:
+        probe = run_probe(model, refs, src)
+    except InvalidModel as e:
+        return [f"could not ask onnxruntime which Casts its CPU provider inserts: {e.message}"]
+    n, nbytes = _cast_bytes(model, refs, probe)
+    if not n:
+        return []
+    note = (f"onnxruntime {probe.version} (CPU provider) casts {n} fp16 initializers to a private fp32 copy "
+            f"per session ({nbytes / (1 << 20):.1f} MiB); `weightshare convert --unpack ort-cpu` makes that copy "
+            "once, in the blob (CPU-specific)")
+    return [note]
