@@ -1,0 +1,100 @@
+"""Converted outputs are pinned byte for byte: the copy/hash/IO paths may change, the bytes may not.
+
+The digests were computed with the code of main at cc54cfd (before the conversion fast paths). The ONNX
+model is pinned with its blob location replaced by a placeholder, because blob names are allowed to change.
+"""
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto as T, helper as h, numpy_helper as nh
+
+import weightshare
+from onnx_fixtures import kitchen_sink
+from tflite_fixtures import sample_model
+
+N = 1_500_000  # 6 MiB as fp32: more than one 4 MiB chunk, so chunk boundaries are exercised
+
+
+def _external(t: onnx.TensorProto, data: Path, location: str) -> onnx.TensorProto:
+    with open(data, "ab") as f:
+        offset = f.tell()
+        f.write(t.raw_data)
+    length = len(t.raw_data)
+    t.ClearField("raw_data")
+    t.data_location = T.EXTERNAL
+    for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    return t
+
+
+def big_model(directory: Path) -> Path:
+    """fp32 raw inline, fp32 external (twice, identical: dedupe), fp16 behind Cast, odd-sized payloads."""
+    data = directory / "big.data"
+    data.write_bytes(b"\x01" * 4097)  # external payloads start at an odd offset
+    ramp = (np.arange(N, dtype=np.float32) % 1013) / 7
+    inits = [
+        nh.from_array(ramp, "raw32"),
+        _external(nh.from_array(ramp[::-1].copy(), "ext32"), data, "big.data"),
+        _external(nh.from_array(ramp[::-1].copy(), "ext32b"), data, "big.data"),
+        nh.from_array((ramp / 3).astype(np.float16), "w16"),
+        nh.from_array(np.arange(1001, dtype=np.float32), "odd"),
+    ]
+    nodes = [h.make_node("Cast", ["w16"], ["w16f"], to=T.FLOAT),
+             h.make_node("Add", ["x", "raw32"], ["a"]), h.make_node("Add", ["a", "ext32"], ["b"]),
+             h.make_node("Add", ["b", "ext32b"], ["c"]), h.make_node("Add", ["c", "w16f"], ["y"])]
+    graph = h.make_graph(nodes, "big", [h.make_tensor_value_info("x", T.FLOAT, [N])],
+                         [h.make_tensor_value_info("y", T.FLOAT, [N])], inits)
+    path = directory / "big.onnx"
+    onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def _onnx_digests(report) -> tuple[str, str]:
+    model = next(Path(p) for p in report.outputs if p.endswith(".onnx"))
+    blob = next(Path(p) for p in report.outputs if not p.endswith(".onnx"))
+    m = onnx.load(str(model), load_external_data=False)
+    for t in _tensors(m.graph):
+        for e in t.external_data:
+            if e.key == "location":
+                assert e.value == blob.name
+                e.value = "BLOB"
+    return hashlib.sha256(m.SerializeToString()).hexdigest(), hashlib.sha256(blob.read_bytes()).hexdigest()
+
+
+def _tensors(graph):
+    yield from graph.initializer
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            for sub in list(a.graphs) + ([a.g] if a.HasField("g") else []):
+                yield from _tensors(sub)
+
+
+def test_onnx_kitchen_sink_bytes_are_pinned(tmp_path):
+    (tmp_path / "in").mkdir()
+    report = weightshare.convert(kitchen_sink(tmp_path / "in", seed=3), tmp_path / "out")
+    assert _onnx_digests(report) == (
+        "449fd9535fa9a3f2292f43163b84e9423b60b361a75134bde6233718dd305666",
+        "5415e888d6ff254e6e5d98b9cdd83924c7c45fa024da8b29bdd7605e7592564a",
+    )
+
+
+def test_onnx_multi_chunk_payload_bytes_are_pinned(tmp_path):
+    (tmp_path / "in").mkdir()
+    report = weightshare.convert(big_model(tmp_path / "in"), tmp_path / "out")
+    assert _onnx_digests(report) == (GOLDEN_BIG_MODEL, GOLDEN_BIG_BLOB)
+
+
+def test_tflite_bytes_are_pinned(tmp_path):
+    report = weightshare.convert(sample_model(tmp_path / "t.tflite", seed=2, fc_out=256), tmp_path / "out")
+    assert [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in report.outputs] == [
+        "e89dc47aaa65369ae9e8725b1d3d4604cf99e64a25da669253debc81dd050502"]
+
+
+GOLDEN_BIG_MODEL = "60e7295ff6b2bedb5b480a302f343d9667745290c7cb0563df5e5043ae171858"
+GOLDEN_BIG_BLOB = "8751e94b2970fb7eac6cc621655ef039891b4700c560428e5e744d83a18481c9"
