@@ -9,11 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto as T, helper as h, numpy_helper as nh
-
-import weightshare
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
 from onnx_fixtures import kitchen_sink
 from tflite_fixtures import sample_model
+
+import weightshare
 
 N = 1_500_000  # 6 MiB as fp32: more than one 4 MiB chunk, so chunk boundaries are exercised
 

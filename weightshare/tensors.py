@@ -19,7 +19,6 @@ import os
 import stat
 import weakref
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
@@ -47,7 +46,7 @@ class InputFile:
     tensors share one ``InputFile``, so none of them owns it).
     """
 
-    __slots__ = ("fd", "path", "size", "_closer", "__weakref__")
+    __slots__ = ("__weakref__", "_closer", "fd", "path", "size")
 
     def __init__(self, fd: int, path: str, size: int):
         self.fd, self.path, self.size = fd, path, size
