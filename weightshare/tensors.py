@@ -19,9 +19,10 @@ import os
 import stat
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np  # imported where used: `weightshare --help` and `check` need no numpy
 
 from .errors import InvalidModel, UnsafePath
 
@@ -284,6 +285,8 @@ def fp16_to_fp32(chunk: memoryview, out: memoryview | None = None) -> np.ndarray
     """IEEE half to single: exact for every value, NaN payloads and signed zeros kept.
 
     With ``out`` (a writable buffer of 2x the chunk's bytes) the result is written there."""
+    import numpy as np
+
     src = np.frombuffer(chunk, dtype="<f2")
     if out is None:
         return src.astype("<f4")
@@ -294,6 +297,8 @@ def fp16_to_fp32(chunk: memoryview, out: memoryview | None = None) -> np.ndarray
 
 def bf16_to_fp32(chunk: memoryview, out: memoryview | None = None) -> np.ndarray:
     """bfloat16 is the top half of a float32: shifting the bits is exact."""
+    import numpy as np
+
     src = np.frombuffer(chunk, dtype="<u2")
     if out is None:
         return src.astype("<u4") << np.uint32(16)
