@@ -117,7 +117,7 @@ def size_label(nbytes: int) -> str:
 
 
 def case_unpack(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
-    layers = max(1, round(128 * scale))  # 2048x2048 fp16: 8 MiB a layer
+    layers = max(1, round(64 * scale))  # 2048x2048 fp16: 8 MiB a layer
     d = fresh(work / "unpack")
     model = mlp_onnx(d / "model.onnx", layers=layers, dim=2048, weights="float16")
     fp16 = model.stat().st_size

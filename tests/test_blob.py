@@ -97,3 +97,64 @@ def test_chunked_fp16_and_bf16_conversion_matches_numpy(data, chunk):
     out = b"".join(bytes(c) for c in src.chunks(chunk))
     expect = (np.frombuffer(data, "<u2").astype("<u4") << 16).tobytes()
     assert out == expect
+
+
+# The header is built as text, piece by piece (100,000s of tensors); these references are the dict + json.dumps
+# forms it replaced, and the bytes must stay the same.
+def _reference_bound(planned) -> int:
+    import json
+
+    big = 10 ** 20 - 1
+    tensors = {}
+    for i, t in enumerate(planned):
+        tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape), "data_offsets": [big, big]}
+        tensors[f"__pad__{big}{i}"] = {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}
+    worst = {t.st_name: {"sha256": "0" * 64, "aliases": [t.st_name]} for t in planned}
+    tensors["__metadata__"] = {"format": "weightshare", "weightshare.payloads": json.dumps(worst, separators=(",", ":"))}
+    return len(json.dumps(tensors, separators=(",", ":")).encode()) + 64
+
+
+def _reference_header(blob) -> bytes:
+    import json
+
+    tensors, meta, cursor = {}, {}, 0
+    for n_pad, stored in enumerate(sorted(blob._stored.values(), key=lambda s: s.entry.offset)):
+        begin = stored.entry.offset - blob.data_start
+        if begin > cursor:
+            tensors[f"__pad__{n_pad}"] = {"dtype": "U8", "shape": [begin - cursor], "data_offsets": [cursor, begin]}
+        t = stored.planned
+        tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape),
+                              "data_offsets": [begin, begin + stored.entry.nbytes]}
+        meta[t.st_name] = {"sha256": stored.entry.sha256, "aliases": stored.aliases}
+        cursor = begin + stored.entry.nbytes
+    tensors["__metadata__"] = {"format": "weightshare", "weightshare.payloads": json.dumps(meta, separators=(",", ":"))}
+    return json.dumps(tensors, separators=(",", ":")).encode()
+
+
+_names = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(['a"b', "c\\d", "\x00\n", "é€😀", ""])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_names, st.sampled_from(["float32", "float16", "int8", "weird"]),
+                          st.lists(st.integers(0, 70), max_size=3), st.booleans()), max_size=8))
+def test_header_text_equals_json_dumps_of_the_dict(tmp_path_factory, specs):
+    from weightshare.blob import SafetensorsBlob
+
+    planned, sources = [], []
+    for name, dtype, shape, dup in specs:
+        count = int(np.prod(shape)) if shape else 1
+        itemsize = {"float32": 4, "float16": 2, "int8": 1, "weird": 3}[dtype]
+        data = bytes([7]) * (count * itemsize) if dup else np.random.default_rng(len(planned)).bytes(count * itemsize)
+        planned.append(PlannedTensor(name, dtype, tuple(shape), len(data)))
+        sources.append(BytesSource(data))
+    path = tmp_path_factory.mktemp("h") / "b.safetensors"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        blob = SafetensorsBlob(fd, planned, AlignPolicy(large=1 << 12, threshold=100))
+        assert blob._header_bound(planned) == _reference_bound(planned)
+        for t, src in zip(planned, sources):
+            blob.add(t, src)
+        assert blob.header() == _reference_header(blob)
+        blob.finish()
+    finally:
+        os.close(fd)

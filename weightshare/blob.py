@@ -128,6 +128,7 @@ class BlobWriter:
         self.unique: list[BlobEntry] = []
         self.bytes_in = 0
         self.bytes_written = 0
+        self._wb_start = start  # first byte whose writeback has not been started
 
     def add(self, source: PayloadSource, tag: str = "", prefix_size: int = 0, prefix_align: int = 64,
             progress=None) -> BlobEntry:
@@ -149,6 +150,7 @@ class BlobWriter:
         if first is not None:
             # Drop the second copy: nothing after self.end has been claimed yet.
             os.ftruncate(self.fd, self.end)
+            self._wb_start = min(self._wb_start, self.end)
             return BlobEntry(first.offset, nbytes, first.sha256, first.prefix_offset, duplicate=True)
         entry = BlobEntry(offset, nbytes, sha256, prefix_offset)
         self._index[key] = entry
@@ -204,8 +206,8 @@ class BlobWriter:
                 rest = FileRange(source.path, source.offset + done, source.length - done, f)
                 for chunk in rest.chunks(self.chunk_size):
                     self._pwrite_all(chunk, offset + done)
-                    _start_writeback(self.fd, offset + done, len(chunk))
                     done += len(chunk)
+                    self._wrote(offset + done)
                     if progress is not None:
                         progress(len(chunk))
         finally:
@@ -232,8 +234,8 @@ class BlobWriter:
             if n == 0:
                 raise InvalidModel(f"file ended early at offset {source.offset + done} (expected data up to "
                                    f"{source.offset + source.length})", source.path)
-            _start_writeback(self.fd, offset + done, n)
             done += n
+            self._wrote(offset + done)
             if progress is not None:
                 progress(n)
         return done
@@ -241,7 +243,14 @@ class BlobWriter:
     def _consume(self, digest, data, pos: int) -> None:
         digest.update(data)
         self._pwrite_all(memoryview(data), pos)
-        _start_writeback(self.fd, pos, len(data))
+        self._wrote(pos + len(data))
+
+    def _wrote(self, end: int) -> None:
+        """Start writeback of what was written up to ``end`` once a chunk's worth has gathered: one
+        sync_file_range per chunk, not per payload (100,000s of small payloads)."""
+        if end - self._wb_start >= self.chunk_size:
+            _start_writeback(self.fd, self._wb_start, end - self._wb_start)
+            self._wb_start = end
 
     def _pwrite_all(self, data: memoryview, pos: int) -> None:
         try:
@@ -276,6 +285,10 @@ _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16":
              "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _OFFSET_DIGITS = 20  # enough for any uint64 offset
 METADATA_KEY = "weightshare.payloads"
+
+
+def _dumps(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
 
 
 @dataclass
@@ -348,14 +361,32 @@ class SafetensorsBlob:
 
     @staticmethod
     def _header_bound(planned: list[PlannedTensor]) -> int:
+        """Length of the header if every offset had 20 digits, a padding entry preceded every tensor and
+        no payload were a duplicate, plus 64. Computed piece by piece (the JSON text of 100,000s of tensors
+        is never built), equal to ``len(json.dumps(...))`` of that worst case (tests check both agree)."""
+        dumps = json.dumps
         big = 10 ** _OFFSET_DIGITS - 1
-        tensors = {}
+        value_base: dict[str, int] = {}  # dtype -> length of its entry value with an empty shape
+        pad_value = len(_dumps({"dtype": "U8", "shape": [big], "data_offsets": [big, big]}))
+        meta_item = len(_dumps({"sha256": "0" * 64, "aliases": []})) + 1  # + the ':' after the name
+        meta_item_quotes = _dumps({"sha256": "0" * 64, "aliases": []}).count('"')
+        total = 2 + 2 * len(planned)  # braces; one comma per entry but the first (2n + 1 entries)
+        inner, inner_escapes = 2 + max(0, len(planned) - 1), 0
         for i, t in enumerate(planned):
-            tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape), "data_offsets": [big, big]}
-            tensors[f"__pad__{big}{i}"] = {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}
-        worst = {t.st_name: {"sha256": "0" * 64, "aliases": [t.st_name]} for t in planned}
-        tensors["__metadata__"] = {"format": "weightshare", METADATA_KEY: json.dumps(worst, separators=(",", ":"))}
-        return len(json.dumps(tensors, separators=(",", ":")).encode()) + 64
+            name = dumps(t.st_name)
+            base = value_base.get(t.st_dtype)
+            if base is None:
+                base = value_base[t.st_dtype] = len(_dumps({"dtype": t.st_dtype, "shape": [],
+                                                            "data_offsets": [big, big]}))
+            shape = sum(len(str(d)) for d in t.st_shape) + max(0, len(t.st_shape) - 1)
+            total += len(name) + 1 + base + shape
+            total += 2 + 7 + _OFFSET_DIGITS + len(str(i)) + 1 + pad_value  # "__pad__<big><i>":{...}
+            inner += 2 * len(name) + meta_item
+            inner_escapes += 2 * (name.count('"') + name.count("\\")) + meta_item_quotes
+        # The metadata is a JSON string inside the JSON header: its quotes and backslashes get escaped.
+        outer = inner + 2 + inner_escapes
+        total += len('"__metadata__":') + len(_dumps({"format": "weightshare", METADATA_KEY: ""})) - 2 + outer
+        return total + 64
 
     def add(self, tensor: PlannedTensor, source: PayloadSource, progress=None) -> BlobEntry:
         if source.nbytes != tensor.nbytes:
@@ -376,20 +407,28 @@ class SafetensorsBlob:
         return self.writer.bytes_written
 
     def header(self) -> bytes:
-        tensors: dict[str, dict] = {}
-        meta: dict[str, dict] = {}
+        """The safetensors header: JSON text built entry by entry (same bytes as ``json.dumps`` of the
+        equivalent dict with separators ``,`` and ``:``; tests check both agree)."""
+        dumps = json.dumps
+        parts: list[str] = []
+        meta: list[str] = []
         cursor = 0
         for n_pad, stored in enumerate(sorted(self._stored.values(), key=lambda s: s.entry.offset)):
             begin = stored.entry.offset - self.data_start
             if begin > cursor:
-                tensors[f"__pad__{n_pad}"] = {"dtype": "U8", "shape": [begin - cursor], "data_offsets": [cursor, begin]}
+                parts.append(f'"__pad__{n_pad}":{{"dtype":"U8","shape":[{begin - cursor}],'
+                             f'"data_offsets":[{cursor},{begin}]}}')
             t = stored.planned
-            tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape),
-                                  "data_offsets": [begin, begin + stored.entry.nbytes]}
-            meta[t.st_name] = {"sha256": stored.entry.sha256, "aliases": stored.aliases}
-            cursor = begin + stored.entry.nbytes
-        tensors["__metadata__"] = {"format": "weightshare", METADATA_KEY: json.dumps(meta, separators=(",", ":"))}
-        return json.dumps(tensors, separators=(",", ":")).encode()
+            end = begin + stored.entry.nbytes
+            name = dumps(t.st_name)
+            shape = ",".join(str(int(d)) for d in t.st_shape)
+            parts.append(f'{name}:{{"dtype":{dumps(t.st_dtype)},"shape":[{shape}],"data_offsets":[{begin},{end}]}}')
+            aliases = ",".join(dumps(a) for a in stored.aliases)
+            meta.append(f'{name}:{{"sha256":{dumps(stored.entry.sha256)},"aliases":[{aliases}]}}')
+            cursor = end
+        payloads = dumps("{" + ",".join(meta) + "}")
+        parts.append(f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:{payloads}}}')
+        return ("{" + ",".join(parts) + "}").encode()
 
     def finish(self) -> int:
         """Write the header and fix the file length; return the file size."""
