@@ -23,7 +23,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from .errors import InvalidModel, OutputError, UsageError
 from .tensors import CHUNK_SIZE, FileRange, InputFile, PayloadSource, stable_chunks
@@ -56,7 +56,7 @@ def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-@dataclass
+@dataclass(slots=True)
 class BlobEntry:
     offset: int  # absolute offset of the payload's first byte in the file
     nbytes: int
@@ -291,7 +291,7 @@ def _dumps(value) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedTensor:
     """A payload the caller will write: its preferred name, dtype key and shape."""
 
@@ -304,7 +304,7 @@ class PlannedTensor:
     st_shape: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stored:
     planned: PlannedTensor
     entry: BlobEntry
@@ -407,38 +407,61 @@ class SafetensorsBlob:
         return self.writer.bytes_written
 
     def header(self) -> bytes:
-        """The safetensors header: JSON text built entry by entry (same bytes as ``json.dumps`` of the
-        equivalent dict with separators ``,`` and ``:``; tests check both agree)."""
+        """The safetensors header (without its length prefix and padding)."""
+        return "".join(self._header_pieces()).encode()
+
+    def _header_pieces(self) -> Iterator[str]:
+        """The header's JSON text in pieces, the same characters as ``json.dumps`` (separators ``,`` and
+        ``:``) of the equivalent dict, which tests check. Streamed so that 100,000s of tensors never hold
+        the whole text (or a dict of it) in memory: payload entries first, then the metadata, whose value
+        is a JSON string escaped piece by piece (JSON escaping is per character)."""
         dumps = json.dumps
-        parts: list[str] = []
-        meta: list[str] = []
+        stored = sorted(self._stored.values(), key=lambda s: s.entry.offset)
+        yield "{"
         cursor = 0
-        for n_pad, stored in enumerate(sorted(self._stored.values(), key=lambda s: s.entry.offset)):
-            begin = stored.entry.offset - self.data_start
+        for n_pad, item in enumerate(stored):
+            begin = item.entry.offset - self.data_start
             if begin > cursor:
-                parts.append(f'"__pad__{n_pad}":{{"dtype":"U8","shape":[{begin - cursor}],'
-                             f'"data_offsets":[{cursor},{begin}]}}')
-            t = stored.planned
-            end = begin + stored.entry.nbytes
-            name = dumps(t.st_name)
+                yield (f'"__pad__{n_pad}":{{"dtype":"U8","shape":[{begin - cursor}],'
+                       f'"data_offsets":[{cursor},{begin}]}},')
+            t = item.planned
+            cursor = begin + item.entry.nbytes
             shape = ",".join(str(int(d)) for d in t.st_shape)
-            parts.append(f'{name}:{{"dtype":{dumps(t.st_dtype)},"shape":[{shape}],"data_offsets":[{begin},{end}]}}')
-            aliases = ",".join(dumps(a) for a in stored.aliases)
-            meta.append(f'{name}:{{"sha256":{dumps(stored.entry.sha256)},"aliases":[{aliases}]}}')
-            cursor = end
-        payloads = dumps("{" + ",".join(meta) + "}")
-        parts.append(f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:{payloads}}}')
-        return ("{" + ",".join(parts) + "}").encode()
+            yield (f'{dumps(t.st_name)}:{{"dtype":{dumps(t.st_dtype)},"shape":[{shape}],'
+                   f'"data_offsets":[{begin},{cursor}]}},')
+        yield f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:"{{'
+        for i, item in enumerate(stored):
+            aliases = ",".join(dumps(a) for a in item.aliases)
+            meta = f'{dumps(item.planned.st_name)}:{{"sha256":{dumps(item.entry.sha256)},"aliases":[{aliases}]}}'
+            yield ("," if i else "") + dumps(meta)[1:-1]
+        yield '}"}}'
 
     def finish(self) -> int:
-        """Write the header and fix the file length; return the file size."""
-        header = self.header()
+        """Write the header (length, JSON text, space padding up to the data) and fix the file length;
+        return the file size."""
         room = self.data_start - 8
-        if len(header) > room:  # the bound is computed from the same plan; this is a bug, not bad input
-            raise OutputError(f"safetensors header ({len(header)} bytes) outgrew its reserved {room} bytes")
-        header += b" " * (room - len(header))
-        self.writer.pwrite(len(header).to_bytes(8, "little") + header, 0)
+        pos, batch, size = 8, [], 0
+        for piece in self._header_pieces():
+            batch.append(piece)
+            size += len(piece)
+            if size >= 1 << 20:
+                pos = self._write_header_text(batch, pos)
+                batch, size = [], 0
+        pos = self._write_header_text(batch, pos)
+        spaces = b" " * min(1 << 20, self.data_start - pos)
+        while pos < self.data_start:
+            n = min(len(spaces), self.data_start - pos)
+            self.writer.pwrite(spaces[:n], pos)
+            pos += n
+        self.writer.pwrite(room.to_bytes(8, "little"), 0)
         return self.writer.finish()
+
+    def _write_header_text(self, batch: list[str], pos: int) -> int:
+        data = "".join(batch).encode()
+        if pos + len(data) > self.data_start:  # the bound is computed from the same plan: a bug, not bad input
+            raise OutputError(f"safetensors header outgrew its reserved {self.data_start - 8} bytes")
+        self.writer.pwrite(data, pos)
+        return pos + len(data)
 
 
 def read_safetensors_metadata(path: str) -> tuple[int, dict, dict]:

@@ -155,8 +155,20 @@ class FileRange:
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]:
         if self.length == 0:
             return
-        size = min(chunk_size, self.length)
-        views = [memoryview(bytearray(size)), memoryview(bytearray(size)) if self.length > size else None]
+        if self.length <= chunk_size:  # one read, one fresh buffer: the common case of small tensors
+            f = self.opened()
+            try:
+                data = os.pread(f.fd, self.length, self.offset)
+            finally:
+                if f is not self.file:
+                    f.close()
+            if len(data) < self.length:
+                raise InvalidModel(f"file ended early at offset {self.offset + len(data)} (expected data up to "
+                                   f"{self.offset + self.length})", self.path)
+            yield memoryview(data)
+            return
+        size = chunk_size
+        views = [memoryview(bytearray(size)), memoryview(bytearray(size))]
         f = self.opened()
         try:
             pos, end, turn = self.offset, self.offset + self.length, 0
@@ -165,7 +177,7 @@ class FileRange:
                 got = _pread_into(f.fd, view[: min(size, end - pos)], pos, self.path, end)
                 yield view[:got]
                 pos += got
-                turn ^= 1 if views[1] is not None else 0
+                turn ^= 1
         finally:
             if f is not self.file:
                 f.close()
