@@ -4,11 +4,14 @@ The digests were computed with the code of main at cc54cfd (before the conversio
 model is pinned with its blob location replaced by a placeholder, because blob names are allowed to change.
 """
 
+import errno
 import hashlib
+import os
 from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
@@ -16,6 +19,7 @@ from onnx_fixtures import kitchen_sink
 from tflite_fixtures import sample_model
 
 import weightshare
+import weightshare.blob as blob_module
 
 N = 1_500_000  # 6 MiB as fp32: more than one 4 MiB chunk, so chunk boundaries are exercised
 
@@ -86,10 +90,25 @@ def test_onnx_kitchen_sink_bytes_are_pinned(tmp_path):
     )
 
 
-def test_onnx_multi_chunk_payload_bytes_are_pinned(tmp_path):
+@pytest.mark.parametrize("kernel_copy", ["used", "refused"])
+def test_onnx_multi_chunk_payload_bytes_are_pinned(tmp_path, monkeypatch, kernel_copy):
+    # Unchanged payloads go through copy_file_range; when the kernel refuses it (EXDEV: another filesystem
+    # on old kernels), the writer falls back to pread/pwrite. Both give the same bytes.
+    real = os.copy_file_range
+    calls = []
+
+    def copy_file_range(*args):
+        calls.append(args[2])
+        if kernel_copy == "refused":
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        return real(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+    monkeypatch.setattr(blob_module, "_KERNEL_COPY", True)
     (tmp_path / "in").mkdir()
     report = weightshare.convert(big_model(tmp_path / "in"), tmp_path / "out")
     assert _onnx_digests(report) == (GOLDEN_BIG_MODEL, GOLDEN_BIG_BLOB)
+    assert calls if kernel_copy == "used" else len(calls) == 1  # refused once, then never asked again
 
 
 def test_tflite_bytes_are_pinned(tmp_path):
