@@ -24,9 +24,9 @@ from weightshare.tensors import FileRange, open_input
 SECRET = np.full(4096, 1234.5, np.float32)  # 16 KiB outside the model directory
 
 
-def _external_model(model_dir: Path, location: str) -> Path:
-    """One 16 KiB fp32 initializer stored in ``location`` (relative to the model directory)."""
-    w = np.arange(4096, dtype=np.float32)
+def _external_model(model_dir: Path, location: str, n: int = 4096) -> Path:
+    """One fp32 initializer of ``n`` values (16 KiB) stored in ``location`` (relative to the model directory)."""
+    w = np.arange(n, dtype=np.float32)
     (model_dir / location).parent.mkdir(parents=True, exist_ok=True)
     (model_dir / location).write_bytes(w.tobytes())
     t = nh.from_array(w, "w")
@@ -35,8 +35,8 @@ def _external_model(model_dir: Path, location: str) -> Path:
     for k, v in (("location", location), ("offset", "0"), ("length", str(w.nbytes))):
         e = t.external_data.add()
         e.key, e.value = k, v
-    graph = h.make_graph([h.make_node("Add", ["x", "w"], ["y"])], "g", [h.make_tensor_value_info("x", T.FLOAT, [4096])],
-                         [h.make_tensor_value_info("y", T.FLOAT, [4096])], [t])
+    graph = h.make_graph([h.make_node("Add", ["x", "w"], ["y"])], "g", [h.make_tensor_value_info("x", T.FLOAT, [n])],
+                         [h.make_tensor_value_info("y", T.FLOAT, [n])], [t])
     path = model_dir / "m.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
     return path
@@ -177,3 +177,21 @@ def test_file_range_reads_through_the_kept_fd_after_the_name_is_gone(tmp_path):
     got = b"".join(bytes(c) for c in FileRange(str(tmp_path / "f"), 10, 20000, f).chunks(4096))
     assert got == (bytes(range(256)) * 100)[10:20010]
     f.close()
+
+
+@pytest.mark.parametrize("n", [4096, 400_000])  # small: one pread; >= 1 MiB: copy_file_range + hashing thread
+def test_external_file_truncated_after_the_check_fails_cleanly(tmp_path, monkeypatch, n):
+    (tmp_path / "model").mkdir()
+    model = _external_model(tmp_path / "model", "w.data", n)
+    real_open = scan.open_input
+
+    def open_then_truncate(path, *args, **kwargs):
+        f = real_open(path, *args, **kwargs)
+        if Path(path).name == "w.data":
+            os.truncate(path, 1000)
+        return f
+
+    monkeypatch.setattr(scan, "open_input", open_then_truncate)
+    with pytest.raises(InvalidModel, match="ended early"):
+        weightshare.convert(model, tmp_path / "out")
+    assert not any(p.suffix in (".onnx", ".safetensors") for p in (tmp_path / "out").iterdir())

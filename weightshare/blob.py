@@ -200,8 +200,10 @@ class BlobWriter:
             hashing = _WRITER.submit(_hash_range, f, source.offset, source.length, self.chunk_size)
             try:
                 done = self._kernel_copy(f, source, offset, progress)
-            finally:
-                sha256 = hashing.result() if not sys.exc_info()[0] else hashing.exception()
+            except BaseException:
+                hashing.exception()  # wait: the hashing thread must not read a file we may close next
+                raise
+            sha256: str = hashing.result()
             if done < source.length:  # the kernel refused (another filesystem, old kernel): copy the rest here
                 rest = FileRange(source.path, source.offset + done, source.length - done, f)
                 for chunk in rest.chunks(self.chunk_size):
