@@ -16,7 +16,7 @@ Cases (sizes follow --scale; the row labels print the real sizes):
   many       200,000 initializers of 1.2 KB (at scale 1), against onnx.load + onnx.save_model with external data.
 
     python scripts/bench_convert.py [--workdir /tmp/ws-bench] [--scale 1.0] [--cases unpack,external,many]
-        [--external-gib 1,4,8]
+        [--external-gib 1,4,8] [--baseline /path/to/other/checkout]
 
 --scale 0.25 turns 512 MiB into 128 MiB, 1/4/8 GiB into 256 MiB/1/2 GiB and 200,000 tensors into 50,000.
 """
@@ -89,9 +89,10 @@ ONNX_EXTERNALISE = (
 )
 
 
-def run(cmd: list[str]) -> dict:
+def run(cmd: list[str], pythonpath: str | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - t0
     try:
         fig = json.loads(res.stdout.strip().splitlines()[-1])
@@ -108,8 +109,18 @@ def fresh(d: Path) -> Path:
     return d
 
 
+BASELINE: str | None = None  # --baseline: another checkout's PYTHONPATH, measured next to this one
+
+
 def weightshare_cmd(model: Path, out: Path) -> list[str]:
     return [sys.executable, "-m", "weightshare", "convert", str(model), "-o", str(out), "-q"]
+
+
+def run_weightshare(model: Path, out: Path) -> dict[str, dict]:
+    rows = {"weightshare": run(weightshare_cmd(model, fresh(out)))}
+    if BASELINE:
+        rows["weightshare (baseline)"] = run(weightshare_cmd(model, fresh(out)), BASELINE)
+    return rows
 
 
 def size_label(nbytes: int) -> str:
@@ -124,8 +135,7 @@ def case_unpack(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
     label = f"fp16+Cast {size_label(fp16)} -> {size_label(2 * fp16)} fp32"
     out = work / "out"
     run(["cat", str(model)])  # warm the page cache for everyone
-    rows = {}
-    rows["weightshare"] = run(weightshare_cmd(model, fresh(out)))
+    rows = run_weightshare(model, out)
     rows["bare preadv/copyto/pwrite+fsync"] = run([sys.executable, "-c", BARE_UNPACK, str(model),
                                                    str(fresh(out) / "bare.bin")])
     count = 2 * fp16 // (4 * MIB) + 1
@@ -140,7 +150,7 @@ def case_unpack(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
 
 def case_external(work: Path, scale: float, sizes_gib: list[float]) -> list[tuple[str, dict, dict]]:
     results = []
-    have_onnx_ir = subprocess.run([sys.executable, "-c", "import onnx_ir"], capture_output=True).returncode == 0
+    have_onnx_ir = subprocess.run([sys.executable, "-c", "import onnx_ir"], capture_output=True, check=False).returncode == 0
     for gib in sizes_gib:
         layers = max(1, round(gib * scale * 16))  # 4096x4096 fp32: 64 MiB a layer
         d = fresh(work / "external")
@@ -149,7 +159,7 @@ def case_external(work: Path, scale: float, sizes_gib: list[float]) -> list[tupl
         label = f"external fp32 {size_label(data.stat().st_size)}"
         out = work / "out"
         run(["cat", str(data)])
-        rows = {"weightshare": run(weightshare_cmd(model, fresh(out)))}
+        rows = run_weightshare(model, out)
         if have_onnx_ir:
             rows["onnx_ir load+save (no hash, no fsync)"] = run([sys.executable, "-c", ONNX_IR_RESAVE, str(model),
                                                                  str(fresh(out) / "model.onnx")])
@@ -186,9 +196,9 @@ def case_many(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
     label = f"{count:,} initializers x 1.2 KB ({size_label(model.stat().st_size)})"
     out = work / "out"
     run(["cat", str(model)])
-    rows = {"weightshare": run(weightshare_cmd(model, fresh(out))),
-            "onnx load+save external": run([sys.executable, "-c", ONNX_EXTERNALISE, str(model),
-                                            str(fresh(out) / "many.onnx")])}
+    rows = run_weightshare(model, out)
+    rows["onnx load+save external"] = run([sys.executable, "-c", ONNX_EXTERNALISE, str(model),
+                                           str(fresh(out) / "many.onnx")])
     shutil.rmtree(d), shutil.rmtree(out)
     checks = {"peak RSS MiB (target <= 200)": rows["weightshare"]["peak"],
               "wall / onnx wall (target <= 1.5)": rows["weightshare"]["wall"] / rows["onnx load+save external"]["wall"]}
@@ -201,7 +211,10 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--cases", default="unpack,external,many")
     ap.add_argument("--external-gib", default="1,4,8")
+    ap.add_argument("--baseline", help="PYTHONPATH of another weightshare checkout to measure alongside")
     args = ap.parse_args()
+    global BASELINE
+    BASELINE = args.baseline
     work = fresh(args.workdir)
     cases = set(args.cases.split(","))
     results = []
