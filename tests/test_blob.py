@@ -3,14 +3,29 @@
 import hashlib
 import os
 
+import blake3
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
-from weightshare.blob import AlignPolicy, BlobWriter, PlannedTensor, SafetensorsBlob, read_safetensors_metadata
+from weightshare.blob import (
+    AlignPolicy,
+    BlobWriter,
+    PlannedTensor,
+    SafetensorsBlob,
+    read_safetensors_metadata,
+    recorded_checksums,
+    split_digest,
+)
 from weightshare.errors import InvalidModel
-from weightshare.tensors import BytesSource, ElementwiseSource, fp16_to_fp32, bf16_to_fp32
+from weightshare.tensors import (
+    BytesSource,
+    ElementwiseSource,
+    bf16_to_fp32,
+    fp16_to_fp32,
+)
 
 
 def _write_blob(path, arrays, policy=AlignPolicy()):
@@ -45,7 +60,7 @@ def test_safetensors_blob_is_valid_aligned_and_deduplicated(tmp_path):
     data_start, header, meta = read_safetensors_metadata(str(path))
     assert data_start % 65536 == 0
     assert meta["w.big"]["aliases"] == ["w.copy"]
-    assert meta["w.big"]["sha256"] == hashlib.sha256(big.tobytes()).hexdigest()
+    assert meta["w.big"]["blake3"] == blake3.blake3(big.tobytes()).hexdigest()
     raw = path.read_bytes()
     for (_, a), e in zip(arrays, entries):
         assert raw[e.offset : e.offset + e.nbytes] == a.tobytes()
@@ -125,7 +140,8 @@ def _reference_header(blob) -> bytes:
         t = stored.planned
         tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape),
                               "data_offsets": [begin, begin + stored.entry.nbytes]}
-        meta[t.st_name] = {"sha256": stored.entry.sha256, "aliases": stored.aliases}
+        kind, value = split_digest(stored.entry.sha256)
+        meta[t.st_name] = {kind: value, "aliases": stored.aliases}
         cursor = begin + stored.entry.nbytes
     tensors["__metadata__"] = {"format": "weightshare", "weightshare.payloads": json.dumps(meta, separators=(",", ":"))}
     return json.dumps(tensors, separators=(",", ":")).encode()
@@ -158,3 +174,51 @@ def test_header_text_equals_json_dumps_of_the_dict(tmp_path_factory, specs):
         blob.finish()
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["sha256", "blake3"])
+def test_recorded_checksums_read_both_kinds(tmp_path, kind, monkeypatch):
+    # Blobs written before BLAKE3 record {"sha256": hex}; new ones {"blake3": hex}. Both are read back.
+    import weightshare.blob as blob_module
+
+    monkeypatch.setattr(blob_module, "DIGEST", kind)
+    a = np.arange(1000, dtype=np.float32)
+    path = tmp_path / "b.safetensors"
+    _, entries, _ = _write_blob(path, [("a", a)])
+    _, _, meta = read_safetensors_metadata(str(path))
+    expected = (hashlib.sha256 if kind == "sha256" else blake3.blake3)(a.tobytes()).hexdigest()
+    assert meta["a"] == {kind: expected, "aliases": []}
+    assert recorded_checksums(str(path)) == {entries[0].offset: expected if kind == "sha256" else f"blake3:{expected}"}
+
+
+@pytest.mark.parametrize("kind", ["sha256", "blake3"])
+@pytest.mark.parametrize("fmt", ["onnx", "tflite"])
+def test_check_verifies_blobs_of_either_kind(tmp_path, kind, fmt, monkeypatch):
+    # A blob written today (SHA-256) and one written with BLAKE3 both pass check, and a flipped payload byte in
+    # either is reported.
+    from onnx_fixtures import kitchen_sink
+    from tflite_fixtures import sample_model
+
+    import weightshare
+    import weightshare.blob as blob_module
+    from weightshare.check import check
+    from weightshare.options import ConvertOptions
+
+    monkeypatch.setattr(blob_module, "DIGEST", kind)
+    (tmp_path / "in").mkdir()
+    src = kitchen_sink(tmp_path / "in") if fmt == "onnx" else sample_model(tmp_path / "in" / "m.tflite", fc_out=256)
+    options = ConvertOptions(external=True) if fmt == "tflite" else None
+    report = weightshare.convert(src, tmp_path / "out", options)
+    monkeypatch.setattr(blob_module, "DIGEST", "blake3")  # the reader does not depend on the writer's default
+    model = next(p for p in report.outputs if p.endswith((".onnx", ".tflite")))
+    blob = next(p for p in report.outputs if p.endswith(".safetensors"))
+    sums = recorded_checksums(blob)
+    assert sums and all((":" in v) == (kind == "blake3") for v in sums.values())
+    assert not [f for f in check([model])[1] if f.code == "checksum-mismatch"]
+    offset = max(sums)
+    with open(blob, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    assert [f for f in check([model])[1] if f.code == "checksum-mismatch"]

@@ -1,11 +1,14 @@
 """Converted outputs are pinned byte for byte: the copy/hash/IO paths may change, the bytes may not.
 
-The digests were computed with the code of main at cc54cfd (before the conversion fast paths). The ONNX
-model is pinned with its blob location replaced by a placeholder, because blob names are allowed to change.
+The SHA-256 digests were computed with the code of main at cc54cfd (before the conversion fast paths), which
+recorded SHA-256 checksums: written with ``DIGEST = "sha256"`` the blob is still byte for byte today's. With the
+default BLAKE3 checksums only the recorded digests in the header differ (pinned separately). The ONNX model is
+pinned with its blob location replaced by a placeholder, because blob names are allowed to change.
 """
 
 import errno
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -81,13 +84,20 @@ def _tensors(graph):
                 yield from _tensors(sub)
 
 
-def test_onnx_kitchen_sink_bytes_are_pinned(tmp_path):
+SINK_MODEL = "449fd9535fa9a3f2292f43163b84e9423b60b361a75134bde6233718dd305666"
+SINK_BLOB = {"sha256": "5415e888d6ff254e6e5d98b9cdd83924c7c45fa024da8b29bdd7605e7592564a",
+             "blake3": "a9c05939fa878fa0e40d6f9fa0aed42d92521e50aa8308a9d264cba5fb246de2"}
+BIG_MODEL = "60e7295ff6b2bedb5b480a302f343d9667745290c7cb0563df5e5043ae171858"
+BIG_BLOB = {"sha256": "8751e94b2970fb7eac6cc621655ef039891b4700c560428e5e744d83a18481c9",
+            "blake3": "3fc1959ff7adb710cc07c6c6e0d1f5a55324d3b61efacce292f7a73841b52537"}
+
+
+@pytest.mark.parametrize("digest", ["sha256", "blake3"])
+def test_onnx_kitchen_sink_bytes_are_pinned(tmp_path, monkeypatch, digest):
+    monkeypatch.setattr(blob_module, "DIGEST", digest)
     (tmp_path / "in").mkdir()
     report = weightshare.convert(kitchen_sink(tmp_path / "in", seed=3), tmp_path / "out")
-    assert _onnx_digests(report) == (
-        "449fd9535fa9a3f2292f43163b84e9423b60b361a75134bde6233718dd305666",
-        "5415e888d6ff254e6e5d98b9cdd83924c7c45fa024da8b29bdd7605e7592564a",
-    )
+    assert _onnx_digests(report) == (SINK_MODEL, SINK_BLOB[digest])
 
 
 @pytest.mark.parametrize("kernel_copy", ["used", "refused"])
@@ -107,8 +117,29 @@ def test_onnx_multi_chunk_payload_bytes_are_pinned(tmp_path, monkeypatch, kernel
     monkeypatch.setattr(blob_module, "_KERNEL_COPY", True)
     (tmp_path / "in").mkdir()
     report = weightshare.convert(big_model(tmp_path / "in"), tmp_path / "out")
-    assert _onnx_digests(report) == (GOLDEN_BIG_MODEL, GOLDEN_BIG_BLOB)
+    assert _onnx_digests(report) == (BIG_MODEL, BIG_BLOB["blake3"])
     assert calls if kernel_copy == "used" else len(calls) == 1  # refused once, then never asked again
+
+
+def test_sha256_blob_is_todays_and_differs_from_blake3_only_in_the_recorded_digests(tmp_path, monkeypatch):
+    (tmp_path / "in").mkdir()
+    model = big_model(tmp_path / "in")
+    blobs = {}
+    for digest in ("sha256", "blake3"):
+        monkeypatch.setattr(blob_module, "DIGEST", digest)
+        report = weightshare.convert(model, tmp_path / digest)
+        assert _onnx_digests(report) == (BIG_MODEL, BIG_BLOB[digest])
+        blobs[digest] = Path(next(p for p in report.outputs if p.endswith(".safetensors"))).read_bytes()
+    start, header = {}, {}
+    for digest, raw in blobs.items():
+        n = int.from_bytes(raw[:8], "little")
+        start[digest], header[digest] = 8 + n, json.loads(raw[8 : 8 + n])
+    assert start["sha256"] == start["blake3"] and len(blobs["sha256"]) == len(blobs["blake3"])
+    assert blobs["sha256"][start["sha256"]:] == blobs["blake3"][start["blake3"]:]  # every payload byte
+    meta = {d: json.loads(header[d].pop("__metadata__")["weightshare.payloads"]) for d in blobs}
+    assert header["sha256"] == header["blake3"]  # names, dtypes, shapes, offsets
+    assert {k: (v["aliases"], len(v["sha256"])) for k, v in meta["sha256"].items()} == \
+        {k: (v["aliases"], len(v["blake3"])) for k, v in meta["blake3"].items()}
 
 
 def test_tflite_bytes_are_pinned(tmp_path):
@@ -116,6 +147,3 @@ def test_tflite_bytes_are_pinned(tmp_path):
     assert [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in report.outputs] == [
         "e89dc47aaa65369ae9e8725b1d3d4604cf99e64a25da669253debc81dd050502"]
 
-
-GOLDEN_BIG_MODEL = "60e7295ff6b2bedb5b480a302f343d9667745290c7cb0563df5e5043ae171858"
-GOLDEN_BIG_BLOB = "8751e94b2970fb7eac6cc621655ef039891b4700c560428e5e744d83a18481c9"

@@ -24,12 +24,11 @@ Facts from coremltools' reader (``StorageReader.cpp``) that this writer relies o
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from dataclasses import dataclass
 
-from ...blob import AlignPolicy, BlobWriter
+from ...blob import AlignPolicy, BlobWriter, digest_of
 from ...errors import InvalidModel, OutputError
 from ...tensors import FileRange, open_input
 
@@ -169,10 +168,7 @@ class WeightFileWriter:
         self.bytes_in += source.nbytes
         expected = None
         if (tag, source.nbytes) in self._lengths:
-            digest = hashlib.sha256()
-            for chunk in source.chunks(self.blob.chunk_size):
-                digest.update(chunk)
-            expected = digest.hexdigest()
+            expected = digest_of(source.chunks(self.blob.chunk_size), self.blob.digest)
             known = self._seen.get((tag, source.nbytes, expected))
             if known is not None:
                 self.duplicates += 1
