@@ -91,6 +91,7 @@ ONNX_EXTERNALISE = (
 
 def run(cmd: list[str], pythonpath: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
+    os.sync()  # the previous run's dirty pages must not be written back (and charged) during this one
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], capture_output=True, text=True, env=env, check=False)
     wall = time.perf_counter() - t0
