@@ -18,6 +18,7 @@ Cases (sizes follow --scale; the row labels print the real sizes):
     python scripts/bench_convert.py [--workdir /tmp/ws-bench] [--scale 1.0] [--cases unpack,external,many]
         [--external-gib 1,4,8] [--baseline /path/to/other/checkout]
 
+The weightshare measured is the one `python -m weightshare` imports from "/" (set PYTHONPATH to a checkout).
 --scale 0.25 turns 512 MiB into 128 MiB, 1/4/8 GiB into 256 MiB/1/2 GiB and 200,000 tensors into 50,000.
 """
 
@@ -93,7 +94,9 @@ def run(cmd: list[str], pythonpath: str | None = None) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath} if pythonpath else None
     os.sync()  # the previous run's dirty pages must not be written back (and charged) during this one
     t0 = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], capture_output=True, text=True, env=env, check=False)
+    # cwd "/": `python -m weightshare` puts the cwd first on sys.path, which would shadow PYTHONPATH.
+    res = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], capture_output=True, text=True, env=env, check=False,
+                         cwd="/")
     wall = time.perf_counter() - t0
     try:
         fig = json.loads(res.stdout.strip().splitlines()[-1])
@@ -216,7 +219,7 @@ def main() -> None:
     args = ap.parse_args()
     global BASELINE
     BASELINE = args.baseline
-    work = fresh(args.workdir)
+    work = fresh(args.workdir.resolve())
     cases = set(args.cases.split(","))
     results = []
     if "unpack" in cases:
