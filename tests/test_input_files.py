@@ -195,3 +195,35 @@ def test_external_file_truncated_after_the_check_fails_cleanly(tmp_path, monkeyp
     with pytest.raises(InvalidModel, match="ended early"):
         weightshare.convert(model, tmp_path / "out")
     assert not any(p.suffix in (".onnx", ".safetensors") for p in (tmp_path / "out").iterdir())
+
+
+# Builds a small Core ML package with coremltools: about 1.5 s.
+def test_coreml_weight_file_swapped_for_a_symlink_is_refused(tmp_path, monkeypatch):
+    import shutil
+
+    import coreml_fixtures
+    from weightshare.formats.coreml import convert as coreml_convert
+
+    pkg = coreml_fixtures.mlp(tmp_path / "m.mlpackage", "iOS16", hidden=256)
+    outside = tmp_path / "outside.bin"
+    shutil.copy(pkg / "Data/com.apple.CoreML/weights/weight.bin", outside)
+
+    def swap(target):
+        if not target.is_symlink():
+            target.unlink()
+            target.symlink_to(outside)
+
+    real = coreml_convert.resolve_blob_file
+    calls = []
+
+    def checked_then_swapped(*args, **kwargs):
+        target = real(*args, **kwargs)
+        calls.append(target)
+        swap(target)
+        return target
+
+    monkeypatch.setattr(coreml_convert, "resolve_blob_file", checked_then_swapped)
+    with pytest.raises(UnsafePath, match="symlink"):
+        weightshare.convert(pkg, tmp_path / "out")
+    assert calls
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
