@@ -202,6 +202,7 @@ def test_coreml_weight_file_swapped_for_a_symlink_is_refused(tmp_path, monkeypat
     import shutil
 
     import coreml_fixtures
+
     from weightshare.formats.coreml import convert as coreml_convert
 
     pkg = coreml_fixtures.mlp(tmp_path / "m.mlpackage", "iOS16", hidden=256)
