@@ -63,8 +63,9 @@ def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-def new_hasher(kind: str = DIGEST):
-    """A hashlib-style object (update, hexdigest) for ``kind``: "blake3" or "sha256"."""
+def new_hasher(kind: str | None = None):
+    """A hashlib-style object (update, hexdigest) for ``kind``: "blake3" or "sha256" (default: ``DIGEST``)."""
+    kind = kind or DIGEST
     if kind == "sha256":
         return hashlib.sha256()
     if kind == "blake3" and _blake3 is not None:
@@ -85,8 +86,9 @@ def split_digest(digest: str) -> tuple[str, str]:
     return (kind, value) if sep else ("sha256", digest)
 
 
-def digest_of(chunks, kind: str = DIGEST) -> str:
-    """The ``tagged`` digest of an iterable of chunks."""
+def digest_of(chunks, kind: str | None = None) -> str:
+    """The ``tagged`` digest of an iterable of chunks (default kind: ``DIGEST``)."""
+    kind = kind or DIGEST
     h = new_hasher(kind)
     for chunk in chunks:
         h.update(chunk)
@@ -178,18 +180,18 @@ class BlobWriter:
         else:
             offset = align_up(self.end, self.policy.for_size(nbytes))
         if isinstance(source, FileRange) and nbytes >= KERNEL_COPY_MIN and _kernel_copy_works():
-            sha256 = self._copy_unchanged(source, offset, progress)
+            digest = self._copy_unchanged(source, offset, progress)
         else:
-            sha256 = self._stream(source, offset, nbytes, progress)
+            digest = self._stream(source, offset, nbytes, progress)
         self.bytes_in += nbytes
-        key = (tag, nbytes, sha256)
+        key = (tag, nbytes, digest)
         first = self._index.get(key) if self.dedupe else None
         if first is not None:
             # Drop the second copy: nothing after self.end has been claimed yet.
             os.ftruncate(self.fd, self.end)
             self._wb_start = min(self._wb_start, self.end)
             return BlobEntry(first.offset, nbytes, first.sha256, first.prefix_offset, duplicate=True)
-        entry = BlobEntry(offset, nbytes, sha256, prefix_offset)
+        entry = BlobEntry(offset, nbytes, digest, prefix_offset)
         self._index[key] = entry
         self.unique.append(entry)
         self.end = offset + nbytes
@@ -240,7 +242,7 @@ class BlobWriter:
             except BaseException:
                 hashing.exception()  # wait: the hashing thread must not read a file we may close next
                 raise
-            sha256: str = hashing.result()
+            result: str = hashing.result()
             if done < source.length:  # the kernel refused (another filesystem, old kernel): copy the rest here
                 rest = FileRange(source.path, source.offset + done, source.length - done, f)
                 for chunk in rest.chunks(self.chunk_size):
@@ -252,7 +254,7 @@ class BlobWriter:
         finally:
             if f is not source.file:
                 f.close()
-        return sha256
+        return result
 
     def _kernel_copy(self, f: InputFile, source: FileRange, offset: int, progress) -> int:
         """Copy as much of ``source`` as the kernel will; return how many bytes it copied."""
