@@ -3,14 +3,29 @@
 import hashlib
 import os
 
+import blake3
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors import safe_open
 
-from weightshare.blob import AlignPolicy, BlobWriter, PlannedTensor, SafetensorsBlob, read_safetensors_metadata
+from weightshare.blob import (
+    AlignPolicy,
+    BlobWriter,
+    PlannedTensor,
+    SafetensorsBlob,
+    read_safetensors_metadata,
+    recorded_checksums,
+    split_digest,
+)
 from weightshare.errors import InvalidModel
-from weightshare.tensors import BytesSource, ElementwiseSource, fp16_to_fp32, bf16_to_fp32
+from weightshare.tensors import (
+    BytesSource,
+    ElementwiseSource,
+    bf16_to_fp32,
+    fp16_to_fp32,
+)
 
 
 def _write_blob(path, arrays, policy=AlignPolicy()):
@@ -45,7 +60,7 @@ def test_safetensors_blob_is_valid_aligned_and_deduplicated(tmp_path):
     data_start, header, meta = read_safetensors_metadata(str(path))
     assert data_start % 65536 == 0
     assert meta["w.big"]["aliases"] == ["w.copy"]
-    assert meta["w.big"]["sha256"] == hashlib.sha256(big.tobytes()).hexdigest()
+    assert meta["w.big"]["blake3"] == blake3.blake3(big.tobytes()).hexdigest()
     raw = path.read_bytes()
     for (_, a), e in zip(arrays, entries):
         assert raw[e.offset : e.offset + e.nbytes] == a.tobytes()
@@ -97,3 +112,113 @@ def test_chunked_fp16_and_bf16_conversion_matches_numpy(data, chunk):
     out = b"".join(bytes(c) for c in src.chunks(chunk))
     expect = (np.frombuffer(data, "<u2").astype("<u4") << 16).tobytes()
     assert out == expect
+
+
+# The header is built as text, piece by piece (100,000s of tensors); these references are the dict + json.dumps
+# forms it replaced, and the bytes must stay the same.
+def _reference_bound(planned) -> int:
+    import json
+
+    big = 10 ** 20 - 1
+    tensors = {}
+    for i, t in enumerate(planned):
+        tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape), "data_offsets": [big, big]}
+        tensors[f"__pad__{big}{i}"] = {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}
+    worst = {t.st_name: {"sha256": "0" * 64, "aliases": [t.st_name]} for t in planned}
+    tensors["__metadata__"] = {"format": "weightshare", "weightshare.payloads": json.dumps(worst, separators=(",", ":"))}
+    return len(json.dumps(tensors, separators=(",", ":")).encode()) + 64
+
+
+def _reference_header(blob) -> bytes:
+    import json
+
+    tensors, meta, cursor = {}, {}, 0
+    for n_pad, stored in enumerate(sorted(blob._stored.values(), key=lambda s: s.entry.offset)):
+        begin = stored.entry.offset - blob.data_start
+        if begin > cursor:
+            tensors[f"__pad__{n_pad}"] = {"dtype": "U8", "shape": [begin - cursor], "data_offsets": [cursor, begin]}
+        t = stored.planned
+        tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape),
+                              "data_offsets": [begin, begin + stored.entry.nbytes]}
+        kind, value = split_digest(stored.entry.sha256)
+        meta[t.st_name] = {kind: value, "aliases": stored.aliases}
+        cursor = begin + stored.entry.nbytes
+    tensors["__metadata__"] = {"format": "weightshare", "weightshare.payloads": json.dumps(meta, separators=(",", ":"))}
+    return json.dumps(tensors, separators=(",", ":")).encode()
+
+
+_names = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(['a"b', "c\\d", "\x00\n", "é€😀", ""])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(_names, st.sampled_from(["float32", "float16", "int8", "weird"]),
+                          st.lists(st.integers(0, 70), max_size=3), st.booleans()), max_size=8))
+def test_header_text_equals_json_dumps_of_the_dict(tmp_path_factory, specs):
+    from weightshare.blob import SafetensorsBlob
+
+    planned, sources = [], []
+    for name, dtype, shape, dup in specs:
+        count = int(np.prod(shape)) if shape else 1
+        itemsize = {"float32": 4, "float16": 2, "int8": 1, "weird": 3}[dtype]
+        data = bytes([7]) * (count * itemsize) if dup else np.random.default_rng(len(planned)).bytes(count * itemsize)
+        planned.append(PlannedTensor(name, dtype, tuple(shape), len(data)))
+        sources.append(BytesSource(data))
+    path = tmp_path_factory.mktemp("h") / "b.safetensors"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        blob = SafetensorsBlob(fd, planned, AlignPolicy(large=1 << 12, threshold=100))
+        assert blob._header_bound(planned) == _reference_bound(planned)
+        for t, src in zip(planned, sources):
+            blob.add(t, src)
+        assert blob.header() == _reference_header(blob)
+        blob.finish()
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("kind", ["sha256", "blake3"])
+def test_recorded_checksums_read_both_kinds(tmp_path, kind, monkeypatch):
+    # Blobs written before BLAKE3 record {"sha256": hex}; new ones {"blake3": hex}. Both are read back.
+    import weightshare.blob as blob_module
+
+    monkeypatch.setattr(blob_module, "DIGEST", kind)
+    a = np.arange(1000, dtype=np.float32)
+    path = tmp_path / "b.safetensors"
+    _, entries, _ = _write_blob(path, [("a", a)])
+    _, _, meta = read_safetensors_metadata(str(path))
+    expected = (hashlib.sha256 if kind == "sha256" else blake3.blake3)(a.tobytes()).hexdigest()
+    assert meta["a"] == {kind: expected, "aliases": []}
+    assert recorded_checksums(str(path)) == {entries[0].offset: expected if kind == "sha256" else f"blake3:{expected}"}
+
+
+@pytest.mark.parametrize("kind", ["sha256", "blake3"])
+@pytest.mark.parametrize("fmt", ["onnx", "tflite"])
+def test_check_verifies_blobs_of_either_kind(tmp_path, kind, fmt, monkeypatch):
+    # A blob written today (SHA-256) and one written with BLAKE3 both pass check, and a flipped payload byte in
+    # either is reported.
+    from onnx_fixtures import kitchen_sink
+    from tflite_fixtures import sample_model
+
+    import weightshare
+    import weightshare.blob as blob_module
+    from weightshare.check import check
+    from weightshare.options import ConvertOptions
+
+    monkeypatch.setattr(blob_module, "DIGEST", kind)
+    (tmp_path / "in").mkdir()
+    src = kitchen_sink(tmp_path / "in") if fmt == "onnx" else sample_model(tmp_path / "in" / "m.tflite", fc_out=256)
+    options = ConvertOptions(external=True) if fmt == "tflite" else None
+    report = weightshare.convert(src, tmp_path / "out", options)
+    monkeypatch.setattr(blob_module, "DIGEST", "blake3")  # the reader does not depend on the writer's default
+    model = next(p for p in report.outputs if p.endswith((".onnx", ".tflite")))
+    blob = next(p for p in report.outputs if p.endswith(".safetensors"))
+    sums = recorded_checksums(blob)
+    assert sums and all((":" in v) == (kind == "blake3") for v in sums.values())
+    assert not [f for f in check([model])[1] if f.code == "checksum-mismatch"]
+    offset = max(sums)
+    with open(blob, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 1]))
+    assert [f for f in check([model])[1] if f.code == "checksum-mismatch"]

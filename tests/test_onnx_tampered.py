@@ -1,4 +1,4 @@
-"""Re-converting a weightshare output checks the SHA-256s its blob records: a modified payload is refused
+"""Re-converting a weightshare output checks the digests (BLAKE3, or SHA-256 in older blobs) its blob records: a modified payload is refused
 (exit 2, one line naming the tensor, nothing written) instead of being laundered into fresh digests."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def test_modified_payload_is_refused(tmp_path, cli):
     res = cli("convert", model, "-o", tmp_path / "v2")
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'b'" in lines[0] and str(blob.name) in lines[0] and "SHA-256" in lines[0], lines
+    assert len(lines) == 1 and "'b'" in lines[0] and str(blob.name) in lines[0] and "digest weightshare recorded" in lines[0], lines
     assert not (tmp_path / "v2").exists() or not any((tmp_path / "v2").iterdir())
 
 

@@ -277,7 +277,7 @@ def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
     report = json.loads(res.stdout)
     assert res.returncode == 1 and not report["mismatches"], report  # outputs still equal: B is inline now
     assert report["checksum_mismatches"] == [f"blob record 'B' in {Path(blob).name} at offset "
-                                             f"{at - 8}: SHA-256 differs from the one recorded in the blob"]
+                                             f"{at - 8}: its checksum differs from the one recorded in the blob"]
 
 
 @pytest.mark.slow

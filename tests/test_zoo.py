@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import hashlib
+import blake3
 import json
 from pathlib import Path
 
@@ -87,7 +87,7 @@ def test_three_models_share_one_blob(tmp_path):
     with safe_open(str(blob), "np") as f:
         for key in f.keys():
             if not key.startswith("__pad"):
-                assert hashlib.sha256(f.get_tensor(key).tobytes()).hexdigest() == meta[key]["sha256"]
+                assert blake3.blake3(f.get_tensor(key).tobytes()).hexdigest() == meta[key]["blake3"]
     assert [m.deduplicated for m in report.models] == [0, 3, 3]
 
 

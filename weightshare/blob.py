@@ -16,16 +16,24 @@ as gguf-py's writer does.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
-from .errors import InvalidModel, OutputError, UsageError
-from .tensors import CHUNK_SIZE, PayloadSource
+from .errors import InvalidModel, OutputError, Unsupported, UsageError
+from .tensors import CHUNK_SIZE, FileRange, InputFile, PayloadSource, stable_chunks
+
+try:  # BLAKE3: 0.12 CPU s per GiB here against SHA-256's 0.53 (with SHA-NI); see docs/performance.md
+    import blake3 as _blake3
+except ImportError:  # the package is a dependency; without it, blobs are written (and read) with SHA-256
+    _blake3 = None  # type: ignore[assignment]
+
+DIGEST = "blake3" if _blake3 is not None else "sha256"
 
 LARGE_ALIGN = 64 << 10  # Windows allocation granularity, 16 KiB Apple pages, 64 KiB ARM64 Linux pages
 SMALL_ALIGN = 64  # cache line; what every runtime's SIMD loads want
@@ -55,11 +63,43 @@ def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-@dataclass
+def new_hasher(kind: str | None = None):
+    """A hashlib-style object (update, hexdigest) for ``kind``: "blake3" or "sha256" (default: ``DIGEST``)."""
+    kind = kind or DIGEST
+    if kind == "sha256":
+        return hashlib.sha256()
+    if kind == "blake3" and _blake3 is not None:
+        return _blake3.blake3()
+    raise Unsupported(f"checksums of kind {kind!r} need the {kind} package (pip install {kind})")
+
+
+def tagged(kind: str, hexdigest: str) -> str:
+    """A digest as weightshare passes it around: SHA-256 bare (as recorded before BLAKE3), others
+    prefixed with their kind ("blake3:<hex>"), so that two digests compare equal only when both the kind
+    and the value agree."""
+    return hexdigest if kind == "sha256" else f"{kind}:{hexdigest}"
+
+
+def split_digest(digest: str) -> tuple[str, str]:
+    """(kind, hex) of a ``tagged`` digest."""
+    kind, sep, value = digest.partition(":")
+    return (kind, value) if sep else ("sha256", digest)
+
+
+def digest_of(chunks, kind: str | None = None) -> str:
+    """The ``tagged`` digest of an iterable of chunks (default kind: ``DIGEST``)."""
+    kind = kind or DIGEST
+    h = new_hasher(kind)
+    for chunk in chunks:
+        h.update(chunk)
+    return tagged(kind, h.hexdigest())
+
+
+@dataclass(slots=True)
 class BlobEntry:
     offset: int  # absolute offset of the payload's first byte in the file
     nbytes: int
-    sha256: str
+    sha256: str  # the payload's ``tagged`` digest (BLAKE3 by default; the name predates it)
     prefix_offset: int | None = None  # where the caller's per-payload record goes, if any
     duplicate: bool = False  # True when these bytes were already stored (offset is the first copy's)
 
@@ -80,6 +120,22 @@ _SYNC_FILE_RANGE = _sync_file_range()
 _SYNC_FILE_RANGE_WRITE = 2
 
 
+KERNEL_COPY_MIN = 1 << 20  # below this a copy_file_range + hand-over to the hashing thread costs more than it saves
+KERNEL_COPY_STEP = 64 << 20  # per copy_file_range call: few syscalls, writeback started often enough
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM,
+                   errno.ETXTBSY}
+_KERNEL_COPY = hasattr(os, "copy_file_range")
+
+
+def _kernel_copy_works() -> bool:
+    return _KERNEL_COPY
+
+
+def _hash_range(f: InputFile, pos: int, length: int, chunk_size: int, kind: str) -> str:
+    """The ``tagged`` digest of ``length`` bytes at ``pos`` of ``f``, read through reused buffers."""
+    return digest_of(FileRange(f.path, pos, length, f).chunks(chunk_size), kind)
+
+
 def _start_writeback(fd: int, pos: int, n: int) -> None:
     """Let the disk start on what was just written (Linux), so the fsync before the final rename finds
     little left to do. Measured on a 1 GiB fp16 model (2 GiB out): 10.6 s -> 7.3-9.1 s."""
@@ -94,11 +150,14 @@ class BlobWriter:
         fd: an open, writable file descriptor; the writer uses pwrite only.
         start: first byte the writer may use (bytes before it belong to the caller).
         policy: payload alignment.
-        dedupe: store identical payloads once (same ``tag``, length and SHA-256).
+        dedupe: store identical payloads once (same ``tag``, length and digest).
+        digest: checksum kind, "blake3" (default when installed) or "sha256".
     """
 
     def __init__(self, fd: int, start: int = 0, policy: AlignPolicy = AlignPolicy(), dedupe: bool = True,
-                 chunk_size: int = CHUNK_SIZE):
+                 chunk_size: int = CHUNK_SIZE, digest: str | None = None):
+        self.digest = digest or DIGEST
+        new_hasher(self.digest)  # refuse an unknown kind before anything is written
         self.fd = fd
         self.end = start
         self.policy = policy
@@ -108,6 +167,7 @@ class BlobWriter:
         self.unique: list[BlobEntry] = []
         self.bytes_in = 0
         self.bytes_written = 0
+        self._wb_start = start  # first byte whose writeback has not been started
 
     def add(self, source: PayloadSource, tag: str = "", prefix_size: int = 0, prefix_align: int = 64,
             progress=None) -> BlobEntry:
@@ -119,47 +179,119 @@ class BlobWriter:
             offset = align_up(prefix_offset + prefix_size, self.policy.for_size(nbytes))
         else:
             offset = align_up(self.end, self.policy.for_size(nbytes))
-        digest = hashlib.sha256()
-        pos = offset
-        pending = None
-        # Two-stage pipeline: this thread reads and unpacks chunk i+1 while the writer thread
-        # hashes and writes chunk i (hashlib, pwrite, preadv and numpy casts release the GIL).
-        # The chunk is copied because sources reuse their buffers.
-        try:
-            for chunk in source.chunks(self.chunk_size):
-                if pos + len(chunk) > offset + nbytes:
-                    raise InvalidModel(f"payload is longer than its declared {nbytes} bytes")
-                data = bytes(chunk)
-                if pending is not None:
-                    pending.result()
-                pending = _WRITER.submit(self._consume, digest, data, pos)
-                pos += len(data)
-                if progress is not None:
-                    progress(len(data))
-        finally:
-            # Never return (or raise) with a write in flight: the caller may close the fd next.
-            if pending is not None:
-                pending.exception() if sys.exc_info()[0] else pending.result()
-        if pos != offset + nbytes:
-            raise InvalidModel(f"payload is shorter ({pos - offset} bytes) than its declared {nbytes} bytes")
+        if isinstance(source, FileRange) and nbytes >= KERNEL_COPY_MIN and _kernel_copy_works():
+            digest = self._copy_unchanged(source, offset, progress)
+        else:
+            digest = self._stream(source, offset, nbytes, progress)
         self.bytes_in += nbytes
-        key = (tag, nbytes, digest.hexdigest())
+        key = (tag, nbytes, digest)
         first = self._index.get(key) if self.dedupe else None
         if first is not None:
             # Drop the second copy: nothing after self.end has been claimed yet.
             os.ftruncate(self.fd, self.end)
+            self._wb_start = min(self._wb_start, self.end)
             return BlobEntry(first.offset, nbytes, first.sha256, first.prefix_offset, duplicate=True)
-        entry = BlobEntry(offset, nbytes, key[2], prefix_offset)
+        entry = BlobEntry(offset, nbytes, digest, prefix_offset)
         self._index[key] = entry
         self.unique.append(entry)
         self.end = offset + nbytes
         self.bytes_written += nbytes
         return entry
 
-    def _consume(self, digest, data: bytes, pos: int) -> None:
+    def _stream(self, source: PayloadSource, offset: int, nbytes: int, progress) -> str:
+        """Read (and unpack) chunks here while the writer thread hashes and writes the previous one."""
+        digest = new_hasher(self.digest)
+        pos = offset
+        pending = None
+        # A single chunk gains nothing from the pipeline; handing it over would cost more than it
+        # saves when a model has 100,000s of small tensors.
+        pipelined = nbytes > self.chunk_size
+        # Sources with stable chunks rotate two buffers: chunk i stays intact while chunk i+1 is
+        # produced, which is all the pipeline needs. Others reuse one buffer: copy.
+        private = stable_chunks(source)
+        try:
+            for chunk in source.chunks(self.chunk_size):
+                if pos + len(chunk) > offset + nbytes:
+                    raise InvalidModel(f"payload is longer than its declared {nbytes} bytes")
+                if not pipelined:
+                    self._consume(digest, chunk, pos)
+                else:
+                    data = chunk if private else bytes(chunk)
+                    if pending is not None:
+                        pending.result()
+                    pending = _WRITER.submit(self._consume, digest, data, pos)
+                pos += len(chunk)
+                if progress is not None:
+                    progress(len(chunk))
+        finally:
+            # Never return (or raise) with a write in flight: the caller may close the fd next.
+            if pending is not None:
+                pending.exception() if sys.exc_info()[0] else pending.result()
+        if pos != offset + nbytes:
+            raise InvalidModel(f"payload is shorter ({pos - offset} bytes) than its declared {nbytes} bytes")
+        return tagged(self.digest, digest.hexdigest())
+
+    def _copy_unchanged(self, source: FileRange, offset: int, progress) -> str:
+        """Bytes copied as they are: the kernel copies (``copy_file_range``) while the writer thread hashes
+        the same range through its own reused buffer, so the bytes cross into user space once."""
+        f = source.opened()
+        try:
+            hashing = _WRITER.submit(_hash_range, f, source.offset, source.length, self.chunk_size, self.digest)
+            try:
+                done = self._kernel_copy(f, source, offset, progress)
+            except BaseException:
+                hashing.exception()  # wait: the hashing thread must not read a file we may close next
+                raise
+            result: str = hashing.result()
+            if done < source.length:  # the kernel refused (another filesystem, old kernel): copy the rest here
+                rest = FileRange(source.path, source.offset + done, source.length - done, f)
+                for chunk in rest.chunks(self.chunk_size):
+                    self._pwrite_all(chunk, offset + done)
+                    done += len(chunk)
+                    self._wrote(offset + done)
+                    if progress is not None:
+                        progress(len(chunk))
+        finally:
+            if f is not source.file:
+                f.close()
+        return result
+
+    def _kernel_copy(self, f: InputFile, source: FileRange, offset: int, progress) -> int:
+        """Copy as much of ``source`` as the kernel will; return how many bytes it copied."""
+        global _KERNEL_COPY
+        done, step = 0, max(self.chunk_size, KERNEL_COPY_STEP)
+        while done < source.length:
+            want = min(step, source.length - done)
+            try:
+                n = os.copy_file_range(f.fd, self.fd, want, source.offset + done, offset + done)
+            except OSError as e:
+                if e.errno in _NO_KERNEL_COPY and done == 0:
+                    _KERNEL_COPY = False
+                    return done
+                if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO):
+                    raise OutputError(f"cannot write the weight blob: {e.strerror}") from None
+                raise InvalidModel(f"cannot read payload at offset {source.offset + done}: {e.strerror}",
+                                   source.path) from None
+            if n == 0:
+                raise InvalidModel(f"file ended early at offset {source.offset + done} (expected data up to "
+                                   f"{source.offset + source.length})", source.path)
+            done += n
+            self._wrote(offset + done)
+            if progress is not None:
+                progress(n)
+        return done
+
+    def _consume(self, digest, data, pos: int) -> None:
         digest.update(data)
         self._pwrite_all(memoryview(data), pos)
-        _start_writeback(self.fd, pos, len(data))
+        self._wrote(pos + len(data))
+
+    def _wrote(self, end: int) -> None:
+        """Start writeback of what was written up to ``end`` once a chunk's worth has gathered: one
+        sync_file_range per chunk, not per payload (100,000s of small payloads)."""
+        if end - self._wb_start >= self.chunk_size:
+            _start_writeback(self.fd, self._wb_start, end - self._wb_start)
+            self._wb_start = end
 
     def _pwrite_all(self, data: memoryview, pos: int) -> None:
         try:
@@ -196,7 +328,11 @@ _OFFSET_DIGITS = 20  # enough for any uint64 offset
 METADATA_KEY = "weightshare.payloads"
 
 
-@dataclass
+def _dumps(value) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+@dataclass(slots=True)
 class PlannedTensor:
     """A payload the caller will write: its preferred name, dtype key and shape."""
 
@@ -209,7 +345,7 @@ class PlannedTensor:
     st_shape: tuple[int, ...] = ()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Stored:
     planned: PlannedTensor
     entry: BlobEntry
@@ -266,16 +402,35 @@ class SafetensorsBlob:
         self._stored: dict[int, _Stored] = {}  # by entry offset
 
     @staticmethod
-    def _header_bound(planned: list[PlannedTensor], metadata: dict[str, str]) -> int:
+    def _header_bound(planned: list[PlannedTensor], metadata: dict[str, str] | None = None) -> int:
+        """Length of the header if every offset had 20 digits, a padding entry preceded every tensor and
+        no payload were a duplicate, plus 64. Computed piece by piece (the JSON text of 100,000s of tensors
+        is never built), equal to ``len(json.dumps(...))`` of that worst case (tests check both agree)."""
+        dumps = json.dumps
         big = 10 ** _OFFSET_DIGITS - 1
-        tensors = {}
+        value_base: dict[str, int] = {}  # dtype -> length of its entry value with an empty shape
+        pad_value = len(_dumps({"dtype": "U8", "shape": [big], "data_offsets": [big, big]}))
+        worst_meta = _dumps({"sha256": "0" * 64, "aliases": []})  # "blake3" and its hex have the same lengths
+        meta_item = len(worst_meta) + 1  # + the ':' after the name
+        meta_item_quotes = worst_meta.count('"')
+        total = 2 + 2 * len(planned)  # braces; one comma per entry but the first (2n + 1 entries)
+        inner, inner_escapes = 2 + max(0, len(planned) - 1), 0
         for i, t in enumerate(planned):
-            tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape), "data_offsets": [big, big]}
-            tensors[f"__pad__{big}{i}"] = {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}
-        worst = {t.st_name: {"sha256": "0" * 64, "aliases": [t.st_name]} for t in planned}
-        tensors["__metadata__"] = {"format": "weightshare", METADATA_KEY: json.dumps(worst, separators=(",", ":")),
-                                   **metadata}
-        return len(json.dumps(tensors, separators=(",", ":")).encode()) + 64
+            name = dumps(t.st_name)
+            base = value_base.get(t.st_dtype)
+            if base is None:
+                base = value_base[t.st_dtype] = len(_dumps({"dtype": t.st_dtype, "shape": [],
+                                                            "data_offsets": [big, big]}))
+            shape = sum(len(str(d)) for d in t.st_shape) + max(0, len(t.st_shape) - 1)
+            total += len(name) + 1 + base + shape
+            total += 2 + 7 + _OFFSET_DIGITS + len(str(i)) + 1 + pad_value  # "__pad__<big><i>":{...}
+            inner += 2 * len(name) + meta_item
+            inner_escapes += 2 * (name.count('"') + name.count("\\")) + meta_item_quotes
+        # The metadata is a JSON string inside the JSON header: its quotes and backslashes get escaped.
+        outer = inner + 2 + inner_escapes
+        total += len('"__metadata__":') + len(_dumps({"format": "weightshare", METADATA_KEY: ""})) - 2 + outer
+        total += sum(len(dumps(k)) + len(dumps(v)) + 2 for k, v in (metadata or {}).items())  # ,"k":"v"
+        return total + 64
 
     def add(self, tensor: PlannedTensor, source: PayloadSource, progress=None) -> BlobEntry:
         if source.nbytes != tensor.nbytes:
@@ -296,31 +451,65 @@ class SafetensorsBlob:
         return self.writer.bytes_written
 
     def header(self) -> bytes:
-        tensors: dict[str, dict] = {}
-        meta: dict[str, dict] = {}
+        """The safetensors header (without its length prefix and padding)."""
+        return "".join(self._header_pieces()).encode()
+
+    def _header_pieces(self) -> Iterator[str]:
+        """The header's JSON text in pieces, the same characters as ``json.dumps`` (separators ``,`` and
+        ``:``) of the equivalent dict, which tests check. Streamed so that 100,000s of tensors never hold
+        the whole text (or a dict of it) in memory: payload entries first, then the metadata, whose value
+        is a JSON string escaped piece by piece (JSON escaping is per character)."""
+        dumps = json.dumps
+        stored = sorted(self._stored.values(), key=lambda s: s.entry.offset)
+        yield "{"
         cursor = 0
-        for n_pad, stored in enumerate(sorted(self._stored.values(), key=lambda s: s.entry.offset)):
-            begin = stored.entry.offset - self.data_start
+        for n_pad, item in enumerate(stored):
+            begin = item.entry.offset - self.data_start
             if begin > cursor:
-                tensors[f"__pad__{n_pad}"] = {"dtype": "U8", "shape": [begin - cursor], "data_offsets": [cursor, begin]}
-            t = stored.planned
-            tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape),
-                                  "data_offsets": [begin, begin + stored.entry.nbytes]}
-            meta[t.st_name] = {"sha256": stored.entry.sha256, "aliases": stored.aliases}
-            cursor = begin + stored.entry.nbytes
-        tensors["__metadata__"] = {"format": "weightshare", METADATA_KEY: json.dumps(meta, separators=(",", ":")),
-                                   **self.metadata}
-        return json.dumps(tensors, separators=(",", ":")).encode()
+                yield (f'"__pad__{n_pad}":{{"dtype":"U8","shape":[{begin - cursor}],'
+                       f'"data_offsets":[{cursor},{begin}]}},')
+            t = item.planned
+            cursor = begin + item.entry.nbytes
+            shape = ",".join(str(int(d)) for d in t.st_shape)
+            yield (f'{dumps(t.st_name)}:{{"dtype":{dumps(t.st_dtype)},"shape":[{shape}],'
+                   f'"data_offsets":[{begin},{cursor}]}},')
+        yield f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:"{{'
+        for i, item in enumerate(stored):
+            aliases = ",".join(dumps(a) for a in item.aliases)
+            kind, value = split_digest(item.entry.sha256)
+            meta = f'{dumps(item.planned.st_name)}:{{{dumps(kind)}:{dumps(value)},"aliases":[{aliases}]}}'
+            yield ("," if i else "") + dumps(meta)[1:-1]
+        yield '}"'
+        for key, value in self.metadata.items():
+            yield f",{dumps(key)}:{dumps(value)}"
+        yield "}}"
 
     def finish(self) -> int:
-        """Write the header and fix the file length; return the file size."""
-        header = self.header()
+        """Write the header (length, JSON text, space padding up to the data) and fix the file length;
+        return the file size."""
         room = self.data_start - 8
-        if len(header) > room:  # the bound is computed from the same plan; this is a bug, not bad input
-            raise OutputError(f"safetensors header ({len(header)} bytes) outgrew its reserved {room} bytes")
-        header += b" " * (room - len(header))
-        self.writer.pwrite(len(header).to_bytes(8, "little") + header, 0)
+        pos, batch, size = 8, [], 0
+        for piece in self._header_pieces():
+            batch.append(piece)
+            size += len(piece)
+            if size >= 1 << 20:
+                pos = self._write_header_text(batch, pos)
+                batch, size = [], 0
+        pos = self._write_header_text(batch, pos)
+        spaces = b" " * min(1 << 20, self.data_start - pos)
+        while pos < self.data_start:
+            n = min(len(spaces), self.data_start - pos)
+            self.writer.pwrite(spaces[:n], pos)
+            pos += n
+        self.writer.pwrite(room.to_bytes(8, "little"), 0)
         return self.writer.finish()
+
+    def _write_header_text(self, batch: list[str], pos: int) -> int:
+        data = "".join(batch).encode()
+        if pos + len(data) > self.data_start:  # the bound is computed from the same plan: a bug, not bad input
+            raise OutputError(f"safetensors header outgrew its reserved {self.data_start - 8} bytes")
+        self.writer.pwrite(data, pos)
+        return pos + len(data)
 
 
 def read_safetensors_metadata(path: str) -> tuple[int, dict, dict]:
@@ -350,7 +539,8 @@ def read_safetensors_metadata(path: str) -> tuple[int, dict, dict]:
 
 
 def recorded_checksums(path: str) -> dict[int, str]:
-    """Absolute payload offset -> SHA-256 recorded by weightshare in a safetensors blob; {} for other files."""
+    """Absolute payload offset -> ``tagged`` digest recorded by weightshare in a safetensors blob: bare hex
+    for SHA-256 (every blob written before BLAKE3), "blake3:<hex>" for BLAKE3; {} for other files."""
     try:
         data_start, header, meta = read_safetensors_metadata(path)
     except (InvalidModel, OSError):
@@ -358,6 +548,10 @@ def recorded_checksums(path: str) -> dict[int, str]:
     sums = {}
     for key, entry in meta.items():
         t = header.get(key)
-        if isinstance(t, dict) and isinstance(entry, dict) and "sha256" in entry:
-            sums[data_start + t["data_offsets"][0]] = entry["sha256"]
+        if not (isinstance(t, dict) and isinstance(entry, dict)):
+            continue
+        for kind in ("blake3", "sha256"):
+            if isinstance(entry.get(kind), str):
+                sums[data_start + t["data_offsets"][0]] = tagged(kind, entry[kind])
+                break
     return sums

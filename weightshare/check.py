@@ -99,7 +99,7 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
                 "running as them) cannot map it")
     bad = [p for p in inv.payloads if p.sha256 and p.recorded_sha256 and p.sha256 != p.recorded_sha256]
     if bad:
-        add(Code.CHECKSUM_MISMATCH, bad, f"{len(bad)} payloads differ from the SHA-256 recorded in the blob: "
+        add(Code.CHECKSUM_MISMATCH, bad, f"{len(bad)} payloads differ from the checksum recorded in the blob: "
             f"{_names(bad)}")
     return out
 

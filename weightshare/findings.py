@@ -100,7 +100,7 @@ CODES: dict[Code, CodeInfo] = {
         Severity.ERROR, "The blob's mode keeps other users (and services running as them) from mapping it.",
         "chmod a+r BLOB"),
     Code.CHECKSUM_MISMATCH: CodeInfo(
-        Severity.ERROR, "A payload differs from the SHA-256 recorded in the blob: the blob was modified or "
+        Severity.ERROR, "A payload differs from the checksum (BLAKE3; SHA-256 in older blobs) recorded in the blob: the blob was modified or "
         "corrupted.", "re-run weightshare convert from the original model; check the storage"),
 }
 

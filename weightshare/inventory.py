@@ -7,7 +7,6 @@ findings, ``verify`` re-hashes what it records.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -87,11 +86,12 @@ def alignment_of(offset: int | None) -> int | None:
     return min(offset & -offset, 1 << 20)
 
 
-def sha256_of(source: PayloadSource) -> str:
-    digest = hashlib.sha256()
-    for chunk in source.chunks(CHUNK_SIZE):
-        digest.update(chunk)
-    return digest.hexdigest()
+def sha256_of(source: PayloadSource, like: str = "") -> str:
+    """The payload's digest, SHA-256 unless ``like`` (a recorded digest) names another kind ("blake3:..."),
+    so that it can be compared with that recorded digest."""
+    from .blob import digest_of, split_digest
+
+    return digest_of(source.chunks(CHUNK_SIZE), split_digest(like)[0] if like else "sha256")
 
 
 def mark_duplicates(payloads: list[PayloadInfo]) -> None:

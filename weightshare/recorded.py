@@ -7,39 +7,46 @@ payload sits, its bytes are hashed while they stream and compared at the end of 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .blob import read_safetensors_metadata
+from .blob import new_hasher, read_safetensors_metadata, split_digest, tagged
 from .errors import InvalidModel, WeightshareError
 from .tensors import CHUNK_SIZE, PayloadSource
 
 
-def recorded_payloads(path: str) -> dict[tuple[int, int], str]:
-    """(absolute offset, length) -> SHA-256 hex of every payload a weightshare blob records; {} for any other
-    file (not safetensors, no weightshare metadata, or a header too odd to trust for a lookup)."""
+def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
+    """(name, absolute offset, length, tagged digest (``blob.tagged``: SHA-256 bare, "blake3:<hex>")) of every
+    payload a weightshare blob records; [] for any other file (not safetensors, no weightshare metadata, or a
+    header too odd to trust for a lookup)."""
     try:
         data_start, header, meta = read_safetensors_metadata(path)
     except (WeightshareError, OSError, ValueError, RecursionError):
-        return {}
-    out: dict[tuple[int, int], str] = {}
+        return []
+    out: list[tuple[str, int, int, str]] = []
     if not isinstance(meta, dict):
         return out
     for key, entry in meta.items():
         t = header.get(key) if isinstance(key, str) else None
-        digest = entry.get("sha256") if isinstance(entry, dict) else None
+        kind = next((k for k in ("blake3", "sha256") if isinstance(entry, dict) and k in entry), "sha256")
+        digest = entry.get(kind) if isinstance(entry, dict) else None
         offsets = t.get("data_offsets") if isinstance(t, dict) else None
         if not (isinstance(digest, str) and isinstance(offsets, list) and len(offsets) == 2
                 and all(type(o) is int and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
             continue
-        out[(data_start + offsets[0], offsets[1] - offsets[0])] = digest.lower()
+        out.append((key, data_start + offsets[0], offsets[1] - offsets[0], tagged(kind, digest.lower())))
     return out
+
+
+def recorded_payloads(path: str) -> dict[tuple[int, int], str]:
+    """(absolute offset, length) -> tagged digest of every payload a weightshare blob records."""
+    return {(offset, length): digest for _name, offset, length, digest in recorded_records(path)}
 
 
 @dataclass
 class CheckedSource:
-    """``inner``'s bytes, unchanged; raises InvalidModel naming ``tensor`` if they do not hash to ``sha256``."""
+    """``inner``'s bytes, unchanged; raises InvalidModel naming ``tensor`` if they do not hash to ``sha256`` (a
+    tagged digest: the kind the blob recorded)."""
 
     inner: PayloadSource
     sha256: str
@@ -52,10 +59,11 @@ class CheckedSource:
         return self.inner.nbytes
 
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]:
-        digest = hashlib.sha256()
+        kind, expected = split_digest(self.sha256)
+        digest = new_hasher(kind)
         for chunk in self.inner.chunks(chunk_size):
             digest.update(chunk)
             yield chunk
-        if digest.hexdigest() != self.sha256:
-            raise InvalidModel(f"tensor {self.tensor!r}: its bytes no longer match the SHA-256 weightshare recorded "
+        if digest.hexdigest() != expected:
+            raise InvalidModel(f"tensor {self.tensor!r}: its bytes no longer match the {kind} digest weightshare recorded "
                                "when it wrote this blob (modified since?); refusing to re-convert it", self.path)

@@ -2,19 +2,29 @@
 
 A ``PayloadSource`` knows how many bytes it will produce (``nbytes``) and yields
 them in chunks of at most ``chunk_size`` bytes. Sources never hold a whole
-payload: they ``preadv`` into one reused buffer. A yielded chunk is only valid
-until the next one is requested, so consumers write or hash it at once.
+payload: they ``preadv`` into reused buffers. A yielded chunk is only valid until
+the next one is requested -- except from sources whose ``stable_chunks`` is True:
+those rotate two buffers, so a chunk stays valid until two more have been
+requested, which lets the blob writer hash and write chunk i on its thread while
+chunk i+1 is produced, without copying it.
+
+Input files are opened once (``open_input``) and read through the kept
+descriptor, never reopened by name: a name checked to lie inside the model
+directory cannot be swapped for a symlink between the check and the read.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+import stat
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator, Protocol
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np  # imported where used: `weightshare --help` and `check` need no numpy
 
-from .errors import InvalidModel
+from .errors import InvalidModel, UnsafePath
 
 CHUNK_SIZE = 4 << 20  # 4 MiB: large enough for full disk speed, small enough to be invisible in RSS
 
@@ -25,13 +35,102 @@ class PayloadSource(Protocol):
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]: ...
 
 
-@dataclass
+def stable_chunks(source: object) -> bool:
+    """True when ``source``'s chunks stay valid until two more have been requested (see module doc)."""
+    return bool(getattr(source, "stable_chunks", False))
+
+
+class InputFile:
+    """A regular input file opened once; every payload read goes through ``fd``.
+
+    Closed by ``close()`` or when the last reference goes away (sources of many
+    tensors share one ``InputFile``, so none of them owns it).
+    """
+
+    __slots__ = ("__weakref__", "_closer", "fd", "path", "size")
+
+    def __init__(self, fd: int, path: str, size: int):
+        self.fd, self.path, self.size = fd, path, size
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def close(self) -> None:
+        self._closer()
+
+
+def _fd_real_path(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None  # no /proc (macOS, some sandboxes): the O_NOFOLLOW and dev/ino checks remain
+
+
+def open_input(path: str | os.PathLike, inside: str | os.PathLike | None = None,
+               origin: str | os.PathLike | None = None) -> InputFile:
+    """Open ``path`` for reading, once, refusing anything but a regular file.
+
+    With ``inside`` (the model directory; ``path`` must already have passed
+    ``resolve_inside``), the last component must not be a symlink and the opened
+    descriptor's real path must lie inside ``inside``: a file swapped for a symlink,
+    or a directory on the way swapped, after the check is refused, never read.
+    The open is non-blocking so that a FIFO is refused instead of waiting for a writer.
+    """
+    path = os.fspath(path)
+    where = origin if origin is not None else path
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    if inside is not None:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if inside is not None and os.path.islink(path):
+            raise UnsafePath(f"{os.path.basename(path)!r} became a symlink while being opened", where) from None
+        raise InvalidModel(f"cannot open {os.path.basename(path)!r}: {e.strerror}", where) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidModel(f"{os.path.basename(path)!r} is not a regular file", where)
+        if inside is not None:
+            _check_opened_inside(fd, st, path, inside, where)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return InputFile(fd, path, st.st_size)
+
+
+def _check_opened_inside(fd: int, st: os.stat_result, path: str, inside: str | os.PathLike, where) -> None:
+    base = os.path.realpath(inside)
+    real = _fd_real_path(fd)
+    if real is None:  # fall back to: the name now resolves to the very file we hold, and inside base
+        real = os.path.realpath(path)
+        now = os.stat(real)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise UnsafePath(f"{os.path.basename(path)!r} changed while being opened", where)
+    if os.path.commonpath([base, real]) != base:
+        raise UnsafePath(f"{os.path.basename(path)!r} resolves outside the model directory once opened", where)
+
+
+def _pread_into(fd: int, view: memoryview, pos: int, path: str, end: int) -> int:
+    got = os.preadv(fd, [view], pos)
+    if got <= 0:
+        raise InvalidModel(f"file ended early at offset {pos} (expected data up to {end})", path)
+    return got
+
+
+@dataclass(slots=True)
 class FileRange:
-    """``length`` bytes at ``offset`` of ``path``; bounds are checked before any read."""
+    """``length`` bytes at ``offset`` of an input file; bounds are checked before any read.
+
+    ``file`` is the descriptor opened (and checked) once by ``open_input``; without
+    it, ``path`` is opened at each read (inputs named by the user, never by a model).
+    """
 
     path: str
     offset: int
     length: int
+    file: InputFile | None = None
+
+    stable_chunks = True  # two rotating buffers
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 0:
@@ -49,23 +148,39 @@ class FileRange:
                 self.path,
             )
 
+    def opened(self) -> InputFile:
+        """The input file to read through: the kept one, or a fresh (checked) open of ``path``."""
+        return self.file if self.file is not None else open_input(self.path)
+
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]:
         if self.length == 0:
             return
-        buf = bytearray(min(chunk_size, self.length))
-        view = memoryview(buf)
-        fd = os.open(self.path, os.O_RDONLY)
+        if self.length <= chunk_size:  # one read, one fresh buffer: the common case of small tensors
+            f = self.opened()
+            try:
+                data = os.pread(f.fd, self.length, self.offset)
+            finally:
+                if f is not self.file:
+                    f.close()
+            if len(data) < self.length:
+                raise InvalidModel(f"file ended early at offset {self.offset + len(data)} (expected data up to "
+                                   f"{self.offset + self.length})", self.path)
+            yield memoryview(data)
+            return
+        size = chunk_size
+        views = [memoryview(bytearray(size)), memoryview(bytearray(size))]
+        f = self.opened()
         try:
-            pos, end = self.offset, self.offset + self.length
+            pos, end, turn = self.offset, self.offset + self.length, 0
             while pos < end:
-                want = min(len(buf), end - pos)
-                got = os.preadv(fd, [view[:want]], pos)
-                if got <= 0:
-                    raise InvalidModel(f"file ended early at offset {pos} (expected data up to {end})", self.path)
+                view = views[turn]
+                got = _pread_into(f.fd, view[: min(size, end - pos)], pos, self.path, end)
                 yield view[:got]
                 pos += got
+                turn ^= 1
         finally:
-            os.close(fd)
+            if f is not self.file:
+                f.close()
 
 
 @dataclass
@@ -73,6 +188,8 @@ class BytesSource:
     """A small payload already in memory (inline data, test inputs)."""
 
     data: bytes
+
+    stable_chunks = True  # views of immutable bytes
 
     @property
     def nbytes(self) -> int:
@@ -94,9 +211,32 @@ class ConcatSource:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
 
+    @property
+    def stable_chunks(self) -> bool:
+        # Each part rotates its own buffers, and a part's buffers outlive its last chunk.
+        return all(stable_chunks(p) for p in self.parts)
+
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]:
         for part in self.parts:
             yield from part.chunks(chunk_size)
+
+
+_OUT_SUPPORT: dict[Callable, bool] = {}
+
+
+def _accepts_out(convert: Callable) -> bool:
+    """Whether ``convert(chunk, out=buffer)`` writes into ``buffer`` (converters that do not are still used,
+    allocating their result)."""
+    known = _OUT_SUPPORT.get(convert)
+    if known is None:
+        import inspect
+
+        try:
+            known = "out" in inspect.signature(convert).parameters
+        except (TypeError, ValueError):
+            known = False
+        _OUT_SUPPORT[convert] = known
+    return known
 
 
 @dataclass
@@ -105,13 +245,16 @@ class ElementwiseSource:
 
     ``in_itemsize`` and ``out_itemsize`` give the element sizes; the input chunk
     size is rounded to whole elements so that no element straddles two chunks.
+    When ``convert`` takes an ``out`` buffer, results go into two rotating buffers
+    (no fresh pages per chunk, no copy by the writer).
     """
 
     inner: PayloadSource
     in_itemsize: int
     out_itemsize: int
-    convert: Callable[[memoryview], np.ndarray]
-    _leftover: bytes = field(default=b"", repr=False)
+    convert: Callable[..., np.ndarray]
+
+    stable_chunks = True  # rotating output buffers, or a fresh array per chunk
 
     @property
     def nbytes(self) -> int:
@@ -120,7 +263,10 @@ class ElementwiseSource:
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]:
         in_chunk = max(self.in_itemsize, chunk_size * self.in_itemsize // self.out_itemsize)
         in_chunk -= in_chunk % self.in_itemsize
-        carry = b""
+        into = _accepts_out(self.convert)
+        out_size = min(in_chunk, self.inner.nbytes) // self.in_itemsize * self.out_itemsize
+        outs = [memoryview(bytearray(out_size)) for _ in range(2 if into and out_size else 0)]
+        carry, turn = b"", 0
         for piece in self.inner.chunks(in_chunk):
             if carry:
                 piece = memoryview(carry + bytes(piece))
@@ -128,8 +274,15 @@ class ElementwiseSource:
             whole = len(piece) - len(piece) % self.in_itemsize
             if whole < len(piece):
                 carry = bytes(piece[whole:])
-            if whole:
-                yield memoryview(self.convert(piece[:whole])).cast("B")
+            if not whole:
+                continue
+            n_out = whole // self.in_itemsize * self.out_itemsize
+            if into and n_out <= out_size:
+                result = self.convert(piece[:whole], out=outs[turn][:n_out])
+                turn ^= 1
+            else:  # a carried piece can exceed one chunk: rare, allocate
+                result = self.convert(piece[:whole])
+            yield memoryview(result).cast("B")
         if carry:
             raise InvalidModel("payload length is not a whole number of elements")
 
@@ -140,11 +293,28 @@ def read_all(source: PayloadSource) -> bytes:
     return b"".join(bytes(c) for c in source.chunks())
 
 
-def fp16_to_fp32(chunk: memoryview) -> np.ndarray:
-    """IEEE half to single: exact for every value, NaN payloads and signed zeros kept."""
-    return np.frombuffer(chunk, dtype="<f2").astype("<f4")
+def fp16_to_fp32(chunk: memoryview, out: memoryview | None = None) -> np.ndarray:
+    """IEEE half to single: exact for every value, NaN payloads and signed zeros kept.
+
+    With ``out`` (a writable buffer of 2x the chunk's bytes) the result is written there."""
+    import numpy as np
+
+    src = np.frombuffer(chunk, dtype="<f2")
+    if out is None:
+        return src.astype("<f4")
+    dst = np.frombuffer(out, dtype="<f4")
+    np.copyto(dst, src)
+    return dst
 
 
-def bf16_to_fp32(chunk: memoryview) -> np.ndarray:
+def bf16_to_fp32(chunk: memoryview, out: memoryview | None = None) -> np.ndarray:
     """bfloat16 is the top half of a float32: shifting the bits is exact."""
-    return np.frombuffer(chunk, dtype="<u2").astype("<u4") << np.uint32(16)
+    import numpy as np
+
+    src = np.frombuffer(chunk, dtype="<u2")
+    if out is None:
+        return src.astype("<u4") << np.uint32(16)
+    dst = np.frombuffer(out, dtype="<u4")
+    np.copyto(dst, src)
+    dst <<= np.uint32(16)
+    return dst

@@ -81,7 +81,7 @@ def compare_names(report: VerifyReport, what: str, a: list[str], b: list[str]) -
 
 
 def _check_blob(report: VerifyReport, converted: Path) -> bool:
-    """Re-hash every payload against its recorded SHA-256; True when an external reference is broken."""
+    """Re-hash every payload against its recorded checksum; True when an external reference is broken."""
     inv = inventory(converted, hash_payloads=True)
     broken = False
     for p in inv.payloads:
@@ -91,41 +91,33 @@ def _check_blob(report: VerifyReport, converted: Path) -> bool:
         elif p.recorded_sha256:
             report.payloads_hashed += 1
             if p.sha256 != p.recorded_sha256:
-                report.checksum_mismatches.append(f"tensor {p.name!r} in {p.file} at offset {p.offset}: SHA-256 "
-                                                  "differs from the one recorded in the blob")
+                report.checksum_mismatches.append(f"tensor {p.name!r} in {p.file} at offset {p.offset}: its "
+                                                  "checksum differs from the one recorded in the blob")
     _check_other_records(report, converted, inv)
     return broken
 
 
-def _check_other_records(report: VerifyReport, converted: Path, inv) -> None:
+def _check_other_records(report: VerifyReport, converted: Path, inv: Any) -> None:
     """Re-hash the blob records no tensor references directly (e.g. ORT pre-packed copies of ``--prepack``): every
-    record with a recorded SHA-256 is checked, so a flipped byte in a packed copy fails verify too."""
-    from .blob import read_safetensors_metadata
+    record with a recorded checksum is checked, so a flipped byte in a packed copy fails verify too."""
     from .inventory import sha256_of
+    from .recorded import recorded_records
     from .tensors import FileRange
 
     seen = {(p.file, p.offset) for p in inv.payloads}
     base = converted.resolve() if converted.is_dir() else converted.resolve().parent
     for name in inv.external_files:
         path = base / name
-        try:
-            data_start, header, meta = read_safetensors_metadata(str(path))
-        except (InvalidModel, OSError):
-            continue  # not a weightshare blob: nothing recorded
-        for key, entry in meta.items():
-            t = header.get(key)
-            if not (isinstance(t, dict) and isinstance(entry, dict) and "sha256" in entry):
-                continue
-            begin, end = (data_start + int(x) for x in t["data_offsets"])
+        for key, begin, length, digest in sorted(recorded_records(str(path)), key=lambda r: r[1]):
             if (name, begin) in seen:
                 continue
             seen.add((name, begin))
             report.payloads_hashed += 1
-            if end > path.stat().st_size:
+            if begin + length > path.stat().st_size:
                 report.checksum_mismatches.append(f"blob record {key!r} in {name} at offset {begin}: runs past "
                                                   "the end of the file")
-            elif sha256_of(FileRange(str(path), begin, end - begin)) != entry["sha256"]:
-                report.checksum_mismatches.append(f"blob record {key!r} in {name} at offset {begin}: SHA-256 "
+            elif sha256_of(FileRange(str(path), begin, length), digest) != digest:
+                report.checksum_mismatches.append(f"blob record {key!r} in {name} at offset {begin}: its checksum "
                                                   "differs from the one recorded in the blob")
 
 

@@ -74,7 +74,7 @@ class BlobRelocator:
             if key not in self._records:
                 wf = self._files.get(path)
                 if wf is None:
-                    wf = self._files[path] = WeightFile(path)
+                    wf = self._files[path] = WeightFile(path, pkg.model_dir)
                 self._records[key] = wf.record(bfv.offset)
             self.referenced.add(path)
             self._values.append((bfv, key))

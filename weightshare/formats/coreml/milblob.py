@@ -24,14 +24,13 @@ Facts from coremltools' reader (``StorageReader.cpp``) that this writer relies o
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from dataclasses import dataclass
 
-from ...blob import AlignPolicy, BlobWriter
+from ...blob import AlignPolicy, BlobWriter, digest_of
 from ...errors import InvalidModel, OutputError
-from ...tensors import FileRange
+from ...tensors import FileRange, open_input
 
 HEADER_SIZE = 64
 RECORD_SIZE = 64
@@ -72,12 +71,14 @@ class WeightFile:
     returned as ``FileRange`` sources for chunked copying.
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, inside: str | os.PathLike | None = None):
+        """``inside``: the directory ``path`` was checked to lie in (``resolve_inside``); the file is opened
+        once, refused unless it is a regular file still inside it, and every read goes through that fd."""
         self.path = os.fspath(path)
+        self.file = open_input(self.path, inside)
+        self.size = self.file.size
         try:
-            with open(self.path, "rb") as f:
-                self.size = os.fstat(f.fileno()).st_size
-                head = f.read(HEADER_SIZE)
+            head = os.pread(self.file.fd, HEADER_SIZE, 0)
         except OSError as e:
             raise InvalidModel(f"cannot read weight file: {e.strerror}", self.path) from None
         if len(head) < HEADER_SIZE:
@@ -92,8 +93,10 @@ class WeightFile:
         if offset < HEADER_SIZE or offset + RECORD_SIZE > self.size:
             raise InvalidModel(f"blob offset {offset} is not a record offset in the weight file ({self.size} bytes): "
                                "past its end or inside its header", self.path)
-        with open(self.path, "rb") as f:
-            raw = os.pread(f.fileno(), RECORD_SIZE, offset)
+        try:
+            raw = os.pread(self.file.fd, RECORD_SIZE, offset)
+        except OSError as e:
+            raise InvalidModel(f"cannot read weight file: {e.strerror}", self.path) from None
         if len(raw) < RECORD_SIZE:
             raise InvalidModel(f"weight file ended early reading the blob record at offset {offset}", self.path)
         sentinel, dtype, nbytes, data_offset, padding = _RECORD.unpack_from(raw)
@@ -117,7 +120,7 @@ class WeightFile:
         return BlobRecord(offset, dtype, nbytes, data_offset, padding)
 
     def payload(self, rec: BlobRecord) -> FileRange:
-        src = FileRange(self.path, rec.data_offset, rec.nbytes)
+        src = FileRange(self.path, rec.data_offset, rec.nbytes, self.file)
         src.check_within(self.size)
         return src
 
@@ -165,10 +168,7 @@ class WeightFileWriter:
         self.bytes_in += source.nbytes
         expected = None
         if (tag, source.nbytes) in self._lengths:
-            digest = hashlib.sha256()
-            for chunk in source.chunks(self.blob.chunk_size):
-                digest.update(chunk)
-            expected = digest.hexdigest()
+            expected = digest_of(source.chunks(self.blob.chunk_size), self.blob.digest)
             known = self._seen.get((tag, source.nbytes, expected))
             if known is not None:
                 self.duplicates += 1

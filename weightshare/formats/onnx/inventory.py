@@ -122,6 +122,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     external_files = set()
     inv.settings = [ORT_SHARE, ORT_DEFAULT]
     uses_by_scope: dict[int, dict] = {}
+    to_hash = []
     for p in placements:
         ref = p.ref
         info = PayloadInfo(name=names[ref.index], dtype=DTYPE_NAMES.get(ref.data_type, str(ref.data_type)),
@@ -159,11 +160,13 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         info.would_move = p.external and (ref.field != 0 or p.fold)
         info.stays_inline_because = p.reason
         if hash_payloads and not info.problem:
-            info.sha256 = sha256_of(ref.parts[0] if len(ref.parts) == 1 else ref.native_source())
+            to_hash.append((info, ref.parts[0] if len(ref.parts) == 1 else ref.native_source()))
         inv.payloads.append(info)
     inv.external_files = sorted(external_files)
     sums = {name: recorded_checksums(str(path.resolve().parent / name)) for name in external_files}
     for info in inv.payloads:
         if info.location == "external" and info.file in sums:
             info.recorded_sha256 = sums[info.file].get(info.offset, "")
+    for info, source in to_hash:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
+        info.sha256 = sha256_of(source, info.recorded_sha256)
     return inv

@@ -11,6 +11,7 @@ onnx. Every cut tensor is marked in the skeleton with an ``external_data`` entry
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 from ...errors import InvalidModel, Unsupported
 from ...paths import resolve_inside
 from ...recorded import CheckedSource, recorded_payloads
-from ...tensors import ConcatSource, FileRange, PayloadSource
+from ...tensors import ConcatSource, FileRange, InputFile, PayloadSource, open_input
 from . import dtypes
 from .wire import LEN, VARINT, Field, PackedVarintSource, WireFile, decode_varints, encode_len_field, \
     encode_varint_field
@@ -81,10 +82,12 @@ class TensorRef:
 
 
 class Scanner:
-    def __init__(self, wf: WireFile, model_dir: Path):
+    def __init__(self, wf: WireFile, model_dir: Path, model_file: InputFile | None = None):
         self.wf = wf
         self.model_dir = model_dir
+        self.model_file = model_file  # payloads inside the model are read through this fd, not by name
         self.refs: list[TensorRef] = []
+        self._external: dict[str, InputFile] = {}  # each external file opened (and checked) once
         self._digests: dict[str, dict[tuple[int, int], str]] = {}
 
     def _recorded(self, path: str) -> dict[tuple[int, int], str]:
@@ -218,7 +221,7 @@ class Scanner:
             number = numbers.pop()
             if number == dtypes.RAW_DATA:
                 payload = payload[-1:]  # a repeated non-repeated field: the last one wins
-            parts = [FileRange(wf.path, f.value_start, f.value) for f in payload]
+            parts = [FileRange(wf.path, f.value_start, f.value, self.model_file) for f in payload]
             ref = TensorRef(index, name, data_type, dims, number, parts,
                             [(f.start, f.end) for f in payload], wf.path)
             self._check_typed_size(ref, expected)
@@ -251,11 +254,10 @@ class Scanner:
         if not location:
             raise InvalidModel(f"tensor {name!r} is external but has no location", wf.path)
         target = resolve_inside(self.model_dir, location, f"external data of tensor {name!r}", wf.path)
-        if not target.is_file():
-            raise InvalidModel(f"external data file {location!r} of tensor {name!r} is missing", wf.path)
+        f = self._open_external(target, location, name)
         offset = _ort_integer(name, "offset", info.get("offset", "0"), wf.path)
         length = _ort_integer(name, "length", info.get("length", "0"), wf.path)
-        size = target.stat().st_size
+        size = f.size
         if length == 0:  # ORT: no length, or 0, means "the tensor's own size from offset"
             length = expected
         if offset < 0 or offset + length > size:
@@ -264,7 +266,18 @@ class Scanner:
         if length != expected:
             raise InvalidModel(f"external data of tensor {name!r} has {length} bytes, its dims and type need "
                                f"{expected}", wf.path)
-        return FileRange(str(target), offset, length)
+        return FileRange(str(target), offset, length, f)
+
+    def _open_external(self, target: Path, location: str, name: str) -> InputFile:
+        """Open the checked path once (no symlink, regular file, still inside the model directory) and keep
+        the fd: the bytes copied are those of the file that passed the check (issue 10 item 4)."""
+        key = str(target)
+        f = self._external.get(key)
+        if f is None:
+            if not target.exists():
+                raise InvalidModel(f"external data file {location!r} of tensor {name!r} is missing", self.wf.path)
+            f = self._external[key] = open_input(target, self.model_dir, self.wf.path)
+        return f
 
 
 # What ONNX Runtime (1.32, tensor_external_data_info.cc) accepts as external data: these keys, a non-empty
@@ -295,7 +308,10 @@ def _ort_integer(name: str, key: str, value: str, path: str) -> int:
 
 def scan_model(path: Path) -> tuple[bytes, list[TensorRef]]:
     """Return (skeleton bytes, payload refs) of the ONNX model at ``path``."""
+    model_file = open_input(path)
     with WireFile(path) as wf:
-        scanner = Scanner(wf, path.resolve().parent)
+        if not os.path.samestat(os.fstat(wf.fd), os.fstat(model_file.fd)):
+            raise InvalidModel("the file changed while it was being opened", path)
+        scanner = Scanner(wf, path.resolve().parent, model_file)
         skeleton = scanner.scan()
     return skeleton, scanner.refs

@@ -33,7 +33,7 @@ from ...paths import resolve_inside
 from ...recorded import CheckedSource, recorded_payloads
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32, read_all
+from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32, InputFile, open_input, read_all
 from . import flatbuf
 from .graph import (NUMPY_DTYPES, TYPE_NAMES, Fp16Fold, apply_folds, plan_fp16_folds, referenced_buffers, tensor_name,
                     validate)
@@ -132,6 +132,7 @@ def read_external_buffers(graph: "schema.ModelT", src: Path, sources: list) -> N
             raise InvalidModel(f"external buffer id {e.id} is zero or used twice", src)
         by_id[e.id] = e
     new_index: dict[int, int] = {}
+    opened: dict[str, InputFile] = {}
     for sg in graph.subgraphs:
         for t in sg.tensors or []:
             if not t.externalBuffer:
@@ -148,10 +149,12 @@ def read_external_buffers(graph: "schema.ModelT", src: Path, sources: list) -> N
                 name = groups[ext.group].name
                 name = name.decode("utf-8", "replace") if isinstance(name, bytes) else name
                 file = resolve_inside(src.parent, name, "external buffer group", src)
-                if not file.is_file():
+                if not file.exists():
                     raise InvalidModel(f"external buffer group file {name!r} does not exist", src)
-                source = FileRange(str(file), ext.offset, ext.length)
-                source.check_within(file.stat().st_size)
+                if str(file) not in opened:  # once per group file, read through the checked fd
+                    opened[str(file)] = open_input(file, src.parent, src)
+                source = FileRange(str(file), ext.offset, ext.length, opened[str(file)])
+                source.check_within(opened[str(file)].size)
                 digest = recorded_payloads(str(file)).get((ext.offset, ext.length))
                 if digest is not None:  # a weightshare blob: a payload modified since must not be laundered
                     source = CheckedSource(source, digest, tensor_name(t), str(file))

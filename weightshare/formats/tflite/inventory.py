@@ -122,8 +122,8 @@ def _external_payloads(graph, path: Path, inv: ModelInventory, hash_payloads: bo
                 inv.external_files.append(name)
                 checksums.update({(name, off): sha for off, sha in recorded_checksums(str(file)).items()})
             info.recorded_sha256 = checksums.get((name, ext.offset), "")
-            if hash_payloads:
-                info.sha256 = sha256_of(source)
+            if hash_payloads:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
+                info.sha256 = sha256_of(source, info.recorded_sha256)
         inv.payloads.append(info)
     inv.external_files.sort()
 
