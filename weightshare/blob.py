@@ -255,24 +255,28 @@ class SafetensorsBlob:
     """
 
     def __init__(self, fd: int, planned: list[PlannedTensor], policy: AlignPolicy = AlignPolicy(),
-                 dedupe: bool = True):
+                 dedupe: bool = True, metadata: dict[str, str] | None = None):
+        # Extra ``__metadata__`` entries (string -> string, as safetensors requires), e.g. what pre-packed
+        # payloads are bound to (onnxruntime version, CPU features).
+        self.metadata = dict(metadata or {})
         _unique_names(planned)
         for t in planned:
             t.st_dtype, t.st_shape = _safetensors_view(t)
         self.fd = fd
-        self.data_start = align_up(8 + self._header_bound(planned), max(policy.large, policy.small))
+        self.data_start = align_up(8 + self._header_bound(planned, self.metadata), max(policy.large, policy.small))
         self.writer = BlobWriter(fd, self.data_start, policy, dedupe)
         self._stored: dict[int, _Stored] = {}  # by entry offset
 
     @staticmethod
-    def _header_bound(planned: list[PlannedTensor]) -> int:
+    def _header_bound(planned: list[PlannedTensor], metadata: dict[str, str]) -> int:
         big = 10 ** _OFFSET_DIGITS - 1
         tensors = {}
         for i, t in enumerate(planned):
             tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape), "data_offsets": [big, big]}
             tensors[f"__pad__{big}{i}"] = {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}
         worst = {t.st_name: {"sha256": "0" * 64, "aliases": [t.st_name]} for t in planned}
-        tensors["__metadata__"] = {"format": "weightshare", METADATA_KEY: json.dumps(worst, separators=(",", ":"))}
+        tensors["__metadata__"] = {**metadata, "format": "weightshare",
+                                   METADATA_KEY: json.dumps(worst, separators=(",", ":"))}
         return len(json.dumps(tensors, separators=(",", ":")).encode()) + 64
 
     def add(self, tensor: PlannedTensor, source: PayloadSource, progress=None) -> BlobEntry:
@@ -306,7 +310,8 @@ class SafetensorsBlob:
                                   "data_offsets": [begin, begin + stored.entry.nbytes]}
             meta[t.st_name] = {"sha256": stored.entry.sha256, "aliases": stored.aliases}
             cursor = begin + stored.entry.nbytes
-        tensors["__metadata__"] = {"format": "weightshare", METADATA_KEY: json.dumps(meta, separators=(",", ":"))}
+        tensors["__metadata__"] = {**self.metadata, "format": "weightshare",
+                                   METADATA_KEY: json.dumps(meta, separators=(",", ":"))}
         return json.dumps(tensors, separators=(",", ":")).encode()
 
     def finish(self) -> int:

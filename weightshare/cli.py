@@ -121,6 +121,11 @@ def convert(
     external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
                                   "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
                                   "Interpreter does not."),
+    prepack: bool = typer.Option(False, "--prepack", help="Share the runtime's packed weights too. ONNX: store "
+                                 "ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc Conv weights (this CPU, "
+                                 "this onnxruntime) in the blob, so plain default-option sessions share every byte; "
+                                 "MODEL.portable.onnx is written as well for other CPUs (use weightshare.ort.session)."
+                                 " Needs onnxruntime."),
     align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
     align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold", help="Payload size from which "
                                         "--align applies; smaller payloads are 64-byte aligned."),
@@ -144,7 +149,8 @@ def convert(
     def options(update=None, total=None) -> ConvertOptions:
         return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
                               inline_threshold=inline_threshold, keep_packed=keep_packed, unpack=frozenset(unpack),
-                              blob_name=blob, external=external, progress=update, progress_total=total)
+                              blob_name=blob, external=external, progress=update, progress_total=total,
+                              prepack=prepack)
 
     with user_errors():
         unknown = set(unpack) - {"sparse", "int8"}

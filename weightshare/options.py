@@ -21,6 +21,8 @@ class ConvertOptions:
         blob_name: file name of the external blob inside OUTDIR (ONNX, TFLite --external).
         external: TFLite only: write an external safetensors blob instead of appending.
         progress: called with a byte count as payload bytes are written (for progress bars).
+        prepack: ONNX: also store ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc-reordered Conv
+            weights in the blob, so default-option sessions share them (TFLite: the XNNPACK weight cache).
         progress_total: called once with the payload bytes a converter is about to write.
     """
 
@@ -31,4 +33,5 @@ class ConvertOptions:
     blob_name: str | None = None
     external: bool = False
     progress: Callable[[int], None] | None = None
+    prepack: bool = False
     progress_total: Callable[[int], None] | None = None

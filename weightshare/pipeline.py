@@ -50,7 +50,8 @@ def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOpt
     tmp = tx.new_file(blob_path)
     fd = os.open(tmp, os.O_RDWR)
     try:
-        blob = SafetensorsBlob(fd, planned, options.align)
+        metadata = {k: v for m in models for k, v in m.extra.get("blob_metadata", {}).items()}
+        blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata)
         if options.progress_total is not None:
             options.progress_total(sum(t.nbytes for t in planned))
         for m in models:
