@@ -117,7 +117,10 @@ class Relocator:
             self.payloads.append(BlobPayload(planned, source, length, placed))
         return rng
 
-    def add_tensor(self, tensor: onnx.TensorProto, directory: Path, name: str) -> None:
+    def add_tensor(self, tensor: onnx.TensorProto, directory: Path, name: str,
+                   packed_elsewhere: list[list[str]] = ()) -> None:
+        """Place ``tensor``'s payload and its pre-packed buffers: its own ``prepacked_N`` entries (in its
+        file) and ``packed_elsewhere`` ([entry value, file name in ``directory``], from node-by-node packing)."""
         e = _entries(tensor)
         path = directory / e["location"]
         offset, length = int(e.get("offset", "0")), int(e.get("length", "-1"))
@@ -125,22 +128,27 @@ class Relocator:
             length = path.stat().st_size - offset
         dtype = dtypes.NAMES.get(tensor.data_type, "uint8")
         rng = self.payload(path, offset, length, PlannedTensor(name, dtype, tuple(tensor.dims), length))
-        packed = [(k, PackedRef.parse(v, path)) for k, v in e.items() if k.startswith(PREPACKED_ENTRY)]
-        ranges = []
-        for key, ref in packed:
+        found = [(PackedRef.parse(v, path), path) for k, v in e.items() if k.startswith(PREPACKED_ENTRY)]
+        found += [(PackedRef.parse(v, directory / f), directory / f) for v, f in packed_elsewhere]
+        packed, ranges, keys = [], [], set()
+        for ref, where in found:
+            if ref.key in keys:  # two nodes, one kernel: the same packed bytes under the same key
+                continue
+            keys.add(ref.key)
+            packed.append(ref)
             for i, buf in enumerate(ref.buffers):
                 size = int(buf[1])
                 planned = PlannedTensor(f"{PACKED_PREFIX}{tensor.name}/{ref.key}/{i}", "uint8", (size,), size)
-                ranges.append(self.payload(path, int(buf[0]), size, planned))
+                ranges.append(self.payload(where, int(buf[0]), size, planned))
         self.edits.append(lambda location: self._rewrite(tensor, location, rng, packed, ranges))
 
     def _rewrite(self, tensor, location, rng, packed, ranges) -> None:
         ranges = iter(ranges)
-        for key, ref in packed:
+        for ref in packed:
             for buf in ref.buffers:
                 buf[0] = str(self.where[next(ranges)])
         values = {"location": location, "offset": str(self.where[rng]), "length": str(rng[2]),
-                  **{key: ref.render() for key, ref in packed}}
+                  **{f"{PREPACKED_ENTRY}{i}": ref.render() for i, ref in enumerate(packed)}}
         del tensor.external_data[:]
         for k, v in values.items():
             entry = tensor.external_data.add()
@@ -159,6 +167,7 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> Conversi
 
 
 def _run_ort(model: Path, options: ConvertOptions) -> tuple[dict, float]:
+    """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", model)
     cmd = [sys.executable, "-m", "weightshare.formats.onnx.ort_child", str(model), str(model.parent / ORT_MODEL),
@@ -167,7 +176,7 @@ def _run_ort(model: Path, options: ConvertOptions) -> tuple[dict, float]:
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1]
         raise Unsupported(f"onnxruntime could not optimize and pre-pack the model ({why})", model)
-    return json.loads(res.stdout.strip().splitlines()[-1]), peak
+    return json.loads(res.stdout.strip().splitlines()[-1]), peak  # {"binding": ..., "packed": ...}
 
 
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
@@ -178,7 +187,8 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
     stage.mkdir()
     try:
         report = _stage_portable(src, stage, options)
-        binding, child_peak = _run_ort(stage / src.name, options)
+        result, child_peak = _run_ort(stage / src.name, options)
+        binding = result["binding"]
         portable = onnx.load(str(stage / src.name), load_external_data=False)
         optimized = onnx.load(str(stage / ORT_MODEL), load_external_data=False)
         reloc = Relocator()
@@ -186,7 +196,7 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
             reloc.add_tensor(t, stage, t.name)
         plain = len(reloc.payloads)
         for t in external_tensors(optimized):
-            reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}")
+            reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}", result["packed"].get(t.name, []))
         packed = [p for p in reloc.payloads[plain:] if p.tensor.name.startswith(PACKED_PREFIX)]
         names = {"prepacked_model": src.name, "portable_model": portable_name(src.name),
                  "packed_prefix": PACKED_PREFIX, "optimized_prefix": OPTIMIZED_PREFIX}
