@@ -10,13 +10,16 @@ from . import api
 from .errors import Unsupported, UsageError
 from .formats import detect_format
 
+MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
+
 
 def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathLike | None = None,
           progress=lambda msg: None) -> dict:
     """Convert ``model`` into ``workdir`` (a temporary directory by default) and measure both.
 
     Each (variant, runtime setting) runs in a fresh process; rows give PSS, private
-    and shared MiB after 1..N sessions and the cumulative load time.
+    and shared MiB after 1..N sessions and the cumulative load time. ONNX models are also
+    converted with ``--prepack`` and measured at default options.
     """
     model = Path(model)
     if not sessions or min(sessions) < 1:
@@ -42,7 +45,30 @@ def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathL
                 progress(f"{variant}, {mode}: {max(sessions)} sessions in a fresh process")
                 for row in measure(str(path), sessions, share):
                     rows.append({"variant": variant, "mode": mode, **row})
+        if fmt == "onnx":
+            rows += _prepacked_rows(model, Path(tmp) / "prepack", sessions, progress)
     return {"model": str(model), "format": fmt, "sessions": sorted(sessions), "rows": rows}
+
+
+def _prepacked_rows(model: Path, out: Path, sessions: list[int], progress) -> list[dict]:
+    """``convert --prepack`` measured at default options, in a process started with the malloc setting
+    that returns ORT's freed validation buffers to the OS (what ``weightshare.ort.session`` arranges)."""
+    from .options import ConvertOptions
+    from .runtimes.ort import measure_sessions
+
+    progress(f"converting {model.name} with --prepack")
+    prepacked = api.convert(model, out, ConvertOptions(prepack=True)).outputs[0]
+    progress(f"converted --prepack, default: {max(sessions)} sessions in a fresh process")
+    saved = os.environ.get(MALLOC_ENV)
+    os.environ[MALLOC_ENV] = "1048576"  # inherited by the probe process; it only works from process start
+    try:
+        rows = measure_sessions(str(prepacked), sessions, share=False)
+    finally:
+        if saved is None:
+            del os.environ[MALLOC_ENV]
+        else:
+            os.environ[MALLOC_ENV] = saved
+    return [{"variant": "converted --prepack", "mode": "default", **row} for row in rows]
 
 
 def plot(result: dict, path: str | os.PathLike) -> None:

@@ -324,7 +324,8 @@ def bench(
     """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
 
     Each model and runtime setting runs in a fresh process; ONNX Runtime with and without
-    session.disable_prepacking, LiteRT without delegate and with the default XNNPACK one.
+    session.disable_prepacking, plus the `convert --prepack` result at default options;
+    LiteRT without delegate and with the default XNNPACK one.
     """
     from .bench import bench as run_bench, plot
 
