@@ -208,3 +208,26 @@ def test_default_option_sessions_share_packed_weights(tmp_path):
     assert per_session(pre) < 0.1 * weights, (pre, weights)
     assert per_session(plain) > 0.75 * weights, (plain, weights)  # the same probe sees the per-session copies
     assert pre[3] <= 1.2 * pre[0], pre
+
+
+def test_a_model_onnxruntime_cannot_load_fails_cleanly(tmp_path, cli):
+    """exit 2, one line naming the file, nothing left in OUTDIR (no model, no blob, no staging directory)."""
+    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+
+    w = nh.from_array(np.ones((64, 64), np.float32), "w")
+    graph = h.make_graph([h.make_node("NoSuchOp", ["x", "w"], ["y"], domain="example.nowhere")], "g",
+                         [h.make_tensor_value_info("x", T.FLOAT, [1, 64])],
+                         [h.make_tensor_value_info("y", T.FLOAT, None)], [w])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("example.nowhere", 1)])
+    src = tmp_path / "odd.onnx"
+    onnx.save(model, src)
+    res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "-q")
+    assert res.returncode == 2, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "odd.onnx" in res.stderr and "onnxruntime" in res.stderr
+    assert "Traceback" not in res.stderr and list((tmp_path / "out").iterdir()) == []
+
+
+def test_prepack_and_shared_blob_exclude_each_other(tmp_path, cli):
+    src = mixed_onnx(tmp_path / "m.onnx", conv_layers=0, channels=16, mm_layers=1, dim=32)
+    res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "--shared-blob", "w.safetensors")
+    assert res.returncode == 2 and "--shared-blob" in res.stderr
