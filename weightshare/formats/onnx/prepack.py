@@ -166,16 +166,16 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> Conversi
     return prepared.report
 
 
-def _run_ort(model: Path, options: ConvertOptions) -> tuple[dict, float]:
+def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[dict, float]:
     """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS)."""
     if importlib.util.find_spec("onnxruntime") is None:
-        raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", model)
+        raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
     cmd = [sys.executable, "-m", "weightshare.formats.onnx.ort_child", str(model), str(model.parent / ORT_MODEL),
            ORT_BIN, str(options.inline_threshold)]
     res, peak = run_child_peak(cmd, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"})
     if res.returncode != 0:
-        why = (res.stderr.strip().splitlines() or ["no output"])[-1]
-        raise Unsupported(f"onnxruntime could not optimize and pre-pack the model ({why})", model)
+        why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
+        raise Unsupported(f"onnxruntime could not optimize and pre-pack the model ({why})", src)
     return json.loads(res.stdout.strip().splitlines()[-1]), peak  # {"binding": ..., "packed": ...}
 
 
@@ -187,7 +187,7 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
     stage.mkdir()
     try:
         report = _stage_portable(src, stage, options)
-        result, child_peak = _run_ort(stage / src.name, options)
+        result, child_peak = _run_ort(stage / src.name, src, options)
         binding = result["binding"]
         portable = onnx.load(str(stage / src.name), load_external_data=False)
         optimized = onnx.load(str(stage / ORT_MODEL), load_external_data=False)
