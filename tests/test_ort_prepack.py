@@ -145,6 +145,18 @@ def test_helper_falls_back_on_a_flipped_byte(converted, tmp_path, prefix, caplog
     assert len(said) == 1 and "SHA-256" in said[0] and portable_name(src.name) in said[0]
 
 
+def test_helper_falls_back_when_onnxruntime_refuses(converted, tmp_path, monkeypatch, caplog):
+    """Packed data that passes the helper's own checks but not ORT's validation (as on another CPU whose
+    features the record does not capture): ORT's refusal is the last line of defence."""
+    src, report = converted
+    flipped = _flipped(report, tmp_path, PACKED_PREFIX)
+    monkeypatch.setattr(wort, "check_packed_payloads", lambda blob, info: None)
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        sess = wort.session(flipped)
+    assert "onnxruntime refused it" in caplog.records[0].getMessage()
+    assert _same(_run(sess, src, 4), _run(_plain(src, **{"session.disable_prepacking": "1"}), src, 4))
+
+
 def test_helper_opens_the_prepacked_model_when_it_matches(converted, caplog):
     src, report = converted
     with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
