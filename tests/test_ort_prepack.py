@@ -243,3 +243,12 @@ def test_prepack_and_shared_blob_exclude_each_other(tmp_path, cli):
     src = mixed_onnx(tmp_path / "m.onnx", conv_layers=0, channels=16, mm_layers=1, dim=32)
     res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "--shared-blob", "w.safetensors")
     assert res.returncode == 2 and "--shared-blob" in res.stderr
+
+
+def test_verify_passes_the_prepacked_model_and_fails_a_flipped_packed_copy(converted, tmp_path, cli):
+    src, report = converted
+    ok = cli("verify", src, report["outputs"][0], "--runs", "1")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = cli("verify", src, _flipped(report, tmp_path, PACKED_PREFIX), "--runs", "1")
+    assert bad.returncode == 1 and "onnxruntime refused" in bad.stdout + bad.stderr
+    assert "internal error" not in bad.stderr
