@@ -32,7 +32,7 @@ import onnx
 
 from ...atomic import TMP_PREFIX, OutputTransaction
 from ...blob import BlobEntry, PlannedTensor
-from ...errors import InvalidModel, Unsupported
+from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
@@ -182,6 +182,9 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[dict, flo
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads."""
     blob_name, blob_path = blob_target(src, out_dir, options.blob_name)
+    if portable_name(src.name) in (src.name, blob_name):
+        raise UsageError(f"with --prepack the portable model {portable_name(src.name)!r} would overwrite another "
+                         "output; rename the model or choose another --blob", src)
     stage = out_dir / f"{TMP_PREFIX}{os.getpid()}-prepack"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir()
