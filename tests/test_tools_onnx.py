@@ -102,7 +102,8 @@ def test_bench_measures_original_and_converted(models, cli, tmp_path):
     assert res.returncode == 0, res.stderr
     result = json.loads(res.stdout)
     seen = {(r["variant"], r["mode"], r["sessions"]) for r in result["rows"]}
-    assert len(seen) == 8 and all(r["pss_mib"] > 0 for r in result["rows"])
+    assert len(seen) == 10 and all(r["pss_mib"] > 0 for r in result["rows"])
+    assert {("converted --prepack", "default", n) for n in (1, 2)} <= seen
 
 
 def test_verify_dim_option_is_validated(models, cli):

@@ -8,15 +8,15 @@ from pathlib import Path
 
 from . import api
 from .errors import Unsupported, UsageError
-from .formats import detect
-
+from .formats import BenchRuntime, detect
 
 def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathLike | None = None,
           progress=lambda msg: None) -> dict:
     """Convert ``model`` into ``workdir`` (a temporary directory by default) and measure both.
 
     Each (variant, runtime setting) runs in a fresh process; rows give PSS, private
-    and shared MiB after 1..N sessions and the cumulative load time.
+    and shared MiB after 1..N sessions and the cumulative load time. ONNX models are also
+    converted with ``--prepack`` and measured at default options.
     """
     model = Path(model)
     if not sessions or min(sessions) < 1:
@@ -32,7 +32,33 @@ def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathL
                 progress(f"{variant}, {mode}: {max(sessions)} sessions in a fresh process")
                 for row in runtime.measure(str(path), sessions, share):
                     rows.append({"variant": variant, "mode": mode, **row})
+        if runtime.prepacked is not None:
+            rows += _prepacked_rows(model, Path(tmp) / "prepack", sessions, runtime, progress)
     return {"model": str(model), "format": fmt.name, "sessions": sorted(sessions), "rows": rows}
+
+
+def _prepacked_rows(model: Path, out: Path, sessions: list[int], runtime: BenchRuntime, progress) -> list[dict]:
+    """``convert --prepack`` measured under the runtime's setting for it, in a fresh process started with the
+    runtime's environment for it (ONNX: the malloc setting that returns ORT's freed validation buffers to the
+    OS, which ``weightshare.ort.session`` arranges)."""
+    from .options import ConvertOptions
+
+    assert runtime.prepacked is not None
+    mode, share = runtime.prepacked
+    progress(f"converting {model.name} with --prepack")
+    prepacked = api.convert(model, out, ConvertOptions(prepack=True)).outputs[0]
+    progress(f"converted --prepack, {mode}: {max(sessions)} sessions in a fresh process")
+    saved = {k: os.environ.get(k) for k in runtime.prepacked_env}
+    os.environ.update(runtime.prepacked_env)  # inherited by the probe process; some only work from its start
+    try:
+        rows = runtime.measure(str(prepacked), sessions, share)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+    return [{"variant": "converted --prepack", "mode": mode, **row} for row in rows]
 
 
 def plot(result: dict, path: str | os.PathLike) -> None:

@@ -185,9 +185,13 @@ def convert(
     external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
                                   "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
                                   "Interpreter does not."),
-    prepack: bool = typer.Option(False, "--prepack", help="TFLite: also write the XNNPACK weight cache of the "
-                                 "converted model (its name carries a digest of the model, its blob and the LiteRT "
-                                 "version); load with weightshare.litert.compiled_model to share packed weights."),
+    prepack: bool = typer.Option(False, "--prepack", help="Share the runtime's packed weights too. ONNX: store "
+                                 "ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc Conv weights (this CPU, "
+                                 "this onnxruntime) in the blob, so plain default-option sessions share every byte; "
+                                 "MODEL.portable.onnx is written as well for other CPUs (use weightshare.ort.session)."
+                                 " Needs onnxruntime. TFLite: also write the XNNPACK weight cache of the converted "
+                                 "model (its name carries a digest of the model, its blob and the LiteRT version); "
+                                 "load with weightshare.litert.compiled_model."),
     align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
     align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold", help="Payload size from which "
                                         "--align applies; smaller payloads are 64-byte aligned."),
@@ -224,6 +228,8 @@ def convert(
         if shared_blob is not None:
             if blob is not None:
                 fail("--blob and --shared-blob exclude each other")
+            if prepack:
+                fail("--prepack and --shared-blob exclude each other (a prepacked model needs its own blob)")
             with progress_bar(not quiet_, "zoo") as (update, total):
                 zoo = api.convert_zoo(models, output, shared_blob, options(update, total))
             if as_json:
@@ -480,7 +486,8 @@ def bench(
     """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
 
     Each model and runtime setting runs in a fresh process; ONNX Runtime with and without
-    session.disable_prepacking, LiteRT without delegate and with the default XNNPACK one.
+    session.disable_prepacking, plus the `convert --prepack` result at default options;
+    LiteRT without delegate and with the default XNNPACK one.
     """
     from .bench import bench as run_bench, plot
 
@@ -550,7 +557,7 @@ def demo(
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    t = Table(title=f"{sessions} ONNX Runtime sessions in one process (session.disable_prepacking=1)")
+    t = Table(title=f"{sessions} ONNX Runtime sessions in one process")
     for col in ("model", "file size", "PSS 1 session", f"PSS {sessions} sessions", "per extra session"):
         t.add_column(col, justify="right" if col != "model" else "left")
     for row in result["rows"]:
@@ -559,7 +566,10 @@ def demo(
     out.print(t)
     out.print(f"converted: {result['converted']}  (outputs equal: {result['outputs_equal']})")
     out.print(f"PSS of {sessions} sessions: original {result['ratio_original']:.2f}x one session, "
-              f"converted {result['ratio_converted']:.2f}x")
+              f"converted {result['ratio_converted']:.2f}x (disable_prepacking)")
+    out.print(f"at default options: original {result['ratio_original_default']:.2f}x, converted --prepack "
+              f"{result['ratio_prepacked']:.2f}x  ({result['prepacked']}, outputs equal: "
+              f"{result['prepacked_outputs_equal']})")
 
 
 def main() -> None:

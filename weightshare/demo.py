@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
 from . import api
+from .options import ConvertOptions
 from .samples import mlp_onnx
 
 
@@ -48,17 +50,45 @@ def run_demo(workdir: Path, sessions: int = 4, layers: int = 12, progress=lambda
     report = api.convert(original, workdir / "converted")
     converted = Path(report.outputs[0])
 
+    progress("converting with --prepack (ONNX Runtime's packed weights in the blob too)")
+    pre_report = api.convert(original, workdir / "prepacked", ConvertOptions(prepack=True))
+    prepacked = Path(pre_report.outputs[0])
+
     x = np.random.default_rng(0).standard_normal((1, 2048), dtype=np.float32)
     outputs_equal = bool(np.array_equal(new_session(str(original)).run(None, {"x": x})[0],
                                         new_session(str(converted)).run(None, {"x": x})[0]))
+    prepacked_equal = bool(np.array_equal(new_session(str(original), False).run(None, {"x": x})[0],
+                                          new_session(str(prepacked), False).run(None, {"x": x})[0]))
     rows = []
-    for variant, path in (("original: fp16 + Cast", original), ("converted: fp32 blob", converted)):
+    for variant, path, share, outputs in (
+            ("original: fp16 + Cast, disable_prepacking", original, True, []),
+            ("converted: fp32 blob, disable_prepacking", converted, True, report.outputs[1:]),
+            ("original: fp16 + Cast, default options", original, False, []),
+            ("converted --prepack, default options", prepacked, False, pre_report.outputs[2:])):
         progress(f"opening {sessions} sessions of {path.name} in a fresh process")
-        m = measure_sessions(str(path), [1, sessions])
+        m = _measure(measure_sessions, str(path), [1, sessions], share)
         one, n = m[0]["pss_mib"], m[-1]["pss_mib"]
-        size = path.stat().st_size + sum(Path(p).stat().st_size for p in report.outputs[1:] if path == converted)
+        size = path.stat().st_size + sum(Path(p).stat().st_size for p in outputs)
         rows.append({"variant": variant, "file_bytes": size, "pss_1_mib": one, "pss_n_mib": n,
                      "per_session_mib": round((n - one) / max(1, sessions - 1), 1)})
     return {"rows": rows, "converted": str(converted), "outputs_equal": outputs_equal, "report": report.to_dict(),
+            "prepacked": str(prepacked), "prepacked_outputs_equal": prepacked_equal,
             "ratio_original": rows[0]["pss_n_mib"] / rows[0]["pss_1_mib"],
-            "ratio_converted": rows[1]["pss_n_mib"] / rows[1]["pss_1_mib"]}
+            "ratio_converted": rows[1]["pss_n_mib"] / rows[1]["pss_1_mib"],
+            "ratio_original_default": rows[2]["pss_n_mib"] / rows[2]["pss_1_mib"],
+            "ratio_prepacked": rows[3]["pss_n_mib"] / rows[3]["pss_1_mib"]}
+
+
+def _measure(measure_sessions, path: str, counts: list[int], share: bool) -> list[dict]:
+    """Default-option sessions in a process started with MALLOC_MMAP_THRESHOLD_ (ORT's validation
+    buffers otherwise stay in glibc's heap); the variable is inherited by the probe process only."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    if not share:
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "1048576"
+    try:
+        return measure_sessions(path, counts, share)
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved

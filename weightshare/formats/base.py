@@ -13,7 +13,7 @@ methods, so that detecting a format costs nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -29,10 +29,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class BenchRuntime:
     """How ``weightshare bench`` loads a model of this format: a measuring function run in a fresh process
-    (path, session counts, share) -> rows, and the runtime settings to measure, each (label, share)."""
+    (path, session counts, share) -> rows, the runtime settings to measure, each (label, share), and the
+    setting (and process environment) for the ``--prepack`` variant."""
 
-    measure: Callable[[str, list[int], bool], list[dict]]
+    measure: Callable[[str, list[int], bool], list[dict[str, Any]]]
     modes: tuple[tuple[str, bool], ...]
+    prepacked: tuple[str, bool] | None = None  # how a ``convert --prepack`` output is measured, if the format has one
+    prepacked_env: dict[str, str] = field(default_factory=dict)  # environment of that measuring process
 
 
 class Format(Protocol):

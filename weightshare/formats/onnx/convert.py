@@ -229,6 +229,10 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
 
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
+    if options.prepack:  # ONNX Runtime's packed weights too: prepack.py
+        from .prepack import convert_prepacked
+
+        return convert_prepacked(src, out_dir, options, tx)
     target = blob_target(src, out_dir, options.blob_name)
     prepared = prepare(src, out_dir, options)
     write_models([prepared], out_dir, target, options, tx)

@@ -1,0 +1,229 @@
+"""ONNX Runtime at default settings: does `convert --prepack` share every weight, at full speed?
+
+    python scripts/bench_prepack.py [--models matmul,conv,mixed] [--convert-gib 1,4] [--workdir DIR]
+
+For each model, four variants side by side:
+  original default | converted default | converted + disable_prepacking | --prepack default
+- PSS above a process that imported onnxruntime and holds no session, after 1/2/4/8 sessions in one
+  process (started with MALLOC_MMAP_THRESHOLD_=1048576), and summed over 4 processes of one session;
+- median and best latency at batch 1/4/16/64, the variants interleaved in one process (on a shared
+  machine read them as ratios; the best-of figures are the least disturbed by other load);
+- whether outputs are bit-identical to the original at default settings.
+--convert-gib: peak RSS of `convert --prepack` (the converter and its ORT child) on MatMul models of that size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
+from weightshare.runtimes.memory import memory_now, run_child_peak, smaps_rollup
+
+MODELS = {  # weights: matmul 272 MiB, conv 72 MiB, mixed 276 MiB
+    "matmul": dict(conv_layers=0, channels=2048, mm_layers=16, dim=2048),
+    "conv": dict(conv_layers=8, channels=512, mm_layers=0, spatial=4),
+    "mixed": dict(conv_layers=8, channels=512, mm_layers=12, dim=2048, spatial=4),
+    "tiny": dict(conv_layers=2, channels=64, mm_layers=2, dim=256),  # a smoke test of this script
+}
+VARIANTS = ("original default", "converted default", "converted disable_prepacking", "--prepack default")
+BATCHES = (1, 4, 16, 64)
+COUNTS = (1, 2, 4, 8)
+MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576"}
+
+
+def _options(variant: str):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if variant == "converted disable_prepacking":
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    so.log_severity_level = 3
+    return so
+
+
+def probe_sessions(path: str, variant: str, src: str) -> list[float]:
+    """Child: PSS above the no-session baseline after each count of sessions."""
+    import onnxruntime as ort  # noqa: F401 - part of the baseline
+
+    from weightshare.ort import malloc_trim
+
+    base, rows, sessions = memory_now()["pss_mib"], [], []
+    for n in range(1, max(COUNTS) + 1):
+        s = ort.InferenceSession(path, _options(variant), providers=["CPUExecutionProvider"])
+        s.run(None, sample_input(src, 1))
+        malloc_trim()
+        sessions.append(s)
+        if n in COUNTS:
+            rows.append(round(memory_now()["pss_mib"] - base, 1))
+    return rows
+
+
+def probe_hold(path: str, variant: str, src: str) -> None:
+    """Child: one session, report the baseline, hold until stdin closes."""
+    import onnxruntime as ort
+
+    from weightshare.ort import malloc_trim
+
+    base = memory_now()["pss_mib"]
+    s = ort.InferenceSession(path, _options(variant), providers=["CPUExecutionProvider"])
+    s.run(None, sample_input(src, 1))
+    malloc_trim()
+    print(json.dumps({"baseline": base}), flush=True)
+    sys.stdin.read()
+
+
+def _child(func: str, *args: str, **popen):
+    cmd = [sys.executable, __file__, "--probe", func, *args]
+    return subprocess.Popen(cmd, env={**os.environ, **MALLOC}, stdout=subprocess.PIPE, text=True, **popen)
+
+
+def four_processes(path: str, variant: str, src: str) -> float:
+    procs = [_child("hold", path, variant, src, stdin=subprocess.PIPE) for _ in range(4)]
+    try:
+        bases = [json.loads(p.stdout.readline())["baseline"] for p in procs]
+        total = sum(smaps_rollup(p.pid)["Pss"] / 2**20 for p in procs)
+    finally:
+        for p in procs:
+            p.stdin.close()
+            p.wait()
+    return round(total - sum(bases), 1)
+
+
+def latency(paths: dict[str, str], src: str) -> tuple[dict, dict]:
+    """Median ms per variant and batch, interleaved; and bit-identity with the original per batch."""
+    import onnxruntime as ort
+
+    sessions = {v: ort.InferenceSession(p, _options(v), providers=["CPUExecutionProvider"]) for v, p in paths.items()}
+    times: dict[str, dict[int, float]] = {v: {} for v in paths}
+    best: dict[str, dict[int, float]] = {v: {} for v in paths}
+    same: dict[str, dict[int, bool]] = {v: {} for v in paths}
+    for batch in BATCHES:
+        feeds = sample_input(src, batch)
+        ref = sessions["original default"].run(None, feeds)[0]
+        samples: dict[str, list[float]] = {v: [] for v in paths}
+        for v, s in sessions.items():  # warm-up, and the outputs
+            out = s.run(None, feeds)[0]
+            same[v][batch] = out.dtype == ref.dtype and out.shape == ref.shape and out.tobytes() == ref.tobytes()
+        reps = max(5, 48 // batch)
+        for _ in range(reps):
+            for v, s in sessions.items():
+                t0 = time.perf_counter()
+                s.run(None, feeds)
+                samples[v].append((time.perf_counter() - t0) * 1000)
+        for v in paths:
+            times[v][batch] = round(statistics.median(samples[v]), 2)
+            best[v][batch] = round(min(samples[v]), 2)
+    return {"median": times, "best": best}, same
+
+
+def _convert(src: Path, out: Path, *flags: str) -> dict:
+    res, peak = run_child_peak([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "-q",
+                                "--json", *flags])
+    if res.returncode != 0:
+        raise SystemExit(res.stderr)
+    report = json.loads(res.stdout)
+    report["process_peak_mib"] = peak
+    return report
+
+
+def bench_model(name: str, work: Path) -> dict:
+    src = mixed_onnx(work / f"{name}.onnx", **MODELS[name])
+    weights = (work / f"{name}.data").stat().st_size / 2**20
+    plain = _convert(src, work / "plain")
+    pre = _convert(src, work / "prepack", "--prepack")
+    paths = {"original default": str(src), "converted default": plain["outputs"][0],
+             "converted disable_prepacking": plain["outputs"][0], "--prepack default": pre["outputs"][0]}
+    result = {"model": name, "weights_mib": round(weights, 1), "pss": {}, "four_processes": {}}
+    for v, p in paths.items():
+        child = _child("sessions", p, v, str(src))
+        result["pss"][v] = json.loads(child.communicate()[0].splitlines()[-1])
+        result["four_processes"][v] = four_processes(p, v, str(src))
+    result["latency_ms"], result["bit_identical"] = latency(paths, str(src))
+    result["prepack_convert"] = {"wall_s": pre["wall_time_s"], "peak_mib": round(pre["process_peak_mib"]),
+                                 "notes": pre["notes"]}
+    return result
+
+
+def convert_memory(gib: int, work: Path) -> dict:
+    src = mixed_onnx(work / f"mm{gib}g.onnx", conv_layers=0, channels=4096, mm_layers=16 * gib - 1, dim=4096)
+    size = (work / f"mm{gib}g.data").stat().st_size / 2**30
+    report = _convert(src, work / f"mm{gib}g-out", "--prepack")
+    child = next((n.rsplit("ORT child peak RSS ", 1)[1] for n in report["notes"] if "ORT child" in n), "?")
+    shutil.rmtree(work / f"mm{gib}g-out")
+    for f in (src, work / f"mm{gib}g.data"):
+        f.unlink()
+    return {"weights_gib": round(size, 2), "converter_peak_mib": round(report["peak_rss_mib"]),
+            "ort_child_peak": child, "wall_s": report["wall_time_s"]}
+
+
+def show(r: dict) -> None:
+    print(f"\n== {r['model']} model: {r['weights_mib']} MiB of weights ==")
+    w = 30
+    print(f"{'':34}" + "".join(f"{v:>{w}}" for v in VARIANTS))
+    for i, n in enumerate(COUNTS):
+        print(f"{f'PSS {n} session(s), MiB':34}" + "".join(f"{r['pss'][v][i]:>{w}}" for v in VARIANTS))
+    print(f"{'PSS 8 / 1':34}" + "".join(f"{r['pss'][v][3] / r['pss'][v][0]:>{w}.2f}" for v in VARIANTS))
+    print(f"{'PSS 4 processes, MiB':34}" + "".join(f"{r['four_processes'][v]:>{w}}" for v in VARIANTS))
+    print(f"{'PSS 4 processes / 1':34}" +
+          "".join(f"{r['four_processes'][v] / r['pss'][v][0]:>{w}.2f}" for v in VARIANTS))
+    for stat in ("median", "best"):
+        lat = r["latency_ms"][stat]
+        for b in BATCHES:
+            base = lat["original default"][b]
+            print(f"{f'{stat} latency b={b}, ms (x orig)':34}" + "".join(
+                f"{lat[v][b]:>{w - 8}} ({lat[v][b] / base:.2f}x)" for v in VARIANTS))
+    print(f"{'bit-identical to original, b=1..64':34}" +
+          "".join(f"{str(all(r['bit_identical'][v].values())):>{w}}" for v in VARIANTS))
+    print(f"convert --prepack: {r['prepack_convert']['wall_s']} s, peak RSS {r['prepack_convert']['peak_mib']} MiB; "
+          f"{r['prepack_convert']['notes'][-1]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="matmul,conv,mixed")
+    ap.add_argument("--convert-gib", default="", help="e.g. 1,4: conversion peak RSS on MatMul models of that size")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.probe:
+        func, *rest = args.probe
+        if func == "sessions":
+            print(json.dumps(probe_sessions(*rest)))
+        else:
+            probe_hold(*rest)
+        return
+    import onnxruntime as ort
+
+    print(f"onnxruntime {ort.__version__}, {os.cpu_count()} CPUs (shared with other work: latency is noisy)")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench-prepack-", dir=args.workdir) as tmp:
+        for name in filter(None, args.models.split(",")):
+            work = Path(tmp) / name
+            work.mkdir()
+            results.append(bench_model(name, work))
+            shutil.rmtree(work)
+            show(results[-1])
+        for gib in filter(None, args.convert_gib.split(",")):
+            row = convert_memory(int(gib), Path(tmp))
+            results.append({"convert_gib": row})
+            print(f"\nconvert --prepack, {row['weights_gib']} GiB MatMul model: converter peak RSS "
+                  f"{row['converter_peak_mib']} MiB, ORT child peak RSS {row['ort_child_peak']}, {row['wall_s']} s")
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()

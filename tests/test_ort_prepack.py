@@ -1,0 +1,254 @@
+"""convert --prepack (ONNX): ORT's pre-packed and NCHWc weights in the blob; weightshare.ort.session."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from safetensors import safe_open
+
+import weightshare.ort as wort
+from weightshare.blob import read_safetensors_metadata
+from weightshare.formats.onnx.prepack import METADATA_KEY, OPTIMIZED_PREFIX, PACKED_PREFIX, portable_name
+from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A small MatMul + Gemm + Conv model and its --prepack conversion (through the CLI, as a user would)."""
+    from conftest import run_cli
+
+    d = tmp_path_factory.mktemp("prepack")
+    src = mixed_onnx(d / "mixed.onnx", conv_layers=2, channels=32, mm_layers=3, dim=256)
+    res = run_cli("convert", src, "-o", d / "out", "--prepack", "--json", "-q")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    return src, report
+
+
+def _blob(model: Path) -> Path:
+    m = onnx.load(str(model), load_external_data=False)
+    locs = {e.value for t in m.graph.initializer for e in t.external_data if e.key == "location"}
+    assert len(locs) == 1
+    return model.parent / locs.pop()
+
+
+def _run(session, src, batch):
+    return session.run(None, sample_input(src, batch))[0]
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _plain(path, **config):
+    so = ort.SessionOptions()
+    for k, v in config.items():
+        so.add_session_config_entry(k, v)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def test_outputs_and_files(converted):
+    src, report = converted
+    model, portable = Path(report["outputs"][0]), Path(report["outputs"][1])
+    assert model.name == src.name and portable.name == portable_name(src.name)
+    assert Path(report["outputs"][2]) == _blob(model) == _blob(portable)
+
+
+def test_prepacked_model_loads_plain_and_is_bit_identical(converted):
+    src, report = converted
+    original, prepacked = _plain(src), ort.InferenceSession(report["outputs"][0])  # no SessionOptions at all
+    for batch in (1, 16):
+        assert _same(_run(prepacked, src, batch), _run(original, src, batch))
+
+
+def test_portable_model_loads_with_disable_prepacking(converted):
+    src, report = converted
+    off = {"session.disable_prepacking": "1"}
+    assert _same(_run(_plain(report["outputs"][1], **off), src, 4), _run(_plain(src, **off), src, 4))
+
+
+def test_packed_entries_point_into_the_safetensors_blob(converted):
+    _src, report = converted
+    model = onnx.load(report["outputs"][0], load_external_data=False)
+    blob = _blob(Path(report["outputs"][0]))
+    start, header, meta = read_safetensors_metadata(str(blob))
+    packed_ranges = {(start + t["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0])
+                     for n, t in header.items() if n.startswith(PACKED_PREFIX)}
+    entries = [e.value for t in model.graph.initializer for e in t.external_data if e.key.startswith("prepacked_")]
+    kernels = {v.split("+")[0] for v in entries}
+    assert "MatMul" in kernels and kernels & {"Gemm", "FusedGemm"}  # Gemm+Relu becomes FusedGemm at level ALL
+    seen = set()
+    for value in entries:
+        for buf in value.split("|")[1:]:
+            offset, size = map(int, buf.split(";")[:2])
+            seen.add((offset, size))
+    assert seen and seen <= packed_ranges and len(seen) == len(packed_ranges)
+    # NCHWc-reordered Conv weights are stored too, and the blob is still plain safetensors
+    assert any(n.startswith(OPTIMIZED_PREFIX) for n in header)
+    assert {"nchwc", "com.microsoft.nchwc"} & {o.domain for o in model.opset_import} or \
+        any(n.domain == "com.microsoft.nchwc" for n in model.graph.node)
+    with safe_open(str(blob), "np") as f:
+        assert set(f.keys()) >= set(meta)
+        binding = json.loads(f.metadata()[METADATA_KEY])
+    assert binding["onnxruntime"] == ort.__version__
+    assert binding["optimization_level"] == "ORT_ENABLE_ALL"
+    assert binding["portable_model"] == Path(report["outputs"][1]).name
+    assert {"cpu_features", "nchwc_block", "machine"} <= set(binding)
+    # every payload, packed copies included, carries a checksum
+    assert all(len(meta[n]["sha256"]) == 64 for n in header if not n.startswith("__pad__"))
+
+
+def _flipped(report, tmp_path: Path, prefix: str) -> Path:
+    out = tmp_path / "flipped"
+    shutil.copytree(Path(report["outputs"][0]).parent, out)
+    blob = _blob(out / Path(report["outputs"][0]).name)
+    start, header, _meta = read_safetensors_metadata(str(blob))
+    name = next(n for n in header if n.startswith(prefix))
+    begin, end = header[name]["data_offsets"]
+    pos = start + (begin + end) // 2 + 3  # a float's exponent byte: the change shows in the outputs
+    with open(blob, "r+b") as f:
+        f.seek(pos)
+        byte = f.read(1)[0]
+        f.seek(pos)
+        f.write(bytes([byte ^ 0x40]))
+    return out / Path(report["outputs"][0]).name
+
+
+@pytest.mark.parametrize("prefix", [PACKED_PREFIX, OPTIMIZED_PREFIX])
+def test_helper_falls_back_on_a_flipped_byte(converted, tmp_path, prefix, caplog):
+    src, report = converted
+    flipped = _flipped(report, tmp_path, prefix)
+    expected = _run(_plain(src), src, 4)
+    if prefix == PACKED_PREFIX:  # ORT's load-time validation catches a packed copy...
+        with pytest.raises(Exception, match="do not match"):
+            ort.InferenceSession(str(flipped))
+    else:  # ...but not an NCHWc weight: plain ORT computes wrong results, hence the helper's checksums
+        assert not _same(_run(ort.InferenceSession(str(flipped)), src, 4), expected)
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        sess = wort.session(flipped)
+        again = wort.session(flipped)
+    # the fallback computes what the original computes under disable_prepacking (MLAS's unpacked path
+    # rounds differently from the packed one at batch > 1)
+    unpacked = _run(_plain(src, **{"session.disable_prepacking": "1"}), src, 4)
+    assert _same(_run(sess, src, 4), unpacked) and _same(_run(again, src, 4), unpacked)
+    said = [r.getMessage() for r in caplog.records if r.name == "weightshare.ort"]
+    assert len(said) == 1 and "SHA-256" in said[0] and portable_name(src.name) in said[0]
+
+
+def test_helper_falls_back_when_onnxruntime_refuses(converted, tmp_path, monkeypatch, caplog):
+    """Packed data that passes the helper's own checks but not ORT's validation (as on another CPU whose
+    features the record does not capture): ORT's refusal is the last line of defence."""
+    src, report = converted
+    flipped = _flipped(report, tmp_path, PACKED_PREFIX)
+    monkeypatch.setattr(wort, "check_packed_payloads", lambda blob, info: None)
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        sess = wort.session(flipped)
+    assert "onnxruntime refused it" in caplog.records[0].getMessage()
+    assert _same(_run(sess, src, 4), _run(_plain(src, **{"session.disable_prepacking": "1"}), src, 4))
+
+
+def test_helper_opens_the_prepacked_model_when_it_matches(converted, caplog):
+    src, report = converted
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        sess = wort.session(report["outputs"][0])
+    assert not caplog.records
+    assert _same(_run(sess, src, 4), _run(_plain(src), src, 4))
+
+
+def test_helper_falls_back_on_another_machine(converted, monkeypatch, caplog):
+    src, report = converted
+    other = {**wort.this_machine(), "nchwc_block": 8 if wort.this_machine()["nchwc_block"] != 8 else 16}
+    monkeypatch.setattr(wort, "_machine", other)  # what an AVX2 machine measures for a blob built on AVX-512
+    monkeypatch.setattr(wort, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        sess = wort.session(report["outputs"][0])
+    assert "nchwc_block" in caplog.records[0].getMessage()
+    assert sess._model_path.endswith(portable_name(src.name))
+    assert _same(_run(sess, src, 4), _run(_plain(src, **{"session.disable_prepacking": "1"}), src, 4))
+
+
+_PSS_PROBE = """
+import json, sys, onnxruntime as ort
+from weightshare.runtimes.memory import memory_now
+from weightshare.ort import malloc_trim
+from weightshare.formats.onnx.prepack_samples import sample_input
+path, src = sys.argv[1:]
+sessions, rows = [], []
+base = memory_now()["pss_mib"]
+for n in range(4):
+    s = ort.InferenceSession(path)
+    s.run(None, sample_input(src, 16))
+    malloc_trim()
+    sessions.append(s)
+    rows.append(memory_now()["pss_mib"] - base)
+print(json.dumps(rows))
+"""
+
+
+def _pss_rows(model: str, src: Path) -> list[float]:
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    res = subprocess.run([sys.executable, "-c", _PSS_PROBE, model, str(src)], capture_output=True, text=True,
+                         env=env)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_default_option_sessions_share_packed_weights(tmp_path):
+    """4 plain sessions of the --prepack model cost about one; of the ordinary conversion, four."""
+    from conftest import run_cli
+
+    src = mixed_onnx(tmp_path / "big.onnx", conv_layers=2, channels=128, mm_layers=4, dim=1024)  # ~18 MiB
+    weights = (tmp_path / "big.data").stat().st_size / 2**20
+    for flag, out in (("--prepack", "pre"), (None, "plain")):
+        res = run_cli("convert", src, "-o", tmp_path / out, "-q", *([flag] if flag else []))
+        assert res.returncode == 0, res.stderr
+    pre = _pss_rows(str(tmp_path / "pre" / src.name), src)
+    plain = _pss_rows(str(tmp_path / "plain" / src.name), src)
+    per_session = lambda rows: (rows[3] - rows[0]) / 3  # noqa: E731
+    # what is left per session is ORT's own bookkeeping (~1 MiB), not weights
+    assert per_session(pre) < 0.1 * weights, (pre, weights)
+    assert per_session(plain) > 0.75 * weights, (plain, weights)  # the same probe sees the per-session copies
+    assert pre[3] <= 1.2 * pre[0], pre
+
+
+def test_a_model_onnxruntime_cannot_load_fails_cleanly(tmp_path, cli):
+    """exit 2, one line naming the file, nothing left in OUTDIR (no model, no blob, no staging directory)."""
+    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+
+    w = nh.from_array(np.ones((64, 64), np.float32), "w")
+    graph = h.make_graph([h.make_node("NoSuchOp", ["x", "w"], ["y"], domain="example.nowhere")], "g",
+                         [h.make_tensor_value_info("x", T.FLOAT, [1, 64])],
+                         [h.make_tensor_value_info("y", T.FLOAT, None)], [w])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("example.nowhere", 1)])
+    src = tmp_path / "odd.onnx"
+    onnx.save(model, src)
+    res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "-q")
+    assert res.returncode == 2, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and "odd.onnx" in res.stderr and "onnxruntime" in res.stderr
+    assert "Traceback" not in res.stderr and list((tmp_path / "out").iterdir()) == []
+
+
+def test_prepack_and_shared_blob_exclude_each_other(tmp_path, cli):
+    src = mixed_onnx(tmp_path / "m.onnx", conv_layers=0, channels=16, mm_layers=1, dim=32)
+    res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "--shared-blob", "w.safetensors")
+    assert res.returncode == 2 and "--shared-blob" in res.stderr
+
+
+def test_verify_passes_the_prepacked_model_and_fails_a_flipped_packed_copy(converted, tmp_path, cli):
+    src, report = converted
+    ok = cli("verify", src, report["outputs"][0], "--runs", "1")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    bad = cli("verify", src, _flipped(report, tmp_path, PACKED_PREFIX), "--runs", "1")
+    assert bad.returncode == 1 and "onnxruntime refused" in bad.stdout + bad.stderr
+    assert "internal error" not in bad.stderr

@@ -1,0 +1,234 @@
+"""``convert --prepack`` for ONNX: ONNX Runtime's pre-packed and NCHWc weights in the shared blob.
+
+Without it, a default-option ORT session copies every MatMul/Gemm weight into a private pre-packed
+buffer and, at ORT_ENABLE_ALL, every Conv weight into an NCHWc-reordered one (DESIGN.md 7), so
+converted models share nothing at default settings. ORT can save both: the level-ALL optimized
+graph with reordered Conv weights as initializers, and each pre-packed copy as a ``prepacked_N``
+external-data entry that later sessions map instead of packing.
+
+Steps:
+1. stage: the ordinary conversion into a staging directory (the portable model and its blob).
+2. ort: a child process lets ORT optimize and pre-pack the staged model and save the result
+   (``ort_child.py``); its output references ORT's own external file.
+3. final: every plain payload, every ORT initializer and every packed buffer is streamed into ONE
+   safetensors blob. Identical bytes are stored once, so the ORT model's plain initializers land on
+   the portable model's payloads; only packed and reordered copies add bytes.
+4. emit: MODEL.onnx (prepacked, default options) and MODEL.portable.onnx (any CPU, with
+   ``session.disable_prepacking=1``), both pointing into the blob.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import fcntl
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import onnx
+
+from ...atomic import TMP_PREFIX, OutputTransaction
+from ...blob import BlobEntry, PlannedTensor
+from ...errors import InvalidModel, Unsupported, UsageError
+from ...options import ConvertOptions
+from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
+from ...report import ConversionReport
+from ...runtimes.memory import run_child_peak
+from ...tensors import FileRange
+from . import dtypes
+
+METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
+PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies
+OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
+PREPACKED_ENTRY = "prepacked_"
+STAGE_BLOB = "plain"
+ORT_MODEL, ORT_BIN = "ort.onnx", "ort.bin"
+
+
+def portable_name(model_name: str) -> str:
+    """File name of the portable model written next to the prepacked one."""
+    stem = model_name[:-len(".onnx")] if model_name.endswith(".onnx") else model_name
+    return f"{stem}.portable.onnx"
+
+
+def external_tensors(msg) -> Iterator[onnx.TensorProto]:
+    """Every tensor with external data anywhere in ``msg`` (initializers, attributes, subgraphs, functions)."""
+    if isinstance(msg, onnx.TensorProto):
+        if msg.data_location == onnx.TensorProto.EXTERNAL:
+            yield msg
+        return
+    for field, value in msg.ListFields():
+        if field.message_type is None:
+            continue
+        for item in (value if _repeated(field) else [value]):
+            yield from external_tensors(item)
+
+
+def _repeated(field) -> bool:
+    # protobuf >= 5 dropped FieldDescriptor.label for is_repeated; older versions have only label.
+    repeated = getattr(field, "is_repeated", None)
+    return bool(repeated) if repeated is not None else field.label == 3  # LABEL_REPEATED
+
+
+def _entries(tensor: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in tensor.external_data}
+
+
+@dataclass
+class PackedRef:
+    """One ``prepacked_N`` entry: ``<kernel>+<hash>|<offset>;<size>;<alignment>[|...]``."""
+
+    key: str
+    buffers: list[list[str]]  # [offset, size, rest...] per packed buffer
+
+    @classmethod
+    def parse(cls, value: str, path: Path) -> "PackedRef":
+        key, *parts = value.split("|")
+        buffers = [p.split(";") for p in parts]
+        if not parts or any(len(b) < 2 or not b[0].isdigit() or not b[1].isdigit() for b in buffers):
+            raise InvalidModel(f"unexpected pre-packed entry {value[:80]!r} from onnxruntime", path)
+        return cls(key, buffers)
+
+    def render(self) -> str:
+        return "|".join([self.key, *(";".join(b) for b in self.buffers)])
+
+
+class Relocator:
+    """Distinct byte ranges of the staged files -> blob payloads, and the model edits that follow."""
+
+    def __init__(self) -> None:
+        self.payloads: list[BlobPayload] = []
+        self.where: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> offset in the blob
+        self.edits: list[Callable[[str], None]] = []
+
+    def payload(self, path: Path, offset: int, length: int, planned: PlannedTensor) -> tuple[str, int, int]:
+        rng = (str(path), offset, length)
+        if rng not in self.where:
+            self.where[rng] = -1
+
+            def placed(entry: BlobEntry, rng=rng) -> None:
+                self.where[rng] = entry.offset
+
+            source = FileRange(str(path), offset, length)
+            source.check_within(path.stat().st_size)
+            self.payloads.append(BlobPayload(planned, source, length, placed))
+        return rng
+
+    def add_tensor(self, tensor: onnx.TensorProto, directory: Path, name: str,
+                   packed_elsewhere: list[list[str]] = ()) -> None:
+        """Place ``tensor``'s payload and its pre-packed buffers: its own ``prepacked_N`` entries (in its
+        file) and ``packed_elsewhere`` ([entry value, file name in ``directory``], from node-by-node packing)."""
+        e = _entries(tensor)
+        path = directory / e["location"]
+        offset, length = int(e.get("offset", "0")), int(e.get("length", "-1"))
+        if length < 0:
+            length = path.stat().st_size - offset
+        dtype = dtypes.NAMES.get(tensor.data_type, "uint8")
+        rng = self.payload(path, offset, length, PlannedTensor(name, dtype, tuple(tensor.dims), length))
+        found = [(PackedRef.parse(v, path), path) for k, v in e.items() if k.startswith(PREPACKED_ENTRY)]
+        found += [(PackedRef.parse(v, directory / f), directory / f) for v, f in packed_elsewhere]
+        packed, ranges, keys = [], [], set()
+        for ref, where in found:
+            if ref.key in keys:  # two nodes, one kernel: the same packed bytes under the same key
+                continue
+            keys.add(ref.key)
+            packed.append(ref)
+            for i, buf in enumerate(ref.buffers):
+                size = int(buf[1])
+                planned = PlannedTensor(f"{PACKED_PREFIX}{tensor.name}/{ref.key}/{i}", "uint8", (size,), size)
+                ranges.append(self.payload(where, int(buf[0]), size, planned))
+        self.edits.append(lambda location: self._rewrite(tensor, location, rng, packed, ranges))
+
+    def _rewrite(self, tensor, location, rng, packed, ranges) -> None:
+        ranges = iter(ranges)
+        for ref in packed:
+            for buf in ref.buffers:
+                buf[0] = str(self.where[next(ranges)])
+        values = {"location": location, "offset": str(self.where[rng]), "length": str(rng[2]),
+                  **{f"{PREPACKED_ENTRY}{i}": ref.render() for i, ref in enumerate(packed)}}
+        del tensor.external_data[:]
+        for k, v in values.items():
+            entry = tensor.external_data.add()
+            entry.key, entry.value = k, v
+
+
+def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> ConversionReport:
+    from .convert import prepare
+
+    staged = ConvertOptions(align=options.align, inline_threshold=options.inline_threshold,
+                            keep_packed=options.keep_packed, unpack=options.unpack)
+    prepared = prepare(src, stage, staged)
+    with OutputTransaction() as tx:
+        write_models([prepared], stage, blob_target(None, stage, STAGE_BLOB), staged, tx)
+    return prepared.report
+
+
+def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[dict, float]:
+    """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS)."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
+    cmd = [sys.executable, "-m", "weightshare.formats.onnx.ort_child", str(model), str(model.parent / ORT_MODEL),
+           ORT_BIN, str(options.inline_threshold)]
+    res, peak = run_child_peak(cmd, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"})
+    if res.returncode != 0:
+        why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
+        raise Unsupported(f"onnxruntime could not optimize and pre-pack the model ({why})", src)
+    return json.loads(res.stdout.strip().splitlines()[-1]), peak  # {"binding": ..., "packed": ...}
+
+
+def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
+    """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads."""
+    target = blob_target(src, out_dir, options.blob_name)
+    if portable_name(src.name) == src.name:
+        raise UsageError(f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
+                         "model; rename the model", src)
+    stage = out_dir / f"{TMP_PREFIX}{os.getpid()}-prepack"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir()
+    lock = os.open(stage, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent run's stale-temporary cleanup removes only unlocked ones
+    try:
+        report = _stage_portable(src, stage, options)
+        result, child_peak = _run_ort(stage / src.name, src, options)
+        binding = result["binding"]
+        portable = onnx.load(str(stage / src.name), load_external_data=False)
+        optimized = onnx.load(str(stage / ORT_MODEL), load_external_data=False)
+        reloc = Relocator()
+        for t in external_tensors(portable):
+            reloc.add_tensor(t, stage, t.name)
+        plain = len(reloc.payloads)
+        for t in external_tensors(optimized):
+            reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}", result["packed"].get(t.name, []))
+        packed = [p for p in reloc.payloads[plain:] if p.tensor.name.startswith(PACKED_PREFIX)]
+        names = {"prepacked_model": src.name, "portable_model": portable_name(src.name),
+                 "packed_prefix": PACKED_PREFIX, "optimized_prefix": OPTIMIZED_PREFIX}
+        for counter in ("tensors_moved", "bytes_in", "bytes_out", "bytes_written", "deduplicated",
+                        "deduplicated_bytes"):
+            setattr(report, counter, 0)  # the final blob's figures replace the staged ones
+
+        def emit(location: str, tx: OutputTransaction) -> list[Path]:
+            for edit in reloc.edits:
+                edit(location)
+            written = []
+            for model, name in ((optimized, src.name), (portable, portable_name(src.name))):
+                tmp = tx.new_file(out_dir / name)
+                tmp.write_bytes(model.SerializeToString())
+                written.append(out_dir / name)
+            return written
+
+        prepared = PreparedModel(report, reloc.payloads, emit,
+                                 extra={"blob_metadata": {METADATA_KEY: json.dumps({**binding, **names})}})
+        write_models([prepared], out_dir, target, options, tx)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+        os.close(lock)
+    report.notes.append(
+        f"--prepack: {src.name} holds onnxruntime {binding['onnxruntime']}'s pre-packed weights for this CPU "
+        f"({len(packed)} packed buffers, {sum(p.tensor.nbytes for p in packed) / 2**20:.1f} MiB; "
+        f"NCHWc block {binding['nchwc_block']}); {portable_name(src.name)} runs anywhere with "
+        f"session.disable_prepacking=1 (weightshare.ort.session picks). ORT child peak RSS {child_peak:.0f} MiB")
+    return report
