@@ -152,9 +152,9 @@ def test_demo_says_where_it_writes_and_how_much(cli, tmp_path):
     res = cli("demo", "--dir", demo, "--layers", "1", "--sessions", "2")
     assert res.returncode == 0, res.stderr
     first = res.stdout.splitlines()[0]
-    assert first.startswith("writing about 24.0 MiB to ") and str(demo) in first and "--clean" in first
+    assert first.startswith("writing about 56.0 MiB to ") and str(demo) in first and "--clean" in first
     written = sum(p.stat().st_size for p in demo.rglob("*") if p.is_file())
-    assert 23 << 20 < written < 25 << 20, written
+    assert 55 << 20 < written < 57 << 20, written
     assert cli("demo", "--clean", "--dir", demo).returncode == 0 and not demo.exists()
 
 

@@ -535,7 +535,7 @@ def bench(
 @app.command()
 def demo(
     workdir: Path = typer.Option(Path("weightshare-demo"), "--dir", help="Where to put the sample models "
-                                 "(24 MiB per layer: ~290 MiB with the default 12 layers)."),
+                                 "(56 MiB per layer: ~675 MiB with the default 12 layers)."),
     sessions: int = typer.Option(4, "--sessions", help="ONNX Runtime sessions to open per variant."),
     layers: int = typer.Option(12, "--layers", help="MLP layers of 2048x2048 fp16 weights (8 MiB each)."),
     clean: bool = typer.Option(False, "--clean", help="Remove the demo directory (--dir) and exit."),
@@ -549,7 +549,8 @@ def demo(
             removed = clean_demo(workdir)
             info(f"removed {workdir.resolve()}" if removed else f"nothing to remove at {workdir.resolve()}")
             return
-        size = layers * (2048 * 2048 + 2048) * (2 + 4)  # the fp16 original and the fp32 blob
+        # the fp16 original, the fp32 blob, and the --prepack blob (fp32 payloads plus ORT's packed copies)
+        size = layers * (2048 * 2048 + 2048) * (2 + 4 + 8)
         if not as_json:
             info(f"writing about {_mib(size)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
                  f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})")

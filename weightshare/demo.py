@@ -12,7 +12,7 @@ from .options import ConvertOptions
 from .samples import mlp_onnx
 
 
-DEMO_FILES = ("mlp_fp16.onnx", "converted")
+DEMO_FILES = ("mlp_fp16.onnx", "converted", "prepacked")
 
 
 def clean_demo(workdir: Path) -> bool:

@@ -6,7 +6,7 @@
 ``convert --prepack`` writes MODEL.onnx, whose pre-packed MatMul/Gemm weights and NCHWc Conv
 weights are valid only for the CPU kind and onnxruntime version that produced them, and
 MODEL.portable.onnx, which references only the plain payloads. ``session`` opens the prepacked
-model when it matches this machine and its packed payloads pass their recorded SHA-256, and the
+model when it matches this machine and its packed payloads pass their recorded checksums, and the
 portable one (with ``session.disable_prepacking=1``) otherwise, saying why once through logging.
 
 Why the checks happen here and not only in ORT: ORT re-packs MatMul/Gemm weights at load and
@@ -22,7 +22,6 @@ that call ORT directly should start with ``MALLOC_MMAP_THRESHOLD_=1048576`` in t
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import logging
 import os
@@ -88,28 +87,31 @@ def prepack_info(model_path: str | os.PathLike) -> tuple[dict, Path] | None:
 
 
 def check_packed_payloads(blob: Path, info: dict) -> str | None:
-    """SHA-256 of every payload only the prepacked model uses; the first mismatch, or None."""
+    """Recorded digest (BLAKE3, or SHA-256 in older blobs) of every payload only the prepacked model uses;
+    the first mismatch, or None."""
+    from .blob import new_hasher, split_digest
+    from .recorded import recorded_records
+
     st = blob.stat()
     key = (str(blob.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
     if key in _verified:
         return None
-    start, header, meta = read_safetensors_metadata(str(blob))
     prefixes = (info.get("packed_prefix", "ort.prepacked/"), info.get("optimized_prefix", "ort.optimized/"))
     with open(blob, "rb") as f:
-        for name, entry in meta.items():
+        for name, offset, length, recorded in recorded_records(str(blob)):
             if not name.startswith(prefixes):
                 continue
-            begin, end = header[name]["data_offsets"]
-            f.seek(start + begin)
-            digest, left = hashlib.sha256(), end - begin
+            kind, expected = split_digest(recorded)
+            digest, left = new_hasher(kind), length
+            f.seek(offset)
             while left:
                 chunk = f.read(min(left, 8 << 20))
                 if not chunk:
                     return f"{name} is truncated"
                 digest.update(chunk)
                 left -= len(chunk)
-            if digest.hexdigest() != entry.get("sha256"):
-                return f"{name} does not match its recorded SHA-256"
+            if digest.hexdigest() != expected:
+                return f"{name} does not match its recorded {kind} digest"
     _verified.add(key)
     return None
 

@@ -186,11 +186,15 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
     if portable_name(src.name) == src.name:
         raise UsageError(f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
                          "model; rename the model", src)
-    stage = out_dir / f"{TMP_PREFIX}{os.getpid()}-prepack"
-    shutil.rmtree(stage, ignore_errors=True)
-    stage.mkdir()
-    lock = os.open(stage, os.O_RDONLY)
+    held = out_dir / f"{TMP_PREFIX}{os.getpid()}-prepack"
+    shutil.rmtree(held, ignore_errors=True)
+    held.mkdir()
+    lock = os.open(held, os.O_RDONLY)
     fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent run's stale-temporary cleanup removes only unlocked ones
+    # The staged conversion commits into its own directory and flocks it while renaming: that must be
+    # another directory than the one held here, or the run would wait on its own lock.
+    stage = held / "stage"
+    stage.mkdir()
     try:
         report = _stage_portable(src, stage, options)
         result, child_peak = _run_ort(stage / src.name, src, options)
@@ -224,7 +228,7 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
                                  extra={"blob_metadata": {METADATA_KEY: json.dumps({**binding, **names})}})
         write_models([prepared], out_dir, target, options, tx)
     finally:
-        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(held, ignore_errors=True)
         os.close(lock)
     report.notes.append(
         f"--prepack: {src.name} holds onnxruntime {binding['onnxruntime']}'s pre-packed weights for this CPU "
