@@ -254,3 +254,17 @@ def test_verify_passes_the_prepacked_model_and_fails_a_flipped_packed_copy(conve
     # the recorded digest of the packed copy catches the flip before onnxruntime's own validation would
     assert bad.returncode == 1 and f"blob record '{PACKED_PREFIX}" in bad.stdout, bad.stdout + bad.stderr
     assert "internal error" not in bad.stderr
+
+
+@pytest.mark.parametrize("prefix", [PACKED_PREFIX, OPTIMIZED_PREFIX])
+def test_check_refuses_a_flipped_packed_or_reordered_copy(converted, tmp_path, prefix, cli):
+    """Packed copies and NCHWc weights are payloads no portable tensor references: check re-hashes them too."""
+    src, report = converted
+    ok = cli("check", report["outputs"][0], "--json")
+    assert "checksum-mismatch" not in ok.stdout, ok.stdout
+    bad = cli("check", _flipped(report, tmp_path, prefix), "--json")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    found = [f for f in json.loads(bad.stdout)["findings"] if f["code"] == "checksum-mismatch"]
+    assert len(found) == 1, found
+    if prefix == PACKED_PREFIX:  # a blob record only; an NCHWc weight is an initializer of the prepacked graph
+        assert found[0]["tensor"].startswith(prefix), found

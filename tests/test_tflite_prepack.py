@@ -6,6 +6,7 @@ index, so A's cache given to LiteRT with B computes with A's weights. The helper
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -119,8 +120,22 @@ def test_foreign_cache_is_never_used(pair, tmp_path, caplog):
     statuses = xnnpack_cache.cache_status(model_b)
     assert [(s.path, s.matches) for s in statuses] == [(foreign, False)]
     assert "built for other content" in statuses[0].reason
-    notes = xnnpack_cache.inventory_notes(model_b)
-    assert any(n.startswith(f"{xnnpack_cache.MISMATCH}: {foreign.name}") for n in notes)
+
+
+def test_check_flags_a_foreign_cache_and_passes_a_matching_one(pair, tmp_path, cli):
+    """`check` exits 1 with xnnpack-cache-mismatch when a cache beside the model was built for other content."""
+    (_sa, _oa, cache_a, _ra, _ref_a), (_sb, out_b, cache_b, _rb, _ref_b) = pair
+    model_b = tmp_path / out_b.name
+    for f in out_b.parent.iterdir():  # the model, its blob and its own cache
+        shutil.copy(f, tmp_path / f.name)
+    ok = cli("check", model_b, "--json")
+    assert ok.returncode == 0 and "xnnpack-cache-mismatch" not in ok.stdout, ok.stdout + ok.stderr
+    foreign = tmp_path / cache_b.name.replace(".litert-", ".litert-0")  # another cache name beside B ...
+    shutil.copy(cache_a, foreign)  # ... holding A's packed weights
+    bad = cli("check", model_b, "--json")
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    found = [f for f in json.loads(bad.stdout)["findings"] if f["code"] == "xnnpack-cache-mismatch"]
+    assert len(found) == 1 and foreign.name in found[0]["message"] and found[0]["severity"] == "error"
 
 
 def test_missing_cache_falls_back_with_one_message(pair, tmp_path, caplog):

@@ -72,6 +72,7 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
     def add(code: Code, payloads: list, message: str) -> None:
         out.append(Finding.of(code, inv.model, message, payloads[0].name if payloads else ""))
 
+    out += inv.findings
     _copies(inv, add, inline_threshold)
     unaligned = [p for p in inv.payloads if p.location == "external" and p.alignment is not None
                  and p.alignment < (LARGE_ALIGN if p.nbytes >= ALIGN_THRESHOLD else SMALL_ALIGN)]

@@ -47,6 +47,7 @@ class Code(_StrEnum):
     BAD_EXTERNAL_DATA = "bad-external-data"
     BLOB_NOT_WORLD_READABLE = "blob-not-world-readable"
     CHECKSUM_MISMATCH = "checksum-mismatch"
+    XNNPACK_CACHE_MISMATCH = "xnnpack-cache-mismatch"
 
 
 @dataclass(frozen=True)
@@ -100,8 +101,14 @@ CODES: dict[Code, CodeInfo] = {
         Severity.ERROR, "The blob's mode keeps other users (and services running as them) from mapping it.",
         "chmod a+r BLOB"),
     Code.CHECKSUM_MISMATCH: CodeInfo(
-        Severity.ERROR, "A payload differs from the checksum (BLAKE3; SHA-256 in older blobs) recorded in the blob: the blob was modified or "
-        "corrupted.", "re-run weightshare convert from the original model; check the storage"),
+        Severity.ERROR, "A payload differs from the checksum (BLAKE3; SHA-256 in older blobs) recorded in the "
+        "blob: the blob was modified or corrupted.",
+        "re-run weightshare convert from the original model; check the storage"),
+    Code.XNNPACK_CACHE_MISMATCH: CodeInfo(
+        Severity.ERROR, "An XNNPACK weight cache beside a TFLite model was built for other content (another "
+        "model, blob or LiteRT version): LiteRT used with it directly would compute with the cached weights, "
+        "not the model's.", "re-run weightshare convert MODEL -o OUT --prepack (builds the matching cache), or "
+        "delete the stale cache file"),
 }
 
 

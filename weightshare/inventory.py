@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .findings import Finding
 from .tensors import CHUNK_SIZE, PayloadSource
 
 
@@ -50,6 +51,13 @@ class ModelInventory:
     # Runtime settings whose per-session copies ``PayloadInfo.copies`` records; the first is the one that shares
     # most (what ``copied_per_session`` reports), the others are the runtime's defaults.
     settings: list[str] = field(default_factory=list)
+    # Problems about the model as a whole that its format detected (not tied to one payload), as
+    # ``findings.Finding``; ``check`` reports them with the payload findings.
+    findings: list[Finding] = field(default_factory=list)
+    # Blob records no tensor references directly (e.g. ORT's pre-packed copies of ``--prepack``), re-hashed
+    # when the inventory hashes payloads: how many, and one line per record that fails its recorded digest.
+    records_hashed: int = 0
+    record_problems: list[str] = field(default_factory=list)
 
     def copied_under(self, setting: str) -> int:
         return sum(p.copies.get(setting, p.copied_per_session) for p in self.payloads)
@@ -114,4 +122,35 @@ def inventory(path: str | os.PathLike, hash_payloads: bool = True) -> ModelInven
     inv = detect(path).inventory(path, hash_payloads)
     if hash_payloads:
         mark_duplicates(inv.payloads)
+        _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
     return inv
+
+
+def _check_other_records(inv: ModelInventory, base: Path) -> None:
+    """Re-hash every blob record with a recorded digest that no payload of ``inv`` sits at, so that a flipped
+    byte in a packed copy fails ``check`` and ``verify`` like one in a weight."""
+    from .findings import Code
+    from .recorded import recorded_records
+    from .tensors import FileRange
+
+    seen = {(p.file, p.offset) for p in inv.payloads}
+    bad: list[str] = []
+    for name in inv.external_files:
+        blob = base / name
+        for key, begin, length, digest in sorted(recorded_records(str(blob)), key=lambda r: r[1]):
+            if (name, begin) in seen:
+                continue
+            seen.add((name, begin))
+            inv.records_hashed += 1
+            if begin + length > blob.stat().st_size:
+                inv.record_problems.append(f"blob record {key!r} in {name} at offset {begin}: runs past the end "
+                                           "of the file")
+                bad.append(key)
+            elif sha256_of(FileRange(str(blob), begin, length), digest) != digest:
+                inv.record_problems.append(f"blob record {key!r} in {name} at offset {begin}: its checksum "
+                                           "differs from the one recorded in the blob")
+                bad.append(key)
+    if inv.record_problems:
+        more = f" and {len(inv.record_problems) - 1} more" if len(inv.record_problems) > 1 else ""
+        inv.findings.append(Finding.of(Code.CHECKSUM_MISMATCH, inv.model, inv.record_problems[0] + more,
+                                       bad[0] if bad else ""))

@@ -93,32 +93,9 @@ def _check_blob(report: VerifyReport, converted: Path) -> bool:
             if p.sha256 != p.recorded_sha256:
                 report.checksum_mismatches.append(f"tensor {p.name!r} in {p.file} at offset {p.offset}: its "
                                                   "checksum differs from the one recorded in the blob")
-    _check_other_records(report, converted, inv)
+    report.payloads_hashed += inv.records_hashed  # blob records no tensor references (ORT packed copies)
+    report.checksum_mismatches += inv.record_problems
     return broken
-
-
-def _check_other_records(report: VerifyReport, converted: Path, inv: Any) -> None:
-    """Re-hash the blob records no tensor references directly (e.g. ORT pre-packed copies of ``--prepack``): every
-    record with a recorded checksum is checked, so a flipped byte in a packed copy fails verify too."""
-    from .inventory import sha256_of
-    from .recorded import recorded_records
-    from .tensors import FileRange
-
-    seen = {(p.file, p.offset) for p in inv.payloads}
-    base = converted.resolve() if converted.is_dir() else converted.resolve().parent
-    for name in inv.external_files:
-        path = base / name
-        for key, begin, length, digest in sorted(recorded_records(str(path)), key=lambda r: r[1]):
-            if (name, begin) in seen:
-                continue
-            seen.add((name, begin))
-            report.payloads_hashed += 1
-            if begin + length > path.stat().st_size:
-                report.checksum_mismatches.append(f"blob record {key!r} in {name} at offset {begin}: runs past "
-                                                  "the end of the file")
-            elif sha256_of(FileRange(str(path), begin, length), digest) != digest:
-                report.checksum_mismatches.append(f"blob record {key!r} in {name} at offset {begin}: its checksum "
-                                                  "differs from the one recorded in the blob")
 
 
 def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int = 3,

@@ -176,7 +176,9 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     _external_payloads(graph, path, inv, hash_payloads)
     if any(p.location == "external" and p.file == path.name for p in inv.payloads):
         inv.external_files.append(path.name)
-    inv.notes.extend(inventory_notes(path))  # per-setting cost and XNNPACK cache status (issue 13)
+    notes, findings = inventory_notes(path)  # per-setting cost and XNNPACK cache status
+    inv.notes += notes
+    inv.findings += findings
     if any(p.encoding == "inline" and p.would_move for p in inv.payloads):
         inv.notes.append("inline buffers are mapped with the file (shared), but only 16-byte aligned; "
                          "`weightshare convert` moves them to page-aligned offsets")

@@ -35,6 +35,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ...atomic import TMP_PREFIX
+from ...findings import Code, Finding
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
 from ...paths import resolve_inside
 
@@ -400,25 +401,24 @@ def interpreter_costs(model: str | os.PathLike) -> list[SettingCost]:
     return costs
 
 
-MISMATCH = "xnnpack-cache-mismatch"
-
-
-def inventory_notes(model: str | os.PathLike) -> list[str]:
-    """Lines for ``inspect``: weight memory per LiteRT setting, and every cache beside the model.
-
-    A cache that does not match starts with ``xnnpack-cache-mismatch:`` so that ``check`` can flag it.
-    """
-    notes = []
+def inventory_notes(model: str | os.PathLike) -> tuple[list[str], list[Finding]]:
+    """Lines for ``inspect`` (weight memory per LiteRT setting, and every cache beside the model) and a
+    finding for each cache beside it that does not match it."""
+    notes: list[str] = []
+    findings: list[Finding] = []
     try:
         for c in interpreter_costs(model):
             notes.append(f"{c.setting}: {_mib(c.shared_bytes)} shared + {_mib(c.per_instance_bytes)} per instance "
                          f"(8 instances: {_mib(c.total(8))})" + (f"; {c.note}" if c.note else ""))
         for st in cache_status(model):
-            notes.append(f"XNNPACK weight cache {st.path.name}: {st.reason}" if st.matches
-                         else f"{MISMATCH}: {st.path.name}: {st.reason}")
+            notes.append(f"XNNPACK weight cache {st.path.name}: {st.reason}")
+            if not st.matches:
+                findings.append(Finding.of(Code.XNNPACK_CACHE_MISMATCH, str(model),
+                                           f"XNNPACK weight cache {st.path.name} does not match the model: "
+                                           f"{st.reason}"))
     except WeightshareError as e:
         notes.append(f"LiteRT settings not estimated: {e.message}")
-    return notes
+    return notes, findings
 
 
 def _own_peak_mib() -> float:
