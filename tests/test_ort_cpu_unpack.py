@@ -281,3 +281,28 @@ def test_probe_model_holds_no_weight_bytes(tmp_path):
     assert probe.stat().st_size < 16 << 10
     zeros = tmp_path / "probe" / ZEROS
     assert zeros.stat().st_size == 512 * 512 * 2 and zeros.stat().st_blocks * 512 < zeros.stat().st_size  # a hole
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_ort_cpu_with_prepack_shares_at_default_options(tmp_path, cli, name):
+    """--unpack ort-cpu --prepack: ORT's inserted Casts done once, then its packed copies stored: plain default
+    sessions of OUT/MODEL.onnx compute the original's bits, and check finds nothing copied per session."""
+    import json
+
+    build, x_shape = CASES[name]
+    src = save(build(), tmp_path / f"{name}.onnx")
+    res = cli("convert", src, "-o", tmp_path / "out", "--unpack", "ort-cpu", "--prepack", "--json", "-q")
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    notes = " ".join(report["notes"])
+    assert "--unpack ort-cpu" in notes and "--prepack" in notes
+    prepacked, portable = (tmp_path / "out" / src.name), (tmp_path / "out" / f"{name}.portable.onnx")
+    assert ort_cpu_cast_bytes(prepacked) == (0, 0) and ort_cpu_cast_bytes(portable) == (0, 0)
+    x = np.random.default_rng(1).standard_normal(x_shape).astype(np.float32)
+    want, got = outputs(src, x), outputs(prepacked, x)  # both at ORT's default session options
+    assert (got.dtype, got.shape, got.tobytes()) == (want.dtype, want.shape, want.tobytes())
+    want, got = outputs(src, x, DISABLE_PREPACKING), outputs(portable, x, DISABLE_PREPACKING)
+    assert (got.dtype, got.shape, got.tobytes()) == (want.dtype, want.shape, want.tobytes())
+    check = cli("check", prepacked, "--json")
+    codes = {f["code"] for f in json.loads(check.stdout)["findings"]}
+    assert not codes & {"unpacked-per-session", "ort-prepack-copy-per-session", "ort-nchwc-copy-per-session"}, codes
