@@ -194,6 +194,8 @@ def convert_zoo(models: list[str | os.PathLike], out_dir: str | os.PathLike, sha
     previous zoo that are not in this one are removed; the old blob stays for the grace period.
     """
     options = options or ConvertOptions()
+    if options.prepack:
+        raise UsageError("--prepack and --shared-blob exclude each other (a prepacked model needs its own blob)")
     sources = expand_inputs(models)
     if not sources:
         raise UsageError("no models to convert")

@@ -228,8 +228,6 @@ def convert(
         if shared_blob is not None:
             if blob is not None:
                 fail("--blob and --shared-blob exclude each other")
-            if prepack:
-                fail("--prepack and --shared-blob exclude each other (a prepacked model needs its own blob)")
             with progress_bar(not quiet_, "zoo") as (update, total):
                 zoo = api.convert_zoo(models, output, shared_blob, options(update, total))
             if as_json:
