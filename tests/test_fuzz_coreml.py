@@ -27,6 +27,7 @@ def seeds(tmp_path_factory):
     return coreml_seeds(tmp_path_factory.mktemp("coreml_fuzz_seeds"))
 
 
+@pytest.mark.slow
 def test_fuzz_2000_packages(seeds, tmp_path):
     stats = FuzzStats()
     rng = random.Random(20261130)

@@ -22,6 +22,7 @@ def seed(tmp_path_factory):
     return model.read_bytes(), {"fz.data": (d / "fz.data").read_bytes()}
 
 
+@pytest.mark.slow
 def test_fuzz_2000_mutations(seed, tmp_path):
     data, extra = seed
     stats = FuzzStats()

@@ -5,11 +5,14 @@ from __future__ import annotations
 import random
 import shutil
 
+import pytest
+
 from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, scratch_dir
 from tflite_fixtures import sample_model, sparse_model
 from weightshare.options import ConvertOptions
 
 
+@pytest.mark.slow
 def test_fuzz_2000_mutations(tmp_path):
     seeds = [sample_model(tmp_path / "m.tflite", fc_out=64).read_bytes(),
              sparse_model(tmp_path / "s.tflite").read_bytes()]

@@ -103,6 +103,7 @@ def test_full_disk_gives_a_clean_error_and_no_output(tmp_path, big):
     assert os.listdir(out) == []
 
 
+@pytest.mark.slow
 def test_concurrent_runs_into_one_outdir_never_mix(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir(), b.mkdir()

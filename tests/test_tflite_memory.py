@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import numpy as np
 from ai_edge_litert import schema_py_generated as s
 
@@ -36,6 +38,7 @@ def _peak_rss_mib(src, out) -> float:
     return int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-1]) / 1024
 
 
+@pytest.mark.slow
 def test_peak_rss_flat_as_model_grows(tmp_path):
     small = _peak_rss_mib(_model(tmp_path / "small.tflite", 4096), tmp_path / "a")
     big_src = _model(tmp_path / "big.tflite", 48 << 20)
