@@ -252,3 +252,23 @@ def test_path_escapes_are_refused(good, tmp_path, case):
         from weightshare.inventory import inventory
 
         assert any(message in p.problem for p in inventory(src).payloads)
+
+
+def test_root_model_item_named_like_the_weights_keeps_its_path(good, tmp_path):
+    """Found by the fuzz harness's re-read check: a manifest whose root model item is *named* "weights" made the
+    converter take it for the weights item and point the root at the weights directory (exit 0, broken output)."""
+    from weightshare.inventory import inventory
+
+    pkg = tmp_path / "c.mlpackage"
+    shutil.copytree(good, pkg)
+    manifest = json.loads((pkg / "Manifest.json").read_text())
+    items, root_id = manifest["itemInfoEntries"], manifest["rootModelIdentifier"]
+    items[root_id]["name"] = "weights"
+    manifest["itemInfoEntries"] = {root_id: items[root_id], **items}  # listed first, as in the fuzzed input
+    (pkg / "Manifest.json").write_text(json.dumps(manifest))
+    report = api.convert(pkg, tmp_path / "out")
+    out = json.loads((tmp_path / "out" / "c.mlpackage" / "Manifest.json").read_text())
+    root = out["itemInfoEntries"][out["rootModelIdentifier"]]
+    assert root["path"] == manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"]
+    inv = inventory(report.outputs[0])  # the output re-reads, every payload where the model says
+    assert inv.payloads and not [p.problem for p in inv.payloads if p.problem]

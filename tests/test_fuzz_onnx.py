@@ -5,13 +5,14 @@ from __future__ import annotations
 import random
 import shutil
 
+import onnx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from weightshare.errors import InvalidModel
 from weightshare.api import convert
 from weightshare.formats.onnx.wire import encode_len_field, encode_varint_field
-from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, scratch_dir
+from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, runtime_loads, scratch_dir
 from onnx_fixtures import fuzz_seed_model
 
 
@@ -25,7 +26,7 @@ def seed(tmp_path_factory):
 @pytest.mark.slow
 def test_fuzz_2000_mutations(seed, tmp_path):
     data, extra = seed
-    stats = FuzzStats()
+    stats = FuzzStats(keep_dir=tmp_path / "kept", keep_every=25)
     rng = random.Random(20261130)
     work = scratch_dir(tmp_path)
     try:
@@ -40,6 +41,8 @@ def test_fuzz_2000_mutations(seed, tmp_path):
         shutil.rmtree(work, ignore_errors=True)
     assert stats.inputs == 2000
     assert stats.rejected > 500 and stats.converted > 100, stats  # both paths really exercised
+    loads = runtime_loads(stats)  # onnxruntime loads every kept conversion whose damaged input it loads
+    assert loads["original_loads"] >= 5, loads
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None,
@@ -66,9 +69,17 @@ def test_deeply_nested_subgraphs_are_refused(tmp_path):
 
 
 def test_moderately_nested_subgraphs_convert(tmp_path):
+    """20 levels of If (no weights): accepted, and written back unchanged down to the innermost graph."""
     path = tmp_path / "nested.onnx"
     path.write_bytes(_nested_if(20))
-    convert(path, tmp_path / "out")
+    report = convert(path, tmp_path / "out")
+    assert report.tensors_moved == 0 and report.outputs == [str(tmp_path / "out" / "nested.onnx")]
+    out = onnx.load(report.outputs[0])
+    assert out == onnx.load(str(path))
+    depth, graph = 0, out.graph
+    while graph.node:
+        graph, depth = graph.node[0].attribute[0].g, depth + 1
+    assert depth == 20
 
 
 def test_non_utf8_names_are_refused(seed, tmp_path):

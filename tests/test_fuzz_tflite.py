@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, scratch_dir
+from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, runtime_loads, scratch_dir
 from tflite_fixtures import sample_model, sparse_model
 from weightshare.options import ConvertOptions
 
@@ -16,7 +16,7 @@ from weightshare.options import ConvertOptions
 def test_fuzz_2000_mutations(tmp_path):
     seeds = [sample_model(tmp_path / "m.tflite", fc_out=64).read_bytes(),
              sparse_model(tmp_path / "s.tflite").read_bytes()]
-    stats = FuzzStats()
+    stats = FuzzStats(keep_dir=tmp_path / "kept", keep_every=25)
     rng = random.Random(7)
     work = scratch_dir(tmp_path / "w")
     try:
@@ -32,3 +32,5 @@ def test_fuzz_2000_mutations(tmp_path):
     finally:
         shutil.rmtree(work, ignore_errors=True)
     assert stats.inputs == 2000 and stats.rejected > 300 and stats.converted > 300, stats
+    loads = runtime_loads(stats)  # LiteRT loads every kept conversion whose damaged input it loads
+    assert loads["original_loads"] >= 5, loads

@@ -153,8 +153,8 @@ def read_package(root: Path) -> Package:
                           "in weight.bin (convert a NeuralNetwork with coremltools to an ML Program first)",
                           model_path)
     weights_id = None
-    for ident, item in items.items():
-        if item.get("name") == WEIGHTS_NAME and item.get("author") == AUTHOR:
+    for ident, item in items.items():  # never the root model item, whatever its name says (found by fuzzing)
+        if ident != root_id and item.get("name") == WEIGHTS_NAME and item.get("author") == AUTHOR:
             weights_id = ident
             break
     return Package(root, manifest, root_id, model_path, spec, weights_id, items)
