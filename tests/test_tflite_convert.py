@@ -18,7 +18,7 @@ import pytest
 from ai_edge_litert import schema_py_generated as s
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
-from tflite_fixtures import OP, ModelBuilder, sample_inputs, sample_model
+from tflite_fixtures import OP, ModelBuilder, run_compiled_model, sample_inputs, sample_model
 from weightshare.api import convert
 from weightshare.blob import AlignPolicy
 from weightshare.options import ConvertOptions
@@ -168,19 +168,7 @@ def test_fold_shared_fp16_and_subgraph_output(tmp_path, resolver):
 def run_compiled(path, inputs=None):
     from ai_edge_litert.compiled_model import CompiledModel
 
-    cm = CompiledModel.from_file(str(path))
-    out = {}
-    for key, feeds in (inputs or sample_inputs()).items():
-        idx = cm.get_signature_index(key)
-        sig = cm.get_signature_list()[key]
-        ins, outs = cm.create_input_buffers(idx), cm.create_output_buffers(idx)
-        for name, buf in zip(sig["inputs"], ins):
-            buf.write(feeds[name])
-        cm.run_by_index(idx, ins, outs)
-        details = cm.get_output_tensor_details(key)
-        out[key] = {name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])
-                    for name, buf in zip(sig["outputs"], outs)}
-    return out
+    return run_compiled_model(CompiledModel.from_file(str(path)), inputs)
 
 
 def test_external_blob_through_compiled_model(converted, tmp_path):

@@ -20,7 +20,7 @@ from ai_edge_litert.compiled_model import CompiledModel
 from ai_edge_litert.cpu_options import CpuOptions
 from ai_edge_litert.options import Options
 
-from tflite_fixtures import sample_inputs, sample_model
+from tflite_fixtures import run_compiled_model, sample_model
 from weightshare.api import convert
 from weightshare.formats.tflite import xnnpack_cache
 from weightshare.litert import compiled_model
@@ -29,18 +29,7 @@ from weightshare.options import ConvertOptions
 
 def run(cm) -> dict:
     """Every signature of ``cm`` on the fixture inputs: {signature: {output: array}}."""
-    out = {}
-    for key, feeds in sample_inputs().items():
-        idx = cm.get_signature_index(key)
-        sig = cm.get_signature_list()[key]
-        ins, outs = cm.create_input_buffers(idx), cm.create_output_buffers(idx)
-        for name, buf in zip(sig["inputs"], ins):
-            buf.write(feeds[name])
-        cm.run_by_index(idx, ins, outs)
-        details = cm.get_output_tensor_details(key)
-        out[key] = {name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])
-                    for name, buf in zip(sig["outputs"], outs)}
-    return out
+    return run_compiled_model(cm)
 
 
 def same(a: dict, b: dict) -> bool:

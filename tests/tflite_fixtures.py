@@ -200,6 +200,23 @@ def sample_inputs(seed: int = 1) -> dict[str, dict[str, np.ndarray]]:
             "quantized": {"q_x": rng.integers(-128, 128, (1, 64), dtype=np.int8)}}
 
 
+def run_compiled_model(cm, inputs: dict | None = None) -> dict:
+    """Every signature of a LiteRT ``CompiledModel`` on ``inputs`` (default: the fixture's): {signature: {output:
+    array}}."""
+    out = {}
+    for key, feeds in (inputs or sample_inputs()).items():
+        idx = cm.get_signature_index(key)
+        sig = cm.get_signature_list()[key]
+        ins, outs = cm.create_input_buffers(idx), cm.create_output_buffers(idx)
+        for name, buf in zip(sig["inputs"], ins):
+            buf.write(feeds[name])
+        cm.run_by_index(idx, ins, outs)
+        details = cm.get_output_tensor_details(key)
+        out[key] = {name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])
+                    for name, buf in zip(sig["outputs"], outs)}
+    return out
+
+
 def _int_vector(values, kind: str):
     if kind == "u8":
         return s.SparseIndexVector.Uint8Vector, s.Uint8VectorT(values=list(values))

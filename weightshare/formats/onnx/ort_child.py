@@ -24,15 +24,9 @@ CPU_FLAGS = ("sse4_1", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx
 
 
 def cpu_features() -> list[str]:
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    flags.update(value.split())
-    except OSError:
-        pass
+    from ...runtimes.cpuinfo import cpu_flags
+
+    flags = cpu_flags()
     return [f for f in CPU_FLAGS if f in flags]
 
 

@@ -61,16 +61,9 @@ def litert_version() -> str:
 @lru_cache(maxsize=1)
 def cpu_fingerprint() -> str:
     """Machine architecture and the ISA flags XNNPACK dispatches on (empty where /proc/cpuinfo is absent)."""
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    flags = {v for v in value.split() if _ISA_FLAG.match(v)}
-                    break
-    except OSError:
-        pass
+    from ...runtimes.cpuinfo import cpu_flags
+
+    flags = {v for v in cpu_flags() if _ISA_FLAG.match(v)}
     return platform.machine() + ":" + ",".join(sorted(flags))
 
 
