@@ -20,7 +20,7 @@ from rich.table import Table
 from . import api
 from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy
 from .errors import WeightshareError
-from .options import INLINE_THRESHOLD, ConvertOptions
+from .options import INLINE_THRESHOLD, ConvertOptions, Unpack
 from .report import ConversionReport
 
 # markdown: docstring paragraphs are reflowed to the terminal width (rich mode kept their hard line breaks, which
@@ -178,10 +178,10 @@ def convert(
                                      "OUTDIR references any more is kept, for readers that opened the old model."),
     keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
                                      "typed protobuf fields as they are."),
-    unpack: List[str] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a constant "
-                                "sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 weights as the "
-                                "fp32 copies ONNX Runtime's CPU provider makes per session; CPU-specific, a GPU "
-                                "provider would run fp16). 'int8' is accepted but not implemented yet."),
+    unpack: List[Unpack] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
+                                   "constant sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 "
+                                   "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
+                                   "CPU-specific, a GPU provider would run fp16)."),
     external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
                                   "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
                                   "Interpreter does not."),
@@ -215,15 +215,13 @@ def convert(
 
     def options(update=None, total=None) -> ConvertOptions:
         return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
-                              inline_threshold=inline_threshold, keep_packed=keep_packed, unpack=frozenset(unpack),
+                              inline_threshold=inline_threshold, keep_packed=keep_packed,
+                              unpack=frozenset(u.value for u in unpack),
                               blob_name=blob, external=external, prepack=prepack, progress=update,
                               progress_total=total, blob_grace_s=blob_grace)
 
     with user_errors():
-        unknown = set(unpack) - {"sparse", "int8", "ort-cpu"}
-        if unknown:
-            fail(f"unknown --unpack value {', '.join(sorted(unknown))} (known: sparse, int8, ort-cpu)")
-        if "ort-cpu" in unpack and keep_packed:
+        if Unpack.ORT_CPU in unpack and keep_packed:
             fail("--unpack ort-cpu and --keep-packed exclude each other")
         if shared_blob is not None:
             if blob is not None:

@@ -182,7 +182,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     other = options.unpack - {ORT_CPU}
     if other:
         report.notes.append(f"--unpack {','.join(sorted(other))} is not implemented for ONNX; "
-                            "DequantizeLinear and sparse tensors were kept as they are")
+                            "sparse tensors were kept as they are")
     skeleton, refs = scan_model(src)
     model = load_skeleton(skeleton, src)
     del skeleton

@@ -254,11 +254,9 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple["schema.ModelT", 
         graph = flatbuf.read_graph(reader, mapping)
     validate(graph, len(refs), path)
     report = ConversionReport(model=path, format="tflite")
-    unknown = set(options.unpack) - {"sparse", "int8"}
+    unknown = set(options.unpack) - {"sparse"}
     if unknown:
         raise UsageError(f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse')", src)
-    if "int8" in options.unpack:
-        report.notes.append("--unpack int8 is not implemented for TFLite: int8 DEQUANTIZE ops were kept")
     sources: list = [ref.source(path) if ref.nbytes else None for ref in refs]
     read_external_buffers(graph, src, sources)
     detached: set[int] = set()
