@@ -10,7 +10,7 @@ from . import api
 from .errors import Unsupported, UsageError
 from .formats import BenchRuntime, detect
 
-def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathLike | None = None,
+def bench(model: str | os.PathLike[str], sessions: list[int], workdir: str | os.PathLike[str] | None = None,
           progress=lambda msg: None) -> dict:
     """Convert ``model`` into ``workdir`` (a temporary directory by default) and measure both.
 
@@ -61,7 +61,7 @@ def _prepacked_rows(model: Path, out: Path, sessions: list[int], runtime: BenchR
     return [{"variant": "converted --prepack", "mode": mode, **row} for row in rows]
 
 
-def plot(result: dict, path: str | os.PathLike) -> None:
+def plot(result: dict, path: str | os.PathLike[str]) -> None:
     try:
         import matplotlib
 

@@ -104,7 +104,7 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
     return out
 
 
-def find_models(inputs: list[str | os.PathLike]) -> list[Path]:
+def find_models(inputs: list[str | os.PathLike[str]]) -> list[Path]:
     """Files as given; directories searched recursively (sorted), an ``.mlpackage`` being a model, not a folder;
     unexpanded globs expanded."""
     import glob
@@ -129,7 +129,7 @@ def find_models(inputs: list[str | os.PathLike]) -> list[Path]:
     return found
 
 
-def check(paths: list[str | os.PathLike], inline_threshold: int = INLINE_THRESHOLD) -> tuple[list[ModelInventory],
+def check(paths: list[str | os.PathLike[str]], inline_threshold: int = INLINE_THRESHOLD) -> tuple[list[ModelInventory],
                                                                                                list[Finding]]:
     inventories, findings = [], []
     for path in paths:

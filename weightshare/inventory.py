@@ -106,7 +106,7 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
             first[key] = p.name
 
 
-def inventory(path: str | os.PathLike, hash_payloads: bool = True) -> ModelInventory:
+def inventory(path: str | os.PathLike[str], hash_payloads: bool = True) -> ModelInventory:
     """Inventory of the model at ``path`` (format detected from the file)."""
     from .formats import detect
 

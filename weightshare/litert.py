@@ -30,7 +30,7 @@ log = logging.getLogger("weightshare.litert")
 _RETRIES = 3  # the model replaced between hashing and loading (a re-conversion committing): hash again
 
 
-def find_cache(model: str | os.PathLike) -> tuple[Path | None, str]:
+def find_cache(model: str | os.PathLike[str]) -> tuple[Path | None, str]:
     """The cache that matches ``model``'s current content, or None and why none is used."""
     model = Path(model)
     if not xnnpack_cache.candidate_caches(model):  # nothing to match: spare the hash of the model
@@ -73,7 +73,7 @@ def _file_state(path: Path):
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def compiled_model(path: str | os.PathLike, **kwargs):
+def compiled_model(path: str | os.PathLike[str], **kwargs):
     """``CompiledModel.from_file(path, **kwargs)`` with the model's own XNNPACK weight cache when there is one.
 
     The returned CompiledModel carries ``weightshare_cache``: the cache file used, or None.
@@ -129,7 +129,7 @@ def run_signatures(cm, seed: int) -> dict[str, dict[str, "np.ndarray"]]:
     return results
 
 
-def compiled_pairs(original: str | os.PathLike, converted: str | os.PathLike, runs: int, seed: int):
+def compiled_pairs(original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int, seed: int):
     """For ``verify``: the converted model through CompiledModel with its matching cache, the original without.
 
     Returns (cache used or None, [(run, "signature:output", original array, converted array)]); no pairs

@@ -34,7 +34,7 @@ class ConvertOptions:
         prepack: also write the runtime's pre-packed weights beside the model (TFLite: an XNNPACK weight cache
             bound to the model's content, see ``weightshare.litert``).
         progress: called with a byte count as payload bytes are written (for progress bars).
-        prepack: ONNX: also store ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc-reordered Conv
+        prepack (ONNX): also store ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc-reordered Conv
             weights in the blob, so default-option sessions share them (TFLite: the XNNPACK weight cache).
         progress_total: called once with the payload bytes a converter is about to write.
     """
@@ -48,5 +48,4 @@ class ConvertOptions:
     external: bool = False
     prepack: bool = False
     progress: Callable[[int], None] | None = None
-    prepack: bool = False
     progress_total: Callable[[int], None] | None = None

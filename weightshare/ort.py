@@ -71,7 +71,7 @@ def _blob_paths(model_path: Path) -> list[Path]:
     return [model_path.parent / loc for loc in sorted(locations)]
 
 
-def prepack_info(model_path: str | os.PathLike) -> tuple[dict, Path] | None:
+def prepack_info(model_path: str | os.PathLike[str]) -> tuple[dict, Path] | None:
     """The ``--prepack`` record of the model's blob and the blob's path, or None for any other model."""
     for blob in _blob_paths(Path(model_path)):
         try:
@@ -131,7 +131,7 @@ def _say_once(path: Path, message: str) -> None:
         log.warning("%s", message)
 
 
-def session(path: str | os.PathLike, sess_options=None, providers=None, **kwargs):
+def session(path: str | os.PathLike[str], sess_options=None, providers=None, **kwargs):
     """An ``onnxruntime.InferenceSession`` of ``path`` that shares its weights with every other one.
 
     For a ``--prepack`` model: the prepacked graph when this machine matches and its packed payloads

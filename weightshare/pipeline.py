@@ -46,7 +46,7 @@ class PreparedModel:
     payloads: list[BlobPayload]
     emit: Callable[[str, OutputTransaction], list[Path]]  # (blob location relative to the model) -> files written
     name_prefix: str = ""
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
 
 
 def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOptions, tx: OutputTransaction,

@@ -121,7 +121,7 @@ def _check_other_records(report: VerifyReport, converted: Path, inv: Any) -> Non
                                                   "differs from the one recorded in the blob")
 
 
-def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int = 3,
+def verify(original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int = 3,
            dims: dict[str, int] | None = None, seed: int = 0, inputs: dict[str, Any] | None = None,
            shapes: dict[str, list[int]] | None = None) -> VerifyReport:
     """Run ``original`` and ``converted`` on the same inputs and compare; re-hash the blob.
@@ -148,7 +148,7 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int 
     return report
 
 
-def load_input(name: str, file: str | os.PathLike) -> Any:
+def load_input(name: str, file: str | os.PathLike[str]) -> Any:
     """A value for ``--input NAME=FILE``: a .npy array, or a serialized ONNX TensorProto (.pb)."""
     import numpy as np
 

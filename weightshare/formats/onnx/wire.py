@@ -35,7 +35,7 @@ class Field:
 class WireFile:
     """A protobuf-encoded file read through a small moving window."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         self.fd = os.open(self.path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size

@@ -149,7 +149,7 @@ def _hash_into(h, path: Path) -> None:
 _memo: dict[tuple, str] = {}
 
 
-def content_digest(model: str | os.PathLike) -> str:
+def content_digest(model: str | os.PathLike[str]) -> str:
     """SHA-256 (hex) of the model file, its group files, the LiteRT version and the CPU fingerprint.
 
     Hashes stream in 4 MiB chunks. Within one process the result is remembered per (inode, size, mtime,
@@ -176,13 +176,13 @@ def cache_name(model_name: str, digest: str) -> str:
     return f"{model_name}.litert-{litert_version()}.{digest[:DIGEST_HEX]}{CACHE_SUFFIX}"
 
 
-def expected_cache(model: str | os.PathLike) -> Path:
+def expected_cache(model: str | os.PathLike[str]) -> Path:
     """Where the cache that matches ``model``'s current content would be (it may not exist)."""
     model = Path(model)
     return model.parent / cache_name(model.name, content_digest(model))
 
 
-def candidate_caches(model: str | os.PathLike) -> list[Path]:
+def candidate_caches(model: str | os.PathLike[str]) -> list[Path]:
     """Every file beside ``model`` named like one of its caches, matching or not."""
     model = Path(model)
     return sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(str(model.parent)),
@@ -196,7 +196,7 @@ class CacheStatus:
     reason: str
 
 
-def cache_status(model: str | os.PathLike) -> list[CacheStatus]:
+def cache_status(model: str | os.PathLike[str]) -> list[CacheStatus]:
     """Each cache file beside ``model``: does it match the model's content, and if not, why not."""
     model = Path(model)
     found = candidate_caches(model)
@@ -367,7 +367,7 @@ def _weight_use(graph, sizes: list[int]) -> tuple[int, int, int]:
     return dequantized, packed, packed_from_file
 
 
-def interpreter_costs(model: str | os.PathLike) -> list[SettingCost]:
+def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
     """Weight memory per LiteRT setting for ``model``: no delegate, default XNNPACK, CompiledModel + cache.
 
     An estimate from the graph (XNNPACK packs FULLY_CONNECTED/CONV/DEPTHWISE/TRANSPOSE_CONV/BATCH_MATMUL
@@ -403,7 +403,7 @@ def interpreter_costs(model: str | os.PathLike) -> list[SettingCost]:
 MISMATCH = "xnnpack-cache-mismatch"
 
 
-def inventory_notes(model: str | os.PathLike) -> list[str]:
+def inventory_notes(model: str | os.PathLike[str]) -> list[str]:
     """Lines for ``inspect``: weight memory per LiteRT setting, and every cache beside the model.
 
     A cache that does not match starts with ``xnnpack-cache-mismatch:`` so that ``check`` can flag it.
