@@ -13,6 +13,8 @@ import os
 import resource
 import stat
 import time
+from collections.abc import Sequence
+from typing import TypeVar
 from pathlib import Path
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
@@ -75,7 +77,10 @@ def check_input(src: Path) -> None:
     raise UsageError("is not a regular file (a FIFO, socket or device); refusing to read it", src)
 
 
-def _finish(report, start: float):
+_Timed = TypeVar("_Timed", ConversionReport, ZooReport)
+
+
+def _finish(report: _Timed, start: float) -> _Timed:
     report.wall_time_s = round(time.perf_counter() - start, 3)
     report.peak_rss_mib = round(peak_rss_mib(), 1)
     return report
@@ -87,7 +92,7 @@ def convert(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], opti
     return convert_many([model], out_dir, options)[0]
 
 
-def convert_many(models: list[str | os.PathLike[str]], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
+def convert_many(models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
                  ) -> list[ConversionReport]:
     """Convert several models into ``out_dir`` in one transaction: every output is committed, or none.
 
@@ -144,7 +149,7 @@ def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:
     check_no_overlap(sources, outputs)
 
 
-def expand_inputs(inputs: list[str | os.PathLike[str]]) -> list[Path]:
+def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """Files as given; directories by their models (sorted); unexpanded globs expanded."""
     import glob
 
@@ -183,7 +188,7 @@ class _DropRemovedModels(CommitHook):
                     pass
 
 
-def convert_zoo(models: list[str | os.PathLike[str]], out_dir: str | os.PathLike[str], shared_blob: str,
+def convert_zoo(models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], shared_blob: str,
                 options: ConvertOptions | None = None) -> ZooReport:
     """Convert many models into ``out_dir`` so that all of them reference one blob, ``shared_blob``.
 
@@ -235,7 +240,7 @@ def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions) -> Prepa
     return detect(src).prepare(src, out_dir, options)
 
 
-def merge(sources: list[str | os.PathLike[str]], out: str | os.PathLike[str], function_names: list[str] | None = None,
+def merge(sources: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], function_names: list[str] | None = None,
           default_function: str | None = None, options: ConvertOptions | None = None) -> ConversionReport:
     """Merge Core ML packages into one multifunction .mlpackage, streaming the weights."""
     from .formats.coreml import merge as coreml_merge

@@ -71,7 +71,7 @@ class Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
-Progress = Callable[[int], None]  # called with a byte count as payload bytes are written
+Progress = Callable[[int], object]  # called with a byte count as payload bytes are written
 
 
 def new_hasher(kind: str | None = None) -> Hasher:

@@ -11,17 +11,19 @@ import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from collections.abc import Callable, Iterator
+from types import FrameType
+from typing import Any, List, Literal, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from . import api
-from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy
+from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .errors import WeightshareError
 from .options import INLINE_THRESHOLD, ConvertOptions, Unpack
-from .report import ConversionReport
+from .report import ConversionReport, JsonDict, ZooReport
 
 # markdown: docstring paragraphs are reflowed to the terminal width (rich mode kept their hard line breaks, which
 # then wrapped again into ragged one-word lines)
@@ -31,7 +33,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                        "shared by every session, interpreter, function and process.")
 # Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
 # Colour (and any other escape code) only on a terminal; none at all with NO_COLOR (https://no-color.org).
-_STYLES = None if os.environ.get("NO_COLOR") else "auto"
+_STYLES: Literal["auto"] | None = None if os.environ.get("NO_COLOR") else "auto"
 out = Console(width=None if sys.stdout.isatty() else 4096, highlight=False, color_system=_STYLES)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 4096, highlight=False, color_system=_STYLES)
 
@@ -79,7 +81,7 @@ def _global(
     VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     err.print(f"weightshare: error: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -88,12 +90,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (timeout, docker stop, kill): unwound like Ctrl-C so that temporaries are removed."""
 
 
-def _terminate(signum, frame) -> None:
+def _terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
 @contextmanager
-def user_errors():
+def user_errors() -> Iterator[None]:
     """Turn input problems into one line and exit code 2; never a traceback."""
     try:
         yield
@@ -110,7 +112,7 @@ def user_errors():
 
 
 @contextmanager
-def progress_bar(enabled: bool, desc: str):
+def progress_bar(enabled: bool, desc: str) -> Iterator[tuple[Progress | None, Callable[[int], None] | None]]:
     """A byte progress bar on stderr when it is a terminal; nothing in pipes and CI."""
     if not enabled or not sys.stderr.isatty():
         yield None, None
@@ -153,7 +155,7 @@ def render_report(r: ConversionReport) -> None:
     out.print(t)
 
 
-def render_zoo(z) -> None:
+def render_zoo(z: ZooReport) -> None:
     t = Table(title=f"{len(z.models)} models -> {z.blob}", title_justify="left")
     for col in ("model", "payloads", "bytes in", "after unpacking", "new unique bytes", "deduplicated"):
         t.add_column(col, justify="left" if col == "model" else "right")
@@ -213,7 +215,7 @@ def convert(
     reports = []
     quiet_ = quiet(quiet_)
 
-    def options(update=None, total=None) -> ConvertOptions:
+    def options(update: Progress | None = None, total: Callable[[int], None] | None = None) -> ConvertOptions:
         return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
                               inline_threshold=inline_threshold, keep_packed=keep_packed,
                               unpack=frozenset(u.value for u in unpack),
@@ -262,7 +264,7 @@ def convert(
              f"{t['wall_time_s']:.2f} s, peak RSS {t['peak_rss_mib']:.0f} MiB")
 
 
-def _totals(reports: list[ConversionReport]) -> dict:
+def _totals(reports: list[ConversionReport]) -> JsonDict:
     return {"models": len(reports), "tensors_moved": sum(r.tensors_moved for r in reports),
             "bytes_in": sum(r.bytes_in for r in reports), "bytes_written": sum(r.bytes_written for r in reports),
             "blob_bytes": sum(r.blob_bytes for r in reports),
@@ -407,10 +409,12 @@ def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _verify_args(dim: list[str], shape: list[str], inputs: list[str]) -> tuple[dict, dict, dict]:
+def _verify_args(dim: list[str], shape: list[str], inputs: list[str]
+                 ) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
     from .verify import load_input
 
-    dims, shapes = {}, {}
+    dims: dict[str, int] = {}
+    shapes: dict[str, list[int]] = {}
     for name, value in _pairs(dim, "--dim", "VALUE"):
         if not value.isdigit() or int(value) < 1:
             fail(f"--dim takes NAME=VALUE with a positive integer, got {name}={value!r}")
@@ -518,7 +522,7 @@ def bench(
     t = Table(title=f"{result['model']}: PSS (MiB) after N sessions in one process", title_justify="left")
     for col in ["variant", "setting", *[f"{n}" for n in counts], f"{counts[-1]}/1", "private", "shared"]:
         t.add_column(col, justify="left" if col in ("variant", "setting") else "right")
-    groups: dict = {}
+    groups: dict[tuple[str, str], list[JsonDict]] = {}
     for r in result["rows"]:
         groups.setdefault((r["variant"], r["mode"]), []).append(r)
     for (variant, mode), rows in groups.items():

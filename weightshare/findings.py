@@ -122,7 +122,7 @@ class Finding:
     def line(self) -> str:
         return f"{self.file}: {self.severity.value}: {self.code.value}: {self.message} (fix: {self.fix})"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str]:
         return {"code": self.code.value, "severity": self.severity.value, "file": self.file, "model": self.file,
                 "tensor": self.tensor, "message": self.message, "fix": self.fix}
 

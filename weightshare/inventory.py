@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .report import JsonDict
 from .tensors import CHUNK_SIZE, PayloadSource
 
 
@@ -70,7 +71,7 @@ class ModelInventory:
     def duplicate_bytes(self) -> int:
         return sum(p.nbytes for p in self.payloads if p.duplicate_of)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> JsonDict:
         d = asdict(self)
         d.update(copied_per_session=self.copied_per_session, embedded_bytes=self.embedded_bytes,
                  external_bytes=self.external_bytes, duplicate_bytes=self.duplicate_bytes,

@@ -47,5 +47,5 @@ class ConvertOptions:
     blob_grace_s: float = BLOB_GRACE_S
     external: bool = False
     prepack: bool = False
-    progress: Callable[[int], None] | None = None
+    progress: Callable[[int], object] | None = None
     progress_total: Callable[[int], None] | None = None

@@ -18,6 +18,7 @@ from .compare import differences
 from .errors import InvalidModel, UsageError, WeightshareError
 from .formats import detect_format, get
 from .inventory import inventory
+from .report import JsonDict
 
 
 class OriginalFails(WeightshareError):
@@ -43,7 +44,7 @@ class VerifyReport:
     def passed(self) -> bool:
         return not self.mismatches and not self.checksum_mismatches
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> JsonDict:
         return {**asdict(self), "passed": self.passed}
 
 
