@@ -17,10 +17,10 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from typing import Any, Callable, TypedDict
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from .blob import BlobEntry, PlannedTensor, SafetensorsBlob
+from .blob import BlobEntry, PlannedTensor, Progress, SafetensorsBlob
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
 from .paths import resolve_inside
@@ -40,13 +40,20 @@ class BlobPayload:
     placed: Callable[[BlobEntry], None]  # records the blob range in the model
 
 
+class PreparedExtra(TypedDict, total=False):
+    """What a format passes along with a prepared model."""
+
+    blob_metadata: dict[str, str]  # written into the blob's safetensors ``__metadata__``
+    plans: list[Any]  # the format's own plan, read back by that format only (TFLite: its BufferPlans)
+
+
 @dataclass
 class PreparedModel:
     report: ConversionReport
     payloads: list[BlobPayload]
     emit: Callable[[str, OutputTransaction], list[Path]]  # (blob location relative to the model) -> files written
     name_prefix: str = ""
-    extra: dict[str, object] = field(default_factory=dict)
+    extra: PreparedExtra = field(default_factory=lambda: PreparedExtra())
 
 
 def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOptions, tx: OutputTransaction,
@@ -98,7 +105,7 @@ def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOpt
         os.close(fd)
 
 
-def _signal_hook(progress: Callable[[int], None] | None) -> Callable[[int], None] | None:
+def _signal_hook(progress: Progress | None) -> Progress | None:
     """Test hook: ``WEIGHTSHARE_TEST_SIGNAL=NAME:BYTES`` sends signal NAME to this process once BYTES are written.
 
     The interrupt and kill tests need to land mid-write deterministically; timing a signal from outside

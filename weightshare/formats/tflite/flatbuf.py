@@ -67,16 +67,20 @@ class Reader:
         return data
 
     def u16(self, pos: int, what: str) -> int:
-        return _U16.unpack(self.read(pos, 2, what))[0]
+        value: int = _U16.unpack(self.read(pos, 2, what))[0]
+        return value
 
     def u32(self, pos: int, what: str) -> int:
-        return _U32.unpack(self.read(pos, 4, what))[0]
+        value: int = _U32.unpack(self.read(pos, 4, what))[0]
+        return value
 
     def i32(self, pos: int, what: str) -> int:
-        return _I32.unpack(self.read(pos, 4, what))[0]
+        value: int = _I32.unpack(self.read(pos, 4, what))[0]
+        return value
 
     def u64(self, pos: int, what: str) -> int:
-        return _U64.unpack(self.read(pos, 8, what))[0]
+        value: int = _U64.unpack(self.read(pos, 8, what))[0]
+        return value
 
     def indirect(self, pos: int, what: str) -> int:
         """Follow the uoffset stored at ``pos``."""
@@ -171,13 +175,13 @@ def read_buffer_refs(r: Reader) -> list[BufferRef]:
 class _WithoutBuffers:
     """Shows the schema's ``ModelT`` a Model whose buffers vector is absent, so no payload is copied."""
 
-    def __init__(self, model):
+    def __init__(self, model: schema.Model) -> None:
         self._model = model
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> object:
         return getattr(self._model, name)
 
-    def BuffersIsNone(self):
+    def BuffersIsNone(self) -> bool:
         return True
 
 

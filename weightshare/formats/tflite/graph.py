@@ -11,6 +11,7 @@ same tensor index, so nothing else needs rewiring.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -33,7 +34,8 @@ NUMPY_DTYPES = {"FLOAT32": "float32", "FLOAT16": "float16", "INT32": "int32", "U
 
 def builtin_code(opcode: "schema.OperatorCodeT") -> int:
     # Schema rule (GetBuiltinCode): codes >= 127 live only in builtin_code, older files only in the deprecated int8.
-    return max(opcode.builtinCode, opcode.deprecatedBuiltinCode)
+    code: int = max(opcode.builtinCode, opcode.deprecatedBuiltinCode)
+    return code
 
 
 def tensor_name(t: "schema.TensorT") -> str:
@@ -51,7 +53,7 @@ def element_count(t: "schema.TensorT") -> int | None:
     return n
 
 
-def _indices(values) -> list[int]:
+def _indices(values: Iterable[int] | None) -> list[int]:
     return [] if values is None else [int(v) for v in values]
 
 
