@@ -7,6 +7,7 @@ import shutil
 
 from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, scratch_dir
 from tflite_fixtures import sample_model, sparse_model
+
 from weightshare.options import ConvertOptions
 
 

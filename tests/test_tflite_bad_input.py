@@ -20,8 +20,8 @@ import pytest
 from ai_edge_litert import schema_py_generated as s
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from tflite_fixtures import OP, ModelBuilder, sample_model, sparse_model
+
 from weightshare.api import convert
 from weightshare.errors import InvalidModel, UnsafePath, UsageError, WeightshareError
 from weightshare.options import ConvertOptions

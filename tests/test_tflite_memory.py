@@ -12,7 +12,6 @@ import sys
 
 import numpy as np
 from ai_edge_litert import schema_py_generated as s
-
 from tflite_fixtures import OP, ModelBuilder
 
 _PROBE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "

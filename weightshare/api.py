@@ -14,8 +14,8 @@ import resource
 import stat
 import time
 from collections.abc import Sequence
-from typing import TypeVar
 from pathlib import Path
+from typing import TypeVar
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from .errors import OutputError, UsageError
@@ -92,8 +92,8 @@ def convert(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], opti
     return convert_many([model], out_dir, options)[0]
 
 
-def convert_many(models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
-                 ) -> list[ConversionReport]:
+def convert_many(models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
+                 options: ConvertOptions | None = None) -> list[ConversionReport]:
     """Convert several models into ``out_dir`` in one transaction: every output is committed, or none.
 
     Refused before anything is written: two inputs whose outputs would have the same path,
@@ -240,8 +240,9 @@ def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions) -> Prepa
     return detect(src).prepare(src, out_dir, options)
 
 
-def merge(sources: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], function_names: list[str] | None = None,
-          default_function: str | None = None, options: ConvertOptions | None = None) -> ConversionReport:
+def merge(sources: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str],
+          function_names: list[str] | None = None, default_function: str | None = None,
+          options: ConvertOptions | None = None) -> ConversionReport:
     """Merge Core ML packages into one multifunction .mlpackage, streaming the weights."""
     from .formats.coreml import merge as coreml_merge
 

@@ -21,11 +21,11 @@ import fcntl
 import os
 import secrets
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Callable, Iterable, Iterator
 
 from .errors import OutputError
 
@@ -311,7 +311,7 @@ class OutputTransaction:
         self._made_dirs.clear()
         self._done = True
 
-    def __enter__(self) -> "OutputTransaction":
+    def __enter__(self) -> OutputTransaction:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

@@ -12,6 +12,7 @@ from .errors import Unsupported, UsageError
 from .formats import BenchRuntime, detect
 from .report import JsonDict
 
+
 def bench(model: str | os.PathLike[str], sessions: list[int], workdir: str | os.PathLike[str] | None = None,
           progress: Callable[[str], object] = lambda msg: None) -> JsonDict:
     """Convert ``model`` into ``workdir`` (a temporary directory by default) and measure both.

@@ -21,9 +21,10 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Protocol
+from typing import Any, Protocol
 
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
 from .tensors import CHUNK_SIZE, FileRange, InputFile, PayloadSource, stable_chunks

@@ -130,8 +130,8 @@ def find_models(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return found
 
 
-def check(paths: Sequence[str | os.PathLike[str]], inline_threshold: int = INLINE_THRESHOLD) -> tuple[list[ModelInventory],
-                                                                                               list[Finding]]:
+def check(paths: Sequence[str | os.PathLike[str]], inline_threshold: int = INLINE_THRESHOLD
+          ) -> tuple[list[ModelInventory], list[Finding]]:
     inventories, findings = [], []
     for path in paths:
         inv = inventory(path, hash_payloads=True)

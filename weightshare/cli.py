@@ -9,11 +9,11 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from collections.abc import Callable, Iterator
 from types import FrameType
-from typing import Any, List, Literal, NoReturn, Optional
+from typing import Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
@@ -171,16 +171,16 @@ def render_zoo(z: ZooReport) -> None:
 
 @app.command()
 def convert(
-    models: List[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
+    models: list[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (created if missing)."),
-    blob: Optional[str] = typer.Option(None, "--blob", help="Blob name inside OUTDIR: the blob is written as "
+    blob: str | None = typer.Option(None, "--blob", help="Blob name inside OUTDIR: the blob is written as "
                                        "NAME.<digest12>.safetensors, digest of its content (default NAME: "
                                        "MODEL.weights)."),
     blob_grace: float = typer.Option(600.0, "--blob-grace", help="Seconds an earlier blob that no model in "
                                      "OUTDIR references any more is kept, for readers that opened the old model."),
     keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
                                      "typed protobuf fields as they are."),
-    unpack: List[Unpack] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
+    unpack: list[Unpack] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
                                    "constant sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 "
                                    "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
                                    "CPU-specific, a GPU provider would run fp16)."),
@@ -199,7 +199,7 @@ def convert(
                                         "--align applies; smaller payloads are 64-byte aligned."),
     inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold", help="Payloads smaller than this "
                                          "stay inside the model file."),
-    shared_blob: Optional[str] = typer.Option(None, "--shared-blob", help="Zoo mode: every model in OUTDIR "
+    shared_blob: str | None = typer.Option(None, "--shared-blob", help="Zoo mode: every model in OUTDIR "
                                               "references this one blob (NAME.<digest12>.safetensors); identical "
                                               "payloads are stored once. Models are swapped in one by one, each "
                                               "with its blob. TFLite models join with --external."),
@@ -274,11 +274,11 @@ def _totals(reports: list[ConversionReport]) -> JsonDict:
 
 @app.command()
 def merge(
-    sources: List[Path] = typer.Argument(..., help="Core ML .mlpackage files (multifunction sources contribute all "
+    sources: list[Path] = typer.Argument(..., help="Core ML .mlpackage files (multifunction sources contribute all "
                                          "their functions)."),
-    function_name: List[str] = typer.Option([], "--function-name", "--name", help="Function name for each source, "
+    function_name: list[str] = typer.Option([], "--function-name", "--name", help="Function name for each source, "
                                             "in order [default: the source's stem]."),
-    default_function: Optional[str] = typer.Option(None, "--default-function", help="Function run by default "
+    default_function: str | None = typer.Option(None, "--default-function", help="Function run by default "
                                                    "[default: the first]."),
     output: Path = typer.Option(..., "-o", "--output", help="Output .mlpackage."),
     align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
@@ -357,7 +357,7 @@ def inspect(
 
 @app.command()
 def check(
-    models: List[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
+    models: list[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),
     inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold",
                                          help="Embedded payloads below this size are fine."),
@@ -370,7 +370,8 @@ def check(
     Errors fail the gate; warnings (a copy that a runtime setting avoids, named in the
     fix) fail it only with --strict. docs/ci.md lists every finding code.
     """
-    from .check import check as run_check, find_models
+    from .check import check as run_check
+    from .check import find_models
     from .findings import Severity
 
     quiet(quiet_)
@@ -433,11 +434,11 @@ def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
     runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
-    dim: List[str] = typer.Option([], "--dim", help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
+    dim: list[str] = typer.Option([], "--dim", help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
                                   "sets every other dynamic dimension (TFLite dims have no names). Repeatable."),
-    shape: List[str] = typer.Option([], "--shape", help="TFLite: full shape of an input with dynamic dims, "
+    shape: list[str] = typer.Option([], "--shape", help="TFLite: full shape of an input with dynamic dims, "
                                     "NAME=1,16000. Repeatable."),
-    inputs: List[str] = typer.Option([], "--input", help="Use real values for an input in every run: "
+    inputs: list[str] = typer.Option([], "--input", help="Use real values for an input in every run: "
                                      "NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
@@ -481,7 +482,7 @@ def verify(
 def bench(
     model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of PSS vs sessions "
+    plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG chart of PSS vs sessions "
                                              "(needs matplotlib: pip install \"weightshare[plot]\")."),
     as_json: bool = typer.Option(False, "--json", help="Print the measurements as one JSON document."),
 ) -> None:
@@ -491,7 +492,8 @@ def bench(
     session.disable_prepacking, plus the `convert --prepack` result at default options;
     LiteRT without delegate and with the default XNNPACK one.
     """
-    from .bench import bench as run_bench, plot
+    from .bench import bench as run_bench
+    from .bench import plot
 
     with user_errors():
         try:

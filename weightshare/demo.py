@@ -13,7 +13,6 @@ from .options import ConvertOptions
 from .report import JsonDict
 from .samples import mlp_onnx
 
-
 DEMO_FILES = ("mlp_fp16.onnx", "converted", "prepacked")
 
 

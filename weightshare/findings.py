@@ -100,8 +100,8 @@ CODES: dict[Code, CodeInfo] = {
         Severity.ERROR, "The blob's mode keeps other users (and services running as them) from mapping it.",
         "chmod a+r BLOB"),
     Code.CHECKSUM_MISMATCH: CodeInfo(
-        Severity.ERROR, "A payload differs from the checksum (BLAKE3; SHA-256 in older blobs) recorded in the blob: the blob was modified or "
-        "corrupted.", "re-run weightshare convert from the original model; check the storage"),
+        Severity.ERROR, "A payload differs from the checksum (BLAKE3; SHA-256 in older blobs) recorded in the blob: "
+        "the blob was modified or corrupted.", "re-run weightshare convert from the original model; check the storage"),
 }
 
 
@@ -115,7 +115,7 @@ class Finding:
     fix: str
 
     @classmethod
-    def of(cls, code: Code, file: str, message: str, tensor: str = "") -> "Finding":
+    def of(cls, code: Code, file: str, message: str, tensor: str = "") -> Finding:
         info = CODES[code]
         return cls(code, info.severity, file, tensor, message, info.fix)
 

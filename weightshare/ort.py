@@ -55,9 +55,9 @@ def this_machine() -> JsonDict:
     """What packed data depends on, measured here the way conversion measured it (cached)."""
     global _machine
     if _machine is None:
-        import onnxruntime as ort
-
         import platform
+
+        import onnxruntime as ort
 
         from .formats.onnx.ort_child import cpu_features, nchwc_block_size
 

@@ -15,9 +15,10 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, Callable, TypedDict
+from typing import Any, TypedDict
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from .blob import BlobEntry, PlannedTensor, Progress, SafetensorsBlob
@@ -128,7 +129,7 @@ def _signal_hook(progress: Progress | None) -> Progress | None:
     return hook
 
 
-def write_models(models: list[PreparedModel], out_dir: Path, target: "BlobTarget", options: ConvertOptions,
+def write_models(models: list[PreparedModel], out_dir: Path, target: BlobTarget, options: ConvertOptions,
                  tx: OutputTransaction) -> None:
     """Write the blob (when any model has payloads) under its content-derived name, then every model file."""
     size, blob_path, location = 0, None, ""

@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import stat
 import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import numpy as np  # imported where used: `weightshare --help` and `check` need no numpy

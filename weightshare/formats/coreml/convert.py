@@ -18,8 +18,19 @@ from ...errors import InvalidModel, OutputError
 from ...options import ConvertOptions
 from ...report import ConversionReport
 from .milblob import RECORD_ALIGN, RECORD_SIZE, BlobRecord, WeightFile, WeightFileWriter
-from .package import (MANIFEST, MODEL_PATH_PREFIX, WEIGHT_FILE, WEIGHTS_NAME, Package, copy_tree, dump_manifest,
-                      read_package, resolve_blob_file, stable_id, write_file)
+from .package import (
+    MANIFEST,
+    MODEL_PATH_PREFIX,
+    WEIGHT_FILE,
+    WEIGHTS_NAME,
+    Package,
+    copy_tree,
+    dump_manifest,
+    read_package,
+    resolve_blob_file,
+    stable_id,
+    write_file,
+)
 
 BLOB_FILE_VALUE = "CoreML.Specification.MILSpec.Value.BlobFileValue"
 NEW_FILE_NAME = f"{MODEL_PATH_PREFIX}{WEIGHTS_NAME}/{WEIGHT_FILE}"

@@ -27,8 +27,19 @@ from ...options import ConvertOptions
 from ...report import ConversionReport
 from .convert import BlobRelocator, fill_report, open_weight_file
 from .milblob import WeightFileWriter
-from .package import (AUTHOR, MANIFEST, MODEL_NAME, WEIGHT_FILE, WEIGHTS_NAME, Package, dump_manifest,
-                      read_package, spec_protos, stable_id, write_file)
+from .package import (
+    AUTHOR,
+    MANIFEST,
+    MODEL_NAME,
+    WEIGHT_FILE,
+    WEIGHTS_NAME,
+    Package,
+    dump_manifest,
+    read_package,
+    spec_protos,
+    stable_id,
+    write_file,
+)
 
 SPEC_VERSION_IOS18 = 9  # multifunction models need Core ML 8 (iOS 18 / macOS 15)
 # Specification version -> MIL opset name (coremltools converters/mil/backend/mil/load.py ``_OPSET``).

@@ -24,14 +24,12 @@ from ...errors import InvalidModel
 from ...options import ConvertOptions
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, \
-    read_all
+from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ortcpu import ORT_CPU, unpack_for_cpu
 from .scan import TensorRef, scan_model
-
 
 # A real shape tensor has a handful of elements; a "shape" this large is hostile or a mistake, and keeping
 # it inline would mean holding it in memory, so it moves like any other payload.

@@ -15,7 +15,7 @@ subgraphs define), every fold of a scope decided first, then applied in one pass
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import onnx
 

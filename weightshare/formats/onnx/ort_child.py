@@ -42,7 +42,9 @@ def nchwc_block_size() -> int:
     import numpy as np
     import onnx
     import onnxruntime as ort
-    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
 
     graph = h.make_graph([h.make_node("Conv", ["x", "w"], ["y"])], "probe",
                          [h.make_tensor_value_info("x", T.FLOAT, [1, 8, 4, 4])],

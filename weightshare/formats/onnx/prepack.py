@@ -19,15 +19,15 @@ Steps:
 
 from __future__ import annotations
 
-import importlib.util
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import onnx
 
@@ -86,7 +86,7 @@ class PackedRef:
     buffers: list[list[str]]  # [offset, size, rest...] per packed buffer
 
     @classmethod
-    def parse(cls, value: str, path: Path) -> "PackedRef":
+    def parse(cls, value: str, path: Path) -> PackedRef:
         key, *parts = value.split("|")
         buffers = [p.split(";") for p in parts]
         if not parts or any(len(b) < 2 or not b[0].isdigit() or not b[1].isdigit() for b in buffers):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto as T, helper as h
+from onnx import TensorProto as T
+from onnx import helper as h
 
 
 def mixed_onnx(path: str | os.PathLike[str], conv_layers: int = 2, channels: int = 32, mm_layers: int = 2,

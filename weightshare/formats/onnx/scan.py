@@ -23,8 +23,16 @@ from ...paths import resolve_inside
 from ...recorded import CheckedSource, recorded_payloads
 from ...tensors import ConcatSource, FileRange, InputFile, PayloadSource, open_input
 from . import dtypes
-from .wire import LEN, VARINT, Field, PackedVarintSource, WireFile, decode_varints, encode_len_field, \
-    encode_varint_field
+from .wire import (
+    LEN,
+    VARINT,
+    Field,
+    PackedVarintSource,
+    WireFile,
+    decode_varints,
+    encode_len_field,
+    encode_varint_field,
+)
 
 REF_KEY = "weightshare.ref"
 MAX_DEPTH = 200  # message nesting; a subgraph costs 3 levels (Graph > Node > Attribute)

@@ -10,8 +10,8 @@ from it: ``WireFile`` only ever reads a small window through ``pread``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -45,7 +45,7 @@ class WireFile:
     def close(self) -> None:
         os.close(self.fd)
 
-    def __enter__(self) -> "WireFile":
+    def __enter__(self) -> WireFile:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -32,13 +32,21 @@ from ...blob import BlobEntry, BlobWriter, PlannedTensor
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
-from ...recorded import CheckedSource, recorded_payloads
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
+from ...recorded import CheckedSource, recorded_payloads
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32, InputFile, open_input, read_all
+from ...tensors import ElementwiseSource, FileRange, InputFile, PayloadSource, fp16_to_fp32, open_input, read_all
 from . import flatbuf
-from .graph import (NUMPY_DTYPES, TYPE_NAMES, Fp16Fold, apply_folds, plan_fp16_folds, referenced_buffers, tensor_name,
-                    validate)
+from .graph import (
+    NUMPY_DTYPES,
+    TYPE_NAMES,
+    Fp16Fold,
+    apply_folds,
+    plan_fp16_folds,
+    referenced_buffers,
+    tensor_name,
+    validate,
+)
 from .sparse import apply_densify, plan_densify
 
 INLINE_DATA_ALIGN = 16  # schema.fbs: Buffer.data has (force_align: 16); the Python builder ignores it
@@ -75,7 +83,7 @@ class _InlineBufferT(schema.BufferT):  # type: ignore[misc]  # the generated sch
         return end
 
 
-def _describe(graph: "schema.ModelT", nbuffers: int) -> list[tuple[str, str, tuple[int, ...]]]:
+def _describe(graph: schema.ModelT, nbuffers: int) -> list[tuple[str, str, tuple[int, ...]]]:
     """Name, dtype and shape of each buffer, from the first tensor that uses it."""
     info: list[tuple[str, str, tuple[int, ...]]] = [(f"buffer{i}", "uint8", ()) for i in range(nbuffers)]
     seen = set()
@@ -122,7 +130,7 @@ def plan_buffers(graph: schema.ModelT, sources: list[PayloadSource | None], fold
     return plans
 
 
-def read_external_buffers(graph: "schema.ModelT", src: Path, sources: list[PayloadSource | None]) -> None:
+def read_external_buffers(graph: schema.ModelT, src: Path, sources: list[PayloadSource | None]) -> None:
     """Turn the input's ExternalBuffer references into ordinary buffers (appended to ``sources``).
 
     A group name is a path from the model file (LiteRT joins it to the model's
@@ -170,7 +178,7 @@ def read_external_buffers(graph: "schema.ModelT", src: Path, sources: list[Paylo
     graph.externalBuffers = graph.externalBufferGroups = None
 
 
-def _build(graph: "schema.ModelT") -> bytes:
+def _build(graph: schema.ModelT) -> bytes:
     builder = flatbuffers.Builder(1 << 16)
     builder.Finish(graph.Pack(builder), file_identifier=flatbuf.FILE_IDENTIFIER)
     return bytes(builder.Output())
@@ -252,7 +260,7 @@ def _emit_external(graph: schema.ModelT, plans: list[BufferPlan], entries: dict[
         graph.externalBuffers = externals
 
 
-def scan_and_plan(src: Path, options: ConvertOptions) -> tuple["schema.ModelT", list[BufferPlan], ConversionReport]:
+def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, list[BufferPlan], ConversionReport]:
     """scan + fold + plan: the rewritten graph and where each buffer goes. Reads no payload (but sparse ones)."""
     path = str(src)
     with flatbuf.open_model(path) as (reader, mapping):

@@ -18,9 +18,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from ai_edge_litert import schema_py_generated as schema
 
@@ -86,7 +86,7 @@ class Reader:
         """Follow the uoffset stored at ``pos``."""
         return pos + self.u32(pos, what)
 
-    def table(self, pos: int, what: str) -> "Table":
+    def table(self, pos: int, what: str) -> Table:
         vtable = pos - self.i32(pos, what)
         vt_size = self.u16(vtable, f"vtable of {what}")
         obj_size = self.u16(vtable + 2, f"vtable of {what}")
@@ -195,7 +195,7 @@ def check_header(r: Reader) -> None:
         raise InvalidModel("not a TFLite flatbuffer (no TFL3 identifier)", r.path)
 
 
-def read_graph(r: Reader, mapping: mmap.mmap) -> "schema.ModelT":
+def read_graph(r: Reader, mapping: mmap.mmap) -> schema.ModelT:
     """The model without its buffers: the schema object API over the mapped file."""
     try:
         model = schema.Model.GetRootAs(mapping, 0)

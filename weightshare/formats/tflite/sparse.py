@@ -43,7 +43,7 @@ def _vector(v: schema.Int32VectorT | schema.Uint16VectorT | schema.Uint8VectorT 
     return np.asarray(v.values, dtype=np.int64)
 
 
-def densify(sparsity: "schema.SparsityParametersT", shape: list[int], values: np.ndarray, path: str) -> np.ndarray:
+def densify(sparsity: schema.SparsityParametersT, shape: list[int], values: np.ndarray, path: str) -> np.ndarray:
     """The dense tensor (C order) that ``values`` encode under ``sparsity``; every index is checked."""
     rank = len(shape)
     order = [int(v) for v in (sparsity.traversalOrder if sparsity.traversalOrder is not None else [])]
@@ -95,7 +95,7 @@ def densify(sparsity: "schema.SparsityParametersT", shape: list[int], values: np
     return dense
 
 
-def plan_densify(graph: "schema.ModelT", sources: list[PayloadSource | None], path: str
+def plan_densify(graph: schema.ModelT, sources: list[PayloadSource | None], path: str
                  ) -> list[tuple[DensifyFold, PayloadSource]]:
     """Every DENSIFY of a constant sparse tensor, with the dense payload it becomes."""
     codes = [builtin_code(c) for c in graph.operatorCodes or []]
@@ -130,7 +130,7 @@ def plan_densify(graph: "schema.ModelT", sources: list[PayloadSource | None], pa
     return folds
 
 
-def apply_densify(graph: "schema.ModelT", folds: list[DensifyFold], first_new_buffer: int) -> None:
+def apply_densify(graph: schema.ModelT, folds: list[DensifyFold], first_new_buffer: int) -> None:
     removed: dict[int, set[int]] = {}
     for k, fold in enumerate(folds):
         sg = graph.subgraphs[fold.subgraph]

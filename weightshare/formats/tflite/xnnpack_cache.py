@@ -41,8 +41,8 @@ from ...paths import resolve_inside
 CACHE_SUFFIX = ".xnnpack-cache"
 DIGEST_HEX = 32  # 128 bits of SHA-256 in the name: collisions are not a practical concern
 _HASH_CHUNK = 4 << 20
-_NAME = re.compile(r"^(?P<model>.+)\.litert-(?P<version>[^/]+?)\.(?P<digest>[0-9a-f]{%d})%s$"
-                   % (DIGEST_HEX, re.escape(CACHE_SUFFIX)))
+_NAME = re.compile(rf"^(?P<model>.+)\.litert-(?P<version>[^/]+?)\.(?P<digest>[0-9a-f]{{{DIGEST_HEX}}})"
+                   rf"{re.escape(CACHE_SUFFIX)}$")
 # CPU flags that change which XNNPACK packing kernels run (x86 and Arm spellings in /proc/cpuinfo).
 _ISA_FLAG = re.compile(r"^(sse|ssse|avx|fma|f16c|amx|gfni|vnni|asimd|fphp|sve|sme|dotprod|i8mm|bf16|fp16)")
 
@@ -349,8 +349,8 @@ def _weight_use(graph, sizes: list[int]) -> tuple[int, int, int]:
     for sg in graph.subgraphs:
         tensors = sg.tensors or []
 
-        def const_bytes(i: int) -> int:
-            t = tensors[i] if 0 <= i < len(tensors) else None
+        def const_bytes(i: int) -> int:  # called in this iteration only, so it sees this subgraph's tensors
+            t = tensors[i] if 0 <= i < len(tensors) else None  # noqa: B023
             return 0 if t is None else sizes[t.buffer] if t.buffer else ext.get(t.externalBuffer, 0)
 
         made = {}  # DEQUANTIZE output tensor -> its fp32 bytes, when its input is a constant
