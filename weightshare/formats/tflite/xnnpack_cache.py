@@ -33,10 +33,15 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ...atomic import TMP_PREFIX
+from ...atomic import TMP_PREFIX, OutputTransaction
+from ...blob import Hasher
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
 from ...paths import resolve_inside
+
+if TYPE_CHECKING:
+    from ai_edge_litert import schema_py_generated as schema
 
 CACHE_SUFFIX = ".xnnpack-cache"
 DIGEST_HEX = 32  # 128 bits of SHA-256 in the name: collisions are not a practical concern
@@ -132,12 +137,12 @@ def referenced_files(model: Path) -> list[Path]:
         os.close(fd)
 
 
-def _stat_key(path: Path) -> tuple:
+def _stat_key(path: Path) -> tuple[str, int, int, int, int, int]:
     st = os.stat(path)
     return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _hash_into(h, path: Path) -> None:
+def _hash_into(h: Hasher, path: Path) -> None:
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -146,7 +151,7 @@ def _hash_into(h, path: Path) -> None:
             h.update(view[:n])
 
 
-_memo: dict[tuple, str] = {}
+_memo: dict[tuple[tuple[str, int, int, int, int, int], ...], str] = {}
 
 
 def content_digest(model: str | os.PathLike[str]) -> str:
@@ -257,7 +262,14 @@ def _link(src: Path, dst: Path) -> None:
         os.symlink(os.path.abspath(src), dst)
 
 
-def prepack(final_model: Path, blob_name: str | None, tx) -> tuple[BuildResult, str]:
+def _staged(tx: OutputTransaction, final: Path) -> Path:
+    staged = tx.staged(final)
+    if staged is None:  # the converter stages the model and its blob before --prepack runs: a bug, not bad input
+        raise OutputError(f"{final.name} was not staged before its XNNPACK weight cache was built", final)
+    return staged
+
+
+def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction) -> tuple[BuildResult, str]:
     """Build the cache of the staged model (and blob) of ``tx``; stage it beside ``final_model``.
 
     The staged files have temporary names, but the model names its blob by its final name: both are
@@ -268,9 +280,9 @@ def prepack(final_model: Path, blob_name: str | None, tx) -> tuple[BuildResult, 
     stage = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix="-prepack", dir=out_dir))
     try:
         model = stage / final_model.name
-        _link(tx.staged(final_model), model)
+        _link(_staged(tx, final_model), model)
         if blob_name is not None:
-            _link(tx.staged(out_dir / blob_name), stage / blob_name)
+            _link(_staged(tx, out_dir / blob_name), stage / blob_name)
         final_cache = out_dir / cache_name(final_model.name, content_digest(model))
         result = build(model, tx.new_file(final_cache))
     except OSError as e:
@@ -281,7 +293,7 @@ def prepack(final_model: Path, blob_name: str | None, tx) -> tuple[BuildResult, 
     return result, str(final_cache)
 
 
-def drop_stale_after_commit(final_model: Path, tx) -> None:
+def drop_stale_after_commit(final_model: Path, tx: OutputTransaction) -> None:
     """Without --prepack: caches an earlier --prepack run left beside ``final_model`` that no longer match the
     new model are removed once it is in place (one that still matches, from identical output, stays)."""
     if candidate_caches(final_model):
@@ -335,7 +347,7 @@ class SettingCost:
         return self.shared_bytes + instances * self.per_instance_bytes
 
 
-def _weight_use(graph, sizes: list[int]) -> tuple[int, int, int]:
+def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
     """(bytes DEQUANTIZE materialises per interpreter, packed bytes XNNPACK makes, file bytes it packs from)."""
     from ai_edge_litert import schema_py_generated as schema
 
@@ -445,7 +457,7 @@ def _child(model: str, cache: str) -> int:
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.options import Options
 
-    def open_model():
+    def open_model() -> CompiledModel:
         return CompiledModel.from_file(model, options=Options(cpu_options=CpuOptions(
             num_threads=1, xnnpack_weight_cache_path=cache)))
 
