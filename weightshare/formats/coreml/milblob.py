@@ -26,10 +26,9 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...blob import AlignPolicy, BlobWriter, digest_of
+from ...blob import AlignPolicy, BlobWriter, Progress, digest_of
 from ...errors import InvalidModel, OutputError
 from ...tensors import FileRange, PayloadSource, open_input
 
@@ -150,7 +149,7 @@ class WeightFileWriter:
         w.finish()
     """
 
-    def __init__(self, fd: int, policy: AlignPolicy = AlignPolicy(), progress: Callable[[int], None] | None = None):
+    def __init__(self, fd: int, policy: AlignPolicy = AlignPolicy(), progress: Progress | None = None):
         self.blob = BlobWriter(fd, HEADER_SIZE, policy, dedupe=True)
         self.progress = progress
         self.count = 0
