@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import stat
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -208,7 +208,7 @@ class BytesSource:
 class ConcatSource:
     """Several sources, one after the other (protobuf fields split over occurrences)."""
 
-    parts: list[PayloadSource]
+    parts: Sequence[PayloadSource]
 
     @property
     def nbytes(self) -> int:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +61,8 @@ class TensorRef:
     dims: tuple[int, ...]
     field: int  # dtypes.RAW_DATA, a typed field number, or 0 when it was external data
     parts: list[FileRange]  # the payload bytes (packed field contents, raw bytes or the external range)
-    wire: list[tuple[int, int]] = field(default_factory=list)  # whole payload fields in the model file
+    # whole payload fields in the model file (``dataclasses.field``: the name ``field`` is taken above)
+    wire: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     path: str = ""
     recorded_sha256: str | None = None  # the digest weightshare recorded for these bytes, when it wrote them
 
@@ -78,12 +80,14 @@ class TensorRef:
 
     def native_source(self) -> PayloadSource:
         """The payload as raw little-endian bytes, the form external data and raw_data hold."""
-        inner = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
+        inner: PayloadSource = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
         if self.recorded_sha256 is not None:
             inner = CheckedSource(inner, self.recorded_sha256, self.name, self.parts[0].path)
         if not self.typed:
             return inner
-        kind, count, itemsize = dtypes.typed_layout(self.field, self.data_type, self.dims)
+        layout = dtypes.typed_layout(self.field, self.data_type, self.dims)
+        assert layout is not None, "the scan keeps only typed fields whose layout is valid"
+        kind, count, itemsize = layout
         if kind == "copy":
             return inner
         return PackedVarintSource(inner, count, itemsize, self.path, boolean=self.data_type == dtypes.BOOL)

@@ -48,7 +48,7 @@ class WireFile:
     def __enter__(self) -> WireFile:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def error(self, message: str) -> InvalidModel:
@@ -211,7 +211,7 @@ class PackedVarintSource:
             if len(values):
                 if self.boolean:
                     values = values != 0
-                yield memoryview(values.astype(out_type)).cast("B")
+                yield values.astype(out_type).data.cast("B")
         if len(carry) or produced != self.count:
             raise InvalidModel(
                 f"packed field has {produced} values{' and a truncated varint' if len(carry) else ''}; "
