@@ -11,9 +11,9 @@ onnx. Every cut tensor is marked in the skeleton with an ``external_data`` entry
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
