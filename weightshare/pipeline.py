@@ -171,7 +171,12 @@ def blob_target(src: Path | None, out_dir: Path, blob_name: str | None) -> BlobT
     ``<model stem>.weights``. The digest makes every blob name unique per content, so a blob is
     never rewritten in place and a reader that opened the old model still finds the old blob.
     """
-    name = blob_name if blob_name is not None else f"{src.stem}.weights"  # type: ignore[union-attr]
+    if blob_name is not None:
+        name = blob_name
+    elif src is not None:
+        name = f"{src.stem}.weights"
+    else:  # callers without a model (zoo mode) always pass the name
+        raise UsageError("a blob name is needed when there is no model to name the blob after", out_dir)
     where = src if src is not None else out_dir
     path = resolve_inside(out_dir, name, "blob", origin=where)
     rel = PurePosixPath(name.replace("\\", "/"))
