@@ -154,7 +154,8 @@ def case_unpack(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
 
 def case_external(work: Path, scale: float, sizes_gib: list[float]) -> list[tuple[str, dict, dict]]:
     results = []
-    have_onnx_ir = subprocess.run([sys.executable, "-c", "import onnx_ir"], capture_output=True, check=False).returncode == 0
+    have_onnx_ir = subprocess.run([sys.executable, "-c", "import onnx_ir"], capture_output=True,
+                                  check=False).returncode == 0
     for gib in sizes_gib:
         layers = max(1, round(gib * scale * 16))  # 4096x4096 fp32: 64 MiB a layer
         d = fresh(work / "external")

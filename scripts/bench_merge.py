@@ -29,9 +29,10 @@ HERE = Path(__file__).resolve()
 def build(path: Path, length: int, blocks: int, dim: int) -> None:
     """One fp16 model with fixed weights (seeded) and input length ``length``."""
     logging.getLogger("coremltools").setLevel(logging.ERROR)
-    import numpy as np
     import coremltools as ct
-    from coremltools.converters.mil.mil import Builder as mb, types
+    import numpy as np
+    from coremltools.converters.mil.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
 
     rng = np.random.default_rng(0)
     layers = []

@@ -49,7 +49,9 @@ def _fp16(model):
 
 def _mlp_fp32(d: int, layers: int, rng):
     import onnx
-    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
 
     nodes, inits, x = [], [], "x"
     for i in range(layers):
@@ -99,7 +101,9 @@ def make_mlp(path: Path, mib: int) -> Path:
 
 def make_cnn(path: Path) -> Path:
     import onnx
-    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
 
     c, layers, hw = 512, 4, 8
     rng = np.random.default_rng(0)

@@ -79,14 +79,14 @@ def main() -> int:
                         seed = rng.choice(corpus)
                         name = seed.name
                         kind, mutated = mutate_package(seed, rng)
-                        run = lambda: check_package(name, mutated, work, stats, kind)  # noqa: E731
+                        run = lambda: check_package(name, mutated, work, stats, kind)  # noqa: B023 (run just below)
                     else:
                         name, data, extra = rng.choice(corpus)
                         kind, mutated = mutate(data, rng)
                         if rng.random() < 0.3:  # stack a second mutation now and then
                             kind2, mutated = mutate(mutated, rng)
                             kind = f"{kind}+{kind2}"
-                        run = lambda: check_one(mutated, name, work, stats, kind, extra)  # noqa: E731
+                        run = lambda: check_one(mutated, name, work, stats, kind, extra)  # noqa: B023 (run just below)
                     try:
                         run()
                     except Exception as e:  # a broken invariant (AssertionError) or a traceback: what fuzzing seeks
@@ -108,7 +108,8 @@ def main() -> int:
 
 
 def structure(args) -> int:
-    from fuzz_structure import Finding, Runner, StructStats, one_input, seeds as struct_seeds
+    from fuzz_structure import Finding, Runner, StructStats, one_input
+    from fuzz_structure import seeds as struct_seeds
 
     formats = [f for f in (args.format or ["onnx", "tflite"]) if f != "coreml"]
     print(f"seed {args.seed} (structure)", flush=True)

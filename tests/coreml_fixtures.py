@@ -13,9 +13,9 @@ import numpy as np
 
 logging.getLogger("coremltools").setLevel(logging.ERROR)
 
-import coremltools as ct
-from coremltools.converters.mil.mil import Builder as mb
-from coremltools.converters.mil.mil import types
+import coremltools as ct  # noqa: E402  (after quieting its logger: it logs at import)
+from coremltools.converters.mil.mil import Builder as mb  # noqa: E402
+from coremltools.converters.mil.mil import types  # noqa: E402
 
 TARGETS = {"iOS15": ct.target.iOS15, "iOS16": ct.target.iOS16, "iOS17": ct.target.iOS17, "iOS18": ct.target.iOS18}
 

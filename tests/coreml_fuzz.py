@@ -41,7 +41,7 @@ class PackageSeed:
     files: dict[str, bytes]
 
     @classmethod
-    def read(cls, pkg: Path) -> "PackageSeed":
+    def read(cls, pkg: Path) -> PackageSeed:
         files = {p.relative_to(pkg).as_posix(): p.read_bytes() for p in sorted(pkg.rglob("*")) if p.is_file()}
         return cls(pkg.name, files)
 
@@ -111,7 +111,8 @@ def _lie_in_manifest(data: bytes, rng: random.Random) -> tuple[str, bytes]:
     ident = rng.choice(sorted(items))
     choice = rng.randrange(4)
     if choice == 0:
-        items[ident]["path"] = rng.choice(("", ".", "..", "../x", "/etc", "com.apple.CoreML", "com.apple.CoreML/weights",
+        items[ident]["path"] = rng.choice(("", ".", "..", "../x", "/etc", "com.apple.CoreML",
+                                           "com.apple.CoreML/weights",
                                            "com.apple.CoreML/weights/weight.bin", "x" * 300, "com.apple.CoreML/nope"))
     elif choice == 1:
         manifest["rootModelIdentifier"] = rng.choice(sorted(items) + ["", "nope"])

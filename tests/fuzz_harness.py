@@ -24,6 +24,7 @@ from weightshare import api
 from weightshare.errors import WeightshareError
 from weightshare.options import ConvertOptions
 
+
 def scratch_dir(fallback: Path) -> Path:
     """A RAM-backed directory when the machine has one: thousands of tiny conversions are I/O-bound."""
     import tempfile

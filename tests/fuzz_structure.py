@@ -249,7 +249,8 @@ def mutate_onnx(model, rng: random.Random, data_files: list[str]) -> str:
 
 def _fp16_mutation(model, rng, kind, tensors, scopes) -> str:
     """Exercise the fold: an fp32 initializer becomes fp16 + Cast (values or special bit patterns)."""
-    from onnx import TensorProto as TP, helper
+    from onnx import TensorProto as TP
+    from onnx import helper
 
     if kind == "fp16-bits":
         halves = [(s, t) for s, t in tensors if t.data_type == TP.FLOAT16 and t.raw_data]

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto as T, helper as h, numpy_helper as nh
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
 
 D = 64  # features
 N = 16  # batch
@@ -107,7 +109,8 @@ def kitchen_sink(directory: Path, seed: int = 0) -> Path:
     out("y_const"), out("y_const16")
     # If with subgraphs two levels deep, each with initializers (raw and fp16 + Cast)
     inner_then = h.make_graph([h.make_node("Add", ["x", "deep_w"], ["deep_out"])], "inner_then", [],
-                              [h.make_tensor_value_info("deep_out", T.FLOAT, [N, D])], [nh.from_array(f32(N, D), "deep_w")])
+                              [h.make_tensor_value_info("deep_out", T.FLOAT, [N, D])],
+                              [nh.from_array(f32(N, D), "deep_w")])
     inner_else = h.make_graph([_cast_f("deep16", "deep16_f"), h.make_node("Mul", ["x", "deep16_f"], ["deep_out2"])],
                               "inner_else", [], [h.make_tensor_value_info("deep_out2", T.FLOAT, [N, D])],
                               [nh.from_array(f32(N, D).astype(np.float16), "deep16")])
@@ -168,7 +171,8 @@ def sparse_model(directory: Path, seed: int = 0) -> Path:
     csp = h.make_sparse_tensor(nh.from_array(f32(300), "csp_values"), nh.from_array(
         np.sort(rng.choice(N * D, 300, replace=False)).astype(np.int64), "csp_indices"), [N, D])
     nodes = [h.make_node("Add", ["x", "sp"], ["y_sparse"]),
-             h.make_node("Constant", [], ["csp"], sparse_value=csp), h.make_node("Add", ["x", "csp"], ["y_const_sparse"])]
+             h.make_node("Constant", [], ["csp"], sparse_value=csp),
+             h.make_node("Add", ["x", "csp"], ["y_const_sparse"])]
     graph = h.make_graph(nodes, "sparse", [h.make_tensor_value_info("x", T.FLOAT, [N, D])],
                          [h.make_tensor_value_info("y_sparse", T.FLOAT, [N, D]),
                           h.make_tensor_value_info("y_const_sparse", T.FLOAT, [N, D])], sparse_initializer=[sp])

@@ -125,7 +125,8 @@ def _reference_bound(planned) -> int:
         tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape), "data_offsets": [big, big]}
         tensors[f"__pad__{big}{i}"] = {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}
     worst = {t.st_name: {"sha256": "0" * 64, "aliases": [t.st_name]} for t in planned}
-    tensors["__metadata__"] = {"format": "weightshare", "weightshare.payloads": json.dumps(worst, separators=(",", ":"))}
+    tensors["__metadata__"] = {"format": "weightshare",
+                               "weightshare.payloads": json.dumps(worst, separators=(",", ":"))}
     return len(json.dumps(tensors, separators=(",", ":")).encode()) + 64
 
 

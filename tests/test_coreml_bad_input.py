@@ -15,10 +15,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 import coreml_fixtures as F
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 import weightshare.api as api
 from weightshare.errors import InvalidModel, UnsafePath, Unsupported
 
@@ -86,7 +87,8 @@ CASES = {
     "bad sentinel": (lambda p: _patch(p, WEIGHTS, 64, b"\0\0\0\0"), InvalidModel, "bad sentinel"),
     "bad version": (lambda p: _patch(p, WEIGHTS, 4, struct.pack("<I", 1)), InvalidModel, "storage version 1"),
     "truncated header": (lambda p: os.truncate(p / WEIGHTS, 10), InvalidModel, "shorter"),
-    "offset past end": (lambda p: _edit_spec(p, _set_offset(1 << 40)), InvalidModel, "not a record offset in the weight file"),
+    "offset past end": (lambda p: _edit_spec(p, _set_offset(1 << 40)), InvalidModel,
+                        "not a record offset in the weight file"),
     "data past end": (lambda p: _patch(p, WEIGHTS, 64 + 8, struct.pack("<Q", 1 << 40)), InvalidModel,
                       "runs past the end"),
     "sub-byte padding": (lambda p: (_patch(p, WEIGHTS, 64 + 4, struct.pack("<I", 12)),

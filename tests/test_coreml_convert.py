@@ -13,9 +13,9 @@ import copy
 import os
 from pathlib import Path
 
+import coreml_fixtures as F
 import pytest
 
-import coreml_fixtures as F
 import weightshare.api as api
 from weightshare.blob import AlignPolicy
 from weightshare.formats.coreml.milblob import WeightFile

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import coreml_fixtures as F
 import pytest
 
-import coreml_fixtures as F
 import weightshare.api as api
 from weightshare.errors import UsageError
 from weightshare.formats.coreml.milblob import WeightFile

@@ -6,11 +6,12 @@ from __future__ import annotations
 import os
 import struct
 
+import coreml_fixtures as F
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import coreml_fixtures as F
 from weightshare.blob import AlignPolicy
 from weightshare.errors import InvalidModel
 from weightshare.formats.coreml.milblob import BlobRecord, WeightFile, WeightFileWriter, pack_record

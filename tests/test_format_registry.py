@@ -9,9 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import toyformat  # tests/toyformat, on sys.path through conftest.py
 from safetensors import safe_open
 
-import toyformat  # tests/toyformat, on sys.path through conftest.py
 import weightshare.api as api
 from weightshare import formats
 from weightshare.check import check

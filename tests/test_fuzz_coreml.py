@@ -12,12 +12,13 @@ import random
 import shutil
 from pathlib import Path
 
-import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 import coreml_fixtures as F
+import pytest
 from coreml_fuzz import MODEL, TARGETS, check_package, coreml_seeds, mutate_package, save_package
 from fuzz_harness import FuzzStats, scratch_dir
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from weightshare.api import convert
 from weightshare.errors import InvalidModel
 

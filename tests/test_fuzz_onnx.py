@@ -7,13 +7,14 @@ import shutil
 
 import onnx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
-from weightshare.errors import InvalidModel
-from weightshare.api import convert
-from weightshare.formats.onnx.wire import encode_len_field, encode_varint_field
 from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, runtime_loads, scratch_dir
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from onnx_fixtures import fuzz_seed_model
+
+from weightshare.api import convert
+from weightshare.errors import InvalidModel
+from weightshare.formats.onnx.wire import encode_len_field, encode_varint_field
 
 
 @pytest.fixture(scope="module")

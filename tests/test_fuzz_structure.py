@@ -8,7 +8,6 @@ import random
 
 import numpy as np
 import pytest
-
 from fuzz_structure import Finding, Runner, StructStats, one_input, seeds
 
 
@@ -38,7 +37,6 @@ def test_structure_mutations(tmp_path, runner, fmt, count):
 
 def test_unset_tensor_reads_are_not_compared(tmp_path):
     from ai_edge_litert import schema_py_generated as s
-
     from fuzz_structure import load_seed, tflite_concat_seed, tflite_reads_unset
 
     model = load_seed("tflite", tflite_concat_seed(tmp_path / "c.tflite"))

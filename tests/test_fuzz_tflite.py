@@ -6,9 +6,9 @@ import random
 import shutil
 
 import pytest
-
 from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, runtime_loads, scratch_dir
 from tflite_fixtures import sample_model, sparse_model
+
 from weightshare.options import ConvertOptions
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto as T, helper as h, numpy_helper as nh
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
+from onnx_fixtures import kitchen_sink
 
 from weightshare.formats.onnx.wire import encode_len_field, encode_varint_field
-from onnx_fixtures import kitchen_sink
 
 
 def assert_clean_failure(res, model: Path, out: Path, *words: str) -> None:

@@ -11,13 +11,13 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from onnx_fixtures import D, N, kitchen_sink, sparse_model
 from safetensors import safe_open
 
 import weightshare
 from weightshare.blob import read_safetensors_metadata
 from weightshare.formats.onnx.fold import shape_tensor_names
 from weightshare.formats.onnx.graph import iter_scopes
-from onnx_fixtures import D, N, kitchen_sink, sparse_model
 
 
 def run(path: Path, feeds: dict) -> list[np.ndarray]:

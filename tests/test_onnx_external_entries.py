@@ -9,7 +9,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto as TP, helper
+from onnx import TensorProto as TP
+from onnx import helper
 
 from weightshare.api import convert
 from weightshare.errors import InvalidModel

@@ -12,7 +12,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto as TP, helper, numpy_helper
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
 
 import weightshare
 from weightshare.formats.onnx import dtypes

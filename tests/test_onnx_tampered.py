@@ -1,4 +1,5 @@
-"""Re-converting a weightshare output checks the digests (BLAKE3, or SHA-256 in older blobs) its blob records: a modified payload is refused
+"""Re-converting a weightshare output checks the digests (BLAKE3, or SHA-256 in older blobs) its blob records:
+a modified payload is refused
 (exit 2, one line naming the tensor, nothing written) instead of being laundered into fresh digests."""
 
 from __future__ import annotations
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto as TP, helper, numpy_helper
+from onnx import TensorProto as TP
+from onnx import helper, numpy_helper
 
 import weightshare
 
@@ -50,7 +52,8 @@ def test_modified_payload_is_refused(tmp_path, cli):
     res = cli("convert", model, "-o", tmp_path / "v2")
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and "'b'" in lines[0] and str(blob.name) in lines[0] and "digest weightshare recorded" in lines[0], lines
+    assert len(lines) == 1 and "'b'" in lines[0] and str(blob.name) in lines[0], lines
+    assert "digest weightshare recorded" in lines[0], lines
     assert not (tmp_path / "v2").exists() or not any((tmp_path / "v2").iterdir())
 
 

@@ -14,12 +14,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto as T, helper as h, numpy_helper as nh
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
 from onnxconverter_common import float16
 
 import weightshare
-from weightshare.inventory import inventory
 from weightshare.formats.onnx.ortcpu import ort_cpu_cast_bytes
+from weightshare.inventory import inventory
 from weightshare.options import ConvertOptions
 from weightshare.runtimes.ort import measure_sessions
 

@@ -224,7 +224,9 @@ def test_default_option_sessions_share_packed_weights(tmp_path):
 
 def test_a_model_onnxruntime_cannot_load_fails_cleanly(tmp_path, cli):
     """exit 2, one line naming the file, nothing left in OUTDIR (no model, no blob, no staging directory)."""
-    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
 
     w = nh.from_array(np.ones((64, 64), np.float32), "w")
     graph = h.make_graph([h.make_node("NoSuchOp", ["x", "w"], ["y"], domain="example.nowhere")], "g",

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto as T, helper as h, numpy_helper as nh
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
 
 import weightshare
 from weightshare.api import convert_zoo

@@ -20,8 +20,8 @@ import pytest
 from ai_edge_litert import schema_py_generated as s
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from tflite_fixtures import OP, ModelBuilder, sample_model, sparse_model
+
 from weightshare.api import convert
 from weightshare.errors import InvalidModel, UnsafePath, UsageError, WeightshareError
 from weightshare.options import ConvertOptions
@@ -190,8 +190,10 @@ def test_unpack_values(tmp_path):
     src = _small_model().save(tmp_path / "m.tflite")
     with pytest.raises(UsageError, match="unknown --unpack"):
         convert(src, tmp_path / "a", ConvertOptions(unpack=frozenset({"bogus"})))
-    report = convert(src, tmp_path / "b", ConvertOptions(unpack=frozenset({"int8"})))
-    assert any("int8" in n for n in report.notes) and report.ops_removed == 1
+    with pytest.raises(UsageError, match="unknown --unpack value int8"):  # never implemented: no longer accepted
+        convert(src, tmp_path / "b", ConvertOptions(unpack=frozenset({"int8"})))
+    report = convert(src, tmp_path / "c", ConvertOptions(unpack=frozenset({"sparse"})))
+    assert report.ops_removed == 1
 
 
 def test_external_buffer_group_through_symlink_outside(tmp_path):

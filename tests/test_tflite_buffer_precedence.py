@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import flatbuffers
 import numpy as np
+from fuzz_structure import load_seed, run_model, tflite_concat_seed
 
 import weightshare
-from fuzz_structure import load_seed, run_model, tflite_concat_seed
 
 
 def _pack(m) -> bytes:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from ai_edge_litert import schema_py_generated as s
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
-
 from tflite_fixtures import OP, ModelBuilder, run_compiled_model, sample_inputs, sample_model
+
 from weightshare.api import convert
 from weightshare.blob import AlignPolicy
 from weightshare.options import ConvertOptions

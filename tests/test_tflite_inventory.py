@@ -8,10 +8,10 @@ After: the original reports the fp16 DEQUANTIZE copies; the converted models are
 from __future__ import annotations
 
 import pytest
+from tflite_fixtures import sample_model
 
 import weightshare.check as check_mod
 import weightshare.inventory as inventory_mod
-from tflite_fixtures import sample_model
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
 

@@ -10,11 +10,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 import numpy as np
+import pytest
 from ai_edge_litert import schema_py_generated as s
-
 from tflite_fixtures import OP, ModelBuilder
 
 _PROBE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from ai_edge_litert import schema_py_generated as s
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
+from tflite_fixtures import OP, ModelBuilder
 
 import weightshare
-from tflite_fixtures import OP, ModelBuilder
 
 SPECIAL = np.array([0x7C01, 0x7D55, 0xFC01, 0x7E00, 0x7E01, 0xFE00, 0x7C00, 0xFC00, 0x8000, 0x0000, 0x0001,
                     0x83FF, 0x03FF, 0x3C00], np.uint16)

@@ -19,8 +19,8 @@ import pytest
 from ai_edge_litert.compiled_model import CompiledModel
 from ai_edge_litert.cpu_options import CpuOptions
 from ai_edge_litert.options import Options
-
 from tflite_fixtures import run_compiled_model, sample_model
+
 from weightshare.api import convert
 from weightshare.formats.tflite import xnnpack_cache
 from weightshare.litert import compiled_model

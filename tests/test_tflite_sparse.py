@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from test_tflite_convert import RESOLVERS, builtin, model_of, run_interpreter
 from tflite_fixtures import OP, sparse_encode, sparse_model
+
 from weightshare.api import convert
 from weightshare.errors import InvalidModel
 from weightshare.formats.tflite.sparse import densify

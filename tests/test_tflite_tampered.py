@@ -1,11 +1,12 @@
-"""Re-converting a TFLite --external output checks the digests (BLAKE3, or SHA-256 in older blobs) its blob records: a modified payload is refused
+"""Re-converting a TFLite --external output checks the digests (BLAKE3, or SHA-256 in older blobs) its blob records:
+a modified payload is refused
 (exit 2, one line naming the tensor, nothing written)."""
 
 from __future__ import annotations
 
 from ai_edge_litert import schema_py_generated as s
-
 from tflite_fixtures import sample_model
+
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
 

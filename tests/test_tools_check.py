@@ -12,11 +12,11 @@ import json
 import shutil
 from pathlib import Path
 
+import coreml_fixtures as F
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-import coreml_fixtures as F
 from weightshare.findings import CODES, Code
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ci.md"

@@ -64,6 +64,14 @@ def test_every_option_has_help():
     assert missing == []
 
 
+def test_unpack_accepts_only_implemented_values(two, cli, tmp_path):
+    """`--unpack int8` was accepted and implemented nowhere: now a usage error naming what --unpack accepts."""
+    res = cli("convert", two[0], "-o", tmp_path / "out", "--unpack", "int8", env={"COLUMNS": "200"})
+    assert res.returncode == 2 and not (tmp_path / "out").exists()
+    named = [line for line in res.stderr.splitlines() if "'int8' is not one of 'sparse', 'ort-cpu'" in line]
+    assert len(named) == 1, res.stderr
+
+
 def test_help_paragraphs_wrap_cleanly(cli):
     """Docstring paragraphs are reflowed: no ragged lines holding one word of a sentence that goes on."""
     for command in ["", "convert", "merge", "inspect", "check", "verify", "bench", "demo"]:

@@ -13,9 +13,9 @@ import json
 import shutil
 from pathlib import Path
 
+import coreml_fixtures as F
 import pytest
 
-import coreml_fixtures as F
 from weightshare import api
 from weightshare.check import check
 from weightshare.formats.coreml.milblob import WeightFile

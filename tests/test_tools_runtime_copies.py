@@ -3,7 +3,8 @@
 Before: a Conv model (NCHWc-eligible weights) and a MatMul model, converted; a TFLite model with an inline
 fp32 FULLY_CONNECTED weight. Under test: ``inventory(...).copied_under(setting)`` against the PSS growth from 1
 to 3 sessions in a fresh child process, per runtime setting (ORT disable_prepacking / defaults, LiteRT no
-delegate / XNNPACK / CompiledModel with an XNNPACK weight cache). After: where inspect predicts a copy, each extra session grows by about that much;
+delegate / XNNPACK / CompiledModel with an XNNPACK weight cache). After: where inspect predicts a copy, each extra
+session grows by about that much;
 where it predicts none, it grows by a small fraction of the weights. Generous bounds: the machine is shared.
 """
 
@@ -17,8 +18,8 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
-
 from tflite_fixtures import OP, ModelBuilder, s
+
 from weightshare.api import convert
 from weightshare.check import findings_for
 from weightshare.inventory import inventory

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from tflite_fixtures import sample_model
 
 from weightshare.inventory import inventory
-from tflite_fixtures import sample_model
 
 
 @pytest.fixture(scope="module")

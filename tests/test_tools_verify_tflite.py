@@ -14,8 +14,8 @@ from pathlib import Path
 import flatbuffers
 import numpy as np
 import pytest
-
 from tflite_fixtures import OP, ModelBuilder, s
+
 from weightshare.api import convert
 from weightshare.inventory import inventory
 from weightshare.options import ConvertOptions

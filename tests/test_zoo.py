@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import blake3
 import json
 from pathlib import Path
 
+import blake3
 import numpy as np
 import onnx
 import onnxruntime as ort
-from onnx import TensorProto as T, helper as h, numpy_helper as nh
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper as nh
 from safetensors import safe_open
 
 import weightshare

@@ -55,12 +55,12 @@ class ModelBuilder:
             self.opcodes.append(code)
         return self.opcodes.index(code)
 
-    def subgraph(self, name: str) -> "GraphBuilder":
+    def subgraph(self, name: str) -> GraphBuilder:
         g = GraphBuilder(self, name)
         self.subgraphs.append(g)
         return g
 
-    def signature(self, key: str, graph: "GraphBuilder") -> None:
+    def signature(self, key: str, graph: GraphBuilder) -> None:
         sd = s.SignatureDefT(signatureKey=key, subgraphIndex=self.subgraphs.index(graph))
         sd.inputs = [s.TensorMapT(name=graph.tensors[i].name, tensorIndex=i) for i in graph.inputs]
         sd.outputs = [s.TensorMapT(name=graph.tensors[i].name, tensorIndex=i) for i in graph.outputs]

@@ -2,7 +2,7 @@
 
 from .api import convert
 from .blob import AlignPolicy
-from .errors import InvalidModel, Unsupported, UnsafePath, WeightshareError
+from .errors import InvalidModel, UnsafePath, Unsupported, WeightshareError
 from .options import ConvertOptions
 from .report import ConversionReport
 

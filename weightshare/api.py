@@ -13,7 +13,9 @@ import os
 import resource
 import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from .errors import OutputError, UsageError
@@ -48,7 +50,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def prepare_out_dir(out_dir: str | os.PathLike, tx: OutputTransaction | None = None) -> Path:
+def prepare_out_dir(out_dir: str | os.PathLike[str], tx: OutputTransaction | None = None) -> Path:
     """Create OUTDIR (removed again if the run fails and it stays empty) and remove stale temporaries in it."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -75,20 +77,23 @@ def check_input(src: Path) -> None:
     raise UsageError("is not a regular file (a FIFO, socket or device); refusing to read it", src)
 
 
-def _finish(report, start: float):
+_Timed = TypeVar("_Timed", ConversionReport, ZooReport)
+
+
+def _finish(report: _Timed, start: float) -> _Timed:
     report.wall_time_s = round(time.perf_counter() - start, 3)
     report.peak_rss_mib = round(peak_rss_mib(), 1)
     return report
 
 
-def convert(model: str | os.PathLike, out_dir: str | os.PathLike, options: ConvertOptions | None = None
+def convert(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
             ) -> ConversionReport:
     """Convert one model into ``out_dir``; outputs appear all together or not at all."""
     return convert_many([model], out_dir, options)[0]
 
 
-def convert_many(models: list[str | os.PathLike], out_dir: str | os.PathLike, options: ConvertOptions | None = None
-                 ) -> list[ConversionReport]:
+def convert_many(models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
+                 options: ConvertOptions | None = None) -> list[ConversionReport]:
     """Convert several models into ``out_dir`` in one transaction: every output is committed, or none.
 
     Refused before anything is written: two inputs whose outputs would have the same path,
@@ -144,7 +149,7 @@ def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:
     check_no_overlap(sources, outputs)
 
 
-def expand_inputs(inputs: list[str | os.PathLike]) -> list[Path]:
+def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """Files as given; directories by their models (sorted); unexpanded globs expanded."""
     import glob
 
@@ -183,7 +188,7 @@ class _DropRemovedModels(CommitHook):
                     pass
 
 
-def convert_zoo(models: list[str | os.PathLike], out_dir: str | os.PathLike, shared_blob: str,
+def convert_zoo(models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], shared_blob: str,
                 options: ConvertOptions | None = None) -> ZooReport:
     """Convert many models into ``out_dir`` so that all of them reference one blob, ``shared_blob``.
 
@@ -237,8 +242,9 @@ def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions) -> Prepa
     return detect(src).prepare(src, out_dir, options)
 
 
-def merge(sources: list[str | os.PathLike], out: str | os.PathLike, function_names: list[str] | None = None,
-          default_function: str | None = None, options: ConvertOptions | None = None) -> ConversionReport:
+def merge(sources: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str],
+          function_names: list[str] | None = None, default_function: str | None = None,
+          options: ConvertOptions | None = None) -> ConversionReport:
     """Merge Core ML packages into one multifunction .mlpackage, streaming the weights."""
     from .formats.coreml import merge as coreml_merge
 

@@ -21,10 +21,11 @@ import fcntl
 import os
 import secrets
 import shutil
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from types import TracebackType
 
 from .errors import OutputError
 
@@ -74,7 +75,7 @@ def clean_stale_temporaries(directory: Path) -> list[Path]:
 
 
 @contextmanager
-def locked_dirs(directories: Iterable[Path]):
+def locked_dirs(directories: Iterable[Path]) -> Iterator[None]:
     """Hold an exclusive flock on each output directory while renaming.
 
     Two conversions into the same OUTDIR then commit one after the other, so the
@@ -101,7 +102,7 @@ def _exchange(a: Path, b: Path) -> bool:
     except (OSError, AttributeError):
         return False
     at_fdcwd, rename_exchange = -100, 2
-    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+    return bool(renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0)
 
 
 @dataclass
@@ -310,10 +311,11 @@ class OutputTransaction:
         self._made_dirs.clear()
         self._done = True
 
-    def __enter__(self) -> "OutputTransaction":
+    def __enter__(self) -> OutputTransaction:
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is None and not self._done:
             self.commit()
         elif not self._done:

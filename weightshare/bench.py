@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from . import api
 from .errors import Unsupported, UsageError
 from .formats import BenchRuntime, detect
+from .report import JsonDict
 
-def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathLike | None = None,
-          progress=lambda msg: None) -> dict:
+
+def bench(model: str | os.PathLike[str], sessions: list[int], workdir: str | os.PathLike[str] | None = None,
+          progress: Callable[[str], object] = lambda msg: None) -> JsonDict:
     """Convert ``model`` into ``workdir`` (a temporary directory by default) and measure both.
 
     Each (variant, runtime setting) runs in a fresh process; rows give PSS, private
@@ -37,7 +40,8 @@ def bench(model: str | os.PathLike, sessions: list[int], workdir: str | os.PathL
     return {"model": str(model), "format": fmt.name, "sessions": sorted(sessions), "rows": rows}
 
 
-def _prepacked_rows(model: Path, out: Path, sessions: list[int], runtime: BenchRuntime, progress) -> list[dict]:
+def _prepacked_rows(model: Path, out: Path, sessions: list[int], runtime: BenchRuntime,
+                    progress: Callable[[str], object]) -> list[JsonDict]:
     """``convert --prepack`` measured under the runtime's setting for it, in a fresh process started with the
     runtime's environment for it (ONNX: the malloc setting that returns ORT's freed validation buffers to the
     OS, which ``weightshare.ort.session`` arranges)."""
@@ -61,7 +65,7 @@ def _prepacked_rows(model: Path, out: Path, sessions: list[int], runtime: BenchR
     return [{"variant": "converted --prepack", "mode": mode, **row} for row in rows]
 
 
-def plot(result: dict, path: str | os.PathLike) -> None:
+def plot(result: JsonDict, path: str | os.PathLike[str]) -> None:
     try:
         import matplotlib
 

@@ -21,9 +21,10 @@ import hashlib
 import json
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Any, Protocol
 
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
 from .tensors import CHUNK_SIZE, FileRange, InputFile, PayloadSource, stable_chunks
@@ -63,7 +64,18 @@ def align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
 
 
-def new_hasher(kind: str | None = None):
+class Hasher(Protocol):
+    """What hashlib's and blake3's hash objects have in common."""
+
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+Progress = Callable[[int], object]  # called with a byte count as payload bytes are written
+
+
+def new_hasher(kind: str | None = None) -> Hasher:
     """A hashlib-style object (update, hexdigest) for ``kind``: "blake3" or "sha256" (default: ``DIGEST``)."""
     kind = kind or DIGEST
     if kind == "sha256":
@@ -86,7 +98,7 @@ def split_digest(digest: str) -> tuple[str, str]:
     return (kind, value) if sep else ("sha256", digest)
 
 
-def digest_of(chunks, kind: str | None = None) -> str:
+def digest_of(chunks: Iterable[bytes | memoryview], kind: str | None = None) -> str:
     """The ``tagged`` digest of an iterable of chunks (default kind: ``DIGEST``)."""
     kind = kind or DIGEST
     h = new_hasher(kind)
@@ -107,7 +119,7 @@ class BlobEntry:
 _WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weightshare-blob")
 
 
-def _sync_file_range():
+def _sync_file_range() -> Callable[..., int] | None:
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
@@ -170,7 +182,7 @@ class BlobWriter:
         self._wb_start = start  # first byte whose writeback has not been started
 
     def add(self, source: PayloadSource, tag: str = "", prefix_size: int = 0, prefix_align: int = 64,
-            progress=None) -> BlobEntry:
+            progress: Progress | None = None) -> BlobEntry:
         """Write one payload; return where it lives (the first copy, for a duplicate)."""
         nbytes = source.nbytes
         prefix_offset = None
@@ -198,11 +210,11 @@ class BlobWriter:
         self.bytes_written += nbytes
         return entry
 
-    def _stream(self, source: PayloadSource, offset: int, nbytes: int, progress) -> str:
+    def _stream(self, source: PayloadSource, offset: int, nbytes: int, progress: Progress | None) -> str:
         """Read (and unpack) chunks here while the writer thread hashes and writes the previous one."""
         digest = new_hasher(self.digest)
         pos = offset
-        pending = None
+        pending: Future[None] | None = None
         # A single chunk gains nothing from the pipeline; handing it over would cost more than it
         # saves when a model has 100,000s of small tensors.
         pipelined = nbytes > self.chunk_size
@@ -231,7 +243,7 @@ class BlobWriter:
             raise InvalidModel(f"payload is shorter ({pos - offset} bytes) than its declared {nbytes} bytes")
         return tagged(self.digest, digest.hexdigest())
 
-    def _copy_unchanged(self, source: FileRange, offset: int, progress) -> str:
+    def _copy_unchanged(self, source: FileRange, offset: int, progress: Progress | None) -> str:
         """Bytes copied as they are: the kernel copies (``copy_file_range``) while the writer thread hashes
         the same range through its own reused buffer, so the bytes cross into user space once."""
         f = source.opened()
@@ -256,7 +268,7 @@ class BlobWriter:
                 f.close()
         return result
 
-    def _kernel_copy(self, f: InputFile, source: FileRange, offset: int, progress) -> int:
+    def _kernel_copy(self, f: InputFile, source: FileRange, offset: int, progress: Progress | None) -> int:
         """Copy as much of ``source`` as the kernel will; return how many bytes it copied."""
         global _KERNEL_COPY
         done, step = 0, max(self.chunk_size, KERNEL_COPY_STEP)
@@ -281,7 +293,7 @@ class BlobWriter:
                 progress(n)
         return done
 
-    def _consume(self, digest, data, pos: int) -> None:
+    def _consume(self, digest: Hasher, data: bytes | memoryview, pos: int) -> None:
         digest.update(data)
         self._pwrite_all(memoryview(data), pos)
         self._wrote(pos + len(data))
@@ -328,7 +340,7 @@ _OFFSET_DIGITS = 20  # enough for any uint64 offset
 METADATA_KEY = "weightshare.payloads"
 
 
-def _dumps(value) -> str:
+def _dumps(value: object) -> str:
     return json.dumps(value, separators=(",", ":"))
 
 
@@ -432,7 +444,7 @@ class SafetensorsBlob:
         total += sum(len(dumps(k)) + len(dumps(v)) + 2 for k, v in (metadata or {}).items())  # ,"k":"v"
         return total + 64
 
-    def add(self, tensor: PlannedTensor, source: PayloadSource, progress=None) -> BlobEntry:
+    def add(self, tensor: PlannedTensor, source: PayloadSource, progress: Progress | None = None) -> BlobEntry:
         if source.nbytes != tensor.nbytes:
             raise InvalidModel(f"tensor {tensor.name!r}: payload has {source.nbytes} bytes, expected {tensor.nbytes}")
         entry = self.writer.add(source, progress=progress)
@@ -512,8 +524,10 @@ class SafetensorsBlob:
         return pos + len(data)
 
 
-def read_safetensors_metadata(path: str) -> tuple[int, dict, dict]:
-    """Return (data_start, tensors, payload metadata) of a weightshare blob, reading only its header."""
+def read_safetensors_metadata(path: str) -> tuple[int, dict[str, Any], Any]:
+    """Return (data_start, tensors, payload metadata) of a weightshare blob, reading only its header.
+
+    Both are JSON as found in the file: ``tensors`` is an object, the payload metadata is not checked."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, SMALL_ALIGN
 from .findings import Code, Finding
-from .inventory import ModelInventory, inventory
+from .inventory import ModelInventory, PayloadInfo, inventory
 from .options import INLINE_THRESHOLD
 
 
-def _names(payloads, limit: int = 3) -> str:
+def _names(payloads: list[PayloadInfo], limit: int = 3) -> str:
     shown = ", ".join(p.name for p in payloads[:limit])
     return shown + (f" and {len(payloads) - limit} more" if len(payloads) > limit else "")
 
@@ -25,7 +26,7 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
-def _stored_twice(inv: ModelInventory, min_bytes: int) -> list:
+def _stored_twice(inv: ModelInventory, min_bytes: int) -> list[PayloadInfo]:
     """External payloads of ``min_bytes`` or more whose bytes are already stored at another place (aliases of one
     place are fine; so are small repeats such as coremltools' zero biases, cheaper than a record of their own)."""
     where: dict[str, tuple[str, int | None]] = {}
@@ -37,7 +38,7 @@ def _stored_twice(inv: ModelInventory, min_bytes: int) -> list:
             and where.get(p.duplicate_of, (p.file, p.offset)) != (p.file, p.offset)]
 
 
-def _copies(inv: ModelInventory, add, inline_threshold: int) -> None:
+def _copies(inv: ModelInventory, add: Callable[[Code, list[PayloadInfo], str], None], inline_threshold: int) -> None:
     """What a runtime copies per session: embedded payloads, unpacking, and the per-setting copies that each
     format's inventory marked with their code (``PayloadInfo.copy_code``) where it derived them."""
     embedded = [p for p in inv.payloads if p.location == "embedded" and p.nbytes >= inline_threshold
@@ -53,7 +54,7 @@ def _copies(inv: ModelInventory, add, inline_threshold: int) -> None:
     if unpacked:
         add(Code.UNPACKED_PER_SESSION, unpacked, f"{len(unpacked)} payloads are unpacked by the runtime in every "
             f"session ({unpacked[0].unpacked_at_load}): {_names(unpacked)}")
-    by_code: dict[str, list] = {}
+    by_code: dict[str, list[PayloadInfo]] = {}
     for p in inv.payloads:
         if p.copy_code:
             by_code.setdefault(p.copy_code, []).append(p)
@@ -69,7 +70,7 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
     model = Path(inv.model).resolve()
     model_dir = model if model.is_dir() else model.parent  # an .mlpackage: file names are relative to it
 
-    def add(code: Code, payloads: list, message: str) -> None:
+    def add(code: Code, payloads: list[PayloadInfo], message: str) -> None:
         out.append(Finding.of(code, inv.model, message, payloads[0].name if payloads else ""))
 
     out += inv.findings
@@ -83,7 +84,7 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
     if stored:
         add(Code.DUPLICATE_PAYLOADS, stored, f"{len(stored)} external payloads ({_mib(sum(p.nbytes for p in stored))})"
             f" repeat bytes already stored elsewhere in the blob: {_names(stored)}")
-    by_problem: dict[str, list] = {}
+    by_problem: dict[str, list[PayloadInfo]] = {}
     for p in inv.payloads:
         if p.problem:
             by_problem.setdefault(p.problem_code or Code.BAD_EXTERNAL_DATA.value, []).append(p)
@@ -105,7 +106,7 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
     return out
 
 
-def find_models(inputs: list[str | os.PathLike]) -> list[Path]:
+def find_models(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """Files as given; directories searched recursively (sorted), an ``.mlpackage`` being a model, not a folder;
     unexpanded globs expanded."""
     import glob
@@ -130,8 +131,8 @@ def find_models(inputs: list[str | os.PathLike]) -> list[Path]:
     return found
 
 
-def check(paths: list[str | os.PathLike], inline_threshold: int = INLINE_THRESHOLD) -> tuple[list[ModelInventory],
-                                                                                               list[Finding]]:
+def check(paths: Sequence[str | os.PathLike[str]], inline_threshold: int = INLINE_THRESHOLD
+          ) -> tuple[list[ModelInventory], list[Finding]]:
     inventories, findings = [], []
     for path in paths:
         inv = inventory(path, hash_payloads=True)

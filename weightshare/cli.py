@@ -9,19 +9,21 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from types import FrameType
+from typing import Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from . import api
-from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy
+from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .errors import WeightshareError
-from .options import INLINE_THRESHOLD, ConvertOptions
-from .report import ConversionReport
+from .options import INLINE_THRESHOLD, ConvertOptions, Unpack
+from .report import ConversionReport, JsonDict, ZooReport
 
 # markdown: docstring paragraphs are reflowed to the terminal width (rich mode kept their hard line breaks, which
 # then wrapped again into ragged one-word lines)
@@ -31,7 +33,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                        "shared by every session, interpreter, function and process.")
 # Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
 # Colour (and any other escape code) only on a terminal; none at all with NO_COLOR (https://no-color.org).
-_STYLES = None if os.environ.get("NO_COLOR") else "auto"
+_STYLES: Literal["auto"] | None = None if os.environ.get("NO_COLOR") else "auto"
 out = Console(width=None if sys.stdout.isatty() else 4096, highlight=False, color_system=_STYLES)
 err = Console(stderr=True, width=None if sys.stderr.isatty() else 4096, highlight=False, color_system=_STYLES)
 
@@ -79,7 +81,7 @@ def _global(
     VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
 
 
-def fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> NoReturn:
     err.print(f"weightshare: error: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -88,12 +90,12 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM (timeout, docker stop, kill): unwound like Ctrl-C so that temporaries are removed."""
 
 
-def _terminate(signum, frame) -> None:
+def _terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
 @contextmanager
-def user_errors():
+def user_errors() -> Iterator[None]:
     """Turn input problems into one line and exit code 2; never a traceback."""
     try:
         yield
@@ -110,7 +112,7 @@ def user_errors():
 
 
 @contextmanager
-def progress_bar(enabled: bool, desc: str):
+def progress_bar(enabled: bool, desc: str) -> Iterator[tuple[Progress | None, Callable[[int], None] | None]]:
     """A byte progress bar on stderr when it is a terminal; nothing in pipes and CI."""
     if not enabled or not sys.stderr.isatty():
         yield None, None
@@ -153,7 +155,7 @@ def render_report(r: ConversionReport) -> None:
     out.print(t)
 
 
-def render_zoo(z) -> None:
+def render_zoo(z: ZooReport) -> None:
     t = Table(title=f"{len(z.models)} models -> {z.blob}", title_justify="left")
     for col in ("model", "payloads", "bytes in", "after unpacking", "new unique bytes", "deduplicated"):
         t.add_column(col, justify="left" if col == "model" else "right")
@@ -169,19 +171,19 @@ def render_zoo(z) -> None:
 
 @app.command()
 def convert(
-    models: List[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
+    models: list[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (created if missing)."),
-    blob: Optional[str] = typer.Option(None, "--blob", help="Blob name inside OUTDIR: the blob is written as "
+    blob: str | None = typer.Option(None, "--blob", help="Blob name inside OUTDIR: the blob is written as "
                                        "NAME.<digest12>.safetensors, digest of its content (default NAME: "
                                        "MODEL.weights)."),
     blob_grace: float = typer.Option(600.0, "--blob-grace", help="Seconds an earlier blob that no model in "
                                      "OUTDIR references any more is kept, for readers that opened the old model."),
     keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
                                      "typed protobuf fields as they are."),
-    unpack: List[str] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a constant "
-                                "sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 weights as the "
-                                "fp32 copies ONNX Runtime's CPU provider makes per session; CPU-specific, a GPU "
-                                "provider would run fp16). 'int8' is accepted but not implemented yet."),
+    unpack: list[Unpack] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
+                                   "constant sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 "
+                                   "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
+                                   "CPU-specific, a GPU provider would run fp16)."),
     external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
                                   "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
                                   "Interpreter does not."),
@@ -197,7 +199,7 @@ def convert(
                                         "--align applies; smaller payloads are 64-byte aligned."),
     inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold", help="Payloads smaller than this "
                                          "stay inside the model file."),
-    shared_blob: Optional[str] = typer.Option(None, "--shared-blob", help="Zoo mode: every model in OUTDIR "
+    shared_blob: str | None = typer.Option(None, "--shared-blob", help="Zoo mode: every model in OUTDIR "
                                               "references this one blob (NAME.<digest12>.safetensors); identical "
                                               "payloads are stored once. Models are swapped in one by one, each "
                                               "with its blob. TFLite models join with --external."),
@@ -213,17 +215,15 @@ def convert(
     reports = []
     quiet_ = quiet(quiet_)
 
-    def options(update=None, total=None) -> ConvertOptions:
+    def options(update: Progress | None = None, total: Callable[[int], None] | None = None) -> ConvertOptions:
         return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
-                              inline_threshold=inline_threshold, keep_packed=keep_packed, unpack=frozenset(unpack),
+                              inline_threshold=inline_threshold, keep_packed=keep_packed,
+                              unpack=frozenset(u.value for u in unpack),
                               blob_name=blob, external=external, prepack=prepack, progress=update,
                               progress_total=total, blob_grace_s=blob_grace)
 
     with user_errors():
-        unknown = set(unpack) - {"sparse", "int8", "ort-cpu"}
-        if unknown:
-            fail(f"unknown --unpack value {', '.join(sorted(unknown))} (known: sparse, int8, ort-cpu)")
-        if "ort-cpu" in unpack and keep_packed:
+        if Unpack.ORT_CPU in unpack and keep_packed:
             fail("--unpack ort-cpu and --keep-packed exclude each other")
         if shared_blob is not None:
             if blob is not None:
@@ -262,7 +262,7 @@ def convert(
              f"{t['wall_time_s']:.2f} s, peak RSS {t['peak_rss_mib']:.0f} MiB")
 
 
-def _totals(reports: list[ConversionReport]) -> dict:
+def _totals(reports: list[ConversionReport]) -> JsonDict:
     return {"models": len(reports), "tensors_moved": sum(r.tensors_moved for r in reports),
             "bytes_in": sum(r.bytes_in for r in reports), "bytes_written": sum(r.bytes_written for r in reports),
             "blob_bytes": sum(r.blob_bytes for r in reports),
@@ -272,11 +272,11 @@ def _totals(reports: list[ConversionReport]) -> dict:
 
 @app.command()
 def merge(
-    sources: List[Path] = typer.Argument(..., help="Core ML .mlpackage files (multifunction sources contribute all "
+    sources: list[Path] = typer.Argument(..., help="Core ML .mlpackage files (multifunction sources contribute all "
                                          "their functions)."),
-    function_name: List[str] = typer.Option([], "--function-name", "--name", help="Function name for each source, "
+    function_name: list[str] = typer.Option([], "--function-name", "--name", help="Function name for each source, "
                                             "in order [default: the source's stem]."),
-    default_function: Optional[str] = typer.Option(None, "--default-function", help="Function run by default "
+    default_function: str | None = typer.Option(None, "--default-function", help="Function run by default "
                                                    "[default: the first]."),
     output: Path = typer.Option(..., "-o", "--output", help="Output .mlpackage."),
     align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
@@ -355,7 +355,7 @@ def inspect(
 
 @app.command()
 def check(
-    models: List[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
+    models: list[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),
     inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold",
                                          help="Embedded payloads below this size are fine."),
@@ -368,7 +368,8 @@ def check(
     Errors fail the gate; warnings (a copy that a runtime setting avoids, named in the
     fix) fail it only with --strict. docs/ci.md lists every finding code.
     """
-    from .check import check as run_check, find_models
+    from .check import check as run_check
+    from .check import find_models
     from .findings import Severity
 
     quiet(quiet_)
@@ -407,10 +408,12 @@ def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _verify_args(dim: list[str], shape: list[str], inputs: list[str]) -> tuple[dict, dict, dict]:
+def _verify_args(dim: list[str], shape: list[str], inputs: list[str]
+                 ) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
     from .verify import load_input
 
-    dims, shapes = {}, {}
+    dims: dict[str, int] = {}
+    shapes: dict[str, list[int]] = {}
     for name, value in _pairs(dim, "--dim", "VALUE"):
         if not value.isdigit() or int(value) < 1:
             fail(f"--dim takes NAME=VALUE with a positive integer, got {name}={value!r}")
@@ -429,11 +432,11 @@ def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
     runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
-    dim: List[str] = typer.Option([], "--dim", help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
+    dim: list[str] = typer.Option([], "--dim", help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
                                   "sets every other dynamic dimension (TFLite dims have no names). Repeatable."),
-    shape: List[str] = typer.Option([], "--shape", help="TFLite: full shape of an input with dynamic dims, "
+    shape: list[str] = typer.Option([], "--shape", help="TFLite: full shape of an input with dynamic dims, "
                                     "NAME=1,16000. Repeatable."),
-    inputs: List[str] = typer.Option([], "--input", help="Use real values for an input in every run: "
+    inputs: list[str] = typer.Option([], "--input", help="Use real values for an input in every run: "
                                      "NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
@@ -477,7 +480,7 @@ def verify(
 def bench(
     model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
-    plot_path: Optional[Path] = typer.Option(None, "--plot", help="Write a PNG chart of PSS vs sessions "
+    plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG chart of PSS vs sessions "
                                              "(needs matplotlib: pip install \"weightshare[plot]\")."),
     as_json: bool = typer.Option(False, "--json", help="Print the measurements as one JSON document."),
 ) -> None:
@@ -487,7 +490,8 @@ def bench(
     session.disable_prepacking, plus the `convert --prepack` result at default options;
     LiteRT without delegate and with the default XNNPACK one.
     """
-    from .bench import bench as run_bench, plot
+    from .bench import bench as run_bench
+    from .bench import plot
 
     with user_errors():
         try:
@@ -518,7 +522,7 @@ def bench(
     t = Table(title=f"{result['model']}: PSS (MiB) after N sessions in one process", title_justify="left")
     for col in ["variant", "setting", *[f"{n}" for n in counts], f"{counts[-1]}/1", "private", "shared"]:
         t.add_column(col, justify="left" if col in ("variant", "setting") else "right")
-    groups: dict = {}
+    groups: dict[tuple[str, str], list[JsonDict]] = {}
     for r in result["rows"]:
         groups.setdefault((r["variant"], r["mode"]), []).append(r)
     for (variant, mode), rows in groups.items():

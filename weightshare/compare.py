@@ -34,14 +34,17 @@ def _as_array(value: Any) -> np.ndarray:
 def _differing(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Boolean mask of elements whose bytes differ (same dtype and shape assumed)."""
     if a.dtype.kind in "OUS":  # strings: compare values
-        return a != b
+        values: np.ndarray = a != b
+        return values
     a, b = np.ascontiguousarray(a), np.ascontiguousarray(b)
     item = a.dtype.itemsize
     if item in (1, 2, 4, 8) and a.dtype.kind != "c":
         view = np.dtype(f"u{item}")
-        return a.view(view) != b.view(view)
+        bits: np.ndarray = a.view(view) != b.view(view)
+        return bits
     raw = a.view(np.uint8).reshape(a.shape + (item,)) != b.view(np.uint8).reshape(b.shape + (item,))
-    return raw.any(axis=-1)
+    anywhere: np.ndarray = raw.any(axis=-1)
+    return anywhere
 
 
 def _ordered(x: np.ndarray) -> np.ndarray:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from . import api
 from .options import ConvertOptions
+from .report import JsonDict
 from .samples import mlp_onnx
-
 
 DEMO_FILES = ("mlp_fp16.onnx", "converted", "prepacked")
 
@@ -38,7 +39,8 @@ def clean_demo(workdir: Path) -> bool:
     return removed
 
 
-def run_demo(workdir: Path, sessions: int = 4, layers: int = 12, progress=lambda msg: None) -> dict:
+def run_demo(workdir: Path, sessions: int = 4, layers: int = 12,
+             progress: Callable[[str], object] = lambda msg: None) -> JsonDict:
     from .runtimes.ort import measure_sessions, new_session
 
     workdir = Path(workdir)
@@ -79,7 +81,8 @@ def run_demo(workdir: Path, sessions: int = 4, layers: int = 12, progress=lambda
             "ratio_prepacked": rows[3]["pss_n_mib"] / rows[3]["pss_1_mib"]}
 
 
-def _measure(measure_sessions, path: str, counts: list[int], share: bool) -> list[dict]:
+def _measure(measure_sessions: Callable[[str, list[int], bool], list[JsonDict]], path: str, counts: list[int],
+             share: bool) -> list[JsonDict]:
     """Default-option sessions in a process started with MALLOC_MMAP_THRESHOLD_ (ORT's validation
     buffers otherwise stay in glibc's heap); the variable is inherited by the probe process only."""
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")

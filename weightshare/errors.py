@@ -16,7 +16,7 @@ class WeightshareError(Exception):
 
     kind = "error"
 
-    def __init__(self, message: str, path: str | os.PathLike | None = None):
+    def __init__(self, message: str, path: str | os.PathLike[str] | None = None):
         self.path = os.fspath(path) if path is not None else None
         self.message = " ".join(str(message).split())  # always one line
         super().__init__(self.line())

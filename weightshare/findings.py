@@ -122,14 +122,14 @@ class Finding:
     fix: str
 
     @classmethod
-    def of(cls, code: Code, file: str, message: str, tensor: str = "") -> "Finding":
+    def of(cls, code: Code, file: str, message: str, tensor: str = "") -> Finding:
         info = CODES[code]
         return cls(code, info.severity, file, tensor, message, info.fix)
 
     def line(self) -> str:
         return f"{self.file}: {self.severity.value}: {self.code.value}: {self.message} (fix: {self.fix})"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, str]:
         return {"code": self.code.value, "severity": self.severity.value, "file": self.file, "model": self.file,
                 "tensor": self.tensor, "message": self.message, "fix": self.fix}
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .findings import Finding
+from .report import JsonDict
 from .tensors import CHUNK_SIZE, PayloadSource
 
 
@@ -78,7 +79,7 @@ class ModelInventory:
     def duplicate_bytes(self) -> int:
         return sum(p.nbytes for p in self.payloads if p.duplicate_of)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> JsonDict:
         d = asdict(self)
         d.update(copied_per_session=self.copied_per_session, embedded_bytes=self.embedded_bytes,
                  external_bytes=self.external_bytes, duplicate_bytes=self.duplicate_bytes,
@@ -114,7 +115,7 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
             first[key] = p.name
 
 
-def inventory(path: str | os.PathLike, hash_payloads: bool = True) -> ModelInventory:
+def inventory(path: str | os.PathLike[str], hash_payloads: bool = True) -> ModelInventory:
     """Inventory of the model at ``path`` (format detected from the file)."""
     from .formats import detect
 

@@ -18,19 +18,20 @@ import copy
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
 from .formats.tflite import xnnpack_cache
 
 if TYPE_CHECKING:
     import numpy as np
+    from ai_edge_litert.compiled_model import CompiledModel
 
 log = logging.getLogger("weightshare.litert")
 _RETRIES = 3  # the model replaced between hashing and loading (a re-conversion committing): hash again
 
 
-def find_cache(model: str | os.PathLike) -> tuple[Path | None, str]:
+def find_cache(model: str | os.PathLike[str]) -> tuple[Path | None, str]:
     """The cache that matches ``model``'s current content, or None and why none is used."""
     model = Path(model)
     if not xnnpack_cache.candidate_caches(model):  # nothing to match: spare the hash of the model
@@ -44,7 +45,7 @@ def find_cache(model: str | os.PathLike) -> tuple[Path | None, str]:
     return None, f"no XNNPACK weight cache beside the model (expected {expected.name})"
 
 
-def _with_cache(kwargs: dict, cache: Path) -> dict:
+def _with_cache(kwargs: dict[str, Any], cache: Path) -> dict[str, Any]:
     """``from_file`` keyword arguments with the cache path set on (a copy of) the CPU options."""
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.options import Options
@@ -65,7 +66,7 @@ def _with_cache(kwargs: dict, cache: Path) -> dict:
     return kwargs
 
 
-def _file_state(path: Path):
+def _file_state(path: Path) -> tuple[int, int, int] | None:
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -73,7 +74,7 @@ def _file_state(path: Path):
     return st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def compiled_model(path: str | os.PathLike, **kwargs):
+def compiled_model(path: str | os.PathLike[str], **kwargs: Any) -> CompiledModel:
     """``CompiledModel.from_file(path, **kwargs)`` with the model's own XNNPACK weight cache when there is one.
 
     The returned CompiledModel carries ``weightshare_cache``: the cache file used, or None.
@@ -108,13 +109,13 @@ def compiled_model(path: str | os.PathLike, **kwargs):
     raise UsageError(f"the model kept changing while it was being loaded ({_RETRIES} attempts)", model)
 
 
-def run_signatures(cm, seed: int) -> dict[str, dict[str, "np.ndarray"]]:
+def run_signatures(cm: CompiledModel, seed: int) -> dict[str, dict[str, np.ndarray]]:
     """Run every signature of a CompiledModel on seeded random inputs: {signature: {output: array}}."""
     import numpy as np
 
     from .runtimes.litert import _random_array
 
-    results = {}
+    results: dict[str, dict[str, np.ndarray]] = {}
     for key, sig in cm.get_signature_list().items():
         idx = cm.get_signature_index(key)
         rng = np.random.default_rng(seed)
@@ -129,7 +130,8 @@ def run_signatures(cm, seed: int) -> dict[str, dict[str, "np.ndarray"]]:
     return results
 
 
-def compiled_pairs(original: str | os.PathLike, converted: str | os.PathLike, runs: int, seed: int):
+def compiled_pairs(original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int, seed: int
+                   ) -> tuple[Path | None, list[tuple[int, str, np.ndarray, np.ndarray]]]:
     """For ``verify``: the converted model through CompiledModel with its matching cache, the original without.
 
     Returns (cache used or None, [(run, "signature:output", original array, converted array)]); no pairs
@@ -143,7 +145,7 @@ def compiled_pairs(original: str | os.PathLike, converted: str | os.PathLike, ru
         return None, []
     a = CompiledModel.from_file(str(original))
     b = CompiledModel.from_file(str(converted), **_with_cache({}, cache))
-    pairs = []
+    pairs: list[tuple[int, str, np.ndarray, np.ndarray]] = []
     for r in range(runs):
         outs_a, outs_b = run_signatures(a, seed + r), run_signatures(b, seed + r)
         for key in outs_a:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from enum import Enum
 
 from .blob import AlignPolicy
 
 BLOB_GRACE_S = 600.0  # an unreferenced old blob stays this long: readers that opened the old model still find it
 INLINE_THRESHOLD = 1024  # payloads below this stay inside the model file: a page of padding would cost more
+
+
+class Unpack(str, Enum):
+    """``--unpack`` values: opt-in unpackings a converter does on request. Any other value is a usage error."""
+
+    SPARSE = "sparse"  # TFLite: DENSIFY of a constant sparse tensor becomes a dense constant
+    ORT_CPU = "ort-cpu"  # ONNX: fp16 weights stored as the fp32 copies ONNX Runtime's CPU provider makes
 
 
 @dataclass
@@ -18,7 +26,7 @@ class ConvertOptions:
         align: payload alignment (``--align``, ``--align-threshold``).
         inline_threshold: payloads smaller than this many bytes stay inline.
         keep_packed: do not unpack (no fp16->fp32 folding, typed fields stay as they are).
-        unpack: opt-in unpackings, e.g. {"int8", "sparse"}.
+        unpack: opt-in unpackings, values of ``Unpack``: {"sparse"}, {"ort-cpu"}.
         blob_name: file name of the external blob inside OUTDIR (ONNX, TFLite --external).
         blob_grace_s: an earlier blob that no model in OUTDIR references any more is removed by a later
             run once it has been unreferenced this many seconds (``--blob-grace``).
@@ -26,7 +34,7 @@ class ConvertOptions:
         prepack: also write the runtime's pre-packed weights beside the model (TFLite: an XNNPACK weight cache
             bound to the model's content, see ``weightshare.litert``).
         progress: called with a byte count as payload bytes are written (for progress bars).
-        prepack: ONNX: also store ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc-reordered Conv
+        prepack (ONNX): also store ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc-reordered Conv
             weights in the blob, so default-option sessions share them (TFLite: the XNNPACK weight cache).
         progress_total: called once with the payload bytes a converter is about to write.
     """
@@ -39,6 +47,5 @@ class ConvertOptions:
     blob_grace_s: float = BLOB_GRACE_S
     external: bool = False
     prepack: bool = False
-    progress: Callable[[int], None] | None = None
-    prepack: bool = False
+    progress: Callable[[int], object] | None = None
     progress_total: Callable[[int], None] | None = None

@@ -26,16 +26,21 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .blob import read_safetensors_metadata
 from .errors import InvalidModel
+from .report import JsonDict
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 log = logging.getLogger("weightshare.ort")
 
 METADATA_KEY = "weightshare.ort_prepack"
-_verified: set[tuple] = set()  # blobs whose ORT payloads passed their checksums in this process
+_verified: set[tuple[str, int, int, int]] = set()  # blobs whose ORT payloads passed their checksums in this process
 _warned: set[str] = set()
-_machine: dict | None = None
+_machine: JsonDict | None = None
 
 
 def malloc_trim() -> bool:
@@ -46,13 +51,13 @@ def malloc_trim() -> bool:
         return False
 
 
-def this_machine() -> dict:
+def this_machine() -> JsonDict:
     """What packed data depends on, measured here the way conversion measured it (cached)."""
     global _machine
     if _machine is None:
-        import onnxruntime as ort
-
         import platform
+
+        import onnxruntime as ort
 
         from .formats.onnx.ort_child import cpu_features, nchwc_block_size
 
@@ -71,7 +76,7 @@ def _blob_paths(model_path: Path) -> list[Path]:
     return [model_path.parent / loc for loc in sorted(locations)]
 
 
-def prepack_info(model_path: str | os.PathLike) -> tuple[dict, Path] | None:
+def prepack_info(model_path: str | os.PathLike[str]) -> tuple[JsonDict, Path] | None:
     """The ``--prepack`` record of the model's blob and the blob's path, or None for any other model."""
     for blob in _blob_paths(Path(model_path)):
         try:
@@ -86,7 +91,7 @@ def prepack_info(model_path: str | os.PathLike) -> tuple[dict, Path] | None:
     return None
 
 
-def check_packed_payloads(blob: Path, info: dict) -> str | None:
+def check_packed_payloads(blob: Path, info: JsonDict) -> str | None:
     """Recorded digest (BLAKE3, or SHA-256 in older blobs) of every payload only the prepacked model uses;
     the first mismatch, or None."""
     from .blob import new_hasher, split_digest
@@ -116,7 +121,7 @@ def check_packed_payloads(blob: Path, info: dict) -> str | None:
     return None
 
 
-def mismatch(info: dict) -> str | None:
+def mismatch(info: JsonDict) -> str | None:
     """Why packed data built for ``info`` cannot run here, or None."""
     here = this_machine()
     for key in ("onnxruntime", "machine", "nchwc_block", "cpu_features"):
@@ -131,7 +136,8 @@ def _say_once(path: Path, message: str) -> None:
         log.warning("%s", message)
 
 
-def session(path: str | os.PathLike, sess_options=None, providers=None, **kwargs):
+def session(path: str | os.PathLike[str], sess_options: ort.SessionOptions | None = None,
+            providers: list[str] | None = None, **kwargs: Any) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` of ``path`` that shares its weights with every other one.
 
     For a ``--prepack`` model: the prepacked graph when this machine matches and its packed payloads

@@ -14,7 +14,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from .errors import UnsafePath, UsageError
 
 
-def resolve_inside(base_dir: Path, name: str, what: str, origin: str | os.PathLike | None = None) -> Path:
+def resolve_inside(base_dir: Path, name: str, what: str, origin: str | os.PathLike[str] | None = None) -> Path:
     """Return ``base_dir/name`` after checking it cannot leave ``base_dir``.
 
     Refused: empty names, absolute paths (POSIX or Windows, drive letters, UNC),

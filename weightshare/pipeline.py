@@ -15,12 +15,13 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Callable
+from typing import Any, TypedDict
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from .blob import BlobEntry, PlannedTensor, SafetensorsBlob
+from .blob import BlobEntry, PlannedTensor, Progress, SafetensorsBlob
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
 from .paths import resolve_inside
@@ -40,13 +41,20 @@ class BlobPayload:
     placed: Callable[[BlobEntry], None]  # records the blob range in the model
 
 
+class PreparedExtra(TypedDict, total=False):
+    """What a format passes along with a prepared model."""
+
+    blob_metadata: dict[str, str]  # written into the blob's safetensors ``__metadata__``
+    plans: list[Any]  # the format's own plan, read back by that format only (TFLite: its BufferPlans)
+
+
 @dataclass
 class PreparedModel:
     report: ConversionReport
     payloads: list[BlobPayload]
     emit: Callable[[str, OutputTransaction], list[Path]]  # (blob location relative to the model) -> files written
     name_prefix: str = ""
-    extra: dict = field(default_factory=dict)
+    extra: PreparedExtra = field(default_factory=lambda: PreparedExtra())
 
 
 def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOptions, tx: OutputTransaction,
@@ -98,7 +106,7 @@ def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOpt
         os.close(fd)
 
 
-def _signal_hook(progress: Callable[[int], None] | None) -> Callable[[int], None] | None:
+def _signal_hook(progress: Progress | None) -> Progress | None:
     """Test hook: ``WEIGHTSHARE_TEST_SIGNAL=NAME:BYTES`` sends signal NAME to this process once BYTES are written.
 
     The interrupt and kill tests need to land mid-write deterministically; timing a signal from outside
@@ -121,7 +129,7 @@ def _signal_hook(progress: Callable[[int], None] | None) -> Callable[[int], None
     return hook
 
 
-def write_models(models: list[PreparedModel], out_dir: Path, target: "BlobTarget", options: ConvertOptions,
+def write_models(models: list[PreparedModel], out_dir: Path, target: BlobTarget, options: ConvertOptions,
                  tx: OutputTransaction) -> None:
     """Write the blob (when any model has payloads) under its content-derived name, then every model file."""
     size, blob_path, location = 0, None, ""
@@ -163,7 +171,12 @@ def blob_target(src: Path | None, out_dir: Path, blob_name: str | None) -> BlobT
     ``<model stem>.weights``. The digest makes every blob name unique per content, so a blob is
     never rewritten in place and a reader that opened the old model still finds the old blob.
     """
-    name = blob_name if blob_name is not None else f"{src.stem}.weights"  # type: ignore[union-attr]
+    if blob_name is not None:
+        name = blob_name
+    elif src is not None:
+        name = f"{src.stem}.weights"
+    else:  # callers without a model (zoo mode) always pass the name
+        raise UsageError("a blob name is needed when there is no model to name the blob after", out_dir)
     where = src if src is not None else out_dir
     path = resolve_inside(out_dir, name, "blob", origin=where)
     rel = PurePosixPath(name.replace("\\", "/"))

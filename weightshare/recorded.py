@@ -7,8 +7,8 @@ payload sits, its bytes are hashed while they stream and compared at the end of 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from .blob import new_hasher, read_safetensors_metadata, split_digest, tagged
 from .errors import InvalidModel, WeightshareError
@@ -65,5 +65,6 @@ class CheckedSource:
             digest.update(chunk)
             yield chunk
         if digest.hexdigest() != expected:
-            raise InvalidModel(f"tensor {self.tensor!r}: its bytes no longer match the {kind} digest weightshare recorded "
-                               "when it wrote this blob (modified since?); refusing to re-convert it", self.path)
+            raise InvalidModel(f"tensor {self.tensor!r}: its bytes no longer match the {kind} digest weightshare "
+                               "recorded when it wrote this blob (modified since?); refusing to re-convert it",
+                               self.path)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# A JSON object as ``json.dumps`` takes it: values are numbers, strings, lists and nested objects.
+JsonDict = dict[str, Any]
 
 
 @dataclass
@@ -34,7 +38,7 @@ class ConversionReport:
     peak_rss_mib: float = 0.0
     notes: list[str] = field(default_factory=list)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> JsonDict:
         return asdict(self)
 
 
@@ -65,7 +69,7 @@ class ZooReport:
         """Payload bytes referenced by the models / unique bytes stored."""
         return self.bytes_out / self.bytes_written if self.bytes_written else 1.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> JsonDict:
         return {"blob": self.blob, "blob_bytes": self.blob_bytes, "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "bytes_written": self.bytes_written,
                 "dedupe_ratio": round(self.dedupe_ratio, 4), "wall_time_s": self.wall_time_s,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 
-def mlp_onnx(path: str | os.PathLike, layers: int = 12, dim: int = 2048, weights: str = "float16",
+def mlp_onnx(path: str | os.PathLike[str], layers: int = 12, dim: int = 2048, weights: str = "float16",
              external: bool = False, seed: int = 0, batch: int = 1) -> Path:
     """Write an MLP: x[batch, dim] -> (MatMul W_i -> Add b_i -> Relu) x layers -> y.
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import stat
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import numpy as np  # imported where used: `weightshare --help` and `check` need no numpy
@@ -30,7 +31,8 @@ CHUNK_SIZE = 4 << 20  # 4 MiB: large enough for full disk speed, small enough to
 
 
 class PayloadSource(Protocol):
-    nbytes: int
+    @property
+    def nbytes(self) -> int: ...
 
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]: ...
 
@@ -64,8 +66,8 @@ def _fd_real_path(fd: int) -> str | None:
         return None  # no /proc (macOS, some sandboxes): the O_NOFOLLOW and dev/ino checks remain
 
 
-def open_input(path: str | os.PathLike, inside: str | os.PathLike | None = None,
-               origin: str | os.PathLike | None = None) -> InputFile:
+def open_input(path: str | os.PathLike[str], inside: str | os.PathLike[str] | None = None,
+               origin: str | os.PathLike[str] | None = None) -> InputFile:
     """Open ``path`` for reading, once, refusing anything but a regular file.
 
     With ``inside`` (the model directory; ``path`` must already have passed
@@ -98,7 +100,8 @@ def open_input(path: str | os.PathLike, inside: str | os.PathLike | None = None,
     return InputFile(fd, path, st.st_size)
 
 
-def _check_opened_inside(fd: int, st: os.stat_result, path: str, inside: str | os.PathLike, where) -> None:
+def _check_opened_inside(fd: int, st: os.stat_result, path: str, inside: str | os.PathLike[str],
+                         where: str | os.PathLike[str]) -> None:
     base = os.path.realpath(inside)
     real = _fd_real_path(fd)
     if real is None:  # fall back to: the name now resolves to the very file we hold, and inside base
@@ -205,7 +208,7 @@ class BytesSource:
 class ConcatSource:
     """Several sources, one after the other (protobuf fields split over occurrences)."""
 
-    parts: list
+    parts: Sequence[PayloadSource]
 
     @property
     def nbytes(self) -> int:
@@ -221,10 +224,10 @@ class ConcatSource:
             yield from part.chunks(chunk_size)
 
 
-_OUT_SUPPORT: dict[Callable, bool] = {}
+_OUT_SUPPORT: dict[Callable[..., object], bool] = {}
 
 
-def _accepts_out(convert: Callable) -> bool:
+def _accepts_out(convert: Callable[..., object]) -> bool:
     """Whether ``convert(chunk, out=buffer)`` writes into ``buffer`` (converters that do not are still used,
     allocating their result)."""
     known = _OUT_SUPPORT.get(convert)
@@ -282,7 +285,7 @@ class ElementwiseSource:
                 turn ^= 1
             else:  # a carried piece can exceed one chunk: rare, allocate
                 result = self.convert(piece[:whole])
-            yield memoryview(result).cast("B")
+            yield result.data.cast("B")
         if carry:
             raise InvalidModel("payload length is not a whole number of elements")
 

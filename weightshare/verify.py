@@ -18,6 +18,7 @@ from .compare import differences
 from .errors import InvalidModel, UsageError, WeightshareError
 from .formats import detect_format, get
 from .inventory import inventory
+from .report import JsonDict
 
 
 class OriginalFails(WeightshareError):
@@ -43,7 +44,7 @@ class VerifyReport:
     def passed(self) -> bool:
         return not self.mismatches and not self.checksum_mismatches
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> JsonDict:
         return {**asdict(self), "passed": self.passed}
 
 
@@ -98,7 +99,7 @@ def _check_blob(report: VerifyReport, converted: Path) -> bool:
     return broken
 
 
-def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int = 3,
+def verify(original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int = 3,
            dims: dict[str, int] | None = None, seed: int = 0, inputs: dict[str, Any] | None = None,
            shapes: dict[str, list[int]] | None = None) -> VerifyReport:
     """Run ``original`` and ``converted`` on the same inputs and compare; re-hash the blob.
@@ -125,7 +126,7 @@ def verify(original: str | os.PathLike, converted: str | os.PathLike, runs: int 
     return report
 
 
-def load_input(name: str, file: str | os.PathLike) -> Any:
+def load_input(name: str, file: str | os.PathLike[str]) -> Any:
     """A value for ``--input NAME=FILE``: a .npy array, or a serialized ONNX TensorProto (.pb)."""
     import numpy as np
 

@@ -7,8 +7,8 @@ to add one, add the folder and its name to ``_BUILTIN`` (or call ``register`` at
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from ..errors import InvalidModel, Unsupported
 from .base import BenchRuntime, Format

@@ -8,13 +8,31 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
+from ..report import JsonDict
+
+if TYPE_CHECKING:
+    from ai_edge_litert.compiled_model import CompiledModel
+    from ai_edge_litert.interpreter import Interpreter
+
+
+class TensorDetails(TypedDict, total=False):
+    """One entry of LiteRT's ``get_input_details()`` / ``get_tensor_details()`` (the keys read here)."""
+
+    name: str
+    index: int
+    shape: np.ndarray
+    shape_signature: np.ndarray
+    dtype: type[np.generic]
+
 
 @contextmanager
-def native_stderr_silenced():
+def native_stderr_silenced() -> Iterator[None]:
     """LiteRT's C++ logs ("INFO: Created TensorFlow Lite XNNPACK delegate", kernel errors) go straight to fd 2;
     a CI gate's stderr must hold only our one line. Errors still arrive as Python exceptions."""
     sys.stderr.flush()
@@ -41,7 +59,7 @@ def silence_native_stderr_until_exit() -> None:
 MODES = ("no delegate", "XNNPACK")
 
 
-def new_interpreter(model_path: str, share: bool = True, allocate: bool = True):
+def new_interpreter(model_path: str, share: bool = True, allocate: bool = True) -> Interpreter:
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
     kwargs = {"experimental_op_resolver_type": OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES} if share else {}
@@ -51,7 +69,8 @@ def new_interpreter(model_path: str, share: bool = True, allocate: bool = True):
     return interp
 
 
-def _random_array(rng, shape, dtype, bound: int | None = None) -> np.ndarray:
+def _random_array(rng: np.random.Generator, shape: list[int], dtype: np.typing.DTypeLike,
+                  bound: int | None = None) -> np.ndarray:
     dtype = np.dtype(dtype)
     if bound is not None:
         return rng.integers(0, bound, shape).astype(dtype)
@@ -67,7 +86,7 @@ def _random_array(rng, shape, dtype, bound: int | None = None) -> np.ndarray:
 _INDEXING = {"GATHER": (1, 0), "GATHER_ND": (1, 0), "EMBEDDING_LOOKUP": (0, 1)}
 
 
-def index_bounds(interp) -> dict[int, int | None]:
+def index_bounds(interp: Interpreter) -> dict[int, int | None]:
     """Tensor index of a graph input used as indices -> exclusive bound (None when unknown)."""
     try:
         ops = interp._get_ops_details()  # no public API lists ops and their tensors
@@ -87,33 +106,34 @@ def index_bounds(interp) -> dict[int, int | None]:
     return bounds
 
 
-def _shape(details: dict, shapes: dict[str, list[int]], dims: dict[str, int], name: str) -> list[int]:
+def _shape(details: TensorDetails, shapes: dict[str, list[int]], dims: dict[str, int], name: str) -> list[int]:
     if name in shapes:
         return shapes[name]
-    sig = details.get("shape_signature")
-    sig = [int(x) for x in (sig if sig is not None and len(sig) else details["shape"])]
+    signature = details.get("shape_signature")
+    sig = [int(x) for x in (signature if signature is not None and len(signature) else details["shape"])]
     return [d if d >= 0 else dims.get("*", 1) for d in sig]
 
 
 class EntryPoint:
     """One signature (or the primary subgraph): seeded random feeds in, outputs by name out."""
 
-    def __init__(self, interp, key: str | None):
+    def __init__(self, interp: Interpreter, key: str | None):
         self.interp, self.key = interp, key
         self.runner = interp.get_signature_runner(key) if key else None
 
-    def input_details(self) -> dict[str, dict]:
+    def input_details(self) -> dict[str, TensorDetails]:
         if self.runner:
-            return self.runner.get_input_details()
+            details: dict[str, TensorDetails] = self.runner.get_input_details()
+            return details
         return {d["name"]: d for d in self.interp.get_input_details()}
 
-    def feeds(self, seed: int, given: dict | None = None, shapes: dict | None = None,
-              dims: dict | None = None) -> dict:
+    def feeds(self, seed: int, given: dict[str, np.ndarray] | None = None, shapes: dict[str, list[int]] | None = None,
+              dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
         from ..errors import UsageError
 
         rng = np.random.default_rng(seed)
         bounds = index_bounds(self.interp)
-        feeds = {}
+        feeds: dict[str, np.ndarray] = {}
         for name, d in self.input_details().items():
             if given and name in given:
                 feeds[name] = given[name]
@@ -125,7 +145,7 @@ class EntryPoint:
                                         bounds.get(d["index"]))
         return feeds
 
-    def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
+    def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.runner:
             return {k: np.array(v) for k, v in self.runner(**feeds).items()}
         details = self.interp.get_input_details()
@@ -137,14 +157,14 @@ class EntryPoint:
         return {d["name"]: o for d, o in zip(self.interp.get_output_details(), outs)}
 
 
-def entry_points(interp) -> list[tuple[str, EntryPoint]]:
+def entry_points(interp: Interpreter) -> list[tuple[str, EntryPoint]]:
     keys = list(interp.get_signature_list())
     if not keys:
         return [("", EntryPoint(interp, None))]
     return [(k, EntryPoint(interp, k)) for k in keys]
 
 
-def open_mode(model_path: str, mode: str):
+def open_mode(model_path: str, mode: str) -> Interpreter:
     """A classic Interpreter in one of ``MODES``."""
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
@@ -156,13 +176,14 @@ def open_mode(model_path: str, mode: str):
 class CompiledEntry:
     """One signature run through LiteRT's CompiledModel (the only loader of ExternalBuffer groups)."""
 
-    def __init__(self, model, key: str, feeds):
+    def __init__(self, model: CompiledModel, key: str,
+                 feeds: Callable[..., dict[str, np.ndarray]]):
         self.model, self.key = model, key
         self.feeds = feeds  # CompiledModel has no shape signatures or op list: the Interpreter's view makes inputs
         self.index = model.get_signature_index(key) if key else 0
         self.signature = model.get_signature_by_index(self.index)
 
-    def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
+    def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         key = self.signature.get("key", self.key)
         declared = self.model.get_input_tensor_details(key)
         for name in self.signature["inputs"]:
@@ -187,20 +208,20 @@ def compiled_entry_points(model_path: str, inputs_from: str) -> list[tuple[str, 
     return [(k, CompiledEntry(model, k, feeders[k].feeds)) for k in keys]
 
 
-def random_feeds(interp, seed: int = 0, dims: dict[str, int] | None = None) -> dict[int, np.ndarray]:
+def random_feeds(interp: Interpreter, seed: int = 0, dims: dict[str, int] | None = None) -> dict[int, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {d["index"]: _random_array(rng, [int(s) for s in d["shape"]], d["dtype"])
             for d in interp.get_input_details()}
 
 
-def run(interp, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:
+def run(interp: Interpreter, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:
     for index, value in feeds.items():
         interp.set_tensor(index, value)
     interp.invoke()
     return [interp.get_tensor(d["index"]).copy() for d in interp.get_output_details()]
 
 
-def _probe(model_path: str, counts: list[int], share: bool) -> list[dict]:
+def _probe(model_path: str, counts: list[int], share: bool) -> list[JsonDict]:
     """In this process: open interpreters one by one (each run once), memory after each count in ``counts``."""
     import time
 
@@ -217,8 +238,9 @@ def _probe(model_path: str, counts: list[int], share: bool) -> list[dict]:
     return rows
 
 
-def measure_interpreters(model_path: str, counts: list[int], share: bool = True) -> list[dict]:
+def measure_interpreters(model_path: str, counts: list[int], share: bool = True) -> list[JsonDict]:
     """Memory of 1..N interpreters of ``model_path`` in a fresh process."""
     from .memory import in_child
 
-    return in_child(__name__, "_probe", [model_path, sorted(counts), share])
+    rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share])
+    return rows

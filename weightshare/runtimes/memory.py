@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 
 def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
@@ -34,7 +35,7 @@ def memory_now(pid: int | str = "self") -> dict[str, float]:
     }
 
 
-def run_child_peak(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, float]:
+def run_child_peak(cmd: list[str], **kwargs: Any) -> tuple[subprocess.CompletedProcess[str], float]:
     """Run ``cmd`` to completion; return (result, its peak RSS in MiB).
 
     The peak is read from RUSAGE_CHILDREN in a fresh Python process that only
@@ -56,8 +57,8 @@ def run_child_peak(cmd: list[str], **kwargs) -> tuple[subprocess.CompletedProces
     return res, peak
 
 
-def in_child(module: str, func: str, args: list):
-    """Call ``module.func(*args)`` in a fresh Python process and return its JSON result.
+def in_child(module: str, func: str, args: list[object]) -> Any:
+    """Call ``module.func(*args)`` in a fresh Python process and return its JSON result (as ``json.loads`` does).
 
     Memory probes run in their own process so that nothing loaded before (another
     model, another runtime) is counted, and so that PSS is per process.

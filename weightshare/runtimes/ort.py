@@ -6,10 +6,17 @@ into a private heap copy per session, which defeats any sharing (DESIGN.md 7).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+from ..report import JsonDict
 from .memory import in_child, memory_now
 
+if TYPE_CHECKING:
+    import onnx
+    import onnxruntime as ort
 
-def session_options(share: bool = True, log_level: int = 3):
+
+def session_options(share: bool = True, log_level: int = 3) -> ort.SessionOptions:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -19,7 +26,7 @@ def session_options(share: bool = True, log_level: int = 3):
     return so
 
 
-def new_session(model_path: str, share: bool = True, log_level: int = 3):
+def new_session(model_path: str, share: bool = True, log_level: int = 3) -> ort.InferenceSession:
     import onnxruntime as ort
 
     ort.set_default_logger_severity(max(log_level, 3))  # the process-wide logger also prints load errors
@@ -37,7 +44,7 @@ _INDEXING = {"Gather": (1, 0), "GatherElements": (1, 0), "GatherND": (1, 0), "Sc
              "ScatterND": (1, 0), "Scatter": (1, 0)}
 
 
-def _known_shapes(graph) -> dict[str, list[int | None]]:
+def _known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
     shapes: dict[str, list[int | None]] = {t.name: list(t.dims) for t in graph.initializer}
     for vi in list(graph.input) + list(graph.value_info):
         if vi.name not in shapes and vi.type.HasField("tensor_type"):
@@ -76,8 +83,9 @@ def index_bounds(model_path: str) -> dict[str, int | None]:
     return bounds
 
 
-def random_feeds(session, seed: int = 0, dims: dict[str, int] | None = None, given: dict | None = None,
-                 bounds: dict[str, int | None] | None = None) -> dict:
+def random_feeds(session: ort.InferenceSession, seed: int = 0, dims: dict[str, int] | None = None,
+                 given: dict[str, Any] | None = None, bounds: dict[str, int | None] | None = None
+                 ) -> dict[str, Any]:
     """Seeded random inputs from a session's input signature, except those ``given``.
 
     Symbolic dims take ``dims[name]``, else ``dims["*"]``, else 1. Integer inputs
@@ -89,7 +97,7 @@ def random_feeds(session, seed: int = 0, dims: dict[str, int] | None = None, giv
 
     rng = np.random.default_rng(seed)
     dims, given, bounds = dims or {}, given or {}, bounds or {}
-    feeds = {}
+    feeds: dict[str, Any] = {}
     for inp in session.get_inputs():
         if inp.name in given:
             feeds[inp.name] = given[inp.name]
@@ -113,7 +121,7 @@ def random_feeds(session, seed: int = 0, dims: dict[str, int] | None = None, giv
     return feeds
 
 
-def _probe(model_path: str, counts: list[int], share: bool) -> list[dict]:
+def _probe(model_path: str, counts: list[int], share: bool) -> list[JsonDict]:
     """In this process: open sessions one by one, record memory after each count in ``counts``."""
     import time
 
@@ -131,7 +139,7 @@ def _probe(model_path: str, counts: list[int], share: bool) -> list[dict]:
     return rows
 
 
-def _probe_models(model_paths: list[str], share: bool) -> list[dict]:
+def _probe_models(model_paths: list[str], share: bool) -> list[JsonDict]:
     """In this process: one session of each model, memory after each."""
     rows, sessions = [], []
     for i, path in enumerate(model_paths):
@@ -142,11 +150,13 @@ def _probe_models(model_paths: list[str], share: bool) -> list[dict]:
     return rows
 
 
-def measure_models(model_paths: list[str], share: bool = True) -> list[dict]:
+def measure_models(model_paths: list[str], share: bool = True) -> list[JsonDict]:
     """Memory of one session of each model, all in one fresh process (zoo sharing)."""
-    return in_child(__name__, "_probe_models", [model_paths, share])
+    rows: list[JsonDict] = in_child(__name__, "_probe_models", [model_paths, share])
+    return rows
 
 
-def measure_sessions(model_path: str, counts: list[int], share: bool = True) -> list[dict]:
+def measure_sessions(model_path: str, counts: list[int], share: bool = True) -> list[JsonDict]:
     """Memory of 1..N ONNX Runtime sessions of ``model_path``, in a fresh process."""
-    return in_child(__name__, "_probe", [model_path, sorted(counts), share])
+    rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share])
+    return rows

@@ -10,16 +10,34 @@ record, write the spec, copy every other file of the package byte for byte.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from google.protobuf.message import Message
 
 from ...atomic import OutputTransaction
 from ...blob import align_up
 from ...errors import InvalidModel, OutputError
 from ...options import ConvertOptions
-from ...report import ConversionReport
+from ...report import ConversionReport, JsonDict
 from .milblob import RECORD_ALIGN, RECORD_SIZE, BlobRecord, WeightFile, WeightFileWriter
-from .package import (MANIFEST, MODEL_PATH_PREFIX, WEIGHT_FILE, WEIGHTS_NAME, Package, copy_tree, dump_manifest,
-                      read_package, resolve_blob_file, stable_id, write_file)
+from .package import (
+    MANIFEST,
+    MODEL_PATH_PREFIX,
+    WEIGHT_FILE,
+    WEIGHTS_NAME,
+    Package,
+    copy_tree,
+    dump_manifest,
+    read_package,
+    resolve_blob_file,
+    stable_id,
+    write_file,
+)
+
+if TYPE_CHECKING:
+    from coremltools.proto import MIL_pb2
 
 BLOB_FILE_VALUE = "CoreML.Specification.MILSpec.Value.BlobFileValue"
 NEW_FILE_NAME = f"{MODEL_PATH_PREFIX}{WEIGHTS_NAME}/{WEIGHT_FILE}"
@@ -28,7 +46,8 @@ NEW_FILE_NAME = f"{MODEL_PATH_PREFIX}{WEIGHTS_NAME}/{WEIGHT_FILE}"
 MAX_DEPTH = 400
 
 
-def iter_blob_file_values(message, depth: int = 0, origin=None):
+def iter_blob_file_values(message: Message, depth: int = 0, origin: Path | None = None
+                          ) -> Iterator[MIL_pb2.Value.BlobFileValue]:
     """Yield every ``BlobFileValue`` below ``message``, in field order (deterministic)."""
     if depth > MAX_DEPTH:
         raise InvalidModel(f"program nesting is deeper than {MAX_DEPTH} levels", origin)
@@ -42,7 +61,7 @@ def iter_blob_file_values(message, depth: int = 0, origin=None):
             value_fd = fd.message_type.fields_by_name["value"]
             if value_fd.message_type is None:
                 continue
-            children = [value[k] for k in sorted(value)]
+            children: Iterable[Message] = [value[k] for k in sorted(value)]
         elif fd.is_repeated:
             children = value
         else:
@@ -64,10 +83,10 @@ class BlobRelocator:
         self.writer = writer
         self._files: dict[Path, WeightFile] = {}
         self._records: dict[tuple[Path, int], BlobRecord] = {}  # first-seen order
-        self._values: list[tuple[object, tuple[Path, int]]] = []
+        self._values: list[tuple[MIL_pb2.Value.BlobFileValue, tuple[Path, int]]] = []
         self.referenced: set[Path] = set()
 
-    def collect(self, pkg: Package, message) -> None:
+    def collect(self, pkg: Package, message: Message) -> None:
         for bfv in iter_blob_file_values(message, origin=pkg.model_path):
             path = resolve_blob_file(pkg, bfv.fileName)
             key = (path, bfv.offset)
@@ -94,7 +113,7 @@ class BlobRelocator:
         data = align_up(align_up(end, RECORD_ALIGN) + RECORD_SIZE, self.writer.blob.policy.for_size(nbytes))
         return data, data + nbytes
 
-    def _in_layout_order(self):
+    def _in_layout_order(self) -> Iterator[tuple[Path, int]]:
         """Yield record keys so that small payloads fill the alignment gaps before large ones.
 
         Each record must sit at the 64-byte boundary after the previous payload (the
@@ -104,12 +123,13 @@ class BlobRelocator:
         only on the input, so the output stays deterministic.
         """
         policy = self.writer.blob.policy
-        large, small = [], []
+        large: list[tuple[Path, int]] = []
+        small: list[tuple[Path, int]] = []
         for key, rec in self._records.items():
             (large if policy.for_size(rec.nbytes) > RECORD_ALIGN else small).append(key)
         for key in large:
             target, _ = self._place(self.writer.blob.end, self._records[key].nbytes)
-            kept = []
+            kept: list[tuple[Path, int]] = []
             for i, s in enumerate(small):
                 end = self.writer.blob.end
                 if align_up(end, RECORD_ALIGN) + 3 * RECORD_SIZE > target:  # not even a 1-byte payload fits
@@ -195,7 +215,7 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
     return report
 
 
-def _manifest_with_weights(pkg: Package, model_rel: Path) -> dict:
+def _manifest_with_weights(pkg: Package, model_rel: Path) -> JsonDict:
     """The source manifest, unchanged when it already lists the weights directory where we write it."""
     want = (model_rel.parent / WEIGHTS_NAME).as_posix()
     item = pkg.items.get(pkg.weights_id) if pkg.weights_id else None

@@ -13,16 +13,23 @@ only a package that cannot be read at all (manifest, spec) raises.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from google.protobuf.message import Message
 
 from ...errors import InvalidModel, UnsafePath, WeightshareError
 from ...findings import problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
 from .convert import MAX_DEPTH
-from .milblob import WeightFile
+from .milblob import BlobRecord, WeightFile
 from .package import MODEL_PATH_PREFIX, Package, read_package, resolve_blob_file, spec_protos
+
+if TYPE_CHECKING:
+    from coremltools.proto import MIL_pb2
 
 VALUE = "CoreML.Specification.MILSpec.Value"
 OPERATION = "CoreML.Specification.MILSpec.Operation"
@@ -43,9 +50,9 @@ ENCODINGS = {
 class BlobSite:
     """One ``Value`` holding a ``BlobFileValue``, with the op (if any) and the input/attribute name it sits under."""
 
-    value: object  # MILSpec.Value
+    value: MIL_pb2.Value
     scope: str  # function name ("" for program attributes)
-    op: object | None  # MILSpec.Operation
+    op: MIL_pb2.Operation | None
     role: str
 
     @property
@@ -64,7 +71,8 @@ class BlobSite:
         return f"{ENCODINGS.get(self.op.type, self.op.type)} {self.role}"
 
 
-def blob_sites(message, origin=None, scope: str = "", op=None, role: str = "", depth: int = 0):
+def blob_sites(message: Message, origin: Path | None = None, scope: str = "", op: MIL_pb2.Operation | None = None,
+               role: str = "", depth: int = 0) -> Iterator[BlobSite]:
     """Yield a ``BlobSite`` for every ``BlobFileValue`` below ``message``, in field order (convert's order)."""
     if depth > MAX_DEPTH:
         raise InvalidModel(f"program nesting is deeper than {MAX_DEPTH} levels", origin)
@@ -80,7 +88,7 @@ def blob_sites(message, origin=None, scope: str = "", op=None, role: str = "", d
         if fd.message_type.GetOptions().map_entry:
             if fd.message_type.fields_by_name["value"].message_type is None:
                 continue
-            children = [(k, value[k]) for k in sorted(value)]
+            children: list[tuple[str | None, Message]] = [(k, value[k]) for k in sorted(value)]
         elif fd.is_repeated:
             children = [(None, v) for v in value]
         else:
@@ -94,7 +102,7 @@ def blob_sites(message, origin=None, scope: str = "", op=None, role: str = "", d
             yield from blob_sites(child, origin, child_scope, op, child_role, depth + 1)
 
 
-def _declared(value) -> tuple[str, tuple[int, ...]]:
+def _declared(value: MIL_pb2.Value) -> tuple[str, tuple[int, ...]]:
     """(dtype, shape) from the value's type; -1 for a dimension that is not a constant."""
     _, MIL_pb2 = spec_protos()
     tt = value.type.tensorType
@@ -121,7 +129,7 @@ class BlobLocator:
         self.root = pkg.root.resolve()
         self._files: dict[Path, WeightFile | WeightshareError] = {}
 
-    def locate(self, file_name: str, offset: int):
+    def locate(self, file_name: str, offset: int) -> tuple[Path, WeightFile, BlobRecord]:
         """(path, WeightFile, record); raises WeightshareError for every broken reference."""
         path = resolve_blob_file(self.pkg, file_name)
         wf = self._files.get(path)
@@ -152,7 +160,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     policy = ConvertOptions().align
     locator = BlobLocator(pkg)
     hashes: dict[tuple[Path, int], str] = {}  # (file, record offset) -> sha256: one record referenced twice
-    stored: dict[tuple, tuple[Path, int]] = {}  # (dtype, padding, nbytes, sha256) -> first record with those bytes
+    # (dtype, padding, nbytes, sha256) -> first record with those bytes
+    stored: dict[tuple[int, int, int, str], tuple[Path, int]] = {}
     files = set()
     qualify = len(pkg.spec.mlProgram.functions) > 1  # op names repeat across functions
     for site in blob_sites(pkg.spec.mlProgram, pkg.model_path):

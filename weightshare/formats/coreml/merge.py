@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...atomic import OutputTransaction
 from ...errors import InvalidModel, Unsupported, UsageError
@@ -27,8 +29,22 @@ from ...options import ConvertOptions
 from ...report import ConversionReport
 from .convert import BlobRelocator, fill_report, open_weight_file
 from .milblob import WeightFileWriter
-from .package import (AUTHOR, MANIFEST, MODEL_NAME, WEIGHT_FILE, WEIGHTS_NAME, Package, dump_manifest,
-                      read_package, spec_protos, stable_id, write_file)
+from .package import (
+    AUTHOR,
+    MANIFEST,
+    MODEL_NAME,
+    WEIGHT_FILE,
+    WEIGHTS_NAME,
+    Package,
+    dump_manifest,
+    read_package,
+    spec_protos,
+    stable_id,
+    write_file,
+)
+
+if TYPE_CHECKING:
+    from coremltools.proto import MIL_pb2
 
 SPEC_VERSION_IOS18 = 9  # multifunction models need Core ML 8 (iOS 18 / macOS 15)
 # Specification version -> MIL opset name (coremltools converters/mil/backend/mil/load.py ``_OPSET``).
@@ -166,7 +182,7 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
 REDEFINED_IN_IOS18 = {"constexpr_lut_to_dense", "constexpr_sparse_to_dense"}
 
 
-def _op_types(block, depth: int = 0):
+def _op_types(block: MIL_pb2.Block, depth: int = 0) -> Iterator[str]:
     if depth > 64:
         return
     for op in block.operations:
@@ -186,7 +202,7 @@ def opset_number(name: str, pkg: Package) -> int:
     return int(match.group(1))
 
 
-def relabel_opset(func, opset: str, pkg: Package) -> None:
+def relabel_opset(func: MIL_pb2.Function, opset: str, pkg: Package) -> None:
     """Declare the function in the output's opset, as save_multifunction does.
 
     coremltools exports every function of a multifunction program with the opset of the

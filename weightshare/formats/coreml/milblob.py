@@ -28,9 +28,9 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ...blob import AlignPolicy, BlobWriter, digest_of
+from ...blob import AlignPolicy, BlobWriter, Progress, digest_of
 from ...errors import InvalidModel, OutputError
-from ...tensors import FileRange, open_input
+from ...tensors import FileRange, PayloadSource, open_input
 
 HEADER_SIZE = 64
 RECORD_SIZE = 64
@@ -71,7 +71,7 @@ class WeightFile:
     returned as ``FileRange`` sources for chunked copying.
     """
 
-    def __init__(self, path: str | os.PathLike, inside: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike[str], inside: str | os.PathLike[str] | None = None):
         """``inside``: the directory ``path`` was checked to lie in (``resolve_inside``); the file is opened
         once, refused unless it is a regular file still inside it, and every read goes through that fd."""
         self.path = os.fspath(path)
@@ -149,7 +149,7 @@ class WeightFileWriter:
         w.finish()
     """
 
-    def __init__(self, fd: int, policy: AlignPolicy = AlignPolicy(), progress=None):
+    def __init__(self, fd: int, policy: AlignPolicy = AlignPolicy(), progress: Progress | None = None):
         self.blob = BlobWriter(fd, HEADER_SIZE, policy, dedupe=True)
         self.progress = progress
         self.count = 0
@@ -160,7 +160,7 @@ class WeightFileWriter:
         self._lengths: set[tuple[str, int]] = set()
         self.blob.pwrite(pack_header(0), 0)
 
-    def add(self, rec: BlobRecord, source) -> int:
+    def add(self, rec: BlobRecord, source: PayloadSource) -> int:
         """Copy one payload; return the offset of its metadata record in the new file."""
         # The dtype and padding are part of the identity: the same bytes read as fp16 and as
         # uint8 are two blobs to the reader, which checks the record's dtype.
@@ -180,11 +180,13 @@ class WeightFileWriter:
                               progress=self.progress)
         if entry.duplicate or expected not in (None, entry.sha256):
             raise InvalidModel("weight data changed while it was being read", getattr(source, "path", None))
+        record_at = entry.prefix_offset
+        assert record_at is not None  # set whenever prefix_size is
         self._lengths.add((tag, source.nbytes))
-        self._seen[(tag, source.nbytes, entry.sha256)] = entry.prefix_offset
-        self.blob.pwrite(pack_record(rec.dtype, entry.nbytes, entry.offset, rec.padding_bits), entry.prefix_offset)
+        self._seen[(tag, source.nbytes, entry.sha256)] = record_at
+        self.blob.pwrite(pack_record(rec.dtype, entry.nbytes, entry.offset, rec.padding_bits), record_at)
         self.count += 1
-        return entry.prefix_offset
+        return record_at
 
     def finish(self) -> int:
         """Write the header with the final count and fix the file length; return it."""

@@ -19,14 +19,21 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
 from ...errors import InvalidModel, OutputError, UnsafePath, Unsupported
 from ...paths import resolve_inside
+from ...report import JsonDict
+
+if TYPE_CHECKING:
+    from coremltools.proto import Model_pb2
 
 MANIFEST = "Manifest.json"
 AUTHOR = "com.apple.CoreML"
@@ -39,7 +46,7 @@ MAX_SPEC_BYTES = (2 << 30) - 1  # protobuf's own limit for one message
 
 
 @contextmanager
-def quiet_coremltools():
+def quiet_coremltools() -> Iterator[None]:
     """Import coremltools without its Linux warnings on stderr.
 
     Importing any part of coremltools runs its package __init__, which on Linux logs
@@ -56,7 +63,7 @@ def quiet_coremltools():
         logger.setLevel(level)
 
 
-def spec_protos():
+def spec_protos() -> tuple[ModuleType, ModuleType]:
     """coremltools' Model_pb2 and MIL_pb2 modules."""
     with quiet_coremltools():
         from coremltools.proto import MIL_pb2, Model_pb2
@@ -68,12 +75,12 @@ class Package:
     """A parsed .mlpackage: its manifest, the root model item and the parsed spec."""
 
     root: Path
-    manifest: dict
+    manifest: JsonDict
     root_id: str
     model_path: Path  # resolved path of the root model spec file
-    spec: object  # coremltools.proto.Model_pb2.Model
+    spec: Model_pb2.Model
     weights_id: str | None = None
-    items: dict = field(default_factory=dict)
+    items: dict[str, JsonDict] = field(default_factory=dict)
 
     @property
     def data_dir(self) -> Path:
@@ -85,14 +92,15 @@ class Package:
         return self.model_path.parent
 
     def model_item_path(self) -> str:
-        return self.items[self.root_id]["path"]
+        path: str = self.items[self.root_id]["path"]
+        return path
 
 
 def _manifest_error(message: str, path: Path) -> InvalidModel:
     return InvalidModel(f"Manifest.json {message}", path)
 
 
-def read_manifest(root: Path) -> dict:
+def read_manifest(root: Path) -> JsonDict:
     path = root / MANIFEST
     if path.is_symlink():
         raise UnsafePath("Manifest.json is a symlink; refusing to follow it", path)
@@ -181,7 +189,7 @@ def stable_id(*parts: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, "weightshare:" + "/".join(parts))).upper()
 
 
-def dump_manifest(manifest: dict) -> bytes:
+def dump_manifest(manifest: JsonDict) -> bytes:
     # The layout coremltools' ModelPackage writes: 4-space indent, sorted keys.
     return json.dumps(manifest, indent=4, sort_keys=True).encode() + b"\n"
 

@@ -11,15 +11,24 @@ pair of payloads in memory at a time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+from google.protobuf.message import Message
 
 from ...errors import WeightshareError
 from ...verify import VerifyReport
 from .convert import iter_blob_file_values
 from .inventory import BlobLocator, blob_sites
-from .package import quiet_coremltools, read_package
+from .milblob import BlobRecord, WeightFile
+from .package import Package, quiet_coremltools, read_package
+
+if TYPE_CHECKING:
+    from coremltools.proto import MIL_pb2
+
+_M = TypeVar("_M", bound=Message)
 
 # MIL blob dtype -> _BlobStorageReader method; bfloat16 and the float8 types have none and are compared as bytes.
 READERS = {1: "read_fp16_data", 2: "read_float_data", 3: "read_uint8_data", 4: "read_int8_data",
@@ -29,13 +38,14 @@ READERS = {1: "read_fp16_data", 2: "read_float_data", 3: "read_uint8_data", 4: "
 MAX_LINES = 50  # per kind of difference: one broken conversion should not print a line per op
 
 
-def _blob_reader_class():
+def _blob_reader_class() -> Callable[[str], Any]:
     with quiet_coremltools():
         from coremltools.libmilstoragepython import _BlobStorageReader
-    return _BlobStorageReader
+    reader_class: Callable[[str], Any] = _BlobStorageReader
+    return reader_class
 
 
-def _without_blob_places(message):
+def _without_blob_places(message: _M) -> _M:
     """A copy of ``message`` with every BlobFileValue's file and offset cleared: what convert may change."""
     copy = type(message)()
     copy.CopyFrom(message)
@@ -57,7 +67,7 @@ class _Differ:
         elif self.lines == MAX_LINES + 1:
             self.report.mismatches.append("... more program differences not listed")
 
-    def fields(self, label: str, a, b, skip: tuple[str, ...] = ()) -> None:
+    def fields(self, label: str, a: Message, b: Message, skip: tuple[str, ...] = ()) -> None:
         """One line per differing field of two messages of the same type (map fields: per key)."""
         for fd in a.DESCRIPTOR.fields:
             if fd.name in skip:
@@ -74,7 +84,7 @@ class _Differ:
             elif va != vb:
                 self.add(f"{label}: {fd.name} differs")
 
-    def block(self, label: str, a, b) -> None:
+    def block(self, label: str, a: MIL_pb2.Block, b: MIL_pb2.Block) -> None:
         self.fields(label, a, b, skip=("operations",))
         if len(a.operations) != len(b.operations):
             self.add(f"{label}: {len(a.operations)} ops in the original, {len(b.operations)} in the converted model")
@@ -88,7 +98,7 @@ class _Differ:
             for j, (ba, bb) in enumerate(zip(oa.blocks, ob.blocks)):
                 self.block(f"{op_label} block {j}", ba, bb)
 
-    def program(self, a, b) -> None:
+    def program(self, a: MIL_pb2.Program, b: MIL_pb2.Program) -> None:
         self.fields("program", a, b, skip=("functions",))
         for name in sorted(set(a.functions) | set(b.functions)):
             if name not in b.functions:
@@ -113,10 +123,10 @@ class _Decoder:
         self.locator = locator
         self._readers: dict[Path, object] = {}
 
-    def locate(self, bfv):
+    def locate(self, bfv: MIL_pb2.Value.BlobFileValue) -> tuple[Path, WeightFile, BlobRecord]:
         return self.locator.locate(bfv.fileName, bfv.offset)
 
-    def decode(self, path: Path, rec) -> np.ndarray | None:
+    def decode(self, path: Path, rec: BlobRecord) -> np.ndarray | None:
         method = READERS.get(rec.dtype)
         if method is None:
             return None
@@ -126,7 +136,7 @@ class _Decoder:
         return np.asarray(getattr(reader, method)(rec.offset))
 
 
-def _same_stored_bytes(wf_a, rec_a, wf_b, rec_b) -> bool:
+def _same_stored_bytes(wf_a: WeightFile, rec_a: BlobRecord, wf_b: WeightFile, rec_b: BlobRecord) -> bool:
     if rec_a.nbytes != rec_b.nbytes:
         return False
     chunks_b = wf_b.payload(rec_b).chunks()
@@ -141,7 +151,7 @@ def _same_stored_bytes(wf_a, rec_a, wf_b, rec_b) -> bool:
     return True
 
 
-def _compare_weights(report: VerifyReport, a, b) -> None:
+def _compare_weights(report: VerifyReport, a: Package, b: Package) -> None:
     sites_a = list(blob_sites(a.spec.mlProgram, a.model_path))
     sites_b = list(blob_sites(b.spec.mlProgram, b.model_path))
     if len(sites_a) != len(sites_b):
@@ -149,7 +159,7 @@ def _compare_weights(report: VerifyReport, a, b) -> None:
                                  "model; weights not compared")
         return
     dec_a, dec_b = _Decoder(BlobLocator(a)), _Decoder(BlobLocator(b))
-    done: set[tuple] = set()
+    done: set[tuple[Path, int, Path, int]] = set()
     as_bytes = 0
     for sa, sb in zip(sites_a, sites_b):
         name = f"{sa.scope}/{sa.name}" if sa.op is not None and len(a.spec.mlProgram.functions) > 1 else sa.name
@@ -180,7 +190,7 @@ def _compare_weights(report: VerifyReport, a, b) -> None:
             as_bytes += 1
             same = _same_stored_bytes(wf_a, rec_a, wf_b, rec_b)
         else:
-            same = x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+            same = y is not None and x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
         if not same:
             report.mismatches.append(f"weight {name!r} ({rec_a.dtype_name}, {rec_a.nbytes} bytes): decoded "
                                      f"values differ (converted: {path_b.name} record at offset {rec_b.offset})")

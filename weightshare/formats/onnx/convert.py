@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,14 +25,12 @@ from ...errors import InvalidModel
 from ...options import ConvertOptions
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, \
-    read_all
+from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ortcpu import ORT_CPU, unpack_for_cpu
 from .scan import TensorRef, scan_model
-
 
 # A real shape tensor has a handful of elements; a "shape" this large is hostile or a mistake, and keeping
 # it inline would mean holding it in memory, so it moves like any other payload.
@@ -75,7 +74,7 @@ def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
 def _check_names_are_text(model: onnx.ModelProto, path: Path) -> None:
     """onnx.proto is proto2, so protobuf hands back invalid UTF-8 in string fields as bytes; refuse such names."""
     for scope in iter_scopes(model):
-        names = [*scope.input, *scope.output] if isinstance(scope, onnx.FunctionProto) else [
+        names: list[str | bytes] = [*scope.input, *scope.output] if isinstance(scope, onnx.FunctionProto) else [
             *(v.name for v in (*scope.input, *scope.output, *scope.value_info)),
             *(t.name for t in scope.initializer), *(sp.values.name for sp in scope.sparse_initializer)]
         for node in scope.node:
@@ -106,7 +105,7 @@ class _SignallingNanProbe:
             return not dtypes.fp16_has_signalling_nan(ref.native_source().chunks())
         return not dtypes.fp16_has_signalling_nan(self._raw_chunks(ref.parts))
 
-    def _raw_chunks(self, parts: list[FileRange]):
+    def _raw_chunks(self, parts: list[FileRange]) -> Iterator[bytes]:
         for part in parts:
             fd = self._fds.get(part.path)
             if fd is None:
@@ -182,7 +181,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     other = options.unpack - {ORT_CPU}
     if other:
         report.notes.append(f"--unpack {','.join(sorted(other))} is not implemented for ONNX; "
-                            "DequantizeLinear and sparse tensors were kept as they are")
+                            "sparse tensors were kept as they are")
     skeleton, refs = scan_model(src)
     model = load_skeleton(skeleton, src)
     del skeleton
@@ -211,9 +210,13 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             _set_inline(p, _read_wire(p.ref) if keep_wire else None)
 
     placed: list[tuple[onnx.TensorProto, BlobEntry]] = []
+
+    def placed_as(tensor: onnx.TensorProto) -> Callable[[BlobEntry], None]:
+        return lambda entry: placed.append((tensor, entry))
+
     payloads = [BlobPayload(PlannedTensor(p.site.name, dtypes.NAMES.get(dtypes.FLOAT if p.fold else p.ref.data_type,
                                                                        "uint8"), p.ref.dims, p.out_nbytes),
-                            p.source, p.ref.nbytes_in, lambda entry, t=p.site.tensor: placed.append((t, entry)))
+                            p.source, p.ref.nbytes_in, placed_as(p.site.tensor))
                 for p in placements if p.external]
 
     def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:

@@ -7,6 +7,8 @@ ceil(n * bits / 8) bytes, low bits first.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 FLOAT, UINT8, INT8, UINT16, INT16, INT32, INT64, STRING, BOOL, FLOAT16, DOUBLE = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
 UINT32, UINT64, COMPLEX64, COMPLEX128, BFLOAT16 = 12, 13, 14, 15, 16
 
@@ -65,7 +67,7 @@ def typed_layout(field: int, data_type: int, dims: tuple[int, ...]) -> tuple[str
     return None
 
 
-def fp16_has_signalling_nan(chunks) -> bool:
+def fp16_has_signalling_nan(chunks: Iterable[bytes | memoryview]) -> bool:
     """Whether any little-endian fp16 value in ``chunks`` (whole elements each) is a signalling NaN.
 
     Exponent all ones, quiet bit (0x0200) clear, rest of the mantissa non-zero: with the sign masked off that

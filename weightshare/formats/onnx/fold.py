@@ -15,7 +15,7 @@ subgraphs define), every fold of a scope decided first, then applied in one pass
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import onnx
 
@@ -55,7 +55,7 @@ def _is_cast_to_float(node: onnx.NodeProto) -> bool:
 class _ScopeIndex:
     """What a fold in one scope needs to know, built in one walk of the scope and its subgraphs."""
 
-    def __init__(self, scope):
+    def __init__(self, scope: onnx.GraphProto | onnx.FunctionProto) -> None:
         self.scope = scope
         if isinstance(scope, onnx.GraphProto):
             self.inputs = {v.name for v in scope.input}
@@ -87,7 +87,8 @@ class _ScopeIndex:
                 self.nested_defs.update(node.output)
             for g in subgraphs(node):
                 stack.extend((n, False) for n in g.node)
-                self.nested_defs.update(v.name for v in (*g.input, *g.initializer))
+                self.nested_defs.update(v.name for v in g.input)
+                self.nested_defs.update(t.name for t in g.initializer)
                 self.nested_defs.update(sp.values.name for sp in g.sparse_initializer)
                 for out in g.output:  # a subgraph may return an outer value directly
                     self.uses.setdefault(out.name, []).append((node, False))
@@ -125,7 +126,7 @@ def _protected_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
-def _graph_and_subgraphs(graph: onnx.GraphProto):
+def _graph_and_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     stack = [graph]
     while stack:
         g = stack.pop()
@@ -143,7 +144,7 @@ def fold_fp16_casts(model: onnx.ModelProto, sites: dict[int, Site],
     """
     protected = _protected_names(model)
     by_scope: dict[int, list[Site]] = {}
-    scopes: dict[int, object] = {}
+    scopes: dict[int, onnx.GraphProto | onnx.FunctionProto] = {}
     for site in sorted(sites.values(), key=lambda s: s.index):
         if site.tensor.data_type not in (dtypes.FLOAT16, dtypes.BFLOAT16):
             continue
@@ -181,6 +182,7 @@ def _apply_folds(index: _ScopeIndex, decided: list[tuple[Site, list[onnx.NodePro
         if site.kind == "initializer":
             site.tensor.name = keep
         else:
+            assert site.node is not None, "a Constant's site records its node"
             site.node.output[0] = keep
         stale.add(site.name)
         site.name = keep
@@ -199,7 +201,7 @@ def _apply_folds(index: _ScopeIndex, decided: list[tuple[Site, list[onnx.NodePro
         scope.value_info.extend(kept_vi)
 
 
-def _rename_inputs(nodes, mapping: dict[str, str]) -> None:
+def _rename_inputs(nodes: Iterable[onnx.NodeProto], mapping: dict[str, str]) -> None:
     stack = list(nodes)
     while stack:
         node = stack.pop()

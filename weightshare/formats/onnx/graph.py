@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import onnx
 
@@ -32,13 +33,13 @@ def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
 
 def iter_scopes(model: onnx.ModelProto) -> Iterator[onnx.GraphProto | onnx.FunctionProto]:
     """Every graph (main, nested at any depth, training) and every model-local function."""
-    stack: list = []
+    stack: list[onnx.GraphProto | onnx.FunctionProto] = []
     if model.HasField("graph"):
         stack.append(model.graph)
     for info in model.training_info:
         stack.extend(g for g in (info.initialization, info.algorithm) if g.ByteSize())
     stack.extend(reversed(model.functions))
-    seen: list = []
+    seen: list[onnx.GraphProto | onnx.FunctionProto] = []
     while stack:
         scope = stack.pop()
         seen.append(scope)
@@ -57,7 +58,7 @@ def ref_index(tensor: onnx.TensorProto) -> int | None:
 def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
     sites: dict[int, Site] = {}
 
-    def add(tensor: onnx.TensorProto, name: str, kind: str, node=None) -> None:
+    def add(tensor: onnx.TensorProto, name: str, kind: str, node: onnx.NodeProto | None = None) -> None:
         index = ref_index(tensor)
         if index is not None:
             # A Constant's value is known by the node's output name; the tensor's own name is decoration.
@@ -87,7 +88,7 @@ def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
     return sites
 
 
-def check_unique_constants(model: onnx.ModelProto, path) -> None:
+def check_unique_constants(model: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
     """Refuse a scope that defines one constant name twice (initializers, sparse initializers, Constants).
 
     ORT loads such a model with a warning, but which definition wins depends on how each is stored

@@ -49,12 +49,12 @@ NCHWC_BLOCK = 8  # the smallest NCHWc block (AVX2); AVX-512 machines use 16 and 
 class _LenientScanner(Scanner):
     """Records a broken external reference as a finding instead of stopping the whole inspection."""
 
-    def __init__(self, wf, model_dir):
+    def __init__(self, wf: WireFile, model_dir: Path) -> None:
         super().__init__(wf, model_dir)
         self.problems: dict[int, tuple[str, str, str]] = {}  # ref index -> (location, problem, code)
         self.prepacked: set[int] = set()  # refs whose external data carries ORT's pre-packed copy (--prepack)
 
-    def _external_range(self, name, info, expected):
+    def _external_range(self, name: str, info: dict[str, str], expected: int) -> FileRange:
         if any(key.startswith("prepacked") for key in info):
             self.prepacked.add(len(self.refs))
         try:
@@ -67,27 +67,27 @@ class _LenientScanner(Scanner):
             return FileRange(self.wf.path, 0, 0)
 
 
-def _uses(scope) -> dict[str, list[tuple[object, int]]]:
+def _uses(scope: onnx.GraphProto | onnx.FunctionProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
     """value name -> [(node, input position)] in one scope."""
-    uses: dict[str, list[tuple[object, int]]] = {}
+    uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
     for node in scope.node:
         for i, name in enumerate(node.input):
             uses.setdefault(name, []).append((node, i))
     return uses
 
 
-def _attr(node, name: str, default: int) -> int:
+def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
     return next((a.i for a in node.attribute if a.name == name), default)
 
 
-def _nchwc_reordered(node, dims: list[int]) -> bool:
+def _nchwc_reordered(node: onnx.NodeProto, dims: list[int]) -> bool:
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(dims) != 4 or dims[0] % NCHWC_BLOCK:
         return False
     group = _attr(node, "group", 1)
     return group == 1 or (group == dims[0] and dims[1] == 1)  # plain or depthwise: NCHWc has kernels for both
 
 
-def _ort_copies(site: Site, uses: list[tuple[object, int]], packed: bool) -> tuple[int, int, str, str]:
+def _ort_copies(site: Site, uses: list[tuple[onnx.NodeProto, int]], packed: bool) -> tuple[int, int, str, str]:
     """(bytes copied under every setting, extra bytes at default options only, why, finding code) of a constant."""
     t = site.tensor
     if t.data_type != dtypes.FLOAT:
@@ -121,7 +121,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     placements = plan(refs, sites, folded, shape_tensor_names(model), ConvertOptions())
     external_files = set()
     inv.settings = [ORT_SHARE, ORT_DEFAULT]
-    uses_by_scope: dict[int, dict] = {}
+    uses_by_scope: dict[int, dict[str, list[tuple[onnx.NodeProto, int]]]] = {}
     to_hash = []
     for p in placements:
         ref = p.ref
@@ -165,7 +165,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     inv.external_files = sorted(external_files)
     sums = {name: recorded_checksums(str(path.resolve().parent / name)) for name in external_files}
     for info in inv.payloads:
-        if info.location == "external" and info.file in sums:
+        if info.location == "external" and info.file in sums and info.offset is not None:
             info.recorded_sha256 = sums[info.file].get(info.offset, "")
     for info, source in to_hash:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
         info.sha256 = sha256_of(source, info.recorded_sha256)

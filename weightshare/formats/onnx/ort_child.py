@@ -16,6 +16,10 @@ from __future__ import annotations
 import json
 import platform
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import onnx
 
 # /proc/cpuinfo flags that select MLAS kernels (SGEMM packing, NCHWc block size, int8 paths).
 CPU_FLAGS = ("sse4_1", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -36,7 +40,9 @@ def nchwc_block_size() -> int:
     import numpy as np
     import onnx
     import onnxruntime as ort
-    from onnx import TensorProto as T, helper as h, numpy_helper as nh
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
 
     graph = h.make_graph([h.make_node("Conv", ["x", "w"], ["y"])], "probe",
                          [h.make_tensor_value_info("x", T.FLOAT, [1, 8, 4, 4])],
@@ -76,7 +82,8 @@ def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> No
     ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def _one_node_model(node, graph, inits: dict):
+def _one_node_model(node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto]
+                    ) -> onnx.ModelProto:
     """``node`` alone, its constant inputs as (external) initializers, the others as untyped-shape inputs."""
     import onnx
     from onnx import helper as h

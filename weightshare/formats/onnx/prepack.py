@@ -19,24 +19,26 @@ Steps:
 
 from __future__ import annotations
 
-import importlib.util
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
 import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import onnx
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from ...atomic import TMP_PREFIX, OutputTransaction
 from ...blob import BlobEntry, PlannedTensor
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
-from ...report import ConversionReport
+from ...report import ConversionReport, JsonDict
 from ...runtimes.memory import run_child_peak
 from ...tensors import FileRange
 from . import dtypes
@@ -55,7 +57,7 @@ def portable_name(model_name: str) -> str:
     return f"{stem}.portable.onnx"
 
 
-def external_tensors(msg) -> Iterator[onnx.TensorProto]:
+def external_tensors(msg: Message) -> Iterator[onnx.TensorProto]:
     """Every tensor with external data anywhere in ``msg`` (initializers, attributes, subgraphs, functions)."""
     if isinstance(msg, onnx.TensorProto):
         if msg.data_location == onnx.TensorProto.EXTERNAL:
@@ -68,10 +70,10 @@ def external_tensors(msg) -> Iterator[onnx.TensorProto]:
             yield from external_tensors(item)
 
 
-def _repeated(field) -> bool:
+def _repeated(field: FieldDescriptor) -> bool:
     # protobuf >= 5 dropped FieldDescriptor.label for is_repeated; older versions have only label.
     repeated = getattr(field, "is_repeated", None)
-    return bool(repeated) if repeated is not None else field.label == 3  # LABEL_REPEATED
+    return bool(repeated) if repeated is not None else getattr(field, "label", None) == 3  # LABEL_REPEATED
 
 
 def _entries(tensor: onnx.TensorProto) -> dict[str, str]:
@@ -86,7 +88,7 @@ class PackedRef:
     buffers: list[list[str]]  # [offset, size, rest...] per packed buffer
 
     @classmethod
-    def parse(cls, value: str, path: Path) -> "PackedRef":
+    def parse(cls, value: str, path: Path) -> PackedRef:
         key, *parts = value.split("|")
         buffers = [p.split(";") for p in parts]
         if not parts or any(len(b) < 2 or not b[0].isdigit() or not b[1].isdigit() for b in buffers):
@@ -110,7 +112,7 @@ class Relocator:
         if rng not in self.where:
             self.where[rng] = -1
 
-            def placed(entry: BlobEntry, rng=rng) -> None:
+            def placed(entry: BlobEntry, rng: tuple[str, int, int] = rng) -> None:
                 self.where[rng] = entry.offset
 
             source = FileRange(str(path), offset, length)
@@ -119,7 +121,7 @@ class Relocator:
         return rng
 
     def add_tensor(self, tensor: onnx.TensorProto, directory: Path, name: str,
-                   packed_elsewhere: list[list[str]] = ()) -> None:
+                   packed_elsewhere: Sequence[Sequence[str]] = ()) -> None:
         """Place ``tensor``'s payload and its pre-packed buffers: its own ``prepacked_N`` entries (in its
         file) and ``packed_elsewhere`` ([entry value, file name in ``directory``], from node-by-node packing)."""
         e = _entries(tensor)
@@ -143,7 +145,8 @@ class Relocator:
                 ranges.append(self.payload(where, int(buf[0]), size, planned))
         self.edits.append(lambda location: self._rewrite(tensor, location, rng, packed, ranges))
 
-    def _rewrite(self, tensor, location, rng, packed, ranges) -> None:
+    def _rewrite(self, tensor: onnx.TensorProto, location: str, rng: tuple[str, int, int], packed: list[PackedRef],
+                 ranges: Iterable[tuple[str, int, int]]) -> None:
         ranges = iter(ranges)
         for ref in packed:
             for buf in ref.buffers:
@@ -167,7 +170,7 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> Conversi
     return prepared.report
 
 
-def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[dict, float]:
+def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict, float]:
     """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)

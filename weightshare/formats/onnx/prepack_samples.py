@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto as T, helper as h
+from onnx import TensorProto as T
+from onnx import helper as h
 
 
-def mixed_onnx(path: str | os.PathLike, conv_layers: int = 2, channels: int = 32, mm_layers: int = 2,
+def mixed_onnx(path: str | os.PathLike[str], conv_layers: int = 2, channels: int = 32, mm_layers: int = 2,
                dim: int = 256, spatial: int = 8, seed: int = 0) -> Path:
     """Conv(3x3)+Relu x ``conv_layers`` -> GlobalAveragePool -> MatMul -> (Gemm transB | MatMul)+Relu x ``mm_layers``.
 
@@ -59,7 +60,7 @@ def mixed_onnx(path: str | os.PathLike, conv_layers: int = 2, channels: int = 32
                 nodes.append(h.make_node("MatMul", [cur, weight(f"mm{i}.w", (dim, dim), dim ** -0.5)], [f"lin{i}"]))
             nodes.append(h.make_node("Relu", [f"lin{i}"], [f"act{i}"]))
             cur = f"act{i}"
-    x_shape = ["N", channels, spatial, spatial] if conv_layers else ["N", channels]
+    x_shape: list[str | int] = ["N", channels, spatial, spatial] if conv_layers else ["N", channels]
     nodes.append(h.make_node("Identity", [cur], ["y"]))
     graph = h.make_graph(nodes, "mixed", [h.make_tensor_value_info("x", T.FLOAT, x_shape)],
                          [h.make_tensor_value_info("y", T.FLOAT, ["N", None])], inits)
@@ -70,7 +71,7 @@ def mixed_onnx(path: str | os.PathLike, conv_layers: int = 2, channels: int = 32
     return path
 
 
-def sample_input(model_path: str | os.PathLike, batch: int, seed: int = 1) -> dict[str, np.ndarray]:
+def sample_input(model_path: str | os.PathLike[str], batch: int, seed: int = 1) -> dict[str, np.ndarray]:
     """A seeded input of ``batch`` rows for a ``mixed_onnx`` model."""
     model = onnx.load(str(model_path), load_external_data=False)
     dims = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]

@@ -11,9 +11,10 @@ onnx. Every cut tensor is marked in the skeleton with an ``external_data`` entry
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,16 @@ from ...paths import resolve_inside
 from ...recorded import CheckedSource, recorded_payloads
 from ...tensors import ConcatSource, FileRange, InputFile, PayloadSource, open_input
 from . import dtypes
-from .wire import LEN, VARINT, Field, PackedVarintSource, WireFile, decode_varints, encode_len_field, \
-    encode_varint_field
+from .wire import (
+    LEN,
+    VARINT,
+    Field,
+    PackedVarintSource,
+    WireFile,
+    decode_varints,
+    encode_len_field,
+    encode_varint_field,
+)
 
 REF_KEY = "weightshare.ref"
 MAX_DEPTH = 200  # message nesting; a subgraph costs 3 levels (Graph > Node > Attribute)
@@ -52,7 +61,8 @@ class TensorRef:
     dims: tuple[int, ...]
     field: int  # dtypes.RAW_DATA, a typed field number, or 0 when it was external data
     parts: list[FileRange]  # the payload bytes (packed field contents, raw bytes or the external range)
-    wire: list[tuple[int, int]] = field(default_factory=list)  # whole payload fields in the model file
+    # whole payload fields in the model file (``dataclasses.field``: the name ``field`` is taken above)
+    wire: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     path: str = ""
     recorded_sha256: str | None = None  # the digest weightshare recorded for these bytes, when it wrote them
 
@@ -70,12 +80,14 @@ class TensorRef:
 
     def native_source(self) -> PayloadSource:
         """The payload as raw little-endian bytes, the form external data and raw_data hold."""
-        inner = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
+        inner: PayloadSource = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
         if self.recorded_sha256 is not None:
             inner = CheckedSource(inner, self.recorded_sha256, self.name, self.parts[0].path)
         if not self.typed:
             return inner
-        kind, count, itemsize = dtypes.typed_layout(self.field, self.data_type, self.dims)
+        layout = dtypes.typed_layout(self.field, self.data_type, self.dims)
+        assert layout is not None, "the scan keeps only typed fields whose layout is valid"
+        kind, count, itemsize = layout
         if kind == "copy":
             return inner
         return PackedVarintSource(inner, count, itemsize, self.path, boolean=self.data_type == dtypes.BOOL)

@@ -9,7 +9,8 @@ from ...errors import UsageError
 from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line, hint
 
 
-def verify_in_runtime(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
+def verify_in_runtime(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
+                      broken: bool) -> None:
     from ...runtimes.ort import index_bounds, new_session, random_feeds
 
     try:

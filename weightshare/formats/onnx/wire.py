@@ -10,8 +10,8 @@ from it: ``WireFile`` only ever reads a small window through ``pread``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 
@@ -35,7 +35,7 @@ class Field:
 class WireFile:
     """A protobuf-encoded file read through a small moving window."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
         self.fd = os.open(self.path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
@@ -45,10 +45,10 @@ class WireFile:
     def close(self) -> None:
         os.close(self.fd)
 
-    def __enter__(self) -> "WireFile":
+    def __enter__(self) -> WireFile:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def error(self, message: str) -> InvalidModel:
@@ -211,7 +211,7 @@ class PackedVarintSource:
             if len(values):
                 if self.boolean:
                     values = values != 0
-                yield memoryview(values.astype(out_type)).cast("B")
+                yield values.astype(out_type).data.cast("B")
         if len(carry) or produced != self.count:
             raise InvalidModel(
                 f"packed field has {produced} values{' and a truncated varint' if len(carry) else ''}; "

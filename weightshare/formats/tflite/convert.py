@@ -20,23 +20,33 @@ the same size, and the second one is written over the first at offset 0.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
+from ...atomic import OutputTransaction
 from ...blob import BlobEntry, BlobWriter, PlannedTensor
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
-from ...recorded import CheckedSource, recorded_payloads
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
+from ...recorded import CheckedSource, recorded_payloads
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, FileRange, PayloadSource, fp16_to_fp32, InputFile, open_input, read_all
+from ...tensors import ElementwiseSource, FileRange, InputFile, PayloadSource, fp16_to_fp32, open_input, read_all
 from . import flatbuf
-from .graph import (NUMPY_DTYPES, TYPE_NAMES, Fp16Fold, apply_folds, plan_fp16_folds, referenced_buffers, tensor_name,
-                    validate)
+from .graph import (
+    NUMPY_DTYPES,
+    TYPE_NAMES,
+    Fp16Fold,
+    apply_folds,
+    plan_fp16_folds,
+    referenced_buffers,
+    tensor_name,
+    validate,
+)
 from .sparse import apply_densify, plan_densify
 
 INLINE_DATA_ALIGN = 16  # schema.fbs: Buffer.data has (force_align: 16); the Python builder ignores it
@@ -57,7 +67,7 @@ class BufferPlan:
     unpacked_from: int = 0  # input bytes of an fp16 payload this fp32 one was unpacked from
 
 
-class _InlineBufferT(schema.BufferT):
+class _InlineBufferT(schema.BufferT):  # type: ignore[misc]  # the generated schema module is untyped
     """A Buffer whose data vector starts 16-byte aligned, as LiteRT kernels expect."""
 
     def Pack(self, builder: flatbuffers.Builder) -> int:
@@ -69,12 +79,13 @@ class _InlineBufferT(schema.BufferT):
         vector = builder.EndVector()
         schema.BufferStart(builder)
         schema.BufferAddData(builder, vector)
-        return schema.BufferEnd(builder)
+        end: int = schema.BufferEnd(builder)
+        return end
 
 
-def _describe(graph: "schema.ModelT", nbuffers: int) -> list[tuple[str, str, tuple[int, ...]]]:
+def _describe(graph: schema.ModelT, nbuffers: int) -> list[tuple[str, str, tuple[int, ...]]]:
     """Name, dtype and shape of each buffer, from the first tensor that uses it."""
-    info = [(f"buffer{i}", "uint8", ()) for i in range(nbuffers)]
+    info: list[tuple[str, str, tuple[int, ...]]] = [(f"buffer{i}", "uint8", ()) for i in range(nbuffers)]
     seen = set()
     for si, sg in enumerate(graph.subgraphs):
         for t in sg.tensors or []:
@@ -86,7 +97,8 @@ def _describe(graph: "schema.ModelT", nbuffers: int) -> list[tuple[str, str, tup
     return info
 
 
-def plan_buffers(graph, sources: list, folds: list[Fp16Fold], detached: set[int], options: ConvertOptions
+def plan_buffers(graph: schema.ModelT, sources: list[PayloadSource | None], folds: list[Fp16Fold],
+                 detached: set[int], options: ConvertOptions
                  ) -> list[BufferPlan]:
     """Decide each output buffer: empty, inline or moved. Applies the fp16 folds to ``graph``.
 
@@ -106,6 +118,7 @@ def plan_buffers(graph, sources: list, folds: list[Fp16Fold], detached: set[int]
         plans.append(BufferPlan(index, source, name=name, dtype=dtype, shape=shape))
     for fold, index in zip(folds, new_indices):
         fp16 = sources[fold.fp16_buffer]
+        assert fp16 is not None, "plan_fp16_folds folds only buffers that hold bytes"
         name, _dtype, shape = info[index]
         plans.append(BufferPlan(index, ElementwiseSource(fp16, 2, 4, fp16_to_fp32), name=name, dtype="float32",
                                 shape=shape, unpacked_from=fp16.nbytes))
@@ -117,7 +130,7 @@ def plan_buffers(graph, sources: list, folds: list[Fp16Fold], detached: set[int]
     return plans
 
 
-def read_external_buffers(graph: "schema.ModelT", src: Path, sources: list) -> None:
+def read_external_buffers(graph: schema.ModelT, src: Path, sources: list[PayloadSource | None]) -> None:
     """Turn the input's ExternalBuffer references into ordinary buffers (appended to ``sources``).
 
     A group name is a path from the model file (LiteRT joins it to the model's
@@ -153,25 +166,26 @@ def read_external_buffers(graph: "schema.ModelT", src: Path, sources: list) -> N
                     raise InvalidModel(f"external buffer group file {name!r} does not exist", src)
                 if str(file) not in opened:  # once per group file, read through the checked fd
                     opened[str(file)] = open_input(file, src.parent, src)
-                source = FileRange(str(file), ext.offset, ext.length, opened[str(file)])
-                source.check_within(opened[str(file)].size)
+                in_file = FileRange(str(file), ext.offset, ext.length, opened[str(file)])
+                in_file.check_within(opened[str(file)].size)
+                source: PayloadSource = in_file
                 digest = recorded_payloads(str(file)).get((ext.offset, ext.length))
                 if digest is not None:  # a weightshare blob: a payload modified since must not be laundered
-                    source = CheckedSource(source, digest, tensor_name(t), str(file))
+                    source = CheckedSource(in_file, digest, tensor_name(t), str(file))
                 new_index[ext.id] = len(sources)
                 sources.append(source if ext.length else None)
             t.buffer, t.externalBuffer = new_index[ext.id], 0
     graph.externalBuffers = graph.externalBufferGroups = None
 
 
-def _build(graph: "schema.ModelT") -> bytes:
+def _build(graph: schema.ModelT) -> bytes:
     builder = flatbuffers.Builder(1 << 16)
     builder.Finish(graph.Pack(builder), file_identifier=flatbuf.FILE_IDENTIFIER)
     return bytes(builder.Output())
 
 
-def _inline_buffers(plans: list[BufferPlan]) -> list:
-    buffers = []
+def _inline_buffers(plans: list[BufferPlan]) -> list[schema.BufferT]:
+    buffers: list[schema.BufferT] = []
     for p in plans:
         if p.source is not None and p.inline:
             buffers.append(_InlineBufferT(data=read_all(p.source)))
@@ -187,9 +201,9 @@ def _open_output(tmp: Path) -> int:
         raise OutputError(f"cannot open output file: {e.strerror}", tmp) from None
 
 
-def _account(report: ConversionReport, plan: BufferPlan, entry) -> None:
+def _account(report: ConversionReport, plan: BufferPlan, source: PayloadSource, entry: BlobEntry) -> None:
     report.tensors_moved += 1
-    report.bytes_in += plan.unpacked_from or plan.source.nbytes
+    report.bytes_in += plan.unpacked_from or source.nbytes
     report.bytes_out += entry.nbytes
     if entry.duplicate:
         report.deduplicated += 1
@@ -198,22 +212,22 @@ def _account(report: ConversionReport, plan: BufferPlan, entry) -> None:
         report.bytes_written += entry.nbytes
 
 
-def write_appended(graph, plans: list[BufferPlan], options: ConvertOptions, tmp: Path,
+def write_appended(graph: schema.ModelT, plans: list[BufferPlan], options: ConvertOptions, tmp: Path,
                    report: ConversionReport) -> None:
     """Payloads after the flatbuffer, addressed by Buffer.offset (from the start of the file) and Buffer.size."""
     buffers = _inline_buffers(plans)
-    moved = [p for p in plans if p.source is not None and not p.inline]
-    for p in moved:
+    moved = [(p, p.source) for p in plans if p.source is not None and not p.inline]
+    for p, _ in moved:
         buffers[p.index] = schema.BufferT(offset=_PLACEHOLDER, size=_PLACEHOLDER)
     graph.buffers = buffers
     size = len(_build(graph))
     fd = _open_output(tmp)
     try:
         writer = BlobWriter(fd, size, options.align)
-        for p in moved:
-            entry = writer.add(p.source, progress=options.progress)
+        for p, source in moved:
+            entry = writer.add(source, progress=options.progress)
             buffers[p.index] = schema.BufferT(offset=entry.offset, size=entry.nbytes)
-            _account(report, p, entry)
+            _account(report, p, source, entry)
         end = writer.finish(TRAILING_ZEROS if moved else 0)
         model = _build(graph)
         if len(model) != size:  # same fields, same widths: a mismatch is a bug here, not bad input
@@ -224,7 +238,8 @@ def write_appended(graph, plans: list[BufferPlan], options: ConvertOptions, tmp:
     report.blob_bytes = end - size
 
 
-def _emit_external(graph, plans: list[BufferPlan], entries: dict[int, BlobEntry], blob_location: str) -> None:
+def _emit_external(graph: schema.ModelT, plans: list[BufferPlan], entries: dict[int, BlobEntry],
+                   blob_location: str) -> None:
     """Point every tensor of a moved buffer at an ExternalBuffer in the blob's group.
 
     LiteRT's weight loader joins the group name to the model's directory and maps
@@ -245,7 +260,7 @@ def _emit_external(graph, plans: list[BufferPlan], entries: dict[int, BlobEntry]
         graph.externalBuffers = externals
 
 
-def scan_and_plan(src: Path, options: ConvertOptions) -> tuple["schema.ModelT", list[BufferPlan], ConversionReport]:
+def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, list[BufferPlan], ConversionReport]:
     """scan + fold + plan: the rewritten graph and where each buffer goes. Reads no payload (but sparse ones)."""
     path = str(src)
     with flatbuf.open_model(path) as (reader, mapping):
@@ -254,12 +269,10 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple["schema.ModelT", 
         graph = flatbuf.read_graph(reader, mapping)
     validate(graph, len(refs), path)
     report = ConversionReport(model=path, format="tflite")
-    unknown = set(options.unpack) - {"sparse", "int8"}
+    unknown = set(options.unpack) - {"sparse"}
     if unknown:
         raise UsageError(f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse')", src)
-    if "int8" in options.unpack:
-        report.notes.append("--unpack int8 is not implemented for TFLite: int8 DEQUANTIZE ops were kept")
-    sources: list = [ref.source(path) if ref.nbytes else None for ref in refs]
+    sources: list[PayloadSource | None] = [ref.source(path) if ref.nbytes else None for ref in refs]
     read_external_buffers(graph, src, sources)
     detached: set[int] = set()
     densified = []
@@ -274,11 +287,13 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple["schema.ModelT", 
     plans = plan_buffers(graph, sources, folds, detached, options)
     report.ops_removed = len(folds) + len(densified)
     for fold, source in densified:
+        sparse = sources[fold.sparse_buffer]
+        assert sparse is not None, "plan_densify folds only buffers that hold bytes"
         report.unpacked += 1
-        report.unpacked_bytes_in += sources[fold.sparse_buffer].nbytes
+        report.unpacked_bytes_in += sparse.nbytes
         report.unpacked_bytes_out += source.nbytes
     for p in plans:
-        if p.unpacked_from:
+        if p.unpacked_from and p.source is not None:  # an unpacked buffer always has its fp32 source
             report.unpacked += 1
             report.unpacked_bytes_in += p.unpacked_from
             report.unpacked_bytes_out += p.source.nbytes
@@ -300,12 +315,14 @@ def _prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel
     """``--external``: payloads go to a safetensors blob, the model references them."""
     graph, plans, report = scan_and_plan(src, options)
     entries: dict[int, BlobEntry] = {}
-    payloads = [BlobPayload(PlannedTensor(p.name, p.dtype, p.shape, p.source.nbytes), p.source,
-                            p.unpacked_from or p.source.nbytes,
-                            lambda entry, index=p.index: entries.__setitem__(index, entry))
-                for p in plans if p.source is not None and not p.inline]
+    def placed_at(index: int) -> Callable[[BlobEntry], None]:
+        return lambda entry: entries.__setitem__(index, entry)
 
-    def emit(blob_location: str, tx) -> list[Path]:
+    payloads = [BlobPayload(PlannedTensor(p.name, p.dtype, p.shape, source.nbytes), source,
+                            p.unpacked_from or source.nbytes, placed_at(p.index))
+                for p in plans if (source := p.source) is not None and not p.inline]
+
+    def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
         _emit_external(graph, plans, entries, blob_location)
         final = out_dir / src.name
         tmp = tx.new_file(final)
@@ -318,7 +335,7 @@ def _prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel
     return PreparedModel(report, payloads, emit, extra={"plans": plans})
 
 
-def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> ConversionReport:
+def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     final = out_dir / src.name
     blob_name = None
     if options.external:
@@ -338,8 +355,8 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx) -> Conve
     return report
 
 
-def _xnnpack_accounting(final: Path, blob_name: str | None, plans: list[BufferPlan], options: ConvertOptions, tx,
-                        report: ConversionReport) -> None:
+def _xnnpack_accounting(final: Path, blob_name: str | None, plans: list[BufferPlan], options: ConvertOptions,
+                        tx: OutputTransaction, report: ConversionReport) -> None:
     """--prepack: stage the XNNPACK weight cache; and say what unpacking fp16 costs default-XNNPACK users."""
     from . import xnnpack_cache
 
@@ -352,5 +369,5 @@ def _xnnpack_accounting(final: Path, blob_name: str | None, plans: list[BufferPl
         xnnpack_cache.drop_stale_after_commit(final, tx)
     fp16_in = sum(p.unpacked_from for p in plans if p.unpacked_from)
     if fp16_in and not options.external:  # the classic Interpreter does not load --external models at all
-        fp32_out = sum(p.source.nbytes for p in plans if p.unpacked_from)
+        fp32_out = sum(p.source.nbytes for p in plans if p.unpacked_from and p.source is not None)
         report.notes.append(xnnpack_cache.unpack_note(fp16_in, fp32_out, options.prepack))

@@ -18,9 +18,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 from ai_edge_litert import schema_py_generated as schema
 
@@ -67,22 +67,26 @@ class Reader:
         return data
 
     def u16(self, pos: int, what: str) -> int:
-        return _U16.unpack(self.read(pos, 2, what))[0]
+        value: int = _U16.unpack(self.read(pos, 2, what))[0]
+        return value
 
     def u32(self, pos: int, what: str) -> int:
-        return _U32.unpack(self.read(pos, 4, what))[0]
+        value: int = _U32.unpack(self.read(pos, 4, what))[0]
+        return value
 
     def i32(self, pos: int, what: str) -> int:
-        return _I32.unpack(self.read(pos, 4, what))[0]
+        value: int = _I32.unpack(self.read(pos, 4, what))[0]
+        return value
 
     def u64(self, pos: int, what: str) -> int:
-        return _U64.unpack(self.read(pos, 8, what))[0]
+        value: int = _U64.unpack(self.read(pos, 8, what))[0]
+        return value
 
     def indirect(self, pos: int, what: str) -> int:
         """Follow the uoffset stored at ``pos``."""
         return pos + self.u32(pos, what)
 
-    def table(self, pos: int, what: str) -> "Table":
+    def table(self, pos: int, what: str) -> Table:
         vtable = pos - self.i32(pos, what)
         vt_size = self.u16(vtable, f"vtable of {what}")
         obj_size = self.u16(vtable + 2, f"vtable of {what}")
@@ -171,13 +175,13 @@ def read_buffer_refs(r: Reader) -> list[BufferRef]:
 class _WithoutBuffers:
     """Shows the schema's ``ModelT`` a Model whose buffers vector is absent, so no payload is copied."""
 
-    def __init__(self, model):
+    def __init__(self, model: schema.Model) -> None:
         self._model = model
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> object:
         return getattr(self._model, name)
 
-    def BuffersIsNone(self):
+    def BuffersIsNone(self) -> bool:
         return True
 
 
@@ -191,7 +195,7 @@ def check_header(r: Reader) -> None:
         raise InvalidModel("not a TFLite flatbuffer (no TFL3 identifier)", r.path)
 
 
-def read_graph(r: Reader, mapping: mmap.mmap) -> "schema.ModelT":
+def read_graph(r: Reader, mapping: mmap.mmap) -> schema.ModelT:
     """The model without its buffers: the schema object API over the mapped file."""
     try:
         model = schema.Model.GetRootAs(mapping, 0)

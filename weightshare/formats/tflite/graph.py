@@ -11,6 +11,7 @@ same tensor index, so nothing else needs rewiring.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -31,17 +32,18 @@ NUMPY_DTYPES = {"FLOAT32": "float32", "FLOAT16": "float16", "INT32": "int32", "U
                 "UINT32": "uint32", "UINT16": "uint16", "BFLOAT16": "bfloat16"}
 
 
-def builtin_code(opcode: "schema.OperatorCodeT") -> int:
+def builtin_code(opcode: schema.OperatorCodeT) -> int:
     # Schema rule (GetBuiltinCode): codes >= 127 live only in builtin_code, older files only in the deprecated int8.
-    return max(opcode.builtinCode, opcode.deprecatedBuiltinCode)
+    code: int = max(opcode.builtinCode, opcode.deprecatedBuiltinCode)
+    return code
 
 
-def tensor_name(t: "schema.TensorT") -> str:
+def tensor_name(t: schema.TensorT) -> str:
     name = t.name.decode("utf-8", "replace") if isinstance(t.name, bytes) else t.name
     return name or "<unnamed>"
 
 
-def element_count(t: "schema.TensorT") -> int | None:
+def element_count(t: schema.TensorT) -> int | None:
     """Elements of a tensor with a static shape, or None when a dimension is unknown."""
     n = 1
     for d in (t.shape if t.shape is not None else ()):
@@ -51,11 +53,11 @@ def element_count(t: "schema.TensorT") -> int | None:
     return n
 
 
-def _indices(values) -> list[int]:
+def _indices(values: Iterable[int] | None) -> list[int]:
     return [] if values is None else [int(v) for v in values]
 
 
-def validate(graph: "schema.ModelT", nbuffers: int, path: str) -> None:
+def validate(graph: schema.ModelT, nbuffers: int, path: str) -> None:
     """Check every cross-reference the converter follows; raise ``InvalidModel`` naming the first bad one."""
     subgraphs = graph.subgraphs or []
     if not subgraphs:
@@ -113,7 +115,7 @@ class Fp16Fold:
     fp16_buffer: int
 
 
-def _consumers(sg: "schema.SubGraphT") -> dict[int, list[int]]:
+def _consumers(sg: schema.SubGraphT) -> dict[int, list[int]]:
     used: dict[int, list[int]] = {}
     for oi, op in enumerate(sg.operators or []):
         for idx in _indices(op.inputs):
@@ -122,7 +124,7 @@ def _consumers(sg: "schema.SubGraphT") -> dict[int, list[int]]:
     return used
 
 
-def plan_fp16_folds(graph: "schema.ModelT", sizes: list[int], path: str) -> tuple[list[Fp16Fold], list[str]]:
+def plan_fp16_folds(graph: schema.ModelT, sizes: list[int], path: str) -> tuple[list[Fp16Fold], list[str]]:
     """Find DEQUANTIZE ops of constant fp16 tensors whose every consumer is a DEQUANTIZE.
 
     ``sizes`` gives each buffer's payload size (0: no data, so not a constant).
@@ -178,7 +180,7 @@ def plan_fp16_folds(graph: "schema.ModelT", sizes: list[int], path: str) -> tupl
     return folds, notes
 
 
-def apply_folds(graph: "schema.ModelT", folds: list[Fp16Fold], first_new_buffer: int) -> list[int]:
+def apply_folds(graph: schema.ModelT, folds: list[Fp16Fold], first_new_buffer: int) -> list[int]:
     """Point each dequantized tensor at a new buffer, detach the fp16 tensors, drop the ops.
 
     Returns the new buffer index of each fold (``first_new_buffer`` on, in order).
@@ -197,7 +199,7 @@ def apply_folds(graph: "schema.ModelT", folds: list[Fp16Fold], first_new_buffer:
     return new_buffers
 
 
-def referenced_buffers(graph: "schema.ModelT") -> set[int]:
+def referenced_buffers(graph: schema.ModelT) -> set[int]:
     used = {m.buffer for m in graph.metadata or [] if m is not None}
     for sg in graph.subgraphs:
         used.update(t.buffer for t in sg.tensors or [])

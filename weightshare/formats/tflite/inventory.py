@@ -17,6 +17,7 @@ CompiledModel with an XNNPACK weight cache file maps the packed copy instead.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...blob import recorded_checksums
 from ...errors import UnsafePath, WeightshareError
@@ -28,6 +29,9 @@ from ...tensors import FileRange
 from . import flatbuf
 from .graph import DENSIFY, DEQUANTIZE, TYPE_NAMES, builtin_code, element_count, plan_fp16_folds, tensor_name, validate
 from .xnnpack_cache import inventory_notes
+
+if TYPE_CHECKING:
+    from ai_edge_litert import schema_py_generated as schema
 
 _ITEMSIZE = {"FLOAT32": 4, "FLOAT16": 2, "INT8": 1, "UINT8": 1, "INT16": 2, "INT32": 4, "INT64": 8, "BOOL": 1,
              "FLOAT64": 8, "UINT16": 2, "UINT32": 4, "UINT64": 8, "BFLOAT16": 2}
@@ -43,7 +47,7 @@ def _packing_inputs() -> dict[int, tuple[int, ...]]:
     return {op.FULLY_CONNECTED: (1, 2), op.CONV_2D: (1, 2), op.DEPTHWISE_CONV_2D: (1, 2), op.TRANSPOSE_CONV: (1, 3)}
 
 
-def _xnnpack_packs(graph, sizes: list[int]) -> dict[int, int]:
+def _xnnpack_packs(graph: schema.ModelT, sizes: list[int]) -> dict[int, int]:
     """buffer -> bytes XNNPACK packs per interpreter (fp16 behind DEQUANTIZE is packed as fp32: twice)."""
     packing, codes = _packing_inputs(), [builtin_code(c) for c in graph.operatorCodes or []]
     packs: dict[int, int] = {}
@@ -64,8 +68,8 @@ def _xnnpack_packs(graph, sizes: list[int]) -> dict[int, int]:
     return packs
 
 
-def _first_tensors(graph) -> dict[int, object]:
-    first = {}
+def _first_tensors(graph: schema.ModelT) -> dict[int, schema.TensorT]:
+    first: dict[int, schema.TensorT] = {}
     for sg in graph.subgraphs:
         for t in sg.tensors or []:
             if t.buffer and t.buffer not in first:
@@ -73,7 +77,7 @@ def _first_tensors(graph) -> dict[int, object]:
     return first
 
 
-def _per_interpreter_copies(graph, sizes: list[int], path: str) -> dict[int, tuple[str, int]]:
+def _per_interpreter_copies(graph: schema.ModelT, sizes: list[int], path: str) -> dict[int, tuple[str, int]]:
     """buffer -> (what LiteRT materialises per interpreter, bytes)."""
     copies: dict[int, tuple[str, int]] = {}
     folds, _notes = plan_fp16_folds(graph, sizes, path)
@@ -92,7 +96,7 @@ def _per_interpreter_copies(graph, sizes: list[int], path: str) -> dict[int, tup
     return copies
 
 
-def _external_payloads(graph, path: Path, inv: ModelInventory, hash_payloads: bool) -> None:
+def _external_payloads(graph: schema.ModelT, path: Path, inv: ModelInventory, hash_payloads: bool) -> None:
     groups = graph.externalBufferGroups or []
     used = {t.externalBuffer: t for sg in graph.subgraphs for t in sg.tensors or [] if t.externalBuffer}
     checksums: dict[tuple[str, int], str] = {}

@@ -36,13 +36,14 @@ class DensifyFold:
     sparse_buffer: int
 
 
-def _vector(v, what: str, path: str) -> np.ndarray:
+def _vector(v: schema.Int32VectorT | schema.Uint16VectorT | schema.Uint8VectorT | None, what: str,
+            path: str) -> np.ndarray:
     if v is None or getattr(v, "values", None) is None:
         raise InvalidModel(f"sparsity {what} is missing", path)
     return np.asarray(v.values, dtype=np.int64)
 
 
-def densify(sparsity: "schema.SparsityParametersT", shape: list[int], values: np.ndarray, path: str) -> np.ndarray:
+def densify(sparsity: schema.SparsityParametersT, shape: list[int], values: np.ndarray, path: str) -> np.ndarray:
     """The dense tensor (C order) that ``values`` encode under ``sparsity``; every index is checked."""
     rank = len(shape)
     order = [int(v) for v in (sparsity.traversalOrder if sparsity.traversalOrder is not None else [])]
@@ -78,7 +79,7 @@ def densify(sparsity: "schema.SparsityParametersT", shape: list[int], values: np
             prev = positions
     if prev.size != values.size:
         raise InvalidModel(f"sparse tensor stores {values.size} values but its sparsity describes {prev.size}", path)
-    orig = [None] * rank
+    orig: list[np.ndarray] = [np.zeros(0, np.int64)] * rank  # every dimension is set from ``order`` below
     for i in range(rank):
         orig[order[i]] = columns[i]
     for i in range(rank, len(order)):
@@ -94,10 +95,11 @@ def densify(sparsity: "schema.SparsityParametersT", shape: list[int], values: np
     return dense
 
 
-def plan_densify(graph: "schema.ModelT", sources: list, path: str) -> list[tuple[DensifyFold, PayloadSource]]:
+def plan_densify(graph: schema.ModelT, sources: list[PayloadSource | None], path: str
+                 ) -> list[tuple[DensifyFold, PayloadSource]]:
     """Every DENSIFY of a constant sparse tensor, with the dense payload it becomes."""
     codes = [builtin_code(c) for c in graph.operatorCodes or []]
-    folds = []
+    folds: list[tuple[DensifyFold, PayloadSource]] = []
     for si, sg in enumerate(graph.subgraphs):
         for oi, op in enumerate(sg.operators or []):
             if codes[op.opcodeIndex] != DENSIFY:
@@ -128,7 +130,7 @@ def plan_densify(graph: "schema.ModelT", sources: list, path: str) -> list[tuple
     return folds
 
 
-def apply_densify(graph: "schema.ModelT", folds: list[DensifyFold], first_new_buffer: int) -> None:
+def apply_densify(graph: schema.ModelT, folds: list[DensifyFold], first_new_buffer: int) -> None:
     removed: dict[int, set[int]] = {}
     for k, fold in enumerate(folds):
         sg = graph.subgraphs[fold.subgraph]

@@ -43,7 +43,8 @@ def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, 
     report.paths.append(f"LiteRT CompiledModel + XNNPACK weight cache {cache.name}")
 
 
-def _open_paths(original: Path, converted: Path, external: bool):
+def _open_paths(original: Path, converted: Path, external: bool
+                ) -> tuple[list[tuple[str, str, Any, Any]], list[str]]:
     """(path name, original entry points, converted entry points or an error line), one per LiteRT mode."""
     from ...runtimes.litert import MODES, compiled_entry_points, entry_points, open_mode
 
@@ -73,7 +74,8 @@ def _open_paths(original: Path, converted: Path, external: bool):
     return opened, refusals
 
 
-def _run_path(report: VerifyReport, path: str, ea, eb, opts: dict) -> str:
+def _run_path(report: VerifyReport, path: str, ea: list[tuple[str, Any]], eb: list[tuple[str, Any]],
+              opts: dict[str, Any]) -> str:
     """Compare on one LiteRT path; returns why the original could not run on it in the first run ('' if it ran)."""
     before = len(report.mismatches)
     compare_names(report, "signature", [k for k, _ in ea], [k for k, _ in eb])
@@ -100,7 +102,7 @@ def _run_path(report: VerifyReport, path: str, ea, eb, opts: dict) -> str:
     return ""
 
 
-def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: dict, broken: bool) -> None:
+def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
     """Every signature (or the primary subgraph), on every path the original runs on."""
     external = any(p.location == "external" and p.file != converted.name for p in inventory(converted, False).payloads)
     opened, refusals = _open_paths(original, converted, external)

@@ -33,17 +33,22 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ...atomic import TMP_PREFIX
-from ...findings import Code, Finding
+from ...atomic import TMP_PREFIX, OutputTransaction
+from ...blob import Hasher
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
+from ...findings import Code, Finding
 from ...paths import resolve_inside
+
+if TYPE_CHECKING:
+    from ai_edge_litert import schema_py_generated as schema
 
 CACHE_SUFFIX = ".xnnpack-cache"
 DIGEST_HEX = 32  # 128 bits of SHA-256 in the name: collisions are not a practical concern
 _HASH_CHUNK = 4 << 20
-_NAME = re.compile(r"^(?P<model>.+)\.litert-(?P<version>[^/]+?)\.(?P<digest>[0-9a-f]{%d})%s$"
-                   % (DIGEST_HEX, re.escape(CACHE_SUFFIX)))
+_NAME = re.compile(rf"^(?P<model>.+)\.litert-(?P<version>[^/]+?)\.(?P<digest>[0-9a-f]{{{DIGEST_HEX}}})"
+                   rf"{re.escape(CACHE_SUFFIX)}$")
 # CPU flags that change which XNNPACK packing kernels run (x86 and Arm spellings in /proc/cpuinfo).
 _ISA_FLAG = re.compile(r"^(sse|ssse|avx|fma|f16c|amx|gfni|vnni|asimd|fphp|sve|sme|dotprod|i8mm|bf16|fp16)")
 
@@ -126,12 +131,12 @@ def referenced_files(model: Path) -> list[Path]:
         os.close(fd)
 
 
-def _stat_key(path: Path) -> tuple:
+def _stat_key(path: Path) -> tuple[str, int, int, int, int, int]:
     st = os.stat(path)
     return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _hash_into(h, path: Path) -> None:
+def _hash_into(h: Hasher, path: Path) -> None:
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
@@ -140,10 +145,10 @@ def _hash_into(h, path: Path) -> None:
             h.update(view[:n])
 
 
-_memo: dict[tuple, str] = {}
+_memo: dict[tuple[tuple[str, int, int, int, int, int], ...], str] = {}
 
 
-def content_digest(model: str | os.PathLike) -> str:
+def content_digest(model: str | os.PathLike[str]) -> str:
     """SHA-256 (hex) of the model file, its group files, the LiteRT version and the CPU fingerprint.
 
     Hashes stream in 4 MiB chunks. Within one process the result is remembered per (inode, size, mtime,
@@ -170,13 +175,13 @@ def cache_name(model_name: str, digest: str) -> str:
     return f"{model_name}.litert-{litert_version()}.{digest[:DIGEST_HEX]}{CACHE_SUFFIX}"
 
 
-def expected_cache(model: str | os.PathLike) -> Path:
+def expected_cache(model: str | os.PathLike[str]) -> Path:
     """Where the cache that matches ``model``'s current content would be (it may not exist)."""
     model = Path(model)
     return model.parent / cache_name(model.name, content_digest(model))
 
 
-def candidate_caches(model: str | os.PathLike) -> list[Path]:
+def candidate_caches(model: str | os.PathLike[str]) -> list[Path]:
     """Every file beside ``model`` named like one of its caches, matching or not."""
     model = Path(model)
     return sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(str(model.parent)),
@@ -190,7 +195,7 @@ class CacheStatus:
     reason: str
 
 
-def cache_status(model: str | os.PathLike) -> list[CacheStatus]:
+def cache_status(model: str | os.PathLike[str]) -> list[CacheStatus]:
     """Each cache file beside ``model``: does it match the model's content, and if not, why not."""
     model = Path(model)
     found = candidate_caches(model)
@@ -251,7 +256,14 @@ def _link(src: Path, dst: Path) -> None:
         os.symlink(os.path.abspath(src), dst)
 
 
-def prepack(final_model: Path, blob_name: str | None, tx) -> tuple[BuildResult, str]:
+def _staged(tx: OutputTransaction, final: Path) -> Path:
+    staged = tx.staged(final)
+    if staged is None:  # the converter stages the model and its blob before --prepack runs: a bug, not bad input
+        raise OutputError(f"{final.name} was not staged before its XNNPACK weight cache was built", final)
+    return staged
+
+
+def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction) -> tuple[BuildResult, str]:
     """Build the cache of the staged model (and blob) of ``tx``; stage it beside ``final_model``.
 
     The staged files have temporary names, but the model names its blob by its final name: both are
@@ -262,9 +274,9 @@ def prepack(final_model: Path, blob_name: str | None, tx) -> tuple[BuildResult, 
     stage = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix="-prepack", dir=out_dir))
     try:
         model = stage / final_model.name
-        _link(tx.staged(final_model), model)
+        _link(_staged(tx, final_model), model)
         if blob_name is not None:
-            _link(tx.staged(out_dir / blob_name), stage / blob_name)
+            _link(_staged(tx, out_dir / blob_name), stage / blob_name)
         final_cache = out_dir / cache_name(final_model.name, content_digest(model))
         result = build(model, tx.new_file(final_cache))
     except OSError as e:
@@ -275,7 +287,7 @@ def prepack(final_model: Path, blob_name: str | None, tx) -> tuple[BuildResult, 
     return result, str(final_cache)
 
 
-def drop_stale_after_commit(final_model: Path, tx) -> None:
+def drop_stale_after_commit(final_model: Path, tx: OutputTransaction) -> None:
     """Without --prepack: caches an earlier --prepack run left beside ``final_model`` that no longer match the
     new model are removed once it is in place (one that still matches, from identical output, stays)."""
     if candidate_caches(final_model):
@@ -329,7 +341,7 @@ class SettingCost:
         return self.shared_bytes + instances * self.per_instance_bytes
 
 
-def _weight_use(graph, sizes: list[int]) -> tuple[int, int, int]:
+def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
     """(bytes DEQUANTIZE materialises per interpreter, packed bytes XNNPACK makes, file bytes it packs from)."""
     from ai_edge_litert import schema_py_generated as schema
 
@@ -343,8 +355,8 @@ def _weight_use(graph, sizes: list[int]) -> tuple[int, int, int]:
     for sg in graph.subgraphs:
         tensors = sg.tensors or []
 
-        def const_bytes(i: int) -> int:
-            t = tensors[i] if 0 <= i < len(tensors) else None
+        def const_bytes(i: int) -> int:  # called in this iteration only, so it sees this subgraph's tensors
+            t = tensors[i] if 0 <= i < len(tensors) else None  # noqa: B023
             return 0 if t is None else sizes[t.buffer] if t.buffer else ext.get(t.externalBuffer, 0)
 
         made = {}  # DEQUANTIZE output tensor -> its fp32 bytes, when its input is a constant
@@ -361,7 +373,7 @@ def _weight_use(graph, sizes: list[int]) -> tuple[int, int, int]:
     return dequantized, packed, packed_from_file
 
 
-def interpreter_costs(model: str | os.PathLike) -> list[SettingCost]:
+def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
     """Weight memory per LiteRT setting for ``model``: no delegate, default XNNPACK, CompiledModel + cache.
 
     An estimate from the graph (XNNPACK packs FULLY_CONNECTED/CONV/DEPTHWISE/TRANSPOSE_CONV/BATCH_MATMUL
@@ -394,7 +406,7 @@ def interpreter_costs(model: str | os.PathLike) -> list[SettingCost]:
     return costs
 
 
-def inventory_notes(model: str | os.PathLike) -> tuple[list[str], list[Finding]]:
+def inventory_notes(model: str | os.PathLike[str]) -> tuple[list[str], list[Finding]]:
     """Lines for ``inspect`` (weight memory per LiteRT setting, and every cache beside the model) and a
     finding for each cache beside it that does not match it."""
     notes: list[str] = []
@@ -438,7 +450,7 @@ def _child(model: str, cache: str) -> int:
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.options import Options
 
-    def open_model():
+    def open_model() -> CompiledModel:
         return CompiledModel.from_file(model, options=Options(cpu_options=CpuOptions(
             num_threads=1, xnnpack_weight_cache_path=cache)))
 
