@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from array import array
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -42,23 +43,53 @@ _CHILDREN = {
 }
 
 
-@dataclass
 class TensorRef:
-    """One payload found by the scan."""
+    """One payload found by the scan: a view of row ``index`` of a ``RefTable``, made when asked for.
 
-    index: int
-    name: str
-    data_type: int
-    dims: tuple[int, ...]
-    field: int  # dtypes.RAW_DATA, a typed field number, or 0 when it was external data
-    parts: list[FileRange]  # the payload bytes (packed field contents, raw bytes or the external range)
-    wire: list[tuple[int, int]] = field(default_factory=list)  # whole payload fields in the model file
-    path: str = ""
-    recorded_sha256: str | None = None  # the digest weightshare recorded for these bytes, when it wrote them
+    The table keeps every payload's facts in flat arrays (about 80 bytes a tensor); a TensorRef, its
+    ``parts`` and its ``name`` exist only while a caller holds them (issue 15: 200,000 payloads).
+    """
+
+    __slots__ = ("table", "index")
+
+    def __init__(self, table: RefTable, index: int):
+        self.table, self.index = table, index
+
+    @property
+    def name(self) -> str:
+        return self.table.name(self.index)
+
+    @property
+    def data_type(self) -> int:
+        return self.table.data_types[self.index]
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.table.dims(self.index)
+
+    @property
+    def field(self) -> int:  # dtypes.RAW_DATA, a typed field number, or 0 when it was external data
+        return self.table.fields[self.index]
+
+    @property
+    def parts(self) -> list[FileRange]:  # the payload bytes (packed field contents, raw bytes or the external range)
+        return self.table.parts(self.index)
+
+    @property
+    def wire(self) -> list[tuple[int, int]]:  # whole payload fields in the model file
+        return self.table.wire(self.index)
+
+    @property
+    def path(self) -> str:
+        return self.table.path
+
+    @property
+    def recorded_sha256(self) -> str | None:  # the digest weightshare recorded for these bytes, when it wrote them
+        return self.table.recorded.get(self.index)
 
     @property
     def nbytes_in(self) -> int:
-        return sum(p.length for p in self.parts)
+        return self.table.nbytes_in(self.index)
 
     @property
     def typed(self) -> bool:
@@ -70,9 +101,11 @@ class TensorRef:
 
     def native_source(self) -> PayloadSource:
         """The payload as raw little-endian bytes, the form external data and raw_data hold."""
-        inner = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
-        if self.recorded_sha256 is not None:
-            inner = CheckedSource(inner, self.recorded_sha256, self.name, self.parts[0].path)
+        parts = self.parts
+        inner = ConcatSource(parts) if len(parts) != 1 else parts[0]
+        recorded = self.recorded_sha256
+        if recorded is not None:
+            inner = CheckedSource(inner, recorded, self.name, parts[0].path)
         if not self.typed:
             return inner
         kind, count, itemsize = dtypes.typed_layout(self.field, self.data_type, self.dims)
@@ -81,12 +114,117 @@ class TensorRef:
         return PackedVarintSource(inner, count, itemsize, self.path, boolean=self.data_type == dtypes.BOOL)
 
 
+class RefTable(Sequence):
+    """Every payload the scan found, column by column (issue 15: memory small in the number of tensors).
+
+    A row is a data type, a field number, its dims (a slice of one flat array), one byte range of an input
+    file and one wire range in the model, and where its name lies in the model file: about 80 bytes,
+    against about 1 KB for a TensorRef object with its FileRange, lists, tuple and name. The rare rest
+    (payloads split over several fields, recorded digests, names of a model read without a kept fd)
+    lives in small dicts. ``table[i]`` is a ``TensorRef`` view of row i.
+    """
+
+    def __init__(self, path: str, model_file: InputFile | None):
+        self.path = path
+        self.model_file = model_file  # names are read back from the model through it
+        self.data_types = array("H")
+        self.fields = array("B")
+        self._dims_end = array("q")
+        self._dims = array("q")
+        self._file = array("I")  # index into self._files
+        self._offset = array("q")
+        self._length = array("q")
+        self._wire = array("q")  # start, end of the payload field in the model (0, 0 for external data)
+        self._name = array("q")  # offset, length of the name's bytes in the model file
+        self._files: list[tuple[str, InputFile | None]] = []
+        self._file_ids: dict[tuple[str, int], int] = {}
+        self._multi: dict[int, tuple[list[FileRange], list[tuple[int, int]]]] = {}  # several payload fields
+        self._names: dict[int, str] = {}  # names when there is no kept model fd to read them back from
+        self.recorded: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [TensorRef(self, i) for i in range(len(self))[index]]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return TensorRef(self, index)
+
+    def __iter__(self):
+        return (TensorRef(self, i) for i in range(len(self)))
+
+    def append(self, data_type: int, dims: tuple[int, ...], field: int, parts: list[FileRange],
+               wire: list[tuple[int, int]], name: str, name_range: tuple[int, int] | None) -> TensorRef:
+        index = len(self.fields)
+        self.data_types.append(data_type)
+        self.fields.append(field)
+        self._dims.extend(dims)
+        self._dims_end.append(len(self._dims))
+        if len(parts) == 1 and len(wire) <= 1:
+            part = parts[0]
+            key = (part.path, id(part.file))
+            fid = self._file_ids.get(key)
+            if fid is None:
+                fid = self._file_ids[key] = len(self._files)
+                self._files.append((part.path, part.file))
+            self._file.append(fid)
+            self._offset.append(part.offset)
+            self._length.append(part.length)
+            self._wire.extend(wire[0] if wire else (0, 0))
+        else:
+            self._multi[index] = (list(parts), list(wire))
+            self._file.append(0)
+            self._offset.append(0)
+            self._length.append(sum(p.length for p in parts))
+            self._wire.extend((0, 0))
+        if name_range is not None and self.model_file is not None:
+            self._name.extend(name_range)
+        else:
+            self._name.extend((0, -1))
+            if name:
+                self._names[index] = name
+        return TensorRef(self, index)
+
+    def name(self, index: int) -> str:
+        start, length = self._name[2 * index], self._name[2 * index + 1]
+        if length < 0:
+            return self._names.get(index, "")
+        assert self.model_file is not None
+        data = os.pread(self.model_file.fd, length, start)  # read by the scan already: within the file
+        return data.decode("utf-8", "replace")
+
+    def dims(self, index: int) -> tuple[int, ...]:
+        start = self._dims_end[index - 1] if index else 0
+        return tuple(self._dims[start : self._dims_end[index]])
+
+    def parts(self, index: int) -> list[FileRange]:
+        multi = self._multi.get(index)
+        if multi is not None:
+            return list(multi[0])
+        path, file = self._files[self._file[index]]
+        return [FileRange(path, self._offset[index], self._length[index], file)]
+
+    def wire(self, index: int) -> list[tuple[int, int]]:
+        multi = self._multi.get(index)
+        if multi is not None:
+            return list(multi[1])
+        start, end = self._wire[2 * index], self._wire[2 * index + 1]
+        return [(start, end)] if end else []
+
+    def nbytes_in(self, index: int) -> int:
+        return self._length[index]
+
+
 class Scanner:
     def __init__(self, wf: WireFile, model_dir: Path, model_file: InputFile | None = None):
         self.wf = wf
         self.model_dir = model_dir
         self.model_file = model_file  # payloads inside the model are read through this fd, not by name
-        self.refs: list[TensorRef] = []
+        self.refs = RefTable(wf.path, model_file)
         self._external: dict[str, InputFile] = {}  # each external file opened (and checked) once
         self._digests: dict[str, dict[tuple[int, int], str]] = {}
 
@@ -133,6 +271,7 @@ class Scanner:
         dims: list[int] = []
         data_type = 0
         name = ""
+        name_range = None
         payload: list[Field] = []
         external: dict[str, str] = {}
         location = 0
@@ -145,6 +284,7 @@ class Scanner:
                 data_type = f.value
             elif n == 8 and f.wire_type == LEN:
                 name = wf.read(f.value_start, f.value).decode("utf-8", "replace")
+                name_range = (f.value_start, f.value)
             elif n == 3:
                 raise Unsupported(f"tensor {name!r} uses segments, which weightshare does not handle", wf.path)
             elif n == dtypes.RAW_DATA or n in dtypes.TYPED_FIELDS:
@@ -164,12 +304,15 @@ class Scanner:
                 continue
             kept.append(wf.read(f.start, f.end - f.start))
         if not payload and location != EXTERNAL:
+            if REF_KEY in external:  # the marker of a cut tensor must be one the scan wrote, once per payload
+                raise InvalidModel(f"tensor {name!r} uses the external data key {REF_KEY!r}, which weightshare "
+                                   "reserves", wf.path)
             return None  # strings, empty tensors: nothing to move
         dims_t = tuple(dims)
         if data_type not in dtypes.BITS:
             raise InvalidModel(f"tensor {name!r} has data type {data_type}, which cannot hold a numeric payload",
                                wf.path)
-        ref = self._ref(name, data_type, dims_t, payload, external if location == EXTERNAL else None)
+        ref = self._ref(name, name_range, data_type, dims_t, payload, external if location == EXTERNAL else None)
         marker = encode_len_field(1, REF_KEY.encode()) + encode_len_field(2, str(ref.index).encode())
         kept.append(encode_len_field(13, marker))
         kept.append(encode_varint_field(14, EXTERNAL))
@@ -203,8 +346,8 @@ class Scanner:
                     value = text
         return key, value
 
-    def _ref(self, name: str, data_type: int, dims: tuple[int, ...], payload: list[Field],
-             external: dict[str, str] | None) -> TensorRef:
+    def _ref(self, name: str, name_range: tuple[int, int] | None, data_type: int, dims: tuple[int, ...],
+             payload: list[Field], external: dict[str, str] | None) -> TensorRef:
         wf = self.wf
         expected = dtypes.raw_nbytes(data_type, dims)
         index = len(self.refs)
@@ -212,8 +355,10 @@ class Scanner:
             if payload:
                 raise InvalidModel(f"tensor {name!r} has both external and embedded data", wf.path)
             part = self._external_range(name, external, expected)
-            ref = TensorRef(index, name, data_type, dims, 0, [part], path=wf.path,
-                            recorded_sha256=self._recorded(part.path).get((part.offset, part.length)))
+            ref = self.refs.append(data_type, dims, 0, [part], [], name, name_range)
+            recorded = self._recorded(part.path).get((part.offset, part.length))
+            if recorded is not None:
+                self.refs.recorded[index] = recorded
         else:
             numbers = {f.number for f in payload}
             if len(numbers) > 1:
@@ -221,31 +366,32 @@ class Scanner:
             number = numbers.pop()
             if number == dtypes.RAW_DATA:
                 payload = payload[-1:]  # a repeated non-repeated field: the last one wins
+            self._check_typed_size(name, data_type, dims, number, sum(f.value for f in payload), expected)
             parts = [FileRange(wf.path, f.value_start, f.value, self.model_file) for f in payload]
-            ref = TensorRef(index, name, data_type, dims, number, parts,
-                            [(f.start, f.end) for f in payload], wf.path)
-            self._check_typed_size(ref, expected)
-        self.refs.append(ref)
+            ref = self.refs.append(data_type, dims, number, parts, [(f.start, f.end) for f in payload], name,
+                                   name_range)
         return ref
 
-    def _check_typed_size(self, ref: TensorRef, expected: int) -> None:
-        if ref.field == dtypes.RAW_DATA:
-            if ref.nbytes_in != expected:
-                raise InvalidModel(f"tensor {ref.name!r}: raw_data has {ref.nbytes_in} bytes, its dims and type "
-                                   f"need {expected}", ref.path)
+    def _check_typed_size(self, name: str, data_type: int, dims: tuple[int, ...], field: int, nbytes_in: int,
+                          expected: int) -> None:
+        path = self.wf.path
+        if field == dtypes.RAW_DATA:
+            if nbytes_in != expected:
+                raise InvalidModel(f"tensor {name!r}: raw_data has {nbytes_in} bytes, its dims and type "
+                                   f"need {expected}", path)
             return
-        layout = dtypes.typed_layout(ref.field, ref.data_type, ref.dims)
-        field_name = dtypes.TYPED_FIELDS[ref.field]
+        layout = dtypes.typed_layout(field, data_type, dims)
+        field_name = dtypes.TYPED_FIELDS[field]
         if layout is None:
-            raise Unsupported(f"tensor {ref.name!r}: data type {ref.data_type} stored in {field_name} is not "
-                              "supported", ref.path)
+            raise Unsupported(f"tensor {name!r}: data type {data_type} stored in {field_name} is not "
+                              "supported", path)
         kind, count, itemsize = layout
-        if kind == "copy" and ref.nbytes_in != count * itemsize:
-            raise InvalidModel(f"tensor {ref.name!r}: {field_name} has {ref.nbytes_in // itemsize} values, its "
-                               f"dims need {count}", ref.path)
-        if kind == "varint" and not (count <= ref.nbytes_in <= 10 * count):
-            raise InvalidModel(f"tensor {ref.name!r}: {field_name} has {ref.nbytes_in} bytes, which cannot hold "
-                               f"the {count} values its dims need", ref.path)
+        if kind == "copy" and nbytes_in != count * itemsize:
+            raise InvalidModel(f"tensor {name!r}: {field_name} has {nbytes_in // itemsize} values, its "
+                               f"dims need {count}", path)
+        if kind == "varint" and not (count <= nbytes_in <= 10 * count):
+            raise InvalidModel(f"tensor {name!r}: {field_name} has {nbytes_in} bytes, which cannot hold "
+                               f"the {count} values its dims need", path)
 
     def _external_range(self, name: str, info: dict[str, str], expected: int) -> FileRange:
         wf = self.wf
@@ -306,7 +452,7 @@ def _ort_integer(name: str, key: str, value: str, path: str) -> int:
     return number
 
 
-def scan_model(path: Path) -> tuple[bytes, list[TensorRef]]:
+def scan_model(path: Path) -> tuple[bytes, RefTable]:
     """Return (skeleton bytes, payload refs) of the ONNX model at ``path``."""
     model_file = open_input(path)
     with WireFile(path) as wf:
