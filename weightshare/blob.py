@@ -22,7 +22,7 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
@@ -349,7 +349,11 @@ class PlannedTensor:
 class _Stored:
     planned: PlannedTensor
     entry: BlobEntry
-    aliases: list[str] = field(default_factory=list)
+    more: list[str] | None = None  # aliases; most payloads have none: no empty list each (issue 15)
+
+    @property
+    def aliases(self) -> list[str]:
+        return self.more if self.more is not None else []
 
 
 def _safetensors_view(t: PlannedTensor) -> tuple[str, tuple[int, ...]]:
@@ -400,6 +404,7 @@ class SafetensorsBlob:
         self.data_start = align_up(8 + self._header_bound(planned, self.metadata), max(policy.large, policy.small))
         self.writer = BlobWriter(fd, self.data_start, policy, dedupe)
         self._stored: dict[int, _Stored] = {}  # by entry offset
+        self.header_sha256 = ""  # hex SHA-256 of the header text, set by finish()
 
     @staticmethod
     def _header_bound(planned: list[PlannedTensor], metadata: dict[str, str] | None = None) -> int:
@@ -437,7 +442,10 @@ class SafetensorsBlob:
             raise InvalidModel(f"tensor {tensor.name!r}: payload has {source.nbytes} bytes, expected {tensor.nbytes}")
         entry = self.writer.add(source, progress=progress)
         if entry.duplicate:
-            self._stored[entry.offset].aliases.append(tensor.st_name)
+            stored = self._stored[entry.offset]
+            if stored.more is None:
+                stored.more = []
+            stored.more.append(tensor.st_name)
         else:
             self._stored[entry.offset] = _Stored(tensor, entry)
         return entry
@@ -475,7 +483,7 @@ class SafetensorsBlob:
                    f'"data_offsets":[{begin},{cursor}]}},')
         yield f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:"{{'
         for i, item in enumerate(stored):
-            aliases = ",".join(dumps(a) for a in item.aliases)
+            aliases = ",".join(dumps(a) for a in item.more or ())
             kind, value = split_digest(item.entry.sha256)
             meta = f'{dumps(item.planned.st_name)}:{{{dumps(kind)}:{dumps(value)},"aliases":[{aliases}]}}'
             yield ("," if i else "") + dumps(meta)[1:-1]
@@ -489,6 +497,7 @@ class SafetensorsBlob:
         return the file size."""
         room = self.data_start - 8
         pos, batch, size = 8, [], 0
+        self._header_hash = hashlib.sha256()
         for piece in self._header_pieces():
             batch.append(piece)
             size += len(piece)
@@ -502,10 +511,12 @@ class SafetensorsBlob:
             self.writer.pwrite(spaces[:n], pos)
             pos += n
         self.writer.pwrite(room.to_bytes(8, "little"), 0)
+        self.header_sha256 = self._header_hash.hexdigest()
         return self.writer.finish()
 
     def _write_header_text(self, batch: list[str], pos: int) -> int:
         data = "".join(batch).encode()
+        self._header_hash.update(data)
         if pos + len(data) > self.data_start:  # the bound is computed from the same plan: a bug, not bad input
             raise OutputError(f"safetensors header outgrew its reserved {self.data_start - 8} bytes")
         self.writer.pwrite(data, pos)

@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import os
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,8 @@ from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ortcpu import ORT_CPU, unpack_for_cpu
-from .scan import TensorRef, scan_model
+from .scan import RefTable, TensorRef, place_markers, scan_model
+from .wire import encode_len_field
 
 
 # A real shape tensor has a handful of elements; a "shape" this large is hostile or a mistake, and keeping
@@ -38,7 +41,7 @@ from .scan import TensorRef, scan_model
 MAX_INLINE_SHAPE = 64 << 10
 
 
-@dataclass
+@dataclass(slots=True)
 class Placement:
     ref: TensorRef
     site: Site
@@ -49,11 +52,47 @@ class Placement:
 
     @property
     def source(self) -> PayloadSource:
-        src = self.ref.native_source()
-        if self.fold:
-            convert = fp16_to_fp32 if self.ref.data_type == dtypes.FLOAT16 else bf16_to_fp32
-            src = ElementwiseSource(src, 2, 4, convert)
-        return src
+        return _source(self.ref, self.fold)
+
+
+def _source(ref: TensorRef, fold: bool) -> PayloadSource:
+    src = ref.native_source()
+    if fold:
+        convert = fp16_to_fp32 if ref.data_type == dtypes.FLOAT16 else bf16_to_fp32
+        src = ElementwiseSource(src, 2, 4, convert)
+    return src
+
+
+class _BlobRanges:
+    """Where each external payload landed in the blob, by ref index: two arrays, not an object per tensor."""
+
+    __slots__ = ("lengths", "offsets")
+
+    def __init__(self, count: int):
+        self.offsets = array("q", bytes(8 * count))
+        self.lengths = array("q", [-1]) * count  # -1: not placed (yet)
+
+
+class _Payload(BlobPayload):
+    """A ``BlobPayload`` that makes its source only when the blob asks for it and records its blob range in
+    shared arrays: one small object per payload (issue 15)."""
+
+    __slots__ = ("fold", "index", "ranges", "refs")
+
+    def __init__(self, tensor: PlannedTensor, refs: RefTable, index: int, fold: bool, ranges: _BlobRanges):
+        self.tensor, self.refs, self.index, self.fold, self.ranges = tensor, refs, index, fold, ranges
+
+    @property  # type: ignore[override]
+    def source(self) -> PayloadSource:
+        return _source(self.refs[self.index], self.fold)
+
+    @property  # type: ignore[override]
+    def nbytes_in(self) -> int:
+        return self.refs.nbytes_in(self.index)
+
+    def placed(self, entry: BlobEntry) -> None:  # type: ignore[override]
+        self.ranges.offsets[self.index] = entry.offset
+        self.ranges.lengths[self.index] = entry.nbytes
 
 
 def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
@@ -125,7 +164,7 @@ class _SignallingNanProbe:
         self._fds.clear()
 
 
-def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_names: set[str],
+def plan(refs: Sequence[TensorRef], sites: dict[int, Site], folded: set[int], shape_names: set[str],
          options: ConvertOptions) -> list[Placement]:
     placements = []
     for ref in refs:
@@ -210,19 +249,37 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             keep_wire = p.ref.typed and options.keep_packed
             _set_inline(p, _read_wire(p.ref) if keep_wire else None)
 
-    placed: list[tuple[onnx.TensorProto, BlobEntry]] = []
-    payloads = [BlobPayload(PlannedTensor(p.site.name, dtypes.NAMES.get(dtypes.FLOAT if p.fold else p.ref.data_type,
-                                                                       "uint8"), p.ref.dims, p.out_nbytes),
-                            p.source, p.ref.nbytes_in, lambda entry, t=p.site.tensor: placed.append((t, entry)))
-                for p in placements if p.external]
+    # What the blob needs, then the parsed model goes: while the blob is written this model is its serialized
+    # skeleton, a ref table and one small object per payload (issue 15: 200,000 tensors).
+    external = [(p.ref.index, p.fold, p.site.name) for p in placements if p.external]
+    del placements, sites
+    skeleton = model.SerializeToString()
+    del model
+    ranges = _BlobRanges(len(refs))
+    payloads: list[BlobPayload] = []
+    for index, fold, name in external:
+        data_type = refs.data_types[index]
+        dims = refs.dims(index)
+        nbytes = dtypes.raw_nbytes(data_type, dims) * (2 if fold else 1)
+        dtype = dtypes.NAMES.get(dtypes.FLOAT if fold else data_type, "uint8")
+        payloads.append(_Payload(PlannedTensor(name, dtype, dims, nbytes), refs, index, fold, ranges))
+    del external
 
     def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
-        for tensor, entry in placed:
-            _set_external(tensor, blob_location, entry.offset, entry.nbytes)
+        location = encode_len_field(13, encode_len_field(1, b"location") + encode_len_field(2, blob_location.encode()))
+
+        def entries(index: int) -> bytes:  # what _set_external gives: location, offset, length
+            offset, length = ranges.offsets[index], ranges.lengths[index]
+            if length < 0:
+                raise InvalidModel(f"internal error: payload {index} was never written to the blob", src)
+            return location + encode_len_field(13, encode_len_field(1, b"offset") + encode_len_field(2, b"%d" % offset)
+                                               ) + encode_len_field(13, encode_len_field(1, b"length")
+                                                                    + encode_len_field(2, b"%d" % length))
+
         out_model = out_dir / src.name
         tmp = tx.new_file(out_model)
         with open(tmp, "wb") as f:
-            f.write(model.SerializeToString())
+            f.write(place_markers(skeleton, entries))
         return [out_model]
 
     return PreparedModel(report, payloads, emit, extra={"blob_metadata": blob_metadata} if blob_metadata else {})

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ from ...recorded import CheckedSource, recorded_payloads
 from ...tensors import ConcatSource, FileRange, InputFile, PayloadSource, open_input
 from . import dtypes
 from .wire import LEN, VARINT, Field, PackedVarintSource, WireFile, decode_varints, encode_len_field, \
-    encode_varint_field
+    encode_varint, encode_varint_field
 
 REF_KEY = "weightshare.ref"
 MAX_DEPTH = 200  # message nesting; a subgraph costs 3 levels (Graph > Node > Attribute)
@@ -50,7 +50,7 @@ class TensorRef:
     ``parts`` and its ``name`` exist only while a caller holds them (issue 15: 200,000 payloads).
     """
 
-    __slots__ = ("table", "index")
+    __slots__ = ("index", "table")
 
     def __init__(self, table: RefTable, index: int):
         self.table, self.index = table, index
@@ -461,3 +461,104 @@ def scan_model(path: Path) -> tuple[bytes, RefTable]:
         scanner = Scanner(wf, path.resolve().parent, model_file)
         skeleton = scanner.scan()
     return skeleton, scanner.refs
+
+
+def _varint_at(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 70:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def _fields_of(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(number, wire type, field start, value start, field end) of every field of the message at
+    ``[start, end)`` of an in-memory buffer."""
+    pos = start
+    while pos < end:
+        b = buf[pos]
+        tag, vpos = (b, pos + 1) if b < 0x80 else _varint_at(buf, pos)
+        wire_type = tag & 7
+        if wire_type == LEN:
+            b = buf[vpos]
+            n, vstart = (b, vpos + 1) if b < 0x80 else _varint_at(buf, vpos)
+            fend = vstart + n
+        elif wire_type == VARINT:
+            vstart = vpos
+            _, fend = _varint_at(buf, vpos)
+        elif wire_type == 1:
+            vstart, fend = vpos, vpos + 8
+        elif wire_type == 5:
+            vstart, fend = vpos, vpos + 4
+        else:
+            raise ValueError(f"wire type {wire_type} at offset {pos}")
+        if fend > end:
+            raise ValueError(f"field at offset {pos} runs past its message")
+        yield tag >> 3, wire_type, pos, vstart, fend
+        pos = fend
+
+
+_MARKER_KEY = encode_len_field(1, REF_KEY.encode())
+
+
+def place_markers(skeleton: bytes, entries: Callable[[int], bytes]) -> bytes:
+    """``skeleton`` (a serialized ModelProto whose cut tensors still carry their ``weightshare.ref`` entry) with
+    each marker entry replaced by ``entries(index)``: the encoded external_data field(s) that go in its place.
+
+    The same bytes as setting those entries on the parsed model and serializing it (the serializer writes
+    fields in number order, so the entries sit exactly where the marker sat), without holding the parsed
+    model, its tensors or a Python object per tensor while the blob is written (issue 15).
+    """
+    try:
+        new = _place(skeleton, 0, len(skeleton), "model", entries, 0)
+    except (ValueError, IndexError) as e:  # the skeleton comes from our own serializer: a bug, not bad input
+        raise InvalidModel(f"internal error re-reading the rewritten model: {e}") from None
+    return skeleton if new is None else bytes(new)
+
+
+def _place(buf: bytes, start: int, end: int, kind: str, entries: Callable[[int], bytes],
+           depth: int) -> bytearray | None:
+    if depth > MAX_DEPTH + 8:
+        raise ValueError("messages nested too deep")
+    out: bytearray | None = None
+    copy_from = start
+    if kind == "tensor":
+        for number, wire_type, fstart, vstart, fend in _fields_of(buf, start, end):
+            if number != 13 or wire_type != LEN or not buf.startswith(_MARKER_KEY, vstart):
+                continue
+            key_end = vstart + len(_MARKER_KEY)
+            if key_end >= fend or buf[key_end] != (2 << 3 | LEN):
+                continue
+            n, vpos = _varint_at(buf, key_end + 1)
+            if vpos + n != fend:
+                continue
+            if out is None:
+                out = bytearray()
+            out += memoryview(buf)[copy_from:fstart]
+            out += entries(int(buf[vpos:fend]))
+            copy_from = fend
+    else:
+        children = _CHILDREN[kind]
+        for number, wire_type, fstart, vstart, fend in _fields_of(buf, start, end):
+            child = children.get(number)
+            if child is None or wire_type != LEN:
+                continue
+            new = _place(buf, vstart, fend, child, entries, depth + 1)
+            if new is None:
+                continue
+            if out is None:
+                out = bytearray()
+            out += memoryview(buf)[copy_from:fstart]
+            out += encode_varint(number << 3 | LEN)
+            out += encode_varint(len(new))
+            out += new
+            copy_from = fend
+    if out is None:
+        return None
+    out += memoryview(buf)[copy_from:end]
+    return out
