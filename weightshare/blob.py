@@ -163,7 +163,9 @@ class BlobWriter:
         self.policy = policy
         self.dedupe = dedupe
         self.chunk_size = chunk_size
-        self._index: dict[tuple[str, int, str], BlobEntry] = {}
+        # (tag, size, digest) -> first copy; untagged payloads by digest alone, a key string each rather than a
+        # tuple (the entry's size is checked on a hit): 100,000s of payloads (issue 15)
+        self._index: dict[tuple[str, int, str] | str, BlobEntry] = {}
         self.unique: list[BlobEntry] = []
         self.bytes_in = 0
         self.bytes_written = 0
@@ -184,15 +186,17 @@ class BlobWriter:
         else:
             digest = self._stream(source, offset, nbytes, progress)
         self.bytes_in += nbytes
-        key = (tag, nbytes, digest)
+        key = (tag, nbytes, digest) if tag else digest
         first = self._index.get(key) if self.dedupe else None
+        if first is not None and first.nbytes != nbytes:
+            first = None  # (never seen: equal digests of different lengths) stored as a payload of its own
         if first is not None:
             # Drop the second copy: nothing after self.end has been claimed yet.
             os.ftruncate(self.fd, self.end)
             self._wb_start = min(self._wb_start, self.end)
             return BlobEntry(first.offset, nbytes, first.sha256, first.prefix_offset, duplicate=True)
         entry = BlobEntry(offset, nbytes, digest, prefix_offset)
-        self._index[key] = entry
+        self._index.setdefault(key, entry)
         self.unique.append(entry)
         self.end = offset + nbytes
         self.bytes_written += nbytes

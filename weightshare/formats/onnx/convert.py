@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from ...atomic import OutputTransaction
 from ...blob import BlobEntry, PlannedTensor
 from ...errors import InvalidModel
 from ...options import ConvertOptions
+from ...ort import malloc_trim
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
 from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, \
@@ -164,9 +165,14 @@ class _SignallingNanProbe:
         self._fds.clear()
 
 
-def plan(refs: Sequence[TensorRef], sites: dict[int, Site], folded: set[int], shape_names: set[str],
+def plan(refs: Sequence[TensorRef], sites: Mapping[int, Site], folded: set[int], shape_names: set[str],
          options: ConvertOptions) -> list[Placement]:
-    placements = []
+    return list(iter_plan(refs, sites, folded, shape_names, options))
+
+
+def iter_plan(refs: Sequence[TensorRef], sites: Mapping[int, Site], folded: set[int], shape_names: set[str],
+              options: ConvertOptions) -> Iterator[Placement]:
+    """``plan``, one placement at a time: ``prepare`` keeps only what the blob needs of each."""
     for ref in refs:
         site = sites.get(ref.index)
         if site is None:
@@ -184,8 +190,7 @@ def plan(refs: Sequence[TensorRef], sites: dict[int, Site], folded: set[int], sh
             p.reason = "below the inline threshold"
         else:
             p.external = True
-        placements.append(p)
-    return placements
+        yield p
 
 
 def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
@@ -236,9 +241,11 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             folded, report.ops_removed = fold_fp16_casts(model, sites, lambda site: probe.keeps_bits(refs[site.index]))
         finally:
             probe.close()
-    placements = plan(refs, sites, folded, shape_tensor_names(model), options)
-
-    for p in placements:
+    # What the blob needs of each external payload (ref index, fold, name), then the parsed model goes: while
+    # the blob is written this model is its serialized skeleton, the ref table and one small object per
+    # payload (issue 15: 200,000 tensors).
+    ext_index, ext_fold, ext_names = array("q"), bytearray(), []
+    for p in iter_plan(refs, sites, folded, shape_tensor_names(model), options):
         if p.fold or (p.ref.typed and not options.keep_packed):
             report.unpacked += 1
             report.unpacked_bytes_in += p.ref.nbytes_in
@@ -248,22 +255,30 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             report.inline_kept_bytes += p.out_nbytes
             keep_wire = p.ref.typed and options.keep_packed
             _set_inline(p, _read_wire(p.ref) if keep_wire else None)
-
-    # What the blob needs, then the parsed model goes: while the blob is written this model is its serialized
-    # skeleton, a ref table and one small object per payload (issue 15: 200,000 tensors).
-    external = [(p.ref.index, p.fold, p.site.name) for p in placements if p.external]
-    del placements, sites
+        else:
+            ext_index.append(p.ref.index)
+            ext_fold.append(p.fold)
+            ext_names.append(p.site.name)
+    p = None  # type: ignore[assignment]  # the last placement would keep the model alive
+    del sites
     skeleton = model.SerializeToString()
     del model
+    malloc_trim()  # protobuf's arena went back to malloc; give it to the OS before the blob's objects arrive
     ranges = _BlobRanges(len(refs))
     payloads: list[BlobPayload] = []
-    for index, fold, name in external:
+    shared: dict[tuple[int, int, tuple[int, ...]], tuple[str, tuple[int, ...], int]] = {}
+    for index, fold, name in zip(ext_index, ext_fold, ext_names):
         data_type = refs.data_types[index]
         dims = refs.dims(index)
-        nbytes = dtypes.raw_nbytes(data_type, dims) * (2 if fold else 1)
-        dtype = dtypes.NAMES.get(dtypes.FLOAT if fold else data_type, "uint8")
-        payloads.append(_Payload(PlannedTensor(name, dtype, dims, nbytes), refs, index, fold, ranges))
-    del external
+        key = (data_type, fold, dims)
+        facts = shared.get(key)
+        if facts is None:  # payloads of one type and shape share their dtype, shape and size objects
+            nbytes = dtypes.raw_nbytes(data_type, dims) * (2 if fold else 1)
+            facts = shared[key] = (dtypes.NAMES.get(dtypes.FLOAT if fold else data_type, "uint8"), dims, nbytes)
+        dtype, dims, nbytes = facts
+        payloads.append(_Payload(PlannedTensor(name, dtype, dims, nbytes), refs, index, bool(fold), ranges))
+    del shared
+    del ext_index, ext_fold, ext_names
 
     def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
         location = encode_len_field(13, encode_len_field(1, b"location") + encode_len_field(2, blob_location.encode()))

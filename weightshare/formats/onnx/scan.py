@@ -238,18 +238,17 @@ class Scanner:
         if self.wf.size == 0:
             raise self.wf.error("empty file")
         new = self._message(0, self.wf.size, "model", 0)
-        return new if new is not None else self.wf.read(0, self.wf.size)
+        return bytes(new) if new is not None else self.wf.read(0, self.wf.size)
 
-    def _message(self, start: int, end: int, kind: str, depth: int) -> bytes | None:
+    def _message(self, start: int, end: int, kind: str, depth: int) -> bytes | bytearray | None:
         """Rewritten content of a message, or None when it holds no payload (copy it as it is)."""
         if depth > MAX_DEPTH:
             raise self.wf.error(f"messages nested deeper than {MAX_DEPTH} levels at offset {start}")
         if kind == "tensor":
             return self._tensor(start, end)
         children = _CHILDREN[kind]
-        out: list[bytes] = []
+        out: bytearray | None = None  # one growing buffer, not a list of 100,000s of pieces (issue 15)
         copy_from = start
-        changed = False
         for f in self.wf.fields(start, end):
             child = children.get(f.number)
             if child is None or f.wire_type != LEN:
@@ -257,14 +256,17 @@ class Scanner:
             new = self._message(f.value_start, f.end, child, depth + 1)
             if new is None:
                 continue
-            changed = True
-            out.append(self.wf.read(copy_from, f.start - copy_from))
-            out.append(encode_len_field(f.number, new))
+            if out is None:
+                out = bytearray()
+            out += self.wf.read(copy_from, f.start - copy_from)
+            out += encode_varint(f.number << 3 | LEN)
+            out += encode_varint(len(new))
+            out += new
             copy_from = f.end
-        if not changed:
+        if out is None:
             return None
-        out.append(self.wf.read(copy_from, end - copy_from))
-        return b"".join(out)
+        out += self.wf.read(copy_from, end - copy_from)
+        return out
 
     def _tensor(self, start: int, end: int) -> bytes | None:
         wf = self.wf
