@@ -14,9 +14,11 @@ Cases (sizes follow --scale; the row labels print the real sizes):
                - onnx_ir load + save with external data (when onnx_ir is installed; not a dependency);
                - a bare copy_file_range loop of the data file with one fsync: the floor.
   many       200,000 initializers of 1.2 KB (at scale 1), against onnx.load + onnx.save_model with external data.
+  tiny       200,000 initializers of 16 B (at scale 1; they stay inline), against the same.
+  fold       4,000 fp16 initializers of 8 KiB, each behind a Cast to float (at scale 1), against the same.
 
     python scripts/bench_convert.py [--workdir /tmp/ws-bench] [--scale 1.0] [--cases unpack,external,many]
-        [--external-gib 1,4,8] [--baseline /path/to/other/checkout]
+        [--external-gib 1,4,8] (cases also: tiny, fold) [--baseline /path/to/other/checkout]
 
 The weightshare measured is the one `python -m weightshare` imports from "/" (set PYTHONPATH to a checkout).
 --scale 0.25 turns 512 MiB into 128 MiB, 1/4/8 GiB into 256 MiB/1/2 GiB and 200,000 tensors into 50,000.
@@ -180,7 +182,7 @@ def case_external(work: Path, scale: float, sizes_gib: list[float]) -> list[tupl
 
 
 def many_tensors_model(path: Path, count: int, elems: int = 300) -> Path:
-    """``count`` fp32 initializers of ``elems`` values each (1.2 KB at 300), all summed."""
+    """``count`` fp32 initializers of ``elems`` values each (1.2 KB at 300, 16 B at 4), all summed."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -210,6 +212,50 @@ def case_many(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
     return [(label, rows, checks)]
 
 
+def case_tiny(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
+    count = max(10, round(200_000 * scale))
+    d = fresh(work / "tiny")
+    model = many_tensors_model(d / "tiny.onnx", count, elems=4)
+    return [_versus_onnx(work, d, model, f"{count:,} initializers x 16 B ({size_label(model.stat().st_size)})")]
+
+
+def fold_model(path: Path, count: int, elems: int = 4096) -> Path:
+    """``count`` fp16 initializers of ``elems`` values (8 KiB at 4096), each read by its own Cast to float."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    base = np.random.default_rng(0).standard_normal(elems).astype(np.float16)
+    inits = [numpy_helper.from_array(base + np.float16(i % 7), f"w{i}") for i in range(count)]
+    nodes = [helper.make_node("Cast", [f"w{i}"], [f"c{i}"], to=TensorProto.FLOAT) for i in range(count)]
+    nodes.append(helper.make_node("Sum", ["x", *(f"c{i}" for i in range(count))], ["y"]))
+    graph = helper.make_graph(nodes, "fold", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elems])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elems])], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    return path
+
+
+def case_fold(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
+    count = max(10, round(4_000 * scale))
+    d = fresh(work / "fold")
+    model = fold_model(d / "fold.onnx", count)
+    label = f"{count:,} fp16+Cast initializers x 8 KiB ({size_label(model.stat().st_size)})"
+    label, rows, checks = _versus_onnx(work, d, model, label)
+    checks = {"wall / onnx wall (target <= 2)": checks["wall / onnx wall (target <= 1.5)"]}
+    return [(label, rows, checks)]
+
+
+def _versus_onnx(work: Path, d: Path, model: Path, label: str) -> tuple[str, dict, dict]:
+    out = work / "out"
+    run(["cat", str(model)])
+    rows = run_weightshare(model, out)
+    rows["onnx load+save external"] = run([sys.executable, "-c", ONNX_EXTERNALISE, str(model),
+                                           str(fresh(out) / model.name)])
+    shutil.rmtree(d), shutil.rmtree(out)
+    checks = {"peak RSS MiB (target <= 200)": rows["weightshare"]["peak"],
+              "wall / onnx wall (target <= 1.5)": rows["weightshare"]["wall"] / rows["onnx load+save external"]["wall"]}
+    return label, rows, checks
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ws-bench"))
@@ -229,6 +275,10 @@ def main() -> None:
         results += case_external(work, args.scale, [float(g) for g in args.external_gib.split(",")])
     if "many" in cases:
         results += case_many(work, args.scale)
+    if "tiny" in cases:
+        results += case_tiny(work, args.scale)
+    if "fold" in cases:
+        results += case_fold(work, args.scale)
     shutil.rmtree(work, ignore_errors=True)
     print(f"scale {args.scale}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} at the end")
     for label, rows, checks in results:

@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
@@ -175,7 +175,9 @@ class BlobWriter:
         self.policy = policy
         self.dedupe = dedupe
         self.chunk_size = chunk_size
-        self._index: dict[tuple[str, int, str], BlobEntry] = {}
+        # (tag, size, digest) -> first copy; untagged payloads by digest alone, a key string each rather than a
+        # tuple (the entry's size is checked on a hit): 100,000s of payloads (issue 15)
+        self._index: dict[tuple[str, int, str] | str, BlobEntry] = {}
         self.unique: list[BlobEntry] = []
         self.bytes_in = 0
         self.bytes_written = 0
@@ -196,15 +198,17 @@ class BlobWriter:
         else:
             digest = self._stream(source, offset, nbytes, progress)
         self.bytes_in += nbytes
-        key = (tag, nbytes, digest)
+        key = (tag, nbytes, digest) if tag else digest
         first = self._index.get(key) if self.dedupe else None
+        if first is not None and first.nbytes != nbytes:
+            first = None  # (never seen: equal digests of different lengths) stored as a payload of its own
         if first is not None:
             # Drop the second copy: nothing after self.end has been claimed yet.
             os.ftruncate(self.fd, self.end)
             self._wb_start = min(self._wb_start, self.end)
             return BlobEntry(first.offset, nbytes, first.sha256, first.prefix_offset, duplicate=True)
         entry = BlobEntry(offset, nbytes, digest, prefix_offset)
-        self._index[key] = entry
+        self._index.setdefault(key, entry)
         self.unique.append(entry)
         self.end = offset + nbytes
         self.bytes_written += nbytes
@@ -361,7 +365,11 @@ class PlannedTensor:
 class _Stored:
     planned: PlannedTensor
     entry: BlobEntry
-    aliases: list[str] = field(default_factory=list)
+    more: list[str] | None = None  # aliases; most payloads have none: no empty list each (issue 15)
+
+    @property
+    def aliases(self) -> list[str]:
+        return self.more if self.more is not None else []
 
 
 def _safetensors_view(t: PlannedTensor) -> tuple[str, tuple[int, ...]]:
@@ -412,6 +420,7 @@ class SafetensorsBlob:
         self.data_start = align_up(8 + self._header_bound(planned, self.metadata), max(policy.large, policy.small))
         self.writer = BlobWriter(fd, self.data_start, policy, dedupe)
         self._stored: dict[int, _Stored] = {}  # by entry offset
+        self.header_sha256 = ""  # hex SHA-256 of the header text, set by finish()
 
     @staticmethod
     def _header_bound(planned: list[PlannedTensor], metadata: dict[str, str] | None = None) -> int:
@@ -449,7 +458,10 @@ class SafetensorsBlob:
             raise InvalidModel(f"tensor {tensor.name!r}: payload has {source.nbytes} bytes, expected {tensor.nbytes}")
         entry = self.writer.add(source, progress=progress)
         if entry.duplicate:
-            self._stored[entry.offset].aliases.append(tensor.st_name)
+            stored = self._stored[entry.offset]
+            if stored.more is None:
+                stored.more = []
+            stored.more.append(tensor.st_name)
         else:
             self._stored[entry.offset] = _Stored(tensor, entry)
         return entry
@@ -487,7 +499,7 @@ class SafetensorsBlob:
                    f'"data_offsets":[{begin},{cursor}]}},')
         yield f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:"{{'
         for i, item in enumerate(stored):
-            aliases = ",".join(dumps(a) for a in item.aliases)
+            aliases = ",".join(dumps(a) for a in item.more or ())
             kind, value = split_digest(item.entry.sha256)
             meta = f'{dumps(item.planned.st_name)}:{{{dumps(kind)}:{dumps(value)},"aliases":[{aliases}]}}'
             yield ("," if i else "") + dumps(meta)[1:-1]
@@ -501,6 +513,7 @@ class SafetensorsBlob:
         return the file size."""
         room = self.data_start - 8
         pos, batch, size = 8, [], 0
+        self._header_hash = hashlib.sha256()
         for piece in self._header_pieces():
             batch.append(piece)
             size += len(piece)
@@ -514,10 +527,12 @@ class SafetensorsBlob:
             self.writer.pwrite(spaces[:n], pos)
             pos += n
         self.writer.pwrite(room.to_bytes(8, "little"), 0)
+        self.header_sha256 = self._header_hash.hexdigest()
         return self.writer.finish()
 
     def _write_header_text(self, batch: list[str], pos: int) -> int:
         data = "".join(batch).encode()
+        self._header_hash.update(data)
         if pos + len(data) > self.data_start:  # the bound is computed from the same plan: a bug, not bad input
             raise OutputError(f"safetensors header outgrew its reserved {self.data_start - 8} bytes")
         self.writer.pwrite(data, pos)

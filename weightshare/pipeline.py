@@ -9,7 +9,6 @@ weights stores each distinct payload once.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import re
@@ -33,8 +32,11 @@ DIGEST_CHARS = 12
 MODEL_SUFFIXES = (".onnx", ".tflite")  # the formats whose models reference a safetensors blob by name
 
 
-@dataclass
+@dataclass(slots=True)
 class BlobPayload:
+    """One payload for the blob. A format with 100,000s of payloads may subclass it with ``__slots__`` and make
+    ``source`` a property, so that no source object exists before its payload is written (issue 15)."""
+
     tensor: PlannedTensor  # name, dtype, shape and size in the blob
     source: PayloadSource  # bytes in the runtime's native form
     nbytes_in: int  # size as found in the input (before unpacking)
@@ -94,8 +96,8 @@ def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOpt
                     r.deduplicated_bytes += entry.nbytes
             r.bytes_written = blob.bytes_written - written_before
         size = blob.finish()
-        # The header lists every payload's SHA-256, dtype, shape and offset: equal digests, equal files.
-        return tmp, size, hashlib.sha256(blob.header()).hexdigest()[:DIGEST_CHARS]
+        # The header lists every payload's digest, dtype, shape and offset: equal digests, equal files.
+        return tmp, size, blob.header_sha256[:DIGEST_CHARS]  # of the header text, hashed as it was written
     except OSError as e:  # EFBIG, ENOSPC, EIO: name the file being written, not just the errno
         raise OutputError(f"cannot write the blob: {e.strerror or e}", shown) from None
     except OutputError as e:

@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from ...atomic import OutputTransaction
 from ...blob import BlobEntry, PlannedTensor
 from ...errors import InvalidModel
 from ...options import ConvertOptions
+from ...ort import malloc_trim
 from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
 from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
@@ -30,14 +32,15 @@ from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ortcpu import ORT_CPU, unpack_for_cpu
-from .scan import TensorRef, scan_model
+from .scan import RefTable, TensorRef, place_markers, scan_model
+from .wire import encode_len_field
 
 # A real shape tensor has a handful of elements; a "shape" this large is hostile or a mistake, and keeping
 # it inline would mean holding it in memory, so it moves like any other payload.
 MAX_INLINE_SHAPE = 64 << 10
 
 
-@dataclass
+@dataclass(slots=True)
 class Placement:
     ref: TensorRef
     site: Site
@@ -48,11 +51,47 @@ class Placement:
 
     @property
     def source(self) -> PayloadSource:
-        src = self.ref.native_source()
-        if self.fold:
-            convert = fp16_to_fp32 if self.ref.data_type == dtypes.FLOAT16 else bf16_to_fp32
-            src = ElementwiseSource(src, 2, 4, convert)
-        return src
+        return _source(self.ref, self.fold)
+
+
+def _source(ref: TensorRef, fold: bool) -> PayloadSource:
+    src = ref.native_source()
+    if fold:
+        convert = fp16_to_fp32 if ref.data_type == dtypes.FLOAT16 else bf16_to_fp32
+        src = ElementwiseSource(src, 2, 4, convert)
+    return src
+
+
+class _BlobRanges:
+    """Where each external payload landed in the blob, by ref index: two arrays, not an object per tensor."""
+
+    __slots__ = ("lengths", "offsets")
+
+    def __init__(self, count: int):
+        self.offsets = array("q", bytes(8 * count))
+        self.lengths = array("q", [-1]) * count  # -1: not placed (yet)
+
+
+class _Payload(BlobPayload):
+    """A ``BlobPayload`` that makes its source only when the blob asks for it and records its blob range in
+    shared arrays: one small object per payload (issue 15)."""
+
+    __slots__ = ("fold", "index", "ranges", "refs")
+
+    def __init__(self, tensor: PlannedTensor, refs: RefTable, index: int, fold: bool, ranges: _BlobRanges):
+        self.tensor, self.refs, self.index, self.fold, self.ranges = tensor, refs, index, fold, ranges
+
+    @property
+    def source(self) -> PayloadSource:  # type: ignore[override]  # a read-only view where the base stores a field
+        return _source(self.refs[self.index], self.fold)
+
+    @property
+    def nbytes_in(self) -> int:  # type: ignore[override]  # likewise
+        return self.refs.nbytes_in(self.index)
+
+    def placed(self, entry: BlobEntry) -> None:
+        self.ranges.offsets[self.index] = entry.offset
+        self.ranges.lengths[self.index] = entry.nbytes
 
 
 def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
@@ -124,9 +163,14 @@ class _SignallingNanProbe:
         self._fds.clear()
 
 
-def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_names: set[str],
+def plan(refs: Sequence[TensorRef], sites: Mapping[int, Site], folded: set[int], shape_names: set[str],
          options: ConvertOptions) -> list[Placement]:
-    placements = []
+    return list(iter_plan(refs, sites, folded, shape_names, options))
+
+
+def iter_plan(refs: Sequence[TensorRef], sites: Mapping[int, Site], folded: set[int], shape_names: set[str],
+              options: ConvertOptions) -> Iterator[Placement]:
+    """``plan``, one placement at a time: ``prepare`` keeps only what the blob needs of each."""
     for ref in refs:
         site = sites.get(ref.index)
         if site is None:
@@ -144,8 +188,7 @@ def plan(refs: list[TensorRef], sites: dict[int, Site], folded: set[int], shape_
             p.reason = "below the inline threshold"
         else:
             p.external = True
-        placements.append(p)
-    return placements
+        yield p
 
 
 def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
@@ -196,9 +239,11 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             folded, report.ops_removed = fold_fp16_casts(model, sites, lambda site: probe.keeps_bits(refs[site.index]))
         finally:
             probe.close()
-    placements = plan(refs, sites, folded, shape_tensor_names(model), options)
-
-    for p in placements:
+    # What the blob needs of each external payload (ref index, fold, name), then the parsed model goes: while
+    # the blob is written this model is its serialized skeleton, the ref table and one small object per
+    # payload (issue 15: 200,000 tensors).
+    ext_index, ext_fold, ext_names = array("q"), bytearray(), []
+    for p in iter_plan(refs, sites, folded, shape_tensor_names(model), options):
         if p.fold or (p.ref.typed and not options.keep_packed):
             report.unpacked += 1
             report.unpacked_bytes_in += p.ref.nbytes_in
@@ -208,24 +253,46 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             report.inline_kept_bytes += p.out_nbytes
             keep_wire = p.ref.typed and options.keep_packed
             _set_inline(p, _read_wire(p.ref) if keep_wire else None)
-
-    placed: list[tuple[onnx.TensorProto, BlobEntry]] = []
-
-    def placed_as(tensor: onnx.TensorProto) -> Callable[[BlobEntry], None]:
-        return lambda entry: placed.append((tensor, entry))
-
-    payloads = [BlobPayload(PlannedTensor(p.site.name, dtypes.NAMES.get(dtypes.FLOAT if p.fold else p.ref.data_type,
-                                                                       "uint8"), p.ref.dims, p.out_nbytes),
-                            p.source, p.ref.nbytes_in, placed_as(p.site.tensor))
-                for p in placements if p.external]
+        else:
+            ext_index.append(p.ref.index)
+            ext_fold.append(p.fold)
+            ext_names.append(p.site.name)
+    p = None  # type: ignore[assignment]  # the last placement would keep the model alive
+    del sites
+    skeleton = model.SerializeToString()
+    del model
+    malloc_trim()  # protobuf's arena went back to malloc; give it to the OS before the blob's objects arrive
+    ranges = _BlobRanges(len(refs))
+    payloads: list[BlobPayload] = []
+    shared: dict[tuple[int, int, tuple[int, ...]], tuple[str, tuple[int, ...], int]] = {}
+    for index, fold, name in zip(ext_index, ext_fold, ext_names):
+        data_type = refs.data_types[index]
+        dims = refs.dims(index)
+        key = (data_type, fold, dims)
+        facts = shared.get(key)
+        if facts is None:  # payloads of one type and shape share their dtype, shape and size objects
+            nbytes = dtypes.raw_nbytes(data_type, dims) * (2 if fold else 1)
+            facts = shared[key] = (dtypes.NAMES.get(dtypes.FLOAT if fold else data_type, "uint8"), dims, nbytes)
+        dtype, dims, nbytes = facts
+        payloads.append(_Payload(PlannedTensor(name, dtype, dims, nbytes), refs, index, bool(fold), ranges))
+    del shared
+    del ext_index, ext_fold, ext_names
 
     def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
-        for tensor, entry in placed:
-            _set_external(tensor, blob_location, entry.offset, entry.nbytes)
+        location = encode_len_field(13, encode_len_field(1, b"location") + encode_len_field(2, blob_location.encode()))
+
+        def entries(index: int) -> bytes:  # what _set_external gives: location, offset, length
+            offset, length = ranges.offsets[index], ranges.lengths[index]
+            if length < 0:
+                raise InvalidModel(f"internal error: payload {index} was never written to the blob", src)
+            return location + encode_len_field(13, encode_len_field(1, b"offset") + encode_len_field(2, b"%d" % offset)
+                                               ) + encode_len_field(13, encode_len_field(1, b"length")
+                                                                    + encode_len_field(2, b"%d" % length))
+
         out_model = out_dir / src.name
         tmp = tx.new_file(out_model)
         with open(tmp, "wb") as f:
-            f.write(model.SerializeToString())
+            f.write(place_markers(skeleton, entries))
         return [out_model]
 
     return PreparedModel(report, payloads, emit, extra={"blob_metadata": blob_metadata} if blob_metadata else {})

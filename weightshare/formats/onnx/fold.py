@@ -15,7 +15,7 @@ subgraphs define), every fold of a scope decided first, then applied in one pass
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import onnx
 
@@ -135,7 +135,7 @@ def _graph_and_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             stack.extend(subgraphs(node))
 
 
-def fold_fp16_casts(model: onnx.ModelProto, sites: dict[int, Site],
+def fold_fp16_casts(model: onnx.ModelProto, sites: Mapping[int, Site],
                     keeps_bits: Callable[[Site], bool] = lambda site: True) -> tuple[set[int], int]:
     """Fold Cast(to=FLOAT) of fp16/bf16 constants. Returns (folded ref indices, Cast nodes removed).
 

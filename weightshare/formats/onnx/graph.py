@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 
 import onnx
 
@@ -12,16 +11,65 @@ from ...errors import InvalidModel
 from .scan import REF_KEY
 
 
-@dataclass
 class Site:
-    """Where the payload with ref ``index`` sits in the skeleton."""
+    """Where the payload with ref ``index`` sits in the skeleton.
 
-    index: int
-    tensor: onnx.TensorProto
-    name: str  # the value name the graph knows it by (initializer name, Constant output, ...)
-    kind: str  # "initializer", "constant", "sparse", "sparse indices", "attribute"
-    scope: onnx.GraphProto | onnx.FunctionProto
-    node: onnx.NodeProto | None = None
+    ``name`` is the value name the graph knows it by (initializer name, Constant output, ...); ``kind`` is
+    "initializer", "constant", "sparse", "sparse indices" or "attribute". An initializer's site keeps only its
+    position in ``scope.initializer``: its tensor and name are looked up when asked for, so 200,000 sites hold
+    no protobuf wrapper and no name string each (issue 15).
+    """
+
+    __slots__ = ("_name", "_pos", "_tensor", "index", "kind", "node", "scope")
+
+    def __init__(self, index: int, tensor: onnx.TensorProto | None, name: str | None, kind: str,
+                 scope: onnx.GraphProto | onnx.FunctionProto, node: onnx.NodeProto | None = None, pos: int = -1):
+        self.index, self.kind, self.scope, self.node = index, kind, scope, node
+        self._tensor, self._name, self._pos = tensor, name, pos
+
+    @property
+    def tensor(self) -> onnx.TensorProto:
+        if self._tensor is not None:
+            return self._tensor
+        return self.scope.initializer[self._pos]  # type: ignore[union-attr]
+
+    @property
+    def name(self) -> str:
+        return self._name if self._name is not None else self.tensor.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._name = None if self._tensor is None and value == self.tensor.name else value
+
+    def __repr__(self) -> str:
+        return f"Site({self.index}, {self.name!r}, {self.kind!r})"
+
+
+class SiteMap(Mapping[int, Site]):
+    """ref index -> Site, stored as a list by index (ref indices are dense)."""
+
+    def __init__(self) -> None:
+        self._sites: list[Site | None] = []
+        self._count = 0
+
+    def __setitem__(self, index: int, site: Site) -> None:
+        if index >= len(self._sites):
+            self._sites.extend([None] * (index + 1 - len(self._sites)))
+        if self._sites[index] is None:
+            self._count += 1
+        self._sites[index] = site
+
+    def __getitem__(self, index: int) -> Site:
+        site = self._sites[index] if isinstance(index, int) and 0 <= index < len(self._sites) else None
+        if site is None:
+            raise KeyError(index)
+        return site
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __iter__(self) -> Iterator[int]:
+        return (i for i, site in enumerate(self._sites) if site is not None)
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -55,8 +103,8 @@ def ref_index(tensor: onnx.TensorProto) -> int | None:
     return None
 
 
-def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
-    sites: dict[int, Site] = {}
+def collect_sites(model: onnx.ModelProto) -> SiteMap:
+    sites = SiteMap()
 
     def add(tensor: onnx.TensorProto, name: str, kind: str, node: onnx.NodeProto | None = None) -> None:
         index = ref_index(tensor)
@@ -67,8 +115,10 @@ def collect_sites(model: onnx.ModelProto) -> dict[int, Site]:
 
     for scope in iter_scopes(model):
         if isinstance(scope, onnx.GraphProto):
-            for t in scope.initializer:
-                add(t, t.name, "initializer")
+            for pos, t in enumerate(scope.initializer):
+                index = ref_index(t)
+                if index is not None:
+                    sites[index] = Site(index, None, None, "initializer", scope, pos=pos)
             for sp in scope.sparse_initializer:
                 add(sp.values, sp.values.name, "sparse")
                 add(sp.indices, f"{sp.values.name}.indices", "sparse indices")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import onnx
@@ -110,7 +111,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     with WireFile(path) as wf:
         scanner = _LenientScanner(wf, path.resolve().parent)
         skeleton = scanner.scan()
-    refs: list[TensorRef] = scanner.refs
+    refs: Sequence[TensorRef] = scanner.refs
     model = load_skeleton(skeleton, path)
     sites = collect_sites(model)
     names = {i: site.name for i, site in sites.items()}  # before folding renames them

@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -110,7 +111,7 @@ def _stand_in(tensor: onnx.TensorProto, ref: TensorRef, real: bool) -> int:
     return nbytes
 
 
-def write_probe_model(skeleton: onnx.ModelProto, refs: list[TensorRef], directory: Path) -> Path:
+def write_probe_model(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], directory: Path) -> Path:
     probe = onnx.ModelProto()
     probe.CopyFrom(skeleton)
     by_index = {r.index: r for r in refs}
@@ -125,7 +126,7 @@ def write_probe_model(skeleton: onnx.ModelProto, refs: list[TensorRef], director
     return path
 
 
-def run_probe(skeleton: onnx.ModelProto, refs: list[TensorRef], src: Path) -> Probe:
+def run_probe(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], src: Path) -> Probe:
     if onnxruntime_version() is None:
         raise UsageError("--unpack ort-cpu needs onnxruntime installed (pip install onnxruntime)", src)
     with tempfile.TemporaryDirectory(prefix="weightshare-ortcpu-") as tmp:
@@ -259,14 +260,14 @@ def ort_cpu_cast_bytes(model_path: Path) -> tuple[int, int]:
     return _cast_bytes(model, refs, run_probe(model, refs, model_path))
 
 
-def _cast_bytes(model: onnx.ModelProto, refs: list[TensorRef], probe: Probe) -> tuple[int, int]:
+def _cast_bytes(model: onnx.ModelProto, refs: Sequence[TensorRef], probe: Probe) -> tuple[int, int]:
     by_index = {r.index: r for r in refs}
     dims = {site.name: by_index[i].dims for i, site in collect_sites(model).items() if site.kind == "initializer"}
     names = probe.cast_initializers()
     return len(names), sum(dtypes.element_count(dims[n]) * 4 for n in names if n in dims)
 
 
-def unpack_for_cpu(model: onnx.ModelProto, refs: list[TensorRef], src: Path, notes: list[str]) -> dict[str, str]:
+def unpack_for_cpu(model: onnx.ModelProto, refs: Sequence[TensorRef], src: Path, notes: list[str]) -> dict[str, str]:
     """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header."""
     probe = run_probe(model, refs, src)
     try:
@@ -285,7 +286,7 @@ def unpack_for_cpu(model: onnx.ModelProto, refs: list[TensorRef], src: Path, not
     return {"weightshare.unpack": "ort-cpu", "weightshare.onnxruntime": probe.version}
 
 
-def inventory_notes(model: onnx.ModelProto, refs: list[TensorRef], folded: set[int], src: Path) -> list[str]:
+def inventory_notes(model: onnx.ModelProto, refs: Sequence[TensorRef], folded: set[int], src: Path) -> list[str]:
     """For ``inspect``/``check``: what ORT's CPU provider casts per session, and the flag that makes it once.
 
     Runs the probe only for models with fp16/bf16 payloads that no explicit Cast fold covers, and only when

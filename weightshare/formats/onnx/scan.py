@@ -11,11 +11,12 @@ onnx. Every cut tensor is marked in the skeleton with an ``external_data`` entry
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-from dataclasses import dataclass
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from .wire import (
     WireFile,
     decode_varints,
     encode_len_field,
+    encode_varint,
     encode_varint_field,
 )
 
@@ -51,24 +53,53 @@ _CHILDREN = {
 }
 
 
-@dataclass
 class TensorRef:
-    """One payload found by the scan."""
+    """One payload found by the scan: a view of row ``index`` of a ``RefTable``, made when asked for.
 
-    index: int
-    name: str
-    data_type: int
-    dims: tuple[int, ...]
-    field: int  # dtypes.RAW_DATA, a typed field number, or 0 when it was external data
-    parts: list[FileRange]  # the payload bytes (packed field contents, raw bytes or the external range)
-    # whole payload fields in the model file (``dataclasses.field``: the name ``field`` is taken above)
-    wire: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    path: str = ""
-    recorded_sha256: str | None = None  # the digest weightshare recorded for these bytes, when it wrote them
+    The table keeps every payload's facts in flat arrays (about 80 bytes a tensor); a TensorRef, its
+    ``parts`` and its ``name`` exist only while a caller holds them (issue 15: 200,000 payloads).
+    """
+
+    __slots__ = ("index", "table")
+
+    def __init__(self, table: RefTable, index: int):
+        self.table, self.index = table, index
+
+    @property
+    def name(self) -> str:
+        return self.table.name(self.index)
+
+    @property
+    def data_type(self) -> int:
+        return self.table.data_types[self.index]
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return self.table.dims(self.index)
+
+    @property
+    def field(self) -> int:  # dtypes.RAW_DATA, a typed field number, or 0 when it was external data
+        return self.table.fields[self.index]
+
+    @property
+    def parts(self) -> list[FileRange]:  # the payload bytes (packed field contents, raw bytes or the external range)
+        return self.table.parts(self.index)
+
+    @property
+    def wire(self) -> list[tuple[int, int]]:  # whole payload fields in the model file
+        return self.table.wire(self.index)
+
+    @property
+    def path(self) -> str:
+        return self.table.path
+
+    @property
+    def recorded_sha256(self) -> str | None:  # the digest weightshare recorded for these bytes, when it wrote them
+        return self.table.recorded.get(self.index)
 
     @property
     def nbytes_in(self) -> int:
-        return sum(p.length for p in self.parts)
+        return self.table.nbytes_in(self.index)
 
     @property
     def typed(self) -> bool:
@@ -80,9 +111,11 @@ class TensorRef:
 
     def native_source(self) -> PayloadSource:
         """The payload as raw little-endian bytes, the form external data and raw_data hold."""
-        inner: PayloadSource = ConcatSource(self.parts) if len(self.parts) != 1 else self.parts[0]
-        if self.recorded_sha256 is not None:
-            inner = CheckedSource(inner, self.recorded_sha256, self.name, self.parts[0].path)
+        parts = self.parts
+        inner: PayloadSource = ConcatSource(parts) if len(parts) != 1 else parts[0]
+        recorded = self.recorded_sha256
+        if recorded is not None:
+            inner = CheckedSource(inner, recorded, self.name, parts[0].path)
         if not self.typed:
             return inner
         layout = dtypes.typed_layout(self.field, self.data_type, self.dims)
@@ -93,12 +126,123 @@ class TensorRef:
         return PackedVarintSource(inner, count, itemsize, self.path, boolean=self.data_type == dtypes.BOOL)
 
 
+class RefTable(Sequence["TensorRef"]):
+    """Every payload the scan found, column by column (issue 15: memory small in the number of tensors).
+
+    A row is a data type, a field number, its dims (a slice of one flat array), one byte range of an input
+    file and one wire range in the model, and where its name lies in the model file: about 80 bytes,
+    against about 1 KB for a TensorRef object with its FileRange, lists, tuple and name. The rare rest
+    (payloads split over several fields, recorded digests, names of a model read without a kept fd)
+    lives in small dicts. ``table[i]`` is a ``TensorRef`` view of row i.
+    """
+
+    def __init__(self, path: str, model_file: InputFile | None):
+        self.path = path
+        self.model_file = model_file  # names are read back from the model through it
+        self.data_types = array("H")
+        self.fields = array("B")
+        self._dims_end = array("q")
+        self._dims = array("q")
+        self._file = array("I")  # index into self._files
+        self._offset = array("q")
+        self._length = array("q")
+        self._wire = array("q")  # start, end of the payload field in the model (0, 0 for external data)
+        self._name = array("q")  # offset, length of the name's bytes in the model file
+        self._files: list[tuple[str, InputFile | None]] = []
+        self._file_ids: dict[tuple[str, int], int] = {}
+        self._multi: dict[int, tuple[list[FileRange], list[tuple[int, int]]]] = {}  # several payload fields
+        self._names: dict[int, str] = {}  # names when there is no kept model fd to read them back from
+        self.recorded: dict[int, str] = {}
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    @overload
+    def __getitem__(self, index: int) -> TensorRef: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[TensorRef]: ...
+
+    def __getitem__(self, index: int | slice) -> TensorRef | list[TensorRef]:
+        if isinstance(index, slice):
+            return [TensorRef(self, i) for i in range(len(self))[index]]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return TensorRef(self, index)
+
+    def __iter__(self) -> Iterator[TensorRef]:
+        return (TensorRef(self, i) for i in range(len(self)))
+
+    def append(self, data_type: int, dims: tuple[int, ...], field: int, parts: list[FileRange],
+               wire: list[tuple[int, int]], name: str, name_range: tuple[int, int] | None) -> TensorRef:
+        index = len(self.fields)
+        self.data_types.append(data_type)
+        self.fields.append(field)
+        self._dims.extend(dims)
+        self._dims_end.append(len(self._dims))
+        if len(parts) == 1 and len(wire) <= 1:
+            part = parts[0]
+            key = (part.path, id(part.file))
+            fid = self._file_ids.get(key)
+            if fid is None:
+                fid = self._file_ids[key] = len(self._files)
+                self._files.append((part.path, part.file))
+            self._file.append(fid)
+            self._offset.append(part.offset)
+            self._length.append(part.length)
+            self._wire.extend(wire[0] if wire else (0, 0))
+        else:
+            self._multi[index] = (list(parts), list(wire))
+            self._file.append(0)
+            self._offset.append(0)
+            self._length.append(sum(p.length for p in parts))
+            self._wire.extend((0, 0))
+        if name_range is not None and self.model_file is not None:
+            self._name.extend(name_range)
+        else:
+            self._name.extend((0, -1))
+            if name:
+                self._names[index] = name
+        return TensorRef(self, index)
+
+    def name(self, index: int) -> str:
+        start, length = self._name[2 * index], self._name[2 * index + 1]
+        if length < 0:
+            return self._names.get(index, "")
+        assert self.model_file is not None
+        data = os.pread(self.model_file.fd, length, start)  # read by the scan already: within the file
+        return data.decode("utf-8", "replace")
+
+    def dims(self, index: int) -> tuple[int, ...]:
+        start = self._dims_end[index - 1] if index else 0
+        return tuple(self._dims[start : self._dims_end[index]])
+
+    def parts(self, index: int) -> list[FileRange]:
+        multi = self._multi.get(index)
+        if multi is not None:
+            return list(multi[0])
+        path, file = self._files[self._file[index]]
+        return [FileRange(path, self._offset[index], self._length[index], file)]
+
+    def wire(self, index: int) -> list[tuple[int, int]]:
+        multi = self._multi.get(index)
+        if multi is not None:
+            return list(multi[1])
+        start, end = self._wire[2 * index], self._wire[2 * index + 1]
+        return [(start, end)] if end else []
+
+    def nbytes_in(self, index: int) -> int:
+        return self._length[index]
+
+
 class Scanner:
     def __init__(self, wf: WireFile, model_dir: Path, model_file: InputFile | None = None):
         self.wf = wf
         self.model_dir = model_dir
         self.model_file = model_file  # payloads inside the model are read through this fd, not by name
-        self.refs: list[TensorRef] = []
+        self.refs = RefTable(wf.path, model_file)
         self._external: dict[str, InputFile] = {}  # each external file opened (and checked) once
         self._digests: dict[str, dict[tuple[int, int], str]] = {}
 
@@ -112,18 +256,17 @@ class Scanner:
         if self.wf.size == 0:
             raise self.wf.error("empty file")
         new = self._message(0, self.wf.size, "model", 0)
-        return new if new is not None else self.wf.read(0, self.wf.size)
+        return bytes(new) if new is not None else self.wf.read(0, self.wf.size)
 
-    def _message(self, start: int, end: int, kind: str, depth: int) -> bytes | None:
+    def _message(self, start: int, end: int, kind: str, depth: int) -> bytes | bytearray | None:
         """Rewritten content of a message, or None when it holds no payload (copy it as it is)."""
         if depth > MAX_DEPTH:
             raise self.wf.error(f"messages nested deeper than {MAX_DEPTH} levels at offset {start}")
         if kind == "tensor":
             return self._tensor(start, end)
         children = _CHILDREN[kind]
-        out: list[bytes] = []
+        out: bytearray | None = None  # one growing buffer, not a list of 100,000s of pieces (issue 15)
         copy_from = start
-        changed = False
         for f in self.wf.fields(start, end):
             child = children.get(f.number)
             if child is None or f.wire_type != LEN:
@@ -131,20 +274,24 @@ class Scanner:
             new = self._message(f.value_start, f.end, child, depth + 1)
             if new is None:
                 continue
-            changed = True
-            out.append(self.wf.read(copy_from, f.start - copy_from))
-            out.append(encode_len_field(f.number, new))
+            if out is None:
+                out = bytearray()
+            out += self.wf.read(copy_from, f.start - copy_from)
+            out += encode_varint(f.number << 3 | LEN)
+            out += encode_varint(len(new))
+            out += new
             copy_from = f.end
-        if not changed:
+        if out is None:
             return None
-        out.append(self.wf.read(copy_from, end - copy_from))
-        return b"".join(out)
+        out += self.wf.read(copy_from, end - copy_from)
+        return out
 
     def _tensor(self, start: int, end: int) -> bytes | None:
         wf = self.wf
         dims: list[int] = []
         data_type = 0
         name = ""
+        name_range = None
         payload: list[Field] = []
         external: dict[str, str] = {}
         location = 0
@@ -157,6 +304,7 @@ class Scanner:
                 data_type = f.value
             elif n == 8 and f.wire_type == LEN:
                 name = wf.read(f.value_start, f.value).decode("utf-8", "replace")
+                name_range = (f.value_start, f.value)
             elif n == 3:
                 raise Unsupported(f"tensor {name!r} uses segments, which weightshare does not handle", wf.path)
             elif n == dtypes.RAW_DATA or n in dtypes.TYPED_FIELDS:
@@ -176,12 +324,15 @@ class Scanner:
                 continue
             kept.append(wf.read(f.start, f.end - f.start))
         if not payload and location != EXTERNAL:
+            if REF_KEY in external:  # the marker of a cut tensor must be one the scan wrote, once per payload
+                raise InvalidModel(f"tensor {name!r} uses the external data key {REF_KEY!r}, which weightshare "
+                                   "reserves", wf.path)
             return None  # strings, empty tensors: nothing to move
         dims_t = tuple(dims)
         if data_type not in dtypes.BITS:
             raise InvalidModel(f"tensor {name!r} has data type {data_type}, which cannot hold a numeric payload",
                                wf.path)
-        ref = self._ref(name, data_type, dims_t, payload, external if location == EXTERNAL else None)
+        ref = self._ref(name, name_range, data_type, dims_t, payload, external if location == EXTERNAL else None)
         marker = encode_len_field(1, REF_KEY.encode()) + encode_len_field(2, str(ref.index).encode())
         kept.append(encode_len_field(13, marker))
         kept.append(encode_varint_field(14, EXTERNAL))
@@ -215,8 +366,8 @@ class Scanner:
                     value = text
         return key, value
 
-    def _ref(self, name: str, data_type: int, dims: tuple[int, ...], payload: list[Field],
-             external: dict[str, str] | None) -> TensorRef:
+    def _ref(self, name: str, name_range: tuple[int, int] | None, data_type: int, dims: tuple[int, ...],
+             payload: list[Field], external: dict[str, str] | None) -> TensorRef:
         wf = self.wf
         expected = dtypes.raw_nbytes(data_type, dims)
         index = len(self.refs)
@@ -224,8 +375,10 @@ class Scanner:
             if payload:
                 raise InvalidModel(f"tensor {name!r} has both external and embedded data", wf.path)
             part = self._external_range(name, external, expected)
-            ref = TensorRef(index, name, data_type, dims, 0, [part], path=wf.path,
-                            recorded_sha256=self._recorded(part.path).get((part.offset, part.length)))
+            ref = self.refs.append(data_type, dims, 0, [part], [], name, name_range)
+            recorded = self._recorded(part.path).get((part.offset, part.length))
+            if recorded is not None:
+                self.refs.recorded[index] = recorded
         else:
             numbers = {f.number for f in payload}
             if len(numbers) > 1:
@@ -233,31 +386,32 @@ class Scanner:
             number = numbers.pop()
             if number == dtypes.RAW_DATA:
                 payload = payload[-1:]  # a repeated non-repeated field: the last one wins
+            self._check_typed_size(name, data_type, dims, number, sum(f.value for f in payload), expected)
             parts = [FileRange(wf.path, f.value_start, f.value, self.model_file) for f in payload]
-            ref = TensorRef(index, name, data_type, dims, number, parts,
-                            [(f.start, f.end) for f in payload], wf.path)
-            self._check_typed_size(ref, expected)
-        self.refs.append(ref)
+            ref = self.refs.append(data_type, dims, number, parts, [(f.start, f.end) for f in payload], name,
+                                   name_range)
         return ref
 
-    def _check_typed_size(self, ref: TensorRef, expected: int) -> None:
-        if ref.field == dtypes.RAW_DATA:
-            if ref.nbytes_in != expected:
-                raise InvalidModel(f"tensor {ref.name!r}: raw_data has {ref.nbytes_in} bytes, its dims and type "
-                                   f"need {expected}", ref.path)
+    def _check_typed_size(self, name: str, data_type: int, dims: tuple[int, ...], field: int, nbytes_in: int,
+                          expected: int) -> None:
+        path = self.wf.path
+        if field == dtypes.RAW_DATA:
+            if nbytes_in != expected:
+                raise InvalidModel(f"tensor {name!r}: raw_data has {nbytes_in} bytes, its dims and type "
+                                   f"need {expected}", path)
             return
-        layout = dtypes.typed_layout(ref.field, ref.data_type, ref.dims)
-        field_name = dtypes.TYPED_FIELDS[ref.field]
+        layout = dtypes.typed_layout(field, data_type, dims)
+        field_name = dtypes.TYPED_FIELDS[field]
         if layout is None:
-            raise Unsupported(f"tensor {ref.name!r}: data type {ref.data_type} stored in {field_name} is not "
-                              "supported", ref.path)
+            raise Unsupported(f"tensor {name!r}: data type {data_type} stored in {field_name} is not "
+                              "supported", path)
         kind, count, itemsize = layout
-        if kind == "copy" and ref.nbytes_in != count * itemsize:
-            raise InvalidModel(f"tensor {ref.name!r}: {field_name} has {ref.nbytes_in // itemsize} values, its "
-                               f"dims need {count}", ref.path)
-        if kind == "varint" and not (count <= ref.nbytes_in <= 10 * count):
-            raise InvalidModel(f"tensor {ref.name!r}: {field_name} has {ref.nbytes_in} bytes, which cannot hold "
-                               f"the {count} values its dims need", ref.path)
+        if kind == "copy" and nbytes_in != count * itemsize:
+            raise InvalidModel(f"tensor {name!r}: {field_name} has {nbytes_in // itemsize} values, its "
+                               f"dims need {count}", path)
+        if kind == "varint" and not (count <= nbytes_in <= 10 * count):
+            raise InvalidModel(f"tensor {name!r}: {field_name} has {nbytes_in} bytes, which cannot hold "
+                               f"the {count} values its dims need", path)
 
     def _external_range(self, name: str, info: dict[str, str], expected: int) -> FileRange:
         wf = self.wf
@@ -318,7 +472,7 @@ def _ort_integer(name: str, key: str, value: str, path: str) -> int:
     return number
 
 
-def scan_model(path: Path) -> tuple[bytes, list[TensorRef]]:
+def scan_model(path: Path) -> tuple[bytes, RefTable]:
     """Return (skeleton bytes, payload refs) of the ONNX model at ``path``."""
     model_file = open_input(path)
     with WireFile(path) as wf:
@@ -327,3 +481,104 @@ def scan_model(path: Path) -> tuple[bytes, list[TensorRef]]:
         scanner = Scanner(wf, path.resolve().parent, model_file)
         skeleton = scanner.scan()
     return skeleton, scanner.refs
+
+
+def _varint_at(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 70:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def _fields_of(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(number, wire type, field start, value start, field end) of every field of the message at
+    ``[start, end)`` of an in-memory buffer."""
+    pos = start
+    while pos < end:
+        b = buf[pos]
+        tag, vpos = (b, pos + 1) if b < 0x80 else _varint_at(buf, pos)
+        wire_type = tag & 7
+        if wire_type == LEN:
+            b = buf[vpos]
+            n, vstart = (b, vpos + 1) if b < 0x80 else _varint_at(buf, vpos)
+            fend = vstart + n
+        elif wire_type == VARINT:
+            vstart = vpos
+            _, fend = _varint_at(buf, vpos)
+        elif wire_type == 1:
+            vstart, fend = vpos, vpos + 8
+        elif wire_type == 5:
+            vstart, fend = vpos, vpos + 4
+        else:
+            raise ValueError(f"wire type {wire_type} at offset {pos}")
+        if fend > end:
+            raise ValueError(f"field at offset {pos} runs past its message")
+        yield tag >> 3, wire_type, pos, vstart, fend
+        pos = fend
+
+
+_MARKER_KEY = encode_len_field(1, REF_KEY.encode())
+
+
+def place_markers(skeleton: bytes, entries: Callable[[int], bytes]) -> bytes:
+    """``skeleton`` (a serialized ModelProto whose cut tensors still carry their ``weightshare.ref`` entry) with
+    each marker entry replaced by ``entries(index)``: the encoded external_data field(s) that go in its place.
+
+    The same bytes as setting those entries on the parsed model and serializing it (the serializer writes
+    fields in number order, so the entries sit exactly where the marker sat), without holding the parsed
+    model, its tensors or a Python object per tensor while the blob is written (issue 15).
+    """
+    try:
+        new = _place(skeleton, 0, len(skeleton), "model", entries, 0)
+    except (ValueError, IndexError) as e:  # the skeleton comes from our own serializer: a bug, not bad input
+        raise InvalidModel(f"internal error re-reading the rewritten model: {e}") from None
+    return skeleton if new is None else bytes(new)
+
+
+def _place(buf: bytes, start: int, end: int, kind: str, entries: Callable[[int], bytes],
+           depth: int) -> bytearray | None:
+    if depth > MAX_DEPTH + 8:
+        raise ValueError("messages nested too deep")
+    out: bytearray | None = None
+    copy_from = start
+    if kind == "tensor":
+        for number, wire_type, fstart, vstart, fend in _fields_of(buf, start, end):
+            if number != 13 or wire_type != LEN or not buf.startswith(_MARKER_KEY, vstart):
+                continue
+            key_end = vstart + len(_MARKER_KEY)
+            if key_end >= fend or buf[key_end] != (2 << 3 | LEN):
+                continue
+            n, vpos = _varint_at(buf, key_end + 1)
+            if vpos + n != fend:
+                continue
+            if out is None:
+                out = bytearray()
+            out += memoryview(buf)[copy_from:fstart]
+            out += entries(int(buf[vpos:fend]))
+            copy_from = fend
+    else:
+        children = _CHILDREN[kind]
+        for number, wire_type, fstart, vstart, fend in _fields_of(buf, start, end):
+            child = children.get(number)
+            if child is None or wire_type != LEN:
+                continue
+            new = _place(buf, vstart, fend, child, entries, depth + 1)
+            if new is None:
+                continue
+            if out is None:
+                out = bytearray()
+            out += memoryview(buf)[copy_from:fstart]
+            out += encode_varint(number << 3 | LEN)
+            out += encode_varint(len(new))
+            out += new
+            copy_from = fend
+    if out is None:
+        return None
+    out += memoryview(buf)[copy_from:end]
+    return out
