@@ -40,13 +40,14 @@ from ...report import ConversionReport
 from ...runtimes.memory import run_child_peak
 from ...tensors import FileRange
 from . import dtypes
+from .ort_segments import budget_from_env
 
 METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
 PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PREPACKED_ENTRY = "prepacked_"
 STAGE_BLOB = "plain"
-ORT_MODEL, ORT_BIN = "ort.onnx", "ort.bin"
+ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 
 
 def portable_name(model_name: str) -> str:
@@ -172,7 +173,7 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[dict, flo
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
     cmd = [sys.executable, "-m", "weightshare.formats.onnx.ort_child", str(model), str(model.parent / ORT_MODEL),
-           ORT_BIN, str(options.inline_threshold)]
+           str(options.inline_threshold), str(budget_from_env())]
     res, peak = run_child_peak(cmd, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"})
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")

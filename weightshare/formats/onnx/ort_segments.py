@@ -1,0 +1,373 @@
+"""ONNX Runtime's level-ALL optimization of a large model, segment by segment, in bounded memory.
+
+Run on the whole graph, ORT's NCHWc transformer holds every reordered Conv weight (and the
+transient copies it makes while reordering) until the session ends: a 1 GiB Conv model peaked at
+~1.5 GiB. Here the graph is cut into consecutive segments of at most ``budget`` weight bytes (one
+node heavier than that is a segment of its own), each optimized in its own session, and the
+optimized segments are stitched into one graph.
+
+Exactness: a cut must not change what ORT builds. Where a cut runs through an NCHWc region, the
+two halves end in ``ReorderOutput`` and start with ``ReorderInput``; the stitch wires the NCHWc
+tensor through instead, which is what the whole-graph optimizer builds. Everything else is
+checked, not assumed: for every cut, the two segments around it are optimized together in one
+session and the result must equal the stitched pair node for node (op, domain, attributes,
+wiring, initializer bytes: ``fingerprint``). A cut that fails the check is removed (its
+segments merged) and the report says so. What this leaves unchecked is an optimizer whose effect
+reaches further than one whole segment on each side of a cut.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import onnx
+from onnx import helper
+
+NCHWC = "com.microsoft.nchwc"
+DEFAULT_BUDGET = 32 << 20  # weight bytes per segment; a window (two segments) is optimized at once
+BUDGET_ENV = "WEIGHTSHARE_ORT_SEGMENT_BYTES"  # smaller budgets, to exercise the cuts on small models
+
+Optimizer = Callable[[str, str, str], None]  # (model path, optimized model path, its external data file name)
+
+
+def budget_from_env() -> int:
+    value = os.environ.get(BUDGET_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_BUDGET
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int:
+    if t.data_type in (onnx.TensorProto.STRING, onnx.TensorProto.UNDEFINED):
+        return 0
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n * helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+
+
+@dataclass
+class Plan:
+    """Where the cuts go: segment k is ``graph.node[bounds[k]:bounds[k + 1]]``."""
+
+    bounds: list[int]
+    weights: list[int]  # weight bytes per node
+    reason: str = ""  # why the graph stays in one piece, when it does
+
+    def segment_bytes(self, k: int) -> int:
+        return sum(self.weights[self.bounds[k]:self.bounds[k + 1]])
+
+
+def _refusal(graph: onnx.GraphProto) -> str:
+    """Why this graph is not cut at all ("" when it can be)."""
+    if graph.sparse_initializer:
+        return "sparse initializers"
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    for node in graph.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            return f"{node.op_type} node with a subgraph"
+        if any(i not in known for i in node.input):
+            return "nodes not in topological order"
+        known.update(node.output)
+    produced = {o for n in graph.node for o in n.output}
+    if any(o.name not in produced or not o.type.tensor_type.elem_type for o in graph.output):
+        return "a graph output that no node produces, or of unknown type"
+    return ""
+
+
+def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
+    """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``.
+
+    ``typed``: tensors whose element type is known (a cut tensor becomes a segment input).
+    """
+    inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
+    weights = [sum(inits.get(i, 0) for i in set(n.input)) for n in graph.node]
+    reason = _refusal(graph)
+    if reason or sum(weights) <= budget:
+        return Plan([0, len(graph.node)], weights, reason)
+    heavy = min(65536, max(budget // 8, 1))
+    last_use = {name: k for k, node in enumerate(graph.node) for name in node.input}
+    outputs = {o.name for o in graph.output}
+    bounds, size, live = [0], 0, set()
+    for p, node in enumerate(graph.node):
+        big = max((inits.get(i, 0) for i in node.input), default=0) >= heavy
+        if (p > bounds[-1] and big and size + weights[p] > budget
+                and all(t in typed for t in live if last_use.get(t, -1) >= p)):
+            bounds.append(p)
+            size = 0
+        size += weights[p]
+        live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | set(node.output)
+    bounds.append(len(graph.node))
+    return Plan(bounds, weights)
+
+
+def extract(model: onnx.ModelProto, start: int, stop: int, types: dict[str, onnx.ValueInfoProto]) -> onnx.ModelProto:
+    """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
+    (or the graph's outputs) read become outputs. Initializers keep their external data references."""
+    g = model.graph
+    nodes = g.node[start:stop]
+    produced = {o for n in nodes for o in n.output if o}
+    read = {i for n in nodes for i in n.input if i}
+    later = {i for n in g.node[stop:] for i in n.input} | {o.name for o in g.output}
+    inits = [t for t in g.initializer if t.name in read]
+    overridable = {i.name for i in g.input}
+    init_names = {t.name for t in g.initializer}
+    inputs = [types[i] for i in sorted(read - produced) if i not in init_names or i in overridable]
+    outputs = [types[o] for o in sorted(produced & later)]
+    value_info = [v for v in g.value_info if v.name in produced - later]
+    graph = helper.make_graph(nodes, f"{g.name}[{start}:{stop}]", inputs, outputs, inits, value_info=value_info)
+    m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    m.functions.extend(model.functions)
+    return m
+
+
+def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Element types (and shapes where ONNX infers them) of every tensor, without loading weights."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - shapes are a help, not a need: untyped tensors are simply not cut at
+        inferred = model.graph
+    types = {}
+    for v in [*inferred.value_info, *inferred.input, *inferred.output]:
+        if v.type.tensor_type.elem_type:
+            types[v.name] = v
+    return types
+
+
+# ---------------------------------------------------------------- stitching
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
+           outputs: Iterable[onnx.ValueInfoProto], name: str = "stitched") -> onnx.ModelProto:
+    """Optimized segments, in order, as one graph; names each segment made up are kept apart.
+
+    A tensor a segment passes on in NCHW (``ReorderOutput``) that the next one turns back into
+    NCHWc (``ReorderInput``) is passed on in NCHWc instead: the whole-graph optimizer leaves no
+    such pair inside an NCHWc region.
+    """
+    boundary = {v.name for p in parts for v in [*p.graph.input, *p.graph.output]}
+    taken, node_names = set(boundary), set()
+    nodes, inits, value_info = [], [], []
+    for k, part in enumerate(parts):
+        # a segment's outputs (read by later segments) and inputs (an overridable initializer is both an
+        # input and an initializer) keep their names; anything else it defines is renamed on a clash
+        keep = {v.name for v in [*part.graph.input, *part.graph.output]}
+        defined = [t.name for t in part.graph.initializer] + [o for n in part.graph.node for o in n.output if o]
+        rename = {}
+        for d in defined:
+            if d in keep:
+                continue
+            new, i = d, 0
+            while new in taken:
+                i += 1
+                new = f"{d}__s{k}_{i}"
+            taken.add(new)
+            rename[d] = new
+        for t in part.graph.initializer:
+            t2 = onnx.TensorProto()
+            t2.CopyFrom(t)
+            t2.name = rename.get(t.name, t.name)
+            inits.append(t2)
+        for n in part.graph.node:
+            n2 = onnx.NodeProto()
+            n2.CopyFrom(n)
+            n2.input[:] = [rename.get(i, i) for i in n.input]
+            n2.output[:] = [rename.get(o, o) for o in n.output]
+            base, i = n2.name or n2.op_type, 0
+            while n2.name in node_names or not n2.name:
+                i += 1
+                n2.name = f"{base}__s{k}_{i}"
+            node_names.add(n2.name)
+            nodes.append(n2)
+        for v in part.graph.value_info:
+            if v.name in rename:
+                v2 = onnx.ValueInfoProto()
+                v2.CopyFrom(v)
+                v2.name = rename[v.name]
+                value_info.append(v2)
+    outputs = list(outputs)
+    nodes = _splice_reorders(nodes, boundary, {o.name for o in outputs})
+    graph = helper.make_graph(nodes, name, list(inputs), outputs, inits, value_info=value_info)
+    opsets: dict[str, int] = {}
+    for part in parts:
+        for o in part.opset_import:
+            opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
+                              ir_version=max(p.ir_version for p in parts))
+    seen = set()
+    for part in parts:
+        for f in part.functions:
+            if (f.domain, f.name) not in seen:
+                seen.add((f.domain, f.name))
+                model.functions.append(f)
+    return model
+
+
+def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: set[str]) -> list[onnx.NodeProto]:
+    producer = {o: n for n in nodes for o in n.output}
+    alias: dict[str, str] = {}
+    kept = []
+    for n in nodes:
+        src = producer.get(n.input[0]) if n.input else None
+        if (n.domain == NCHWC and n.op_type == "ReorderInput" and n.input[0] in boundary
+                and src is not None and src.domain == NCHWC and src.op_type == "ReorderOutput"
+                and _attr(n, "channels_last", 0) == 0 and _attr(src, "channels_last", 0) == 0):
+            alias[n.output[0]] = src.input[0]
+            continue
+        kept.append(n)
+    for n in kept:
+        n.input[:] = [alias.get(i, i) for i in n.input]
+    read = {i for n in kept for i in n.input} | outputs
+    return [n for n in kept if not (n.domain == NCHWC and n.op_type == "ReorderOutput" and n.output[0] not in read)]
+
+
+# ---------------------------------------------------------------- comparing graphs
+
+
+def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
+    h = hashlib.blake2b(f"{t.data_type}:{list(t.dims)}:".encode(), digest_size=20)
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        e = {x.key: x.value for x in t.external_data}
+        remaining = int(e.get("length", "-1"))
+        with open(directory / e["location"], "rb") as f:  # streamed: a segment's weights never sit in memory
+            f.seek(int(e.get("offset", "0")))
+            while remaining != 0:
+                chunk = f.read(1 << 20 if remaining < 0 else min(remaining, 1 << 20))
+                if not chunk:
+                    break
+                h.update(chunk)
+                remaining -= len(chunk)
+    else:  # small: whether ORT stored it inline or outside must not matter
+        from onnx import numpy_helper
+
+        h.update(numpy_helper.to_array(t).tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
+    """What a graph computes, independent of tensor and node names: every node as a hash of its op,
+    domain, attributes and (recursively) its inputs; initializers by their bytes."""
+    g = model.graph
+    ids = {i.name: f"input:{i.name}" for i in g.input}
+    for t in g.initializer:
+        ids.setdefault(t.name, f"init:{_digest_payload(t, directory)}")
+    ids[""] = ""
+    nodes: Counter[str] = Counter()
+    for n in g.node:
+        attrs = sorted(a.SerializeToString() for a in n.attribute)
+        h = hashlib.blake2b(repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode(),
+                            digest_size=20).hexdigest()
+        nodes[h] += 1
+        for k, o in enumerate(n.output):
+            ids[o] = f"{h}:{k}"
+    return nodes, [ids[o.name] for o in g.output]
+
+
+# ---------------------------------------------------------------- driving ORT
+
+
+@dataclass
+class Report:
+    segments: int = 1
+    largest_bytes: int = 0
+    merged: int = 0  # cuts removed because the pair check failed
+    reason: str = ""  # why there is one segment
+    checked: int = 0
+    details: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"segments": self.segments, "largest_segment_bytes": self.largest_bytes, "unsafe_cuts": self.merged,
+                "checked_cuts": self.checked, "single_reason": self.reason}
+
+
+class Segmenter:
+    """Optimizes ``model_path`` segment by segment into ``out_model`` (external data beside it)."""
+
+    def __init__(self, model_path: str, out_model: str, optimize: Optimizer, budget: int) -> None:
+        self.src = Path(model_path)
+        self.out = Path(out_model)
+        self.optimize = optimize
+        self.model = onnx.load(str(self.src), load_external_data=False)
+        self.types = tensor_types(self.model)
+        self.plan = plan(self.model.graph, budget, set(self.types))
+        self.stem = self.out.name[:-len(".onnx")] if self.out.name.endswith(".onnx") else self.out.name
+        self.optimized: dict[tuple[int, int], onnx.ModelProto] = {}
+        self.files: dict[tuple[int, int], list[Path]] = {}
+
+    def _run(self, start: int, stop: int, tag: str) -> onnx.ModelProto:
+        """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
+        part = extract(self.model, start, stop, self.types)
+        # beside the source model, so that the initializers' relative external data locations resolve
+        tmp = self.src.parent / f"{self.stem}.{tag}.in.onnx"
+        opt = self.out.parent / f"{self.stem}.{tag}.onnx"
+        tmp.write_bytes(part.SerializeToString())
+        try:
+            self.optimize(str(tmp), str(opt), f"{self.stem}.{tag}.bin")
+        finally:
+            tmp.unlink()
+        result = onnx.load(str(opt), load_external_data=False)
+        opt.unlink()
+        return result
+
+    def segment(self, start: int, stop: int) -> onnx.ModelProto:
+        key = (start, stop)
+        if key not in self.optimized:
+            self.optimized[key] = self._run(start, stop, f"seg{start}-{stop}")
+            self.files[key] = [self.out.parent / f"{self.stem}.seg{start}-{stop}.bin"]
+        return self.optimized[key]
+
+    def drop(self, key: tuple[int, int]) -> None:
+        self.optimized.pop(key, None)
+        for f in self.files.pop(key, []):
+            f.unlink(missing_ok=True)
+
+    def cut_is_exact(self, a: int, b: int, c: int) -> bool:
+        """Segments [a, b) and [b, c) stitched equal [a, c) optimized in one session."""
+        left, right = self.segment(a, b), self.segment(b, c)
+        together = self._run(a, c, f"win{a}-{c}")
+        try:
+            window = extract(self.model, a, c, self.types)
+            pair = stitch([left, right], together.graph.input, window.graph.output)
+            return fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
+        finally:
+            (self.out.parent / f"{self.stem}.win{a}-{c}.bin").unlink(missing_ok=True)
+
+    def run(self) -> Report:
+        bounds = list(self.plan.bounds)
+        report = Report(reason=self.plan.reason)
+        if len(bounds) == 2:
+            self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
+            report.largest_bytes = self.plan.segment_bytes(0)
+            return report
+        k = 0
+        while k < len(bounds) - 2:
+            a, b, c = bounds[k:k + 3]
+            report.checked += 1
+            if self.cut_is_exact(a, b, c):
+                k += 1
+                continue
+            report.merged += 1
+            report.details.append(f"cut before node {b} ({self.model.graph.node[b].op_type})")
+            self.drop((a, b))
+            self.drop((b, c))
+            del bounds[k + 1]
+            k = max(k - 1, 0)  # the merged segment changes the pair to its left too
+        if len(bounds) == 2:  # no cut survived: the plain whole-graph session
+            self.drop((bounds[0], bounds[1]))
+            self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
+            report.reason = "no cut was exact"
+            report.largest_bytes = sum(self.plan.weights)
+            return report
+        parts = [self.segment(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
+        whole = stitch(parts, self.model.graph.input, self.model.graph.output, self.model.graph.name)
+        self.out.write_bytes(whole.SerializeToString())
+        report.segments = len(bounds) - 1
+        report.largest_bytes = max(sum(self.plan.weights[bounds[k]:bounds[k + 1]]) for k in range(len(bounds) - 1))
+        return report
