@@ -79,9 +79,17 @@ def _refusal(graph: onnx.GraphProto) -> str:
 
 
 def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
-    """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``.
+    """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``, where
+    exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it.
 
-    ``typed``: tensors whose element type is known (a cut tensor becomes a segment input).
+    Why one: everything the later segment learns about the earlier ones then comes through that
+    tensor, produced in the segment right before the cut, so the pair check sees every node that
+    can shape what ORT makes of the cut. A tensor reaching over a whole segment (a long skip
+    connection) would escape it: with two crossing tensors, a residual Add's other input arrives
+    as a plain graph input, and ORT does not fuse it into the Conv the way it does in the whole
+    graph (measured). A segment starts with a weight-bearing node (a Conv re-decides its layout),
+    so fusions that run forward from a node (Conv+BN/Add/Relu, MatMul+Add) stay inside.
+    ``typed``: tensors whose element type is known (the cut tensor becomes a segment input).
     """
     inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
     weights = [sum(inits.get(i, 0) for i in set(n.input)) for n in graph.node]
@@ -89,29 +97,57 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
     if reason or sum(weights) <= budget:
         return Plan([0, len(graph.node)], weights, reason)
     heavy = min(65536, max(budget // 8, 1))
-    last_use = {name: k for k, node in enumerate(graph.node) for name in node.input}
+    consts = constants(graph)
+    last_use = {name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts}
     outputs = {o.name for o in graph.output}
     bounds, size, live = [0], 0, set()
     for p, node in enumerate(graph.node):
         big = max((inits.get(i, 0) for i in node.input), default=0) >= heavy
-        if (p > bounds[-1] and big and size + weights[p] > budget
-                and all(t in typed for t in live if last_use.get(t, -1) >= p)):
+        crossing = [t for t in live if last_use.get(t, -1) >= p or t in outputs]
+        if p > bounds[-1] and big and size + weights[p] > budget and len(crossing) == 1 and crossing[0] in typed:
             bounds.append(p)
             size = 0
         size += weights[p]
-        live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | set(node.output)
+        live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts))
     bounds.append(len(graph.node))
     return Plan(bounds, weights)
 
 
-def extract(model: onnx.ModelProto, start: int, stop: int, types: dict[str, onnx.ValueInfoProto]) -> onnx.ModelProto:
+def constants(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """Outputs of input-less Constant nodes: like initializers, each segment gets its own copy."""
+    return {n.output[0]: n for n in graph.node if n.op_type == "Constant" and not n.input and n.domain in ("", "ai.onnx")}
+
+
+STANDIN = "__weightshare_standin"
+
+
+def extract(model: onnx.ModelProto, start: int, stop: int, types: dict[str, onnx.ValueInfoProto],
+            standin: frozenset[str] = frozenset()) -> onnx.ModelProto:
     """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
-    (or the graph's outputs) read become outputs. Initializers keep their external data references."""
+    (or the graph's outputs) read become outputs. Initializers keep their external data references.
+
+    ``standin``: inputs that the whole-graph optimizer would see in NCHWc layout (the segment before
+    ends them with a ReorderOutput). Each is read through an identity MaxPool (1x1) that ORT turns
+    into an NCHWc node, so that the nodes reading it decide as they would in the whole graph (an
+    Add after a Conv fuses into it only when its other input is NCHWc); ``stitch`` removes it.
+    """
     g = model.graph
-    nodes = g.node[start:stop]
-    produced = {o for n in nodes for o in n.output if o}
+    consts = constants(g)
+    nodes = list(g.node[start:stop])
+    here = {o for n in nodes for o in n.output}
     read = {i for n in nodes for i in n.input if i}
-    later = {i for n in g.node[stop:] for i in n.input} | {o.name for o in g.output}
+    nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
+    produced = {o for n in nodes for o in n.output if o}
+    if standin:
+        rewired = []
+        for n in nodes:
+            n2 = onnx.NodeProto()
+            n2.CopyFrom(n)
+            n2.input[:] = [f"{i}{STANDIN}" if i in standin else i for i in n.input]
+            rewired.append(n2)
+        nodes = [helper.make_node("MaxPool", [t], [f"{t}{STANDIN}"], kernel_shape=[1, 1]) for t in sorted(standin)]
+        nodes += rewired
+    later = {i for n in g.node[stop:] for i in n.input if i not in consts} | {o.name for o in g.output}
     inits = [t for t in g.initializer if t.name in read]
     overridable = {i.name for i in g.input}
     init_names = {t.name for t in g.initializer}
@@ -145,12 +181,14 @@ def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
 
 
 def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
-           outputs: Iterable[onnx.ValueInfoProto], name: str = "stitched") -> onnx.ModelProto:
+           outputs: Iterable[onnx.ValueInfoProto], name: str = "stitched",
+           standins: list[frozenset[str]] | None = None) -> onnx.ModelProto:
     """Optimized segments, in order, as one graph; names each segment made up are kept apart.
 
     A tensor a segment passes on in NCHW (``ReorderOutput``) that the next one turns back into
     NCHWc (``ReorderInput``) is passed on in NCHWc instead: the whole-graph optimizer leaves no
-    such pair inside an NCHWc region.
+    such pair inside an NCHWc region. ``standins[k]``: the inputs of part k read through a stand-in
+    (``extract``), which is taken out.
     """
     boundary = {v.name for p in parts for v in [*p.graph.input, *p.graph.output]}
     taken, node_names = set(boundary), set()
@@ -175,10 +213,13 @@ def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
             t2.CopyFrom(t)
             t2.name = rename.get(t.name, t.name)
             inits.append(t2)
-        for n in part.graph.node:
+        drop, aliases = _standin_aliases(part, standins[k] if standins else frozenset())
+        for j, n in enumerate(part.graph.node):
+            if j in drop:
+                continue
             n2 = onnx.NodeProto()
             n2.CopyFrom(n)
-            n2.input[:] = [rename.get(i, i) for i in n.input]
+            n2.input[:] = [rename.get(i, i) for i in (aliases.get(i, i) for i in n.input)]
             n2.output[:] = [rename.get(o, o) for o in n.output]
             base, i = n2.name or n2.op_type, 0
             while n2.name in node_names or not n2.name:
@@ -208,6 +249,24 @@ def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
                 seen.add((f.domain, f.name))
                 model.functions.append(f)
     return model
+
+
+def _standin_aliases(part: onnx.ModelProto, standin: frozenset[str]) -> tuple[set[int], dict[str, str]]:
+    """The stand-in MaxPools of ``part`` (indices of nodes to drop) and what their outputs stand for: the
+    NCHWc tensor ORT reordered the input into, or the input itself where ORT kept it in NCHW."""
+    if not standin:
+        return set(), {}
+    nodes = part.graph.node
+    reorder = {n.output[0]: n.input[0] for n in nodes if n.domain == NCHWC and n.op_type == "ReorderInput"}
+    drop, aliases = set(), {}
+    for j, n in enumerate(nodes):
+        if n.op_type != "MaxPool" or not n.input or _attr(n, "kernel_shape", None) != [1, 1]:
+            continue
+        # nothing else in the segment reads these inputs (extract rewired their readers to the stand-in)
+        if n.input[0] in standin or reorder.get(n.input[0]) in standin:
+            drop.add(j)
+            aliases[n.output[0]] = n.input[0]
+    return drop, aliases
 
 
 def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: set[str]) -> list[onnx.NodeProto]:
@@ -298,76 +357,89 @@ class Segmenter:
         self.types = tensor_types(self.model)
         self.plan = plan(self.model.graph, budget, set(self.types))
         self.stem = self.out.name[:-len(".onnx")] if self.out.name.endswith(".onnx") else self.out.name
-        self.optimized: dict[tuple[int, int], onnx.ModelProto] = {}
-        self.files: dict[tuple[int, int], list[Path]] = {}
+        self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
 
-    def _run(self, start: int, stop: int, tag: str) -> onnx.ModelProto:
+    def _bin(self, tag: str) -> Path:
+        return self.out.parent / f"{self.stem}.{tag}.bin"
+
+    def _run(self, start: int, stop: int, standin: frozenset[str], tag: str) -> onnx.ModelProto:
         """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
-        part = extract(self.model, start, stop, self.types)
+        part = extract(self.model, start, stop, self.types, standin)
         # beside the source model, so that the initializers' relative external data locations resolve
         tmp = self.src.parent / f"{self.stem}.{tag}.in.onnx"
         opt = self.out.parent / f"{self.stem}.{tag}.onnx"
         tmp.write_bytes(part.SerializeToString())
         try:
-            self.optimize(str(tmp), str(opt), f"{self.stem}.{tag}.bin")
+            self.optimize(str(tmp), str(opt), self._bin(tag).name)
         finally:
             tmp.unlink()
         result = onnx.load(str(opt), load_external_data=False)
         opt.unlink()
         return result
 
-    def segment(self, start: int, stop: int) -> onnx.ModelProto:
-        key = (start, stop)
+    def standin(self, bounds: list[int], k: int) -> frozenset[str]:
+        """Inputs of segment k that the segment before hands over through a ReorderOutput."""
+        if k == 0:
+            return frozenset()
+        prev = self.segment(bounds, k - 1)
+        made = {o: n for n in prev.graph.node for o in n.output}
+        return frozenset(v.name for v in prev.graph.output if v.name in made and
+                         made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput")
+
+    def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
+        key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            self.optimized[key] = self._run(start, stop, f"seg{start}-{stop}")
-            self.files[key] = [self.out.parent / f"{self.stem}.seg{start}-{stop}.bin"]
+            self.optimized[key] = self._run(*key, tag=self._tag(key))
         return self.optimized[key]
 
-    def drop(self, key: tuple[int, int]) -> None:
-        self.optimized.pop(key, None)
-        for f in self.files.pop(key, []):
-            f.unlink(missing_ok=True)
+    @staticmethod
+    def _tag(key: tuple[int, int, frozenset[str]]) -> str:
+        return f"seg{key[0]}-{key[1]}" + ("s" if key[2] else "")
 
-    def cut_is_exact(self, a: int, b: int, c: int) -> bool:
-        """Segments [a, b) and [b, c) stitched equal [a, c) optimized in one session."""
-        left, right = self.segment(a, b), self.segment(b, c)
-        together = self._run(a, c, f"win{a}-{c}")
+    def cut_is_exact(self, bounds: list[int], k: int) -> bool:
+        """Segments k and k + 1 stitched equal the two optimized in one session."""
+        left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
+        a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
+        together = self._run(a, c, standin, f"win{a}-{c}")
         try:
-            window = extract(self.model, a, c, self.types)
-            pair = stitch([left, right], together.graph.input, window.graph.output)
+            window = extract(self.model, a, c, self.types, standin)
+            pair = stitch([left, right], together.graph.input, window.graph.output,
+                          standins=[frozenset(), self.standin(bounds, k + 1)])
             return fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
         finally:
-            (self.out.parent / f"{self.stem}.win{a}-{c}.bin").unlink(missing_ok=True)
+            self._bin(f"win{a}-{c}").unlink(missing_ok=True)
+
+    def _clean(self, keep: set[tuple[int, int, frozenset[str]]]) -> None:
+        for key in [k for k in self.optimized if k not in keep]:
+            del self.optimized[key]
+            self._bin(self._tag(key)).unlink(missing_ok=True)
 
     def run(self) -> Report:
         bounds = list(self.plan.bounds)
         report = Report(reason=self.plan.reason)
-        if len(bounds) == 2:
+        if len(bounds) > 2:
+            k = 0
+            while k < len(bounds) - 2:
+                report.checked += 1
+                if self.cut_is_exact(bounds, k):
+                    k += 1
+                    continue
+                report.merged += 1
+                report.details.append(f"cut before node {bounds[k + 1]} ({self.model.graph.node[bounds[k + 1]].op_type})")
+                del bounds[k + 1]
+                k = max(k - 1, 0)  # the merged segment changes the pair to its left too
+        if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
+            self._clean(set())
             self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
-            report.largest_bytes = self.plan.segment_bytes(0)
-            return report
-        k = 0
-        while k < len(bounds) - 2:
-            a, b, c = bounds[k:k + 3]
-            report.checked += 1
-            if self.cut_is_exact(a, b, c):
-                k += 1
-                continue
-            report.merged += 1
-            report.details.append(f"cut before node {b} ({self.model.graph.node[b].op_type})")
-            self.drop((a, b))
-            self.drop((b, c))
-            del bounds[k + 1]
-            k = max(k - 1, 0)  # the merged segment changes the pair to its left too
-        if len(bounds) == 2:  # no cut survived: the plain whole-graph session
-            self.drop((bounds[0], bounds[1]))
-            self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
-            report.reason = "no cut was exact"
+            report.reason = report.reason or ("no cut was exact" if report.merged else "")
             report.largest_bytes = sum(self.plan.weights)
             return report
-        parts = [self.segment(bounds[k], bounds[k + 1]) for k in range(len(bounds) - 1)]
-        whole = stitch(parts, self.model.graph.input, self.model.graph.output, self.model.graph.name)
+        keys = [(bounds[k], bounds[k + 1], self.standin(bounds, k)) for k in range(len(bounds) - 1)]
+        parts = [self.segment(bounds, k) for k in range(len(bounds) - 1)]
+        self._clean(set(keys))
+        whole = stitch(parts, self.model.graph.input, self.model.graph.output, self.model.graph.name,
+                       [key[2] for key in keys])
         self.out.write_bytes(whole.SerializeToString())
-        report.segments = len(bounds) - 1
-        report.largest_bytes = max(sum(self.plan.weights[bounds[k]:bounds[k + 1]]) for k in range(len(bounds) - 1))
+        report.segments = len(parts)
+        report.largest_bytes = max(sum(self.plan.weights[a:b]) for a, b, _ in keys)
         return report
