@@ -236,4 +236,17 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
         f"({len(packed)} packed buffers, {sum(p.tensor.nbytes for p in packed) / 2**20:.1f} MiB; "
         f"NCHWc block {binding['nchwc_block']}); {portable_name(src.name)} runs anywhere with "
         f"session.disable_prepacking=1 (weightshare.ort.session picks). ORT child peak RSS {child_peak:.0f} MiB")
+    report.notes.append(_segments_note(result.get("segments", {})))
     return report
+
+
+def _segments_note(seg: dict) -> str:
+    """How ORT's optimization was split (``ort_segments``): what bounds the child's memory."""
+    largest = f"{seg.get('largest_segment_bytes', 0) / 2**20:.1f} MiB"
+    unsafe = seg.get("unsafe_cuts", 0)
+    merged = f"; {unsafe} cut(s) changed ORT's graph and were dropped" if unsafe else ""
+    if seg.get("segments", 1) > 1:
+        return (f"--prepack: onnxruntime optimized the graph in {seg['segments']} segments (largest {largest} of "
+                f"weights), each cut checked against the two segments optimized together{merged}")
+    why = seg.get("single_reason") or "its weights fit one segment"
+    return f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: {why}{merged})"
