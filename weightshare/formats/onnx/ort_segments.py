@@ -94,7 +94,9 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
     inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
     weights = [sum(inits.get(i, 0) for i in set(n.input)) for n in graph.node]
     reason = _refusal(graph)
-    if reason or sum(weights) <= budget:
+    if not reason and sum(weights) <= budget:
+        reason = f"within the {budget / 2**20:.1f} MiB segment budget"
+    if reason:
         return Plan([0, len(graph.node)], weights, reason)
     heavy = min(65536, max(budget // 8, 1))
     consts = constants(graph)
@@ -431,7 +433,10 @@ class Segmenter:
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())
             self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
-            report.reason = report.reason or ("no cut was exact" if report.merged else "")
+            if report.merged:
+                report.reason = "no cut was exact"
+            elif len(self.plan.bounds) == 2 and not report.reason:
+                report.reason = "no place to cut (one tensor crossing, before a weight-bearing node)"
             report.largest_bytes = sum(self.plan.weights)
             return report
         keys = [(bounds[k], bounds[k + 1], self.standin(bounds, k)) for k in range(len(bounds) - 1)]

@@ -248,5 +248,5 @@ def _segments_note(seg: dict) -> str:
     if seg.get("segments", 1) > 1:
         return (f"--prepack: onnxruntime optimized the graph in {seg['segments']} segments (largest {largest} of "
                 f"weights), each cut checked against the two segments optimized together{merged}")
-    why = seg.get("single_reason") or "its weights fit one segment"
-    return f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: {why}{merged})"
+    return (f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: "
+            f"{seg.get('single_reason', '')}{merged})")
