@@ -195,6 +195,7 @@ def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
     boundary = {v.name for p in parts for v in [*p.graph.input, *p.graph.output]}
     taken, node_names = set(boundary), set()
     nodes, inits, value_info = [], [], []
+    init_names: set[str] = set()
     for k, part in enumerate(parts):
         # a segment's outputs (read by later segments) and inputs (an overridable initializer is both an
         # input and an initializer) keep their names; anything else it defines is renamed on a clash
@@ -214,7 +215,9 @@ def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
             t2 = onnx.TensorProto()
             t2.CopyFrom(t)
             t2.name = rename.get(t.name, t.name)
-            inits.append(t2)
+            if t2.name not in init_names:  # an overridable initializer read by several segments: once
+                init_names.add(t2.name)
+                inits.append(t2)
         drop, aliases = _standin_aliases(part, standins[k] if standins else frozenset())
         for j, n in enumerate(part.graph.node):
             if j in drop:
@@ -230,13 +233,15 @@ def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
             node_names.add(n2.name)
             nodes.append(n2)
         for v in part.graph.value_info:
-            if v.name in rename:
+            if v.name not in keep:
                 v2 = onnx.ValueInfoProto()
                 v2.CopyFrom(v)
-                v2.name = rename[v.name]
+                v2.name = rename.get(v.name, v.name)
                 value_info.append(v2)
     outputs = list(outputs)
     nodes = _splice_reorders(nodes, boundary, {o.name for o in outputs})
+    made = {o for n in nodes for o in n.output}
+    value_info = [v for v in value_info if v.name in made]
     graph = helper.make_graph(nodes, name, list(inputs), outputs, inits, value_info=value_info)
     opsets: dict[str, int] = {}
     for part in parts:
