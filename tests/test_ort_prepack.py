@@ -258,9 +258,9 @@ def test_verify_passes_the_prepacked_model_and_fails_a_flipped_packed_copy(conve
 
 # ---------------------------------------------------------------- step 1 in segments (bounded memory)
 
-from weightshare.formats.onnx import ort_segments as segs  # noqa: E402
-from weightshare.formats.onnx.ort_child import optimize as ort_optimize  # noqa: E402
-from weightshare.formats.onnx.prepack_samples import cnn_onnx  # noqa: E402
+from weightshare.formats.onnx import ort_segments as segs
+from weightshare.formats.onnx.ort_child import optimize as ort_optimize
+from weightshare.formats.onnx.prepack_samples import cnn_onnx
 
 SAMPLES = {  # several conv/mm sizes; residual Adds with BatchNorm or Clip; branches; unaligned channels
     "mixed": lambda p: mixed_onnx(p, conv_layers=4, channels=32, mm_layers=5, dim=128),
@@ -272,7 +272,7 @@ SAMPLES = {  # several conv/mm sizes; residual Adds with BatchNorm or Clip; bran
 def _level_all(src: Path, out: Path, budget: int) -> dict:
     """ORT's level-ALL graph of ``src`` into ``out`` (external data beside it), in segments of ``budget``."""
     out.parent.mkdir(exist_ok=True)
-    opt = lambda a, b, c: ort_optimize(a, b, c, "1024")  # noqa: E731
+    opt = lambda a, b, c: ort_optimize(a, b, c, "1024")
     return segs.Segmenter(str(src), str(out), opt, budget).run().as_dict()
 
 
@@ -332,15 +332,16 @@ def test_reorder_splice_and_standin_are_what_makes_cuts_exact(tmp_path):
     assert any(n.op_type == "ReorderInput" and n.input[0] == "pool" for n in right.graph.node)
     stitched = segs.stitch([left, right], g.input, g.output, standins=[frozenset(), frozenset({"pool"})])
     assert not any("pool" in (*n.input, *n.output) for n in stitched.graph.node)  # NCHWc straight through
-    is_standin = lambda n: n.op_type == "MaxPool" and segs._attr(n, "kernel_shape", None) == [1, 1]  # noqa: E731
+    is_standin = lambda n: n.op_type == "MaxPool" and segs._attr(n, "kernel_shape", None) == [1, 1]
     assert any(map(is_standin, right.graph.node)) and not any(map(is_standin, stitched.graph.node))
     plain = seg._run(cut, len(g.node), frozenset(), "plain")  # the second segment without its stand-in
-    adds = lambda m: sum(n.op_type == "Add" for n in m.graph.node)  # noqa: E731
+    adds = lambda m: sum(n.op_type == "Add" for n in m.graph.node)
     assert adds(plain) == 1 and adds(right) == 0  # the residual Add fused into the Conv only with the stand-in
 
 
 def test_graphs_that_are_not_cut(tmp_path):
-    from onnx import TensorProto as T, helper as h
+    from onnx import TensorProto as T
+    from onnx import helper as h
 
     src = mixed_onnx(tmp_path / "m.onnx", conv_layers=2, channels=32, mm_layers=2, dim=64)
     model = onnx.load(str(src), load_external_data=False)

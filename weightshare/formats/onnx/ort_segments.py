@@ -21,9 +21,10 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import onnx
 from onnx import helper
@@ -102,7 +103,7 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
     consts = constants(graph)
     last_use = {name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts}
     outputs = {o.name for o in graph.output}
-    bounds, size, live = [0], 0, set()
+    bounds, size, live = [0], 0, set[str]()
     for p, node in enumerate(graph.node):
         big = max((inits.get(i, 0) for i in node.input), default=0) >= heavy
         crossing = [t for t in live if last_use.get(t, -1) >= p or t in outputs]
@@ -363,7 +364,7 @@ class Segmenter:
         self.model = onnx.load(str(self.src), load_external_data=False)
         self.types = tensor_types(self.model)
         self.plan = plan(self.model.graph, budget, set(self.types))
-        self.stem = self.out.name[:-len(".onnx")] if self.out.name.endswith(".onnx") else self.out.name
+        self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
 
     def _bin(self, tag: str) -> Path:

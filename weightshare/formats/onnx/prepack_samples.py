@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import onnx
@@ -73,10 +74,10 @@ def mixed_onnx(path: str | os.PathLike, conv_layers: int = 2, channels: int = 32
 class _Weights:
     """Initializers written to ``<stem>.data`` beside the model as they are made (never all in memory)."""
 
-    def __init__(self, path: Path, seed: int) -> None:
+    def __init__(self, path: Path, seed: int, file: BinaryIO) -> None:
         self.rng = np.random.default_rng(seed)
         self.name = f"{path.stem}.data"
-        self.file = open(path.parent / self.name, "wb")
+        self.file = file
         self.inits: list[onnx.TensorProto] = []
 
     def __call__(self, name: str, shape: tuple[int, ...], scale: float, offset: float = 0.0) -> str:
@@ -91,7 +92,7 @@ class _Weights:
         return name
 
 
-def cnn_onnx(path: str | os.PathLike, channels: int = 32, blocks: int = 3, spatial: int = 8, classes: int = 10,
+def cnn_onnx(path: str | os.PathLike[str], channels: int = 32, blocks: int = 3, spatial: int = 8, classes: int = 10,
              seed: int = 0) -> Path:
     """A small ResNet/Inception-like CNN: the fusions ORT makes around Conv, and branches.
 
@@ -102,9 +103,19 @@ def cnn_onnx(path: str | os.PathLike, channels: int = 32, blocks: int = 3, spati
     then GlobalAveragePool, Flatten, Gemm. Input ``x`` is [N, 3, spatial, spatial]; ``channels`` even.
     """
     path = Path(path)
-    w = _Weights(path, seed)
+    with open(path.parent / f"{path.stem}.data", "wb") as data:
+        nodes, inits = _cnn_nodes(_Weights(path, seed, data), channels, blocks, classes)
+    graph = h.make_graph(nodes, "cnn", [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
+                         [h.make_tensor_value_info("y", T.FLOAT, ["N", classes])], inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    return path
+
+
+def _cnn_nodes(w: _Weights, c: int, blocks: int, classes: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
     nodes: list[onnx.NodeProto] = []
-    c = channels
 
     def conv(name: str, x: str, cin: int, cout: int, k: int, bias: bool) -> str:
         ins = [x, w(f"{name}.w", (cout, cin, k, k), (2 / (k * k * cin)) ** 0.5)]
@@ -119,7 +130,7 @@ def cnn_onnx(path: str | os.PathLike, channels: int = 32, blocks: int = 3, spati
         nodes.append(h.make_node("BatchNormalization", [x, *params], [name], epsilon=1e-5))
         return name
 
-    def op(kind: str, ins: list[str], out: str, **attrs) -> str:
+    def op(kind: str, ins: list[str], out: str, **attrs: Any) -> str:
         nodes.append(h.make_node(kind, ins, [out], **attrs))
         return out
 
@@ -145,14 +156,7 @@ def cnn_onnx(path: str | os.PathLike, channels: int = 32, blocks: int = 3, spati
                      count_include_pad=0)
     cur = op("Flatten", [op("GlobalAveragePool", [cur], "gap")], "flat")
     op("Gemm", [cur, w("fc.w", (classes, c), c ** -0.5), w("fc.b", (classes,), 0.01)], "y", transB=1)
-    w.file.close()
-    graph = h.make_graph(nodes, "cnn", [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
-                         [h.make_tensor_value_info("y", T.FLOAT, ["N", classes])], w.inits)
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
-    with open(path, "wb") as f:
-        f.write(model.SerializeToString())
-    return path
+    return nodes, w.inits
 
 
 def sample_input(model_path: str | os.PathLike, batch: int, seed: int = 1) -> dict[str, np.ndarray]:
