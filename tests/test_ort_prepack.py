@@ -370,3 +370,20 @@ def test_prepack_cli_reports_segments_and_stays_bit_identical(tmp_path):
         assert _same(_run(prepacked, src, batch), _run(_plain(src), src, batch))
     off = {"session.disable_prepacking": "1"}
     assert _same(_run(_plain(report["outputs"][1], **off), src, 4), _run(_plain(src, **off), src, 4))
+
+
+def test_a_failure_while_cutting_falls_back_to_the_whole_graph(tmp_path):
+    src = cnn_onnx(tmp_path / "cnn.onnx", channels=32, blocks=3, spatial=6)
+
+    def refuse_segments(model: str, out: str, bin_name: str) -> None:
+        if model.endswith(".in.onnx"):  # a segment or pair model
+            raise RuntimeError("refused")
+        ort_optimize(model, out, bin_name, "1024")
+
+    (tmp_path / "s").mkdir()
+    report = segs.Segmenter(str(src), str(tmp_path / "s" / "ort.onnx"), refuse_segments, 20000).run().as_dict()
+    assert report["segments"] == 1 and report["single_reason"] == "cutting failed: RuntimeError"
+    whole = _level_all(src, tmp_path / "whole" / "ort.onnx", 1 << 40)
+    assert whole["segments"] == 1
+    assert _fingerprint(tmp_path / "s" / "ort.onnx") == _fingerprint(tmp_path / "whole" / "ort.onnx")
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["ort.bin", "ort.onnx"]

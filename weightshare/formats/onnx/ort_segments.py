@@ -351,7 +351,7 @@ class Report:
 
     def as_dict(self) -> dict[str, Any]:
         return {"segments": self.segments, "largest_segment_bytes": self.largest_bytes, "unsafe_cuts": self.merged,
-                "checked_cuts": self.checked, "single_reason": self.reason}
+                "checked_cuts": self.checked, "single_reason": self.reason, "dropped_cuts": self.details[:10]}
 
 
 class Segmenter:
@@ -423,6 +423,14 @@ class Segmenter:
             self._bin(self._tag(key)).unlink(missing_ok=True)
 
     def run(self) -> Report:
+        try:
+            return self._segmented()
+        except Exception as e:  # noqa: BLE001 - any failure of the cutting itself: the whole graph, as before
+            self._clean(set())
+            self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
+            return Report(reason=f"cutting failed: {type(e).__name__}", largest_bytes=sum(self.plan.weights))
+
+    def _segmented(self) -> Report:
         bounds = list(self.plan.bounds)
         report = Report(reason=self.plan.reason)
         if len(bounds) > 2:
@@ -433,7 +441,7 @@ class Segmenter:
                     k += 1
                     continue
                 report.merged += 1
-                report.details.append(f"cut before node {bounds[k + 1]} ({self.model.graph.node[bounds[k + 1]].op_type})")
+                report.details.append(f"node {bounds[k + 1]} ({self.model.graph.node[bounds[k + 1]].op_type})")
                 del bounds[k + 1]
                 k = max(k - 1, 0)  # the merged segment changes the pair to its left too
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
