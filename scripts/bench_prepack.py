@@ -1,7 +1,8 @@
 """ONNX Runtime at default settings: does `convert --prepack` share every weight, at full speed?
 
     python scripts/bench_prepack.py [--models matmul,conv,mixed] [--convert-gib 1,4]
-                                    [--convert-conv-gib 0.25,1,2,4 [--whole-graph]] [--workdir DIR]
+                                    [--convert-conv-gib 0.25,1,2,4] [--convert-resnet-gib 0.5,1] [--whole-graph]
+                                    [--workdir DIR]
 
 For each model, four variants side by side:
   original default | converted default | converted + disable_prepacking | --prepack default
@@ -11,7 +12,8 @@ For each model, four variants side by side:
   machine read them as ratios; the best-of figures are the least disturbed by other load);
 - whether outputs are bit-identical to the original at default settings.
 --convert-gib: peak RSS of `convert --prepack` (the converter and its ORT child) on MatMul models of that size;
---convert-conv-gib: the same on Conv models (--whole-graph: also with ORT optimizing the graph in one piece).
+--convert-conv-gib / --convert-resnet-gib: the same on Conv-chain / ResNet-like models (--whole-graph: also with ORT
+optimizing the graph in one piece, as --prepack did before it cut the graph into segments).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from weightshare.formats.onnx.ort_segments import BUDGET_ENV
-from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
+from weightshare.formats.onnx.prepack_samples import cnn_onnx, mixed_onnx, sample_input
 from weightshare.runtimes.memory import memory_now, run_child_peak, smaps_rollup
 
 MODELS = {  # weights: matmul 272 MiB, conv 72 MiB, mixed 276 MiB
@@ -159,7 +161,8 @@ def bench_model(name: str, work: Path) -> dict:
 
 
 def convert_memory(gib: float, work: Path, kind: str = "mm", whole: bool = False) -> dict:
-    """Peak RSS of `convert --prepack` on a MatMul (``mm``) or Conv (``conv``, 512x512x3x3 layers) model.
+    """Peak RSS of `convert --prepack` on a MatMul (``mm``), Conv chain (``conv``, 512x512x3x3 layers) or
+    ResNet-like (``resnet``, ``cnn_onnx``: BatchNorm/Clip residual blocks and branches, 1024 channels) model.
 
     ``whole``: ORT optimizes the whole graph in one session (what --prepack did before it cut the graph
     into segments), through the segment budget's environment variable.
@@ -168,9 +171,12 @@ def convert_memory(gib: float, work: Path, kind: str = "mm", whole: bool = False
     if kind == "mm":
         src = mixed_onnx(work / f"{name}.onnx", conv_layers=0, channels=4096, mm_layers=round(16 * gib) - 1,
                          dim=4096)
-    else:
+    elif kind == "conv":
         src = mixed_onnx(work / f"{name}.onnx", conv_layers=round(gib * 2**30 / (512 * 512 * 9 * 4)), channels=512,
                          mm_layers=0, spatial=4)
+    else:  # ResNet-like: 36 MiB 3x3 Convs, residual blocks of 72 MiB that no cut can split
+        src = cnn_onnx(work / f"{name}.onnx", channels=1024, blocks=round(gib * 2**30 / (1024 * 1024 * 9 * 4 * 1.6)),
+                       spatial=8)
     size = (work / f"{name}.data").stat().st_size / 2**30
     env = {BUDGET_ENV: str(1 << 50)} if whole else {}
     report = _convert(src, work / f"{name}-out", "--prepack", env=env)
@@ -211,8 +217,9 @@ def main() -> None:
     ap.add_argument("--models", default="matmul,conv,mixed")
     ap.add_argument("--convert-gib", default="", help="e.g. 1,4: conversion peak RSS on MatMul models of that size")
     ap.add_argument("--convert-conv-gib", default="", help="e.g. 0.25,1,2,4: the same on Conv models")
+    ap.add_argument("--convert-resnet-gib", default="", help="e.g. 0.5,1: the same on ResNet-like models")
     ap.add_argument("--whole-graph", action="store_true",
-                    help="with --convert-conv-gib: also without segments (ORT optimizing the whole graph at once)")
+                    help="with --convert-conv/resnet-gib: also without segments (ORT optimizing the whole graph at once)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
@@ -235,9 +242,10 @@ def main() -> None:
             results.append(bench_model(name, work))
             shutil.rmtree(work)
             show(results[-1])
-        for kind, sizes in (("mm", args.convert_gib), ("conv", args.convert_conv_gib)):
+        for kind, sizes in (("mm", args.convert_gib), ("conv", args.convert_conv_gib),
+                            ("resnet", args.convert_resnet_gib)):
             for gib in filter(None, sizes.split(",")):
-                for whole in ((False, True) if kind == "conv" and args.whole_graph else (False,)):
+                for whole in ((False, True) if kind != "mm" and args.whole_graph else (False,)):
                     row = convert_memory(float(gib), Path(tmp), kind, whole)
                     results.append({"convert_gib": row})
                     how = "whole graph in one ORT session" if whole else "ORT in segments"
