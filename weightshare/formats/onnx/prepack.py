@@ -9,7 +9,8 @@ external-data entry that later sessions map instead of packing.
 Steps:
 1. stage: the ordinary conversion into a staging directory (the portable model and its blob).
 2. ort: a child process lets ORT optimize and pre-pack the staged model and save the result
-   (``ort_child.py``); its output references ORT's own external file.
+   (``ort_child.py``), segment by segment for large graphs (``ort_segments.py``); its output
+   references ORT's own external files.
 3. final: every plain payload, every ORT initializer and every packed buffer is streamed into ONE
    safetensors blob. Identical bytes are stored once, so the ORT model's plain initializers land on
    the portable model's payloads; only packed and reordered copies add bytes.
