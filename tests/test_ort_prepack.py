@@ -264,6 +264,7 @@ from weightshare.formats.onnx.prepack_samples import cnn_onnx
 
 SAMPLES = {  # several conv/mm sizes; residual Adds with BatchNorm or Clip; branches; unaligned channels
     "mixed": lambda p: mixed_onnx(p, conv_layers=4, channels=32, mm_layers=5, dim=128),
+    "mixed-wide": lambda p: mixed_onnx(p, conv_layers=3, channels=64, mm_layers=4, dim=96, spatial=5),
     "cnn": lambda p: cnn_onnx(p, channels=48, blocks=6, spatial=6, seed=3),
     "cnn-unaligned": lambda p: cnn_onnx(p, channels=20, blocks=7, spatial=8),
 }
