@@ -13,6 +13,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 from onnx import TensorProto as T, helper as h
 
 
@@ -157,6 +158,53 @@ def _cnn_nodes(w: _Weights, c: int, blocks: int, classes: int) -> tuple[list[onn
     cur = op("Flatten", [op("GlobalAveragePool", [cur], "gap")], "flat")
     op("Gemm", [cur, w("fc.w", (classes, c), c ** -0.5), w("fc.b", (classes,), 0.01)], "y", transB=1)
     return nodes, w.inits
+
+
+def downsample_onnx(path: str | os.PathLike[str], channels: int = 16, blocks: int = 4, spatial: int = 16,
+                    seed: int = 0) -> Path:
+    """A CNN as PyTorch exports it: residual blocks that double the channels at stride 2 every other block
+    (1x1 projection shortcut), Conv biases, then GlobalAveragePool, a Reshape to [N, -1] computed from
+    Shape/Gather/Unsqueeze/Concat, and MatMul+Add layers (which ORT fuses into Gemm)."""
+    path = Path(path)
+    nodes: list[onnx.NodeProto] = []
+    with open(path.parent / f"{path.stem}.data", "wb") as data:
+        w = _Weights(path, seed, data)
+
+        def conv(name: str, x: str, cin: int, cout: int, k: int, stride: int = 1) -> str:
+            ins = [x, w(f"{name}.w", (cout, cin, k, k), (2 / (k * k * cin)) ** 0.5), w(f"{name}.b", (cout,), 0.01)]
+            nodes.append(h.make_node("Conv", ins, [name], pads=[k // 2] * 4, strides=[stride] * 2))
+            return name
+
+        c = channels
+        nodes.append(h.make_node("Relu", [conv("stem", "x", 3, c, 3)], ["stem.relu"]))
+        cur = "stem.relu"
+        for i in range(blocks):
+            cout, stride = (2 * c, 2) if i % 2 else (c, 1)
+            nodes.append(h.make_node("Relu", [conv(f"b{i}.conv1", cur, c, cout, 3, stride)], [f"b{i}.relu1"]))
+            main = conv(f"b{i}.conv2", f"b{i}.relu1", cout, cout, 3)
+            skip = conv(f"b{i}.proj", cur, c, cout, 1, stride) if cout != c else cur
+            nodes += [h.make_node("Add", [main, skip], [f"b{i}.add"]), h.make_node("Relu", [f"b{i}.add"], [f"b{i}.out"])]
+            cur, c = f"b{i}.out", cout
+        consts = [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
+                  (("zero", 0), ("axis0", [0]), ("minus1", [-1]))]
+        nodes += [h.make_node("GlobalAveragePool", [cur], ["gap"]), h.make_node("Shape", ["gap"], ["shape"]),
+                  h.make_node("Gather", ["shape", "zero"], ["n"], axis=0),
+                  h.make_node("Unsqueeze", ["n", "axis0"], ["n1"]),
+                  h.make_node("Concat", ["n1", "minus1"], ["flat.shape"], axis=0),
+                  h.make_node("Reshape", ["gap", "flat.shape"], ["flat"])]
+        nodes += [h.make_node("MatMul", ["flat", w("fc1.w", (c, 64), c ** -0.5)], ["fc1.mm"]),
+                  h.make_node("Add", ["fc1.mm", w("fc1.b", (64,), 0.01)], ["fc1"]),
+                  h.make_node("Relu", ["fc1"], ["fc1.relu"]),
+                  h.make_node("MatMul", ["fc1.relu", w("fc2.w", (64, 10), 0.125)], ["fc2.mm"]),
+                  h.make_node("Add", ["fc2.mm", w("fc2.b", (10,), 0.01)], ["y"])]
+        inits = [*w.inits, *consts]
+    graph = h.make_graph(nodes, "downsample", [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
+                         [h.make_tensor_value_info("y", T.FLOAT, ["N", 10])], inits)
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    return path
 
 
 def sample_input(model_path: str | os.PathLike, batch: int, seed: int = 1) -> dict[str, np.ndarray]:
