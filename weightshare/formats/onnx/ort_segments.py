@@ -455,11 +455,13 @@ class Segmenter:
                 report.details.append(f"node {bounds[k + 1]} ({self.model.graph.node[bounds[k + 1]].op_type})")
                 del bounds[k + 1]
                 k = max(k - 1, 0)  # the merged segment changes the pair to its left too
+                if report.merged > max(8, len(self.plan.bounds) // 2):  # re-checking merged pairs would cost
+                    bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())
             self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
             if report.merged:
-                report.reason = "no cut was exact"
+                report.reason = "the cuts changed ORT's graph"
             elif len(self.plan.bounds) == 2 and not report.reason:
                 report.reason = "no place to cut (one tensor crossing, before a weight-bearing node)"
             report.largest_bytes = sum(self.plan.weights)
