@@ -1,6 +1,8 @@
 """ONNX Runtime at default settings: does `convert --prepack` share every weight, at full speed?
 
-    python scripts/bench_prepack.py [--models matmul,conv,mixed] [--convert-gib 1,4] [--workdir DIR]
+    python scripts/bench_prepack.py [--models matmul,conv,mixed] [--convert-gib 1,4]
+                                    [--convert-conv-gib 0.25,1,2,4] [--convert-resnet-gib 0.5,1] [--whole-graph]
+                                    [--workdir DIR]
 
 For each model, four variants side by side:
   original default | converted default | converted + disable_prepacking | --prepack default
@@ -9,7 +11,9 @@ For each model, four variants side by side:
 - median and best latency at batch 1/4/16/64, the variants interleaved in one process (on a shared
   machine read them as ratios; the best-of figures are the least disturbed by other load);
 - whether outputs are bit-identical to the original at default settings.
---convert-gib: peak RSS of `convert --prepack` (the converter and its ORT child) on MatMul models of that size.
+--convert-gib: peak RSS of `convert --prepack` (the converter and its ORT child) on MatMul models of that size;
+--convert-conv-gib / --convert-resnet-gib: the same on Conv-chain / ResNet-like models (--whole-graph: also with ORT
+optimizing the graph in one piece, as --prepack did before it cut the graph into segments).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
+from weightshare.formats.onnx.ort_segments import BUDGET_ENV
+from weightshare.formats.onnx.prepack_samples import cnn_onnx, mixed_onnx, sample_input
 from weightshare.runtimes.memory import memory_now, run_child_peak, smaps_rollup
 
 MODELS = {  # weights: matmul 272 MiB, conv 72 MiB, mixed 276 MiB
@@ -127,9 +132,9 @@ def latency(paths: dict[str, str], src: str) -> tuple[dict, dict]:
     return {"median": times, "best": best}, same
 
 
-def _convert(src: Path, out: Path, *flags: str) -> dict:
+def _convert(src: Path, out: Path, *flags: str, env: dict | None = None) -> dict:
     res, peak = run_child_peak([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "-q",
-                                "--json", *flags])
+                                "--json", *flags], env={**os.environ, **(env or {})})
     if res.returncode != 0:
         raise SystemExit(res.stderr)
     report = json.loads(res.stdout)
@@ -155,16 +160,34 @@ def bench_model(name: str, work: Path) -> dict:
     return result
 
 
-def convert_memory(gib: int, work: Path) -> dict:
-    src = mixed_onnx(work / f"mm{gib}g.onnx", conv_layers=0, channels=4096, mm_layers=16 * gib - 1, dim=4096)
-    size = (work / f"mm{gib}g.data").stat().st_size / 2**30
-    report = _convert(src, work / f"mm{gib}g-out", "--prepack")
+def convert_memory(gib: float, work: Path, kind: str = "mm", whole: bool = False) -> dict:
+    """Peak RSS of `convert --prepack` on a MatMul (``mm``), Conv chain (``conv``, 512x512x3x3 layers) or
+    ResNet-like (``resnet``, ``cnn_onnx``: BatchNorm/Clip residual blocks and branches, 1024 channels) model.
+
+    ``whole``: ORT optimizes the whole graph in one session (what --prepack did before it cut the graph
+    into segments), through the segment budget's environment variable.
+    """
+    name = f"{kind}{gib}g"
+    if kind == "mm":
+        src = mixed_onnx(work / f"{name}.onnx", conv_layers=0, channels=4096, mm_layers=round(16 * gib) - 1,
+                         dim=4096)
+    elif kind == "conv":
+        src = mixed_onnx(work / f"{name}.onnx", conv_layers=round(gib * 2**30 / (512 * 512 * 9 * 4)), channels=512,
+                         mm_layers=0, spatial=4)
+    else:  # ResNet-like: 36 MiB 3x3 Convs, residual blocks of 72 MiB that no cut can split
+        src = cnn_onnx(work / f"{name}.onnx", channels=1024, blocks=round(gib * 2**30 / (1024 * 1024 * 9 * 4 * 1.6)),
+                       spatial=8)
+    size = (work / f"{name}.data").stat().st_size / 2**30
+    env = {BUDGET_ENV: str(1 << 50)} if whole else {}
+    report = _convert(src, work / f"{name}-out", "--prepack", env=env)
     child = next((n.rsplit("ORT child peak RSS ", 1)[1] for n in report["notes"] if "ORT child" in n), "?")
-    shutil.rmtree(work / f"mm{gib}g-out")
-    for f in (src, work / f"mm{gib}g.data"):
+    segments = next((n.split(": ", 1)[1] for n in report["notes"] if "optimized the graph" in n), "?")
+    shutil.rmtree(work / f"{name}-out")
+    for f in (src, work / f"{name}.data"):
         f.unlink()
-    return {"weights_gib": round(size, 2), "converter_peak_mib": round(report["peak_rss_mib"]),
-            "ort_child_peak": child, "wall_s": report["wall_time_s"]}
+    return {"kind": kind, "whole_graph": whole, "weights_gib": round(size, 2),
+            "converter_peak_mib": round(report["peak_rss_mib"]), "process_peak_mib": round(report["process_peak_mib"]),
+            "ort_child_peak": child, "wall_s": report["wall_time_s"], "segments": segments}
 
 
 def show(r: dict) -> None:
@@ -193,6 +216,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="matmul,conv,mixed")
     ap.add_argument("--convert-gib", default="", help="e.g. 1,4: conversion peak RSS on MatMul models of that size")
+    ap.add_argument("--convert-conv-gib", default="", help="e.g. 0.25,1,2,4: the same on Conv models")
+    ap.add_argument("--convert-resnet-gib", default="", help="e.g. 0.5,1: the same on ResNet-like models")
+    ap.add_argument("--whole-graph", action="store_true",
+                    help="with --convert-conv/resnet-gib: also without segments (ORT optimizing the whole graph at once)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
@@ -215,11 +242,16 @@ def main() -> None:
             results.append(bench_model(name, work))
             shutil.rmtree(work)
             show(results[-1])
-        for gib in filter(None, args.convert_gib.split(",")):
-            row = convert_memory(int(gib), Path(tmp))
-            results.append({"convert_gib": row})
-            print(f"\nconvert --prepack, {row['weights_gib']} GiB MatMul model: converter peak RSS "
-                  f"{row['converter_peak_mib']} MiB, ORT child peak RSS {row['ort_child_peak']}, {row['wall_s']} s")
+        for kind, sizes in (("mm", args.convert_gib), ("conv", args.convert_conv_gib),
+                            ("resnet", args.convert_resnet_gib)):
+            for gib in filter(None, sizes.split(",")):
+                for whole in ((False, True) if kind != "mm" and args.whole_graph else (False,)):
+                    row = convert_memory(float(gib), Path(tmp), kind, whole)
+                    results.append({"convert_gib": row})
+                    how = "whole graph in one ORT session" if whole else "ORT in segments"
+                    print(f"\nconvert --prepack, {row['weights_gib']} GiB {kind} model ({how}): converter peak RSS "
+                          f"{row['converter_peak_mib']} MiB, ORT child peak RSS {row['ort_child_peak']}, "
+                          f"{row['wall_s']} s; {row['segments']}", flush=True)
     if args.json:
         print(json.dumps(results))
 

@@ -18,8 +18,10 @@ from safetensors import safe_open
 
 import weightshare.ort as wort
 from weightshare.blob import read_safetensors_metadata
+from weightshare.formats.onnx import ort_segments as segs
+from weightshare.formats.onnx.ort_child import optimize as ort_optimize
 from weightshare.formats.onnx.prepack import METADATA_KEY, OPTIMIZED_PREFIX, PACKED_PREFIX, portable_name
-from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
+from weightshare.formats.onnx.prepack_samples import cnn_onnx, downsample_onnx, mixed_onnx, sample_input
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +279,144 @@ def test_check_refuses_a_flipped_packed_or_reordered_copy(converted, tmp_path, p
     assert len(found) == 1, found
     if prefix == PACKED_PREFIX:  # a blob record only; an NCHWc weight is an initializer of the prepacked graph
         assert found[0]["tensor"].startswith(prefix), found
+
+
+# ---------------------------------------------------------------- step 1 in segments (bounded memory)
+
+
+SAMPLES = {  # several conv/mm sizes; residual Adds with BatchNorm or Clip; branches; unaligned channels
+    "mixed": lambda p: mixed_onnx(p, conv_layers=4, channels=32, mm_layers=5, dim=128),
+    "mixed-wide": lambda p: mixed_onnx(p, conv_layers=3, channels=64, mm_layers=4, dim=96, spatial=5),
+    "cnn": lambda p: cnn_onnx(p, channels=48, blocks=6, spatial=6, seed=3),
+    "cnn-unaligned": lambda p: cnn_onnx(p, channels=20, blocks=7, spatial=8),
+    "downsample": lambda p: downsample_onnx(p, channels=16, blocks=4, spatial=16),
+}
+
+
+def _level_all(src: Path, out: Path, budget: int) -> dict:
+    """ORT's level-ALL graph of ``src`` into ``out`` (external data beside it), in segments of ``budget``."""
+    out.parent.mkdir(exist_ok=True)
+    opt = lambda a, b, c: ort_optimize(a, b, c, "1024")
+    return segs.Segmenter(str(src), str(out), opt, budget).run().as_dict()
+
+
+def _fingerprint(path: Path):
+    return segs.fingerprint(onnx.load(str(path), load_external_data=False), path.parent)
+
+
+@pytest.mark.parametrize("sample", sorted(SAMPLES))
+def test_segmented_optimization_is_the_whole_graph_optimization(tmp_path, sample):
+    """Stitched segments: node for node the graph ORT builds from the whole model, and bit-identical outputs."""
+    src = SAMPLES[sample](tmp_path / f"{sample}.onnx")
+    whole = _level_all(src, tmp_path / "whole" / "ort.onnx", 1 << 40)
+    split = _level_all(src, tmp_path / "split" / "ort.onnx", 20000)
+    assert whole["segments"] == 1 and split["segments"] > 2, split
+    assert split["checked_cuts"] == split["segments"] - 1 + split["unsafe_cuts"]
+    assert _fingerprint(tmp_path / "split" / "ort.onnx") == _fingerprint(tmp_path / "whole" / "ort.onnx")
+    stitched, original = ort.InferenceSession(str(tmp_path / "split" / "ort.onnx")), _plain(src)
+    for batch in (1, 16):
+        assert _same(_run(stitched, src, batch), _run(original, src, batch))
+    # nothing but the stitched model's own data is left beside it
+    referenced = {e.value for t in onnx.load(str(tmp_path / "split" / "ort.onnx"), load_external_data=False)
+                  .graph.initializer for e in t.external_data if e.key == "location"}
+    assert {p.name for p in (tmp_path / "split").iterdir()} == referenced | {"ort.onnx"}
+
+
+def test_the_pair_check_drops_a_cut_that_breaks_a_fusion(tmp_path):
+    """A budget so small that a cut falls between a Conv and its BatchNorm: ORT fuses the two in the whole
+    graph, not across the cut. The check must see it, drop the cut, and the result must still be exact."""
+    src = cnn_onnx(tmp_path / "cnn.onnx", channels=32, blocks=3, spatial=6)
+    seg = segs.Segmenter(str(src), str(tmp_path / "s" / "ort.onnx"), lambda a, b, c: None, 1000)
+    (tmp_path / "s").mkdir()
+    seg.optimize = lambda a, b, c: ort_optimize(a, b, c, "1024")
+    bounds = seg.plan.bounds
+    bad = next(k for k in range(len(bounds) - 2)
+               if seg.model.graph.node[bounds[k + 1]].op_type == "BatchNormalization")
+    assert not seg.cut_is_exact(bounds, bad)
+    report = _level_all(src, tmp_path / "split" / "ort.onnx", 1000)
+    whole = _level_all(src, tmp_path / "whole" / "ort.onnx", 1 << 40)
+    assert report["unsafe_cuts"] >= 1 and report["segments"] > 1 and whole["segments"] == 1
+    assert _fingerprint(tmp_path / "split" / "ort.onnx") == _fingerprint(tmp_path / "whole" / "ort.onnx")
+
+
+def test_the_pair_check_drops_a_cut_between_matmul_and_its_bias(tmp_path):
+    """ORT fuses MatMul+Add into Gemm in the whole graph: a cut between them is dropped, the result stays exact."""
+    src = downsample_onnx(tmp_path / "ds.onnx", channels=16, blocks=4, spatial=16)
+    report = _level_all(src, tmp_path / "split" / "ort.onnx", 1000)
+    _level_all(src, tmp_path / "whole" / "ort.onnx", 1 << 40)
+    assert report["segments"] > 2 and any("(Add)" in d for d in report["dropped_cuts"]), report
+    assert _fingerprint(tmp_path / "split" / "ort.onnx") == _fingerprint(tmp_path / "whole" / "ort.onnx")
+
+
+def test_reorder_splice_and_standin_are_what_makes_cuts_exact(tmp_path):
+    """Without the stitch's NCHWc splice a cut inside a Conv chain leaves a ReorderOutput/ReorderInput pair the
+    whole graph does not have; without the stand-in a residual Add after a cut is not fused into its Conv."""
+    src = cnn_onnx(tmp_path / "cnn.onnx", channels=32, blocks=1, spatial=6)
+    (tmp_path / "s").mkdir()
+    seg = segs.Segmenter(str(src), str(tmp_path / "s" / "ort.onnx"), lambda a, b, c: ort_optimize(a, b, c, "1024"),
+                         1000)
+    g = seg.model.graph
+    cut = next(p for p, n in enumerate(g.node) if n.output[0] == "block0.conv1")  # after stem+MaxPool
+    bounds = [0, cut, len(g.node)]
+    assert seg.standin(bounds, 1) == {"pool"}
+    assert seg.cut_is_exact(bounds, 0)
+    left, right = seg.segment(bounds, 0), seg.segment(bounds, 1)
+    assert any(n.op_type == "ReorderOutput" and n.output[0] == "pool" for n in left.graph.node)
+    assert any(n.op_type == "ReorderInput" and n.input[0] == "pool" for n in right.graph.node)
+    stitched = segs.stitch([left, right], g.input, g.output, standins=[frozenset(), frozenset({"pool"})])
+    assert not any("pool" in (*n.input, *n.output) for n in stitched.graph.node)  # NCHWc straight through
+    is_standin = lambda n: n.op_type == "MaxPool" and segs._attr(n, "kernel_shape", None) == [1, 1]
+    assert any(map(is_standin, right.graph.node)) and not any(map(is_standin, stitched.graph.node))
+    plain = seg._run(cut, len(g.node), frozenset(), "plain")  # the second segment without its stand-in
+    adds = lambda m: sum(n.op_type == "Add" for n in m.graph.node)
+    assert adds(plain) == 1 and adds(right) == 0  # the residual Add fused into the Conv only with the stand-in
+
+
+def test_graphs_that_are_not_cut(tmp_path):
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    src = mixed_onnx(tmp_path / "m.onnx", conv_layers=2, channels=32, mm_layers=2, dim=64)
+    model = onnx.load(str(src), load_external_data=False)
+    types = set(segs.tensor_types(model))
+    assert len(segs.plan(model.graph, 1 << 30, types).bounds) == 2  # small enough for one piece
+    assert len(segs.plan(model.graph, 1000, types).bounds) > 2
+    then = h.make_graph([h.make_node("Identity", ["y"], ["z"])], "then", [], [h.make_tensor_value_info("z", T.FLOAT,
+                                                                                                        None)])
+    model.graph.node.append(h.make_node("If", ["cond"], ["w"], then_branch=then, else_branch=then))
+    p = segs.plan(model.graph, 1000, types)
+    assert len(p.bounds) == 2 and "subgraph" in p.reason
+
+
+def test_prepack_cli_reports_segments_and_stays_bit_identical(tmp_path):
+    from conftest import run_cli
+
+    src = cnn_onnx(tmp_path / "cnn.onnx", channels=48, blocks=6, spatial=6, seed=3)
+    res = run_cli("convert", src, "-o", tmp_path / "out", "--prepack", "--json", "-q",
+                  env={segs.BUDGET_ENV: "20000"})
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    note = next(n for n in report["notes"] if "segments" in n)
+    assert int(note.split(" in ")[1].split()[0]) > 2, note
+    prepacked = ort.InferenceSession(report["outputs"][0])
+    for batch in (1, 16):
+        assert _same(_run(prepacked, src, batch), _run(_plain(src), src, batch))
+    off = {"session.disable_prepacking": "1"}
+    assert _same(_run(_plain(report["outputs"][1], **off), src, 4), _run(_plain(src, **off), src, 4))
+
+
+def test_a_failure_while_cutting_falls_back_to_the_whole_graph(tmp_path):
+    src = cnn_onnx(tmp_path / "cnn.onnx", channels=32, blocks=3, spatial=6)
+
+    def refuse_segments(model: str, out: str, bin_name: str) -> None:
+        if model.endswith(".in.onnx"):  # a segment or pair model
+            raise RuntimeError("refused")
+        ort_optimize(model, out, bin_name, "1024")
+
+    (tmp_path / "s").mkdir()
+    report = segs.Segmenter(str(src), str(tmp_path / "s" / "ort.onnx"), refuse_segments, 20000).run().as_dict()
+    assert report["segments"] == 1 and report["single_reason"] == "cutting failed: RuntimeError"
+    whole = _level_all(src, tmp_path / "whole" / "ort.onnx", 1 << 40)
+    assert whole["segments"] == 1
+    assert _fingerprint(tmp_path / "s" / "ort.onnx") == _fingerprint(tmp_path / "whole" / "ort.onnx")
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["ort.bin", "ort.onnx"]

@@ -1,9 +1,11 @@
 """Runs in a child process: let ONNX Runtime optimize and pre-pack a converted model and save the result.
 
-    python -m weightshare.formats.onnx.ort_child MODEL OUT_MODEL BIN_NAME MIN_EXTERNAL_BYTES
+    python -m weightshare.formats.onnx.ort_child MODEL OUT_MODEL MIN_EXTERNAL_BYTES SEGMENT_BYTES
 
 1. ONNX Runtime writes OUT_MODEL, the ORT_ENABLE_ALL optimized graph (NCHWc Conv weights included),
-   with every initializer in BIN_NAME next to it, pre-packing off.
+   with its initializers in files next to it, pre-packing off. A graph with more than SEGMENT_BYTES
+   of weights is optimized segment by segment and stitched (``ort_segments``), so that memory does
+   not grow with the model.
 2. Each weight-bearing node of that graph runs alone in a session that saves its pre-packed copies
    (``session.save_external_prepacked_constant_initializers``) to ``node<i>.packed.bin``.
 The last stdout line is JSON: what the packed data is bound to, and the ``prepacked_N`` entries per
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import onnx
@@ -64,10 +66,11 @@ def nchwc_block_size() -> int:
 
 
 def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> None:
-    """The level-ALL graph (fusions, NCHWc Conv weights) of the whole model, without pre-packing.
+    """The level-ALL graph (fusions, NCHWc Conv weights) of ``model``, without pre-packing.
 
-    With pre-packing off ORT holds only the reordered Conv weights; the rest streams from the mapped
-    file to BIN (measured: 156 MiB peak RSS for a 1 GiB model), so this stays flat in model size.
+    With pre-packing off ORT holds only the reordered Conv weights (1x, plus ~3x the Conv weight it
+    is reordering, measured); the rest streams from the mapped file to BIN (156 MiB peak RSS for a
+    1 GiB MatMul model). Conv-heavy graphs therefore go through ``optimize_bounded`` in segments.
     """
     import onnxruntime as ort
 
@@ -148,15 +151,29 @@ def pack(opt_model: str, min_external: int) -> dict[str, list[list[str]]]:
     return found
 
 
+def optimize_bounded(model: str, out_model: str, min_external: str, budget: int) -> dict[str, Any]:
+    """Step 1 in memory bounded by ``budget`` weight bytes per segment (``ort_segments``): the
+    optimized graph in ``out_model``, its initializers in files named after it."""
+    from .ort_segments import Segmenter
+
+    def run(src: str, dst: str, bin_name: str) -> None:
+        from ...ort import malloc_trim
+
+        optimize(src, dst, bin_name, min_external)
+        malloc_trim()  # the session's heap goes back before the next segment's session
+
+    return Segmenter(model, out_model, run, budget).run().as_dict()
+
+
 def main(argv: list[str]) -> int:
-    model, out_model, bin_name, min_external = argv
+    model, out_model, min_external, budget = argv
     import onnxruntime as ort
 
-    optimize(model, out_model, bin_name, min_external)
+    segments = optimize_bounded(model, out_model, min_external, int(budget))
     packed = pack(out_model, int(min_external))
     binding = {"onnxruntime": ort.__version__, "optimization_level": "ORT_ENABLE_ALL",
                "machine": platform.machine(), "cpu_features": cpu_features(), "nchwc_block": nchwc_block_size()}
-    print(json.dumps({"binding": binding, "packed": packed}))
+    print(json.dumps({"binding": binding, "packed": packed, "segments": segments}))
     return 0
 
 

@@ -9,7 +9,8 @@ external-data entry that later sessions map instead of packing.
 Steps:
 1. stage: the ordinary conversion into a staging directory (the portable model and its blob).
 2. ort: a child process lets ORT optimize and pre-pack the staged model and save the result
-   (``ort_child.py``); its output references ORT's own external file.
+   (``ort_child.py``), segment by segment for large graphs (``ort_segments.py``); its output
+   references ORT's own external files.
 3. final: every plain payload, every ORT initializer and every packed buffer is streamed into ONE
    safetensors blob. Identical bytes are stored once, so the ORT model's plain initializers land on
    the portable model's payloads; only packed and reordered copies add bytes.
@@ -42,13 +43,14 @@ from ...report import ConversionReport, JsonDict
 from ...runtimes.memory import run_child_peak
 from ...tensors import FileRange
 from . import dtypes
+from .ort_segments import budget_from_env
 
 METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
 PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PREPACKED_ENTRY = "prepacked_"
 STAGE_BLOB = "plain"
-ORT_MODEL, ORT_BIN = "ort.onnx", "ort.bin"
+ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 
 
 def portable_name(model_name: str) -> str:
@@ -175,7 +177,7 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
     cmd = [sys.executable, "-m", "weightshare.formats.onnx.ort_child", str(model), str(model.parent / ORT_MODEL),
-           ORT_BIN, str(options.inline_threshold)]
+           str(options.inline_threshold), str(budget_from_env())]
     res, peak = run_child_peak(cmd, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"})
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
@@ -238,4 +240,17 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
         f"({len(packed)} packed buffers, {sum(p.tensor.nbytes for p in packed) / 2**20:.1f} MiB; "
         f"NCHWc block {binding['nchwc_block']}); {portable_name(src.name)} runs anywhere with "
         f"session.disable_prepacking=1 (weightshare.ort.session picks). ORT child peak RSS {child_peak:.0f} MiB")
+    report.notes.append(_segments_note(result.get("segments", {})))
     return report
+
+
+def _segments_note(seg: JsonDict) -> str:
+    """How ORT's optimization was split (``ort_segments``): what bounds the child's memory."""
+    largest = f"{seg.get('largest_segment_bytes', 0) / 2**20:.1f} MiB"
+    unsafe = seg.get("unsafe_cuts", 0)
+    merged = f"; {unsafe} cut(s) changed ORT's graph and were dropped" if unsafe else ""
+    if seg.get("segments", 1) > 1:
+        return (f"--prepack: onnxruntime optimized the graph in {seg['segments']} segments (largest {largest} of "
+                f"weights), each cut checked against the two segments optimized together{merged}")
+    return (f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: "
+            f"{seg.get('single_reason', '')}{merged})")

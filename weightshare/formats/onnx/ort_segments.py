@@ -1,0 +1,477 @@
+"""ONNX Runtime's level-ALL optimization of a large model, segment by segment, in bounded memory.
+
+Run on the whole graph, ORT's NCHWc transformer holds every reordered Conv weight (and the
+transient copies it makes while reordering) until the session ends: a 1 GiB Conv model peaked at
+~1.5 GiB. Here the graph is cut into consecutive segments of at most ``budget`` weight bytes (one
+node heavier than that is a segment of its own), each optimized in its own session, and the
+optimized segments are stitched into one graph.
+
+Exactness: a cut must not change what ORT builds. Cuts go only before a weight-bearing node where
+exactly one tensor crosses (``plan``). Where a cut runs through an NCHWc region, the two halves
+end in ``ReorderOutput`` and start with ``ReorderInput``; the stitch wires the NCHWc tensor
+through instead, which is what the whole-graph optimizer builds, and the later segment reads its
+input through a stand-in that ORT makes NCHWc, as the whole graph would have it (``extract``).
+Everything else is checked, not assumed: for every cut, the two segments around it are optimized
+together in one session and the result must equal the stitched pair node for node (op, domain,
+attributes, wiring, initializer bytes: ``fingerprint``). A cut that fails the check is removed
+(its segments merged) and the report says so; any failure of the cutting itself falls back to
+the whole-graph session. What this leaves unchecked is an optimizer whose effect reaches further
+than one whole segment on each side of a cut.
+
+Memory (measured, ORT 1.32): about 90 MiB + the weights of two adjacent segments + ~3x the
+largest Conv weight (ORT's transient copies while reordering one), whatever the model's size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+from onnx import helper
+
+NCHWC = "com.microsoft.nchwc"
+DEFAULT_BUDGET = 32 << 20  # weight bytes per segment; a window (two segments) is optimized at once
+BUDGET_ENV = "WEIGHTSHARE_ORT_SEGMENT_BYTES"  # smaller budgets, to exercise the cuts on small models
+
+Optimizer = Callable[[str, str, str], None]  # (model path, optimized model path, its external data file name)
+
+
+def budget_from_env() -> int:
+    value = os.environ.get(BUDGET_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_BUDGET
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int:
+    """Payload size without reading it (an estimate for packed 4-bit types; 0 for strings)."""
+    length = next((e.value for e in t.external_data if e.key == "length"), "")
+    if length.isdigit():
+        return int(length)
+    n = 1
+    for d in t.dims:
+        n *= d
+    try:
+        return n * int(helper.tensor_dtype_to_np_dtype(t.data_type).itemsize)
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+@dataclass
+class Plan:
+    """Where the cuts go: segment k is ``graph.node[bounds[k]:bounds[k + 1]]``."""
+
+    bounds: list[int]
+    weights: list[int]  # weight bytes per node
+    reason: str = ""  # why the graph stays in one piece, when it does
+
+    def segment_bytes(self, k: int) -> int:
+        return sum(self.weights[self.bounds[k]:self.bounds[k + 1]])
+
+
+def _refusal(graph: onnx.GraphProto) -> str:
+    """Why this graph is not cut at all ("" when it can be)."""
+    if graph.sparse_initializer:
+        return "sparse initializers"
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    for node in graph.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            return f"{node.op_type} node with a subgraph"
+        if any(i not in known for i in node.input):
+            return "nodes not in topological order"
+        known.update(node.output)
+    produced = {o for n in graph.node for o in n.output}
+    if any(o.name not in produced or not o.type.tensor_type.elem_type for o in graph.output):
+        return "a graph output that no node produces, or of unknown type"
+    return ""
+
+
+def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
+    """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``, where
+    exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it.
+
+    Why one: everything the later segment learns about the earlier ones then comes through that
+    tensor, produced in the segment right before the cut, so the pair check sees every node that
+    can shape what ORT makes of the cut. A tensor reaching over a whole segment (a long skip
+    connection) would escape it: with two crossing tensors, a residual Add's other input arrives
+    as a plain graph input, and ORT does not fuse it into the Conv the way it does in the whole
+    graph (measured). A segment starts with a weight-bearing node (a Conv re-decides its layout),
+    so fusions that run forward from a node (Conv+BN/Add/Relu, MatMul+Add) stay inside.
+    ``typed``: tensors whose element type is known (the cut tensor becomes a segment input).
+    """
+    inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
+    weights = [sum(inits.get(i, 0) for i in set(n.input)) for n in graph.node]
+    reason = _refusal(graph)
+    if not reason and sum(weights) <= budget:
+        reason = f"within the {budget / 2**20:.1f} MiB segment budget"
+    if reason:
+        return Plan([0, len(graph.node)], weights, reason)
+    heavy = min(65536, max(budget // 8, 1))
+    consts = constants(graph)
+    last_use = {name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts}
+    outputs = {o.name for o in graph.output}
+    bounds, size, live = [0], 0, set[str]()
+    for p, node in enumerate(graph.node):
+        big = max((inits.get(i, 0) for i in node.input), default=0) >= heavy
+        crossing = [t for t in live if last_use.get(t, -1) >= p or t in outputs]
+        if p > bounds[-1] and big and size + weights[p] > budget and len(crossing) == 1 and crossing[0] in typed:
+            bounds.append(p)
+            size = 0
+        size += weights[p]
+        live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts))
+    bounds.append(len(graph.node))
+    return Plan(bounds, weights)
+
+
+def constants(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """Outputs of input-less Constant nodes: like initializers, each segment gets its own copy."""
+    return {n.output[0]: n for n in graph.node if n.op_type == "Constant" and not n.input and n.domain in ("", "ai.onnx")}
+
+
+STANDIN = "__weightshare_standin"
+
+
+def extract(model: onnx.ModelProto, start: int, stop: int, types: dict[str, onnx.ValueInfoProto],
+            standin: frozenset[str] = frozenset()) -> onnx.ModelProto:
+    """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
+    (or the graph's outputs) read become outputs. Initializers keep their external data references.
+
+    ``standin``: inputs that the whole-graph optimizer would see in NCHWc layout (the segment before
+    ends them with a ReorderOutput). Each is read through an identity MaxPool (1x1) that ORT turns
+    into an NCHWc node, so that the nodes reading it decide as they would in the whole graph (an
+    Add after a Conv fuses into it only when its other input is NCHWc); ``stitch`` removes it.
+    """
+    g = model.graph
+    consts = constants(g)
+    nodes = list(g.node[start:stop])
+    here = {o for n in nodes for o in n.output}
+    read = {i for n in nodes for i in n.input if i}
+    nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
+    produced = {o for n in nodes for o in n.output if o}
+    if standin:
+        rewired = []
+        for n in nodes:
+            n2 = onnx.NodeProto()
+            n2.CopyFrom(n)
+            n2.input[:] = [f"{i}{STANDIN}" if i in standin else i for i in n.input]
+            rewired.append(n2)
+        nodes = [helper.make_node("MaxPool", [t], [f"{t}{STANDIN}"], kernel_shape=[1, 1]) for t in sorted(standin)]
+        nodes += rewired
+    later = {i for n in g.node[stop:] for i in n.input if i not in consts} | {o.name for o in g.output}
+    inits = [t for t in g.initializer if t.name in read]
+    overridable = {i.name for i in g.input}
+    init_names = {t.name for t in g.initializer}
+    inputs = [types[i] for i in sorted(read - produced) if i not in init_names or i in overridable]
+    outputs = [types[o] for o in sorted(produced & later)]
+    value_info = [v for v in g.value_info if v.name in produced - later]
+    graph = helper.make_graph(nodes, f"{g.name}[{start}:{stop}]", inputs, outputs, inits, value_info=value_info)
+    m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
+    m.functions.extend(model.functions)
+    return m
+
+
+def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
+    """Element types (and shapes where ONNX infers them) of every tensor, without loading weights."""
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model).graph
+    except Exception:  # noqa: BLE001 - shapes are a help, not a need: untyped tensors are simply not cut at
+        inferred = model.graph
+    types = {}
+    for v in [*inferred.value_info, *inferred.input, *inferred.output]:
+        if v.type.tensor_type.elem_type:
+            types[v.name] = v
+    return types
+
+
+# ---------------------------------------------------------------- stitching
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
+           outputs: Iterable[onnx.ValueInfoProto], name: str = "stitched",
+           standins: list[frozenset[str]] | None = None) -> onnx.ModelProto:
+    """Optimized segments, in order, as one graph; names each segment made up are kept apart.
+
+    A tensor a segment passes on in NCHW (``ReorderOutput``) that the next one turns back into
+    NCHWc (``ReorderInput``) is passed on in NCHWc instead: the whole-graph optimizer leaves no
+    such pair inside an NCHWc region. ``standins[k]``: the inputs of part k read through a stand-in
+    (``extract``), which is taken out.
+    """
+    boundary = {v.name for p in parts for v in [*p.graph.input, *p.graph.output]}
+    taken, node_names = set(boundary), set()
+    nodes, inits, value_info = [], [], []
+    init_names: set[str] = set()
+    for k, part in enumerate(parts):
+        # a segment's outputs (read by later segments) and inputs (an overridable initializer is both an
+        # input and an initializer) keep their names; anything else it defines is renamed on a clash
+        keep = {v.name for v in [*part.graph.input, *part.graph.output]}
+        defined = [t.name for t in part.graph.initializer] + [o for n in part.graph.node for o in n.output if o]
+        rename = {}
+        for d in defined:
+            if d in keep:
+                continue
+            new, i = d, 0
+            while new in taken:
+                i += 1
+                new = f"{d}__s{k}_{i}"
+            taken.add(new)
+            rename[d] = new
+        for t in part.graph.initializer:
+            t2 = onnx.TensorProto()
+            t2.CopyFrom(t)
+            t2.name = rename.get(t.name, t.name)
+            if t2.name not in init_names:  # an overridable initializer read by several segments: once
+                init_names.add(t2.name)
+                inits.append(t2)
+        drop, aliases = _standin_aliases(part, standins[k] if standins else frozenset())
+        for j, n in enumerate(part.graph.node):
+            if j in drop:
+                continue
+            n2 = onnx.NodeProto()
+            n2.CopyFrom(n)
+            n2.input[:] = [rename.get(i, i) for i in (aliases.get(i, i) for i in n.input)]
+            n2.output[:] = [rename.get(o, o) for o in n.output]
+            base, i = n2.name or n2.op_type, 0
+            while n2.name in node_names or not n2.name:
+                i += 1
+                n2.name = f"{base}__s{k}_{i}"
+            node_names.add(n2.name)
+            nodes.append(n2)
+        for v in part.graph.value_info:
+            if v.name not in keep:
+                v2 = onnx.ValueInfoProto()
+                v2.CopyFrom(v)
+                v2.name = rename.get(v.name, v.name)
+                value_info.append(v2)
+    outputs = list(outputs)
+    nodes = _splice_reorders(nodes, boundary, {o.name for o in outputs})
+    made = {o for n in nodes for o in n.output}
+    value_info = [v for v in value_info if v.name in made]
+    graph = helper.make_graph(nodes, name, list(inputs), outputs, inits, value_info=value_info)
+    opsets: dict[str, int] = {}
+    for part in parts:
+        for o in part.opset_import:
+            opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
+                              ir_version=max(p.ir_version for p in parts))
+    seen = set()
+    for part in parts:
+        for f in part.functions:
+            if (f.domain, f.name) not in seen:
+                seen.add((f.domain, f.name))
+                model.functions.append(f)
+    return model
+
+
+def _standin_aliases(part: onnx.ModelProto, standin: frozenset[str]) -> tuple[set[int], dict[str, str]]:
+    """The stand-in MaxPools of ``part`` (indices of nodes to drop) and what their outputs stand for: the
+    NCHWc tensor ORT reordered the input into, or the input itself where ORT kept it in NCHW."""
+    if not standin:
+        return set(), {}
+    nodes = part.graph.node
+    reorder = {n.output[0]: n.input[0] for n in nodes if n.domain == NCHWC and n.op_type == "ReorderInput"}
+    drop, aliases = set(), {}
+    for j, n in enumerate(nodes):
+        if n.op_type != "MaxPool" or not n.input or _attr(n, "kernel_shape", None) != [1, 1]:
+            continue
+        # nothing else in the segment reads these inputs (extract rewired their readers to the stand-in)
+        if n.input[0] in standin or reorder.get(n.input[0]) in standin:
+            drop.add(j)
+            aliases[n.output[0]] = n.input[0]
+    return drop, aliases
+
+
+def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: set[str]) -> list[onnx.NodeProto]:
+    producer = {o: n for n in nodes for o in n.output}
+    alias: dict[str, str] = {}
+    kept = []
+    for n in nodes:
+        src = producer.get(n.input[0]) if n.input else None
+        if (n.domain == NCHWC and n.op_type == "ReorderInput" and n.input[0] in boundary
+                and src is not None and src.domain == NCHWC and src.op_type == "ReorderOutput"
+                and _attr(n, "channels_last", 0) == 0 and _attr(src, "channels_last", 0) == 0):
+            alias[n.output[0]] = src.input[0]
+            continue
+        kept.append(n)
+    for n in kept:
+        n.input[:] = [alias.get(i, i) for i in n.input]
+    read = {i for n in kept for i in n.input} | outputs
+    return [n for n in kept if not (n.domain == NCHWC and n.op_type == "ReorderOutput" and n.output[0] not in read)]
+
+
+# ---------------------------------------------------------------- comparing graphs
+
+
+def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
+    h = hashlib.blake2b(f"{t.data_type}:{list(t.dims)}:".encode(), digest_size=20)
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        e = {x.key: x.value for x in t.external_data}
+        remaining = int(e.get("length", "-1"))
+        with open(directory / e["location"], "rb") as f:  # streamed: a segment's weights never sit in memory
+            f.seek(int(e.get("offset", "0")))
+            while remaining != 0:
+                chunk = f.read(1 << 20 if remaining < 0 else min(remaining, 1 << 20))
+                if not chunk:
+                    break
+                h.update(chunk)
+                remaining -= len(chunk)
+    else:  # small: whether ORT stored it inline or outside must not matter
+        from onnx import numpy_helper
+
+        h.update(numpy_helper.to_array(t).tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
+    """What a graph computes, independent of tensor and node names: every node as a hash of its op,
+    domain, attributes and (recursively) its inputs; initializers by their bytes."""
+    g = model.graph
+    ids = {i.name: f"input:{i.name}" for i in g.input}
+    for t in g.initializer:
+        ids.setdefault(t.name, f"init:{_digest_payload(t, directory)}")
+    ids[""] = ""
+    nodes: Counter[str] = Counter()
+    for n in g.node:
+        attrs = sorted(a.SerializeToString() for a in n.attribute)
+        h = hashlib.blake2b(repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode(),
+                            digest_size=20).hexdigest()
+        nodes[h] += 1
+        for k, o in enumerate(n.output):
+            ids[o] = f"{h}:{k}"
+    return nodes, [ids[o.name] for o in g.output]
+
+
+# ---------------------------------------------------------------- driving ORT
+
+
+@dataclass
+class Report:
+    segments: int = 1
+    largest_bytes: int = 0
+    merged: int = 0  # cuts removed because the pair check failed
+    reason: str = ""  # why there is one segment
+    checked: int = 0
+    details: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"segments": self.segments, "largest_segment_bytes": self.largest_bytes, "unsafe_cuts": self.merged,
+                "checked_cuts": self.checked, "single_reason": self.reason, "dropped_cuts": self.details[:10]}
+
+
+class Segmenter:
+    """Optimizes ``model_path`` segment by segment into ``out_model`` (external data beside it)."""
+
+    def __init__(self, model_path: str, out_model: str, optimize: Optimizer, budget: int) -> None:
+        self.src = Path(model_path)
+        self.out = Path(out_model)
+        self.optimize = optimize
+        self.model = onnx.load(str(self.src), load_external_data=False)
+        self.types = tensor_types(self.model)
+        self.plan = plan(self.model.graph, budget, set(self.types))
+        self.stem = self.out.name.removesuffix(".onnx")
+        self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
+
+    def _bin(self, tag: str) -> Path:
+        return self.out.parent / f"{self.stem}.{tag}.bin"
+
+    def _run(self, start: int, stop: int, standin: frozenset[str], tag: str) -> onnx.ModelProto:
+        """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
+        part = extract(self.model, start, stop, self.types, standin)
+        # beside the source model, so that the initializers' relative external data locations resolve
+        tmp = self.src.parent / f"{self.stem}.{tag}.in.onnx"
+        opt = self.out.parent / f"{self.stem}.{tag}.onnx"
+        tmp.write_bytes(part.SerializeToString())
+        try:
+            self.optimize(str(tmp), str(opt), self._bin(tag).name)
+        finally:
+            tmp.unlink()
+        result = onnx.load(str(opt), load_external_data=False)
+        opt.unlink()
+        return result
+
+    def standin(self, bounds: list[int], k: int) -> frozenset[str]:
+        """Inputs of segment k that the segment before hands over through a ReorderOutput."""
+        if k == 0:
+            return frozenset()
+        prev = self.segment(bounds, k - 1)
+        made = {o: n for n in prev.graph.node for o in n.output}
+        return frozenset(v.name for v in prev.graph.output if v.name in made and
+                         made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput")
+
+    def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
+        key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
+        if key not in self.optimized:
+            self.optimized[key] = self._run(*key, tag=self._tag(key))
+        return self.optimized[key]
+
+    @staticmethod
+    def _tag(key: tuple[int, int, frozenset[str]]) -> str:
+        return f"seg{key[0]}-{key[1]}" + ("s" if key[2] else "")
+
+    def cut_is_exact(self, bounds: list[int], k: int) -> bool:
+        """Segments k and k + 1 stitched equal the two optimized in one session."""
+        left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
+        a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
+        together = self._run(a, c, standin, f"win{a}-{c}")
+        try:
+            window = extract(self.model, a, c, self.types, standin)
+            pair = stitch([left, right], together.graph.input, window.graph.output,
+                          standins=[frozenset(), self.standin(bounds, k + 1)])
+            return fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
+        finally:
+            self._bin(f"win{a}-{c}").unlink(missing_ok=True)
+
+    def _clean(self, keep: set[tuple[int, int, frozenset[str]]]) -> None:
+        for key in [k for k in self.optimized if k not in keep]:
+            del self.optimized[key]
+            self._bin(self._tag(key)).unlink(missing_ok=True)
+
+    def run(self) -> Report:
+        try:
+            return self._segmented()
+        except Exception as e:  # noqa: BLE001 - any failure of the cutting itself: the whole graph, as before
+            self._clean(set())
+            self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
+            return Report(reason=f"cutting failed: {type(e).__name__}", largest_bytes=sum(self.plan.weights))
+
+    def _segmented(self) -> Report:
+        bounds = list(self.plan.bounds)
+        report = Report(reason=self.plan.reason)
+        if len(bounds) > 2:
+            k = 0
+            while k < len(bounds) - 2:
+                report.checked += 1
+                if self.cut_is_exact(bounds, k):
+                    k += 1
+                    continue
+                report.merged += 1
+                report.details.append(f"node {bounds[k + 1]} ({self.model.graph.node[bounds[k + 1]].op_type})")
+                del bounds[k + 1]
+                k = max(k - 1, 0)  # the merged segment changes the pair to its left too
+                if report.merged > max(8, len(self.plan.bounds) // 2):  # re-checking merged pairs would cost
+                    bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
+        if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
+            self._clean(set())
+            self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
+            if report.merged:
+                report.reason = "the cuts changed ORT's graph"
+            elif len(self.plan.bounds) == 2 and not report.reason:
+                report.reason = "no place to cut (one tensor crossing, before a weight-bearing node)"
+            report.largest_bytes = sum(self.plan.weights)
+            return report
+        keys = [(bounds[k], bounds[k + 1], self.standin(bounds, k)) for k in range(len(bounds) - 1)]
+        parts = [self.segment(bounds, k) for k in range(len(bounds) - 1)]
+        self._clean(set(keys))
+        whole = stitch(parts, self.model.graph.input, self.model.graph.output, self.model.graph.name,
+                       [key[2] for key in keys])
+        self.out.write_bytes(whole.SerializeToString())
+        report.segments = len(parts)
+        report.largest_bytes = max(sum(self.plan.weights[a:b]) for a, b, _ in keys)
+        return report
