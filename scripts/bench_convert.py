@@ -97,8 +97,9 @@ def run(cmd: list[str], pythonpath: str | None = None) -> dict:
     os.sync()  # the previous run's dirty pages must not be written back (and charged) during this one
     t0 = time.perf_counter()
     # cwd "/": `python -m weightshare` puts the cwd first on sys.path, which would shadow PYTHONPATH.
-    res = subprocess.run([sys.executable, "-c", _WRAPPER, *cmd], capture_output=True, text=True, env=env, check=False,
-                         cwd="/")
+    res = subprocess.run(
+        [sys.executable, "-c", _WRAPPER, *cmd], capture_output=True, text=True, env=env, check=False, cwd="/"
+    )
     wall = time.perf_counter() - t0
     try:
         fig = json.loads(res.stdout.strip().splitlines()[-1])
@@ -142,22 +143,27 @@ def case_unpack(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
     out = work / "out"
     run(["cat", str(model)])  # warm the page cache for everyone
     rows = run_weightshare(model, out)
-    rows["bare preadv/copyto/pwrite+fsync"] = run([sys.executable, "-c", BARE_UNPACK, str(model),
-                                                   str(fresh(out) / "bare.bin")])
+    rows["bare preadv/copyto/pwrite+fsync"] = run(
+        [sys.executable, "-c", BARE_UNPACK, str(model), str(fresh(out) / "bare.bin")]
+    )
     count = 2 * fp16 // (4 * MIB) + 1
-    rows["dd 4M x output size, conv=fsync"] = run(["dd", "if=/dev/zero", f"of={fresh(out) / 'dd.bin'}", "bs=4M",
-                                                   f"count={count}", "conv=fsync", "status=none"])
+    rows["dd 4M x output size, conv=fsync"] = run(
+        ["dd", "if=/dev/zero", f"of={fresh(out) / 'dd.bin'}", "bs=4M", f"count={count}", "conv=fsync", "status=none"]
+    )
     shutil.rmtree(d), shutil.rmtree(out)
     ws, bare, dd = rows["weightshare"], rows["bare preadv/copyto/pwrite+fsync"], rows["dd 4M x output size, conv=fsync"]
-    checks = {"CPU s / bare loop CPU s (target <= 1.25)": ws["cpu"] / bare["cpu"],
-              "wall / dd wall (target <= 1.3)": ws["wall"] / dd["wall"]}
+    checks = {
+        "CPU s / bare loop CPU s (target <= 1.25)": ws["cpu"] / bare["cpu"],
+        "wall / dd wall (target <= 1.3)": ws["wall"] / dd["wall"],
+    }
     return [(label, rows, checks)]
 
 
 def case_external(work: Path, scale: float, sizes_gib: list[float]) -> list[tuple[str, dict, dict]]:
     results = []
-    have_onnx_ir = subprocess.run([sys.executable, "-c", "import onnx_ir"], capture_output=True,
-                                  check=False).returncode == 0
+    have_onnx_ir = (
+        subprocess.run([sys.executable, "-c", "import onnx_ir"], capture_output=True, check=False).returncode == 0
+    )
     for gib in sizes_gib:
         layers = max(1, round(gib * scale * 16))  # 4096x4096 fp32: 64 MiB a layer
         d = fresh(work / "external")
@@ -168,15 +174,18 @@ def case_external(work: Path, scale: float, sizes_gib: list[float]) -> list[tupl
         run(["cat", str(data)])
         rows = run_weightshare(model, out)
         if have_onnx_ir:
-            rows["onnx_ir load+save (no hash, no fsync)"] = run([sys.executable, "-c", ONNX_IR_RESAVE, str(model),
-                                                                 str(fresh(out) / "model.onnx")])
-        rows["copy_file_range + fsync (floor)"] = run([sys.executable, "-c", BARE_COPY, str(data),
-                                                       str(fresh(out) / "copy.bin")])
+            rows["onnx_ir load+save (no hash, no fsync)"] = run(
+                [sys.executable, "-c", ONNX_IR_RESAVE, str(model), str(fresh(out) / "model.onnx")]
+            )
+        rows["copy_file_range + fsync (floor)"] = run(
+            [sys.executable, "-c", BARE_COPY, str(data), str(fresh(out) / "copy.bin")]
+        )
         shutil.rmtree(d), shutil.rmtree(out)
         checks = {"peak RSS MiB (target <= 150)": rows["weightshare"]["peak"]}
         if have_onnx_ir:
             checks["CPU s / onnx_ir CPU s (target <= 1.0)"] = (
-                rows["weightshare"]["cpu"] / rows["onnx_ir load+save (no hash, no fsync)"]["cpu"])
+                rows["weightshare"]["cpu"] / rows["onnx_ir load+save (no hash, no fsync)"]["cpu"]
+            )
         results.append((label, rows, checks))
     return results
 
@@ -190,8 +199,13 @@ def many_tensors_model(path: Path, count: int, elems: int = 300) -> Path:
     base = rng.standard_normal(elems).astype(np.float32)
     inits = [numpy_helper.from_array(base + np.float32(i), f"t{i}") for i in range(count)]
     node = helper.make_node("Sum", ["x", *(f"t{i}" for i in range(count))], ["y"])
-    graph = helper.make_graph([node], "many", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elems])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elems])], inits)
+    graph = helper.make_graph(
+        [node],
+        "many",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elems])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elems])],
+        inits,
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
 
@@ -204,11 +218,14 @@ def case_many(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
     out = work / "out"
     run(["cat", str(model)])
     rows = run_weightshare(model, out)
-    rows["onnx load+save external"] = run([sys.executable, "-c", ONNX_EXTERNALISE, str(model),
-                                           str(fresh(out) / "many.onnx")])
+    rows["onnx load+save external"] = run(
+        [sys.executable, "-c", ONNX_EXTERNALISE, str(model), str(fresh(out) / "many.onnx")]
+    )
     shutil.rmtree(d), shutil.rmtree(out)
-    checks = {"peak RSS MiB (target <= 200)": rows["weightshare"]["peak"],
-              "wall / onnx wall (target <= 1.5)": rows["weightshare"]["wall"] / rows["onnx load+save external"]["wall"]}
+    checks = {
+        "peak RSS MiB (target <= 200)": rows["weightshare"]["peak"],
+        "wall / onnx wall (target <= 1.5)": rows["weightshare"]["wall"] / rows["onnx load+save external"]["wall"],
+    }
     return [(label, rows, checks)]
 
 
@@ -228,8 +245,13 @@ def fold_model(path: Path, count: int, elems: int = 4096) -> Path:
     inits = [numpy_helper.from_array(base + np.float16(i % 7), f"w{i}") for i in range(count)]
     nodes = [helper.make_node("Cast", [f"w{i}"], [f"c{i}"], to=TensorProto.FLOAT) for i in range(count)]
     nodes.append(helper.make_node("Sum", ["x", *(f"c{i}" for i in range(count))], ["y"]))
-    graph = helper.make_graph(nodes, "fold", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elems])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elems])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "fold",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elems])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elems])],
+        inits,
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
     return path
 
@@ -248,11 +270,14 @@ def _versus_onnx(work: Path, d: Path, model: Path, label: str) -> tuple[str, dic
     out = work / "out"
     run(["cat", str(model)])
     rows = run_weightshare(model, out)
-    rows["onnx load+save external"] = run([sys.executable, "-c", ONNX_EXTERNALISE, str(model),
-                                           str(fresh(out) / model.name)])
+    rows["onnx load+save external"] = run(
+        [sys.executable, "-c", ONNX_EXTERNALISE, str(model), str(fresh(out) / model.name)]
+    )
     shutil.rmtree(d), shutil.rmtree(out)
-    checks = {"peak RSS MiB (target <= 200)": rows["weightshare"]["peak"],
-              "wall / onnx wall (target <= 1.5)": rows["weightshare"]["wall"] / rows["onnx load+save external"]["wall"]}
+    checks = {
+        "peak RSS MiB (target <= 200)": rows["weightshare"]["peak"],
+        "wall / onnx wall (target <= 1.5)": rows["weightshare"]["wall"] / rows["onnx load+save external"]["wall"],
+    }
     return label, rows, checks
 
 

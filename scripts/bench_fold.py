@@ -37,8 +37,13 @@ def build(path: Path, count: int, elements: int = 4096) -> None:
         out = "y" if i == count - 1 else f"a{i}"
         nodes.append(helper.make_node("Add", [acc, f"c{i}"], [out]))
         acc = out
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elements])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elements])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elements])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elements])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, path)
@@ -65,15 +70,24 @@ def main() -> int:
     args.workdir.mkdir(parents=True)
     model = args.workdir / "m.onnx"
     build(model, args.count)
-    onnx_wall, onnx_cpu = timed([sys.executable, "-c",
-                                 "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])",
-                                 str(model), str(args.workdir / "copy.onnx")])
-    ws_wall, ws_cpu = timed([sys.executable, "-m", "weightshare", "convert", "-q", str(model),
-                             "-o", str(args.workdir / "out")])
+    onnx_wall, onnx_cpu = timed(
+        [
+            sys.executable,
+            "-c",
+            "import onnx, sys; onnx.save(onnx.load(sys.argv[1]), sys.argv[2])",
+            str(model),
+            str(args.workdir / "copy.onnx"),
+        ]
+    )
+    ws_wall, ws_cpu = timed(
+        [sys.executable, "-m", "weightshare", "convert", "-q", str(model), "-o", str(args.workdir / "out")]
+    )
     print(f"{args.count} fp16+Cast initializers of 8 KiB ({model.stat().st_size / 2**20:.1f} MiB):")
     print(f"  onnx load+save       {onnx_wall:7.2f} s wall {onnx_cpu:7.2f} s CPU")
-    print(f"  weightshare convert  {ws_wall:7.2f} s wall {ws_cpu:7.2f} s CPU  "
-          f"({ws_wall / onnx_wall:.2f}x wall, {ws_cpu / onnx_cpu:.2f}x CPU)")
+    print(
+        f"  weightshare convert  {ws_wall:7.2f} s wall {ws_cpu:7.2f} s CPU  "
+        f"({ws_wall / onnx_wall:.2f}x wall, {ws_cpu / onnx_cpu:.2f}x CPU)"
+    )
     return 0
 
 

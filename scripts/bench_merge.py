@@ -48,8 +48,13 @@ def build(path: Path, length: int, blocks: int, dim: int) -> None:
             x = mb.add(x=x, y=mb.linear(x=mb.relu(x=mb.linear(x=x, weight=up, bias=bias)), weight=down))
         return x
 
-    model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
-                       compute_precision=ct.precision.FLOAT16, skip_model_load=True)
+    model = ct.convert(
+        prog,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS18,
+        compute_precision=ct.precision.FLOAT16,
+        skip_model_load=True,
+    )
     model.save(str(path))
 
 
@@ -66,12 +71,14 @@ def coremltools_merge(out: Path, sources: list[str]) -> None:
 
 def measure(cmd: list[str]) -> dict:
     """Run ``cmd`` in a fresh child of a fresh runner; return its peak RSS and wall time."""
-    runner = ("import json, resource, subprocess, sys, time\n"
-              "t = time.perf_counter()\n"
-              "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)\n"
-              "wall = time.perf_counter() - t\n"
-              "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
-              "print(json.dumps({'rc': r.returncode, 'err': r.stderr[-2000:], 'wall': wall, 'rss_kib': rss}))\n")
+    runner = (
+        "import json, resource, subprocess, sys, time\n"
+        "t = time.perf_counter()\n"
+        "r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)\n"
+        "wall = time.perf_counter() - t\n"
+        "rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss\n"
+        "print(json.dumps({'rc': r.returncode, 'err': r.stderr[-2000:], 'wall': wall, 'rss_kib': rss}))\n"
+    )
     out = subprocess.run([sys.executable, "-c", runner, *cmd], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
     if result["rc"] != 0:
@@ -102,10 +109,17 @@ def main() -> None:
             src = work / f"model_len{n}.mlpackage"
             if not src.exists():
                 t = time.perf_counter()
-                subprocess.run([sys.executable, str(HERE), "_build", str(src), str(n), str(args.blocks),
-                                str(args.dim)], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                print(f"built {src.name}: {weight_bin_size(src) / 2**20:.1f} MiB of weights "
-                      f"in {time.perf_counter() - t:.1f} s", flush=True)
+                subprocess.run(
+                    [sys.executable, str(HERE), "_build", str(src), str(n), str(args.blocks), str(args.dim)],
+                    check=True,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                print(
+                    f"built {src.name}: {weight_bin_size(src) / 2**20:.1f} MiB of weights "
+                    f"in {time.perf_counter() - t:.1f} s",
+                    flush=True,
+                )
             sources.append(str(src))
 
         rows = []
@@ -165,12 +179,16 @@ def print_table(rows: list[dict], source_bin: int) -> None:
         print("| " + " | ".join(cells) + " |")
     ws_rss = [r["ws"]["rss_mib"] for r in rows]
     print()
-    print(f"weightshare peak RSS from 1 to {len(rows)} functions: {ws_rss[0]:.0f} -> {ws_rss[-1]:.0f} MiB "
-          f"({(ws_rss[-1] / ws_rss[0] - 1) * 100:+.1f}%), max {max(ws_rss):.0f} MiB")
+    print(
+        f"weightshare peak RSS from 1 to {len(rows)} functions: {ws_rss[0]:.0f} -> {ws_rss[-1]:.0f} MiB "
+        f"({(ws_rss[-1] / ws_rss[0] - 1) * 100:+.1f}%), max {max(ws_rss):.0f} MiB"
+    )
     if has_ct:
         extra = [r["ws"]["bin"] - r["ct"]["bin"] for r in rows]
-        print(f"weight.bin weightshare - coremltools: {', '.join(f'{e:+,}' for e in extra)} bytes "
-              "(64 KiB alignment of payloads >= 1 MiB; --align 64 column: coremltools' own 64-byte layout)")
+        print(
+            f"weight.bin weightshare - coremltools: {', '.join(f'{e:+,}' for e in extra)} bytes "
+            "(64 KiB alignment of payloads >= 1 MiB; --align 64 column: coremltools' own 64-byte layout)"
+        )
 
 
 if __name__ == "__main__":

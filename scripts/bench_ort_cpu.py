@@ -55,13 +55,23 @@ def _mlp_fp32(d: int, layers: int, rng):
 
     nodes, inits, x = [], [], "x"
     for i in range(layers):
-        inits += [nh.from_array((rng.standard_normal((d, d)) / d ** 0.5).astype(np.float32), f"w{i}"),
-                  nh.from_array((rng.standard_normal(d) / 8).astype(np.float32), f"b{i}")]
-        nodes += [h.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), h.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
-                  h.make_node("Relu", [f"a{i}"], [f"r{i}"])]
+        inits += [
+            nh.from_array((rng.standard_normal((d, d)) / d**0.5).astype(np.float32), f"w{i}"),
+            nh.from_array((rng.standard_normal(d) / 8).astype(np.float32), f"b{i}"),
+        ]
+        nodes += [
+            h.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]),
+            h.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
+            h.make_node("Relu", [f"a{i}"], [f"r{i}"]),
+        ]
         x = f"r{i}"
-    g = h.make_graph(nodes, "mlp", [h.make_tensor_value_info("x", T.FLOAT, ["N", "D"])],
-                     [h.make_tensor_value_info(x, T.FLOAT, ["N", "D"])], inits)
+    g = h.make_graph(
+        nodes,
+        "mlp",
+        [h.make_tensor_value_info("x", T.FLOAT, ["N", "D"])],
+        [h.make_tensor_value_info(x, T.FLOAT, ["N", "D"])],
+        inits,
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
     m.ir_version = 8
     assert isinstance(m, onnx.ModelProto)
@@ -83,7 +93,7 @@ def make_mlp(path: Path, mib: int) -> Path:
     with open(data, "wb") as f:
         for t in model.graph.initializer:
             shape = (d, d) if t.name.startswith("w") else (d,)
-            arr = (rng.standard_normal(shape, dtype=np.float32) / (d ** 0.5 if len(shape) == 2 else 8))
+            arr = rng.standard_normal(shape, dtype=np.float32) / (d**0.5 if len(shape) == 2 else 8)
             raw = arr.astype(np.float16).tobytes()
             offset = f.tell()
             f.write(raw)
@@ -111,15 +121,28 @@ def make_cnn(path: Path) -> Path:
     nodes, inits, x = [], [], "x"
     for i in range(layers):
         inits += [nh.from_array(f32(c, c, 3, 3), f"cw{i}"), nh.from_array(f32(c), f"cb{i}")]
-        nodes += [h.make_node("Conv", [x, f"cw{i}", f"cb{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
-                  h.make_node("Relu", [f"c{i}"], [f"r{i}"])]
+        nodes += [
+            h.make_node("Conv", [x, f"cw{i}", f"cb{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+            h.make_node("Relu", [f"c{i}"], [f"r{i}"]),
+        ]
         x = f"r{i}"
-    inits += [nh.from_array(np.array([0, -1], np.int64), "shape"), nh.from_array(f32(c * hw * hw, 10), "fw"),
-              nh.from_array(f32(10), "fb")]
-    nodes += [h.make_node("Reshape", [x, "shape"], ["f"]), h.make_node("MatMul", ["f", "fw"], ["mm"]),
-              h.make_node("Add", ["mm", "fb"], ["y"])]
-    g = h.make_graph(nodes, "cnn", [h.make_tensor_value_info("x", T.FLOAT, ["N", c, hw, hw])],
-                     [h.make_tensor_value_info("y", T.FLOAT, ["N", 10])], inits)
+    inits += [
+        nh.from_array(np.array([0, -1], np.int64), "shape"),
+        nh.from_array(f32(c * hw * hw, 10), "fw"),
+        nh.from_array(f32(10), "fb"),
+    ]
+    nodes += [
+        h.make_node("Reshape", [x, "shape"], ["f"]),
+        h.make_node("MatMul", ["f", "fw"], ["mm"]),
+        h.make_node("Add", ["mm", "fb"], ["y"]),
+    ]
+    g = h.make_graph(
+        nodes,
+        "cnn",
+        [h.make_tensor_value_info("x", T.FLOAT, ["N", c, hw, hw])],
+        [h.make_tensor_value_info("y", T.FLOAT, ["N", 10])],
+        inits,
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
     m.ir_version = 8
     onnx.save(_fp16(m), path)
@@ -128,13 +151,16 @@ def make_cnn(path: Path) -> Path:
 
 # ---- child side: sessions of one model in a fresh process ----
 
+
 def _session(path: str, level: str, share: bool):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    so.graph_optimization_level = {"all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-                                   "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED}[level]
+    so.graph_optimization_level = {
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+    }[level]
     if share:
         so.add_session_config_entry("session.disable_prepacking", "1")
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
@@ -170,8 +196,13 @@ def child(path: str, level: str, share: bool, width: int) -> dict:
 
 
 def measure(path: Path, level: str, share: bool, width: int, env: dict | None = None) -> dict:
-    res = subprocess.run([sys.executable, __file__, "--child", str(path), level, str(int(share)), str(width)],
-                         capture_output=True, text=True, check=False, env={**os.environ, **(env or {})})
+    res = subprocess.run(
+        [sys.executable, __file__, "--child", str(path), level, str(int(share)), str(width)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, **(env or {})},
+    )
     if res.returncode != 0:
         raise SystemExit(f"child failed on {path}: {res.stderr.strip()[-500:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -180,23 +211,47 @@ def measure(path: Path, level: str, share: bool, width: int, env: dict | None = 
 def convert(src: Path, out: Path, *extra: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()
-    res, peak = run_child_peak([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out),
-                                "--unpack", "ort-cpu", *extra, "--json", "-q"])
+    res, peak = run_child_peak(
+        [
+            sys.executable,
+            "-m",
+            "weightshare",
+            "convert",
+            str(src),
+            "-o",
+            str(out),
+            "--unpack",
+            "ort-cpu",
+            *extra,
+            "--json",
+            "-q",
+        ]
+    )
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"convert failed: {res.stderr}")
     report = json.loads(res.stdout)
-    probe = next((float(m.group(1)) for n in report["notes"] if (m := re.search(r"probe child peak RSS (\d+)", n))),
-                 float("nan"))
-    return {"wall_s": round(wall, 2), "peak_rss_mib": round(peak, 1), "converter_self_peak_mib": report["peak_rss_mib"],
-            "probe_child_peak_mib": probe, "unpacked": report["unpacked"], "out": str(out / src.name)}
+    probe = next(
+        (float(m.group(1)) for n in report["notes"] if (m := re.search(r"probe child peak RSS (\d+)", n))), float("nan")
+    )
+    return {
+        "wall_s": round(wall, 2),
+        "peak_rss_mib": round(peak, 1),
+        "converter_self_peak_mib": report["peak_rss_mib"],
+        "probe_child_peak_mib": probe,
+        "unpacked": report["unpacked"],
+        "out": str(out / src.name),
+    }
 
 
 def bench_model(label: str, src: Path, work: Path, width: int, levels: list[str]) -> dict:
     conv = convert(src, work / f"{label}-out")
     pre = convert(src, work / f"{label}-prepacked", "--prepack") if levels else None
-    print(f"\n== {label}: {src.stat().st_size + sum(p.stat().st_size for p in src.parent.glob(src.stem + '.data'))} "
-          f"bytes; convert --unpack ort-cpu: {conv}", flush=True)
+    print(
+        f"\n== {label}: {src.stat().st_size + sum(p.stat().st_size for p in src.parent.glob(src.stem + '.data'))} "
+        f"bytes; convert --unpack ort-cpu: {conv}",
+        flush=True,
+    )
     result = {"convert": conv, "runs": []}
     for level in levels:
         for share in (True, False):
@@ -209,21 +264,27 @@ def bench_model(label: str, src: Path, work: Path, width: int, levels: list[str]
                 # with the glibc setting the docs require for --prepack models opened by plain ORT: without it,
                 # ORT's freed validation buffers stay in each session's heap
                 row["prepacked"] = measure(Path(pre["out"]), level, share, width, {"MALLOC_MMAP_THRESHOLD_": "1048576"})
-            print(f"{level:8s} prepack={'off' if share else 'on ':3s} PSS 1/4/8 original "
-                  f"{'/'.join(str(o['pss'][str(n)]) for n in SESSIONS)} MiB (4/1 = "
-                  f"{o['pss']['4'] / o['pss']['1']:.2f}x), converted "
-                  f"{'/'.join(str(c['pss'][str(n)]) for n in SESSIONS)} MiB "
-                  f"(4/1 = {c['pss']['4'] / c['pss']['1']:.2f}x);"
-                  f" latency b1 {o['latency_ms']['1']} -> {c['latency_ms']['1']} ms, b16 {o['latency_ms']['16']} -> "
-                  f"{c['latency_ms']['16']} ms; outputs bit-identical: {same}", flush=True)
+            print(
+                f"{level:8s} prepack={'off' if share else 'on ':3s} PSS 1/4/8 original "
+                f"{'/'.join(str(o['pss'][str(n)]) for n in SESSIONS)} MiB (4/1 = "
+                f"{o['pss']['4'] / o['pss']['1']:.2f}x), converted "
+                f"{'/'.join(str(c['pss'][str(n)]) for n in SESSIONS)} MiB "
+                f"(4/1 = {c['pss']['4'] / c['pss']['1']:.2f}x);"
+                f" latency b1 {o['latency_ms']['1']} -> {c['latency_ms']['1']} ms, b16 {o['latency_ms']['16']} -> "
+                f"{c['latency_ms']['16']} ms; outputs bit-identical: {same}",
+                flush=True,
+            )
             if "prepacked" in row:
                 p = row["prepacked"]
-                print(f"{'':8s} converted --unpack ort-cpu --prepack (ORT defaults, MALLOC_MMAP_THRESHOLD_=1048576): "
-                      "PSS 1/4/8 "
-                      f"{'/'.join(str(p['pss'][str(n)]) for n in SESSIONS)} MiB (4/1 = "
-                      f"{p['pss']['4'] / p['pss']['1']:.2f}x); latency b1 {p['latency_ms']['1']} ms, b16 "
-                      f"{p['latency_ms']['16']} ms; outputs bit-identical: {p['out_sha'] == o['out_sha']}; "
-                      f"convert peak {pre['peak_rss_mib']} MiB", flush=True)
+                print(
+                    f"{'':8s} converted --unpack ort-cpu --prepack (ORT defaults, MALLOC_MMAP_THRESHOLD_=1048576): "
+                    "PSS 1/4/8 "
+                    f"{'/'.join(str(p['pss'][str(n)]) for n in SESSIONS)} MiB (4/1 = "
+                    f"{p['pss']['4'] / p['pss']['1']:.2f}x); latency b1 {p['latency_ms']['1']} ms, b16 "
+                    f"{p['latency_ms']['16']} ms; outputs bit-identical: {p['out_sha'] == o['out_sha']}; "
+                    f"convert peak {pre['peak_rss_mib']} MiB",
+                    flush=True,
+                )
             result["runs"].append(row)
     return result
 
@@ -234,8 +295,9 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/ws-ortcpu"))
-    ap.add_argument("--sizes", default="64,256,1024",
-                    help="MLP sizes in MiB of fp16 weights (sessions are measured up to 64)")
+    ap.add_argument(
+        "--sizes", default="64,256,1024", help="MLP sizes in MiB of fp16 weights (sessions are measured up to 64)"
+    )
     ap.add_argument("--no-cnn", action="store_true")
     ap.add_argument("--json", type=Path, help="also write all figures to this file")
     args = ap.parse_args()

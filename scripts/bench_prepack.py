@@ -133,8 +133,10 @@ def latency(paths: dict[str, str], src: str) -> tuple[dict, dict]:
 
 
 def _convert(src: Path, out: Path, *flags: str, env: dict | None = None) -> dict:
-    res, peak = run_child_peak([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "-q",
-                                "--json", *flags], env={**os.environ, **(env or {})})
+    res, peak = run_child_peak(
+        [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "-q", "--json", *flags],
+        env={**os.environ, **(env or {})},
+    )
     if res.returncode != 0:
         raise SystemExit(res.stderr)
     report = json.loads(res.stdout)
@@ -147,16 +149,23 @@ def bench_model(name: str, work: Path) -> dict:
     weights = (work / f"{name}.data").stat().st_size / 2**20
     plain = _convert(src, work / "plain")
     pre = _convert(src, work / "prepack", "--prepack")
-    paths = {"original default": str(src), "converted default": plain["outputs"][0],
-             "converted disable_prepacking": plain["outputs"][0], "--prepack default": pre["outputs"][0]}
+    paths = {
+        "original default": str(src),
+        "converted default": plain["outputs"][0],
+        "converted disable_prepacking": plain["outputs"][0],
+        "--prepack default": pre["outputs"][0],
+    }
     result = {"model": name, "weights_mib": round(weights, 1), "pss": {}, "four_processes": {}}
     for v, p in paths.items():
         child = _child("sessions", p, v, str(src))
         result["pss"][v] = json.loads(child.communicate()[0].splitlines()[-1])
         result["four_processes"][v] = four_processes(p, v, str(src))
     result["latency_ms"], result["bit_identical"] = latency(paths, str(src))
-    result["prepack_convert"] = {"wall_s": pre["wall_time_s"], "peak_mib": round(pre["process_peak_mib"]),
-                                 "notes": pre["notes"]}
+    result["prepack_convert"] = {
+        "wall_s": pre["wall_time_s"],
+        "peak_mib": round(pre["process_peak_mib"]),
+        "notes": pre["notes"],
+    }
     return result
 
 
@@ -169,14 +178,19 @@ def convert_memory(gib: float, work: Path, kind: str = "mm", whole: bool = False
     """
     name = f"{kind}{gib}g"
     if kind == "mm":
-        src = mixed_onnx(work / f"{name}.onnx", conv_layers=0, channels=4096, mm_layers=round(16 * gib) - 1,
-                         dim=4096)
+        src = mixed_onnx(work / f"{name}.onnx", conv_layers=0, channels=4096, mm_layers=round(16 * gib) - 1, dim=4096)
     elif kind == "conv":
-        src = mixed_onnx(work / f"{name}.onnx", conv_layers=round(gib * 2**30 / (512 * 512 * 9 * 4)), channels=512,
-                         mm_layers=0, spatial=4)
+        src = mixed_onnx(
+            work / f"{name}.onnx",
+            conv_layers=round(gib * 2**30 / (512 * 512 * 9 * 4)),
+            channels=512,
+            mm_layers=0,
+            spatial=4,
+        )
     else:  # ResNet-like: 36 MiB 3x3 Convs, residual blocks of 72 MiB that no cut can split
-        src = cnn_onnx(work / f"{name}.onnx", channels=1024, blocks=round(gib * 2**30 / (1024 * 1024 * 9 * 4 * 1.6)),
-                       spatial=8)
+        src = cnn_onnx(
+            work / f"{name}.onnx", channels=1024, blocks=round(gib * 2**30 / (1024 * 1024 * 9 * 4 * 1.6)), spatial=8
+        )
     size = (work / f"{name}.data").stat().st_size / 2**30
     env = {BUDGET_ENV: str(1 << 50)} if whole else {}
     report = _convert(src, work / f"{name}-out", "--prepack", env=env)
@@ -185,9 +199,16 @@ def convert_memory(gib: float, work: Path, kind: str = "mm", whole: bool = False
     shutil.rmtree(work / f"{name}-out")
     for f in (src, work / f"{name}.data"):
         f.unlink()
-    return {"kind": kind, "whole_graph": whole, "weights_gib": round(size, 2),
-            "converter_peak_mib": round(report["peak_rss_mib"]), "process_peak_mib": round(report["process_peak_mib"]),
-            "ort_child_peak": child, "wall_s": report["wall_time_s"], "segments": segments}
+    return {
+        "kind": kind,
+        "whole_graph": whole,
+        "weights_gib": round(size, 2),
+        "converter_peak_mib": round(report["peak_rss_mib"]),
+        "process_peak_mib": round(report["process_peak_mib"]),
+        "ort_child_peak": child,
+        "wall_s": report["wall_time_s"],
+        "segments": segments,
+    }
 
 
 def show(r: dict) -> None:
@@ -198,18 +219,25 @@ def show(r: dict) -> None:
         print(f"{f'PSS {n} session(s), MiB':34}" + "".join(f"{r['pss'][v][i]:>{w}}" for v in VARIANTS))
     print(f"{'PSS 8 / 1':34}" + "".join(f"{r['pss'][v][3] / r['pss'][v][0]:>{w}.2f}" for v in VARIANTS))
     print(f"{'PSS 4 processes, MiB':34}" + "".join(f"{r['four_processes'][v]:>{w}}" for v in VARIANTS))
-    print(f"{'PSS 4 processes / 1':34}" +
-          "".join(f"{r['four_processes'][v] / r['pss'][v][0]:>{w}.2f}" for v in VARIANTS))
+    print(
+        f"{'PSS 4 processes / 1':34}" + "".join(f"{r['four_processes'][v] / r['pss'][v][0]:>{w}.2f}" for v in VARIANTS)
+    )
     for stat in ("median", "best"):
         lat = r["latency_ms"][stat]
         for b in BATCHES:
             base = lat["original default"][b]
-            print(f"{f'{stat} latency b={b}, ms (x orig)':34}" + "".join(
-                f"{lat[v][b]:>{w - 8}} ({lat[v][b] / base:.2f}x)" for v in VARIANTS))
-    print(f"{'bit-identical to original, b=1..64':34}" +
-          "".join(f"{str(all(r['bit_identical'][v].values())):>{w}}" for v in VARIANTS))
-    print(f"convert --prepack: {r['prepack_convert']['wall_s']} s, peak RSS {r['prepack_convert']['peak_mib']} MiB; "
-          f"{r['prepack_convert']['notes'][-1]}")
+            print(
+                f"{f'{stat} latency b={b}, ms (x orig)':34}"
+                + "".join(f"{lat[v][b]:>{w - 8}} ({lat[v][b] / base:.2f}x)" for v in VARIANTS)
+            )
+    print(
+        f"{'bit-identical to original, b=1..64':34}"
+        + "".join(f"{str(all(r['bit_identical'][v].values())):>{w}}" for v in VARIANTS)
+    )
+    print(
+        f"convert --prepack: {r['prepack_convert']['wall_s']} s, peak RSS {r['prepack_convert']['peak_mib']} MiB; "
+        f"{r['prepack_convert']['notes'][-1]}"
+    )
 
 
 def main() -> None:
@@ -218,8 +246,11 @@ def main() -> None:
     ap.add_argument("--convert-gib", default="", help="e.g. 1,4: conversion peak RSS on MatMul models of that size")
     ap.add_argument("--convert-conv-gib", default="", help="e.g. 0.25,1,2,4: the same on Conv models")
     ap.add_argument("--convert-resnet-gib", default="", help="e.g. 0.5,1: the same on ResNet-like models")
-    ap.add_argument("--whole-graph", action="store_true",
-                    help="with --convert-conv/resnet-gib: also without segments (ORT optimizing the whole graph at once)")
+    ap.add_argument(
+        "--whole-graph",
+        action="store_true",
+        help="with --convert-conv/resnet-gib: also without segments (ORT optimizing the whole graph at once)",
+    )
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
@@ -242,16 +273,22 @@ def main() -> None:
             results.append(bench_model(name, work))
             shutil.rmtree(work)
             show(results[-1])
-        for kind, sizes in (("mm", args.convert_gib), ("conv", args.convert_conv_gib),
-                            ("resnet", args.convert_resnet_gib)):
+        for kind, sizes in (
+            ("mm", args.convert_gib),
+            ("conv", args.convert_conv_gib),
+            ("resnet", args.convert_resnet_gib),
+        ):
             for gib in filter(None, sizes.split(",")):
-                for whole in ((False, True) if kind != "mm" and args.whole_graph else (False,)):
+                for whole in (False, True) if kind != "mm" and args.whole_graph else (False,):
                     row = convert_memory(float(gib), Path(tmp), kind, whole)
                     results.append({"convert_gib": row})
                     how = "whole graph in one ORT session" if whole else "ORT in segments"
-                    print(f"\nconvert --prepack, {row['weights_gib']} GiB {kind} model ({how}): converter peak RSS "
-                          f"{row['converter_peak_mib']} MiB, ORT child peak RSS {row['ort_child_peak']}, "
-                          f"{row['wall_s']} s; {row['segments']}", flush=True)
+                    print(
+                        f"\nconvert --prepack, {row['weights_gib']} GiB {kind} model ({how}): converter peak RSS "
+                        f"{row['converter_peak_mib']} MiB, ORT child peak RSS {row['ort_child_peak']}, "
+                        f"{row['wall_s']} s; {row['segments']}",
+                        flush=True,
+                    )
     if args.json:
         print(json.dumps(results))
 

@@ -32,15 +32,27 @@ def main() -> None:
             if mode == "plain":
                 v1, v2 = rr.mlp(d / "v1" / "a.onnx", 1), rr.mlp(d / "v2" / "a.onnx", 2)
                 # The lambdas run inside race(), in this iteration: B023's late binding cannot bite.
-                result = rr.race(d, lambda out: weightshare.convert(v1, out),  # noqa: B023
-                                 lambda out: weightshare.convert(v2, out), v1, v2)  # noqa: B023
+                result = rr.race(
+                    d,
+                    lambda out: weightshare.convert(v1, out),  # noqa: B023
+                    lambda out: weightshare.convert(v2, out),  # noqa: B023
+                    v1,
+                    v2,
+                )  # noqa: B023
             else:
                 z1 = [rr.mlp(d / "v1" / "a.onnx", 1), rr.mlp(d / "v1" / "b.onnx", 3)]
                 z2 = [rr.mlp(d / "v2" / "a.onnx", 2), rr.mlp(d / "v2" / "b.onnx", 3)]
-                result = rr.race(d, lambda out: convert_zoo(z1, out, "zoo.safetensors"),  # noqa: B023
-                                 lambda out: convert_zoo(z2, out, "zoo.safetensors"), z1[0], z2[0])  # noqa: B023
-            print(f"{mode}: {args.swaps} swaps, {time.perf_counter() - t:.1f} s, sessions {result['counts']}, "
-                  f"first errors {result['errors']}")
+                result = rr.race(
+                    d,
+                    lambda out: convert_zoo(z1, out, "zoo.safetensors"),  # noqa: B023
+                    lambda out: convert_zoo(z2, out, "zoo.safetensors"),  # noqa: B023
+                    z1[0],
+                    z2[0],
+                )  # noqa: B023
+            print(
+                f"{mode}: {args.swaps} swaps, {time.perf_counter() - t:.1f} s, sessions {result['counts']}, "
+                f"first errors {result['errors']}"
+            )
 
 
 if __name__ == "__main__":

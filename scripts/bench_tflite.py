@@ -42,22 +42,37 @@ def generate(path: Path, fp32_mib: int, seed: int = 0) -> Path:
     from tflite_fixtures import OP, ModelBuilder
 
     rng = np.random.default_rng(seed)
-    layers = max(1, round(fp32_mib / (FC_DIM * FC_DIM * 4 / 2 ** 20)))
+    layers = max(1, round(fp32_mib / (FC_DIM * FC_DIM * 4 / 2**20)))
     mb = ModelBuilder()
     g = mb.subgraph("main")
     x = g.input("x", [1, 8, 8, 64])
     w = g.dequantize("conv_w", (rng.standard_normal((64, 3, 3, 64), np.float32) * 0.05).astype(np.float16))
     c = g.tensor("conv", [1, 8, 8, 64], "float32")
-    g.op(OP.CONV_2D, [x, w, g.const("conv_b", np.zeros(64, np.float32))], [c], s.BuiltinOptions.Conv2DOptions,
-         s.Conv2DOptionsT(padding=s.Padding.SAME, strideW=1, strideH=1))
+    g.op(
+        OP.CONV_2D,
+        [x, w, g.const("conv_b", np.zeros(64, np.float32))],
+        [c],
+        s.BuiltinOptions.Conv2DOptions,
+        s.Conv2DOptionsT(padding=s.Padding.SAME, strideW=1, strideH=1),
+    )
     h = g.tensor("flat", [1, FC_DIM], "float32")
-    g.op(OP.RESHAPE, [c, g.const("shape", np.array([1, FC_DIM], np.int32))], [h], s.BuiltinOptions.ReshapeOptions,
-         s.ReshapeOptionsT(newShape=[1, FC_DIM]))
+    g.op(
+        OP.RESHAPE,
+        [c, g.const("shape", np.array([1, FC_DIM], np.int32))],
+        [h],
+        s.BuiltinOptions.ReshapeOptions,
+        s.ReshapeOptionsT(newShape=[1, FC_DIM]),
+    )
     for i in range(layers):
         wi = g.dequantize(f"fc{i}_w", (rng.standard_normal((FC_DIM, FC_DIM), np.float32) * 0.02).astype(np.float16))
         hi = g.tensor(f"fc{i}", [1, FC_DIM], "float32")
-        g.op(OP.FULLY_CONNECTED, [h, wi, g.const(f"fc{i}_b", np.zeros(FC_DIM, np.float32))], [hi],
-             s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
+        g.op(
+            OP.FULLY_CONNECTED,
+            [h, wi, g.const(f"fc{i}_b", np.zeros(FC_DIM, np.float32))],
+            [hi],
+            s.BuiltinOptions.FullyConnectedOptions,
+            s.FullyConnectedOptionsT(),
+        )
         h = hi
     g.outputs = [h]
     mb.signature("serving_default", g)
@@ -66,17 +81,24 @@ def generate(path: Path, fp32_mib: int, seed: int = 0) -> Path:
 
 def measured(cmd: list[str]) -> tuple[float, float]:
     """(peak RSS MiB, wall s) of ``cmd``, measured by a fresh Python parent: ru_maxrss of RUSAGE_CHILDREN."""
-    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-             "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
-             "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    probe = (
+        "import resource, subprocess, sys, time; t = time.perf_counter(); "
+        "subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+        "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+    )
     out = subprocess.run([sys.executable, "-c", probe, *cmd], check=True, capture_output=True, text=True).stdout
     wall, kib = out.split()
     return int(kib) / 1024, float(wall)
 
 
 def convert_cmd(src: Path, out: Path) -> list[str]:
-    return [sys.executable, "-c", "import sys; from weightshare.api import convert; convert(sys.argv[1], sys.argv[2])",
-            str(src), str(out)]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from weightshare.api import convert; convert(sys.argv[1], sys.argv[2])",
+        str(src),
+        str(out),
+    ]
 
 
 def smaps(pid: int | str = "self") -> dict[str, float]:
@@ -111,16 +133,24 @@ def _load(path: str, mode: str):
         elif mode == "compiled":
             cm = CompiledModel.from_file(path)
         else:
-            cm = CompiledModel.from_file(path, options=Options(cpu_options=CpuOptions(
-                num_threads=1, xnnpack_weight_cache_path=mode[len("cache:"):])))
+            cm = CompiledModel.from_file(
+                path,
+                options=Options(cpu_options=CpuOptions(num_threads=1, xnnpack_weight_cache_path=mode[len("cache:") :])),
+            )
         ins, outs = cm.create_input_buffers(0), cm.create_output_buffers(0)
         ins[0].write(x)
-        n = int(np.prod(cm.get_output_tensor_details("serving_default")[cm.get_signature_list()[
-            "serving_default"]["outputs"][0]]["shape"]))
+        n = int(
+            np.prod(
+                cm.get_output_tensor_details("serving_default")[
+                    cm.get_signature_list()["serving_default"]["outputs"][0]
+                ]["shape"]
+            )
+        )
 
         def run():
             cm.run_by_index(0, ins, outs)
             return outs[0].read(n, np.float32)
+
         run()
         return (cm, ins, outs), run
     from ai_edge_litert.interpreter import Interpreter, OpResolverType
@@ -131,6 +161,7 @@ def _load(path: str, mode: str):
 
     def run_it():
         return next(iter(runner(x=x).values()))
+
     run_it()
     return (it, runner), run_it
 
@@ -156,8 +187,11 @@ def child_interpreters(path: str, n: int, mode: str) -> None:
             t = time.perf_counter()
             run()
             times.append(time.perf_counter() - t)
-        result.update(load_s=sorted(load_s)[len(load_s) // 2], run_ms=1000 * sorted(times)[len(times) // 2],
-                      out_sha=hashlib.sha256(out.tobytes()).hexdigest())
+        result.update(
+            load_s=sorted(load_s)[len(load_s) // 2],
+            run_ms=1000 * sorted(times)[len(times) // 2],
+            out_sha=hashlib.sha256(out.tobytes()).hexdigest(),
+        )
     print(json.dumps(result), flush=True)
     if os.environ.get("BENCH_HOLD"):
         sys.stdin.readline()
@@ -173,8 +207,12 @@ def processes(path: Path, k: int, mode: str) -> float:
     """Sum of the PSS (MiB) of k processes holding one instance each, read while all of them live."""
     env = dict(os.environ, BENCH_HOLD="1")
     cmd = [sys.executable, __file__, "--child", str(path), "1", mode]
-    procs = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                              text=True, env=env) for _ in range(k)]
+    procs = [
+        subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+        )
+        for _ in range(k)
+    ]
     try:
         for p in procs:
             p.stdout.readline()
@@ -197,8 +235,26 @@ def convert_prepack(src: Path, out: Path) -> dict:
     # Spawned through a fresh, small Python: Linux carries the spawning process's RSS high-water mark across
     # vfork + exec into the child's ru_maxrss, so spawning from this (big) process would inflate the figure.
     relay = "import subprocess, sys; sys.exit(subprocess.run(sys.argv[1:]).returncode)"
-    r = subprocess.run([sys.executable, "-c", relay, sys.executable, "-m", "weightshare", "convert", str(src), "-o",
-                        str(out), "--prepack", "--json", "-q"], check=True, capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            relay,
+            sys.executable,
+            "-m",
+            "weightshare",
+            "convert",
+            str(src),
+            "-o",
+            str(out),
+            "--prepack",
+            "--json",
+            "-q",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t
     report = json.loads(r.stdout)
     note = next(n for n in report["notes"] if "built in a child process" in n)
@@ -211,26 +267,38 @@ def cache_section(src: Path, work: Path, counts: list[int]) -> None:
     out = work / "out_prepack"
     cp = convert_prepack(src, out)
     conv = out / src.name
-    print(f"\n`weightshare convert --prepack`: converter peak RSS {cp['peak_rss']:.1f} MiB, cache builder (child) "
-          f"peak RSS {cp['child_rss']:.1f} MiB, wall {cp['wall']:.2f} s; cache {Path(cp['cache']).name} "
-          f"({Path(cp['cache']).stat().st_size / 2 ** 20:.0f} MiB)")
+    print(
+        f"\n`weightshare convert --prepack`: converter peak RSS {cp['peak_rss']:.1f} MiB, cache builder (child) "
+        f"peak RSS {cp['child_rss']:.1f} MiB, wall {cp['wall']:.2f} s; cache {Path(cp['cache']).name} "
+        f"({Path(cp['cache']).stat().st_size / 2**20:.0f} MiB)"
+    )
     reference = interpreters(src, 1, "compiled")
     idle = interpreters(src, 1, "idle")
-    rows = [("original, CompiledModel, no cache", src, "compiled"),
-            ("original, Interpreter, XNNPACK (default)", src, "xnnpack"),
-            ("converted, Interpreter, XNNPACK (default)", conv, "xnnpack"),
-            ("converted, Interpreter, no delegate", conv, "none"),
-            ("converted --prepack, weightshare.litert.compiled_model", conv, "helper")]
-    print(f"\nPSS above an idle process that imported the runtime ({idle['pss']:.0f} MiB), MiB; latency of one run "
-          "(median of 10) and load + first run of one instance (median)\n")
-    print("| runtime | " + " | ".join(f"{n} inst." for n in counts) + f" | {counts[-1]} / 1 | load + first run s | "
-          "run ms | outputs = original (CompiledModel, no cache) |\n|---|" + "---|" * (len(counts) + 4))
+    rows = [
+        ("original, CompiledModel, no cache", src, "compiled"),
+        ("original, Interpreter, XNNPACK (default)", src, "xnnpack"),
+        ("converted, Interpreter, XNNPACK (default)", conv, "xnnpack"),
+        ("converted, Interpreter, no delegate", conv, "none"),
+        ("converted --prepack, weightshare.litert.compiled_model", conv, "helper"),
+    ]
+    print(
+        f"\nPSS above an idle process that imported the runtime ({idle['pss']:.0f} MiB), MiB; latency of one run "
+        "(median of 10) and load + first run of one instance (median)\n"
+    )
+    print(
+        "| runtime | " + " | ".join(f"{n} inst." for n in counts) + f" | {counts[-1]} / 1 | load + first run s | "
+        "run ms | outputs = original (CompiledModel, no cache) |\n|---|" + "---|" * (len(counts) + 4)
+    )
     for label, model, mode in rows:
         res = [interpreters(model, n, mode) for n in counts]
         same = "yes" if res[0]["out_sha"] == reference["out_sha"] else "NO"
-        print(f"| {label} | " + " | ".join(f"{r['pss_delta']:.0f}" for r in res) +
-              f" | {res[-1]['pss_delta'] / res[0]['pss_delta']:.2f}x | {res[0]['load_s']:.2f} | "
-              f"{res[0]['run_ms']:.1f} | {same} |", flush=True)
+        print(
+            f"| {label} | "
+            + " | ".join(f"{r['pss_delta']:.0f}" for r in res)
+            + f" | {res[-1]['pss_delta'] / res[0]['pss_delta']:.2f}x | {res[0]['load_s']:.2f} | "
+            f"{res[0]['run_ms']:.1f} | {same} |",
+            flush=True,
+        )
     print("\nk processes with one instance each: sum of PSS minus k idle processes (that imported the runtime), MiB\n")
     ks = [1, 2, 4]
     base = {k: processes(src, k, "idle") for k in ks}
@@ -244,8 +312,10 @@ def cache_sections(src: Path, work: Path, args) -> None:
     cache_section(src, work, [int(v) for v in args.sessions.split(",") if int(v) in (1, 4, 8)] or [1])
     sizes = [int(v) for v in args.prepack_sizes.split(",") if v]
     if sizes:
-        print("\n| model (fp32 weights) | converter peak RSS MiB | cache builder peak RSS MiB | wall s |\n"
-              "|---|---|---|---|")
+        print(
+            "\n| model (fp32 weights) | converter peak RSS MiB | cache builder peak RSS MiB | wall s |\n"
+            "|---|---|---|---|"
+        )
     for mib in sizes:
         model = generate(work / f"prepack_{mib}.tflite", mib, seed=2)
         r = convert_prepack(model, work / f"prepack_{mib}_out")
@@ -261,8 +331,11 @@ def main() -> None:
     ap.add_argument("--big-gib", type=float, default=0, help="also measure conversion of a model this big (fp16 file)")
     ap.add_argument("--sessions", default="1,2,4,8")
     ap.add_argument("--only-cache", action="store_true", help="only the --prepack / XNNPACK weight cache sections")
-    ap.add_argument("--prepack-sizes", default="128,1024", help="fp32 MiB of the models whose `convert --prepack` "
-                    "peak RSS is measured (empty: skip)")
+    ap.add_argument(
+        "--prepack-sizes",
+        default="128,1024",
+        help="fp32 MiB of the models whose `convert --prepack` peak RSS is measured (empty: skip)",
+    )
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -276,40 +349,54 @@ def main() -> None:
         return
     out_dir = work / "out"
     shutil.rmtree(out_dir, ignore_errors=True)
-    size = src.stat().st_size / 2 ** 20
+    size = src.stat().st_size / 2**20
     cp_rss, cp_wall = measured(["cp", str(src), str(work / "copy.tflite")])
     cv_rss, cv_wall = measured(convert_cmd(src, out_dir))
     conv = out_dir / src.name
-    print(f"model: {src} ({size:.0f} MiB fp16 file, {args.fp32_mib} MiB fp32-equivalent weights); "
-          f"converted: {conv.stat().st_size / 2 ** 20:.0f} MiB")
+    print(
+        f"model: {src} ({size:.0f} MiB fp16 file, {args.fp32_mib} MiB fp32-equivalent weights); "
+        f"converted: {conv.stat().st_size / 2**20:.0f} MiB"
+    )
     print("\n| conversion | peak RSS MiB | wall s |\n|---|---|---|")
     print(f"| cp | {cp_rss:.1f} | {cp_wall:.2f} |\n| weightshare convert | {cv_rss:.1f} | {cv_wall:.2f} |")
-    print("\n| instances | runtime | original PSS MiB | converted PSS MiB | original RSS MiB | "
-          "converted RSS MiB | original / converted PSS |\n|---|---|---|---|---|---|---|")
+    print(
+        "\n| instances | runtime | original PSS MiB | converted PSS MiB | original RSS MiB | "
+        "converted RSS MiB | original / converted PSS |\n|---|---|---|---|---|---|---|"
+    )
     modes = {"none": "Interpreter, no delegate", "xnnpack": "Interpreter, XNNPACK (default)"}
     for mode, label in modes.items():
         for n in [int(v) for v in args.sessions.split(",")]:
             a, b = interpreters(src, n, mode), interpreters(conv, n, mode)
-            print(f"| {n} | {label} | {a['pss']:.0f} | {b['pss']:.0f} | {a['rss']:.0f} | {b['rss']:.0f} | "
-                  f"{a['pss'] / b['pss']:.2f}x |", flush=True)
+            print(
+                f"| {n} | {label} | {a['pss']:.0f} | {b['pss']:.0f} | {a['rss']:.0f} | {b['rss']:.0f} | "
+                f"{a['pss'] / b['pss']:.2f}x |",
+                flush=True,
+            )
     for model in (src, conv):  # the first instance writes the XNNPACK weight cache; measure with it in place
         interpreters(model, 1, f"cache:{model}.xnn_cache")
     for n in [int(v) for v in args.sessions.split(",")]:
         a, b = (interpreters(m, n, f"cache:{m}.xnn_cache") for m in (src, conv))
-        print(f"| {n} | CompiledModel, XNNPACK weight cache | {a['pss']:.0f} | {b['pss']:.0f} | {a['rss']:.0f} | "
-              f"{b['rss']:.0f} | {a['pss'] / b['pss']:.2f}x |", flush=True)
+        print(
+            f"| {n} | CompiledModel, XNNPACK weight cache | {a['pss']:.0f} | {b['pss']:.0f} | {a['rss']:.0f} | "
+            f"{b['rss']:.0f} | {a['pss'] / b['pss']:.2f}x |",
+            flush=True,
+        )
     p_orig, p_conv = two_processes(src), two_processes(conv)
-    print(f"\ntwo processes, one interpreter each, no delegate: PSS sum original {p_orig:.0f} MiB, "
-          f"converted {p_conv:.0f} MiB")
+    print(
+        f"\ntwo processes, one interpreter each, no delegate: PSS sum original {p_orig:.0f} MiB, "
+        f"converted {p_conv:.0f} MiB"
+    )
     cache_sections(src, work, args)
     if args.big_gib:
         big = generate(work / "big.tflite", int(args.big_gib * 2048), seed=1)
         shutil.rmtree(work / "big_out", ignore_errors=True)
         cp_rss, cp_wall = measured(["cp", str(big), str(work / "big_copy.tflite")])
         b_rss, b_wall = measured(convert_cmd(big, work / "big_out"))
-        print(f"\n{big.stat().st_size / 2 ** 30:.2f} GiB model -> "
-              f"{(work / 'big_out' / big.name).stat().st_size / 2 ** 30:.2f} GiB: convert peak RSS {b_rss:.1f} MiB, "
-              f"{b_wall:.1f} s; cp peak RSS {cp_rss:.1f} MiB, {cp_wall:.1f} s")
+        print(
+            f"\n{big.stat().st_size / 2**30:.2f} GiB model -> "
+            f"{(work / 'big_out' / big.name).stat().st_size / 2**30:.2f} GiB: convert peak RSS {b_rss:.1f} MiB, "
+            f"{b_wall:.1f} s; cp peak RSS {cp_rss:.1f} MiB, {cp_wall:.1f} s"
+        )
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -37,15 +37,29 @@ def main() -> None:
     models = []
     for n in LENGTHS:
         print(f"exporting input length {n} ...", file=sys.stderr, flush=True)
-        models.append(mlp_onnx(src / f"mlp_len{n}.onnx", layers=args.layers, dim=args.dim, weights="float16",
-                               seed=0, batch=n))
+        models.append(
+            mlp_onnx(src / f"mlp_len{n}.onnx", layers=args.layers, dim=args.dim, weights="float16", seed=0, batch=n)
+        )
 
     print(f"{'models':>6} {'input MiB':>10} {'blob MiB':>9} {'dedupe':>7} {'peak RSS MiB':>13} {'wall s':>7}")
     peaks = {}
     for k in (1, 2, 4, 8):
         out = work / f"out{k}"
-        res, peak = run_child_peak([sys.executable, "-m", "weightshare", "convert", *map(str, models[:k]), "-o",
-                                    str(out), "--shared-blob", "zoo.safetensors", "--json", "-q"])
+        res, peak = run_child_peak(
+            [
+                sys.executable,
+                "-m",
+                "weightshare",
+                "convert",
+                *map(str, models[:k]),
+                "-o",
+                str(out),
+                "--shared-blob",
+                "zoo.safetensors",
+                "--json",
+                "-q",
+            ]
+        )
         if res.returncode != 0:
             raise SystemExit(res.stderr)
         import json
@@ -53,8 +67,10 @@ def main() -> None:
         rep = json.loads(res.stdout)
         peaks[k] = peak
         input_mib = sum(m.stat().st_size for m in models[:k]) / (1 << 20)
-        print(f"{k:>6} {input_mib:>10.1f} {rep['blob_bytes'] / (1 << 20):>9.1f} {rep['dedupe_ratio']:>6.2f}x "
-              f"{peak:>13.1f} {rep['wall_time_s']:>7.2f}")
+        print(
+            f"{k:>6} {input_mib:>10.1f} {rep['blob_bytes'] / (1 << 20):>9.1f} {rep['dedupe_ratio']:>6.2f}x "
+            f"{peak:>13.1f} {rep['wall_time_s']:>7.2f}"
+        )
     print(f"peak RSS 8 models / 1 model: {peaks[8] / peaks[1]:.3f}x")
 
     four = [str(m) for m in models[:4]]
@@ -65,8 +81,10 @@ def main() -> None:
     print(f"{'ORT sessions (one per model)':>30} {'PSS before MiB':>15} {'PSS after MiB':>14}")
     for b, a in zip(before, after):
         print(f"{b['models']:>30} {b['pss_mib']:>15.1f} {a['pss_mib']:>14.1f}")
-    print(f"4 models / 1 model PSS: before {before[-1]['pss_mib'] / before[0]['pss_mib']:.2f}x, "
-          f"after {after[-1]['pss_mib'] / after[0]['pss_mib']:.2f}x")
+    print(
+        f"4 models / 1 model PSS: before {before[-1]['pss_mib'] / before[0]['pss_mib']:.2f}x, "
+        f"after {after[-1]['pss_mib'] / after[0]['pss_mib']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,10 @@ def seeds(fmt: str, d: Path) -> list:
     if fmt == "tflite":
         from tflite_fixtures import sample_model, sparse_model
 
-        return [("m.tflite", sample_model(d / "m.tflite", fc_out=64).read_bytes(), {}),
-                ("s.tflite", sparse_model(d / "s.tflite").read_bytes(), {})]
+        return [
+            ("m.tflite", sample_model(d / "m.tflite", fc_out=64).read_bytes(), {}),
+            ("s.tflite", sparse_model(d / "s.tflite").read_bytes(), {}),
+        ]
     if fmt == "coreml":
         return coreml_seeds(d)  # PackageSeed objects: packages are directories, mutated one file at a time
     raise SystemExit(f"unknown format {fmt}")
@@ -102,8 +104,10 @@ def main() -> int:
                         break
             finally:
                 shutil.rmtree(work, ignore_errors=True)
-            print(f"{fmt}: {stats.inputs} inputs, {stats.converted} converted, {stats.rejected} rejected cleanly, "
-                  f"max traced allocation {stats.max_alloc / (1 << 20):.1f} MiB")
+            print(
+                f"{fmt}: {stats.inputs} inputs, {stats.converted} converted, {stats.rejected} rejected cleanly, "
+                f"max traced allocation {stats.max_alloc / (1 << 20):.1f} MiB"
+            )
     return 1 if failed else 0
 
 

@@ -29,8 +29,9 @@ from onnx import numpy_helper
 def carries_weights(model: onnx.ModelProto) -> bool:
     if model.graph.initializer or model.graph.sparse_initializer or model.functions:
         return True
-    return any(n.op_type == "Constant" or any(a.HasField("g") or len(a.graphs) for a in n.attribute)
-               for n in model.graph.node)
+    return any(
+        n.op_type == "Constant" or any(a.HasField("g") or len(a.graphs) for a in n.attribute) for n in model.graph.node
+    )
 
 
 def _value(proto_type, path: Path):
@@ -81,9 +82,14 @@ def generated_cases(work: Path, op_type: str | None = None):
         def inputs(case=case, values=values):
             import numpy as np
 
-            return {i.name: numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto)
-                    else np.asarray(v) if isinstance(v, np.generic) else v  # what input_N.pb would hold
-                    for i, v in zip(case.model.graph.input, values)}
+            return {
+                i.name: numpy_helper.to_array(v)
+                if isinstance(v, onnx.TensorProto)
+                else np.asarray(v)
+                if isinstance(v, np.generic)
+                else v  # what input_N.pb would hold
+                for i, v in zip(case.model.graph.input, values)
+            }
 
         yield case.name, path, case.model, inputs
 
@@ -106,8 +112,11 @@ def run_one(name: str, src: Path, model: onnx.ModelProto, inputs, work: Path) ->
         return "original fails in onnxruntime", e.message
     except WeightshareError as e:
         return "verify refused (usage)", e.line()
-    return ("verified", "") if result.passed else ("differs", "; ".join(result.mismatches +
-                                                                        result.checksum_mismatches)[:300])
+    return (
+        ("verified", "")
+        if result.passed
+        else ("differs", "; ".join(result.mismatches + result.checksum_mismatches)[:300])
+    )
 
 
 def main() -> int:

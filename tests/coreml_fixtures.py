@@ -48,12 +48,13 @@ def nested(path: Path, seed: int = 10) -> Path:
     """Consts inside both branches of a ``cond`` and a ``while_loop`` body (nested blocks), iOS17."""
     wa, wb, wc = weights(seed, (64, 64)), weights(seed + 1, (64, 64)), weights(seed + 2, (64,))
 
-    @mb.program(input_specs=[mb.TensorSpec(shape=(1, 64)), mb.TensorSpec(shape=(1,), dtype=types.bool)],
-                opset_version=ct.target.iOS17)
+    @mb.program(
+        input_specs=[mb.TensorSpec(shape=(1, 64)), mb.TensorSpec(shape=(1,), dtype=types.bool)],
+        opset_version=ct.target.iOS17,
+    )
     def prog(x, flag):
         pred = mb.squeeze(x=flag)
-        y = mb.cond(pred=pred, _true_fn=lambda: mb.linear(x=x, weight=wa),
-                    _false_fn=lambda: mb.linear(x=x, weight=wb))
+        y = mb.cond(pred=pred, _true_fn=lambda: mb.linear(x=x, weight=wa), _false_fn=lambda: mb.linear(x=x, weight=wb))
 
         def body(v, i):
             return mb.add(x=v, y=wc), mb.add(x=i, y=np.int32(1))
@@ -75,13 +76,21 @@ def compressed(path: Path, kind: str, seed: int = 20) -> Path:
     """
     from coremltools.optimize import coreml as cto
 
-    base = mlp(path.with_name(path.name + ".base.mlpackage"), "iOS16" if kind.endswith("-16") else "iOS18",
-               seed=seed, hidden=256)
+    base = mlp(
+        path.with_name(path.name + ".base.mlpackage"),
+        "iOS16" if kind.endswith("-16") else "iOS18",
+        seed=seed,
+        hidden=256,
+    )
     model = ct.models.MLModel(str(base), skip_model_load=True)
     name = kind.removesuffix("-16")
     if name in ("int4", "int8"):
-        cfg = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype=name, weight_threshold=100,
-                                          **({"granularity": "per_block", "block_size": 32} if name == "int4" else {}))
+        cfg = cto.OpLinearQuantizerConfig(
+            mode="linear_symmetric",
+            dtype=name,
+            weight_threshold=100,
+            **({"granularity": "per_block", "block_size": 32} if name == "int4" else {}),
+        )
         out = cto.linear_quantize_weights(model, cto.OptimizationConfig(global_config=cfg))
     elif name.startswith("lut"):
         cfg = cto.OpPalettizerConfig(mode="uniform", nbits=int(name[3:]), weight_threshold=100)
@@ -147,10 +156,22 @@ def blob_values(spec):
     return list(iter_blob_file_values(spec.mlProgram))
 
 
-_READERS = {1: "read_fp16_data", 2: "read_float_data", 3: "read_uint8_data", 4: "read_int8_data",
-            6: "read_int16_data", 7: "read_uint16_data", 8: "read_int4_data", 9: "read_uint1_data",
-            10: "read_uint2_data", 11: "read_uint4_data", 12: "read_uint3_data", 13: "read_uint6_data",
-            14: "read_int32_data", 15: "read_uint32_data"}
+_READERS = {
+    1: "read_fp16_data",
+    2: "read_float_data",
+    3: "read_uint8_data",
+    4: "read_int8_data",
+    6: "read_int16_data",
+    7: "read_uint16_data",
+    8: "read_int4_data",
+    9: "read_uint1_data",
+    10: "read_uint2_data",
+    11: "read_uint4_data",
+    12: "read_uint3_data",
+    13: "read_uint6_data",
+    14: "read_int32_data",
+    15: "read_uint32_data",
+}
 
 
 def decode_blob(pkg: Path, bfv) -> tuple[int, bytes]:

@@ -27,10 +27,22 @@ TARGETS = (WEIGHTS, MODEL, MANIFEST)
 
 # Values that lie about sizes and offsets: zero, off by one around the 64-byte grid, 32/64-bit edges.
 LIES = (0, 1, 63, 64, 65, 127, 128, 0x7FFFFFFF, 0xFFFFFFFF, 1 << 32, 1 << 40, (1 << 63) - 1, 1 << 63, (1 << 64) - 1)
-FILE_NAMES = ("", "@model_path/", "@model_path/weights", "@model_path/weights/", "@model_path/../Manifest.json",
-              "@model_path/../../../../etc/passwd", "/etc/passwd", "@model_path//etc/passwd",
-              "@model_path/weights/nope.bin", "@model_path/model.mlmodel", "@model_path/./weights/weight.bin",
-              "@model_path/weights/weight.bin\x00x", "C:\\weights\\weight.bin", "@model_path/weights\\weight.bin")
+FILE_NAMES = (
+    "",
+    "@model_path/",
+    "@model_path/weights",
+    "@model_path/weights/",
+    "@model_path/../Manifest.json",
+    "@model_path/../../../../etc/passwd",
+    "/etc/passwd",
+    "@model_path//etc/passwd",
+    "@model_path/weights/nope.bin",
+    "@model_path/model.mlmodel",
+    "@model_path/./weights/weight.bin",
+    "@model_path/weights/weight.bin\x00x",
+    "C:\\weights\\weight.bin",
+    "@model_path/weights\\weight.bin",
+)
 
 
 @dataclass
@@ -61,8 +73,12 @@ def coreml_seeds(d: Path) -> list[PackageSeed]:
     import coreml_fixtures as F
 
     mlp = F.mlp(d / "m.mlpackage", "iOS16", hidden=64)
-    pkgs = [mlp, F.nested(d / "n.mlpackage"), F.odd_subbyte(d / "s.mlpackage", "lut3"),
-            F.compressed(d / "c.mlpackage", "lut2-16")]
+    pkgs = [
+        mlp,
+        F.nested(d / "n.mlpackage"),
+        F.odd_subbyte(d / "s.mlpackage", "lut3"),
+        F.compressed(d / "c.mlpackage", "lut2-16"),
+    ]
     pkgs.append(F.multifunction(d / "mf.mlpackage", [mlp, pkgs[2]], ["a", "b"]))
     return [PackageSeed.read(p) for p in pkgs]
 
@@ -111,9 +127,20 @@ def _lie_in_manifest(data: bytes, rng: random.Random) -> tuple[str, bytes]:
     ident = rng.choice(sorted(items))
     choice = rng.randrange(4)
     if choice == 0:
-        items[ident]["path"] = rng.choice(("", ".", "..", "../x", "/etc", "com.apple.CoreML",
-                                           "com.apple.CoreML/weights",
-                                           "com.apple.CoreML/weights/weight.bin", "x" * 300, "com.apple.CoreML/nope"))
+        items[ident]["path"] = rng.choice(
+            (
+                "",
+                ".",
+                "..",
+                "../x",
+                "/etc",
+                "com.apple.CoreML",
+                "com.apple.CoreML/weights",
+                "com.apple.CoreML/weights/weight.bin",
+                "x" * 300,
+                "com.apple.CoreML/nope",
+            )
+        )
     elif choice == 1:
         manifest["rootModelIdentifier"] = rng.choice(sorted(items) + ["", "nope"])
     elif choice == 2:

@@ -65,7 +65,7 @@ def mutate(data: bytes, rng: random.Random, kind: str | None = None) -> tuple[st
             enc.append(b | (0x80 if value else 0))
             if not value:
                 break
-        return kind, data[:pos] + bytes(enc) + data[pos + len(enc):]
+        return kind, data[:pos] + bytes(enc) + data[pos + len(enc) :]
     if kind == "zero":
         end = min(n, pos + rng.randint(1, 64))
         return kind, data[:pos] + bytes(end - pos) + data[end:]
@@ -73,7 +73,7 @@ def mutate(data: bytes, rng: random.Random, kind: str | None = None) -> tuple[st
         end = min(n, pos + rng.randint(1, 256))
         return kind, data[:end] + data[pos:end] + data[end:]
     other = rng.randrange(max(1, n))
-    return kind, data[:pos] + data[other:other + rng.randint(1, 512)] + data[pos:]
+    return kind, data[:pos] + data[other : other + rng.randint(1, 512)] + data[pos:]
 
 
 @dataclass
@@ -88,8 +88,15 @@ class FuzzStats:
     kept: list[tuple[Path, Path]] = field(default_factory=list)  # (input model, converted model)
 
 
-def check_one(data: bytes, name: str, workdir: Path, stats: FuzzStats, kind: str = "",
-              extra: dict[str, bytes] | None = None, options: ConvertOptions | None = None) -> None:
+def check_one(
+    data: bytes,
+    name: str,
+    workdir: Path,
+    stats: FuzzStats,
+    kind: str = "",
+    extra: dict[str, bytes] | None = None,
+    options: ConvertOptions | None = None,
+) -> None:
     """Convert ``data`` as ``workdir/in/name``; raise AssertionError on any broken invariant."""
     src_dir, out = workdir / "in", workdir / "out"
     src_dir.mkdir(parents=True, exist_ok=True)
@@ -104,8 +111,9 @@ def check_one(data: bytes, name: str, workdir: Path, stats: FuzzStats, kind: str
     convert_and_check(src, out, len(data), stats, kind, options)
 
 
-def convert_and_check(src: Path, out: Path, size: int, stats: FuzzStats, kind: str = "",
-                      options: ConvertOptions | None = None) -> None:
+def convert_and_check(
+    src: Path, out: Path, size: int, stats: FuzzStats, kind: str = "", options: ConvertOptions | None = None
+) -> None:
     """Convert ``src`` into ``out`` and assert the invariants for an input of ``size`` bytes."""
     tracemalloc.start()
     report = None
@@ -140,8 +148,9 @@ def _assert_rereads(model: Path) -> None:
 
     inv = inventory(model, hash_payloads=True)
     problems = [p.problem for p in inv.payloads if p.problem] + inv.record_problems
-    problems += [f"{p.name}: checksum differs" for p in inv.payloads
-                 if p.recorded_sha256 and p.sha256 != p.recorded_sha256]
+    problems += [
+        f"{p.name}: checksum differs" for p in inv.payloads if p.recorded_sha256 and p.sha256 != p.recorded_sha256
+    ]
     assert not problems, f"accepted output does not re-read: {problems[:3]}"
 
 
@@ -178,9 +187,10 @@ def _loads(paths: list[Path]) -> list[tuple[bool, str]]:
     counts as not loaded, and the next child goes on after it."""
     results: list[tuple[bool, str]] = []
     while len(results) < len(paths):
-        rest = paths[len(results):]
-        res = subprocess.run([sys.executable, "-c", _LOADER, *map(str, rest)], capture_output=True, text=True,
-                             timeout=600)
+        rest = paths[len(results) :]
+        res = subprocess.run(
+            [sys.executable, "-c", _LOADER, *map(str, rest)], capture_output=True, text=True, timeout=600
+        )
         lines = res.stdout.splitlines()
         for line in lines:
             if line.startswith(("ok", "fail")):

@@ -31,9 +31,17 @@ from weightshare.errors import WeightshareError
 
 # ---------------------------------------------------------------- running models (in the worker process)
 
-_NP = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-       "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
-       "tensor(bool)": np.bool_, "tensor(int16)": np.int16}
+_NP = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+    "tensor(int16)": np.int16,
+}
 
 
 def _feed(dtype, shape, rng: np.random.Generator) -> np.ndarray:
@@ -46,8 +54,7 @@ def _feed(dtype, shape, rng: np.random.Generator) -> np.ndarray:
 
 
 def _outputs(values) -> list[tuple[str, tuple, bytes]]:
-    return [(str(np.asarray(v).dtype), tuple(np.asarray(v).shape), np.ascontiguousarray(v).tobytes())
-            for v in values]
+    return [(str(np.asarray(v).dtype), tuple(np.asarray(v).shape), np.ascontiguousarray(v).tobytes()) for v in values]
 
 
 def run_onnx(path: str) -> list:
@@ -122,8 +129,24 @@ class Runner:
 
 # ---------------------------------------------------------------- ONNX mutations
 
-EXT_VALUES = ("+16", " 16", "16 ", "16_384", "\u0661\u0666", "0x10", "-1", "", "1e3", "00016", "16.0",
-              str(1 << 63), str(1 << 64), "0", "4", "\uff11\uff16")
+EXT_VALUES = (
+    "+16",
+    " 16",
+    "16 ",
+    "16_384",
+    "\u0661\u0666",
+    "0x10",
+    "-1",
+    "",
+    "1e3",
+    "00016",
+    "16.0",
+    str(1 << 63),
+    str(1 << 64),
+    "0",
+    "4",
+    "\uff11\uff16",
+)
 
 
 def _onnx_parts(model):
@@ -157,9 +180,25 @@ def mutate_onnx(model, rng: random.Random, data_files: list[str]) -> str:
     from onnx import TensorProto as TP
 
     scopes, tensors, nodes, names = _onnx_parts(model)
-    kind = rng.choice(("dims", "dtype", "tensor-name", "node-input", "node-output", "drop-node", "dup-node",
-                       "attr", "external", "fp16-cast", "fp16-bits", "graph-output", "dup-tensor", "opset",
-                       "cast-to"))
+    kind = rng.choice(
+        (
+            "dims",
+            "dtype",
+            "tensor-name",
+            "node-input",
+            "node-output",
+            "drop-node",
+            "dup-node",
+            "attr",
+            "external",
+            "fp16-cast",
+            "fp16-bits",
+            "graph-output",
+            "dup-tensor",
+            "opset",
+            "cast-to",
+        )
+    )
     pick_name = lambda: rng.choice(names + ["", "fresh"]) if names else "fresh"  # noqa: E731
     if kind in ("dims", "dtype", "tensor-name", "external", "dup-tensor") and tensors:
         scope, t = rng.choice(tensors)
@@ -173,8 +212,21 @@ def mutate_onnx(model, rng: random.Random, data_files: list[str]) -> str:
             else:
                 t.dims.append(rng.choice((1, 2, 0)))
         elif kind == "dtype":
-            t.data_type = rng.choice((TP.FLOAT16, TP.BFLOAT16, TP.FLOAT, TP.INT8, TP.UINT8, TP.INT64, TP.DOUBLE,
-                                      TP.STRING, TP.BOOL, TP.INT4, rng.randrange(0, 30)))
+            t.data_type = rng.choice(
+                (
+                    TP.FLOAT16,
+                    TP.BFLOAT16,
+                    TP.FLOAT,
+                    TP.INT8,
+                    TP.UINT8,
+                    TP.INT64,
+                    TP.DOUBLE,
+                    TP.STRING,
+                    TP.BOOL,
+                    TP.INT4,
+                    rng.randrange(0, 30),
+                )
+            )
         elif kind == "tensor-name":
             t.name = pick_name()
         elif kind == "dup-tensor" and hasattr(scope, "initializer"):
@@ -191,8 +243,11 @@ def mutate_onnx(model, rng: random.Random, data_files: list[str]) -> str:
                 if rng.random() < 0.15:
                     e.key = rng.choice(("offset", "length", "location", "checksum", "junk"))
                 else:
-                    e.value = rng.choice(EXT_VALUES) if e.key != "location" else rng.choice(
-                        ("../x", "/etc/passwd", "", "missing.data", *data_files))
+                    e.value = (
+                        rng.choice(EXT_VALUES)
+                        if e.key != "location"
+                        else rng.choice(("../x", "/etc/passwd", "", "missing.data", *data_files))
+                    )
             else:
                 return "external(none)"
         return kind
@@ -259,8 +314,11 @@ def _fp16_mutation(model, rng, kind, tensors, scopes) -> str:
         _, t = rng.choice(halves)
         t.raw_data = _special_fp16(rng, len(t.raw_data) // 2)
         return kind
-    graphs = [s for s in scopes if hasattr(s, "initializer") and any(
-        t.data_type == TP.FLOAT and t.raw_data for t in s.initializer)]
+    graphs = [
+        s
+        for s in scopes
+        if hasattr(s, "initializer") and any(t.data_type == TP.FLOAT and t.raw_data for t in s.initializer)
+    ]
     if not graphs:
         return "fp16-cast(n/a)"
     g = rng.choice(graphs)
@@ -281,14 +339,29 @@ def _fp16_mutation(model, rng, kind, tensors, scopes) -> str:
 
 # ---------------------------------------------------------------- TFLite mutations
 
+
 def mutate_tflite(m, rng: random.Random) -> str:
     from ai_edge_litert import schema_py_generated as s
 
     tensors = [t for g in (m.subgraphs or []) for t in (g.tensors or [])]
     ops = [op for g in (m.subgraphs or []) for op in (g.operators or [])]
     buffers = m.buffers or []
-    kind = rng.choice(("shape", "type", "buffer", "buffer-data", "op-input", "op-output", "opcode", "fp16-bits",
-                       "buffer-offset", "quant", "drop-op", "dup-buffer"))
+    kind = rng.choice(
+        (
+            "shape",
+            "type",
+            "buffer",
+            "buffer-data",
+            "op-input",
+            "op-output",
+            "opcode",
+            "fp16-bits",
+            "buffer-offset",
+            "quant",
+            "drop-op",
+            "dup-buffer",
+        )
+    )
     if kind in ("shape", "type", "buffer", "quant") and tensors:
         t = rng.choice(tensors)
         if kind == "shape":
@@ -300,13 +373,28 @@ def mutate_tflite(m, rng: random.Random) -> str:
                 shape.append(rng.choice((1, 2)))
             t.shape = np.array(shape, np.int32)
         elif kind == "type":
-            t.type = rng.choice((s.TensorType.FLOAT16, s.TensorType.FLOAT32, s.TensorType.INT8, s.TensorType.INT32,
-                                 s.TensorType.UINT8, s.TensorType.INT64, rng.randrange(0, 20)))
+            t.type = rng.choice(
+                (
+                    s.TensorType.FLOAT16,
+                    s.TensorType.FLOAT32,
+                    s.TensorType.INT8,
+                    s.TensorType.INT32,
+                    s.TensorType.UINT8,
+                    s.TensorType.INT64,
+                    rng.randrange(0, 20),
+                )
+            )
         elif kind == "buffer":
             t.buffer = rng.randrange(0, len(buffers) + 2)
         else:
-            t.quantization = None if rng.random() < 0.5 else s.QuantizationParametersT(
-                scale=np.array([rng.choice((0.5, 0.0, float("nan")))], np.float32), zeroPoint=np.array([0], np.int64))
+            t.quantization = (
+                None
+                if rng.random() < 0.5
+                else s.QuantizationParametersT(
+                    scale=np.array([rng.choice((0.5, 0.0, float("nan")))], np.float32),
+                    zeroPoint=np.array([0], np.int64),
+                )
+            )
         return kind
     if kind in ("buffer-data", "buffer-offset", "fp16-bits", "dup-buffer") and len(buffers) > 1:
         b = rng.choice(buffers[1:])
@@ -318,8 +406,11 @@ def mutate_tflite(m, rng: random.Random) -> str:
         elif kind == "dup-buffer":
             m.buffers.append(copy.deepcopy(b))
         else:
-            fp16 = [t for t in tensors if t.type == s.TensorType.FLOAT16 and 0 < t.buffer < len(buffers)
-                    and buffers[t.buffer].data is not None]
+            fp16 = [
+                t
+                for t in tensors
+                if t.type == s.TensorType.FLOAT16 and 0 < t.buffer < len(buffers) and buffers[t.buffer].data is not None
+            ]
             if not fp16:
                 return "fp16-bits(n/a)"
             buf = buffers[rng.choice(fp16).buffer]
@@ -347,6 +438,7 @@ def mutate_tflite(m, rng: random.Random) -> str:
 
 # ---------------------------------------------------------------- the loop
 
+
 @dataclass
 class StructStats:
     inputs: int = 0
@@ -361,10 +453,12 @@ class StructStats:
     kinds: dict = field(default_factory=dict)
 
     def line(self, fmt: str) -> str:
-        return (f"{fmt}: {self.inputs} inputs ({self.unserialisable} unserialisable), {self.converted} converted, "
-                f"{self.rejected} rejected, {self.internal_errors} internal errors; original ran {self.original_ran}, "
-                f"outputs compared {self.compared}, mismatches {self.mismatches}"
-                + (f" (not compared: {self.unset_reads} read unset tensors)" if self.unset_reads else ""))
+        return (
+            f"{fmt}: {self.inputs} inputs ({self.unserialisable} unserialisable), {self.converted} converted, "
+            f"{self.rejected} rejected, {self.internal_errors} internal errors; original ran {self.original_ran}, "
+            f"outputs compared {self.compared}, mismatches {self.mismatches}"
+            + (f" (not compared: {self.unset_reads} read unset tensors)" if self.unset_reads else "")
+        )
 
 
 class Finding(Exception):
@@ -391,8 +485,16 @@ def serialise(fmt: str, model) -> bytes:
     return bytes(b.Output())
 
 
-def one_input(fmt: str, seed_model, name: str, rng: random.Random, work: Path, extra: dict[str, bytes],
-              runner: Runner, stats: StructStats) -> None:
+def one_input(
+    fmt: str,
+    seed_model,
+    name: str,
+    rng: random.Random,
+    work: Path,
+    extra: dict[str, bytes],
+    runner: Runner,
+    stats: StructStats,
+) -> None:
     """Mutate, convert and compare once; raise Finding on a broken invariant."""
     model = copy.deepcopy(seed_model)
     kinds = []
@@ -506,5 +608,7 @@ def seeds(fmt: str, d: Path) -> list[tuple[str, object, dict[str, bytes]]]:
         return out
     from tflite_fixtures import sample_model
 
-    return [(p.name, load_seed(fmt, p), {}) for p in (sample_model(d / "m.tflite", fc_out=64),
-                                                       tflite_concat_seed(d / "c.tflite"))]
+    return [
+        (p.name, load_seed(fmt, p), {})
+        for p in (sample_model(d / "m.tflite", fc_out=64), tflite_concat_seed(d / "c.tflite"))
+    ]

@@ -119,14 +119,16 @@ def test_chunked_fp16_and_bf16_conversion_matches_numpy(data, chunk):
 def _reference_bound(planned) -> int:
     import json
 
-    big = 10 ** 20 - 1
+    big = 10**20 - 1
     tensors = {}
     for i, t in enumerate(planned):
         tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape), "data_offsets": [big, big]}
         tensors[f"__pad__{big}{i}"] = {"dtype": "U8", "shape": [big], "data_offsets": [big, big]}
     worst = {t.st_name: {"sha256": "0" * 64, "aliases": [t.st_name]} for t in planned}
-    tensors["__metadata__"] = {"format": "weightshare",
-                               "weightshare.payloads": json.dumps(worst, separators=(",", ":"))}
+    tensors["__metadata__"] = {
+        "format": "weightshare",
+        "weightshare.payloads": json.dumps(worst, separators=(",", ":")),
+    }
     return len(json.dumps(tensors, separators=(",", ":")).encode()) + 64
 
 
@@ -139,8 +141,11 @@ def _reference_header(blob) -> bytes:
         if begin > cursor:
             tensors[f"__pad__{n_pad}"] = {"dtype": "U8", "shape": [begin - cursor], "data_offsets": [cursor, begin]}
         t = stored.planned
-        tensors[t.st_name] = {"dtype": t.st_dtype, "shape": list(t.st_shape),
-                              "data_offsets": [begin, begin + stored.entry.nbytes]}
+        tensors[t.st_name] = {
+            "dtype": t.st_dtype,
+            "shape": list(t.st_shape),
+            "data_offsets": [begin, begin + stored.entry.nbytes],
+        }
         kind, value = split_digest(stored.entry.sha256)
         meta[t.st_name] = {kind: value, "aliases": stored.aliases}
         cursor = begin + stored.entry.nbytes
@@ -152,8 +157,17 @@ _names = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(['
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_names, st.sampled_from(["float32", "float16", "int8", "weird"]),
-                          st.lists(st.integers(0, 70), max_size=3), st.booleans()), max_size=8))
+@given(
+    st.lists(
+        st.tuples(
+            _names,
+            st.sampled_from(["float32", "float16", "int8", "weird"]),
+            st.lists(st.integers(0, 70), max_size=3),
+            st.booleans(),
+        ),
+        max_size=8,
+    )
+)
 def test_header_text_equals_json_dumps_of_the_dict(tmp_path_factory, specs):
     from weightshare.blob import SafetensorsBlob
 

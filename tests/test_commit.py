@@ -31,8 +31,10 @@ def tree(d: Path) -> dict[str, str]:
     """Every file under ``d`` (names relative to it) with its SHA-256; directories as 'dir'."""
     if not d.exists():
         return {}
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
-            for p in sorted(d.rglob("*"))}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+        for p in sorted(d.rglob("*"))
+    }
 
 
 def one_line_error(res) -> str:
@@ -54,6 +56,7 @@ def onnx_in(d: Path, name: str = "m.onnx", seed: int = 0) -> Path:
 
 
 # --- item 2: outputs of one run never collide ---------------------------------------------------------------
+
 
 def test_same_file_name_in_two_input_directories_is_refused_before_writing(tmp_path, cli):
     for d in ("a", "b"):
@@ -89,6 +92,7 @@ def _tflite_groups(path: Path) -> list[bytes]:
 
 
 # --- item 3: a run is all or nothing ----------------------------------------------------------------------------
+
 
 def test_a_good_and_a_bad_model_leave_nothing(tmp_path, cli):
     src = tmp_path / "src"
@@ -138,6 +142,7 @@ def test_blob_in_subdirectories_leaves_no_empty_directories_on_failure(tmp_path,
 
 # --- item 5 and the blob guard: no output onto or inside an input ---------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def packages(tmp_path_factory):
     from coreml_fixtures import mlp
@@ -146,8 +151,7 @@ def packages(tmp_path_factory):
     return mlp(d / "A.mlpackage", seed=1, hidden=64), mlp(d / "B.mlpackage", seed=2, hidden=64)
 
 
-@pytest.mark.parametrize("case", ["merge_into_source", "merge_onto_source", "convert_onto_itself",
-                                  "convert_into_data"])
+@pytest.mark.parametrize("case", ["merge_into_source", "merge_onto_source", "convert_onto_itself", "convert_into_data"])
 def test_coreml_output_inside_an_input_is_refused(packages, tmp_path, cli, case):
     a, b = packages
     before = tree(a)
@@ -186,8 +190,9 @@ def test_blob_named_like_the_model_never_overwrites_it(tmp_path, cli):
     assert np.array_equal(run(model), run(out / "m.onnx"))
 
 
-@pytest.mark.parametrize("name", [".", "./", "sub/..", ".weightshare-tmp-1-x", "sub/.weightshare-tmp-1-x",
-                                  ".safetensors", "../w"])
+@pytest.mark.parametrize(
+    "name", [".", "./", "sub/..", ".weightshare-tmp-1-x", "sub/.weightshare-tmp-1-x", ".safetensors", "../w"]
+)
 def test_blob_names_that_are_directories_temporaries_or_outside_are_refused(tmp_path, name):
     model = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=128)
     out = tmp_path / "out"
@@ -206,21 +211,31 @@ def test_blob_name_of_a_temporary_is_refused_by_the_cli(tmp_path, cli):
 
 # --- item 8: relative paths, zoo mode ----------------------------------------------------------------------------
 
+
 def test_readme_zoo_example_with_relative_paths_from_a_cwd(tmp_path, cli):
     (tmp_path / "DIR").mkdir()
     a = mlp_onnx(tmp_path / "DIR" / "a.onnx", layers=2, dim=128, seed=1)
     b = mlp_onnx(tmp_path / "DIR" / "b.onnx", layers=2, dim=128, seed=1)
     # the README's example verbatim; it used to wait forever on its own lock (relative vs absolute OUTDIR)
-    res = subprocess.run([sys.executable, "-m", "weightshare", "convert", "DIR/", "-o", "OUTDIR",
-                          "--shared-blob", "zoo.safetensors"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "weightshare", "convert", "DIR/", "-o", "OUTDIR", "--shared-blob", "zoo.safetensors"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     out = tmp_path / "OUTDIR"
     (blob,) = out.glob("zoo.*.safetensors")
     assert locations(out / "a.onnx") == locations(out / "b.onnx") == {blob.name}
     assert np.array_equal(run(a), run(out / "a.onnx")) and np.array_equal(run(b), run(out / "b.onnx"))
-    res = subprocess.run([sys.executable, "-m", "weightshare", "convert", "DIR/a.onnx", "-o", "plain"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "weightshare", "convert", "DIR/a.onnx", "-o", "plain"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
 
 
@@ -237,6 +252,7 @@ def test_zoo_rerun_drops_models_no_longer_listed(tmp_path):
 
 
 # --- old blobs: removed only when unreferenced for the grace period ---------------------------------------------
+
 
 def test_old_blobs_are_collected_after_the_grace_period_only(tmp_path):
     out = tmp_path / "out"
@@ -275,8 +291,9 @@ def test_a_locked_temporary_of_a_pid_that_looks_dead_is_kept(tmp_path, cli):
     out.mkdir()
     pid = 4_000_000  # above pid_max (2^22): no such process here
     tmp = out / f"{TMP_PREFIX}{pid}-abcd1234-m.onnx"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         model = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=128)
@@ -304,11 +321,16 @@ def test_an_interrupt_between_creating_and_locking_a_temporary_leaves_nothing(tm
 
 # --- item 10: smaller --------------------------------------------------------------------------------------------
 
+
 def test_a_fifo_as_the_model_is_refused_without_blocking(tmp_path, cli):
     fifo = tmp_path / "m.onnx"
     os.mkfifo(fifo)
-    res = subprocess.run([sys.executable, "-m", "weightshare", "convert", str(fifo), "-o", str(tmp_path / "out")],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "weightshare", "convert", str(fifo), "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     line = one_line_error(res)
     assert str(fifo) in line and "regular file" in line
     assert not (tmp_path / "out").exists()

@@ -51,12 +51,14 @@ def _patch(pkg: Path, rel: str, offset: int, data: bytes) -> None:
 def _set_offset(value):
     def edit(spec):
         _first_blob(spec).offset = value
+
     return edit
 
 
 def _set_file(name):
     def edit(spec):
         _first_blob(spec).fileName = name
+
     return edit
 
 
@@ -78,27 +80,49 @@ def _neural_network(pkg: Path) -> None:
 CASES = {
     "missing manifest": (lambda p: (p / "Manifest.json").unlink(), InvalidModel, "no Manifest.json"),
     "manifest not json": (lambda p: (p / "Manifest.json").write_text("{not json"), InvalidModel, "not valid JSON"),
-    "manifest no root": (lambda p: (p / "Manifest.json").write_text(json.dumps({"itemInfoEntries": {"a": {
-        "path": "x"}}})), InvalidModel, "rootModelIdentifier"),
-    "manifest path escapes": (lambda p: (p / "Manifest.json").write_text(json.dumps({
-        "itemInfoEntries": {"a": {"path": "../../etc/passwd"}}, "rootModelIdentifier": "a"})), UnsafePath, "'..'"),
+    "manifest no root": (
+        lambda p: (p / "Manifest.json").write_text(json.dumps({"itemInfoEntries": {"a": {"path": "x"}}})),
+        InvalidModel,
+        "rootModelIdentifier",
+    ),
+    "manifest path escapes": (
+        lambda p: (p / "Manifest.json").write_text(
+            json.dumps({"itemInfoEntries": {"a": {"path": "../../etc/passwd"}}, "rootModelIdentifier": "a"})
+        ),
+        UnsafePath,
+        "'..'",
+    ),
     "spec not protobuf": (lambda p: (p / MODEL).write_bytes(b"\xff" * 64), InvalidModel, "not a valid Core ML"),
     "neural network": (_neural_network, Unsupported, "not an ML Program"),
     "bad sentinel": (lambda p: _patch(p, WEIGHTS, 64, b"\0\0\0\0"), InvalidModel, "bad sentinel"),
     "bad version": (lambda p: _patch(p, WEIGHTS, 4, struct.pack("<I", 1)), InvalidModel, "storage version 1"),
     "truncated header": (lambda p: os.truncate(p / WEIGHTS, 10), InvalidModel, "shorter"),
-    "offset past end": (lambda p: _edit_spec(p, _set_offset(1 << 40)), InvalidModel,
-                        "not a record offset in the weight file"),
-    "data past end": (lambda p: _patch(p, WEIGHTS, 64 + 8, struct.pack("<Q", 1 << 40)), InvalidModel,
-                      "runs past the end"),
-    "sub-byte padding": (lambda p: (_patch(p, WEIGHTS, 64 + 4, struct.pack("<I", 12)),
-                                    _patch(p, WEIGHTS, 64 + 24, struct.pack("<Q", 9))), InvalidModel, "padding bits"),
-    "blob file outside": (lambda p: _edit_spec(p, _set_file("@model_path/../../../../etc/passwd")), UnsafePath,
-                          "'..'"),
+    "offset past end": (
+        lambda p: _edit_spec(p, _set_offset(1 << 40)),
+        InvalidModel,
+        "not a record offset in the weight file",
+    ),
+    "data past end": (
+        lambda p: _patch(p, WEIGHTS, 64 + 8, struct.pack("<Q", 1 << 40)),
+        InvalidModel,
+        "runs past the end",
+    ),
+    "sub-byte padding": (
+        lambda p: (
+            _patch(p, WEIGHTS, 64 + 4, struct.pack("<I", 12)),
+            _patch(p, WEIGHTS, 64 + 24, struct.pack("<Q", 9)),
+        ),
+        InvalidModel,
+        "padding bits",
+    ),
+    "blob file outside": (lambda p: _edit_spec(p, _set_file("@model_path/../../../../etc/passwd")), UnsafePath, "'..'"),
     "blob file absolute": (lambda p: _edit_spec(p, _set_file("/etc/passwd")), UnsafePath, "@model_path/"),
     "blob file symlink out": (_outside_symlink, UnsafePath, "symlink"),
-    "blob file missing": (lambda p: _edit_spec(p, _set_file("@model_path/weights/nope.bin")), InvalidModel,
-                          "does not exist"),
+    "blob file missing": (
+        lambda p: _edit_spec(p, _set_file("@model_path/weights/nope.bin")),
+        InvalidModel,
+        "does not exist",
+    ),
 }
 
 
@@ -143,10 +167,18 @@ def test_inputs_are_never_touched(good, tmp_path):
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(manifest=st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
-                             lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-                                 st.sampled_from(["itemInfoEntries", "rootModelIdentifier", "path", "a", "../x"]),
-                                 inner, max_size=4), max_leaves=12))
+@given(
+    manifest=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(
+                st.sampled_from(["itemInfoEntries", "rootModelIdentifier", "path", "a", "../x"]), inner, max_size=4
+            )
+        ),
+        max_leaves=12,
+    )
+)
 def test_any_manifest_gives_a_clear_error(good, tmp_path_factory, manifest):
     """Arbitrary JSON in Manifest.json: a WeightshareError (or, by chance, a valid package); never a crash."""
     from weightshare.errors import WeightshareError
@@ -162,8 +194,9 @@ def test_any_manifest_gives_a_clear_error(good, tmp_path_factory, manifest):
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "weightshare", *map(str, args)], capture_output=True, text=True,
-                          timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "weightshare", *map(str, args)], capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 @pytest.mark.parametrize("case", ["manifest not json", "bad sentinel", "blob file outside"])
@@ -178,8 +211,9 @@ def test_cli_convert_bad_input_exit_2(good, tmp_path, case):
 
 
 def test_cli_merge_duplicate_function_names_exit_2(good, tmp_path):
-    result = _cli("merge", good, good, "--function-name", "f", "--function-name", "f",
-                  "-o", tmp_path / "o" / "m.mlpackage")
+    result = _cli(
+        "merge", good, good, "--function-name", "f", "--function-name", "f", "-o", tmp_path / "o" / "m.mlpackage"
+    )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "duplicate function name 'f'" in lines[0] and str(good) in lines[0]
@@ -195,7 +229,6 @@ def test_cli_merge_json_report(good, tmp_path):
     report = json.loads(result.stdout)
     assert report["deduplicated_bytes"] == report["bytes_written"] > 0
     assert out.is_dir()
-
 
 
 def _symlinked_weights_dir(pkg: Path) -> None:
@@ -215,6 +248,7 @@ def _manifest_item(path: str):
         manifest = json.loads((pkg / "Manifest.json").read_text())
         manifest["itemInfoEntries"][manifest["rootModelIdentifier"]]["path"] = path
         (pkg / "Manifest.json").write_text(json.dumps(manifest))
+
     return edit
 
 

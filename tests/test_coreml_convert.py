@@ -21,15 +21,32 @@ from weightshare.blob import AlignPolicy
 from weightshare.formats.coreml.milblob import WeightFile
 from weightshare.options import ConvertOptions
 
-KINDS = ["iOS15", "iOS16", "nested", "int4", "int8", "lut3", "lut6", "sparse", "lut2-16", "int8-16", "sparse-16",
-         "odd-int4", "odd-lut3", "odd-lut6"]
+KINDS = [
+    "iOS15",
+    "iOS16",
+    "nested",
+    "int4",
+    "int8",
+    "lut3",
+    "lut6",
+    "sparse",
+    "lut2-16",
+    "int8-16",
+    "sparse-16",
+    "odd-int4",
+    "odd-lut3",
+    "odd-lut6",
+]
 
 
 @pytest.fixture(scope="session")
 def packages(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("coreml_src")
-    built = {"iOS15": F.mlp(d / "m15.mlpackage", "iOS15"), "iOS16": F.mlp(d / "m16.mlpackage", "iOS16"),
-             "nested": F.nested(d / "nested.mlpackage")}
+    built = {
+        "iOS15": F.mlp(d / "m15.mlpackage", "iOS15"),
+        "iOS16": F.mlp(d / "m16.mlpackage", "iOS16"),
+        "nested": F.nested(d / "nested.mlpackage"),
+    }
     for kind in KINDS[3:]:
         if kind.startswith("odd-"):
             built[kind] = F.odd_subbyte(d / f"{kind}.mlpackage", kind[4:])
@@ -142,8 +159,13 @@ def test_identical_payloads_stored_once(tmp_path):
 
     pipeline = ct.PassPipeline.DEFAULT
     pipeline.remove_passes(["common::const_deduplication"])
-    model = ct.convert(prog, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS16,
-                       skip_model_load=True, pass_pipeline=pipeline)
+    model = ct.convert(
+        prog,
+        convert_to="mlprogram",
+        minimum_deployment_target=ct.target.iOS16,
+        skip_model_load=True,
+        pass_pipeline=pipeline,
+    )
     src = tmp_path / "twice.mlpackage"
     model.save(str(src))
     src_bin = WeightFile(src / "Data/com.apple.CoreML/weights/weight.bin")
@@ -195,8 +217,9 @@ def test_small_payloads_fill_the_alignment_gap(tmp_path):
     large = [r for r in recs if r.nbytes >= 1 << 20]
     assert len(large) == 1 and large[0].data_offset % (64 << 10) == 0
     assert sum(r.offset < large[0].offset for r in recs) >= 25  # the gap holds most of the small payloads
-    assert [F.decode_blob(out, v) for v in F.blob_values(F.load_spec(out))] == \
-        [F.decode_blob(src, v) for v in F.blob_values(F.load_spec(src))]
+    assert [F.decode_blob(out, v) for v in F.blob_values(F.load_spec(out))] == [
+        F.decode_blob(src, v) for v in F.blob_values(F.load_spec(src))
+    ]
 
 
 def test_package_without_weights_is_copied_as_is(tmp_path):

@@ -67,11 +67,15 @@ def _summary(pkg: Path) -> dict:
         "version": spec.specificationVersion,
         "default": desc.defaultFunctionName,
         "descriptions": {f.name: f.SerializeToString(deterministic=True) for f in desc.functions},
-        "functions": {name: (f.opset, [i.name for i in f.inputs],
-                             _ops(f.block_specializations[f.opset], [],
-                                  _used_names(f.block_specializations[f.opset], set())),
-                             list(f.block_specializations[f.opset].outputs))
-                      for name, f in spec.mlProgram.functions.items()},
+        "functions": {
+            name: (
+                f.opset,
+                [i.name for i in f.inputs],
+                _ops(f.block_specializations[f.opset], [], _used_names(f.block_specializations[f.opset], set())),
+                list(f.block_specializations[f.opset].outputs),
+            )
+            for name, f in spec.mlProgram.functions.items()
+        },
     }
 
 
@@ -106,6 +110,7 @@ def test_merge_matches_save_multifunction(sources, case, tmp_path):
 
     ct.models.MLModel(str(out), skip_model_load=True)
     from coremltools.converters.mil.frontend.milproto.load import load as milproto_load
+
     spec = F.load_spec(out)
     prog = milproto_load(spec, spec.specificationVersion, str(out / "Data/com.apple.CoreML/weights"))
     assert sorted(prog.functions) == sorted(names)
@@ -125,8 +130,10 @@ def test_shared_weights_stored_once(sources, tmp_path):
     assert report.bytes_written == single.bytes_written
     assert report.deduplicated_bytes == 2 * single.bytes_written
     assert report.blob_bytes == single.blob_bytes
-    offsets = {name: [v.offset for v in F.blob_values_of(f)]
-               for name, f in F.load_spec(tmp_path / "m.mlpackage").mlProgram.functions.items()}
+    offsets = {
+        name: [v.offset for v in F.blob_values_of(f)]
+        for name, f in F.load_spec(tmp_path / "m.mlpackage").mlProgram.functions.items()
+    }
     assert offsets["f1"] == offsets["f4"] == offsets["f8"]
 
 
@@ -153,12 +160,15 @@ def test_merge_is_deterministic(sources, tmp_path):
         assert (tmp_path / "a/m.mlpackage" / rel).read_bytes() == (tmp_path / "b/m.mlpackage" / rel).read_bytes()
 
 
-@pytest.mark.parametrize("names, default, message", [
-    (["f", "f"], None, "duplicate function name 'f'"),
-    (["f"], None, "1 function name(s) given for 2 function(s)"),
-    (["f", "g"], "h", "default function 'h' is not one of the functions"),
-    (["f", "not valid"], None, "is not an identifier"),
-])
+@pytest.mark.parametrize(
+    "names, default, message",
+    [
+        (["f", "f"], None, "duplicate function name 'f'"),
+        (["f"], None, "1 function name(s) given for 2 function(s)"),
+        (["f", "g"], "h", "default function 'h' is not one of the functions"),
+        (["f", "not valid"], None, "is not an identifier"),
+    ],
+)
 def test_bad_function_names_leave_no_output(sources, tmp_path, names, default, message):
     out_dir = tmp_path / "out"
     with pytest.raises(UsageError) as err:

@@ -42,9 +42,9 @@ def test_golden_layout(tmp_path):
     # the next record at the 64-byte boundary after the payload (GetAllOffsets), its data at 64 KiB
     assert data[192:256] == pack_record(1, 1 << 20, 65536, 0)
     assert data[256:65536] == bytes(65536 - 256)
-    assert data[65536:65536 + (1 << 20)] == big
+    assert data[65536 : 65536 + (1 << 20)] == big
     rec3 = 65536 + (1 << 20)
-    assert data[rec3:rec3 + 64] == pack_record(4, 3, rec3 + 64, 0)
+    assert data[rec3 : rec3 + 64] == pack_record(4, 3, rec3 + 64, 0)
     assert len(data) == rec3 + 64 + 3
     assert offsets == [64, 192, rec3, 64]  # the repeated payload points at its first copy
     assert w.duplicates == 1 and w.duplicate_bytes == 20
@@ -59,11 +59,13 @@ def test_coremltools_reader_reads_every_dtype(tmp_path):
     fp32 = rng.standard_normal((600, 512)).astype("<f4")  # > 1 MiB
     i8 = rng.integers(-128, 128, 77, dtype=np.int8)
     u3 = rng.integers(0, 8, 13, dtype=np.uint8)  # 13 x 3 bits = 39 bits: 5 bytes, 1 padding bit
-    packed_u3 = np.packbits(np.unpackbits(u3[:, None], axis=1, count=3, bitorder="little").ravel(),
-                            bitorder="little").tobytes()
+    packed_u3 = np.packbits(
+        np.unpackbits(u3[:, None], axis=1, count=3, bitorder="little").ravel(), bitorder="little"
+    ).tobytes()
     path = tmp_path / "weight.bin"
-    offsets, _ = _write(path, [(1, 0, fp16.tobytes()), (2, 0, fp32.tobytes()), (4, 0, i8.tobytes()),
-                               (12, 1, packed_u3)])
+    offsets, _ = _write(
+        path, [(1, 0, fp16.tobytes()), (2, 0, fp32.tobytes()), (4, 0, i8.tobytes()), (12, 1, packed_u3)]
+    )
     reader = _BlobStorageReader(str(path))
     assert np.array_equal(reader.read_fp16_data(offsets[0]), fp16.view(np.uint16))
     assert np.array_equal(reader.read_float_data(offsets[1]).ravel(), fp32.ravel())
@@ -73,8 +75,9 @@ def test_coremltools_reader_reads_every_dtype(tmp_path):
 
 
 def test_same_bytes_different_dtype_are_two_blobs(tmp_path):
-    offsets, w = _write(tmp_path / "w.bin", [(3, 0, b"\1" * 64), (4, 0, b"\1" * 64), (11, 0, b"\1" * 64),
-                                             (11, 4, b"\1" * 64)])
+    offsets, w = _write(
+        tmp_path / "w.bin", [(3, 0, b"\1" * 64), (4, 0, b"\1" * 64), (11, 0, b"\1" * 64), (11, 4, b"\1" * 64)]
+    )
     assert len(set(offsets)) == 4 and w.duplicates == 0
 
 
@@ -84,19 +87,22 @@ def _file(tmp_path, header=struct.pack("<II", 1, 2), records=b""):
     return path
 
 
-@pytest.mark.parametrize("record, offset, message", [
-    (pack_record(1, 4, 128, 0) + b"abcd", 64, None),
-    (struct.pack("<IIQQQ", 0xDEADBEEE, 1, 4, 128, 0).ljust(64, b"\0") + b"abcd", 64, "bad sentinel"),
-    (pack_record(99, 4, 128, 0) + b"abcd", 64, "unknown blob data type 99"),
-    (pack_record(1, 5, 128, 0) + b"abcd", 64, "runs past the end"),
-    (pack_record(1, 4, 1 << 63, 0) + b"abcd", 64, "runs past the end"),
-    (pack_record(1, 4, 16, 0) + b"abcd", 64, "overlaps the file header"),
-    (pack_record(1, 4, 128, 0) + b"abcd", 1 << 62, "not a record offset in the weight file"),
-    (pack_record(1, 4, 128, 0) + b"abcd", 8, "not a record offset in the weight file"),
-    (pack_record(11, 4, 128, 8) + b"abcd", 64, "padding bits"),  # uint4 with 8 padding bits
-    (pack_record(12, 4, 128, 3) + b"abcd", 64, "padding bits"),  # uint3: 29 bits is not whole elements
-    (pack_record(1, 4, 128, 12345) + b"abcd", 64, None),  # pre-iOS18 garbage in an unused field: ignored
-])
+@pytest.mark.parametrize(
+    "record, offset, message",
+    [
+        (pack_record(1, 4, 128, 0) + b"abcd", 64, None),
+        (struct.pack("<IIQQQ", 0xDEADBEEE, 1, 4, 128, 0).ljust(64, b"\0") + b"abcd", 64, "bad sentinel"),
+        (pack_record(99, 4, 128, 0) + b"abcd", 64, "unknown blob data type 99"),
+        (pack_record(1, 5, 128, 0) + b"abcd", 64, "runs past the end"),
+        (pack_record(1, 4, 1 << 63, 0) + b"abcd", 64, "runs past the end"),
+        (pack_record(1, 4, 16, 0) + b"abcd", 64, "overlaps the file header"),
+        (pack_record(1, 4, 128, 0) + b"abcd", 1 << 62, "not a record offset in the weight file"),
+        (pack_record(1, 4, 128, 0) + b"abcd", 8, "not a record offset in the weight file"),
+        (pack_record(11, 4, 128, 8) + b"abcd", 64, "padding bits"),  # uint4 with 8 padding bits
+        (pack_record(12, 4, 128, 3) + b"abcd", 64, "padding bits"),  # uint3: 29 bits is not whole elements
+        (pack_record(1, 4, 128, 12345) + b"abcd", 64, None),  # pre-iOS18 garbage in an unused field: ignored
+    ],
+)
 def test_record_checks(tmp_path, record, offset, message):
     wf = WeightFile(_file(tmp_path, records=record))
     if message is None:

@@ -27,9 +27,13 @@ def toy():
 
 
 def _toy_model(path: Path, arrays: dict[str, np.ndarray]) -> Path:
-    doc = {"toymodel": 1, "tensors": {n: {"dtype": a.dtype.name, "shape": list(a.shape),
-                                          "data": base64.b64encode(a.tobytes()).decode()}
-                                      for n, a in arrays.items()}}
+    doc = {
+        "toymodel": 1,
+        "tensors": {
+            n: {"dtype": a.dtype.name, "shape": list(a.shape), "data": base64.b64encode(a.tobytes()).decode()}
+            for n, a in arrays.items()
+        },
+    }
     path.write_text(json.dumps(doc))
     return path
 
@@ -66,7 +70,7 @@ def test_toy_format_converts_inspects_and_checks_through_the_interface(toy, tmp_
     out = tmp_path / "out" / "m.toymodel"
     entry = json.loads(out.read_text())["tensors"]["w"]
     blob = out.parent / entry["location"]
-    raw = blob.read_bytes()[entry["offset"]:entry["offset"] + entry["length"]]
+    raw = blob.read_bytes()[entry["offset"] : entry["offset"] + entry["length"]]
     assert raw == w.tobytes()
     with safe_open(str(blob), "np") as st:  # the shared blob is valid safetensors
         assert np.array_equal(st.get_tensor("w"), w)

@@ -79,8 +79,13 @@ def test_fuzz_check_and_verify(seeds, tmp_path):
     assert min(outcomes.values()) >= 5, outcomes
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(st.binary(max_size=300))
 def test_fuzz_random_spec_bytes(seeds, tmp_path, data):
     seed = seeds[0]

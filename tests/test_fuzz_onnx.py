@@ -46,8 +46,13 @@ def test_fuzz_2000_mutations(seed, tmp_path):
     assert loads["original_loads"] >= 5, loads
 
 
-@settings(max_examples=150, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(st.binary(min_size=0, max_size=400))
 def test_fuzz_random_bytes(tmp_path, data):
     check_one(data, "r.onnx", tmp_path / "w", FuzzStats())

@@ -14,8 +14,10 @@ from weightshare.options import ConvertOptions
 
 @pytest.mark.slow
 def test_fuzz_2000_mutations(tmp_path):
-    seeds = [sample_model(tmp_path / "m.tflite", fc_out=64).read_bytes(),
-             sparse_model(tmp_path / "s.tflite").read_bytes()]
+    seeds = [
+        sample_model(tmp_path / "m.tflite", fc_out=64).read_bytes(),
+        sparse_model(tmp_path / "s.tflite").read_bytes(),
+    ]
     stats = FuzzStats(keep_dir=tmp_path / "kept", keep_every=25)
     rng = random.Random(7)
     work = scratch_dir(tmp_path / "w")

@@ -52,11 +52,20 @@ def big_model(directory: Path) -> Path:
         nh.from_array((ramp / 3).astype(np.float16), "w16"),
         nh.from_array(np.arange(1001, dtype=np.float32), "odd"),
     ]
-    nodes = [h.make_node("Cast", ["w16"], ["w16f"], to=T.FLOAT),
-             h.make_node("Add", ["x", "raw32"], ["a"]), h.make_node("Add", ["a", "ext32"], ["b"]),
-             h.make_node("Add", ["b", "ext32b"], ["c"]), h.make_node("Add", ["c", "w16f"], ["y"])]
-    graph = h.make_graph(nodes, "big", [h.make_tensor_value_info("x", T.FLOAT, [N])],
-                         [h.make_tensor_value_info("y", T.FLOAT, [N])], inits)
+    nodes = [
+        h.make_node("Cast", ["w16"], ["w16f"], to=T.FLOAT),
+        h.make_node("Add", ["x", "raw32"], ["a"]),
+        h.make_node("Add", ["a", "ext32"], ["b"]),
+        h.make_node("Add", ["b", "ext32b"], ["c"]),
+        h.make_node("Add", ["c", "w16f"], ["y"]),
+    ]
+    graph = h.make_graph(
+        nodes,
+        "big",
+        [h.make_tensor_value_info("x", T.FLOAT, [N])],
+        [h.make_tensor_value_info("y", T.FLOAT, [N])],
+        inits,
+    )
     path = directory / "big.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
     return path
@@ -80,7 +89,7 @@ def _tensors(message):
     for field, value in message.ListFields():
         if field.message_type is None:
             continue
-        for item in (value if field.is_repeated else [value]):
+        for item in value if field.is_repeated else [value]:
             if isinstance(item, onnx.TensorProto):
                 yield item
             yield from _tensors(item)
@@ -89,11 +98,15 @@ def _tensors(message):
 # The kitchen sink's blob differs from cc54cfd's in the header only: Constant payloads are named by the Constant's
 # output since the fold rewrite ("c32", was its tensor's name "c32v"); the data section is byte for byte cc54cfd's.
 SINK_MODEL = "52f33c793b2f935dbfddc2437d6c3d8c17def039eb15edeb1febb769e2f286ca"
-SINK_BLOB = {"sha256": "a660590ac86d758e3984474e2b6ab0578d45b6a6b2e33df5d47d1e9d88ab3439",
-             "blake3": "164295787d9d2545ba978924dc1f57c5068f19d3220689db52901c0753c0fab2"}
+SINK_BLOB = {
+    "sha256": "a660590ac86d758e3984474e2b6ab0578d45b6a6b2e33df5d47d1e9d88ab3439",
+    "blake3": "164295787d9d2545ba978924dc1f57c5068f19d3220689db52901c0753c0fab2",
+}
 BIG_MODEL = "60e7295ff6b2bedb5b480a302f343d9667745290c7cb0563df5e5043ae171858"
-BIG_BLOB = {"sha256": "8751e94b2970fb7eac6cc621655ef039891b4700c560428e5e744d83a18481c9",
-            "blake3": "3fc1959ff7adb710cc07c6c6e0d1f5a55324d3b61efacce292f7a73841b52537"}
+BIG_BLOB = {
+    "sha256": "8751e94b2970fb7eac6cc621655ef039891b4700c560428e5e744d83a18481c9",
+    "blake3": "3fc1959ff7adb710cc07c6c6e0d1f5a55324d3b61efacce292f7a73841b52537",
+}
 
 
 @pytest.mark.parametrize("digest", ["sha256", "blake3"])
@@ -139,15 +152,16 @@ def test_sha256_blob_is_todays_and_differs_from_blake3_only_in_the_recorded_dige
         n = int.from_bytes(raw[:8], "little")
         start[digest], header[digest] = 8 + n, json.loads(raw[8 : 8 + n])
     assert start["sha256"] == start["blake3"] and len(blobs["sha256"]) == len(blobs["blake3"])
-    assert blobs["sha256"][start["sha256"]:] == blobs["blake3"][start["blake3"]:]  # every payload byte
+    assert blobs["sha256"][start["sha256"] :] == blobs["blake3"][start["blake3"] :]  # every payload byte
     meta = {d: json.loads(header[d].pop("__metadata__")["weightshare.payloads"]) for d in blobs}
     assert header["sha256"] == header["blake3"]  # names, dtypes, shapes, offsets
-    assert {k: (v["aliases"], len(v["sha256"])) for k, v in meta["sha256"].items()} == \
-        {k: (v["aliases"], len(v["blake3"])) for k, v in meta["blake3"].items()}
+    assert {k: (v["aliases"], len(v["sha256"])) for k, v in meta["sha256"].items()} == {
+        k: (v["aliases"], len(v["blake3"])) for k, v in meta["blake3"].items()
+    }
 
 
 def test_tflite_bytes_are_pinned(tmp_path):
     report = weightshare.convert(sample_model(tmp_path / "t.tflite", seed=2, fc_out=256), tmp_path / "out")
     assert [hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in report.outputs] == [
-        "e89dc47aaa65369ae9e8725b1d3d4604cf99e64a25da669253debc81dd050502"]
-
+        "e89dc47aaa65369ae9e8725b1d3d4604cf99e64a25da669253debc81dd050502"
+    ]

@@ -35,8 +35,13 @@ def _external_model(model_dir: Path, location: str, n: int = 4096) -> Path:
     for k, v in (("location", location), ("offset", "0"), ("length", str(w.nbytes))):
         e = t.external_data.add()
         e.key, e.value = k, v
-    graph = h.make_graph([h.make_node("Add", ["x", "w"], ["y"])], "g", [h.make_tensor_value_info("x", T.FLOAT, [n])],
-                         [h.make_tensor_value_info("y", T.FLOAT, [n])], [t])
+    graph = h.make_graph(
+        [h.make_node("Add", ["x", "w"], ["y"])],
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [n])],
+        [h.make_tensor_value_info("y", T.FLOAT, [n])],
+        [t],
+    )
     path = model_dir / "m.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
     return path

@@ -28,9 +28,13 @@ def assert_clean_failure(res, model: Path, out: Path, *words: str) -> None:
 
 
 def small_model(directory: Path, tensor: onnx.TensorProto, name: str = "m.onnx") -> Path:
-    graph = h.make_graph([h.make_node("Add", ["x", tensor.name], ["y"])], "g",
-                         [h.make_tensor_value_info("x", T.FLOAT, [256])],
-                         [h.make_tensor_value_info("y", T.FLOAT, [256])], [tensor])
+    graph = h.make_graph(
+        [h.make_node("Add", ["x", tensor.name], ["y"])],
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [256])],
+        [h.make_tensor_value_info("y", T.FLOAT, [256])],
+        [tensor],
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     path = directory / name
     path.write_bytes(model.SerializeToString())
@@ -60,8 +64,10 @@ def test_truncated_model(tmp_path, cli, sink_bytes, fraction):
     assert_clean_failure(cli("convert", model, "-o", out), model, out)
 
 
-@pytest.mark.parametrize("garbage", [b"\xff\xff\xff\xff", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
-                                     b"\x08\x07\x3a\x05\x0a\x03abc", b""])
+@pytest.mark.parametrize(
+    "garbage",
+    [b"\xff\xff\xff\xff", b"\x0a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x08\x07\x3a\x05\x0a\x03abc", b""],
+)
 def test_corrupt_protobuf(tmp_path, cli, garbage):
     model = tmp_path / "bad.onnx"
     model.write_bytes(garbage)
@@ -71,8 +77,14 @@ def test_corrupt_protobuf(tmp_path, cli, garbage):
 
 def test_raw_data_length_past_end_of_file(tmp_path, cli):
     # A tensor declaring 1 GB of raw_data in a 60-byte file: must fail before anything is allocated.
-    tensor = (encode_varint_field(1, 250_000_000) + encode_varint_field(2, T.FLOAT)
-              + encode_len_field(8, b"w") + b"\x4a" + bytes([0x80, 0x94, 0xEB, 0xDC, 0x03]) + b"\0" * 16)
+    tensor = (
+        encode_varint_field(1, 250_000_000)
+        + encode_varint_field(2, T.FLOAT)
+        + encode_len_field(8, b"w")
+        + b"\x4a"
+        + bytes([0x80, 0x94, 0xEB, 0xDC, 0x03])
+        + b"\0" * 16
+    )
     graph = encode_len_field(5, tensor)
     model_bytes = encode_varint_field(1, 8) + encode_len_field(7, graph)
     model = tmp_path / "lying.onnx"
@@ -89,8 +101,15 @@ def test_raw_data_length_disagrees_with_dims(tmp_path, cli):
     assert_clean_failure(cli("convert", model, "-o", out), model, out, "raw_data has 1000 bytes")
 
 
-@pytest.mark.parametrize("location,word", [("/etc/passwd", "absolute"), ("../outside.data", ".."),
-                                           ("sub/../../outside.data", ".."), ("C:\\weights.bin", "absolute")])
+@pytest.mark.parametrize(
+    "location,word",
+    [
+        ("/etc/passwd", "absolute"),
+        ("../outside.data", ".."),
+        ("sub/../../outside.data", ".."),
+        ("C:\\weights.bin", "absolute"),
+    ],
+)
 def test_external_location_outside_model_directory(tmp_path, cli, location, word):
     (tmp_path / "outside.data").write_bytes(b"\0" * 1024)
     d = tmp_path / "model"

@@ -80,8 +80,11 @@ def test_nothing_large_stays_embedded_except_shape_tensors(sink):
     _, out, report = sink
     model = onnx.load(str(out), load_external_data=False)
     shapes = shape_tensor_names(model)
-    leftovers = [t.name for t in all_tensors(model)
-                 if embedded_bytes(t) >= 1024 and not (t.data_type == onnx.TensorProto.INT64 and t.name in shapes)]
+    leftovers = [
+        t.name
+        for t in all_tensors(model)
+        if embedded_bytes(t) >= 1024 and not (t.data_type == onnx.TensorProto.INT64 and t.name in shapes)
+    ]
     assert leftovers == []
     # every kind the fixture has ended up external: main graph, nested subgraphs, function, Loop body
     external = {e.value for t in all_tensors(model) for e in t.external_data if e.key == "location"}
@@ -98,7 +101,8 @@ def test_fp16_casts_folded_and_typed_fields_unpacked(sink):
     casts = [n for s in iter_scopes(model) for n in s.node if n.op_type == "Cast"]
     # Only the Casts of "mixed16" (also cast to double) and of the int typed tensors (behind Identity) remain.
     assert {n.input[0] for n in casts} == {"mixed16", "mixed16_d"} | {
-        f"t_{k}_id" for k in ("int8", "uint8", "int16", "bool", "int32", "int64", "double", "uint32", "uint64")}
+        f"t_{k}_id" for k in ("int8", "uint8", "int16", "bool", "int32", "int64", "double", "uint32", "uint64")
+    }
     # fp16 main graph, bf16, two16, t_fp16, Constant c16, deep16, else16 = 8 Casts gone (two16 had two)
     assert report.ops_removed == 8
     by_name = {t.name: t for t in all_tensors(model)}
@@ -206,8 +210,13 @@ def test_bool_in_int32_data_is_nonzero_as_ort_reads_it(tmp_path):
     values = np.resize(np.array([0, 1, 2, 256, -1, 0x3C00, 1 << 20], np.int64), 2000)
     t = onnx.TensorProto(name="b", data_type=onnx.TensorProto.BOOL, dims=[values.size])
     t.int32_data.extend(values.tolist())
-    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["b"], ["y"])], "g", [],
-                                   [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.BOOL, None)], [t])
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["b"], ["y"])],
+        "g",
+        [],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.BOOL, None)],
+        [t],
+    )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, tmp_path / "m.onnx")

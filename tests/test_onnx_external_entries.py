@@ -25,8 +25,13 @@ def _model(d: Path, entries: list[tuple[str, str]], trailing: int = 0) -> Path:
     for k, v in entries:
         e = t.external_data.add()
         e.key, e.value = k, v
-    g = helper.make_graph([helper.make_node("Identity", ["w"], ["y"])], "g", [],
-                          [helper.make_tensor_value_info("y", TP.FLOAT, [DATA.size])], [t])
+    g = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["y"])],
+        "g",
+        [],
+        [helper.make_tensor_value_info("y", TP.FLOAT, [DATA.size])],
+        [t],
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     onnx.save(m, d / "m.onnx")
@@ -43,11 +48,31 @@ def _ort(path: Path):
 
 
 CASES = [
-    *[[("location", "w.data"), ("offset", v), ("length", "128")] for v in
-      ("16", "016", "+16", " 16", "\t16", "16 ", "16_16", "\u0661\u0666", "\uff11\uff16", "0x10", "16.0", "", " ",
-       "+", "1e1", str(1 << 64))],
-    *[[("location", "w.data"), ("offset", "16"), ("length", v)] for v in
-      ("128", "0128", "0", "+128", " 128", "128 ", "1_28", "", "-128", "\u0661\u0662\u0668")],
+    *[
+        [("location", "w.data"), ("offset", v), ("length", "128")]
+        for v in (
+            "16",
+            "016",
+            "+16",
+            " 16",
+            "\t16",
+            "16 ",
+            "16_16",
+            "\u0661\u0666",
+            "\uff11\uff16",
+            "0x10",
+            "16.0",
+            "",
+            " ",
+            "+",
+            "1e1",
+            str(1 << 64),
+        )
+    ],
+    *[
+        [("location", "w.data"), ("offset", "16"), ("length", v)]
+        for v in ("128", "0128", "0", "+128", " 128", "128 ", "1_28", "", "-128", "\u0661\u0662\u0668")
+    ],
     [("location", "w.data"), ("offset", "16")],  # no length: the tensor's size from the offset
     [("location", "w.data"), ("offset", "16"), ("length", "128"), ("checksum", "abc")],
     [("location", "w.data"), ("offset", "16"), ("length", "128"), ("junk", "x")],

@@ -22,8 +22,13 @@ N = 1000  # elements: 2 KB of fp16, above the inline threshold, and not a multip
 
 
 def _model(nodes, inits=(), outputs=("y",), inputs=(), opset=17, **kw) -> onnx.ModelProto:
-    graph = helper.make_graph(list(nodes), "g", [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in inputs],
-                              [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in outputs], list(inits))
+    graph = helper.make_graph(
+        list(nodes),
+        "g",
+        [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in inputs],
+        [helper.make_tensor_value_info(n, TP.FLOAT, None) for n in outputs],
+        list(inits),
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], **kw)
     model.ir_version = 8
     return model
@@ -108,21 +113,33 @@ def test_subgraph_shadowing_a_cast_output_still_loads(tmp_path):
     # An If placed before the Cast defines its own "c" in a branch, shadowing the Cast's output: ORT accepts
     # that while "c" is a node output computed later, but refuses it (SSA) once "c" is an initializer, which
     # is what folding would make it. The fold must be skipped.
-    then_g = helper.make_graph([helper.make_node("Neg", ["x"], ["c"]), helper.make_node("Add", ["c", "c"], ["t"])],
-                               "then", [], [helper.make_tensor_value_info("t", TP.FLOAT, None)])
-    else_g = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
-                               [helper.make_tensor_value_info("e", TP.FLOAT, None)])
+    then_g = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["c"]), helper.make_node("Add", ["c", "c"], ["t"])],
+        "then",
+        [],
+        [helper.make_tensor_value_info("t", TP.FLOAT, None)],
+    )
+    else_g = helper.make_graph(
+        [helper.make_node("Neg", ["x"], ["e"])], "else", [], [helper.make_tensor_value_info("e", TP.FLOAT, None)]
+    )
     cond = numpy_helper.from_array(np.array(True), "cond")
-    nodes = [helper.make_node("If", ["cond"], ["i"], then_branch=then_g, else_branch=else_g), _cast("w", "c"),
-             helper.make_node("Add", ["i", "c"], ["y"])]
+    nodes = [
+        helper.make_node("If", ["cond"], ["i"], then_branch=then_g, else_branch=else_g),
+        _cast("w", "c"),
+        helper.make_node("Add", ["i", "c"], ["y"]),
+    ]
     x = np.random.default_rng(3).standard_normal(N).astype(np.float32)
     report, _ = _convert_and_compare(tmp_path, _model(nodes, [_fp16("w", 1), cond], inputs=("x",)), {"x": x})
     assert report.ops_removed == 0
 
 
 def test_training_bindings_still_name_initializers(tmp_path):
-    algorithm = helper.make_graph([helper.make_node("Identity", ["w"], ["w_new"])], "algo", [],
-                                  [helper.make_tensor_value_info("w_new", TP.FLOAT16, None)])
+    algorithm = helper.make_graph(
+        [helper.make_node("Identity", ["w"], ["w_new"])],
+        "algo",
+        [],
+        [helper.make_tensor_value_info("w_new", TP.FLOAT16, None)],
+    )
     info = onnx.TrainingInfoProto(algorithm=algorithm)
     binding = info.update_binding.add()
     binding.key, binding.value = "w", "w_new"
@@ -138,9 +155,16 @@ def test_training_bindings_still_name_initializers(tmp_path):
 def test_many_casts_fold_and_match(tmp_path):
     # Several constants, one shared by two Casts, one of them a graph output: the one-pass rename must keep
     # every reader pointing at the right tensor.
-    nodes = [_cast("a", "a1"), _cast("a", "a2"), _cast("b", "y"), helper.make_node("Add", ["a1", "a2"], ["s"]),
-             helper.make_node("Add", ["s", "y"], ["z"]), _const("k", _fp16("kt", 4)), _cast("k", "k1"),
-             helper.make_node("Mul", ["z", "k1"], ["m"])]
+    nodes = [
+        _cast("a", "a1"),
+        _cast("a", "a2"),
+        _cast("b", "y"),
+        helper.make_node("Add", ["a1", "a2"], ["s"]),
+        helper.make_node("Add", ["s", "y"], ["z"]),
+        _const("k", _fp16("kt", 4)),
+        _cast("k", "k1"),
+        helper.make_node("Mul", ["z", "k1"], ["m"]),
+    ]
     model = _model(nodes, [_fp16("a", 1), _fp16("b", 2)], outputs=("y", "m"))
     report, _ = _convert_and_compare(tmp_path, model)
     assert report.ops_removed == 4
@@ -148,8 +172,10 @@ def test_many_casts_fold_and_match(tmp_path):
     assert not any(n.op_type == "Cast" for n in out.graph.node)
 
 
-SPECIAL = np.array([0x7C01, 0x7D55, 0xFC01, 0x7E00, 0x7E01, 0xFE00, 0x7C00, 0xFC00, 0x8000, 0x0000, 0x0001,
-                    0x83FF, 0x03FF, 0x3C00], np.uint16)
+SPECIAL = np.array(
+    [0x7C01, 0x7D55, 0xFC01, 0x7E00, 0x7E01, 0xFE00, 0x7C00, 0xFC00, 0x8000, 0x0000, 0x0001, 0x83FF, 0x03FF, 0x3C00],
+    np.uint16,
+)
 
 
 def _special_bits(with_snan: bool) -> np.ndarray:

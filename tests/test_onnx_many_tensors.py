@@ -43,8 +43,13 @@ print(json.dumps({"before": before, "peak": hwm(), "moved": report.tensors_moved
 def _many(path: Path, count: int) -> Path:
     base = np.arange(ELEMS, dtype=np.float32).tobytes()[4:]
     inits = [h.make_tensor(f"t{i}", T.FLOAT, [ELEMS], base + i.to_bytes(4, "little"), raw=True) for i in range(count)]
-    graph = h.make_graph([h.make_node("Sum", [f"t{i}" for i in range(count)], ["y"])], "many", [],
-                         [h.make_tensor_value_info("y", T.FLOAT, [ELEMS])], inits)
+    graph = h.make_graph(
+        [h.make_node("Sum", [f"t{i}" for i in range(count)], ["y"])],
+        "many",
+        [],
+        [h.make_tensor_value_info("y", T.FLOAT, [ELEMS])],
+        inits,
+    )
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
     return path
 
@@ -54,8 +59,14 @@ def test_peak_rss_small_in_the_number_of_tensors(tmp_path):
     model = _many(tmp_path / "many.onnx", COUNT)
     root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(model), str(tmp_path / "out")], capture_output=True,
-                         text=True, env=env, cwd="/", check=False)
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(model), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+        check=False,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     fig = json.loads(res.stdout.strip().splitlines()[-1])
     assert fig["moved"] == COUNT
@@ -74,9 +85,9 @@ def test_reserved_marker_key_on_a_tensor_without_payload_is_refused(tmp_path):
     empty = h.make_tensor("e", T.FLOAT, [0], [])
     entry = empty.external_data.add()
     entry.key, entry.value = REF_KEY, "0"
-    graph = h.make_graph([h.make_node("Identity", ["e"], ["y"])], "g", [],
-                         [h.make_tensor_value_info("y", T.FLOAT, [0])],
-                         [empty])
+    graph = h.make_graph(
+        [h.make_node("Identity", ["e"], ["y"])], "g", [], [h.make_tensor_value_info("y", T.FLOAT, [0])], [empty]
+    )
     path = tmp_path / "m.onnx"
     onnx.save(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]), str(path))
     with pytest.raises(InvalidModel, match="reserves"):

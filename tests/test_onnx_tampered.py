@@ -18,8 +18,11 @@ def _first_output(tmp_path: Path) -> tuple[Path, Path, dict[str, tuple[int, int]
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal(2001).astype(np.float32), n) for n in ("a", "b")]
     inits.append(numpy_helper.from_array(rng.standard_normal(2001).astype(np.float16), "h"))
-    nodes = [helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Cast", ["h"], ["hf"], to=TP.FLOAT),
-             helper.make_node("Add", ["s", "hf"], ["y"])]
+    nodes = [
+        helper.make_node("Add", ["a", "b"], ["s"]),
+        helper.make_node("Cast", ["h"], ["hf"], to=TP.FLOAT),
+        helper.make_node("Add", ["s", "hf"], ["y"]),
+    ]
     g = helper.make_graph(nodes, "g", [], [helper.make_tensor_value_info("y", TP.FLOAT, None)], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8

@@ -30,8 +30,13 @@ DISABLE_PREPACKING = {"session.disable_prepacking": "1"}
 
 
 def _model(nodes, inits, x_shape, y_name, y_shape) -> onnx.ModelProto:
-    g = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, x_shape)],
-                     [h.make_tensor_value_info(y_name, T.FLOAT, y_shape)], inits)
+    g = h.make_graph(
+        nodes,
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, x_shape)],
+        [h.make_tensor_value_info(y_name, T.FLOAT, y_shape)],
+        inits,
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
     m.ir_version = 8
     return m
@@ -41,10 +46,15 @@ def mlp_fp32(d: int = 64, layers: int = 3, seed: int = 0) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
     nodes, inits, x = [], [], "x"
     for i in range(layers):
-        inits += [nh.from_array((rng.standard_normal((d, d)) / d ** 0.5).astype(np.float32), f"w{i}"),
-                  nh.from_array((rng.standard_normal(d) / 8).astype(np.float32), f"b{i}")]
-        nodes += [h.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), h.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
-                  h.make_node("Relu", [f"a{i}"], [f"r{i}"])]
+        inits += [
+            nh.from_array((rng.standard_normal((d, d)) / d**0.5).astype(np.float32), f"w{i}"),
+            nh.from_array((rng.standard_normal(d) / 8).astype(np.float32), f"b{i}"),
+        ]
+        nodes += [
+            h.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]),
+            h.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
+            h.make_node("Relu", [f"a{i}"], [f"r{i}"]),
+        ]
         x = f"r{i}"
     return _model(nodes, inits, ["N", d], x, ["N", d])
 
@@ -53,14 +63,24 @@ def cnn_fp32(c: int = 8, seed: int = 0) -> onnx.ModelProto:
     """Conv + Relu twice, then Reshape and MatMul + Add: the 'small CNN (Conv + MatMul)' of the issue."""
     rng = np.random.default_rng(seed)
     f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)
-    inits = [nh.from_array(f32(c, 3, 3, 3), "cw0"), nh.from_array(f32(c), "cb0"),
-             nh.from_array(f32(c, c, 3, 3), "cw1"), nh.from_array(f32(c), "cb1"),
-             nh.from_array(np.array([0, -1], np.int64), "shape"), nh.from_array(f32(c * 64, 10), "fw"),
-             nh.from_array(f32(10), "fb")]
-    nodes = [h.make_node("Conv", ["x", "cw0", "cb0"], ["c0"], pads=[1, 1, 1, 1]), h.make_node("Relu", ["c0"], ["r0"]),
-             h.make_node("Conv", ["r0", "cw1", "cb1"], ["c1"], pads=[1, 1, 1, 1]), h.make_node("Relu", ["c1"], ["r1"]),
-             h.make_node("Reshape", ["r1", "shape"], ["f"]), h.make_node("MatMul", ["f", "fw"], ["mm"]),
-             h.make_node("Add", ["mm", "fb"], ["y"])]
+    inits = [
+        nh.from_array(f32(c, 3, 3, 3), "cw0"),
+        nh.from_array(f32(c), "cb0"),
+        nh.from_array(f32(c, c, 3, 3), "cw1"),
+        nh.from_array(f32(c), "cb1"),
+        nh.from_array(np.array([0, -1], np.int64), "shape"),
+        nh.from_array(f32(c * 64, 10), "fw"),
+        nh.from_array(f32(10), "fb"),
+    ]
+    nodes = [
+        h.make_node("Conv", ["x", "cw0", "cb0"], ["c0"], pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["c0"], ["r0"]),
+        h.make_node("Conv", ["r0", "cw1", "cb1"], ["c1"], pads=[1, 1, 1, 1]),
+        h.make_node("Relu", ["c1"], ["r1"]),
+        h.make_node("Reshape", ["r1", "shape"], ["f"]),
+        h.make_node("MatMul", ["f", "fw"], ["mm"]),
+        h.make_node("Add", ["mm", "fb"], ["y"]),
+    ]
     return _model(nodes, inits, ["N", 3, 8, 8], "y", ["N", 10])
 
 
@@ -68,14 +88,27 @@ def attention_fp32(d: int = 32, vocab: int = 50, seed: int = 0) -> onnx.ModelPro
     """Gather + LayerNorm + self-attention: fp16 Softmax has no CPU kernel, so ORT expands its function body."""
     rng = np.random.default_rng(seed)
     f32 = lambda *s: (rng.standard_normal(s) / 8).astype(np.float32)
-    inits = [nh.from_array(f32(vocab, d), "emb"), nh.from_array(np.ones(d, np.float32), "g"),
-             nh.from_array(np.zeros(d, np.float32), "beta"), nh.from_array(f32(d, d), "wq"),
-             nh.from_array(f32(d, d), "wk"), nh.from_array(f32(d, d), "wv"), nh.from_array(f32(d), "bo")]
-    nodes = [h.make_node("Gather", ["emb", "x"], ["e"]), h.make_node("LayerNormalization", ["e", "g", "beta"], ["ln"]),
-             h.make_node("MatMul", ["ln", "wq"], ["q"]), h.make_node("MatMul", ["ln", "wk"], ["k"]),
-             h.make_node("MatMul", ["ln", "wv"], ["v"]), h.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
-             h.make_node("MatMul", ["q", "kt"], ["s"]), h.make_node("Softmax", ["s"], ["p"], axis=-1),
-             h.make_node("MatMul", ["p", "v"], ["o"]), h.make_node("Add", ["o", "bo"], ["y"])]
+    inits = [
+        nh.from_array(f32(vocab, d), "emb"),
+        nh.from_array(np.ones(d, np.float32), "g"),
+        nh.from_array(np.zeros(d, np.float32), "beta"),
+        nh.from_array(f32(d, d), "wq"),
+        nh.from_array(f32(d, d), "wk"),
+        nh.from_array(f32(d, d), "wv"),
+        nh.from_array(f32(d), "bo"),
+    ]
+    nodes = [
+        h.make_node("Gather", ["emb", "x"], ["e"]),
+        h.make_node("LayerNormalization", ["e", "g", "beta"], ["ln"]),
+        h.make_node("MatMul", ["ln", "wq"], ["q"]),
+        h.make_node("MatMul", ["ln", "wk"], ["k"]),
+        h.make_node("MatMul", ["ln", "wv"], ["v"]),
+        h.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
+        h.make_node("MatMul", ["q", "kt"], ["s"]),
+        h.make_node("Softmax", ["s"], ["p"], axis=-1),
+        h.make_node("MatMul", ["p", "v"], ["o"]),
+        h.make_node("Add", ["o", "bo"], ["y"]),
+    ]
     m = _model(nodes, inits, ["B", "S"], "y", ["B", "S", d])
     m.graph.input[0].type.tensor_type.elem_type = T.INT64
     return m
@@ -107,8 +140,11 @@ def blob_out(report) -> Path:
     return Path(next(p for p in report.outputs if not p.endswith(".onnx")))
 
 
-CASES = {"mlp": (lambda: to_fp16(mlp_fp32()), (5, 64)), "cnn": (lambda: to_fp16(cnn_fp32()), (2, 3, 8, 8)),
-         "attention": (lambda: to_fp16(attention_fp32()), (2, 7))}
+CASES = {
+    "mlp": (lambda: to_fp16(mlp_fp32()), (5, 64)),
+    "cnn": (lambda: to_fp16(cnn_fp32()), (2, 3, 8, 8)),
+    "attention": (lambda: to_fp16(attention_fp32()), (2, 7)),
+}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -188,8 +224,12 @@ def handmade_fp16(seed: int = 3) -> onnx.ModelProto:
     rng = np.random.default_rng(seed)
     w = nh.from_array((rng.standard_normal((64, 64)) / 8).astype(np.float16), "w")
     b = nh.from_array((rng.standard_normal(64) / 8).astype(np.float16), "b")
-    nodes = [h.make_node("Cast", ["x"], ["x16"], to=T.FLOAT16), h.make_node("MatMul", ["x16", "w"], ["m"]),
-             h.make_node("Add", ["m", "b"], ["a"]), h.make_node("Cast", ["a"], ["y"], to=T.FLOAT)]
+    nodes = [
+        h.make_node("Cast", ["x"], ["x16"], to=T.FLOAT16),
+        h.make_node("MatMul", ["x16", "w"], ["m"]),
+        h.make_node("Add", ["m", "b"], ["a"]),
+        h.make_node("Cast", ["a"], ["y"], to=T.FLOAT),
+    ]
     return _model(nodes, [w, b], ["N", 64], "y", ["N", 64])
 
 
@@ -248,10 +288,12 @@ def test_flag_conflicts_with_keep_packed(tmp_path, cli):
 
 
 def test_subgraph_model_is_left_as_it_is_with_a_note(tmp_path):
-    then = h.make_graph([h.make_node("MatMul", ["x16", "w"], ["t"])], "then", [],
-                        [h.make_tensor_value_info("t", T.FLOAT16, None)])
-    other = h.make_graph([h.make_node("Identity", ["x16"], ["e"])], "else", [],
-                         [h.make_tensor_value_info("e", T.FLOAT16, None)])
+    then = h.make_graph(
+        [h.make_node("MatMul", ["x16", "w"], ["t"])], "then", [], [h.make_tensor_value_info("t", T.FLOAT16, None)]
+    )
+    other = h.make_graph(
+        [h.make_node("Identity", ["x16"], ["e"])], "else", [], [h.make_tensor_value_info("e", T.FLOAT16, None)]
+    )
     m = handmade_fp16()
     m.graph.input.append(h.make_tensor_value_info("cond", T.BOOL, []))
     m.graph.node.insert(1, h.make_node("If", ["cond"], ["x16b"], then_branch=then, else_branch=other))

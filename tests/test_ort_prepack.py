@@ -84,8 +84,11 @@ def test_packed_entries_point_into_the_safetensors_blob(converted):
     model = onnx.load(report["outputs"][0], load_external_data=False)
     blob = _blob(Path(report["outputs"][0]))
     start, header, meta = read_safetensors_metadata(str(blob))
-    packed_ranges = {(start + t["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0])
-                     for n, t in header.items() if n.startswith(PACKED_PREFIX)}
+    packed_ranges = {
+        (start + t["data_offsets"][0], t["data_offsets"][1] - t["data_offsets"][0])
+        for n, t in header.items()
+        if n.startswith(PACKED_PREFIX)
+    }
     entries = [e.value for t in model.graph.initializer for e in t.external_data if e.key.startswith("prepacked_")]
     kernels = {v.split("+")[0] for v in entries}
     assert "MatMul" in kernels and kernels & {"Gemm", "FusedGemm"}  # Gemm+Relu becomes FusedGemm at level ALL
@@ -97,8 +100,9 @@ def test_packed_entries_point_into_the_safetensors_blob(converted):
     assert seen and seen <= packed_ranges and len(seen) == len(packed_ranges)
     # NCHWc-reordered Conv weights are stored too, and the blob is still plain safetensors
     assert any(n.startswith(OPTIMIZED_PREFIX) for n in header)
-    assert {"nchwc", "com.microsoft.nchwc"} & {o.domain for o in model.opset_import} or \
-        any(n.domain == "com.microsoft.nchwc" for n in model.graph.node)
+    assert {"nchwc", "com.microsoft.nchwc"} & {o.domain for o in model.opset_import} or any(
+        n.domain == "com.microsoft.nchwc" for n in model.graph.node
+    )
     with safe_open(str(blob), "np") as f:
         assert set(f.keys()) >= set(meta)
         binding = json.loads(f.metadata()[METADATA_KEY])
@@ -199,8 +203,7 @@ print(json.dumps(rows))
 
 def _pss_rows(model: str, src: Path) -> list[float]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
-    res = subprocess.run([sys.executable, "-c", _PSS_PROBE, model, str(src)], capture_output=True, text=True,
-                         env=env)
+    res = subprocess.run([sys.executable, "-c", _PSS_PROBE, model, str(src)], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.splitlines()[-1])
 
@@ -231,9 +234,13 @@ def test_a_model_onnxruntime_cannot_load_fails_cleanly(tmp_path, cli):
     from onnx import numpy_helper as nh
 
     w = nh.from_array(np.ones((64, 64), np.float32), "w")
-    graph = h.make_graph([h.make_node("NoSuchOp", ["x", "w"], ["y"], domain="example.nowhere")], "g",
-                         [h.make_tensor_value_info("x", T.FLOAT, [1, 64])],
-                         [h.make_tensor_value_info("y", T.FLOAT, None)], [w])
+    graph = h.make_graph(
+        [h.make_node("NoSuchOp", ["x", "w"], ["y"], domain="example.nowhere")],
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 64])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+        [w],
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17), h.make_opsetid("example.nowhere", 1)])
     src = tmp_path / "odd.onnx"
     onnx.save(model, src)
@@ -317,8 +324,12 @@ def test_segmented_optimization_is_the_whole_graph_optimization(tmp_path, sample
     for batch in (1, 16):
         assert _same(_run(stitched, src, batch), _run(original, src, batch))
     # nothing but the stitched model's own data is left beside it
-    referenced = {e.value for t in onnx.load(str(tmp_path / "split" / "ort.onnx"), load_external_data=False)
-                  .graph.initializer for e in t.external_data if e.key == "location"}
+    referenced = {
+        e.value
+        for t in onnx.load(str(tmp_path / "split" / "ort.onnx"), load_external_data=False).graph.initializer
+        for e in t.external_data
+        if e.key == "location"
+    }
     assert {p.name for p in (tmp_path / "split").iterdir()} == referenced | {"ort.onnx"}
 
 
@@ -330,8 +341,7 @@ def test_the_pair_check_drops_a_cut_that_breaks_a_fusion(tmp_path):
     (tmp_path / "s").mkdir()
     seg.optimize = lambda a, b, c: ort_optimize(a, b, c, "1024")
     bounds = seg.plan.bounds
-    bad = next(k for k in range(len(bounds) - 2)
-               if seg.model.graph.node[bounds[k + 1]].op_type == "BatchNormalization")
+    bad = next(k for k in range(len(bounds) - 2) if seg.model.graph.node[bounds[k + 1]].op_type == "BatchNormalization")
     assert not seg.cut_is_exact(bounds, bad)
     report = _level_all(src, tmp_path / "split" / "ort.onnx", 1000)
     whole = _level_all(src, tmp_path / "whole" / "ort.onnx", 1 << 40)
@@ -353,8 +363,9 @@ def test_reorder_splice_and_standin_are_what_makes_cuts_exact(tmp_path):
     whole graph does not have; without the stand-in a residual Add after a cut is not fused into its Conv."""
     src = cnn_onnx(tmp_path / "cnn.onnx", channels=32, blocks=1, spatial=6)
     (tmp_path / "s").mkdir()
-    seg = segs.Segmenter(str(src), str(tmp_path / "s" / "ort.onnx"), lambda a, b, c: ort_optimize(a, b, c, "1024"),
-                         1000)
+    seg = segs.Segmenter(
+        str(src), str(tmp_path / "s" / "ort.onnx"), lambda a, b, c: ort_optimize(a, b, c, "1024"), 1000
+    )
     g = seg.model.graph
     cut = next(p for p, n in enumerate(g.node) if n.output[0] == "block0.conv1")  # after stem+MaxPool
     bounds = [0, cut, len(g.node)]
@@ -381,8 +392,9 @@ def test_graphs_that_are_not_cut(tmp_path):
     types = set(segs.tensor_types(model))
     assert len(segs.plan(model.graph, 1 << 30, types).bounds) == 2  # small enough for one piece
     assert len(segs.plan(model.graph, 1000, types).bounds) > 2
-    then = h.make_graph([h.make_node("Identity", ["y"], ["z"])], "then", [], [h.make_tensor_value_info("z", T.FLOAT,
-                                                                                                        None)])
+    then = h.make_graph(
+        [h.make_node("Identity", ["y"], ["z"])], "then", [], [h.make_tensor_value_info("z", T.FLOAT, None)]
+    )
     model.graph.node.append(h.make_node("If", ["cond"], ["w"], then_branch=then, else_branch=then))
     p = segs.plan(model.graph, 1000, types)
     assert len(p.bounds) == 2 and "subgraph" in p.reason
@@ -392,8 +404,7 @@ def test_prepack_cli_reports_segments_and_stays_bit_identical(tmp_path):
     from conftest import run_cli
 
     src = cnn_onnx(tmp_path / "cnn.onnx", channels=48, blocks=6, spatial=6, seed=3)
-    res = run_cli("convert", src, "-o", tmp_path / "out", "--prepack", "--json", "-q",
-                  env={segs.BUDGET_ENV: "20000"})
+    res = run_cli("convert", src, "-o", tmp_path / "out", "--prepack", "--json", "-q", env={segs.BUDGET_ENV: "20000"})
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     note = next(n for n in report["notes"] if "segments" in n)

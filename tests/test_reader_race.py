@@ -66,8 +66,13 @@ def mlp(path: Path, seed: int) -> Path:
         y = "y" if i == 2 else f"h{i}"
         nodes.append(h.make_node("Add", [f"m{i}", f"b{i}"], [y]))
         x = y
-    g = h.make_graph(nodes, "mlp", [h.make_tensor_value_info("x", T.FLOAT, [1, DIM])],
-                     [h.make_tensor_value_info("y", T.FLOAT, [1, DIM])], inits)
+    g = h.make_graph(
+        nodes,
+        "mlp",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, DIM])],
+        [h.make_tensor_value_info("y", T.FLOAT, [1, DIM])],
+        inits,
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
     m.ir_version = 8
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -89,8 +94,20 @@ def race(tmp_path: Path, convert_v1, convert_v2, v1: Path, v2: Path) -> dict:
     out = tmp_path / "out"
     convert_v1(out)
     stop, ready = tmp_path / "stop", tmp_path / "ready"
-    reader = subprocess.Popen([sys.executable, "-c", READER, str(out / "a.onnx"), str(tmp_path / "want1.npy"),
-                               str(tmp_path / "want2.npy"), str(stop), str(ready)], stdout=subprocess.PIPE, text=True)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            READER,
+            str(out / "a.onnx"),
+            str(tmp_path / "want1.npy"),
+            str(tmp_path / "want2.npy"),
+            str(stop),
+            str(ready),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not ready.exists() and reader.poll() is None and time.monotonic() < deadline:
@@ -119,8 +136,13 @@ def test_plain_mode_readers_see_old_or_new_never_a_mix(tmp_path):
 def test_zoo_mode_readers_see_old_or_new_never_a_mix(tmp_path):
     v1 = [mlp(tmp_path / "v1" / "a.onnx", 1), mlp(tmp_path / "v1" / "b.onnx", 3)]
     v2 = [mlp(tmp_path / "v2" / "a.onnx", 2), mlp(tmp_path / "v2" / "b.onnx", 3)]
-    result = race(tmp_path, lambda out: convert_zoo(v1, out, "zoo.safetensors"),
-                  lambda out: convert_zoo(v2, out, "zoo.safetensors"), v1[0], v2[0])
+    result = race(
+        tmp_path,
+        lambda out: convert_zoo(v1, out, "zoo.safetensors"),
+        lambda out: convert_zoo(v2, out, "zoo.safetensors"),
+        v1[0],
+        v2[0],
+    )
     counts = result["counts"]
     assert counts["mixed"] == 0 and counts["failed"] == 0, result
     assert counts["v1"] > 0 and counts["v2"] > 0, result

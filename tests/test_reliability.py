@@ -17,8 +17,13 @@ from weightshare.samples import mlp_onnx
 
 
 def start(args, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "weightshare", *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "weightshare", *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def snapshot(d: Path) -> dict[str, bytes]:

@@ -39,8 +39,9 @@ def _small_model() -> ModelBuilder:
     return mb
 
 
-def _expect_error(src: Path, out: Path, kind=InvalidModel, words: str = "", where: Path | None = None
-                  ) -> WeightshareError:
+def _expect_error(
+    src: Path, out: Path, kind=InvalidModel, words: str = "", where: Path | None = None
+) -> WeightshareError:
     with pytest.raises(kind) as info:
         convert(src, out)
     err = info.value
@@ -59,7 +60,7 @@ def test_truncated_flatbuffer(tmp_path, keep):
     _expect_error(src, tmp_path / "out")
 
 
-@pytest.mark.parametrize("offset,size", [(10 ** 9, 4096), (64, 10 ** 12), (2 ** 64 - 8, 16)])
+@pytest.mark.parametrize("offset,size", [(10**9, 4096), (64, 10**12), (2**64 - 8, 16)])
 def test_buffer_offset_or_size_past_end(tmp_path, offset, size):
     mb = _small_model()
     mb.buffers.append(s.BufferT(offset=offset, size=size))
@@ -114,13 +115,16 @@ def _external_model(tmp_path, group: str, offset: int = 0, length: int = 1024, e
     return path
 
 
-@pytest.mark.parametrize("group,offset,length,ext_id,kind,words", [
-    ("../outside.bin", 0, 1024, 1, UnsafePath, "'..'"),
-    ("/etc/passwd", 0, 1024, 1, UnsafePath, "absolute"),
-    ("w.bin", 4000, 1024, 1, InvalidModel, "past the end"),  # names w.bin: the slice is wrong there
-    ("missing.bin", 0, 1024, 1, InvalidModel, "does not exist"),
-    ("w.bin", 0, 1024, 2, InvalidModel, "does not define"),
-])
+@pytest.mark.parametrize(
+    "group,offset,length,ext_id,kind,words",
+    [
+        ("../outside.bin", 0, 1024, 1, UnsafePath, "'..'"),
+        ("/etc/passwd", 0, 1024, 1, UnsafePath, "absolute"),
+        ("w.bin", 4000, 1024, 1, InvalidModel, "past the end"),  # names w.bin: the slice is wrong there
+        ("missing.bin", 0, 1024, 1, InvalidModel, "does not exist"),
+        ("w.bin", 0, 1024, 2, InvalidModel, "does not define"),
+    ],
+)
 def test_hostile_external_buffers_in_input(tmp_path, group, offset, length, ext_id, kind, words):
     src = _external_model(tmp_path, group, offset, length, ext_id)
     where = tmp_path / "w.bin" if words == "past the end" else src
@@ -143,8 +147,12 @@ def test_cli_bad_input_exit_code_2(tmp_path):
     mb = _small_model()
     mb.subgraphs[0].tensors[0].buffer = 999
     src = mb.save(tmp_path / "m.tflite")
-    proc = subprocess.run([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith(("INFO:", "WARNING:"))]
     assert len(lines) == 1 and "buffer 999" in lines[0] and "Traceback" not in proc.stderr
@@ -171,7 +179,7 @@ def _convert_damaged(seed: bytes, cut: int, flips: list, options: ConvertOptions
             assert not out.exists() or list(out.iterdir()) == []
 
 
-_FLIPS = st.lists(st.tuples(st.integers(0, 2 ** 20), st.integers(0, 255)), max_size=6)
+_FLIPS = st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 255)), max_size=6)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

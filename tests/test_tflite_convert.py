@@ -83,7 +83,7 @@ def test_buffers_moved_aligned_and_deduplicated(converted):
             assert b.Data(0) is not None
             pos = b._tab.Vector(4)
             assert pos % 16 == 0, f"inline buffer {i} data at {pos} is not 16-byte aligned"
-    assert len(data) == max(ends) + 16 and data[max(ends):] == bytes(16)
+    assert len(data) == max(ends) + 16 and data[max(ends) :] == bytes(16)
     assert any(len(v) == 2 for v in placed.values()), "twin constants should share one payload"
     assert report.deduplicated == 1 and report.ops_removed == 2 and report.unpacked == 2
     assert any(b % (64 << 10) == 0 and model.Buffers(v[0]).Size() >= 1 << 20 for b, v in placed.items())
@@ -93,8 +93,9 @@ def test_everything_but_buffers_preserved(converted):
     src, out, _ = converted
     a, b = model_of(src), model_of(out)
     assert [sd.signatureKey for sd in a.signatureDefs] == [sd.signatureKey for sd in b.signatureDefs]
-    assert [(m.name, bytes(a.buffers[m.buffer].data)) for m in a.metadata] == \
-           [(m.name, bytes(b.buffers[m.buffer].data)) for m in b.metadata]
+    assert [(m.name, bytes(a.buffers[m.buffer].data)) for m in a.metadata] == [
+        (m.name, bytes(b.buffers[m.buffer].data)) for m in b.metadata
+    ]
     assert b.description == a.description and len(b.subgraphs) == len(a.subgraphs) == 2
     for ga, gb in zip(a.subgraphs, b.subgraphs):
         assert ga.name == gb.name
@@ -183,8 +184,10 @@ def test_external_blob_through_compiled_model(converted, tmp_path):
     m = model_of(model_path)
     assert [g.name for g in m.externalBufferGroups] == [blob_path.name.encode()]
     threshold = ConvertOptions().inline_threshold
-    assert all(b.data is None or len(b.data) < threshold or i in {md.buffer for md in m.metadata}
-               for i, b in enumerate(m.buffers))
+    assert all(
+        b.data is None or len(b.data) < threshold or i in {md.buffer for md in m.metadata}
+        for i, b in enumerate(m.buffers)
+    )
     for e in m.externalBuffers:
         assert e.offset % AlignPolicy().for_size(e.length) == 0
     tensors = load_file(str(blob_path))  # a valid safetensors file
@@ -221,8 +224,12 @@ def test_external_model_converts_back_to_appended(converted, tmp_path):
 
 def test_cli_convert_external_json(converted, tmp_path):
     src, _, _ = converted
-    proc = subprocess.run([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(tmp_path), "--external",
-                           "--json"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(tmp_path), "--external", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["format"] == "tflite" and report["ops_removed"] == 2
@@ -251,8 +258,8 @@ def test_golden_layout_of_a_single_weight(tmp_path):
     assert size == 4096 and offset % 64 == 0
     # Small payload: 64-byte alignment, so no more than alignment padding after the flatbuffer's last non-zero byte.
     assert offset - len(data[:offset].rstrip(b"\0")) < 64 + 16
-    assert data[offset:offset + size] == w16.astype("<f4").tobytes()
-    assert data[offset + size:] == bytes(16) and len(data) == offset + size + 16
+    assert data[offset : offset + size] == w16.astype("<f4").tobytes()
+    assert data[offset + size :] == bytes(16) and len(data) == offset + size + 16
 
 
 def test_zoo_shares_one_external_blob(tmp_path):
@@ -285,5 +292,6 @@ def test_dequantize_with_other_output_shape_is_kept(tmp_path):
     assert report.ops_removed == 0 and any("shape" in n for n in report.notes)
     inputs = {"g": {"x": np.ones((1, 512), np.float32)}}
     for resolver in RESOLVERS:
-        assert_same_outputs(run_interpreter(src, resolver, inputs),
-                            run_interpreter(tmp_path / "out" / src.name, resolver, inputs))
+        assert_same_outputs(
+            run_interpreter(src, resolver, inputs), run_interpreter(tmp_path / "out" / src.name, resolver, inputs)
+        )

@@ -15,8 +15,10 @@ import pytest
 from ai_edge_litert import schema_py_generated as s
 from tflite_fixtures import OP, ModelBuilder
 
-_PROBE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
-          "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+_PROBE = (
+    "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)"
+)
 _CONVERT = "import sys; from weightshare.api import convert; convert(sys.argv[1], sys.argv[2])"
 
 
@@ -77,8 +79,9 @@ def _fc_model(path):
 
 
 def _pss_growth_mib(path, n: int) -> float:
-    out = subprocess.run([sys.executable, "-c", _INTERPRETERS, str(path), str(n)], check=True, capture_output=True,
-                         text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRETERS, str(path), str(n)], check=True, capture_output=True, text=True
+    ).stdout
     return float(out.split()[-1])
 
 

@@ -10,13 +10,16 @@ from tflite_fixtures import OP, ModelBuilder
 
 import weightshare
 
-SPECIAL = np.array([0x7C01, 0x7D55, 0xFC01, 0x7E00, 0x7E01, 0xFE00, 0x7C00, 0xFC00, 0x8000, 0x0000, 0x0001,
-                    0x83FF, 0x03FF, 0x3C00], np.uint16)
+SPECIAL = np.array(
+    [0x7C01, 0x7D55, 0xFC01, 0x7E00, 0x7E01, 0xFE00, 0x7C00, 0xFC00, 0x8000, 0x0000, 0x0001, 0x83FF, 0x03FF, 0x3C00],
+    np.uint16,
+)
 
 
 def _run(path) -> np.ndarray:
-    it = Interpreter(model_path=str(path),
-                     experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+    it = Interpreter(
+        model_path=str(path), experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+    )
     return it.get_signature_runner("serving_default")(x=np.zeros(4, np.float32))["y"]
 
 

@@ -35,13 +35,16 @@ def run(cm) -> dict:
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
-        for k in a for x, y in ((a[k][n], b[k][n]) for n in a[k]))
+        for k in a
+        for x, y in ((a[k][n], b[k][n]) for n in a[k])
+    )
 
 
 def with_cache(model: Path, cache: Path):
     """LiteRT directly, with whatever cache it is given (what the helper must avoid for foreign caches)."""
-    return CompiledModel.from_file(str(model), options=Options(cpu_options=CpuOptions(
-        num_threads=1, xnnpack_weight_cache_path=str(cache))))
+    return CompiledModel.from_file(
+        str(model), options=Options(cpu_options=CpuOptions(num_threads=1, xnnpack_weight_cache_path=str(cache)))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +196,11 @@ def test_interpreter_costs(pair):
     fp32 = 4 * 1024 * 1024  # the fixture's FULLY_CONNECTED weights (1024 x 1024) dominate
     orig = {c.setting: c for c in xnnpack_cache.interpreter_costs(src)}
     conv = {c.setting: c for c in xnnpack_cache.interpreter_costs(out)}
-    nodelegate, xnn, cached = "Interpreter, no delegate", "Interpreter, default XNNPACK", \
-        "CompiledModel + XNNPACK weight cache"
+    nodelegate, xnn, cached = (
+        "Interpreter, no delegate",
+        "Interpreter, default XNNPACK",
+        "CompiledModel + XNNPACK weight cache",
+    )
     assert orig[nodelegate].per_instance_bytes >= fp32 and conv[nodelegate].per_instance_bytes == 0
     assert orig[xnn].per_instance_bytes >= fp32 and conv[xnn].per_instance_bytes >= fp32
     # default XNNPACK: the converted model costs more (the fp32 file pages), never less
@@ -212,9 +218,24 @@ def test_unpack_note_and_keep_packed(pair, tmp_path):
 
 def test_cli_prepack_with_shared_blob_is_a_usage_error(pair, tmp_path):
     src = pair[0][0]
-    r = subprocess.run([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(tmp_path / "z"),
-                        "--external", "--shared-blob", "zoo.safetensors", "--prepack", "-q"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightshare",
+            "convert",
+            str(src),
+            "-o",
+            str(tmp_path / "z"),
+            "--external",
+            "--shared-blob",
+            "zoo.safetensors",
+            "--prepack",
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--prepack" in r.stderr
     assert not (tmp_path / "z").exists() or not any((tmp_path / "z").iterdir())
 
@@ -307,8 +328,12 @@ def test_compiled_models_share_the_cache(tmp_path):
     out = Path(convert(src, tmp_path / "out", ConvertOptions(prepack=True)).outputs[0])
 
     def pss(n: int, helper: bool) -> float:
-        r = subprocess.run([sys.executable, "-c", _PSS_PROBE, str(out), str(n), "1" if helper else "0"],
-                           capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            [sys.executable, "-c", _PSS_PROBE, str(out), str(n), "1" if helper else "0"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         return float(r.stdout.strip().splitlines()[-1])
 
     weights = 32.0

@@ -32,8 +32,9 @@ def test_densify_folded_outputs_identical(tmp_path, dtype, block, kind):
     codes = [builtin(m, op) for op in m.subgraphs[0].operators]
     assert codes == [OP.FULLY_CONNECTED] and report.ops_removed == (2 if dtype == np.float16 else 1)
     for resolver in RESOLVERS:
-        assert np.array_equal(run_interpreter(src, resolver, INPUTS)["sparse"]["y"],
-                              run_interpreter(out, resolver, INPUTS)["sparse"]["y"])
+        assert np.array_equal(
+            run_interpreter(src, resolver, INPUTS)["sparse"]["y"], run_interpreter(out, resolver, INPUTS)["sparse"]["y"]
+        )
 
 
 def test_sparse_kept_without_option(tmp_path):
@@ -44,8 +45,13 @@ def test_sparse_kept_without_option(tmp_path):
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 6), nblocks=st.integers(1, 6), block=st.sampled_from([1, 2, 4]),
-       density=st.floats(0, 1), seed=st.integers(0, 2 ** 16))
+@given(
+    rows=st.integers(1, 6),
+    nblocks=st.integers(1, 6),
+    block=st.sampled_from([1, 2, 4]),
+    density=st.floats(0, 1),
+    seed=st.integers(0, 2**16),
+)
 def test_densify_inverts_encoding(rows, nblocks, block, density, seed):
     rng = np.random.default_rng(seed)
     dense = rng.standard_normal((rows, nblocks * block)).astype(np.float32)

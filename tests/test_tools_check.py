@@ -31,9 +31,13 @@ def _external_model(path: Path, location: str, write_data: bool = True) -> Path:
     for k, v in (("location", location), ("offset", "0"), ("length", str(w.nbytes))):
         e = t.external_data.add()
         e.key, e.value = k, v
-    graph = helper.make_graph([helper.make_node("Add", ["x", "W"], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1024])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1024])], [t])
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1024])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1024])],
+        [t],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))

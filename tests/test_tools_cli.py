@@ -59,8 +59,12 @@ def test_quiet_convert_prints_nothing_and_batch_prints_one_line_per_model(two, c
 
 def test_every_option_has_help():
     group = typer.main.get_command(app)
-    missing = [f"{name} {p.opts}" for name, cmd in [("", group), *group.commands.items()]
-               for p in cmd.params if isinstance(p, typer.core.TyperOption) and not (p.help or "").strip()]
+    missing = [
+        f"{name} {p.opts}"
+        for name, cmd in [("", group), *group.commands.items()]
+        for p in cmd.params
+        if isinstance(p, typer.core.TyperOption) and not (p.help or "").strip()
+    ]
     assert missing == []
 
 
@@ -78,17 +82,22 @@ def test_help_paragraphs_wrap_cleanly(cli):
         res = cli(*([command] if command else []), "--help", env={"COLUMNS": "80"})
         assert res.returncode == 0, res.stderr
         text = res.stdout.split("╭", 1)[0]
-        ragged = [line for line in text.splitlines()
-                  if len(line.split()) == 1 and not line.strip().endswith((".", ":"))]
+        ragged = [
+            line for line in text.splitlines() if len(line.split()) == 1 and not line.strip().endswith((".", ":"))
+        ]
         assert ragged == [], (command, ragged)
 
 
 def test_tables_are_not_cut_at_80_columns_in_a_pipe(cli, tmp_path):
     name = "encoder.layers.11.self_attention.query_key_value.weight_with_a_long_exporter_generated_suffix_0123456789"
     w = numpy_helper.from_array(np.ones((64, 64), np.float32), name)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", name], ["y"])], "g",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [w])
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", name], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+        [w],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(tmp_path / "long.onnx"))
@@ -101,8 +110,12 @@ def test_tables_are_not_cut_at_80_columns_in_a_pipe(cli, tmp_path):
 def _in_terminal(args: list[str], env: dict) -> str:
     """Run the CLI with stdout/stderr on a pseudo-terminal; return what it wrote."""
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "weightshare", *args], stdout=follower, stderr=follower,
-                            env={**os.environ, "TERM": "xterm-256color", **env})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightshare", *args],
+        stdout=follower,
+        stderr=follower,
+        env={**os.environ, "TERM": "xterm-256color", **env},
+    )
     os.close(follower)
     chunks = []
     while True:
@@ -135,8 +148,9 @@ def test_bench_plot_without_matplotlib_is_a_one_line_hint(two, cli, tmp_path):
     env = {"PYTHONPATH": os.pathsep.join([str(fake), os.environ.get("PYTHONPATH", "")])}
     res = cli("bench", a, "--plot", tmp_path / "p.png", env=env)
     assert res.returncode == 2 and res.stdout == ""
-    assert res.stderr.strip().splitlines() == ['weightshare: error: --plot needs matplotlib: '
-                                               'pip install "weightshare[plot]"']
+    assert res.stderr.strip().splitlines() == [
+        'weightshare: error: --plot needs matplotlib: pip install "weightshare[plot]"'
+    ]
 
 
 def test_demo_clean_removes_only_what_the_demo_wrote(cli, tmp_path):

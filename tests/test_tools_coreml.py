@@ -96,7 +96,7 @@ def test_check_duplicate_payloads(tmp_path, cli):
     recs = [wf.record(v.offset) for v in values]
     a, b = [r for r in recs if r.nbytes == 64 * 64 * 4][:2]
     data = bytearray((src / WEIGHTS).read_bytes())
-    data[b.data_offset:b.data_offset + b.nbytes] = data[a.data_offset:a.data_offset + a.nbytes]
+    data[b.data_offset : b.data_offset + b.nbytes] = data[a.data_offset : a.data_offset + a.nbytes]
     (src / WEIGHTS).write_bytes(bytes(data))
 
     res = cli("check", src, "--json")
@@ -148,9 +148,16 @@ def test_verify_reports_a_changed_op(pkgs, converted, tmp_path):
     assert report.mismatches == ["function 'main' block 'CoreML6' op 5 (relu relu_0_cast_fp16): type differs"]
 
 
-@pytest.mark.parametrize("case, code", [("outside", "blob-outside-model-dir"), ("absolute", "blob-outside-model-dir"),
-                                        ("missing", "missing-external-file"), ("sentinel", "bad-external-data"),
-                                        ("offset", "bad-external-data")])
+@pytest.mark.parametrize(
+    "case, code",
+    [
+        ("outside", "blob-outside-model-dir"),
+        ("absolute", "blob-outside-model-dir"),
+        ("missing", "missing-external-file"),
+        ("sentinel", "bad-external-data"),
+        ("offset", "bad-external-data"),
+    ],
+)
 def test_broken_references_are_findings(pkgs, tmp_path, case, code):
     """A broken blob reference is reported by inspect/check, not raised: the rest of the package is still listed."""
     _, big, _ = pkgs

@@ -89,8 +89,13 @@ print(json.dumps(out))
 
 
 def _save(nodes, x_shape, y, inits, path):
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
-                              [helper.make_tensor_value_info(y, TensorProto.FLOAT, None)], inits)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, None)],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -99,17 +104,23 @@ def _save(nodes, x_shape, y, inits, path):
 
 def conv_model(path, channels=256, layers=2):
     rng = np.random.default_rng(0)
-    inits = [numpy_helper.from_array((rng.standard_normal((channels, channels, 3, 3)) * 0.02).astype(np.float32),
-                                     f"w{i}") for i in range(layers)]
-    nodes = [helper.make_node("Conv", ["x" if i == 0 else f"c{i - 1}", f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1])
-             for i in range(layers)]
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((channels, channels, 3, 3)) * 0.02).astype(np.float32), f"w{i}")
+        for i in range(layers)
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x" if i == 0 else f"c{i - 1}", f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1])
+        for i in range(layers)
+    ]
     return _save(nodes, [1, channels, 4, 4], f"c{layers - 1}", inits, path)
 
 
 def matmul_model(path, dim=1024, layers=2):
     rng = np.random.default_rng(1)
-    inits = [numpy_helper.from_array((rng.standard_normal((dim, dim)) * 0.02).astype(np.float32), f"w{i}")
-             for i in range(layers)]
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((dim, dim)) * 0.02).astype(np.float32), f"w{i}")
+        for i in range(layers)
+    ]
     nodes = [helper.make_node("MatMul", ["x" if i == 0 else f"m{i - 1}", f"w{i}"], [f"m{i}"]) for i in range(layers)]
     return _save(nodes, [4, dim], f"m{layers - 1}", inits, path)
 
@@ -163,8 +174,11 @@ def test_onnx_copies_per_setting_match_measured_pss(tmp_path):
 @pytest.mark.slow
 def test_tflite_inline_weights_are_shared_without_delegate_and_packed_by_xnnpack(tmp_path):
     src = fc_tflite(tmp_path / "fc.tflite")
-    res = subprocess.run([sys.executable, "-c", LITERT_CHILD, str(src), str(tmp_path / "fc.xnnpack_cache")],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-c", LITERT_CHILD, str(src), str(tmp_path / "fc.xnnpack_cache")],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     measured = json.loads(res.stdout)
     inv = inventory(src)
@@ -192,4 +206,5 @@ def test_prepacked_entries_mean_no_default_option_copy(tmp_path):
     onnx.save(model, str(path))
     inv = inventory(path)
     assert inv.copied_under("ORT defaults") == 0 and "ort-prepack-copy-per-session" not in {
-        f.code.value for f in findings_for(inv)}
+        f.code.value for f in findings_for(inv)
+    }

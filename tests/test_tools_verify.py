@@ -41,42 +41,80 @@ def _model(nodes, inputs, outputs, inits, path, opset=17, ml=False, **graph_kw):
 def _zipmap(path):
     """logreg_iris-like: scores = x + W, a ZipMap output (sequence of maps) beside a tensor output."""
     labels = [f"c{i}" for i in range(512)]
-    nodes = [helper.make_node("Add", ["x", "W"], ["scores"]),
-             helper.make_node("ZipMap", ["scores"], ["probs"], domain="ai.onnx.ml", classlabels_strings=labels)]
-    probs = helper.make_value_info("probs", helper.make_sequence_type_proto(
-        helper.make_map_type_proto(TensorProto.STRING, helper.make_tensor_type_proto(TensorProto.FLOAT, []))))
-    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 512])],
-                  [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 512]), probs],
-                  [numpy_helper.from_array(W, "W")], path, ml=True)
+    nodes = [
+        helper.make_node("Add", ["x", "W"], ["scores"]),
+        helper.make_node("ZipMap", ["scores"], ["probs"], domain="ai.onnx.ml", classlabels_strings=labels),
+    ]
+    probs = helper.make_value_info(
+        "probs",
+        helper.make_sequence_type_proto(
+            helper.make_map_type_proto(TensorProto.STRING, helper.make_tensor_type_proto(TensorProto.FLOAT, []))
+        ),
+    )
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 512])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 512]), probs],
+        [numpy_helper.from_array(W, "W")],
+        path,
+        ml=True,
+    )
 
 
 def _if_seq(path):
     """test_if_seq-like: an If whose branches build a sequence from outer-scope initializers."""
-    then = helper.make_graph([helper.make_node("Add", ["x", "W"], ["t0"]),
-                              helper.make_node("SequenceConstruct", ["t0", "W"], ["s_then"])], "then", [],
-                             [helper.make_tensor_sequence_value_info("s_then", TensorProto.FLOAT, None)])
-    other = helper.make_graph([helper.make_node("Sub", ["x", "W"], ["e0"]),
-                               helper.make_node("SequenceConstruct", ["e0"], ["s_else"])], "else", [],
-                              [helper.make_tensor_sequence_value_info("s_else", TensorProto.FLOAT, None)])
+    then = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["t0"]), helper.make_node("SequenceConstruct", ["t0", "W"], ["s_then"])],
+        "then",
+        [],
+        [helper.make_tensor_sequence_value_info("s_then", TensorProto.FLOAT, None)],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Sub", ["x", "W"], ["e0"]), helper.make_node("SequenceConstruct", ["e0"], ["s_else"])],
+        "else",
+        [],
+        [helper.make_tensor_sequence_value_info("s_else", TensorProto.FLOAT, None)],
+    )
     node = helper.make_node("If", ["cond"], ["seq"], then_branch=then, else_branch=other)
-    return _model([node], [helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
-                           helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 512])],
-                  [helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, None)],
-                  [numpy_helper.from_array(W, "W")], path)
+    return _model(
+        [node],
+        [
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 512]),
+        ],
+        [helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(W, "W")],
+        path,
+    )
 
 
 def _if_opt(path):
     """test_if_opt-like: an If returning an optional tensor, empty in one branch."""
     opt_type = helper.make_optional_type_proto(helper.make_tensor_type_proto(TensorProto.FLOAT, [1, 512]))
-    then = helper.make_graph([helper.make_node("Mul", ["x", "W"], ["m"]),
-                              helper.make_node("Optional", ["m"], ["o_then"])], "then", [],
-                             [helper.make_value_info("o_then", opt_type)])
-    other = helper.make_graph([helper.make_node("Optional", [], ["o_else"], type=opt_type.optional_type.elem_type)],
-                              "else", [], [helper.make_value_info("o_else", opt_type)])
+    then = helper.make_graph(
+        [helper.make_node("Mul", ["x", "W"], ["m"]), helper.make_node("Optional", ["m"], ["o_then"])],
+        "then",
+        [],
+        [helper.make_value_info("o_then", opt_type)],
+    )
+    other = helper.make_graph(
+        [helper.make_node("Optional", [], ["o_else"], type=opt_type.optional_type.elem_type)],
+        "else",
+        [],
+        [helper.make_value_info("o_else", opt_type)],
+    )
     node = helper.make_node("If", ["cond"], ["opt"], then_branch=then, else_branch=other)
-    return _model([node], [helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
-                           helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 512])],
-                  [helper.make_value_info("opt", opt_type)], [numpy_helper.from_array(W, "W")], path, opset=18)
+    return _model(
+        [node],
+        [
+            helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 512]),
+        ],
+        [helper.make_value_info("opt", opt_type)],
+        [numpy_helper.from_array(W, "W")],
+        path,
+        opset=18,
+    )
 
 
 def _blob_of(converted) -> tuple[str, int, int]:
@@ -97,8 +135,11 @@ def _flip(converted, at: int = 100) -> None:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     d = tmp_path_factory.mktemp("verify")
-    return d, {"zipmap": _zipmap(d / "zipmap.onnx"), "if_seq": _if_seq(d / "if_seq.onnx"),
-               "if_opt": _if_opt(d / "if_opt.onnx")}
+    return d, {
+        "zipmap": _zipmap(d / "zipmap.onnx"),
+        "if_seq": _if_seq(d / "if_seq.onnx"),
+        "if_opt": _if_opt(d / "if_opt.onnx"),
+    }
 
 
 def _convert(cli, src, out):
@@ -168,10 +209,17 @@ def test_missing_output_and_changed_dtype_fail_one_line_each(built, cli, tmp_pat
 def _reshape(path):
     """x[N, 4] -> Reshape to [3, -1]: runs only when 4N is a multiple of 3."""
     nodes = [helper.make_node("Add", ["x", "B"], ["s"]), helper.make_node("Reshape", ["s", "shape"], ["y"])]
-    inits = [numpy_helper.from_array(np.ones((1, 4), np.float32), "B"),
-             numpy_helper.from_array(np.array([3, -1], np.int64), "shape")]
-    return _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
-                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])], inits, path)
+    inits = [
+        numpy_helper.from_array(np.ones((1, 4), np.float32), "B"),
+        numpy_helper.from_array(np.array([3, -1], np.int64), "shape"),
+    ]
+    return _model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None])],
+        inits,
+        path,
+    )
 
 
 def test_original_that_fails_is_exit_2_with_a_hint_only_converted_failing_is_exit_1(cli, tmp_path):
@@ -184,8 +232,9 @@ def test_original_that_fails_is_exit_2_with_a_hint_only_converted_failing_is_exi
     assert cli("verify", src, out, "--dim", "N=3").returncode == 0
     res = cli("verify", src, out, "--dim", "batch=3")  # a typo must not silently leave N at 1
     assert res.returncode == 2 and "no input of reshape.onnx has a dimension of that name" in res.stderr
-    _edit(out, lambda m: m.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([5, -1], np.int64),
-                                                                                  "shape")))
+    _edit(
+        out, lambda m: m.graph.initializer[-1].CopyFrom(numpy_helper.from_array(np.array([5, -1], np.int64), "shape"))
+    )
     res = cli("verify", src, out, "--dim", "N=3")
     assert res.returncode == 1 and "the converted model fails in onnxruntime" in res.stdout, res.stdout
     assert "internal error" not in res.stderr
@@ -206,15 +255,24 @@ def _gather(path, data_known: bool):
     """y = Gather(table, idx): table an initializer [2, 600] (size known) or a graph input [M, 600]."""
     table = np.random.default_rng(0).standard_normal((2, 600)).astype(np.float32)
     if data_known:
-        return _model([helper.make_node("Gather", ["table", "idx"], ["y"])],
-                      [helper.make_tensor_value_info("idx", TensorProto.INT64, [8])],
-                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 600])],
-                      [numpy_helper.from_array(table, "table")], path)
+        return _model(
+            [helper.make_node("Gather", ["table", "idx"], ["y"])],
+            [helper.make_tensor_value_info("idx", TensorProto.INT64, [8])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 600])],
+            [numpy_helper.from_array(table, "table")],
+            path,
+        )
     nodes = [helper.make_node("Gather", ["t", "idx"], ["y"]), helper.make_node("Mul", ["y", "scale"], ["z"])]
-    return _model(nodes, [helper.make_tensor_value_info("t", TensorProto.FLOAT, ["M", 600]),
-                          helper.make_tensor_value_info("idx", TensorProto.INT64, [8])],
-                  [helper.make_tensor_value_info("z", TensorProto.FLOAT, [8, 600])],
-                  [numpy_helper.from_array(table[0], "scale")], path)
+    return _model(
+        nodes,
+        [
+            helper.make_tensor_value_info("t", TensorProto.FLOAT, ["M", 600]),
+            helper.make_tensor_value_info("idx", TensorProto.INT64, [8]),
+        ],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [8, 600])],
+        [numpy_helper.from_array(table[0], "scale")],
+        path,
+    )
 
 
 def test_integer_indices_stay_in_range_or_require_input(cli, tmp_path):
@@ -238,8 +296,7 @@ def test_tensor_difference_says_where_and_how_much():
     b = a.copy()
     b[1, 2] = np.nextafter(np.float32(0), np.float32(1)) * 3  # 3 ULP above 0
     b[0, 1] = -0.0  # same value, other bytes
-    assert tensor_difference(a, b) == "2 of 6 elements differ, first at [0, 1], max abs diff 4.2039e-45, " \
-                                      "max ULP diff 3"
+    assert tensor_difference(a, b) == "2 of 6 elements differ, first at [0, 1], max abs diff 4.2039e-45, max ULP diff 3"
     assert tensor_difference(a, a.copy()) == ""
     nan = np.array([np.nan], np.float32)
     assert tensor_difference(nan, nan.copy()) == ""
@@ -255,11 +312,13 @@ def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
     from weightshare.blob import read_safetensors_metadata
 
     a, b = W, W[:, ::-1] * 3
-    src = _model([helper.make_node("Add", ["x", "A"], ["s"]), helper.make_node("Mul", ["s", "B"], ["y"])],
-                 [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 512])],
-                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 512])],
-                 [numpy_helper.from_array(a, "A"), numpy_helper.from_array(np.ascontiguousarray(b), "B")],
-                 tmp_path / "ab.onnx")
+    src = _model(
+        [helper.make_node("Add", ["x", "A"], ["s"]), helper.make_node("Mul", ["s", "B"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 512])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 512])],
+        [numpy_helper.from_array(a, "A"), numpy_helper.from_array(np.ascontiguousarray(b), "B")],
+        tmp_path / "ab.onnx",
+    )
     out = _convert(cli, src, tmp_path / "out")
     blob, _, _ = _blob_of(out)
     _edit(out, lambda m: m.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(b), "B")))
@@ -276,8 +335,10 @@ def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
     res = cli("verify", src, out, "--json", "--runs", "1")
     report = json.loads(res.stdout)
     assert res.returncode == 1 and not report["mismatches"], report  # outputs still equal: B is inline now
-    assert report["checksum_mismatches"] == [f"blob record 'B' in {Path(blob).name} at offset "
-                                             f"{at - 8}: its checksum differs from the one recorded in the blob"]
+    assert report["checksum_mismatches"] == [
+        f"blob record 'B' in {Path(blob).name} at offset "
+        f"{at - 8}: its checksum differs from the one recorded in the blob"
+    ]
 
 
 @pytest.mark.slow
@@ -289,6 +350,8 @@ def test_onnx_backend_if_tests_convert_and_verify_with_their_own_inputs(tmp_path
     spec = importlib.util.spec_from_file_location("verify_backend_suite", script)
     suite = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(suite)
-    outcomes = {name: suite.run_one(name, src, model, inputs, tmp_path)
-                for name, src, model, inputs in suite.generated_cases(tmp_path, "If")}
+    outcomes = {
+        name: suite.run_one(name, src, model, inputs, tmp_path)
+        for name, src, model, inputs in suite.generated_cases(tmp_path, "If")
+    }
     assert outcomes == {name: ("verified", "") for name in ("test_if", "test_if_seq", "test_if_opt")}, outcomes

@@ -28,8 +28,10 @@ class _CustomOpModel(ModelBuilder):
         m = s.ModelT(version=3, description="weightshare test fixture")
         m.operatorCodes = [
             s.OperatorCodeT(deprecatedBuiltinCode=OP.CUSTOM, builtinCode=OP.CUSTOM, customCode=c[1], version=1)
-            if isinstance(c, tuple) else s.OperatorCodeT(deprecatedBuiltinCode=min(c, 127), builtinCode=c, version=1)
-            for c in self.opcodes]
+            if isinstance(c, tuple)
+            else s.OperatorCodeT(deprecatedBuiltinCode=min(c, 127), builtinCode=c, version=1)
+            for c in self.opcodes
+        ]
         m.subgraphs = [g.to_subgraph() for g in self.subgraphs]
         m.buffers = self.buffers
         m.signatureDefs = self.signatures or None
@@ -49,8 +51,9 @@ def deconv_model(path):
     y = g.tensor("y", [1, 8, 8, 16], "float32")
     mb.opcodes.append(("custom", "Convolution2DTransposeBias"))
     params = struct.pack("<iiii", 1, 2, 2, 0) + bytes(16)  # TfLiteTransposeConvParams: SAME, stride 2x2, no act.
-    g.ops.append(s.OperatorT(opcodeIndex=len(mb.opcodes) - 1, inputs=[x, w, b], outputs=[y],
-                             customOptions=list(params)))
+    g.ops.append(
+        s.OperatorT(opcodeIndex=len(mb.opcodes) - 1, inputs=[x, w, b], outputs=[y], customOptions=list(params))
+    )
     g.outputs = [y]
     mb.signature("serving_default", g)
     return mb.save(path)

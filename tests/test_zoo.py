@@ -38,8 +38,13 @@ def mlp(path: Path, ws: list[np.ndarray], fp16: bool, batch: int) -> Path:
         y = "y" if i == len(ws) - 1 else f"h{i}"
         nodes.append(h.make_node("MatMul", [x, name], [y]))
         x = y
-    g = h.make_graph(nodes, "mlp", [h.make_tensor_value_info("x", T.FLOAT, [batch, DIM])],
-                     [h.make_tensor_value_info("y", T.FLOAT, [batch, DIM])], inits)
+    g = h.make_graph(
+        nodes,
+        "mlp",
+        [h.make_tensor_value_info("x", T.FLOAT, [batch, DIM])],
+        [h.make_tensor_value_info("y", T.FLOAT, [batch, DIM])],
+        inits,
+    )
     m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
     m.ir_version = 8
     path.write_bytes(m.SerializeToString())
@@ -72,8 +77,12 @@ def test_three_models_share_one_blob(tmp_path):
         out = tmp_path / "out" / path.name
         onnx.checker.check_model(str(out), full_check=True)
         assert np.array_equal(run(path, batch), run(out, batch)), name
-        locations = {e.value for t in onnx.load(str(out), load_external_data=False).graph.initializer
-                     for e in t.external_data if e.key == "location"}
+        locations = {
+            e.value
+            for t in onnx.load(str(out), load_external_data=False).graph.initializer
+            for e in t.external_data
+            if e.key == "location"
+        }
         assert locations == {blob.name}
 
     # 4 distinct fp32 payloads (3 shared + 1 extra) of DIM*DIM*4 bytes, whatever the models stored them as
@@ -109,7 +118,11 @@ def test_rerun_with_a_model_added_rebuilds_a_complete_outdir(tmp_path, cli):
     blobs = sorted(p.name for p in out.glob("zoo.*.safetensors"))
     assert len(blobs) == 2 and blob in blobs
     assert sorted(p.name for p in out.iterdir() if p.name not in blobs) == [
-        ".weightshare-zoo.json", "a_fp16_b1.onnx", "b_fp32_b4.onnx", "c_extra_b8.onnx"]
+        ".weightshare-zoo.json",
+        "a_fp16_b1.onnx",
+        "b_fp32_b4.onnx",
+        "c_extra_b8.onnx",
+    ]
     for path, batch in zoo.values():
         assert np.array_equal(run(path, batch), run(out / path.name, batch))
 
@@ -149,8 +162,9 @@ def test_onnx_and_tflite_external_share_one_blob(tmp_path):
     for name, (path, batch) in zoo.items():
         assert np.array_equal(run(path, batch), run(out / path.name, batch)), name
     assert_same_outputs(run_compiled(tfl), run_compiled(out / "t.tflite"))
-    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted([
-        "a_fp16_b1.onnx", "b_fp32_b4.onnx", "c_extra_b8.onnx", "t.tflite", Path(report.blob).name])
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == sorted(
+        ["a_fp16_b1.onnx", "b_fp32_b4.onnx", "c_extra_b8.onnx", "t.tflite", Path(report.blob).name]
+    )
     with safe_open(report.blob, "np") as f:
         names = list(f.keys())
     assert any(n.startswith("t/") for n in names) and any(n.startswith("a_fp16_b1/") for n in names)

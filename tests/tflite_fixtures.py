@@ -15,8 +15,14 @@ from ai_edge_litert import schema_py_generated as s
 
 OP = s.BuiltinOperator
 TT = s.TensorType
-_NP_TYPES = {np.dtype("float32"): TT.FLOAT32, np.dtype("float16"): TT.FLOAT16, np.dtype("int8"): TT.INT8,
-             np.dtype("int32"): TT.INT32, np.dtype("uint8"): TT.UINT8, np.dtype("int64"): TT.INT64}
+_NP_TYPES = {
+    np.dtype("float32"): TT.FLOAT32,
+    np.dtype("float16"): TT.FLOAT16,
+    np.dtype("int8"): TT.INT8,
+    np.dtype("int32"): TT.INT32,
+    np.dtype("uint8"): TT.UINT8,
+    np.dtype("int64"): TT.INT64,
+}
 _OP_VERSIONS = {OP.DEQUANTIZE: 3}
 
 
@@ -28,7 +34,7 @@ class _AlignedBufferT(s.BufferT):
         data = bytes(self.data)
         builder.StartVector(1, len(data), 16)
         builder.head = builder.head - len(data)
-        builder.Bytes[builder.head: builder.head + len(data)] = data
+        builder.Bytes[builder.head : builder.head + len(data)] = data
         builder.vectorNumElems = len(data)
         vec = builder.EndVector()
         s.BufferStart(builder)
@@ -71,8 +77,10 @@ class ModelBuilder:
 
     def to_bytes(self) -> bytes:
         m = s.ModelT(version=3, description="weightshare test fixture")
-        m.operatorCodes = [s.OperatorCodeT(deprecatedBuiltinCode=min(c, 127), builtinCode=c,
-                                           version=_OP_VERSIONS.get(c, 1)) for c in self.opcodes]
+        m.operatorCodes = [
+            s.OperatorCodeT(deprecatedBuiltinCode=min(c, 127), builtinCode=c, version=_OP_VERSIONS.get(c, 1))
+            for c in self.opcodes
+        ]
         m.subgraphs = [g.to_subgraph() for g in self.subgraphs]
         m.buffers = self.buffers
         m.signatureDefs = self.signatures or None
@@ -99,8 +107,9 @@ class GraphBuilder:
         t = s.TensorT(shape=list(shape), type=_NP_TYPES[np.dtype(dtype)], buffer=buffer, name=name)
         if quant is not None:
             scale, zero = quant
-            t.quantization = s.QuantizationParametersT(scale=np.atleast_1d(np.asarray(scale, np.float32)),
-                                                       zeroPoint=np.atleast_1d(np.asarray(zero, np.int64)))
+            t.quantization = s.QuantizationParametersT(
+                scale=np.atleast_1d(np.asarray(scale, np.float32)), zeroPoint=np.atleast_1d(np.asarray(zero, np.int64))
+            )
         self.tensors.append(t)
         return len(self.tensors) - 1
 
@@ -114,8 +123,15 @@ class GraphBuilder:
         return i
 
     def op(self, code: int, inputs: list[int], outputs: list[int], options_type: int = 0, options=None) -> None:
-        self.ops.append(s.OperatorT(opcodeIndex=self.model.opcode(code), inputs=inputs, outputs=outputs,
-                                    builtinOptionsType=options_type, builtinOptions=options))
+        self.ops.append(
+            s.OperatorT(
+                opcodeIndex=self.model.opcode(code),
+                inputs=inputs,
+                outputs=outputs,
+                builtinOptionsType=options_type,
+                builtinOptions=options,
+            )
+        )
 
     def dequantize(self, name: str, array16: np.ndarray) -> int:
         """A constant fp16 tensor feeding DEQUANTIZE; returns the fp32 output tensor."""
@@ -125,8 +141,9 @@ class GraphBuilder:
         return out
 
     def to_subgraph(self) -> s.SubGraphT:
-        return s.SubGraphT(tensors=self.tensors, inputs=self.inputs, outputs=self.outputs, operators=self.ops,
-                           name=self.name)
+        return s.SubGraphT(
+            tensors=self.tensors, inputs=self.inputs, outputs=self.outputs, operators=self.ops, name=self.name
+        )
 
 
 def _conv_options():
@@ -134,8 +151,10 @@ def _conv_options():
 
 
 def _dw_options():
-    return (s.BuiltinOptions.DepthwiseConv2DOptions,
-            s.DepthwiseConv2DOptionsT(padding=s.Padding.SAME, strideW=1, strideH=1, depthMultiplier=1))
+    return (
+        s.BuiltinOptions.DepthwiseConv2DOptions,
+        s.DepthwiseConv2DOptionsT(padding=s.Padding.SAME, strideW=1, strideH=1, depthMultiplier=1),
+    )
 
 
 def float_graph(mb: ModelBuilder, rng: np.random.Generator, fc_out: int = 1024) -> GraphBuilder:
@@ -156,8 +175,7 @@ def float_graph(mb: ModelBuilder, rng: np.random.Generator, fc_out: int = 1024) 
     fc_w = g.dequantize("fc_w", (rng.standard_normal((fc_out, 1024)) * 0.05).astype(np.float16))
     fc_b = g.const("fc_b", rng.standard_normal(fc_out).astype(np.float32))
     f = g.tensor("fc", [1, fc_out], "float32")
-    g.op(OP.FULLY_CONNECTED, [r, fc_w, fc_b], [f], s.BuiltinOptions.FullyConnectedOptions,
-         s.FullyConnectedOptionsT())
+    g.op(OP.FULLY_CONNECTED, [r, fc_w, fc_b], [f], s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
     twin = rng.standard_normal(fc_out).astype(np.float32)
     a1 = g.const("offset_a", twin)
     a2 = g.const("offset_b", twin.copy())  # same bytes: stored once
@@ -196,8 +214,10 @@ def sample_model(path: Path, seed: int = 0, fc_out: int = 1024) -> Path:
 
 def sample_inputs(seed: int = 1) -> dict[str, dict[str, np.ndarray]]:
     rng = np.random.default_rng(seed)
-    return {"serving_default": {"x": rng.standard_normal((1, 8, 8, 3)).astype(np.float32)},
-            "quantized": {"q_x": rng.integers(-128, 128, (1, 64), dtype=np.int8)}}
+    return {
+        "serving_default": {"x": rng.standard_normal((1, 8, 8, 3)).astype(np.float32)},
+        "quantized": {"q_x": rng.integers(-128, 128, (1, 64), dtype=np.int8)},
+    }
 
 
 def run_compiled_model(cm, inputs: dict | None = None) -> dict:
@@ -212,8 +232,10 @@ def run_compiled_model(cm, inputs: dict | None = None) -> dict:
             buf.write(feeds[name])
         cm.run_by_index(idx, ins, outs)
         details = cm.get_output_tensor_details(key)
-        out[key] = {name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])
-                    for name, buf in zip(sig["outputs"], outs)}
+        out[key] = {
+            name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])
+            for name, buf in zip(sig["outputs"], outs)
+        }
     return out
 
 
@@ -239,9 +261,16 @@ def sparse_encode(dense: np.ndarray, block: int = 1, index_kind: str = "i32"):
         segments.append(len(indices))
     seg_type, seg = _int_vector(segments, "i32")
     idx_type, idx = _int_vector(indices, index_kind)
-    levels = [s.DimensionMetadataT(format=s.DimensionType.DENSE, denseSize=rows),
-              s.DimensionMetadataT(format=s.DimensionType.SPARSE_CSR, arraySegmentsType=seg_type, arraySegments=seg,
-                                   arrayIndicesType=idx_type, arrayIndices=idx)]
+    levels = [
+        s.DimensionMetadataT(format=s.DimensionType.DENSE, denseSize=rows),
+        s.DimensionMetadataT(
+            format=s.DimensionType.SPARSE_CSR,
+            arraySegmentsType=seg_type,
+            arraySegments=seg,
+            arrayIndicesType=idx_type,
+            arrayIndices=idx,
+        ),
+    ]
     sparsity = s.SparsityParametersT(traversalOrder=[0, 1], dimMetadata=levels)
     if block > 1:
         levels.append(s.DimensionMetadataT(format=s.DimensionType.DENSE, denseSize=block))

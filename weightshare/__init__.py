@@ -6,6 +6,14 @@ from .errors import InvalidModel, UnsafePath, Unsupported, WeightshareError
 from .options import ConvertOptions
 from .report import ConversionReport
 
-__all__ = ["convert", "AlignPolicy", "ConvertOptions", "ConversionReport", "WeightshareError", "InvalidModel",
-           "Unsupported", "UnsafePath"]
+__all__ = [
+    "convert",
+    "AlignPolicy",
+    "ConvertOptions",
+    "ConversionReport",
+    "WeightshareError",
+    "InvalidModel",
+    "Unsupported",
+    "UnsafePath",
+]
 __version__ = "0.1.0"

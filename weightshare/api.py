@@ -86,14 +86,16 @@ def _finish(report: _Timed, start: float) -> _Timed:
     return report
 
 
-def convert(model: str | os.PathLike[str], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
-            ) -> ConversionReport:
+def convert(
+    model: str | os.PathLike[str], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
+) -> ConversionReport:
     """Convert one model into ``out_dir``; outputs appear all together or not at all."""
     return convert_many([model], out_dir, options)[0]
 
 
-def convert_many(models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str],
-                 options: ConvertOptions | None = None) -> list[ConversionReport]:
+def convert_many(
+    models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
+) -> list[ConversionReport]:
     """Convert several models into ``out_dir`` in one transaction: every output is committed, or none.
 
     Refused before anything is written: two inputs whose outputs would have the same path,
@@ -123,8 +125,7 @@ def convert_many(models: Sequence[str | os.PathLike[str]], out_dir: str | os.Pat
     return reports
 
 
-def _convert_one(fmt: Format, src: Path, out: Path, options: ConvertOptions, tx: OutputTransaction
-                 ) -> ConversionReport:
+def _convert_one(fmt: Format, src: Path, out: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     """One model's conversion; a write error (EFBIG, ENOSPC) names the output it was writing."""
     try:
         return fmt.convert(src, out, options, tx)
@@ -143,8 +144,10 @@ def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:
     for src, o in zip(sources, outputs):
         key = o.resolve()
         if key in seen:
-            raise UsageError(f"{seen[key]} and {src} would both be written to {o}; convert them into "
-                             "different output directories", src)
+            raise UsageError(
+                f"{seen[key]} and {src} would both be written to {o}; convert them into different output directories",
+                src,
+            )
         seen[key] = src
     check_no_overlap(sources, outputs)
 
@@ -157,8 +160,9 @@ def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     for item in inputs:
         path = Path(item)
         if path.is_dir() and path.suffix not in model_suffixes():
-            found += sorted(p for p in path.iterdir() if p.suffix in model_suffixes()
-                            and not p.name.startswith(TMP_PREFIX))
+            found += sorted(
+                p for p in path.iterdir() if p.suffix in model_suffixes() and not p.name.startswith(TMP_PREFIX)
+            )
         elif not path.exists() and glob.has_magic(str(item)):
             found += sorted(Path(p) for p in glob.glob(str(item)))
         else:
@@ -188,8 +192,12 @@ class _DropRemovedModels(CommitHook):
                     pass
 
 
-def convert_zoo(models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], shared_blob: str,
-                options: ConvertOptions | None = None) -> ZooReport:
+def convert_zoo(
+    models: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    shared_blob: str,
+    options: ConvertOptions | None = None,
+) -> ZooReport:
     """Convert many models into ``out_dir`` so that all of them reference one blob, ``shared_blob``.
 
     Each distinct payload (same bytes after unpacking) is stored once, in
@@ -208,8 +216,9 @@ def convert_zoo(models: Sequence[str | os.PathLike[str]], out_dir: str | os.Path
     if out.exists() and not out.is_dir():
         raise UsageError("output must be a directory", out)
     if out.exists() and any(out.iterdir()) and not (out / ZOO_MARKER).exists():
-        raise UsageError("output directory is not empty and was not written by --shared-blob; "
-                         "choose an empty or new directory", out)
+        raise UsageError(
+            "output directory is not empty and was not written by --shared-blob; choose an empty or new directory", out
+        )
     for s in sources:
         if s.resolve().parent == out.resolve():
             raise UsageError("an input lies in the output directory, which is rewritten as a whole", s)
@@ -242,9 +251,13 @@ def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions) -> Prepa
     return detect(src).prepare(src, out_dir, options)
 
 
-def merge(sources: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str],
-          function_names: list[str] | None = None, default_function: str | None = None,
-          options: ConvertOptions | None = None) -> ConversionReport:
+def merge(
+    sources: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    function_names: list[str] | None = None,
+    default_function: str | None = None,
+    options: ConvertOptions | None = None,
+) -> ConversionReport:
     """Merge Core ML packages into one multifunction .mlpackage, streaming the weights."""
     from .formats.coreml import merge as coreml_merge
 

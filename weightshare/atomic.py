@@ -314,8 +314,9 @@ class OutputTransaction:
     def __enter__(self) -> OutputTransaction:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if exc_type is None and not self._done:
             self.commit()
         elif not self._done:
@@ -343,4 +344,3 @@ def _undo(d: _Done) -> None:
             _remove(d.final)
     except OSError:
         pass
-

@@ -13,8 +13,12 @@ from .formats import BenchRuntime, detect
 from .report import JsonDict
 
 
-def bench(model: str | os.PathLike[str], sessions: list[int], workdir: str | os.PathLike[str] | None = None,
-          progress: Callable[[str], object] = lambda msg: None) -> JsonDict:
+def bench(
+    model: str | os.PathLike[str],
+    sessions: list[int],
+    workdir: str | os.PathLike[str] | None = None,
+    progress: Callable[[str], object] = lambda msg: None,
+) -> JsonDict:
     """Convert ``model`` into ``workdir`` (a temporary directory by default) and measure both.
 
     Each (variant, runtime setting) runs in a fresh process; rows give PSS, private
@@ -40,8 +44,9 @@ def bench(model: str | os.PathLike[str], sessions: list[int], workdir: str | os.
     return {"model": str(model), "format": fmt.name, "sessions": sorted(sessions), "rows": rows}
 
 
-def _prepacked_rows(model: Path, out: Path, sessions: list[int], runtime: BenchRuntime,
-                    progress: Callable[[str], object]) -> list[JsonDict]:
+def _prepacked_rows(
+    model: Path, out: Path, sessions: list[int], runtime: BenchRuntime, progress: Callable[[str], object]
+) -> list[JsonDict]:
     """``convert --prepack`` measured under the runtime's setting for it, in a fresh process started with the
     runtime's environment for it (ONNX: the malloc setting that returns ORT's freed validation buffers to the
     OS, which ``weightshare.ort.session`` arranges)."""
@@ -77,8 +82,13 @@ def plot(result: JsonDict, path: str | os.PathLike[str]) -> None:
     keys = sorted({(r["variant"], r["mode"]) for r in result["rows"]})
     for variant, mode in keys:
         rows = [r for r in result["rows"] if r["variant"] == variant and r["mode"] == mode]
-        ax.plot([r["sessions"] for r in rows], [r["pss_mib"] for r in rows], marker="o",
-                linestyle="-" if variant == "converted" else "--", label=f"{variant}, {mode}")
+        ax.plot(
+            [r["sessions"] for r in rows],
+            [r["pss_mib"] for r in rows],
+            marker="o",
+            linestyle="-" if variant == "converted" else "--",
+            label=f"{variant}, {mode}",
+        )
     ax.set_xlabel("sessions in one process")
     ax.set_ylabel("PSS (MiB)")
     ax.set_title(f"{Path(result['model']).name}: memory vs sessions")

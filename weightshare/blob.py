@@ -134,8 +134,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 KERNEL_COPY_MIN = 1 << 20  # below this a copy_file_range + hand-over to the hashing thread costs more than it saves
 KERNEL_COPY_STEP = 64 << 20  # per copy_file_range call: few syscalls, writeback started often enough
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM,
-                   errno.ETXTBSY}
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EBADF, errno.EPERM, errno.ETXTBSY}
 _KERNEL_COPY = hasattr(os, "copy_file_range")
 
 
@@ -166,8 +165,15 @@ class BlobWriter:
         digest: checksum kind, "blake3" (default when installed) or "sha256".
     """
 
-    def __init__(self, fd: int, start: int = 0, policy: AlignPolicy = AlignPolicy(), dedupe: bool = True,
-                 chunk_size: int = CHUNK_SIZE, digest: str | None = None):
+    def __init__(
+        self,
+        fd: int,
+        start: int = 0,
+        policy: AlignPolicy = AlignPolicy(),
+        dedupe: bool = True,
+        chunk_size: int = CHUNK_SIZE,
+        digest: str | None = None,
+    ):
         self.digest = digest or DIGEST
         new_hasher(self.digest)  # refuse an unknown kind before anything is written
         self.fd = fd
@@ -183,8 +189,14 @@ class BlobWriter:
         self.bytes_written = 0
         self._wb_start = start  # first byte whose writeback has not been started
 
-    def add(self, source: PayloadSource, tag: str = "", prefix_size: int = 0, prefix_align: int = 64,
-            progress: Progress | None = None) -> BlobEntry:
+    def add(
+        self,
+        source: PayloadSource,
+        tag: str = "",
+        prefix_size: int = 0,
+        prefix_align: int = 64,
+        progress: Progress | None = None,
+    ) -> BlobEntry:
         """Write one payload; return where it lives (the first copy, for a duplicate)."""
         nbytes = source.nbytes
         prefix_offset = None
@@ -286,11 +298,15 @@ class BlobWriter:
                     return done
                 if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO):
                     raise OutputError(f"cannot write the weight blob: {e.strerror}") from None
-                raise InvalidModel(f"cannot read payload at offset {source.offset + done}: {e.strerror}",
-                                   source.path) from None
+                raise InvalidModel(
+                    f"cannot read payload at offset {source.offset + done}: {e.strerror}", source.path
+                ) from None
             if n == 0:
-                raise InvalidModel(f"file ended early at offset {source.offset + done} (expected data up to "
-                                   f"{source.offset + source.length})", source.path)
+                raise InvalidModel(
+                    f"file ended early at offset {source.offset + done} (expected data up to "
+                    f"{source.offset + source.length})",
+                    source.path,
+                )
             done += n
             self._wrote(offset + done)
             if progress is not None:
@@ -333,13 +349,39 @@ class BlobWriter:
 
 # safetensors dtype names for numpy-style dtype keys; anything else is stored as U8.
 SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
-    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
-    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint64": "U64",
+    "uint32": "U32",
+    "uint16": "U16",
+    "uint8": "U8",
+    "bool": "BOOL",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
 }
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-             "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_ITEMSIZE = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 _OFFSET_DIGITS = 20  # enough for any uint64 offset
 METADATA_KEY = "weightshare.payloads"
 
@@ -410,8 +452,14 @@ class SafetensorsBlob:
         blob.finish()
     """
 
-    def __init__(self, fd: int, planned: list[PlannedTensor], policy: AlignPolicy = AlignPolicy(),
-                 dedupe: bool = True, metadata: dict[str, str] | None = None):
+    def __init__(
+        self,
+        fd: int,
+        planned: list[PlannedTensor],
+        policy: AlignPolicy = AlignPolicy(),
+        dedupe: bool = True,
+        metadata: dict[str, str] | None = None,
+    ):
         self.metadata = dict(metadata or {})  # extra string entries for __metadata__ (e.g. the ORT version used)
         _unique_names(planned)
         for t in planned:
@@ -428,7 +476,7 @@ class SafetensorsBlob:
         no payload were a duplicate, plus 64. Computed piece by piece (the JSON text of 100,000s of tensors
         is never built), equal to ``len(json.dumps(...))`` of that worst case (tests check both agree)."""
         dumps = json.dumps
-        big = 10 ** _OFFSET_DIGITS - 1
+        big = 10**_OFFSET_DIGITS - 1
         value_base: dict[str, int] = {}  # dtype -> length of its entry value with an empty shape
         pad_value = len(_dumps({"dtype": "U8", "shape": [big], "data_offsets": [big, big]}))
         worst_meta = _dumps({"sha256": "0" * 64, "aliases": []})  # "blake3" and its hex have the same lengths
@@ -440,8 +488,9 @@ class SafetensorsBlob:
             name = dumps(t.st_name)
             base = value_base.get(t.st_dtype)
             if base is None:
-                base = value_base[t.st_dtype] = len(_dumps({"dtype": t.st_dtype, "shape": [],
-                                                            "data_offsets": [big, big]}))
+                base = value_base[t.st_dtype] = len(
+                    _dumps({"dtype": t.st_dtype, "shape": [], "data_offsets": [big, big]})
+                )
             shape = sum(len(str(d)) for d in t.st_shape) + max(0, len(t.st_shape) - 1)
             total += len(name) + 1 + base + shape
             total += 2 + 7 + _OFFSET_DIGITS + len(str(i)) + 1 + pad_value  # "__pad__<big><i>":{...}
@@ -490,13 +539,16 @@ class SafetensorsBlob:
         for n_pad, item in enumerate(stored):
             begin = item.entry.offset - self.data_start
             if begin > cursor:
-                yield (f'"__pad__{n_pad}":{{"dtype":"U8","shape":[{begin - cursor}],'
-                       f'"data_offsets":[{cursor},{begin}]}},')
+                yield (
+                    f'"__pad__{n_pad}":{{"dtype":"U8","shape":[{begin - cursor}],"data_offsets":[{cursor},{begin}]}},'
+                )
             t = item.planned
             cursor = begin + item.entry.nbytes
             shape = ",".join(str(int(d)) for d in t.st_shape)
-            yield (f'{dumps(t.st_name)}:{{"dtype":{dumps(t.st_dtype)},"shape":[{shape}],'
-                   f'"data_offsets":[{begin},{cursor}]}},')
+            yield (
+                f'{dumps(t.st_name)}:{{"dtype":{dumps(t.st_dtype)},"shape":[{shape}],'
+                f'"data_offsets":[{begin},{cursor}]}},'
+            )
         yield f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:"{{'
         for i, item in enumerate(stored):
             aliases = ",".join(dumps(a) for a in item.more or ())

@@ -33,27 +33,48 @@ def _stored_twice(inv: ModelInventory, min_bytes: int) -> list[PayloadInfo]:
     for p in inv.payloads:
         if p.location == "external" and not p.duplicate_of:
             where.setdefault(p.name, (p.file, p.offset))
-    return [p for p in inv.payloads if p.location == "external" and p.duplicate_of and p.offset is not None
-            and p.nbytes >= min_bytes
-            and where.get(p.duplicate_of, (p.file, p.offset)) != (p.file, p.offset)]
+    return [
+        p
+        for p in inv.payloads
+        if p.location == "external"
+        and p.duplicate_of
+        and p.offset is not None
+        and p.nbytes >= min_bytes
+        and where.get(p.duplicate_of, (p.file, p.offset)) != (p.file, p.offset)
+    ]
 
 
 def _copies(inv: ModelInventory, add: Callable[[Code, list[PayloadInfo], str], None], inline_threshold: int) -> None:
     """What a runtime copies per session: embedded payloads, unpacking, and the per-setting copies that each
     format's inventory marked with their code (``PayloadInfo.copy_code``) where it derived them."""
-    embedded = [p for p in inv.payloads if p.location == "embedded" and p.nbytes >= inline_threshold
-                and not p.stays_inline_because]
+    embedded = [
+        p
+        for p in inv.payloads
+        if p.location == "embedded" and p.nbytes >= inline_threshold and not p.stays_inline_because
+    ]
     if embedded and inv.format == "tflite":  # mapped with the file: shared, only badly aligned (measured)
-        add(Code.INLINE_UNALIGNED, embedded, f"{len(embedded)} payloads ({_mib(sum(p.nbytes for p in embedded))}) "
+        add(
+            Code.INLINE_UNALIGNED,
+            embedded,
+            f"{len(embedded)} payloads ({_mib(sum(p.nbytes for p in embedded))}) "
             f"are inline in the flatbuffer: shared by interpreters without delegate, but only 16-byte aligned: "
-            f"{_names(embedded)}")
+            f"{_names(embedded)}",
+        )
     elif embedded:
-        add(Code.EMBEDDED_WEIGHTS, embedded, f"{len(embedded)} payloads ({_mib(sum(p.nbytes for p in embedded))}) "
-            f"are embedded in the model file and copied per session: {_names(embedded)}")
+        add(
+            Code.EMBEDDED_WEIGHTS,
+            embedded,
+            f"{len(embedded)} payloads ({_mib(sum(p.nbytes for p in embedded))}) "
+            f"are embedded in the model file and copied per session: {_names(embedded)}",
+        )
     unpacked = [p for p in inv.payloads if p.unpacked_at_load]
     if unpacked:
-        add(Code.UNPACKED_PER_SESSION, unpacked, f"{len(unpacked)} payloads are unpacked by the runtime in every "
-            f"session ({unpacked[0].unpacked_at_load}): {_names(unpacked)}")
+        add(
+            Code.UNPACKED_PER_SESSION,
+            unpacked,
+            f"{len(unpacked)} payloads are unpacked by the runtime in every "
+            f"session ({unpacked[0].unpacked_at_load}): {_names(unpacked)}",
+        )
     by_code: dict[str, list[PayloadInfo]] = {}
     for p in inv.payloads:
         if p.copy_code:
@@ -61,8 +82,12 @@ def _copies(inv: ModelInventory, add: Callable[[Code, list[PayloadInfo], str], N
     for code, payloads in by_code.items():
         worst = {s: sum(p.copies.get(s, 0) for p in payloads) for s in inv.settings}
         where = ", ".join(f"{_mib(n)} under {s}" for s, n in worst.items())
-        add(Code(code), payloads, f"{len(payloads)} payloads ({_mib(sum(p.nbytes for p in payloads))}): "
-            f"{payloads[0].copy_reason}; copied per session: {where}: {_names(payloads)}")
+        add(
+            Code(code),
+            payloads,
+            f"{len(payloads)} payloads ({_mib(sum(p.nbytes for p in payloads))}): "
+            f"{payloads[0].copy_reason}; copied per session: {where}: {_names(payloads)}",
+        )
 
 
 def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) -> list[Finding]:
@@ -75,15 +100,28 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
 
     out += inv.findings
     _copies(inv, add, inline_threshold)
-    unaligned = [p for p in inv.payloads if p.location == "external" and p.alignment is not None
-                 and p.alignment < (LARGE_ALIGN if p.nbytes >= ALIGN_THRESHOLD else SMALL_ALIGN)]
+    unaligned = [
+        p
+        for p in inv.payloads
+        if p.location == "external"
+        and p.alignment is not None
+        and p.alignment < (LARGE_ALIGN if p.nbytes >= ALIGN_THRESHOLD else SMALL_ALIGN)
+    ]
     if unaligned:
-        add(Code.UNALIGNED, unaligned, f"{len(unaligned)} external payloads sit at offsets that are not page "
-            f"aligned (64 KiB for >= 1 MiB, 64 B below): {_names(unaligned)}")
+        add(
+            Code.UNALIGNED,
+            unaligned,
+            f"{len(unaligned)} external payloads sit at offsets that are not page "
+            f"aligned (64 KiB for >= 1 MiB, 64 B below): {_names(unaligned)}",
+        )
     stored = _stored_twice(inv, inline_threshold)
     if stored:
-        add(Code.DUPLICATE_PAYLOADS, stored, f"{len(stored)} external payloads ({_mib(sum(p.nbytes for p in stored))})"
-            f" repeat bytes already stored elsewhere in the blob: {_names(stored)}")
+        add(
+            Code.DUPLICATE_PAYLOADS,
+            stored,
+            f"{len(stored)} external payloads ({_mib(sum(p.nbytes for p in stored))})"
+            f" repeat bytes already stored elsewhere in the blob: {_names(stored)}",
+        )
     by_problem: dict[str, list[PayloadInfo]] = {}
     for p in inv.payloads:
         if p.problem:
@@ -97,12 +135,18 @@ def findings_for(inv: ModelInventory, inline_threshold: int = INLINE_THRESHOLD) 
         except OSError:
             continue
         if not mode & stat.S_IROTH:
-            add(Code.BLOB_NOT_WORLD_READABLE, [], f"{name} has mode {oct(mode & 0o777)}; other users (and services "
-                "running as them) cannot map it")
+            add(
+                Code.BLOB_NOT_WORLD_READABLE,
+                [],
+                f"{name} has mode {oct(mode & 0o777)}; other users (and services running as them) cannot map it",
+            )
     bad = [p for p in inv.payloads if p.sha256 and p.recorded_sha256 and p.sha256 != p.recorded_sha256]
     if bad:
-        add(Code.CHECKSUM_MISMATCH, bad, f"{len(bad)} payloads differ from the checksum recorded in the blob: "
-            f"{_names(bad)}")
+        add(
+            Code.CHECKSUM_MISMATCH,
+            bad,
+            f"{len(bad)} payloads differ from the checksum recorded in the blob: {_names(bad)}",
+        )
     return out
 
 
@@ -122,8 +166,7 @@ def find_models(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
                 packages = sorted(d for d in dirs if Path(d).suffix in suffixes)  # a model package, not a folder
                 dirs[:] = sorted(d for d in dirs if Path(d).suffix not in suffixes)  # walk the rest, in order
                 here = Path(root)
-                found += sorted([here / f for f in files if Path(f).suffix in suffixes]
-                                + [here / d for d in packages])
+                found += sorted([here / f for f in files if Path(f).suffix in suffixes] + [here / d for d in packages])
         elif not path.exists() and glob.has_magic(str(item)):
             found += sorted(Path(p) for p in glob.glob(str(item)))
         else:
@@ -131,8 +174,9 @@ def find_models(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     return found
 
 
-def check(paths: Sequence[str | os.PathLike[str]], inline_threshold: int = INLINE_THRESHOLD
-          ) -> tuple[list[ModelInventory], list[Finding]]:
+def check(
+    paths: Sequence[str | os.PathLike[str]], inline_threshold: int = INLINE_THRESHOLD
+) -> tuple[list[ModelInventory], list[Finding]]:
     inventories, findings = [], []
     for path in paths:
         inv = inventory(path, hash_payloads=True)

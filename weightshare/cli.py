@@ -27,10 +27,14 @@ from .report import ConversionReport, JsonDict, ZooReport
 
 # markdown: docstring paragraphs are reflowed to the terminal width (rich mode kept their hard line breaks, which
 # then wrapped again into ragged one-word lines)
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode="markdown",
-                  help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
-                       "shared by every session, interpreter, function and process.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
+    "shared by every session, interpreter, function and process.",
+)
 # Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
 # Colour (and any other escape code) only on a terminal; none at all with NO_COLOR (https://no-color.org).
 _STYLES: Literal["auto"] | None = None if os.environ.get("NO_COLOR") else "auto"
@@ -70,10 +74,12 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _global(
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit."),
-    quiet_all: bool = typer.Option(False, "-q", "--quiet", help="Print nothing but errors, findings and "
-                                   "requested JSON."),
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+    quiet_all: bool = typer.Option(
+        False, "-q", "--quiet", help="Print nothing but errors, findings and requested JSON."
+    ),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Print more detail (per-model tables, notes)."),
 ) -> None:
     """Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and shared by every
@@ -143,10 +149,15 @@ def render_report(r: ConversionReport) -> None:
     t.add_column()
     t.add_row("written", "\n".join(r.outputs))
     t.add_row("payloads moved", f"{r.tensors_moved} ({_mib(r.bytes_in)} in, {_mib(r.bytes_out)} after unpacking)")
-    t.add_row("unique bytes stored", f"{_mib(r.bytes_written)} ({r.deduplicated} duplicates, "
-                                     f"{_mib(r.deduplicated_bytes)} saved)")
-    t.add_row("unpacked", f"{r.unpacked} payloads ({_mib(r.unpacked_bytes_in)} -> {_mib(r.unpacked_bytes_out)}), "
-                          f"{r.ops_removed} ops removed")
+    t.add_row(
+        "unique bytes stored",
+        f"{_mib(r.bytes_written)} ({r.deduplicated} duplicates, {_mib(r.deduplicated_bytes)} saved)",
+    )
+    t.add_row(
+        "unpacked",
+        f"{r.unpacked} payloads ({_mib(r.unpacked_bytes_in)} -> {_mib(r.unpacked_bytes_out)}), "
+        f"{r.ops_removed} ops removed",
+    )
     t.add_row("kept inline", f"{r.inline_kept} ({r.inline_kept_bytes:,} bytes)")
     t.add_row("blob size", _mib(r.blob_bytes))
     t.add_row("time / peak RSS", f"{r.wall_time_s:.2f} s / {r.peak_rss_mib:.0f} MiB")
@@ -160,49 +171,93 @@ def render_zoo(z: ZooReport) -> None:
     for col in ("model", "payloads", "bytes in", "after unpacking", "new unique bytes", "deduplicated"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for m in z.models:
-        t.add_row(Path(m.model).name, str(m.tensors_moved), _mib(m.bytes_in), _mib(m.bytes_out),
-                  _mib(m.bytes_written), str(m.deduplicated))
-    t.add_row("total", str(sum(m.tensors_moved for m in z.models)), _mib(z.bytes_in), _mib(z.bytes_out),
-              _mib(z.bytes_written), str(sum(m.deduplicated for m in z.models)), style="bold")
+        t.add_row(
+            Path(m.model).name,
+            str(m.tensors_moved),
+            _mib(m.bytes_in),
+            _mib(m.bytes_out),
+            _mib(m.bytes_written),
+            str(m.deduplicated),
+        )
+    t.add_row(
+        "total",
+        str(sum(m.tensors_moved for m in z.models)),
+        _mib(z.bytes_in),
+        _mib(z.bytes_out),
+        _mib(z.bytes_written),
+        str(sum(m.deduplicated for m in z.models)),
+        style="bold",
+    )
     out.print(t)
-    out.print(f"blob {_mib(z.blob_bytes)}; dedupe ratio {z.dedupe_ratio:.2f}x; "
-              f"{z.wall_time_s:.2f} s, peak RSS {z.peak_rss_mib:.0f} MiB")
+    out.print(
+        f"blob {_mib(z.blob_bytes)}; dedupe ratio {z.dedupe_ratio:.2f}x; "
+        f"{z.wall_time_s:.2f} s, peak RSS {z.peak_rss_mib:.0f} MiB"
+    )
 
 
 @app.command()
 def convert(
     models: list[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (created if missing)."),
-    blob: str | None = typer.Option(None, "--blob", help="Blob name inside OUTDIR: the blob is written as "
-                                       "NAME.<digest12>.safetensors, digest of its content (default NAME: "
-                                       "MODEL.weights)."),
-    blob_grace: float = typer.Option(600.0, "--blob-grace", help="Seconds an earlier blob that no model in "
-                                     "OUTDIR references any more is kept, for readers that opened the old model."),
-    keep_packed: bool = typer.Option(False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and "
-                                     "typed protobuf fields as they are."),
-    unpack: list[Unpack] = typer.Option([], "--unpack", help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
-                                   "constant sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 "
-                                   "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
-                                   "CPU-specific, a GPU provider would run fp16)."),
-    external: bool = typer.Option(False, "--external", help="TFLite: write weights to a safetensors blob referenced "
-                                  "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
-                                  "Interpreter does not."),
-    prepack: bool = typer.Option(False, "--prepack", help="Share the runtime's packed weights too. ONNX: store "
-                                 "ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc Conv weights (this CPU, "
-                                 "this onnxruntime) in the blob, so plain default-option sessions share every byte; "
-                                 "MODEL.portable.onnx is written as well for other CPUs (use weightshare.ort.session)."
-                                 " Needs onnxruntime. TFLite: also write the XNNPACK weight cache of the converted "
-                                 "model (its name carries a digest of the model, its blob and the LiteRT version); "
-                                 "load with weightshare.litert.compiled_model."),
+    blob: str | None = typer.Option(
+        None,
+        "--blob",
+        help="Blob name inside OUTDIR: the blob is written as "
+        "NAME.<digest12>.safetensors, digest of its content (default NAME: "
+        "MODEL.weights).",
+    ),
+    blob_grace: float = typer.Option(
+        600.0,
+        "--blob-grace",
+        help="Seconds an earlier blob that no model in "
+        "OUTDIR references any more is kept, for readers that opened the old model.",
+    ),
+    keep_packed: bool = typer.Option(
+        False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and typed protobuf fields as they are."
+    ),
+    unpack: list[Unpack] = typer.Option(
+        [],
+        "--unpack",
+        help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
+        "constant sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 "
+        "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
+        "CPU-specific, a GPU provider would run fp16).",
+    ),
+    external: bool = typer.Option(
+        False,
+        "--external",
+        help="TFLite: write weights to a safetensors blob referenced "
+        "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
+        "Interpreter does not.",
+    ),
+    prepack: bool = typer.Option(
+        False,
+        "--prepack",
+        help="Share the runtime's packed weights too. ONNX: store "
+        "ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc Conv weights (this CPU, "
+        "this onnxruntime) in the blob, so plain default-option sessions share every byte; "
+        "MODEL.portable.onnx is written as well for other CPUs (use weightshare.ort.session)."
+        " Needs onnxruntime. TFLite: also write the XNNPACK weight cache of the converted "
+        "model (its name carries a digest of the model, its blob and the LiteRT version); "
+        "load with weightshare.litert.compiled_model.",
+    ),
     align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
-    align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold", help="Payload size from which "
-                                        "--align applies; smaller payloads are 64-byte aligned."),
-    inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold", help="Payloads smaller than this "
-                                         "stay inside the model file."),
-    shared_blob: str | None = typer.Option(None, "--shared-blob", help="Zoo mode: every model in OUTDIR "
-                                              "references this one blob (NAME.<digest12>.safetensors); identical "
-                                              "payloads are stored once. Models are swapped in one by one, each "
-                                              "with its blob. TFLite models join with --external."),
+    align_threshold: int = typer.Option(
+        ALIGN_THRESHOLD,
+        "--align-threshold",
+        help="Payload size from which --align applies; smaller payloads are 64-byte aligned.",
+    ),
+    inline_threshold: int = typer.Option(
+        INLINE_THRESHOLD, "--inline-threshold", help="Payloads smaller than this stay inside the model file."
+    ),
+    shared_blob: str | None = typer.Option(
+        None,
+        "--shared-blob",
+        help="Zoo mode: every model in OUTDIR "
+        "references this one blob (NAME.<digest12>.safetensors); identical "
+        "payloads are stored once. Models are swapped in one by one, each "
+        "with its blob. TFLite models join with --external.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the conversion report as one JSON document."),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only."),
 ) -> None:
@@ -216,11 +271,18 @@ def convert(
     quiet_ = quiet(quiet_)
 
     def options(update: Progress | None = None, total: Callable[[int], None] | None = None) -> ConvertOptions:
-        return ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold),
-                              inline_threshold=inline_threshold, keep_packed=keep_packed,
-                              unpack=frozenset(u.value for u in unpack),
-                              blob_name=blob, external=external, prepack=prepack, progress=update,
-                              progress_total=total, blob_grace_s=blob_grace)
+        return ConvertOptions(
+            align=AlignPolicy(large=align, threshold=align_threshold),
+            inline_threshold=inline_threshold,
+            keep_packed=keep_packed,
+            unpack=frozenset(u.value for u in unpack),
+            blob_name=blob,
+            external=external,
+            prepack=prepack,
+            progress=update,
+            progress_total=total,
+            blob_grace_s=blob_grace,
+        )
 
     with user_errors():
         if Unpack.ORT_CPU in unpack and keep_packed:
@@ -240,8 +302,10 @@ def convert(
             fail("no models to convert (empty directory, or a glob that matched nothing)")
         if blob is not None and len(models) > 1:
             fail("--blob names one model's blob; with several models use --shared-blob or leave it out")
-        with progress_bar(not quiet_, models[0].name if len(models) == 1 else f"{len(models)} models"
-                          ) as (update, total):
+        with progress_bar(not quiet_, models[0].name if len(models) == 1 else f"{len(models)} models") as (
+            update,
+            total,
+        ):
             reports = api.convert_many(models, output, options(update, total))
     if as_json:  # one document: the report, or for a batch every report and the totals
         if len(reports) == 1:
@@ -255,33 +319,47 @@ def convert(
             render_report(r)
     if not as_json and len(reports) > 1:
         for r in reports:
-            info(f"{r.model}: {r.tensors_moved} payloads moved, {_mib(r.bytes_written)} stored, "
-                 f"{r.unpacked} unpacked, {r.wall_time_s:.2f} s, peak RSS {r.peak_rss_mib:.0f} MiB -> {r.outputs[0]}")
+            info(
+                f"{r.model}: {r.tensors_moved} payloads moved, {_mib(r.bytes_written)} stored, "
+                f"{r.unpacked} unpacked, {r.wall_time_s:.2f} s, peak RSS {r.peak_rss_mib:.0f} MiB -> {r.outputs[0]}"
+            )
         t = _totals(reports)
-        info(f"total: {t['models']} models, {t['tensors_moved']} payloads moved, {_mib(t['bytes_written'])} stored, "
-             f"{t['wall_time_s']:.2f} s, peak RSS {t['peak_rss_mib']:.0f} MiB")
+        info(
+            f"total: {t['models']} models, {t['tensors_moved']} payloads moved, {_mib(t['bytes_written'])} stored, "
+            f"{t['wall_time_s']:.2f} s, peak RSS {t['peak_rss_mib']:.0f} MiB"
+        )
 
 
 def _totals(reports: list[ConversionReport]) -> JsonDict:
-    return {"models": len(reports), "tensors_moved": sum(r.tensors_moved for r in reports),
-            "bytes_in": sum(r.bytes_in for r in reports), "bytes_written": sum(r.bytes_written for r in reports),
-            "blob_bytes": sum(r.blob_bytes for r in reports),
-            "wall_time_s": round(sum(r.wall_time_s for r in reports), 3),
-            "peak_rss_mib": max((r.peak_rss_mib for r in reports), default=0.0)}
+    return {
+        "models": len(reports),
+        "tensors_moved": sum(r.tensors_moved for r in reports),
+        "bytes_in": sum(r.bytes_in for r in reports),
+        "bytes_written": sum(r.bytes_written for r in reports),
+        "blob_bytes": sum(r.blob_bytes for r in reports),
+        "wall_time_s": round(sum(r.wall_time_s for r in reports), 3),
+        "peak_rss_mib": max((r.peak_rss_mib for r in reports), default=0.0),
+    }
 
 
 @app.command()
 def merge(
-    sources: list[Path] = typer.Argument(..., help="Core ML .mlpackage files (multifunction sources contribute all "
-                                         "their functions)."),
-    function_name: list[str] = typer.Option([], "--function-name", "--name", help="Function name for each source, "
-                                            "in order [default: the source's stem]."),
-    default_function: str | None = typer.Option(None, "--default-function", help="Function run by default "
-                                                   "[default: the first]."),
+    sources: list[Path] = typer.Argument(
+        ..., help="Core ML .mlpackage files (multifunction sources contribute all their functions)."
+    ),
+    function_name: list[str] = typer.Option(
+        [], "--function-name", "--name", help="Function name for each source, in order [default: the source's stem]."
+    ),
+    default_function: str | None = typer.Option(
+        None, "--default-function", help="Function run by default [default: the first]."
+    ),
     output: Path = typer.Option(..., "-o", "--output", help="Output .mlpackage."),
     align: int = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes)."),
-    align_threshold: int = typer.Option(ALIGN_THRESHOLD, "--align-threshold", help="Payload size from which "
-                                        "--align applies; smaller payloads are 64-byte aligned."),
+    align_threshold: int = typer.Option(
+        ALIGN_THRESHOLD,
+        "--align-threshold",
+        help="Payload size from which --align applies; smaller payloads are 64-byte aligned.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only."),
 ) -> None:
@@ -291,8 +369,9 @@ def merge(
     """
     quiet_ = quiet(quiet_)
     with user_errors(), progress_bar(not quiet_, output.name) as (update, total):
-        opts = ConvertOptions(align=AlignPolicy(large=align, threshold=align_threshold), progress=update,
-                              progress_total=total)
+        opts = ConvertOptions(
+            align=AlignPolicy(large=align, threshold=align_threshold), progress=update, progress_total=total
+        )
         report = api.merge(sources, output, function_name, default_function, opts)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -332,21 +411,39 @@ def inspect(
     t.add_column("note")
     for p in rows[: limit or None]:
         where = "embedded" if p.location == "embedded" else f"{p.file}@{p.offset}"
-        note = "; ".join(x for x in (p.unpacked_at_load, p.copy_reason,
-                                     f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
-                                     p.problem, p.stays_inline_because) if x)
+        note = "; ".join(
+            x
+            for x in (
+                p.unpacked_at_load,
+                p.copy_reason,
+                f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
+                p.problem,
+                p.stays_inline_because,
+            )
+            if x
+        )
         copies = [p.copies.get(s, p.copied_per_session) for s in settings] if settings else [p.copied_per_session]
-        t.add_row(p.name, p.dtype, _mib(p.nbytes), where, p.encoding, str(p.alignment or ""),
-                  *[_mib(c) if c else "0" for c in copies], note)
+        t.add_row(
+            p.name,
+            p.dtype,
+            _mib(p.nbytes),
+            where,
+            p.encoding,
+            str(p.alignment or ""),
+            *[_mib(c) if c else "0" for c in copies],
+            note,
+        )
     out.print(t)
     if limit and len(rows) > limit:
         out.print(f"... {len(rows) - limit} smaller payloads not shown (--limit 0 shows all)")
     moves = sum(1 for p in inv.payloads if p.would_move)
     per_setting = "; ".join(f"{s}: {_mib(inv.copied_under(s))}" for s in settings) or _mib(inv.copied_per_session)
-    out.print(f"{len(inv.payloads)} payloads: {_mib(inv.embedded_bytes)} embedded, {_mib(inv.external_bytes)} "
-              f"external, {_mib(inv.duplicate_bytes)} duplicated. Copied per session: {per_setting}. "
-              f"`convert` would move {moves} payloads and unpack "
-              f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}.")
+    out.print(
+        f"{len(inv.payloads)} payloads: {_mib(inv.embedded_bytes)} embedded, {_mib(inv.external_bytes)} "
+        f"external, {_mib(inv.duplicate_bytes)} duplicated. Copied per session: {per_setting}. "
+        f"`convert` would move {moves} payloads and unpack "
+        f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}."
+    )
     for note in inv.notes:
         out.print(f"note: {note}")
     for f in findings:
@@ -357,10 +454,15 @@ def inspect(
 def check(
     models: list[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),
-    inline_threshold: int = typer.Option(INLINE_THRESHOLD, "--inline-threshold",
-                                         help="Embedded payloads below this size are fine."),
-    strict: bool = typer.Option(False, "--strict", help="Fail on warnings too (copies that only a runtime's "
-                                "default setting makes, 16-byte aligned inline TFLite buffers)."),
+    inline_threshold: int = typer.Option(
+        INLINE_THRESHOLD, "--inline-threshold", help="Embedded payloads below this size are fine."
+    ),
+    strict: bool = typer.Option(
+        False,
+        "--strict",
+        help="Fail on warnings too (copies that only a runtime's "
+        "default setting makes, 16-byte aligned inline TFLite buffers).",
+    ),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
@@ -380,14 +482,21 @@ def check(
         inventories, findings = run_check(paths, inline_threshold)
     failing = [f for f in findings if strict or f.severity == Severity.ERROR]
     if as_json:
-        print(json.dumps({"ok": not failing, "models": [i.model for i in inventories],
-                          "findings": [f.to_dict() for f in findings]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ok": not failing,
+                    "models": [i.model for i in inventories],
+                    "findings": [f.to_dict() for f in findings],
+                },
+                indent=2,
+            )
+        )
     else:
         for f in findings:
             print(f.line())
         if not failing:
-            info(f"ok: {len(inventories)} model(s) share-ready"
-                 + (f" ({len(findings)} warnings)" if findings else ""))
+            info(f"ok: {len(inventories)} model(s) share-ready" + (f" ({len(findings)} warnings)" if findings else ""))
     raise typer.Exit(1 if failing else 0)
 
 
@@ -408,8 +517,9 @@ def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def _verify_args(dim: list[str], shape: list[str], inputs: list[str]
-                 ) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
+def _verify_args(
+    dim: list[str], shape: list[str], inputs: list[str]
+) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
     from .verify import load_input
 
     dims: dict[str, int] = {}
@@ -432,12 +542,20 @@ def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
     runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
-    dim: list[str] = typer.Option([], "--dim", help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
-                                  "sets every other dynamic dimension (TFLite dims have no names). Repeatable."),
-    shape: list[str] = typer.Option([], "--shape", help="TFLite: full shape of an input with dynamic dims, "
-                                    "NAME=1,16000. Repeatable."),
-    inputs: list[str] = typer.Option([], "--input", help="Use real values for an input in every run: "
-                                     "NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable."),
+    dim: list[str] = typer.Option(
+        [],
+        "--dim",
+        help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
+        "sets every other dynamic dimension (TFLite dims have no names). Repeatable.",
+    ),
+    shape: list[str] = typer.Option(
+        [], "--shape", help="TFLite: full shape of an input with dynamic dims, NAME=1,16000. Repeatable."
+    ),
+    inputs: list[str] = typer.Option(
+        [],
+        "--input",
+        help="Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable.",
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
@@ -471,8 +589,10 @@ def verify(
             info(f"note: {note}")
         verdict = "ok" if report.passed else "FAILED"
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
-        info(f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
-              f"{report.payloads_hashed} blob payloads re-hashed")
+        info(
+            f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
+            f"{report.payloads_hashed} blob payloads re-hashed"
+        )
     raise typer.Exit(0 if report.passed else 1)
 
 
@@ -480,8 +600,9 @@ def verify(
 def bench(
     model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
-    plot_path: Path | None = typer.Option(None, "--plot", help="Write a PNG chart of PSS vs sessions "
-                                             "(needs matplotlib: pip install \"weightshare[plot]\")."),
+    plot_path: Path | None = typer.Option(
+        None, "--plot", help='Write a PNG chart of PSS vs sessions (needs matplotlib: pip install "weightshare[plot]").'
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the measurements as one JSON document."),
 ) -> None:
     """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
@@ -527,8 +648,14 @@ def bench(
         groups.setdefault((r["variant"], r["mode"]), []).append(r)
     for (variant, mode), rows in groups.items():
         pss = [r["pss_mib"] for r in rows]
-        t.add_row(variant, mode, *[f"{v:,.0f}" for v in pss], f"{pss[-1] / pss[0]:.2f}x",
-                  f"{rows[-1]['private_mib']:,.0f}", f"{rows[-1]['shared_mib']:,.0f}")
+        t.add_row(
+            variant,
+            mode,
+            *[f"{v:,.0f}" for v in pss],
+            f"{pss[-1] / pss[0]:.2f}x",
+            f"{rows[-1]['private_mib']:,.0f}",
+            f"{rows[-1]['shared_mib']:,.0f}",
+        )
     out.print(t)
     if plot_path is not None:
         out.print(f"plot: {plot_path}")
@@ -536,8 +663,11 @@ def bench(
 
 @app.command()
 def demo(
-    workdir: Path = typer.Option(Path("weightshare-demo"), "--dir", help="Where to put the sample models "
-                                 "(56 MiB per layer: ~675 MiB with the default 12 layers)."),
+    workdir: Path = typer.Option(
+        Path("weightshare-demo"),
+        "--dir",
+        help="Where to put the sample models (56 MiB per layer: ~675 MiB with the default 12 layers).",
+    ),
     sessions: int = typer.Option(4, "--sessions", help="ONNX Runtime sessions to open per variant."),
     layers: int = typer.Option(12, "--layers", help="MLP layers of 2048x2048 fp16 weights (8 MiB each)."),
     clean: bool = typer.Option(False, "--clean", help="Remove the demo directory (--dir) and exit."),
@@ -554,8 +684,10 @@ def demo(
         # the fp16 original, the fp32 blob, and the --prepack blob (fp32 payloads plus ORT's packed copies)
         size = layers * (2048 * 2048 + 2048) * (2 + 4 + 8)
         if not as_json:
-            info(f"writing about {_mib(size)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
-                 f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})")
+            info(
+                f"writing about {_mib(size)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
+                f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})"
+            )
         result = run_demo(workdir, sessions, layers, progress=lambda msg: detail(msg))
     if as_json:
         print(json.dumps(result, indent=2))
@@ -564,15 +696,24 @@ def demo(
     for col in ("model", "file size", "PSS 1 session", f"PSS {sessions} sessions", "per extra session"):
         t.add_column(col, justify="right" if col != "model" else "left")
     for row in result["rows"]:
-        t.add_row(row["variant"], _mib(row["file_bytes"]), f"{row['pss_1_mib']:,.1f} MiB",
-                  f"{row['pss_n_mib']:,.1f} MiB", f"{row['per_session_mib']:,.1f} MiB")
+        t.add_row(
+            row["variant"],
+            _mib(row["file_bytes"]),
+            f"{row['pss_1_mib']:,.1f} MiB",
+            f"{row['pss_n_mib']:,.1f} MiB",
+            f"{row['per_session_mib']:,.1f} MiB",
+        )
     out.print(t)
     out.print(f"converted: {result['converted']}  (outputs equal: {result['outputs_equal']})")
-    out.print(f"PSS of {sessions} sessions: original {result['ratio_original']:.2f}x one session, "
-              f"converted {result['ratio_converted']:.2f}x (disable_prepacking)")
-    out.print(f"at default options: original {result['ratio_original_default']:.2f}x, converted --prepack "
-              f"{result['ratio_prepacked']:.2f}x  ({result['prepacked']}, outputs equal: "
-              f"{result['prepacked_outputs_equal']})")
+    out.print(
+        f"PSS of {sessions} sessions: original {result['ratio_original']:.2f}x one session, "
+        f"converted {result['ratio_converted']:.2f}x (disable_prepacking)"
+    )
+    out.print(
+        f"at default options: original {result['ratio_original_default']:.2f}x, converted --prepack "
+        f"{result['ratio_prepacked']:.2f}x  ({result['prepacked']}, outputs equal: "
+        f"{result['prepacked_outputs_equal']})"
+    )
 
 
 def main() -> None:
@@ -592,6 +733,10 @@ def main() -> None:
         err.print(f"weightshare: error: {what}; no output was left behind", markup=False, highlight=False)
         sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
     except Exception as e:  # a bug in weightshare: still one line, and how to get the traceback
-        err.print(f"weightshare: internal error: {type(e).__name__}: {e} (set WEIGHTSHARE_DEBUG=1 for a traceback)",
-                  markup=False, highlight=False, soft_wrap=True)
+        err.print(
+            f"weightshare: internal error: {type(e).__name__}: {e} (set WEIGHTSHARE_DEBUG=1 for a traceback)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(2)

@@ -39,8 +39,9 @@ def clean_demo(workdir: Path) -> bool:
     return removed
 
 
-def run_demo(workdir: Path, sessions: int = 4, layers: int = 12,
-             progress: Callable[[str], object] = lambda msg: None) -> JsonDict:
+def run_demo(
+    workdir: Path, sessions: int = 4, layers: int = 12, progress: Callable[[str], object] = lambda msg: None
+) -> JsonDict:
     from .runtimes.ort import measure_sessions, new_session
 
     workdir = Path(workdir)
@@ -57,32 +58,54 @@ def run_demo(workdir: Path, sessions: int = 4, layers: int = 12,
     prepacked = Path(pre_report.outputs[0])
 
     x = np.random.default_rng(0).standard_normal((1, 2048), dtype=np.float32)
-    outputs_equal = bool(np.array_equal(new_session(str(original)).run(None, {"x": x})[0],
-                                        new_session(str(converted)).run(None, {"x": x})[0]))
-    prepacked_equal = bool(np.array_equal(new_session(str(original), False).run(None, {"x": x})[0],
-                                          new_session(str(prepacked), False).run(None, {"x": x})[0]))
+    outputs_equal = bool(
+        np.array_equal(
+            new_session(str(original)).run(None, {"x": x})[0], new_session(str(converted)).run(None, {"x": x})[0]
+        )
+    )
+    prepacked_equal = bool(
+        np.array_equal(
+            new_session(str(original), False).run(None, {"x": x})[0],
+            new_session(str(prepacked), False).run(None, {"x": x})[0],
+        )
+    )
     rows = []
     for variant, path, share, outputs in (
-            ("original: fp16 + Cast, disable_prepacking", original, True, []),
-            ("converted: fp32 blob, disable_prepacking", converted, True, report.outputs[1:]),
-            ("original: fp16 + Cast, default options", original, False, []),
-            ("converted --prepack, default options", prepacked, False, pre_report.outputs[2:])):
+        ("original: fp16 + Cast, disable_prepacking", original, True, []),
+        ("converted: fp32 blob, disable_prepacking", converted, True, report.outputs[1:]),
+        ("original: fp16 + Cast, default options", original, False, []),
+        ("converted --prepack, default options", prepacked, False, pre_report.outputs[2:]),
+    ):
         progress(f"opening {sessions} sessions of {path.name} in a fresh process")
         m = _measure(measure_sessions, str(path), [1, sessions], share)
         one, n = m[0]["pss_mib"], m[-1]["pss_mib"]
         size = path.stat().st_size + sum(Path(p).stat().st_size for p in outputs)
-        rows.append({"variant": variant, "file_bytes": size, "pss_1_mib": one, "pss_n_mib": n,
-                     "per_session_mib": round((n - one) / max(1, sessions - 1), 1)})
-    return {"rows": rows, "converted": str(converted), "outputs_equal": outputs_equal, "report": report.to_dict(),
-            "prepacked": str(prepacked), "prepacked_outputs_equal": prepacked_equal,
-            "ratio_original": rows[0]["pss_n_mib"] / rows[0]["pss_1_mib"],
-            "ratio_converted": rows[1]["pss_n_mib"] / rows[1]["pss_1_mib"],
-            "ratio_original_default": rows[2]["pss_n_mib"] / rows[2]["pss_1_mib"],
-            "ratio_prepacked": rows[3]["pss_n_mib"] / rows[3]["pss_1_mib"]}
+        rows.append(
+            {
+                "variant": variant,
+                "file_bytes": size,
+                "pss_1_mib": one,
+                "pss_n_mib": n,
+                "per_session_mib": round((n - one) / max(1, sessions - 1), 1),
+            }
+        )
+    return {
+        "rows": rows,
+        "converted": str(converted),
+        "outputs_equal": outputs_equal,
+        "report": report.to_dict(),
+        "prepacked": str(prepacked),
+        "prepacked_outputs_equal": prepacked_equal,
+        "ratio_original": rows[0]["pss_n_mib"] / rows[0]["pss_1_mib"],
+        "ratio_converted": rows[1]["pss_n_mib"] / rows[1]["pss_1_mib"],
+        "ratio_original_default": rows[2]["pss_n_mib"] / rows[2]["pss_1_mib"],
+        "ratio_prepacked": rows[3]["pss_n_mib"] / rows[3]["pss_1_mib"],
+    }
 
 
-def _measure(measure_sessions: Callable[[str, list[int], bool], list[JsonDict]], path: str, counts: list[int],
-             share: bool) -> list[JsonDict]:
+def _measure(
+    measure_sessions: Callable[[str, list[int], bool], list[JsonDict]], path: str, counts: list[int], share: bool
+) -> list[JsonDict]:
     """Default-option sessions in a process started with MALLOC_MMAP_THRESHOLD_ (ORT's validation
     buffers otherwise stay in glibc's heap); the variable is inherited by the probe process only."""
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")

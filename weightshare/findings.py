@@ -59,56 +59,87 @@ class CodeInfo:
 
 CODES: dict[Code, CodeInfo] = {
     Code.EMBEDDED_WEIGHTS: CodeInfo(
-        Severity.ERROR, "Weights are stored inside the ONNX/Core ML model file; the runtime copies them into "
-        "private memory in every session.", "weightshare convert MODEL -o OUT"),
+        Severity.ERROR,
+        "Weights are stored inside the ONNX/Core ML model file; the runtime copies them into "
+        "private memory in every session.",
+        "weightshare convert MODEL -o OUT",
+    ),
     Code.UNPACKED_PER_SESSION: CodeInfo(
-        Severity.ERROR, "The runtime converts these weights in every session (ONNX Cast fp16->float constant "
+        Severity.ERROR,
+        "The runtime converts these weights in every session (ONNX Cast fp16->float constant "
         "folding, TFLite DEQUANTIZE or DENSIFY of a constant) into a private copy.",
-        "weightshare convert MODEL -o OUT (stores the converted form in the blob)"),
+        "weightshare convert MODEL -o OUT (stores the converted form in the blob)",
+    ),
     Code.ORT_NCHWC_COPY: CodeInfo(
-        Severity.ERROR, "ONNX Runtime's NCHWc layout transformer (graph optimization level ORT_ENABLE_ALL, the "
+        Severity.ERROR,
+        "ONNX Runtime's NCHWc layout transformer (graph optimization level ORT_ENABLE_ALL, the "
         "default) copies these Conv weights into every session, even with session.disable_prepacking=1.",
         "convert with --prepack, or create sessions with graph_optimization_level=ORT_ENABLE_EXTENDED (and "
-        "session.disable_prepacking=1)"),
+        "session.disable_prepacking=1)",
+    ),
     Code.ORT_PREPACK_COPY: CodeInfo(
-        Severity.WARNING, "With default session options ONNX Runtime (MLAS) pre-packs a private copy of every "
+        Severity.WARNING,
+        "With default session options ONNX Runtime (MLAS) pre-packs a private copy of every "
         "constant MatMul/Gemm B weight per session.",
-        "create sessions with session.disable_prepacking=1, or convert with --prepack"),
+        "create sessions with session.disable_prepacking=1, or convert with --prepack",
+    ),
     Code.XNNPACK_PACK_COPY: CodeInfo(
-        Severity.WARNING, "LiteRT's default XNNPACK delegate packs FULLY_CONNECTED/CONV weights into a private "
-        "copy per interpreter.", "create interpreters with OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES, or "
-        "use CompiledModel with an XNNPACK weight cache file"),
+        Severity.WARNING,
+        "LiteRT's default XNNPACK delegate packs FULLY_CONNECTED/CONV weights into a private copy per interpreter.",
+        "create interpreters with OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES, or "
+        "use CompiledModel with an XNNPACK weight cache file",
+    ),
     Code.INLINE_UNALIGNED: CodeInfo(
-        Severity.WARNING, "TFLite buffers inside the flatbuffer are mapped with the file and shared, but only "
-        "16-byte aligned: pages are shared partly, XNNPACK cannot map them.", "weightshare convert MODEL -o OUT"),
+        Severity.WARNING,
+        "TFLite buffers inside the flatbuffer are mapped with the file and shared, but only "
+        "16-byte aligned: pages are shared partly, XNNPACK cannot map them.",
+        "weightshare convert MODEL -o OUT",
+    ),
     Code.UNALIGNED: CodeInfo(
-        Severity.ERROR, "External payloads sit at offsets that are not page aligned (64 KiB for >= 1 MiB, 64 B "
-        "below).", "weightshare convert MODEL -o OUT (re-lays the blob)"),
+        Severity.ERROR,
+        "External payloads sit at offsets that are not page aligned (64 KiB for >= 1 MiB, 64 B below).",
+        "weightshare convert MODEL -o OUT (re-lays the blob)",
+    ),
     Code.DUPLICATE_PAYLOADS: CodeInfo(
-        Severity.ERROR, "External payloads repeat bytes already stored elsewhere: the same weights are mapped "
-        "twice.", "weightshare convert MODEL -o OUT (stores identical payloads once)"),
+        Severity.ERROR,
+        "External payloads repeat bytes already stored elsewhere: the same weights are mapped twice.",
+        "weightshare convert MODEL -o OUT (stores identical payloads once)",
+    ),
     Code.BLOB_OUTSIDE_MODEL_DIR: CodeInfo(
-        Severity.ERROR, "An external data path is absolute, contains a '..' component or resolves outside the "
-        "model directory; runtimes refuse it.", "keep external data files beside the model and reference them "
-        "by a relative name"),
+        Severity.ERROR,
+        "An external data path is absolute, contains a '..' component or resolves outside the "
+        "model directory; runtimes refuse it.",
+        "keep external data files beside the model and reference them by a relative name",
+    ),
     Code.MISSING_EXTERNAL_FILE: CodeInfo(
-        Severity.ERROR, "A file the model references for its weights does not exist.",
-        "ship the blob next to the model (copy the whole output directory)"),
+        Severity.ERROR,
+        "A file the model references for its weights does not exist.",
+        "ship the blob next to the model (copy the whole output directory)",
+    ),
     Code.BAD_EXTERNAL_DATA: CodeInfo(
-        Severity.ERROR, "An external reference is malformed: offset/length past the end of the file, a size "
-        "that does not match the tensor, a bad record.", "re-run weightshare convert from the original model"),
+        Severity.ERROR,
+        "An external reference is malformed: offset/length past the end of the file, a size "
+        "that does not match the tensor, a bad record.",
+        "re-run weightshare convert from the original model",
+    ),
     Code.BLOB_NOT_WORLD_READABLE: CodeInfo(
-        Severity.ERROR, "The blob's mode keeps other users (and services running as them) from mapping it.",
-        "chmod a+r BLOB"),
+        Severity.ERROR,
+        "The blob's mode keeps other users (and services running as them) from mapping it.",
+        "chmod a+r BLOB",
+    ),
     Code.CHECKSUM_MISMATCH: CodeInfo(
-        Severity.ERROR, "A payload differs from the checksum (BLAKE3; SHA-256 in older blobs) recorded in the "
+        Severity.ERROR,
+        "A payload differs from the checksum (BLAKE3; SHA-256 in older blobs) recorded in the "
         "blob: the blob was modified or corrupted.",
-        "re-run weightshare convert from the original model; check the storage"),
+        "re-run weightshare convert from the original model; check the storage",
+    ),
     Code.XNNPACK_CACHE_MISMATCH: CodeInfo(
-        Severity.ERROR, "An XNNPACK weight cache beside a TFLite model was built for other content (another "
+        Severity.ERROR,
+        "An XNNPACK weight cache beside a TFLite model was built for other content (another "
         "model, blob or LiteRT version): LiteRT used with it directly would compute with the cached weights, "
-        "not the model's.", "re-run weightshare convert MODEL -o OUT --prepack (builds the matching cache), or "
-        "delete the stale cache file"),
+        "not the model's.",
+        "re-run weightshare convert MODEL -o OUT --prepack (builds the matching cache), or delete the stale cache file",
+    ),
 }
 
 
@@ -130,8 +161,15 @@ class Finding:
         return f"{self.file}: {self.severity.value}: {self.code.value}: {self.message} (fix: {self.fix})"
 
     def to_dict(self) -> dict[str, str]:
-        return {"code": self.code.value, "severity": self.severity.value, "file": self.file, "model": self.file,
-                "tensor": self.tensor, "message": self.message, "fix": self.fix}
+        return {
+            "code": self.code.value,
+            "severity": self.severity.value,
+            "file": self.file,
+            "model": self.file,
+            "tensor": self.tensor,
+            "message": self.message,
+            "fix": self.fix,
+        }
 
 
 def problem_code(error: Exception, file_exists: bool) -> Code:

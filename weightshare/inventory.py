@@ -81,9 +81,13 @@ class ModelInventory:
 
     def to_dict(self) -> JsonDict:
         d = asdict(self)
-        d.update(copied_per_session=self.copied_per_session, embedded_bytes=self.embedded_bytes,
-                 external_bytes=self.external_bytes, duplicate_bytes=self.duplicate_bytes,
-                 copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings})
+        d.update(
+            copied_per_session=self.copied_per_session,
+            embedded_bytes=self.embedded_bytes,
+            external_bytes=self.external_bytes,
+            duplicate_bytes=self.duplicate_bytes,
+            copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings},
+        )
         return d
 
 
@@ -144,14 +148,18 @@ def _check_other_records(inv: ModelInventory, base: Path) -> None:
             seen.add((name, begin))
             inv.records_hashed += 1
             if begin + length > blob.stat().st_size:
-                inv.record_problems.append(f"blob record {key!r} in {name} at offset {begin}: runs past the end "
-                                           "of the file")
+                inv.record_problems.append(
+                    f"blob record {key!r} in {name} at offset {begin}: runs past the end of the file"
+                )
                 bad.append(key)
             elif sha256_of(FileRange(str(blob), begin, length), digest) != digest:
-                inv.record_problems.append(f"blob record {key!r} in {name} at offset {begin}: its checksum "
-                                           "differs from the one recorded in the blob")
+                inv.record_problems.append(
+                    f"blob record {key!r} in {name} at offset {begin}: its checksum "
+                    "differs from the one recorded in the blob"
+                )
                 bad.append(key)
     if inv.record_problems:
         more = f" and {len(inv.record_problems) - 1} more" if len(inv.record_problems) > 1 else ""
-        inv.findings.append(Finding.of(Code.CHECKSUM_MISMATCH, inv.model, inv.record_problems[0] + more,
-                                       bad[0] if bad else ""))
+        inv.findings.append(
+            Finding.of(Code.CHECKSUM_MISMATCH, inv.model, inv.record_problems[0] + more, bad[0] if bad else "")
+        )

@@ -54,8 +54,11 @@ def _with_cache(kwargs: dict[str, Any], cache: Path) -> dict[str, Any]:
     options = kwargs.pop("options", None)
     accel = kwargs.pop("hardware_accel", None)
     if options is None:  # what CompiledModel.from_file uses when given no options
-        options = Options(cpu_options=CpuOptions(num_threads=1)) if accel is None else \
-            Options(hardware_accelerators=accel, cpu_options=CpuOptions(num_threads=1))
+        options = (
+            Options(cpu_options=CpuOptions(num_threads=1))
+            if accel is None
+            else Options(hardware_accelerators=accel, cpu_options=CpuOptions(num_threads=1))
+        )
     elif accel is not None:
         raise UsageError("pass either options or hardware_accel, not both")
     options = copy.copy(options)
@@ -82,17 +85,18 @@ def compiled_model(path: str | os.PathLike[str], **kwargs: Any) -> CompiledModel
     from ai_edge_litert.compiled_model import CompiledModel
 
     options = kwargs.get("options")
-    if options is not None and options._cpu_options is not None and \
-            options._cpu_options.xnnpack_weight_cache_path:
-        raise UsageError("compiled_model chooses the XNNPACK weight cache; pass options without "
-                         "xnnpack_weight_cache_path", path)
+    if options is not None and options._cpu_options is not None and options._cpu_options.xnnpack_weight_cache_path:
+        raise UsageError(
+            "compiled_model chooses the XNNPACK weight cache; pass options without xnnpack_weight_cache_path", path
+        )
     model = Path(path)
     for _attempt in range(_RETRIES):
         before = _file_state(model)
         cache, why = find_cache(model)
         if cache is None:
-            log.warning("weightshare: %s: %s; running without a cache (each instance packs its own weights)",
-                        model, why)
+            log.warning(
+                "weightshare: %s: %s; running without a cache (each instance packs its own weights)", model, why
+            )
             cm = CompiledModel.from_file(str(model), **kwargs)
             cm.weightshare_cache = None
             return cm
@@ -125,13 +129,18 @@ def run_signatures(cm: CompiledModel, seed: int) -> dict[str, dict[str, np.ndarr
             buf.write(_random_array(rng, [int(d) for d in details[name]["shape"]], details[name]["dtype"]))
         cm.run_by_index(idx, ins, outs)
         details = cm.get_output_tensor_details(key)
-        results[key] = {name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"]).reshape(
-            [int(d) for d in details[name]["shape"]]) for name, buf in zip(sig["outputs"], outs)}
+        results[key] = {
+            name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"]).reshape(
+                [int(d) for d in details[name]["shape"]]
+            )
+            for name, buf in zip(sig["outputs"], outs)
+        }
     return results
 
 
-def compiled_pairs(original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int, seed: int
-                   ) -> tuple[Path | None, list[tuple[int, str, np.ndarray, np.ndarray]]]:
+def compiled_pairs(
+    original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int, seed: int
+) -> tuple[Path | None, list[tuple[int, str, np.ndarray, np.ndarray]]]:
     """For ``verify``: the converted model through CompiledModel with its matching cache, the original without.
 
     Returns (cache used or None, [(run, "signature:output", original array, converted array)]); no pairs

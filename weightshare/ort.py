@@ -61,8 +61,12 @@ def this_machine() -> JsonDict:
 
         from .formats.onnx.ort_child import cpu_features, nchwc_block_size
 
-        _machine = {"onnxruntime": ort.__version__, "machine": platform.machine(), "cpu_features": cpu_features(),
-                    "nchwc_block": nchwc_block_size()}
+        _machine = {
+            "onnxruntime": ort.__version__,
+            "machine": platform.machine(),
+            "cpu_features": cpu_features(),
+            "nchwc_block": nchwc_block_size(),
+        }
     return _machine
 
 
@@ -136,8 +140,12 @@ def _say_once(path: Path, message: str) -> None:
         log.warning("%s", message)
 
 
-def session(path: str | os.PathLike[str], sess_options: ort.SessionOptions | None = None,
-            providers: list[str] | None = None, **kwargs: Any) -> ort.InferenceSession:
+def session(
+    path: str | os.PathLike[str],
+    sess_options: ort.SessionOptions | None = None,
+    providers: list[str] | None = None,
+    **kwargs: Any,
+) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` of ``path`` that shares its weights with every other one.
 
     For a ``--prepack`` model: the prepacked graph when this machine matches and its packed payloads
@@ -164,8 +172,11 @@ def session(path: str | os.PathLike[str], sess_options: ort.SessionOptions | Non
             except Exception as e:  # ORT's ValidatePrePackedWeights and friends: fall back, not fail
                 why = f"onnxruntime refused it ({str(e).splitlines()[0][:200]})"
         portable = path.parent / info.get("portable_model", "")
-        _say_once(path, f"weightshare: {path.name}: not using its pre-packed weights: {why}; "
-                        f"opening {portable.name} with session.disable_prepacking=1 instead")
+        _say_once(
+            path,
+            f"weightshare: {path.name}: not using its pre-packed weights: {why}; "
+            f"opening {portable.name} with session.disable_prepacking=1 instead",
+        )
         path = portable
         sess_options = sess_options or ort.SessionOptions()
         sess_options.add_session_config_entry("session.disable_prepacking", "1")

@@ -59,8 +59,13 @@ class PreparedModel:
     extra: PreparedExtra = field(default_factory=lambda: PreparedExtra())
 
 
-def write_blob(models: list[PreparedModel], blob_path: Path, options: ConvertOptions, tx: OutputTransaction,
-               shown: Path | None = None) -> tuple[Path, int, str]:
+def write_blob(
+    models: list[PreparedModel],
+    blob_path: Path,
+    options: ConvertOptions,
+    tx: OutputTransaction,
+    shown: Path | None = None,
+) -> tuple[Path, int, str]:
     """Stream every payload of ``models`` into one blob; return (its temporary, its size, its content digest).
 
     ``blob_path`` names the temporary; ``shown`` is the blob as error messages name it.
@@ -131,16 +136,22 @@ def _signal_hook(progress: Progress | None) -> Progress | None:
     return hook
 
 
-def write_models(models: list[PreparedModel], out_dir: Path, target: BlobTarget, options: ConvertOptions,
-                 tx: OutputTransaction) -> None:
+def write_models(
+    models: list[PreparedModel], out_dir: Path, target: BlobTarget, options: ConvertOptions, tx: OutputTransaction
+) -> None:
     """Write the blob (when any model has payloads) under its content-derived name, then every model file."""
     size, blob_path, location = 0, None, ""
     if any(m.payloads for m in models):
         tx.make_dirs(target.directory)
         if target.prefix:  # OUTDIR itself was cleaned by prepare_out_dir
             clean_stale_temporaries(target.directory)
-        tmp, size, digest = write_blob(models, target.directory / f"{target.base}{SUFFIX}", options, tx,
-                                       shown=target.directory / f"{target.base}.<digest>{SUFFIX}")
+        tmp, size, digest = write_blob(
+            models,
+            target.directory / f"{target.base}{SUFFIX}",
+            options,
+            tx,
+            shown=target.directory / f"{target.base}.<digest>{SUFFIX}",
+        )
         location, blob_path = target.named(digest)
         tx.retarget(tmp, blob_path)
         tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
@@ -185,8 +196,7 @@ def blob_target(src: Path | None, out_dir: Path, blob_name: str | None) -> BlobT
     if path == Path(out_dir).resolve() or rel.name in ("", ".") or name.endswith(("/", "\\")):
         raise UsageError(f"blob name {name!r} names a directory, not a file", where)
     if any(part.startswith(TMP_PREFIX) for part in rel.parts):
-        raise UsageError(f"blob name {name!r} starts with {TMP_PREFIX!r}, which marks weightshare's temporaries",
-                         where)
+        raise UsageError(f"blob name {name!r} starts with {TMP_PREFIX!r}, which marks weightshare's temporaries", where)
     base = rel.name.removesuffix(SUFFIX)
     if not base or base.startswith("."):
         raise UsageError(f"blob name {name!r} must start with a name (not a dot)", where)
@@ -212,8 +222,11 @@ class OldBlobCollector(CommitHook):
         self.was_referenced: set[str] = set()
 
     def _candidates(self) -> list[Path]:
-        return [p for p in self.blob_dir.iterdir()
-                if self.pattern.match(p.name) and p.name != self.keep and p.is_file() and not p.is_symlink()]
+        return [
+            p
+            for p in self.blob_dir.iterdir()
+            if self.pattern.match(p.name) and p.name != self.keep and p.is_file() and not p.is_symlink()
+        ]
 
     def before(self) -> None:
         try:

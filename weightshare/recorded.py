@@ -31,8 +31,13 @@ def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
         kind = next((k for k in ("blake3", "sha256") if isinstance(entry, dict) and k in entry), "sha256")
         digest = entry.get(kind) if isinstance(entry, dict) else None
         offsets = t.get("data_offsets") if isinstance(t, dict) else None
-        if not (isinstance(digest, str) and isinstance(offsets, list) and len(offsets) == 2
-                and all(type(o) is int and o >= 0 for o in offsets) and offsets[0] <= offsets[1]):
+        if not (
+            isinstance(digest, str)
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(type(o) is int and o >= 0 for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
             continue
         out.append((key, data_start + offsets[0], offsets[1] - offsets[0], tagged(kind, digest.lower())))
     return out
@@ -65,6 +70,8 @@ class CheckedSource:
             digest.update(chunk)
             yield chunk
         if digest.hexdigest() != expected:
-            raise InvalidModel(f"tensor {self.tensor!r}: its bytes no longer match the {kind} digest weightshare "
-                               "recorded when it wrote this blob (modified since?); refusing to re-convert it",
-                               self.path)
+            raise InvalidModel(
+                f"tensor {self.tensor!r}: its bytes no longer match the {kind} digest weightshare "
+                "recorded when it wrote this blob (modified since?); refusing to re-convert it",
+                self.path,
+            )

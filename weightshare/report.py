@@ -70,7 +70,14 @@ class ZooReport:
         return self.bytes_out / self.bytes_written if self.bytes_written else 1.0
 
     def to_dict(self) -> JsonDict:
-        return {"blob": self.blob, "blob_bytes": self.blob_bytes, "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "bytes_written": self.bytes_written,
-                "dedupe_ratio": round(self.dedupe_ratio, 4), "wall_time_s": self.wall_time_s,
-                "peak_rss_mib": self.peak_rss_mib, "models": [m.to_dict() for m in self.models]}
+        return {
+            "blob": self.blob,
+            "blob_bytes": self.blob_bytes,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "bytes_written": self.bytes_written,
+            "dedupe_ratio": round(self.dedupe_ratio, 4),
+            "wall_time_s": self.wall_time_s,
+            "peak_rss_mib": self.peak_rss_mib,
+            "models": [m.to_dict() for m in self.models],
+        }

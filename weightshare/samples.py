@@ -13,8 +13,15 @@ from pathlib import Path
 import numpy as np
 
 
-def mlp_onnx(path: str | os.PathLike[str], layers: int = 12, dim: int = 2048, weights: str = "float16",
-             external: bool = False, seed: int = 0, batch: int = 1) -> Path:
+def mlp_onnx(
+    path: str | os.PathLike[str],
+    layers: int = 12,
+    dim: int = 2048,
+    weights: str = "float16",
+    external: bool = False,
+    seed: int = 0,
+    batch: int = 1,
+) -> Path:
     """Write an MLP: x[batch, dim] -> (MatMul W_i -> Add b_i -> Relu) x layers -> y.
 
     Args:
@@ -48,19 +55,28 @@ def mlp_onnx(path: str | os.PathLike[str], layers: int = 12, dim: int = 2048, we
                 inits.append(t)
             wi, bi = f"w{i}", f"b{i}"
             if np_type == np.float16:
-                nodes += [helper.make_node("Cast", [wi], [f"w{i}_f"], to=TensorProto.FLOAT),
-                          helper.make_node("Cast", [bi], [f"b{i}_f"], to=TensorProto.FLOAT)]
+                nodes += [
+                    helper.make_node("Cast", [wi], [f"w{i}_f"], to=TensorProto.FLOAT),
+                    helper.make_node("Cast", [bi], [f"b{i}_f"], to=TensorProto.FLOAT),
+                ]
                 wi, bi = f"w{i}_f", f"b{i}_f"
             y = "y" if i == layers - 1 else f"h{i}"
-            nodes += [helper.make_node("MatMul", [x, wi], [f"m{i}"]),
-                      helper.make_node("Add", [f"m{i}", bi], [f"a{i}"]),
-                      helper.make_node("Relu", [f"a{i}"], [y])]
+            nodes += [
+                helper.make_node("MatMul", [x, wi], [f"m{i}"]),
+                helper.make_node("Add", [f"m{i}", bi], [f"a{i}"]),
+                helper.make_node("Relu", [f"a{i}"], [y]),
+            ]
             x = y
     finally:
         if data is not None:
             data.close()
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, dim])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, dim])], inits)
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, dim])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [batch, dim])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="weightshare-sample")
     model.ir_version = 8
     with open(path, "wb") as f:

@@ -66,8 +66,11 @@ def _fd_real_path(fd: int) -> str | None:
         return None  # no /proc (macOS, some sandboxes): the O_NOFOLLOW and dev/ino checks remain
 
 
-def open_input(path: str | os.PathLike[str], inside: str | os.PathLike[str] | None = None,
-               origin: str | os.PathLike[str] | None = None) -> InputFile:
+def open_input(
+    path: str | os.PathLike[str],
+    inside: str | os.PathLike[str] | None = None,
+    origin: str | os.PathLike[str] | None = None,
+) -> InputFile:
     """Open ``path`` for reading, once, refusing anything but a regular file.
 
     With ``inside`` (the model directory; ``path`` must already have passed
@@ -100,8 +103,9 @@ def open_input(path: str | os.PathLike[str], inside: str | os.PathLike[str] | No
     return InputFile(fd, path, st.st_size)
 
 
-def _check_opened_inside(fd: int, st: os.stat_result, path: str, inside: str | os.PathLike[str],
-                         where: str | os.PathLike[str]) -> None:
+def _check_opened_inside(
+    fd: int, st: os.stat_result, path: str, inside: str | os.PathLike[str], where: str | os.PathLike[str]
+) -> None:
     base = os.path.realpath(inside)
     real = _fd_real_path(fd)
     if real is None:  # fall back to: the name now resolves to the very file we hold, and inside base
@@ -166,8 +170,11 @@ class FileRange:
                 if f is not self.file:
                     f.close()
             if len(data) < self.length:
-                raise InvalidModel(f"file ended early at offset {self.offset + len(data)} (expected data up to "
-                                   f"{self.offset + self.length})", self.path)
+                raise InvalidModel(
+                    f"file ended early at offset {self.offset + len(data)} (expected data up to "
+                    f"{self.offset + self.length})",
+                    self.path,
+                )
             yield memoryview(data)
             return
         size = chunk_size

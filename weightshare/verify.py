@@ -59,8 +59,9 @@ def hint(fmt: str) -> str:
     return "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --shape NAME=1,16000 / --dim '*=N'"
 
 
-def compare_outputs(report: VerifyReport, names: list[str], outs_a: dict[str, Any], outs_b: dict[str, Any],
-                    run: int, prefix: str = "") -> None:
+def compare_outputs(
+    report: VerifyReport, names: list[str], outs_a: dict[str, Any], outs_b: dict[str, Any], run: int, prefix: str = ""
+) -> None:
     """Every output of the original against the converted one's output of the same name."""
     for name in names:
         if name not in outs_b:
@@ -92,16 +93,24 @@ def _check_blob(report: VerifyReport, converted: Path) -> bool:
         elif p.recorded_sha256:
             report.payloads_hashed += 1
             if p.sha256 != p.recorded_sha256:
-                report.checksum_mismatches.append(f"tensor {p.name!r} in {p.file} at offset {p.offset}: its "
-                                                  "checksum differs from the one recorded in the blob")
+                report.checksum_mismatches.append(
+                    f"tensor {p.name!r} in {p.file} at offset {p.offset}: its "
+                    "checksum differs from the one recorded in the blob"
+                )
     report.payloads_hashed += inv.records_hashed  # blob records no tensor references (ORT packed copies)
     report.checksum_mismatches += inv.record_problems
     return broken
 
 
-def verify(original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int = 3,
-           dims: dict[str, int] | None = None, seed: int = 0, inputs: dict[str, Any] | None = None,
-           shapes: dict[str, list[int]] | None = None) -> VerifyReport:
+def verify(
+    original: str | os.PathLike[str],
+    converted: str | os.PathLike[str],
+    runs: int = 3,
+    dims: dict[str, int] | None = None,
+    seed: int = 0,
+    inputs: dict[str, Any] | None = None,
+    shapes: dict[str, list[int]] | None = None,
+) -> VerifyReport:
     """Run ``original`` and ``converted`` on the same inputs and compare; re-hash the blob.
 
     ``inputs``: name -> value used in every run instead of random values; ``dims``:
@@ -115,8 +124,13 @@ def verify(original: str | os.PathLike[str], converted: str | os.PathLike[str], 
     if runs < 1:
         raise UsageError("--runs must be at least 1")
     report = VerifyReport(str(original), str(converted), fmt)
-    opts: dict[str, Any] = {"runs": runs, "dims": dims or {}, "seed": seed, "inputs": inputs or {},
-                            "shapes": shapes or {}}
+    opts: dict[str, Any] = {
+        "runs": runs,
+        "dims": dims or {},
+        "seed": seed,
+        "inputs": inputs or {},
+        "shapes": shapes or {},
+    }
     try:
         broken = _check_blob(report, converted)
     except InvalidModel as e:

@@ -50,9 +50,14 @@ class ToyFormat:
             if len(data) < options.inline_threshold:
                 report.inline_kept += 1
                 continue
-            payloads.append(BlobPayload(PlannedTensor(name, t["dtype"], tuple(t["shape"]), len(data)),
-                                        BytesSource(data), len(data),
-                                        lambda entry, n=name: placed.__setitem__(n, entry)))
+            payloads.append(
+                BlobPayload(
+                    PlannedTensor(name, t["dtype"], tuple(t["shape"]), len(data)),
+                    BytesSource(data),
+                    len(data),
+                    lambda entry, n=name: placed.__setitem__(n, entry),
+                )
+            )
 
         def emit(blob_location: str, tx) -> list[Path]:
             for name, entry in placed.items():
@@ -78,12 +83,24 @@ class ToyFormat:
             if "data" in t:
                 n = len(base64.b64decode(t["data"]))
                 # The toy runtime decodes base64 into private memory in every session.
-                inv.payloads.append(PayloadInfo(name, t["dtype"], tuple(t["shape"]), n, "embedded",
-                                                copied_per_session=n, would_move=n >= 1024))
+                inv.payloads.append(
+                    PayloadInfo(
+                        name, t["dtype"], tuple(t["shape"]), n, "embedded", copied_per_session=n, would_move=n >= 1024
+                    )
+                )
             else:
-                inv.payloads.append(PayloadInfo(name, t["dtype"], tuple(t["shape"]), t["length"], "external",
-                                                file=t["location"], offset=t["offset"],
-                                                alignment=alignment_of(t["offset"])))
+                inv.payloads.append(
+                    PayloadInfo(
+                        name,
+                        t["dtype"],
+                        tuple(t["shape"]),
+                        t["length"],
+                        "external",
+                        file=t["location"],
+                        offset=t["offset"],
+                        alignment=alignment_of(t["offset"]),
+                    )
+                )
         return inv
 
     def verify(self, report, original: Path, converted: Path, opts: dict, broken: bool) -> None:

@@ -13,8 +13,17 @@ from pathlib import Path
 from ..errors import InvalidModel, Unsupported
 from .base import BenchRuntime, Format
 
-__all__ = ["BenchRuntime", "Format", "converter", "detect", "detect_format", "get", "model_suffixes", "register",
-           "registered"]
+__all__ = [
+    "BenchRuntime",
+    "Format",
+    "converter",
+    "detect",
+    "detect_format",
+    "get",
+    "model_suffixes",
+    "register",
+    "registered",
+]
 
 # Asked in this order: a format that recognises its content by a magic number comes before one that
 # also accepts files by suffix.

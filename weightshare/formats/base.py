@@ -48,8 +48,7 @@ class Format(Protocol):
         May raise ``InvalidModel``/``Unsupported`` for a file that has this format's name but not its content."""
         ...
 
-    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction
-                ) -> ConversionReport:
+    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
         """scan -> plan -> write -> emit one model into ``out_dir``; every file through ``tx``."""
         ...
 
@@ -62,8 +61,7 @@ class Format(Protocol):
         """Where every payload lives and what each runtime setting copies per session (inspect / check)."""
         ...
 
-    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
-               broken: bool) -> None:
+    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         """Run both models in the real runtime (or compare programs and weights) and fill ``report``.
         ``opts``: runs, seed, dims, inputs, shapes; ``broken``: the converted model's external data is damaged
         (already reported): do not run it."""

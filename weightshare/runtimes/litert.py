@@ -69,8 +69,9 @@ def new_interpreter(model_path: str, share: bool = True, allocate: bool = True) 
     return interp
 
 
-def _random_array(rng: np.random.Generator, shape: list[int], dtype: np.typing.DTypeLike,
-                  bound: int | None = None) -> np.ndarray:
+def _random_array(
+    rng: np.random.Generator, shape: list[int], dtype: np.typing.DTypeLike, bound: int | None = None
+) -> np.ndarray:
     dtype = np.dtype(dtype)
     if bound is not None:
         return rng.integers(0, bound, shape).astype(dtype)
@@ -127,8 +128,13 @@ class EntryPoint:
             return details
         return {d["name"]: d for d in self.interp.get_input_details()}
 
-    def feeds(self, seed: int, given: dict[str, np.ndarray] | None = None, shapes: dict[str, list[int]] | None = None,
-              dims: dict[str, int] | None = None) -> dict[str, np.ndarray]:
+    def feeds(
+        self,
+        seed: int,
+        given: dict[str, np.ndarray] | None = None,
+        shapes: dict[str, list[int]] | None = None,
+        dims: dict[str, int] | None = None,
+    ) -> dict[str, np.ndarray]:
         from ..errors import UsageError
 
         rng = np.random.default_rng(seed)
@@ -139,10 +145,13 @@ class EntryPoint:
                 feeds[name] = given[name]
                 continue
             if d["index"] in bounds and bounds[d["index"]] is None:
-                raise UsageError(f"input {name!r} indexes a tensor of unknown size, so random values would be "
-                                 f"out of range; give it with --input {name}=FILE.npy")
-            feeds[name] = _random_array(rng, _shape(d, shapes or {}, dims or {}, name), d["dtype"],
-                                        bounds.get(d["index"]))
+                raise UsageError(
+                    f"input {name!r} indexes a tensor of unknown size, so random values would be "
+                    f"out of range; give it with --input {name}=FILE.npy"
+                )
+            feeds[name] = _random_array(
+                rng, _shape(d, shapes or {}, dims or {}, name), d["dtype"], bounds.get(d["index"])
+            )
         return feeds
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -176,8 +185,7 @@ def open_mode(model_path: str, mode: str) -> Interpreter:
 class CompiledEntry:
     """One signature run through LiteRT's CompiledModel (the only loader of ExternalBuffer groups)."""
 
-    def __init__(self, model: CompiledModel, key: str,
-                 feeds: Callable[..., dict[str, np.ndarray]]):
+    def __init__(self, model: CompiledModel, key: str, feeds: Callable[..., dict[str, np.ndarray]]):
         self.model, self.key = model, key
         self.feeds = feeds  # CompiledModel has no shape signatures or op list: the Interpreter's view makes inputs
         self.index = model.get_signature_index(key) if key else 0
@@ -194,8 +202,12 @@ class CompiledEntry:
             buf.write(np.ascontiguousarray(feeds[name]))
         self.model.run_by_index(self.index, ins, outs)
         details = self.model.get_output_tensor_details(key)
-        return {name: np.array(buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])).reshape(
-            [int(x) for x in details[name]["shape"]]) for name, buf in zip(self.signature["outputs"], outs)}
+        return {
+            name: np.array(buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"])).reshape(
+                [int(x) for x in details[name]["shape"]]
+            )
+            for name, buf in zip(self.signature["outputs"], outs)
+        }
 
 
 def compiled_entry_points(model_path: str, inputs_from: str) -> list[tuple[str, CompiledEntry]]:
@@ -210,8 +222,9 @@ def compiled_entry_points(model_path: str, inputs_from: str) -> list[tuple[str, 
 
 def random_feeds(interp: Interpreter, seed: int = 0, dims: dict[str, int] | None = None) -> dict[int, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {d["index"]: _random_array(rng, [int(s) for s in d["shape"]], d["dtype"])
-            for d in interp.get_input_details()}
+    return {
+        d["index"]: _random_array(rng, [int(s) for s in d["shape"]], d["dtype"]) for d in interp.get_input_details()
+    }
 
 
 def run(interp: Interpreter, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:

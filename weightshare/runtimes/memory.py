@@ -65,8 +65,7 @@ def in_child(module: str, func: str, args: list[object]) -> Any:
     """
     import json
 
-    code = (f"import json, sys; from {module} import {func}; "
-            f"print(json.dumps({func}(*json.loads(sys.argv[1]))))")
+    code = f"import json, sys; from {module} import {func}; print(json.dumps({func}(*json.loads(sys.argv[1]))))"
     res = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
     if res.returncode != 0:
         tail = res.stderr.strip().splitlines()[-1:] or ["(no output)"]

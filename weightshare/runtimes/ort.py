@@ -34,14 +34,29 @@ def new_session(model_path: str, share: bool = True, log_level: int = 3) -> ort.
 
 
 _ORT_TYPES = {
-    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64", "tensor(int64)": "int64",
-    "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8", "tensor(bool)": "bool",
-    "tensor(int16)": "int16", "tensor(uint16)": "uint16", "tensor(uint32)": "uint32", "tensor(uint64)": "uint64",
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
+    "tensor(int16)": "int16",
+    "tensor(uint16)": "uint16",
+    "tensor(uint32)": "uint32",
+    "tensor(uint64)": "uint64",
 }
 
 # op type -> (position of its index input, position of the tensor it indexes)
-_INDEXING = {"Gather": (1, 0), "GatherElements": (1, 0), "GatherND": (1, 0), "ScatterElements": (1, 0),
-             "ScatterND": (1, 0), "Scatter": (1, 0)}
+_INDEXING = {
+    "Gather": (1, 0),
+    "GatherElements": (1, 0),
+    "GatherND": (1, 0),
+    "ScatterElements": (1, 0),
+    "ScatterND": (1, 0),
+    "Scatter": (1, 0),
+}
 
 
 def _known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
@@ -83,9 +98,13 @@ def index_bounds(model_path: str) -> dict[str, int | None]:
     return bounds
 
 
-def random_feeds(session: ort.InferenceSession, seed: int = 0, dims: dict[str, int] | None = None,
-                 given: dict[str, Any] | None = None, bounds: dict[str, int | None] | None = None
-                 ) -> dict[str, Any]:
+def random_feeds(
+    session: ort.InferenceSession,
+    seed: int = 0,
+    dims: dict[str, int] | None = None,
+    given: dict[str, Any] | None = None,
+    bounds: dict[str, int | None] | None = None,
+) -> dict[str, Any]:
     """Seeded random inputs from a session's input signature, except those ``given``.
 
     Symbolic dims take ``dims[name]``, else ``dims["*"]``, else 1. Integer inputs
@@ -105,12 +124,16 @@ def random_feeds(session: ort.InferenceSession, seed: int = 0, dims: dict[str, i
         shape = [d if isinstance(d, int) and d >= 0 else dims.get(str(d), dims.get("*", 1)) for d in inp.shape]
         dtype = _ORT_TYPES.get(inp.type)
         if dtype is None:
-            raise UsageError(f"input {inp.name!r} has type {inp.type}, which cannot be generated; "
-                             f"give it with --input {inp.name}=FILE.npy")
+            raise UsageError(
+                f"input {inp.name!r} has type {inp.type}, which cannot be generated; "
+                f"give it with --input {inp.name}=FILE.npy"
+            )
         if inp.name in bounds:
             if bounds[inp.name] is None:
-                raise UsageError(f"input {inp.name!r} indexes a tensor of unknown size, so random values would "
-                                 f"be out of range; give it with --input {inp.name}=FILE.npy")
+                raise UsageError(
+                    f"input {inp.name!r} indexes a tensor of unknown size, so random values would "
+                    f"be out of range; give it with --input {inp.name}=FILE.npy"
+                )
             feeds[inp.name] = rng.integers(0, bounds[inp.name], shape).astype(dtype)
         elif dtype == "bool":
             feeds[inp.name] = rng.integers(0, 2, shape).astype(bool)

@@ -27,33 +27,35 @@ class CoremlFormat:
         if path.suffix == ".mlmodel":
             raise Unsupported(
                 "NeuralNetwork .mlmodel files keep their weights inside the protobuf; convert the model to an "
-                "ML Program (.mlpackage) with coremltools first", path)
+                "ML Program (.mlpackage) with coremltools first",
+                path,
+            )
         return False
 
-    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction
-                ) -> ConversionReport:
+    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
         from .convert import convert_file
 
         return convert_file(src, out_dir, options, tx)
 
     def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
-        raise Unsupported("Core ML models keep their weights in the package's weight.bin; "
-                          "use `weightshare merge` to share weights between Core ML models", src)
+        raise Unsupported(
+            "Core ML models keep their weights in the package's weight.bin; "
+            "use `weightshare merge` to share weights between Core ML models",
+            src,
+        )
 
     def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
         from .inventory import inventory_file
 
         return inventory_file(path, hash_payloads)
 
-    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
-               broken: bool) -> None:
+    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         from .verify import verify_programs
 
         verify_programs(report, original, converted)
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
-        raise Unsupported("Core ML models cannot be loaded on this platform; use `inspect` for their structure",
-                          path)
+        raise Unsupported("Core ML models cannot be loaded on this platform; use `inspect` for their structure", path)
 
 
 FORMAT = CoremlFormat()

@@ -46,8 +46,9 @@ NEW_FILE_NAME = f"{MODEL_PATH_PREFIX}{WEIGHTS_NAME}/{WEIGHT_FILE}"
 MAX_DEPTH = 400
 
 
-def iter_blob_file_values(message: Message, depth: int = 0, origin: Path | None = None
-                          ) -> Iterator[MIL_pb2.Value.BlobFileValue]:
+def iter_blob_file_values(
+    message: Message, depth: int = 0, origin: Path | None = None
+) -> Iterator[MIL_pb2.Value.BlobFileValue]:
     """Yield every ``BlobFileValue`` below ``message``, in field order (deterministic)."""
     if depth > MAX_DEPTH:
         raise InvalidModel(f"program nesting is deeper than {MAX_DEPTH} levels", origin)
@@ -223,6 +224,10 @@ def _manifest_with_weights(pkg: Package, model_rel: Path) -> JsonDict:
         return pkg.manifest
     manifest = {**pkg.manifest, "itemInfoEntries": dict(pkg.items)}
     ident = pkg.weights_id or stable_id(pkg.root_id, WEIGHTS_NAME)
-    manifest["itemInfoEntries"][ident] = {"author": "com.apple.CoreML", "description": "CoreML Model Weights",
-                                          "name": WEIGHTS_NAME, "path": want}
+    manifest["itemInfoEntries"][ident] = {
+        "author": "com.apple.CoreML",
+        "description": "CoreML Model Weights",
+        "name": WEIGHTS_NAME,
+        "path": want,
+    }
     return manifest

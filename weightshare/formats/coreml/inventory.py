@@ -71,8 +71,14 @@ class BlobSite:
         return f"{ENCODINGS.get(self.op.type, self.op.type)} {self.role}"
 
 
-def blob_sites(message: Message, origin: Path | None = None, scope: str = "", op: MIL_pb2.Operation | None = None,
-               role: str = "", depth: int = 0) -> Iterator[BlobSite]:
+def blob_sites(
+    message: Message,
+    origin: Path | None = None,
+    scope: str = "",
+    op: MIL_pb2.Operation | None = None,
+    role: str = "",
+    depth: int = 0,
+) -> Iterator[BlobSite]:
     """Yield a ``BlobSite`` for every ``BlobFileValue`` below ``message``, in field order (convert's order)."""
     if depth > MAX_DEPTH:
         raise InvalidModel(f"program nesting is deeper than {MAX_DEPTH} levels", origin)
@@ -106,8 +112,7 @@ def _declared(value: MIL_pb2.Value) -> tuple[str, tuple[int, ...]]:
     """(dtype, shape) from the value's type; -1 for a dimension that is not a constant."""
     _, MIL_pb2 = spec_protos()
     tt = value.type.tensorType
-    dtype = MIL_pb2.DataType.Name(tt.dataType).lower() if tt.dataType in MIL_pb2.DataType.values() else str(
-        tt.dataType)
+    dtype = MIL_pb2.DataType.Name(tt.dataType).lower() if tt.dataType in MIL_pb2.DataType.values() else str(tt.dataType)
     shape = tuple(d.constant.size if d.WhichOneof("dimension") == "constant" else -1 for d in tt.dimensions)
     return dtype, shape
 
@@ -168,16 +173,25 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         bfv = site.value.blobFileValue
         dtype, shape = _declared(site.value)
         name = f"{site.scope}/{site.name}" if qualify and site.op is not None else site.name
-        info = PayloadInfo(name=name, dtype=dtype, shape=shape, nbytes=0, location="external",
-                           encoding=site.encoding, file=locator.shown(bfv.fileName))
+        info = PayloadInfo(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            nbytes=0,
+            location="external",
+            encoding=site.encoding,
+            file=locator.shown(bfv.fileName),
+        )
         try:
             file, wf, rec = locator.locate(bfv.fileName, bfv.offset)
             source = wf.payload(rec)
         except WeightshareError as e:
             info.problem = e.message
             # never stat a name that failed the containment check
-            exists = not isinstance(e, UnsafePath) and (
-                pkg.model_dir / bfv.fileName.removeprefix(MODEL_PATH_PREFIX)).is_file()
+            exists = (
+                not isinstance(e, UnsafePath)
+                and (pkg.model_dir / bfv.fileName.removeprefix(MODEL_PATH_PREFIX)).is_file()
+            )
             info.problem_code = problem_code(e, exists).value
             inv.payloads.append(info)
             continue
@@ -196,7 +210,9 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         inv.payloads.append(info)
     inv.external_files = sorted(files)
     inv.settings = ["Core ML"]
-    inv.notes.append("Core ML memory-maps weight.bin: payloads are shared by every load and function, nothing is "
-                     "copied per session; per-function copies happen when coremltools' save_multifunction builds "
-                     "a package, not at load")
+    inv.notes.append(
+        "Core ML memory-maps weight.bin: payloads are shared by every load and function, nothing is "
+        "copied per session; per-function copies happen when coremltools' save_multifunction builds "
+        "a package, not at load"
+    )
     return inv

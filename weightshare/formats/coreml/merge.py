@@ -69,9 +69,13 @@ def source_functions(pkg: Package) -> list[SourceFunction]:
     if not desc.functions:
         if "main" not in program.functions:
             raise InvalidModel("single-function model has no 'main' function in its program", pkg.model_path)
-        fd = Model_pb2.FunctionDescription(input=desc.input, output=desc.output, state=desc.state,
-                                           predictedFeatureName=desc.predictedFeatureName,
-                                           predictedProbabilitiesName=desc.predictedProbabilitiesName)
+        fd = Model_pb2.FunctionDescription(
+            input=desc.input,
+            output=desc.output,
+            state=desc.state,
+            predictedFeatureName=desc.predictedFeatureName,
+            predictedProbabilitiesName=desc.predictedProbabilitiesName,
+        )
         return [SourceFunction(pkg, "main", fd)]
     found = []
     for fdesc in desc.functions:
@@ -93,16 +97,23 @@ def assign_names(functions: list[SourceFunction], names: list[str]) -> list[str]
     seen: dict[str, SourceFunction] = {}
     for name, f in zip(names, functions):
         if not _IDENTIFIER.match(name):
-            raise UsageError(f"function name {name!r} is not an identifier (letters, digits, '_'); "
-                             "pass --function-name", f.pkg.root)
+            raise UsageError(
+                f"function name {name!r} is not an identifier (letters, digits, '_'); pass --function-name", f.pkg.root
+            )
         if name in seen:
             raise UsageError(f"duplicate function name {name!r} (also used for {seen[name].pkg.root})", f.pkg.root)
         seen[name] = f
     return names
 
 
-def merge_packages(sources: list[Path], function_names: list[str], default_function: str | None, out: Path,
-                   options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
+def merge_packages(
+    sources: list[Path],
+    function_names: list[str],
+    default_function: str | None,
+    out: Path,
+    options: ConvertOptions,
+    tx: OutputTransaction,
+) -> ConversionReport:
     """Write one multifunction .mlpackage at ``out`` from ``sources``; see the module docstring."""
     Model_pb2, _ = spec_protos()
     if not sources:
@@ -133,8 +144,9 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
 
     opset = OPSETS.get(spec.specificationVersion)
     if opset is None:
-        raise Unsupported(f"specification version {spec.specificationVersion} is newer than weightshare knows",
-                          pkgs[0].model_path)
+        raise Unsupported(
+            f"specification version {spec.specificationVersion} is newer than weightshare knows", pkgs[0].model_path
+        )
 
     tmp = tx.new_dir(out)
     model_dir = tmp / "Data" / "com.apple.CoreML"
@@ -161,10 +173,18 @@ def merge_packages(sources: list[Path], function_names: list[str], default_funct
     manifest = {
         "fileFormatVersion": "1.0.0",  # what coremltools' ModelPackage writes
         "itemInfoEntries": {
-            model_id: {"author": AUTHOR, "description": "CoreML Model Specification", "name": MODEL_NAME,
-                       "path": MODEL_ITEM},
-            weights_id: {"author": AUTHOR, "description": "CoreML Model Weights", "name": WEIGHTS_NAME,
-                         "path": WEIGHTS_ITEM},
+            model_id: {
+                "author": AUTHOR,
+                "description": "CoreML Model Specification",
+                "name": MODEL_NAME,
+                "path": MODEL_ITEM,
+            },
+            weights_id: {
+                "author": AUTHOR,
+                "description": "CoreML Model Weights",
+                "name": WEIGHTS_NAME,
+                "path": WEIGHTS_ITEM,
+            },
         },
         "rootModelIdentifier": model_id,
     }
@@ -215,12 +235,18 @@ def relabel_opset(func: MIL_pb2.Function, opset: str, pkg: Package) -> None:
         for block in func.block_specializations.values():
             old = sorted(REDEFINED_IN_IOS18.intersection(_op_types(block)))
             if old:
-                raise Unsupported(f"{', '.join(old)} in its {func.opset} form cannot be merged into an iOS18 "
-                                  "multifunction model (coremltools cannot either); re-export the model with "
-                                  "minimum_deployment_target=iOS18", pkg.model_path)
+                raise Unsupported(
+                    f"{', '.join(old)} in its {func.opset} form cannot be merged into an iOS18 "
+                    "multifunction model (coremltools cannot either); re-export the model with "
+                    "minimum_deployment_target=iOS18",
+                    pkg.model_path,
+                )
     if len(func.block_specializations) != 1 or func.opset not in func.block_specializations:
-        raise Unsupported(f"function with {len(func.block_specializations)} block specializations "
-                          f"(opset {func.opset!r}) cannot be merged", pkg.model_path)
+        raise Unsupported(
+            f"function with {len(func.block_specializations)} block specializations "
+            f"(opset {func.opset!r}) cannot be merged",
+            pkg.model_path,
+        )
     block = func.block_specializations[func.opset]
     func.block_specializations[opset].CopyFrom(block)
     del func.block_specializations[func.opset]

@@ -42,9 +42,23 @@ _RECORD = struct.Struct("<IIQQQ")
 
 # BlobDataType (MILBlob/Blob/BlobDataType.hpp); values only ever get appended there.
 DTYPES = {
-    1: "float16", 2: "float32", 3: "uint8", 4: "int8", 5: "bfloat16", 6: "int16", 7: "uint16",
-    8: "int4", 9: "uint1", 10: "uint2", 11: "uint4", 12: "uint3", 13: "uint6", 14: "int32", 15: "uint32",
-    16: "float8_e4m3fn", 17: "float8_e5m2",
+    1: "float16",
+    2: "float32",
+    3: "uint8",
+    4: "int8",
+    5: "bfloat16",
+    6: "int16",
+    7: "uint16",
+    8: "int4",
+    9: "uint1",
+    10: "uint2",
+    11: "uint4",
+    12: "uint3",
+    13: "uint6",
+    14: "int32",
+    15: "uint32",
+    16: "float8_e4m3fn",
+    17: "float8_e5m2",
 }
 SUB_BYTE_BITS = {8: 4, 9: 1, 10: 2, 11: 4, 12: 3, 13: 6}
 
@@ -82,17 +96,22 @@ class WeightFile:
         except OSError as e:
             raise InvalidModel(f"cannot read weight file: {e.strerror}", self.path) from None
         if len(head) < HEADER_SIZE:
-            raise InvalidModel(f"weight file is shorter ({len(head)} bytes) than its {HEADER_SIZE}-byte header",
-                               self.path)
+            raise InvalidModel(
+                f"weight file is shorter ({len(head)} bytes) than its {HEADER_SIZE}-byte header", self.path
+            )
         self.count, version = _HEADER.unpack_from(head)
         if version != VERSION:
-            raise InvalidModel(f"weight file has storage version {version}; only version 2 (MIL blob storage) is "
-                               "supported", self.path)
+            raise InvalidModel(
+                f"weight file has storage version {version}; only version 2 (MIL blob storage) is supported", self.path
+            )
 
     def record(self, offset: int) -> BlobRecord:
         if offset < HEADER_SIZE or offset + RECORD_SIZE > self.size:
-            raise InvalidModel(f"blob offset {offset} is not a record offset in the weight file ({self.size} bytes): "
-                               "past its end or inside its header", self.path)
+            raise InvalidModel(
+                f"blob offset {offset} is not a record offset in the weight file ({self.size} bytes): "
+                "past its end or inside its header",
+                self.path,
+            )
         try:
             raw = os.pread(self.file.fd, RECORD_SIZE, offset)
         except OSError as e:
@@ -101,20 +120,27 @@ class WeightFile:
             raise InvalidModel(f"weight file ended early reading the blob record at offset {offset}", self.path)
         sentinel, dtype, nbytes, data_offset, padding = _RECORD.unpack_from(raw)
         if sentinel != SENTINEL:
-            raise InvalidModel(f"bad sentinel 0x{sentinel:08X} in the blob record at offset {offset} "
-                               f"(expected 0x{SENTINEL:08X})", self.path)
+            raise InvalidModel(
+                f"bad sentinel 0x{sentinel:08X} in the blob record at offset {offset} (expected 0x{SENTINEL:08X})",
+                self.path,
+            )
         if dtype not in DTYPES:
             raise InvalidModel(f"unknown blob data type {dtype} in the record at offset {offset}", self.path)
         if data_offset < HEADER_SIZE:
             raise InvalidModel(f"blob at offset {offset}: data at {data_offset} overlaps the file header", self.path)
         if data_offset + nbytes > self.size:
-            raise InvalidModel(f"blob at offset {offset}: data at {data_offset} with {nbytes} bytes runs past the end "
-                               f"of the weight file ({self.size} bytes)", self.path)
+            raise InvalidModel(
+                f"blob at offset {offset}: data at {data_offset} with {nbytes} bytes runs past the end "
+                f"of the weight file ({self.size} bytes)",
+                self.path,
+            )
         if dtype in SUB_BYTE_BITS:
             bits = SUB_BYTE_BITS[dtype]
             if padding >= 8 or (nbytes == 0 and padding) or (nbytes * 8 - padding) % bits:
-                raise InvalidModel(f"blob at offset {offset}: {padding} padding bits do not fit {nbytes} bytes of "
-                                   f"{DTYPES[dtype]}", self.path)
+                raise InvalidModel(
+                    f"blob at offset {offset}: {padding} padding bits do not fit {nbytes} bytes of {DTYPES[dtype]}",
+                    self.path,
+                )
         else:
             padding = 0
         return BlobRecord(offset, dtype, nbytes, data_offset, padding)
@@ -176,8 +202,9 @@ class WeightFileWriter:
                 if self.progress is not None:
                     self.progress(source.nbytes)
                 return known
-        entry = self.blob.add(source, tag=tag, prefix_size=RECORD_SIZE, prefix_align=RECORD_ALIGN,
-                              progress=self.progress)
+        entry = self.blob.add(
+            source, tag=tag, prefix_size=RECORD_SIZE, prefix_align=RECORD_ALIGN, progress=self.progress
+        )
         if entry.duplicate or expected not in (None, entry.sha256):
             raise InvalidModel("weight data changed while it was being read", getattr(source, "path", None))
         record_at = entry.prefix_offset

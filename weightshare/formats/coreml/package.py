@@ -157,9 +157,11 @@ def read_package(root: Path) -> Package:
         raise InvalidModel(f"model spec is not a valid Core ML Model protobuf ({e})", model_path) from None
     kind = spec.WhichOneof("Type")
     if kind != "mlProgram":
-        raise Unsupported(f"model type {kind or 'none'!r} is not an ML Program; only ML Programs keep their weights "
-                          "in weight.bin (convert a NeuralNetwork with coremltools to an ML Program first)",
-                          model_path)
+        raise Unsupported(
+            f"model type {kind or 'none'!r} is not an ML Program; only ML Programs keep their weights "
+            "in weight.bin (convert a NeuralNetwork with coremltools to an ML Program first)",
+            model_path,
+        )
     weights_id = None
     for ident, item in items.items():  # never the root model item, whatever its name says (found by fuzzing)
         if ident != root_id and item.get("name") == WEIGHTS_NAME and item.get("author") == AUTHOR:
@@ -171,16 +173,20 @@ def read_package(root: Path) -> Package:
 def resolve_blob_file(pkg: Package, file_name: str) -> Path:
     """Map a ``BlobFileValue.fileName`` to a file inside the package."""
     if not file_name.startswith(MODEL_PATH_PREFIX):
-        raise UnsafePath(f"BlobFileValue file {file_name!r} does not start with {MODEL_PATH_PREFIX!r} "
-                         "(an absolute or foreign path, outside the package)", pkg.model_path)
-    rel = file_name[len(MODEL_PATH_PREFIX):]
+        raise UnsafePath(
+            f"BlobFileValue file {file_name!r} does not start with {MODEL_PATH_PREFIX!r} "
+            "(an absolute or foreign path, outside the package)",
+            pkg.model_path,
+        )
+    rel = file_name[len(MODEL_PATH_PREFIX) :]
     path = resolve_inside(pkg.model_dir, rel, "BlobFileValue file", pkg.model_path)
     data = pkg.data_dir.resolve()
     if data not in path.parents:
         raise UnsafePath(f"BlobFileValue file {file_name!r} is outside the package", pkg.model_path)
     if not _regular_file(path, "BlobFileValue file", pkg.model_path):
-        raise InvalidModel(f"BlobFileValue file {file_name!r} does not exist (missing from the package)",
-                           pkg.model_path)
+        raise InvalidModel(
+            f"BlobFileValue file {file_name!r} does not exist (missing from the package)", pkg.model_path
+        )
     return path
 
 
@@ -230,7 +236,7 @@ def write_file(path: Path, data: bytes) -> None:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -31,10 +31,22 @@ if TYPE_CHECKING:
 _M = TypeVar("_M", bound=Message)
 
 # MIL blob dtype -> _BlobStorageReader method; bfloat16 and the float8 types have none and are compared as bytes.
-READERS = {1: "read_fp16_data", 2: "read_float_data", 3: "read_uint8_data", 4: "read_int8_data",
-           6: "read_int16_data", 7: "read_uint16_data", 8: "read_int4_data", 9: "read_uint1_data",
-           10: "read_uint2_data", 11: "read_uint4_data", 12: "read_uint3_data", 13: "read_uint6_data",
-           14: "read_int32_data", 15: "read_uint32_data"}
+READERS = {
+    1: "read_fp16_data",
+    2: "read_float_data",
+    3: "read_uint8_data",
+    4: "read_int8_data",
+    6: "read_int16_data",
+    7: "read_uint16_data",
+    8: "read_int4_data",
+    9: "read_uint1_data",
+    10: "read_uint2_data",
+    11: "read_uint4_data",
+    12: "read_uint3_data",
+    13: "read_uint6_data",
+    14: "read_int32_data",
+    15: "read_uint32_data",
+}
 MAX_LINES = 50  # per kind of difference: one broken conversion should not print a line per op
 
 
@@ -93,8 +105,10 @@ class _Differ:
             op_label = f"{label} op {i} ({oa.type} {name})".replace(" )", ")")
             self.fields(op_label, oa, ob, skip=("blocks",))
             if len(oa.blocks) != len(ob.blocks):
-                self.add(f"{op_label}: {len(oa.blocks)} nested blocks in the original, {len(ob.blocks)} in the "
-                         "converted model")
+                self.add(
+                    f"{op_label}: {len(oa.blocks)} nested blocks in the original, {len(ob.blocks)} in the "
+                    "converted model"
+                )
             for j, (ba, bb) in enumerate(zip(oa.blocks, ob.blocks)):
                 self.block(f"{op_label} block {j}", ba, bb)
 
@@ -112,8 +126,11 @@ class _Differ:
                     if opset not in fa.block_specializations or opset not in fb.block_specializations:
                         self.add(f"function {name!r}: block {opset!r} is only in one of the models")
                     else:
-                        self.block(f"function {name!r} block {opset!r}", fa.block_specializations[opset],
-                                   fb.block_specializations[opset])
+                        self.block(
+                            f"function {name!r} block {opset!r}",
+                            fa.block_specializations[opset],
+                            fb.block_specializations[opset],
+                        )
 
 
 class _Decoder:
@@ -145,9 +162,9 @@ def _same_stored_bytes(wf_a: WeightFile, rec_a: BlobRecord, wf_b: WeightFile, re
         mine = bytes(chunk)
         while len(pending) < len(mine):
             pending += bytes(next(chunks_b))
-        if mine != pending[:len(mine)]:
+        if mine != pending[: len(mine)]:
             return False
-        pending = pending[len(mine):]
+        pending = pending[len(mine) :]
     return True
 
 
@@ -155,8 +172,9 @@ def _compare_weights(report: VerifyReport, a: Package, b: Package) -> None:
     sites_a = list(blob_sites(a.spec.mlProgram, a.model_path))
     sites_b = list(blob_sites(b.spec.mlProgram, b.model_path))
     if len(sites_a) != len(sites_b):
-        report.mismatches.append(f"{len(sites_a)} blob values in the original, {len(sites_b)} in the converted "
-                                 "model; weights not compared")
+        report.mismatches.append(
+            f"{len(sites_a)} blob values in the original, {len(sites_b)} in the converted model; weights not compared"
+        )
         return
     dec_a, dec_b = _Decoder(BlobLocator(a)), _Decoder(BlobLocator(b))
     done: set[tuple[Path, int, Path, int]] = set()
@@ -178,8 +196,10 @@ def _compare_weights(report: VerifyReport, a: Package, b: Package) -> None:
             continue
         done.add(key)
         if (rec_a.dtype, rec_a.padding_bits) != (rec_b.dtype, rec_b.padding_bits):
-            report.mismatches.append(f"weight {name!r}: stored as {rec_a.dtype_name} ({rec_a.padding_bits} padding "
-                                     f"bits) in the original, {rec_b.dtype_name} ({rec_b.padding_bits}) converted")
+            report.mismatches.append(
+                f"weight {name!r}: stored as {rec_a.dtype_name} ({rec_a.padding_bits} padding "
+                f"bits) in the original, {rec_b.dtype_name} ({rec_b.padding_bits}) converted"
+            )
             continue
         try:
             x, y = dec_a.decode(path_a, rec_a), dec_b.decode(path_b, rec_b)
@@ -192,20 +212,25 @@ def _compare_weights(report: VerifyReport, a: Package, b: Package) -> None:
         else:
             same = y is not None and x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
         if not same:
-            report.mismatches.append(f"weight {name!r} ({rec_a.dtype_name}, {rec_a.nbytes} bytes): decoded "
-                                     f"values differ (converted: {path_b.name} record at offset {rec_b.offset})")
+            report.mismatches.append(
+                f"weight {name!r} ({rec_a.dtype_name}, {rec_a.nbytes} bytes): decoded "
+                f"values differ (converted: {path_b.name} record at offset {rec_b.offset})"
+            )
     report.notes.append(f"{len(done)} Core ML weights decoded and compared")
     if as_bytes:
-        report.notes.append(f"{as_bytes} bfloat16/float8 payloads have no coremltools reader; their stored bytes "
-                            "were compared")
+        report.notes.append(
+            f"{as_bytes} bfloat16/float8 payloads have no coremltools reader; their stored bytes were compared"
+        )
 
 
 def verify_programs(report: VerifyReport, original: Path, converted: Path) -> None:
     """Append one line to ``report.mismatches`` per difference between the two packages' programs and weights."""
     a, b = read_package(Path(original)), read_package(Path(converted))
     report.runs = 0
-    report.notes.append("Core ML cannot run on Linux: the programs were compared op for op and every weight "
-                        "decoded with coremltools' blob reader; no outputs were computed")
+    report.notes.append(
+        "Core ML cannot run on Linux: the programs were compared op for op and every weight "
+        "decoded with coremltools' blob reader; no outputs were computed"
+    )
     differ = _Differ(report)
     spec_a, spec_b = type(a.spec)(), type(b.spec)()
     spec_a.CopyFrom(a.spec)

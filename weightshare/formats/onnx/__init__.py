@@ -24,8 +24,7 @@ class OnnxFormat:
         # A ModelProto starts with ir_version (field 1, varint: tag byte 0x08).
         return bool(head) and (path.suffix == ".onnx" or head[0] == 0x08)
 
-    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction
-                ) -> ConversionReport:
+    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
         from .convert import convert_file
 
         return convert_file(src, out_dir, options, tx)
@@ -40,8 +39,7 @@ class OnnxFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
-               broken: bool) -> None:
+    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         from .verify import verify_in_runtime
 
         verify_in_runtime(report, original, converted, opts, broken)
@@ -51,8 +49,12 @@ class OnnxFormat:
 
         # --prepack output at default options, in a process started with the malloc setting that returns ORT's
         # freed pre-pack validation buffers to the OS (weightshare.ort.session does the same with malloc_trim).
-        return BenchRuntime(measure_sessions, (("prepack off", True), ("default", False)),
-                            prepacked=("default", False), prepacked_env={"MALLOC_MMAP_THRESHOLD_": "1048576"})
+        return BenchRuntime(
+            measure_sessions,
+            (("prepack off", True), ("default", False)),
+            prepacked=("default", False),
+            prepacked_env={"MALLOC_MMAP_THRESHOLD_": "1048576"},
+        )
 
 
 FORMAT = OnnxFormat()

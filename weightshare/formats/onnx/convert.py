@@ -113,9 +113,15 @@ def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
 def _check_names_are_text(model: onnx.ModelProto, path: Path) -> None:
     """onnx.proto is proto2, so protobuf hands back invalid UTF-8 in string fields as bytes; refuse such names."""
     for scope in iter_scopes(model):
-        names: list[str | bytes] = [*scope.input, *scope.output] if isinstance(scope, onnx.FunctionProto) else [
-            *(v.name for v in (*scope.input, *scope.output, *scope.value_info)),
-            *(t.name for t in scope.initializer), *(sp.values.name for sp in scope.sparse_initializer)]
+        names: list[str | bytes] = (
+            [*scope.input, *scope.output]
+            if isinstance(scope, onnx.FunctionProto)
+            else [
+                *(v.name for v in (*scope.input, *scope.output, *scope.value_info)),
+                *(t.name for t in scope.initializer),
+                *(sp.values.name for sp in scope.sparse_initializer),
+            ]
+        )
         for node in scope.node:
             names += [*node.input, *node.output, node.op_type, node.domain]
             names += [t.name for a in node.attribute for t in ([a.t] if a.HasField("t") else [])]
@@ -163,13 +169,23 @@ class _SignallingNanProbe:
         self._fds.clear()
 
 
-def plan(refs: Sequence[TensorRef], sites: Mapping[int, Site], folded: set[int], shape_names: set[str],
-         options: ConvertOptions) -> list[Placement]:
+def plan(
+    refs: Sequence[TensorRef],
+    sites: Mapping[int, Site],
+    folded: set[int],
+    shape_names: set[str],
+    options: ConvertOptions,
+) -> list[Placement]:
     return list(iter_plan(refs, sites, folded, shape_names, options))
 
 
-def iter_plan(refs: Sequence[TensorRef], sites: Mapping[int, Site], folded: set[int], shape_names: set[str],
-              options: ConvertOptions) -> Iterator[Placement]:
+def iter_plan(
+    refs: Sequence[TensorRef],
+    sites: Mapping[int, Site],
+    folded: set[int],
+    shape_names: set[str],
+    options: ConvertOptions,
+) -> Iterator[Placement]:
     """``plan``, one placement at a time: ``prepare`` keeps only what the blob needs of each."""
     for ref in refs:
         site = sites.get(ref.index)
@@ -223,8 +239,9 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     report = ConversionReport(model=str(src), format="onnx")
     other = options.unpack - {ORT_CPU}
     if other:
-        report.notes.append(f"--unpack {','.join(sorted(other))} is not implemented for ONNX; "
-                            "sparse tensors were kept as they are")
+        report.notes.append(
+            f"--unpack {','.join(sorted(other))} is not implemented for ONNX; sparse tensors were kept as they are"
+        )
     skeleton, refs = scan_model(src)
     model = load_skeleton(skeleton, src)
     del skeleton
@@ -285,9 +302,11 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             offset, length = ranges.offsets[index], ranges.lengths[index]
             if length < 0:
                 raise InvalidModel(f"internal error: payload {index} was never written to the blob", src)
-            return location + encode_len_field(13, encode_len_field(1, b"offset") + encode_len_field(2, b"%d" % offset)
-                                               ) + encode_len_field(13, encode_len_field(1, b"length")
-                                                                    + encode_len_field(2, b"%d" % length))
+            return (
+                location
+                + encode_len_field(13, encode_len_field(1, b"offset") + encode_len_field(2, b"%d" % offset))
+                + encode_len_field(13, encode_len_field(1, b"length") + encode_len_field(2, b"%d" % length))
+            )
 
         out_model = out_dir / src.name
         tmp = tx.new_file(out_model)

@@ -13,21 +13,63 @@ FLOAT, UINT8, INT8, UINT16, INT16, INT32, INT64, STRING, BOOL, FLOAT16, DOUBLE =
 UINT32, UINT64, COMPLEX64, COMPLEX128, BFLOAT16 = 12, 13, 14, 15, 16
 
 BITS = {
-    1: 32, 2: 8, 3: 8, 4: 16, 5: 16, 6: 32, 7: 64, 9: 8, 10: 16, 11: 64, 12: 32, 13: 64, 14: 64, 15: 128,
-    16: 16, 17: 8, 18: 8, 19: 8, 20: 8, 21: 4, 22: 4, 23: 4, 24: 8, 25: 2, 26: 2, 27: 6, 28: 6,
+    1: 32,
+    2: 8,
+    3: 8,
+    4: 16,
+    5: 16,
+    6: 32,
+    7: 64,
+    9: 8,
+    10: 16,
+    11: 64,
+    12: 32,
+    13: 64,
+    14: 64,
+    15: 128,
+    16: 16,
+    17: 8,
+    18: 8,
+    19: 8,
+    20: 8,
+    21: 4,
+    22: 4,
+    23: 4,
+    24: 8,
+    25: 2,
+    26: 2,
+    27: 6,
+    28: 6,
 }
 
 # numpy-style names used by the blob (safetensors dtype); others are stored as U8.
 NAMES = {
-    1: "float32", 2: "uint8", 3: "int8", 4: "uint16", 5: "int16", 6: "int32", 7: "int64", 9: "bool",
-    10: "float16", 11: "float64", 12: "uint32", 13: "uint64", 16: "bfloat16", 17: "float8_e4m3fn",
+    1: "float32",
+    2: "uint8",
+    3: "int8",
+    4: "uint16",
+    5: "int16",
+    6: "int32",
+    7: "int64",
+    9: "bool",
+    10: "float16",
+    11: "float64",
+    12: "uint32",
+    13: "uint64",
+    16: "bfloat16",
+    17: "float8_e4m3fn",
     19: "float8_e5m2",
 }
 
 # Typed fields (TensorProto field numbers) and the element width of the raw form.
 FLOAT_DATA, INT32_DATA, INT64_DATA, DOUBLE_DATA, UINT64_DATA, RAW_DATA = 4, 5, 7, 10, 11, 9
-TYPED_FIELDS = {FLOAT_DATA: "float_data", INT32_DATA: "int32_data", INT64_DATA: "int64_data",
-                DOUBLE_DATA: "double_data", UINT64_DATA: "uint64_data"}
+TYPED_FIELDS = {
+    FLOAT_DATA: "float_data",
+    INT32_DATA: "int32_data",
+    INT64_DATA: "int64_data",
+    DOUBLE_DATA: "double_data",
+    UINT64_DATA: "uint64_data",
+}
 
 
 def element_count(dims: tuple[int, ...]) -> int:

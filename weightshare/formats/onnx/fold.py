@@ -26,11 +26,30 @@ from .graph import Site, iter_scopes, subgraphs
 # load (shape inference); ORT refuses an external tensor for Reshape's shape, so
 # int64 tensors used this way stay inline whatever their size.
 SHAPE_INPUTS = {
-    "Reshape": {1}, "Expand": {1}, "ConstantOfShape": {0}, "Tile": {1}, "Slice": {1, 2, 3, 4},
-    "Unsqueeze": {1}, "Squeeze": {1}, "Pad": {1, 3}, "Resize": {3}, "TopK": {1}, "Split": {1},
-    "OneHot": {1}, "Range": {0, 1, 2}, "CumSum": {1}, "ReduceSum": {1}, "ReduceMean": {1},
-    "ReduceMax": {1}, "ReduceMin": {1}, "ReduceProd": {1}, "ReduceL1": {1}, "ReduceL2": {1},
-    "ReduceLogSum": {1}, "ReduceLogSumExp": {1}, "ReduceSumSquare": {1},
+    "Reshape": {1},
+    "Expand": {1},
+    "ConstantOfShape": {0},
+    "Tile": {1},
+    "Slice": {1, 2, 3, 4},
+    "Unsqueeze": {1},
+    "Squeeze": {1},
+    "Pad": {1, 3},
+    "Resize": {3},
+    "TopK": {1},
+    "Split": {1},
+    "OneHot": {1},
+    "Range": {0, 1, 2},
+    "CumSum": {1},
+    "ReduceSum": {1},
+    "ReduceMean": {1},
+    "ReduceMax": {1},
+    "ReduceMin": {1},
+    "ReduceProd": {1},
+    "ReduceL1": {1},
+    "ReduceL2": {1},
+    "ReduceLogSum": {1},
+    "ReduceLogSumExp": {1},
+    "ReduceSumSquare": {1},
 }
 
 
@@ -60,8 +79,11 @@ class _ScopeIndex:
         if isinstance(scope, onnx.GraphProto):
             self.inputs = {v.name for v in scope.input}
             self.outputs = {v.name for v in scope.output}
-            defined = [*self.inputs, *(t.name for t in scope.initializer),
-                       *(sp.values.name for sp in scope.sparse_initializer)]
+            defined = [
+                *self.inputs,
+                *(t.name for t in scope.initializer),
+                *(sp.values.name for sp in scope.sparse_initializer),
+            ]
         else:
             self.inputs, self.outputs = set(scope.input), set(scope.output)
             defined = list(scope.input)
@@ -135,8 +157,9 @@ def _graph_and_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
             stack.extend(subgraphs(node))
 
 
-def fold_fp16_casts(model: onnx.ModelProto, sites: Mapping[int, Site],
-                    keeps_bits: Callable[[Site], bool] = lambda site: True) -> tuple[set[int], int]:
+def fold_fp16_casts(
+    model: onnx.ModelProto, sites: Mapping[int, Site], keeps_bits: Callable[[Site], bool] = lambda site: True
+) -> tuple[set[int], int]:
     """Fold Cast(to=FLOAT) of fp16/bf16 constants. Returns (folded ref indices, Cast nodes removed).
 
     ``keeps_bits(site)`` says whether converting the payload gives the bits ORT's own Cast gives

@@ -22,8 +22,16 @@ class Site:
 
     __slots__ = ("_name", "_pos", "_tensor", "index", "kind", "node", "scope")
 
-    def __init__(self, index: int, tensor: onnx.TensorProto | None, name: str | None, kind: str,
-                 scope: onnx.GraphProto | onnx.FunctionProto, node: onnx.NodeProto | None = None, pos: int = -1):
+    def __init__(
+        self,
+        index: int,
+        tensor: onnx.TensorProto | None,
+        name: str | None,
+        kind: str,
+        scope: onnx.GraphProto | onnx.FunctionProto,
+        node: onnx.NodeProto | None = None,
+        pos: int = -1,
+    ):
         self.index, self.kind, self.scope, self.node = index, kind, scope, node
         self._tensor, self._name, self._pos = tensor, name, pos
 
@@ -110,8 +118,7 @@ def collect_sites(model: onnx.ModelProto) -> SiteMap:
         index = ref_index(tensor)
         if index is not None:
             # A Constant's value is known by the node's output name; the tensor's own name is decoration.
-            sites[index] = Site(index, tensor, name if kind == "constant" else tensor.name or name, kind, scope,
-                                node)
+            sites[index] = Site(index, tensor, name if kind == "constant" else tensor.name or name, kind, scope, node)
 
     for scope in iter_scopes(model):
         if isinstance(scope, onnx.GraphProto):
@@ -127,8 +134,12 @@ def collect_sites(model: onnx.ModelProto) -> SiteMap:
             for attr in node.attribute:
                 is_value = node.op_type == "Constant" and attr.name == "value"
                 if attr.HasField("t"):
-                    add(attr.t, owner if is_value else f"{owner}.{attr.name}", "constant" if is_value else "attribute",
-                        node)
+                    add(
+                        attr.t,
+                        owner if is_value else f"{owner}.{attr.name}",
+                        "constant" if is_value else "attribute",
+                        node,
+                    )
                 for i, t in enumerate(attr.tensors):
                     add(t, f"{owner}.{attr.name}.{i}", "attribute", node)
                 sparse = list(attr.sparse_tensors) + ([attr.sparse_tensor] if attr.HasField("sparse_tensor") else [])
@@ -153,6 +164,9 @@ def check_unique_constants(model: onnx.ModelProto, path: str | os.PathLike[str])
         for name in names:
             if name in seen:
                 where = f"graph {scope.name!r}" if isinstance(scope, onnx.GraphProto) else f"function {scope.name!r}"
-                raise InvalidModel(f"tensor {name!r} is defined twice in {where}; ONNX Runtime picks one depending "
-                                   "on how each is stored, so rename or remove one", path)
+                raise InvalidModel(
+                    f"tensor {name!r} is defined twice in {where}; ONNX Runtime picks one depending "
+                    "on how each is stored, so rename or remove one",
+                    path,
+                )
             seen.add(name)

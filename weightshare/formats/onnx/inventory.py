@@ -99,10 +99,12 @@ def _ort_copies(site: Site, uses: list[tuple[onnx.NodeProto, int]], packed: bool
         # measured: each session grows by twice the weight (the reordered initializer, and the tensor made of it)
         return 2 * nbytes, 0, "Conv weights reordered to NCHWc per session at ORT_ENABLE_ALL", Code.ORT_NCHWC_COPY.value
     # with --prepack's packed copy in the file (``packed``), ORT maps it instead of packing per session
-    if not packed and len(dims) == 2 and any(node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx")
-                                             and i == 1 for node, i in uses):
-        return 0, nbytes, "MatMul/Gemm B pre-packed by MLAS per session at default options", \
-            Code.ORT_PREPACK_COPY.value
+    if (
+        not packed
+        and len(dims) == 2
+        and any(node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx") and i == 1 for node, i in uses)
+    ):
+        return 0, nbytes, "MatMul/Gemm B pre-packed by MLAS per session at default options", Code.ORT_PREPACK_COPY.value
     return 0, 0, "", ""
 
 
@@ -126,8 +128,13 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     to_hash = []
     for p in placements:
         ref = p.ref
-        info = PayloadInfo(name=names[ref.index], dtype=DTYPE_NAMES.get(ref.data_type, str(ref.data_type)),
-                           shape=ref.dims, nbytes=ref.nbytes_in, location="embedded")
+        info = PayloadInfo(
+            name=names[ref.index],
+            dtype=DTYPE_NAMES.get(ref.data_type, str(ref.data_type)),
+            shape=ref.dims,
+            nbytes=ref.nbytes_in,
+            location="embedded",
+        )
         if ref.field == 0:
             info.location = "external"
             location, problem, code = scanner.problems.get(ref.index, ("", "", ""))
@@ -155,7 +162,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             if key not in uses_by_scope:
                 uses_by_scope[key] = _uses(site.scope)
             always, default_only, info.copy_reason, info.copy_code = _ort_copies(
-                site, uses_by_scope[key].get(site.name, []), ref.index in scanner.prepacked)
+                site, uses_by_scope[key].get(site.name, []), ref.index in scanner.prepacked
+            )
             info.copied_per_session += always
             info.copies = {ORT_SHARE: info.copied_per_session, ORT_DEFAULT: info.copied_per_session + default_only}
         info.would_move = p.external and (ref.field != 0 or p.fold)

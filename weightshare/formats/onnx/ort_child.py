@@ -24,9 +24,29 @@ if TYPE_CHECKING:
     import onnx
 
 # /proc/cpuinfo flags that select MLAS kernels (SGEMM packing, NCHWc block size, int8 paths).
-CPU_FLAGS = ("sse4_1", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-             "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
-             "asimd", "asimddp", "i8mm", "bf16", "sve", "sme")
+CPU_FLAGS = (
+    "sse4_1",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512_vnni",
+    "avx_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "asimd",
+    "asimddp",
+    "i8mm",
+    "bf16",
+    "sve",
+    "sme",
+)
 
 
 def cpu_features() -> list[str]:
@@ -46,10 +66,13 @@ def nchwc_block_size() -> int:
     from onnx import helper as h
     from onnx import numpy_helper as nh
 
-    graph = h.make_graph([h.make_node("Conv", ["x", "w"], ["y"])], "probe",
-                         [h.make_tensor_value_info("x", T.FLOAT, [1, 8, 4, 4])],
-                         [h.make_tensor_value_info("y", T.FLOAT, None)],
-                         [nh.from_array(np.ones((8, 8, 1, 1), np.float32), "w")])
+    graph = h.make_graph(
+        [h.make_node("Conv", ["x", "w"], ["y"])],
+        "probe",
+        [h.make_tensor_value_info("x", T.FLOAT, [1, 8, 4, 4])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+        [nh.from_array(np.ones((8, 8, 1, 1), np.float32), "w")],
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     model.ir_version = 8
     import tempfile
@@ -85,8 +108,9 @@ def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> No
     ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def _one_node_model(node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto]
-                    ) -> onnx.ModelProto:
+def _one_node_model(
+    node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto]
+) -> onnx.ModelProto:
     """``node`` alone, its constant inputs as (external) initializers, the others as untyped-shape inputs."""
     import onnx
     from onnx import helper as h
@@ -131,8 +155,9 @@ def pack(opt_model: str, min_external: int) -> dict[str, list[list[str]]]:
         so.optimized_model_filepath = os.path.join(stage, f"node{n}.packed.onnx")
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"node{n}.packed.bin")
-        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
-                                    str(min_external))
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", str(min_external)
+        )
         so.log_severity_level = 3
         try:
             ort.InferenceSession(name, so, providers=["CPUExecutionProvider"])
@@ -171,8 +196,13 @@ def main(argv: list[str]) -> int:
 
     segments = optimize_bounded(model, out_model, min_external, int(budget))
     packed = pack(out_model, int(min_external))
-    binding = {"onnxruntime": ort.__version__, "optimization_level": "ORT_ENABLE_ALL",
-               "machine": platform.machine(), "cpu_features": cpu_features(), "nchwc_block": nchwc_block_size()}
+    binding = {
+        "onnxruntime": ort.__version__,
+        "optimization_level": "ORT_ENABLE_ALL",
+        "machine": platform.machine(),
+        "cpu_features": cpu_features(),
+        "nchwc_block": nchwc_block_size(),
+    }
     print(json.dumps({"binding": binding, "packed": packed, "segments": segments}))
     return 0
 

@@ -70,7 +70,7 @@ class Plan:
     reason: str = ""  # why the graph stays in one piece, when it does
 
     def segment_bytes(self, k: int) -> int:
-        return sum(self.weights[self.bounds[k]:self.bounds[k + 1]])
+        return sum(self.weights[self.bounds[k] : self.bounds[k + 1]])
 
 
 def _refusal(graph: onnx.GraphProto) -> str:
@@ -129,14 +129,21 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
 
 def constants(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
     """Outputs of input-less Constant nodes: like initializers, each segment gets its own copy."""
-    return {n.output[0]: n for n in graph.node if n.op_type == "Constant" and not n.input and n.domain in ("", "ai.onnx")}
+    return {
+        n.output[0]: n for n in graph.node if n.op_type == "Constant" and not n.input and n.domain in ("", "ai.onnx")
+    }
 
 
 STANDIN = "__weightshare_standin"
 
 
-def extract(model: onnx.ModelProto, start: int, stop: int, types: dict[str, onnx.ValueInfoProto],
-            standin: frozenset[str] = frozenset()) -> onnx.ModelProto:
+def extract(
+    model: onnx.ModelProto,
+    start: int,
+    stop: int,
+    types: dict[str, onnx.ValueInfoProto],
+    standin: frozenset[str] = frozenset(),
+) -> onnx.ModelProto:
     """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
     (or the graph's outputs) read become outputs. Initializers keep their external data references.
 
@@ -194,9 +201,13 @@ def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
     return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
 
 
-def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
-           outputs: Iterable[onnx.ValueInfoProto], name: str = "stitched",
-           standins: list[frozenset[str]] | None = None) -> onnx.ModelProto:
+def stitch(
+    parts: list[onnx.ModelProto],
+    inputs: Iterable[onnx.ValueInfoProto],
+    outputs: Iterable[onnx.ValueInfoProto],
+    name: str = "stitched",
+    standins: list[frozenset[str]] | None = None,
+) -> onnx.ModelProto:
     """Optimized segments, in order, as one graph; names each segment made up are kept apart.
 
     A tensor a segment passes on in NCHW (``ReorderOutput``) that the next one turns back into
@@ -259,8 +270,11 @@ def stitch(parts: list[onnx.ModelProto], inputs: Iterable[onnx.ValueInfoProto],
     for part in parts:
         for o in part.opset_import:
             opsets[o.domain] = max(opsets.get(o.domain, 0), o.version)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
-                              ir_version=max(p.ir_version for p in parts))
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()],
+        ir_version=max(p.ir_version for p in parts),
+    )
     seen = set()
     for part in parts:
         for f in part.functions:
@@ -294,9 +308,16 @@ def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: s
     kept = []
     for n in nodes:
         src = producer.get(n.input[0]) if n.input else None
-        if (n.domain == NCHWC and n.op_type == "ReorderInput" and n.input[0] in boundary
-                and src is not None and src.domain == NCHWC and src.op_type == "ReorderOutput"
-                and _attr(n, "channels_last", 0) == 0 and _attr(src, "channels_last", 0) == 0):
+        if (
+            n.domain == NCHWC
+            and n.op_type == "ReorderInput"
+            and n.input[0] in boundary
+            and src is not None
+            and src.domain == NCHWC
+            and src.op_type == "ReorderOutput"
+            and _attr(n, "channels_last", 0) == 0
+            and _attr(src, "channels_last", 0) == 0
+        ):
             alias[n.output[0]] = src.input[0]
             continue
         kept.append(n)
@@ -340,8 +361,9 @@ def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], 
     nodes: Counter[str] = Counter()
     for n in g.node:
         attrs = sorted(a.SerializeToString() for a in n.attribute)
-        h = hashlib.blake2b(repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode(),
-                            digest_size=20).hexdigest()
+        h = hashlib.blake2b(
+            repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode(), digest_size=20
+        ).hexdigest()
         nodes[h] += 1
         for k, o in enumerate(n.output):
             ids[o] = f"{h}:{k}"
@@ -361,8 +383,14 @@ class Report:
     details: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"segments": self.segments, "largest_segment_bytes": self.largest_bytes, "unsafe_cuts": self.merged,
-                "checked_cuts": self.checked, "single_reason": self.reason, "dropped_cuts": self.details[:10]}
+        return {
+            "segments": self.segments,
+            "largest_segment_bytes": self.largest_bytes,
+            "unsafe_cuts": self.merged,
+            "checked_cuts": self.checked,
+            "single_reason": self.reason,
+            "dropped_cuts": self.details[:10],
+        }
 
 
 class Segmenter:
@@ -402,8 +430,11 @@ class Segmenter:
             return frozenset()
         prev = self.segment(bounds, k - 1)
         made = {o: n for n in prev.graph.node for o in n.output}
-        return frozenset(v.name for v in prev.graph.output if v.name in made and
-                         made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput")
+        return frozenset(
+            v.name
+            for v in prev.graph.output
+            if v.name in made and made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput"
+        )
 
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
@@ -422,8 +453,12 @@ class Segmenter:
         together = self._run(a, c, standin, f"win{a}-{c}")
         try:
             window = extract(self.model, a, c, self.types, standin)
-            pair = stitch([left, right], together.graph.input, window.graph.output,
-                          standins=[frozenset(), self.standin(bounds, k + 1)])
+            pair = stitch(
+                [left, right],
+                together.graph.input,
+                window.graph.output,
+                standins=[frozenset(), self.standin(bounds, k + 1)],
+            )
             return fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
         finally:
             self._bin(f"win{a}-{c}").unlink(missing_ok=True)
@@ -469,8 +504,9 @@ class Segmenter:
         keys = [(bounds[k], bounds[k + 1], self.standin(bounds, k)) for k in range(len(bounds) - 1)]
         parts = [self.segment(bounds, k) for k in range(len(bounds) - 1)]
         self._clean(set(keys))
-        whole = stitch(parts, self.model.graph.input, self.model.graph.output, self.model.graph.name,
-                       [key[2] for key in keys])
+        whole = stitch(
+            parts, self.model.graph.input, self.model.graph.output, self.model.graph.name, [key[2] for key in keys]
+        )
         self.out.write_bytes(whole.SerializeToString())
         report.segments = len(parts)
         report.largest_bytes = max(sum(self.plan.weights[a:b]) for a, b, _ in keys)

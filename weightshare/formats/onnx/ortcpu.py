@@ -134,8 +134,15 @@ def run_probe(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], src: Path) -
         out = Path(tmp) / "optimized.onnx"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
         try:
-            proc = subprocess.run([sys.executable, "-c", _CHILD, str(probe_path), str(out)], capture_output=True,
-                                  check=False, text=True, timeout=PROBE_TIMEOUT_S, env=env, cwd=tmp)
+            proc = subprocess.run(
+                [sys.executable, "-c", _CHILD, str(probe_path), str(out)],
+                capture_output=True,
+                check=False,
+                text=True,
+                timeout=PROBE_TIMEOUT_S,
+                env=env,
+                cwd=tmp,
+            )
         except subprocess.TimeoutExpired:
             raise InvalidModel(f"onnxruntime did not load the model within {PROBE_TIMEOUT_S} s", src) from None
         if proc.returncode != 0:
@@ -169,7 +176,8 @@ def _defined(graph: onnx.GraphProto) -> set[str]:
 def _has_payload(node: onnx.NodeProto) -> bool:
     tensors = [t for a in node.attribute for t in ([a.t] if a.HasField("t") else []) + list(a.tensors)]
     return any(e.key == REF_KEY for t in tensors for e in t.external_data) or any(
-        a.HasField("sparse_tensor") or a.sparse_tensors for a in node.attribute)
+        a.HasField("sparse_tensor") or a.sparse_tensors for a in node.attribute
+    )
 
 
 def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
@@ -190,8 +198,9 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets:
         return 0  # nothing to do: leave the graph exactly as it was
     if model.functions or any(True for n in g.node for _ in subgraphs(n)):
         raise NotAdoptable("the model has local functions or subgraphs (ORT inlines or rewrites them)")
-    if [v.name for v in g.input] != [v.name for v in probe.input] or \
-            [v.name for v in g.output] != [v.name for v in probe.output]:
+    if [v.name for v in g.input] != [v.name for v in probe.input] or [v.name for v in g.output] != [
+        v.name for v in probe.output
+    ]:
         raise NotAdoptable("onnxruntime changed the graph inputs or outputs")
     ours = {tuple(n.output): n for n in g.node}
     names = {n.name for n in g.node if n.name}
@@ -201,8 +210,11 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets:
     added = 0
     for p in probe.node:
         mine = ours.get(tuple(_strip(o) for o in p.output))
-        if (_is_inserted(p) and p.name not in names) or mine is None or \
-                (mine.op_type, mine.domain) != (p.op_type, p.domain):
+        if (
+            (_is_inserted(p) and p.name not in names)
+            or mine is None
+            or (mine.op_type, mine.domain) != (p.op_type, p.domain)
+        ):
             # A Cast ORT inserted, or a node of a function body ORT expanded for want of an fp16 kernel.
             new_nodes.append(_copy(p))
             added += _is_inserted(p)
@@ -213,8 +225,11 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets:
         new_nodes.append(node)
         matched.add(id(mine))
     # ORT turns Constant nodes into initializers; keep ours (they carry the payload markers), in front.
-    constants = [n for n in g.node if id(n) not in matched and n.op_type == "Constant" and
-                 all(o in probe_inits for o in n.output)]
+    constants = [
+        n
+        for n in g.node
+        if id(n) not in matched and n.op_type == "Constant" and all(o in probe_inits for o in n.output)
+    ]
     dropped = [n for n in g.node if id(n) not in matched and not any(n is c for c in constants)]
     if any(_has_payload(n) for n in dropped):
         raise NotAdoptable("onnxruntime replaced a node that holds a payload")
@@ -279,10 +294,12 @@ def unpack_for_cpu(model: onnx.ModelProto, refs: Sequence[TensorRef], src: Path,
         notes.append(f"--unpack ort-cpu: onnxruntime {probe.version} CPU inserts no Cast in this model")
         return {}
     on_weights = len(probe.cast_initializers())
-    notes.append(f"--unpack ort-cpu: adopted {added} Cast(s) onnxruntime {probe.version} CPU inserts per session "
-                 f"({on_weights} on initializers, stored as fp32 where a Cast is their only consumer); "
-                 "CPU-specific: a GPU provider would have run the fp16 graph natively "
-                 f"(probe child peak RSS {probe.child_peak_rss_mib:.0f} MiB)")
+    notes.append(
+        f"--unpack ort-cpu: adopted {added} Cast(s) onnxruntime {probe.version} CPU inserts per session "
+        f"({on_weights} on initializers, stored as fp32 where a Cast is their only consumer); "
+        "CPU-specific: a GPU provider would have run the fp16 graph natively "
+        f"(probe child peak RSS {probe.child_peak_rss_mib:.0f} MiB)"
+    )
     return {"weightshare.unpack": "ort-cpu", "weightshare.onnxruntime": probe.version}
 
 
@@ -302,7 +319,9 @@ def inventory_notes(model: onnx.ModelProto, refs: Sequence[TensorRef], folded: s
     n, nbytes = _cast_bytes(model, refs, probe)
     if not n:
         return []
-    note = (f"onnxruntime {probe.version} (CPU provider) casts {n} fp16 initializers to a private fp32 copy "
-            f"per session ({nbytes / (1 << 20):.1f} MiB); `weightshare convert --unpack ort-cpu` makes that copy "
-            "once, in the blob (CPU-specific)")
+    note = (
+        f"onnxruntime {probe.version} (CPU provider) casts {n} fp16 initializers to a private fp32 copy "
+        f"per session ({nbytes / (1 << 20):.1f} MiB); `weightshare convert --unpack ort-cpu` makes that copy "
+        "once, in the blob (CPU-specific)"
+    )
     return [note]

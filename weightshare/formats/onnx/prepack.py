@@ -55,7 +55,7 @@ ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per s
 
 def portable_name(model_name: str) -> str:
     """File name of the portable model written next to the prepacked one."""
-    stem = model_name[:-len(".onnx")] if model_name.endswith(".onnx") else model_name
+    stem = model_name[: -len(".onnx")] if model_name.endswith(".onnx") else model_name
     return f"{stem}.portable.onnx"
 
 
@@ -68,7 +68,7 @@ def external_tensors(msg: Message) -> Iterator[onnx.TensorProto]:
     for field, value in msg.ListFields():
         if field.message_type is None:
             continue
-        for item in (value if _repeated(field) else [value]):
+        for item in value if _repeated(field) else [value]:
             yield from external_tensors(item)
 
 
@@ -122,8 +122,9 @@ class Relocator:
             self.payloads.append(BlobPayload(planned, source, length, placed))
         return rng
 
-    def add_tensor(self, tensor: onnx.TensorProto, directory: Path, name: str,
-                   packed_elsewhere: Sequence[Sequence[str]] = ()) -> None:
+    def add_tensor(
+        self, tensor: onnx.TensorProto, directory: Path, name: str, packed_elsewhere: Sequence[Sequence[str]] = ()
+    ) -> None:
         """Place ``tensor``'s payload and its pre-packed buffers: its own ``prepacked_N`` entries (in its
         file) and ``packed_elsewhere`` ([entry value, file name in ``directory``], from node-by-node packing)."""
         e = _entries(tensor)
@@ -147,14 +148,24 @@ class Relocator:
                 ranges.append(self.payload(where, int(buf[0]), size, planned))
         self.edits.append(lambda location: self._rewrite(tensor, location, rng, packed, ranges))
 
-    def _rewrite(self, tensor: onnx.TensorProto, location: str, rng: tuple[str, int, int], packed: list[PackedRef],
-                 ranges: Iterable[tuple[str, int, int]]) -> None:
+    def _rewrite(
+        self,
+        tensor: onnx.TensorProto,
+        location: str,
+        rng: tuple[str, int, int],
+        packed: list[PackedRef],
+        ranges: Iterable[tuple[str, int, int]],
+    ) -> None:
         ranges = iter(ranges)
         for ref in packed:
             for buf in ref.buffers:
                 buf[0] = str(self.where[next(ranges)])
-        values = {"location": location, "offset": str(self.where[rng]), "length": str(rng[2]),
-                  **{f"{PREPACKED_ENTRY}{i}": ref.render() for i, ref in enumerate(packed)}}
+        values = {
+            "location": location,
+            "offset": str(self.where[rng]),
+            "length": str(rng[2]),
+            **{f"{PREPACKED_ENTRY}{i}": ref.render() for i, ref in enumerate(packed)},
+        }
         del tensor.external_data[:]
         for k, v in values.items():
             entry = tensor.external_data.add()
@@ -164,8 +175,12 @@ class Relocator:
 def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> ConversionReport:
     from .convert import prepare
 
-    staged = ConvertOptions(align=options.align, inline_threshold=options.inline_threshold,
-                            keep_packed=options.keep_packed, unpack=options.unpack)
+    staged = ConvertOptions(
+        align=options.align,
+        inline_threshold=options.inline_threshold,
+        keep_packed=options.keep_packed,
+        unpack=options.unpack,
+    )
     prepared = prepare(src, stage, staged)
     with OutputTransaction() as tx:
         write_models([prepared], stage, blob_target(None, stage, STAGE_BLOB), staged, tx)
@@ -176,8 +191,15 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
     """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
-    cmd = [sys.executable, "-m", "weightshare.formats.onnx.ort_child", str(model), str(model.parent / ORT_MODEL),
-           str(options.inline_threshold), str(budget_from_env())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "weightshare.formats.onnx.ort_child",
+        str(model),
+        str(model.parent / ORT_MODEL),
+        str(options.inline_threshold),
+        str(budget_from_env()),
+    ]
     res, peak = run_child_peak(cmd, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"})
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
@@ -189,8 +211,11 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
     """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads."""
     target = blob_target(src, out_dir, options.blob_name)
     if portable_name(src.name) == src.name:
-        raise UsageError(f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
-                         "model; rename the model", src)
+        raise UsageError(
+            f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
+            "model; rename the model",
+            src,
+        )
     held = out_dir / f"{TMP_PREFIX}{os.getpid()}-prepack"
     shutil.rmtree(held, ignore_errors=True)
     held.mkdir()
@@ -213,10 +238,20 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
         for t in external_tensors(optimized):
             reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}", result["packed"].get(t.name, []))
         packed = [p for p in reloc.payloads[plain:] if p.tensor.name.startswith(PACKED_PREFIX)]
-        names = {"prepacked_model": src.name, "portable_model": portable_name(src.name),
-                 "packed_prefix": PACKED_PREFIX, "optimized_prefix": OPTIMIZED_PREFIX}
-        for counter in ("tensors_moved", "bytes_in", "bytes_out", "bytes_written", "deduplicated",
-                        "deduplicated_bytes"):
+        names = {
+            "prepacked_model": src.name,
+            "portable_model": portable_name(src.name),
+            "packed_prefix": PACKED_PREFIX,
+            "optimized_prefix": OPTIMIZED_PREFIX,
+        }
+        for counter in (
+            "tensors_moved",
+            "bytes_in",
+            "bytes_out",
+            "bytes_written",
+            "deduplicated",
+            "deduplicated_bytes",
+        ):
             setattr(report, counter, 0)  # the final blob's figures replace the staged ones
 
         def emit(location: str, tx: OutputTransaction) -> list[Path]:
@@ -229,8 +264,9 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
                 written.append(out_dir / name)
             return written
 
-        prepared = PreparedModel(report, reloc.payloads, emit,
-                                 extra={"blob_metadata": {METADATA_KEY: json.dumps({**binding, **names})}})
+        prepared = PreparedModel(
+            report, reloc.payloads, emit, extra={"blob_metadata": {METADATA_KEY: json.dumps({**binding, **names})}}
+        )
         write_models([prepared], out_dir, target, options, tx)
     finally:
         shutil.rmtree(held, ignore_errors=True)
@@ -239,7 +275,8 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
         f"--prepack: {src.name} holds onnxruntime {binding['onnxruntime']}'s pre-packed weights for this CPU "
         f"({len(packed)} packed buffers, {sum(p.tensor.nbytes for p in packed) / 2**20:.1f} MiB; "
         f"NCHWc block {binding['nchwc_block']}); {portable_name(src.name)} runs anywhere with "
-        f"session.disable_prepacking=1 (weightshare.ort.session picks). ORT child peak RSS {child_peak:.0f} MiB")
+        f"session.disable_prepacking=1 (weightshare.ort.session picks). ORT child peak RSS {child_peak:.0f} MiB"
+    )
     report.notes.append(_segments_note(result.get("segments", {})))
     return report
 
@@ -250,7 +287,11 @@ def _segments_note(seg: JsonDict) -> str:
     unsafe = seg.get("unsafe_cuts", 0)
     merged = f"; {unsafe} cut(s) changed ORT's graph and were dropped" if unsafe else ""
     if seg.get("segments", 1) > 1:
-        return (f"--prepack: onnxruntime optimized the graph in {seg['segments']} segments (largest {largest} of "
-                f"weights), each cut checked against the two segments optimized together{merged}")
-    return (f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: "
-            f"{seg.get('single_reason', '')}{merged})")
+        return (
+            f"--prepack: onnxruntime optimized the graph in {seg['segments']} segments (largest {largest} of "
+            f"weights), each cut checked against the two segments optimized together{merged}"
+        )
+    return (
+        f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: "
+        f"{seg.get('single_reason', '')}{merged})"
+    )

@@ -18,8 +18,15 @@ from onnx import TensorProto as T
 from onnx import helper as h
 
 
-def mixed_onnx(path: str | os.PathLike[str], conv_layers: int = 2, channels: int = 32, mm_layers: int = 2,
-               dim: int = 256, spatial: int = 8, seed: int = 0) -> Path:
+def mixed_onnx(
+    path: str | os.PathLike[str],
+    conv_layers: int = 2,
+    channels: int = 32,
+    mm_layers: int = 2,
+    dim: int = 256,
+    spatial: int = 8,
+    seed: int = 0,
+) -> Path:
     """Conv(3x3)+Relu x ``conv_layers`` -> GlobalAveragePool -> MatMul -> (Gemm transB | MatMul)+Relu x ``mm_layers``.
 
     Input ``x`` is [N, channels, spatial, spatial] (or [N, channels] without Conv layers); weights
@@ -30,6 +37,7 @@ def mixed_onnx(path: str | os.PathLike[str], conv_layers: int = 2, channels: int
     data_name = f"{path.stem}.data"
     nodes, inits = [], []
     with open(path.parent / data_name, "wb") as data:
+
         def weight(name: str, shape: tuple[int, ...], scale: float) -> str:
             arr = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
             t = onnx.TensorProto(name=name, data_type=T.FLOAT, dims=shape, data_location=T.EXTERNAL)
@@ -45,27 +53,34 @@ def mixed_onnx(path: str | os.PathLike[str], conv_layers: int = 2, channels: int
         for i in range(conv_layers):
             w = weight(f"conv{i}.w", (channels, channels, 3, 3), (2 / (9 * channels)) ** 0.5)
             b = weight(f"conv{i}.b", (channels,), 0.01)
-            nodes += [h.make_node("Conv", [cur, w, b], [f"conv{i}"], pads=[1, 1, 1, 1]),
-                      h.make_node("Relu", [f"conv{i}"], [f"relu{i}"])]
+            nodes += [
+                h.make_node("Conv", [cur, w, b], [f"conv{i}"], pads=[1, 1, 1, 1]),
+                h.make_node("Relu", [f"conv{i}"], [f"relu{i}"]),
+            ]
             cur = f"relu{i}"
         if conv_layers:
             nodes += [h.make_node("GlobalAveragePool", [cur], ["gap"]), h.make_node("Flatten", ["gap"], ["flat"])]
             cur = "flat"
         if mm_layers:
-            nodes.append(h.make_node("MatMul", [cur, weight("proj.w", (channels, dim), channels ** -0.5)], ["proj"]))
+            nodes.append(h.make_node("MatMul", [cur, weight("proj.w", (channels, dim), channels**-0.5)], ["proj"]))
             cur = "proj"
         for i in range(mm_layers):
             if i % 2 == 0:
-                w, b = weight(f"gemm{i}.w", (dim, dim), dim ** -0.5), weight(f"gemm{i}.b", (dim,), 0.01)
+                w, b = weight(f"gemm{i}.w", (dim, dim), dim**-0.5), weight(f"gemm{i}.b", (dim,), 0.01)
                 nodes.append(h.make_node("Gemm", [cur, w, b], [f"lin{i}"], transB=1))
             else:
-                nodes.append(h.make_node("MatMul", [cur, weight(f"mm{i}.w", (dim, dim), dim ** -0.5)], [f"lin{i}"]))
+                nodes.append(h.make_node("MatMul", [cur, weight(f"mm{i}.w", (dim, dim), dim**-0.5)], [f"lin{i}"]))
             nodes.append(h.make_node("Relu", [f"lin{i}"], [f"act{i}"]))
             cur = f"act{i}"
     x_shape: list[str | int] = ["N", channels, spatial, spatial] if conv_layers else ["N", channels]
     nodes.append(h.make_node("Identity", [cur], ["y"]))
-    graph = h.make_graph(nodes, "mixed", [h.make_tensor_value_info("x", T.FLOAT, x_shape)],
-                         [h.make_tensor_value_info("y", T.FLOAT, ["N", None])], inits)
+    graph = h.make_graph(
+        nodes,
+        "mixed",
+        [h.make_tensor_value_info("x", T.FLOAT, x_shape)],
+        [h.make_tensor_value_info("y", T.FLOAT, ["N", None])],
+        inits,
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     model.ir_version = 8
     with open(path, "wb") as f:
@@ -94,8 +109,14 @@ class _Weights:
         return name
 
 
-def cnn_onnx(path: str | os.PathLike[str], channels: int = 32, blocks: int = 3, spatial: int = 8, classes: int = 10,
-             seed: int = 0) -> Path:
+def cnn_onnx(
+    path: str | os.PathLike[str],
+    channels: int = 32,
+    blocks: int = 3,
+    spatial: int = 8,
+    classes: int = 10,
+    seed: int = 0,
+) -> Path:
     """A small ResNet/Inception-like CNN: the fusions ORT makes around Conv, and branches.
 
     stem Conv+BatchNorm+Relu, MaxPool; then ``blocks`` blocks cycling through
@@ -107,8 +128,13 @@ def cnn_onnx(path: str | os.PathLike[str], channels: int = 32, blocks: int = 3, 
     path = Path(path)
     with open(path.parent / f"{path.stem}.data", "wb") as data:
         nodes, inits = _cnn_nodes(_Weights(path, seed, data), channels, blocks, classes)
-    graph = h.make_graph(nodes, "cnn", [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
-                         [h.make_tensor_value_info("y", T.FLOAT, ["N", classes])], inits)
+    graph = h.make_graph(
+        nodes,
+        "cnn",
+        [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
+        [h.make_tensor_value_info("y", T.FLOAT, ["N", classes])],
+        inits,
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     model.ir_version = 8
     with open(path, "wb") as f:
@@ -127,8 +153,12 @@ def _cnn_nodes(w: _Weights, c: int, blocks: int, classes: int) -> tuple[list[onn
         return name
 
     def bn(name: str, x: str, ch: int) -> str:
-        params = [w(f"{name}.scale", (ch,), 0.1, 1.0), w(f"{name}.bias", (ch,), 0.1),
-                  w(f"{name}.mean", (ch,), 0.1), w(f"{name}.var", (ch,), 0.1, 1.0)]
+        params = [
+            w(f"{name}.scale", (ch,), 0.1, 1.0),
+            w(f"{name}.bias", (ch,), 0.1),
+            w(f"{name}.mean", (ch,), 0.1),
+            w(f"{name}.var", (ch,), 0.1, 1.0),
+        ]
         nodes.append(h.make_node("BatchNormalization", [x, *params], [name], epsilon=1e-5))
         return name
 
@@ -136,8 +166,10 @@ def _cnn_nodes(w: _Weights, c: int, blocks: int, classes: int) -> tuple[list[onn
         nodes.append(h.make_node(kind, ins, [out], **attrs))
         return out
 
-    clip = [op("Constant", [], "zero", value=h.make_tensor("zero_v", T.FLOAT, [], [0.0])),
-            op("Constant", [], "six", value=h.make_tensor("six_v", T.FLOAT, [], [6.0]))]
+    clip = [
+        op("Constant", [], "zero", value=h.make_tensor("zero_v", T.FLOAT, [], [0.0])),
+        op("Constant", [], "six", value=h.make_tensor("six_v", T.FLOAT, [], [6.0])),
+    ]
     cur = op("Relu", [bn("stem.bn", conv("stem", "x", 3, c, 3, False), c)], "stem.relu")
     cur = op("MaxPool", [cur], "pool", kernel_shape=[3, 3], pads=[1, 1, 1, 1])
     for i in range(blocks):
@@ -154,15 +186,15 @@ def _cnn_nodes(w: _Weights, c: int, blocks: int, classes: int) -> tuple[list[onn
             left = op("Relu", [conv(f"{b}.left", cur, c, c // 2, 1, True)], f"{b}.left.relu")
             right = op("Relu", [conv(f"{b}.right", cur, c, c // 2, 3, True)], f"{b}.right.relu")
             cat = op("Concat", [left, right], f"{b}.cat", axis=1)
-            cur = op("AveragePool", [cat], f"{b}.out", kernel_shape=[3, 3], pads=[1, 1, 1, 1],
-                     count_include_pad=0)
+            cur = op("AveragePool", [cat], f"{b}.out", kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=0)
     cur = op("Flatten", [op("GlobalAveragePool", [cur], "gap")], "flat")
-    op("Gemm", [cur, w("fc.w", (classes, c), c ** -0.5), w("fc.b", (classes,), 0.01)], "y", transB=1)
+    op("Gemm", [cur, w("fc.w", (classes, c), c**-0.5), w("fc.b", (classes,), 0.01)], "y", transB=1)
     return nodes, w.inits
 
 
-def downsample_onnx(path: str | os.PathLike[str], channels: int = 16, blocks: int = 4, spatial: int = 16,
-                    seed: int = 0) -> Path:
+def downsample_onnx(
+    path: str | os.PathLike[str], channels: int = 16, blocks: int = 4, spatial: int = 16, seed: int = 0
+) -> Path:
     """A CNN as PyTorch exports it: residual blocks that double the channels at stride 2 every other block
     (1x1 projection shortcut), Conv biases, then GlobalAveragePool, a Reshape to [N, -1] computed from
     Shape/Gather/Unsqueeze/Concat, and MatMul+Add layers (which ORT fuses into Gemm)."""
@@ -184,23 +216,38 @@ def downsample_onnx(path: str | os.PathLike[str], channels: int = 16, blocks: in
             nodes.append(h.make_node("Relu", [conv(f"b{i}.conv1", cur, c, cout, 3, stride)], [f"b{i}.relu1"]))
             main = conv(f"b{i}.conv2", f"b{i}.relu1", cout, cout, 3)
             skip = conv(f"b{i}.proj", cur, c, cout, 1, stride) if cout != c else cur
-            nodes += [h.make_node("Add", [main, skip], [f"b{i}.add"]), h.make_node("Relu", [f"b{i}.add"], [f"b{i}.out"])]
+            nodes += [
+                h.make_node("Add", [main, skip], [f"b{i}.add"]),
+                h.make_node("Relu", [f"b{i}.add"], [f"b{i}.out"]),
+            ]
             cur, c = f"b{i}.out", cout
-        consts = [onnx.numpy_helper.from_array(np.array(v, np.int64), n) for n, v in
-                  (("zero", 0), ("axis0", [0]), ("minus1", [-1]))]
-        nodes += [h.make_node("GlobalAveragePool", [cur], ["gap"]), h.make_node("Shape", ["gap"], ["shape"]),
-                  h.make_node("Gather", ["shape", "zero"], ["n"], axis=0),
-                  h.make_node("Unsqueeze", ["n", "axis0"], ["n1"]),
-                  h.make_node("Concat", ["n1", "minus1"], ["flat.shape"], axis=0),
-                  h.make_node("Reshape", ["gap", "flat.shape"], ["flat"])]
-        nodes += [h.make_node("MatMul", ["flat", w("fc1.w", (c, 64), c ** -0.5)], ["fc1.mm"]),
-                  h.make_node("Add", ["fc1.mm", w("fc1.b", (64,), 0.01)], ["fc1"]),
-                  h.make_node("Relu", ["fc1"], ["fc1.relu"]),
-                  h.make_node("MatMul", ["fc1.relu", w("fc2.w", (64, 10), 0.125)], ["fc2.mm"]),
-                  h.make_node("Add", ["fc2.mm", w("fc2.b", (10,), 0.01)], ["y"])]
+        consts = [
+            onnx.numpy_helper.from_array(np.array(v, np.int64), n)
+            for n, v in (("zero", 0), ("axis0", [0]), ("minus1", [-1]))
+        ]
+        nodes += [
+            h.make_node("GlobalAveragePool", [cur], ["gap"]),
+            h.make_node("Shape", ["gap"], ["shape"]),
+            h.make_node("Gather", ["shape", "zero"], ["n"], axis=0),
+            h.make_node("Unsqueeze", ["n", "axis0"], ["n1"]),
+            h.make_node("Concat", ["n1", "minus1"], ["flat.shape"], axis=0),
+            h.make_node("Reshape", ["gap", "flat.shape"], ["flat"]),
+        ]
+        nodes += [
+            h.make_node("MatMul", ["flat", w("fc1.w", (c, 64), c**-0.5)], ["fc1.mm"]),
+            h.make_node("Add", ["fc1.mm", w("fc1.b", (64,), 0.01)], ["fc1"]),
+            h.make_node("Relu", ["fc1"], ["fc1.relu"]),
+            h.make_node("MatMul", ["fc1.relu", w("fc2.w", (64, 10), 0.125)], ["fc2.mm"]),
+            h.make_node("Add", ["fc2.mm", w("fc2.b", (10,), 0.01)], ["y"]),
+        ]
         inits = [*w.inits, *consts]
-    graph = h.make_graph(nodes, "downsample", [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
-                         [h.make_tensor_value_info("y", T.FLOAT, ["N", 10])], inits)
+    graph = h.make_graph(
+        nodes,
+        "downsample",
+        [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
+        [h.make_tensor_value_info("y", T.FLOAT, ["N", 10])],
+        inits,
+    )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     model.ir_version = 8
     with open(path, "wb") as f:

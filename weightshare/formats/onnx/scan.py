@@ -175,8 +175,16 @@ class RefTable(Sequence["TensorRef"]):
     def __iter__(self) -> Iterator[TensorRef]:
         return (TensorRef(self, i) for i in range(len(self)))
 
-    def append(self, data_type: int, dims: tuple[int, ...], field: int, parts: list[FileRange],
-               wire: list[tuple[int, int]], name: str, name_range: tuple[int, int] | None) -> TensorRef:
+    def append(
+        self,
+        data_type: int,
+        dims: tuple[int, ...],
+        field: int,
+        parts: list[FileRange],
+        wire: list[tuple[int, int]],
+        name: str,
+        name_range: tuple[int, int] | None,
+    ) -> TensorRef:
         index = len(self.fields)
         self.data_types.append(data_type)
         self.fields.append(field)
@@ -309,8 +317,11 @@ class Scanner:
                 raise Unsupported(f"tensor {name!r} uses segments, which weightshare does not handle", wf.path)
             elif n == dtypes.RAW_DATA or n in dtypes.TYPED_FIELDS:
                 if f.wire_type != LEN:
-                    raise Unsupported(f"tensor {name!r} stores {dtypes.TYPED_FIELDS.get(n, 'raw_data')} unpacked; "
-                                      "re-save the model with onnx to pack it", wf.path)
+                    raise Unsupported(
+                        f"tensor {name!r} stores {dtypes.TYPED_FIELDS.get(n, 'raw_data')} unpacked; "
+                        "re-save the model with onnx to pack it",
+                        wf.path,
+                    )
                 payload.append(f)
                 continue
             elif n == 13 and f.wire_type == LEN:
@@ -325,13 +336,15 @@ class Scanner:
             kept.append(wf.read(f.start, f.end - f.start))
         if not payload and location != EXTERNAL:
             if REF_KEY in external:  # the marker of a cut tensor must be one the scan wrote, once per payload
-                raise InvalidModel(f"tensor {name!r} uses the external data key {REF_KEY!r}, which weightshare "
-                                   "reserves", wf.path)
+                raise InvalidModel(
+                    f"tensor {name!r} uses the external data key {REF_KEY!r}, which weightshare reserves", wf.path
+                )
             return None  # strings, empty tensors: nothing to move
         dims_t = tuple(dims)
         if data_type not in dtypes.BITS:
-            raise InvalidModel(f"tensor {name!r} has data type {data_type}, which cannot hold a numeric payload",
-                               wf.path)
+            raise InvalidModel(
+                f"tensor {name!r} has data type {data_type}, which cannot hold a numeric payload", wf.path
+            )
         ref = self._ref(name, name_range, data_type, dims_t, payload, external if location == EXTERNAL else None)
         marker = encode_len_field(1, REF_KEY.encode()) + encode_len_field(2, str(ref.index).encode())
         kept.append(encode_len_field(13, marker))
@@ -366,8 +379,15 @@ class Scanner:
                     value = text
         return key, value
 
-    def _ref(self, name: str, name_range: tuple[int, int] | None, data_type: int, dims: tuple[int, ...],
-             payload: list[Field], external: dict[str, str] | None) -> TensorRef:
+    def _ref(
+        self,
+        name: str,
+        name_range: tuple[int, int] | None,
+        data_type: int,
+        dims: tuple[int, ...],
+        payload: list[Field],
+        external: dict[str, str] | None,
+    ) -> TensorRef:
         wf = self.wf
         expected = dtypes.raw_nbytes(data_type, dims)
         index = len(self.refs)
@@ -388,30 +408,36 @@ class Scanner:
                 payload = payload[-1:]  # a repeated non-repeated field: the last one wins
             self._check_typed_size(name, data_type, dims, number, sum(f.value for f in payload), expected)
             parts = [FileRange(wf.path, f.value_start, f.value, self.model_file) for f in payload]
-            ref = self.refs.append(data_type, dims, number, parts, [(f.start, f.end) for f in payload], name,
-                                   name_range)
+            ref = self.refs.append(
+                data_type, dims, number, parts, [(f.start, f.end) for f in payload], name, name_range
+            )
         return ref
 
-    def _check_typed_size(self, name: str, data_type: int, dims: tuple[int, ...], field: int, nbytes_in: int,
-                          expected: int) -> None:
+    def _check_typed_size(
+        self, name: str, data_type: int, dims: tuple[int, ...], field: int, nbytes_in: int, expected: int
+    ) -> None:
         path = self.wf.path
         if field == dtypes.RAW_DATA:
             if nbytes_in != expected:
-                raise InvalidModel(f"tensor {name!r}: raw_data has {nbytes_in} bytes, its dims and type "
-                                   f"need {expected}", path)
+                raise InvalidModel(
+                    f"tensor {name!r}: raw_data has {nbytes_in} bytes, its dims and type need {expected}", path
+                )
             return
         layout = dtypes.typed_layout(field, data_type, dims)
         field_name = dtypes.TYPED_FIELDS[field]
         if layout is None:
-            raise Unsupported(f"tensor {name!r}: data type {data_type} stored in {field_name} is not "
-                              "supported", path)
+            raise Unsupported(f"tensor {name!r}: data type {data_type} stored in {field_name} is not supported", path)
         kind, count, itemsize = layout
         if kind == "copy" and nbytes_in != count * itemsize:
-            raise InvalidModel(f"tensor {name!r}: {field_name} has {nbytes_in // itemsize} values, its "
-                               f"dims need {count}", path)
+            raise InvalidModel(
+                f"tensor {name!r}: {field_name} has {nbytes_in // itemsize} values, its dims need {count}", path
+            )
         if kind == "varint" and not (count <= nbytes_in <= 10 * count):
-            raise InvalidModel(f"tensor {name!r}: {field_name} has {nbytes_in} bytes, which cannot hold "
-                               f"the {count} values its dims need", path)
+            raise InvalidModel(
+                f"tensor {name!r}: {field_name} has {nbytes_in} bytes, which cannot hold "
+                f"the {count} values its dims need",
+                path,
+            )
 
     def _external_range(self, name: str, info: dict[str, str], expected: int) -> FileRange:
         wf = self.wf
@@ -427,11 +453,15 @@ class Scanner:
         if length == 0:  # ORT: no length, or 0, means "the tensor's own size from offset"
             length = expected
         if offset < 0 or offset + length > size:
-            raise InvalidModel(f"external data of tensor {name!r} (offset {offset}, length {length}) runs past the "
-                               f"end of {location!r} ({size} bytes)", wf.path)
+            raise InvalidModel(
+                f"external data of tensor {name!r} (offset {offset}, length {length}) runs past the "
+                f"end of {location!r} ({size} bytes)",
+                wf.path,
+            )
         if length != expected:
-            raise InvalidModel(f"external data of tensor {name!r} has {length} bytes, its dims and type need "
-                               f"{expected}", wf.path)
+            raise InvalidModel(
+                f"external data of tensor {name!r} has {length} bytes, its dims and type need {expected}", wf.path
+            )
         return FileRange(str(target), offset, length, f)
 
     def _open_external(self, target: Path, location: str, name: str) -> InputFile:
@@ -457,18 +487,23 @@ _ORT_DIGITS = {"offset": re.compile(r"-?[0-9]+"), "length": re.compile(r"[0-9]+"
 def _check_external_keys(name: str, info: dict[str, str], path: str) -> None:
     for key, value in info.items():
         if key not in _EXTERNAL_KEYS and not key.startswith("prepacked"):
-            raise InvalidModel(f"tensor {name!r} has an unknown external data key {key[:40]!r} (ONNX Runtime "
-                               "refuses it)", path)
+            raise InvalidModel(
+                f"tensor {name!r} has an unknown external data key {key[:40]!r} (ONNX Runtime refuses it)", path
+            )
         if not value:
-            raise InvalidModel(f"tensor {name!r} has an empty external data {key[:40]!r} (ONNX Runtime refuses it)",
-                               path)
+            raise InvalidModel(
+                f"tensor {name!r} has an empty external data {key[:40]!r} (ONNX Runtime refuses it)", path
+            )
 
 
 def _ort_integer(name: str, key: str, value: str, path: str) -> int:
     number = int(value) if _ORT_DIGITS[key].fullmatch(value) else None
     if number is None or not -(1 << 63) <= number < 1 << 63:
-        raise InvalidModel(f"tensor {name!r} has external data {key} {value[:40]!r}, which is not a plain decimal "
-                           "integer (ONNX Runtime refuses it)", path)
+        raise InvalidModel(
+            f"tensor {name!r} has external data {key} {value[:40]!r}, which is not a plain decimal "
+            "integer (ONNX Runtime refuses it)",
+            path,
+        )
     return number
 
 
@@ -541,8 +576,9 @@ def place_markers(skeleton: bytes, entries: Callable[[int], bytes]) -> bytes:
     return skeleton if new is None else bytes(new)
 
 
-def _place(buf: bytes, start: int, end: int, kind: str, entries: Callable[[int], bytes],
-           depth: int) -> bytearray | None:
+def _place(
+    buf: bytes, start: int, end: int, kind: str, entries: Callable[[int], bytes], depth: int
+) -> bytearray | None:
     if depth > MAX_DEPTH + 8:
         raise ValueError("messages nested too deep")
     out: bytearray | None = None

@@ -122,7 +122,8 @@ class WireFile:
             if fend > end:
                 raise self.error(
                     f"field {number} at offset {pos} (length {fend - vpos}) runs past the end of its message "
-                    f"at offset {end}")
+                    f"at offset {end}"
+                )
             yield Field(number, wire_type, pos, vpos, fend, value)
             pos = fend
 
@@ -215,4 +216,6 @@ class PackedVarintSource:
         if len(carry) or produced != self.count:
             raise InvalidModel(
                 f"packed field has {produced} values{' and a truncated varint' if len(carry) else ''}; "
-                f"its dims declare {self.count}", self.path)
+                f"its dims declare {self.count}",
+                self.path,
+            )

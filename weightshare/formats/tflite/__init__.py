@@ -32,8 +32,7 @@ class TfliteFormat:
             raise InvalidModel("not a TFLite flatbuffer (no TFL3 identifier)", path)
         return False
 
-    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction
-                ) -> ConversionReport:
+    def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
         from .convert import convert_file
 
         return convert_file(src, out_dir, options, tx)
@@ -50,8 +49,7 @@ class TfliteFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
-               broken: bool) -> None:
+    def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         from .verify import verify_in_runtime
 
         verify_in_runtime(report, original, converted, opts, broken)

@@ -74,7 +74,7 @@ class _InlineBufferT(schema.BufferT):  # type: ignore[misc]  # the generated sch
         data = bytes(self.data)
         builder.StartVector(1, len(data), INLINE_DATA_ALIGN)
         builder.head = builder.head - len(data)
-        builder.Bytes[builder.head: builder.head + len(data)] = data
+        builder.Bytes[builder.head : builder.head + len(data)] = data
         builder.vectorNumElems = len(data)
         vector = builder.EndVector()
         schema.BufferStart(builder)
@@ -97,9 +97,13 @@ def _describe(graph: schema.ModelT, nbuffers: int) -> list[tuple[str, str, tuple
     return info
 
 
-def plan_buffers(graph: schema.ModelT, sources: list[PayloadSource | None], folds: list[Fp16Fold],
-                 detached: set[int], options: ConvertOptions
-                 ) -> list[BufferPlan]:
+def plan_buffers(
+    graph: schema.ModelT,
+    sources: list[PayloadSource | None],
+    folds: list[Fp16Fold],
+    detached: set[int],
+    options: ConvertOptions,
+) -> list[BufferPlan]:
     """Decide each output buffer: empty, inline or moved. Applies the fp16 folds to ``graph``.
 
     ``sources`` holds each buffer's payload (None when empty); ``detached`` the
@@ -120,8 +124,16 @@ def plan_buffers(graph: schema.ModelT, sources: list[PayloadSource | None], fold
         fp16 = sources[fold.fp16_buffer]
         assert fp16 is not None, "plan_fp16_folds folds only buffers that hold bytes"
         name, _dtype, shape = info[index]
-        plans.append(BufferPlan(index, ElementwiseSource(fp16, 2, 4, fp16_to_fp32), name=name, dtype="float32",
-                                shape=shape, unpacked_from=fp16.nbytes))
+        plans.append(
+            BufferPlan(
+                index,
+                ElementwiseSource(fp16, 2, 4, fp16_to_fp32),
+                name=name,
+                dtype="float32",
+                shape=shape,
+                unpacked_from=fp16.nbytes,
+            )
+        )
     for p in plans:
         if p.source is not None:
             # Metadata stays in the flatbuffer: readers of Model.metadata (ReadAllMetadata, tflite_support) look
@@ -152,8 +164,11 @@ def read_external_buffers(graph: schema.ModelT, src: Path, sources: list[Payload
                 continue
             ext = by_id.get(t.externalBuffer)
             if ext is None:
-                raise InvalidModel(f"tensor {tensor_name(t)!r} uses external buffer {t.externalBuffer}, which the "
-                                   "model does not define", src)
+                raise InvalidModel(
+                    f"tensor {tensor_name(t)!r} uses external buffer {t.externalBuffer}, which the "
+                    "model does not define",
+                    src,
+                )
             if ext.id not in new_index:
                 if ext.group >= len(groups) or groups[ext.group] is None or not groups[ext.group].name:
                     raise InvalidModel(f"external buffer {ext.id} uses undefined group {ext.group}", src)
@@ -212,8 +227,9 @@ def _account(report: ConversionReport, plan: BufferPlan, source: PayloadSource, 
         report.bytes_written += entry.nbytes
 
 
-def write_appended(graph: schema.ModelT, plans: list[BufferPlan], options: ConvertOptions, tmp: Path,
-                   report: ConversionReport) -> None:
+def write_appended(
+    graph: schema.ModelT, plans: list[BufferPlan], options: ConvertOptions, tmp: Path, report: ConversionReport
+) -> None:
     """Payloads after the flatbuffer, addressed by Buffer.offset (from the start of the file) and Buffer.size."""
     buffers = _inline_buffers(plans)
     moved = [(p, p.source) for p in plans if p.source is not None and not p.inline]
@@ -238,8 +254,9 @@ def write_appended(graph: schema.ModelT, plans: list[BufferPlan], options: Conve
     report.blob_bytes = end - size
 
 
-def _emit_external(graph: schema.ModelT, plans: list[BufferPlan], entries: dict[int, BlobEntry],
-                   blob_location: str) -> None:
+def _emit_external(
+    graph: schema.ModelT, plans: list[BufferPlan], entries: dict[int, BlobEntry], blob_location: str
+) -> None:
     """Point every tensor of a moved buffer at an ExternalBuffer in the blob's group.
 
     LiteRT's weight loader joins the group name to the model's directory and maps
@@ -248,8 +265,9 @@ def _emit_external(graph: schema.ModelT, plans: list[BufferPlan], entries: dict[
     """
     moved = [p.index for p in plans if p.index in entries]
     ids = {index: k + 1 for k, index in enumerate(moved)}
-    externals = [schema.ExternalBufferT(id=ids[i], group=0, offset=entries[i].offset, length=entries[i].nbytes)
-                 for i in moved]
+    externals = [
+        schema.ExternalBufferT(id=ids[i], group=0, offset=entries[i].offset, length=entries[i].nbytes) for i in moved
+    ]
     for sg in graph.subgraphs:
         for t in sg.tensors or []:
             if t.buffer in ids:
@@ -281,8 +299,11 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
         apply_densify(graph, [f for f, _ in densified], len(sources))
         detached = {f.sparse_buffer for f, _ in densified}
         sources.extend(source for _, source in densified)
-    folds, notes = ([], []) if options.keep_packed else plan_fp16_folds(
-        graph, [s.nbytes if s is not None else 0 for s in sources], path)
+    folds, notes = (
+        ([], [])
+        if options.keep_packed
+        else plan_fp16_folds(graph, [s.nbytes if s is not None else 0 for s in sources], path)
+    )
     report.notes.extend(notes)
     plans = plan_buffers(graph, sources, folds, detached, options)
     report.ops_removed = len(folds) + len(densified)
@@ -306,8 +327,11 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
 def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     """Zoo mode (``--shared-blob``): payloads go to a shared safetensors blob, the model references them."""
     if options.prepack:
-        raise UsageError("--prepack is not supported with --shared-blob for TFLite models; convert them one by "
-                         "one with --external --prepack", src)
+        raise UsageError(
+            "--prepack is not supported with --shared-blob for TFLite models; convert them one by "
+            "one with --external --prepack",
+            src,
+        )
     return _prepare(src, out_dir, options)
 
 
@@ -315,12 +339,20 @@ def _prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel
     """``--external``: payloads go to a safetensors blob, the model references them."""
     graph, plans, report = scan_and_plan(src, options)
     entries: dict[int, BlobEntry] = {}
+
     def placed_at(index: int) -> Callable[[BlobEntry], None]:
         return lambda entry: entries.__setitem__(index, entry)
 
-    payloads = [BlobPayload(PlannedTensor(p.name, p.dtype, p.shape, source.nbytes), source,
-                            p.unpacked_from or source.nbytes, placed_at(p.index))
-                for p in plans if (source := p.source) is not None and not p.inline]
+    payloads = [
+        BlobPayload(
+            PlannedTensor(p.name, p.dtype, p.shape, source.nbytes),
+            source,
+            p.unpacked_from or source.nbytes,
+            placed_at(p.index),
+        )
+        for p in plans
+        if (source := p.source) is not None and not p.inline
+    ]
 
     def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
         _emit_external(graph, plans, entries, blob_location)
@@ -355,16 +387,24 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
     return report
 
 
-def _xnnpack_accounting(final: Path, blob_name: str | None, plans: list[BufferPlan], options: ConvertOptions,
-                        tx: OutputTransaction, report: ConversionReport) -> None:
+def _xnnpack_accounting(
+    final: Path,
+    blob_name: str | None,
+    plans: list[BufferPlan],
+    options: ConvertOptions,
+    tx: OutputTransaction,
+    report: ConversionReport,
+) -> None:
     """--prepack: stage the XNNPACK weight cache; and say what unpacking fp16 costs default-XNNPACK users."""
     from . import xnnpack_cache
 
     if options.prepack:
         built, cache = xnnpack_cache.prepack(final, blob_name, tx)
         report.outputs.append(cache)
-        report.notes.append(f"XNNPACK weight cache {Path(cache).name} ({built.nbytes:,} bytes) built in a child "
-                            f"process: peak RSS {built.peak_rss_mib:.1f} MiB, {built.wall_s:.2f} s")
+        report.notes.append(
+            f"XNNPACK weight cache {Path(cache).name} ({built.nbytes:,} bytes) built in a child "
+            f"process: peak RSS {built.peak_rss_mib:.1f} MiB, {built.wall_s:.2f} s"
+        )
     else:
         xnnpack_cache.drop_stale_after_commit(final, tx)
     fp16_in = sum(p.unpacked_from for p in plans if p.unpacked_from)

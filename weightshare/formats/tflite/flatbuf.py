@@ -57,7 +57,9 @@ class Reader:
         if pos < 0 or n < 0 or pos + n > self.size:
             raise InvalidModel(
                 f"truncated or corrupt flatbuffer: {what} at offset {pos} ({n} bytes) runs past the end of the "
-                f"file ({self.size} bytes)", self.path)
+                f"file ({self.size} bytes)",
+                self.path,
+            )
 
     def read(self, pos: int, n: int, what: str) -> bytes:
         self.need(pos, n, what)
@@ -122,8 +124,9 @@ class Table:
         if off == 0:
             return None
         if off + width > self.obj_size:
-            raise InvalidModel(f"corrupt flatbuffer: field {slot} of {self.what} lies outside its table",
-                               self.reader.path)
+            raise InvalidModel(
+                f"corrupt flatbuffer: field {slot} of {self.what} lies outside its table", self.reader.path
+            )
         return self.pos + off
 
     def u64(self, slot: int, default: int = 0) -> int:
@@ -162,8 +165,10 @@ def read_buffer_refs(r: Reader) -> list[BufferRef]:
             refs.append(BufferRef(i, start, n, False))
         elif offset > OFFSET_PLACEHOLDER:
             if offset + size > r.size:
-                raise InvalidModel(f"{what}: data at offset {offset} with size {size} runs past the end of the file "
-                                   f"({r.size} bytes)", r.path)
+                raise InvalidModel(
+                    f"{what}: data at offset {offset} with size {size} runs past the end of the file ({r.size} bytes)",
+                    r.path,
+                )
             refs.append(BufferRef(i, offset, size, True))
         elif offset == OFFSET_PLACEHOLDER and size:
             raise InvalidModel(f"{what}: offset is the converter's placeholder 1, the data was never written", r.path)
@@ -186,8 +191,16 @@ class _WithoutBuffers:
 
 
 # What the generated accessors raise when a table points outside the file.
-_MALFORMED = (IndexError, struct.error, ValueError, TypeError, OverflowError, UnicodeDecodeError, AttributeError,
-              RecursionError)
+_MALFORMED = (
+    IndexError,
+    struct.error,
+    ValueError,
+    TypeError,
+    OverflowError,
+    UnicodeDecodeError,
+    AttributeError,
+    RecursionError,
+)
 
 
 def check_header(r: Reader) -> None:
@@ -201,8 +214,9 @@ def read_graph(r: Reader, mapping: mmap.mmap) -> schema.ModelT:
         model = schema.Model.GetRootAs(mapping, 0)
         graph = schema.ModelT.InitFromObj(_WithoutBuffers(model))
     except _MALFORMED as e:
-        raise InvalidModel(f"corrupt flatbuffer: a table points outside the file ({type(e).__name__})",
-                           r.path) from None
+        raise InvalidModel(
+            f"corrupt flatbuffer: a table points outside the file ({type(e).__name__})", r.path
+        ) from None
     if graph.version != SCHEMA_VERSION:
         raise InvalidModel(f"schema version {graph.version} is not {SCHEMA_VERSION}", r.path)
     return graph

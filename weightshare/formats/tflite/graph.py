@@ -27,9 +27,21 @@ FLOAT16 = schema.TensorType.FLOAT16
 
 TYPE_NAMES = {v: k for k, v in vars(schema.TensorType).items() if not k.startswith("_")}
 # numpy-style dtype keys for the safetensors header (--external); anything else is stored as U8.
-NUMPY_DTYPES = {"FLOAT32": "float32", "FLOAT16": "float16", "INT32": "int32", "UINT8": "uint8", "INT64": "int64",
-                "BOOL": "bool", "INT16": "int16", "INT8": "int8", "FLOAT64": "float64", "UINT64": "uint64",
-                "UINT32": "uint32", "UINT16": "uint16", "BFLOAT16": "bfloat16"}
+NUMPY_DTYPES = {
+    "FLOAT32": "float32",
+    "FLOAT16": "float16",
+    "INT32": "int32",
+    "UINT8": "uint8",
+    "INT64": "int64",
+    "BOOL": "bool",
+    "INT16": "int16",
+    "INT8": "int8",
+    "FLOAT64": "float64",
+    "UINT64": "uint64",
+    "UINT32": "uint32",
+    "UINT16": "uint16",
+    "BFLOAT16": "bfloat16",
+}
 
 
 def builtin_code(opcode: schema.OperatorCodeT) -> int:
@@ -46,7 +58,7 @@ def tensor_name(t: schema.TensorT) -> str:
 def element_count(t: schema.TensorT) -> int | None:
     """Elements of a tensor with a static shape, or None when a dimension is unknown."""
     n = 1
-    for d in (t.shape if t.shape is not None else ()):
+    for d in t.shape if t.shape is not None else ():
         if d < 0:
             return None
         n *= int(d)
@@ -72,8 +84,11 @@ def validate(graph: schema.ModelT, nbuffers: int, path: str) -> None:
             if t is None:
                 raise InvalidModel(f"subgraph {si}: tensor {ti} is missing", path)
             if t.buffer >= nbuffers:
-                raise InvalidModel(f"subgraph {si}: tensor {ti} ({tensor_name(t)}) uses buffer {t.buffer}, but the "
-                                   f"model has {nbuffers} buffers", path)
+                raise InvalidModel(
+                    f"subgraph {si}: tensor {ti} ({tensor_name(t)}) uses buffer {t.buffer}, but the "
+                    f"model has {nbuffers} buffers",
+                    path,
+                )
         for idx in chain(_indices(sg.inputs), _indices(sg.outputs)):
             if not 0 <= idx < n:
                 raise InvalidModel(f"subgraph {si}: input/output tensor index {idx} out of range ({n} tensors)", path)
@@ -81,15 +96,21 @@ def validate(graph: schema.ModelT, nbuffers: int, path: str) -> None:
             if op is None:
                 raise InvalidModel(f"subgraph {si}: operator {oi} is missing", path)
             if op.opcodeIndex >= ncodes:
-                raise InvalidModel(f"subgraph {si}: operator {oi} uses operator code {op.opcodeIndex}, but the model "
-                                   f"has {ncodes}", path)
+                raise InvalidModel(
+                    f"subgraph {si}: operator {oi} uses operator code {op.opcodeIndex}, but the model has {ncodes}",
+                    path,
+                )
             for idx in chain(_indices(op.inputs), _indices(op.outputs), _indices(op.intermediates)):
                 if not -1 <= idx < n:
-                    raise InvalidModel(f"subgraph {si}: operator {oi} uses tensor {idx}, out of range ({n} tensors)",
-                                       path)
+                    raise InvalidModel(
+                        f"subgraph {si}: operator {oi} uses tensor {idx}, out of range ({n} tensors)", path
+                    )
             if op.largeCustomOptionsOffset > OFFSET_PLACEHOLDER:
-                raise Unsupported(f"subgraph {si}: operator {oi} keeps its custom options outside the flatbuffer "
-                                  "(models over 2 GB); not supported yet", path)
+                raise Unsupported(
+                    f"subgraph {si}: operator {oi} keeps its custom options outside the flatbuffer "
+                    "(models over 2 GB); not supported yet",
+                    path,
+                )
     for m in graph.metadata or []:
         if m is not None and m.buffer >= nbuffers:
             raise InvalidModel(f"metadata uses buffer {m.buffer}, but the model has {nbuffers} buffers", path)
@@ -153,15 +174,19 @@ def plan_fp16_folds(graph: schema.ModelT, sizes: list[int], path: str) -> tuple[
                 notes.append(f"{where}: input is not a constant, op kept")
                 continue
             if dst.type != FLOAT32:
-                raise InvalidModel(f"{where}: output type is {TYPE_NAMES.get(dst.type, dst.type)}, expected FLOAT32",
-                                   path)
+                raise InvalidModel(
+                    f"{where}: output type is {TYPE_NAMES.get(dst.type, dst.type)}, expected FLOAT32", path
+                )
             count = element_count(src)
             if src.sparsity is not None:
                 notes.append(f"{where}: input is sparse, op kept (see --unpack sparse)")
                 continue
             if count is None or payload != 2 * count:
-                raise InvalidModel(f"{where}: fp16 payload has {payload} bytes, but its shape "
-                                   f"{_indices(src.shape)} needs {2 * (count or 0)}", path)
+                raise InvalidModel(
+                    f"{where}: fp16 payload has {payload} bytes, but its shape "
+                    f"{_indices(src.shape)} needs {2 * (count or 0)}",
+                    path,
+                )
             if _indices(dst.shape) != _indices(src.shape):
                 # LiteRT prepares consumers with the output's declared shape (a [] output is read as a scalar
                 # broadcast), so a constant with the input's shape would change results: keep the op.
@@ -174,8 +199,9 @@ def plan_fp16_folds(graph: schema.ModelT, sizes: list[int], path: str) -> tuple[
                 notes.append(f"{where}: the fp16 tensor has other consumers, op kept")
                 continue
             if (dst.buffer and sizes[dst.buffer]) or outs[0] in set(_indices(sg.inputs)) or dst.isVariable:
-                raise InvalidModel(f"{where}: output tensor {tensor_name(dst)!r} is a constant, input or variable",
-                                   path)
+                raise InvalidModel(
+                    f"{where}: output tensor {tensor_name(dst)!r} is a constant, input or variable", path
+                )
             folds.append(Fp16Fold(si, oi, ins[0], outs[0], src.buffer))
     return folds, notes
 

@@ -33,8 +33,21 @@ from .xnnpack_cache import inventory_notes
 if TYPE_CHECKING:
     from ai_edge_litert import schema_py_generated as schema
 
-_ITEMSIZE = {"FLOAT32": 4, "FLOAT16": 2, "INT8": 1, "UINT8": 1, "INT16": 2, "INT32": 4, "INT64": 8, "BOOL": 1,
-             "FLOAT64": 8, "UINT16": 2, "UINT32": 4, "UINT64": 8, "BFLOAT16": 2}
+_ITEMSIZE = {
+    "FLOAT32": 4,
+    "FLOAT16": 2,
+    "INT8": 1,
+    "UINT8": 1,
+    "INT16": 2,
+    "INT32": 4,
+    "INT64": 8,
+    "BOOL": 1,
+    "FLOAT64": 8,
+    "UINT16": 2,
+    "UINT32": 4,
+    "UINT64": 8,
+    "BFLOAT16": 2,
+}
 
 
 NO_DELEGATE, XNNPACK, XNNPACK_CACHE = "LiteRT no delegate", "LiteRT XNNPACK", "CompiledModel + weight cache"
@@ -106,10 +119,16 @@ def _external_payloads(graph: schema.ModelT, path: Path, inv: ModelInventory, ha
         t = used[ext.id]
         name = groups[ext.group].name if ext.group < len(groups) and groups[ext.group] is not None else None
         name = name.decode("utf-8", "replace") if isinstance(name, bytes) else (name or "")
-        info = PayloadInfo(name=tensor_name(t), dtype=TYPE_NAMES.get(t.type, str(t.type)),
-                           shape=tuple(int(d) for d in (t.shape if t.shape is not None else ())),
-                           nbytes=ext.length, location="external", file=name, offset=ext.offset,
-                           alignment=alignment_of(ext.offset))
+        info = PayloadInfo(
+            name=tensor_name(t),
+            dtype=TYPE_NAMES.get(t.type, str(t.type)),
+            shape=tuple(int(d) for d in (t.shape if t.shape is not None else ())),
+            nbytes=ext.length,
+            location="external",
+            file=name,
+            offset=ext.offset,
+            alignment=alignment_of(ext.offset),
+        )
         try:
             file = resolve_inside(path.resolve().parent, name, "external buffer group", path)
             if not file.is_file():
@@ -150,11 +169,16 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         if not ref.nbytes:
             continue
         t = first.get(ref.index)
-        info = PayloadInfo(name=tensor_name(t) if t is not None else f"buffer{ref.index}",
-                           dtype=TYPE_NAMES.get(t.type, str(t.type)) if t is not None else "UINT8",
-                           shape=tuple(int(d) for d in (t.shape if t is not None and t.shape is not None else ())),
-                           nbytes=ref.nbytes, location="embedded", offset=ref.file_offset,
-                           alignment=alignment_of(ref.file_offset), encoding="inline")
+        info = PayloadInfo(
+            name=tensor_name(t) if t is not None else f"buffer{ref.index}",
+            dtype=TYPE_NAMES.get(t.type, str(t.type)) if t is not None else "UINT8",
+            shape=tuple(int(d) for d in (t.shape if t is not None and t.shape is not None else ())),
+            nbytes=ref.nbytes,
+            location="embedded",
+            offset=ref.file_offset,
+            alignment=alignment_of(ref.file_offset),
+            encoding="inline",
+        )
         if ref.out_of_line:  # after the flatbuffer, addressed by Buffer.offset: mapped like an external blob
             info.location, info.file, info.encoding = "external", path.name, "appended"
         if t is not None and t.sparsity is not None:
@@ -169,8 +193,11 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         else:
             info.would_move = not ref.out_of_line
         packed = packs.get(ref.index, 0)
-        info.copies = {NO_DELEGATE: info.copied_per_session, XNNPACK: max(info.copied_per_session, packed),
-                       XNNPACK_CACHE: 0 if packed else info.copied_per_session}
+        info.copies = {
+            NO_DELEGATE: info.copied_per_session,
+            XNNPACK: max(info.copied_per_session, packed),
+            XNNPACK_CACHE: 0 if packed else info.copied_per_session,
+        }
         if packed:
             info.copy_reason = "weights packed by XNNPACK per interpreter"
             info.copy_code = Code.XNNPACK_PACK_COPY.value
@@ -184,6 +211,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     inv.notes += notes
     inv.findings += findings
     if any(p.encoding == "inline" and p.would_move for p in inv.payloads):
-        inv.notes.append("inline buffers are mapped with the file (shared), but only 16-byte aligned; "
-                         "`weightshare convert` moves them to page-aligned offsets")
+        inv.notes.append(
+            "inline buffers are mapped with the file (shared), but only 16-byte aligned; "
+            "`weightshare convert` moves them to page-aligned offsets"
+        )
     return inv

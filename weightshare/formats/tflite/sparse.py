@@ -22,8 +22,7 @@ from ...errors import InvalidModel, Unsupported
 from ...tensors import BytesSource, PayloadSource, read_all
 from .graph import DENSIFY, TYPE_NAMES, builtin_code, element_count, tensor_name
 
-_VALUE_TYPES = {schema.TensorType.FLOAT32: "<f4", schema.TensorType.FLOAT16: "<f2",
-                schema.TensorType.INT8: "i1"}
+_VALUE_TYPES = {schema.TensorType.FLOAT32: "<f4", schema.TensorType.FLOAT16: "<f2", schema.TensorType.INT8: "i1"}
 MAX_DENSE_BYTES = 1 << 30  # a dense tensor materialised in memory; beyond this the model is refused
 
 
@@ -36,8 +35,9 @@ class DensifyFold:
     sparse_buffer: int
 
 
-def _vector(v: schema.Int32VectorT | schema.Uint16VectorT | schema.Uint8VectorT | None, what: str,
-            path: str) -> np.ndarray:
+def _vector(
+    v: schema.Int32VectorT | schema.Uint16VectorT | schema.Uint8VectorT | None, what: str, path: str
+) -> np.ndarray:
     if v is None or getattr(v, "values", None) is None:
         raise InvalidModel(f"sparsity {what} is missing", path)
     return np.asarray(v.values, dtype=np.int64)
@@ -74,7 +74,8 @@ def densify(sparsity: schema.SparsityParametersT, shape: list[int], values: np.n
                 raise InvalidModel(f"sparsity level {level}: array_segments out of range", path)
             counts = hi - lo
             positions = np.repeat(lo - np.concatenate(([0], np.cumsum(counts)[:-1])), counts) + np.arange(
-                counts.sum(), dtype=np.int64)
+                counts.sum(), dtype=np.int64
+            )
             columns = [np.repeat(c, counts) for c in columns] + [indices[positions]]
             prev = positions
     if prev.size != values.size:
@@ -95,8 +96,9 @@ def densify(sparsity: schema.SparsityParametersT, shape: list[int], values: np.n
     return dense
 
 
-def plan_densify(graph: schema.ModelT, sources: list[PayloadSource | None], path: str
-                 ) -> list[tuple[DensifyFold, PayloadSource]]:
+def plan_densify(
+    graph: schema.ModelT, sources: list[PayloadSource | None], path: str
+) -> list[tuple[DensifyFold, PayloadSource]]:
     """Every DENSIFY of a constant sparse tensor, with the dense payload it becomes."""
     codes = [builtin_code(c) for c in graph.operatorCodes or []]
     folds: list[tuple[DensifyFold, PayloadSource]] = []
@@ -113,8 +115,11 @@ def plan_densify(graph: schema.ModelT, sources: list[PayloadSource | None], path
             if source is None or src.sparsity is None:
                 continue
             if src.type not in _VALUE_TYPES or dst.type != src.type:
-                raise Unsupported(f"{where}: type {TYPE_NAMES.get(src.type, src.type)} -> "
-                                  f"{TYPE_NAMES.get(dst.type, dst.type)} is not densified", path)
+                raise Unsupported(
+                    f"{where}: type {TYPE_NAMES.get(src.type, src.type)} -> "
+                    f"{TYPE_NAMES.get(dst.type, dst.type)} is not densified",
+                    path,
+                )
             count = element_count(dst)
             itemsize = np.dtype(_VALUE_TYPES[src.type]).itemsize
             if count is None or count * itemsize > MAX_DENSE_BYTES:
@@ -142,6 +147,7 @@ def apply_densify(graph: schema.ModelT, folds: list[DensifyFold], first_new_buff
     # A sparse tensor no op reads any more is detached, so its buffer can be dropped.
     for fold in folds:
         sg = graph.subgraphs[fold.subgraph]
-        if not any(fold.sparse_tensor in [int(v) for v in op.inputs] for op in sg.operators) and \
-                fold.sparse_tensor not in [int(v) for v in (sg.outputs if sg.outputs is not None else [])]:
+        if not any(
+            fold.sparse_tensor in [int(v) for v in op.inputs] for op in sg.operators
+        ) and fold.sparse_tensor not in [int(v) for v in (sg.outputs if sg.outputs is not None else [])]:
             sg.tensors[fold.sparse_tensor].buffer = 0

@@ -16,14 +16,17 @@ from ...inventory import inventory
 from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line, hint
 
 
-def verify_in_runtime(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any],
-                      broken: bool) -> None:
+def verify_in_runtime(
+    report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool
+) -> None:
     from ...runtimes.litert import native_stderr_silenced
 
     named = sorted(set(opts["dims"]) - {"*"})
     if named:
-        raise UsageError(f"--dim {named[0]}: TFLite dimensions have no names; use --dim '*=N' for every "
-                         "dynamic dimension or --shape INPUT=D0,D1,... for one input")
+        raise UsageError(
+            f"--dim {named[0]}: TFLite dimensions have no names; use --dim '*=N' for every "
+            "dynamic dimension or --shape INPUT=D0,D1,... for one input"
+        )
     with native_stderr_silenced():
         _verify_paths(report, original, converted, opts, broken)
         if not broken:
@@ -43,8 +46,7 @@ def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, 
     report.paths.append(f"LiteRT CompiledModel + XNNPACK weight cache {cache.name}")
 
 
-def _open_paths(original: Path, converted: Path, external: bool
-                ) -> tuple[list[tuple[str, str, Any, Any]], list[str]]:
+def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[tuple[str, str, Any, Any]], list[str]]:
     """(path name, original entry points, converted entry points or an error line), one per LiteRT mode."""
     from ...runtimes.litert import MODES, compiled_entry_points, entry_points, open_mode
 
@@ -74,8 +76,9 @@ def _open_paths(original: Path, converted: Path, external: bool
     return opened, refusals
 
 
-def _run_path(report: VerifyReport, path: str, ea: list[tuple[str, Any]], eb: list[tuple[str, Any]],
-              opts: dict[str, Any]) -> str:
+def _run_path(
+    report: VerifyReport, path: str, ea: list[tuple[str, Any]], eb: list[tuple[str, Any]], opts: dict[str, Any]
+) -> str:
     """Compare on one LiteRT path; returns why the original could not run on it in the first run ('' if it ran)."""
     before = len(report.mismatches)
     compare_names(report, "signature", [k for k, _ in ea], [k for k, _ in eb])
@@ -89,8 +92,9 @@ def _run_path(report: VerifyReport, path: str, ea: list[tuple[str, Any]], eb: li
             except Exception as e:  # noqa: BLE001
                 if r == 0:  # this path does not run the original (an op it lacks, a shape it refuses)
                     return first_line(e)
-                raise OriginalFails(f"the original model fails in {path}: {first_line(e)} ({hint('tflite')})",
-                                    report.original) from None
+                raise OriginalFails(
+                    f"the original model fails in {path}: {first_line(e)} ({hint('tflite')})", report.original
+                ) from None
             try:
                 outs_b = run_b(feeds)
             except Exception as e:  # noqa: BLE001
@@ -119,8 +123,7 @@ def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: d
         else:
             report.paths.append(path)
     if not report.paths and not broken:
-        raise OriginalFails(f"the original model fails in LiteRT: {'; '.join(refusals)} ({hint('tflite')})",
-                            original)
+        raise OriginalFails(f"the original model fails in LiteRT: {'; '.join(refusals)} ({hint('tflite')})", original)
     for line in refusals:
         report.notes.append(f"the original model does not run with LiteRT {line}; that path was skipped")
     if broken:

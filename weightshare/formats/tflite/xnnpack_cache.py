@@ -47,8 +47,10 @@ if TYPE_CHECKING:
 CACHE_SUFFIX = ".xnnpack-cache"
 DIGEST_HEX = 32  # 128 bits of SHA-256 in the name: collisions are not a practical concern
 _HASH_CHUNK = 4 << 20
-_NAME = re.compile(rf"^(?P<model>.+)\.litert-(?P<version>[^/]+?)\.(?P<digest>[0-9a-f]{{{DIGEST_HEX}}})"
-                   rf"{re.escape(CACHE_SUFFIX)}$")
+_NAME = re.compile(
+    rf"^(?P<model>.+)\.litert-(?P<version>[^/]+?)\.(?P<digest>[0-9a-f]{{{DIGEST_HEX}}})"
+    rf"{re.escape(CACHE_SUFFIX)}$"
+)
 # CPU flags that change which XNNPACK packing kernels run (x86 and Arm spellings in /proc/cpuinfo).
 _ISA_FLAG = re.compile(r"^(sse|ssse|avx|fma|f16c|amx|gfni|vnni|asimd|fphp|sve|sme|dotprod|i8mm|bf16|fp16)")
 
@@ -87,8 +89,11 @@ class _Preader:
 
     def read(self, pos: int, n: int) -> bytes:
         if pos < 0 or n < 0 or pos + n > self.size:
-            raise InvalidModel(f"truncated or corrupt flatbuffer: {n} bytes at offset {pos} run past the end of the "
-                               f"file ({self.size} bytes)", self.path)
+            raise InvalidModel(
+                f"truncated or corrupt flatbuffer: {n} bytes at offset {pos} run past the end of the "
+                f"file ({self.size} bytes)",
+                self.path,
+            )
         return os.pread(self.fd, n, pos)
 
     def u(self, pos: int, n: int, signed: bool = False) -> int:
@@ -184,8 +189,10 @@ def expected_cache(model: str | os.PathLike[str]) -> Path:
 def candidate_caches(model: str | os.PathLike[str]) -> list[Path]:
     """Every file beside ``model`` named like one of its caches, matching or not."""
     model = Path(model)
-    return sorted(Path(p) for p in glob.glob(os.path.join(glob.escape(str(model.parent)),
-                                                          glob.escape(model.name) + ".*" + CACHE_SUFFIX)))
+    return sorted(
+        Path(p)
+        for p in glob.glob(os.path.join(glob.escape(str(model.parent)), glob.escape(model.name) + ".*" + CACHE_SUFFIX))
+    )
 
 
 @dataclass
@@ -213,11 +220,17 @@ def cache_status(model: str | os.PathLike[str]) -> list[CacheStatus]:
         elif m is None:
             statuses.append(CacheStatus(path, False, "not a weightshare cache name; never used"))
         elif m["version"] != litert_version():
-            statuses.append(CacheStatus(path, False, f"built with LiteRT {m['version']}, installed "
-                                                     f"{litert_version()}; never used"))
+            statuses.append(
+                CacheStatus(path, False, f"built with LiteRT {m['version']}, installed {litert_version()}; never used")
+            )
         else:
-            statuses.append(CacheStatus(path, False, "built for other content (another or re-converted model, "
-                                                     "another blob or CPU); never used"))
+            statuses.append(
+                CacheStatus(
+                    path,
+                    False,
+                    "built for other content (another or re-converted model, another blob or CPU); never used",
+                )
+            )
     return statuses
 
 
@@ -237,8 +250,12 @@ def build(model: Path, cache: Path) -> BuildResult:
     the cache untouched, which shows the cache is complete.
     """
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", __name__, str(model), str(cache)], capture_output=True,
-                          text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    proc = subprocess.run(
+        [sys.executable, "-m", __name__, str(model), str(cache)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         errors = [ln.strip() for ln in (proc.stdout + proc.stderr).splitlines() if "ERROR" in ln or "rror:" in ln]
@@ -320,12 +337,17 @@ def _mib(n: int) -> str:
 def unpack_note(fp16_bytes: int, fp32_bytes: int, prepacked: bool) -> str:
     """What unpacking fp16 weights costs a user of LiteRT's default (XNNPACK) Interpreter."""
     extra = fp32_bytes - fp16_bytes
-    advice = ("load it with weightshare.litert.compiled_model (uses the XNNPACK weight cache written here)"
-              if prepacked else "convert with --prepack and load with weightshare.litert.compiled_model")
-    return (f"fp16 weights were unpacked to fp32 ({_mib(fp16_bytes)} -> {_mib(fp32_bytes)}): LiteRT's default "
-            f"Interpreter (XNNPACK) still packs a private copy per interpreter and now reads the fp32 file pages "
-            f"to do it, +{_mib(extra)} per process; it gains nothing from this conversion. Instead, {advice}, "
-            f"or use Interpreter(..., experimental_op_resolver_type=BUILTIN_WITHOUT_DEFAULT_DELEGATES)")
+    advice = (
+        "load it with weightshare.litert.compiled_model (uses the XNNPACK weight cache written here)"
+        if prepacked
+        else "convert with --prepack and load with weightshare.litert.compiled_model"
+    )
+    return (
+        f"fp16 weights were unpacked to fp32 ({_mib(fp16_bytes)} -> {_mib(fp32_bytes)}): LiteRT's default "
+        f"Interpreter (XNNPACK) still packs a private copy per interpreter and now reads the fp32 file pages "
+        f"to do it, +{_mib(extra)} per process; it gains nothing from this conversion. Instead, {advice}, "
+        f"or use Interpreter(..., experimental_op_resolver_type=BUILTIN_WITHOUT_DEFAULT_DELEGATES)"
+    )
 
 
 @dataclass
@@ -393,13 +415,26 @@ def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
     dequantized, packed, packed_from_file = _weight_use(graph, sizes)
     matching = [s.path for s in cache_status(model) if s.matches]
     cache = matching[0].stat().st_size if matching else packed
-    cache_note = f"cache {matching[0].name}" if matching else ("no matching cache beside the model (convert "
-                                                               "--prepack writes one); size estimated")
-    costs = [SettingCost("Interpreter, no delegate", in_file, dequantized,
-                         "fp32 copies of DEQUANTIZE outputs per interpreter" if dequantized else ""),
-             SettingCost("Interpreter, default XNNPACK", in_file, packed,
-                         "XNNPACK packs a private copy per interpreter, reading the file pages to do it"),
-             SettingCost("CompiledModel + XNNPACK weight cache", cache + in_file - packed_from_file, 0, cache_note)]
+    cache_note = (
+        f"cache {matching[0].name}"
+        if matching
+        else ("no matching cache beside the model (convert --prepack writes one); size estimated")
+    )
+    costs = [
+        SettingCost(
+            "Interpreter, no delegate",
+            in_file,
+            dequantized,
+            "fp32 copies of DEQUANTIZE outputs per interpreter" if dequantized else "",
+        ),
+        SettingCost(
+            "Interpreter, default XNNPACK",
+            in_file,
+            packed,
+            "XNNPACK packs a private copy per interpreter, reading the file pages to do it",
+        ),
+        SettingCost("CompiledModel + XNNPACK weight cache", cache + in_file - packed_from_file, 0, cache_note),
+    ]
     if graph.externalBuffers:
         for c in costs[:2]:
             c.note = "the classic Interpreter does not load ExternalBuffer models"
@@ -413,14 +448,20 @@ def inventory_notes(model: str | os.PathLike[str]) -> tuple[list[str], list[Find
     findings: list[Finding] = []
     try:
         for c in interpreter_costs(model):
-            notes.append(f"{c.setting}: {_mib(c.shared_bytes)} shared + {_mib(c.per_instance_bytes)} per instance "
-                         f"(8 instances: {_mib(c.total(8))})" + (f"; {c.note}" if c.note else ""))
+            notes.append(
+                f"{c.setting}: {_mib(c.shared_bytes)} shared + {_mib(c.per_instance_bytes)} per instance "
+                f"(8 instances: {_mib(c.total(8))})" + (f"; {c.note}" if c.note else "")
+            )
         for st in cache_status(model):
             notes.append(f"XNNPACK weight cache {st.path.name}: {st.reason}")
             if not st.matches:
-                findings.append(Finding.of(Code.XNNPACK_CACHE_MISMATCH, str(model),
-                                           f"XNNPACK weight cache {st.path.name} does not match the model: "
-                                           f"{st.reason}"))
+                findings.append(
+                    Finding.of(
+                        Code.XNNPACK_CACHE_MISMATCH,
+                        str(model),
+                        f"XNNPACK weight cache {st.path.name} does not match the model: {st.reason}",
+                    )
+                )
     except WeightshareError as e:
         notes.append(f"LiteRT settings not estimated: {e.message}")
     return notes, findings
@@ -451,8 +492,9 @@ def _child(model: str, cache: str) -> int:
     from ai_edge_litert.options import Options
 
     def open_model() -> CompiledModel:
-        return CompiledModel.from_file(model, options=Options(cpu_options=CpuOptions(
-            num_threads=1, xnnpack_weight_cache_path=cache)))
+        return CompiledModel.from_file(
+            model, options=Options(cpu_options=CpuOptions(num_threads=1, xnnpack_weight_cache_path=cache))
+        )
 
     first = open_model()
     built = os.stat(cache)
