@@ -17,6 +17,8 @@ import coremltools as ct  # noqa: E402  (after quieting its logger: it logs at i
 from coremltools.converters.mil.mil import Builder as mb  # noqa: E402
 from coremltools.converters.mil.mil import types  # noqa: E402
 
+from weightshare.formats.coreml.verify import READERS as _READERS  # noqa: E402  (coremltools reader per MIL dtype)
+
 TARGETS = {"iOS15": ct.target.iOS15, "iOS16": ct.target.iOS16, "iOS17": ct.target.iOS17, "iOS18": ct.target.iOS18}
 
 
@@ -154,24 +156,6 @@ def blob_values(spec):
     from weightshare.formats.coreml.convert import iter_blob_file_values
 
     return list(iter_blob_file_values(spec.mlProgram))
-
-
-_READERS = {
-    1: "read_fp16_data",
-    2: "read_float_data",
-    3: "read_uint8_data",
-    4: "read_int8_data",
-    6: "read_int16_data",
-    7: "read_uint16_data",
-    8: "read_int4_data",
-    9: "read_uint1_data",
-    10: "read_uint2_data",
-    11: "read_uint4_data",
-    12: "read_uint3_data",
-    13: "read_uint6_data",
-    14: "read_int32_data",
-    15: "read_uint32_data",
-}
 
 
 def decode_blob(pkg: Path, bfv) -> tuple[int, bytes]:
