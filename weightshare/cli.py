@@ -218,6 +218,7 @@ def convert(
     unpack: list[Unpack] = typer.Option(
         [],
         "--unpack",
+        metavar="sparse|ort-cpu",
         help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
         "constant sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 "
         "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
