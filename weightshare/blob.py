@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -70,6 +71,8 @@ class Hasher(Protocol):
     def update(self, data: bytes | memoryview, /) -> object: ...
 
     def hexdigest(self) -> str: ...
+
+    def digest(self) -> bytes: ...
 
 
 Progress = Callable[[int], object]  # called with a byte count as payload bytes are written
@@ -142,9 +145,12 @@ def _kernel_copy_works() -> bool:
     return _KERNEL_COPY
 
 
-def _hash_range(f: InputFile, pos: int, length: int, chunk_size: int, kind: str) -> str:
-    """The ``tagged`` digest of ``length`` bytes at ``pos`` of ``f``, read through reused buffers."""
-    return digest_of(FileRange(f.path, pos, length, f).chunks(chunk_size), kind)
+def _hash_range(f: InputFile, pos: int, length: int, chunk_size: int, kind: str) -> bytes:
+    """The raw digest of ``length`` bytes at ``pos`` of ``f``, read through reused buffers."""
+    h = new_hasher(kind)
+    for chunk in FileRange(f.path, pos, length, f).chunks(chunk_size):
+        h.update(chunk)
+    return h.digest()
 
 
 def _start_writeback(fd: int, pos: int, n: int) -> None:
@@ -181,10 +187,15 @@ class BlobWriter:
         self.policy = policy
         self.dedupe = dedupe
         self.chunk_size = chunk_size
-        # (tag, size, digest) -> first copy; untagged payloads by digest alone, a key string each rather than a
-        # tuple (the entry's size is checked on a hit): 100,000s of payloads (issue 15)
-        self._index: dict[tuple[str, int, str] | str, BlobEntry] = {}
-        self.unique: list[BlobEntry] = []
+        # One row per stored payload, in offset order, in flat arrays rather than an object each: 100,000s of
+        # payloads (issue 15). Raw digests, 32 bytes a row; prefix offsets only once a payload has a prefix.
+        self._offsets = array("q")
+        self._nbytes = array("q")
+        self._digests = bytearray()
+        self._prefixes: array[int] | None = None  # -1: no prefix
+        # (tag, size, digest) -> row of the first copy; untagged payloads by raw digest alone, one bytes key each
+        # rather than a tuple (the row's size is checked on a hit)
+        self._index: dict[tuple[str, int, bytes] | bytes, int] = {}
         self.bytes_in = 0
         self.bytes_written = 0
         self._wb_start = start  # first byte whose writeback has not been started
@@ -198,6 +209,44 @@ class BlobWriter:
         progress: Progress | None = None,
     ) -> BlobEntry:
         """Write one payload; return where it lives (the first copy, for a duplicate)."""
+        row, duplicate = self.add_row(source, tag, prefix_size, prefix_align, progress)
+        return self.entry(row, duplicate)
+
+    @property
+    def rows(self) -> int:
+        """How many payloads are stored (duplicates not counted)."""
+        return len(self._offsets)
+
+    def entry(self, row: int, duplicate: bool = False) -> BlobEntry:
+        """The stored payload ``row`` (0 = first stored) as a ``BlobEntry``, made on demand."""
+        prefix = self._prefixes[row] if self._prefixes is not None else -1
+        digest = tagged(self.digest, self._digests[32 * row : 32 * row + 32].hex())
+        return BlobEntry(self._offsets[row], self._nbytes[row], digest, None if prefix < 0 else prefix, duplicate)
+
+    def offset(self, row: int) -> int:
+        return self._offsets[row]
+
+    def nbytes(self, row: int) -> int:
+        return self._nbytes[row]
+
+    def hexdigest(self, row: int) -> str:
+        """The untagged hex digest of stored payload ``row`` (of kind ``self.digest``)."""
+        return self._digests[32 * row : 32 * row + 32].hex()
+
+    @property
+    def unique(self) -> list[BlobEntry]:
+        """Every stored payload, in offset order (built on demand)."""
+        return [self.entry(row) for row in range(self.rows)]
+
+    def add_row(
+        self,
+        source: PayloadSource,
+        tag: str = "",
+        prefix_size: int = 0,
+        prefix_align: int = 64,
+        progress: Progress | None = None,
+    ) -> tuple[int, bool]:
+        """Write one payload; return (its row, whether it was a duplicate of that row)."""
         nbytes = source.nbytes
         prefix_offset = None
         if prefix_size:
@@ -210,23 +259,31 @@ class BlobWriter:
         else:
             digest = self._stream(source, offset, nbytes, progress)
         self.bytes_in += nbytes
-        key = (tag, nbytes, digest) if tag else digest
+        if len(digest) != 32:
+            raise Unsupported(f"digests of kind {self.digest!r} are not 32 bytes long")
+        key: tuple[str, int, bytes] | bytes = (tag, nbytes, digest) if tag else digest
         first = self._index.get(key) if self.dedupe else None
-        if first is not None and first.nbytes != nbytes:
+        if first is not None and self._nbytes[first] != nbytes:
             first = None  # (never seen: equal digests of different lengths) stored as a payload of its own
         if first is not None:
             # Drop the second copy: nothing after self.end has been claimed yet.
             os.ftruncate(self.fd, self.end)
             self._wb_start = min(self._wb_start, self.end)
-            return BlobEntry(first.offset, nbytes, first.sha256, first.prefix_offset, duplicate=True)
-        entry = BlobEntry(offset, nbytes, digest, prefix_offset)
-        self._index.setdefault(key, entry)
-        self.unique.append(entry)
+            return first, True
+        row = len(self._offsets)
+        self._offsets.append(offset)
+        self._nbytes.append(nbytes)
+        self._digests += digest
+        if prefix_offset is not None and self._prefixes is None:
+            self._prefixes = array("q", [-1]) * row
+        if self._prefixes is not None:
+            self._prefixes.append(-1 if prefix_offset is None else prefix_offset)
+        self._index.setdefault(key, row)
         self.end = offset + nbytes
         self.bytes_written += nbytes
-        return entry
+        return row, False
 
-    def _stream(self, source: PayloadSource, offset: int, nbytes: int, progress: Progress | None) -> str:
+    def _stream(self, source: PayloadSource, offset: int, nbytes: int, progress: Progress | None) -> bytes:
         """Read (and unpack) chunks here while the writer thread hashes and writes the previous one."""
         digest = new_hasher(self.digest)
         pos = offset
@@ -257,9 +314,9 @@ class BlobWriter:
                 pending.exception() if sys.exc_info()[0] else pending.result()
         if pos != offset + nbytes:
             raise InvalidModel(f"payload is shorter ({pos - offset} bytes) than its declared {nbytes} bytes")
-        return tagged(self.digest, digest.hexdigest())
+        return digest.digest()
 
-    def _copy_unchanged(self, source: FileRange, offset: int, progress: Progress | None) -> str:
+    def _copy_unchanged(self, source: FileRange, offset: int, progress: Progress | None) -> bytes:
         """Bytes copied as they are: the kernel copies (``copy_file_range``) while the writer thread hashes
         the same range through its own reused buffer, so the bytes cross into user space once."""
         f = source.opened()
@@ -270,7 +327,7 @@ class BlobWriter:
             except BaseException:
                 hashing.exception()  # wait: the hashing thread must not read a file we may close next
                 raise
-            result: str = hashing.result()
+            result: bytes = hashing.result()
             if done < source.length:  # the kernel refused (another filesystem, old kernel): copy the rest here
                 rest = FileRange(source.path, source.offset + done, source.length - done, f)
                 for chunk in rest.chunks(self.chunk_size):
@@ -467,7 +524,12 @@ class SafetensorsBlob:
         self.fd = fd
         self.data_start = align_up(8 + self._header_bound(planned, self.metadata), max(policy.large, policy.small))
         self.writer = BlobWriter(fd, self.data_start, policy, dedupe)
-        self._stored: dict[int, _Stored] = {}  # by entry offset
+        # By writer row (offset order): the tensor first stored there; by offset, the names of later copies, for the
+        # few payloads that have any. A list of references, no object per payload (issue 15). A zero-length payload
+        # shares its offset with the next one, which takes its place in the header (as when records were keyed
+        # by offset), aliases included.
+        self._planned: list[PlannedTensor] = []
+        self._aliases: dict[int, list[str]] = {}
         self.header_sha256 = ""  # hex SHA-256 of the header text, set by finish()
 
     @staticmethod
@@ -505,15 +567,29 @@ class SafetensorsBlob:
     def add(self, tensor: PlannedTensor, source: PayloadSource, progress: Progress | None = None) -> BlobEntry:
         if source.nbytes != tensor.nbytes:
             raise InvalidModel(f"tensor {tensor.name!r}: payload has {source.nbytes} bytes, expected {tensor.nbytes}")
-        entry = self.writer.add(source, progress=progress)
-        if entry.duplicate:
-            stored = self._stored[entry.offset]
-            if stored.more is None:
-                stored.more = []
-            stored.more.append(tensor.st_name)
+        w = self.writer
+        row, duplicate = w.add_row(source, progress=progress)
+        if duplicate:
+            self._aliases.setdefault(w.offset(row), []).append(tensor.st_name)
         else:
-            self._stored[entry.offset] = _Stored(tensor, entry)
-        return entry
+            self._planned.append(tensor)
+            self._aliases.pop(w.offset(row), None)
+        return w.entry(row, duplicate)
+
+    def _shadowed(self, row: int) -> bool:
+        """Whether the next row sits at this row's offset (this one is then empty and left out of the header)."""
+        w = self.writer
+        return row + 1 < w.rows and w.offset(row + 1) == w.offset(row)
+
+    @property
+    def _stored(self) -> dict[int, _Stored]:
+        """Every stored payload by offset, with its tensor and aliases (built on demand; tests read it)."""
+        w = self.writer
+        return {
+            w.offset(row): _Stored(t, w.entry(row), self._aliases.get(w.offset(row)))
+            for row, t in enumerate(self._planned)
+            if not self._shadowed(row)
+        }
 
     @property
     def bytes_in(self) -> int:
@@ -533,28 +609,34 @@ class SafetensorsBlob:
         the whole text (or a dict of it) in memory: payload entries first, then the metadata, whose value
         is a JSON string escaped piece by piece (JSON escaping is per character)."""
         dumps = json.dumps
-        stored = sorted(self._stored.values(), key=lambda s: s.entry.offset)
+        w, planned = self.writer, self._planned  # rows are in offset order
+        shadowed = {row for row in range(len(planned)) if self._shadowed(row)}  # nearly always none
         yield "{"
-        cursor = 0
-        for n_pad, item in enumerate(stored):
-            begin = item.entry.offset - self.data_start
+        cursor = n_pad = 0
+        for row, t in enumerate(planned):
+            if shadowed and row in shadowed:
+                continue
+            begin = w.offset(row) - self.data_start
             if begin > cursor:
                 yield (
                     f'"__pad__{n_pad}":{{"dtype":"U8","shape":[{begin - cursor}],"data_offsets":[{cursor},{begin}]}},'
                 )
-            t = item.planned
-            cursor = begin + item.entry.nbytes
+            n_pad += 1
+            cursor = begin + w.nbytes(row)
             shape = ",".join(str(int(d)) for d in t.st_shape)
             yield (
                 f'{dumps(t.st_name)}:{{"dtype":{dumps(t.st_dtype)},"shape":[{shape}],'
                 f'"data_offsets":[{begin},{cursor}]}},'
             )
         yield f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:"{{'
-        for i, item in enumerate(stored):
-            aliases = ",".join(dumps(a) for a in item.more or ())
-            kind, value = split_digest(item.entry.sha256)
-            meta = f'{dumps(item.planned.st_name)}:{{{dumps(kind)}:{dumps(value)},"aliases":[{aliases}]}}'
-            yield ("," if i else "") + dumps(meta)[1:-1]
+        kind, first = dumps(w.digest), True
+        for row, t in enumerate(planned):
+            if shadowed and row in shadowed:
+                continue
+            aliases = ",".join(dumps(a) for a in self._aliases.get(w.offset(row), ()))
+            meta = f'{dumps(t.st_name)}:{{{kind}:"{w.hexdigest(row)}","aliases":[{aliases}]}}'
+            yield ("" if first else ",") + dumps(meta)[1:-1]
+            first = False
         yield '}"'
         for key, value in self.metadata.items():
             yield f",{dumps(key)}:{dumps(value)}"
