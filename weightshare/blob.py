@@ -193,9 +193,11 @@ class BlobWriter:
         self._nbytes = array("q")
         self._digests = bytearray()
         self._prefixes: array[int] | None = None  # -1: no prefix
-        # (tag, size, digest) -> row of the first copy; untagged payloads by raw digest alone, one bytes key each
-        # rather than a tuple (the row's size is checked on a hit)
-        self._index: dict[tuple[str, int, bytes] | bytes, int] = {}
+        # Untagged payloads: an open-addressing table of row numbers (-1: free) probed by the digest's first 8 bytes,
+        # 8 to 16 bytes a payload rather than a dict entry and a key object each. Tagged ones (Core ML, a few
+        # thousand): (tag, size, digest) -> row.
+        self._table = array("q", [-1]) * 1024
+        self._tagged: dict[tuple[str, int, bytes], int] = {}
         self.bytes_in = 0
         self.bytes_written = 0
         self._wb_start = start  # first byte whose writeback has not been started
@@ -261,10 +263,9 @@ class BlobWriter:
         self.bytes_in += nbytes
         if len(digest) != 32:
             raise Unsupported(f"digests of kind {self.digest!r} are not 32 bytes long")
-        key: tuple[str, int, bytes] | bytes = (tag, nbytes, digest) if tag else digest
-        first = self._index.get(key) if self.dedupe else None
-        if first is not None and self._nbytes[first] != nbytes:
-            first = None  # (never seen: equal digests of different lengths) stored as a payload of its own
+        first = None
+        if self.dedupe:
+            first = self._tagged.get((tag, nbytes, digest)) if tag else self._find(digest, nbytes)
         if first is not None:
             # Drop the second copy: nothing after self.end has been claimed yet.
             os.ftruncate(self.fd, self.end)
@@ -278,10 +279,40 @@ class BlobWriter:
             self._prefixes = array("q", [-1]) * row
         if self._prefixes is not None:
             self._prefixes.append(-1 if prefix_offset is None else prefix_offset)
-        self._index.setdefault(key, row)
+        if self.dedupe:
+            if tag:
+                self._tagged[(tag, nbytes, digest)] = row
+            else:
+                self._insert(row)
         self.end = offset + nbytes
         self.bytes_written += nbytes
         return row, False
+
+    def _find(self, digest: bytes, nbytes: int) -> int | None:
+        """The row holding these bytes (same digest, same length), if any."""
+        table, digests = self._table, self._digests
+        mask = len(table) - 1
+        i = int.from_bytes(digest[:8], "little") & mask
+        while (row := table[i]) >= 0:
+            if self._nbytes[row] == nbytes and digests[32 * row : 32 * row + 32] == digest:
+                return row
+            i = (i + 1) & mask
+        return None
+
+    def _insert(self, row: int) -> None:
+        table = self._table
+        if 2 * (row + 1) > len(table):  # at most half full
+            table = self._table = array("q", [-1]) * (2 * len(table))
+            for r in range(row):
+                self._place(table, r)
+        self._place(table, row)
+
+    def _place(self, table: array[int], row: int) -> None:
+        mask = len(table) - 1
+        i = int.from_bytes(self._digests[32 * row : 32 * row + 8], "little") & mask
+        while table[i] >= 0:
+            i = (i + 1) & mask
+        table[i] = row
 
     def _stream(self, source: PayloadSource, offset: int, nbytes: int, progress: Progress | None) -> bytes:
         """Read (and unpack) chunks here while the writer thread hashes and writes the previous one."""
