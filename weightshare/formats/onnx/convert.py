@@ -258,8 +258,9 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             probe.close()
     # What the blob needs of each external payload (ref index, fold, name), then the parsed model goes: while
     # the blob is written this model is its serialized skeleton, the ref table and one small object per
-    # payload (issue 15: 200,000 tensors).
-    ext_index, ext_fold, ext_names = array("q"), bytearray(), []
+    # payload (issue 15: 200,000 tensors). The names go into one buffer while the model lives (the conversion's
+    # peak): a str object each only once the model is gone.
+    ext_index, ext_fold, ext_names, name_ends = array("q"), bytearray(), bytearray(), array("q")
     for p in iter_plan(refs, sites, folded, shape_tensor_names(model), options):
         if p.fold or (p.ref.typed and not options.keep_packed):
             report.unpacked += 1
@@ -273,7 +274,8 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
         else:
             ext_index.append(p.ref.index)
             ext_fold.append(p.fold)
-            ext_names.append(p.site.name)
+            ext_names += p.site.name.encode()
+            name_ends.append(len(ext_names))
     p = None  # type: ignore[assignment]  # the last placement would keep the model alive
     del sites
     skeleton = model.SerializeToString()
@@ -282,7 +284,8 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     ranges = _BlobRanges(len(refs))
     payloads: list[BlobPayload] = []
     shared: dict[tuple[int, int, tuple[int, ...]], tuple[str, tuple[int, ...], int]] = {}
-    for index, fold, name in zip(ext_index, ext_fold, ext_names):
+    for i, (index, fold) in enumerate(zip(ext_index, ext_fold)):
+        name = ext_names[name_ends[i - 1] if i else 0 : name_ends[i]].decode()
         data_type = refs.data_types[index]
         dims = refs.dims(index)
         key = (data_type, fold, dims)
@@ -293,7 +296,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
         dtype, dims, nbytes = facts
         payloads.append(_Payload(PlannedTensor(name, dtype, dims, nbytes), refs, index, bool(fold), ranges))
     del shared
-    del ext_index, ext_fold, ext_names
+    del ext_index, ext_fold, ext_names, name_ends
 
     def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
         location = encode_len_field(13, encode_len_field(1, b"location") + encode_len_field(2, blob_location.encode()))
