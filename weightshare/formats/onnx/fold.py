@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 import onnx
 
 from . import dtypes
-from .graph import Site, iter_scopes, subgraphs
+from .graph import Site, SiteMap, iter_scopes, subgraphs
 
 # (op_type, input index) pairs that ONNX Runtime needs as constant data at graph
 # load (shape inference); ORT refuses an external tensor for Reshape's shape, so
@@ -168,7 +168,9 @@ def fold_fp16_casts(
     protected = _protected_names(model)
     by_scope: dict[int, list[Site]] = {}
     scopes: dict[int, onnx.GraphProto | onnx.FunctionProto] = {}
-    for site in sorted(sites.values(), key=lambda s: s.index):
+    # A SiteMap iterates in index order and makes an initializer's Site only when asked: one at a time here
+    ordered = sites if isinstance(sites, SiteMap) else sorted(sites)
+    for site in map(sites.__getitem__, ordered):
         if site.tensor.data_type not in (dtypes.FLOAT16, dtypes.BFLOAT16):
             continue
         if site.kind not in ("initializer", "constant") or site.name in protected:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from array import array
 from collections.abc import Iterator, Mapping
 
 import onnx
@@ -54,30 +55,62 @@ class Site:
 
 
 class SiteMap(Mapping[int, Site]):
-    """ref index -> Site, stored as a list by index (ref indices are dense)."""
+    """ref index -> Site, stored as a list by index (ref indices are dense), iterated in index order.
+
+    An initializer's site is two numbers (its scope, its position there) until asked for: the ``Site`` is then
+    made afresh, its tensor and name read from the model, so 200,000 initializers cost no object each while the
+    parsed model lives (issue 15). Such a site's state is the model's: renaming one means renaming its tensor.
+    """
 
     def __init__(self) -> None:
         self._sites: list[Site | None] = []
+        self._scopes: list[onnx.GraphProto] = []
+        self._scope_of = array("i")  # -1: in _sites (or no site)
+        self._pos = array("q")
         self._count = 0
 
-    def __setitem__(self, index: int, site: Site) -> None:
+    def _grow(self, index: int) -> None:
         if index >= len(self._sites):
-            self._sites.extend([None] * (index + 1 - len(self._sites)))
-        if self._sites[index] is None:
+            more = index + 1 - len(self._sites)
+            self._sites.extend([None] * more)
+            self._scope_of.extend(array("i", [-1]) * more)
+            self._pos.extend(array("q", [0]) * more)
+
+    def __setitem__(self, index: int, site: Site) -> None:
+        self._grow(index)
+        if self._sites[index] is None and self._scope_of[index] < 0:
             self._count += 1
         self._sites[index] = site
+        self._scope_of[index] = -1
+
+    def add_initializer(self, index: int, scope_number: int, scope: onnx.GraphProto, pos: int) -> None:
+        """Record the site of ``scope.initializer[pos]``; ``scope_number`` counts scopes from 0, one per scope."""
+        if scope_number == len(self._scopes):
+            self._scopes.append(scope)
+        self._grow(index)
+        if self._sites[index] is None and self._scope_of[index] < 0:
+            self._count += 1
+        self._sites[index] = None
+        self._scope_of[index] = scope_number
+        self._pos[index] = pos
 
     def __getitem__(self, index: int) -> Site:
-        site = self._sites[index] if isinstance(index, int) and 0 <= index < len(self._sites) else None
-        if site is None:
+        if not (isinstance(index, int) and 0 <= index < len(self._sites)):
             raise KeyError(index)
-        return site
+        site = self._sites[index]
+        if site is not None:
+            return site
+        scope = self._scope_of[index]
+        if scope < 0:
+            raise KeyError(index)
+        return Site(index, None, None, "initializer", self._scopes[scope], pos=self._pos[index])
 
     def __len__(self) -> int:
         return self._count
 
     def __iter__(self) -> Iterator[int]:
-        return (i for i, site in enumerate(self._sites) if site is not None)
+        scope_of = self._scope_of
+        return (i for i, site in enumerate(self._sites) if site is not None or scope_of[i] >= 0)
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
@@ -120,12 +153,16 @@ def collect_sites(model: onnx.ModelProto) -> SiteMap:
             # A Constant's value is known by the node's output name; the tensor's own name is decoration.
             sites[index] = Site(index, tensor, name if kind == "constant" else tensor.name or name, kind, scope, node)
 
+    graphs = 0
     for scope in iter_scopes(model):
         if isinstance(scope, onnx.GraphProto):
+            found = False
             for pos, t in enumerate(scope.initializer):
                 index = ref_index(t)
                 if index is not None:
-                    sites[index] = Site(index, None, None, "initializer", scope, pos=pos)
+                    sites.add_initializer(index, graphs, scope, pos)
+                    found = True
+            graphs += found
             for sp in scope.sparse_initializer:
                 add(sp.values, sp.values.name, "sparse")
                 add(sp.indices, f"{sp.values.name}.indices", "sparse indices")
