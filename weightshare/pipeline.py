@@ -141,7 +141,8 @@ def write_models(
 ) -> None:
     """Write the blob (when any model has payloads) under its content-derived name, then every model file."""
     size, blob_path, location = 0, None, ""
-    if any(m.payloads for m in models):
+    moved = [bool(m.payloads) for m in models]
+    if any(moved):
         tx.make_dirs(target.directory)
         if target.prefix:  # OUTDIR itself was cleaned by prepare_out_dir
             clean_stale_temporaries(target.directory)
@@ -155,12 +156,14 @@ def write_models(
         location, blob_path = target.named(digest)
         tx.retarget(tmp, blob_path)
         tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
-    for m in models:
+        for m in models:  # placed: what emit needs is recorded; 100,000s of payload objects go before it runs
+            m.payloads = []
+    for m, had_payloads in zip(models, moved):
         files = m.emit(location, tx)
         if blob_path is not None and Path(blob_path).resolve() in {Path(f).resolve() for f in files}:
             # only a model input named like a blob gets here; refuse rather than commit one over the other
             raise UsageError(f"blob {blob_path.name!r} would overwrite the model file", m.report.model)
-        m.report.outputs = [str(f) for f in files] + ([str(blob_path)] if m.payloads else [])
+        m.report.outputs = [str(f) for f in files] + ([str(blob_path)] if had_payloads else [])
         m.report.blob_bytes = size
 
 
