@@ -222,7 +222,7 @@ class BlobWriter:
     def entry(self, row: int, duplicate: bool = False) -> BlobEntry:
         """The stored payload ``row`` (0 = first stored) as a ``BlobEntry``, made on demand."""
         prefix = self._prefixes[row] if self._prefixes is not None else -1
-        digest = tagged(self.digest, self._digests[32 * row : 32 * row + 32].hex())
+        digest = tagged(self.digest, self.hexdigest(row))
         return BlobEntry(self._offsets[row], self._nbytes[row], digest, None if prefix < 0 else prefix, duplicate)
 
     def offset(self, row: int) -> int:
@@ -234,11 +234,6 @@ class BlobWriter:
     def hexdigest(self, row: int) -> str:
         """The untagged hex digest of stored payload ``row`` (of kind ``self.digest``)."""
         return self._digests[32 * row : 32 * row + 32].hex()
-
-    @property
-    def unique(self) -> list[BlobEntry]:
-        """Every stored payload, in offset order (built on demand)."""
-        return [self.entry(row) for row in range(self.rows)]
 
     def add_row(
         self,
