@@ -135,8 +135,7 @@ def _check_other_records(inv: ModelInventory, base: Path) -> None:
     """Re-hash every blob record with a recorded digest that no payload of ``inv`` sits at, so that a flipped
     byte in a packed copy fails ``check`` and ``verify`` like one in a weight."""
     from .findings import Code
-    from .recorded import recorded_records
-    from .tensors import FileRange
+    from .recorded import record_problem, recorded_records
 
     seen = {(p.file, p.offset) for p in inv.payloads}
     bad: list[str] = []
@@ -147,16 +146,9 @@ def _check_other_records(inv: ModelInventory, base: Path) -> None:
                 continue
             seen.add((name, begin))
             inv.records_hashed += 1
-            if begin + length > blob.stat().st_size:
-                inv.record_problems.append(
-                    f"blob record {key!r} in {name} at offset {begin}: runs past the end of the file"
-                )
-                bad.append(key)
-            elif sha256_of(FileRange(str(blob), begin, length), digest) != digest:
-                inv.record_problems.append(
-                    f"blob record {key!r} in {name} at offset {begin}: its checksum "
-                    "differs from the one recorded in the blob"
-                )
+            why = record_problem(str(blob), begin, length, digest, blob.stat().st_size)
+            if why:
+                inv.record_problems.append(f"blob record {key!r} in {name} at offset {begin}: {why}")
                 bad.append(key)
     if inv.record_problems:
         more = f" and {len(inv.record_problems) - 1} more" if len(inv.record_problems) > 1 else ""

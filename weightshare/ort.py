@@ -98,29 +98,19 @@ def prepack_info(model_path: str | os.PathLike[str]) -> tuple[JsonDict, Path] | 
 def check_packed_payloads(blob: Path, info: JsonDict) -> str | None:
     """Recorded digest (BLAKE3, or SHA-256 in older blobs) of every payload only the prepacked model uses;
     the first mismatch, or None."""
-    from .blob import new_hasher, split_digest
-    from .recorded import recorded_records
+    from .blob import split_digest
+    from .recorded import record_problem, recorded_records
 
     st = blob.stat()
     key = (str(blob.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
     if key in _verified:
         return None
     prefixes = (info.get("packed_prefix", "ort.prepacked/"), info.get("optimized_prefix", "ort.optimized/"))
-    with open(blob, "rb") as f:
-        for name, offset, length, recorded in recorded_records(str(blob)):
-            if not name.startswith(prefixes):
-                continue
-            kind, expected = split_digest(recorded)
-            digest, left = new_hasher(kind), length
-            f.seek(offset)
-            while left:
-                chunk = f.read(min(left, 8 << 20))
-                if not chunk:
-                    return f"{name} is truncated"
-                digest.update(chunk)
-                left -= len(chunk)
-            if digest.hexdigest() != expected:
-                return f"{name} does not match its recorded {kind} digest"
+    for name, offset, length, recorded in recorded_records(str(blob)):
+        if name.startswith(prefixes) and record_problem(str(blob), offset, length, recorded, st.st_size):
+            if offset + length > st.st_size:
+                return f"{name} is truncated"
+            return f"{name} does not match its recorded {split_digest(recorded)[0]} digest"
     _verified.add(key)
     return None
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .blob import new_hasher, read_safetensors_metadata, split_digest, tagged
+from .blob import digest_of, new_hasher, read_safetensors_metadata, split_digest, tagged
 from .errors import InvalidModel, WeightshareError
-from .tensors import CHUNK_SIZE, PayloadSource
+from .tensors import CHUNK_SIZE, FileRange, PayloadSource
 
 
 def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
@@ -41,6 +41,16 @@ def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
             continue
         out.append((key, data_start + offsets[0], offsets[1] - offsets[0], tagged(kind, digest.lower())))
     return out
+
+
+def record_problem(path: str, offset: int, length: int, digest: str, file_size: int) -> str | None:
+    """Why the ``length`` bytes at ``offset`` of the blob at ``path`` do not match ``digest`` (a tagged digest from
+    ``recorded_records``), or None when they do."""
+    if offset + length > file_size:
+        return "runs past the end of the file"
+    if digest_of(FileRange(path, offset, length).chunks(CHUNK_SIZE), split_digest(digest)[0]) != digest:
+        return "its checksum differs from the one recorded in the blob"
+    return None
 
 
 def recorded_payloads(path: str) -> dict[tuple[int, int], str]:
