@@ -25,10 +25,13 @@ from array import array
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
 from .tensors import CHUNK_SIZE, FileRange, InputFile, PayloadSource, stable_chunks
+
+if TYPE_CHECKING:
+    from .write import BlobPayload
 
 try:  # BLAKE3: 0.12 CPU s per GiB here against SHA-256's 0.53 (with SHA-NI); see docs/performance.md
     import blake3 as _blake3
@@ -601,6 +604,10 @@ class SafetensorsBlob:
             self._planned.append(tensor)
             self._aliases.pop(w.offset(row), None)
         return w.entry(row, duplicate)
+
+    def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
+        """``write.Container``: the payload under its planned tensor's name."""
+        return self.add(payload.tensor, payload.source, progress)
 
     def _shadowed(self, row: int) -> bool:
         """Whether the next row sits at this row's offset (this one is then empty and left out of the header)."""

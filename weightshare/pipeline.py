@@ -1,10 +1,11 @@
 """The shared half of the pipeline: write -> emit, for one model or a whole zoo.
 
 A format's ``prepare`` step (scan + plan) returns a ``PreparedModel``: the payloads
-that go to the blob, each with a callback that records where it landed, and an
-``emit`` callback that writes the rewritten model. ``write_blob`` streams every
-payload of every model into one safetensors blob, so a zoo of models that share
-weights stores each distinct payload once.
+that go to the blob and an ``emit`` callback that writes the rewritten model.
+``write_blob`` streams every payload of every model into one safetensors blob
+(``write.write_payloads``, the one write path), so a zoo of models that share
+weights stores each distinct payload once; each model's ``emit`` then gets the
+blob's location and that model's ``Placements``.
 """
 
 from __future__ import annotations
@@ -20,27 +21,18 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypedDict
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from .blob import BlobEntry, PlannedTensor, Progress, SafetensorsBlob
+from .blob import Progress, SafetensorsBlob
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
 from .paths import resolve_inside
 from .report import ConversionReport
-from .tensors import PayloadSource
+from .write import BlobPayload, Placements, write_payloads
+
+__all__ = ["BlobPayload", "BlobTarget", "Emit", "Placements", "PreparedModel", "blob_target", "write_models"]
 
 SUFFIX = ".safetensors"
 DIGEST_CHARS = 12
 MODEL_SUFFIXES = (".onnx", ".tflite")  # the formats whose models reference a safetensors blob by name
-
-
-@dataclass(slots=True)
-class BlobPayload:
-    """One payload for the blob. A format with 100,000s of payloads may subclass it with ``__slots__`` and make
-    ``source`` a property, so that no source object exists before its payload is written (issue 15)."""
-
-    tensor: PlannedTensor  # name, dtype, shape and size in the blob
-    source: PayloadSource  # bytes in the runtime's native form
-    nbytes_in: int  # size as found in the input (before unpacking)
-    placed: Callable[[BlobEntry], None]  # records the blob range in the model
 
 
 class PreparedExtra(TypedDict, total=False):
@@ -50,11 +42,15 @@ class PreparedExtra(TypedDict, total=False):
     plans: list[Any]  # the format's own plan, read back by that format only (TFLite: its BufferPlans)
 
 
+# (blob location relative to the model, where each payload landed, the transaction) -> files written
+Emit = Callable[[str, Placements, OutputTransaction], list[Path]]
+
+
 @dataclass
 class PreparedModel:
     report: ConversionReport
     payloads: list[BlobPayload]
-    emit: Callable[[str, OutputTransaction], list[Path]]  # (blob location relative to the model) -> files written
+    emit: Emit
     name_prefix: str = ""
     extra: PreparedExtra = field(default_factory=lambda: PreparedExtra())
 
@@ -65,8 +61,9 @@ def write_blob(
     options: ConvertOptions,
     tx: OutputTransaction,
     shown: Path | None = None,
-) -> tuple[Path, int, str]:
-    """Stream every payload of ``models`` into one blob; return (its temporary, its size, its content digest).
+) -> tuple[Path, int, str, list[Placements]]:
+    """Stream every payload of ``models`` into one blob; return (its temporary, its size, its content digest,
+    each model's placements).
 
     ``blob_path`` names the temporary; ``shown`` is the blob as error messages name it.
     """
@@ -87,22 +84,10 @@ def write_blob(
         blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata)
         if options.progress_total is not None:
             options.progress_total(sum(t.nbytes for t in planned))
-        for m in models:
-            written_before = blob.bytes_written
-            r = m.report
-            for p in m.payloads:
-                entry = blob.add(p.tensor, p.source, progress=progress)
-                p.placed(entry)
-                r.tensors_moved += 1
-                r.bytes_in += p.nbytes_in
-                r.bytes_out += entry.nbytes
-                if entry.duplicate:
-                    r.deduplicated += 1
-                    r.deduplicated_bytes += entry.nbytes
-            r.bytes_written = blob.bytes_written - written_before
+        placements = [write_payloads(blob, m.payloads, m.report, progress) for m in models]
         size = blob.finish()
         # The header lists every payload's digest, dtype, shape and offset: equal digests, equal files.
-        return tmp, size, blob.header_sha256[:DIGEST_CHARS]  # of the header text, hashed as it was written
+        return tmp, size, blob.header_sha256[:DIGEST_CHARS], placements  # header digest: hashed as it was written
     except OSError as e:  # EFBIG, ENOSPC, EIO: name the file being written, not just the errno
         raise OutputError(f"cannot write the blob: {e.strerror or e}", shown) from None
     except OutputError as e:
@@ -142,11 +127,12 @@ def write_models(
     """Write the blob (when any model has payloads) under its content-derived name, then every model file."""
     size, blob_path, location = 0, None, ""
     moved = [bool(m.payloads) for m in models]
+    placements = [Placements() for _ in models]
     if any(moved):
         tx.make_dirs(target.directory)
         if target.prefix:  # OUTDIR itself was cleaned by prepare_out_dir
             clean_stale_temporaries(target.directory)
-        tmp, size, digest = write_blob(
+        tmp, size, digest, placements = write_blob(
             models,
             target.directory / f"{target.base}{SUFFIX}",
             options,
@@ -158,8 +144,8 @@ def write_models(
         tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
         for m in models:  # placed: what emit needs is recorded; 100,000s of payload objects go before it runs
             m.payloads = []
-    for m, had_payloads in zip(models, moved):
-        files = m.emit(location, tx)
+    for m, had_payloads, placed in zip(models, moved, placements):
+        files = m.emit(location, placed, tx)
         if blob_path is not None and Path(blob_path).resolve() in {Path(f).resolve() for f in files}:
             # only a model input named like a blob gets here; refuse rather than commit one over the other
             raise UsageError(f"blob {blob_path.name!r} would overwrite the model file", m.report.model)

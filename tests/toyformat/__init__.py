@@ -41,7 +41,7 @@ class ToyFormat:
     def prepare(self, src: Path, out_dir: Path, options) -> PreparedModel:
         doc = _load(src)
         report = ConversionReport(model=str(src), format=self.name)
-        placed: dict[str, object] = {}
+        moved: list[str] = []
         payloads = []
         for name, t in doc["tensors"].items():
             if "data" not in t:
@@ -55,15 +55,15 @@ class ToyFormat:
                     PlannedTensor(name, t["dtype"], tuple(t["shape"]), len(data)),
                     BytesSource(data),
                     len(data),
-                    lambda entry, n=name: placed.__setitem__(n, entry),
                 )
             )
+            moved.append(name)
 
-        def emit(blob_location: str, tx) -> list[Path]:
-            for name, entry in placed.items():
+        def emit(blob_location: str, placements, tx) -> list[Path]:
+            for i, name in enumerate(moved):  # placements are by payload position
                 t = doc["tensors"][name]
                 del t["data"]
-                t.update(location=blob_location, offset=entry.offset, length=entry.nbytes)
+                t.update(location=blob_location, offset=placements.offset(i), length=placements.nbytes(i))
             out = out_dir / src.name
             Path(tx.new_file(out)).write_text(json.dumps(doc, sort_keys=True))
             return [out]

@@ -3,8 +3,9 @@
 scan: walk the program spec for every ``BlobFileValue`` (const values, constexpr
 attributes and input bindings, function/block/program attributes, nested blocks
 of control-flow ops); write: copy each referenced payload in chunks into the new
-weight.bin (``WeightFileWriter``); emit: point the ``BlobFileValue`` at the new
-record, write the spec, copy every other file of the package byte for byte.
+weight.bin through the one write path (``weightshare.write``, with ``WeightFileWriter``
+as the container); emit: point the ``BlobFileValue`` at the new record, write the
+spec, copy every other file of the package byte for byte.
 """
 
 from __future__ import annotations
@@ -17,11 +18,20 @@ from typing import TYPE_CHECKING
 from google.protobuf.message import Message
 
 from ...atomic import OutputTransaction
-from ...blob import align_up
+from ...blob import Progress, align_up
 from ...errors import InvalidModel, OutputError
 from ...options import ConvertOptions
 from ...report import ConversionReport, JsonDict
-from .milblob import RECORD_ALIGN, RECORD_SIZE, BlobRecord, WeightFile, WeightFileWriter
+from ...write import write_payloads
+from .milblob import (
+    RECORD_ALIGN,
+    RECORD_SIZE,
+    BlobRecord,
+    RecordPayload,
+    WeightFile,
+    WeightFileWriter,
+    record_payload,
+)
 from .package import (
     MANIFEST,
     MODEL_PATH_PREFIX,
@@ -99,15 +109,22 @@ class BlobRelocator:
             self.referenced.add(path)
             self._values.append((bfv, key))
 
-    def write(self) -> None:
-        moved = {key: self._add(key) for key in self._in_layout_order()}
+    def write(self, report: ConversionReport, progress: Progress | None = None) -> None:
+        """Copy every payload (``write.write_payloads``, which fills ``report``'s counters), then point every
+        ``BlobFileValue`` at its new record."""
+        order: list[tuple[Path, int]] = []
+
+        def payloads() -> Iterator[RecordPayload]:
+            for key in self._in_layout_order():  # lazily: the next payload depends on where the last one ended
+                order.append(key)
+                rec = self._records[key]
+                yield record_payload(rec, self._files[key[0]].payload(rec), f"{key[0].name}@{key[1]}")
+
+        placements = write_payloads(self.writer, payloads(), report, progress)
+        moved = {key: placements.offset(i) for i, key in enumerate(order)}
         for bfv, key in self._values:
             bfv.fileName = NEW_FILE_NAME
             bfv.offset = moved[key]
-
-    def _add(self, key: tuple[Path, int]) -> int:
-        rec = self._records[key]
-        return self.writer.add(rec, self._files[key[0]].payload(rec))
 
     def _place(self, end: int, nbytes: int) -> tuple[int, int]:
         """(data offset, data end) of a payload appended after ``end``."""
@@ -146,10 +163,6 @@ class BlobRelocator:
         yield from small
 
     @property
-    def blobs_moved(self) -> int:
-        return len(self._records)
-
-    @property
     def values(self) -> int:
         return len(self._values)
 
@@ -159,17 +172,6 @@ def open_weight_file(path: Path) -> int:
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
     except OSError as e:
         raise OutputError(f"cannot create the weight file: {e.strerror}", path) from None
-
-
-def fill_report(report: ConversionReport, relocator: BlobRelocator, blob_bytes: int) -> None:
-    writer = relocator.writer
-    report.tensors_moved = relocator.blobs_moved
-    report.bytes_in = writer.bytes_in
-    report.bytes_out = writer.bytes_in
-    report.bytes_written = writer.bytes_written
-    report.deduplicated = writer.duplicates
-    report.deduplicated_bytes = writer.duplicate_bytes
-    report.blob_bytes = blob_bytes
 
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
@@ -188,11 +190,11 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
     weight_path = out_model_dir / WEIGHTS_NAME / WEIGHT_FILE
     fd = open_weight_file(weight_path)
     try:
-        writer = WeightFileWriter(fd, options.align, options.progress)
+        writer = WeightFileWriter(fd, options.align)
         relocator = BlobRelocator(writer)
         relocator.collect(pkg, pkg.spec.mlProgram)
-        relocator.write()
-        blob_bytes = writer.finish() if relocator.values else 0
+        relocator.write(report, options.progress)
+        report.blob_bytes = writer.finish() if relocator.values else 0
     finally:
         os.close(fd)
 
@@ -212,7 +214,6 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
         write_file(tmp / MANIFEST, dump_manifest(manifest))
     if relocator.values:
         write_file(tmp / "Data" / model_rel, pkg.spec.SerializeToString(deterministic=True))
-    fill_report(report, relocator, blob_bytes)
     return report
 
 

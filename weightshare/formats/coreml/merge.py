@@ -27,7 +27,7 @@ from ...atomic import OutputTransaction
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport
-from .convert import BlobRelocator, fill_report, open_weight_file
+from .convert import BlobRelocator, open_weight_file
 from .milblob import WeightFileWriter
 from .package import (
     AUTHOR,
@@ -153,7 +153,7 @@ def merge_packages(
     (model_dir / WEIGHTS_NAME).mkdir(parents=True)
     fd = open_weight_file(model_dir / WEIGHTS_NAME / WEIGHT_FILE)
     try:
-        relocator = BlobRelocator(WeightFileWriter(fd, options.align, options.progress))
+        relocator = BlobRelocator(WeightFileWriter(fd, options.align))
         for name, f in zip(names, functions):
             fdesc = spec.description.functions.add()
             fdesc.CopyFrom(f.description)
@@ -164,8 +164,8 @@ def merge_packages(
         # Collect after every function is in place: no map insertion after a reference is held.
         for name, f in zip(names, functions):
             relocator.collect(f.pkg, program.functions[name])
-        relocator.write()
-        blob_bytes = relocator.writer.finish()
+        relocator.write(report, options.progress)
+        report.blob_bytes = relocator.writer.finish()
     finally:
         os.close(fd)
 
@@ -190,7 +190,6 @@ def merge_packages(
     }
     write_file(tmp / MANIFEST, dump_manifest(manifest))
     write_file(model_dir / MODEL_NAME, spec.SerializeToString(deterministic=True))
-    fill_report(report, relocator, blob_bytes)
     extra = sum(len(p.items) - 1 - (p.weights_id is not None) for p in pkgs)
     if extra:
         report.notes.append(f"{extra} package item(s) other than the model spec and weights were not carried over")

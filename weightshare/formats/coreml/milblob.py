@@ -28,9 +28,10 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ...blob import AlignPolicy, BlobWriter, Progress, digest_of
+from ...blob import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress, digest_of
 from ...errors import InvalidModel, OutputError
 from ...tensors import FileRange, PayloadSource, open_input
+from ...write import BlobPayload
 
 HEADER_SIZE = 64
 RECORD_SIZE = 64
@@ -159,8 +160,19 @@ def pack_header(count: int) -> bytes:
     return _HEADER.pack(count, VERSION).ljust(HEADER_SIZE, b"\0")
 
 
+@dataclass(slots=True)
+class RecordPayload(BlobPayload):
+    """A payload for a weight.bin: its bytes and the record (dtype, padding bits) that describes them."""
+
+    record: BlobRecord
+
+
+def record_payload(rec: BlobRecord, source: PayloadSource, name: str = "") -> RecordPayload:
+    return RecordPayload(PlannedTensor(name, rec.dtype_name, (), source.nbytes), source, source.nbytes, rec)
+
+
 class WeightFileWriter:
-    """Writes a weight.bin whose payloads sit at ``policy`` alignment, each distinct payload once.
+    """``write.Container`` of a weight.bin: payloads at ``policy`` alignment, each distinct payload once.
 
     A payload that could be a duplicate (an earlier one has the same dtype and length) is
     hashed before it is written: merging N functions that share their weights then reads N
@@ -175,9 +187,8 @@ class WeightFileWriter:
         w.finish()
     """
 
-    def __init__(self, fd: int, policy: AlignPolicy = AlignPolicy(), progress: Progress | None = None):
+    def __init__(self, fd: int, policy: AlignPolicy = AlignPolicy()):
         self.blob = BlobWriter(fd, HEADER_SIZE, policy, dedupe=True)
-        self.progress = progress
         self.count = 0
         self.duplicates = 0
         self.duplicate_bytes = 0
@@ -186,8 +197,15 @@ class WeightFileWriter:
         self._lengths: set[tuple[str, int]] = set()
         self.blob.pwrite(pack_header(0), 0)
 
-    def add(self, rec: BlobRecord, source: PayloadSource) -> int:
+    def add(self, rec: BlobRecord, source: PayloadSource, progress: Progress | None = None) -> int:
         """Copy one payload; return the offset of its metadata record in the new file."""
+        return self.place(record_payload(rec, source), progress).offset
+
+    def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
+        """Copy one payload (a ``RecordPayload``); the entry's offset is its record's (what the model references)."""
+        if not isinstance(payload, RecordPayload):
+            raise TypeError("a weight.bin holds RecordPayloads: each payload needs its record")
+        rec, source = payload.record, payload.source
         # The dtype and padding are part of the identity: the same bytes read as fp16 and as
         # uint8 are two blobs to the reader, which checks the record's dtype.
         tag = f"{rec.dtype}:{rec.padding_bits}"
@@ -199,12 +217,10 @@ class WeightFileWriter:
             if known is not None:
                 self.duplicates += 1
                 self.duplicate_bytes += source.nbytes
-                if self.progress is not None:
-                    self.progress(source.nbytes)
-                return known
-        entry = self.blob.add(
-            source, tag=tag, prefix_size=RECORD_SIZE, prefix_align=RECORD_ALIGN, progress=self.progress
-        )
+                if progress is not None:
+                    progress(source.nbytes)
+                return BlobEntry(known, source.nbytes, expected, known, duplicate=True)
+        entry = self.blob.add(source, tag=tag, prefix_size=RECORD_SIZE, prefix_align=RECORD_ALIGN, progress=progress)
         if entry.duplicate or expected not in (None, entry.sha256):
             raise InvalidModel("weight data changed while it was being read", getattr(source, "path", None))
         record_at = entry.prefix_offset
@@ -213,7 +229,7 @@ class WeightFileWriter:
         self._seen[(tag, source.nbytes, entry.sha256)] = record_at
         self.blob.pwrite(pack_record(rec.dtype, entry.nbytes, entry.offset, rec.padding_bits), record_at)
         self.count += 1
-        return record_at
+        return BlobEntry(record_at, entry.nbytes, entry.sha256, record_at)
 
     def finish(self) -> int:
         """Write the header with the final count and fix the file length; return it."""

@@ -21,11 +21,11 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from ...atomic import OutputTransaction
-from ...blob import BlobEntry, PlannedTensor
+from ...blob import PlannedTensor
 from ...errors import InvalidModel
 from ...options import ConvertOptions
 from ...ort import malloc_trim
-from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
+from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
 from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from . import dtypes
@@ -62,24 +62,14 @@ def _source(ref: TensorRef, fold: bool) -> PayloadSource:
     return src
 
 
-class _BlobRanges:
-    """Where each external payload landed in the blob, by ref index: two arrays, not an object per tensor."""
-
-    __slots__ = ("lengths", "offsets")
-
-    def __init__(self, count: int):
-        self.offsets = array("q", bytes(8 * count))
-        self.lengths = array("q", [-1]) * count  # -1: not placed (yet)
-
-
 class _Payload(BlobPayload):
-    """A ``BlobPayload`` that makes its source only when the blob asks for it and records its blob range in
-    shared arrays: one small object per payload (issue 15)."""
+    """A ``BlobPayload`` that makes its source only when the blob asks for it: one small object per payload
+    (issue 15)."""
 
-    __slots__ = ("fold", "index", "ranges", "refs")
+    __slots__ = ("fold", "index", "refs")
 
-    def __init__(self, tensor: PlannedTensor, refs: RefTable, index: int, fold: bool, ranges: _BlobRanges):
-        self.tensor, self.refs, self.index, self.fold, self.ranges = tensor, refs, index, fold, ranges
+    def __init__(self, tensor: PlannedTensor, refs: RefTable, index: int, fold: bool):
+        self.tensor, self.refs, self.index, self.fold = tensor, refs, index, fold
 
     @property
     def source(self) -> PayloadSource:  # type: ignore[override]  # a read-only view where the base stores a field
@@ -88,10 +78,6 @@ class _Payload(BlobPayload):
     @property
     def nbytes_in(self) -> int:  # type: ignore[override]  # likewise
         return self.refs.nbytes_in(self.index)
-
-    def placed(self, entry: BlobEntry) -> None:
-        self.ranges.offsets[self.index] = entry.offset
-        self.ranges.lengths[self.index] = entry.nbytes
 
 
 def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
@@ -281,7 +267,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     skeleton = model.SerializeToString()
     del model
     malloc_trim()  # protobuf's arena went back to malloc; give it to the OS before the blob's objects arrive
-    ranges = _BlobRanges(len(refs))
+    position = array("q", [-1]) * len(refs)  # ref index -> its payload's position in the blob's order
     payloads: list[BlobPayload] = []
     shared: dict[tuple[int, int, tuple[int, ...]], tuple[str, tuple[int, ...], int]] = {}
     for i, (index, fold) in enumerate(zip(ext_index, ext_fold)):
@@ -294,17 +280,19 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             nbytes = dtypes.raw_nbytes(data_type, dims) * (2 if fold else 1)
             facts = shared[key] = (dtypes.NAMES.get(dtypes.FLOAT if fold else data_type, "uint8"), dims, nbytes)
         dtype, dims, nbytes = facts
-        payloads.append(_Payload(PlannedTensor(name, dtype, dims, nbytes), refs, index, bool(fold), ranges))
+        position[index] = i
+        payloads.append(_Payload(PlannedTensor(name, dtype, dims, nbytes), refs, index, bool(fold)))
     del shared
     del ext_index, ext_fold, ext_names, name_ends
 
-    def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
+    def emit(blob_location: str, placements: Placements, tx: OutputTransaction) -> list[Path]:
         location = encode_len_field(13, encode_len_field(1, b"location") + encode_len_field(2, blob_location.encode()))
 
         def entries(index: int) -> bytes:  # what _set_external gives: location, offset, length
-            offset, length = ranges.offsets[index], ranges.lengths[index]
-            if length < 0:
+            at = position[index]
+            if not 0 <= at < len(placements):
                 raise InvalidModel(f"internal error: payload {index} was never written to the blob", src)
+            offset, length = placements.offset(at), placements.nbytes(at)
             return (
                 location
                 + encode_len_field(13, encode_len_field(1, b"offset") + encode_len_field(2, b"%d" % offset))

@@ -35,10 +35,10 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
 from ...atomic import TMP_PREFIX, OutputTransaction
-from ...blob import BlobEntry, PlannedTensor
+from ...blob import PlannedTensor
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
-from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
+from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport, JsonDict
 from ...runtimes.memory import run_child_peak
 from ...tensors import FileRange
@@ -106,21 +106,24 @@ class Relocator:
 
     def __init__(self) -> None:
         self.payloads: list[BlobPayload] = []
-        self.where: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> offset in the blob
+        self.order: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> its payload's position
+        self.where: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> offset in the blob, once placed
         self.edits: list[Callable[[str], None]] = []
 
     def payload(self, path: Path, offset: int, length: int, planned: PlannedTensor) -> tuple[str, int, int]:
         rng = (str(path), offset, length)
-        if rng not in self.where:
-            self.where[rng] = -1
-
-            def placed(entry: BlobEntry, rng: tuple[str, int, int] = rng) -> None:
-                self.where[rng] = entry.offset
-
+        if rng not in self.order:
+            self.order[rng] = len(self.payloads)
             source = FileRange(str(path), offset, length)
             source.check_within(path.stat().st_size)
-            self.payloads.append(BlobPayload(planned, source, length, placed))
+            self.payloads.append(BlobPayload(planned, source, length))
         return rng
+
+    def rewrite(self, location: str, placements: Placements) -> None:
+        """Point every tensor and packed buffer at the blob: ``placements`` are by ``payloads`` position."""
+        self.where = {rng: placements.offset(i) for rng, i in self.order.items()}
+        for edit in self.edits:
+            edit(location)
 
     def add_tensor(
         self, tensor: onnx.TensorProto, directory: Path, name: str, packed_elsewhere: Sequence[Sequence[str]] = ()
@@ -254,9 +257,8 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
         ):
             setattr(report, counter, 0)  # the final blob's figures replace the staged ones
 
-        def emit(location: str, tx: OutputTransaction) -> list[Path]:
-            for edit in reloc.edits:
-                edit(location)
+        def emit(location: str, placements: Placements, tx: OutputTransaction) -> list[Path]:
+            reloc.rewrite(location, placements)
             written = []
             for model, name in ((optimized, src.name), (portable, portable_name(src.name))):
                 tmp = tx.new_file(out_dir / name)

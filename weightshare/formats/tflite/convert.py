@@ -20,7 +20,6 @@ the same size, and the second one is written over the first at offset 0.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,14 +27,15 @@ import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
 from ...atomic import OutputTransaction
-from ...blob import BlobEntry, BlobWriter, PlannedTensor
+from ...blob import BlobEntry, BlobWriter, PlannedTensor, Progress
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
-from ...pipeline import BlobPayload, PreparedModel, blob_target, write_models
+from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...recorded import CheckedSource, recorded_payloads
 from ...report import ConversionReport
 from ...tensors import ElementwiseSource, FileRange, InputFile, PayloadSource, fp16_to_fp32, open_input, read_all
+from ...write import write_payloads
 from . import flatbuf
 from .graph import (
     NUMPY_DTYPES,
@@ -216,15 +216,32 @@ def _open_output(tmp: Path) -> int:
         raise OutputError(f"cannot open output file: {e.strerror}", tmp) from None
 
 
-def _account(report: ConversionReport, plan: BufferPlan, source: PayloadSource, entry: BlobEntry) -> None:
-    report.tensors_moved += 1
-    report.bytes_in += plan.unpacked_from or source.nbytes
-    report.bytes_out += entry.nbytes
-    if entry.duplicate:
-        report.deduplicated += 1
-        report.deduplicated_bytes += entry.nbytes
-    else:
-        report.bytes_written += entry.nbytes
+class AppendedContainer:
+    """``write.Container``: payloads appended after a flatbuffer of ``start`` bytes, which the caller writes
+    over the file's first bytes once the payloads have their offsets (``BlobWriter.pwrite``)."""
+
+    def __init__(self, fd: int, start: int, options: ConvertOptions):
+        self.writer = BlobWriter(fd, start, options.align)
+        self.start = start
+        self.placed = 0
+
+    def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
+        self.placed += 1
+        return self.writer.add(payload.source, progress=progress)
+
+    def finish(self) -> int:
+        """Fix the file length; return the size of the appended part (payloads, padding, trailing zeros)."""
+        return self.writer.finish(TRAILING_ZEROS if self.placed else 0) - self.start
+
+
+def _moved_payloads(plans: list[BufferPlan]) -> list[tuple[BufferPlan, BlobPayload]]:
+    """The buffers that leave the flatbuffer, each with its payload (in buffer order)."""
+    moved = []
+    for p in plans:
+        if p.source is not None and not p.inline:
+            n = p.source.nbytes
+            moved.append((p, BlobPayload(PlannedTensor(p.name, p.dtype, p.shape, n), p.source, p.unpacked_from or n)))
+    return moved
 
 
 def write_appended(
@@ -232,41 +249,38 @@ def write_appended(
 ) -> None:
     """Payloads after the flatbuffer, addressed by Buffer.offset (from the start of the file) and Buffer.size."""
     buffers = _inline_buffers(plans)
-    moved = [(p, p.source) for p in plans if p.source is not None and not p.inline]
+    moved = _moved_payloads(plans)
     for p, _ in moved:
         buffers[p.index] = schema.BufferT(offset=_PLACEHOLDER, size=_PLACEHOLDER)
     graph.buffers = buffers
     size = len(_build(graph))
     fd = _open_output(tmp)
     try:
-        writer = BlobWriter(fd, size, options.align)
-        for p, source in moved:
-            entry = writer.add(source, progress=options.progress)
-            buffers[p.index] = schema.BufferT(offset=entry.offset, size=entry.nbytes)
-            _account(report, p, source, entry)
-        end = writer.finish(TRAILING_ZEROS if moved else 0)
+        container = AppendedContainer(fd, size, options)
+        placements = write_payloads(container, (payload for _, payload in moved), report, options.progress)
+        for i, (p, _) in enumerate(moved):
+            buffers[p.index] = schema.BufferT(offset=placements.offset(i), size=placements.nbytes(i))
+        report.blob_bytes = container.finish()
         model = _build(graph)
         if len(model) != size:  # same fields, same widths: a mismatch is a bug here, not bad input
             raise OutputError(f"rebuilt flatbuffer has {len(model)} bytes, planned {size}")
-        writer.pwrite(model, 0)
+        container.writer.pwrite(model, 0)
     finally:
         os.close(fd)
-    report.blob_bytes = end - size
 
 
-def _emit_external(
-    graph: schema.ModelT, plans: list[BufferPlan], entries: dict[int, BlobEntry], blob_location: str
-) -> None:
+def _emit_external(graph: schema.ModelT, plans: list[BufferPlan], placements: Placements, blob_location: str) -> None:
     """Point every tensor of a moved buffer at an ExternalBuffer in the blob's group.
 
     LiteRT's weight loader joins the group name to the model's directory and maps
     ``offset`` (absolute in the group file) .. ``offset + length``; tensors name
     their ExternalBuffer by ``id`` (0 means none), groups are indexed by position.
     """
-    moved = [p.index for p in plans if p.index in entries]
+    moved = [p.index for p, _ in _moved_payloads(plans)]  # the order they were placed in
     ids = {index: k + 1 for k, index in enumerate(moved)}
     externals = [
-        schema.ExternalBufferT(id=ids[i], group=0, offset=entries[i].offset, length=entries[i].nbytes) for i in moved
+        schema.ExternalBufferT(id=k + 1, group=0, offset=placements.offset(k), length=placements.nbytes(k))
+        for k in range(len(moved))
     ]
     for sg in graph.subgraphs:
         for t in sg.tensors or []:
@@ -338,24 +352,9 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
 def _prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     """``--external``: payloads go to a safetensors blob, the model references them."""
     graph, plans, report = scan_and_plan(src, options)
-    entries: dict[int, BlobEntry] = {}
 
-    def placed_at(index: int) -> Callable[[BlobEntry], None]:
-        return lambda entry: entries.__setitem__(index, entry)
-
-    payloads = [
-        BlobPayload(
-            PlannedTensor(p.name, p.dtype, p.shape, source.nbytes),
-            source,
-            p.unpacked_from or source.nbytes,
-            placed_at(p.index),
-        )
-        for p in plans
-        if (source := p.source) is not None and not p.inline
-    ]
-
-    def emit(blob_location: str, tx: OutputTransaction) -> list[Path]:
-        _emit_external(graph, plans, entries, blob_location)
+    def emit(blob_location: str, placements: Placements, tx: OutputTransaction) -> list[Path]:
+        _emit_external(graph, plans, placements, blob_location)
         final = out_dir / src.name
         tmp = tx.new_file(final)
         try:
@@ -364,7 +363,7 @@ def _prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel
             raise OutputError(f"cannot write the model: {e.strerror}", final) from None
         return [final]
 
-    return PreparedModel(report, payloads, emit, extra={"plans": plans})
+    return PreparedModel(report, [payload for _, payload in _moved_payloads(plans)], emit, extra={"plans": plans})
 
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
