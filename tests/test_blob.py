@@ -16,10 +16,10 @@ from weightshare.blob import (
     PlannedTensor,
     SafetensorsBlob,
     read_safetensors_metadata,
-    recorded_checksums,
     split_digest,
 )
 from weightshare.errors import InvalidModel
+from weightshare.recorded import recorded_payloads
 from weightshare.tensors import (
     BytesSource,
     ElementwiseSource,
@@ -136,7 +136,7 @@ def _reference_header(blob) -> bytes:
     import json
 
     tensors, meta, cursor = {}, {}, 0
-    for n_pad, stored in enumerate(sorted(blob._stored.values(), key=lambda s: s.entry.offset)):
+    for n_pad, stored in enumerate(sorted(blob._stored, key=lambda s: s.entry.offset)):
         begin = stored.entry.offset - blob.data_start
         if begin > cursor:
             tensors[f"__pad__{n_pad}"] = {"dtype": "U8", "shape": [begin - cursor], "data_offsets": [cursor, begin]}
@@ -192,7 +192,7 @@ def test_header_text_equals_json_dumps_of_the_dict(tmp_path_factory, specs):
 
 
 @pytest.mark.parametrize("kind", ["sha256", "blake3"])
-def test_recorded_checksums_read_both_kinds(tmp_path, kind, monkeypatch):
+def test_recorded_digests_read_both_kinds(tmp_path, kind, monkeypatch):
     # Blobs written before BLAKE3 record {"sha256": hex}; new ones {"blake3": hex}. Both are read back.
     import weightshare.blob as blob_module
 
@@ -203,7 +203,8 @@ def test_recorded_checksums_read_both_kinds(tmp_path, kind, monkeypatch):
     _, _, meta = read_safetensors_metadata(str(path))
     expected = (hashlib.sha256 if kind == "sha256" else blake3.blake3)(a.tobytes()).hexdigest()
     assert meta["a"] == {kind: expected, "aliases": []}
-    assert recorded_checksums(str(path)) == {entries[0].offset: expected if kind == "sha256" else f"blake3:{expected}"}
+    tagged = expected if kind == "sha256" else f"blake3:{expected}"
+    assert recorded_payloads(str(path)) == {(entries[0].offset, entries[0].nbytes): tagged}
 
 
 @pytest.mark.parametrize("kind", ["sha256", "blake3"])
@@ -227,13 +228,53 @@ def test_check_verifies_blobs_of_either_kind(tmp_path, kind, fmt, monkeypatch):
     monkeypatch.setattr(blob_module, "DIGEST", "blake3")  # the reader does not depend on the writer's default
     model = next(p for p in report.outputs if p.endswith((".onnx", ".tflite")))
     blob = next(p for p in report.outputs if p.endswith(".safetensors"))
-    sums = recorded_checksums(blob)
+    sums = recorded_payloads(blob)
     assert sums and all((":" in v) == (kind == "blake3") for v in sums.values())
     assert not [f for f in check([model])[1] if f.code == "checksum-mismatch"]
-    offset = max(sums)
+    offset, _ = max(sums)
     with open(blob, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 1]))
     assert [f for f in check([model])[1] if f.code == "checksum-mismatch"]
+
+
+def test_zero_length_payloads_are_listed_and_pass_check_and_verify(tmp_path):
+    # A zero-length payload sits at the offset the next payload starts at. The header used to leave it out (the
+    # next one took its place), so safetensors readers did not list it and check/verify, which found no digest
+    # at its (offset, length), reported a correct conversion as checksum-mismatch.
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+    from safetensors.numpy import load_file
+
+    import weightshare
+    from weightshare.check import check
+    from weightshare.options import ConvertOptions
+    from weightshare.verify import verify
+
+    empty = nh.from_array(np.zeros((0, 4), np.float32), "empty")
+    empty2 = nh.from_array(np.zeros((0, 4), np.float32), "empty2")  # a duplicate of it: an alias
+    w = nh.from_array(np.arange(4, dtype=np.float32), "w")
+    nodes = [
+        h.make_node("Concat", ["x", "empty", "empty2"], ["y0"], axis=0),
+        h.make_node("Add", ["y0", "w"], ["y"]),
+    ]
+    x = h.make_tensor_value_info("x", T.FLOAT, [1, 4])
+    y = h.make_tensor_value_info("y", T.FLOAT, [1, 4])
+    src = tmp_path / "zl.onnx"
+    onnx.save(h.make_model(h.make_graph(nodes, "g", [x], [y], [empty, empty2, w])), src)
+    report = weightshare.convert(src, tmp_path / "out", ConvertOptions(inline_threshold=0))
+    assert report.tensors_moved == 3
+    blob = next(p for p in report.outputs if p.endswith(".safetensors"))
+    loaded = load_file(blob)
+    assert loaded["empty"].shape == (0, 4) and np.array_equal(loaded["w"], np.arange(4, dtype=np.float32))
+    _, _, meta = read_safetensors_metadata(blob)
+    assert meta["empty"]["aliases"] == ["empty2"] and meta["w"]["aliases"] == []
+    assert len(recorded_payloads(blob)) == 2  # (offset, 0) and (offset, 16): both recorded
+    model = str(tmp_path / "out" / "zl.onnx")
+    assert check([model])[1] == []
+    result = verify(str(src), model)
+    assert result.passed and result.payloads_hashed == 3, result.checksum_mismatches

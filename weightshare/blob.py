@@ -553,10 +553,9 @@ class SafetensorsBlob:
         self.fd = fd
         self.data_start = align_up(8 + self._header_bound(planned, self.metadata), max(policy.large, policy.small))
         self.writer = BlobWriter(fd, self.data_start, policy, dedupe)
-        # By writer row (offset order): the tensor first stored there; by offset, the names of later copies, for the
-        # few payloads that have any. A list of references, no object per payload (issue 15). A zero-length payload
-        # shares its offset with the next one, which takes its place in the header (as when records were keyed
-        # by offset), aliases included.
+        # By writer row (offset order): the tensor first stored there; by row, the names of later copies, for the
+        # few payloads that have any. A list of references, no object per payload (issue 15). A zero-length
+        # payload has a row (and a header entry) of its own, at the offset the next payload starts at.
         self._planned: list[PlannedTensor] = []
         self._aliases: dict[int, list[str]] = {}
         self.header_sha256 = ""  # hex SHA-256 of the header text, set by finish()
@@ -599,30 +598,20 @@ class SafetensorsBlob:
         w = self.writer
         row, duplicate = w.add_row(source, progress=progress)
         if duplicate:
-            self._aliases.setdefault(w.offset(row), []).append(tensor.st_name)
+            self._aliases.setdefault(row, []).append(tensor.st_name)
         else:
             self._planned.append(tensor)
-            self._aliases.pop(w.offset(row), None)
         return w.entry(row, duplicate)
 
     def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
         """``write.Container``: the payload under its planned tensor's name."""
         return self.add(payload.tensor, payload.source, progress)
 
-    def _shadowed(self, row: int) -> bool:
-        """Whether the next row sits at this row's offset (this one is then empty and left out of the header)."""
-        w = self.writer
-        return row + 1 < w.rows and w.offset(row + 1) == w.offset(row)
-
     @property
-    def _stored(self) -> dict[int, _Stored]:
-        """Every stored payload by offset, with its tensor and aliases (built on demand; tests read it)."""
+    def _stored(self) -> list[_Stored]:
+        """Every stored payload by row (offset order), with its tensor and aliases (built on demand; tests read it)."""
         w = self.writer
-        return {
-            w.offset(row): _Stored(t, w.entry(row), self._aliases.get(w.offset(row)))
-            for row, t in enumerate(self._planned)
-            if not self._shadowed(row)
-        }
+        return [_Stored(t, w.entry(row), self._aliases.get(row)) for row, t in enumerate(self._planned)]
 
     @property
     def bytes_in(self) -> int:
@@ -643,12 +632,9 @@ class SafetensorsBlob:
         is a JSON string escaped piece by piece (JSON escaping is per character)."""
         dumps = json.dumps
         w, planned = self.writer, self._planned  # rows are in offset order
-        shadowed = {row for row in range(len(planned)) if self._shadowed(row)}  # nearly always none
         yield "{"
         cursor = n_pad = 0
         for row, t in enumerate(planned):
-            if shadowed and row in shadowed:
-                continue
             begin = w.offset(row) - self.data_start
             if begin > cursor:
                 yield (
@@ -664,9 +650,7 @@ class SafetensorsBlob:
         yield f'"__metadata__":{{"format":"weightshare",{dumps(METADATA_KEY)}:"{{'
         kind, first = dumps(w.digest), True
         for row, t in enumerate(planned):
-            if shadowed and row in shadowed:
-                continue
-            aliases = ",".join(dumps(a) for a in self._aliases.get(w.offset(row), ()))
+            aliases = ",".join(dumps(a) for a in self._aliases.get(row, ()))
             meta = f'{dumps(t.st_name)}:{{{kind}:"{w.hexdigest(row)}","aliases":[{aliases}]}}'
             yield ("" if first else ",") + dumps(meta)[1:-1]
             first = False
@@ -732,22 +716,3 @@ def read_safetensors_metadata(path: str) -> tuple[int, dict[str, Any], Any]:
         except (TypeError, json.JSONDecodeError):
             raise InvalidModel("weightshare payload metadata is not valid JSON", path) from None
     return 8 + n, header, payloads
-
-
-def recorded_checksums(path: str) -> dict[int, str]:
-    """Absolute payload offset -> ``tagged`` digest recorded by weightshare in a safetensors blob: bare hex
-    for SHA-256 (every blob written before BLAKE3), "blake3:<hex>" for BLAKE3; {} for other files."""
-    try:
-        data_start, header, meta = read_safetensors_metadata(path)
-    except (InvalidModel, OSError):
-        return {}
-    sums = {}
-    for key, entry in meta.items():
-        t = header.get(key)
-        if not (isinstance(t, dict) and isinstance(entry, dict)):
-            continue
-        for kind in ("blake3", "sha256"):
-            if isinstance(entry.get(kind), str):
-                sums[data_start + t["data_offsets"][0]] = tagged(kind, entry[kind])
-                break
-    return sums

@@ -137,14 +137,14 @@ def _check_other_records(inv: ModelInventory, base: Path) -> None:
     from .findings import Code
     from .recorded import record_problem, recorded_records
 
-    seen = {(p.file, p.offset) for p in inv.payloads}
+    seen = {(p.file, p.offset, p.nbytes) for p in inv.payloads}
     bad: list[str] = []
     for name in inv.external_files:
         blob = base / name
         for key, begin, length, digest in sorted(recorded_records(str(blob)), key=lambda r: r[1]):
-            if (name, begin) in seen:
+            if (name, begin, length) in seen:
                 continue
-            seen.add((name, begin))
+            seen.add((name, begin, length))
             inv.records_hashed += 1
             why = record_problem(str(blob), begin, length, digest, blob.stat().st_size)
             if why:

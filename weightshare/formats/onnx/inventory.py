@@ -26,11 +26,11 @@ from pathlib import Path
 
 import onnx
 
-from ...blob import recorded_checksums
 from ...errors import UnsafePath, WeightshareError
 from ...findings import Code, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
+from ...recorded import recorded_payloads
 from ...tensors import FileRange
 from . import dtypes
 from .convert import load_skeleton, plan
@@ -172,10 +172,10 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             to_hash.append((info, ref.parts[0] if len(ref.parts) == 1 else ref.native_source()))
         inv.payloads.append(info)
     inv.external_files = sorted(external_files)
-    sums = {name: recorded_checksums(str(path.resolve().parent / name)) for name in external_files}
+    sums = {name: recorded_payloads(str(path.resolve().parent / name)) for name in external_files}
     for info in inv.payloads:
         if info.location == "external" and info.file in sums and info.offset is not None:
-            info.recorded_sha256 = sums[info.file].get(info.offset, "")
+            info.recorded_sha256 = sums[info.file].get((info.offset, info.nbytes), "")
     for info, source in to_hash:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
         info.sha256 = sha256_of(source, info.recorded_sha256)
     return inv

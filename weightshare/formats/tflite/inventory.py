@@ -19,12 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...blob import recorded_checksums
 from ...errors import UnsafePath, WeightshareError
 from ...findings import Code, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
 from ...paths import resolve_inside
+from ...recorded import recorded_payloads
 from ...tensors import FileRange
 from . import flatbuf
 from .graph import DENSIFY, DEQUANTIZE, TYPE_NAMES, builtin_code, element_count, plan_fp16_folds, tensor_name, validate
@@ -112,7 +112,7 @@ def _per_interpreter_copies(graph: schema.ModelT, sizes: list[int], path: str) -
 def _external_payloads(graph: schema.ModelT, path: Path, inv: ModelInventory, hash_payloads: bool) -> None:
     groups = graph.externalBufferGroups or []
     used = {t.externalBuffer: t for sg in graph.subgraphs for t in sg.tensors or [] if t.externalBuffer}
-    checksums: dict[tuple[str, int], str] = {}
+    checksums: dict[tuple[str, int, int], str] = {}
     for ext in graph.externalBuffers or []:
         if ext is None or ext.id not in used:
             continue
@@ -143,8 +143,8 @@ def _external_payloads(graph: schema.ModelT, path: Path, inv: ModelInventory, ha
         else:
             if name not in inv.external_files:
                 inv.external_files.append(name)
-                checksums.update({(name, off): sha for off, sha in recorded_checksums(str(file)).items()})
-            info.recorded_sha256 = checksums.get((name, ext.offset), "")
+                checksums.update({(name, *at): digest for at, digest in recorded_payloads(str(file)).items()})
+            info.recorded_sha256 = checksums.get((name, ext.offset, ext.length), "")
             if hash_payloads:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
                 info.sha256 = sha256_of(source, info.recorded_sha256)
         inv.payloads.append(info)
