@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
-from .tensors import CHUNK_SIZE, FileRange, InputFile, PayloadSource, stable_chunks
+from .tensors import CHUNK_SIZE, BufferRing, FileRange, InputFile, PayloadSource, chunks_of, stable_chunks
 
 try:  # BLAKE3: 0.12 CPU s per GiB here against SHA-256's 0.53 (with SHA-NI); see docs/performance.md
     import blake3 as _blake3
@@ -145,10 +145,10 @@ def _kernel_copy_works() -> bool:
     return _KERNEL_COPY
 
 
-def _hash_range(f: InputFile, pos: int, length: int, chunk_size: int, kind: str) -> bytes:
+def _hash_range(f: InputFile, pos: int, length: int, chunk_size: int, kind: str, ring: BufferRing) -> bytes:
     """The raw digest of ``length`` bytes at ``pos`` of ``f``, read through reused buffers."""
     h = new_hasher(kind)
-    for chunk in FileRange(f.path, pos, length, f).chunks(chunk_size):
+    for chunk in FileRange(f.path, pos, length, f).chunks(chunk_size, ring=ring):
         h.update(chunk)
     return h.digest()
 
@@ -201,6 +201,10 @@ class BlobWriter:
         self.bytes_in = 0
         self.bytes_written = 0
         self._wb_start = start  # first byte whose writeback has not been started
+        # Read and convert buffers reused from payload to payload (no fresh pages per payload): one ring for the
+        # calling thread, one for the writer thread's hashing of kernel-copied payloads.
+        self._ring = BufferRing()
+        self._hash_ring = BufferRing()
 
     def add(
         self,
@@ -321,7 +325,7 @@ class BlobWriter:
         # produced, which is all the pipeline needs. Others reuse one buffer: copy.
         private = stable_chunks(source)
         try:
-            for chunk in source.chunks(self.chunk_size):
+            for chunk in chunks_of(source, self.chunk_size, self._ring):
                 if pos + len(chunk) > offset + nbytes:
                     raise InvalidModel(f"payload is longer than its declared {nbytes} bytes")
                 if not pipelined:
@@ -347,7 +351,9 @@ class BlobWriter:
         the same range through its own reused buffer, so the bytes cross into user space once."""
         f = source.opened()
         try:
-            hashing = _WRITER.submit(_hash_range, f, source.offset, source.length, self.chunk_size, self.digest)
+            hashing = _WRITER.submit(
+                _hash_range, f, source.offset, source.length, self.chunk_size, self.digest, self._hash_ring
+            )
             try:
                 done = self._kernel_copy(f, source, offset, progress)
             except BaseException:
@@ -356,7 +362,7 @@ class BlobWriter:
             result: bytes = hashing.result()
             if done < source.length:  # the kernel refused (another filesystem, old kernel): copy the rest here
                 rest = FileRange(source.path, source.offset + done, source.length - done, f)
-                for chunk in rest.chunks(self.chunk_size):
+                for chunk in rest.chunks(self.chunk_size, ring=self._ring):
                     self._pwrite_all(chunk, offset + done)
                     done += len(chunk)
                     self._wrote(offset + done)
