@@ -117,6 +117,26 @@ def test_chunked_fp16_and_bf16_conversion_matches_numpy(data, chunk):
     assert out == expect
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_fp16_conversion_gives_numpy_bits_for_every_half(fast, monkeypatch):
+    """The block-wise bit conversion (and its fallback, numpy's cast) on all 65536 halves, at odd starts and
+    lengths and across a block boundary: the same bits as numpy's astype, NaN payloads and signed zeros kept."""
+    import weightshare.tensors as tensors
+
+    assert tensors._fp16_fast()  # exact on this machine: the fast path is what runs
+    monkeypatch.setattr(tensors, "_FP16_EXACT", fast)
+    monkeypatch.setattr(tensors, "_FP16_BLOCK", 1 << 12)
+    every = np.arange(1 << 16, dtype=np.uint16)
+    for start, count in ((0, 1 << 16), (3, 65531), (4093, 5000), (0, 1)):
+        halves = np.roll(every, -start)[:count].tobytes()
+        expect = np.frombuffer(halves, "<f2").astype("<f4").view("<u4")
+        out = bytearray(2 * len(halves))
+        got = fp16_to_fp32(memoryview(halves), memoryview(out))
+        assert np.array_equal(got.view("<u4"), expect)
+        assert bytes(out) == expect.tobytes()
+        assert np.array_equal(fp16_to_fp32(memoryview(halves)).view("<u4"), expect)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     st.lists(st.integers(0, 300), min_size=1, max_size=5).map(lambda ls: [n - n % 2 for n in ls]), st.integers(1, 40)
