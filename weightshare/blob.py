@@ -332,9 +332,13 @@ class BlobWriter:
                     self._consume(digest, chunk, pos)
                 else:
                     data = chunk if private else bytes(chunk)
+                    # Hash here, while the chunk is fresh in this core's cache and the writer thread is still
+                    # writing the previous one: the two threads then carry about the same load (read, unpack and
+                    # hash here, the copy into the page cache there; 1 GiB fp16 -> fp32 0.46 -> 0.3 s).
+                    digest.update(data)
                     if pending is not None:
                         pending.result()
-                    pending = _WRITER.submit(self._consume, digest, data, pos)
+                    pending = _WRITER.submit(self._write, data, pos)
                 pos += len(chunk)
                 if progress is not None:
                     progress(len(chunk))
@@ -404,6 +408,9 @@ class BlobWriter:
 
     def _consume(self, digest: Hasher, data: bytes | memoryview, pos: int) -> None:
         digest.update(data)
+        self._write(data, pos)
+
+    def _write(self, data: bytes | memoryview, pos: int) -> None:
         self._pwrite_all(memoryview(data), pos)
         self._wrote(pos + len(data))
 
