@@ -8,7 +8,9 @@ CPU seconds are the robust figure on a loaded machine; wall seconds include wait
 Cases (sizes follow --scale; the row labels print the real sizes):
   unpack     fp16 weights embedded, each behind Cast (512 MiB fp16 -> 1 GiB fp32 at scale 1), against
                - a bare chunked loop: preadv -> numpy copyto fp16->fp32 -> pwrite, one fsync (no parsing, no
-                 hashing): the CPU floor of unpacking;
+                 hashing): the CPU floor of unpacking; run twice, with one pwrite per 8 MiB chunk and with the
+                 chunk written in 256 KiB pieces (a pwrite of >= 1 MiB costs several times the system CPU per
+                 byte on this kernel), and compared with the cheaper of the two;
                - dd if=/dev/zero of the output size with conv=fsync: the disk floor.
   external   fp32 weights already in an external data file (1, 4 and 8 GiB at scale 1), against
                - onnx_ir load + save with external data (when onnx_ir is installed; not a dependency);
@@ -51,7 +53,7 @@ _WRAPPER = (
 
 BARE_UNPACK = """
 import os, sys, numpy as np
-src, dst = sys.argv[1], sys.argv[2]
+src, dst, piece = sys.argv[1], sys.argv[2], int(sys.argv[3])
 chunk = 4 << 20
 fi = os.open(src, os.O_RDONLY)
 fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -64,7 +66,12 @@ while True:
         break
     out = outb[: n // 2]
     np.copyto(out, np.frombuffer(inb, np.float16, n // 2))
-    os.pwrite(fo, out, pos * 2)
+    if piece:
+        view = memoryview(out).cast("B")
+        for i in range(0, len(view), piece):
+            os.pwrite(fo, view[i : i + piece], pos * 2 + i)
+    else:
+        os.pwrite(fo, out, pos * 2)
     pos += n
 os.fsync(fo)
 """
@@ -144,16 +151,22 @@ def case_unpack(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
     run(["cat", str(model)])  # warm the page cache for everyone
     rows = run_weightshare(model, out)
     rows["bare preadv/copyto/pwrite+fsync"] = run(
-        [sys.executable, "-c", BARE_UNPACK, str(model), str(fresh(out) / "bare.bin")]
+        [sys.executable, "-c", BARE_UNPACK, str(model), str(fresh(out) / "bare.bin"), "0"]
+    )
+    rows["bare loop, pwrite in 256 KiB pieces"] = run(
+        [sys.executable, "-c", BARE_UNPACK, str(model), str(fresh(out) / "bare.bin"), str(256 << 10)]
     )
     count = 2 * fp16 // (4 * MIB) + 1
     rows["dd 4M x output size, conv=fsync"] = run(
         ["dd", "if=/dev/zero", f"of={fresh(out) / 'dd.bin'}", "bs=4M", f"count={count}", "conv=fsync", "status=none"]
     )
     shutil.rmtree(d), shutil.rmtree(out)
-    ws, bare, dd = rows["weightshare"], rows["bare preadv/copyto/pwrite+fsync"], rows["dd 4M x output size, conv=fsync"]
+    ws, dd = rows["weightshare"], rows["dd 4M x output size, conv=fsync"]
+    bare = min(
+        rows["bare preadv/copyto/pwrite+fsync"], rows["bare loop, pwrite in 256 KiB pieces"], key=lambda r: r["cpu"]
+    )
     checks = {
-        "CPU s / bare loop CPU s (target <= 1.25)": ws["cpu"] / bare["cpu"],
+        "CPU s / cheaper bare loop CPU s (target <= 1.25)": ws["cpu"] / bare["cpu"],
         "wall / dd wall (target <= 1.3)": ws["wall"] / dd["wall"],
     }
     return [(label, rows, checks)]
