@@ -21,8 +21,11 @@ from weightshare.blob import (
 from weightshare.errors import InvalidModel
 from weightshare.recorded import recorded_payloads
 from weightshare.tensors import (
+    BufferRing,
     BytesSource,
+    ConcatSource,
     ElementwiseSource,
+    FileRange,
     bf16_to_fp32,
     fp16_to_fp32,
 )
@@ -112,6 +115,55 @@ def test_chunked_fp16_and_bf16_conversion_matches_numpy(data, chunk):
     out = b"".join(bytes(c) for c in src.chunks(chunk))
     expect = (np.frombuffer(data, "<u2").astype("<u4") << 16).tobytes()
     assert out == expect
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fp16_conversion_gives_numpy_bits_for_every_half(fast, monkeypatch):
+    """The block-wise bit conversion (and its fallback, numpy's cast) on all 65536 halves, at odd starts and
+    lengths and across a block boundary: the same bits as numpy's astype, NaN payloads and signed zeros kept."""
+    import weightshare.tensors as tensors
+
+    assert tensors._fp16_fast()  # exact on this machine: the fast path is what runs
+    monkeypatch.setattr(tensors, "_FP16_EXACT", fast)
+    monkeypatch.setattr(tensors, "_FP16_BLOCK", 1 << 12)
+    every = np.arange(1 << 16, dtype=np.uint16)
+    for start, count in ((0, 1 << 16), (3, 65531), (4093, 5000), (0, 1)):
+        halves = np.roll(every, -start)[:count].tobytes()
+        expect = np.frombuffer(halves, "<f2").astype("<f4").view("<u4")
+        out = bytearray(2 * len(halves))
+        got = fp16_to_fp32(memoryview(halves), memoryview(out))
+        assert np.array_equal(got.view("<u4"), expect)
+        assert bytes(out) == expect.tobytes()
+        assert np.array_equal(fp16_to_fp32(memoryview(halves)).view("<u4"), expect)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.integers(0, 300), min_size=1, max_size=5).map(lambda ls: [n - n % 2 for n in ls]), st.integers(1, 40)
+)
+def test_ring_buffers_keep_each_chunk_until_two_more_are_requested(tmp_path_factory, lengths, chunk):
+    """The writer's reused buffers (BufferRing) keep the promise of stable_chunks across the parts of a concat
+    and from payload to payload: a chunk is intact until two more have been requested, and the bytes equal
+    those read without a ring."""
+    chunk *= 2
+    path = tmp_path_factory.mktemp("ring") / "data"
+    data = np.random.default_rng(len(lengths)).integers(0, 256, sum(lengths), np.uint8).tobytes()
+    path.write_bytes(data)
+    starts = np.cumsum([0, *lengths[:-1]]).tolist()
+    ring = BufferRing()
+    for _payload in range(2):  # the ring's buffers carry over to the next payload
+        for fold in (False, True):
+            raw = ConcatSource([FileRange(str(path), o, n) for o, n in zip(starts, lengths)])
+            src = ElementwiseSource(raw, 2, 4, fp16_to_fp32) if fold else raw
+            expect = b"".join(bytes(c) for c in src.chunks(chunk))
+            got, held = [], []
+            for c in src.chunks(chunk, ring=ring):
+                held.append((c, bytes(c)))
+                if len(held) == 2:  # the consumer may hold chunk i while chunk i+1 is produced
+                    view, copy = held.pop(0)
+                    assert bytes(view) == copy
+                got.append(bytes(c))
+            assert b"".join(got) == expect
 
 
 # The header is built as text, piece by piece (100,000s of tensors); these references are the dict + json.dumps

@@ -27,7 +27,7 @@ from ...options import ConvertOptions
 from ...ort import malloc_trim
 from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import CHUNK_SIZE, ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
+from ...tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
@@ -128,6 +128,7 @@ class _SignallingNanProbe:
 
     def __init__(self) -> None:
         self._fds: dict[str, int] = {}
+        self._buffer = memoryview(bytearray(1 << 20))
 
     def keeps_bits(self, ref: TensorRef) -> bool:
         if ref.data_type != dtypes.FLOAT16:
@@ -136,18 +137,24 @@ class _SignallingNanProbe:
             return not dtypes.fp16_has_signalling_nan(ref.native_source().chunks())
         return not dtypes.fp16_has_signalling_nan(self._raw_chunks(ref.parts))
 
-    def _raw_chunks(self, parts: list[FileRange]) -> Iterator[bytes]:
+    def _raw_chunks(self, parts: list[FileRange]) -> Iterator[memoryview]:
+        # One reused cache-sized buffer: a fresh 4 MiB bytes per read faulted in as many new pages as the
+        # payloads' size (0.2 CPU s per 512 MiB of fp16).
+        view = self._buffer
         for part in parts:
             fd = self._fds.get(part.path)
             if fd is None:
                 fd = self._fds[part.path] = os.open(part.path, os.O_RDONLY)
             pos, end = part.offset, part.offset + part.length
             while pos < end:
-                data = os.pread(fd, min(CHUNK_SIZE, end - pos), pos)
-                if not data:
+                got = os.preadv(fd, [view[: min(len(view), end - pos)]], pos)
+                if not got:
                     raise InvalidModel(f"file ended early at offset {pos} (expected data up to {end})", part.path)
-                yield data[: len(data) - len(data) % 2]  # whole elements; a split one is re-read next time
-                pos += len(data) - len(data) % 2
+                whole = got - got % 2  # whole elements; a split one is re-read next time
+                if not whole:
+                    raise InvalidModel("payload length is not a whole number of elements", part.path)
+                yield view[:whole]
+                pos += whole
 
     def close(self) -> None:
         for fd in self._fds.values():
