@@ -22,7 +22,7 @@ import json
 import os
 import sys
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -527,10 +527,12 @@ def _safetensors_view(t: PlannedTensor) -> tuple[str, tuple[int, ...]]:
     return "U8", (t.nbytes,)
 
 
-def _unique_names(planned: Iterable[PlannedTensor]) -> None:
+def _unique_names(planned: Iterable[PlannedTensor], prefixes: Sequence[str] | None = None) -> None:
+    """Set each tensor's ``st_name``: ``prefixes[i]`` + its name, made unique and kept clear of ``__`` keys."""
     seen: set[str] = set()
-    for t in planned:
-        base = t.name if t.name and not t.name.startswith("__") else f"tensor{t.name}"
+    for i, t in enumerate(planned):
+        full = prefixes[i] + t.name if prefixes else t.name
+        base = full if full and not full.startswith("__") else f"tensor{full}"
         name, n = base, 1
         while name in seen:
             n += 1
@@ -561,9 +563,10 @@ class SafetensorsBlob:
         policy: AlignPolicy = AlignPolicy(),
         dedupe: bool = True,
         metadata: dict[str, str] | None = None,
+        prefixes: Sequence[str] | None = None,
     ):
         self.metadata = dict(metadata or {})  # extra string entries for __metadata__ (e.g. the ORT version used)
-        _unique_names(planned)
+        _unique_names(planned, prefixes)  # the header's names; the tensors' own names stay as the format made them
         for t in planned:
             t.st_dtype, t.st_shape = _safetensors_view(t)
         self.fd = fd

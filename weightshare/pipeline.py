@@ -51,7 +51,7 @@ class PreparedModel:
     report: ConversionReport
     payloads: list[BlobPayload]
     emit: Emit
-    name_prefix: str = ""
+    name_prefix: str = ""  # before each payload's name in the blob's header (zoo mode: "<model stem>/")
     extra: PreparedExtra = field(default_factory=lambda: PreparedExtra())
 
 
@@ -68,11 +68,8 @@ def write_blob(
     ``blob_path`` names the temporary; ``shown`` is the blob as error messages name it.
     """
     shown = shown or blob_path
-    for m in models:
-        for p in m.payloads:
-            if m.name_prefix:
-                p.tensor.name = f"{m.name_prefix}{p.tensor.name}"
     planned = [p.tensor for m in models for p in m.payloads]
+    prefixes = [m.name_prefix for m in models for _ in m.payloads] if any(m.name_prefix for m in models) else None
     tmp = tx.new_file(blob_path)
     progress = _signal_hook(options.progress)
     try:
@@ -81,7 +78,7 @@ def write_blob(
         raise OutputError(f"cannot write the blob: {e.strerror}", shown) from None
     try:
         metadata = {k: v for m in models for k, v in m.extra.get("blob_metadata", {}).items()}
-        blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata)
+        blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata, prefixes=prefixes)
         if options.progress_total is not None:
             options.progress_total(sum(t.nbytes for t in planned))
         placements = [write_payloads(blob, m.payloads, m.report, progress) for m in models]
