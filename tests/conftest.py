@@ -4,8 +4,18 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Property tests are deterministic: the same examples on every run and every machine (derandomized, no example
+# database carried between runs), and no health check that measures time (a loaded CI machine is slow, not wrong).
+# `HYPOTHESIS_PROFILE=explore` draws fresh random examples, for hunting by hand.
+settings.register_profile(
+    "deterministic", derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("explore", max_examples=500, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 def run_cli(*args, cwd=None, env=None):

@@ -166,7 +166,9 @@ def test_inputs_are_never_touched(good, tmp_path):
     assert {p: p.read_bytes() for p in good.rglob("*") if p.is_file()} == before
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(
     manifest=st.recursive(
         st.none() | st.booleans() | st.integers() | st.text(max_size=20),

@@ -122,7 +122,9 @@ def test_header_checks(tmp_path):
         WeightFile(tmp_path / "short.bin")
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(blob=st.binary(min_size=64, max_size=400), offset=st.integers(0, 1 << 64))
 def test_reader_never_trusts_fields(tmp_path, blob, offset):
     """Arbitrary bytes: either a record whose payload lies inside the file, or InvalidModel; nothing else."""
