@@ -4,8 +4,9 @@ scan: ``flatbuf`` locates every buffer's bytes and reads the graph without them.
 plan: ``sparse`` (opt-in) and ``graph`` fold DENSIFY and fp16 DEQUANTIZE; each
 output buffer is then empty, inline (below the inline threshold, and metadata
 buffers) or moved.
-write + emit, default: moved payloads stream through the shared ``BlobWriter``,
-appended after the flatbuffer, which is rebuilt from the schema object API.
+write + emit, default: moved payloads go through the one write path
+(``weightshare.write``) into an ``AppendedContainer``, after the flatbuffer, which is
+rebuilt from the schema object API with the placements.
 write + emit, ``--external``: ``prepare`` hands the payloads to the shared
 pipeline (``weightshare.pipeline``), which also serves zoo mode (one blob for
 many models); ``emit`` points tensors at ExternalBuffers in the blob.
