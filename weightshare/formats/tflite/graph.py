@@ -65,7 +65,8 @@ def element_count(t: schema.TensorT) -> int | None:
     return n
 
 
-def _indices(values: Iterable[int] | None) -> list[int]:
+def indices(values: Iterable[int] | None) -> list[int]:
+    """A tensor-index vector as ints; an absent vector (None in the object API) is an empty one."""
     return [] if values is None else [int(v) for v in values]
 
 
@@ -89,7 +90,7 @@ def validate(graph: schema.ModelT, nbuffers: int, path: str) -> None:
                     f"model has {nbuffers} buffers",
                     path,
                 )
-        for idx in chain(_indices(sg.inputs), _indices(sg.outputs)):
+        for idx in chain(indices(sg.inputs), indices(sg.outputs)):
             if not 0 <= idx < n:
                 raise InvalidModel(f"subgraph {si}: input/output tensor index {idx} out of range ({n} tensors)", path)
         for oi, op in enumerate(sg.operators or []):
@@ -100,7 +101,7 @@ def validate(graph: schema.ModelT, nbuffers: int, path: str) -> None:
                     f"subgraph {si}: operator {oi} uses operator code {op.opcodeIndex}, but the model has {ncodes}",
                     path,
                 )
-            for idx in chain(_indices(op.inputs), _indices(op.outputs), _indices(op.intermediates)):
+            for idx in chain(indices(op.inputs), indices(op.outputs), indices(op.intermediates)):
                 if not -1 <= idx < n:
                     raise InvalidModel(
                         f"subgraph {si}: operator {oi} uses tensor {idx}, out of range ({n} tensors)", path
@@ -139,7 +140,7 @@ class Fp16Fold:
 def _consumers(sg: schema.SubGraphT) -> dict[int, list[int]]:
     used: dict[int, list[int]] = {}
     for oi, op in enumerate(sg.operators or []):
-        for idx in _indices(op.inputs):
+        for idx in indices(op.inputs):
             if idx >= 0:
                 used.setdefault(idx, []).append(oi)
     return used
@@ -158,11 +159,11 @@ def plan_fp16_folds(graph: schema.ModelT, sizes: list[int], path: str) -> tuple[
     for si, sg in enumerate(graph.subgraphs):
         tensors, ops = sg.tensors or [], sg.operators or []
         consumers = _consumers(sg)
-        boundary = set(_indices(sg.inputs)) | set(_indices(sg.outputs))
+        boundary = set(indices(sg.inputs)) | set(indices(sg.outputs))
         for oi, op in enumerate(ops):
             if codes[op.opcodeIndex] != DEQUANTIZE:
                 continue
-            ins, outs = _indices(op.inputs), _indices(op.outputs)
+            ins, outs = indices(op.inputs), indices(op.outputs)
             if len(ins) != 1 or len(outs) != 1 or ins[0] < 0 or outs[0] < 0:
                 raise InvalidModel(f"subgraph {si}: DEQUANTIZE operator {oi} needs one input and one output", path)
             src, dst = tensors[ins[0]], tensors[outs[0]]
@@ -184,13 +185,13 @@ def plan_fp16_folds(graph: schema.ModelT, sizes: list[int], path: str) -> tuple[
             if count is None or payload != 2 * count:
                 raise InvalidModel(
                     f"{where}: fp16 payload has {payload} bytes, but its shape "
-                    f"{_indices(src.shape)} needs {2 * (count or 0)}",
+                    f"{indices(src.shape)} needs {2 * (count or 0)}",
                     path,
                 )
-            if _indices(dst.shape) != _indices(src.shape):
+            if indices(dst.shape) != indices(src.shape):
                 # LiteRT prepares consumers with the output's declared shape (a [] output is read as a scalar
                 # broadcast), so a constant with the input's shape would change results: keep the op.
-                notes.append(f"{where}: output shape {_indices(dst.shape)} differs from the input's, op kept")
+                notes.append(f"{where}: output shape {indices(dst.shape)} differs from the input's, op kept")
                 continue
             if ins[0] in boundary or src.isVariable:
                 notes.append(f"{where}: input is also a subgraph input/output, op kept")
@@ -198,7 +199,7 @@ def plan_fp16_folds(graph: schema.ModelT, sizes: list[int], path: str) -> tuple[
             if any(codes[ops[c].opcodeIndex] != DEQUANTIZE for c in consumers.get(ins[0], [])):
                 notes.append(f"{where}: the fp16 tensor has other consumers, op kept")
                 continue
-            if (dst.buffer and sizes[dst.buffer]) or outs[0] in set(_indices(sg.inputs)) or dst.isVariable:
+            if (dst.buffer and sizes[dst.buffer]) or outs[0] in set(indices(sg.inputs)) or dst.isVariable:
                 raise InvalidModel(
                     f"{where}: output tensor {tensor_name(dst)!r} is a constant, input or variable", path
                 )

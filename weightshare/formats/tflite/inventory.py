@@ -27,7 +27,17 @@ from ...paths import resolve_inside
 from ...recorded import recorded_payloads
 from ...tensors import FileRange
 from . import flatbuf
-from .graph import DENSIFY, DEQUANTIZE, TYPE_NAMES, builtin_code, element_count, plan_fp16_folds, tensor_name, validate
+from .graph import (
+    DENSIFY,
+    DEQUANTIZE,
+    TYPE_NAMES,
+    builtin_code,
+    element_count,
+    indices,
+    plan_fp16_folds,
+    tensor_name,
+    validate,
+)
 from .xnnpack_cache import inventory_notes
 
 if TYPE_CHECKING:
@@ -66,15 +76,16 @@ def _xnnpack_packs(graph: schema.ModelT, sizes: list[int]) -> dict[int, int]:
     packs: dict[int, int] = {}
     for sg in graph.subgraphs:
         tensors = sg.tensors or []
-        producer = {int(o): op for op in sg.operators or [] for o in op.outputs}
+        producer = {o: op for op in sg.operators or [] for o in indices(op.outputs)}
         for op in sg.operators or []:
+            ins = indices(op.inputs)
             for pos in packing.get(codes[op.opcodeIndex], ()):
-                if pos >= len(op.inputs) or int(op.inputs[pos]) < 0:
+                if pos >= len(ins) or ins[pos] < 0:
                     continue
-                t, scale = int(op.inputs[pos]), 1
+                t, scale = ins[pos], 1
                 src = producer.get(t)
-                if src is not None and codes[src.opcodeIndex] == DEQUANTIZE and len(src.inputs):
-                    t, scale = int(src.inputs[0]), 2
+                if src is not None and codes[src.opcodeIndex] == DEQUANTIZE and indices(src.inputs):
+                    t, scale = indices(src.inputs)[0], 2
                 buffer = tensors[t].buffer if t < len(tensors) else 0
                 if buffer and buffer < len(sizes) and sizes[buffer]:
                     packs[buffer] = scale * sizes[buffer]
@@ -99,7 +110,7 @@ def _per_interpreter_copies(graph: schema.ModelT, sizes: list[int], path: str) -
     codes = [builtin_code(c) for c in graph.operatorCodes or []]
     for sg in graph.subgraphs:
         for op in sg.operators or []:
-            ins, outs = [int(v) for v in op.inputs], [int(v) for v in op.outputs]
+            ins, outs = indices(op.inputs), indices(op.outputs)
             if codes[op.opcodeIndex] == DENSIFY and len(ins) == 1 and len(outs) == 1 and min(ins + outs) >= 0:
                 src, dst = sg.tensors[ins[0]], sg.tensors[outs[0]]
                 count = element_count(dst) or 0

@@ -20,7 +20,7 @@ from ai_edge_litert import schema_py_generated as schema
 
 from ...errors import InvalidModel, Unsupported
 from ...tensors import BytesSource, PayloadSource, read_all
-from .graph import DENSIFY, TYPE_NAMES, builtin_code, element_count, tensor_name
+from .graph import DENSIFY, TYPE_NAMES, builtin_code, element_count, indices, tensor_name
 
 _VALUE_TYPES = {schema.TensorType.FLOAT32: "<f4", schema.TensorType.FLOAT16: "<f2", schema.TensorType.INT8: "i1"}
 MAX_DENSE_BYTES = 1 << 30  # a dense tensor materialised in memory; beyond this the model is refused
@@ -106,7 +106,7 @@ def plan_densify(
         for oi, op in enumerate(sg.operators or []):
             if codes[op.opcodeIndex] != DENSIFY:
                 continue
-            ins, outs = [int(v) for v in op.inputs], [int(v) for v in op.outputs]
+            ins, outs = indices(op.inputs), indices(op.outputs)
             if len(ins) != 1 or len(outs) != 1 or min(ins + outs) < 0:
                 raise InvalidModel(f"subgraph {si}: DENSIFY operator {oi} needs one input and one output", path)
             src, dst = sg.tensors[ins[0]], sg.tensors[outs[0]]
@@ -147,7 +147,6 @@ def apply_densify(graph: schema.ModelT, folds: list[DensifyFold], first_new_buff
     # A sparse tensor no op reads any more is detached, so its buffer can be dropped.
     for fold in folds:
         sg = graph.subgraphs[fold.subgraph]
-        if not any(
-            fold.sparse_tensor in [int(v) for v in op.inputs] for op in sg.operators
-        ) and fold.sparse_tensor not in [int(v) for v in (sg.outputs if sg.outputs is not None else [])]:
+        read = any(fold.sparse_tensor in indices(op.inputs) for op in sg.operators)
+        if not read and fold.sparse_tensor not in indices(sg.outputs):
             sg.tensors[fold.sparse_tensor].buffer = 0

@@ -367,7 +367,7 @@ def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
     """(bytes DEQUANTIZE materialises per interpreter, packed bytes XNNPACK makes, file bytes it packs from)."""
     from ai_edge_litert import schema_py_generated as schema
 
-    from .graph import DEQUANTIZE, builtin_code, element_count
+    from .graph import DEQUANTIZE, builtin_code, element_count, indices
 
     op = schema.BuiltinOperator
     packed_ops = {op.FULLY_CONNECTED, op.CONV_2D, op.DEPTHWISE_CONV_2D, op.TRANSPOSE_CONV, op.BATCH_MATMUL}
@@ -383,13 +383,13 @@ def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
 
         made = {}  # DEQUANTIZE output tensor -> its fp32 bytes, when its input is a constant
         for o in sg.operators or []:
-            ins, outs = [int(v) for v in o.inputs], [int(v) for v in o.outputs]
+            ins, outs = indices(o.inputs), indices(o.outputs)
             if codes[o.opcodeIndex] == DEQUANTIZE and ins and outs and const_bytes(ins[0]):
                 made[outs[0]] = 4 * (element_count(tensors[outs[0]]) or 0)
         dequantized += sum(made.values())
         for o in sg.operators or []:
             if codes[o.opcodeIndex] in packed_ops:
-                for i in [int(v) for v in o.inputs][1:3]:
+                for i in indices(o.inputs)[1:3]:
                     packed += made.get(i, 0) or const_bytes(i)
                     packed_from_file += const_bytes(i)
     return dequantized, packed, packed_from_file
