@@ -11,7 +11,10 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .findings import Finding
+from .blob import digest_of, split_digest
+from .findings import Code, Finding
+from .formats import detect
+from .recorded import record_problem, recorded_records
 from .report import JsonDict
 from .tensors import CHUNK_SIZE, PayloadSource
 
@@ -102,7 +105,6 @@ def alignment_of(offset: int | None) -> int | None:
 def sha256_of(source: PayloadSource, like: str = "") -> str:
     """The payload's digest, SHA-256 unless ``like`` (a recorded digest) names another kind ("blake3:..."),
     so that it can be compared with that recorded digest."""
-    from .blob import digest_of, split_digest
 
     return digest_of(source.chunks(CHUNK_SIZE), split_digest(like)[0] if like else "sha256")
 
@@ -121,7 +123,6 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
 
 def inventory(path: str | os.PathLike[str], hash_payloads: bool = True) -> ModelInventory:
     """Inventory of the model at ``path`` (format detected from the file)."""
-    from .formats import detect
 
     path = Path(path)
     inv = detect(path).inventory(path, hash_payloads)
@@ -134,8 +135,6 @@ def inventory(path: str | os.PathLike[str], hash_payloads: bool = True) -> Model
 def _check_other_records(inv: ModelInventory, base: Path) -> None:
     """Re-hash every blob record with a recorded digest that no payload of ``inv`` sits at, so that a flipped
     byte in a packed copy fails ``check`` and ``verify`` like one in a weight."""
-    from .findings import Code
-    from .recorded import record_problem, recorded_records
 
     seen = {(p.file, p.offset, p.nbytes) for p in inv.payloads}
     bad: list[str] = []
