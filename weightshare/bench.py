@@ -10,6 +10,7 @@ from pathlib import Path
 from . import api
 from .errors import Unsupported, UsageError
 from .formats import BenchRuntime, detect
+from .options import ConvertOptions
 from .report import JsonDict
 
 
@@ -50,7 +51,6 @@ def _prepacked_rows(
     """``convert --prepack`` measured under the runtime's setting for it, in a fresh process started with the
     runtime's environment for it (ONNX: the malloc setting that returns ORT's freed validation buffers to the
     OS, which ``weightshare.ort.session`` arranges)."""
-    from .options import ConvertOptions
 
     assert runtime.prepacked is not None
     mode, share = runtime.prepacked

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, SMALL_ALIGN
 from .findings import Code, Finding
+from .formats import model_suffixes
 from .inventory import ModelInventory, PayloadInfo, inventory
 from .options import INLINE_THRESHOLD
 
@@ -154,8 +155,6 @@ def find_models(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """Files as given; directories searched recursively (sorted), an ``.mlpackage`` being a model, not a folder;
     unexpanded globs expanded."""
     import glob
-
-    from .formats import model_suffixes
 
     suffixes = model_suffixes()
     found: list[Path] = []

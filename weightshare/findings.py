@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from .errors import UnsafePath
+
 
 class _StrEnum(str, Enum):
     """Compares and hashes like its value, so ``"unaligned" in {Code.UNALIGNED}`` holds."""
@@ -174,7 +176,6 @@ class Finding:
 
 def problem_code(error: Exception, file_exists: bool) -> Code:
     """The code of a payload-location error, from its type and the file's existence (never its wording)."""
-    from .errors import UnsafePath
 
     if isinstance(error, UnsafePath):
         return Code.BLOB_OUTSIDE_MODEL_DIR
