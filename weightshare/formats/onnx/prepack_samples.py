@@ -33,22 +33,9 @@ def mixed_onnx(
     (fp32) live in ``<stem>.data`` beside the model.
     """
     path = Path(path)
-    rng = np.random.default_rng(seed)
-    data_name = f"{path.stem}.data"
-    nodes, inits = [], []
-    with open(path.parent / data_name, "wb") as data:
-
-        def weight(name: str, shape: tuple[int, ...], scale: float) -> str:
-            arr = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float32)
-            t = onnx.TensorProto(name=name, data_type=T.FLOAT, dims=shape, data_location=T.EXTERNAL)
-            offset = data.tell()
-            data.write(arr.tobytes())
-            for k, v in (("location", data_name), ("offset", str(offset)), ("length", str(arr.nbytes))):
-                e = t.external_data.add()
-                e.key, e.value = k, v
-            inits.append(t)
-            return name
-
+    nodes: list[onnx.NodeProto] = []
+    with open(path.parent / f"{path.stem}.data", "wb") as data:
+        weight = _Weights(path, seed, data)
         cur = "x"
         for i in range(conv_layers):
             w = weight(f"conv{i}.w", (channels, channels, 3, 3), (2 / (9 * channels)) ** 0.5)
@@ -74,11 +61,23 @@ def mixed_onnx(
             cur = f"act{i}"
     x_shape: list[str | int] = ["N", channels, spatial, spatial] if conv_layers else ["N", channels]
     nodes.append(h.make_node("Identity", [cur], ["y"]))
+    return _save(path, "mixed", nodes, weight.inits, x_shape, ["N", None])
+
+
+def _save(
+    path: Path,
+    name: str,
+    nodes: list[onnx.NodeProto],
+    inits: list[onnx.TensorProto],
+    x_shape: list[str | int],
+    y_shape: list[str | int | None],
+) -> Path:
+    """Write the model (opset 17, IR 8) with input ``x`` and output ``y``; its weights are already beside it."""
     graph = h.make_graph(
         nodes,
-        "mixed",
+        name,
         [h.make_tensor_value_info("x", T.FLOAT, x_shape)],
-        [h.make_tensor_value_info("y", T.FLOAT, ["N", None])],
+        [h.make_tensor_value_info("y", T.FLOAT, y_shape)],
         inits,
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
@@ -128,18 +127,7 @@ def cnn_onnx(
     path = Path(path)
     with open(path.parent / f"{path.stem}.data", "wb") as data:
         nodes, inits = _cnn_nodes(_Weights(path, seed, data), channels, blocks, classes)
-    graph = h.make_graph(
-        nodes,
-        "cnn",
-        [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
-        [h.make_tensor_value_info("y", T.FLOAT, ["N", classes])],
-        inits,
-    )
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
-    with open(path, "wb") as f:
-        f.write(model.SerializeToString())
-    return path
+    return _save(path, "cnn", nodes, inits, ["N", 3, spatial, spatial], ["N", classes])
 
 
 def _cnn_nodes(w: _Weights, c: int, blocks: int, classes: int) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
@@ -241,18 +229,7 @@ def downsample_onnx(
             h.make_node("Add", ["fc2.mm", w("fc2.b", (10,), 0.01)], ["y"]),
         ]
         inits = [*w.inits, *consts]
-    graph = h.make_graph(
-        nodes,
-        "downsample",
-        [h.make_tensor_value_info("x", T.FLOAT, ["N", 3, spatial, spatial])],
-        [h.make_tensor_value_info("y", T.FLOAT, ["N", 10])],
-        inits,
-    )
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
-    with open(path, "wb") as f:
-        f.write(model.SerializeToString())
-    return path
+    return _save(path, "downsample", nodes, inits, ["N", 3, spatial, spatial], ["N", 10])
 
 
 def sample_input(model_path: str | os.PathLike[str], batch: int, seed: int = 1) -> dict[str, np.ndarray]:
