@@ -251,47 +251,20 @@ def case_external(work: Path, scale: float, sizes_gib: list[float]) -> list[tupl
 
 def many_tensors_model(path: Path, count: int, elems: int = 300) -> Path:
     """``count`` fp32 initializers of ``elems`` values each (1.2 KB at 300, 16 B at 4), all summed."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper, numpy_helper
 
     rng = np.random.default_rng(0)
     base = rng.standard_normal(elems).astype(np.float32)
     inits = [numpy_helper.from_array(base + np.float32(i), f"t{i}") for i in range(count)]
     node = helper.make_node("Sum", ["x", *(f"t{i}" for i in range(count))], ["y"])
-    graph = helper.make_graph(
-        [node],
-        "many",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elems])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elems])],
-        inits,
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
-    return path
+    return _save_vector_model(path, "many", [node], inits, elems)
 
 
 def case_many(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
     count = max(10, round(200_000 * scale))
     d = fresh(work / "many")
     model = many_tensors_model(d / "many.onnx", count)
-    label = f"{count:,} initializers x 1.2 KB ({size_label(model.stat().st_size)})"
-    out = work / "out"
-    run(["cat", str(model)])
-    rows = measure(
-        [
-            *weightshare_rows(model, out),
-            (
-                "onnx load+save external",
-                lambda: [sys.executable, "-c", ONNX_EXTERNALISE, str(model), str(fresh(out) / "many.onnx")],
-                None,
-            ),
-        ]
-    )
-    shutil.rmtree(d), shutil.rmtree(out)
-    checks = {
-        "peak RSS MiB (target <= 200)": rows["weightshare"]["peak"],
-        "wall / onnx wall (target <= 1.5)": rows["weightshare"]["wall"] / rows["onnx load+save external"]["wall"],
-    }
-    return [(label, rows, checks)]
+    return [_versus_onnx(work, d, model, f"{count:,} initializers x 1.2 KB ({size_label(model.stat().st_size)})")]
 
 
 def case_tiny(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
@@ -303,16 +276,23 @@ def case_tiny(work: Path, scale: float) -> list[tuple[str, dict, dict]]:
 
 def fold_model(path: Path, count: int, elems: int = 4096) -> Path:
     """``count`` fp16 initializers of ``elems`` values (8 KiB at 4096), each read by its own Cast to float."""
-    import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     base = np.random.default_rng(0).standard_normal(elems).astype(np.float16)
     inits = [numpy_helper.from_array(base + np.float16(i % 7), f"w{i}") for i in range(count)]
     nodes = [helper.make_node("Cast", [f"w{i}"], [f"c{i}"], to=TensorProto.FLOAT) for i in range(count)]
     nodes.append(helper.make_node("Sum", ["x", *(f"c{i}" for i in range(count))], ["y"]))
+    return _save_vector_model(path, "fold", nodes, inits, elems)
+
+
+def _save_vector_model(path: Path, name: str, nodes: list, inits: list, elems: int) -> Path:
+    """Save a graph from float vector ``x`` to float vector ``y``, both of ``elems`` values (opset 17)."""
+    import onnx
+    from onnx import TensorProto, helper
+
     graph = helper.make_graph(
         nodes,
-        "fold",
+        name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [elems])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [elems])],
         inits,
