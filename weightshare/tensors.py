@@ -215,16 +215,15 @@ class FileRange:
             yield memoryview(data)
             return
         size = min(chunk_size, self.length)
-        views = [memoryview(bytearray(size)), memoryview(bytearray(size))] if ring is None else []
+        ring = ring if ring is not None else BufferRing()  # without the consumer's ring, two buffers of its own
         f = self.opened()
         try:
-            pos, end, turn = self.offset, self.offset + self.length, 0
+            pos, end = self.offset, self.offset + self.length
             while pos < end:
-                view = views[turn] if ring is None else ring.take("read", size)
+                view = ring.take("read", size)
                 got = _pread_into(f.fd, view[: min(size, end - pos)], pos, self.path, end)
                 yield view[:got]
                 pos += got
-                turn ^= 1
         finally:
             if f is not self.file:
                 f.close()
@@ -331,9 +330,9 @@ class ElementwiseSource:
         in_chunk -= in_chunk % self.in_itemsize
         into = _accepts_out(self.convert)
         out_size = min(in_chunk, self.inner.nbytes) // self.in_itemsize * self.out_itemsize
-        outs = [memoryview(bytearray(out_size)) for _ in range(2 if into and out_size and ring is None else 0)]
         inner = chunks_of(self.inner, in_chunk, _RoleRing(ring, "unpack-in") if ring is not None else None)
-        carry, turn = b"", 0
+        outs = ring if ring is not None else BufferRing()  # without the consumer's ring, two buffers of its own
+        carry = b""
         for piece in inner:
             if carry:
                 piece = memoryview(carry + bytes(piece))
@@ -345,9 +344,7 @@ class ElementwiseSource:
                 continue
             n_out = whole // self.in_itemsize * self.out_itemsize
             if into and n_out <= out_size:
-                out = outs[turn][:n_out] if ring is None else ring.take("unpack", out_size)[:n_out]
-                result = self.convert(piece[:whole], out=out)
-                turn ^= 1
+                result = self.convert(piece[:whole], out=outs.take("unpack", out_size)[:n_out])
             else:  # a carried piece can exceed one chunk: rare, allocate
                 result = self.convert(piece[:whole])
             yield result.data.cast("B")
