@@ -17,7 +17,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
 from google.protobuf.message import DecodeError
 
 from ...atomic import OutputTransaction
@@ -29,6 +28,7 @@ from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, wri
 from ...report import ConversionReport
 from ...tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from . import dtypes
+from ._proto import pb
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ortcpu import ORT_CPU, unpack_for_cpu
@@ -80,8 +80,8 @@ class _Payload(BlobPayload):
         return self.refs.nbytes_in(self.index)
 
 
-def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
-    model = onnx.ModelProto()
+def load_skeleton(skeleton: bytes, path: Path) -> pb.ModelProto:
+    model = pb.ModelProto()
     try:
         model.ParseFromString(skeleton)
     except (DecodeError, RecursionError) as e:
@@ -96,12 +96,12 @@ def load_skeleton(skeleton: bytes, path: Path) -> onnx.ModelProto:
     return model
 
 
-def _check_names_are_text(model: onnx.ModelProto, path: Path) -> None:
+def _check_names_are_text(model: pb.ModelProto, path: Path) -> None:
     """onnx.proto is proto2, so protobuf hands back invalid UTF-8 in string fields as bytes; refuse such names."""
     for scope in iter_scopes(model):
         names: list[str | bytes] = (
             [*scope.input, *scope.output]
-            if isinstance(scope, onnx.FunctionProto)
+            if isinstance(scope, pb.FunctionProto)
             else [
                 *(v.name for v in (*scope.input, *scope.output, *scope.value_info)),
                 *(t.name for t in scope.initializer),
@@ -200,9 +200,9 @@ def iter_plan(
         yield p
 
 
-def _set_external(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+def _set_external(tensor: pb.TensorProto, location: str, offset: int, length: int) -> None:
     del tensor.external_data[:]
-    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.data_location = pb.TensorProto.EXTERNAL
     for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value

@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
 
-import onnx
-
 from . import dtypes
+from ._proto import pb
 from .graph import Site, SiteMap, iter_scopes, subgraphs
 
 # (op_type, input index) pairs that ONNX Runtime needs as constant data at graph
@@ -53,7 +52,7 @@ SHAPE_INPUTS = {
 }
 
 
-def shape_tensor_names(model: onnx.ModelProto) -> set[str]:
+def shape_tensor_names(model: pb.ModelProto) -> set[str]:
     names = set()
     for scope in iter_scopes(model):
         for node in scope.node:
@@ -63,7 +62,7 @@ def shape_tensor_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
-def _is_cast_to_float(node: onnx.NodeProto) -> bool:
+def _is_cast_to_float(node: pb.NodeProto) -> bool:
     if node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or len(node.input) != 1:
         return False
     if len(node.output) != 1 or not node.output[0]:  # a Cast without an output computes nothing to fold into
@@ -74,9 +73,9 @@ def _is_cast_to_float(node: onnx.NodeProto) -> bool:
 class _ScopeIndex:
     """What a fold in one scope needs to know, built in one walk of the scope and its subgraphs."""
 
-    def __init__(self, scope: onnx.GraphProto | onnx.FunctionProto) -> None:
+    def __init__(self, scope: pb.GraphProto | pb.FunctionProto) -> None:
         self.scope = scope
-        if isinstance(scope, onnx.GraphProto):
+        if isinstance(scope, pb.GraphProto):
             self.inputs = {v.name for v in scope.input}
             self.outputs = {v.name for v in scope.output}
             defined = [
@@ -88,7 +87,7 @@ class _ScopeIndex:
             self.inputs, self.outputs = set(scope.input), set(scope.output)
             defined = list(scope.input)
         self.defs = Counter(defined)
-        self.uses: dict[str, list[tuple[onnx.NodeProto, bool]]] = {}  # name -> [(consumer, directly in scope)]
+        self.uses: dict[str, list[tuple[pb.NodeProto, bool]]] = {}  # name -> [(consumer, directly in scope)]
         self.nested_defs: set[str] = set()  # names a subgraph defines: they shadow the scope's own
         # Holding every node's wrapper keeps id(node) stable: protobuf hands back the same object only while
         # one is alive, and the delete pass and the use index compare nodes by id.
@@ -115,7 +114,7 @@ class _ScopeIndex:
                 for out in g.output:  # a subgraph may return an outer value directly
                     self.uses.setdefault(out.name, []).append((node, False))
 
-    def foldable_casts(self, site: Site) -> list[onnx.NodeProto] | None:
+    def foldable_casts(self, site: Site) -> list[pb.NodeProto] | None:
         """The Casts to drop if ``site`` can be folded, else None."""
         name = site.name
         if name in self.inputs or name in self.outputs or self.defs[name] != 1:
@@ -133,7 +132,7 @@ class _ScopeIndex:
         return casts
 
 
-def _protected_names(model: onnx.ModelProto) -> set[str]:
+def _protected_names(model: pb.ModelProto) -> set[str]:
     """Names a fold must not rename or retype: training bindings and what training graphs read from the model
     graph (they refer to its initializers by name), and quantization annotations."""
     names: set[str] = set()
@@ -148,7 +147,7 @@ def _protected_names(model: onnx.ModelProto) -> set[str]:
     return names
 
 
-def _graph_and_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+def _graph_and_subgraphs(graph: pb.GraphProto) -> Iterator[pb.GraphProto]:
     stack = [graph]
     while stack:
         g = stack.pop()
@@ -158,7 +157,7 @@ def _graph_and_subgraphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
 
 
 def fold_fp16_casts(
-    model: onnx.ModelProto, sites: Mapping[int, Site], keeps_bits: Callable[[Site], bool] = lambda site: True
+    model: pb.ModelProto, sites: Mapping[int, Site], keeps_bits: Callable[[Site], bool] = lambda site: True
 ) -> tuple[set[int], int]:
     """Fold Cast(to=FLOAT) of fp16/bf16 constants. Returns (folded ref indices, Cast nodes removed).
 
@@ -167,7 +166,7 @@ def fold_fp16_casts(
     """
     protected = _protected_names(model)
     by_scope: dict[int, list[Site]] = {}
-    scopes: dict[int, onnx.GraphProto | onnx.FunctionProto] = {}
+    scopes: dict[int, pb.GraphProto | pb.FunctionProto] = {}
     # A SiteMap iterates in index order and makes an initializer's Site only when asked: one at a time here
     ordered = sites if isinstance(sites, SiteMap) else sorted(sites)
     for site in map(sites.__getitem__, ordered):
@@ -192,7 +191,7 @@ def fold_fp16_casts(
     return folded, removed
 
 
-def _apply_folds(index: _ScopeIndex, decided: list[tuple[Site, list[onnx.NodeProto]]]) -> None:
+def _apply_folds(index: _ScopeIndex, decided: list[tuple[Site, list[pb.NodeProto]]]) -> None:
     """Retype and rename every folded constant of one scope, drop its Casts, rename their readers: one pass each."""
     if not decided:
         return
@@ -220,13 +219,13 @@ def _apply_folds(index: _ScopeIndex, decided: list[tuple[Site, list[onnx.NodePro
             del scope.node[i]
     if mapping:
         _rename_inputs(scope.node, mapping)
-    if isinstance(scope, onnx.GraphProto) and any(v.name in stale for v in scope.value_info):
+    if isinstance(scope, pb.GraphProto) and any(v.name in stale for v in scope.value_info):
         kept_vi = [v for v in scope.value_info if v.name not in stale]
         del scope.value_info[:]
         scope.value_info.extend(kept_vi)
 
 
-def _rename_inputs(nodes: Iterable[onnx.NodeProto], mapping: dict[str, str]) -> None:
+def _rename_inputs(nodes: Iterable[pb.NodeProto], mapping: dict[str, str]) -> None:
     stack = list(nodes)
     while stack:
         node = stack.pop()

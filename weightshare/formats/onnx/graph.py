@@ -6,9 +6,8 @@ import os
 from array import array
 from collections.abc import Iterator, Mapping
 
-import onnx
-
 from ...errors import InvalidModel
+from ._proto import pb
 from .scan import REF_KEY
 
 
@@ -26,18 +25,18 @@ class Site:
     def __init__(
         self,
         index: int,
-        tensor: onnx.TensorProto | None,
+        tensor: pb.TensorProto | None,
         name: str | None,
         kind: str,
-        scope: onnx.GraphProto | onnx.FunctionProto,
-        node: onnx.NodeProto | None = None,
+        scope: pb.GraphProto | pb.FunctionProto,
+        node: pb.NodeProto | None = None,
         pos: int = -1,
     ):
         self.index, self.kind, self.scope, self.node = index, kind, scope, node
         self._tensor, self._name, self._pos = tensor, name, pos
 
     @property
-    def tensor(self) -> onnx.TensorProto:
+    def tensor(self) -> pb.TensorProto:
         if self._tensor is not None:
             return self._tensor
         return self.scope.initializer[self._pos]  # type: ignore[union-attr]
@@ -64,7 +63,7 @@ class SiteMap(Mapping[int, Site]):
 
     def __init__(self) -> None:
         self._sites: list[Site | None] = []
-        self._scopes: list[onnx.GraphProto] = []
+        self._scopes: list[pb.GraphProto] = []
         self._scope_of = array("i")  # -1: in _sites (or no site)
         self._pos = array("q")
         self._count = 0
@@ -83,7 +82,7 @@ class SiteMap(Mapping[int, Site]):
         self._sites[index] = site
         self._scope_of[index] = -1
 
-    def add_initializer(self, index: int, scope_number: int, scope: onnx.GraphProto, pos: int) -> None:
+    def add_initializer(self, index: int, scope_number: int, scope: pb.GraphProto, pos: int) -> None:
         """Record the site of ``scope.initializer[pos]``; ``scope_number`` counts scopes from 0, one per scope."""
         if scope_number == len(self._scopes):
             self._scopes.append(scope)
@@ -113,22 +112,22 @@ class SiteMap(Mapping[int, Site]):
         return (i for i, site in enumerate(self._sites) if site is not None or scope_of[i] >= 0)
 
 
-def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+def subgraphs(node: pb.NodeProto) -> Iterator[pb.GraphProto]:
     for attr in node.attribute:
         if attr.HasField("g"):
             yield attr.g
         yield from attr.graphs
 
 
-def iter_scopes(model: onnx.ModelProto) -> Iterator[onnx.GraphProto | onnx.FunctionProto]:
+def iter_scopes(model: pb.ModelProto) -> Iterator[pb.GraphProto | pb.FunctionProto]:
     """Every graph (main, nested at any depth, training) and every model-local function."""
-    stack: list[onnx.GraphProto | onnx.FunctionProto] = []
+    stack: list[pb.GraphProto | pb.FunctionProto] = []
     if model.HasField("graph"):
         stack.append(model.graph)
     for info in model.training_info:
         stack.extend(g for g in (info.initialization, info.algorithm) if g.ByteSize())
     stack.extend(reversed(model.functions))
-    seen: list[onnx.GraphProto | onnx.FunctionProto] = []
+    seen: list[pb.GraphProto | pb.FunctionProto] = []
     while stack:
         scope = stack.pop()
         seen.append(scope)
@@ -137,17 +136,17 @@ def iter_scopes(model: onnx.ModelProto) -> Iterator[onnx.GraphProto | onnx.Funct
     yield from seen
 
 
-def ref_index(tensor: onnx.TensorProto) -> int | None:
+def ref_index(tensor: pb.TensorProto) -> int | None:
     for entry in tensor.external_data:
         if entry.key == REF_KEY:
             return int(entry.value)
     return None
 
 
-def collect_sites(model: onnx.ModelProto) -> SiteMap:
+def collect_sites(model: pb.ModelProto) -> SiteMap:
     sites = SiteMap()
 
-    def add(tensor: onnx.TensorProto, name: str, kind: str, node: onnx.NodeProto | None = None) -> None:
+    def add(tensor: pb.TensorProto, name: str, kind: str, node: pb.NodeProto | None = None) -> None:
         index = ref_index(tensor)
         if index is not None:
             # A Constant's value is known by the node's output name; the tensor's own name is decoration.
@@ -155,7 +154,7 @@ def collect_sites(model: onnx.ModelProto) -> SiteMap:
 
     graphs = 0
     for scope in iter_scopes(model):
-        if isinstance(scope, onnx.GraphProto):
+        if isinstance(scope, pb.GraphProto):
             found = False
             for pos, t in enumerate(scope.initializer):
                 index = ref_index(t)
@@ -186,7 +185,7 @@ def collect_sites(model: onnx.ModelProto) -> SiteMap:
     return sites
 
 
-def check_unique_constants(model: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
+def check_unique_constants(model: pb.ModelProto, path: str | os.PathLike[str]) -> None:
     """Refuse a scope that defines one constant name twice (initializers, sparse initializers, Constants).
 
     ORT loads such a model with a warning, but which definition wins depends on how each is stored
@@ -196,11 +195,11 @@ def check_unique_constants(model: onnx.ModelProto, path: str | os.PathLike[str])
     for scope in iter_scopes(model):
         seen: set[str] = set()
         names = [n.output[0] for n in scope.node if n.op_type == "Constant" and len(n.output) == 1]
-        if isinstance(scope, onnx.GraphProto):
+        if isinstance(scope, pb.GraphProto):
             names += [t.name for t in scope.initializer] + [sp.values.name for sp in scope.sparse_initializer]
         for name in names:
             if name in seen:
-                where = f"graph {scope.name!r}" if isinstance(scope, onnx.GraphProto) else f"function {scope.name!r}"
+                where = f"graph {scope.name!r}" if isinstance(scope, pb.GraphProto) else f"function {scope.name!r}"
                 raise InvalidModel(
                     f"tensor {name!r} is defined twice in {where}; ONNX Runtime picks one depending "
                     "on how each is stored, so rename or remove one",

@@ -24,8 +24,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import onnx
-
 from ...errors import UnsafePath, WeightshareError
 from ...findings import Code, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
@@ -33,6 +31,7 @@ from ...options import ConvertOptions
 from ...recorded import recorded_payloads
 from ...tensors import FileRange
 from . import dtypes
+from ._proto import pb
 from .convert import load_skeleton, plan
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
@@ -40,7 +39,7 @@ from .ortcpu import inventory_notes
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 
-DTYPE_NAMES = {v: k for k, v in __import__("onnx").TensorProto.DataType.items()}
+DTYPE_NAMES = {v: k for k, v in pb.TensorProto.DataType.items()}
 
 ORT_SHARE = "ORT disable_prepacking"  # the setting weightshare's sharing relies on
 ORT_DEFAULT = "ORT defaults"
@@ -68,27 +67,27 @@ class _LenientScanner(Scanner):
             return FileRange(self.wf.path, 0, 0)
 
 
-def _uses(scope: onnx.GraphProto | onnx.FunctionProto) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+def _uses(scope: pb.GraphProto | pb.FunctionProto) -> dict[str, list[tuple[pb.NodeProto, int]]]:
     """value name -> [(node, input position)] in one scope."""
-    uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    uses: dict[str, list[tuple[pb.NodeProto, int]]] = {}
     for node in scope.node:
         for i, name in enumerate(node.input):
             uses.setdefault(name, []).append((node, i))
     return uses
 
 
-def _attr(node: onnx.NodeProto, name: str, default: int) -> int:
+def _attr(node: pb.NodeProto, name: str, default: int) -> int:
     return next((a.i for a in node.attribute if a.name == name), default)
 
 
-def _nchwc_reordered(node: onnx.NodeProto, dims: list[int]) -> bool:
+def _nchwc_reordered(node: pb.NodeProto, dims: list[int]) -> bool:
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(dims) != 4 or dims[0] % NCHWC_BLOCK:
         return False
     group = _attr(node, "group", 1)
     return group == 1 or (group == dims[0] and dims[1] == 1)  # plain or depthwise: NCHWc has kernels for both
 
 
-def _ort_copies(site: Site, uses: list[tuple[onnx.NodeProto, int]], packed: bool) -> tuple[int, int, str, str]:
+def _ort_copies(site: Site, uses: list[tuple[pb.NodeProto, int]], packed: bool) -> tuple[int, int, str, str]:
     """(bytes copied under every setting, extra bytes at default options only, why, finding code) of a constant."""
     t = site.tensor
     if t.data_type != dtypes.FLOAT:
@@ -117,14 +116,14 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     model = load_skeleton(skeleton, path)
     sites = collect_sites(model)
     names = {i: site.name for i, site in sites.items()}  # before folding renames them
-    pristine = onnx.ModelProto()
+    pristine = pb.ModelProto()
     pristine.CopyFrom(model)  # the probe needs the graph before the fold below rewrites it
     folded, _ = fold_fp16_casts(model, sites)  # on this private copy: tells which Casts ORT would fold per session
     inv.notes += inventory_notes(pristine, refs, folded, path)
     placements = plan(refs, sites, folded, shape_tensor_names(model), ConvertOptions())
     external_files = set()
     inv.settings = [ORT_SHARE, ORT_DEFAULT]
-    uses_by_scope: dict[int, dict[str, list[tuple[onnx.NodeProto, int]]]] = {}
+    uses_by_scope: dict[int, dict[str, list[tuple[pb.NodeProto, int]]]] = {}
     to_hash = []
     for p in placements:
         ref = p.ref

@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-import onnx
 from google.protobuf.message import DecodeError
 
 from ...errors import InvalidModel, UsageError
 from ...tensors import read_all
 from . import dtypes
+from ._proto import pb
 from .graph import collect_sites, subgraphs
 from .scan import REF_KEY, TensorRef
 
@@ -68,7 +68,7 @@ print(json.dumps({"version": ort.__version__,
 class Probe:
     """What ORT's CPU provider would run, as saved by ORT itself."""
 
-    graph: onnx.GraphProto
+    graph: pb.GraphProto
     opsets: dict[str, int]  # domain -> version, as ORT saved them (function bodies may bring new domains)
     version: str  # onnxruntime version that answered
     child_peak_rss_mib: float
@@ -86,15 +86,15 @@ def onnxruntime_version() -> str | None:
         return None
 
 
-def _is_inserted(node: onnx.NodeProto) -> bool:
+def _is_inserted(node: pb.NodeProto) -> bool:
     return node.op_type == "Cast" and node.name.startswith(PREFIX) and len(node.input) == 1
 
 
-def _to_float(node: onnx.NodeProto) -> bool:
+def _to_float(node: pb.NodeProto) -> bool:
     return any(a.name == "to" and a.i == dtypes.FLOAT for a in node.attribute)
 
 
-def _stand_in(tensor: onnx.TensorProto, ref: TensorRef, real: bool) -> int:
+def _stand_in(tensor: pb.TensorProto, ref: TensorRef, real: bool) -> int:
     """Give one cut-out payload a body ORT accepts; returns the bytes it maps from the zeros file."""
     del tensor.external_data[:]
     tensor.ClearField("data_location")
@@ -104,15 +104,15 @@ def _stand_in(tensor: onnx.TensorProto, ref: TensorRef, real: bool) -> int:
     if real or nbytes <= REAL_BYTES_MAX:
         tensor.raw_data = read_all(ref.native_source())
         return 0
-    tensor.data_location = onnx.TensorProto.EXTERNAL
+    tensor.data_location = pb.TensorProto.EXTERNAL
     for key, value in (("location", ZEROS), ("offset", "0"), ("length", str(nbytes))):
         entry = tensor.external_data.add()
         entry.key, entry.value = key, value
     return nbytes
 
 
-def write_probe_model(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], directory: Path) -> Path:
-    probe = onnx.ModelProto()
+def write_probe_model(skeleton: pb.ModelProto, refs: Sequence[TensorRef], directory: Path) -> Path:
+    probe = pb.ModelProto()
     probe.CopyFrom(skeleton)
     by_index = {r.index: r for r in refs}
     zeros = 0
@@ -126,7 +126,7 @@ def write_probe_model(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], dire
     return path
 
 
-def run_probe(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], src: Path) -> Probe:
+def run_probe(skeleton: pb.ModelProto, refs: Sequence[TensorRef], src: Path) -> Probe:
     if onnxruntime_version() is None:
         raise UsageError("--unpack ort-cpu needs onnxruntime installed (pip install onnxruntime)", src)
     with tempfile.TemporaryDirectory(prefix="weightshare-ortcpu-") as tmp:
@@ -149,7 +149,7 @@ def run_probe(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], src: Path) -
             why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
             raise InvalidModel(f"onnxruntime (CPU) cannot load the model: {why}", src)
         answer = json.loads(proc.stdout.strip().splitlines()[-1])
-        optimized = onnx.ModelProto()
+        optimized = pb.ModelProto()
         try:
             optimized.ParseFromString(out.read_bytes())
         except (DecodeError, OSError) as e:  # ORT wrote it; a failure here is ours to report plainly
@@ -166,27 +166,27 @@ def _strip(name: str) -> str:
     return name.removeprefix(PREFIX)
 
 
-def _defined(graph: onnx.GraphProto) -> set[str]:
+def _defined(graph: pb.GraphProto) -> set[str]:
     names = {v.name for v in graph.input} | {t.name for t in graph.initializer}
     names |= {sp.values.name for sp in graph.sparse_initializer}
     names |= {o for n in graph.node for o in n.output}
     return names | {""}
 
 
-def _has_payload(node: onnx.NodeProto) -> bool:
+def _has_payload(node: pb.NodeProto) -> bool:
     tensors = [t for a in node.attribute for t in ([a.t] if a.HasField("t") else []) + list(a.tensors)]
     return any(e.key == REF_KEY for t in tensors for e in t.external_data) or any(
         a.HasField("sparse_tensor") or a.sparse_tensors for a in node.attribute
     )
 
 
-def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
-    new = onnx.NodeProto()
+def _copy(node: pb.NodeProto) -> pb.NodeProto:
+    new = pb.NodeProto()
     new.CopyFrom(node)
     return new
 
 
-def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets: dict[str, int] | None = None) -> int:
+def adopt_inserted_casts(model: pb.ModelProto, probe: pb.GraphProto, opsets: dict[str, int] | None = None) -> int:
     """Rewrite ``model``'s main graph into the probe's (inserted Casts, fp32 outputs). Returns Casts added.
 
     Nodes are matched by output name (ORT renames an output X it turns fp32 into ``InsertedPrecisionFreeCast_X``);
@@ -205,7 +205,7 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets:
     ours = {tuple(n.output): n for n in g.node}
     names = {n.name for n in g.node if n.name}
     probe_inits = {t.name for t in probe.initializer}
-    new_nodes: list[onnx.NodeProto] = []
+    new_nodes: list[pb.NodeProto] = []
     matched: set[int] = set()
     added = 0
     for p in probe.node:
@@ -237,9 +237,9 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets:
     # Constants of expanded function bodies, which ORT made initializers: small, with their bytes inline.
     known = {t.name for t in g.initializer} | {o for c in constants for o in c.output}
     new_inits = [t for t in probe.initializer if t.name not in known]
-    if any(t.data_location == onnx.TensorProto.EXTERNAL for t in new_inits):
+    if any(t.data_location == pb.TensorProto.EXTERNAL for t in new_inits):
         raise NotAdoptable("onnxruntime added an initializer backed by the probe's stand-in data")
-    check = onnx.GraphProto()
+    check = pb.GraphProto()
     check.CopyFrom(g)
     del check.node[:]
     check.node.extend(new_nodes)
@@ -275,14 +275,14 @@ def ort_cpu_cast_bytes(model_path: Path) -> tuple[int, int]:
     return _cast_bytes(model, refs, run_probe(model, refs, model_path))
 
 
-def _cast_bytes(model: onnx.ModelProto, refs: Sequence[TensorRef], probe: Probe) -> tuple[int, int]:
+def _cast_bytes(model: pb.ModelProto, refs: Sequence[TensorRef], probe: Probe) -> tuple[int, int]:
     by_index = {r.index: r for r in refs}
     dims = {site.name: by_index[i].dims for i, site in collect_sites(model).items() if site.kind == "initializer"}
     names = probe.cast_initializers()
     return len(names), sum(dtypes.element_count(dims[n]) * 4 for n in names if n in dims)
 
 
-def unpack_for_cpu(model: onnx.ModelProto, refs: Sequence[TensorRef], src: Path, notes: list[str]) -> dict[str, str]:
+def unpack_for_cpu(model: pb.ModelProto, refs: Sequence[TensorRef], src: Path, notes: list[str]) -> dict[str, str]:
     """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header."""
     probe = run_probe(model, refs, src)
     try:
@@ -303,7 +303,7 @@ def unpack_for_cpu(model: onnx.ModelProto, refs: Sequence[TensorRef], src: Path,
     return {"weightshare.unpack": "ort-cpu", "weightshare.onnxruntime": probe.version}
 
 
-def inventory_notes(model: onnx.ModelProto, refs: Sequence[TensorRef], folded: set[int], src: Path) -> list[str]:
+def inventory_notes(model: pb.ModelProto, refs: Sequence[TensorRef], folded: set[int], src: Path) -> list[str]:
     """For ``inspect``/``check``: what ORT's CPU provider casts per session, and the flag that makes it once.
 
     Runs the probe only for models with fp16/bf16 payloads that no explicit Cast fold covers, and only when

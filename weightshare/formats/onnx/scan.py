@@ -18,8 +18,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import overload
 
-import numpy as np
-
 from ...errors import InvalidModel, Unsupported
 from ...paths import resolve_inside
 from ...recorded import CheckedSource, recorded_payloads
@@ -357,6 +355,8 @@ class Scanner:
         elif f.wire_type == LEN:
             if f.value > 64 * 10:
                 raise self.wf.error(f"tensor at offset {f.start} declares more than 64 dims")
+            import numpy as np  # packed dims only: most writers do not pack them
+
             arr, used = decode_varints(np.frombuffer(self.wf.read(f.value_start, f.value), np.uint8))
             if used != f.value:
                 raise self.wf.error(f"corrupt dims at offset {f.start}")

@@ -12,11 +12,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ...errors import InvalidModel
 from ...tensors import CHUNK_SIZE, PayloadSource
+
+if TYPE_CHECKING:
+    import numpy as np  # imported where used: a model without packed fields needs no numpy (start-up time)
 
 VARINT, FIXED64, LEN, FIXED32 = 0, 1, 2, 5
 _WINDOW = 256 << 10
@@ -155,6 +157,8 @@ def decode_varints(buf: np.ndarray) -> tuple[np.ndarray, int]:
     Vectorised: find the terminating bytes (high bit clear), give each byte its
     position within its varint, and OR the shifted 7-bit groups together.
     """
+    import numpy as np
+
     ends = np.flatnonzero(buf < 0x80)
     if len(ends) == 0:
         if len(buf) >= 10:
@@ -193,6 +197,8 @@ class PackedVarintSource:
 
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]:
         # About 1/4 of chunk_size in: the decoder's temporaries are 16-24 bytes per input byte.
+        import numpy as np
+
         in_chunk = max(16, chunk_size // 16)
         out_type = np.dtype(f"<u{self.itemsize}")
         carry = np.empty(0, np.uint8)
