@@ -106,7 +106,7 @@ def test_a_good_and_a_bad_model_leave_nothing(tmp_path, cli):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(weightshare.WeightshareError, match="b_bad.onnx"):
-        weightshare.api.convert_many(weightshare.api.expand_inputs([src]), out)
+        weightshare.api.convert_many(weightshare.api._expand_inputs([src]), out)
     assert tree(out) == {"keep.txt": hashlib.sha256(b"mine").hexdigest()}
 
 

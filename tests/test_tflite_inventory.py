@@ -7,13 +7,16 @@ After: the original reports the fp16 DEQUANTIZE copies; the converted models are
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 from tflite_fixtures import sample_model
 
-import weightshare.check as check_mod
 import weightshare.inventory as inventory_mod
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
+
+check_mod = importlib.import_module("weightshare.check")  # `import ... as` would give the function weightshare.check
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The Python API; the CLI is a thin layer over these functions.
+"""The Python API; the CLI is a thin layer over these functions (re-exported by ``weightshare``).
 
 Example:
     import weightshare
@@ -13,22 +13,40 @@ import os
 import resource
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
+from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .errors import OutputError, UsageError
 from .formats import Format, detect, model_suffixes
-from .options import ConvertOptions
+from .options import BLOB_GRACE_S, INLINE_THRESHOLD, ConvertOptions, Unpack
 from .paths import check_no_overlap
 from .pipeline import PreparedModel, blob_target, write_models
 from .report import ConversionReport, ZooReport
 
-ZOO_MARKER = ".weightshare-zoo.json"
+if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
+    from .findings import Finding
+    from .inventory import ModelInventory
+    from .verify import VerifyReport
+
+__all__ = [
+    "CheckReport",
+    "check",
+    "convert",
+    "convert_many",
+    "convert_zoo",
+    "inspect",
+    "merge",
+    "verify",
+]
+
+_ZOO_MARKER = ".weightshare-zoo.json"
 
 
-def reset_peak_rss() -> None:
+def _reset_peak_rss() -> None:
     """Start a new high-water mark, so that a report's peak is this conversion's (Linux >= 4.0; else a no-op)."""
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -37,7 +55,7 @@ def reset_peak_rss() -> None:
         pass
 
 
-def peak_rss_mib() -> float:
+def _peak_rss_mib() -> float:
     """This process's own peak RSS: VmHWM. Not getrusage's ru_maxrss, which a child inherits from the parent
     that forked it (a converter started by a 1.7 GB parent reported 1708 MiB while /proc showed 73 MiB)."""
     try:
@@ -50,7 +68,7 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def prepare_out_dir(out_dir: str | os.PathLike[str], tx: OutputTransaction | None = None) -> Path:
+def _prepare_out_dir(out_dir: str | os.PathLike[str], tx: OutputTransaction | None = None) -> Path:
     """Create OUTDIR (removed again if the run fails and it stays empty) and remove stale temporaries in it."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -66,7 +84,7 @@ def prepare_out_dir(out_dir: str | os.PathLike[str], tx: OutputTransaction | Non
     return out
 
 
-def check_input(src: Path) -> None:
+def _check_input(src: Path) -> None:
     """Refuse what cannot be a model before opening it: a FIFO or device would block or never end."""
     try:
         st = os.stat(src)
@@ -82,15 +100,83 @@ _Timed = TypeVar("_Timed", ConversionReport, ZooReport)
 
 def _finish(report: _Timed, start: float) -> _Timed:
     report.wall_time_s = round(time.perf_counter() - start, 3)
-    report.peak_rss_mib = round(peak_rss_mib(), 1)
+    report.peak_rss_mib = round(_peak_rss_mib(), 1)
     return report
 
 
 def convert(
-    model: str | os.PathLike[str], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: ConvertOptions | None = None,
+    *,
+    prepack: bool = False,
+    unpack: Iterable[str] = (),
+    keep_packed: bool = False,
+    external: bool = False,
+    blob: str | None = None,
+    blob_grace: float = BLOB_GRACE_S,
+    align: int = LARGE_ALIGN,
+    align_threshold: int = ALIGN_THRESHOLD,
+    inline_threshold: int = INLINE_THRESHOLD,
+    progress: Progress | None = None,
 ) -> ConversionReport:
-    """Convert one model into ``out_dir``; outputs appear all together or not at all."""
-    return convert_many([model], out_dir, options)[0]
+    """Convert one model into the directory ``out``; its outputs appear all together or not at all.
+
+    The keyword options are those of ``weightshare convert``; a ``ConvertOptions`` may be passed instead.
+
+    Args:
+        src: an ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) model; the format is told from its content.
+        out: output directory, created if missing.
+        options: all options as one ``ConvertOptions``; the keywords must then keep their defaults.
+        prepack: also store the runtime's pre-packed weights (``--prepack``; ONNX needs onnxruntime).
+        unpack: opt-in unpackings, ``Unpack`` values: ``"sparse"`` (TFLite), ``"ort-cpu"`` (ONNX).
+        keep_packed: do not unpack fp16 + Cast / DEQUANTIZE or typed protobuf fields (``--keep-packed``).
+        external: TFLite: write an external safetensors blob (``--external``).
+        blob: the blob's NAME, written as ``NAME.<digest12>.safetensors`` (default ``MODEL.weights``).
+        blob_grace: seconds an earlier blob no model references any more is kept for readers (``--blob-grace``).
+        align: alignment in bytes of payloads of at least ``align_threshold`` bytes (``--align``).
+        align_threshold: payload size from which ``align`` applies; smaller payloads are 64-byte aligned.
+        inline_threshold: payloads smaller than this many bytes stay inside the model file.
+        progress: called with a byte count as payload bytes are written.
+
+    Returns:
+        What was written and moved (``ConversionReport.outputs``, byte counts, time, peak RSS).
+
+    Raises:
+        InvalidModel: ``src`` is not a well-formed model.
+        UnsafePath: a path in the model leads outside its directory.
+        Unsupported: the model uses something weightshare does not handle.
+        UsageError: contradicting options, an output onto the input, a folder (see ``convert_folder``).
+        OutputError: writing failed (disk full, permissions); nothing was left behind.
+
+    Example:
+        >>> report = weightshare.convert("model.onnx", "out/", prepack=True)
+        >>> report.outputs
+        ['out/model.onnx', 'out/model.weights.1f2e3d4c5b6a.safetensors']
+    """
+    opts = _options(
+        options,
+        ConvertOptions(
+            align=AlignPolicy(large=align, threshold=align_threshold),
+            inline_threshold=inline_threshold,
+            keep_packed=keep_packed,
+            unpack=frozenset(u.value if isinstance(u, Unpack) else str(u) for u in unpack),
+            blob_name=blob,
+            blob_grace_s=blob_grace,
+            external=external,
+            prepack=prepack,
+            progress=progress,
+        ),
+    )
+    return convert_many([src], out, opts)[0]
+
+
+def _options(options: ConvertOptions | None, from_keywords: ConvertOptions) -> ConvertOptions:
+    if options is None:
+        return from_keywords
+    if from_keywords != ConvertOptions():
+        raise UsageError("pass the options either as a ConvertOptions or as keywords, not both")
+    return options
 
 
 def convert_many(
@@ -100,6 +186,22 @@ def convert_many(
 
     Refused before anything is written: two inputs whose outputs would have the same path,
     an output onto an input, and an output inside an input (.mlpackage).
+
+    Args:
+        models: model files or .mlpackage directories (each as ``convert``'s ``src``).
+        out_dir: output directory, created if missing; every model is written into it by its file name.
+        options: the options, as ``convert`` takes them (``ConvertOptions.blob_name`` needs a single model).
+
+    Returns:
+        One ``ConversionReport`` per model, in order.
+
+    Raises:
+        WeightshareError: any of ``convert``'s errors, for the first model that has one; nothing is written.
+
+    Example:
+        >>> reports = weightshare.convert_many(["a.onnx", "b.tflite"], "out/")
+        >>> [r.outputs[0] for r in reports]
+        ['out/a.onnx', 'out/b.tflite']
     """
     options = options or ConvertOptions()
     sources = [Path(m) for m in models]
@@ -110,13 +212,13 @@ def convert_many(
     out = Path(out_dir)
     _check_outputs(sources, [out / s.name for s in sources])
     for s in sources:
-        check_input(s)
+        _check_input(s)
     formats = [detect(s) for s in sources]
     start = time.perf_counter()
-    reset_peak_rss()
+    _reset_peak_rss()
     reports = []
     with OutputTransaction() as tx:
-        prepare_out_dir(out, tx)
+        _prepare_out_dir(out, tx)
         for src, fmt in zip(sources, formats):
             t0 = time.perf_counter()
             reports.append(_finish(_convert_one(fmt, src, out, options, tx), t0))
@@ -152,7 +254,7 @@ def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:
     check_no_overlap(sources, outputs)
 
 
-def expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+def _expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
     """Files as given; directories by their models (sorted); unexpanded globs expanded."""
     import glob
 
@@ -179,7 +281,7 @@ class _DropRemovedModels(CommitHook):
 
     def before(self) -> None:
         try:
-            self.old = list(json.loads((self.out / ZOO_MARKER).read_text()).get("models", []))
+            self.old = list(json.loads((self.out / _ZOO_MARKER).read_text()).get("models", []))
         except (OSError, ValueError, AttributeError):
             self.old = []
 
@@ -205,17 +307,38 @@ def convert_zoo(
     and every model are committed in one transaction, each model by one rename: a reader opening
     a model sees the old one with the old blob or the new one with the new blob. Models of the
     previous zoo that are not in this one are removed; the old blob stays for the grace period.
+
+    Args:
+        models: model files, folders (their models, not their subfolders) or globs; ONNX, or TFLite with
+            ``ConvertOptions(external=True)``.
+        out_dir: the zoo directory: new, empty, or written by an earlier ``convert_zoo``.
+        shared_blob: the blob's NAME (``--shared-blob``).
+        options: the options, as ``convert`` takes them; ``prepack`` is refused (a prepacked model needs its
+            own blob).
+
+    Returns:
+        A ``ZooReport``: the blob, each model's report, and the totals that show the deduplication.
+
+    Raises:
+        UsageError: no models, ``out_dir`` not a zoo, an input inside ``out_dir``, ``prepack``, a folder with
+            models in subfolders.
+        WeightshareError: any of ``convert``'s errors; nothing is written.
+
+    Example:
+        >>> zoo = weightshare.convert_zoo(["a.onnx", "b.onnx"], "zoo/", "shared")
+        >>> zoo.blob
+        'zoo/shared.0a1b2c3d4e5f.safetensors'
     """
     options = options or ConvertOptions()
     if options.prepack:
         raise UsageError("--prepack and --shared-blob exclude each other (a prepacked model needs its own blob)")
-    sources = expand_inputs(models)
+    sources = _expand_inputs(models)
     if not sources:
         raise UsageError("no models to convert")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError("output must be a directory", out)
-    if out.exists() and any(out.iterdir()) and not (out / ZOO_MARKER).exists():
+    if out.exists() and any(out.iterdir()) and not (out / _ZOO_MARKER).exists():
         raise UsageError(
             "output directory is not empty and was not written by --shared-blob; choose an empty or new directory", out
         )
@@ -224,20 +347,20 @@ def convert_zoo(
             raise UsageError("an input lies in the output directory, which is rewritten as a whole", s)
     _check_outputs(sources, [out / s.name for s in sources])
     for s in sources:
-        check_input(s)
+        _check_input(s)
     target = blob_target(None, out, shared_blob)
     start = time.perf_counter()
-    reset_peak_rss()
+    _reset_peak_rss()
     with OutputTransaction() as tx:
-        prepare_out_dir(out, tx)
-        prepared = [prepare_for_blob(src, out, options) for src in sources]
+        _prepare_out_dir(out, tx)
+        prepared = [_prepare_for_blob(src, out, options) for src in sources]
         for p, src in zip(prepared, sources):
             p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
         write_models(prepared, out, target, options, tx)
         blob = next((o for p in prepared for o in p.report.outputs if o.endswith(".safetensors")), "")
         report = ZooReport(blob=blob, models=[p.report for p in prepared], blob_bytes=prepared[0].report.blob_bytes)
         names = [s.name for s in sources]
-        marker = tx.new_file(out / ZOO_MARKER)
+        marker = tx.new_file(out / _ZOO_MARKER)
         marker.write_text(json.dumps({"blob": Path(blob).name, "models": names}, indent=1) + "\n")
         tx.add_hook(_DropRemovedModels(out, names))
     _finish(report, start)
@@ -246,7 +369,7 @@ def convert_zoo(
     return report
 
 
-def prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+def _prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     """A format's prepare step for a shared blob (ONNX; TFLite with --external)."""
     return detect(src).prepare(src, out_dir, options)
 
@@ -258,7 +381,26 @@ def merge(
     default_function: str | None = None,
     options: ConvertOptions | None = None,
 ) -> ConversionReport:
-    """Merge Core ML packages into one multifunction .mlpackage, streaming the weights."""
+    """Merge Core ML packages into one multifunction .mlpackage, storing each distinct weight once.
+
+    Args:
+        sources: Core ML .mlpackage directories (a multifunction source contributes all its functions).
+        out: the output .mlpackage.
+        function_names: a function name for each source, in order (default: each source's stem).
+        default_function: the function run by default (default: the first).
+        options: ``ConvertOptions``; only ``align`` and the progress callbacks apply.
+
+    Returns:
+        The ``ConversionReport`` of the merged package.
+
+    Raises:
+        InvalidModel: a source is not a well-formed Core ML package.
+        UsageError: duplicate or unknown function names, an output onto or inside a source.
+        OutputError: writing failed; nothing was left behind.
+
+    Example:
+        >>> weightshare.merge(["small.mlpackage", "large.mlpackage"], "both.mlpackage", ["small", "large"])
+    """
     from .formats.coreml import merge as coreml_merge
 
     options = options or ConvertOptions()
@@ -266,10 +408,116 @@ def merge(
     paths = [Path(s) for s in sources]
     check_no_overlap(paths, [out])
     for s in paths:
-        check_input(s)
+        _check_input(s)
     start = time.perf_counter()
-    reset_peak_rss()
+    _reset_peak_rss()
     with OutputTransaction() as tx:
-        prepare_out_dir(out.parent if str(out.parent) else Path("."), tx)
+        _prepare_out_dir(out.parent if str(out.parent) else Path("."), tx)
         report = coreml_merge.merge_packages(paths, list(function_names or []), default_function, out, options, tx)
     return _finish(report, start)
+
+
+@dataclass
+class CheckReport:
+    """The verdict of ``check``: ``ok`` when no finding fails the gate."""
+
+    ok: bool
+    models: list[ModelInventory] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+
+def inspect(model: str | os.PathLike[str], *, hash_payloads: bool = True) -> ModelInventory:
+    """Every weight payload of a model: where it lives, its encoding and alignment, what each runtime copies.
+
+    Args:
+        model: an ONNX, TFLite or Core ML model.
+        hash_payloads: hash every payload (duplicates, and checks against the digests a blob records).
+
+    Returns:
+        The ``ModelInventory``; ``check`` turns it into findings.
+
+    Raises:
+        InvalidModel: the model cannot be read.
+        Unsupported: not a model of a known format.
+
+    Example:
+        >>> inv = weightshare.inspect("out/model.onnx")
+        >>> inv.copied_per_session, inv.external_files
+        (0, ['model.weights.1f2e3d4c5b6a.safetensors'])
+    """
+    from .inventory import inventory
+
+    return inventory(model, hash_payloads=hash_payloads)
+
+
+def check(
+    models: Sequence[str | os.PathLike[str]], *, inline_threshold: int = INLINE_THRESHOLD, strict: bool = False
+) -> CheckReport:
+    """The CI gate: whether every model is share-ready (``weightshare check``).
+
+    Args:
+        models: model files, folders (searched recursively) or globs.
+        inline_threshold: embedded payloads below this many bytes are fine.
+        strict: warnings fail the gate too (copies that only a runtime's default setting makes).
+
+    Returns:
+        A ``CheckReport``: ``ok``, each model's inventory and every finding (``Finding.line()`` for one line).
+
+    Raises:
+        UsageError: no model found.
+
+    Example:
+        >>> result = weightshare.check(["out/"])
+        >>> result.ok, [f.line() for f in result.findings]
+        (True, [])
+    """
+    from .check import check as run_check
+    from .check import find_models
+    from .findings import Severity
+
+    paths = find_models(models)
+    if not paths:
+        raise UsageError("no models found")
+    inventories, findings = run_check(paths, inline_threshold)
+    ok = not any(strict or f.severity == Severity.ERROR for f in findings)
+    return CheckReport(ok, inventories, findings)
+
+
+def verify(
+    original: str | os.PathLike[str],
+    converted: str | os.PathLike[str],
+    *,
+    runs: int = 3,
+    dims: dict[str, int] | None = None,
+    shapes: dict[str, list[int]] | None = None,
+    inputs: dict[str, Any] | None = None,
+    seed: int = 0,
+) -> VerifyReport:
+    """Run both models in the real runtime on the same inputs; pass only if every output is byte-identical.
+
+    Also re-hashes every blob payload against its recorded digest. Core ML (no runtime on Linux): the weights
+    must decode to the same bytes and the programs must match op for op.
+
+    Args:
+        original: the model before conversion.
+        converted: the converted model.
+        runs: runs with different seeded random inputs.
+        dims: value of a symbolic input dimension by name; ``"*"`` sets every other dynamic dimension.
+        shapes: TFLite: the full shape of an input with dynamic dims, by input name.
+        inputs: real values (numpy arrays) for inputs, by name, used in every run.
+        seed: seed of the random inputs of the first run.
+
+    Returns:
+        A ``VerifyReport``; ``passed`` is the verdict, ``mismatches`` and ``checksum_mismatches`` say why not.
+
+    Raises:
+        OriginalFails: the original itself does not run with these inputs.
+        UsageError: the two models are not of the same format, ``runs`` < 1.
+
+    Example:
+        >>> weightshare.verify("model.onnx", "out/model.onnx", runs=2).passed
+        True
+    """
+    from .verify import verify as run_verify
+
+    return run_verify(original, converted, runs, dims, seed, inputs, shapes)

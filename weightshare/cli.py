@@ -300,7 +300,7 @@ def convert(
             elif not quiet(False):
                 render_zoo(zoo)
             return
-        models = api.expand_inputs(models)
+        models = api._expand_inputs(models)
         if not models:
             fail("no models to convert (empty directory, or a glob that matched nothing)")
         if blob is not None and len(models) > 1:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 
+__all__ = ["InvalidModel", "OutputError", "UnsafePath", "Unsupported", "UsageError", "WeightshareError"]
+
 
 class WeightshareError(Exception):
     """Base class. ``path`` names the file the problem is in (may be None)."""

@@ -31,6 +31,8 @@ class _StrEnum(str, Enum):
 
 
 class Severity(_StrEnum):
+    """An error fails ``check``; a warning (a copy that a runtime setting avoids) fails it only with --strict."""
+
     ERROR = "error"
     WARNING = "warning"
 
@@ -147,6 +149,8 @@ CODES: dict[Code, CodeInfo] = {
 
 @dataclass
 class Finding:
+    """One problem ``check`` found: which code, in which file (and tensor), and the fix."""
+
     code: Code
     severity: Severity
     file: str  # the model (or package) the finding is about

@@ -8,6 +8,8 @@ from enum import Enum
 
 from .blob import AlignPolicy
 
+__all__ = ["BLOB_GRACE_S", "INLINE_THRESHOLD", "ConvertOptions", "Unpack"]
+
 BLOB_GRACE_S = 600.0  # an unreferenced old blob stays this long: readers that opened the old model still find it
 INLINE_THRESHOLD = 1024  # payloads below this stay inside the model file: a page of padding would cost more
 
@@ -21,7 +23,8 @@ class Unpack(str, Enum):
 
 @dataclass
 class ConvertOptions:
-    """
+    """Every option of a conversion, as one value (``weightshare.convert`` also takes them as keywords).
+
     Args:
         align: payload alignment (``--align``, ``--align-threshold``).
         inline_threshold: payloads smaller than this many bytes stay inline.
@@ -31,12 +34,14 @@ class ConvertOptions:
         blob_grace_s: an earlier blob that no model in OUTDIR references any more is removed by a later
             run once it has been unreferenced this many seconds (``--blob-grace``).
         external: TFLite only: write an external safetensors blob instead of appending.
-        prepack: also write the runtime's pre-packed weights beside the model (TFLite: an XNNPACK weight cache
-            bound to the model's content, see ``weightshare.litert``).
+        prepack: also store the runtime's pre-packed weights. ONNX: ONNX Runtime's pre-packed MatMul/Gemm
+            weights and NCHWc-reordered Conv weights in the blob, so default-option sessions share them;
+            TFLite: an XNNPACK weight cache bound to the model's content (see ``weightshare.litert``).
         progress: called with a byte count as payload bytes are written (for progress bars).
-        prepack (ONNX): also store ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc-reordered Conv
-            weights in the blob, so default-option sessions share them (TFLite: the XNNPACK weight cache).
         progress_total: called once with the payload bytes a converter is about to write.
+
+    Example:
+        >>> weightshare.convert("model.onnx", "out/", ConvertOptions(unpack=frozenset({"ort-cpu"})))
     """
 
     align: AlignPolicy = field(default_factory=AlignPolicy)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+__all__ = ["ConversionReport", "JsonDict", "ZooReport"]
+
 # A JSON object as ``json.dumps`` takes it: values are numbers, strings, lists and nested objects.
 JsonDict = dict[str, Any]
 

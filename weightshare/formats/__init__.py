@@ -23,6 +23,7 @@ __all__ = [
     "model_suffixes",
     "register",
     "registered",
+    "unregister",
 ]
 
 # Asked in this order: a format that recognises its content by a magic number comes before one that
@@ -32,23 +33,56 @@ _registry: list[Format] = []
 
 
 def registered() -> list[Format]:
+    """The formats ``detect`` asks, in order (the built-in ones are imported on first use).
+
+    Returns:
+        The registry itself: a list of ``Format`` objects.
+
+    Example:
+        >>> [f.name for f in registered()]
+        ['tflite', 'coreml', 'onnx']
+    """
     if not _registry:
         _registry.extend(importlib.import_module(f"{__name__}.{name}").FORMAT for name in _BUILTIN)
     return _registry
 
 
 def register(fmt: Format, first: bool = False) -> None:
-    """Add a format (e.g. a plug-in or a test's toy format); ``first`` asks it before the built-in ones."""
+    """Add a format (e.g. a plug-in or a test's toy format), replacing a registered one of the same name.
+
+    Args:
+        fmt: an object satisfying ``Format``.
+        first: ask it before the built-in formats (for a format that claims files by content).
+
+    Example:
+        >>> register(ToyFormat(), first=True)
+    """
     formats = registered()
     formats[:] = [f for f in formats if f.name != fmt.name]
     formats.insert(0 if first else len(formats), fmt)
 
 
 def unregister(name: str) -> None:
+    """Remove the format called ``name`` (nothing happens when none is registered).
+
+    Args:
+        name: the format's ``name``.
+    """
     registered()[:] = [f for f in registered() if f.name != name]
 
 
 def get(name: str) -> Format:
+    """The registered format called ``name``.
+
+    Args:
+        name: e.g. ``"onnx"``.
+
+    Returns:
+        The ``Format``.
+
+    Raises:
+        Unsupported: no format has that name.
+    """
     for fmt in registered():
         if fmt.name == name:
             return fmt
@@ -56,6 +90,11 @@ def get(name: str) -> Format:
 
 
 def model_suffixes() -> tuple[str, ...]:
+    """What a directory walk picks up as models.
+
+    Returns:
+        Every registered format's model suffixes, e.g. ``(".tflite", ".mlpackage", ".onnx")``.
+    """
     return tuple(s for fmt in registered() for s in fmt.suffixes)
 
 
@@ -71,7 +110,18 @@ def _head(path: Path) -> bytes:
 
 
 def detect(path: Path) -> Format:
-    """Tell the format from the file itself, falling back to the suffix; never trust only the name."""
+    """Tell the format from the file itself, falling back to the suffix; never trust only the name.
+
+    Args:
+        path: a model file or package directory.
+
+    Returns:
+        The first registered ``Format`` that claims it.
+
+    Raises:
+        InvalidModel: no such file, not a regular file, or a directory that is not a model package.
+        Unsupported: no format claims it.
+    """
     path = Path(path)
     head = _head(path)
     for fmt in registered():
@@ -84,8 +134,31 @@ def detect(path: Path) -> Format:
 
 
 def detect_format(path: Path) -> str:
+    """``detect(path).name``.
+
+    Args:
+        path: a model file or package directory.
+
+    Returns:
+        The format's name.
+
+    Raises:
+        InvalidModel: as ``detect``.
+        Unsupported: as ``detect``.
+    """
     return detect(path).name
 
 
 def converter(name: str) -> Callable[..., object]:
+    """``get(name).convert``.
+
+    Args:
+        name: a format's name.
+
+    Returns:
+        The format's ``convert`` method.
+
+    Raises:
+        Unsupported: no format has that name.
+    """
     return get(name).convert

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     from ..report import ConversionReport
     from ..verify import VerifyReport
 
+__all__ = ["BenchRuntime", "Format"]
+
 
 @dataclass(frozen=True)
 class BenchRuntime:
@@ -40,6 +42,8 @@ class BenchRuntime:
 
 
 class Format(Protocol):
+    """What a format folder's ``FORMAT`` provides; ``tests/toyformat`` is a complete worked example."""
+
     name: str  # "onnx", "tflite", "coreml": in reports and --json
     suffixes: tuple[str, ...]  # what a directory walk picks up as models of this format
 
