@@ -19,6 +19,8 @@ from typing import Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
+from typer._click import core as click_core
+from typer.core import TyperCommand, TyperGroup
 from rich.table import Table
 
 from . import api
@@ -27,13 +29,36 @@ from .errors import WeightshareError
 from .options import INLINE_THRESHOLD, ConvertOptions, Unpack
 from .report import ConversionReport, JsonDict, ZooReport
 
+
+
+def _flags_without_placeholder(command: click_core.Command, ctx: click_core.Context) -> None:
+    """typer prints a ``<bool>`` type beside every flag, which takes no value: show none (an empty metavar)."""
+    for param in [*command.get_params(ctx)]:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
+
+class _Command(TyperCommand):
+    def format_help(self, ctx: click_core.Context, formatter: Any) -> None:
+        _flags_without_placeholder(self, ctx)
+        super().format_help(ctx, formatter)
+
+
+class _Group(TyperGroup):
+    def format_help(self, ctx: click_core.Context, formatter: Any) -> None:
+        _flags_without_placeholder(self, ctx)
+        super().format_help(ctx, formatter)
+
+
 # markdown: docstring paragraphs are reflowed to the terminal width (rich mode kept their hard line breaks, which
-# then wrapped again into ragged one-word lines)
+# then wrapped again into ragged one-word lines). Help text with <angle brackets> puts them in `code spans`:
+# markdown takes a bare <digest12> for an HTML tag and drops it.
 app = typer.Typer(
-    add_completion=False,
+    cls=_Group,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
     help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
     "shared by every session, interpreter, function and process.",
 )
@@ -205,7 +230,7 @@ def convert(
         None,
         "--blob",
         help="Blob name inside OUTDIR: the blob is written as "
-        "NAME.<digest12>.safetensors, digest of its content (default NAME: "
+        "`NAME.<digest12>.safetensors`, digest of its content (default NAME: "
         "MODEL.weights).",
     ),
     blob_grace: float = typer.Option(
@@ -257,7 +282,7 @@ def convert(
         None,
         "--shared-blob",
         help="Zoo mode: every model in OUTDIR "
-        "references this one blob (NAME.<digest12>.safetensors); identical "
+        "references this one blob (`NAME.<digest12>.safetensors`); identical "
         "payloads are stored once. Models are swapped in one by one, each "
         "with its blob. TFLite models join with --external.",
     ),
@@ -717,6 +742,11 @@ def demo(
         f"{result['ratio_prepacked']:.2f}x  ({result['prepacked']}, outputs equal: "
         f"{result['prepacked_outputs_equal']})"
     )
+
+
+for _info in app.registered_commands:  # every command renders its help like the group (see _Command)
+    if _info.cls in (None, TyperCommand):
+        _info.cls = _Command
 
 
 def main() -> None:
