@@ -198,7 +198,7 @@ def _reference_header(blob) -> bytes:
             "shape": list(t.st_shape),
             "data_offsets": [begin, begin + stored.entry.nbytes],
         }
-        kind, value = split_digest(stored.entry.sha256)
+        kind, value = split_digest(stored.entry.digest)
         meta[t.st_name] = {kind: value, "aliases": stored.aliases}
         cursor = begin + stored.entry.nbytes
     tensors["__metadata__"] = {"format": "weightshare", "weightshare.payloads": json.dumps(meta, separators=(",", ":"))}

@@ -117,7 +117,7 @@ def digest_of(chunks: Iterable[bytes | memoryview], kind: str | None = None) -> 
 class BlobEntry:
     offset: int  # absolute offset of the payload's first byte in the file
     nbytes: int
-    sha256: str  # the payload's ``tagged`` digest (BLAKE3 by default; the name predates it)
+    digest: str  # the payload's ``tagged`` digest: "blake3:<hex>" by default, bare hex for SHA-256
     prefix_offset: int | None = None  # where the caller's per-payload record goes, if any
     duplicate: bool = False  # True when these bytes were already stored (offset is the first copy's)
 

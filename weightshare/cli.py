@@ -19,9 +19,8 @@ from typing import Any, Literal, NoReturn
 
 import typer
 from rich.console import Console
-from typer._click import core as click_core
-from typer.core import TyperCommand, TyperGroup
 from rich.table import Table
+from typer.core import TyperCommand, TyperGroup
 
 from . import api
 from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
@@ -30,8 +29,7 @@ from .options import INLINE_THRESHOLD, ConvertOptions, Unpack
 from .report import ConversionReport, JsonDict, ZooReport
 
 
-
-def _flags_without_placeholder(command: click_core.Command, ctx: click_core.Context) -> None:
+def _flags_without_placeholder(command: TyperCommand | TyperGroup, ctx: Any) -> None:
     """typer prints a ``<bool>`` type beside every flag, which takes no value: show none (an empty metavar)."""
     for param in [*command.get_params(ctx)]:
         if getattr(param, "is_flag", False) and param.metavar is None:
@@ -39,13 +37,13 @@ def _flags_without_placeholder(command: click_core.Command, ctx: click_core.Cont
 
 
 class _Command(TyperCommand):
-    def format_help(self, ctx: click_core.Context, formatter: Any) -> None:
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # typer._click types: not public
         _flags_without_placeholder(self, ctx)
         super().format_help(ctx, formatter)
 
 
 class _Group(TyperGroup):
-    def format_help(self, ctx: click_core.Context, formatter: Any) -> None:
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # typer._click types: not public
         _flags_without_placeholder(self, ctx)
         super().format_help(ctx, formatter)
 

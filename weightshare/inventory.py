@@ -102,7 +102,7 @@ def alignment_of(offset: int | None) -> int | None:
     return min(offset & -offset, 1 << 20)
 
 
-def sha256_of(source: PayloadSource, like: str = "") -> str:
+def payload_digest(source: PayloadSource, like: str = "") -> str:
     """The payload's digest, SHA-256 unless ``like`` (a recorded digest) names another kind ("blake3:..."),
     so that it can be compared with that recorded digest."""
 

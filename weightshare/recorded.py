@@ -60,11 +60,11 @@ def recorded_payloads(path: str) -> dict[tuple[int, int], str]:
 
 @dataclass
 class CheckedSource:
-    """``inner``'s bytes, unchanged; raises InvalidModel naming ``tensor`` if they do not hash to ``sha256`` (a
+    """``inner``'s bytes, unchanged; raises InvalidModel naming ``tensor`` if they do not hash to ``digest`` (a
     tagged digest: the kind the blob recorded)."""
 
     inner: PayloadSource
-    sha256: str
+    digest: str
     tensor: str
     path: str  # the blob, for the message
     _seen: int = field(default=0, repr=False)
@@ -74,12 +74,12 @@ class CheckedSource:
         return self.inner.nbytes
 
     def chunks(self, chunk_size: int = CHUNK_SIZE) -> Iterator[memoryview]:
-        kind, expected = split_digest(self.sha256)
-        digest = new_hasher(kind)
+        kind, expected = split_digest(self.digest)
+        hasher = new_hasher(kind)
         for chunk in self.inner.chunks(chunk_size):
-            digest.update(chunk)
+            hasher.update(chunk)
             yield chunk
-        if digest.hexdigest() != expected:
+        if hasher.hexdigest() != expected:
             raise InvalidModel(
                 f"tensor {self.tensor!r}: its bytes no longer match the {kind} digest weightshare "
                 "recorded when it wrote this blob (modified since?); refusing to re-convert it",

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 
 from ...errors import InvalidModel, UnsafePath, WeightshareError
 from ...findings import problem_code
-from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
+from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
 from .convert import MAX_DEPTH
 from .milblob import BlobRecord, WeightFile
@@ -203,7 +203,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         if hash_payloads:
             key = (file, rec.offset)
             if key not in hashes:
-                hashes[key] = sha256_of(source)
+                hashes[key] = payload_digest(source)
             info.sha256 = hashes[key]
             first = stored.setdefault((rec.dtype, rec.padding_bits, rec.nbytes, info.sha256), key)
             info.would_move = info.would_move or first != key  # the same bytes stored twice: convert keeps one

@@ -221,15 +221,15 @@ class WeightFileWriter:
                     progress(source.nbytes)
                 return BlobEntry(known, source.nbytes, expected, known, duplicate=True)
         entry = self.blob.add(source, tag=tag, prefix_size=RECORD_SIZE, prefix_align=RECORD_ALIGN, progress=progress)
-        if entry.duplicate or expected not in (None, entry.sha256):
+        if entry.duplicate or expected not in (None, entry.digest):
             raise InvalidModel("weight data changed while it was being read", getattr(source, "path", None))
         record_at = entry.prefix_offset
         assert record_at is not None  # set whenever prefix_size is
         self._lengths.add((tag, source.nbytes))
-        self._seen[(tag, source.nbytes, entry.sha256)] = record_at
+        self._seen[(tag, source.nbytes, entry.digest)] = record_at
         self.blob.pwrite(pack_record(rec.dtype, entry.nbytes, entry.offset, rec.padding_bits), record_at)
         self.count += 1
-        return BlobEntry(record_at, entry.nbytes, entry.sha256, record_at)
+        return BlobEntry(record_at, entry.nbytes, entry.digest, record_at)
 
     def finish(self) -> int:
         """Write the header with the final count and fix the file length; return it."""

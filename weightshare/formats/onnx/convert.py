@@ -133,7 +133,7 @@ class _SignallingNanProbe:
     def keeps_bits(self, ref: TensorRef) -> bool:
         if ref.data_type != dtypes.FLOAT16:
             return True
-        if ref.typed or ref.recorded_sha256 is not None or not all(isinstance(p, FileRange) for p in ref.parts):
+        if ref.typed or ref.recorded_digest is not None or not all(isinstance(p, FileRange) for p in ref.parts):
             return not dtypes.fp16_has_signalling_nan(ref.native_source().chunks())
         return not dtypes.fp16_has_signalling_nan(self._raw_chunks(ref.parts))
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from ...errors import UnsafePath, WeightshareError
 from ...findings import Code, problem_code
-from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
+from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
 from ...recorded import recorded_payloads
 from ...tensors import FileRange
@@ -176,5 +176,5 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         if info.location == "external" and info.file in sums and info.offset is not None:
             info.recorded_sha256 = sums[info.file].get((info.offset, info.nbytes), "")
     for info, source in to_hash:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
-        info.sha256 = sha256_of(source, info.recorded_sha256)
+        info.sha256 = payload_digest(source, info.recorded_sha256)
     return inv

@@ -92,7 +92,7 @@ class TensorRef:
         return self.table.path
 
     @property
-    def recorded_sha256(self) -> str | None:  # the digest weightshare recorded for these bytes, when it wrote them
+    def recorded_digest(self) -> str | None:  # the digest weightshare recorded for these bytes, when it wrote them
         return self.table.recorded.get(self.index)
 
     @property
@@ -111,7 +111,7 @@ class TensorRef:
         """The payload as raw little-endian bytes, the form external data and raw_data hold."""
         parts = self.parts
         inner: PayloadSource = ConcatSource(parts) if len(parts) != 1 else parts[0]
-        recorded = self.recorded_sha256
+        recorded = self.recorded_digest
         if recorded is not None:
             inner = CheckedSource(inner, recorded, self.name, parts[0].path)
         if not self.typed:

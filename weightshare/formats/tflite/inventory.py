@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from ...errors import UnsafePath, WeightshareError
 from ...findings import Code, problem_code
-from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
+from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
 from ...paths import resolve_inside
 from ...recorded import recorded_payloads
@@ -157,7 +157,7 @@ def _external_payloads(graph: schema.ModelT, path: Path, inv: ModelInventory, ha
                 checksums.update({(name, *at): digest for at, digest in recorded_payloads(str(file)).items()})
             info.recorded_sha256 = checksums.get((name, ext.offset, ext.length), "")
             if hash_payloads:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
-                info.sha256 = sha256_of(source, info.recorded_sha256)
+                info.sha256 = payload_digest(source, info.recorded_sha256)
         inv.payloads.append(info)
     inv.external_files.sort()
 
@@ -213,7 +213,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.copy_reason = "weights packed by XNNPACK per interpreter"
             info.copy_code = Code.XNNPACK_PACK_COPY.value
         if hash_payloads:
-            info.sha256 = sha256_of(ref.source(str(path)))
+            info.sha256 = payload_digest(ref.source(str(path)))
         inv.payloads.append(info)
     _external_payloads(graph, path, inv, hash_payloads)
     if any(p.location == "external" and p.file == path.name for p in inv.payloads):
