@@ -50,9 +50,12 @@ def small(tmp_path_factory):
 
 def signalled(args, name: str, after_bytes: int, **kwargs) -> subprocess.Popen:
     """Start the CLI so that it sends itself signal ``name`` once ``after_bytes`` payload bytes are written."""
-    env = {**os.environ, "WEIGHTSHARE_TEST_SIGNAL": f"{name}:{after_bytes}"}
+    env = {**os.environ}
     env.pop("WEIGHTSHARE_DEBUG", None)
-    return start(args, env=env, **kwargs)
+    child = [sys.executable, str(Path(__file__).with_name("signal_child.py")), f"{name}:{after_bytes}"]
+    return subprocess.Popen(
+        [*child, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kwargs
+    )
 
 
 def temporaries(d: Path) -> list[str]:

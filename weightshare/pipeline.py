@@ -13,7 +13,6 @@ from __future__ import annotations
 import mmap
 import os
 import re
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypedDict
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from .blob import Progress, SafetensorsBlob
+from .blob import SafetensorsBlob
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
 from .paths import resolve_inside
@@ -71,7 +70,7 @@ def write_blob(
     planned = [p.tensor for m in models for p in m.payloads]
     prefixes = [m.name_prefix for m in models for _ in m.payloads] if any(m.name_prefix for m in models) else None
     tmp = tx.new_file(blob_path)
-    progress = _signal_hook(options.progress)
+    progress = options.progress
     try:
         fd = os.open(tmp, os.O_RDWR)
     except OSError as e:
@@ -93,29 +92,6 @@ def write_blob(
         raise
     finally:
         os.close(fd)
-
-
-def _signal_hook(progress: Progress | None) -> Progress | None:
-    """Test hook: ``WEIGHTSHARE_TEST_SIGNAL=NAME:BYTES`` sends signal NAME to this process once BYTES are written.
-
-    The interrupt and kill tests need to land mid-write deterministically; timing a signal from outside
-    either misses the write on a fast machine or fires before Python has started on a slow one.
-    """
-    spec = os.environ.get("WEIGHTSHARE_TEST_SIGNAL")
-    if not spec:
-        return progress
-    name, _, after = spec.partition(":")
-    signum, threshold, seen = getattr(signal, name), int(after or 0), [0, False]
-
-    def hook(n: int) -> None:
-        seen[0] += n
-        if not seen[1] and seen[0] >= threshold:
-            seen[1] = True
-            os.kill(os.getpid(), signum)
-        if progress is not None:
-            progress(n)
-
-    return hook
 
 
 def write_models(
