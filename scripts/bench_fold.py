@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: fold/plan/emit cost in the number of tensors (issue 15).
+"""Benchmark: fold/plan/emit cost in the number of tensors.
 
 Builds a model with N fp16 initializers of 8 KiB (4096 elements) each behind its own Cast(to=FLOAT),
 chained by Add, and times, each in a fresh child process:

@@ -1,4 +1,4 @@
-"""Input files are opened once and read through the kept fd (issue 10 item 4: TOCTOU on external data).
+"""Input files are opened once and read through the kept fd (TOCTOU on external data).
 
 The swap happens at a deterministic point: right after the path check (``resolve_inside``) returns, the test
 replaces the checked file (or a directory on its way) with a symlink to a file outside the model directory.

@@ -1,4 +1,4 @@
-"""Issue 15: memory small in the number of tensors.
+"""Memory small in the number of tensors.
 
 A model of 20,000 small initializers is converted in a child process; the child's peak RSS may grow by at most
 40 MiB over what it held after importing everything. Measured (2-core VM, onnx 1.23, protobuf 7.36): +19 MiB with

@@ -2,7 +2,7 @@
 
 ``BlobWriter`` streams payloads into a file at aligned offsets, hashing each one
 chunk by chunk and storing identical payloads once. It knows nothing of any model
-format: ONNX and zoo conversion wrap it in ``SafetensorsBlob`` (DESIGN.md 4), the
+format: ONNX and zoo conversion wrap it in ``SafetensorsBlob``, the
 TFLite converter appends after its flatbuffer with it, and Core ML puts a 64-byte
 metadata record in front of each payload (``prefix_size``).
 
@@ -194,7 +194,7 @@ class BlobWriter:
         self.dedupe = dedupe
         self.chunk_size = chunk_size
         # One row per stored payload, in offset order, in flat arrays rather than an object each: 100,000s of
-        # payloads (issue 15). Raw digests, 32 bytes a row; prefix offsets only once a payload has a prefix.
+        # payloads. Raw digests, 32 bytes a row; prefix offsets only once a payload has a prefix.
         self._offsets = array("q")
         self._nbytes = array("q")
         self._digests = bytearray()
@@ -509,7 +509,7 @@ class PlannedTensor:
 class _Stored:
     planned: PlannedTensor
     entry: BlobEntry
-    more: list[str] | None = None  # aliases; most payloads have none: no empty list each (issue 15)
+    more: list[str] | None = None  # aliases; most payloads have none: no empty list each
 
     @property
     def aliases(self) -> list[str]:
@@ -573,7 +573,7 @@ class SafetensorsBlob:
         self.data_start = align_up(8 + self._header_bound(planned, self.metadata), max(policy.large, policy.small))
         self.writer = BlobWriter(fd, self.data_start, policy, dedupe)
         # By writer row (offset order): the tensor first stored there; by row, the names of later copies, for the
-        # few payloads that have any. A list of references, no object per payload (issue 15). A zero-length
+        # few payloads that have any. A list of references, no object per payload. A zero-length
         # payload has a row (and a header entry) of its own, at the offset the next payload starts at.
         self._planned: list[PlannedTensor] = []
         self._aliases: dict[int, list[str]] = {}

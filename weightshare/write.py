@@ -32,7 +32,7 @@ from .tensors import PayloadSource
 @dataclass(slots=True)
 class BlobPayload:
     """One payload for a container. A format with 100,000s of payloads may subclass it with ``__slots__`` and make
-    ``source`` a property, so that no source object exists before its payload is written (issue 15)."""
+    ``source`` a property, so that no source object exists before its payload is written."""
 
     tensor: PlannedTensor  # name, dtype, shape and size in the blob
     source: PayloadSource  # bytes in the runtime's native form

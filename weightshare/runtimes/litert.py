@@ -1,7 +1,7 @@
 """LiteRT (TFLite): interpreters that share weights, and their inputs.
 
 ``BUILTIN_WITHOUT_DEFAULT_DELEGATES`` keeps the XNNPACK delegate from packing
-weights into a private copy per interpreter (DESIGN.md 7).
+weights into a private copy per interpreter.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ONNX Runtime: sessions that share weights, and their memory.
 
 ``session.disable_prepacking=1``: without it MLAS pre-packs MatMul/Gemm weights
-into a private heap copy per session, which defeats any sharing (DESIGN.md 7).
+into a private heap copy per session, which defeats any sharing.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Core ML memory-maps weight.bin, so a payload is shared by every model instance and
 every function that references it; nothing is copied per load. What costs memory is
 building the package: coremltools' ``save_multifunction`` loads each source's weights
-(one full copy per function, DESIGN.md 1), which ``weightshare merge`` streams instead.
+(one full copy per function), which ``weightshare merge`` streams instead.
 
 A broken reference (missing weight file, a name outside the package, a bad record,
 an offset past the end) becomes ``PayloadInfo.problem``, a finding for ``check``;

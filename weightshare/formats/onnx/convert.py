@@ -63,8 +63,7 @@ def _source(ref: TensorRef, fold: bool) -> PayloadSource:
 
 
 class _Payload(BlobPayload):
-    """A ``BlobPayload`` that makes its source only when the blob asks for it: one small object per payload
-    (issue 15)."""
+    """A ``BlobPayload`` that makes its source only when the blob asks for it: one small object per payload."""
 
     __slots__ = ("fold", "index", "refs")
 
@@ -251,7 +250,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             probe.close()
     # What the blob needs of each external payload (ref index, fold, name), then the parsed model goes: while
     # the blob is written this model is its serialized skeleton, the ref table and one small object per
-    # payload (issue 15: 200,000 tensors). The names go into one buffer while the model lives (the conversion's
+    # payload (200,000 tensors). The names go into one buffer while the model lives (the conversion's
     # peak): a str object each only once the model is gone.
     ext_index, ext_fold, ext_names, name_ends = array("q"), bytearray(), bytearray(), array("q")
     for p in iter_plan(refs, sites, folded, shape_tensor_names(model), options):

@@ -1,7 +1,7 @@
 """Rewrites of the skeleton graph that let weights be shared.
 
 ``fold_fp16_casts``: ONNX Runtime constant-folds ``Cast(fp16 initializer -> float)``
-into a new fp32 heap tensor in every session (DESIGN.md 1). When every consumer
+into a new fp32 heap tensor in every session. When every consumer
 of an fp16/bf16 constant is such a Cast, we store the constant as fp32 instead
 and drop the Casts. fp16->fp32 and bf16->fp32 are exact for every value but
 signalling NaNs, which ORT's fp16 Cast quiets in its SIMD blocks and keeps in

@@ -17,7 +17,7 @@ class Site:
     ``name`` is the value name the graph knows it by (initializer name, Constant output, ...); ``kind`` is
     "initializer", "constant", "sparse", "sparse indices" or "attribute". An initializer's site keeps only its
     position in ``scope.initializer``: its tensor and name are looked up when asked for, so 200,000 sites hold
-    no protobuf wrapper and no name string each (issue 15).
+    no protobuf wrapper and no name string each.
     """
 
     __slots__ = ("_name", "_pos", "_tensor", "index", "kind", "node", "scope")
@@ -58,7 +58,7 @@ class SiteMap(Mapping[int, Site]):
 
     An initializer's site is two numbers (its scope, its position there) until asked for: the ``Site`` is then
     made afresh, its tensor and name read from the model, so 200,000 initializers cost no object each while the
-    parsed model lives (issue 15). Such a site's state is the model's: renaming one means renaming its tensor.
+    parsed model lives. Such a site's state is the model's: renaming one means renaming its tensor.
     """
 
     def __init__(self) -> None:

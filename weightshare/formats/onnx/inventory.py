@@ -3,7 +3,7 @@
 ONNX Runtime copies every embedded initializer into its own heap tensor per
 session, constant-folds Cast(fp16 -> float) of an initializer into a new fp32
 heap tensor per session, and decodes typed fields; external data at an offset it
-can map is shared (DESIGN.md 1).
+can map is shared.
 
 What ONNX Runtime 1.32 copies per session beyond that depends on the session
 settings; the rules below were measured (PSS of 1 vs 3 sessions, x86-64 AVX2,

@@ -55,7 +55,7 @@ class TensorRef:
     """One payload found by the scan: a view of row ``index`` of a ``RefTable``, made when asked for.
 
     The table keeps every payload's facts in flat arrays (about 80 bytes a tensor); a TensorRef, its
-    ``parts`` and its ``name`` exist only while a caller holds them (issue 15: 200,000 payloads).
+    ``parts`` and its ``name`` exist only while a caller holds them (200,000 payloads).
     """
 
     __slots__ = ("index", "table")
@@ -125,7 +125,7 @@ class TensorRef:
 
 
 class RefTable(Sequence["TensorRef"]):
-    """Every payload the scan found, column by column (issue 15: memory small in the number of tensors).
+    """Every payload the scan found, column by column (memory small in the number of tensors).
 
     A row is a data type, a field number, its dims (a slice of one flat array), one byte range of an input
     file and one wire range in the model, and where its name lies in the model file: about 80 bytes,
@@ -271,7 +271,7 @@ class Scanner:
         if kind == "tensor":
             return self._tensor(start, end)
         children = _CHILDREN[kind]
-        out: bytearray | None = None  # one growing buffer, not a list of 100,000s of pieces (issue 15)
+        out: bytearray | None = None  # one growing buffer, not a list of 100,000s of pieces
         copy_from = start
         for f in self.wf.fields(start, end):
             child = children.get(f.number)
@@ -466,7 +466,7 @@ class Scanner:
 
     def _open_external(self, target: Path, location: str, name: str) -> InputFile:
         """Open the checked path once (no symlink, regular file, still inside the model directory) and keep
-        the fd: the bytes copied are those of the file that passed the check (issue 10 item 4)."""
+        the fd: the bytes copied are those of the file that passed the check."""
         key = str(target)
         f = self._external.get(key)
         if f is None:
@@ -567,7 +567,7 @@ def place_markers(skeleton: bytes, entries: Callable[[int], bytes]) -> bytes:
 
     The same bytes as setting those entries on the parsed model and serializing it (the serializer writes
     fields in number order, so the entries sit exactly where the marker sat), without holding the parsed
-    model, its tensors or a Python object per tensor while the blob is written (issue 15).
+    model, its tensors or a Python object per tensor while the blob is written.
     """
     try:
         new = _place(skeleton, 0, len(skeleton), "model", entries, 0)
