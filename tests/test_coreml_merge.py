@@ -211,7 +211,7 @@ print(next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc for VmHWM")
 def test_peak_memory_does_not_grow_with_functions(tmp_path):
-    """DESIGN invariant 1: merge holds chunks, not payloads. 64 MiB of weights, merged 1x and 4x (four copies of
+    """Memory stays flat: merge holds chunks, not payloads. 64 MiB of weights, merged 1x and 4x (four copies of
     the package, so each one is read and hashed): coremltools' way would add ~64 MiB per function."""
     import shutil
     import subprocess
