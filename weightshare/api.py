@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import stat
 import time
 from collections.abc import Iterable, Sequence
@@ -65,6 +64,8 @@ def _peak_rss_mib() -> float:
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
+    import resource  # not on Windows, where nothing gets this far (require_posix)
+
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 

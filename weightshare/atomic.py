@@ -17,7 +17,6 @@ here, but its lock is still visible through the shared file.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import os
 import secrets
 import shutil
@@ -27,7 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from ._platform import require_posix
 from .errors import OutputError
+
+try:
+    import fcntl
+except ImportError:  # Windows: the package still imports; an OutputTransaction refuses (require_posix)
+    fcntl = None  # type: ignore[assignment]
 
 TMP_PREFIX = ".weightshare-tmp-"
 
@@ -143,6 +148,7 @@ class OutputTransaction:
     """
 
     def __init__(self) -> None:
+        require_posix("writing outputs")
         self._pending: list[_Temp] = []
         self._made_dirs: list[Path] = []
         self._hooks: list[CommitHook] = []

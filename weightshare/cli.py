@@ -750,7 +750,8 @@ for _info in app.registered_commands:  # every command renders its help like the
 def main() -> None:
     # A file size limit (RLIMIT_FSIZE, quota-like) must surface as an EFBIG write error that we clean up
     # after, not as a SIGXFSZ that kills the process and leaves temporaries behind.
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    if hasattr(signal, "SIGXFSZ"):  # not on Windows
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _terminate)
     # Skip the interpreter's last full garbage collection at exit, which walks every object the imports made
     # (onnx, numpy, protobuf): about 0.1 CPU s of each command. Nothing weightshare does relies on it: files

@@ -11,6 +11,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ._platform import require_posix
 from .blob import digest_of, split_digest
 from .findings import Code, Finding
 from .formats import detect
@@ -124,6 +125,7 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
 def inventory(path: str | os.PathLike[str], hash_payloads: bool = True) -> ModelInventory:
     """Inventory of the model at ``path`` (format detected from the file)."""
 
+    require_posix("reading a model")
     path = Path(path)
     inv = detect(path).inventory(path, hash_payloads)
     if hash_payloads:
