@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 from .errors import InvalidModel, OutputError, UnsafePath, Unsupported, UsageError, WeightshareError
 
 if TYPE_CHECKING:
-    from .api import CheckReport, check, convert, convert_many, convert_zoo, inspect, merge, verify
+    from ._folder import FolderReport
+    from .api import CheckReport, check, convert, convert_folder, convert_many, convert_zoo, inspect, merge, verify
     from .blob import AlignPolicy
     from .findings import Finding, Severity
     from .inventory import ModelInventory, PayloadInfo
@@ -38,6 +39,7 @@ __all__ = [
     "ConversionReport",
     "ConvertOptions",
     "Finding",
+    "FolderReport",
     "InvalidModel",
     "ModelInventory",
     "OriginalFails",
@@ -54,6 +56,7 @@ __all__ = [
     "__version__",
     "check",
     "convert",
+    "convert_folder",
     "convert_many",
     "convert_zoo",
     "inspect",
@@ -69,6 +72,7 @@ _LAZY = {
     "ConversionReport": "report",
     "ConvertOptions": "options",
     "Finding": "findings",
+    "FolderReport": "_folder",
     "ModelInventory": "inventory",
     "OriginalFails": "verify",
     "PayloadInfo": "inventory",
@@ -78,6 +82,7 @@ _LAZY = {
     "ZooReport": "report",
     "check": "api",
     "convert": "api",
+    "convert_folder": "api",
     "convert_many": "api",
     "convert_zoo": "api",
     "inspect": "api",

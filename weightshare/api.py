@@ -27,6 +27,7 @@ from .pipeline import PreparedModel, blob_target, write_models
 from .report import ConversionReport, ZooReport
 
 if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
+    from ._folder import FolderReport
     from .findings import Finding
     from .inventory import ModelInventory
     from .verify import VerifyReport
@@ -35,6 +36,7 @@ __all__ = [
     "CheckReport",
     "check",
     "convert",
+    "convert_folder",
     "convert_many",
     "convert_zoo",
     "inspect",
@@ -96,7 +98,7 @@ def _check_input(src: Path) -> None:
     raise UsageError("is not a regular file (a FIFO, socket or device); refusing to read it", src)
 
 
-_Timed = TypeVar("_Timed", ConversionReport, ZooReport)
+_Timed = TypeVar("_Timed", ConversionReport, ZooReport, "FolderReport")  # _folder.py times its report too
 
 
 def _finish(report: _Timed, start: float) -> _Timed:
@@ -155,21 +157,100 @@ def convert(
         >>> report.outputs
         ['out/model.onnx', 'out/model.weights.1f2e3d4c5b6a.safetensors']
     """
-    opts = _options(
-        options,
-        ConvertOptions(
-            align=AlignPolicy(large=align, threshold=align_threshold),
-            inline_threshold=inline_threshold,
-            keep_packed=keep_packed,
-            unpack=frozenset(u.value if isinstance(u, Unpack) else str(u) for u in unpack),
-            blob_name=blob,
-            blob_grace_s=blob_grace,
-            external=external,
-            prepack=prepack,
-            progress=progress,
-        ),
+    keywords = _Keywords(
+        prepack, unpack, keep_packed, external, blob, blob_grace, align, align_threshold, inline_threshold
     )
+    opts = _options(options, keywords.options(progress))
     return convert_many([src], out, opts)[0]
+
+
+def convert_folder(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    options: ConvertOptions | None = None,
+    *,
+    prepack: bool = False,
+    unpack: Iterable[str] = (),
+    keep_packed: bool = False,
+    external: bool = False,
+    blob: str | None = None,
+    blob_grace: float = BLOB_GRACE_S,
+    align: int = LARGE_ALIGN,
+    align_threshold: int = ALIGN_THRESHOLD,
+    inline_threshold: int = INLINE_THRESHOLD,
+    progress: Progress | None = None,
+) -> FolderReport:
+    """Convert a model folder (Hugging Face, optimum, onnxruntime-genai, ...) into ``out``, keeping its tree.
+
+    Every model (``.onnx``, ``.tflite``, ``.mlpackage``) is converted at its relative path, ``onnx/`` and other
+    subfolders included; every other file is copied unchanged (byte-identical, permission bits kept); the files a
+    model references for its weights (``model.onnx_data``) are not copied: the model's blob replaces them. All of
+    it is committed in one transaction: everything appears, or nothing.
+
+    Args:
+        src: the folder.
+        out: output directory, created if missing; neither inside ``src`` nor containing it.
+        options: all options as one ``ConvertOptions``; the keywords must then keep their defaults.
+        prepack: as in ``convert``.
+        unpack: as in ``convert``.
+        keep_packed: as in ``convert``.
+        external: as in ``convert``.
+        blob: as in ``convert``; only for a folder with one model.
+        blob_grace: as in ``convert``.
+        align: as in ``convert``.
+        align_threshold: as in ``convert``.
+        inline_threshold: as in ``convert``.
+        progress: as in ``convert``.
+
+    Returns:
+        A ``FolderReport``: each model's ``ConversionReport`` and the copied files.
+
+    Raises:
+        UsageError: ``src`` is not a folder (or is a model package), holds no model, overlaps ``out``, or holds a
+            FIFO or device.
+        Unsupported: a symlink to a directory in ``src``; a model weightshare cannot convert.
+        WeightshareError: any of ``convert``'s errors; nothing is written.
+
+    Example:
+        >>> report = weightshare.convert_folder("phi-3-mini-onnx/", "out/")
+        >>> [m.model for m in report.models], report.copied[:2]
+        (['phi-3-mini-onnx/model.onnx'], ['out/config.json', 'out/genai_config.json'])
+    """
+    keywords = _Keywords(
+        prepack, unpack, keep_packed, external, blob, blob_grace, align, align_threshold, inline_threshold
+    )
+    opts = _options(options, keywords.options(progress))
+    from ._folder import convert_folder as run
+
+    return run(Path(src), Path(out), opts)
+
+
+@dataclass(frozen=True)
+class _Keywords:
+    """The keyword options of ``convert`` / ``convert_folder`` (the CLI's), in their order there."""
+
+    prepack: bool
+    unpack: Iterable[str]
+    keep_packed: bool
+    external: bool
+    blob: str | None
+    blob_grace: float
+    align: int
+    align_threshold: int
+    inline_threshold: int
+
+    def options(self, progress: Progress | None) -> ConvertOptions:
+        return ConvertOptions(
+            align=AlignPolicy(large=self.align, threshold=self.align_threshold),
+            inline_threshold=self.inline_threshold,
+            keep_packed=self.keep_packed,
+            unpack=frozenset(u.value if isinstance(u, Unpack) else str(u) for u in self.unpack),
+            blob_name=self.blob,
+            blob_grace_s=self.blob_grace,
+            external=self.external,
+            prepack=self.prepack,
+            progress=progress,
+        )
 
 
 def _options(options: ConvertOptions | None, from_keywords: ConvertOptions) -> ConvertOptions:
@@ -256,7 +337,11 @@ def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:
 
 
 def _expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Files as given; directories by their models (sorted); unexpanded globs expanded."""
+    """Files as given; directories by their models (sorted); unexpanded globs expanded.
+
+    A zoo puts every model in OUTDIR itself: a folder with models in subfolders (``onnx/``) is refused rather
+    than silently flattened or cut short; ``convert_folder`` keeps a tree.
+    """
     import glob
 
     found: list[Path] = []
@@ -266,6 +351,13 @@ def _expand_inputs(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
             found += sorted(
                 p for p in path.iterdir() if p.suffix in model_suffixes() and not p.name.startswith(TMP_PREFIX)
             )
+            nested = next((p for p in sorted(path.rglob("*/*")) if p.suffix in model_suffixes()), None)
+            if nested is not None:
+                raise UsageError(
+                    f"{nested} is in a subfolder: --shared-blob puts every model in OUTDIR itself; name the models, "
+                    "or convert the folder without --shared-blob (its tree is kept)",
+                    path,
+                )
         elif not path.exists() and glob.has_magic(str(item)):
             found += sorted(Path(p) for p in glob.glob(str(item)))
         else:

@@ -116,6 +116,7 @@ class _Temp:
     final: Path
     is_dir: bool
     fd: int | None = None  # holds the temporary's flock
+    mode: int | None = None  # permission bits at commit; None: 0o666 less the umask
 
 
 @dataclass
@@ -179,9 +180,12 @@ class OutputTransaction:
                 raise OutputError(f"cannot create output {what}: {e.strerror}", final) from None
         raise OutputError("cannot create a temporary output (removed again and again)", final)
 
-    def new_file(self, final: Path) -> Path:
-        """Create an empty temporary file that ``commit`` renames to ``final``."""
-        return self._create(final, False)
+    def new_file(self, final: Path, mode: int | None = None) -> Path:
+        """Create an empty temporary file that ``commit`` renames to ``final``, with ``mode`` (permission bits)
+        if given (a copied file keeps its source's), else 0o666 less the umask."""
+        tmp = self._create(final, False)
+        self._pending[-1].mode = mode
+        return tmp
 
     def new_dir(self, final: Path) -> Path:
         """Create an empty temporary directory that ``commit`` renames to ``final``."""
@@ -235,7 +239,7 @@ class OutputTransaction:
             for t in self._pending:
                 if not t.is_dir and t.fd is not None:
                     os.fsync(t.fd)
-                    os.fchmod(t.fd, mode_file)
+                    os.fchmod(t.fd, mode_file if t.mode is None else t.mode)
             files = [t for t in self._pending if not t.is_dir]
             dirs = [t for t in reversed(self._pending) if t.is_dir]
             with locked_dirs({t.final.parent for t in self._pending}):

@@ -23,6 +23,7 @@ from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 from . import api
+from ._folder import is_model_folder
 from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .errors import WeightshareError
 from .options import INLINE_THRESHOLD, ConvertOptions, Unpack
@@ -222,7 +223,11 @@ def render_zoo(z: ZooReport) -> None:
 
 @app.command()
 def convert(
-    models: list[Path] = typer.Argument(..., help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models."),
+    models: list[Path] = typer.Argument(
+        ...,
+        help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models, or one model folder: its tree is "
+        "reproduced in OUTDIR, models converted, every other file copied.",
+    ),
     output: Path = typer.Option(..., "-o", "--output", help="Output directory (created if missing)."),
     blob: str | None = typer.Option(
         None,
@@ -323,6 +328,9 @@ def convert(
             elif not quiet(False):
                 render_zoo(zoo)
             return
+        if any(is_model_folder(m) for m in models):
+            _convert_folder(models, output, options, as_json, quiet_)
+            return
         models = api._expand_inputs(models)
         if not models:
             fail("no models to convert (empty directory, or a glob that matched nothing)")
@@ -354,6 +362,26 @@ def convert(
             f"total: {t['models']} models, {t['tensors_moved']} payloads moved, {_mib(t['bytes_written'])} stored, "
             f"{t['wall_time_s']:.2f} s, peak RSS {t['peak_rss_mib']:.0f} MiB"
         )
+
+
+def _convert_folder(
+    inputs: list[Path], output: Path, options: Callable[..., ConvertOptions], as_json: bool, quiet_: bool
+) -> None:
+    if len(inputs) > 1:
+        fail("a model folder is converted on its own (its tree is reproduced in OUTDIR): give it alone")
+    with progress_bar(not quiet_, inputs[0].name) as (update, total):
+        result = api.convert_folder(inputs[0], output, options(update, total))
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    for r in result.models if VERBOSITY["level"] > 0 else []:
+        render_report(r)
+    for r in result.models:
+        info(f"{r.model}: {r.tensors_moved} payloads moved, {_mib(r.bytes_written)} stored -> {r.outputs[0]}")
+    info(
+        f"total: {len(result.models)} models converted, {len(result.copied)} other files copied "
+        f"({_mib(result.copied_bytes)}), {result.wall_time_s:.2f} s, peak RSS {result.peak_rss_mib:.0f} MiB -> {output}"
+    )
 
 
 def _totals(reports: list[ConversionReport]) -> JsonDict:

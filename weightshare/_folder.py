@@ -1,0 +1,155 @@
+"""Model folders: ``convert DIR -o OUT`` reproduces DIR's tree in OUT.
+
+A Hugging Face, optimum or onnxruntime-genai folder holds models (``model.onnx``, ``onnx/decoder_model.onnx``) next
+to the files that make them usable (``config.json``, ``tokenizer.json``, ``genai_config.json``, a README). Every
+model is converted at its relative path; every other file is copied unchanged (streamed, its permission bits kept);
+the files a model references for its weights (``model.onnx_data``) are not copied: the conversion replaces them by
+its blob. Everything goes through the caller's ``OutputTransaction``: all of it appears, or none.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import api
+from .atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from .errors import OutputError, Unsupported, UsageError
+from .formats import detect, model_suffixes
+from .options import ConvertOptions
+from .report import ConversionReport
+
+__all__ = ["FolderPlan", "FolderReport", "convert_folder", "copy_file", "is_model_folder", "plan_folder"]
+
+
+@dataclass
+class FolderReport:
+    """What ``convert_folder`` did: each model's report and the files copied unchanged (output paths)."""
+
+    folder: str
+    models: list[ConversionReport] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    copied_bytes: int = 0
+    wall_time_s: float = 0.0
+    peak_rss_mib: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "folder": self.folder,
+            "models": [m.to_dict() for m in self.models],
+            "copied": self.copied,
+            "copied_bytes": self.copied_bytes,
+            "wall_time_s": self.wall_time_s,
+            "peak_rss_mib": self.peak_rss_mib,
+        }
+
+
+def convert_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderReport:
+    """``weightshare.convert_folder`` (documented there), after its options are settled."""
+    if not is_model_folder(folder):
+        raise UsageError("is not a folder of models (for one model, use convert)", folder)
+    a, b = folder.resolve(), out_dir.resolve()
+    if a == b or a in b.parents or b in a.parents:
+        raise UsageError(f"output {out_dir} overlaps the model folder; choose an output outside it", folder)
+    plan = plan_folder(folder)
+    if not plan.models:
+        raise UsageError("no models in this folder", folder)
+    if opts.blob_name is not None and len(plan.models) > 1:
+        raise UsageError("--blob names one model's blob; this folder has several models", folder)
+    report = FolderReport(str(folder))
+    start = time.perf_counter()
+    api._reset_peak_rss()
+    with OutputTransaction() as tx:
+        api._prepare_out_dir(out_dir, tx)
+        for rel in plan.models:
+            model, where = folder / rel, out_dir / rel.parent
+            tx.make_dirs(where)
+            clean_stale_temporaries(where)
+            t0 = time.perf_counter()
+            report.models.append(api._finish(api._convert_one(detect(model), model, where, opts, tx), t0))
+        for rel in plan.copies:
+            tx.make_dirs(out_dir / rel.parent)
+            report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx)
+            report.copied.append(str(out_dir / rel))
+    return api._finish(report, start)
+
+
+def is_model_folder(path: Path) -> bool:
+    """A directory that is not itself a model package (an ``.mlpackage`` is a model)."""
+    return path.is_dir() and path.suffix not in model_suffixes()
+
+
+@dataclass
+class FolderPlan:
+    """What a folder conversion does, every path relative to the folder, in walk order (sorted)."""
+
+    models: list[Path] = field(default_factory=list)
+    copies: list[Path] = field(default_factory=list)
+    weight_files: list[Path] = field(default_factory=list)  # referenced by a model: converted, not copied
+
+
+def plan_folder(folder: Path) -> FolderPlan:
+    """Walk ``folder``: its models, the weight files they reference, and the files to copy.
+
+    Raises:
+        Unsupported: a symlink to a directory (a loop, or a tree outside the folder).
+        UsageError: a FIFO, socket or device (it would block or never end).
+    """
+    suffixes = model_suffixes()
+    plan = FolderPlan()
+    files: list[Path] = []
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        rel = here.relative_to(folder)
+        for d in sorted(dirs):
+            if (here / d).is_symlink():
+                raise Unsupported("is a symlink to a directory inside a model folder; copy or remove it", here / d)
+            if Path(d).suffix in suffixes:
+                plan.models.append(rel / d)  # a model package: converted, not walked
+        dirs[:] = sorted(d for d in dirs if Path(d).suffix not in suffixes and not d.startswith(TMP_PREFIX))
+        for name in sorted(names):
+            if name.startswith(TMP_PREFIX):
+                continue  # another run's temporary: never an input
+            st = os.stat(here / name)  # follows a symlink to a file (Hugging Face caches link into blobs/)
+            if not stat.S_ISREG(st.st_mode):
+                raise UsageError("is not a regular file (a FIFO, socket or device); refusing to read it", here / name)
+            (plan.models if Path(name).suffix in suffixes else files).append(rel / name)
+    plan.models.sort()
+    referenced = _weight_files(folder, plan.models)
+    plan.weight_files = [f for f in files if f in referenced]
+    plan.copies = [f for f in files if f not in referenced]
+    return plan
+
+
+def _weight_files(folder: Path, models: list[Path]) -> set[Path]:
+    """Files that ``models`` reference for their weights (external data), relative to ``folder``."""
+    from .inventory import inventory
+
+    found: set[Path] = set()
+    for model in models:
+        for name in inventory(folder / model, hash_payloads=False).external_files:
+            rel = Path(os.path.relpath(os.path.normpath(folder / model.parent / name), folder))
+            if rel.parts[:1] != ("..",):  # outside the folder: the conversion refuses it (UnsafePath)
+                found.add(rel)
+    return found
+
+
+def copy_file(src: Path, final: Path, tx: OutputTransaction) -> int:
+    """Stage a byte-identical copy of ``src`` at ``final``, with ``src``'s permission bits; returns its size."""
+    try:
+        st = os.stat(src)
+    except OSError as e:
+        raise UsageError(f"cannot read: {e.strerror}", src) from None
+    tmp = tx.new_file(final, stat.S_IMODE(st.st_mode))
+    try:
+        shutil.copyfile(src, tmp)  # streamed (sendfile / copy_file_range), never the whole file in memory
+    except OSError as e:
+        if e.filename is not None and Path(e.filename) == src:
+            raise UsageError(f"cannot read: {e.strerror}", src) from None
+        raise OutputError(f"cannot write the copy: {e.strerror or e}", final) from None
+    return st.st_size
