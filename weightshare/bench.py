@@ -70,7 +70,23 @@ def _prepacked_rows(
     return [{"variant": "converted --prepack", "mode": mode, **row} for row in rows]
 
 
-def plot(result: JsonDict, path: str | os.PathLike[str]) -> None:
+# One look per series: overlapping lines (two flat ones at the same PSS) stay distinguishable by marker, dash
+# and a hollow marker on top of a filled one; drawn largest-first so a small marker is never hidden.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+_DASHES = ("-", "--", "-.", ":")
+
+
+def plot(result: JsonDict, path: str | os.PathLike[str], caption: str | None = None) -> None:
+    """A PNG of PSS against the number of sessions, one line per (variant, runtime setting) of ``result``.
+
+    Args:
+        result: what ``bench`` returned.
+        path: the PNG to write.
+        caption: what was measured, printed under the chart (default: the model, the format and the method).
+
+    Raises:
+        Unsupported: matplotlib is not installed (the ``plot`` extra).
+    """
     try:
         import matplotlib
 
@@ -78,22 +94,34 @@ def plot(result: JsonDict, path: str | os.PathLike[str]) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise Unsupported("--plot needs matplotlib: pip install 'weightshare[plot]'") from None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 5.4))
     keys = sorted({(r["variant"], r["mode"]) for r in result["rows"]})
-    for variant, mode in keys:
+    for i, (variant, mode) in enumerate(keys):
         rows = [r for r in result["rows"] if r["variant"] == variant and r["mode"] == mode]
         ax.plot(
             [r["sessions"] for r in rows],
             [r["pss_mib"] for r in rows],
-            marker="o",
-            linestyle="-" if variant == "converted" else "--",
+            marker=_MARKERS[i % len(_MARKERS)],
+            markersize=11 - 1.5 * (i % 4),
+            markerfacecolor="none" if i % 2 else None,
+            markeredgewidth=1.6,
+            linewidth=1.6,
+            linestyle=_DASHES[i % len(_DASHES)],
             label=f"{variant}, {mode}",
+            zorder=2 + i,
         )
+    ax.set_xticks(sorted(result["sessions"]))  # session counts are integers: no 1.5 sessions
     ax.set_xlabel("sessions in one process")
     ax.set_ylabel("PSS (MiB)")
     ax.set_title(f"{Path(result['model']).name}: memory vs sessions")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
+    if caption is None:
+        caption = (
+            f"PSS (/proc/<pid>/smaps_rollup) of one process after N {result['format']} sessions of "
+            f"{Path(result['model']).name}, each line measured in a fresh process (weightshare bench)."
+        )
+    fig.text(0.01, 0.01, caption, fontsize=8, wrap=True, va="bottom")
+    fig.tight_layout(rect=(0, 0.1, 1, 1))  # room for the caption below the axis label
     fig.savefig(path, dpi=110)
     plt.close(fig)
