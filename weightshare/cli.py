@@ -15,11 +15,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, cast
 
 import typer
-from rich.console import Console
-from rich.table import Table
 from typer.core import TyperCommand, TyperGroup
 
 from . import api
@@ -28,6 +26,10 @@ from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .errors import WeightshareError
 from .options import INLINE_THRESHOLD, ConvertOptions, Unpack
 from .report import ConversionReport, JsonDict, ZooReport
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table as RichTable
 
 
 def _flags_without_placeholder(command: TyperCommand | TyperGroup, ctx: Any) -> None:
@@ -64,8 +66,36 @@ app = typer.Typer(
 # Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
 # Colour (and any other escape code) only on a terminal; none at all with NO_COLOR (https://no-color.org).
 _STYLES: Literal["auto"] | None = None if os.environ.get("NO_COLOR") else "auto"
-out = Console(width=None if sys.stdout.isatty() else 4096, highlight=False, color_system=_STYLES)
-err = Console(stderr=True, width=None if sys.stderr.isatty() else 4096, highlight=False, color_system=_STYLES)
+# rich is imported on first use (about 0.03 CPU s of start-up that `convert -q`, `check` and --version never need).
+
+
+class _LazyConsole:
+    """A rich ``Console`` on stdout or stderr, made when first used."""
+
+    def __init__(self, stderr: bool) -> None:
+        self._stderr = stderr
+        self._console: Console | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            tty = (sys.stderr if self._stderr else sys.stdout).isatty()
+            self._console = Console(
+                stderr=self._stderr, width=None if tty else 4096, highlight=False, color_system=_STYLES
+            )
+        return getattr(self._console, name)
+
+
+out = cast("Console", _LazyConsole(stderr=False))
+err = cast("Console", _LazyConsole(stderr=True))
+
+
+def Table(*args: Any, **kwargs: Any) -> RichTable:
+    """``rich.table.Table``, imported on first use."""
+    from rich.table import Table
+
+    return Table(*args, **kwargs)
 
 
 # -1 quiet (errors and findings only), 0 normal, 1 verbose; set by the global -q/-v and the commands' own -q.

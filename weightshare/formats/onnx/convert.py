@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError
 from ...atomic import OutputTransaction
 from ...blob import PlannedTensor
 from ...errors import InvalidModel
-from ...options import ConvertOptions
+from ...options import ConvertOptions, Unpack
 from ...ort import malloc_trim
 from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
@@ -31,7 +31,6 @@ from . import dtypes
 from ._proto import pb
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
-from .ortcpu import ORT_CPU, unpack_for_cpu
 from .scan import RefTable, TensorRef, place_markers, scan_model
 from .wire import encode_len_field
 
@@ -229,7 +228,7 @@ def _read_wire(ref: TensorRef) -> bytes:
 def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     """scan + fold + plan: everything but writing. Holds the skeleton, never a payload."""
     report = ConversionReport(model=str(src), format="onnx")
-    other = options.unpack - {ORT_CPU}
+    other = options.unpack - {Unpack.ORT_CPU.value}
     if other:
         report.notes.append(
             f"--unpack {','.join(sorted(other))} is not implemented for ONNX; sparse tensors were kept as they are"
@@ -238,7 +237,9 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     model = load_skeleton(skeleton, src)
     del skeleton
     blob_metadata = {}
-    if ORT_CPU in options.unpack and not options.keep_packed:  # before the fold, which then folds ORT's Casts
+    if Unpack.ORT_CPU.value in options.unpack and not options.keep_packed:  # before the fold, which folds ORT's Casts
+        from .ortcpu import unpack_for_cpu  # subprocess, tempfile, importlib.metadata: not on every conversion's path
+
         blob_metadata = unpack_for_cpu(model, refs, src, report.notes)
     sites = collect_sites(model)
     folded: set[int] = set()

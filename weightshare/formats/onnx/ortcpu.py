@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from google.protobuf.message import DecodeError
@@ -80,6 +77,8 @@ class Probe:
 
 
 def onnxruntime_version() -> str | None:
+    from importlib import metadata  # here, like subprocess and tempfile below: inspect of an fp32 model needs none
+
     try:
         return metadata.version("onnxruntime")
     except metadata.PackageNotFoundError:
@@ -127,6 +126,9 @@ def write_probe_model(skeleton: pb.ModelProto, refs: Sequence[TensorRef], direct
 
 
 def run_probe(skeleton: pb.ModelProto, refs: Sequence[TensorRef], src: Path) -> Probe:
+    import subprocess
+    import tempfile
+
     if onnxruntime_version() is None:
         raise UsageError("--unpack ort-cpu needs onnxruntime installed (pip install onnxruntime)", src)
     with tempfile.TemporaryDirectory(prefix="weightshare-ortcpu-") as tmp:
