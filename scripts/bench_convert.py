@@ -19,7 +19,8 @@ Cases (sizes follow --scale; the row labels print the real sizes):
   tiny       200,000 initializers of 16 B (at scale 1; they stay inline), against the same.
   fold       4,000 fp16 initializers of 8 KiB, each behind a Cast to float (at scale 1), against the same.
   startup    a 1 MiB fp32 MatMul model (any scale): `weightshare convert`, `inspect`, `check`, `--version` and
-             `--help`, against `python -c pass` and `python -c "import onnx"`; at least 5 round-robin runs.
+             `--help`, against `python -c pass` and `python -c "import onnx"`; also `convert` of a 1 MiB fp16
+             model (unpacking it imports numpy); at least 5 round-robin runs.
 
     python scripts/bench_convert.py [--workdir /tmp/ws-bench] [--scale 1.0] [--cases unpack,external,many]
         [--external-gib 1,4,8] (cases also: tiny, fold, startup) [--baseline /path/to/other/checkout] [--repeat 3]
@@ -329,6 +330,7 @@ def case_startup(work: Path) -> list[tuple[str, dict, dict]]:
     )
     model = d / "tiny.onnx"
     model.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+    half = mlp_onnx(d / "tiny16.onnx", layers=1, dim=724, weights="float16")  # 1 MiB of fp16 behind a Cast
     ws = [sys.executable, "-m", "weightshare"]
     out = work / "out"
     ready = d / "converted"  # `check` of a share-ready model exits 0 (of the original: 1, a finding)
@@ -346,6 +348,7 @@ def case_startup(work: Path) -> list[tuple[str, dict, dict]]:
                 if BASELINE
                 else []
             ),
+            ("weightshare convert, fp16 + Cast", lambda: weightshare_cmd(half, fresh(out)), None),
             ("weightshare inspect", lambda: [*ws, "inspect", str(model)], None),
             ("weightshare check", lambda: [*ws, "check", "-q", str(ready / model.name)], None),
         ]
