@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 def _flags_without_placeholder(command: TyperCommand | TyperGroup, ctx: Any) -> None:
     """typer prints a ``<bool>`` type beside every flag, which takes no value: show none (an empty metavar)."""
-    for param in [*command.get_params(ctx)]:
+    for param in command.get_params(ctx):
         if getattr(param, "is_flag", False) and param.metavar is None:
             param.metavar = ""
 
@@ -363,7 +363,7 @@ def convert(
             return
         models = api._expand_inputs(models)
         if not models:
-            fail("no models to convert (empty directory, or a glob that matched nothing)")
+            fail("no models to convert (a glob that matched nothing)")
         if blob is not None and len(models) > 1:
             fail("--blob names one model's blob; with several models use --shared-blob or leave it out")
         with progress_bar(not quiet_, models[0].name if len(models) == 1 else f"{len(models)} models") as (
