@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import tomllib
+import types
 from pathlib import Path
 
 import pytest
@@ -135,6 +136,13 @@ def test_public_classes_have_docstrings():
             obj = getattr(mod, name)
             if inspect.isclass(obj):
                 assert (obj.__doc__ or "").strip(), f"{module}.{name} has no docstring"
+
+
+def test_the_package_namespace_shows_only_the_public_names():
+    assert dir(weightshare) == sorted(PUBLIC["weightshare"])
+    leaked = [n for n in vars(weightshare) if not n.startswith("_") and n not in PUBLIC["weightshare"]]
+    submodules = {n for n in leaked if isinstance(getattr(weightshare, n), types.ModuleType)}  # loaded submodules
+    assert set(leaked) == submodules, f"not public, not private by name: {set(leaked) - submodules}"
 
 
 def test_check_and_verify_stay_functions_when_their_modules_are_imported():

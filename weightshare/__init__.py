@@ -14,16 +14,15 @@ Names are imported on first use (``__getattr__``): ``import weightshare`` and ``
 load neither numpy nor onnx.
 """
 
-from __future__ import annotations
-
-import importlib
-import sys
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import sys as _sys
+from types import ModuleType as _ModuleType
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
 from .errors import InvalidModel, OutputError, UnsafePath, Unsupported, UsageError, WeightshareError
 
-if TYPE_CHECKING:
+if _TYPE_CHECKING:
     from ._folder import FolderReport
     from .api import CheckReport, check, convert, convert_folder, convert_many, convert_zoo, inspect, merge, verify
     from .blob import AlignPolicy
@@ -91,24 +90,24 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    value = getattr(_importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups do not come here again
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    return sorted(__all__)  # the public names; the rest of the package namespace is internal
 
 
 # Functions that share their name with an internal module (weightshare/check.py, weightshare/verify.py).
 _NAMED_LIKE_A_MODULE = frozenset({"check", "verify"})
 
 
-class _Package(ModuleType):
+class _Package(_ModuleType):
     """Keeps ``weightshare.check`` and ``weightshare.verify`` the functions.
 
     After loading a submodule the import system sets it as an attribute of its package, which would replace the
@@ -118,9 +117,9 @@ class _Package(ModuleType):
     """
 
     def __setattr__(self, name: str, value: object) -> None:
-        if name in _NAMED_LIKE_A_MODULE and isinstance(value, ModuleType):
+        if name in _NAMED_LIKE_A_MODULE and isinstance(value, _ModuleType):
             return
         super().__setattr__(name, value)
 
 
-sys.modules[__name__].__class__ = _Package
+_sys.modules[__name__].__class__ = _Package
