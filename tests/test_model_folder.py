@@ -94,7 +94,9 @@ def test_folder_refusals(tmp_path):
         weightshare.convert_folder(repo, repo / "converted")
     with pytest.raises(UsageError, match="subfolder"):
         weightshare.convert_zoo([repo], tmp_path / "zoo", "shared")
+    with pytest.raises(UsageError, match="convert_folder"):
+        weightshare.convert(repo, tmp_path / "one")
     with pytest.raises(UsageError, match="no models"):
         (tmp_path / "empty").mkdir()
         weightshare.convert_folder(tmp_path / "empty", tmp_path / "o")
-    assert not (repo / "converted").exists() and not (tmp_path / "zoo").exists()
+    assert not (repo / "converted").exists() and not (tmp_path / "zoo").exists() and not (tmp_path / "one").exists()

@@ -200,6 +200,8 @@ def _imported_by(code: str) -> list[str]:
 def test_import_and_convert_load_only_what_they_need(tmp_path):
     """Start-up time: `import onnx` alone costs ~0.6 CPU s (ml_dtypes, through onnx.helper)."""
     assert _imported_by("import weightshare") == []
+    # submodules load on first attribute access, as when the package imported them eagerly
+    assert _imported_by("import weightshare\nassert callable(weightshare.api.convert_zoo)") == []
     src = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=64, weights="float32")
     api = _imported_by(f"import weightshare; weightshare.convert({str(src)!r}, {str(tmp_path / 'o')!r})")
     assert api == []  # an fp32 model needs neither onnx's helpers nor numpy

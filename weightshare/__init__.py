@@ -16,6 +16,7 @@ load neither numpy nor onnx.
 
 import importlib as _importlib
 import sys as _sys
+from importlib.util import find_spec as _find_spec
 from types import ModuleType as _ModuleType
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
@@ -93,7 +94,10 @@ _LAZY = {
 def __getattr__(name: str) -> _Any:
     module = _LAZY.get(name)
     if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        # `import weightshare; weightshare.ort.session(...)`: a submodule is loaded on first access as well
+        if _find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return _importlib.import_module(f".{name}", __name__)
     value = getattr(_importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups do not come here again
     return value

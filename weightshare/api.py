@@ -295,6 +295,8 @@ def convert_many(
     _check_outputs(sources, [out / s.name for s in sources])
     for s in sources:
         _check_input(s)
+        if s.is_dir() and s.suffix not in model_suffixes():
+            raise UsageError("is a folder of models, not a model: convert it with convert_folder (tree kept)", s)
     formats = [detect(s) for s in sources]
     start = time.perf_counter()
     _reset_peak_rss()
