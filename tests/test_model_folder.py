@@ -94,9 +94,14 @@ def test_folder_refusals(tmp_path):
         weightshare.convert_folder(repo, repo / "converted")
     with pytest.raises(UsageError, match="subfolder"):
         weightshare.convert_zoo([repo], tmp_path / "zoo", "shared")
+    os.mkfifo(repo / "onnx" / "pipe")  # reading it would block forever
+    with pytest.raises(UsageError, match="not a regular file"):
+        weightshare.convert_folder(repo, tmp_path / "fifo")
+    os.unlink(repo / "onnx" / "pipe")
     with pytest.raises(UsageError, match="convert_folder"):
         weightshare.convert(repo, tmp_path / "one")
     with pytest.raises(UsageError, match="no models"):
         (tmp_path / "empty").mkdir()
         weightshare.convert_folder(tmp_path / "empty", tmp_path / "o")
     assert not (repo / "converted").exists() and not (tmp_path / "zoo").exists() and not (tmp_path / "one").exists()
+    assert not (tmp_path / "fifo").exists()
