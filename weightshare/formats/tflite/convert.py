@@ -399,14 +399,14 @@ def _xnnpack_accounting(
     from . import xnnpack_cache
 
     if options.prepack:
-        built, cache = xnnpack_cache.prepack(final, blob_name, tx)
+        built, cache = xnnpack_cache.prepack(final, blob_name, tx, options.blob_grace_s)
         report.outputs.append(cache)
         report.notes.append(
             f"XNNPACK weight cache {Path(cache).name} ({built.nbytes:,} bytes) built in a child "
             f"process: peak RSS {built.peak_rss_mib:.1f} MiB, {built.wall_s:.2f} s"
         )
     else:
-        xnnpack_cache.drop_stale_after_commit(final, tx)
+        xnnpack_cache.drop_stale_after_commit(final, tx, options.blob_grace_s)
     fp16_in = sum(p.unpacked_from for p in plans if p.unpacked_from)
     if fp16_in and not options.external:  # the classic Interpreter does not load --external models at all
         fp32_out = sum(p.source.nbytes for p in plans if p.unpacked_from and p.source is not None)

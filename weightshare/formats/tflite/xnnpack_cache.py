@@ -25,21 +25,20 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...atomic import TMP_PREFIX, OutputTransaction
+from ...atomic import CommitHook, OutputTransaction
 from ...blob import Hasher
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
 from ...findings import Code, Finding
 from ...paths import resolve_inside
+from . import cache_record
 
 if TYPE_CHECKING:
     from ai_edge_litert import schema_py_generated as schema
@@ -215,8 +214,10 @@ def cache_status(model: str | os.PathLike[str]) -> list[CacheStatus]:
         if m is not None and m["model"] != model.name:
             continue  # the cache of another model whose name starts with this one's ("a.tflite.b.tflite")
         if path.name == expected:
-            ok = path.is_file() and path.stat().st_size > 0
-            statuses.append(CacheStatus(path, ok, "matches the model" if ok else "empty or not a regular file"))
+            fd, why = cache_record.open_verified(path, content_digest(model))
+            if fd is not None:
+                os.close(fd)
+            statuses.append(CacheStatus(path, fd is not None, "matches the model" if fd is not None else why))
         elif m is None:
             statuses.append(CacheStatus(path, False, "not a weightshare cache name; never used"))
         elif m["version"] != litert_version():
@@ -280,51 +281,77 @@ def _staged(tx: OutputTransaction, final: Path) -> Path:
     return staged
 
 
-def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction) -> tuple[BuildResult, str]:
-    """Build the cache of the staged model (and blob) of ``tx``; stage it beside ``final_model``.
+def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction, grace_s: float) -> tuple[BuildResult, str]:
+    """Build the cache of the staged model (and blob) of ``tx``; stage it and its record beside ``final_model``.
 
     The staged files have temporary names, but the model names its blob by its final name: both are
-    linked under their final names into a private directory for LiteRT. Returns the build and the cache
-    file's final path. Older caches of the same model name are removed once the new outputs are in place.
+    linked under their final names into a private, locked directory for LiteRT. Returns the build and the
+    cache file's final path. Older caches of the same model name go ``grace_s`` seconds after they stopped
+    matching (as old blobs do), so a reader that opened the old model just before the commit still finds its cache.
     """
     out_dir = final_model.parent
-    stage = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix="-prepack", dir=out_dir))
     try:
-        model = stage / final_model.name
-        _link(_staged(tx, final_model), model)
-        if blob_name is not None:
-            _link(_staged(tx, out_dir / blob_name), stage / blob_name)
-        final_cache = out_dir / cache_name(final_model.name, content_digest(model))
-        result = build(model, tx.new_file(final_cache))
+        with cache_record.locked_staging(out_dir, "-prepack") as stage:
+            model = stage / final_model.name
+            _link(_staged(tx, final_model), model)
+            if blob_name is not None:
+                _link(_staged(tx, out_dir / blob_name), stage / blob_name)
+            digest = content_digest(model)
+            final_cache = out_dir / cache_name(final_model.name, digest)
+            cache_tmp = tx.new_file(final_cache)
+            result = build(model, cache_tmp)
+            cache_record.write_record(cache_tmp, tx.new_file(cache_record.record_path(final_cache)), digest)
     except OSError as e:
         raise OutputError(f"cannot stage the model for the XNNPACK weight cache: {e.strerror}", out_dir) from None
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    tx.after_commit(lambda: _remove_superseded(final_model, final_cache))
+    tx.add_hook(SupersededCaches(final_model, final_cache, grace_s))
     return result, str(final_cache)
 
 
-def drop_stale_after_commit(final_model: Path, tx: OutputTransaction) -> None:
+def drop_stale_after_commit(final_model: Path, tx: OutputTransaction, grace_s: float) -> None:
     """Without --prepack: caches an earlier --prepack run left beside ``final_model`` that no longer match the
-    new model are removed once it is in place (one that still matches, from identical output, stays)."""
+    new model go after the grace period (one that still matches, from identical output, stays)."""
     if candidate_caches(final_model):
-        tx.after_commit(lambda: _remove_superseded(final_model, None))
+        tx.add_hook(SupersededCaches(final_model, None, grace_s))
 
 
-def _remove_superseded(model: Path, keep: Path | None) -> None:
-    """Old caches of a re-converted model can never match it again: remove them (they are only disk)."""
-    if keep is None:
+class SupersededCaches(CommitHook):
+    """Old caches of a re-converted model can never match it again; they go like old blobs.
+
+    ``before`` (under the OUTDIR lock, before the renames) notes the cache that matches the model still in
+    place; ``after`` stamps that one's mtime (its grace period starts now) and removes every other stale one
+    whose mtime is older than ``grace_s``. A cache that still matches the new model stays.
+    """
+
+    def __init__(self, model: Path, keep: Path | None, grace_s: float):
+        self.model, self.keep, self.grace_s = model, keep, grace_s
+        self.was_live: str | None = None
+
+    def before(self) -> None:
         try:
-            keep = expected_cache(model)
+            self.was_live = expected_cache(self.model).name if self.model.exists() else None
         except (WeightshareError, OSError):
-            return  # cannot tell which one matches: remove nothing
-    for path in candidate_caches(model):
-        m = _NAME.match(path.name)
-        if path != keep and m is not None and m["model"] == model.name:
+            self.was_live = None
+
+    def after(self) -> None:
+        keep = self.keep
+        if keep is None:
             try:
-                path.unlink()
+                keep = expected_cache(self.model)
+            except (WeightshareError, OSError):
+                return  # cannot tell which one matches: remove nothing
+        now = time.time()
+        for path in candidate_caches(self.model):
+            m = _NAME.match(path.name)
+            if path == keep or m is None or m["model"] != self.model.name or path.is_symlink():
+                continue
+            try:
+                if path.name == self.was_live and self.grace_s > 0:
+                    os.utime(path)
+                elif path.name == self.was_live or now - path.stat().st_mtime >= self.grace_s:
+                    path.unlink()
+                    cache_record.record_path(path).unlink(missing_ok=True)
             except OSError:
-                pass  # a cache we cannot remove is still never used: it does not match
+                pass  # housekeeping: a stale cache we cannot remove is still never used
 
 
 def _mib(n: int) -> str:
