@@ -1,6 +1,10 @@
 """Open a converted TFLite model with LiteRT's ``CompiledModel`` and the XNNPACK weight cache that matches it.
 
 Example:
+    from weightshare.litert import interpreter
+    it = interpreter("out/model.tflite")        # the Interpreter API; XNNPACK weights shared by every instance
+    it.allocate_tensors(); it.set_tensor(...); it.invoke(); it.get_tensor(...)
+
     from weightshare.litert import compiled_model
     cm = compiled_model("out/model.tflite")   # uses out/model.tflite.litert-<v>.<digest>.xnnpack-cache
     print(cm.weightshare_cache)                # the cache used, or None
@@ -22,10 +26,13 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
 from .formats.tflite import cache_record, xnnpack_cache
+from .litert_interpreter import SharedInterpreter, interpreter
 
 if TYPE_CHECKING:
     import numpy as np
     from ai_edge_litert.compiled_model import CompiledModel
+
+__all__ = ["SharedInterpreter", "compiled_model", "find_cache", "interpreter"]
 
 log = logging.getLogger("weightshare.litert")
 _RETRIES = 3  # the model replaced between hashing and loading (a re-conversion committing): hash again
