@@ -29,7 +29,6 @@ from .formats.tflite import cache_record, xnnpack_cache
 from .litert_interpreter import SharedInterpreter, interpreter
 
 if TYPE_CHECKING:
-    import numpy as np
     from ai_edge_litert.compiled_model import CompiledModel
 
 __all__ = ["SharedInterpreter", "compiled_model", "find_cache", "interpreter"]
@@ -128,56 +127,3 @@ def compiled_model(path: str | os.PathLike[str], **kwargs: Any) -> CompiledModel
         cm.close()  # the model was replaced while it loaded (a re-conversion committing): load again
         held.close()
     raise UsageError(f"the model kept changing while it was being loaded ({_RETRIES} attempts)", model)
-
-
-def run_signatures(cm: CompiledModel, seed: int) -> dict[str, dict[str, np.ndarray]]:
-    """Run every signature of a CompiledModel on seeded random inputs: {signature: {output: array}}."""
-    import numpy as np
-
-    from .runtimes.litert import _random_array
-
-    results: dict[str, dict[str, np.ndarray]] = {}
-    for key, sig in cm.get_signature_list().items():
-        idx = cm.get_signature_index(key)
-        rng = np.random.default_rng(seed)
-        ins, outs = cm.create_input_buffers(idx), cm.create_output_buffers(idx)
-        details = cm.get_input_tensor_details(key)
-        for name, buf in zip(sig["inputs"], ins):
-            buf.write(_random_array(rng, [int(d) for d in details[name]["shape"]], details[name]["dtype"]))
-        cm.run_by_index(idx, ins, outs)
-        details = cm.get_output_tensor_details(key)
-        results[key] = {
-            name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"]).reshape(
-                [int(d) for d in details[name]["shape"]]
-            )
-            for name, buf in zip(sig["outputs"], outs)
-        }
-    return results
-
-
-def compiled_pairs(
-    original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int, seed: int
-) -> tuple[Path | None, list[tuple[int, str, np.ndarray, np.ndarray]]]:
-    """For ``verify``: the converted model through CompiledModel with its matching cache, the original without.
-
-    Returns (cache used or None, [(run, "signature:output", original array, converted array)]); no pairs
-    when ``converted`` has no matching cache beside it.
-    """
-    import numpy as np
-    from ai_edge_litert.compiled_model import CompiledModel
-
-    cache, fd, _why = open_cache(converted)
-    if cache is None or fd is None:
-        return None, []
-    held = cache_record.HeldFd(fd)
-    a = CompiledModel.from_file(str(original))
-    b = CompiledModel.from_file(str(converted), **_with_cache({}, cache_record.fd_path(fd, cache)))
-    b.weightshare_cache_fd = held
-    pairs: list[tuple[int, str, np.ndarray, np.ndarray]] = []
-    for r in range(runs):
-        outs_a, outs_b = run_signatures(a, seed + r), run_signatures(b, seed + r)
-        for key in outs_a:
-            for name in outs_a[key]:
-                missing = np.zeros(0, outs_a[key][name].dtype)  # an output the converted model lacks: a mismatch
-                pairs.append((r, f"{key}:{name}", outs_a[key][name], outs_b.get(key, {}).get(name, missing)))
-    return cache, pairs
