@@ -220,9 +220,10 @@ def convert(
     unpack: list[Unpack] = typer.Option(
         [],
         "--unpack",
-        metavar="sparse|ort-cpu",
+        metavar="sparse|dequantize|ort-cpu",
         help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
-        "constant sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 "
+        "constant sparse tensor becomes a dense constant). 'dequantize' (TFLite: weight-only int8, DEQUANTIZE of "
+        "an int8 constant, stored once as the fp32 values LiteRT computes). 'ort-cpu' (ONNX: store fp16 "
         "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
         "CPU-specific, a GPU provider would run fp16).",
     ),

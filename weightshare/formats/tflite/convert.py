@@ -38,6 +38,7 @@ from ...report import ConversionReport
 from ...tensors import ElementwiseSource, FileRange, InputFile, PayloadSource, fp16_to_fp32, open_input, read_all
 from ...write import write_payloads
 from . import flatbuf
+from .dequantize import plan_dequantize
 from .graph import (
     NUMPY_DTYPES,
     TYPE_NAMES,
@@ -302,9 +303,11 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
         graph = flatbuf.read_graph(reader, mapping)
     validate(graph, len(refs), path)
     report = ConversionReport(model=path, format="tflite")
-    unknown = set(options.unpack) - {"sparse"}
+    unknown = set(options.unpack) - {"sparse", "dequantize"}
     if unknown:
-        raise UsageError(f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse')", src)
+        raise UsageError(
+            f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse' and 'dequantize')", src
+        )
     sources: list[PayloadSource | None] = [ref.source(path) if ref.nbytes else None for ref in refs]
     read_external_buffers(graph, src, sources)
     detached: set[int] = set()
@@ -314,6 +317,13 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
         apply_densify(graph, [f for f, _ in densified], len(sources))
         detached = {f.sparse_buffer for f, _ in densified}
         sources.extend(source for _, source in densified)
+    if "dequantize" in options.unpack:  # weight-only int8/int4: the fp32 values stored once, for every instance
+        dequantized, dq_notes = plan_dequantize(graph, sources, path)
+        apply_densify(graph, [f for f, _ in dequantized], len(sources))
+        detached |= {f.sparse_buffer for f, _ in dequantized}
+        sources.extend(source for _, source in dequantized)
+        report.notes.extend(dq_notes)
+        densified += dequantized
     folds, notes = (
         ([], [])
         if options.keep_packed
