@@ -331,6 +331,8 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
     )
     report.notes.extend(notes)
     plans = plan_buffers(graph, sources, folds, detached, options)
+    if options.external:
+        _refuse_external_sparse(graph, plans, src)
     report.ops_removed = len(folds) + len(densified)
     for fold, source in densified:
         sparse = sources[fold.sparse_buffer]
@@ -347,6 +349,27 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
             report.inline_kept += 1
             report.inline_kept_bytes += p.source.nbytes
     return graph, plans, report
+
+
+def _refuse_external_sparse(graph: schema.ModelT, plans: list[BufferPlan], src: Path) -> None:
+    """LiteRT's CompiledModel cannot load a sparse tensor from an ExternalBuffer (it expects the dense size:
+    "Insufficient buffer size"), so such an output would be unloadable; refuse it before writing anything."""
+    from .graph import DENSIFY, builtin_code
+
+    codes = [builtin_code(c) for c in graph.operatorCodes or []]
+    for sg in graph.subgraphs:
+        tensors = sg.tensors or []
+        densified = {i for op in sg.operators or [] if codes[op.opcodeIndex] == DENSIFY for i in op.inputs or []}
+        for i, t in enumerate(tensors):
+            plan = plans[t.buffer] if 0 < t.buffer < len(plans) else None
+            if t.sparsity is None or plan is None or plan.source is None or plan.inline:
+                continue
+            fix = "add --unpack sparse (stores it dense) or drop --external" if i in densified else "drop --external"
+            raise UsageError(
+                f"--external: tensor {tensor_name(t)!r} is sparse, and LiteRT's CompiledModel cannot load a sparse "
+                f"tensor from an external buffer (the output would not load); {fix}",
+                src,
+            )
 
 
 def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
