@@ -365,9 +365,11 @@ def unpack_note(fp16_bytes: int, fp32_bytes: int, prepacked: bool) -> str:
     """What unpacking fp16 weights costs a user of LiteRT's default (XNNPACK) Interpreter."""
     extra = fp32_bytes - fp16_bytes
     advice = (
-        "load it with weightshare.litert.compiled_model (uses the XNNPACK weight cache written here)"
+        "load it with weightshare.litert.interpreter (the Interpreter API) or weightshare.litert.compiled_model, "
+        "which use the XNNPACK weight cache written here"
         if prepacked
-        else "convert with --prepack and load with weightshare.litert.compiled_model"
+        else "convert with --prepack and load with weightshare.litert.interpreter (the Interpreter API) or "
+        "weightshare.litert.compiled_model"
     )
     return (
         f"fp16 weights were unpacked to fp32 ({_mib(fp16_bytes)} -> {_mib(fp32_bytes)}): LiteRT's default "
