@@ -98,3 +98,18 @@ def test_without_a_cache_it_still_runs(models, tmp_path, caplog):
     a = ref.get_signature_runner("serving_default")(**feeds)
     b = it.get_signature_runner("serving_default")(**feeds)
     assert np.array_equal(a["y"], b["y"])
+
+
+def test_weight_only_int8_after_unpack_and_prepack(tmp_path):
+    """The documented recipe for weight-only int8: --unpack dequantize --prepack, then the helper: the bytes the
+    default Interpreter gives on the original, with nothing unpacked per instance."""
+    from test_tflite_dequantize import fc_model
+
+    src = fc_model(tmp_path / "wo.tflite", "int8 per channel dim 0")
+    convert(src, tmp_path / "out", ConvertOptions(prepack=True, unpack=frozenset({"dequantize"})))
+    it = interpreter(tmp_path / "out" / src.name)
+    assert it.weightshare_cache is not None
+    ref = Interpreter(model_path=str(src)).get_signature_runner("serving_default")
+    x = np.random.default_rng(0).standard_normal((2, 40)).astype(np.float32)
+    a, b = ref(x=x)["y"], it.get_signature_runner("serving_default")(x=x)["y"]
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

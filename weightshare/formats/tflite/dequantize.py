@@ -59,17 +59,19 @@ class DequantizedSource:
     def _values(self, raw: bytes, first: int, n: int) -> np.ndarray:
         if self.bits == 4:
             b = np.frombuffer(raw, np.int8)
-            q = np.empty(2 * len(b), np.int64)
+            q = np.empty(2 * len(b), np.int32)
             q[0::2] = (b.astype(np.int16) << 12).astype(np.int16) >> 12  # low nibble, sign extended
             q[1::2] = b >> 4
             q = q[:n]
         else:
             kind = ("i" if self.signed else "u") + str(self.bits // 8)
-            q = np.frombuffer(raw, np.dtype(kind).newbyteorder("<")).astype(np.int64)
+            q = np.frombuffer(raw, np.dtype(kind).newbyteorder("<")).astype(np.int32)
         if len(self.scales) == 1:
             return self._per_tensor(q, first, n)
         channel = (np.arange(first, first + n, dtype=np.int64) // self.inner_size) % len(self.scales)
-        out: np.ndarray = (self.scales[channel] * (q - self.zero_points[channel])).astype(np.float32)
+        q -= self.zero_points.astype(np.int32)[channel]  # exact in int32, and in float32 (|q - zp| < 2**24)
+        # float * float: the correctly rounded product, as the kernel's float(scale[c]) * (q - zp[c])
+        out: np.ndarray = self.scales.astype(np.float32)[channel] * q.astype(np.float32)
         return out
 
     def _per_tensor(self, q: np.ndarray, first: int, n: int) -> np.ndarray:
