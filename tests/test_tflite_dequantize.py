@@ -158,6 +158,7 @@ def test_unpacked_model_is_bit_identical_everywhere(tmp_path, layout):
         assert np.array_equal(a[path].view(np.uint32), b[path].view(np.uint32)), path
 
 
+@pytest.mark.slow
 def test_check_counts_the_copies_and_passes_after_unpack(tmp_path, cli):
     src = fc_model(tmp_path / "fc.tflite", "int8 per channel dim 0")
     before = cli("check", src, "--json")
