@@ -137,7 +137,7 @@ def test_injected_exception_in_a_leg_is_an_internal_error(lms, leg, conversion):
     r = subprocess.run(
         [sys.executable, "-c", _HARNESS, leg, str(src), str(out)], capture_output=True, text=True, env=env
     )
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("weightshare:")]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]  # nothing else: no LiteRT teardown logs either
     assert r.returncode == 2, r.stdout + r.stderr
     assert len(lines) == 1 and "internal error: ZeroDivisionError: injected into " + leg in lines[0], r.stderr
     if leg == "cache":

@@ -8,6 +8,7 @@ wrote beside the converted model.
 from __future__ import annotations
 
 import gc
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,16 @@ def verify_in_runtime(
             "dynamic dimension or --shape INPUT=D0,D1,... for one input"
         )
     with native_stderr_silenced():
-        _verify_paths(report, original, converted, opts, broken)
-        if not broken:
-            _verify_weight_cache(report, original, converted, opts)
+        try:
+            _verify_paths(report, original, converted, opts, broken)
+            if not broken:
+                _verify_weight_cache(report, original, converted, opts)
+        except Exception as e:
+            # The frames of a failed leg hold its LiteRT objects, which log as they are destroyed: destroy them
+            # here, still silenced, so that the caller's one line (or the traceback) is all stderr shows.
+            traceback.clear_frames(e.__traceback__)
+            gc.collect()
+            raise
         gc.collect()  # LiteRT environments log as they are destroyed: while stderr is still silenced
 
 
