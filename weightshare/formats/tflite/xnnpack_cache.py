@@ -392,8 +392,10 @@ class SettingCost:
         return self.shared_bytes + instances * self.per_instance_bytes
 
 
-def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
-    """(bytes DEQUANTIZE materialises per interpreter, packed bytes XNNPACK makes, file bytes it packs from)."""
+def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int, int]:
+    """(bytes DEQUANTIZE materialises per interpreter, packed bytes XNNPACK makes, file bytes it packs from, the
+    part of the first that comes from integer weights: XNNPACK keeps its own fp32 unpacking of those per
+    instance, next to the packed copy, even with a weight cache)."""
     from ai_edge_litert import schema_py_generated as schema
 
     from .graph import DEQUANTIZE, builtin_code, element_count, indices
@@ -402,7 +404,7 @@ def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
     packed_ops = {op.FULLY_CONNECTED, op.CONV_2D, op.DEPTHWISE_CONV_2D, op.TRANSPOSE_CONV, op.BATCH_MATMUL}
     ext = {e.id: e.length for e in graph.externalBuffers or [] if e is not None}
     codes = [builtin_code(c) for c in graph.operatorCodes or []]
-    dequantized, packed, packed_from_file = 0, 0, 0
+    dequantized, packed, packed_from_file, from_int = 0, 0, 0, 0
     for sg in graph.subgraphs:
         tensors = sg.tensors or []
 
@@ -415,13 +417,15 @@ def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
             ins, outs = indices(o.inputs), indices(o.outputs)
             if codes[o.opcodeIndex] == DEQUANTIZE and ins and outs and const_bytes(ins[0]):
                 made[outs[0]] = 4 * (element_count(tensors[outs[0]]) or 0)
+                if tensors[ins[0]].type != schema.TensorType.FLOAT16:
+                    from_int += made[outs[0]]
         dequantized += sum(made.values())
         for o in sg.operators or []:
             if codes[o.opcodeIndex] in packed_ops:
                 for i in indices(o.inputs)[1:3]:
                     packed += made.get(i, 0) or const_bytes(i)
                     packed_from_file += const_bytes(i)
-    return dequantized, packed, packed_from_file
+    return dequantized, packed, packed_from_file, from_int
 
 
 def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
@@ -441,7 +445,7 @@ def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
     validate(graph, len(refs), str(model))
     sizes = [r.nbytes for r in refs]
     in_file = sum(sizes) + sum(e.length for e in graph.externalBuffers or [] if e is not None)
-    dequantized, packed, packed_from_file = _weight_use(graph, sizes)
+    dequantized, packed, packed_from_file, from_int = _weight_use(graph, sizes)
     matching = [s.path for s in cache_status(model) if s.matches]
     cache = matching[0].stat().st_size if matching else packed
     cache_note = (
@@ -459,10 +463,17 @@ def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
         SettingCost(
             "Interpreter, default XNNPACK",
             in_file,
-            packed,
-            "XNNPACK packs a private copy per interpreter, reading the file pages to do it",
+            packed + from_int,
+            "XNNPACK packs a private copy per interpreter, reading the file pages to do it"
+            + ("; and unpacks int8 weights to fp32 per interpreter (convert --unpack dequantize)" if from_int else ""),
         ),
-        SettingCost("CompiledModel + XNNPACK weight cache", cache + in_file - packed_from_file, 0, cache_note),
+        SettingCost(
+            "CompiledModel + XNNPACK weight cache",
+            cache + in_file - packed_from_file,
+            from_int,
+            cache_note
+            + ("; int8 weights unpacked to fp32 per instance (convert --unpack dequantize)" if from_int else ""),
+        ),
     ]
     if graph.externalBuffers:
         for c in costs[:2]:
