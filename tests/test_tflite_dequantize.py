@@ -197,3 +197,17 @@ def test_blockwise_is_kept_with_a_note(tmp_path):
     src.write_bytes(bytes(b.Output()))
     report = convert(src, tmp_path / "out", DEQ)
     assert report.ops_removed == 0 and any("blockwise" in n for n in report.notes)
+
+
+def test_setting_costs_count_the_unpacked_weights(tmp_path):
+    """inspect's per-setting estimate: the int8 weights' fp32 unpacking stays per instance even with a weight
+    cache (XNNPACK keeps its own), until --unpack dequantize stores it in the file."""
+    from weightshare.formats.tflite.xnnpack_cache import interpreter_costs
+
+    src = fc_model(tmp_path / "fc.tflite", "int8 per channel dim 0")
+    before = {c.setting: c.per_instance_bytes for c in interpreter_costs(src)}
+    assert before["CompiledModel + XNNPACK weight cache"] == 4 * N * K
+    assert before["Interpreter, default XNNPACK"] >= 2 * 4 * N * K  # unpacked and packed
+    convert(src, tmp_path / "out", DEQ)
+    after = {c.setting: c.per_instance_bytes for c in interpreter_costs(tmp_path / "out" / src.name)}
+    assert after["CompiledModel + XNNPACK weight cache"] == 0 and after["Interpreter, no delegate"] == 0
