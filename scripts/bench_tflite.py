@@ -14,6 +14,9 @@ converts it with weightshare, then measures in fresh child processes:
 Optionally (--big-gib 1) the conversion peak RSS on a ~1 GiB model (with and without --prepack).
 
 Usage: python scripts/bench_tflite.py [--workdir DIR] [--fp32-mib 256] [--big-gib 1] [--only-cache]
+       python scripts/bench_tflite.py --recipes [ARGS of scripts/bench_tflite_recipes.py]
+         (fp32, fp16, full int8, dynamic-range int8 and weight-only int8 models of >= 64 MiB: PSS of 1/4
+         instances and 1/3 processes, latency vs the default Interpreter, for each loading recipe)
 """
 
 from __future__ import annotations
@@ -325,6 +328,13 @@ def cache_sections(src: Path, work: Path, args) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--recipes"]:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import bench_tflite_recipes
+
+        sys.argv = [str(Path(bench_tflite_recipes.__file__)), *sys.argv[2:]]
+        bench_tflite_recipes.main()
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--fp32-mib", type=int, default=256)

@@ -23,6 +23,7 @@ from tflite_fixtures import run_compiled_model, sample_model
 
 from weightshare.api import convert
 from weightshare.formats.tflite import xnnpack_cache
+from weightshare.formats.tflite.cache_record import record_path
 from weightshare.litert import compiled_model
 from weightshare.options import ConvertOptions
 
@@ -38,6 +39,13 @@ def same(a: dict, b: dict) -> bool:
         for k in a
         for x, y in ((a[k][n], b[k][n]) for n in a[k])
     )
+
+
+def copy_cache(cache: Path, dst: Path) -> Path:
+    """A cache and the record convert --prepack wrote beside it (size, checksum), copied to ``dst``."""
+    shutil.copy(cache, dst)
+    shutil.copy(record_path(cache), record_path(dst))
+    return dst
 
 
 def with_cache(model: Path, cache: Path):
@@ -147,7 +155,7 @@ def test_changed_model_no_longer_matches(pair, tmp_path):
     _src, out, cache, _report, _ref = pair[0]
     model = tmp_path / out.name
     shutil.copy(out, model)
-    shutil.copy(cache, tmp_path / cache.name)
+    copy_cache(cache, tmp_path / cache.name)
     assert [s.matches for s in xnnpack_cache.cache_status(model)] == [True]
     data = bytearray(model.read_bytes())
     data[-100] ^= 1
@@ -177,18 +185,43 @@ def test_external_prepack_binds_the_blob(pair, tmp_path):
     assert compiled_model(model).weightshare_cache is None
 
 
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def _with_records(*caches: Path) -> list[str]:
+    return [n for c in caches for n in (c.name, record_path(c).name)]
+
+
 def test_reconvert_replaces_the_cache(pair, tmp_path):
+    """With no grace period (--blob-grace 0) a cache goes as soon as a re-conversion no longer matches it."""
+    src, _out, _cache, _report, _ref = pair[0]
+    now = {"blob_grace_s": 0.0}
+    first = Path(convert(src, tmp_path, ConvertOptions(prepack=True, **now)).outputs[-1])
+    second = Path(convert(src, tmp_path, ConvertOptions(prepack=True, inline_threshold=4096, **now)).outputs[-1])
+    assert first != second
+    assert _names(tmp_path) == sorted([src.name, *_with_records(second)])
+    again = Path(convert(src, tmp_path, ConvertOptions(prepack=True, inline_threshold=4096, **now)).outputs[-1])
+    assert again == second  # deterministic output, same name
+    convert(src, tmp_path, ConvertOptions(inline_threshold=4096, **now))  # same output without --prepack: kept
+    assert _names(tmp_path) == sorted([src.name, *_with_records(second)])
+    convert(src, tmp_path, ConvertOptions(**now))  # other output: the cache no longer matches and goes
+    assert _names(tmp_path) == [src.name]
+
+
+def test_superseded_cache_stays_for_the_grace_period(pair, tmp_path):
+    """Issue 22 item 7: a re-conversion removed the old cache at once, so a reader that had opened the old
+    model hit a raw FileNotFoundError. The old cache now stays (mtime stamped) until --blob-grace has passed."""
     src, _out, _cache, _report, _ref = pair[0]
     first = Path(convert(src, tmp_path, ConvertOptions(prepack=True)).outputs[-1])
+    os.utime(first, (1, 1))  # built long ago: only its stamp at supersession may count
     second = Path(convert(src, tmp_path, ConvertOptions(prepack=True, inline_threshold=4096)).outputs[-1])
-    assert first != second
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([src.name, second.name])
-    again = Path(convert(src, tmp_path, ConvertOptions(prepack=True, inline_threshold=4096)).outputs[-1])
-    assert again == second  # deterministic output, same name
-    convert(src, tmp_path, ConvertOptions(inline_threshold=4096))  # same output without --prepack: cache kept
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([src.name, second.name])
-    convert(src, tmp_path)  # other output: the cache no longer matches and goes
-    assert sorted(p.name for p in tmp_path.iterdir()) == [src.name]
+    assert _names(tmp_path) == sorted([src.name, *_with_records(first, second)])
+    assert first.stat().st_mtime > 2  # the grace period of the old cache starts at the commit that superseded it
+    convert(src, tmp_path, ConvertOptions(prepack=True, inline_threshold=4096, blob_grace_s=3600))
+    assert first.exists()  # within the grace period
+    convert(src, tmp_path, ConvertOptions(prepack=True, inline_threshold=4096, blob_grace_s=0))
+    assert _names(tmp_path) == sorted([src.name, *_with_records(second)])
 
 
 def test_interpreter_costs(pair):
@@ -258,8 +291,8 @@ def test_model_replaced_while_loading_leaves_no_misnamed_cache(pair, tmp_path, m
     (_sa, out_a, cache_a, _ra, _ref_a), (_sb, out_b, _cb, _rb, ref_b) = pair
     model = tmp_path / out_a.name
     shutil.copy(out_a, model)
-    shutil.copy(cache_a, tmp_path / cache_a.name)
-    real = helper.find_cache
+    copy_cache(cache_a, tmp_path / cache_a.name)
+    real = helper.open_cache
     calls = []
 
     def find_then_replace(path):
@@ -268,10 +301,11 @@ def test_model_replaced_while_loading_leaves_no_misnamed_cache(pair, tmp_path, m
             shutil.copy(out_b, tmp_path / "incoming")
             os.replace(tmp_path / "incoming", model)
             (tmp_path / cache_a.name).unlink()
+            record_path(tmp_path / cache_a.name).unlink()
         calls.append(found)
         return found
 
-    monkeypatch.setattr(helper, "find_cache", find_then_replace)
+    monkeypatch.setattr(helper, "open_cache", find_then_replace)
     cm = helper.compiled_model(model)
     assert calls[0][0] == tmp_path / cache_a.name and calls[1][0] is None
     assert cm.weightshare_cache is None and same(run(cm), ref_b)

@@ -302,3 +302,26 @@ def sparse_model(path: Path, dtype=np.float32, block: int = 1, seed: int = 5, in
     g.outputs = [y]
     mb.signature("sparse", g)
     return mb.save(path)
+
+
+def lm_model(path: Path, vocab: int = 1000, width: int = 64, seq: int = 8, signature: bool = True) -> Path:
+    """An LM-like graph: int32 token ids -> EMBEDDING_LOOKUP (a vocab x width table) -> FULLY_CONNECTED, plus a
+    GATHER of a second table by the same ids. Random ints outside [0, vocab) make LiteRT's kernels fail."""
+    rng = np.random.default_rng(11)
+    mb = ModelBuilder()
+    g = mb.subgraph("lm")
+    ids = g.input("token_ids", [seq], "int32")
+    table = g.const("embedding", (rng.standard_normal((vocab, width)) * 0.1).astype(np.float32))
+    emb = g.tensor("embedded", [seq, width], "float32")
+    g.op(OP.EMBEDDING_LOOKUP, [ids, table], [emb])
+    w = g.const("proj_w", (rng.standard_normal((width, width)) * 0.1).astype(np.float32))
+    b = g.const("proj_b", np.zeros(width, np.float32))
+    logits = g.tensor("logits", [seq, width], "float32")
+    g.op(OP.FULLY_CONNECTED, [emb, w, b], [logits], s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
+    pos = g.const("positions", (rng.standard_normal((vocab, 4)) * 0.1).astype(np.float32))
+    picked = g.tensor("picked", [seq, 4], "float32")
+    g.op(OP.GATHER, [pos, ids], [picked], s.BuiltinOptions.GatherOptions, s.GatherOptionsT(axis=0))
+    g.outputs = [logits, picked]
+    if signature:
+        mb.signature("serving_default", g)
+    return mb.save(path)

@@ -19,18 +19,32 @@ def bench(
     sessions: list[int],
     workdir: str | os.PathLike[str] | None = None,
     progress: Callable[[str], object] = lambda msg: None,
+    inputs: dict[str, str] | None = None,
 ) -> JsonDict:
     """Convert ``model`` into ``workdir`` (a temporary directory by default) and measure both.
 
     Each (variant, runtime setting) runs in a fresh process; rows give PSS, private
     and shared MiB after 1..N sessions and the cumulative load time. ONNX models are also
-    converted with ``--prepack`` and measured at default options.
+    converted with ``--prepack`` and measured at default options. ``inputs`` (TFLite): input name -> .npy file
+    fed instead of random values.
     """
     model = Path(model)
     if not sessions or min(sessions) < 1:
         raise UsageError("--sessions needs positive counts, e.g. 1,2,4,8")
     fmt = detect(model)
     runtime = fmt.bench_runtime(model)
+    measure = runtime.measure
+    if inputs:
+        if fmt.name != "tflite":
+            raise UsageError("bench --input is supported for TFLite models (ONNX inputs are made in range already)")
+        for name, file in inputs.items():
+            if not Path(file).is_file():
+                raise UsageError(f"--input {name}: no such file {file}")
+        given = {name: str(Path(file).resolve()) for name, file in inputs.items()}
+
+        def measure(path: str, counts: list[int], share: bool) -> list[JsonDict]:
+            return runtime.measure(path, counts, share, given)  # type: ignore[call-arg]
+
     with tempfile.TemporaryDirectory(prefix="weightshare-bench-", dir=workdir) as tmp:
         progress(f"converting {model.name}")
         converted = Path(api.convert(model, tmp).outputs[0])
@@ -38,7 +52,7 @@ def bench(
         for variant, path in (("original", model), ("converted", converted)):
             for mode, share in runtime.modes:
                 progress(f"{variant}, {mode}: {max(sessions)} sessions in a fresh process")
-                for row in runtime.measure(str(path), sessions, share):
+                for row in measure(str(path), sessions, share):
                     rows.append({"variant": variant, "mode": mode, **row})
         if runtime.prepacked is not None:
             rows += _prepacked_rows(model, Path(tmp) / "prepack", sessions, runtime, progress)

@@ -278,9 +278,10 @@ def convert(
     unpack: list[Unpack] = typer.Option(
         [],
         "--unpack",
-        metavar="sparse|ort-cpu",
+        metavar="sparse|dequantize|ort-cpu",
         help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
-        "constant sparse tensor becomes a dense constant). 'ort-cpu' (ONNX: store fp16 "
+        "constant sparse tensor becomes a dense constant). 'dequantize' (TFLite: weight-only int8, DEQUANTIZE of "
+        "an int8 constant, stored once as the fp32 values LiteRT computes). 'ort-cpu' (ONNX: store fp16 "
         "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
         "CPU-specific, a GPU provider would run fp16).",
     ),
@@ -657,12 +658,17 @@ def verify(
     from .verify import verify as run_verify
 
     quiet(quiet_)
+    reported = False  # an unexpected exception is reported by main(): stderr must stay open for it
     try:
         with user_errors():
             dims, shapes, given = _verify_args(dim, shape, inputs)
             report = run_verify(original, converted, runs, dims, seed, given, shapes)
+        reported = True
+    except typer.Exit:
+        reported = True
+        raise
     finally:  # after the one error line, if any: LiteRT logs its teardown at exit
-        if original.suffix == ".tflite":
+        if original.suffix == ".tflite" and reported:
             _silence_litert()
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
@@ -688,6 +694,9 @@ def bench(
         None, "--plot", help='Write a PNG chart of PSS vs sessions (needs matplotlib: pip install "weightshare[plot]").'
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the measurements as one JSON document."),
+    inputs: list[str] = typer.Option(
+        [], "--input", help="TFLite: real values for an input, NAME=FILE.npy, instead of random ones. Repeatable."
+    ),
 ) -> None:
     """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
 
@@ -713,7 +722,12 @@ def bench(
         if status:
             status.start()
         try:
-            result = run_bench(model, counts, progress=(lambda m: status.update(m)) if status else (lambda m: None))
+            result = run_bench(
+                model,
+                counts,
+                progress=(lambda m: status.update(m)) if status else (lambda m: None),
+                inputs=dict(_pairs(inputs, "--input", "FILE.npy")),
+            )
         finally:
             if status:
                 status.stop()

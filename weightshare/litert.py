@@ -1,6 +1,10 @@
 """Open a converted TFLite model with LiteRT's ``CompiledModel`` and the XNNPACK weight cache that matches it.
 
 Example:
+    from weightshare.litert import interpreter
+    it = interpreter("out/model.tflite")        # the Interpreter API; XNNPACK weights shared by every instance
+    it.allocate_tensors(); it.set_tensor(...); it.invoke(); it.get_tensor(...)
+
     from weightshare.litert import compiled_model
     cm = compiled_model("out/model.tflite")   # uses out/model.tflite.litert-<v>.<digest>.xnnpack-cache
     print(cm.weightshare_cache)                # the cache used, or None
@@ -21,31 +25,45 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
-from .formats.tflite import xnnpack_cache
+from .formats.tflite import cache_record, xnnpack_cache
+from .litert_interpreter import SharedInterpreter, interpreter
 
 if TYPE_CHECKING:
-    import numpy as np
     from ai_edge_litert.compiled_model import CompiledModel
+
+__all__ = ["SharedInterpreter", "compiled_model", "find_cache", "interpreter"]
 
 log = logging.getLogger("weightshare.litert")
 _RETRIES = 3  # the model replaced between hashing and loading (a re-conversion committing): hash again
 
 
 def find_cache(model: str | os.PathLike[str]) -> tuple[Path | None, str]:
-    """The cache that matches ``model``'s current content, or None and why none is used."""
+    """The cache that matches ``model``'s current content and its own record, or None and why none is used."""
+    cache, fd, why = open_cache(model)
+    if fd is not None:
+        os.close(fd)
+    return cache, why
+
+
+def open_cache(model: str | os.PathLike[str]) -> tuple[Path | None, int | None, str]:
+    """(cache, an fd of it checked against its record, "matches"), or (None, None, why none is used)."""
     model = Path(model)
     if not xnnpack_cache.candidate_caches(model):  # nothing to match: spare the hash of the model
-        return None, "no XNNPACK weight cache beside the model (`weightshare convert --prepack` writes one)"
-    expected = xnnpack_cache.expected_cache(model)
-    if expected.is_file() and expected.stat().st_size > 0:
-        return expected, "matches"
+        return None, None, "no XNNPACK weight cache beside the model (`weightshare convert --prepack` writes one)"
+    digest = xnnpack_cache.content_digest(model)
+    expected = model.parent / xnnpack_cache.cache_name(model.name, digest)
+    if os.path.lexists(expected):
+        fd, why = cache_record.open_verified(expected, digest)
+        if fd is None:
+            return None, None, f"{expected.name} is not used: {why}"
+        return expected, fd, "matches"
     others = [s for s in xnnpack_cache.cache_status(model) if not s.matches]
     if others:
-        return None, f"{others[0].path.name} does not match the model ({others[0].reason})"
-    return None, f"no XNNPACK weight cache beside the model (expected {expected.name})"
+        return None, None, f"{others[0].path.name} does not match the model ({others[0].reason})"
+    return None, None, f"no XNNPACK weight cache beside the model (expected {expected.name})"
 
 
-def _with_cache(kwargs: dict[str, Any], cache: Path) -> dict[str, Any]:
+def _with_cache(kwargs: dict[str, Any], cache: str) -> dict[str, Any]:
     """``from_file`` keyword arguments with the cache path set on (a copy of) the CPU options."""
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.options import Options
@@ -92,73 +110,20 @@ def compiled_model(path: str | os.PathLike[str], **kwargs: Any) -> CompiledModel
     model = Path(path)
     for _attempt in range(_RETRIES):
         before = _file_state(model)
-        cache, why = find_cache(model)
-        if cache is None:
+        cache, fd, why = open_cache(model)
+        if cache is None or fd is None:
             log.warning(
                 "weightshare: %s: %s; running without a cache (each instance packs its own weights)", model, why
             )
             cm = CompiledModel.from_file(str(model), **kwargs)
             cm.weightshare_cache = None
             return cm
-        cache_before = _file_state(cache)
-        cm = CompiledModel.from_file(str(model), **_with_cache(kwargs, cache))
+        held = cache_record.HeldFd(fd)  # LiteRT maps the file this fd holds, the one that was checked
+        cm = CompiledModel.from_file(str(model), **_with_cache(kwargs, cache_record.fd_path(fd, cache)))
         if _file_state(model) == before:  # LiteRT read the model whose digest named the cache
             cm.weightshare_cache = cache
+            cm.weightshare_cache_fd = held
             return cm
-        # The model was replaced while it loaded: LiteRT may have packed the new model into a cache named
-        # for the old one (if that cache vanished meanwhile); such a file must not survive.
-        cm.close()
-        if _file_state(cache) != cache_before:
-            cache.unlink(missing_ok=True)
+        cm.close()  # the model was replaced while it loaded (a re-conversion committing): load again
+        held.close()
     raise UsageError(f"the model kept changing while it was being loaded ({_RETRIES} attempts)", model)
-
-
-def run_signatures(cm: CompiledModel, seed: int) -> dict[str, dict[str, np.ndarray]]:
-    """Run every signature of a CompiledModel on seeded random inputs: {signature: {output: array}}."""
-    import numpy as np
-
-    from .runtimes.litert import _random_array
-
-    results: dict[str, dict[str, np.ndarray]] = {}
-    for key, sig in cm.get_signature_list().items():
-        idx = cm.get_signature_index(key)
-        rng = np.random.default_rng(seed)
-        ins, outs = cm.create_input_buffers(idx), cm.create_output_buffers(idx)
-        details = cm.get_input_tensor_details(key)
-        for name, buf in zip(sig["inputs"], ins):
-            buf.write(_random_array(rng, [int(d) for d in details[name]["shape"]], details[name]["dtype"]))
-        cm.run_by_index(idx, ins, outs)
-        details = cm.get_output_tensor_details(key)
-        results[key] = {
-            name: buf.read(int(np.prod(details[name]["shape"])), details[name]["dtype"]).reshape(
-                [int(d) for d in details[name]["shape"]]
-            )
-            for name, buf in zip(sig["outputs"], outs)
-        }
-    return results
-
-
-def compiled_pairs(
-    original: str | os.PathLike[str], converted: str | os.PathLike[str], runs: int, seed: int
-) -> tuple[Path | None, list[tuple[int, str, np.ndarray, np.ndarray]]]:
-    """For ``verify``: the converted model through CompiledModel with its matching cache, the original without.
-
-    Returns (cache used or None, [(run, "signature:output", original array, converted array)]); no pairs
-    when ``converted`` has no matching cache beside it.
-    """
-    import numpy as np
-    from ai_edge_litert.compiled_model import CompiledModel
-
-    cache, _why = find_cache(converted)
-    if cache is None:
-        return None, []
-    a = CompiledModel.from_file(str(original))
-    b = CompiledModel.from_file(str(converted), **_with_cache({}, cache))
-    pairs: list[tuple[int, str, np.ndarray, np.ndarray]] = []
-    for r in range(runs):
-        outs_a, outs_b = run_signatures(a, seed + r), run_signatures(b, seed + r)
-        for key in outs_a:
-            for name in outs_a[key]:
-                missing = np.zeros(0, outs_a[key][name].dtype)  # an output the converted model lacks: a mismatch
-                pairs.append((r, f"{key}:{name}", outs_a[key][name], outs_b.get(key, {}).get(name, missing)))
-    return cache, pairs

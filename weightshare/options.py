@@ -19,6 +19,7 @@ class Unpack(str, Enum):
 
     SPARSE = "sparse"  # TFLite: DENSIFY of a constant sparse tensor becomes a dense constant
     ORT_CPU = "ort-cpu"  # ONNX: fp16 weights stored as the fp32 copies ONNX Runtime's CPU provider makes
+    DEQUANTIZE = "dequantize"  # TFLite: DEQUANTIZE of a constant int8 tensor (weight-only int8) becomes fp32
 
 
 @dataclass

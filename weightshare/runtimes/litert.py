@@ -54,6 +54,10 @@ def silence_native_stderr_until_exit() -> None:
         os.dup2(null.fileno(), 2)
 
 
+# What LiteRT raises when a model does not load or a kernel fails (Interpreter: ValueError on load, RuntimeError
+# on invoke; CompiledModel: RuntimeError). Anything else in a verify leg is a bug and is reported as one.
+LITERT_ERRORS = (RuntimeError, ValueError)
+
 # verify runs every path a user may run: the classic Interpreter without delegate and with the default
 # XNNPACK delegate (which also provides custom ops such as Convolution2DTransposeBias).
 MODES = ("no delegate", "XNNPACK")
@@ -210,21 +214,35 @@ class CompiledEntry:
         }
 
 
-def compiled_entry_points(model_path: str, inputs_from: str) -> list[tuple[str, CompiledEntry]]:
-    """Every signature of ``model_path`` through CompiledModel; inputs made from ``inputs_from``'s Interpreter."""
+PLACEHOLDER_SIGNATURE = "<placeholder signature>"  # CompiledModel's key for a model without SignatureDefs
+
+
+def compiled_entry_points(
+    model_path: str, inputs_from: str, cache_path: str | None = None
+) -> list[tuple[str, CompiledEntry]]:
+    """Every signature of ``model_path`` through CompiledModel; inputs made from ``inputs_from``'s Interpreter.
+
+    ``cache_path``: an XNNPACK weight cache for the CPU options. A model without SignatureDefs has one
+    placeholder signature in CompiledModel and none in the Interpreter: both are the primary subgraph, "".
+    """
     from ai_edge_litert.compiled_model import CompiledModel
+    from ai_edge_litert.cpu_options import CpuOptions
+    from ai_edge_litert.options import Options
 
     feeders = dict(entry_points(open_mode(inputs_from, MODES[0])))
-    model = CompiledModel.from_file(model_path)
+    if cache_path is None:
+        model = CompiledModel.from_file(model_path)
+    else:
+        options = Options(cpu_options=CpuOptions(num_threads=1, xnnpack_weight_cache_path=cache_path))
+        model = CompiledModel.from_file(model_path, options=options)
     keys = list(model.get_signature_list()) or [""]
-    return [(k, CompiledEntry(model, k, feeders[k].feeds)) for k in keys]
-
-
-def random_feeds(interp: Interpreter, seed: int = 0, dims: dict[str, int] | None = None) -> dict[int, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {
-        d["index"]: _random_array(rng, [int(s) for s in d["shape"]], d["dtype"]) for d in interp.get_input_details()
-    }
+    entries = []
+    for k in keys:
+        key = "" if k == PLACEHOLDER_SIGNATURE and "" in feeders else k
+        if key not in feeders:
+            raise ValueError(f"signature {k!r} of {model_path} is not one of the original's {sorted(feeders)}")
+        entries.append((key, CompiledEntry(model, k if key else "", feeders[key].feeds)))
+    return entries
 
 
 def run(interp: Interpreter, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:
@@ -234,26 +252,41 @@ def run(interp: Interpreter, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:
     return [interp.get_tensor(d["index"]).copy() for d in interp.get_output_details()]
 
 
-def _probe(model_path: str, counts: list[int], share: bool) -> list[JsonDict]:
-    """In this process: open interpreters one by one (each run once), memory after each count in ``counts``."""
+def _probe(model_path: str, counts: list[int], share: bool, inputs: dict[str, str] | None = None) -> list[JsonDict]:
+    """In this process: open interpreters one by one (each signature run once), memory after each count.
+
+    Inputs are ``inputs`` (name -> .npy file) where given, else seeded random values, in range for inputs used
+    as EMBEDDING_LOOKUP/GATHER indices.
+    """
     import time
 
     from .memory import memory_now
 
+    given = {name: np.load(path, allow_pickle=False) for name, path in (inputs or {}).items()}
     rows, interps = [], []
     t0 = time.perf_counter()
     for n in range(1, max(counts) + 1):
-        interp = new_interpreter(model_path, share)
-        run(interp, random_feeds(interp))
+        interp = new_interpreter(model_path, share, allocate=False)
+        for _key, entry in entry_points(interp):
+            entry(entry.feeds(0, given))
         interps.append(interp)
         if n in counts:
             rows.append({"sessions": n, **memory_now(), "load_s": round(time.perf_counter() - t0, 3)})
     return rows
 
 
-def measure_interpreters(model_path: str, counts: list[int], share: bool = True) -> list[JsonDict]:
-    """Memory of 1..N interpreters of ``model_path`` in a fresh process."""
+def measure_interpreters(
+    model_path: str, counts: list[int], share: bool = True, inputs: dict[str, str] | None = None
+) -> list[JsonDict]:
+    """Memory of 1..N interpreters of ``model_path`` in a fresh process (``inputs``: name -> .npy file)."""
+    from ..errors import Unsupported
     from .memory import in_child
 
-    rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share])
+    try:
+        rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share, inputs or {}])
+    except RuntimeError as e:  # LiteRT refused the model or the inputs in the probe: the user's to fix, one line
+        detail = str(e).split("failed in a child process: ", 1)[-1]
+        raise Unsupported(
+            f"LiteRT could not run the model: {detail} (give real inputs with --input NAME=FILE.npy)", model_path
+        ) from None
     return rows

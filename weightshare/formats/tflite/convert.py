@@ -38,6 +38,7 @@ from ...report import ConversionReport
 from ...tensors import ElementwiseSource, FileRange, InputFile, PayloadSource, fp16_to_fp32, open_input, read_all
 from ...write import write_payloads
 from . import flatbuf
+from .dequantize import plan_dequantize
 from .graph import (
     NUMPY_DTYPES,
     TYPE_NAMES,
@@ -302,9 +303,11 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
         graph = flatbuf.read_graph(reader, mapping)
     validate(graph, len(refs), path)
     report = ConversionReport(model=path, format="tflite")
-    unknown = set(options.unpack) - {"sparse"}
+    unknown = set(options.unpack) - {"sparse", "dequantize"}
     if unknown:
-        raise UsageError(f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse')", src)
+        raise UsageError(
+            f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse' and 'dequantize')", src
+        )
     sources: list[PayloadSource | None] = [ref.source(path) if ref.nbytes else None for ref in refs]
     read_external_buffers(graph, src, sources)
     detached: set[int] = set()
@@ -314,6 +317,13 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
         apply_densify(graph, [f for f, _ in densified], len(sources))
         detached = {f.sparse_buffer for f, _ in densified}
         sources.extend(source for _, source in densified)
+    if "dequantize" in options.unpack:  # weight-only int8/int4: the fp32 values stored once, for every instance
+        dequantized, dq_notes = plan_dequantize(graph, sources, path)
+        apply_densify(graph, [f for f, _ in dequantized], len(sources))
+        detached |= {f.sparse_buffer for f, _ in dequantized}
+        sources.extend(source for _, source in dequantized)
+        report.notes.extend(dq_notes)
+        densified += dequantized
     folds, notes = (
         ([], [])
         if options.keep_packed
@@ -321,6 +331,8 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
     )
     report.notes.extend(notes)
     plans = plan_buffers(graph, sources, folds, detached, options)
+    if options.external:
+        _refuse_external_sparse(graph, plans, src)
     report.ops_removed = len(folds) + len(densified)
     for fold, source in densified:
         sparse = sources[fold.sparse_buffer]
@@ -337,6 +349,27 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
             report.inline_kept += 1
             report.inline_kept_bytes += p.source.nbytes
     return graph, plans, report
+
+
+def _refuse_external_sparse(graph: schema.ModelT, plans: list[BufferPlan], src: Path) -> None:
+    """LiteRT's CompiledModel cannot load a sparse tensor from an ExternalBuffer (it expects the dense size:
+    "Insufficient buffer size"), so such an output would be unloadable; refuse it before writing anything."""
+    from .graph import DENSIFY, builtin_code
+
+    codes = [builtin_code(c) for c in graph.operatorCodes or []]
+    for sg in graph.subgraphs:
+        tensors = sg.tensors or []
+        densified = {i for op in sg.operators or [] if codes[op.opcodeIndex] == DENSIFY for i in op.inputs or []}
+        for i, t in enumerate(tensors):
+            plan = plans[t.buffer] if 0 < t.buffer < len(plans) else None
+            if t.sparsity is None or plan is None or plan.source is None or plan.inline:
+                continue
+            fix = "add --unpack sparse (stores it dense) or drop --external" if i in densified else "drop --external"
+            raise UsageError(
+                f"--external: tensor {tensor_name(t)!r} is sparse, and LiteRT's CompiledModel cannot load a sparse "
+                f"tensor from an external buffer (the output would not load); {fix}",
+                src,
+            )
 
 
 def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
@@ -399,14 +432,14 @@ def _xnnpack_accounting(
     from . import xnnpack_cache
 
     if options.prepack:
-        built, cache = xnnpack_cache.prepack(final, blob_name, tx)
+        built, cache = xnnpack_cache.prepack(final, blob_name, tx, options.blob_grace_s)
         report.outputs.append(cache)
         report.notes.append(
             f"XNNPACK weight cache {Path(cache).name} ({built.nbytes:,} bytes) built in a child "
             f"process: peak RSS {built.peak_rss_mib:.1f} MiB, {built.wall_s:.2f} s"
         )
     else:
-        xnnpack_cache.drop_stale_after_commit(final, tx)
+        xnnpack_cache.drop_stale_after_commit(final, tx, options.blob_grace_s)
     fp16_in = sum(p.unpacked_from for p in plans if p.unpacked_from)
     if fp16_in and not options.external:  # the classic Interpreter does not load --external models at all
         fp32_out = sum(p.source.nbytes for p in plans if p.unpacked_from and p.source is not None)

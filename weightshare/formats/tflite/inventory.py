@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import UnsafePath, WeightshareError
-from ...findings import Code, problem_code
+from ...findings import CODES, Code, Finding, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
 from ...paths import resolve_inside
 from ...recorded import recorded_payloads
 from ...tensors import FileRange
 from . import flatbuf
+from .dequantize import dequantized_copies
 from .graph import (
     DENSIFY,
     DEQUANTIZE,
@@ -82,13 +83,14 @@ def _xnnpack_packs(graph: schema.ModelT, sizes: list[int]) -> dict[int, int]:
             for pos in packing.get(codes[op.opcodeIndex], ()):
                 if pos >= len(ins) or ins[pos] < 0:
                     continue
-                t, scale = ins[pos], 1
+                t, fp32 = ins[pos], None
                 src = producer.get(t)
                 if src is not None and codes[src.opcodeIndex] == DEQUANTIZE and indices(src.inputs):
-                    t, scale = indices(src.inputs)[0], 2
+                    t = indices(src.inputs)[0]  # packed as fp32: 4 bytes per element of the fp16/int8/int4 input
+                    fp32 = 4 * (element_count(tensors[t]) or 0) if 0 <= t < len(tensors) else 0
                 buffer = tensors[t].buffer if t < len(tensors) else 0
                 if buffer and buffer < len(sizes) and sizes[buffer]:
-                    packs[buffer] = scale * sizes[buffer]
+                    packs[buffer] = sizes[buffer] if fp32 is None else fp32
     return packs
 
 
@@ -101,9 +103,17 @@ def _first_tensors(graph: schema.ModelT) -> dict[int, schema.TensorT]:
     return first
 
 
+# What only an opt-in unpack stores once: (words in the copy's description, the --unpack value that does it).
+_OPT_IN = (("DENSIFY", "sparse"), ("DEQUANTIZE INT", "dequantize"), ("DEQUANTIZE UINT", "dequantize"))
+
+
+def _opt_in(what: str) -> str:
+    return next((option for words, option in _OPT_IN if what.startswith(words)), "")
+
+
 def _per_interpreter_copies(graph: schema.ModelT, sizes: list[int], path: str) -> dict[int, tuple[str, int]]:
     """buffer -> (what LiteRT materialises per interpreter, bytes)."""
-    copies: dict[int, tuple[str, int]] = {}
+    copies: dict[int, tuple[str, int]] = dequantized_copies(graph, sizes)
     folds, _notes = plan_fp16_folds(graph, sizes, path)
     for fold in folds:
         copies[fold.fp16_buffer] = ("DEQUANTIZE fp16->fp32 per interpreter", 2 * sizes[fold.fp16_buffer])
@@ -162,6 +172,26 @@ def _external_payloads(graph: schema.ModelT, path: Path, inv: ModelInventory, ha
     inv.external_files.sort()
 
 
+def _opt_in_findings(inv: ModelInventory, path: Path, opt_in: dict[str, list[tuple[PayloadInfo, str]]]) -> None:
+    """One unpacked-per-session finding per --unpack value that would store these copies once."""
+    for option, items in opt_in.items():
+        payloads = [p for p, _ in items]
+        copied = sum(p.copied_per_session for p in payloads)
+        names = ", ".join(p.name for p in payloads[:3]) + (
+            f" and {len(payloads) - 3} more" if len(payloads) > 3 else ""
+        )
+        message = (
+            f"{len(payloads)} payloads are unpacked by LiteRT in every interpreter / CompiledModel "
+            f"({items[0][1]}, {copied / (1 << 20):,.1f} MiB per instance): {names}"
+        )
+        info = CODES[Code.UNPACKED_PER_SESSION]
+        fix = f"weightshare convert MODEL -o OUT --unpack {option} (stores the unpacked form once)"
+        inv.findings.append(
+            Finding(Code.UNPACKED_PER_SESSION, info.severity, str(path), payloads[0].name, message, fix)
+        )
+        inv.notes.append(f"{message}; convert with --unpack {option} to store them once")
+
+
 def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     path = Path(path)
     inv = ModelInventory(model=str(path), format="tflite", file_bytes=path.stat().st_size)
@@ -176,6 +206,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     first = _first_tensors(graph)
     metadata = {m.buffer for m in graph.metadata or [] if m is not None}
     threshold = ConvertOptions().inline_threshold
+    opt_in: dict[str, list[tuple[PayloadInfo, str]]] = {}
     for ref in refs:
         if not ref.nbytes:
             continue
@@ -195,7 +226,12 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         if t is not None and t.sparsity is not None:
             info.encoding = "sparse"
         if ref.index in copies:
-            info.unpacked_at_load, info.copied_per_session = copies[ref.index]
+            what, info.copied_per_session = copies[ref.index]
+            option = _opt_in(what)
+            if option:  # check's generic finding would advise a plain convert, which does not fix these
+                opt_in.setdefault(option, []).append((info, what))
+            else:
+                info.unpacked_at_load = what
             info.would_move = True
         elif ref.index in metadata:
             info.stays_inline_because = "metadata buffer"
@@ -204,10 +240,11 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         else:
             info.would_move = not ref.out_of_line
         packed = packs.get(ref.index, 0)
-        info.copies = {
+        dequantized = _opt_in(copies.get(ref.index, ("", 0))[0]) == "dequantize"
+        info.copies = {  # XNNPACK keeps its own fp32 unpacking of an int8 DEQUANTIZE next to the packed weights
             NO_DELEGATE: info.copied_per_session,
-            XNNPACK: max(info.copied_per_session, packed),
-            XNNPACK_CACHE: 0 if packed else info.copied_per_session,
+            XNNPACK: info.copied_per_session + packed if dequantized else max(info.copied_per_session, packed),
+            XNNPACK_CACHE: info.copied_per_session if dequantized or not packed else 0,
         }
         if packed:
             info.copy_reason = "weights packed by XNNPACK per interpreter"
@@ -215,6 +252,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         if hash_payloads:
             info.sha256 = payload_digest(ref.source(str(path)))
         inv.payloads.append(info)
+    _opt_in_findings(inv, path, opt_in)
     _external_payloads(graph, path, inv, hash_payloads)
     if any(p.location == "external" and p.file == path.name for p in inv.payloads):
         inv.external_files.append(path.name)

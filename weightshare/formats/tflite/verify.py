@@ -8,10 +8,11 @@ wrote beside the converted model.
 from __future__ import annotations
 
 import gc
+import traceback
 from pathlib import Path
 from typing import Any
 
-from ...errors import UsageError
+from ...errors import UsageError, WeightshareError
 from ...inventory import inventory
 from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line, hint
 
@@ -28,36 +29,63 @@ def verify_in_runtime(
             "dynamic dimension or --shape INPUT=D0,D1,... for one input"
         )
     with native_stderr_silenced():
-        _verify_paths(report, original, converted, opts, broken)
-        if not broken:
-            _verify_weight_cache(report, original, converted, opts)
+        try:
+            _verify_paths(report, original, converted, opts, broken)
+            if not broken:
+                _verify_weight_cache(report, original, converted, opts)
+        except Exception as e:
+            # The frames of a failed leg hold its LiteRT objects, which log as they are destroyed: destroy them
+            # here, still silenced, so that the caller's one line (or the traceback) is all stderr shows.
+            traceback.clear_frames(e.__traceback__)
+            gc.collect()
+            raise
         gc.collect()  # LiteRT environments log as they are destroyed: while stderr is still silenced
 
 
 def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any]) -> None:
     """A --prepack XNNPACK weight cache, checked through CompiledModel: original without, converted with it."""
-    from ...litert import compiled_pairs
+    from ...litert import open_cache
+    from ...runtimes.litert import LITERT_ERRORS, compiled_entry_points
+    from . import cache_record, xnnpack_cache
 
-    cache, pairs = compiled_pairs(original, converted, opts["runs"], opts["seed"])
-    if cache is None:
+    cache, fd, why = open_cache(converted)
+    if cache is None or fd is None:
+        if xnnpack_cache.candidate_caches(converted):
+            report.notes.append(f"no XNNPACK weight cache checked: {why}")
         return
-    for r, name, x, y in pairs:
-        compare_outputs(report, [name], {name: x}, {name: y}, r, f"CompiledModel + {cache.name}: ")
-    report.paths.append(f"LiteRT CompiledModel + XNNPACK weight cache {cache.name}")
+    held = cache_record.HeldFd(fd)  # the cache LiteRT maps is the one that was checked
+    path = f"LiteRT CompiledModel + XNNPACK weight cache {cache.name}"
+    try:
+        ea = compiled_entry_points(str(original), str(original))
+    except LITERT_ERRORS as e:
+        report.notes.append(f"the original model does not run with LiteRT CompiledModel: {first_line(e)}")
+        return
+    try:
+        eb: Any = compiled_entry_points(str(converted), str(original), cache_record.fd_path(fd, cache))
+    except LITERT_ERRORS as e:
+        report.paths.append(path)
+        report.mismatches.append(f"the converted model fails to load in {path}: {first_line(e)}")
+        return
+    refused = _run_path(report, path, ea, eb, opts, f"CompiledModel + {cache.name}: ")
+    if refused:
+        report.notes.append(f"the original model does not run with LiteRT CompiledModel: {refused}")
+    else:
+        report.paths.append(path)
+    held.close()
 
 
 def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[tuple[str, str, Any, Any]], list[str]]:
     """(path name, original entry points, converted entry points or an error line), one per LiteRT mode."""
-    from ...runtimes.litert import MODES, compiled_entry_points, entry_points, open_mode
+    from ...runtimes.litert import LITERT_ERRORS, MODES, compiled_entry_points, entry_points, open_mode
 
     if external:  # only CompiledModel loads ExternalBuffer groups: run both models through it, same kernels
         try:
             ca: Any = compiled_entry_points(str(original), str(original))
-        except Exception as e:  # noqa: BLE001
+        except LITERT_ERRORS as e:
             return [], [f"CompiledModel: {first_line(e)}"]
         try:
             cb: Any = compiled_entry_points(str(converted), str(original))
-        except Exception as e:  # noqa: BLE001
+        except LITERT_ERRORS as e:
             cb = f"the converted model fails to load in LiteRT CompiledModel: {first_line(e)}"
         return [("CompiledModel", "LiteRT CompiledModel", ca, cb)], []
     opened: list[tuple[str, str, Any, Any]] = []
@@ -65,21 +93,31 @@ def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[t
     for mode in MODES:
         try:
             ea = entry_points(open_mode(str(original), mode))
-        except Exception as e:  # noqa: BLE001
+        except LITERT_ERRORS as e:
             refusals.append(f"{mode}: {first_line(e)}")
             continue
         try:
             eb: Any = entry_points(open_mode(str(converted), mode))
-        except Exception as e:  # noqa: BLE001
+        except LITERT_ERRORS as e:
             eb = f"the converted model fails to load in LiteRT ({mode}): {first_line(e)}"
         opened.append((mode, f"LiteRT Interpreter, {mode}", ea, eb))
     return opened, refusals
 
 
 def _run_path(
-    report: VerifyReport, path: str, ea: list[tuple[str, Any]], eb: list[tuple[str, Any]], opts: dict[str, Any]
+    report: VerifyReport,
+    path: str,
+    ea: list[tuple[str, Any]],
+    eb: list[tuple[str, Any]],
+    opts: dict[str, Any],
+    label: str = "",
 ) -> str:
-    """Compare on one LiteRT path; returns why the original could not run on it in the first run ('' if it ran)."""
+    """Compare on one LiteRT path; returns why the original could not run on it in the first run ('' if it ran).
+
+    Only LiteRT's own errors count as "this path does not run the model"; any other exception propagates.
+    """
+    from ...runtimes.litert import LITERT_ERRORS
+
     before = len(report.mismatches)
     compare_names(report, "signature", [k for k, _ in ea], [k for k, _ in eb])
     if len(report.mismatches) > before:
@@ -89,21 +127,68 @@ def _run_path(
             feeds = run_a.feeds(opts["seed"] + r, opts["inputs"], opts["shapes"], opts["dims"])
             try:
                 outs_a = run_a(feeds)
-            except Exception as e:  # noqa: BLE001
+            except LITERT_ERRORS as e:
                 if r == 0:  # this path does not run the original (an op it lacks, a shape it refuses)
                     return first_line(e)
                 raise OriginalFails(
-                    f"the original model fails in {path}: {first_line(e)} ({hint('tflite')})", report.original
+                    f"the original model fails in {path}: {first_line(e)} ({tflite_hint(e, feeds, opts)})",
+                    report.original,
                 ) from None
             try:
                 outs_b = run_b(feeds)
-            except Exception as e:  # noqa: BLE001
+            except LITERT_ERRORS as e:
                 report.mismatches.append(f"run {r}: the converted model fails in {path}: {first_line(e)}")
                 return ""
             compare_names(report, "output", list(outs_a), list(outs_b))
-            compare_outputs(report, list(outs_a), outs_a, outs_b, r, f"{key}:" if key else "")
+            compare_outputs(report, list(outs_a), outs_a, outs_b, r, label + (f"{key}:" if key else ""))
         report.runs += 1
     return ""
+
+
+_CAUSES = (  # (words in LiteRT's message, what the user can do about it)
+    (
+        ("flex", "select tensorflow op"),
+        "the model needs TensorFlow ops (the Flex delegate), which ai-edge-litert "
+        "does not include; verify cannot run it here",
+    ),
+    (
+        ("custom op", "unresolved custom"),
+        "the model uses a custom op that LiteRT's Python runtime does not register; verify cannot run it here",
+    ),
+    (
+        ("scale", "zero_point", "quantiz"),
+        "a kernel rejected the model's quantization parameters (a property of the model, not of the inputs)",
+    ),
+)
+
+
+def tflite_hint(e: BaseException, feeds: dict[str, Any], opts: dict[str, Any]) -> str:
+    """The likely cause of a LiteRT failure: a missing delegate or op, quantization, or the (random) inputs."""
+    text = str(e).lower()
+    for words, cause in _CAUSES:
+        if any(w in text for w in words):
+            return cause
+    random = [n for n in feeds if n not in opts["inputs"]]
+    if random:
+        return (
+            f"the inputs were random: give real ones by signature input name, e.g. --input {random[0]}=FILE.npy, "
+            "or dynamic shapes with --shape NAME=1,16000 / --dim '*=N'"
+        )
+    if feeds:
+        given = ", ".join(f"--input {n}" for n in feeds)
+        return f"the values given ({given}) do not suit the model, e.g. indices out of range"
+    return hint("tflite")
+
+
+def _first_feeds(opened: list[tuple[str, str, Any, Any]], opts: dict[str, Any]) -> dict[str, Any]:
+    """The inputs the first run fed (for naming them in a hint); empty when no path opened."""
+    for _mode, _path, ea, _eb in opened:
+        for _key, entry in ea:
+            try:
+                return dict(entry.feeds(opts["seed"], opts["inputs"], opts["shapes"], opts["dims"]))
+            except WeightshareError:
+                return {}
+    return {}
 
 
 def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
@@ -123,7 +208,8 @@ def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: d
         else:
             report.paths.append(path)
     if not report.paths and not broken:
-        raise OriginalFails(f"the original model fails in LiteRT: {'; '.join(refusals)} ({hint('tflite')})", original)
+        cause = tflite_hint(RuntimeError("; ".join(refusals)), _first_feeds(opened, opts), opts)
+        raise OriginalFails(f"the original model fails in LiteRT: {'; '.join(refusals)} ({cause})", original)
     for line in refusals:
         report.notes.append(f"the original model does not run with LiteRT {line}; that path was skipped")
     if broken:

@@ -25,21 +25,20 @@ import json
 import os
 import platform
 import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...atomic import TMP_PREFIX, OutputTransaction
+from ...atomic import CommitHook, OutputTransaction
 from ...blob import Hasher
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
 from ...findings import Code, Finding
 from ...paths import resolve_inside
+from . import cache_record
 
 if TYPE_CHECKING:
     from ai_edge_litert import schema_py_generated as schema
@@ -215,8 +214,10 @@ def cache_status(model: str | os.PathLike[str]) -> list[CacheStatus]:
         if m is not None and m["model"] != model.name:
             continue  # the cache of another model whose name starts with this one's ("a.tflite.b.tflite")
         if path.name == expected:
-            ok = path.is_file() and path.stat().st_size > 0
-            statuses.append(CacheStatus(path, ok, "matches the model" if ok else "empty or not a regular file"))
+            fd, why = cache_record.open_verified(path, content_digest(model))
+            if fd is not None:
+                os.close(fd)
+            statuses.append(CacheStatus(path, fd is not None, "matches the model" if fd is not None else why))
         elif m is None:
             statuses.append(CacheStatus(path, False, "not a weightshare cache name; never used"))
         elif m["version"] != litert_version():
@@ -280,51 +281,77 @@ def _staged(tx: OutputTransaction, final: Path) -> Path:
     return staged
 
 
-def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction) -> tuple[BuildResult, str]:
-    """Build the cache of the staged model (and blob) of ``tx``; stage it beside ``final_model``.
+def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction, grace_s: float) -> tuple[BuildResult, str]:
+    """Build the cache of the staged model (and blob) of ``tx``; stage it and its record beside ``final_model``.
 
     The staged files have temporary names, but the model names its blob by its final name: both are
-    linked under their final names into a private directory for LiteRT. Returns the build and the cache
-    file's final path. Older caches of the same model name are removed once the new outputs are in place.
+    linked under their final names into a private, locked directory for LiteRT. Returns the build and the
+    cache file's final path. Older caches of the same model name go ``grace_s`` seconds after they stopped
+    matching (as old blobs do), so a reader that opened the old model just before the commit still finds its cache.
     """
     out_dir = final_model.parent
-    stage = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-", suffix="-prepack", dir=out_dir))
     try:
-        model = stage / final_model.name
-        _link(_staged(tx, final_model), model)
-        if blob_name is not None:
-            _link(_staged(tx, out_dir / blob_name), stage / blob_name)
-        final_cache = out_dir / cache_name(final_model.name, content_digest(model))
-        result = build(model, tx.new_file(final_cache))
+        with cache_record.locked_staging(out_dir, "-prepack") as stage:
+            model = stage / final_model.name
+            _link(_staged(tx, final_model), model)
+            if blob_name is not None:
+                _link(_staged(tx, out_dir / blob_name), stage / blob_name)
+            digest = content_digest(model)
+            final_cache = out_dir / cache_name(final_model.name, digest)
+            cache_tmp = tx.new_file(final_cache)
+            result = build(model, cache_tmp)
+            cache_record.write_record(cache_tmp, tx.new_file(cache_record.record_path(final_cache)), digest)
     except OSError as e:
         raise OutputError(f"cannot stage the model for the XNNPACK weight cache: {e.strerror}", out_dir) from None
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-    tx.after_commit(lambda: _remove_superseded(final_model, final_cache))
+    tx.add_hook(SupersededCaches(final_model, final_cache, grace_s))
     return result, str(final_cache)
 
 
-def drop_stale_after_commit(final_model: Path, tx: OutputTransaction) -> None:
+def drop_stale_after_commit(final_model: Path, tx: OutputTransaction, grace_s: float) -> None:
     """Without --prepack: caches an earlier --prepack run left beside ``final_model`` that no longer match the
-    new model are removed once it is in place (one that still matches, from identical output, stays)."""
+    new model go after the grace period (one that still matches, from identical output, stays)."""
     if candidate_caches(final_model):
-        tx.after_commit(lambda: _remove_superseded(final_model, None))
+        tx.add_hook(SupersededCaches(final_model, None, grace_s))
 
 
-def _remove_superseded(model: Path, keep: Path | None) -> None:
-    """Old caches of a re-converted model can never match it again: remove them (they are only disk)."""
-    if keep is None:
+class SupersededCaches(CommitHook):
+    """Old caches of a re-converted model can never match it again; they go like old blobs.
+
+    ``before`` (under the OUTDIR lock, before the renames) notes the cache that matches the model still in
+    place; ``after`` stamps that one's mtime (its grace period starts now) and removes every other stale one
+    whose mtime is older than ``grace_s``. A cache that still matches the new model stays.
+    """
+
+    def __init__(self, model: Path, keep: Path | None, grace_s: float):
+        self.model, self.keep, self.grace_s = model, keep, grace_s
+        self.was_live: str | None = None
+
+    def before(self) -> None:
         try:
-            keep = expected_cache(model)
+            self.was_live = expected_cache(self.model).name if self.model.exists() else None
         except (WeightshareError, OSError):
-            return  # cannot tell which one matches: remove nothing
-    for path in candidate_caches(model):
-        m = _NAME.match(path.name)
-        if path != keep and m is not None and m["model"] == model.name:
+            self.was_live = None
+
+    def after(self) -> None:
+        keep = self.keep
+        if keep is None:
             try:
-                path.unlink()
+                keep = expected_cache(self.model)
+            except (WeightshareError, OSError):
+                return  # cannot tell which one matches: remove nothing
+        now = time.time()
+        for path in candidate_caches(self.model):
+            m = _NAME.match(path.name)
+            if path == keep or m is None or m["model"] != self.model.name or path.is_symlink():
+                continue
+            try:
+                if path.name == self.was_live and self.grace_s > 0:
+                    os.utime(path)
+                elif path.name == self.was_live or now - path.stat().st_mtime >= self.grace_s:
+                    path.unlink()
+                    cache_record.record_path(path).unlink(missing_ok=True)
             except OSError:
-                pass  # a cache we cannot remove is still never used: it does not match
+                pass  # housekeeping: a stale cache we cannot remove is still never used
 
 
 def _mib(n: int) -> str:
@@ -338,9 +365,11 @@ def unpack_note(fp16_bytes: int, fp32_bytes: int, prepacked: bool) -> str:
     """What unpacking fp16 weights costs a user of LiteRT's default (XNNPACK) Interpreter."""
     extra = fp32_bytes - fp16_bytes
     advice = (
-        "load it with weightshare.litert.compiled_model (uses the XNNPACK weight cache written here)"
+        "load it with weightshare.litert.interpreter (the Interpreter API) or weightshare.litert.compiled_model, "
+        "which use the XNNPACK weight cache written here"
         if prepacked
-        else "convert with --prepack and load with weightshare.litert.compiled_model"
+        else "convert with --prepack and load with weightshare.litert.interpreter (the Interpreter API) or "
+        "weightshare.litert.compiled_model"
     )
     return (
         f"fp16 weights were unpacked to fp32 ({_mib(fp16_bytes)} -> {_mib(fp32_bytes)}): LiteRT's default "
@@ -363,8 +392,10 @@ class SettingCost:
         return self.shared_bytes + instances * self.per_instance_bytes
 
 
-def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
-    """(bytes DEQUANTIZE materialises per interpreter, packed bytes XNNPACK makes, file bytes it packs from)."""
+def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int, int]:
+    """(bytes DEQUANTIZE materialises per interpreter, packed bytes XNNPACK makes, file bytes it packs from, the
+    part of the first that comes from integer weights: XNNPACK keeps its own fp32 unpacking of those per
+    instance, next to the packed copy, even with a weight cache)."""
     from ai_edge_litert import schema_py_generated as schema
 
     from .graph import DEQUANTIZE, builtin_code, element_count, indices
@@ -373,7 +404,7 @@ def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
     packed_ops = {op.FULLY_CONNECTED, op.CONV_2D, op.DEPTHWISE_CONV_2D, op.TRANSPOSE_CONV, op.BATCH_MATMUL}
     ext = {e.id: e.length for e in graph.externalBuffers or [] if e is not None}
     codes = [builtin_code(c) for c in graph.operatorCodes or []]
-    dequantized, packed, packed_from_file = 0, 0, 0
+    dequantized, packed, packed_from_file, from_int = 0, 0, 0, 0
     for sg in graph.subgraphs:
         tensors = sg.tensors or []
 
@@ -386,13 +417,15 @@ def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int]:
             ins, outs = indices(o.inputs), indices(o.outputs)
             if codes[o.opcodeIndex] == DEQUANTIZE and ins and outs and const_bytes(ins[0]):
                 made[outs[0]] = 4 * (element_count(tensors[outs[0]]) or 0)
+                if tensors[ins[0]].type != schema.TensorType.FLOAT16:
+                    from_int += made[outs[0]]
         dequantized += sum(made.values())
         for o in sg.operators or []:
             if codes[o.opcodeIndex] in packed_ops:
                 for i in indices(o.inputs)[1:3]:
                     packed += made.get(i, 0) or const_bytes(i)
                     packed_from_file += const_bytes(i)
-    return dequantized, packed, packed_from_file
+    return dequantized, packed, packed_from_file, from_int
 
 
 def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
@@ -412,7 +445,7 @@ def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
     validate(graph, len(refs), str(model))
     sizes = [r.nbytes for r in refs]
     in_file = sum(sizes) + sum(e.length for e in graph.externalBuffers or [] if e is not None)
-    dequantized, packed, packed_from_file = _weight_use(graph, sizes)
+    dequantized, packed, packed_from_file, from_int = _weight_use(graph, sizes)
     matching = [s.path for s in cache_status(model) if s.matches]
     cache = matching[0].stat().st_size if matching else packed
     cache_note = (
@@ -430,10 +463,17 @@ def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
         SettingCost(
             "Interpreter, default XNNPACK",
             in_file,
-            packed,
-            "XNNPACK packs a private copy per interpreter, reading the file pages to do it",
+            packed + from_int,
+            "XNNPACK packs a private copy per interpreter, reading the file pages to do it"
+            + ("; and unpacks int8 weights to fp32 per interpreter (convert --unpack dequantize)" if from_int else ""),
         ),
-        SettingCost("CompiledModel + XNNPACK weight cache", cache + in_file - packed_from_file, 0, cache_note),
+        SettingCost(
+            "CompiledModel + XNNPACK weight cache",
+            cache + in_file - packed_from_file,
+            from_int,
+            cache_note
+            + ("; int8 weights unpacked to fp32 per instance (convert --unpack dequantize)" if from_int else ""),
+        ),
     ]
     if graph.externalBuffers:
         for c in costs[:2]:
