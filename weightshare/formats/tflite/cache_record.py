@@ -14,7 +14,6 @@ the digest of the model content it was built for), and a reader:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -156,6 +155,8 @@ def locked_staging(out_dir: Path, suffix: str) -> Iterator[Path]:
         except OSError as e:
             raise OutputError(f"cannot create a staging directory: {e.strerror}", out_dir) from None
         try:
+            import fcntl  # POSIX only; imported here so that the package still imports on Windows
+
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
                 continue  # another run's cleanup removed it between mkdir and flock: take a new name
