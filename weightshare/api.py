@@ -21,7 +21,7 @@ from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_tempo
 from .errors import OutputError, UsageError
 from .formats import Format, detect, model_suffixes
 from .options import ConvertOptions
-from .paths import check_no_overlap
+from .paths import check_no_overlap, plain_file_name
 from .pipeline import PreparedModel, blob_target, write_models
 from .report import ConversionReport, ZooReport
 
@@ -112,6 +112,7 @@ def convert_many(
     for s in sources:
         check_input(s)
     formats = [detect(s) for s in sources]
+    _check_outputs(*_every_output(sources, formats, out, options))  # companions too (--prepack: .portable.onnx)
     start = time.perf_counter()
     reset_peak_rss()
     reports = []
@@ -137,6 +138,21 @@ def _convert_one(fmt: Format, src: Path, out: Path, options: ConvertOptions, tx:
         if e.filename is None or Path(str(e.filename)).name.startswith(TMP_PREFIX):
             raise OutputError(f"cannot write the output: {e.strerror or e}", out / src.name) from None
         raise
+
+
+def _every_output(
+    sources: list[Path], formats: list[Format], out: Path, options: ConvertOptions
+) -> tuple[list[Path], list[Path]]:
+    """(source, output) pairs of every file a run names in advance: each model and its companions.
+
+    A format lists its companions with an optional ``outputs(src, out_dir, options)``; blobs are named by their
+    content digest and checked again at commit (``OutputTransaction`` refuses two outputs on one path)."""
+    pairs = []
+    for src, fmt in zip(sources, formats):
+        listed = getattr(fmt, "outputs", None)
+        for o in listed(src, out, options) if listed is not None else [out / src.name]:
+            pairs.append((src, o))
+    return [s for s, _ in pairs], [o for _, o in pairs]
 
 
 def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:
@@ -185,11 +201,14 @@ class _DropRemovedModels(CommitHook):
 
     def after(self) -> None:
         for name in self.old:
-            if isinstance(name, str) and name not in self.keep and "/" not in name and name not in ("", ".", ".."):
-                try:
-                    (self.out / name).unlink()
-                except OSError:
-                    pass
+            # The marker is a file anyone can edit: only plain, visible model file names of an earlier zoo
+            # (never the marker itself, a temporary, a path, or a name with a NUL byte).
+            if not plain_file_name(name) or name in self.keep or not str(name).endswith(model_suffixes()):
+                continue
+            try:
+                (self.out / name).unlink()
+            except OSError:
+                pass
 
 
 def convert_zoo(

@@ -32,6 +32,7 @@ from . import dtypes
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ortcpu import ORT_CPU, unpack_for_cpu
+from .prepack_record import refuse_prepacked_model
 from .scan import RefTable, TensorRef, place_markers, scan_model
 from .wire import encode_len_field
 
@@ -236,6 +237,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             f"--unpack {','.join(sorted(other))} is not implemented for ONNX; sparse tensors were kept as they are"
         )
     skeleton, refs = scan_model(src)
+    refuse_prepacked_model(src, refs.source_files())  # ORT's CPU-specific graph would pass for a portable one
     model = load_skeleton(skeleton, src)
     del skeleton
     blob_metadata = {}

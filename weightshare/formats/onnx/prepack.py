@@ -20,11 +20,9 @@ Steps:
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +32,7 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from ...atomic import TMP_PREFIX, OutputTransaction
+from ...atomic import OutputTransaction, locked_stage
 from ...blob import PlannedTensor
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
@@ -219,16 +217,13 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
             "model; rename the model",
             src,
         )
-    held = out_dir / f"{TMP_PREFIX}{os.getpid()}-prepack"
-    shutil.rmtree(held, ignore_errors=True)
-    held.mkdir()
-    lock = os.open(held, os.O_RDONLY)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent run's stale-temporary cleanup removes only unlocked ones
-    # The staged conversion commits into its own directory and flocks it while renaming: that must be
-    # another directory than the one held here, or the run would wait on its own lock.
-    stage = held / "stage"
-    stage.mkdir()
-    try:
+    # Uniquely named and flock-ed from creation to removal (atomic.locked_stage): a concurrent run, in this
+    # PID namespace or another, neither reuses nor removes it.
+    with locked_stage(out_dir, "prepack") as held:
+        # The staged conversion commits into its own directory and flocks it while renaming: that must be
+        # another directory than the one held here, or the run would wait on its own lock.
+        stage = held / "stage"
+        stage.mkdir()
         report = _stage_portable(src, stage, options)
         result, child_peak = _run_ort(stage / src.name, src, options)
         binding = result["binding"]
@@ -270,9 +265,6 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
             report, reloc.payloads, emit, extra={"blob_metadata": {METADATA_KEY: json.dumps({**binding, **names})}}
         )
         write_models([prepared], out_dir, target, options, tx)
-    finally:
-        shutil.rmtree(held, ignore_errors=True)
-        os.close(lock)
     report.notes.append(
         f"--prepack: {src.name} holds onnxruntime {binding['onnxruntime']}'s pre-packed weights for this CPU "
         f"({len(packed)} packed buffers, {sum(p.tensor.nbytes for p in packed) / 2**20:.1f} MiB; "

@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import PurePosixPath, PureWindowsPath
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from ...errors import InvalidModel
+from ...errors import InvalidModel, UsageError
+from ...paths import plain_file_name
 from ...report import JsonDict
 
 METADATA_KEY = "weightshare.ort_prepack"
 _STRINGS = ("onnxruntime", "machine", "prepacked_model", "portable_model")
 _OPTIONAL_STRINGS = ("optimization_level", "packed_prefix", "optimized_prefix")
 _DEFAULTS = {"packed_prefix": "ort.prepacked/", "optimized_prefix": "ort.optimized/"}
-
-
-def plain_file_name(name: object) -> bool:
-    """A bare file name: no directory part (POSIX or Windows), no NUL, not ``.``/``..``, not hidden."""
-    return (
-        isinstance(name, str)
-        and bool(name)
-        and "\x00" not in name
-        and PurePosixPath(name).name == name
-        and PureWindowsPath(name).name == name
-        and not name.startswith(".")
-    )
 
 
 def parse_record(raw: Any, where: str | os.PathLike[str]) -> JsonDict:
@@ -94,3 +84,26 @@ def read_record_fd(fd: int, where: str | os.PathLike[str]) -> JsonDict | None:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     return record_of_header(header, where)
+
+
+def refuse_prepacked_model(src: Path, files: Iterable[str]) -> None:
+    """Refuse to convert the prepacked model of a ``--prepack`` output (any model but the record's portable one
+    referencing a blob with a record): its graph is ONNX Runtime's level-ALL, CPU-specific one (NCHWc nodes),
+    so converting it again would write a "portable" model that is not portable."""
+    for f in files:
+        if Path(f) == Path(src):
+            continue
+        try:
+            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # the scan reports unreadable files itself
+        try:
+            rec = read_record_fd(fd, f)
+        finally:
+            os.close(fd)
+        if rec is not None and rec["portable_model"] != Path(src).name:
+            raise UsageError(
+                "is the prepacked model of a --prepack output (ONNX Runtime's CPU-specific graph); convert "
+                f"its portable model {rec['portable_model']} instead",
+                src,
+            )
