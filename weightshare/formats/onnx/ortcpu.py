@@ -10,8 +10,9 @@ private fp32 copy of the weights. Which Casts ORT inserts changes with its kerne
    child process with ``optimized_model_filepath``. The saved graph is exactly what the CPU provider runs: the
    model's nodes with the inserted Casts, no other rewrite. The child maps the zeros and never touches them, so the
    probe costs the same for a 64 MiB and a 1 GiB model, and an ORT crash on a hostile file cannot take us down.
-2. adopt: the probe graph's nodes replace the skeleton's (matched by output name, so the skeleton's nodes keep their
-   payload markers), then the ordinary fold (``fold_fp16_casts``) stores the Cast-fed initializers as fp32.
+2. adopt: the probe graph's nodes replace the skeleton's (matched by identity: each probe node is named after its
+   index in the skeleton, so the skeleton's nodes keep their payload markers and names), then the ordinary fold
+   (``fold_fp16_casts``) stores the Cast-fed initializers as fp32.
 
 The result is CPU-specific: a GPU provider would have run the fp16 graph natively.
 """
@@ -39,6 +40,7 @@ from .scan import REF_KEY, TensorRef
 
 ORT_CPU = "ort-cpu"  # the --unpack value
 PREFIX = "InsertedPrecisionFreeCast_"
+TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's node>"
 # Payloads up to this size keep their real bytes in the probe (shape tensors, pads, scales that kernels or shape
 # inference read); larger ones are stand-ins mapped from the zeros file, never read at ORT_DISABLE_ALL.
 REAL_BYTES_MAX = 64 << 10
@@ -111,9 +113,23 @@ def _stand_in(tensor: onnx.TensorProto, ref: TensorRef, real: bool) -> int:
     return nbytes
 
 
+def _tag(index: int) -> str:
+    """The probe's name for the skeleton's node ``index``: ORT keeps node names, so its saved graph says which
+    of its nodes is which of ours. No tensor or node name of the user's is involved in the match."""
+    return f"{TAG}{index}"
+
+
+def _tag_index(name: str, count: int) -> int | None:
+    digits = name[len(TAG) :] if name.startswith(TAG) else ""
+    index = int(digits) if digits.isdigit() and digits == str(int(digits)) else -1
+    return index if 0 <= index < count else None
+
+
 def write_probe_model(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], directory: Path) -> Path:
     probe = onnx.ModelProto()
     probe.CopyFrom(skeleton)
+    for i, node in enumerate(probe.graph.node):
+        node.name = _tag(i)
     by_index = {r.index: r for r in refs}
     zeros = 0
     for index, site in collect_sites(probe).items():
@@ -158,6 +174,21 @@ def run_probe(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], src: Path) -
     return Probe(optimized.graph, opsets, answer["version"], answer["peak_rss_mib"])
 
 
+def _rename_fresh(fresh: list[onnx.NodeProto], taken: set[str]) -> None:
+    """Give the nodes ORT made names no other node has (ORT named them unique among the probe's tags, not
+    among the user's names), without the probe's tag."""
+    for node in fresh:
+        if not node.name:
+            continue
+        base = node.name.replace(TAG, "node")
+        name, k = base, 0
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        node.name = name
+        taken.add(name)
+
+
 class NotAdoptable(Exception):
     """The probe graph cannot be mapped onto the skeleton; the model is left as it is."""
 
@@ -189,8 +220,10 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
 def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets: dict[str, int] | None = None) -> int:
     """Rewrite ``model``'s main graph into the probe's (inserted Casts, fp32 outputs). Returns Casts added.
 
-    Nodes are matched by output name (ORT renames an output X it turns fp32 into ``InsertedPrecisionFreeCast_X``);
-    probe nodes without a match (inserted Casts, bodies of function ops ORT expanded) are copied in. Raises
+    Nodes are matched by identity: the probe named each of the skeleton's nodes by its index (``_tag``), and ORT
+    keeps node names; never by a tensor name, which a user's tensor can take (``InsertedPrecisionFreeCast_X``
+    beside ``X``). Probe nodes without a match (inserted Casts, bodies of function ops ORT expanded) are copied
+    in under names no other node has. Raises
     NotAdoptable (``model`` untouched) when the result would not be a sound graph.
     """
     g = model.graph
@@ -202,38 +235,37 @@ def adopt_inserted_casts(model: onnx.ModelProto, probe: onnx.GraphProto, opsets:
         v.name for v in probe.output
     ]:
         raise NotAdoptable("onnxruntime changed the graph inputs or outputs")
-    ours = {tuple(n.output): n for n in g.node}
-    names = {n.name for n in g.node if n.name}
+    ours = list(g.node)
     probe_inits = {t.name for t in probe.initializer}
     new_nodes: list[onnx.NodeProto] = []
+    fresh: list[onnx.NodeProto] = []  # nodes ORT made: their names must not clash with the user's
     matched: set[int] = set()
     added = 0
     for p in probe.node:
-        mine = ours.get(tuple(_strip(o) for o in p.output))
-        if (
-            (_is_inserted(p) and p.name not in names)
-            or mine is None
-            or (mine.op_type, mine.domain) != (p.op_type, p.domain)
-        ):
+        index = _tag_index(p.name, len(ours))
+        if index is None or index in matched or (ours[index].op_type, ours[index].domain) != (p.op_type, p.domain):
             # A Cast ORT inserted, or a node of a function body ORT expanded for want of an fp16 kernel.
-            new_nodes.append(_copy(p))
+            fresh.append(_copy(p))
+            new_nodes.append(fresh[-1])
             added += _is_inserted(p)
             continue
-        node = _copy(mine)  # keeps attributes and payload markers; takes ORT's wiring
+        node = _copy(ours[index])  # keeps its name, attributes and payload markers; takes ORT's wiring
         node.input[:] = p.input
         node.output[:] = p.output
         new_nodes.append(node)
-        matched.add(id(mine))
+        matched.add(index)
+    matched_ids = {id(ours[i]) for i in matched}
     # ORT turns Constant nodes into initializers; keep ours (they carry the payload markers), in front.
     constants = [
         n
         for n in g.node
-        if id(n) not in matched and n.op_type == "Constant" and all(o in probe_inits for o in n.output)
+        if id(n) not in matched_ids and n.op_type == "Constant" and all(o in probe_inits for o in n.output)
     ]
-    dropped = [n for n in g.node if id(n) not in matched and not any(n is c for c in constants)]
+    dropped = [n for n in g.node if id(n) not in matched_ids and not any(n is c for c in constants)]
     if any(_has_payload(n) for n in dropped):
         raise NotAdoptable("onnxruntime replaced a node that holds a payload")
     new_nodes = [_copy(c) for c in constants] + new_nodes
+    _rename_fresh(fresh, {n.name for n in new_nodes if n.name and not any(n is f for f in fresh)})
     # Constants of expanded function bodies, which ORT made initializers: small, with their bytes inline.
     known = {t.name for t in g.initializer} | {o for c in constants for o in c.output}
     new_inits = [t for t in probe.initializer if t.name not in known]
