@@ -46,38 +46,48 @@ def test_a_transaction_refuses_two_outputs_on_one_path(tmp_path):
 
 def test_reconverting_a_prepack_output_is_refused_in_one_line(tmp_path, cli):
     """Before: exit 0 with ORT's CPU-specific NCHWc graph written as a "portable" model."""
+    from weightshare.api import convert
+    from weightshare.options import ConvertOptions
+
     src = mixed_onnx(tmp_path / "m.onnx", conv_layers=1, channels=8, mm_layers=1, dim=16)
-    assert cli("convert", src, "-o", tmp_path / "one", "--prepack", "-q").returncode == 0
-    for flags in ((), ("--prepack",)):
-        res = cli("convert", tmp_path / "one" / "m.onnx", "-o", tmp_path / "two", "-q", *flags)
-        assert res.returncode == 2, res.stderr
-        assert _one_line(res) and "m.portable.onnx" in res.stderr
-        assert _nothing_left(tmp_path / "two")
+    convert(src, tmp_path / "one", ConvertOptions(prepack=True))
+    res = cli("convert", tmp_path / "one" / "m.onnx", "-o", tmp_path / "two", "-q")
+    assert res.returncode == 2, res.stderr
+    assert _one_line(res) and "m.portable.onnx" in res.stderr
+    assert _nothing_left(tmp_path / "two")
+    with pytest.raises(UsageError, match="portable model m.portable.onnx"):  # refused before ORT runs
+        convert(tmp_path / "one" / "m.onnx", tmp_path / "two", ConvertOptions(prepack=True))
+    assert _nothing_left(tmp_path / "two")
     # its portable model is an ordinary converted model: that converts
-    res = cli("convert", tmp_path / "one" / "m.portable.onnx", "-o", tmp_path / "three", "-q", "--prepack")
-    assert res.returncode == 0, res.stderr
+    convert(tmp_path / "one" / "m.portable.onnx", tmp_path / "three")
 
 
-def _zoo(tmp_path, cli, listed):
+def _zoo(tmp_path, listed):
+    from weightshare.api import convert_zoo
+
     src = mixed_onnx(tmp_path / "m.onnx", conv_layers=0, channels=8, mm_layers=1, dim=16)
     out = tmp_path / "zoo"
-    assert cli("convert", src, "-o", out, "--shared-blob", "w", "-q").returncode == 0
+    convert_zoo([src], out, "w")
     marker = out / ".weightshare-zoo.json"
     marker.write_text(json.dumps({"blob": "x", "models": listed}))
+    (out / "keep.txt").write_text("not a model")
     return src, out, marker
 
 
-def test_a_zoo_marker_listing_a_nul_name_is_no_internal_error(tmp_path, cli):
-    src, out, _marker = _zoo(tmp_path, cli, ["a\x00b.onnx", "m.onnx"])
-    res = cli("convert", src, "-o", out, "--shared-blob", "w", "-q")
-    assert res.returncode == 0, res.stderr
-    assert "internal error" not in res.stderr and (out / "m.onnx").exists()
+def test_a_zoo_marker_listing_a_nul_name_is_no_internal_error(tmp_path):
+    """Before: the committed run ended in "internal error: ValueError" (os.unlink of a name with a NUL)."""
+    from weightshare.api import convert_zoo
+
+    src, out, _marker = _zoo(tmp_path, ["a\x00b.onnx", "m.onnx", "keep.txt"])
+    convert_zoo([src], out, "w")
+    assert (out / "m.onnx").exists() and (out / "keep.txt").exists()  # and a listed non-model is not removed
 
 
-def test_a_zoo_marker_listing_itself_keeps_the_new_marker(tmp_path, cli):
-    src, out, marker = _zoo(tmp_path, cli, [".weightshare-zoo.json", "m.onnx"])
-    res = cli("convert", src, "-o", out, "--shared-blob", "w", "-q")
-    assert res.returncode == 0, res.stderr
+def test_a_zoo_marker_listing_itself_keeps_the_new_marker(tmp_path):
+    from weightshare.api import convert_zoo
+
+    src, out, marker = _zoo(tmp_path, [".weightshare-zoo.json", "m.onnx"])
+    convert_zoo([src], out, "w")
     assert json.loads(marker.read_text())["models"] == ["m.onnx"]
 
 
@@ -157,3 +167,146 @@ def test_prepack_staging_is_named_uniquely_and_held(tmp_path):
         assert clean_stale_temporaries(tmp_path) == []  # both held: a concurrent run's cleanup leaves them
         (a / "f").write_bytes(b"1")
     assert list(tmp_path.iterdir()) == []
+
+
+def _fold_model(path: Path, n: int) -> Path:
+    """118 bytes whose constant folding (Expand of a constant) makes an ``n``-float initializer."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    g = h.make_graph(
+        [h.make_node("Expand", ["c", "shape"], ["e"]), h.make_node("Add", ["x", "e"], ["y"])],
+        "g",
+        [h.make_tensor_value_info("x", T.FLOAT, [1])],
+        [h.make_tensor_value_info("y", T.FLOAT, None)],
+        [nh.from_array(np.array([1.0], np.float32), "c"), nh.from_array(np.array([n], np.int64), "shape")],
+    )
+    m = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, path)
+    return path
+
+
+@pytest.mark.slow
+def test_constant_folding_beyond_the_default_bound_is_refused_in_one_line(tmp_path, cli):
+    """Before: a 136-byte model became a 256 MiB blob. Now ORT's writes stop at max(16 MiB, 4x the model)."""
+    src = _fold_model(tmp_path / "fold.onnx", 6_000_000)  # 24 MB folded
+    res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "-q")
+    assert res.returncode == 2, res.stderr
+    assert _one_line(res) and "--ort-max-growth" in res.stderr and "16 MiB" in res.stderr
+    assert _nothing_left(tmp_path / "out")
+
+
+def test_constant_folding_beyond_the_given_bound_is_refused_and_the_users_say_so_allows_it(tmp_path):
+    from weightshare.api import convert
+    from weightshare.errors import Unsupported
+    from weightshare.options import ConvertOptions
+
+    src = _fold_model(tmp_path / "fold.onnx", 400_000)  # 1.6 MB folded from 118 bytes: over 1 MiB
+    with pytest.raises(Unsupported, match="--ort-max-growth"):
+        convert(src, tmp_path / "out", ConvertOptions(prepack=True, ort_max_growth=1000.0))
+    assert _nothing_left(tmp_path / "out")
+    convert(src, tmp_path / "ok", ConvertOptions(prepack=True, ort_max_growth=100_000.0))
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [("--ort-child-timeout", "0.05", "wall time limit"), ("--ort-child-memory", "64", "memory limit")],
+)
+@pytest.mark.parametrize("mode", ["--prepack", "--unpack=ort-cpu"])
+def test_an_ort_child_over_its_limit_is_exit_2_naming_the_limit(tmp_path, cli, flag, value, named, mode):
+    src = mixed_onnx(tmp_path / "m.onnx", conv_layers=1, channels=8, mm_layers=1, dim=16)
+    if mode != "--prepack":
+        _to_fp16(src)
+    res = cli("convert", src, "-o", tmp_path / "out", mode, flag, value, "-q")
+    assert res.returncode == 2, res.stderr
+    assert _one_line(res) and named in res.stderr and flag in res.stderr, res.stderr
+    assert _nothing_left(tmp_path / "out")
+
+
+def _to_fp16(path: Path) -> None:
+    """The model with fp16 weights fed straight to its ops: ORT's CPU provider casts them per session."""
+    import warnings
+
+    import onnx
+    from onnxconverter_common import float16
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = float16.convert_float_to_float16(onnx.load(str(path)), keep_io_types=True)
+    onnx.save(model, path)
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        kids = _children(todo.pop())
+        out += kids
+        todo += kids
+    return out
+
+
+@pytest.mark.parametrize("mode", [pytest.param("--prepack", marks=pytest.mark.slow), "--unpack=ort-cpu"])
+def test_kill_9_during_the_ort_child_leaves_no_process_and_nothing_in_tmpdir(tmp_path, mode):
+    """Before (--unpack ort-cpu): $TMPDIR/weightshare-ortcpu-* stayed forever and the orphaned child kept
+    writing. Now the child dies with the converter, its staging is in OUTDIR under a lock that dies too,
+    and the next run into OUTDIR removes it."""
+    import signal
+    import time
+
+    src = mixed_onnx(tmp_path / "m.onnx", conv_layers=1, channels=8, mm_layers=1, dim=16)
+    if mode != "--prepack":
+        _to_fp16(src)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(tmpdir)}
+    cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), mode, "-q"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL)
+    deadline, seen = time.monotonic() + 60, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        seen = [
+            p
+            for p in _descendants(proc.pid)
+            if b"-c" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            or b"weightshare.formats.onnx.ort_child" in Path(f"/proc/{p}/cmdline").read_bytes()
+        ]
+        if seen:
+            break
+        time.sleep(0.005)
+    assert seen, "the ORT child never started"
+    kids = _descendants(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(Path(f"/proc/{k}").exists() and _alive(k) for k in kids):
+        time.sleep(0.05)
+    assert not [k for k in kids if Path(f"/proc/{k}").exists() and _alive(k)], "a child outlived the converter"
+    assert list(tmpdir.iterdir()) == []
+    # what the killed run staged in OUTDIR is unlocked now: the next run removes it and converts
+    ok = subprocess.run([*cmd[:4], str(src), "-o", str(out), "-q"], env=env, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert not [p for p in out.iterdir() if p.name.startswith(TMP_PREFIX)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

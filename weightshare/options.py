@@ -37,6 +37,11 @@ class ConvertOptions:
         prepack (ONNX): also store ONNX Runtime's pre-packed MatMul/Gemm weights and NCHWc-reordered Conv
             weights in the blob, so default-option sessions share them (TFLite: the XNNPACK weight cache).
         progress_total: called once with the payload bytes a converter is about to write.
+        ort_child_timeout_s: wall-time limit of the onnxruntime child (``--prepack``, ``--unpack ort-cpu``);
+            None: derived from the model's size (``formats.onnx.ort_limits``). Its CPU-time limit follows.
+        ort_child_memory_mib: address-space limit of that child; None: derived from the model's size.
+        ort_max_growth: what the child may write (ORT's optimized and packed copies), as a multiple of the
+            model's bytes; None: 4x, at least 16 MiB.
     """
 
     align: AlignPolicy = field(default_factory=AlignPolicy)
@@ -49,3 +54,6 @@ class ConvertOptions:
     prepack: bool = False
     progress: Callable[[int], object] | None = None
     progress_total: Callable[[int], None] | None = None
+    ort_child_timeout_s: float | None = None
+    ort_child_memory_mib: int | None = None
+    ort_max_growth: float | None = None

@@ -242,7 +242,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     del skeleton
     blob_metadata = {}
     if ORT_CPU in options.unpack and not options.keep_packed:  # before the fold, which then folds ORT's Casts
-        blob_metadata = unpack_for_cpu(model, refs, src, report.notes)
+        blob_metadata = unpack_for_cpu(model, refs, src, report.notes, out_dir, options)
     sites = collect_sites(model)
     folded: set[int] = set()
     if not options.keep_packed:

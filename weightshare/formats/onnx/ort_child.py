@@ -192,6 +192,9 @@ def optimize_bounded(model: str, out_model: str, min_external: str, budget: int)
 
 def main(argv: list[str]) -> int:
     model, out_model, min_external, budget = argv
+    from .ort_limits import die_with_parent
+
+    die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
     import onnxruntime as ort
 
     segments = optimize_bounded(model, out_model, min_external, int(budget))

@@ -32,10 +32,13 @@ from pathlib import Path
 import onnx
 from google.protobuf.message import DecodeError
 
+from ...atomic import locked_stage
 from ...errors import InvalidModel, UsageError
+from ...options import ConvertOptions
 from ...tensors import read_all
 from . import dtypes
 from .graph import collect_sites, subgraphs
+from .ort_limits import limits_for
 from .scan import REF_KEY, TensorRef
 
 ORT_CPU = "ort-cpu"  # the --unpack value
@@ -45,11 +48,15 @@ TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's n
 # inference read); larger ones are stand-ins mapped from the zeros file, never read at ORT_DISABLE_ALL.
 REAL_BYTES_MAX = 64 << 10
 ZEROS = "zeros.bin"
-PROBE_TIMEOUT_S = 600
+TMP = "weightshare-ortcpu-"  # $TMPDIR prefix of inspect's and check's probes (no OUTDIR there)
 
 # Runs in a fresh interpreter that imports nothing of ours: ORT loads the probe and saves what it would run.
 _CHILD = r"""
-import json, resource, sys
+import ctypes, json, resource, signal, sys
+try:  # die with the converter (PR_SET_PDEATHSIG): a kill -9 of it must not leave this child running
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
 import onnxruntime as ort
 so = ort.SessionOptions()
 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -142,10 +149,23 @@ def write_probe_model(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], dire
     return path
 
 
-def run_probe(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], src: Path) -> Probe:
+def run_probe(
+    skeleton: onnx.ModelProto,
+    refs: Sequence[TensorRef],
+    src: Path,
+    stage_in: Path | None = None,
+    options: ConvertOptions | None = None,
+) -> Probe:
+    """ORT's answer for ``skeleton``, from a bounded child (``ort_limits``) working in a locked staging directory
+    inside ``stage_in`` (OUTDIR: never $TMPDIR, so a killed run leaves nothing there that the next run's
+    cleanup would not remove), or in a temporary directory when there is no OUTDIR (inspect, check)."""
     if onnxruntime_version() is None:
         raise UsageError("--unpack ort-cpu needs onnxruntime installed (pip install onnxruntime)", src)
-    with tempfile.TemporaryDirectory(prefix="weightshare-ortcpu-") as tmp:
+    opts = options or ConvertOptions()
+    input_bytes = src.stat().st_size + sum(r.native_nbytes for r in refs)
+    limits = limits_for(input_bytes, src, opts.ort_child_timeout_s, opts.ort_child_memory_mib, opts.ort_max_growth)
+    where = locked_stage(stage_in, "ortcpu") if stage_in is not None else tempfile.TemporaryDirectory(prefix=TMP)
+    with where as tmp:
         probe_path = write_probe_model(skeleton, refs, Path(tmp))
         out = Path(tmp) / "optimized.onnx"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
@@ -155,15 +175,17 @@ def run_probe(skeleton: onnx.ModelProto, refs: Sequence[TensorRef], src: Path) -
                 capture_output=True,
                 check=False,
                 text=True,
-                timeout=PROBE_TIMEOUT_S,
+                timeout=limits.wall_s,
                 env=env,
                 cwd=tmp,
+                preexec_fn=limits.preexec(),
             )
         except subprocess.TimeoutExpired:
-            raise InvalidModel(f"onnxruntime did not load the model within {PROBE_TIMEOUT_S} s", src) from None
+            raise InvalidModel(limits.timeout_message(), src) from None
         if proc.returncode != 0:
+            hit = limits.failure(proc.returncode, proc.stderr, [out])
             why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            raise InvalidModel(f"onnxruntime (CPU) cannot load the model: {why}", src)
+            raise InvalidModel(hit or f"onnxruntime (CPU) cannot load the model: {why}", src)
         answer = json.loads(proc.stdout.strip().splitlines()[-1])
         optimized = onnx.ModelProto()
         try:
@@ -314,9 +336,17 @@ def _cast_bytes(model: onnx.ModelProto, refs: Sequence[TensorRef], probe: Probe)
     return len(names), sum(dtypes.element_count(dims[n]) * 4 for n in names if n in dims)
 
 
-def unpack_for_cpu(model: onnx.ModelProto, refs: Sequence[TensorRef], src: Path, notes: list[str]) -> dict[str, str]:
-    """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header."""
-    probe = run_probe(model, refs, src)
+def unpack_for_cpu(
+    model: onnx.ModelProto,
+    refs: Sequence[TensorRef],
+    src: Path,
+    notes: list[str],
+    out_dir: Path | None = None,
+    options: ConvertOptions | None = None,
+) -> dict[str, str]:
+    """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header.
+    The probe stages inside ``out_dir`` (locked) and runs under ``options``' child limits."""
+    probe = run_probe(model, refs, src, out_dir, options)
     try:
         added = adopt_inserted_casts(model, probe.graph, probe.opsets)
     except NotAdoptable as e:

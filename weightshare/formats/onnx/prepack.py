@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from ...report import ConversionReport, JsonDict
 from ...runtimes.memory import run_child_peak
 from ...tensors import FileRange
 from . import dtypes
+from .ort_limits import limits_for
 from .ort_segments import budget_from_env
 
 METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
@@ -201,11 +203,35 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
         str(options.inline_threshold),
         str(budget_from_env()),
     ]
-    res, peak = run_child_peak(cmd, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"})
+    res, peak = _run_bounded(cmd, model.parent, src, options)
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
         raise Unsupported(f"onnxruntime could not optimize and pre-pack the model ({why})", src)
     return json.loads(res.stdout.strip().splitlines()[-1]), peak  # {"binding": ..., "packed": ...}
+
+
+def _run_bounded(
+    cmd: list[str], stage: Path, src: Path, options: ConvertOptions
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``cmd`` under the limits of ``ort_limits`` for the staged model; a limit hit is one Unsupported line."""
+    before = set(stage.iterdir())
+    limits = limits_for(
+        sum(f.stat().st_size for f in before if f.is_file()),
+        src,
+        options.ort_child_timeout_s,
+        options.ort_child_memory_mib,
+        options.ort_max_growth,
+    )
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    try:
+        res, peak = run_child_peak(cmd, env=env, timeout=limits.wall_s, preexec_fn=limits.preexec())
+    except subprocess.TimeoutExpired:
+        raise Unsupported(limits.timeout_message(), src) from None
+    written = [f for f in stage.iterdir() if f not in before]
+    if res.returncode != 0 and (hit := limits.failure(res.returncode, res.stderr, written)) is not None:
+        raise Unsupported(hit, src)
+    limits.check_output(written)
+    return res, peak
 
 
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
