@@ -187,9 +187,19 @@ def session(
         f"opening {portable.name} with session.disable_prepacking=1 instead",
     )
     sess_options = sess_options or ort.SessionOptions()
-    sess_options.add_session_config_entry("session.disable_prepacking", "1")
+    _set_entry(sess_options, "session.disable_prepacking", "1")
     with _OpenedModel.open(portable) as opened:
         return opened.session(sess_options, providers, kwargs)
+
+
+def _set_entry(so: ort.SessionOptions, key: str, value: str) -> None:
+    """Set a config entry (ORT warns when one is overwritten: options reused for several sessions)."""
+    try:
+        if so.get_session_config_entry(key) == value:
+            return
+    except Exception:  # noqa: BLE001 - ORT raises a plain RuntimeError for a key that is not set
+        pass
+    so.add_session_config_entry(key, value)
 
 
 def fd_path(fd: int) -> str:
@@ -286,8 +296,7 @@ class _OpenedModel:
         import onnxruntime as ort
 
         so = so or ort.SessionOptions()
-        folder = "session.model_external_initializers_file_folder_path"
-        so.add_session_config_entry(folder, str(self.path.parent.resolve()))
+        _set_entry(so, "session.model_external_initializers_file_folder_path", str(self.path.parent.resolve()))
         for _attempt in range(3):
             if self.unchanged():
                 sess = ort.InferenceSession(self.data, so, providers=providers, **kwargs)
@@ -330,7 +339,7 @@ def _open_plain(
     if not opened.blobs:  # every weight inline: nothing to share, ORT's defaults are best
         return opened.session(so, providers, kwargs)
     so = so or ort.SessionOptions()
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    _set_entry(so, "session.disable_prepacking", "1")
     chosen = "session.disable_prepacking=1"
     convs = _nchwc_convs(opened.model)
     if (
