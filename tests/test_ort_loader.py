@@ -298,3 +298,13 @@ def test_four_sessions_of_a_plain_conversion_cost_about_one(tmp_path, kind):
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout.splitlines()[-1])
     assert rows[3] <= 1.10 * rows[0], rows
+
+
+def test_the_prepacked_choice_is_logged_once(pair, tmp_path, caplog, monkeypatch):
+    a, out, _staged = _fresh(pair, tmp_path)
+    monkeypatch.setattr(wort, "_warned", set())
+    with caplog.at_level(logging.INFO, logger="weightshare.ort"):
+        wort.session(out / "m.onnx")
+        wort.session(out / "m.onnx")
+    said = [r.getMessage() for r in caplog.records if r.name == "weightshare.ort"]
+    assert len(said) == 1 and "pre-packed" in said[0]

@@ -175,7 +175,13 @@ def session(
         why = mismatch(info) or check_packed_payloads(fd_path(opened.blobs[location]), info)
         if why is None:
             try:
-                return opened.session(sess_options, providers, kwargs)
+                sess = opened.session(sess_options, providers, kwargs)
+                _say_once(
+                    Path(path),
+                    f"weightshare: {Path(path).name}: sharing its pre-packed weights (prepacked graph, your options)",
+                    logging.INFO,
+                )
+                return sess
             except InvalidModel:
                 raise
             except Exception as e:  # ORT's ValidatePrePackedWeights and friends: fall back, not fail
