@@ -3,6 +3,7 @@
 
     python scripts/fuzz.py --minutes 10 [--format onnx --format tflite --format coreml] [--seed N]
     python scripts/fuzz.py --mode structure --minutes 10 [--format onnx --format tflite] [--seed N]
+    python scripts/fuzz.py [--mode structure] --convert prepack|ort-cpu --format onnx --minutes 10
 
 --mode bytes (the default) damages the file's bytes. Same harness as the tests (tests/fuzz_harness.py):
 every damaged model must convert or fail with a one-line
@@ -14,6 +15,11 @@ names, attributes, node inputs, external data entries, fp16 payload bits; it re-
 whenever the original runs (ORT CPU / LiteRT builtin kernels, in a worker process) compares the outputs of
 original and converted byte for byte (tests/fuzz_structure.py). It keeps going after a finding (saving each)
 and prints the counts: converted / rejected / internal errors / output mismatches.
+
+--convert prepack / ort-cpu (ONNX) fuzzes ``convert --prepack`` / ``convert --unpack ort-cpu`` instead of the plain
+conversion, with seeds that exercise them (MatMul, Gemm, Conv; fp16 weights for ort-cpu). The structure mode then
+compares the prepacked model at default options and the portable one under session.disable_prepacking=1 (prepack),
+or the converted model under both (ort-cpu), each with the original under the same options.
 """
 
 from __future__ import annotations
@@ -32,8 +38,12 @@ from coreml_fuzz import check_package, coreml_seeds, mutate_package, save_packag
 from fuzz_harness import FuzzStats, check_one, mutate, scratch_dir  # noqa: E402
 
 
-def seeds(fmt: str, d: Path) -> list:
+def seeds(fmt: str, d: Path, convert: str = "plain") -> list:
     """(name, bytes, extra files) per seed model; for Core ML, ``coreml_fuzz.PackageSeed`` objects."""
+    if fmt == "onnx" and convert != "plain":
+        from fuzz_structure import seeds as struct_seeds
+
+        return [(name, model.SerializeToString(), extra) for name, model, extra in struct_seeds(fmt, d, convert)]
     if fmt == "onnx":
         from onnx_fixtures import fuzz_seed_model, kitchen_sink
 
@@ -62,15 +72,23 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=int(time.time()))
     ap.add_argument("--save", type=Path, default=Path("fuzz-failures"))
     ap.add_argument("--mode", choices=("bytes", "structure"), default="bytes")
+    ap.add_argument(
+        "--convert", choices=("plain", "prepack", "ort-cpu"), default="plain", help="ONNX: which conversion"
+    )
     args = ap.parse_args()
+    if args.convert != "plain" and (args.format or ["onnx"]) != ["onnx"]:
+        raise SystemExit("--convert prepack / ort-cpu are ONNX modes: add --format onnx")
     if args.mode == "structure":
         return structure(args)
     formats = args.format or ["onnx", "tflite"]
-    print(f"seed {args.seed}")
+    from fuzz_structure import MODES
+
+    options = MODES[args.convert]
+    print(f"seed {args.seed} (convert: {args.convert})")
     failed = False
     for fmt in formats:
         with tempfile.TemporaryDirectory() as tmp:
-            corpus = seeds(fmt, Path(tmp))
+            corpus = seeds(fmt, Path(tmp), args.convert)
             rng = random.Random(args.seed)
             stats = FuzzStats()
             work = scratch_dir(Path(tmp) / "w")
@@ -88,7 +106,7 @@ def main() -> int:
                         if rng.random() < 0.3:  # stack a second mutation now and then
                             kind2, mutated = mutate(mutated, rng)
                             kind = f"{kind}+{kind2}"
-                        run = lambda: check_one(mutated, name, work, stats, kind, extra)  # noqa: B023 (run just below)
+                        run = lambda: check_one(mutated, name, work, stats, kind, extra, options)  # noqa: B023
                     try:
                         run()
                     except Exception as e:  # a broken invariant (AssertionError) or a traceback: what fuzzing seeks
@@ -116,13 +134,13 @@ def structure(args) -> int:
     from fuzz_structure import seeds as struct_seeds
 
     formats = [f for f in (args.format or ["onnx", "tflite"]) if f != "coreml"]
-    print(f"seed {args.seed} (structure)", flush=True)
+    print(f"seed {args.seed} (structure, convert: {args.convert})", flush=True)
     findings = 0
     for fmt in formats:
         runner = Runner()
         stats = StructStats()
         with tempfile.TemporaryDirectory() as tmp:
-            corpus = struct_seeds(fmt, Path(tmp))
+            corpus = struct_seeds(fmt, Path(tmp), args.convert)
             rng = random.Random(args.seed)
             work = scratch_dir(Path(tmp) / "w")
             deadline = time.monotonic() + args.minutes * 60
@@ -130,11 +148,11 @@ def structure(args) -> int:
                 while time.monotonic() < deadline:
                     name, model, extra = rng.choice(corpus)
                     try:
-                        one_input(fmt, model, name, rng, work, extra, runner, stats)
+                        one_input(fmt, model, name, rng, work, extra, runner, stats, args.convert)
                     except Finding as e:
                         findings += 1
                         args.save.mkdir(parents=True, exist_ok=True)
-                        saved = args.save / f"{fmt}-structure-{args.seed}-{stats.inputs}-{name}"
+                        saved = args.save / f"{fmt}-{args.convert}-structure-{args.seed}-{stats.inputs}-{name}"
                         src = work / "in" / name
                         if src.exists():
                             shutil.copyfile(src, saved)

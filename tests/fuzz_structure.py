@@ -28,6 +28,7 @@ import numpy as np
 
 from weightshare import api
 from weightshare.errors import WeightshareError
+from weightshare.options import ConvertOptions
 
 # ---------------------------------------------------------------- running models (in the worker process)
 
@@ -57,10 +58,12 @@ def _outputs(values) -> list[tuple[str, tuple, bytes]]:
     return [(str(np.asarray(v).dtype), tuple(np.asarray(v).shape), np.ascontiguousarray(v).tobytes()) for v in values]
 
 
-def run_onnx(path: str) -> list:
+def run_onnx(path: str, config: dict[str, str] | None = None) -> list:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    for key, value in (config or {}).items():
+        so.add_session_config_entry(key, value)
     so.log_severity_level = 4
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
@@ -95,10 +98,10 @@ def run_tflite(path: str) -> list:
     return out
 
 
-def run_model(fmt: str, path: str):
+def run_model(fmt: str, path: str, config: dict[str, str] | None = None):
     """("ok", outputs) or ("fail", message): the runtime refused or failed the model."""
     try:
-        return "ok", (run_onnx if fmt == "onnx" else run_tflite)(path)
+        return "ok", run_onnx(path, config) if fmt == "onnx" else run_tflite(path)
     except Exception as e:  # the runtime's verdict on a hostile model, whatever its type
         return "fail", f"{type(e).__name__}: {str(e)[:200]}"
 
@@ -110,11 +113,11 @@ class Runner:
         self._ctx = multiprocessing.get_context("spawn")
         self._pool = None
 
-    def run(self, fmt: str, path: Path, timeout: float = 60):
+    def run(self, fmt: str, path: Path, timeout: float = 60, config: dict[str, str] | None = None):
         if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=self._ctx)
         try:
-            return self._pool.submit(run_model, fmt, str(path)).result(timeout)
+            return self._pool.submit(run_model, fmt, str(path), config).result(timeout)
         except (BrokenProcessPool, TimeoutError) as e:
             self.close()
             return "crash", type(e).__name__
@@ -494,8 +497,13 @@ def one_input(
     extra: dict[str, bytes],
     runner: Runner,
     stats: StructStats,
+    mode: str = "plain",
 ) -> None:
-    """Mutate, convert and compare once; raise Finding on a broken invariant."""
+    """Mutate, convert and compare once; raise Finding on a broken invariant.
+
+    ``mode`` (ONNX): "plain", "prepack" (``--prepack``: the prepacked model at default options against the
+    original at default options, and the portable one under disable_prepacking against the original under it)
+    or "ort-cpu" (``--unpack ort-cpu``: both settings against the original)."""
     model = copy.deepcopy(seed_model)
     kinds = []
     stats.inputs += 1
@@ -516,7 +524,7 @@ def one_input(
     src = src_dir / name
     src.write_bytes(data)
     try:
-        api.convert(src, out)
+        api.convert(src, out, MODES[mode])
         converted = True
         stats.converted += 1
     except WeightshareError as e:
@@ -529,21 +537,44 @@ def one_input(
     except Exception as e:
         stats.internal_errors += 1
         raise Finding(f"{kind}: internal error {type(e).__name__}: {e}\n{traceback.format_exc()}") from None
-    status, before = runner.run(fmt, src)
-    if status != "ok":
-        return
     if fmt == "tflite" and tflite_reads_unset(model):
-        stats.unset_reads += 1  # the original computes with whatever memory held: nothing to compare
+        if runner.run(fmt, src)[0] == "ok":
+            stats.unset_reads += 1  # the original computes with whatever memory held: nothing to compare
         return
-    stats.original_ran += 1
-    if not converted:
-        return
-    status_after, after = runner.run(fmt, out / name)
-    stats.compared += 1
-    if status_after != "ok" or after != before:
-        stats.mismatches += 1
-        why = after if status_after != "ok" else _first_difference(before, after)
-        raise Finding(f"{kind}: original ran, converted {status_after}: {why}")
+    ran = False
+    for converted_name, config in _comparisons(fmt, name, mode):
+        status, before = runner.run(fmt, src, config=config)
+        if status != "ok":
+            continue
+        ran = True
+        if not converted:
+            continue
+        status_after, after = runner.run(fmt, out / converted_name, config=config)
+        stats.compared += 1
+        if status_after != "ok" or after != before:
+            stats.mismatches += 1
+            why = after if status_after != "ok" else _first_difference(before, after)
+            raise Finding(f"{kind}: original ran, converted {converted_name} {config or ''} {status_after}: {why}")
+    stats.original_ran += ran
+
+
+OFF = {"session.disable_prepacking": "1"}
+MODES = {
+    "plain": None,
+    "prepack": ConvertOptions(prepack=True),
+    "ort-cpu": ConvertOptions(unpack=frozenset({"ort-cpu"})),
+}
+
+
+def _comparisons(fmt: str, name: str, mode: str) -> list[tuple[str, dict[str, str] | None]]:
+    """(converted file, session config) pairs to compare with the original under the same config."""
+    if fmt != "onnx" or mode == "plain":
+        return [(name, None)]
+    if mode == "prepack":
+        from weightshare.formats.onnx.prepack import portable_name
+
+        return [(name, None), (portable_name(name), OFF)]
+    return [(name, None), (name, OFF)]
 
 
 def tflite_reads_unset(m) -> bool:
@@ -593,8 +624,12 @@ def tflite_concat_seed(path: Path, n: int = 1000) -> Path:
     return mb.save(path)
 
 
-def seeds(fmt: str, d: Path) -> list[tuple[str, object, dict[str, bytes]]]:
-    """(file name, parsed seed model, extra files next to it) per seed."""
+def seeds(fmt: str, d: Path, mode: str = "plain") -> list[tuple[str, object, dict[str, bytes]]]:
+    """(file name, parsed seed model, extra files next to it) per seed; ``mode`` adds seeds that exercise it
+    (prepack: MatMul + Gemm + Conv; ort-cpu: the same with fp16 weights fed straight to the ops)."""
+    if fmt == "onnx" and mode != "plain":
+        (d / "plain").mkdir(parents=True)
+        return _mode_seeds(d, mode) + seeds(fmt, d / "plain")
     if fmt == "onnx":
         from onnx_fixtures import fuzz_seed_model, kitchen_sink
 
@@ -612,3 +647,21 @@ def seeds(fmt: str, d: Path) -> list[tuple[str, object, dict[str, bytes]]]:
         (p.name, load_seed(fmt, p), {})
         for p in (sample_model(d / "m.tflite", fc_out=64), tflite_concat_seed(d / "c.tflite"))
     ]
+
+
+def _mode_seeds(d: Path, mode: str) -> list[tuple[str, object, dict[str, bytes]]]:
+    import warnings
+
+    import onnx
+    from onnxconverter_common import float16
+
+    from weightshare.formats.onnx.prepack_samples import mixed_onnx
+
+    d.mkdir(parents=True, exist_ok=True)
+    m = mixed_onnx(d / "mixed.onnx", conv_layers=1, channels=8, mm_layers=2, dim=16)
+    model = onnx.load(str(m))  # weights inline: the mutations reach them
+    if mode == "ort-cpu":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = float16.convert_float_to_float16(model, keep_io_types=True)
+    return [("mixed.onnx", model, {})]

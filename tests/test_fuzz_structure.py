@@ -44,3 +44,20 @@ def test_unset_tensor_reads_are_not_compared(tmp_path):
     op = model.subgraphs[0].operators[-1]
     op.inputs = np.array([op.outputs[0], op.inputs[1]], np.int32)  # CONCATENATION reads its own unwritten output
     assert tflite_reads_unset(model) and isinstance(model, s.ModelT)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["prepack", "ort-cpu"])
+def test_structure_mutations_of_the_onnx_runtime_modes(tmp_path, runner, mode):
+    """The same invariants for ``--prepack`` and ``--unpack ort-cpu`` (the long runs: scripts/fuzz.py --convert)."""
+    corpus = seeds("onnx", tmp_path / "seeds", mode)
+    rng = random.Random(20261201)
+    stats = StructStats()
+    for _ in range(12):
+        name, model, extra = rng.choice(corpus)
+        try:
+            one_input("onnx", model, name, rng, tmp_path / "w", extra, runner, stats, mode)
+        except Finding as e:
+            raise AssertionError(f"input {stats.inputs}: {e}") from None
+    assert stats.internal_errors == stats.mismatches == 0
+    assert stats.converted and stats.compared, stats

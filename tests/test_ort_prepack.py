@@ -179,7 +179,7 @@ def test_helper_falls_back_on_another_machine(converted, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
         sess = wort.session(report["outputs"][0])
     assert "nchwc_block" in caplog.records[0].getMessage()
-    assert sess._model_path.endswith(portable_name(src.name))
+    assert portable_name(src.name) in caplog.records[0].getMessage()  # ORT got the bytes: it has no path to show
     assert _same(_run(sess, src, 4), _run(_plain(src, **{"session.disable_prepacking": "1"}), src, 4))
 
 

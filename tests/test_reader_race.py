@@ -84,8 +84,9 @@ def outputs(model: Path, x: np.ndarray) -> np.ndarray:
     return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
 
 
-def race(tmp_path: Path, convert_v1, convert_v2, v1: Path, v2: Path) -> dict:
-    """Swap v1 <-> v2 SWAPS times while a reader process loads OUT/a.onnx in a loop; return its counts."""
+def race(tmp_path: Path, convert_v1, convert_v2, v1: Path, v2: Path, reader_code: str = READER) -> dict:
+    """Swap v1 <-> v2 SWAPS times while a reader process loads OUT/a.onnx in a loop; return its counts.
+    ``reader_code``: the reader's loop (default: plain ``InferenceSession``; READER with another open)."""
     x = np.random.default_rng(7).standard_normal((1, DIM)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     np.save(tmp_path / "want1.npy", outputs(v1, x))
@@ -98,7 +99,7 @@ def race(tmp_path: Path, convert_v1, convert_v2, v1: Path, v2: Path) -> dict:
         [
             sys.executable,
             "-c",
-            READER,
+            reader_code,
             str(out / "a.onnx"),
             str(tmp_path / "want1.npy"),
             str(tmp_path / "want2.npy"),

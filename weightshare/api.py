@@ -22,7 +22,7 @@ from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .errors import OutputError, UsageError
 from .formats import Format, detect, model_suffixes
 from .options import BLOB_GRACE_S, INLINE_THRESHOLD, ConvertOptions, Unpack
-from .paths import check_no_overlap
+from .paths import check_no_overlap, plain_file_name
 from .pipeline import PreparedModel, blob_target, write_models
 from .report import ConversionReport, ZooReport
 
@@ -121,6 +121,9 @@ def convert(
     align: int = LARGE_ALIGN,
     align_threshold: int = ALIGN_THRESHOLD,
     inline_threshold: int = INLINE_THRESHOLD,
+    ort_child_timeout: float | None = None,
+    ort_child_memory: int | None = None,
+    ort_max_growth: float | None = None,
     progress: Progress | None = None,
 ) -> ConversionReport:
     """Convert one model into the directory ``out``; its outputs appear all together or not at all.
@@ -140,6 +143,11 @@ def convert(
         align: alignment in bytes of payloads of at least ``align_threshold`` bytes (``--align``).
         align_threshold: payload size from which ``align`` applies; smaller payloads are 64-byte aligned.
         inline_threshold: payloads smaller than this many bytes stay inside the model file.
+        ort_child_timeout: wall-time limit in seconds of the onnxruntime child of ``prepack`` / ``unpack=("ort-cpu",)``
+            (``--ort-child-timeout``); None: derived from the model's size.
+        ort_child_memory: that child's address-space limit in MiB (``--ort-child-memory``); None: derived.
+        ort_max_growth: what that child may write, as a multiple of the model's bytes (``--ort-max-growth``);
+            None: 4x, at least 16 MiB.
         progress: called with a byte count as payload bytes are written.
 
     Returns:
@@ -158,7 +166,18 @@ def convert(
         ['out/model.onnx', 'out/model.weights.1f2e3d4c5b6a.safetensors']
     """
     keywords = _Keywords(
-        prepack, unpack, keep_packed, external, blob, blob_grace, align, align_threshold, inline_threshold
+        prepack,
+        unpack,
+        keep_packed,
+        external,
+        blob,
+        blob_grace,
+        align,
+        align_threshold,
+        inline_threshold,
+        ort_child_timeout,
+        ort_child_memory,
+        ort_max_growth,
     )
     opts = _options(options, keywords.options(progress))
     return convert_many([src], out, opts)[0]
@@ -178,6 +197,9 @@ def convert_folder(
     align: int = LARGE_ALIGN,
     align_threshold: int = ALIGN_THRESHOLD,
     inline_threshold: int = INLINE_THRESHOLD,
+    ort_child_timeout: float | None = None,
+    ort_child_memory: int | None = None,
+    ort_max_growth: float | None = None,
     progress: Progress | None = None,
 ) -> FolderReport:
     """Convert a model folder (Hugging Face, optimum, onnxruntime-genai, ...) into ``out``, keeping its tree.
@@ -200,6 +222,9 @@ def convert_folder(
         align: as in ``convert``.
         align_threshold: as in ``convert``.
         inline_threshold: as in ``convert``.
+        ort_child_timeout: as in ``convert``.
+        ort_child_memory: as in ``convert``.
+        ort_max_growth: as in ``convert``.
         progress: as in ``convert``.
 
     Returns:
@@ -217,7 +242,18 @@ def convert_folder(
         (['phi-3-mini-onnx/model.onnx'], ['out/config.json', 'out/genai_config.json'])
     """
     keywords = _Keywords(
-        prepack, unpack, keep_packed, external, blob, blob_grace, align, align_threshold, inline_threshold
+        prepack,
+        unpack,
+        keep_packed,
+        external,
+        blob,
+        blob_grace,
+        align,
+        align_threshold,
+        inline_threshold,
+        ort_child_timeout,
+        ort_child_memory,
+        ort_max_growth,
     )
     opts = _options(options, keywords.options(progress))
     from ._folder import convert_folder as run
@@ -238,6 +274,9 @@ class _Keywords:
     align: int
     align_threshold: int
     inline_threshold: int
+    ort_child_timeout: float | None
+    ort_child_memory: int | None
+    ort_max_growth: float | None
 
     def options(self, progress: Progress | None) -> ConvertOptions:
         return ConvertOptions(
@@ -250,6 +289,9 @@ class _Keywords:
             external=self.external,
             prepack=self.prepack,
             progress=progress,
+            ort_child_timeout_s=self.ort_child_timeout,
+            ort_child_memory_mib=self.ort_child_memory,
+            ort_max_growth=self.ort_max_growth,
         )
 
 
@@ -298,6 +340,7 @@ def convert_many(
         if s.is_dir() and s.suffix not in model_suffixes():
             raise UsageError("is a folder of models, not a model: convert it with convert_folder (tree kept)", s)
     formats = [detect(s) for s in sources]
+    _check_outputs(*_every_output(sources, formats, out, options))  # companions too (--prepack: .portable.onnx)
     start = time.perf_counter()
     _reset_peak_rss()
     reports = []
@@ -323,6 +366,21 @@ def _convert_one(fmt: Format, src: Path, out: Path, options: ConvertOptions, tx:
         if e.filename is None or Path(str(e.filename)).name.startswith(TMP_PREFIX):
             raise OutputError(f"cannot write the output: {e.strerror or e}", out / src.name) from None
         raise
+
+
+def _every_output(
+    sources: list[Path], formats: list[Format], out: Path, options: ConvertOptions
+) -> tuple[list[Path], list[Path]]:
+    """(source, output) pairs of every file a run names in advance: each model and its companions.
+
+    A format lists its companions with an optional ``outputs(src, out_dir, options)``; blobs are named by their
+    content digest and checked again at commit (``OutputTransaction`` refuses two outputs on one path)."""
+    pairs = []
+    for src, fmt in zip(sources, formats):
+        listed = getattr(fmt, "outputs", None)
+        for o in listed(src, out, options) if listed is not None else [out / src.name]:
+            pairs.append((src, o))
+    return [s for s, _ in pairs], [o for _, o in pairs]
 
 
 def _check_outputs(sources: list[Path], outputs: list[Path]) -> None:
@@ -382,11 +440,14 @@ class _DropRemovedModels(CommitHook):
 
     def after(self) -> None:
         for name in self.old:
-            if isinstance(name, str) and name not in self.keep and "/" not in name and name not in ("", ".", ".."):
-                try:
-                    (self.out / name).unlink()
-                except OSError:
-                    pass
+            # The marker is a file anyone can edit: only plain, visible model file names of an earlier zoo
+            # (never the marker itself, a temporary, a path, or a name with a NUL byte).
+            if not plain_file_name(name) or name in self.keep or not str(name).endswith(model_suffixes()):
+                continue
+            try:
+                (self.out / name).unlink()
+            except OSError:
+                pass
 
 
 def convert_zoo(

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ._platform import require_posix
-from .errors import OutputError
+from .errors import OutputError, UsageError
 
 try:
     import fcntl
@@ -77,6 +77,37 @@ def clean_stale_temporaries(directory: Path) -> list[Path]:
             os.close(fd)
         removed.append(entry)
     return removed
+
+
+@contextmanager
+def locked_stage(directory: Path, label: str) -> Iterator[Path]:
+    """A private working directory inside ``directory`` for the length of the block, then removed.
+
+    Named ``.weightshare-tmp-<random>-<label>`` (nothing derived from the PID, which another PID namespace
+    sharing the volume may use at the same time) and held under an exclusive flock from creation to removal,
+    so ``clean_stale_temporaries`` of a concurrent run leaves it alone; once its writer is gone (even by
+    kill -9) the lock goes with it and the next run's cleanup removes it.
+    """
+    for _attempt in range(10):
+        path = Path(directory) / f"{TMP_PREFIX}{secrets.token_hex(8)}-{label}"
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise OutputError(f"cannot create a staging directory: {e.strerror}", directory) from None
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # a concurrent cleanup removed it between mkdir and flock: take another name
+    else:
+        raise OutputError("cannot create a staging directory (removed again and again)", directory)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)  # still holding the lock: nobody else removes it meanwhile
+        os.close(fd)
 
 
 @contextmanager
@@ -236,6 +267,7 @@ class OutputTransaction:
         """
         mode_file = 0o666 & ~_umask()
         try:
+            self._refuse_collisions()
             for t in self._pending:
                 if not t.is_dir and t.fd is not None:
                     os.fsync(t.fd)
@@ -258,6 +290,18 @@ class OutputTransaction:
             raise
         self._release()
         self._done = True
+
+    def _refuse_collisions(self) -> None:
+        """Two outputs of this run on one path: the later would silently replace the earlier (a model's
+        companion onto another model, a cache onto a blob); refused before any rename."""
+        seen: set[Path] = set()
+        for t in self._pending:
+            final = t.final.parent.resolve() / t.final.name
+            if final in seen:
+                raise UsageError(
+                    f"two outputs of this run would be written to {t.final.name}; nothing was written", t.final
+                )
+            seen.add(final)
 
     def _rename_all(self, pending: list[_Temp]) -> None:
         done: list[_Done] = []

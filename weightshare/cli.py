@@ -320,6 +320,21 @@ def convert(
         "payloads are stored once. Models are swapped in one by one, each "
         "with its blob. TFLite models join with --external.",
     ),
+    ort_child_timeout: float | None = typer.Option(
+        None,
+        "--ort-child-timeout",
+        help="Seconds the onnxruntime child of --prepack / --unpack ort-cpu may run (CPU time follows); "
+        "default: 300 plus 600 per GiB of model.",
+    ),
+    ort_child_memory: int | None = typer.Option(
+        None, "--ort-child-memory", help="Address space (MiB) of that child; default: 4096 plus 8x the model."
+    ),
+    ort_max_growth: float | None = typer.Option(
+        None,
+        "--ort-max-growth",
+        help="What that child may write (optimized and packed copies) as a multiple of the model's size; "
+        "default 4 (at least 16 MiB).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the conversion report as one JSON document."),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only."),
 ) -> None:
@@ -344,6 +359,9 @@ def convert(
             progress=update,
             progress_total=total,
             blob_grace_s=blob_grace,
+            ort_child_timeout_s=ort_child_timeout,
+            ort_child_memory_mib=ort_child_memory,
+            ort_max_growth=ort_max_growth,
         )
 
     with user_errors():

@@ -40,6 +40,11 @@ class ConvertOptions:
             TFLite: an XNNPACK weight cache bound to the model's content (see ``weightshare.litert``).
         progress: called with a byte count as payload bytes are written (for progress bars).
         progress_total: called once with the payload bytes a converter is about to write.
+        ort_child_timeout_s: wall-time limit of the onnxruntime child (``--prepack``, ``--unpack ort-cpu``);
+            None: derived from the model's size (``formats.onnx.ort_limits``). Its CPU-time limit follows.
+        ort_child_memory_mib: address-space limit of that child; None: derived from the model's size.
+        ort_max_growth: what the child may write (ORT's optimized and packed copies), as a multiple of the
+            model's bytes; None: 4x, at least 16 MiB.
 
     Example:
         >>> weightshare.convert("model.onnx", "out/", ConvertOptions(unpack=frozenset({"ort-cpu"})))
@@ -55,3 +60,6 @@ class ConvertOptions:
     prepack: bool = False
     progress: Callable[[int], object] | None = None
     progress_total: Callable[[int], None] | None = None
+    ort_child_timeout_s: float | None = None
+    ort_child_memory_mib: int | None = None
+    ort_max_growth: float | None = None

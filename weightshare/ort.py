@@ -22,23 +22,33 @@ that call ORT directly should start with ``MALLOC_MMAP_THRESHOLD_=1048576`` in t
 from __future__ import annotations
 
 import ctypes
-import json
+import errno
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .blob import read_safetensors_metadata
 from .errors import InvalidModel
+from .formats.onnx.prepack_record import METADATA_KEY, read_record_fd
 from .report import JsonDict
 
 if TYPE_CHECKING:
+    import onnx
     import onnxruntime as ort
 
 log = logging.getLogger("weightshare.ort")
 
-METADATA_KEY = "weightshare.ort_prepack"
-_verified: set[tuple[str, int, int, int]] = set()  # blobs whose ORT payloads passed their checksums in this process
+__all__ = [
+    "METADATA_KEY",
+    "check_packed_payloads",
+    "malloc_trim",
+    "mismatch",
+    "prepack_info",
+    "session",
+    "this_machine",
+]
+_verified: set[tuple[int, int, int, int]] = set()  # blobs whose ORT payloads passed their checksums in this process
 _warned: set[str] = set()
 _machine: JsonDict | None = None
 
@@ -70,44 +80,39 @@ def this_machine() -> JsonDict:
     return _machine
 
 
-def _blob_paths(model_path: Path) -> list[Path]:
-    import onnx
-
-    from .formats.onnx.prepack import external_tensors
-
-    model = onnx.load(str(model_path), load_external_data=False)
-    locations = {e.value for t in external_tensors(model) for e in t.external_data if e.key == "location"}
-    return [model_path.parent / loc for loc in sorted(locations)]
-
-
 def prepack_info(model_path: str | os.PathLike[str]) -> tuple[JsonDict, Path] | None:
-    """The ``--prepack`` record of the model's blob and the blob's path, or None for any other model."""
-    for blob in _blob_paths(Path(model_path)):
-        try:
-            _start, header, _meta = read_safetensors_metadata(str(blob))
-            with open(blob, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                raw = json.loads(f.read(n)).get("__metadata__", {}).get(METADATA_KEY)
-        except (OSError, InvalidModel, ValueError):
-            continue
-        if raw:
-            return json.loads(raw), blob
-    return None
+    """The validated ``--prepack`` record of the model's blob and the blob's path, or None for any other model.
+
+    Raises InvalidModel when the record is malformed (``prepack_record.parse_record``)."""
+    with _OpenedModel.open(Path(model_path)) as opened:
+        found = opened.record()
+        return None if found is None else (found[0], Path(model_path).parent / found[1])
 
 
-def check_packed_payloads(blob: Path, info: JsonDict) -> str | None:
+def check_packed_payloads(blob: str | os.PathLike[str], info: JsonDict) -> str | None:
     """Recorded digest (BLAKE3, or SHA-256 in older blobs) of every payload only the prepacked model uses;
-    the first mismatch, or None."""
-    from .blob import split_digest
+    the first mismatch (or such a payload without a digest), or None. ``blob`` may be ``fd_path(fd)``."""
+    from .blob import read_safetensors_metadata, split_digest
     from .recorded import record_problem, recorded_records
 
-    st = blob.stat()
-    key = (str(blob.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    path = os.fspath(blob)
+    st = os.stat(path)
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     if key in _verified:
         return None
-    prefixes = (info.get("packed_prefix", "ort.prepacked/"), info.get("optimized_prefix", "ort.optimized/"))
-    for name, offset, length, recorded in recorded_records(str(blob)):
-        if name.startswith(prefixes) and record_problem(str(blob), offset, length, recorded, st.st_size):
+    prefixes = (str(info["packed_prefix"]), str(info["optimized_prefix"]))
+    try:
+        _start, header, _meta = read_safetensors_metadata(path)
+    except (InvalidModel, OSError, ValueError, RecursionError):
+        return "its blob header cannot be read"
+    records = {name: (offset, length, digest) for name, offset, length, digest in recorded_records(path)}
+    for name in header:
+        if not isinstance(name, str) or not name.startswith(prefixes):
+            continue
+        if name not in records:
+            return f"{name} has no recorded digest"
+        offset, length, recorded = records[name]
+        if record_problem(path, offset, length, recorded, st.st_size):
             if offset + length > st.st_size:
                 return f"{name} is truncated"
             return f"{name} does not match its recorded {split_digest(recorded)[0]} digest"
@@ -124,10 +129,10 @@ def mismatch(info: JsonDict) -> str | None:
     return None
 
 
-def _say_once(path: Path, message: str) -> None:
+def _say_once(path: Path, message: str, level: int = logging.WARNING) -> None:
     if str(path) not in _warned:
         _warned.add(str(path))
-        log.warning("%s", message)
+        log.log(level, "%s", message)
 
 
 def session(
@@ -138,38 +143,217 @@ def session(
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` of ``path`` that shares its weights with every other one.
 
-    For a ``--prepack`` model: the prepacked graph when this machine matches and its packed payloads
-    are intact, else the portable model with ``session.disable_prepacking=1``. The optimization level is
-    left alone so that outputs stay those of the original model; at the default level ORT then copies
-    Conv weights into NCHWc layout per session (set ORT_ENABLE_EXTENDED to share them at some speed cost).
-    Any other model opens as it is (a model converted without ``--prepack`` shares only under
-    ``session.disable_prepacking=1``; pass such options yourself). Extra arguments go to ``InferenceSession``.
+    Args:
+        path: a model written by ``weightshare convert`` (with or without ``--prepack``); any other ONNX
+            model opens as it is.
+        sess_options: your options; the sharing settings below are added to them.
+        providers: ORT execution providers (default: CPU).
+        **kwargs: passed on to ``InferenceSession``.
+
+    Returns:
+        The session. For a ``--prepack`` model: the prepacked graph at your options when this machine
+        matches and its packed payloads are intact, else the portable model with
+        ``session.disable_prepacking=1``. For a plain conversion: ``session.disable_prepacking=1`` and, when
+        the graph has Conv weights ORT would reorder into a private NCHWc copy, ``ORT_ENABLE_EXTENDED``
+        (outputs are those of the original model under the same settings). The choice is logged once.
+
+    Raises:
+        InvalidModel: the model, its blob or the blob's ``--prepack`` record cannot be trusted or read.
+
+    The model and its external-data files are opened once, without following a final symlink, checked
+    on those descriptors, and ORT is given the model's bytes from that descriptor: a commit renaming a new
+    model over ``path`` while this runs cannot change what the session computes.
     """
     import onnxruntime as ort
 
-    path = Path(path)
     providers = providers or ["CPUExecutionProvider"]
-    found = prepack_info(path)
-    why = None
-    if found is not None:
-        info, blob = found
-        why = mismatch(info) or check_packed_payloads(blob, info)
+    with _OpenedModel.open(Path(path)) as opened:
+        found = opened.record()
+        if found is None:
+            return _open_plain(opened, sess_options, providers, kwargs)
+        info, location = found
+        why = mismatch(info) or check_packed_payloads(fd_path(opened.blobs[location]), info)
         if why is None:
             try:
-                sess = ort.InferenceSession(str(path), sess_options, providers=providers, **kwargs)
-                malloc_trim()
+                sess = opened.session(sess_options, providers, kwargs)
+                _say_once(
+                    Path(path),
+                    f"weightshare: {Path(path).name}: sharing its pre-packed weights (prepacked graph, your options)",
+                    logging.INFO,
+                )
                 return sess
+            except InvalidModel:
+                raise
             except Exception as e:  # ORT's ValidatePrePackedWeights and friends: fall back, not fail
                 why = f"onnxruntime refused it ({str(e).splitlines()[0][:200]})"
-        portable = path.parent / info.get("portable_model", "")
-        _say_once(
-            path,
-            f"weightshare: {path.name}: not using its pre-packed weights: {why}; "
-            f"opening {portable.name} with session.disable_prepacking=1 instead",
-        )
-        path = portable
-        sess_options = sess_options or ort.SessionOptions()
-        sess_options.add_session_config_entry("session.disable_prepacking", "1")
-    sess = ort.InferenceSession(str(path), sess_options, providers=providers, **kwargs)
-    malloc_trim()
-    return sess
+    portable = Path(path).parent / info["portable_model"]
+    _say_once(
+        Path(path),
+        f"weightshare: {Path(path).name}: not using its pre-packed weights: {why}; "
+        f"opening {portable.name} with session.disable_prepacking=1 instead",
+    )
+    sess_options = sess_options or ort.SessionOptions()
+    _set_entry(sess_options, "session.disable_prepacking", "1")
+    with _OpenedModel.open(portable) as opened:
+        return opened.session(sess_options, providers, kwargs)
+
+
+def _set_entry(so: ort.SessionOptions, key: str, value: str) -> None:
+    """Set a config entry (ORT warns when one is overwritten: options reused for several sessions)."""
+    try:
+        if so.get_session_config_entry(key) == value:
+            return
+    except Exception:  # noqa: BLE001 - ORT raises a plain RuntimeError for a key that is not set
+        pass
+    so.add_session_config_entry(key, value)
+
+
+def fd_path(fd: int) -> str:
+    """A path that opens the file held by ``fd`` itself, whatever is renamed over its name meanwhile."""
+    return f"/proc/self/fd/{fd}"
+
+
+def _read_fd(fd: int) -> bytes:
+    chunks, offset = [], 0
+    while chunk := os.pread(fd, 1 << 24, offset):
+        chunks.append(chunk)
+        offset += len(chunk)
+    return b"".join(chunks)
+
+
+def _open_file(path: Path, origin: Path) -> int:
+    """An fd on the regular file ``path`` (its last component not a symlink)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        why = "is a symlink" if e.errno == errno.ELOOP else (e.strerror or str(e))
+        raise InvalidModel(f"cannot open {path.name}: {why}", origin) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise InvalidModel(f"{path.name} is not a regular file", origin)
+    return fd
+
+
+class _OpenedModel:
+    """A model file and every external-data file it references, each opened once and held open."""
+
+    def __init__(self, path: Path, data: bytes, model: onnx.ModelProto) -> None:
+        self.path, self.data, self.model = path, data, model
+        self.blobs: dict[str, int] = {}  # external-data location -> fd
+        self.targets: dict[str, Path] = {}  # location -> the path ORT will open
+
+    @classmethod
+    def open(cls, path: Path) -> _OpenedModel:
+        import onnx
+        from google.protobuf.message import DecodeError
+
+        from .formats.onnx.prepack import external_tensors
+        from .paths import resolve_inside
+
+        fd = _open_file(path, path)
+        try:
+            data = _read_fd(fd)
+        finally:
+            os.close(fd)
+        model = onnx.ModelProto()
+        try:
+            model.ParseFromString(data)
+        except (DecodeError, RecursionError):
+            raise InvalidModel("not an ONNX model (protobuf does not parse)", path) from None
+        opened = cls(path, data, model)
+        try:
+            for t in external_tensors(model):
+                loc = next((e.value for e in t.external_data if e.key == "location"), "")
+                if loc not in opened.blobs:
+                    opened.targets[loc] = resolve_inside(path.parent, loc, "external data", origin=path)
+                    opened.blobs[loc] = _open_file(opened.targets[loc], path)
+        except BaseException:
+            opened.close()
+            raise
+        return opened
+
+    def record(self) -> tuple[JsonDict, str] | None:
+        """The validated ``--prepack`` record of one of the blobs and that blob's location, or None."""
+        for loc, fd in self.blobs.items():
+            rec = read_record_fd(fd, self.path.parent / loc)
+            if rec is not None:
+                return rec, loc
+        return None
+
+    def unchanged(self) -> bool:
+        """Every external-data path still names the file checked through its fd."""
+        for loc, fd in self.blobs.items():
+            try:
+                now, held = os.stat(self.targets[loc], follow_symlinks=False), os.fstat(fd)
+            except OSError:
+                return False
+            if (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino):
+                return False
+        return True
+
+    def session(
+        self, so: ort.SessionOptions | None, providers: list[str], kwargs: dict[str, Any]
+    ) -> ort.InferenceSession:
+        """ORT on this model's bytes; its external data mapped from the files held here.
+
+        ORT opens external data by path (its in-memory external-data API copies, so mapping by path is what
+        keeps sessions sharing). Blob names carry their content digest and are never rewritten, so a path
+        that names the same inode before and after session creation gave ORT the bytes checked here."""
+        import onnxruntime as ort
+
+        so = so or ort.SessionOptions()
+        _set_entry(so, "session.model_external_initializers_file_folder_path", str(self.path.parent.resolve()))
+        for _attempt in range(3):
+            if self.unchanged():
+                sess = ort.InferenceSession(self.data, so, providers=providers, **kwargs)
+                if self.unchanged():
+                    malloc_trim()
+                    return sess
+                del sess
+        raise InvalidModel("its external-data files were replaced while the session was created; open it again")
+
+    def close(self) -> None:
+        for fd in self.blobs.values():
+            os.close(fd)
+        self.blobs.clear()
+
+    def __enter__(self) -> _OpenedModel:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _nchwc_convs(model: onnx.ModelProto) -> int:
+    """Conv nodes of the main graph whose float 4-D weight ORT_ENABLE_ALL reorders into an NCHWc copy."""
+    from onnx import TensorProto
+
+    weights = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 4}
+    return sum(
+        1
+        for n in model.graph.node
+        if n.op_type == "Conv" and n.domain in ("", "ai.onnx") and len(n.input) > 1 and n.input[1] in weights
+    )
+
+
+def _open_plain(
+    opened: _OpenedModel, so: ort.SessionOptions | None, providers: list[str], kwargs: dict[str, Any]
+) -> ort.InferenceSession:
+    """A model without a ``--prepack`` record: the settings under which its mapped payloads are shared."""
+    import onnxruntime as ort
+
+    if not opened.blobs:  # every weight inline: nothing to share, ORT's defaults are best
+        return opened.session(so, providers, kwargs)
+    so = so or ort.SessionOptions()
+    _set_entry(so, "session.disable_prepacking", "1")
+    chosen = "session.disable_prepacking=1"
+    convs = _nchwc_convs(opened.model)
+    if (
+        convs
+        and this_machine()["nchwc_block"]
+        and so.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    ):
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        chosen += f" and ORT_ENABLE_EXTENDED (ORT_ENABLE_ALL would copy {convs} Conv weight(s) into NCHWc per session)"
+    _say_once(opened.path, f"weightshare: {opened.path.name}: sharing its weights with {chosen}", logging.INFO)
+    return opened.session(so, providers, kwargs)

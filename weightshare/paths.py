@@ -36,6 +36,19 @@ def resolve_inside(base_dir: Path, name: str, what: str, origin: str | os.PathLi
     return target
 
 
+def plain_file_name(name: object) -> bool:
+    """A bare, visible file name: no directory part (POSIX or Windows), no NUL, not ``.``/``..``, no leading dot
+    (weightshare's temporaries and markers start with one)."""
+    return (
+        isinstance(name, str)
+        and bool(name)
+        and "\x00" not in name
+        and PurePosixPath(name).name == name
+        and PureWindowsPath(name).name == name
+        and not name.startswith(".")
+    )
+
+
 def _inside(a: Path, b: Path) -> bool:
     """``a`` is ``b`` or lies under it (both resolved)."""
     return a == b or b in a.parents

@@ -29,6 +29,14 @@ class OnnxFormat:
 
         return convert_file(src, out_dir, options, tx)
 
+    def outputs(self, src: Path, out_dir: Path, options: ConvertOptions) -> list[Path]:
+        """The model files a conversion of ``src`` writes (the blob aside): with --prepack, the portable one too."""
+        if not options.prepack:
+            return [out_dir / src.name]
+        from .prepack import portable_name
+
+        return [out_dir / src.name, out_dir / portable_name(src.name)]
+
     def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
         from .convert import prepare
 

@@ -31,6 +31,7 @@ from . import dtypes
 from ._proto import pb
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
+from .prepack_record import refuse_prepacked_model
 from .scan import RefTable, TensorRef, place_markers, scan_model
 from .wire import encode_len_field
 
@@ -234,13 +235,14 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             f"--unpack {','.join(sorted(other))} is not implemented for ONNX; sparse tensors were kept as they are"
         )
     skeleton, refs = scan_model(src)
+    refuse_prepacked_model(src, refs.source_files())  # ORT's CPU-specific graph would pass for a portable one
     model = load_skeleton(skeleton, src)
     del skeleton
     blob_metadata = {}
     if Unpack.ORT_CPU.value in options.unpack and not options.keep_packed:  # before the fold, which folds ORT's Casts
         from .ortcpu import unpack_for_cpu  # subprocess, tempfile, importlib.metadata: not on every conversion's path
 
-        blob_metadata = unpack_for_cpu(model, refs, src, report.notes)
+        blob_metadata = unpack_for_cpu(model, refs, src, report.notes, out_dir, options)
     sites = collect_sites(model)
     folded: set[int] = set()
     if not options.keep_packed:

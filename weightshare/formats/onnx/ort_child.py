@@ -16,6 +16,7 @@ that its peak RSS can be measured on its own.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from typing import TYPE_CHECKING, Any
@@ -56,9 +57,10 @@ def cpu_features() -> list[str]:
     return [f for f in CPU_FLAGS if f in flags]
 
 
-def nchwc_block_size() -> int:
+def nchwc_block_size(directory: str | None = None) -> int:
     """Measured, not guessed: ORT pads the output channels of an NCHWc Conv weight to its block size,
-    so an 8-channel 1x1 Conv's reordered weight has block-size rows (0: no NCHWc on this CPU)."""
+    so an 8-channel 1x1 Conv's reordered weight has block-size rows (0: no NCHWc on this CPU).
+    ``directory``: where its scratch file goes (the converter's locked staging; default $TMPDIR)."""
     import numpy as np
     import onnx
     import onnxruntime as ort
@@ -77,7 +79,7 @@ def nchwc_block_size() -> int:
     model.ir_version = 8
     import tempfile
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
         so = ort.SessionOptions()
         so.optimized_model_filepath = f"{tmp}/probe.onnx"
         so.log_severity_level = 3
@@ -192,6 +194,9 @@ def optimize_bounded(model: str, out_model: str, min_external: str, budget: int)
 
 def main(argv: list[str]) -> int:
     model, out_model, min_external, budget = argv
+    from .ort_limits import die_with_parent
+
+    die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
     import onnxruntime as ort
 
     segments = optimize_bounded(model, out_model, min_external, int(budget))
@@ -201,7 +206,7 @@ def main(argv: list[str]) -> int:
         "optimization_level": "ORT_ENABLE_ALL",
         "machine": platform.machine(),
         "cpu_features": cpu_features(),
-        "nchwc_block": nchwc_block_size(),
+        "nchwc_block": nchwc_block_size(os.path.dirname(os.path.abspath(out_model))),  # in the staging, not $TMPDIR
     }
     print(json.dumps({"binding": binding, "packed": packed, "segments": segments}))
     return 0

@@ -10,8 +10,9 @@ private fp32 copy of the weights. Which Casts ORT inserts changes with its kerne
    child process with ``optimized_model_filepath``. The saved graph is exactly what the CPU provider runs: the
    model's nodes with the inserted Casts, no other rewrite. The child maps the zeros and never touches them, so the
    probe costs the same for a 64 MiB and a 1 GiB model, and an ORT crash on a hostile file cannot take us down.
-2. adopt: the probe graph's nodes replace the skeleton's (matched by output name, so the skeleton's nodes keep their
-   payload markers), then the ordinary fold (``fold_fp16_casts``) stores the Cast-fed initializers as fp32.
+2. adopt: the probe graph's nodes replace the skeleton's (matched by identity: each probe node is named after its
+   index in the skeleton, so the skeleton's nodes keep their payload markers and names), then the ordinary fold
+   (``fold_fp16_casts``) stores the Cast-fed initializers as fp32.
 
 The result is CPU-specific: a GPU provider would have run the fp16 graph natively.
 """
@@ -27,24 +28,32 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from ...atomic import locked_stage
 from ...errors import InvalidModel, UsageError
+from ...options import ConvertOptions
 from ...tensors import read_all
 from . import dtypes
 from ._proto import pb
 from .graph import collect_sites, subgraphs
+from .ort_limits import limits_for
 from .scan import REF_KEY, TensorRef
 
 ORT_CPU = "ort-cpu"  # the --unpack value
 PREFIX = "InsertedPrecisionFreeCast_"
+TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's node>"
 # Payloads up to this size keep their real bytes in the probe (shape tensors, pads, scales that kernels or shape
 # inference read); larger ones are stand-ins mapped from the zeros file, never read at ORT_DISABLE_ALL.
 REAL_BYTES_MAX = 64 << 10
 ZEROS = "zeros.bin"
-PROBE_TIMEOUT_S = 600
+TMP = "weightshare-ortcpu-"  # $TMPDIR prefix of inspect's and check's probes (no OUTDIR there)
 
 # Runs in a fresh interpreter that imports nothing of ours: ORT loads the probe and saves what it would run.
 _CHILD = r"""
-import json, resource, sys
+import ctypes, json, resource, signal, sys
+try:  # die with the converter (PR_SET_PDEATHSIG): a kill -9 of it must not leave this child running
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
 import onnxruntime as ort
 so = ort.SessionOptions()
 so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
@@ -110,9 +119,23 @@ def _stand_in(tensor: pb.TensorProto, ref: TensorRef, real: bool) -> int:
     return nbytes
 
 
+def _tag(index: int) -> str:
+    """The probe's name for the skeleton's node ``index``: ORT keeps node names, so its saved graph says which
+    of its nodes is which of ours. No tensor or node name of the user's is involved in the match."""
+    return f"{TAG}{index}"
+
+
+def _tag_index(name: str, count: int) -> int | None:
+    digits = name[len(TAG) :] if name.startswith(TAG) else ""
+    index = int(digits) if digits.isdigit() and digits == str(int(digits)) else -1
+    return index if 0 <= index < count else None
+
+
 def write_probe_model(skeleton: pb.ModelProto, refs: Sequence[TensorRef], directory: Path) -> Path:
     probe = pb.ModelProto()
     probe.CopyFrom(skeleton)
+    for i, node in enumerate(probe.graph.node):
+        node.name = _tag(i)
     by_index = {r.index: r for r in refs}
     zeros = 0
     for index, site in collect_sites(probe).items():
@@ -125,13 +148,26 @@ def write_probe_model(skeleton: pb.ModelProto, refs: Sequence[TensorRef], direct
     return path
 
 
-def run_probe(skeleton: pb.ModelProto, refs: Sequence[TensorRef], src: Path) -> Probe:
+def run_probe(
+    skeleton: pb.ModelProto,
+    refs: Sequence[TensorRef],
+    src: Path,
+    stage_in: Path | None = None,
+    options: ConvertOptions | None = None,
+) -> Probe:
+    """ORT's answer for ``skeleton``, from a bounded child (``ort_limits``) working in a locked staging directory
+    inside ``stage_in`` (OUTDIR: never $TMPDIR, so a killed run leaves nothing there that the next run's
+    cleanup would not remove), or in a temporary directory when there is no OUTDIR (inspect, check)."""
     import subprocess
     import tempfile
 
     if onnxruntime_version() is None:
         raise UsageError("--unpack ort-cpu needs onnxruntime installed (pip install onnxruntime)", src)
-    with tempfile.TemporaryDirectory(prefix="weightshare-ortcpu-") as tmp:
+    opts = options or ConvertOptions()
+    input_bytes = src.stat().st_size + sum(r.native_nbytes for r in refs)
+    limits = limits_for(input_bytes, src, opts.ort_child_timeout_s, opts.ort_child_memory_mib, opts.ort_max_growth)
+    where = locked_stage(stage_in, "ortcpu") if stage_in is not None else tempfile.TemporaryDirectory(prefix=TMP)
+    with where as tmp:
         probe_path = write_probe_model(skeleton, refs, Path(tmp))
         out = Path(tmp) / "optimized.onnx"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
@@ -141,15 +177,17 @@ def run_probe(skeleton: pb.ModelProto, refs: Sequence[TensorRef], src: Path) -> 
                 capture_output=True,
                 check=False,
                 text=True,
-                timeout=PROBE_TIMEOUT_S,
+                timeout=limits.wall_s,
                 env=env,
                 cwd=tmp,
+                preexec_fn=limits.preexec(),
             )
         except subprocess.TimeoutExpired:
-            raise InvalidModel(f"onnxruntime did not load the model within {PROBE_TIMEOUT_S} s", src) from None
+            raise InvalidModel(limits.timeout_message(), src) from None
         if proc.returncode != 0:
+            hit = limits.failure(proc.returncode, proc.stderr, [out])
             why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            raise InvalidModel(f"onnxruntime (CPU) cannot load the model: {why}", src)
+            raise InvalidModel(hit or f"onnxruntime (CPU) cannot load the model: {why}", src)
         answer = json.loads(proc.stdout.strip().splitlines()[-1])
         optimized = pb.ModelProto()
         try:
@@ -158,6 +196,21 @@ def run_probe(skeleton: pb.ModelProto, refs: Sequence[TensorRef], src: Path) -> 
             raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
     opsets = {o.domain: o.version for o in optimized.opset_import}
     return Probe(optimized.graph, opsets, answer["version"], answer["peak_rss_mib"])
+
+
+def _rename_fresh(fresh: list[pb.NodeProto], taken: set[str]) -> None:
+    """Give the nodes ORT made names no other node has (ORT named them unique among the probe's tags, not
+    among the user's names), without the probe's tag."""
+    for node in fresh:
+        if not node.name:
+            continue
+        base = node.name.replace(TAG, "node")
+        name, k = base, 0
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        node.name = name
+        taken.add(name)
 
 
 class NotAdoptable(Exception):
@@ -191,8 +244,10 @@ def _copy(node: pb.NodeProto) -> pb.NodeProto:
 def adopt_inserted_casts(model: pb.ModelProto, probe: pb.GraphProto, opsets: dict[str, int] | None = None) -> int:
     """Rewrite ``model``'s main graph into the probe's (inserted Casts, fp32 outputs). Returns Casts added.
 
-    Nodes are matched by output name (ORT renames an output X it turns fp32 into ``InsertedPrecisionFreeCast_X``);
-    probe nodes without a match (inserted Casts, bodies of function ops ORT expanded) are copied in. Raises
+    Nodes are matched by identity: the probe named each of the skeleton's nodes by its index (``_tag``), and ORT
+    keeps node names; never by a tensor name, which a user's tensor can take (``InsertedPrecisionFreeCast_X``
+    beside ``X``). Probe nodes without a match (inserted Casts, bodies of function ops ORT expanded) are copied
+    in under names no other node has. Raises
     NotAdoptable (``model`` untouched) when the result would not be a sound graph.
     """
     g = model.graph
@@ -204,38 +259,37 @@ def adopt_inserted_casts(model: pb.ModelProto, probe: pb.GraphProto, opsets: dic
         v.name for v in probe.output
     ]:
         raise NotAdoptable("onnxruntime changed the graph inputs or outputs")
-    ours = {tuple(n.output): n for n in g.node}
-    names = {n.name for n in g.node if n.name}
+    ours = list(g.node)
     probe_inits = {t.name for t in probe.initializer}
     new_nodes: list[pb.NodeProto] = []
+    fresh: list[pb.NodeProto] = []  # nodes ORT made: their names must not clash with the user's
     matched: set[int] = set()
     added = 0
     for p in probe.node:
-        mine = ours.get(tuple(_strip(o) for o in p.output))
-        if (
-            (_is_inserted(p) and p.name not in names)
-            or mine is None
-            or (mine.op_type, mine.domain) != (p.op_type, p.domain)
-        ):
+        index = _tag_index(p.name, len(ours))
+        if index is None or index in matched or (ours[index].op_type, ours[index].domain) != (p.op_type, p.domain):
             # A Cast ORT inserted, or a node of a function body ORT expanded for want of an fp16 kernel.
-            new_nodes.append(_copy(p))
+            fresh.append(_copy(p))
+            new_nodes.append(fresh[-1])
             added += _is_inserted(p)
             continue
-        node = _copy(mine)  # keeps attributes and payload markers; takes ORT's wiring
+        node = _copy(ours[index])  # keeps its name, attributes and payload markers; takes ORT's wiring
         node.input[:] = p.input
         node.output[:] = p.output
         new_nodes.append(node)
-        matched.add(id(mine))
+        matched.add(index)
+    matched_ids = {id(ours[i]) for i in matched}
     # ORT turns Constant nodes into initializers; keep ours (they carry the payload markers), in front.
     constants = [
         n
         for n in g.node
-        if id(n) not in matched and n.op_type == "Constant" and all(o in probe_inits for o in n.output)
+        if id(n) not in matched_ids and n.op_type == "Constant" and all(o in probe_inits for o in n.output)
     ]
-    dropped = [n for n in g.node if id(n) not in matched and not any(n is c for c in constants)]
+    dropped = [n for n in g.node if id(n) not in matched_ids and not any(n is c for c in constants)]
     if any(_has_payload(n) for n in dropped):
         raise NotAdoptable("onnxruntime replaced a node that holds a payload")
     new_nodes = [_copy(c) for c in constants] + new_nodes
+    _rename_fresh(fresh, {n.name for n in new_nodes if n.name and not any(n is f for f in fresh)})
     # Constants of expanded function bodies, which ORT made initializers: small, with their bytes inline.
     known = {t.name for t in g.initializer} | {o for c in constants for o in c.output}
     new_inits = [t for t in probe.initializer if t.name not in known]
@@ -284,9 +338,17 @@ def _cast_bytes(model: pb.ModelProto, refs: Sequence[TensorRef], probe: Probe) -
     return len(names), sum(dtypes.element_count(dims[n]) * 4 for n in names if n in dims)
 
 
-def unpack_for_cpu(model: pb.ModelProto, refs: Sequence[TensorRef], src: Path, notes: list[str]) -> dict[str, str]:
-    """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header."""
-    probe = run_probe(model, refs, src)
+def unpack_for_cpu(
+    model: pb.ModelProto,
+    refs: Sequence[TensorRef],
+    src: Path,
+    notes: list[str],
+    out_dir: Path | None = None,
+    options: ConvertOptions | None = None,
+) -> dict[str, str]:
+    """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header.
+    The probe stages inside ``out_dir`` (locked) and runs under ``options``' child limits."""
+    probe = run_probe(model, refs, src, out_dir, options)
     try:
         added = adopt_inserted_casts(model, probe.graph, probe.opsets)
     except NotAdoptable as e:

@@ -20,11 +20,10 @@ Steps:
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import os
-import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from ...atomic import TMP_PREFIX, OutputTransaction
+from ...atomic import OutputTransaction, locked_stage
 from ...blob import PlannedTensor
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
@@ -43,6 +42,7 @@ from ...report import ConversionReport, JsonDict
 from ...runtimes.memory import run_child_peak
 from ...tensors import FileRange
 from . import dtypes
+from .ort_limits import limits_for
 from .ort_segments import budget_from_env
 
 METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
@@ -203,11 +203,35 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
         str(options.inline_threshold),
         str(budget_from_env()),
     ]
-    res, peak = run_child_peak(cmd, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"})
+    res, peak = _run_bounded(cmd, model.parent, src, options)
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
         raise Unsupported(f"onnxruntime could not optimize and pre-pack the model ({why})", src)
     return json.loads(res.stdout.strip().splitlines()[-1]), peak  # {"binding": ..., "packed": ...}
+
+
+def _run_bounded(
+    cmd: list[str], stage: Path, src: Path, options: ConvertOptions
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``cmd`` under the limits of ``ort_limits`` for the staged model; a limit hit is one Unsupported line."""
+    before = set(stage.iterdir())
+    limits = limits_for(
+        sum(f.stat().st_size for f in before if f.is_file()),
+        src,
+        options.ort_child_timeout_s,
+        options.ort_child_memory_mib,
+        options.ort_max_growth,
+    )
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    try:
+        res, peak = run_child_peak(cmd, env=env, timeout=limits.wall_s, preexec_fn=limits.preexec())
+    except subprocess.TimeoutExpired:
+        raise Unsupported(limits.timeout_message(), src) from None
+    written = [f for f in stage.iterdir() if f not in before]
+    if res.returncode != 0 and (hit := limits.failure(res.returncode, res.stderr, written)) is not None:
+        raise Unsupported(hit, src)
+    limits.check_output(written)
+    return res, peak
 
 
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
@@ -219,16 +243,13 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
             "model; rename the model",
             src,
         )
-    held = out_dir / f"{TMP_PREFIX}{os.getpid()}-prepack"
-    shutil.rmtree(held, ignore_errors=True)
-    held.mkdir()
-    lock = os.open(held, os.O_RDONLY)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # a concurrent run's stale-temporary cleanup removes only unlocked ones
-    # The staged conversion commits into its own directory and flocks it while renaming: that must be
-    # another directory than the one held here, or the run would wait on its own lock.
-    stage = held / "stage"
-    stage.mkdir()
-    try:
+    # Uniquely named and flock-ed from creation to removal (atomic.locked_stage): a concurrent run, in this
+    # PID namespace or another, neither reuses nor removes it.
+    with locked_stage(out_dir, "prepack") as held:
+        # The staged conversion commits into its own directory and flocks it while renaming: that must be
+        # another directory than the one held here, or the run would wait on its own lock.
+        stage = held / "stage"
+        stage.mkdir()
         report = _stage_portable(src, stage, options)
         result, child_peak = _run_ort(stage / src.name, src, options)
         binding = result["binding"]
@@ -270,9 +291,6 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
             report, reloc.payloads, emit, extra={"blob_metadata": {METADATA_KEY: json.dumps({**binding, **names})}}
         )
         write_models([prepared], out_dir, target, options, tx)
-    finally:
-        shutil.rmtree(held, ignore_errors=True)
-        os.close(lock)
     report.notes.append(
         f"--prepack: {src.name} holds onnxruntime {binding['onnxruntime']}'s pre-packed weights for this CPU "
         f"({len(packed)} packed buffers, {sum(p.tensor.nbytes for p in packed) / 2**20:.1f} MiB; "

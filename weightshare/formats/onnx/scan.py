@@ -225,6 +225,10 @@ class RefTable(Sequence["TensorRef"]):
         start = self._dims_end[index - 1] if index else 0
         return tuple(self._dims[start : self._dims_end[index]])
 
+    def source_files(self) -> list[str]:
+        """Every file a payload is read from (the model and its external-data files)."""
+        return [path for path, _file in self._files]
+
     def parts(self, index: int) -> list[FileRange]:
         multi = self._multi.get(index)
         if multi is not None:

@@ -1,0 +1,109 @@
+"""The ``weightshare.ort_prepack`` record of a ``--prepack`` blob, read as untrusted input.
+
+``convert --prepack`` writes the record into the blob's safetensors ``__metadata__``: what the packed
+data is bound to (onnxruntime version, CPU) and the file names of the two models. Anyone can edit a
+blob, so every reader (``weightshare.ort.session``, ``check``, ``verify``, re-conversion) goes through
+``parse_record``: fields of the expected types, model names plain file names beside the blob's model
+(never an absolute path, ``..`` or a directory), any problem one ``InvalidModel``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ...errors import InvalidModel, UsageError
+from ...paths import plain_file_name
+from ...report import JsonDict
+
+METADATA_KEY = "weightshare.ort_prepack"
+_STRINGS = ("onnxruntime", "machine", "prepacked_model", "portable_model")
+_OPTIONAL_STRINGS = ("optimization_level", "packed_prefix", "optimized_prefix")
+_DEFAULTS = {"packed_prefix": "ort.prepacked/", "optimized_prefix": "ort.optimized/"}
+
+
+def parse_record(raw: Any, where: str | os.PathLike[str]) -> JsonDict:
+    """The validated record (``raw`` as found in the metadata: a JSON string), prefixes defaulted.
+
+    Raises InvalidModel naming ``where`` (the blob) for anything but a well-formed record.
+    """
+
+    def bad(why: str) -> InvalidModel:
+        return InvalidModel(f"its {METADATA_KEY} metadata {why}", where)
+
+    if not isinstance(raw, str):
+        raise bad("is not a JSON string")
+    try:
+        rec = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        raise bad("is not valid JSON") from None
+    if not isinstance(rec, dict):
+        raise bad("is not a JSON object")
+    for key in _STRINGS:
+        if not isinstance(rec.get(key), str):
+            raise bad(f"has no string {key!r}")
+    for key in _OPTIONAL_STRINGS:
+        if key in rec and not isinstance(rec[key], str):
+            raise bad(f"has a {key!r} that is not a string")
+    features = rec.get("cpu_features")
+    if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
+        raise bad("has no list of strings 'cpu_features'")
+    if not isinstance(rec.get("nchwc_block"), int) or isinstance(rec.get("nchwc_block"), bool):
+        raise bad("has no integer 'nchwc_block'")
+    for key in ("prepacked_model", "portable_model"):
+        if not plain_file_name(rec[key]) or not rec[key].endswith(".onnx"):
+            raise bad(f"names {key} {rec[key]!r}, which is not a plain .onnx file name beside the model")
+    if rec["portable_model"] == rec["prepacked_model"]:
+        raise bad("names the prepacked model as its own portable model")
+    return {**_DEFAULTS, **rec}
+
+
+def record_of_header(header: Any, where: str | os.PathLike[str]) -> JsonDict | None:
+    """The validated record in a parsed safetensors header (``__metadata__`` included), None if it has none."""
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict) or meta.get(METADATA_KEY) in (None, ""):
+        return None
+    return parse_record(meta[METADATA_KEY], where)
+
+
+def read_record_fd(fd: int, where: str | os.PathLike[str]) -> JsonDict | None:
+    """The validated record of the safetensors blob open on ``fd`` (read with pread: the offset stays put);
+    None when the file is not a safetensors blob or has no record."""
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        return None
+    n = int.from_bytes(head, "little")
+    if n > min(size - 8, 100 << 20):
+        return None
+    try:
+        header = json.loads(os.pread(fd, n, 8))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None
+    return record_of_header(header, where)
+
+
+def refuse_prepacked_model(src: Path, files: Iterable[str]) -> None:
+    """Refuse to convert the prepacked model of a ``--prepack`` output (any model but the record's portable one
+    referencing a blob with a record): its graph is ONNX Runtime's level-ALL, CPU-specific one (NCHWc nodes),
+    so converting it again would write a "portable" model that is not portable."""
+    for f in files:
+        if Path(f) == Path(src):
+            continue
+        try:
+            fd = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # the scan reports unreadable files itself
+        try:
+            rec = read_record_fd(fd, f)
+        finally:
+            os.close(fd)
+        if rec is not None and rec["portable_model"] != Path(src).name:
+            raise UsageError(
+                "is the prepacked model of a --prepack output (ONNX Runtime's CPU-specific graph); convert "
+                f"its portable model {rec['portable_model']} instead",
+                src,
+            )
