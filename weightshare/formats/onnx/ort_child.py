@@ -18,10 +18,10 @@ from __future__ import annotations
 import json
 import platform
 import sys
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    import onnx
+import onnx
 
 # /proc/cpuinfo flags that select MLAS kernels (SGEMM packing, NCHWc block size, int8 paths).
 CPU_FLAGS = (
@@ -109,71 +109,129 @@ def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> No
 
 
 def _one_node_model(
-    node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto]
-) -> onnx.ModelProto:
-    """``node`` alone, its constant inputs as (external) initializers, the others as untyped-shape inputs."""
-    import onnx
+    node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto], types: dict[str, int]
+) -> onnx.ModelProto | str:
+    """``node`` alone, its constant inputs as (external) initializers, the others as inputs of the
+    types ORT's schemas give them in the graph (``ort_types``); or why it cannot be built."""
     from onnx import helper as h
 
-    elem = next((inits[i].data_type for i in node.input if i in inits), onnx.TensorProto.FLOAT)
-    if node.op_type in ("DynamicQuantizeMatMul", "MatMulIntegerToFloat"):
-        elem = onnx.TensorProto.FLOAT  # float activations, int8 weights
-    inputs = [h.make_tensor_value_info(i, elem, None) for i in node.input if i and i not in inits]
-    outputs = [h.make_tensor_value_info(o, elem, None) for o in node.output if o]
-    g = h.make_graph([node], "one_node", inputs, outputs, [inits[i] for i in node.input if i in inits])
+    from .ort_types import node_types
+
+    opsets = {o.domain or "": o.version for o in graph.opset_import}
+    ins, outs = node_types(node, opsets, {**types, **{k: v.data_type for k, v in inits.items()}})
+    loose = [i for i in dict.fromkeys(node.input) if i and i not in inits]
+    untyped = [i for i in loose if i not in ins]
+    if untyped:
+        return f"type of input {untyped[0]!r} unknown"
+    inputs = [h.make_tensor_value_info(i, ins[i], None) for i in loose]
+    outputs = [
+        h.make_tensor_value_info(o, outs[o], None) if o in outs else onnx.ValueInfoProto(name=o)
+        for o in node.output
+        if o
+    ]
+    used = [inits[i] for i in dict.fromkeys(node.input) if i in inits]
+    g = h.make_graph([node], "one_node", inputs, outputs, used)
     m = h.make_model(g, opset_imports=graph.opset_import)
     m.ir_version = graph.ir_version
     return m
 
 
-def pack(opt_model: str, min_external: int) -> dict[str, list[list[str]]]:
-    """Pre-pack node by node: each weight-bearing node of the optimized graph alone in a session.
+@dataclass
+class OpTally:
+    """Per op type of the optimized graph: weight-bearing nodes, those ORT packed, and why the rest were not."""
 
-    Returns initializer name -> [[prepacked entry value, file], ...]. Peak memory is one node's weights
-    and packed copies, whatever the model's size. A node whose kernel does not pre-pack yields nothing.
+    nodes: int = 0
+    packed: int = 0
+    packed_bytes: int = 0
+    not_packed: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, why: str) -> None:
+        self.not_packed[why] = self.not_packed.get(why, 0) + 1
+
+
+def _scope_inits(scope: list[onnx.GraphProto]) -> dict[str, onnx.TensorProto]:
+    """Initializers visible in the innermost graph of ``scope``: its own over its enclosing graphs'."""
+    found: dict[str, onnx.TensorProto] = {}
+    for g in scope:
+        found.update({t.name: t for t in g.initializer})
+    return found
+
+
+def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -> str:
+    """Open the one-node model at ``path`` with pre-packing saved: "" or why ORT refused it."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the node, as the graph has it
+    so.optimized_model_filepath = packed_model
+    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", str(min_external))
+    so.log_severity_level = 3
+    try:
+        ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - a node ORT cannot run alone keeps no packed copy; its session packs it
+        return f"onnxruntime cannot run it alone: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+    return ""
+
+
+def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]], dict[str, OpTally]]:
+    """Pre-pack node by node: each weight-bearing node of the optimized graph (subgraph bodies
+    included, their outer-scope weights as the node's own) alone in a session.
+
+    Returns (initializer name -> [[prepacked entry value, file], ...], per op type what was packed).
+    Peak memory is one node's weights and packed copies, whatever the model's size.
     """
     import gc
     import os
 
-    import onnx
-    import onnxruntime as ort
-
     from ...ort import malloc_trim
+    from .ort_types import all_nodes, infer
 
     model = onnx.load(opt_model, load_external_data=False)
     stage = os.path.dirname(opt_model)
-    inits = {t.name: t for t in model.graph.initializer}
+    types = infer(model)
     found: dict[str, list[list[str]]] = {}
-    for n, node in enumerate(model.graph.node):
-        if not any(i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL for i in node.input):
+    tally: dict[str, OpTally] = {}
+    for n, (node, scope) in enumerate(all_nodes(model.graph)):
+        inits = _scope_inits(scope)
+        weights = [i for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
+        if not weights:
             continue
-        name = os.path.join(stage, f"node{n}.onnx")
+        op = tally.setdefault(f"{node.domain}.{node.op_type}" if node.domain else node.op_type, OpTally())
+        op.nodes += 1
+        one = _one_node_model(node, model, inits, types)
+        if isinstance(one, str):
+            op.skip(one)
+            continue
+        name, packed_model = os.path.join(stage, f"node{n}.onnx"), os.path.join(stage, f"node{n}.packed.onnx")
         with open(name, "wb") as f:
-            f.write(_one_node_model(node, model, inits).SerializeToString())
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the node, as the graph has it
-        so.optimized_model_filepath = os.path.join(stage, f"node{n}.packed.onnx")
-        so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"node{n}.packed.bin")
-        so.add_session_config_entry(
-            "session.optimized_model_external_initializers_min_size_in_bytes", str(min_external)
-        )
-        so.log_severity_level = 3
+            f.write(one.SerializeToString())
         try:
-            ort.InferenceSession(name, so, providers=["CPUExecutionProvider"])
-        except Exception:  # noqa: BLE001 - a node ORT cannot run alone keeps no packed copy; its session packs it
-            continue
+            refused = _pack_node(name, packed_model, f"node{n}.packed.bin", min_external)
         finally:
             os.unlink(name)
             gc.collect()
             malloc_trim()
-        packed = onnx.load(so.optimized_model_filepath, load_external_data=False)
-        os.unlink(so.optimized_model_filepath)
+        if refused:
+            op.skip(refused)
+            continue
+        packed = onnx.load(packed_model, load_external_data=False)
+        os.unlink(packed_model)
+        entries = 0
         for t in packed.graph.initializer:
             for e in t.external_data:
                 if e.key.startswith("prepacked_"):
                     found.setdefault(t.name, []).append([e.value, f"node{n}.packed.bin"])
-    return found
+                    entries += 1
+                    op.packed_bytes += sum(int(b.split(";")[1]) for b in e.value.split("|")[1:])
+        if entries:
+            op.packed += 1
+        elif node.domain == "com.microsoft.nchwc":
+            op.skip("its kernel pre-packs nothing: the optimizer reordered its weights (stored as optimized tensors)")
+        else:
+            op.skip("its kernel pre-packs nothing here")
+    return found, tally
 
 
 def optimize_bounded(model: str, out_model: str, min_external: str, budget: int) -> dict[str, Any]:
@@ -195,7 +253,7 @@ def main(argv: list[str]) -> int:
     import onnxruntime as ort
 
     segments = optimize_bounded(model, out_model, min_external, int(budget))
-    packed = pack(out_model, int(min_external))
+    packed, tally = pack(out_model, int(min_external))
     binding = {
         "onnxruntime": ort.__version__,
         "optimization_level": "ORT_ENABLE_ALL",
@@ -203,7 +261,8 @@ def main(argv: list[str]) -> int:
         "cpu_features": cpu_features(),
         "nchwc_block": nchwc_block_size(),
     }
-    print(json.dumps({"binding": binding, "packed": packed, "segments": segments}))
+    ops = {k: asdict(v) for k, v in sorted(tally.items())}
+    print(json.dumps({"binding": binding, "packed": packed, "segments": segments, "ops": ops}))
     return 0
 
 

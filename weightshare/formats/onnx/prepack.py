@@ -279,8 +279,26 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
         f"NCHWc block {binding['nchwc_block']}); {portable_name(src.name)} runs anywhere with "
         f"session.disable_prepacking=1 (weightshare.ort.session picks). ORT child peak RSS {child_peak:.0f} MiB"
     )
+    ops = result.get("ops", {})
+    report.notes += [_op_note(op, tally) for op, tally in ops.items()]
     report.notes.append(_segments_note(result.get("segments", {})))
+    report.prepack = {
+        "ops": ops,
+        "packed_buffers": len(packed),
+        "packed_bytes": sum(p.tensor.nbytes for p in packed),
+        "ort_child_peak_rss_mib": round(child_peak, 1),
+        "segments": result.get("segments", {}),
+    }
     return report
+
+
+def _op_note(op: str, tally: JsonDict) -> str:
+    """One op type's line: how many of its weight-bearing nodes ORT packed, and why the others were not."""
+    why = "; ".join(f"{reason} ({n})" for reason, n in tally.get("not_packed", {}).items())
+    return (
+        f"--prepack: {op}: {tally['packed']} of {tally['nodes']} weight-bearing nodes pre-packed "
+        f"({tally['packed_bytes'] / 2**20:.1f} MiB)" + (f"; not packed: {why}" if why else "")
+    )
 
 
 def _segments_note(seg: JsonDict) -> str:
