@@ -19,6 +19,7 @@ SIGNATURE = {
     "matmulnbits8_sym_b64_acc4": "MatMulNBits",
     "matmulnbits4_gidx_bias": "MatMulNBits",
     "qdq": "DequantizeLinear",
+    "qdq_per_channel": "DequantizeLinear",
     "dynamic": "MatMulInteger",
     "attention": "Attention",
     "merged_decoder": "If",

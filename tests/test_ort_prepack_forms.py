@@ -7,6 +7,7 @@ names every weight-bearing op type with what was packed and why the rest was not
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ import onnxruntime as ort
 import pytest
 
 from weightshare.formats.onnx import model_forms as mf
+from weightshare.formats.onnx.ort_types import all_nodes
 from weightshare.formats.onnx.prepack import PREPACKED_ENTRY, external_tensors
 
 # Forms whose weights ORT's CPU kernels pre-pack at default options (on every x86-64/arm64 CPU ORT runs on),
@@ -27,6 +29,7 @@ PACKING_OP = {
     "matmulnbits4_sym_b128_acc4": "com.microsoft.MatMulNBits",
     "matmulnbits8_sym_b64_acc4": "com.microsoft.MatMulNBits",
     "qdq": "QLinearMatMul",
+    "qdq_per_channel": "QLinearMatMul",
     "dynamic": "com.microsoft.DynamicQuantizeMatMul",
     "attention": "com.microsoft.Attention",
     "merged_decoder": "MatMul",
@@ -46,7 +49,8 @@ def converted(request, tmp_path_factory):
 
 
 def _ort_packed(src: Path, tmp: Path) -> set[tuple[str, str]]:
-    """(initializer, kernel key) of every pre-packed copy ORT's own default-option session of ``src`` saves."""
+    """(initializer, kernel key) of every pre-packed copy ORT's own default-option session of ``src`` saves;
+    its optimized graph at ``tmp``/ort.onnx."""
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp / "ort.onnx")
     so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
@@ -94,6 +98,13 @@ def test_blob_holds_exactly_the_packs_ort_makes(converted, tmp_path):
     expected = _ort_packed(src, tmp_path)
     assert bool(expected) == (name in PACKING_OP)
     assert _packed(Path(report["outputs"][0])) == expected  # same weights, same kernel+content keys
+    # and the same optimized graph, subgraphs included (QDQ pairs fused, no DequantizeLinear left over)
+    assert _ops(Path(report["outputs"][0])) == _ops(tmp_path / "ort.onnx")
+
+
+def _ops(path: Path) -> Counter[str]:
+    model = onnx.load(str(path), load_external_data=False)
+    return Counter(f"{n.domain}.{n.op_type}" for n, _ in all_nodes(model.graph))
 
 
 def test_report_names_what_was_packed_and_why_not(converted):

@@ -198,7 +198,7 @@ def _fp32_source(tmp: str, mib: float, seed: int) -> str:
     return str(_save(_mlp(dim, layers, seed), Path(tmp) / "fp32.onnx", external=True))
 
 
-def qdq_int8(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+def qdq_int8(path: Path, mib: float = 2.0, seed: int = 0, per_channel: bool = False) -> Path:
     """quantize_static in QDQ format (uint8 activations, int8 weights) with a small calibration set."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
@@ -220,6 +220,7 @@ def qdq_int8(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
             quant_format=QuantFormat.QDQ,
             activation_type=QuantType.QUInt8,
             weight_type=QuantType.QInt8,
+            per_channel=per_channel,
             use_external_data_format=True,
         )
     return Path(path)
@@ -386,6 +387,9 @@ FORMS: dict[str, Form] = {
     "matmulnbits8_sym_b64_acc4": Form(_nbits(8, 64, True, 4), "MatMulNBits int8, block 64, symmetric, accuracy 4"),
     "matmulnbits4_gidx_bias": Form(matmulnbits_gidx_bias, "MatMulNBits int4 with zero points, g_idx and bias"),
     "qdq": Form(qdq_int8, "quantize_static QDQ int8"),
+    "qdq_per_channel": Form(
+        lambda path, mib=2.0, seed=0: qdq_int8(path, mib, seed, per_channel=True), "quantize_static QDQ, per-channel"
+    ),
     "dynamic": Form(dynamic_int8, "quantize_dynamic int8 (DynamicQuantizeMatMul at ORT_ENABLE_ALL), embedded"),
     "attention": Form(ms_attention, "com.microsoft Attention, packed QKV + bias"),
     "merged_decoder": Form(merged_decoder, "If(use_cache_branch) with outer-scope weights"),
