@@ -226,6 +226,11 @@ def qdq_int8(path: Path, mib: float = 2.0, seed: int = 0, per_channel: bool = Fa
     return Path(path)
 
 
+def qdq_per_channel(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """quantize_static QDQ with per-channel weight scales."""
+    return qdq_int8(path, mib, seed, per_channel=True)
+
+
 def dynamic_int8(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     """quantize_dynamic: DynamicQuantizeLinear + MatMulInteger (ORT fuses to DynamicQuantizeMatMul), embedded."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -387,9 +392,7 @@ FORMS: dict[str, Form] = {
     "matmulnbits8_sym_b64_acc4": Form(_nbits(8, 64, True, 4), "MatMulNBits int8, block 64, symmetric, accuracy 4"),
     "matmulnbits4_gidx_bias": Form(matmulnbits_gidx_bias, "MatMulNBits int4 with zero points, g_idx and bias"),
     "qdq": Form(qdq_int8, "quantize_static QDQ int8"),
-    "qdq_per_channel": Form(
-        lambda path, mib=2.0, seed=0: qdq_int8(path, mib, seed, per_channel=True), "quantize_static QDQ, per-channel"
-    ),
+    "qdq_per_channel": Form(qdq_per_channel, "quantize_static QDQ, per-channel weights"),
     "dynamic": Form(dynamic_int8, "quantize_dynamic int8 (DynamicQuantizeMatMul at ORT_ENABLE_ALL), embedded"),
     "attention": Form(ms_attention, "com.microsoft Attention, packed QKV + bias"),
     "merged_decoder": Form(merged_decoder, "If(use_cache_branch) with outer-scope weights"),
