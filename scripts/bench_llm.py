@@ -188,7 +188,7 @@ def bench_form(name: str, mib: float, work: Path) -> dict:
     info = pre.get("prepack", {})
     r["convert"] = {
         "wall_s": pre["wall_time_s"],
-        "converter_peak_mib": pre["peak_rss_mib"],
+        "converter_peak_mib": info.get("converter_peak_rss_mib", pre["peak_rss_mib"]),
         "ort_child_peak_mib": info.get("ort_child_peak_rss_mib"),
         "tree_peak_mib": round(pre["tree_peak_mib"]),
         "disk_peak_mib": pre["disk_peak_mib"],

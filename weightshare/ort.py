@@ -161,7 +161,10 @@ def session(
                 return sess
             except Exception as e:  # ORT's ValidatePrePackedWeights and friends: fall back, not fail
                 why = f"onnxruntime refused it ({str(e).splitlines()[0][:200]})"
-        portable = path.parent / info.get("portable_model", "")
+        # A --shared-blob zoo's blob names every model's portable twin; a model's own blob names one.
+        twins = info.get("portable_models")
+        twin = twins.get(path.name) if isinstance(twins, dict) else None
+        portable = path.parent / str(twin or info.get("portable_model", ""))
         _say_once(
             path,
             f"weightshare: {path.name}: not using its pre-packed weights: {why}; "

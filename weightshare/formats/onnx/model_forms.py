@@ -247,8 +247,8 @@ def dynamic_int8(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
 
 def fp16_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     """An unfused fp16 BERT-like encoder (as onnxconverter-common leaves one), weights embedded:
-    LayerNormalization, Q/K/V MatMuls, heads by Reshape/Transpose, MatMul(Q, K^T) * scale (which ORT
-    fuses to FusedMatMul), Softmax, output projection, fp16 MLP."""
+    LayerNormalization, Q/K/V MatMuls, heads by Reshape/Transpose, MatMul(Q, Transpose(K)) / sqrt(d) (which
+    ORT fuses to FusedMatMul once the graph is fp32), Softmax, output projection, fp16 MLP."""
     import numpy as np
     from onnx import TensorProto as T
     from onnx import helper as h
@@ -261,7 +261,7 @@ def fp16_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     inits = [
         nh.from_array(np.array([0, 0, heads, hd], np.int64), "heads_shape"),
         nh.from_array(np.array([0, 0, dim], np.int64), "merge_shape"),
-        nh.from_array(np.array(hd**-0.5, f16), "scale"),
+        nh.from_array(np.array(hd**0.5, f16), "scale"),
     ]
     nodes: list[onnx.NodeProto] = []
 
@@ -293,9 +293,10 @@ def fp16_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
                 f"{p}.{t}.t",
                 perm=perm,
             )
-            for t, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 3, 1]), ("v", [0, 2, 1, 3]))
+            for t, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 1, 3]), ("v", [0, 2, 1, 3]))
         )
-        scores = op("Mul", [op("MatMul", [q, k], f"{p}.qk"), "scale"], f"{p}.scores")
+        k = op("Transpose", [k], f"{p}.k.tt", perm=[0, 1, 3, 2])  # as PyTorch exports k.transpose(-1, -2)
+        scores = op("Div", [op("MatMul", [q, k], f"{p}.qk"), "scale"], f"{p}.scores")
         ctx = op("MatMul", [op("Softmax", [scores], f"{p}.probs", axis=-1), v], f"{p}.ctx")
         merged = op("Reshape", [op("Transpose", [ctx], f"{p}.ctx.t", perm=[0, 2, 1, 3]), "merge_shape"], f"{p}.ctx.m")
         cur = op("Add", [cur, mm(merged, f"{p}.o", dim, dim)], f"{p}.attn")
@@ -367,6 +368,30 @@ def merged_decoder(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
         _io("use_cache_branch", T.BOOL, [1]),
     ]
     return _save(_model(nodes, inits, inputs, [_io("y", T.FLOAT, None)]), Path(path), external=True)
+
+
+def decoder_family(directory: str | os.PathLike[str], mib: float = 2.0, seed: int = 0) -> list[Path]:
+    """optimum's decoder export: decoder_model.onnx (no past), decoder_with_past_model.onnx and
+    decoder_model_merged.onnx (``merged_decoder``), the same weights in each (three data files)."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    d = Path(directory)
+    dim, layers = _dims(mib, 32)
+    first = _mlp(dim, layers, seed)
+    nodes, inits = _mlp_nodes(dim, layers, seed, x="x_past")
+    past_inputs = [_io("x", T.FLOAT, ["batch", "seq", dim]), _io("past", T.FLOAT, ["batch", "seq", dim])]
+    with_past = _model(
+        [h.make_node("Add", ["x", "past"], ["x_past"]), *nodes],
+        inits,
+        past_inputs,
+        [_io("y", T.FLOAT, ["batch", "seq", dim])],
+    )
+    return [
+        _save(first, d / "decoder_model.onnx", external=True),
+        _save(with_past, d / "decoder_with_past_model.onnx", external=True),
+        merged_decoder(d / "decoder_model_merged.onnx", mib, seed),
+    ]
 
 
 def conv_net(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
