@@ -19,7 +19,7 @@ import json
 import platform
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import onnx
 
@@ -175,6 +175,31 @@ def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -
     return ""
 
 
+PACKED_BIN = "packed.bin"  # every node's packed buffers, appended as each node is packed
+
+
+def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
+    """Append the buffers of one ``prepacked_N`` entry (``key|offset;size;...|...``, offsets into ``src``)
+    to ``dst``; the entry re-pointed at ``dst`` and the bytes moved. ORT's per-node file also holds the
+    node's plain weights: only the packed bytes are kept."""
+    key, *buffers = value.split("|")
+    moved, total = [key], 0
+    for buf in buffers:
+        offset, size, *rest = buf.split(";")
+        at = dst.seek(0, 2)
+        src.seek(int(offset))
+        left = int(size)
+        while left:
+            chunk = src.read(min(left, 1 << 20))
+            if not chunk:
+                raise OSError(f"onnxruntime's packed file ends inside {key}")
+            dst.write(chunk)
+            left -= len(chunk)
+        moved.append(";".join([str(at), size, *rest]))
+        total += int(size)
+    return "|".join(moved), total
+
+
 def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]], dict[str, OpTally]]:
     """Pre-pack node by node: each weight-bearing node of the optimized graph (subgraph bodies
     included, their outer-scope weights as the node's own) alone in a session.
@@ -193,6 +218,8 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     types = infer(model)
     found: dict[str, list[list[str]]] = {}
     tally: dict[str, OpTally] = {}
+    packed_bin = os.path.join(stage, PACKED_BIN)
+    open(packed_bin, "wb").close()
     for n, (node, scope) in enumerate(all_nodes(model.graph)):
         inits = _scope_inits(scope)
         weights = [i for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
@@ -215,16 +242,22 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
             malloc_trim()
         if refused:
             op.skip(refused)
+            for left in (packed_model, os.path.join(stage, f"node{n}.packed.bin")):
+                if os.path.exists(left):
+                    os.unlink(left)
             continue
         packed = onnx.load(packed_model, load_external_data=False)
         os.unlink(packed_model)
         entries = 0
-        for t in packed.graph.initializer:
-            for e in t.external_data:
-                if e.key.startswith("prepacked_"):
-                    found.setdefault(t.name, []).append([e.value, f"node{n}.packed.bin"])
-                    entries += 1
-                    op.packed_bytes += sum(int(b.split(";")[1]) for b in e.value.split("|")[1:])
+        with open(os.path.join(stage, f"node{n}.packed.bin"), "rb") as src, open(packed_bin, "ab") as dst:
+            for t in packed.graph.initializer:
+                for e in t.external_data:
+                    if e.key.startswith("prepacked_"):
+                        value, size = _move_packed(e.value, src, dst)
+                        found.setdefault(t.name, []).append([value, PACKED_BIN])
+                        entries += 1
+                        op.packed_bytes += size
+        os.unlink(os.path.join(stage, f"node{n}.packed.bin"))  # its copy of the node's weights goes at once
         if entries:
             op.packed += 1
         elif node.domain == "com.microsoft.nchwc":
