@@ -281,11 +281,80 @@ def optimize_bounded(model: str, out_model: str, min_external: str, budget: int)
     return Segmenter(model, out_model, run, budget).run().as_dict()
 
 
+def _external(t: onnx.TensorProto) -> tuple[str, int, int] | None:
+    e = {x.key: x.value for x in t.external_data}
+    if t.data_location != onnx.TensorProto.EXTERNAL or "location" not in e or not e.get("length", "").isdigit():
+        return None
+    return e["location"], int(e.get("offset", "0")), int(e["length"])
+
+
+def _same_bytes(a: str, a_at: int, b: str, b_at: int, length: int) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        fa.seek(a_at)
+        fb.seek(b_at)
+        while length:
+            n = min(length, 1 << 20)
+            if fa.read(n) != fb.read(n):
+                return False
+            length -= n
+    return True
+
+
+def share_unchanged(model: str, out_model: str) -> None:
+    """Point the optimized graph's initializers that ORT left as they were back at the staged model's
+    payload, and keep only the changed ones (reordered, fused) in a file of their own: ORT's optimized
+    files, a second copy of the weights, leave OUTDIR before the packing starts. Both models sit in one
+    directory, so a location holds for either."""
+    import os
+
+    stage = os.path.dirname(out_model)
+    src = onnx.load(model, load_external_data=False)
+    plain = {t.name: t for t in src.graph.initializer if _external(t)}
+    opt = onnx.load(out_model, load_external_data=False)
+    from .prepack import external_tensors
+
+    old_files: set[str] = set()
+    rest = os.path.join(stage, "ort.rest.bin")
+    with open(rest, "wb") as out:
+        for t in external_tensors(opt):
+            where = _external(t)
+            if where is None:
+                continue
+            old_files.add(where[0])
+            twin = plain.get(t.name)
+            mine = _external(twin) if twin is not None else None
+            if (
+                twin is not None
+                and mine is not None
+                and (twin.data_type, list(twin.dims)) == (t.data_type, list(t.dims))
+                and mine[2] == where[2]
+                and _same_bytes(
+                    os.path.join(stage, mine[0]), mine[1], os.path.join(stage, where[0]), where[1], where[2]
+                )
+            ):
+                location, offset, length = mine
+            else:
+                location, offset, length = "ort.rest.bin", out.tell(), where[2]
+                with open(os.path.join(stage, where[0]), "rb") as f:
+                    f.seek(where[1])
+                    out.write(f.read(where[2]))
+            del t.external_data[:]
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+    with open(out_model, "wb") as f:
+        f.write(opt.SerializeToString())
+    kept = {"ort.rest.bin"} | {w[0] for t in plain.values() if (w := _external(t)) is not None}
+    for name in old_files - kept:
+        os.unlink(os.path.join(stage, name))
+
+
 def main(argv: list[str]) -> int:
     model, out_model, min_external, budget = argv
     import onnxruntime as ort
 
     segments = optimize_bounded(model, out_model, min_external, int(budget))
+    share_unchanged(model, out_model)
     packed, tally = pack(out_model, int(min_external))
     binding = {
         "onnxruntime": ort.__version__,
