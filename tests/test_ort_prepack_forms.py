@@ -37,7 +37,14 @@ PACKING_OP = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(mf.FORMS))
+# Variants of a form another parameter already covers run in the slow tier only (each costs a conversion).
+VARIANTS = {"matmulnbits4_sym_b128_acc4", "matmulnbits8_sym_b64_acc4", "qdq_per_channel", "fp32", "conv"}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.slow) if n in VARIANTS else n for n in sorted(mf.FORMS)],
+)
 def converted(request, tmp_path_factory):
     from conftest import run_cli
 

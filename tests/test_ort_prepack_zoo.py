@@ -20,6 +20,8 @@ from weightshare.blob import read_safetensors_metadata
 from weightshare.formats.onnx import model_forms as mf
 from weightshare.formats.onnx.prepack import METADATA_KEY, PREPACKED_ENTRY, external_tensors, portable_name
 
+pytestmark = pytest.mark.slow  # three conversions with an ORT child each
+
 NAMES = ("decoder_model.onnx", "decoder_with_past_model.onnx", "decoder_model_merged.onnx")
 
 
