@@ -251,19 +251,6 @@ def test_a_model_onnxruntime_cannot_load_fails_cleanly(tmp_path, cli):
     assert "Traceback" not in res.stderr and (not out.exists() or list(out.iterdir()) == [])
 
 
-def test_prepack_and_shared_blob_exclude_each_other(tmp_path, cli):
-    src = mixed_onnx(tmp_path / "m.onnx", conv_layers=0, channels=16, mm_layers=1, dim=32)
-    res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "--shared-blob", "w.safetensors")
-    assert res.returncode == 2 and "--shared-blob" in res.stderr
-    assert not (tmp_path / "out").exists()
-    from weightshare import api
-    from weightshare.errors import UsageError
-    from weightshare.options import ConvertOptions
-
-    with pytest.raises(UsageError, match="--shared-blob"):  # the library refuses it too, not only the CLI
-        api.convert_zoo([src], tmp_path / "out", "w", ConvertOptions(prepack=True))
-
-
 def test_verify_passes_the_prepacked_model_and_fails_a_flipped_packed_copy(converted, tmp_path, cli):
     src, report = converted
     ok = cli("verify", src, report["outputs"][0], "--runs", "1")

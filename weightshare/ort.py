@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidModel
-from .formats.onnx.prepack_record import METADATA_KEY, read_record_fd
+from .formats.onnx.prepack_record import METADATA_KEY, portable_of, read_record_fd
 from .report import JsonDict
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ def session(
                 raise
             except Exception as e:  # ORT's ValidatePrePackedWeights and friends: fall back, not fail
                 why = f"onnxruntime refused it ({str(e).splitlines()[0][:200]})"
-    portable = Path(path).parent / info["portable_model"]
+    portable = Path(path).parent / portable_of(info, Path(path).name)
     _say_once(
         Path(path),
         f"weightshare: {Path(path).name}: not using its pre-packed weights: {why}; "

@@ -39,9 +39,13 @@ class ConversionReport:
     wall_time_s: float = 0.0
     peak_rss_mib: float = 0.0
     notes: list[str] = field(default_factory=list)
+    prepack: JsonDict = field(default_factory=dict)  # --prepack only: what ORT packed per op type, its child's peak
 
     def to_dict(self) -> JsonDict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.prepack:
+            del d["prepack"]  # other conversions' --json stays as it was
+        return d
 
 
 @dataclass

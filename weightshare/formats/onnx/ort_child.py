@@ -19,10 +19,10 @@ import json
 import os
 import platform
 import sys
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, BinaryIO
 
-if TYPE_CHECKING:
-    import onnx
+import onnx
 
 # /proc/cpuinfo flags that select MLAS kernels (SGEMM packing, NCHWc block size, int8 paths).
 CPU_FLAGS = (
@@ -111,71 +111,162 @@ def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> No
 
 
 def _one_node_model(
-    node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto]
-) -> onnx.ModelProto:
-    """``node`` alone, its constant inputs as (external) initializers, the others as untyped-shape inputs."""
-    import onnx
+    node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto], types: dict[str, int]
+) -> onnx.ModelProto | str:
+    """``node`` alone, its constant inputs as (external) initializers, the others as inputs of the
+    types ORT's schemas give them in the graph (``ort_types``); or why it cannot be built."""
     from onnx import helper as h
 
-    elem = next((inits[i].data_type for i in node.input if i in inits), onnx.TensorProto.FLOAT)
-    if node.op_type in ("DynamicQuantizeMatMul", "MatMulIntegerToFloat"):
-        elem = onnx.TensorProto.FLOAT  # float activations, int8 weights
-    inputs = [h.make_tensor_value_info(i, elem, None) for i in node.input if i and i not in inits]
-    outputs = [h.make_tensor_value_info(o, elem, None) for o in node.output if o]
-    g = h.make_graph([node], "one_node", inputs, outputs, [inits[i] for i in node.input if i in inits])
+    from .ort_types import node_types
+
+    opsets = {o.domain or "": o.version for o in graph.opset_import}
+    ins, outs = node_types(node, opsets, {**types, **{k: v.data_type for k, v in inits.items()}})
+    loose = [i for i in dict.fromkeys(node.input) if i and i not in inits]
+    untyped = [i for i in loose if i not in ins]
+    if untyped:
+        return f"type of input {untyped[0]!r} unknown"
+    inputs = [h.make_tensor_value_info(i, ins[i], None) for i in loose]
+    outputs = [
+        h.make_tensor_value_info(o, outs[o], None) if o in outs else onnx.ValueInfoProto(name=o)
+        for o in node.output
+        if o
+    ]
+    used = [inits[i] for i in dict.fromkeys(node.input) if i in inits]
+    g = h.make_graph([node], "one_node", inputs, outputs, used)
     m = h.make_model(g, opset_imports=graph.opset_import)
     m.ir_version = graph.ir_version
     return m
 
 
-def pack(opt_model: str, min_external: int) -> dict[str, list[list[str]]]:
-    """Pre-pack node by node: each weight-bearing node of the optimized graph alone in a session.
+@dataclass
+class OpTally:
+    """Per op type of the optimized graph: weight-bearing nodes, those ORT packed, and why the rest were not."""
 
-    Returns initializer name -> [[prepacked entry value, file], ...]. Peak memory is one node's weights
-    and packed copies, whatever the model's size. A node whose kernel does not pre-pack yields nothing.
+    nodes: int = 0
+    packed: int = 0
+    packed_bytes: int = 0
+    not_packed: dict[str, int] = field(default_factory=dict)
+
+    def skip(self, why: str) -> None:
+        self.not_packed[why] = self.not_packed.get(why, 0) + 1
+
+
+def _scope_inits(scope: list[onnx.GraphProto]) -> dict[str, onnx.TensorProto]:
+    """Initializers visible in the innermost graph of ``scope``: its own over its enclosing graphs'."""
+    found: dict[str, onnx.TensorProto] = {}
+    for g in scope:
+        found.update({t.name: t for t in g.initializer})
+    return found
+
+
+def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -> str:
+    """Open the one-node model at ``path`` with pre-packing saved: "" or why ORT refused it."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the node, as the graph has it
+    so.optimized_model_filepath = packed_model
+    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", str(min_external))
+    so.log_severity_level = 3
+    try:
+        ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - a node ORT cannot run alone keeps no packed copy; its session packs it
+        return f"onnxruntime cannot run it alone: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
+    return ""
+
+
+PACKED_BIN = "packed.bin"  # every node's packed buffers, appended as each node is packed
+
+
+def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
+    """Append the buffers of one ``prepacked_N`` entry (``key|offset;size;...|...``, offsets into ``src``)
+    to ``dst``; the entry re-pointed at ``dst`` and the bytes moved. ORT's per-node file also holds the
+    node's plain weights: only the packed bytes are kept."""
+    key, *buffers = value.split("|")
+    moved, total = [key], 0
+    for buf in buffers:
+        offset, size, *rest = buf.split(";")
+        at = dst.seek(0, 2)
+        src.seek(int(offset))
+        left = int(size)
+        while left:
+            chunk = src.read(min(left, 1 << 20))
+            if not chunk:
+                raise OSError(f"onnxruntime's packed file ends inside {key}")
+            dst.write(chunk)
+            left -= len(chunk)
+        moved.append(";".join([str(at), size, *rest]))
+        total += int(size)
+    return "|".join(moved), total
+
+
+def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]], dict[str, OpTally]]:
+    """Pre-pack node by node: each weight-bearing node of the optimized graph (subgraph bodies
+    included, their outer-scope weights as the node's own) alone in a session.
+
+    Returns (initializer name -> [[prepacked entry value, file], ...], per op type what was packed).
+    Peak memory is one node's weights and packed copies, whatever the model's size.
     """
     import gc
     import os
 
-    import onnx
-    import onnxruntime as ort
-
     from ...ort import malloc_trim
+    from .ort_types import all_nodes, infer
 
     model = onnx.load(opt_model, load_external_data=False)
     stage = os.path.dirname(opt_model)
-    inits = {t.name: t for t in model.graph.initializer}
+    types = infer(model)
     found: dict[str, list[list[str]]] = {}
-    for n, node in enumerate(model.graph.node):
-        if not any(i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL for i in node.input):
+    tally: dict[str, OpTally] = {}
+    packed_bin = os.path.join(stage, PACKED_BIN)
+    open(packed_bin, "wb").close()
+    for n, (node, scope) in enumerate(all_nodes(model.graph)):
+        inits = _scope_inits(scope)
+        weights = [i for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
+        if not weights:
             continue
-        name = os.path.join(stage, f"node{n}.onnx")
+        op = tally.setdefault(f"{node.domain}.{node.op_type}" if node.domain else node.op_type, OpTally())
+        op.nodes += 1
+        one = _one_node_model(node, model, inits, types)
+        if isinstance(one, str):
+            op.skip(one)
+            continue
+        name, packed_model = os.path.join(stage, f"node{n}.onnx"), os.path.join(stage, f"node{n}.packed.onnx")
         with open(name, "wb") as f:
-            f.write(_one_node_model(node, model, inits).SerializeToString())
-        so = ort.SessionOptions()
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the node, as the graph has it
-        so.optimized_model_filepath = os.path.join(stage, f"node{n}.packed.onnx")
-        so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", f"node{n}.packed.bin")
-        so.add_session_config_entry(
-            "session.optimized_model_external_initializers_min_size_in_bytes", str(min_external)
-        )
-        so.log_severity_level = 3
+            f.write(one.SerializeToString())
         try:
-            ort.InferenceSession(name, so, providers=["CPUExecutionProvider"])
-        except Exception:  # noqa: BLE001 - a node ORT cannot run alone keeps no packed copy; its session packs it
-            continue
+            refused = _pack_node(name, packed_model, f"node{n}.packed.bin", min_external)
         finally:
             os.unlink(name)
             gc.collect()
             malloc_trim()
-        packed = onnx.load(so.optimized_model_filepath, load_external_data=False)
-        os.unlink(so.optimized_model_filepath)
-        for t in packed.graph.initializer:
-            for e in t.external_data:
-                if e.key.startswith("prepacked_"):
-                    found.setdefault(t.name, []).append([e.value, f"node{n}.packed.bin"])
-    return found
+        if refused:
+            op.skip(refused)
+            for left in (packed_model, os.path.join(stage, f"node{n}.packed.bin")):
+                if os.path.exists(left):
+                    os.unlink(left)
+            continue
+        packed = onnx.load(packed_model, load_external_data=False)
+        os.unlink(packed_model)
+        entries = 0
+        with open(os.path.join(stage, f"node{n}.packed.bin"), "rb") as src, open(packed_bin, "ab") as dst:
+            for t in packed.graph.initializer:
+                for e in t.external_data:
+                    if e.key.startswith("prepacked_"):
+                        value, size = _move_packed(e.value, src, dst)
+                        found.setdefault(t.name, []).append([value, PACKED_BIN])
+                        entries += 1
+                        op.packed_bytes += size
+        os.unlink(os.path.join(stage, f"node{n}.packed.bin"))  # its copy of the node's weights goes at once
+        if entries:
+            op.packed += 1
+        elif node.domain == "com.microsoft.nchwc":
+            op.skip("its kernel pre-packs nothing: the optimizer reordered its weights (stored as optimized tensors)")
+        else:
+            op.skip("its kernel pre-packs nothing here")
+    return found, tally
 
 
 def optimize_bounded(model: str, out_model: str, min_external: str, budget: int) -> dict[str, Any]:
@@ -192,6 +283,74 @@ def optimize_bounded(model: str, out_model: str, min_external: str, budget: int)
     return Segmenter(model, out_model, run, budget).run().as_dict()
 
 
+def _external(t: onnx.TensorProto) -> tuple[str, int, int] | None:
+    e = {x.key: x.value for x in t.external_data}
+    if t.data_location != onnx.TensorProto.EXTERNAL or "location" not in e or not e.get("length", "").isdigit():
+        return None
+    return e["location"], int(e.get("offset", "0")), int(e["length"])
+
+
+def _same_bytes(a: str, a_at: int, b: str, b_at: int, length: int) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        fa.seek(a_at)
+        fb.seek(b_at)
+        while length:
+            n = min(length, 1 << 20)
+            if fa.read(n) != fb.read(n):
+                return False
+            length -= n
+    return True
+
+
+def share_unchanged(model: str, out_model: str) -> None:
+    """Point the optimized graph's initializers that ORT left as they were back at the staged model's
+    payload, and keep only the changed ones (reordered, fused) in a file of their own: ORT's optimized
+    files, a second copy of the weights, leave OUTDIR before the packing starts. Both models sit in one
+    directory, so a location holds for either."""
+    import os
+
+    stage = os.path.dirname(out_model)
+    src = onnx.load(model, load_external_data=False)
+    plain = {t.name: t for t in src.graph.initializer if _external(t)}
+    opt = onnx.load(out_model, load_external_data=False)
+    from .prepack import external_tensors
+
+    old_files: set[str] = set()
+    rest = os.path.join(stage, "ort.rest.bin")
+    with open(rest, "wb") as out:
+        for t in external_tensors(opt):
+            where = _external(t)
+            if where is None:
+                continue
+            old_files.add(where[0])
+            twin = plain.get(t.name)
+            mine = _external(twin) if twin is not None else None
+            if (
+                twin is not None
+                and mine is not None
+                and (twin.data_type, list(twin.dims)) == (t.data_type, list(t.dims))
+                and mine[2] == where[2]
+                and _same_bytes(
+                    os.path.join(stage, mine[0]), mine[1], os.path.join(stage, where[0]), where[1], where[2]
+                )
+            ):
+                location, offset, length = mine
+            else:
+                location, offset, length = "ort.rest.bin", out.tell(), where[2]
+                with open(os.path.join(stage, where[0]), "rb") as f:
+                    f.seek(where[1])
+                    out.write(f.read(where[2]))
+            del t.external_data[:]
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                entry = t.external_data.add()
+                entry.key, entry.value = k, v
+    with open(out_model, "wb") as f:
+        f.write(opt.SerializeToString())
+    kept = {"ort.rest.bin"} | {w[0] for t in plain.values() if (w := _external(t)) is not None}
+    for name in old_files - kept:
+        os.unlink(os.path.join(stage, name))
+
+
 def main(argv: list[str]) -> int:
     model, out_model, min_external, budget = argv
     from .ort_limits import die_with_parent
@@ -200,7 +359,8 @@ def main(argv: list[str]) -> int:
     import onnxruntime as ort
 
     segments = optimize_bounded(model, out_model, min_external, int(budget))
-    packed = pack(out_model, int(min_external))
+    share_unchanged(model, out_model)
+    packed, tally = pack(out_model, int(min_external))
     binding = {
         "onnxruntime": ort.__version__,
         "optimization_level": "ORT_ENABLE_ALL",
@@ -208,7 +368,8 @@ def main(argv: list[str]) -> int:
         "cpu_features": cpu_features(),
         "nchwc_block": nchwc_block_size(os.path.dirname(os.path.abspath(out_model))),  # in the staging, not $TMPDIR
     }
-    print(json.dumps({"binding": binding, "packed": packed, "segments": segments}))
+    ops = {k: asdict(v) for k, v in sorted(tally.items())}
+    print(json.dumps({"binding": binding, "packed": packed, "segments": segments, "ops": ops}))
     return 0
 
 

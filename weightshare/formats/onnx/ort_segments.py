@@ -104,7 +104,7 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
     ``typed``: tensors whose element type is known (the cut tensor becomes a segment input).
     """
     inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
-    weights = [sum(inits.get(i, 0) for i in set(n.input)) for n in graph.node]
+    weights = [sum(inits.get(i, 0) for i in _reads(n)) for n in graph.node]
     reason = _refusal(graph)
     if not reason and sum(weights) <= budget:
         reason = f"within the {budget / 2**20:.1f} MiB segment budget"
@@ -125,6 +125,17 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
         live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts))
     bounds.append(len(graph.node))
     return Plan(bounds, weights)
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The tensors ``node`` reads, its subgraphs' outer-scope reads included (a merged decoder's If reads
+    every weight through its branches)."""
+    names = set(node.input)
+    for a in node.attribute:
+        for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+            for n in g.node:
+                names |= _reads(n)
+    return names
 
 
 def constants(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:

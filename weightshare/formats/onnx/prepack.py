@@ -1,7 +1,7 @@
 """``convert --prepack`` for ONNX: ONNX Runtime's pre-packed and NCHWc weights in the shared blob.
 
 Without it, a default-option ORT session copies every MatMul/Gemm weight into a private pre-packed
-buffer and, at ORT_ENABLE_ALL, every Conv weight into an NCHWc-reordered one, so
+buffer and, at ORT_ENABLE_ALL, every Conv weight into an NCHWc-reordered one (DESIGN.md 7), so
 converted models share nothing at default settings. ORT can save both: the level-ALL optimized
 graph with reordered Conv weights as initializers, and each pre-packed copy as a ``prepacked_N``
 external-data entry that later sessions map instead of packing.
@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,68 +238,113 @@ def _run_bounded(
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads."""
     target = blob_target(src, out_dir, options.blob_name)
+    with staging(out_dir) as held:
+        prepared = prepare_prepacked(src, out_dir, options, held)
+        write_models([prepared], out_dir, target, options, tx)
+    return prepared.report
+
+
+def staging(out_dir: Path) -> AbstractContextManager[Path]:
+    """A temporary directory in ``out_dir`` (same file system as the outputs), uniquely named and flock-ed from
+    creation to removal (``atomic.locked_stage``): a concurrent run, in this PID namespace or another, neither
+    reuses nor removes it."""
+    return locked_stage(out_dir, "prepack")
+
+
+def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: Path) -> PreparedModel:
+    """Stage, let ORT optimize and pre-pack, and plan both models' payloads (read from ``held`` until written).
+
+    The returned model emits MODEL.onnx and MODEL.portable.onnx into ``out_dir``; its payloads go into
+    whatever blob ``write_models`` is given, one model's own or a ``--shared-blob`` zoo's.
+    """
     if portable_name(src.name) == src.name:
         raise UsageError(
             f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
             "model; rename the model",
             src,
         )
-    # Uniquely named and flock-ed from creation to removal (atomic.locked_stage): a concurrent run, in this
-    # PID namespace or another, neither reuses nor removes it.
-    with locked_stage(out_dir, "prepack") as held:
-        # The staged conversion commits into its own directory and flocks it while renaming: that must be
-        # another directory than the one held here, or the run would wait on its own lock.
-        stage = held / "stage"
-        stage.mkdir()
-        report = _stage_portable(src, stage, options)
-        result, child_peak = _run_ort(stage / src.name, src, options)
-        binding = result["binding"]
-        portable = onnx.load(str(stage / src.name), load_external_data=False)
-        optimized = onnx.load(str(stage / ORT_MODEL), load_external_data=False)
-        reloc = Relocator()
-        for t in external_tensors(portable):
-            reloc.add_tensor(t, stage, t.name)
-        plain = len(reloc.payloads)
-        for t in external_tensors(optimized):
-            reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}", result["packed"].get(t.name, []))
-        packed = [p for p in reloc.payloads[plain:] if p.tensor.name.startswith(PACKED_PREFIX)]
-        names = {
-            "prepacked_model": src.name,
-            "portable_model": portable_name(src.name),
-            "packed_prefix": PACKED_PREFIX,
-            "optimized_prefix": OPTIMIZED_PREFIX,
-        }
-        for counter in (
-            "tensors_moved",
-            "bytes_in",
-            "bytes_out",
-            "bytes_written",
-            "deduplicated",
-            "deduplicated_bytes",
-        ):
-            setattr(report, counter, 0)  # the final blob's figures replace the staged ones
+    # The staged conversion commits into its own directory and flocks it while renaming: that must be
+    # another directory than the one held here, or the run would wait on its own lock.
+    stage = held / "stage"
+    stage.mkdir()
+    report = _stage_portable(src, stage, options)
+    result, child_peak = _run_ort(stage / src.name, src, options)
+    binding = result["binding"]
+    portable = onnx.load(str(stage / src.name), load_external_data=False)
+    optimized = onnx.load(str(stage / ORT_MODEL), load_external_data=False)
+    reloc = Relocator()
+    for t in external_tensors(portable):
+        reloc.add_tensor(t, stage, t.name)
+    plain = len(reloc.payloads)
+    for t in external_tensors(optimized):
+        reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}", result["packed"].get(t.name, []))
+    packed = [p for p in reloc.payloads[plain:] if p.tensor.name.startswith(PACKED_PREFIX)]
+    names = {
+        "prepacked_model": src.name,
+        "portable_model": portable_name(src.name),
+        "portable_models": {src.name: portable_name(src.name)},
+        "packed_prefix": PACKED_PREFIX,
+        "optimized_prefix": OPTIMIZED_PREFIX,
+    }
+    for counter in ("tensors_moved", "bytes_in", "bytes_out", "bytes_written", "deduplicated", "deduplicated_bytes"):
+        setattr(report, counter, 0)  # the final blob's figures replace the staged ones
 
-        def emit(location: str, placements: Placements, tx: OutputTransaction) -> list[Path]:
-            reloc.rewrite(location, placements)
-            written = []
-            for model, name in ((optimized, src.name), (portable, portable_name(src.name))):
-                tmp = tx.new_file(out_dir / name)
-                tmp.write_bytes(model.SerializeToString())
-                written.append(out_dir / name)
-            return written
+    def emit(location: str, placements: Placements, tx: OutputTransaction) -> list[Path]:
+        reloc.rewrite(location, placements)
+        written = []
+        for model, name in ((optimized, src.name), (portable, portable_name(src.name))):
+            tmp = tx.new_file(out_dir / name)
+            tmp.write_bytes(model.SerializeToString())
+            written.append(out_dir / name)
+        return written
 
-        prepared = PreparedModel(
-            report, reloc.payloads, emit, extra={"blob_metadata": {METADATA_KEY: json.dumps({**binding, **names})}}
-        )
-        write_models([prepared], out_dir, target, options, tx)
+    _report_packing(report, src, binding, packed, child_peak, result)
+    metadata = {METADATA_KEY: json.dumps({**binding, **names})}
+    return PreparedModel(report, reloc.payloads, emit, extra={"blob_metadata": metadata})
+
+
+def share_metadata(prepared: Sequence[PreparedModel]) -> None:
+    """``--prepack --shared-blob``: one ``__metadata__`` record for the zoo's blob, naming every model's
+    portable twin (``weightshare.ort.session`` looks its model up there)."""
+    records = [json.loads(p.extra["blob_metadata"][METADATA_KEY]) for p in prepared]
+    merged = {**records[0], "portable_models": {k: v for r in records for k, v in r["portable_models"].items()}}
+    for p in prepared:
+        p.extra["blob_metadata"] = {METADATA_KEY: json.dumps(merged)}
+
+
+def _report_packing(
+    report: ConversionReport,
+    src: Path,
+    binding: JsonDict,
+    packed: list[BlobPayload],
+    child_peak: float,
+    result: JsonDict,
+) -> None:
     report.notes.append(
         f"--prepack: {src.name} holds onnxruntime {binding['onnxruntime']}'s pre-packed weights for this CPU "
         f"({len(packed)} packed buffers, {sum(p.tensor.nbytes for p in packed) / 2**20:.1f} MiB; "
         f"NCHWc block {binding['nchwc_block']}); {portable_name(src.name)} runs anywhere with "
         f"session.disable_prepacking=1 (weightshare.ort.session picks). ORT child peak RSS {child_peak:.0f} MiB"
     )
+    ops = result.get("ops", {})
+    report.notes += [_op_note(op, tally) for op, tally in ops.items()]
     report.notes.append(_segments_note(result.get("segments", {})))
-    return report
+    report.prepack = {
+        "ops": ops,
+        "packed_buffers": len(packed),
+        "packed_bytes": sum(p.tensor.nbytes for p in packed),
+        "ort_child_peak_rss_mib": round(child_peak, 1),
+        "segments": result.get("segments", {}),
+    }
+
+
+def _op_note(op: str, tally: JsonDict) -> str:
+    """One op type's line: how many of its weight-bearing nodes ORT packed, and why the others were not."""
+    why = "; ".join(f"{reason} ({n})" for reason, n in tally.get("not_packed", {}).items())
+    return (
+        f"--prepack: {op}: {tally['packed']} of {tally['nodes']} weight-bearing nodes pre-packed "
+        f"({tally['packed_bytes'] / 2**20:.1f} MiB)" + (f"; not packed: {why}" if why else "")
+    )
 
 
 def _segments_note(seg: JsonDict) -> str:

@@ -58,7 +58,22 @@ def parse_record(raw: Any, where: str | os.PathLike[str]) -> JsonDict:
             raise bad(f"names {key} {rec[key]!r}, which is not a plain .onnx file name beside the model")
     if rec["portable_model"] == rec["prepacked_model"]:
         raise bad("names the prepacked model as its own portable model")
-    return {**_DEFAULTS, **rec}
+    twins = rec.get("portable_models", {})  # --prepack --shared-blob: every zoo model's portable twin
+    if not isinstance(twins, dict):
+        raise bad("has a 'portable_models' that is not an object")
+    for model, twin in twins.items():
+        for name in (model, twin):
+            if not isinstance(name, str) or not plain_file_name(name) or not name.endswith(".onnx"):
+                raise bad(f"names {name!r} in portable_models, which is not a plain .onnx file name beside the model")
+        if model == twin:
+            raise bad(f"names {model!r} as its own portable model")
+    return {**_DEFAULTS, **rec, "portable_models": twins}
+
+
+def portable_of(rec: JsonDict, model_name: str) -> str:
+    """The portable twin of ``model_name`` in a validated record (a zoo's blob names one per model)."""
+    twin = rec["portable_models"].get(model_name)
+    return str(twin) if twin else str(rec["portable_model"])
 
 
 def record_of_header(header: Any, where: str | os.PathLike[str]) -> JsonDict | None:

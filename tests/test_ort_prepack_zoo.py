@@ -1,0 +1,103 @@
+"""convert --prepack --shared-blob: a decoder family (decoder, decoder_with_past, merged) in one blob that holds
+each distinct plain payload and each distinct packed copy once; every model bit-identical at default options,
+every portable twin bit-identical under disable_prepacking, and weightshare.ort.session falling back to the
+model's own twin."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from safetensors import safe_open
+
+import weightshare.ort as wort
+from weightshare.blob import read_safetensors_metadata
+from weightshare.formats.onnx import model_forms as mf
+from weightshare.formats.onnx.prepack import METADATA_KEY, PREPACKED_ENTRY, external_tensors, portable_name
+
+pytestmark = pytest.mark.slow  # three conversions with an ORT child each
+
+NAMES = ("decoder_model.onnx", "decoder_with_past_model.onnx", "decoder_model_merged.onnx")
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    from conftest import run_cli
+
+    d = tmp_path_factory.mktemp("family")
+    mf.decoder_family(d / "src", mib=1)
+    res = run_cli("convert", d / "src", "-o", d / "out", "--prepack", "--shared-blob", "family", "--json", "-q")
+    assert res.returncode == 0, res.stderr
+    return d / "src", d / "out", json.loads(res.stdout)
+
+
+def _feeds(src: Path) -> list[dict[str, np.ndarray]]:
+    return [mf.feeds(src, batch=b, use_cache_branch=c) for b in (1, 8) for c in (True, False)]
+
+
+def test_every_model_and_twin_is_bit_identical(family):
+    src, out, report = family
+    assert sorted(Path(m["outputs"][0]).name for m in report["models"]) == sorted(NAMES)
+    off = ort.SessionOptions()
+    off.add_session_config_entry("session.disable_prepacking", "1")
+    for name in NAMES:
+        original, prepacked = ort.InferenceSession(str(src / name)), ort.InferenceSession(str(out / name))
+        plain, twin = (
+            ort.InferenceSession(str(src / name), off),
+            ort.InferenceSession(str(out / portable_name(name)), off),
+        )
+        for feeds in _feeds(src / name):
+            assert np.array_equal(original.run(None, feeds)[0], prepacked.run(None, feeds)[0])
+            assert np.array_equal(plain.run(None, feeds)[0], twin.run(None, feeds)[0])
+
+
+def _ranges(model_path: Path) -> tuple[set[tuple[str, str]], dict[tuple[str, str], str]]:
+    """(location, offset) of every plain payload; (weight, kernel key) -> packed buffer offsets."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    plain, packed = set(), {}
+    for t in external_tensors(model):
+        e = {x.key: x.value for x in t.external_data}
+        plain.add((e["location"], e["offset"]))
+        for k, v in e.items():
+            if k.startswith(PREPACKED_ENTRY):
+                key, *bufs = v.split("|")
+                packed[(t.name, key)] = ",".join(b.split(";")[0] for b in bufs)
+    return plain, packed
+
+
+def test_one_blob_holds_each_distinct_payload_and_packed_copy_once(family):
+    _, out, report = family
+    blobs = {x.value for n in NAMES for t in external_tensors(onnx.load(str(out / n), load_external_data=False))
+             for x in t.external_data if x.key == "location"}  # fmt: skip
+    assert blobs == {Path(report["blob"]).name}
+    packed = [_ranges(out / n)[1] for n in NAMES]
+    assert all(packed), "every model carries ORT's packed copies"
+    # the same weight packed by the same kernel is the same bytes: all three models point at one copy
+    for key in set(packed[0]) & set(packed[1]) & set(packed[2]):
+        assert packed[0][key] == packed[1][key] == packed[2][key]
+    _, header, _meta = read_safetensors_metadata(report["blob"])
+    starts = [v["data_offsets"][0] for n, v in header.items() if not n.startswith("__")]
+    assert len(starts) == len(set(starts))  # no payload stored twice
+    # unique plain bytes (the family's one set of weights) + unique packed bytes, and little else
+    src = Path(report["models"][0]["model"]).parent
+    weights = (src / "decoder_model.data").stat().st_size
+    assert report["blob_bytes"] <= 1.1 * (weights + max(m["prepack"]["packed_bytes"] for m in report["models"]))
+
+
+def test_blob_metadata_names_every_twin_and_the_helper_falls_back_to_its_own(family, monkeypatch, caplog):
+    _, out, report = family
+    with safe_open(report["blob"], "np") as f:
+        record = json.loads(f.metadata()[METADATA_KEY])
+    assert record["portable_models"] == {n: portable_name(n) for n in NAMES}
+    other = {**wort.this_machine(), "onnxruntime": "0.0.0"}
+    monkeypatch.setattr(wort, "_machine", other)
+    monkeypatch.setattr(wort, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        sess = wort.session(out / "decoder_with_past_model.onnx")
+    assert sess._model_path.endswith(portable_name("decoder_with_past_model.onnx"))
+    assert "onnxruntime" in caplog.records[0].getMessage()
