@@ -569,9 +569,10 @@ def verify(
     bytes (sequences, maps and optionals element by element). ONNX Runtime CPU at
     default options; LiteRT without delegate and with XNNPACK (every signature), or
     CompiledModel for ExternalBuffer models. Every blob payload is re-hashed against its
-    recorded SHA-256. Core ML (no runtime on Linux): weights must decode to the same
-    bytes and the programs must match op for op. Exit 1 on a difference, 2 when the
-    original itself does not run.
+    recorded checksum and the blob's name against its header; ONNX: every payload is compared byte
+    for byte with the original's, and a --prepack output's portable model is run too. Core ML (no
+    runtime on Linux): weights must decode to the same bytes and the programs must match op for op.
+    Exit 1 on a difference, 2 when the original itself does not run.
     """
     from .verify import verify as run_verify
 
@@ -594,7 +595,7 @@ def verify(
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
         info(
             f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
-            f"{report.payloads_hashed} blob payloads re-hashed"
+            f"{report.payloads_hashed} blob payloads re-hashed, {report.payloads_compared} compared with the original"
         )
     raise typer.Exit(0 if report.passed else 1)
 

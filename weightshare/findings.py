@@ -49,6 +49,8 @@ class Code(_StrEnum):
     BAD_EXTERNAL_DATA = "bad-external-data"
     BLOB_NOT_WORLD_READABLE = "blob-not-world-readable"
     CHECKSUM_MISMATCH = "checksum-mismatch"
+    BLOB_DIGEST_MISMATCH = "blob-digest-mismatch"
+    BAD_PREPACKED_ENTRY = "bad-prepacked-entry"
     XNNPACK_CACHE_MISMATCH = "xnnpack-cache-mismatch"
 
 
@@ -134,6 +136,20 @@ CODES: dict[Code, CodeInfo] = {
         "A payload differs from the checksum (BLAKE3; SHA-256 in older blobs) recorded in the "
         "blob: the blob was modified or corrupted.",
         "re-run weightshare convert from the original model; check the storage",
+    ),
+    Code.BLOB_DIGEST_MISMATCH: CodeInfo(
+        Severity.ERROR,
+        "The <digest12> in the blob's name (NAME.<digest12>.safetensors) is not the digest of its header, "
+        "which lists every payload's checksum: the blob was rewritten after conversion (a payload overwritten "
+        "and its checksum re-recorded) or another blob was renamed to this name.",
+        "re-run weightshare convert from the original model",
+    ),
+    Code.BAD_PREPACKED_ENTRY: CodeInfo(
+        Severity.ERROR,
+        "A prepacked_N external-data entry of a --prepack model does not point at the packed copy the blob "
+        "records for its tensor: ONNX Runtime refuses the model at load (ValidatePrePackedWeights) or maps "
+        "another weight's packed bytes.",
+        "re-run weightshare convert MODEL -o OUT --prepack from the original model",
     ),
     Code.XNNPACK_CACHE_MISMATCH: CodeInfo(
         Severity.ERROR,

@@ -14,7 +14,7 @@ from pathlib import Path
 from .blob import digest_of, split_digest
 from .findings import Code, Finding
 from .formats import detect
-from .recorded import record_problem, recorded_records
+from .recorded import blob_name_problem, record_problem, recorded_records
 from .report import JsonDict
 from .tensors import CHUNK_SIZE, PayloadSource
 
@@ -140,6 +140,10 @@ def _check_other_records(inv: ModelInventory, base: Path) -> None:
     bad: list[str] = []
     for name in inv.external_files:
         blob = base / name
+        renamed = blob_name_problem(str(blob))
+        if renamed:
+            inv.record_problems.append(f"blob {name}: {renamed}")
+            inv.findings.append(Finding.of(Code.BLOB_DIGEST_MISMATCH, inv.model, f"blob {name}: {renamed}"))
         for key, begin, length, digest in sorted(recorded_records(str(blob)), key=lambda r: r[1]):
             if (name, begin, length) in seen:
                 continue

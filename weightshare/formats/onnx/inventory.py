@@ -27,16 +27,17 @@ from pathlib import Path
 import onnx
 
 from ...errors import UnsafePath, WeightshareError
-from ...findings import Code, problem_code
+from ...findings import Code, Finding, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
-from ...recorded import recorded_payloads
+from ...recorded import recorded_payloads, recorded_records
 from ...tensors import FileRange
 from . import dtypes
 from .convert import load_skeleton, plan
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
 from .ortcpu import inventory_notes
+from .prepack import PACKED_PREFIX
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 
@@ -54,10 +55,12 @@ class _LenientScanner(Scanner):
         super().__init__(wf, model_dir)
         self.problems: dict[int, tuple[str, str, str]] = {}  # ref index -> (location, problem, code)
         self.prepacked: set[int] = set()  # refs whose external data carries ORT's pre-packed copy (--prepack)
+        self.packed_entries: dict[int, list[str]] = {}  # ref index -> its prepacked_N entry values
 
     def _external_range(self, name: str, info: dict[str, str], expected: int) -> FileRange:
         if any(key.startswith("prepacked") for key in info):
             self.prepacked.add(len(self.refs))
+            self.packed_entries[len(self.refs)] = [v for k, v in sorted(info.items()) if k.startswith("prepacked")]
         try:
             return super()._external_range(name, info, expected)
         except WeightshareError as e:
@@ -178,4 +181,51 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.recorded_sha256 = sums[info.file].get((info.offset, info.nbytes), "")
     for info, source in to_hash:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
         info.sha256 = sha256_of(source, info.recorded_sha256)
+    by_index = {ref.index: info for ref, info in zip((p.ref for p in placements), inv.payloads)}
+    inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, path.resolve().parent)
     return inv
+
+
+def packed_entry_findings(
+    inv: ModelInventory, entries: dict[int, list[str]], by_index: dict[int, PayloadInfo], base: Path
+) -> list[Finding]:
+    """``prepacked_N`` entries that do not point at the packed copy ``convert --prepack`` recorded for their tensor.
+
+    ``--prepack`` stores each packed buffer under ``ort.prepacked/<tensor>/<kernel key>/<i>`` with its digest;
+    an entry pointing elsewhere (another tensor's copy, a plain payload, past the end) maps bytes ORT refuses at
+    load ("ValidatePrePackedWeights ... do not match") or, worse, bytes of another weight. Blobs weightshare did
+    not write carry no such records: their entries are left to ORT."""
+    bad: list[str] = []
+    records: dict[str, dict[tuple[int, int], str]] = {}
+    for index, values in sorted(entries.items()):
+        info = by_index.get(index)
+        if info is None or info.problem or not info.file:
+            continue
+        if info.file not in records:
+            records[info.file] = {(o, n): k for k, o, n, _d in recorded_records(str(base / info.file))}
+        recs = records[info.file]
+        if not any(k.startswith(PACKED_PREFIX) for k in recs.values()):
+            continue
+        for value in values:
+            key, *parts = value.split("|")
+            for i, part in enumerate(parts):
+                fields = part.split(";")
+                where = (
+                    (int(fields[0]), int(fields[1]))
+                    if len(fields) >= 2 and all(f.isdigit() for f in fields[:2])
+                    else None
+                )
+                if where is None or recs.get(where) != f"{PACKED_PREFIX}{info.name}/{key}/{i}":
+                    bad.append(f"{info.name!r} ({value[:80]})")
+    if not bad:
+        return []
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    return [
+        Finding.of(
+            Code.BAD_PREPACKED_ENTRY,
+            inv.model,
+            f"pre-packed entry of tensor {bad[0]}{more} does not point at the packed copy recorded for it in the "
+            "blob: onnxruntime refuses it at load or maps another weight's bytes",
+            bad[0].split("'")[1] if "'" in bad[0] else "",
+        )
+    ]
