@@ -396,13 +396,14 @@ def inspect(
     XNNPACK, and CompiledModel with a weight cache), followed by check's findings.
     """
     from .check import findings_for
+    from .contract import inspect_document
     from .inventory import inventory
 
     with user_errors():
         inv = inventory(model, hash_payloads=not no_hash)
         findings = findings_for(inv)
     if as_json:
-        print(json.dumps({**inv.to_dict(), "findings": [f.to_dict() for f in findings]}, indent=2))
+        print(json.dumps(inspect_document(inv, findings), indent=2))
         return
     rows = sorted(inv.payloads, key=lambda p: -p.nbytes)
     t = Table(title=f"{inv.model} ({inv.format}, {_mib(inv.file_bytes)})", title_justify="left")
@@ -463,44 +464,63 @@ def check(
     strict: bool = typer.Option(
         False,
         "--strict",
-        help="Fail on warnings too (copies that only a runtime's "
-        "default setting makes, 16-byte aligned inline TFLite buffers).",
+        help="Fail on warnings too (copies that only a setting not targeted makes, 16-byte aligned inline "
+        "TFLite buffers).",
+    ),
+    target: list[str] = typer.Option(
+        [],
+        "--target",
+        help="Runtime setting the models will be loaded with: ort-default, ort-disable-prepacking, "
+        "litert-builtin, litert-xnnpack, litert-compiled-cache, coreml. Repeatable; a format none is named "
+        "for is held to its sharing setting (ort-disable-prepacking, litert-builtin).",
+    ),
+    threshold: int = typer.Option(
+        1 << 20, "--threshold", help="Bytes per session a copy may cost before it is an error (default 1 MiB)."
+    ),
+    output_format: str = typer.Option(
+        "text", "--format", help="text, json (same as --json) or github (workflow annotations)."
     ),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
 
-    Errors fail the gate; warnings (a copy that a runtime setting avoids, named in the
-    fix) fail it only with --strict. docs/ci.md lists every finding code.
+    Errors (a copy above --threshold per session under a targeted setting, or a broken
+    model) fail the gate; warnings (a copy only another setting makes, named in the fix)
+    fail it only with --strict; info never. A file that cannot be read is one
+    unreadable-model finding, the rest are still checked, and the exit code is 2.
+    docs/ci.md lists every finding code and the JSON schema.
     """
+    from .check import Gate, find_models
     from .check import check as run_check
-    from .check import find_models
-    from .findings import Severity
+    from .contract import SETTINGS, check_document, exit_code, github_annotations
 
     quiet(quiet_)
+    if output_format not in ("text", "json", "github"):
+        fail(f"--format takes text, json or github, got {output_format!r}")
+    for t in target:
+        if t not in SETTINGS:
+            fail(f"--target {t!r} is not a setting id ({', '.join(SETTINGS)})")
+    if threshold < 0:
+        fail("--threshold must not be negative")
+    gate = Gate(tuple(target), threshold, inline_threshold)
     with user_errors():
         paths = find_models(models)
         if not paths:
             fail("no models found")
-        inventories, findings = run_check(paths, inline_threshold)
-    failing = [f for f in findings if strict or f.severity == Severity.ERROR]
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "ok": not failing,
-                    "models": [i.model for i in inventories],
-                    "findings": [f.to_dict() for f in findings],
-                },
-                indent=2,
-            )
-        )
+        inventories, findings = run_check(paths, gate, keep_going=True)
+    code = exit_code(findings, strict)
+    if as_json or output_format == "json":
+        print(json.dumps(check_document(inventories, findings, gate, strict), indent=2))
+    elif output_format == "github":
+        for line in github_annotations(findings):
+            print(line)
     else:
-        for f in findings:
-            print(f.line())
-        if not failing:
-            info(f"ok: {len(inventories)} model(s) share-ready" + (f" ({len(findings)} warnings)" if findings else ""))
-    raise typer.Exit(1 if failing else 0)
+        for f in findings:  # an unreadable file is bad input: its line goes where every command's errors go
+            print(f.line(), file=sys.stderr if f.code == "unreadable-model" else sys.stdout)
+        if code == 0:
+            shown = f" ({len(findings)} warnings/info)" if findings else ""
+            info(f"ok: {len(inventories)} model(s) share-ready{shown}")
+    raise typer.Exit(code)
 
 
 def _silence_litert() -> None:
@@ -585,7 +605,9 @@ def verify(
         if original.suffix == ".tflite":
             _silence_litert()
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        from .contract import verify_document
+
+        print(json.dumps(verify_document(report), indent=2))
     else:
         for line in report.checksum_mismatches + report.mismatches:
             print(f"FAIL: {line}")

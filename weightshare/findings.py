@@ -5,11 +5,13 @@ locates a payload, ``check`` when it reads the inventory); ``check`` and ``inspe
 only render them. ``CODES`` is the one table of meanings and fixes; docs/ci.md
 lists the same codes, and a test keeps the two in step.
 
-Severity: ``error`` -- weights are copied per session even with the settings that
-share them, or the model is broken: ``check`` exits 1. ``warning`` -- a copy that
-only a runtime's default setting makes (the fix names the setting that avoids
-it), or a layout that works but is not optimal: ``check`` exits 1 only with
-``--strict``.
+Severity, by effect (``check.Gate``): ``error`` -- a copy that costs more than the
+threshold (default 1 MiB) per session under a setting ``check`` targets, or a model
+that is broken or gives wrong outputs: ``check`` exits 1. ``warning`` -- such a copy
+under a setting not targeted (the fix names the setting that avoids it), or a layout
+that works but is not optimal: ``check`` exits 1 only with ``--strict``. ``info`` --
+a copy or layout issue below the threshold: never fails. ``CODES`` gives each code's
+severity at full effect.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class _StrEnum(str, Enum):
 class Severity(_StrEnum):
     ERROR = "error"
     WARNING = "warning"
+    INFO = "info"
 
 
 class Code(_StrEnum):
@@ -51,6 +54,7 @@ class Code(_StrEnum):
     CHECKSUM_MISMATCH = "checksum-mismatch"
     BLOB_DIGEST_MISMATCH = "blob-digest-mismatch"
     BAD_PREPACKED_ENTRY = "bad-prepacked-entry"
+    UNREADABLE_MODEL = "unreadable-model"
     XNNPACK_CACHE_MISMATCH = "xnnpack-cache-mismatch"
 
 
@@ -101,12 +105,15 @@ CODES: dict[Code, CodeInfo] = {
     ),
     Code.UNALIGNED: CodeInfo(
         Severity.ERROR,
-        "External payloads sit at offsets that are not page aligned (64 KiB for >= 1 MiB, 64 B below).",
+        "External payloads sit at offsets below the alignment their blob records (convert --align), else "
+        "64 KiB for >= 1 MiB, 64 B below. A warning for ONNX (ONNX Runtime maps any offset); other formats: an "
+        "error from the threshold on.",
         "weightshare convert MODEL -o OUT (re-lays the blob)",
     ),
     Code.DUPLICATE_PAYLOADS: CodeInfo(
         Severity.ERROR,
-        "External payloads repeat bytes already stored elsewhere: the same weights are mapped twice.",
+        "External payloads repeat bytes already stored elsewhere: the same weights are mapped twice (an error "
+        "from the threshold on, a warning below).",
         "weightshare convert MODEL -o OUT (stores identical payloads once)",
     ),
     Code.BLOB_OUTSIDE_MODEL_DIR: CodeInfo(
@@ -151,6 +158,12 @@ CODES: dict[Code, CodeInfo] = {
         "another weight's packed bytes.",
         "re-run weightshare convert MODEL -o OUT --prepack from the original model",
     ),
+    Code.UNREADABLE_MODEL: CodeInfo(
+        Severity.ERROR,
+        "The file cannot be read as a model (truncated, corrupt, not a model): nothing in it was checked. "
+        "The other models of the batch still are; `check` exits 2.",
+        "replace the file with an intact copy",
+    ),
     Code.XNNPACK_CACHE_MISMATCH: CodeInfo(
         Severity.ERROR,
         "An XNNPACK weight cache beside a TFLite model was built for other content (another "
@@ -171,9 +184,10 @@ class Finding:
     fix: str
 
     @classmethod
-    def of(cls, code: Code, file: str, message: str, tensor: str = "") -> Finding:
+    def of(cls, code: Code, file: str, message: str, tensor: str = "", severity: Severity | None = None) -> Finding:
+        """``severity``: where the rule that found it weighed its effect (``check.Gate``); else the code's."""
         info = CODES[code]
-        return cls(code, info.severity, file, tensor, message, info.fix)
+        return cls(code, severity or info.severity, file, tensor, message, info.fix)
 
     def line(self) -> str:
         return f"{self.file}: {self.severity.value}: {self.code.value}: {self.message} (fix: {self.fix})"

@@ -35,6 +35,7 @@ class PayloadInfo:
     copies: dict[str, int] = field(default_factory=dict)  # runtime setting -> bytes copied per session
     copy_reason: str = ""  # why a setting copies it, e.g. "MLAS pre-packs MatMul B at default options"
     copy_code: str = ""  # findings.Code value of that copy, set by the rule that found it
+    copy_bytes: dict[str, int] = field(default_factory=dict)  # runtime setting -> bytes that copy alone costs
     sha256: str = ""
     recorded_sha256: str = ""  # from the blob's metadata, when it has one
     duplicate_of: str = ""
@@ -62,6 +63,8 @@ class ModelInventory:
     # when the inventory hashes payloads: how many, and one line per record that fails its recorded digest.
     records_hashed: int = 0
     record_problems: list[str] = field(default_factory=list)
+    # A --prepack output's portable model: the prepacked model it is the fallback of ("" for any other model).
+    fallback_of: str = ""
 
     def copied_under(self, setting: str) -> int:
         return sum(p.copies.get(setting, p.copied_per_session) for p in self.payloads)

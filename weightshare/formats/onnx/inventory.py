@@ -19,6 +19,7 @@ tests/test_tools_runtime_copies.py keeps them honest):
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -30,21 +31,23 @@ from ...errors import UnsafePath, WeightshareError
 from ...findings import Code, Finding, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, sha256_of
 from ...options import ConvertOptions
-from ...recorded import recorded_payloads, recorded_records
+from ...recorded import blob_metadata, recorded_payloads, recorded_records
 from ...tensors import FileRange
 from . import dtypes
 from .convert import load_skeleton, plan
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
 from .ortcpu import inventory_notes
+from .prepack import METADATA_KEY as PREPACK_KEY
 from .prepack import PACKED_PREFIX
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 
 DTYPE_NAMES = {v: k for k, v in __import__("onnx").TensorProto.DataType.items()}
 
-ORT_SHARE = "ORT disable_prepacking"  # the setting weightshare's sharing relies on
-ORT_DEFAULT = "ORT defaults"
+# stable setting ids (docs/ci.md)
+ORT_SHARE = "ort-disable-prepacking"  # session.disable_prepacking=1: the setting weightshare's sharing relies on
+ORT_DEFAULT = "ort-default"  # default session options (a --prepack model maps its packed copies here)
 NCHWC_BLOCK = 8  # the smallest NCHWc block (AVX2); AVX-512 machines use 16 and reorder fewer Convs
 
 
@@ -168,6 +171,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
                 site, uses_by_scope[key].get(site.name, []), ref.index in scanner.prepacked
             )
             info.copied_per_session += always
+            if info.copy_code:
+                info.copy_bytes = {ORT_SHARE: always, ORT_DEFAULT: always + default_only}
             info.copies = {ORT_SHARE: info.copied_per_session, ORT_DEFAULT: info.copied_per_session + default_only}
         info.would_move = p.external and (ref.field != 0 or p.fold)
         info.stays_inline_because = p.reason
@@ -181,9 +186,23 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.recorded_sha256 = sums[info.file].get((info.offset, info.nbytes), "")
     for info, source in to_hash:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
         info.sha256 = sha256_of(source, info.recorded_sha256)
+    inv.fallback_of = _fallback_of(path, inv.external_files)
     by_index = {ref.index: info for ref, info in zip((p.ref for p in placements), inv.payloads)}
     inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, path.resolve().parent)
     return inv
+
+
+def _fallback_of(path: Path, files: list[str]) -> str:
+    """The prepacked model whose blob names ``path`` as its portable model (``convert --prepack``), or ""."""
+    for name in files:
+        raw = blob_metadata(str(path.resolve().parent / name)).get(PREPACK_KEY, "")
+        try:
+            record = json.loads(raw) if raw else {}
+        except ValueError:
+            continue
+        if isinstance(record, dict) and record.get("portable_model") == path.name:
+            return str(record.get("prepacked_model", ""))
+    return ""
 
 
 def packed_entry_findings(
