@@ -1,0 +1,457 @@
+"""The model forms LLM and vision teams ship for ONNX Runtime's CPU provider, built in code.
+
+Each builder takes the path to write, ``mib`` (the weight bytes of the written model, roughly: tests
+use 1-4, benchmarks >= 100) and a seed, and writes its weights the way the tool that makes that form
+does (external data beside the model, or embedded). ``FORMS`` names them; ``feeds`` makes seeded
+inputs for any of them. Quantized forms come from onnxruntime.quantization's own tools run on an
+fp32 MatMul model, so they are what a user gets, not an imitation. Used by the ``--prepack`` tests,
+``scripts/bench_llm.py`` and the CI gate; heavy imports stay inside functions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import onnx
+
+MiB = 1 << 20
+OPSET = 17
+
+
+@dataclass(frozen=True)
+class Form:
+    build: Callable[[Path, float, int], Path]
+    about: str
+
+
+def _dims(mib: float, bytes_per_d2: float, dims: tuple[int, ...] = (128, 256, 512, 1024, 2048)) -> tuple[int, int]:
+    """(dim, layers) with ``layers * bytes_per_d2 * dim**2`` ~ ``mib``: the largest dim that still
+    gives at least 4 layers (fewer only for the smallest dim)."""
+    target = mib * MiB
+    dim = dims[0]
+    for d in dims:
+        if bytes_per_d2 * d * d * 4 <= target:
+            dim = d
+    return dim, max(1, math.ceil(target / (bytes_per_d2 * dim * dim)))
+
+
+def _arr(rng: np.random.Generator, shape: tuple[int, ...], scale: float, dtype: Any = None) -> np.ndarray:
+    import numpy as np
+
+    return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(dtype or np.float32)
+
+
+def _model(
+    nodes: list[onnx.NodeProto],
+    inits: list[onnx.TensorProto],
+    inputs: list[onnx.ValueInfoProto],
+    outputs: list[onnx.ValueInfoProto],
+    ms_domain: bool = False,
+) -> onnx.ModelProto:
+    from onnx import helper as h
+
+    opsets = [h.make_opsetid("", OPSET)] + ([h.make_opsetid("com.microsoft", 1)] if ms_domain else [])
+    model = h.make_model(h.make_graph(nodes, "form", inputs, outputs, inits), opset_imports=opsets)
+    model.ir_version = 8
+    return model
+
+
+def _save(model: onnx.ModelProto, path: Path, external: bool) -> Path:
+    """Write ``model``: its weights to ``<stem>.data`` beside it (as exporters do past a few MiB) or embedded."""
+    import onnx
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external:
+        # onnx appends to an existing data file: a rebuilt form must not carry the last one's bytes.
+        (path.parent / f"{path.stem}.data").unlink(missing_ok=True)
+        onnx.save_model(model, str(path), save_as_external_data=True, location=f"{path.stem}.data", size_threshold=1024)
+    else:
+        onnx.save_model(model, str(path))
+    return path
+
+
+def _io(name: str, elem: int, shape: list[Any] | None) -> onnx.ValueInfoProto:
+    from onnx import helper as h
+
+    return h.make_tensor_value_info(name, elem, shape)
+
+
+# --- fp32 MLP: the source of the quantized forms ---------------------------------------------------------
+
+
+def _mlp_nodes(dim: int, layers: int, seed: int, x: str = "x") -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """``layers`` x (MatMul [d, 4d] + Add, Relu, MatMul [4d, d] + Add, residual Add) on ``x`` [batch, seq, d]."""
+    import numpy as np
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    cur = x
+    for i in range(layers):
+        p = f"layer{i}"
+        for n, shape, scale in (
+            ("up.w", (dim, 4 * dim), dim**-0.5),
+            ("up.b", (4 * dim,), 0.01),
+            ("down.w", (4 * dim, dim), 0.5 * (4 * dim) ** -0.5),
+            ("down.b", (dim,), 0.01),
+        ):
+            inits.append(nh.from_array(_arr(rng, shape, scale), f"{p}.{n}"))
+        nodes += [
+            h.make_node("MatMul", [cur, f"{p}.up.w"], [f"{p}.up.mm"]),
+            h.make_node("Add", [f"{p}.up.mm", f"{p}.up.b"], [f"{p}.up"]),
+            h.make_node("Relu", [f"{p}.up"], [f"{p}.act"]),
+            h.make_node("MatMul", [f"{p}.act", f"{p}.down.w"], [f"{p}.down.mm"]),
+            h.make_node("Add", [f"{p}.down.mm", f"{p}.down.b"], [f"{p}.down"]),
+            h.make_node("Add", [cur, f"{p}.down"], [f"{p}.out"]),
+        ]
+        cur = f"{p}.out"
+    nodes.append(h.make_node("Identity", [cur], ["y"]))
+    return nodes, inits
+
+
+def _mlp(dim: int, layers: int, seed: int) -> onnx.ModelProto:
+    from onnx import TensorProto as T
+
+    nodes, inits = _mlp_nodes(dim, layers, seed)
+    return _model(nodes, inits, [_io("x", T.FLOAT, ["batch", "seq", dim])], [_io("y", T.FLOAT, ["batch", "seq", dim])])
+
+
+def fp32_mlp(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """fp32 MatMul+Add MLP with residuals (MLAS SGEMM pre-packing), external data."""
+    dim, layers = _dims(mib, 32)
+    return _save(_mlp(dim, layers, seed), Path(path), external=True)
+
+
+# --- MatMulNBits ------------------------------------------------------------------------------------------
+
+
+def _nbits(
+    bits: int, block_size: int, symmetric: bool, accuracy_level: int | None
+) -> Callable[[Path, float, int], Path]:
+    def build(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+        """MatMulNBitsQuantizer (RTN) on the fp32 MLP, as ``-p int4``/``int8`` builders ship it."""
+        from onnxruntime.quantization.matmul_nbits_quantizer import (
+            DefaultWeightOnlyQuantConfig,
+            MatMulNBitsQuantizer,
+        )
+
+        # Weight bytes per d^2: 8 d^2 weights at bits/8 bytes, plus an fp32 scale per block.
+        dim, layers = _dims(mib, 8 * (bits / 8 + 4 / block_size))
+        config = DefaultWeightOnlyQuantConfig(
+            block_size=block_size, is_symmetric=symmetric, accuracy_level=accuracy_level, bits=bits
+        )
+        quant = MatMulNBitsQuantizer(_mlp(dim, layers, seed), algo_config=config)
+        quant.process()
+        return _save(quant.model.model, Path(path), external=True)
+
+    return build
+
+
+def matmulnbits_gidx_bias(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """MatMulNBits written directly with its optional inputs: zero points, g_idx (act-order GPTQ) and bias."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    block = 32
+    dim, layers = _dims(mib, 2 * (0.5 + 4.5 / block))
+    rng = np.random.default_rng(seed)
+    nodes, inits, cur = [], [], "x"
+    blocks = dim // block
+    for i in range(layers):
+        p = f"layer{i}"
+        n, k = dim, dim
+        inits += [
+            nh.from_array(rng.integers(0, 256, (n, blocks, block // 2), dtype=np.uint8), f"{p}.qw"),
+            nh.from_array(_arr(rng, (n * blocks,), 0.02 / math.sqrt(dim)) + np.float32(0.01), f"{p}.scales"),
+            nh.from_array(rng.integers(0, 256, (n * ((blocks + 1) // 2),), dtype=np.uint8), f"{p}.zp"),
+            nh.from_array(rng.permutation(np.arange(k, dtype=np.int32) // block).astype(np.int32), f"{p}.g_idx"),
+            nh.from_array(_arr(rng, (n,), 0.01), f"{p}.bias"),
+        ]
+        ins = [cur, f"{p}.qw", f"{p}.scales", f"{p}.zp", f"{p}.g_idx", f"{p}.bias"]
+        nodes.append(
+            h.make_node("MatMulNBits", ins, [f"{p}.mm"], domain="com.microsoft", K=k, N=n, bits=4, block_size=block)
+        )
+        nodes.append(h.make_node("Tanh", [f"{p}.mm"], [f"{p}.out"]))
+        cur = f"{p}.out"
+    nodes.append(h.make_node("Identity", [cur], ["y"]))
+    io = [_io("x", T.FLOAT, ["batch", "seq", dim])], [_io("y", T.FLOAT, ["batch", "seq", dim])]
+    return _save(_model(nodes, inits, *io, ms_domain=True), Path(path), external=True)
+
+
+# --- int8 from ORT's quantization tools -------------------------------------------------------------------
+
+
+def _fp32_source(tmp: str, mib: float, seed: int) -> str:
+    """The fp32 MLP of ~4 x ``mib`` (int8 is a quarter of it) at ``tmp``/fp32.onnx, external data."""
+    dim, layers = _dims(4 * mib, 32)
+    return str(_save(_mlp(dim, layers, seed), Path(tmp) / "fp32.onnx", external=True))
+
+
+def qdq_int8(path: Path, mib: float = 2.0, seed: int = 0, per_channel: bool = False) -> Path:
+    """quantize_static in QDQ format (uint8 activations, int8 weights) with a small calibration set."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self, model: str) -> None:
+            self.batches = iter([feeds(model, batch=1, seq=4, seed=s) for s in range(4)])
+
+        def get_next(self) -> dict[str, np.ndarray] | None:
+            return next(self.batches, None)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = _fp32_source(tmp, mib, seed)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{path}.data").unlink(missing_ok=True)  # the tool appends to an existing one
+        quantize_static(
+            src,
+            str(path),
+            Reader(src),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+            per_channel=per_channel,
+            use_external_data_format=True,
+        )
+    return Path(path)
+
+
+def qdq_per_channel(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """quantize_static QDQ with per-channel weight scales."""
+    return qdq_int8(path, mib, seed, per_channel=True)
+
+
+def dynamic_int8(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """quantize_dynamic: DynamicQuantizeLinear + MatMulInteger (ORT fuses to DynamicQuantizeMatMul), embedded."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = _fp32_source(tmp, mib, seed)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        quantize_dynamic(src, str(path), weight_type=QuantType.QInt8)
+    return Path(path)
+
+
+# --- transformer forms ------------------------------------------------------------------------------------
+
+
+def fp16_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """An unfused fp16 BERT-like encoder (as onnxconverter-common leaves one), weights embedded:
+    LayerNormalization, Q/K/V MatMuls, heads by Reshape/Transpose, MatMul(Q, Transpose(K)) / sqrt(d) (which
+    ORT fuses to FusedMatMul once the graph is fp32), Softmax, output projection, fp16 MLP."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    f16 = np.float16
+    dim, layers = _dims(mib, 2 * 12)
+    heads, hd = max(1, dim // 64), min(64, dim)
+    rng = np.random.default_rng(seed)
+    inits = [
+        nh.from_array(np.array([0, 0, heads, hd], np.int64), "heads_shape"),
+        nh.from_array(np.array([0, 0, dim], np.int64), "merge_shape"),
+        nh.from_array(np.array(hd**0.5, f16), "scale"),
+    ]
+    nodes: list[onnx.NodeProto] = []
+
+    def mm(x: str, name: str, k: int, n: int) -> str:
+        inits.append(nh.from_array(_arr(rng, (k, n), 0.5 * k**-0.5, f16), f"{name}.w"))
+        inits.append(nh.from_array(_arr(rng, (n,), 0.01, f16), f"{name}.b"))
+        nodes.append(h.make_node("MatMul", [x, f"{name}.w"], [f"{name}.mm"]))
+        nodes.append(h.make_node("Add", [f"{name}.mm", f"{name}.b"], [name]))
+        return name
+
+    def ln(x: str, name: str) -> str:
+        inits.append(nh.from_array(np.ones(dim, f16), f"{name}.g"))
+        inits.append(nh.from_array(np.zeros(dim, f16), f"{name}.beta"))
+        nodes.append(h.make_node("LayerNormalization", [x, f"{name}.g", f"{name}.beta"], [name], axis=-1))
+        return name
+
+    def op(kind: str, ins: list[str], out: str, **attrs: Any) -> str:
+        nodes.append(h.make_node(kind, ins, [out], **attrs))
+        return out
+
+    cur = "x"
+    for i in range(layers):
+        p = f"layer{i}"
+        a = ln(cur, f"{p}.ln1")
+        q, k, v = (
+            op(
+                "Transpose",
+                [op("Reshape", [mm(a, f"{p}.{t}", dim, dim), "heads_shape"], f"{p}.{t}.r")],
+                f"{p}.{t}.t",
+                perm=perm,
+            )
+            for t, perm in (("q", [0, 2, 1, 3]), ("k", [0, 2, 1, 3]), ("v", [0, 2, 1, 3]))
+        )
+        k = op("Transpose", [k], f"{p}.k.tt", perm=[0, 1, 3, 2])  # as PyTorch exports k.transpose(-1, -2)
+        scores = op("Div", [op("MatMul", [q, k], f"{p}.qk"), "scale"], f"{p}.scores")
+        ctx = op("MatMul", [op("Softmax", [scores], f"{p}.probs", axis=-1), v], f"{p}.ctx")
+        merged = op("Reshape", [op("Transpose", [ctx], f"{p}.ctx.t", perm=[0, 2, 1, 3]), "merge_shape"], f"{p}.ctx.m")
+        cur = op("Add", [cur, mm(merged, f"{p}.o", dim, dim)], f"{p}.attn")
+        up = op("Relu", [mm(ln(cur, f"{p}.ln2"), f"{p}.up", dim, 4 * dim)], f"{p}.act")
+        cur = op("Add", [cur, mm(up, f"{p}.down", 4 * dim, dim)], f"{p}.out")
+    nodes.append(h.make_node("Identity", [cur], ["y"]))
+    io = [_io("x", T.FLOAT16, ["batch", "seq", dim])], [_io("y", T.FLOAT16, ["batch", "seq", dim])]
+    return _save(_model(nodes, inits, *io), Path(path), external=False)
+
+
+def ms_attention(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """com.microsoft Attention (packed QKV weight [d, 3d] + bias, as ORT's transformers optimizer
+    writes it), output projection and residual per layer; fp32, external data."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    dim, layers = _dims(mib, 4 * 4)
+    rng = np.random.default_rng(seed)
+    nodes, inits, cur = [], [], "x"
+    for i in range(layers):
+        p = f"layer{i}"
+        inits += [
+            nh.from_array(_arr(rng, (dim, 3 * dim), dim**-0.5), f"{p}.qkv.w"),
+            nh.from_array(_arr(rng, (3 * dim,), 0.01), f"{p}.qkv.b"),
+            nh.from_array(_arr(rng, (dim, dim), 0.5 * dim**-0.5), f"{p}.o.w"),
+        ]
+        nodes += [
+            h.make_node(
+                "Attention",
+                [cur, f"{p}.qkv.w", f"{p}.qkv.b"],
+                [f"{p}.attn"],
+                domain="com.microsoft",
+                num_heads=max(1, dim // 64),
+            ),
+            h.make_node("MatMul", [f"{p}.attn", f"{p}.o.w"], [f"{p}.o"]),
+            h.make_node("Add", [cur, f"{p}.o"], [f"{p}.out"]),
+        ]
+        cur = f"{p}.out"
+    nodes.append(h.make_node("Identity", [cur], ["y"]))
+    io = [_io("x", T.FLOAT, ["batch", "seq", dim])], [_io("y", T.FLOAT, ["batch", "seq", dim])]
+    return _save(_model(nodes, inits, *io, ms_domain=True), Path(path), external=True)
+
+
+def merged_decoder(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """optimum's decoder_model_merged layout: ``If`` on the bool input ``use_cache_branch``, both
+    branches' MatMuls using the main graph's (outer-scope) initializers; external data. The branches
+    differ (the cache branch adds ``past`` to the input) so each is told apart by its output."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    dim, layers = _dims(mib, 32)
+
+    def branch(name: str, x: str) -> tuple[onnx.GraphProto, list[onnx.TensorProto]]:
+        nodes, inits = _mlp_nodes(dim, layers, seed, x=x)
+        nodes[-1] = h.make_node("Identity", [nodes[-1].input[0]], [f"{name}.y"])
+        return h.make_graph(nodes, name, [], [_io(f"{name}.y", T.FLOAT, None)]), inits
+
+    with_past, inits = branch("with_past", "x_past")
+    without, _ = branch("without_past", "x")
+    nodes = [
+        h.make_node("Add", ["x", "past"], ["x_past"]),
+        h.make_node("If", ["use_cache_branch"], ["y"], then_branch=with_past, else_branch=without),
+    ]
+    inputs = [
+        _io("x", T.FLOAT, ["batch", "seq", dim]),
+        _io("past", T.FLOAT, ["batch", "seq", dim]),
+        _io("use_cache_branch", T.BOOL, [1]),
+    ]
+    return _save(_model(nodes, inits, inputs, [_io("y", T.FLOAT, None)]), Path(path), external=True)
+
+
+def decoder_family(directory: str | os.PathLike[str], mib: float = 2.0, seed: int = 0) -> list[Path]:
+    """optimum's decoder export: decoder_model.onnx (no past), decoder_with_past_model.onnx and
+    decoder_model_merged.onnx (``merged_decoder``), the same weights in each (three data files)."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    d = Path(directory)
+    dim, layers = _dims(mib, 32)
+    first = _mlp(dim, layers, seed)
+    nodes, inits = _mlp_nodes(dim, layers, seed, x="x_past")
+    past_inputs = [_io("x", T.FLOAT, ["batch", "seq", dim]), _io("past", T.FLOAT, ["batch", "seq", dim])]
+    with_past = _model(
+        [h.make_node("Add", ["x", "past"], ["x_past"]), *nodes],
+        inits,
+        past_inputs,
+        [_io("y", T.FLOAT, ["batch", "seq", dim])],
+    )
+    return [
+        _save(first, d / "decoder_model.onnx", external=True),
+        _save(with_past, d / "decoder_with_past_model.onnx", external=True),
+        merged_decoder(d / "decoder_model_merged.onnx", mib, seed),
+    ]
+
+
+def conv_net(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """A small ResNet/Inception-like CNN (Conv+BN+Relu, Clip, branches; NCHWc at ORT_ENABLE_ALL), external data."""
+    from .prepack_samples import cnn_onnx
+
+    # 3x3 Conv weights dominate: two per residual block, c^2 * 9 * 4 bytes each.
+    channels = 32
+    for c in (32, 64, 128, 256, 512):
+        if 9 * 4 * c * c * 2 * 3 <= mib * MiB:
+            channels = c
+    blocks = max(3, round(mib * MiB / (9 * 4 * channels * channels * 2)))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return cnn_onnx(Path(path), channels=channels, blocks=blocks, spatial=8)
+
+
+FORMS: dict[str, Form] = {
+    "fp32": Form(fp32_mlp, "fp32 MatMul+Add MLP"),
+    "fp16": Form(fp16_transformer, "unfused fp16 BERT-like encoder, embedded"),
+    "matmulnbits4": Form(_nbits(4, 32, False, None), "MatMulNBits int4, block 32, zero points"),
+    "matmulnbits4_sym_b128_acc4": Form(_nbits(4, 128, True, 4), "MatMulNBits int4, block 128, symmetric, accuracy 4"),
+    "matmulnbits8": Form(_nbits(8, 32, False, None), "MatMulNBits int8, block 32, zero points"),
+    "matmulnbits8_sym_b64_acc4": Form(_nbits(8, 64, True, 4), "MatMulNBits int8, block 64, symmetric, accuracy 4"),
+    "matmulnbits4_gidx_bias": Form(matmulnbits_gidx_bias, "MatMulNBits int4 with zero points, g_idx and bias"),
+    "qdq": Form(qdq_int8, "quantize_static QDQ int8"),
+    "qdq_per_channel": Form(qdq_per_channel, "quantize_static QDQ, per-channel weights"),
+    "dynamic": Form(dynamic_int8, "quantize_dynamic int8 (DynamicQuantizeMatMul at ORT_ENABLE_ALL), embedded"),
+    "attention": Form(ms_attention, "com.microsoft Attention, packed QKV + bias"),
+    "merged_decoder": Form(merged_decoder, "If(use_cache_branch) with outer-scope weights"),
+    "conv": Form(conv_net, "ResNet/Inception-like CNN"),
+}
+
+
+def build(name: str, path: str | os.PathLike[str], mib: float = 2.0, seed: int = 0) -> Path:
+    """Write form ``name`` (a key of ``FORMS``) to ``path``."""
+    return FORMS[name].build(Path(path), mib, seed)
+
+
+def feeds(
+    model_path: str | os.PathLike[str],
+    batch: int = 1,
+    seq: int = 8,
+    seed: int = 1,
+    use_cache_branch: bool = True,
+) -> dict[str, np.ndarray]:
+    """Seeded inputs for any form: float/fp16 tensors with ``batch``/``seq`` for their named dims,
+    the bool ``use_cache_branch`` as given (so a test can run both branches of a merged decoder)."""
+    import numpy as np
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    rng = np.random.default_rng(seed)
+    named = {"batch": batch, "seq": seq, "N": batch}
+    out: dict[str, np.ndarray] = {}
+    for vi in model.graph.input:
+        tt = vi.type.tensor_type
+        shape = [named.get(d.dim_param, 1) if d.dim_param else d.dim_value for d in tt.shape.dim]
+        if tt.elem_type == onnx.TensorProto.BOOL:
+            out[vi.name] = np.full(shape, use_cache_branch, dtype=bool)
+        else:
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
+            out[vi.name] = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+    return out
