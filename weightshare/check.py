@@ -21,6 +21,7 @@ from .options import INLINE_THRESHOLD
 from .recorded import blob_metadata
 
 COPY_THRESHOLD = 1 << 20  # bytes per session a copy may cost before `check` fails on it (--threshold)
+MAX_RATIO = 1.10  # a measured growth counts when 4 sessions cost more than this times one session's PSS
 
 
 def _names(payloads: list[PayloadInfo], limit: int = 3) -> str:
@@ -60,6 +61,7 @@ class Gate:
     targets: tuple[str, ...] = ()
     threshold: int = COPY_THRESHOLD
     inline_threshold: int = INLINE_THRESHOLD
+    measure: bool = True  # ask the runtime what one more session costs (ONNX, with onnxruntime installed)
 
     def targeted(self, inv: ModelInventory) -> list[str]:
         named = [s for s in inv.settings if s in self.targets]
@@ -137,6 +139,33 @@ def _copies(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
         )
 
 
+def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
+    """One finding per setting under which one more session, measured, costs the threshold or more."""
+    for setting in inv.settings:
+        n = inv.measured.get(setting)
+        if n is None:
+            continue
+        one = inv.measured_one_session.get(setting, 0)
+        # sharing as a PSS benchmark sees it: 4 sessions within MAX_RATIO of one are shared, whatever the
+        # runtime's own per-session state (arena, a few MiB of kernel buffers on a 100 MiB model) costs
+        severity = gate.severity(inv, {setting: n}) if 3 * n > (MAX_RATIO - 1) * one else Severity.INFO
+        if severity is Severity.INFO:
+            continue
+        static = inv.copied_under(setting)
+        copying = sorted(
+            (p for p in inv.payloads if p.copies.get(setting, p.copied_per_session)),
+            key=lambda p: -p.copies.get(setting, p.copied_per_session),
+        )
+        add(
+            Code.MEASURED_COPY,
+            copying,
+            f"one more session under {setting} costs {_mib(n)} (measured: PSS from 1 to 3 sessions in a child "
+            f"process; the static rules account for {_mib(static)}"
+            + (f", largest: {_names(copying)})" if copying else ")"),
+            severity,
+        )
+
+
 def _expected_alignment(inv: ModelInventory, model_dir: Path) -> Callable[[PayloadInfo], int]:
     """The alignment each external payload was meant to have: the policy its blob records (``convert --align``),
     else weightshare's default."""
@@ -192,7 +221,13 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
         out.append(Finding.of(code, inv.model, message, payloads[0].name if payloads else "", severity))
 
     out += inv.findings
+    _measured(inv, add, gate)
+    static = len(out)
     _copies(inv, add, gate)
+    if inv.measured:  # the runtime's own figure decides; the rules only say where the bytes go
+        for f in out[static:]:
+            f.severity = Severity.INFO
+            f.message += " (static rule; the measured figure decides)"
     _layout(inv, add, gate, model_dir)
     by_problem: dict[str, list[PayloadInfo]] = {}
     for p in inv.payloads:
@@ -252,7 +287,7 @@ def check(
     inventories, findings = [], []
     for path in paths:
         try:
-            inv = inventory(path, hash_payloads=True)
+            inv = inventory(path, hash_payloads=True, measure=(gate or Gate()).measure)
         except WeightshareError as e:
             if not keep_going:
                 raise

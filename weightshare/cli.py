@@ -388,6 +388,9 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the inventory and findings as one JSON document."),
     no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
     limit: int = typer.Option(40, "--limit", help="Payload rows to show (largest first); 0 for all."),
+    no_measure: bool = typer.Option(
+        False, "--no-measure", help="Static per-session estimate only (do not ask onnxruntime in child processes)."
+    ),
 ) -> None:
     """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
 
@@ -400,7 +403,7 @@ def inspect(
     from .inventory import inventory
 
     with user_errors():
-        inv = inventory(model, hash_payloads=not no_hash)
+        inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
         findings = findings_for(inv)
     if as_json:
         print(json.dumps(inspect_document(inv, findings), indent=2))
@@ -448,7 +451,10 @@ def inspect(
         f"`convert` would move {moves} payloads and unpack "
         f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}."
     )
-    for note in inv.notes:
+    if inv.measured:
+        measured = "; ".join(f"{s}: {_mib(n)}" for s, n in inv.measured.items())
+        out.print(f"Measured, one more session costs: {measured} (onnxruntime, PSS from 1 to 3 sessions).")
+    for note in inv.notes + inv.measure_notes:
         out.print(f"note: {note}")
     for f in findings:
         out.print(f"{f.severity.value}: {f.code.value}: {f.message} (fix: {f.fix})")
@@ -480,6 +486,12 @@ def check(
     output_format: str = typer.Option(
         "text", "--format", help="text, json (same as --json) or github (workflow annotations)."
     ),
+    no_measure: bool = typer.Option(
+        False,
+        "--no-measure",
+        help="Use the static per-session estimate only (default for ONNX: ask onnxruntime, in child processes, "
+        "what one more session costs under each setting).",
+    ),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
@@ -502,7 +514,7 @@ def check(
             fail(f"--target {t!r} is not a setting id ({', '.join(SETTINGS)})")
     if threshold < 0:
         fail("--threshold must not be negative")
-    gate = Gate(tuple(target), threshold, inline_threshold)
+    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)
     with user_errors():
         paths = find_models(models)
         if not paths:
@@ -517,6 +529,10 @@ def check(
     else:
         for f in findings:  # an unreadable file is bad input: its line goes where every command's errors go
             print(f.line(), file=sys.stderr if f.code == "unreadable-model" else sys.stdout)
+        for inv in inventories:
+            for note in inv.measure_notes:  # how the figures were made: on stderr, silenced by -q
+                if VERBOSITY["level"] >= 0:
+                    err.print(f"note: {inv.model}: {note}", markup=False, highlight=False, soft_wrap=True)
         if code == 0:
             shown = f" ({len(findings)} warnings/info)" if findings else ""
             info(f"ok: {len(inventories)} model(s) share-ready{shown}")

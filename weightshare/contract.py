@@ -55,7 +55,8 @@ def _model_summary(inv: ModelInventory) -> JsonDict:
         "model": inv.model,
         "format": inv.format,
         "settings": list(inv.settings),
-        "copied_per_session_by_setting": {s: inv.copied_under(s) for s in inv.settings},
+        "copied_per_session_by_setting": {s: inv.per_session(s) for s in inv.settings},
+        "copies_source": inv.copies_source,
         "fallback_of": inv.fallback_of,
     }
 
@@ -87,7 +88,14 @@ def check_document(
 
 
 def _unreadable(model: str) -> JsonDict:
-    return {"model": model, "format": "", "settings": [], "copied_per_session_by_setting": {}, "fallback_of": ""}
+    return {
+        "model": model,
+        "format": "",
+        "settings": [],
+        "copied_per_session_by_setting": {},
+        "copies_source": "",
+        "fallback_of": "",
+    }
 
 
 def inspect_document(inv: ModelInventory, findings: Sequence[Finding]) -> JsonDict:

@@ -41,6 +41,7 @@ class Severity(_StrEnum):
 class Code(_StrEnum):
     EMBEDDED_WEIGHTS = "embedded-weights"
     UNPACKED_PER_SESSION = "unpacked-per-session"
+    MEASURED_COPY = "copied-per-session"
     ORT_NCHWC_COPY = "ort-nchwc-copy-per-session"
     ORT_PREPACK_COPY = "ort-prepack-copy-per-session"
     XNNPACK_PACK_COPY = "xnnpack-pack-copy-per-interpreter"
@@ -77,6 +78,14 @@ CODES: dict[Code, CodeInfo] = {
         "The runtime converts these weights in every session (ONNX Cast fp16->float constant "
         "folding, TFLite DEQUANTIZE or DENSIFY of a constant) into a private copy.",
         "weightshare convert MODEL -o OUT (stores the converted form in the blob)",
+    ),
+    Code.MEASURED_COPY: CodeInfo(
+        Severity.ERROR,
+        "Measured: one more session of this model costs this much private memory under the setting named (ONNX "
+        "Runtime asked in a child process: PSS growth from 1 to 3 sessions). Whatever the cause (pre-packing, "
+        "NCHWc, casts, a kernel inside a subgraph), each session pays it.",
+        "convert with --prepack (packed copies in the blob), or load with session.disable_prepacking=1; the "
+        "static findings listed with it say which weights",
     ),
     Code.ORT_NCHWC_COPY: CodeInfo(
         Severity.ERROR,

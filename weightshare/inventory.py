@@ -65,6 +65,19 @@ class ModelInventory:
     record_problems: list[str] = field(default_factory=list)
     # A --prepack output's portable model: the prepacked model it is the fallback of ("" for any other model).
     fallback_of: str = ""
+    # Setting -> bytes one more session costs, measured in the runtime (``inventory(measure=True)``, formats that
+    # can: ONNX); empty when not measured, and ``measure_notes`` says why.
+    measured: dict[str, int] = field(default_factory=dict)
+    measured_one_session: dict[str, int] = field(default_factory=dict)  # setting -> PSS with one session
+    measure_notes: list[str] = field(default_factory=list)
+
+    @property
+    def copies_source(self) -> str:
+        return "measured" if self.measured else "static"
+
+    def per_session(self, setting: str) -> int:
+        """Bytes one more session costs under ``setting``: measured when it was, else the static estimate."""
+        return self.measured.get(setting, self.copied_under(setting))
 
     def copied_under(self, setting: str) -> int:
         return sum(p.copies.get(setting, p.copied_per_session) for p in self.payloads)
@@ -92,7 +105,9 @@ class ModelInventory:
             embedded_bytes=self.embedded_bytes,
             external_bytes=self.external_bytes,
             duplicate_bytes=self.duplicate_bytes,
-            copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings},
+            copied_per_session_by_setting={s: self.per_session(s) for s in self.settings},
+            static_copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings},
+            copies_source=self.copies_source,
         )
         return d
 
@@ -124,14 +139,19 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
             first[key] = p.name
 
 
-def inventory(path: str | os.PathLike[str], hash_payloads: bool = True) -> ModelInventory:
-    """Inventory of the model at ``path`` (format detected from the file)."""
+def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False) -> ModelInventory:
+    """Inventory of the model at ``path`` (format detected from the file). ``measure``: also measure what one more
+    session costs per setting in the runtime itself, for formats that can (``measure_copies``)."""
 
     path = Path(path)
-    inv = detect(path).inventory(path, hash_payloads)
+    fmt = detect(path)
+    inv = fmt.inventory(path, hash_payloads)
     if hash_payloads:
         mark_duplicates(inv.payloads)
         _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
+    measure_copies = getattr(fmt, "measure_copies", None)
+    if measure and measure_copies is not None and not any(p.problem for p in inv.payloads):  # broken: not run
+        inv.measured, inv.measured_one_session, inv.measure_notes = measure_copies(path)
     return inv
 
 
