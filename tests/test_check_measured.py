@@ -49,6 +49,7 @@ def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form,
         assert per_session / 2 <= figure <= 2 * per_session, (form, prepack, figure, per_session)
 
 
+@pytest.mark.slow
 def test_without_measuring_check_falls_back_to_the_static_estimate_and_says_so(cli, tmp_path):
     src = build("fp32", tmp_path / "m.onnx", mib=1)
     res = cli("check", src, "--json", env={"WEIGHTSHARE_NO_MEASURE": "1"})
