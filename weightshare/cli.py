@@ -564,8 +564,8 @@ def _verify_args(
     dims: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
     for name, value in _pairs(dim, "--dim", "VALUE"):
-        if not value.isdigit() or int(value) < 1:
-            fail(f"--dim takes NAME=VALUE with a positive integer, got {name}={value!r}")
+        if not value.isdigit():  # 0 is a valid length: past_sequence_length=0 is a prefill step
+            fail(f"--dim takes NAME=VALUE with a non-negative integer, got {name}={value!r}")
         dims[name] = int(value)
     for name, value in _pairs(shape, "--shape", "D0,D1,..."):
         parts = [p.strip() for p in value.split(",")]

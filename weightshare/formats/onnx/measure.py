@@ -5,8 +5,9 @@ ORT_ENABLE_ALL, Attention and every kernel inside an ``If`` branch pre-pack thei
 transformers optimizer's fp16 graphs cast per session (issue 21 measured +44 to +344 MiB per session on forms
 the rules said cost nothing). ORT itself is the one authority on what it copies, so ``check`` and ``inspect``
 ask it: a fresh child process per setting opens sessions one by one, runs each once (seeded random inputs,
-when the signature allows) so that mapped weights are paged in as in serving, hands freed heap back to the
-OS (``malloc_trim``, as ``weightshare.ort.session`` does) and reads its PSS after each. The cost of one more
+when the signature allows) so that mapped weights are paged in as in serving, and reads its PSS after each.
+No ``malloc_trim``: what glibc keeps of the buffers ORT frees at load (NCHWc's replaced Conv weights, pre-pack
+validation copies) is what a plain ``InferenceSession`` costs, and what a PSS benchmark sees. The cost of one more
 session is the growth from the first to the last session, divided by the sessions added: form-agnostic,
 subgraphs included, and what a PSS benchmark would show.
 """
@@ -27,7 +28,6 @@ ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static es
 
 def probe(model_path: str, share: bool, sessions: int = SESSIONS) -> JsonDict:
     """In this (child) process: PSS after each of ``sessions`` sessions under the setting; or why ORT refused."""
-    from ...ort import malloc_trim
     from ...runtimes.memory import smaps_rollup
     from ...runtimes.ort import index_bounds, new_session, random_feeds
 
@@ -51,7 +51,6 @@ def probe(model_path: str, share: bool, sessions: int = SESSIONS) -> JsonDict:
             except Exception:  # noqa: BLE001
                 feeds, ran = None, False
         opened.append(s)
-        malloc_trim()
         pss.append(smaps_rollup()["Pss"])
     return {"pss": pss, "ran": ran}
 

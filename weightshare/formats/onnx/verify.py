@@ -9,6 +9,7 @@ payload that is not the original's, after the unpacking ``convert`` does, fails 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,10 @@ def verify_in_runtime(
         raise OriginalFails(
             f"the original model fails in onnxruntime: {first_line(e)} ({hint('onnx')})", original
         ) from None
-    symbolic = {str(d) for i in a.get_inputs() for d in i.shape if isinstance(d, str)}
+    # names inside expression dims (past_sequence_length + sequence_length) count as names too
+    symbolic = {
+        n for i in a.get_inputs() for d in i.shape if isinstance(d, str) for n in re.findall(r"[A-Za-z_]\w*", d)
+    }
     unknown = sorted(set(opts["dims"]) - symbolic - {"*"})
     if unknown:  # a typo would otherwise be ignored silently and the dim left at 1
         raise UsageError(
