@@ -159,7 +159,7 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
         add(
             Code.MEASURED_COPY,
             copying,
-            f"one more session under {setting} costs {_mib(n)} (measured: PSS from 1 to 3 sessions in a child "
+            f"one more session under {setting} costs {_mib(n)} (measured: PSS from 1 to 4 sessions in a child "
             f"process; the static rules account for {_mib(static)}"
             + (f", largest: {_names(copying)})" if copying else ")"),
             severity,

@@ -453,7 +453,7 @@ def inspect(
     )
     if inv.measured:
         measured = "; ".join(f"{s}: {_mib(n)}" for s, n in inv.measured.items())
-        out.print(f"Measured, one more session costs: {measured} (onnxruntime, PSS from 1 to 3 sessions).")
+        out.print(f"Measured, one more session costs: {measured} (onnxruntime, PSS from 1 to 4 sessions).")
     for note in inv.notes + inv.measure_notes:
         out.print(f"note: {note}")
     for f in findings:

@@ -82,7 +82,7 @@ CODES: dict[Code, CodeInfo] = {
     Code.MEASURED_COPY: CodeInfo(
         Severity.ERROR,
         "Measured: one more session of this model costs this much private memory under the setting named (ONNX "
-        "Runtime asked in a child process: PSS growth from 1 to 3 sessions). Whatever the cause (pre-packing, "
+        "Runtime asked in a child process: PSS growth from 1 to 4 sessions, over 3). Whatever the cause (pre-packing, "
         "NCHWc, casts, a kernel inside a subgraph), each session pays it.",
         "convert with --prepack (packed copies in the blob), or load with session.disable_prepacking=1; the "
         "static findings listed with it say which weights",
