@@ -201,7 +201,11 @@ def _reference_header(blob) -> bytes:
         kind, value = split_digest(stored.entry.digest)
         meta[t.st_name] = {kind: value, "aliases": stored.aliases}
         cursor = begin + stored.entry.nbytes
-    tensors["__metadata__"] = {"format": "weightshare", "weightshare.payloads": json.dumps(meta, separators=(",", ":"))}
+    tensors["__metadata__"] = {
+        "format": "weightshare",
+        "weightshare.payloads": json.dumps(meta, separators=(",", ":")),
+        **blob.metadata,  # the alignment policy (issue 21), and what a format adds
+    }
     return json.dumps(tensors, separators=(",", ":")).encode()
 
 

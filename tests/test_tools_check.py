@@ -54,7 +54,7 @@ def test_check_recurses_into_subfolders_and_treats_mlpackages_as_models(cli, tmp
     F.mlp(tree / "a" / "net.mlpackage", hidden=64)
     res = cli("check", tree, "--json")
     assert res.returncode in (0, 1), res.stderr
-    models = [Path(m).relative_to(tree).as_posix() for m in json.loads(res.stdout)["models"]]
+    models = [Path(m["model"]).relative_to(tree).as_posix() for m in json.loads(res.stdout)["models"]]
     assert models == ["top.onnx", "a/net.mlpackage", "a/b/deep.onnx"], models
     empty = tmp_path / "empty" / "sub"
     empty.mkdir(parents=True)
@@ -98,3 +98,81 @@ def test_check_output_one_line_per_finding_with_severity_and_fix(cli, tmp_path):
     assert res.returncode == 1 and len(lines) == 1
     assert lines[0].startswith(f"{model}: error: missing-external-file: ") and "(fix: " in lines[0]
     shutil.rmtree(tmp_path)
+
+
+def _documented_example() -> dict:
+    text = DOCS.read_text().split("<!-- check-json-example -->", 1)[1]
+    return json.loads(text.split("```json", 1)[1].split("```", 1)[0])
+
+
+def test_check_json_has_one_shape_and_a_schema_and_a_corrupt_file_is_one_finding(cli, tmp_path):
+    """`check good.onnx truncated.onnx`: both reported, exit 2; the document is docs/ci.md's example, and has the
+    same top-level keys as the document of one model."""
+    models = tmp_path / "models"
+    models.mkdir()
+    _external_model(models / "good.onnx", "good.bin")
+    data = (models / "good.onnx").read_bytes()
+    (models / "truncated.onnx").write_bytes(data[: len(data) // 2])
+    both = cli("check", "models/good.onnx", "models/truncated.onnx", "--json", "--no-measure", cwd=tmp_path)
+    assert both.returncode == 2, both.stderr
+    doc = json.loads(both.stdout)
+    assert doc == _documented_example()
+    assert [m["model"] for m in doc["models"]] == ["models/good.onnx", "models/truncated.onnx"]
+    one = cli("check", "models/good.onnx", "--json", cwd=tmp_path)
+    assert one.returncode == 0 and json.loads(one.stdout).keys() == doc.keys() and doc["schema"] == 1
+    text = cli("check", "models/truncated.onnx", "models/good.onnx", cwd=tmp_path)  # order does not matter
+    assert text.returncode == 2 and "unreadable-model" in text.stderr and not text.stdout.strip()
+
+
+def test_check_format_github_prints_workflow_annotations(cli, tmp_path):
+    model = _external_model(tmp_path / "m.onnx", "gone.bin", write_data=False)
+    res = cli("check", model, "--format", "github")
+    assert res.returncode == 1
+    (line,) = res.stdout.strip().splitlines()
+    assert line.startswith(f"::error file={model},title=weightshare missing-external-file::"), line
+
+
+def test_genai_like_original_with_small_duplicates_and_unaligned_tensors_passes_with_warnings(cli, tmp_path):
+    """Like an onnxruntime-genai export: big MatMul weights page aligned in one external file, six identical
+    4 KiB LayerNorm vectors stored six times at odd offsets. 20 KiB mapped twice is no reason to fail a gate."""
+    rng = np.random.default_rng(0)
+    data, tensors, nodes, x = bytearray(), [], [], "x"
+    gamma = rng.standard_normal(1024).astype(np.float32)
+
+    def external(name: str, arr: np.ndarray, align: int) -> None:
+        data.extend(bytes(-len(data) % align or (4 if align == 4 else 0)))  # align 4: 4 bytes off the 64
+        t = numpy_helper.from_array(arr, name)
+        t.ClearField("raw_data")
+        t.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", "model.onnx.data"), ("offset", str(len(data))), ("length", str(arr.nbytes))):
+            e = t.external_data.add()
+            e.key, e.value = k, v
+        data.extend(arr.tobytes())
+        tensors.append(t)
+
+    for i in range(6):
+        external(f"ln{i}.weight", gamma, 4)  # 4-byte aligned: below the 64 B weightshare asks for
+        nodes.append(helper.make_node("Mul", [x, f"ln{i}.weight"], [f"n{i}"]))
+        x = f"n{i}"
+    for i in range(2):
+        external(f"w{i}", rng.standard_normal((1024, 1024)).astype(np.float32), 64 << 10)
+        nodes.append(helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]))
+        x = f"m{i}"
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1024])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 1024])],
+        tensors,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "model.onnx"))
+    (tmp_path / "model.onnx.data").write_bytes(bytes(data))
+    res = cli("check", tmp_path / "model.onnx", "--json")
+    found = {f["code"]: f["severity"] for f in json.loads(res.stdout)["findings"]}
+    assert res.returncode == 0, res.stdout
+    assert found["duplicate-payloads"] == "warning" and found["unaligned"] == "warning", found
+    assert found["copied-per-session"] == "warning"  # 8 MiB per session measured, but only at ORT defaults
+    res = cli("check", tmp_path / "model.onnx", "--target", "ort-default")
+    assert res.returncode == 1 and "error: copied-per-session: one more session under ort-default" in res.stdout

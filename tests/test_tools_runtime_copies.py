@@ -34,11 +34,11 @@ def pss():
             return int(line.split()[1]) * 1024
 keep, out = [], {}
 for path in sys.argv[1:]:
-    for setting in ("ORT disable_prepacking", "ORT defaults"):
+    for setting in ("ort-disable-prepacking", "ort-default"):
         sizes = []
         for _ in range(3):
             so = ort.SessionOptions()
-            if setting == "ORT disable_prepacking":
+            if setting == "ort-disable-prepacking":
                 so.add_session_config_entry("session.disable_prepacking", "1")
             sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
             i = sess.get_inputs()[0]
@@ -58,8 +58,8 @@ def pss():
             return int(line.split()[1]) * 1024
 keep, out = [], {}
 path = sys.argv[1]
-for setting, resolver in (("LiteRT no delegate", OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES),
-                          ("LiteRT XNNPACK", OpResolverType.AUTO)):
+for setting, resolver in (("litert-builtin", OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES),
+                          ("litert-xnnpack", OpResolverType.AUTO)):
     sizes = []
     for _ in range(3):
         it = Interpreter(model_path=path, experimental_op_resolver_type=resolver)
@@ -83,7 +83,7 @@ sizes = []
 for _ in range(3):
     keep.append(compiled())
     sizes.append(pss())
-out["CompiledModel + weight cache"] = (sizes[2] - sizes[0]) / 2
+out["litert-compiled-cache"] = (sizes[2] - sizes[0]) / 2
 print(json.dumps(out))
 """
 
@@ -161,8 +161,8 @@ def test_onnx_copies_per_setting_match_measured_pss(tmp_path):
             assert _agrees(predicted, got, weights), (path.name, setting, predicted, got)
     conv, mm = (inventory(p) for p in paths)
     # the facts themselves, so a rule change cannot make both sides agree on nothing
-    assert conv.copied_under("ORT disable_prepacking") == 2 * conv.external_bytes  # NCHWc: copied either way
-    assert mm.copied_under("ORT disable_prepacking") == 0 and mm.copied_under("ORT defaults") == mm.external_bytes
+    assert conv.copied_under("ort-disable-prepacking") == 2 * conv.external_bytes  # NCHWc: copied either way
+    assert mm.copied_under("ort-disable-prepacking") == 0 and mm.copied_under("ort-default") == mm.external_bytes
     codes = {f.code.value: f for f in findings_for(conv)}
     assert codes["ort-nchwc-copy-per-session"].severity == "error"
     assert "ORT_ENABLE_EXTENDED" in codes["ort-nchwc-copy-per-session"].fix
@@ -184,9 +184,9 @@ def test_tflite_inline_weights_are_shared_without_delegate_and_packed_by_xnnpack
     inv = inventory(src)
     weights = 2048 * 1024 * 4
     assert [p.location for p in inv.payloads if p.nbytes == weights] == ["embedded"]
-    assert inv.copied_under("LiteRT no delegate") == 0 and inv.copied_under("LiteRT XNNPACK") == weights
-    assert inv.copied_under("CompiledModel + weight cache") == 0
-    for setting in ("LiteRT no delegate", "LiteRT XNNPACK", "CompiledModel + weight cache"):
+    assert inv.copied_under("litert-builtin") == 0 and inv.copied_under("litert-xnnpack") == weights
+    assert inv.copied_under("litert-compiled-cache") == 0
+    for setting in ("litert-builtin", "litert-xnnpack", "litert-compiled-cache"):
         assert _agrees(inv.copied_under(setting), measured[setting], weights), (setting, measured)
     codes = {f.code.value for f in findings_for(inv)}
     assert "embedded-weights" not in codes  # inline TFLite data is mapped, not copied (the old contradiction)
@@ -199,12 +199,12 @@ def test_prepacked_entries_mean_no_default_option_copy(tmp_path):
     matmul_model(tmp_path / "mm.onnx", dim=128, layers=1)
     convert(tmp_path / "mm.onnx", tmp_path / "out")
     path = tmp_path / "out" / "mm.onnx"
-    assert inventory(path).copied_under("ORT defaults") == 128 * 128 * 4
+    assert inventory(path).copied_under("ort-default") == 128 * 128 * 4
     model = onnx.load(str(path), load_external_data=False)
     entry = model.graph.initializer[0].external_data.add()
     entry.key, entry.value = "prepacked_0", "MatMul+0123|0;65536;0"
     onnx.save(model, str(path))
     inv = inventory(path)
-    assert inv.copied_under("ORT defaults") == 0 and "ort-prepack-copy-per-session" not in {
+    assert inv.copied_under("ort-default") == 0 and "ort-prepack-copy-per-session" not in {
         f.code.value for f in findings_for(inv)
     }

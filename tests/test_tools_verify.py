@@ -283,7 +283,7 @@ def test_integer_indices_stay_in_range_or_require_input(cli, tmp_path):
     unknown = _gather(tmp_path / "unknown.onnx", False)
     out = _convert(cli, unknown, tmp_path / "u")
     res = cli("verify", unknown, out, "--dim", "M=4")
-    assert res.returncode == 2 and "--input idx=FILE.npy" in res.stderr and len(res.stderr.splitlines()) == 1
+    assert res.returncode == 2 and "--input idx=idx.npy" in res.stderr and len(res.stderr.splitlines()) == 1
     np.save(tmp_path / "idx.npy", np.array([3, 0, 1, 2, 3, 3, 0, 1], np.int64))
     res = cli("verify", unknown, out, "--dim", "M=4", "--input", f"idx={tmp_path / 'idx.npy'}", "--runs", "1")
     assert res.returncode == 0, res.stdout + res.stderr

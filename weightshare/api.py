@@ -632,12 +632,23 @@ def inspect(model: str | os.PathLike[str], *, hash_payloads: bool = True) -> Mod
 
 
 def check(
-    models: Sequence[str | os.PathLike[str]], *, inline_threshold: int = INLINE_THRESHOLD, strict: bool = False
+    models: Sequence[str | os.PathLike[str]],
+    *,
+    target: Sequence[str] = (),
+    threshold: int = 1 << 20,
+    measure: bool = True,
+    inline_threshold: int = INLINE_THRESHOLD,
+    strict: bool = False,
 ) -> CheckReport:
     """The CI gate: whether every model is share-ready (``weightshare check``).
 
     Args:
         models: model files, folders (searched recursively) or globs.
+        target: runtime setting ids the models will be loaded with (``--target``: ``ort-default``,
+            ``ort-disable-prepacking``, ``litert-builtin``, ``litert-xnnpack``, ``litert-compiled-cache``,
+            ``coreml``); a format none is named for is held to its sharing setting.
+        threshold: bytes per session a copy may cost before it is an error (``--threshold``, default 1 MiB).
+        measure: ONNX: ask onnxruntime, in child processes, what one more session costs (``--no-measure``: False).
         inline_threshold: embedded payloads below this many bytes are fine.
         strict: warnings fail the gate too (copies that only a runtime's default setting makes).
 
@@ -652,14 +663,14 @@ def check(
         >>> result.ok, [f.line() for f in result.findings]
         (True, [])
     """
+    from .check import Gate, find_models
     from .check import check as run_check
-    from .check import find_models
     from .findings import Severity
 
     paths = find_models(models)
     if not paths:
         raise UsageError("no models found")
-    inventories, findings = run_check(paths, inline_threshold)
+    inventories, findings = run_check(paths, Gate(tuple(target), threshold, inline_threshold, measure=measure))
     ok = not any(strict or f.severity == Severity.ERROR for f in findings)
     return CheckReport(ok, inventories, findings)
 

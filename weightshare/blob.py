@@ -43,6 +43,7 @@ DIGEST = "blake3" if _blake3 is not None else "sha256"
 LARGE_ALIGN = 64 << 10  # Windows allocation granularity, 16 KiB Apple pages, 64 KiB ARM64 Linux pages
 SMALL_ALIGN = 64  # cache line; what every runtime's SIMD loads want
 ALIGN_THRESHOLD = 1 << 20
+ALIGN_KEY = "weightshare.align"  # in a safetensors blob's __metadata__: the AlignPolicy it was written with
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,21 @@ class AlignPolicy:
 
     def for_size(self, nbytes: int) -> int:
         return self.large if nbytes >= self.threshold else self.small
+
+    def render(self) -> str:
+        """The ``ALIGN_KEY`` metadata value: ``large=65536,small=64,threshold=1048576``."""
+        return f"large={self.large},small={self.small},threshold={self.threshold}"
+
+    @classmethod
+    def parse(cls, text: object) -> AlignPolicy | None:
+        """The policy ``render`` wrote, or None for anything else (a blob from elsewhere, a damaged entry)."""
+        if not isinstance(text, str):
+            return None
+        fields = dict(item.partition("=")[::2] for item in text.split(","))
+        try:
+            return cls(int(fields["large"]), int(fields["small"]), int(fields["threshold"]))
+        except (KeyError, ValueError, UsageError):
+            return None
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -566,6 +582,7 @@ class SafetensorsBlob:
         prefixes: Sequence[str] | None = None,
     ):
         self.metadata = dict(metadata or {})  # extra string entries for __metadata__ (e.g. the ORT version used)
+        self.metadata[ALIGN_KEY] = policy.render()  # `check` reads the alignment asked for instead of assuming it
         _unique_names(planned, prefixes)  # the header's names; the tensors' own names stay as the format made them
         for t in planned:
             t.st_dtype, t.st_shape = _safetensors_view(t)

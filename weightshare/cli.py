@@ -488,6 +488,9 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the inventory and findings as one JSON document."),
     no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
     limit: int = typer.Option(40, "--limit", help="Payload rows to show (largest first); 0 for all."),
+    no_measure: bool = typer.Option(
+        False, "--no-measure", help="Static per-session estimate only (do not ask onnxruntime in child processes)."
+    ),
 ) -> None:
     """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
 
@@ -496,13 +499,14 @@ def inspect(
     XNNPACK, and CompiledModel with a weight cache), followed by check's findings.
     """
     from .check import findings_for
+    from .contract import inspect_document
     from .inventory import inventory
 
     with user_errors():
-        inv = inventory(model, hash_payloads=not no_hash)
+        inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
         findings = findings_for(inv)
     if as_json:
-        print(json.dumps({**inv.to_dict(), "findings": [f.to_dict() for f in findings]}, indent=2))
+        print(json.dumps(inspect_document(inv, findings), indent=2))
         return
     rows = sorted(inv.payloads, key=lambda p: -p.nbytes)
     t = Table(title=f"{inv.model} ({inv.format}, {_mib(inv.file_bytes)})", title_justify="left")
@@ -547,7 +551,10 @@ def inspect(
         f"`convert` would move {moves} payloads and unpack "
         f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}."
     )
-    for note in inv.notes:
+    if inv.measured:
+        measured = "; ".join(f"{s}: {_mib(n)}" for s, n in inv.measured.items())
+        out.print(f"Measured, one more session costs: {measured} (onnxruntime, PSS from 1 to 4 sessions).")
+    for note in inv.notes + inv.measure_notes:
         out.print(f"note: {note}")
     for f in findings:
         out.print(f"{f.severity.value}: {f.code.value}: {f.message} (fix: {f.fix})")
@@ -563,44 +570,73 @@ def check(
     strict: bool = typer.Option(
         False,
         "--strict",
-        help="Fail on warnings too (copies that only a runtime's "
-        "default setting makes, 16-byte aligned inline TFLite buffers).",
+        help="Fail on warnings too (copies that only a setting not targeted makes, 16-byte aligned inline "
+        "TFLite buffers).",
+    ),
+    target: list[str] = typer.Option(
+        [],
+        "--target",
+        help="Runtime setting the models will be loaded with: ort-default, ort-disable-prepacking, "
+        "litert-builtin, litert-xnnpack, litert-compiled-cache, coreml. Repeatable; a format none is named "
+        "for is held to its sharing setting (ort-disable-prepacking, litert-builtin).",
+    ),
+    threshold: int = typer.Option(
+        1 << 20, "--threshold", help="Bytes per session a copy may cost before it is an error (default 1 MiB)."
+    ),
+    output_format: str = typer.Option(
+        "text", "--format", help="text, json (same as --json) or github (workflow annotations)."
+    ),
+    no_measure: bool = typer.Option(
+        False,
+        "--no-measure",
+        help="Use the static per-session estimate only (default for ONNX: ask onnxruntime, in child processes, "
+        "what one more session costs under each setting).",
     ),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
 
-    Errors fail the gate; warnings (a copy that a runtime setting avoids, named in the
-    fix) fail it only with --strict. docs/ci.md lists every finding code.
+    Errors (a copy above --threshold per session under a targeted setting, or a broken
+    model) fail the gate; warnings (a copy only another setting makes, named in the fix)
+    fail it only with --strict; info never. A file that cannot be read is one
+    unreadable-model finding, the rest are still checked, and the exit code is 2.
+    docs/ci.md lists every finding code and the JSON schema.
     """
+    from .check import Gate, find_models
     from .check import check as run_check
-    from .check import find_models
-    from .findings import Severity
+    from .contract import SETTINGS, check_document, exit_code, github_annotations
 
     quiet(quiet_)
+    if output_format not in ("text", "json", "github"):
+        fail(f"--format takes text, json or github, got {output_format!r}")
+    for t in target:
+        if t not in SETTINGS:
+            fail(f"--target {t!r} is not a setting id ({', '.join(SETTINGS)})")
+    if threshold < 0:
+        fail("--threshold must not be negative")
+    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)
     with user_errors():
         paths = find_models(models)
         if not paths:
             fail("no models found")
-        inventories, findings = run_check(paths, inline_threshold)
-    failing = [f for f in findings if strict or f.severity == Severity.ERROR]
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "ok": not failing,
-                    "models": [i.model for i in inventories],
-                    "findings": [f.to_dict() for f in findings],
-                },
-                indent=2,
-            )
-        )
+        inventories, findings = run_check(paths, gate, keep_going=True)
+    code = exit_code(findings, strict)
+    if as_json or output_format == "json":
+        print(json.dumps(check_document(inventories, findings, gate, strict), indent=2))
+    elif output_format == "github":
+        for line in github_annotations(findings):
+            print(line)
     else:
-        for f in findings:
-            print(f.line())
-        if not failing:
-            info(f"ok: {len(inventories)} model(s) share-ready" + (f" ({len(findings)} warnings)" if findings else ""))
-    raise typer.Exit(1 if failing else 0)
+        for f in findings:  # an unreadable file is bad input: its line goes where every command's errors go
+            print(f.line(), file=sys.stderr if f.code == "unreadable-model" else sys.stdout)
+        for inv in inventories:
+            for note in inv.measure_notes:  # how the figures were made: on stderr, silenced by -q
+                if VERBOSITY["level"] >= 0:
+                    err.print(f"note: {inv.model}: {note}", markup=False, highlight=False, soft_wrap=True)
+        if code == 0:
+            shown = f" ({len(findings)} warnings/info)" if findings else ""
+            info(f"ok: {len(inventories)} model(s) share-ready{shown}")
+    raise typer.Exit(code)
 
 
 def _silence_litert() -> None:
@@ -628,8 +664,8 @@ def _verify_args(
     dims: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
     for name, value in _pairs(dim, "--dim", "VALUE"):
-        if not value.isdigit() or int(value) < 1:
-            fail(f"--dim takes NAME=VALUE with a positive integer, got {name}={value!r}")
+        if not value.isdigit():  # 0 is a valid length: past_sequence_length=0 is a prefill step
+            fail(f"--dim takes NAME=VALUE with a non-negative integer, got {name}={value!r}")
         dims[name] = int(value)
     for name, value in _pairs(shape, "--shape", "D0,D1,..."):
         parts = [p.strip() for p in value.split(",")]
@@ -669,9 +705,10 @@ def verify(
     bytes (sequences, maps and optionals element by element). ONNX Runtime CPU at
     default options; LiteRT without delegate and with XNNPACK (every signature), or
     CompiledModel for ExternalBuffer models. Every blob payload is re-hashed against its
-    recorded SHA-256. Core ML (no runtime on Linux): weights must decode to the same
-    bytes and the programs must match op for op. Exit 1 on a difference, 2 when the
-    original itself does not run.
+    recorded checksum and the blob's name against its header; ONNX: every payload is compared byte
+    for byte with the original's, and a --prepack output's portable model is run too. Core ML (no
+    runtime on Linux): weights must decode to the same bytes and the programs must match op for op.
+    Exit 1 on a difference, 2 when the original itself does not run.
     """
     from .verify import verify as run_verify
 
@@ -689,7 +726,9 @@ def verify(
         if original.suffix == ".tflite" and reported:
             _silence_litert()
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        from .contract import verify_document
+
+        print(json.dumps(verify_document(report), indent=2))
     else:
         for line in report.checksum_mismatches + report.mismatches:
             print(f"FAIL: {line}")
@@ -699,7 +738,7 @@ def verify(
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
         info(
             f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
-            f"{report.payloads_hashed} blob payloads re-hashed"
+            f"{report.payloads_hashed} blob payloads re-hashed, {report.payloads_compared} compared with the original"
         )
     raise typer.Exit(0 if report.passed else 1)
 

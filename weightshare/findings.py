@@ -5,11 +5,13 @@ locates a payload, ``check`` when it reads the inventory); ``check`` and ``inspe
 only render them. ``CODES`` is the one table of meanings and fixes; docs/ci.md
 lists the same codes, and a test keeps the two in step.
 
-Severity: ``error`` -- weights are copied per session even with the settings that
-share them, or the model is broken: ``check`` exits 1. ``warning`` -- a copy that
-only a runtime's default setting makes (the fix names the setting that avoids
-it), or a layout that works but is not optimal: ``check`` exits 1 only with
-``--strict``.
+Severity, by effect (``check.Gate``): ``error`` -- a copy that costs more than the
+threshold (default 1 MiB) per session under a setting ``check`` targets, or a model
+that is broken or gives wrong outputs: ``check`` exits 1. ``warning`` -- such a copy
+under a setting not targeted (the fix names the setting that avoids it), or a layout
+that works but is not optimal: ``check`` exits 1 only with ``--strict``. ``info`` --
+a copy or layout issue below the threshold: never fails. ``CODES`` gives each code's
+severity at full effect.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ class Severity(_StrEnum):
 
     ERROR = "error"
     WARNING = "warning"
+    INFO = "info"
 
 
 class Code(_StrEnum):
     EMBEDDED_WEIGHTS = "embedded-weights"
     UNPACKED_PER_SESSION = "unpacked-per-session"
+    MEASURED_COPY = "copied-per-session"
     ORT_NCHWC_COPY = "ort-nchwc-copy-per-session"
     ORT_PREPACK_COPY = "ort-prepack-copy-per-session"
     XNNPACK_PACK_COPY = "xnnpack-pack-copy-per-interpreter"
@@ -51,6 +55,10 @@ class Code(_StrEnum):
     BAD_EXTERNAL_DATA = "bad-external-data"
     BLOB_NOT_WORLD_READABLE = "blob-not-world-readable"
     CHECKSUM_MISMATCH = "checksum-mismatch"
+    BLOB_DIGEST_MISMATCH = "blob-digest-mismatch"
+    BAD_PREPACKED_ENTRY = "bad-prepacked-entry"
+    BAD_PREPACK_RECORD = "bad-prepack-record"
+    UNREADABLE_MODEL = "unreadable-model"
     XNNPACK_CACHE_MISMATCH = "xnnpack-cache-mismatch"
 
 
@@ -73,6 +81,14 @@ CODES: dict[Code, CodeInfo] = {
         "The runtime converts these weights in every session (ONNX Cast fp16->float constant "
         "folding, TFLite DEQUANTIZE or DENSIFY of a constant) into a private copy.",
         "weightshare convert MODEL -o OUT (stores the converted form in the blob)",
+    ),
+    Code.MEASURED_COPY: CodeInfo(
+        Severity.ERROR,
+        "Measured: one more session of this model costs this much private memory under the setting named (ONNX "
+        "Runtime asked in a child process: PSS growth from 1 to 4 sessions, over 3). Whatever the cause (pre-packing, "
+        "NCHWc, casts, a kernel inside a subgraph), each session pays it.",
+        "convert with --prepack (packed copies in the blob), or load with session.disable_prepacking=1; the "
+        "static findings listed with it say which weights",
     ),
     Code.ORT_NCHWC_COPY: CodeInfo(
         Severity.ERROR,
@@ -101,12 +117,15 @@ CODES: dict[Code, CodeInfo] = {
     ),
     Code.UNALIGNED: CodeInfo(
         Severity.ERROR,
-        "External payloads sit at offsets that are not page aligned (64 KiB for >= 1 MiB, 64 B below).",
+        "External payloads sit at offsets below the alignment their blob records (convert --align), else "
+        "64 KiB for >= 1 MiB, 64 B below. A warning for ONNX (ONNX Runtime maps any offset); other formats: an "
+        "error from the threshold on.",
         "weightshare convert MODEL -o OUT (re-lays the blob)",
     ),
     Code.DUPLICATE_PAYLOADS: CodeInfo(
         Severity.ERROR,
-        "External payloads repeat bytes already stored elsewhere: the same weights are mapped twice.",
+        "External payloads repeat bytes already stored elsewhere: the same weights are mapped twice (an error "
+        "from the threshold on, a warning below).",
         "weightshare convert MODEL -o OUT (stores identical payloads once)",
     ),
     Code.BLOB_OUTSIDE_MODEL_DIR: CodeInfo(
@@ -137,6 +156,32 @@ CODES: dict[Code, CodeInfo] = {
         "blob: the blob was modified or corrupted.",
         "re-run weightshare convert from the original model; check the storage",
     ),
+    Code.BLOB_DIGEST_MISMATCH: CodeInfo(
+        Severity.ERROR,
+        "The <digest12> in the blob's name (NAME.<digest12>.safetensors) is not the digest of its header, "
+        "which lists every payload's checksum: the blob was rewritten after conversion (a payload overwritten "
+        "and its checksum re-recorded) or another blob was renamed to this name.",
+        "re-run weightshare convert from the original model",
+    ),
+    Code.BAD_PREPACKED_ENTRY: CodeInfo(
+        Severity.ERROR,
+        "A prepacked_N external-data entry of a --prepack model does not point at the packed copy the blob "
+        "records for its tensor: ONNX Runtime refuses the model at load (ValidatePrePackedWeights) or maps "
+        "another weight's packed bytes.",
+        "re-run weightshare convert MODEL -o OUT --prepack from the original model",
+    ),
+    Code.BAD_PREPACK_RECORD: CodeInfo(
+        Severity.ERROR,
+        "The weightshare.ort_prepack record in the blob's metadata is malformed or names a model outside the "
+        "model's directory: weightshare.ort.session refuses the model (no fallback).",
+        "re-run weightshare convert MODEL -o OUT --prepack from the original model",
+    ),
+    Code.UNREADABLE_MODEL: CodeInfo(
+        Severity.ERROR,
+        "The file cannot be read as a model (truncated, corrupt, not a model): nothing in it was checked. "
+        "The other models of the batch still are; `check` exits 2.",
+        "replace the file with an intact copy",
+    ),
     Code.XNNPACK_CACHE_MISMATCH: CodeInfo(
         Severity.ERROR,
         "An XNNPACK weight cache beside a TFLite model was built for other content (another "
@@ -159,9 +204,10 @@ class Finding:
     fix: str
 
     @classmethod
-    def of(cls, code: Code, file: str, message: str, tensor: str = "") -> Finding:
+    def of(cls, code: Code, file: str, message: str, tensor: str = "", severity: Severity | None = None) -> Finding:
+        """``severity``: where the rule that found it weighed its effect (``check.Gate``); else the code's."""
         info = CODES[code]
-        return cls(code, info.severity, file, tensor, message, info.fix)
+        return cls(code, severity or info.severity, file, tensor, message, info.fix)
 
     def line(self) -> str:
         return f"{self.file}: {self.severity.value}: {self.code.value}: {self.message} (fix: {self.fix})"

@@ -15,7 +15,7 @@ from ._platform import require_posix
 from .blob import digest_of, split_digest
 from .findings import Code, Finding
 from .formats import detect
-from .recorded import record_problem, recorded_records
+from .recorded import blob_name_problem, record_problem, recorded_records
 from .report import JsonDict
 from .tensors import CHUNK_SIZE, PayloadSource
 
@@ -36,6 +36,7 @@ class PayloadInfo:
     copies: dict[str, int] = field(default_factory=dict)  # runtime setting -> bytes copied per session
     copy_reason: str = ""  # why a setting copies it, e.g. "MLAS pre-packs MatMul B at default options"
     copy_code: str = ""  # findings.Code value of that copy, set by the rule that found it
+    copy_bytes: dict[str, int] = field(default_factory=dict)  # runtime setting -> bytes that copy alone costs
     sha256: str = ""
     recorded_sha256: str = ""  # from the blob's metadata, when it has one
     duplicate_of: str = ""
@@ -63,6 +64,21 @@ class ModelInventory:
     # when the inventory hashes payloads: how many, and one line per record that fails its recorded digest.
     records_hashed: int = 0
     record_problems: list[str] = field(default_factory=list)
+    # A --prepack output's portable model: the prepacked model it is the fallback of ("" for any other model).
+    fallback_of: str = ""
+    # Setting -> bytes one more session costs, measured in the runtime (``inventory(measure=True)``, formats that
+    # can: ONNX); empty when not measured, and ``measure_notes`` says why.
+    measured: dict[str, int] = field(default_factory=dict)
+    measured_one_session: dict[str, int] = field(default_factory=dict)  # setting -> PSS with one session
+    measure_notes: list[str] = field(default_factory=list)
+
+    @property
+    def copies_source(self) -> str:
+        return "measured" if self.measured else "static"
+
+    def per_session(self, setting: str) -> int:
+        """Bytes one more session costs under ``setting``: measured when it was, else the static estimate."""
+        return self.measured.get(setting, self.copied_under(setting))
 
     def copied_under(self, setting: str) -> int:
         return sum(p.copies.get(setting, p.copied_per_session) for p in self.payloads)
@@ -90,7 +106,9 @@ class ModelInventory:
             embedded_bytes=self.embedded_bytes,
             external_bytes=self.external_bytes,
             duplicate_bytes=self.duplicate_bytes,
-            copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings},
+            copied_per_session_by_setting={s: self.per_session(s) for s in self.settings},
+            static_copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings},
+            copies_source=self.copies_source,
         )
         return d
 
@@ -122,15 +140,20 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
             first[key] = p.name
 
 
-def inventory(path: str | os.PathLike[str], hash_payloads: bool = True) -> ModelInventory:
-    """Inventory of the model at ``path`` (format detected from the file)."""
+def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False) -> ModelInventory:
+    """Inventory of the model at ``path`` (format detected from the file). ``measure``: also measure what one more
+    session costs per setting in the runtime itself, for formats that can (``measure_copies``)."""
 
     require_posix("reading a model")
     path = Path(path)
-    inv = detect(path).inventory(path, hash_payloads)
+    fmt = detect(path)
+    inv = fmt.inventory(path, hash_payloads)
     if hash_payloads:
         mark_duplicates(inv.payloads)
         _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
+    measure_copies = getattr(fmt, "measure_copies", None)
+    if measure and measure_copies is not None and not any(p.problem for p in inv.payloads):  # broken: not run
+        inv.measured, inv.measured_one_session, inv.measure_notes = measure_copies(path)
     return inv
 
 
@@ -142,6 +165,10 @@ def _check_other_records(inv: ModelInventory, base: Path) -> None:
     bad: list[str] = []
     for name in inv.external_files:
         blob = base / name
+        renamed = blob_name_problem(str(blob))
+        if renamed:
+            inv.record_problems.append(f"blob {name}: {renamed}")
+            inv.findings.append(Finding.of(Code.BLOB_DIGEST_MISMATCH, inv.model, f"blob {name}: {renamed}"))
         for key, begin, length, digest in sorted(recorded_records(str(blob)), key=lambda r: r[1]):
             if (name, begin, length) in seen:
                 continue

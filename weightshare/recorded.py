@@ -7,10 +7,14 @@ payload sits, its bytes are hashed while they stream and compared at the end of 
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .blob import digest_of, new_hasher, read_safetensors_metadata, split_digest, tagged
+from .blob import METADATA_KEY, digest_of, new_hasher, read_safetensors_metadata, split_digest, tagged
 from .errors import InvalidModel, WeightshareError
 from .tensors import CHUNK_SIZE, FileRange, PayloadSource
 
@@ -41,6 +45,58 @@ def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
             continue
         out.append((key, data_start + offsets[0], offsets[1] - offsets[0], tagged(kind, digest.lower())))
     return out
+
+
+# ``pipeline.blob_target``: NAME.<digest12>.safetensors, the digest being the first 12 hex digits of the SHA-256
+# of the header text as written (without its length prefix and the spaces that pad it to the data section).
+_DIGEST_NAME = re.compile(r"\.([0-9a-f]{12})\.safetensors$")
+_HEADER_LIMIT = 100 << 20  # read_safetensors_metadata's bound on a header
+
+
+def blob_name_problem(path: str) -> str | None:
+    """Why the weightshare blob at ``path`` does not carry the name its header gives it, or None.
+
+    The digest in the name covers every payload's digest, dtype, shape and offset: a payload overwritten with
+    its checksum re-recorded, or another conversion's blob renamed to this name, changes the header, so the
+    name no longer matches. Files not named ``*.<digest12>.safetensors`` or not written by weightshare: None."""
+    named = _DIGEST_NAME.search(os.path.basename(path))
+    if named is None:
+        return None
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > min(size - 8, _HEADER_LIMIT):
+                return None  # not a safetensors file: the payload checks report what is wrong with it
+            text = f.read(n).rstrip(b" ")
+    except OSError:
+        return None
+    if b'"format":"weightshare"' not in text:
+        return None
+    actual = hashlib.sha256(text).hexdigest()[:12]
+    if actual != named.group(1):
+        return (
+            f"its name says header digest {named.group(1)} but its header hashes to {actual}: the blob was "
+            "modified after it was written, or another blob was renamed to this name"
+        )
+    return None
+
+
+def blob_metadata(path: str) -> dict[str, str]:
+    """The string entries of a safetensors file's ``__metadata__`` (the payload table excluded); {} for any
+    other file."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > min(size - 8, _HEADER_LIMIT):
+                return {}
+            meta = json.loads(f.read(n)).get("__metadata__")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return {}
+    if not isinstance(meta, dict):
+        return {}
+    return {k: v for k, v in meta.items() if isinstance(k, str) and isinstance(v, str) and k != METADATA_KEY}
 
 
 def record_problem(path: str, offset: int, length: int, digest: str, file_size: int) -> str | None:

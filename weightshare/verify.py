@@ -19,6 +19,7 @@ from .errors import InvalidModel, UsageError, WeightshareError
 from .formats import detect_format, get
 from .inventory import inventory
 from .report import JsonDict
+from .tensors import CHUNK_SIZE, PayloadSource
 
 
 class OriginalFails(WeightshareError):
@@ -36,6 +37,7 @@ class VerifyReport:
     outputs_compared: int = 0
     mismatches: list[str] = field(default_factory=list)
     payloads_hashed: int = 0
+    payloads_compared: int = 0  # converted payloads compared byte for byte with the original's (ONNX)
     checksum_mismatches: list[str] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)  # runtime paths that ran, e.g. "LiteRT Interpreter, XNNPACK"
     notes: list[str] = field(default_factory=list)
@@ -80,6 +82,29 @@ def compare_names(report: VerifyReport, what: str, a: list[str], b: list[str]) -
             report.mismatches.append(f"{what} {name!r} exists only in the converted model")
     if set(a) == set(b) and a != b:
         report.mismatches.append(f"{what}s are in another order: {a} vs {b}")
+
+
+def first_difference(a: PayloadSource, b: PayloadSource, chunk_size: int = CHUNK_SIZE) -> int | None:
+    """Offset of the first byte at which ``a`` and ``b`` differ (the shorter one's length if one is a prefix of the
+    other), None when they are equal. Streams both, one chunk of each in memory: flat for any payload size."""
+    import numpy as np
+
+    ia, ib = iter(a.chunks(chunk_size)), iter(b.chunks(chunk_size))
+    ca = cb = memoryview(b"")
+    pos = 0
+    while True:
+        # a chunk stays valid until its own source is advanced, so no copy is needed
+        if not len(ca):
+            ca = memoryview(next(ia, b"")).cast("B")
+        if not len(cb):
+            cb = memoryview(next(ib, b"")).cast("B")
+        if not len(ca) or not len(cb):
+            return None if not len(ca) and not len(cb) else pos
+        n = min(len(ca), len(cb))
+        if ca[:n] != cb[:n]:
+            at = np.flatnonzero(np.frombuffer(ca[:n], np.uint8) != np.frombuffer(cb[:n], np.uint8))
+            return pos + int(at[0])
+        ca, cb, pos = ca[n:], cb[n:], pos + n
 
 
 def _check_blob(report: VerifyReport, converted: Path) -> bool:

@@ -98,6 +98,35 @@ def index_bounds(model_path: str) -> dict[str, int | None]:
     return bounds
 
 
+def dim_value(d: object, dims: dict[str, int]) -> int:
+    """A dimension of an input's shape: a number as it is; a name from ``dims`` (else ``dims["*"]``, else 1); an
+    expression of names, such as exporters write (``past_sequence_length + sequence_length``), computed from them."""
+    if isinstance(d, int) and d >= 0:
+        return d
+    text = str(d)
+    if text in dims or not any(op in text for op in "+-*/"):
+        return dims.get(text, dims.get("*", 1))
+    import ast
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name):
+            return dims.get(node.id, dims.get("*", 1))
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Div)):
+            a, b = value(node.left), value(node.right)
+            ops = {ast.Add: a + b, ast.Sub: a - b, ast.Mult: a * b}
+            return ops.get(type(node.op), a // b if b else 0)
+        raise ValueError(text)
+
+    try:
+        return max(0, value(ast.parse(text, mode="eval")))
+    except (SyntaxError, ValueError, RecursionError):
+        return dims.get("*", 1)
+
+
 def random_feeds(
     session: ort.InferenceSession,
     seed: int = 0,
@@ -107,8 +136,9 @@ def random_feeds(
 ) -> dict[str, Any]:
     """Seeded random inputs from a session's input signature, except those ``given``.
 
-    Symbolic dims take ``dims[name]``, else ``dims["*"]``, else 1. Integer inputs
-    used as indices (``bounds``) stay inside the axis they index.
+    Symbolic dims take ``dims[name]``, else ``dims["*"]``, else 1; expressions of them are computed. Integer
+    inputs used as indices (``bounds``) stay inside the axis they index; integer masks are ones and position
+    ids count up, as a decoder expects. Inputs that cannot be generated are named all at once.
     """
     import numpy as np
 
@@ -117,30 +147,35 @@ def random_feeds(
     rng = np.random.default_rng(seed)
     dims, given, bounds = dims or {}, given or {}, bounds or {}
     feeds: dict[str, Any] = {}
+    missing: list[tuple[str, str]] = []
     for inp in session.get_inputs():
         if inp.name in given:
             feeds[inp.name] = given[inp.name]
             continue
-        shape = [d if isinstance(d, int) and d >= 0 else dims.get(str(d), dims.get("*", 1)) for d in inp.shape]
+        shape = [dim_value(d, dims) for d in inp.shape]
         dtype = _ORT_TYPES.get(inp.type)
+        name = inp.name.lower()
         if dtype is None:
-            raise UsageError(
-                f"input {inp.name!r} has type {inp.type}, which cannot be generated; "
-                f"give it with --input {inp.name}=FILE.npy"
-            )
-        if inp.name in bounds:
+            missing.append((inp.name, f"has type {inp.type}, which cannot be generated"))
+        elif inp.name in bounds:
             if bounds[inp.name] is None:
-                raise UsageError(
-                    f"input {inp.name!r} indexes a tensor of unknown size, so random values would "
-                    f"be out of range; give it with --input {inp.name}=FILE.npy"
-                )
+                missing.append((inp.name, "indexes a tensor of unknown size, so random values would be out of range"))
+                continue
             feeds[inp.name] = rng.integers(0, bounds[inp.name], shape).astype(dtype)
         elif dtype == "bool":
             feeds[inp.name] = rng.integers(0, 2, shape).astype(bool)
+        elif dtype.startswith(("int", "uint")) and "mask" in name:
+            feeds[inp.name] = np.ones(shape, dtype)  # attend to everything: every position is valid
+        elif dtype.startswith(("int", "uint")) and "position" in name and shape:
+            feeds[inp.name] = np.broadcast_to(np.arange(shape[-1]), shape).astype(dtype)
         elif dtype.startswith(("int", "uint")):
             feeds[inp.name] = rng.integers(0, 3, shape).astype(dtype)
         else:
             feeds[inp.name] = rng.standard_normal(shape).astype(dtype)
+    if missing:
+        why = "; ".join(f"{n!r} {reason}" for n, reason in missing)
+        example = " ".join(f"--input {n}={n}.npy" for n, _ in missing)
+        raise UsageError(f"inputs that need real values: {why}; give them with {example}")
     return feeds
 
 

@@ -209,7 +209,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.would_move = info.would_move or first != key  # the same bytes stored twice: convert keeps one
         inv.payloads.append(info)
     inv.external_files = sorted(files)
-    inv.settings = ["Core ML"]
+    inv.settings = ["coreml"]
     inv.notes.append(
         "Core ML memory-maps weight.bin: payloads are shared by every load and function, nothing is "
         "copied per session; per-function copies happen when coremltools' save_multifunction builds "

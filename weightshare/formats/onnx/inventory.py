@@ -25,10 +25,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...errors import UnsafePath, WeightshareError
-from ...findings import Code, problem_code
+from ...findings import Code, Finding, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
-from ...recorded import recorded_payloads
+from ...recorded import blob_metadata, recorded_payloads, recorded_records
 from ...tensors import FileRange
 from . import dtypes
 from ._proto import pb
@@ -36,13 +36,17 @@ from .convert import load_skeleton, plan
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
 from .ortcpu import inventory_notes
+from .prepack import METADATA_KEY as PREPACK_KEY
+from .prepack import PACKED_PREFIX
+from .prepack_record import parse_record
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 
 DTYPE_NAMES = {v: k for k, v in pb.TensorProto.DataType.items()}
 
-ORT_SHARE = "ORT disable_prepacking"  # the setting weightshare's sharing relies on
-ORT_DEFAULT = "ORT defaults"
+# stable setting ids (docs/ci.md)
+ORT_SHARE = "ort-disable-prepacking"  # session.disable_prepacking=1: the setting weightshare's sharing relies on
+ORT_DEFAULT = "ort-default"  # default session options (a --prepack model maps its packed copies here)
 NCHWC_BLOCK = 8  # the smallest NCHWc block (AVX2); AVX-512 machines use 16 and reorder fewer Convs
 
 
@@ -53,10 +57,12 @@ class _LenientScanner(Scanner):
         super().__init__(wf, model_dir)
         self.problems: dict[int, tuple[str, str, str]] = {}  # ref index -> (location, problem, code)
         self.prepacked: set[int] = set()  # refs whose external data carries ORT's pre-packed copy (--prepack)
+        self.packed_entries: dict[int, list[str]] = {}  # ref index -> its prepacked_N entry values
 
     def _external_range(self, name: str, info: dict[str, str], expected: int) -> FileRange:
         if any(key.startswith("prepacked") for key in info):
             self.prepacked.add(len(self.refs))
+            self.packed_entries[len(self.refs)] = [v for k, v in sorted(info.items()) if k.startswith("prepacked")]
         try:
             return super()._external_range(name, info, expected)
         except WeightshareError as e:
@@ -164,6 +170,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
                 site, uses_by_scope[key].get(site.name, []), ref.index in scanner.prepacked
             )
             info.copied_per_session += always
+            if info.copy_code:
+                info.copy_bytes = {ORT_SHARE: always, ORT_DEFAULT: always + default_only}
             info.copies = {ORT_SHARE: info.copied_per_session, ORT_DEFAULT: info.copied_per_session + default_only}
         info.would_move = p.external and (ref.field != 0 or p.fold)
         info.stays_inline_because = p.reason
@@ -177,4 +185,73 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.recorded_sha256 = sums[info.file].get((info.offset, info.nbytes), "")
     for info, source in to_hash:  # in the recorded digest's kind (BLAKE3 or SHA-256), so that the two compare
         info.sha256 = payload_digest(source, info.recorded_sha256)
+    inv.fallback_of, bad_records = _fallback_of(path, inv.external_files)
+    inv.findings += bad_records
+    by_index = {ref.index: info for ref, info in zip((p.ref for p in placements), inv.payloads)}
+    inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, path.resolve().parent)
     return inv
+
+
+def _fallback_of(path: Path, files: list[str]) -> tuple[str, list[Finding]]:
+    """The prepacked model whose blob names ``path`` as its portable model (``convert --prepack``), or "";
+    and a finding for each blob whose record ``weightshare.ort.session`` would refuse (the same validation,
+    ``prepack_record.parse_record``)."""
+    fallback, findings = "", []
+    for name in files:
+        raw = blob_metadata(str(path.resolve().parent / name)).get(PREPACK_KEY)
+        if raw is None:
+            continue
+        try:
+            record = parse_record(raw, name)
+        except WeightshareError as e:
+            findings.append(Finding.of(Code.BAD_PREPACK_RECORD, str(path), f"{name}: {e.message}"))
+            continue
+        if path.name in (record["portable_model"], *record["portable_models"].values()):
+            twins = {v: k for k, v in record["portable_models"].items()}
+            fallback = str(twins.get(path.name, record["prepacked_model"]))
+    return fallback, findings
+
+
+def packed_entry_findings(
+    inv: ModelInventory, entries: dict[int, list[str]], by_index: dict[int, PayloadInfo], base: Path
+) -> list[Finding]:
+    """``prepacked_N`` entries that do not point at the packed copy ``convert --prepack`` recorded for their tensor.
+
+    ``--prepack`` stores each packed buffer under ``ort.prepacked/<tensor>/<kernel key>/<i>`` with its digest;
+    an entry pointing elsewhere (another tensor's copy, a plain payload, past the end) maps bytes ORT refuses at
+    load ("ValidatePrePackedWeights ... do not match") or, worse, bytes of another weight. Blobs weightshare did
+    not write carry no such records: their entries are left to ORT."""
+    bad: list[str] = []
+    records: dict[str, dict[tuple[int, int], str]] = {}
+    for index, values in sorted(entries.items()):
+        info = by_index.get(index)
+        if info is None or info.problem or not info.file:
+            continue
+        if info.file not in records:
+            records[info.file] = {(o, n): k for k, o, n, _d in recorded_records(str(base / info.file))}
+        recs = records[info.file]
+        if not any(k.startswith(PACKED_PREFIX) for k in recs.values()):
+            continue
+        for value in values:
+            key, *parts = value.split("|")
+            for i, part in enumerate(parts):
+                fields = part.split(";")
+                where = (
+                    (int(fields[0]), int(fields[1]))
+                    if len(fields) >= 2 and all(f.isdigit() for f in fields[:2])
+                    else None
+                )
+                if where is None or recs.get(where) != f"{PACKED_PREFIX}{info.name}/{key}/{i}":
+                    bad.append(f"{info.name!r} ({value[:80]})")
+    if not bad:
+        return []
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    return [
+        Finding.of(
+            Code.BAD_PREPACKED_ENTRY,
+            inv.model,
+            f"pre-packed entry of tensor {bad[0]}{more} does not point at the packed copy recorded for it in the "
+            "blob: onnxruntime refuses it at load or maps another weight's bytes",
+            bad[0].split("'")[1] if "'" in bad[0] else "",
+        )
+    ]

@@ -1,18 +1,96 @@
-"""verify for ONNX: both models in onnxruntime (CPU, default session options), outputs compared byte for byte."""
+"""verify for ONNX: both models in onnxruntime (CPU, default session options), outputs compared byte for byte;
+every payload the converted model keeps in its blob compared byte for byte with the original's payload after the
+same unpacking; for a ``--prepack`` output the portable model too.
+
+Outputs alone are sampled evidence: three random inputs never read most rows of an embedding, so a blob payload
+overwritten (and its checksum re-recorded) would pass. The payload comparison does not depend on the inputs: a
+payload that is not the original's, after the unpacking ``convert`` does, fails by construction.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 from ...errors import UsageError
-from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line, hint
+from ...inventory import inventory
+from ...options import ConvertOptions, Unpack
+from ...tensors import FileRange, PayloadSource
+from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line, hint
+
+
+def _original_payloads(original: Path, converted_unpack: bool) -> dict[str, list[PayloadSource]]:
+    """Tensor name -> what ``convert`` stores for it, under every unpacking the converted model may have had
+    (default, ``--keep-packed``, and ``--unpack ort-cpu`` when the converted blob says it was used); nothing
+    stays inline, so that outputs of any ``--inline-threshold`` find their payloads."""
+    from .convert import prepare
+
+    variants = [ConvertOptions(inline_threshold=0), ConvertOptions(inline_threshold=0, keep_packed=True)]
+    if converted_unpack:
+        variants.append(ConvertOptions(inline_threshold=0, unpack=frozenset({Unpack.ORT_CPU.value})))
+    out: dict[str, list[PayloadSource]] = {}
+    for options in variants:
+        for p in prepare(original, original.parent, options).payloads:
+            out.setdefault(p.tensor.name, []).append(p.source)
+    return out
+
+
+def _unpacked_for_cpu(converted: Path, files: list[str]) -> bool:
+    from ...recorded import blob_metadata
+
+    return any(blob_metadata(str(converted.parent / f)).get("weightshare.unpack") == "ort-cpu" for f in files)
+
+
+def compare_payloads(report: VerifyReport, original: Path, converted: Path, prepacked: bool) -> None:
+    """Every external payload of ``converted`` against the original's payload of the same tensor, byte for byte."""
+    inv = inventory(converted, hash_payloads=False)
+    external = [p for p in inv.payloads if p.location == "external" and not p.problem and p.offset is not None]
+    if not external:
+        return
+    expected = _original_payloads(original, _unpacked_for_cpu(converted, inv.external_files))
+    foreign = []
+    for p in external:
+        candidates = [s for s in expected.get(p.name, []) if s.nbytes == p.nbytes]
+        if not candidates:
+            foreign.append(p.name)
+            continue
+        actual = FileRange(str(converted.parent / p.file), p.offset or 0, p.nbytes)
+        at = [first_difference(s, actual) for s in candidates]
+        report.payloads_compared += 1
+        if all(d is not None for d in at):
+            report.mismatches.append(
+                f"{converted.name}: tensor {p.name!r} in {p.file} at offset {p.offset} differs from the "
+                f"original's payload at byte {min(d for d in at if d is not None)}"
+            )
+    if foreign and prepacked:  # ORT's optimizer made them (NCHWc Conv weights, fusions): no original to compare
+        report.notes.append(
+            f"{converted.name}: {len(foreign)} payloads are onnxruntime's optimized initializers, checked by their "
+            "recorded checksums and the outputs only"
+        )
+    elif foreign:
+        report.mismatches.append(
+            f"{converted.name}: {len(foreign)} payloads have no payload of that name and size in the original: "
+            + ", ".join(repr(n) for n in foreign[:3])
+            + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        )
+
+
+def _portable_of(converted: Path) -> Path | None:
+    """The portable model of a ``--prepack`` output (which ``weightshare.ort.session`` falls back to), or None."""
+    from ...ort import prepack_info
+
+    found = prepack_info(converted)
+    if found is None:
+        return None
+    name = str(found[0].get("portable_model", ""))
+    return converted.parent / name if name and "/" not in name and "\\" not in name else None
 
 
 def verify_in_runtime(
     report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool
 ) -> None:
-    from ...runtimes.ort import index_bounds, new_session, random_feeds
+    from ...runtimes.ort import new_session
 
     try:
         a = new_session(str(original), share=False, log_level=4)
@@ -20,26 +98,51 @@ def verify_in_runtime(
         raise OriginalFails(
             f"the original model fails in onnxruntime: {first_line(e)} ({hint('onnx')})", original
         ) from None
-    report.paths.append("onnxruntime CPU, default session options")
-    if broken:
-        report.mismatches.append("the converted model was not run: its external data is broken (see above)")
-        return
-    try:
-        b = new_session(str(converted), share=False, log_level=4)
-    except Exception as e:  # noqa: BLE001
-        report.mismatches.append(f"the converted model fails to load in onnxruntime: {first_line(e)}")
-        return
-    symbolic = {str(d) for i in a.get_inputs() for d in i.shape if isinstance(d, str)}
+    # names inside expression dims (past_sequence_length + sequence_length) count as names too
+    symbolic = {
+        n for i in a.get_inputs() for d in i.shape if isinstance(d, str) for n in re.findall(r"[A-Za-z_]\w*", d)
+    }
     unknown = sorted(set(opts["dims"]) - symbolic - {"*"})
     if unknown:  # a typo would otherwise be ignored silently and the dim left at 1
         raise UsageError(
             f"--dim {unknown[0]}: no input of {original.name} has a dimension of that name "
             f"(symbolic dims: {', '.join(sorted(symbolic)) or 'none'}; '*' sets every dynamic one)"
         )
-    compare_names(report, "input", [i.name for i in a.get_inputs()], [i.name for i in b.get_inputs()])
+    if broken:
+        report.paths.append("onnxruntime CPU, default session options")
+        report.mismatches.append("the converted model was not run: its external data is broken (see above)")
+        return
+    portable = _portable_of(converted)
+    compare_payloads(report, original, converted, prepacked=portable is not None)
+    report.paths.append("onnxruntime CPU, default session options")
+    _run_both(report, a, original, converted, opts, share=False, prefix="")
+    if portable is None:
+        return
+    if not portable.is_file():
+        report.mismatches.append(f"the portable model {portable.name} of this --prepack output is missing")
+        return
+    compare_payloads(report, original, portable, prepacked=False)
+    # against the original under the same setting: MLAS computes packed and unpacked MatMuls in another order
+    a = new_session(str(original), share=True, log_level=4)
+    report.paths.append(f"{portable.name} and the original, session.disable_prepacking=1")
+    _run_both(report, a, original, portable, opts, share=True, prefix=f"{portable.name}: ")
+
+
+def _run_both(
+    report: VerifyReport, a: Any, original: Path, converted: Path, opts: dict[str, Any], share: bool, prefix: str
+) -> None:
+    from ...runtimes.ort import index_bounds, new_session, random_feeds
+
+    try:
+        b = new_session(str(converted), share=share, log_level=4)
+    except Exception as e:  # noqa: BLE001
+        report.mismatches.append(f"{prefix}the converted model fails to load in onnxruntime: {first_line(e)}")
+        return
+    before = len(report.mismatches)
+    compare_names(report, f"{prefix}input", [i.name for i in a.get_inputs()], [i.name for i in b.get_inputs()])
     names_a, names_b = [o.name for o in a.get_outputs()], [o.name for o in b.get_outputs()]
-    compare_names(report, "output", names_a, names_b)
-    if report.mismatches:
+    compare_names(report, f"{prefix}output", names_a, names_b)
+    if len(report.mismatches) > before:
         return
     bounds = index_bounds(str(original))
     for r in range(opts["runs"]):
@@ -53,7 +156,7 @@ def verify_in_runtime(
         try:
             outs_b = dict(zip(names_b, b.run(None, feeds)))
         except Exception as e:  # noqa: BLE001
-            report.mismatches.append(f"run {r}: the converted model fails in onnxruntime: {first_line(e)}")
+            report.mismatches.append(f"{prefix}run {r}: the converted model fails in onnxruntime: {first_line(e)}")
             return
-        compare_outputs(report, names_a, outs_a, outs_b, r)
+        compare_outputs(report, names_a, outs_a, outs_b, r, prefix)
         report.runs += 1

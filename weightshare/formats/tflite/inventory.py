@@ -61,7 +61,9 @@ _ITEMSIZE = {
 }
 
 
-NO_DELEGATE, XNNPACK, XNNPACK_CACHE = "LiteRT no delegate", "LiteRT XNNPACK", "CompiledModel + weight cache"
+# stable setting ids (docs/ci.md): the classic Interpreter without delegate, with the default XNNPACK delegate,
+# and CompiledModel with an XNNPACK weight cache file
+NO_DELEGATE, XNNPACK, XNNPACK_CACHE = "litert-builtin", "litert-xnnpack", "litert-compiled-cache"
 
 
 def _packing_inputs() -> dict[int, tuple[int, ...]]:
@@ -249,6 +251,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         if packed:
             info.copy_reason = "weights packed by XNNPACK per interpreter"
             info.copy_code = Code.XNNPACK_PACK_COPY.value
+            info.copy_bytes = {NO_DELEGATE: 0, XNNPACK: packed, XNNPACK_CACHE: 0}
         if hash_payloads:
             info.sha256 = payload_digest(ref.source(str(path)))
         inv.payloads.append(info)
