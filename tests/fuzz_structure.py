@@ -640,6 +640,8 @@ def tflite_reads_unset(m) -> bool:
             if any(int(i) >= 0 and int(i) not in ready for i in (op.inputs if op.inputs is not None else [])):
                 return True
             ready.update(int(o) for o in (op.outputs if op.outputs is not None else []))
+        if any(int(o) not in ready for o in (g.outputs if g.outputs is not None else [])):
+            return True  # a graph output nothing writes (e.g. its producer dropped): the arena's leftovers
     return False
 
 
