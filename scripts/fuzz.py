@@ -20,6 +20,9 @@ and prints the counts: converted / rejected / internal errors / output mismatche
 conversion, with seeds that exercise them (MatMul, Gemm, Conv; fp16 weights for ort-cpu). The structure mode then
 compares the prepacked model at default options and the portable one under session.disable_prepacking=1 (prepack),
 or the converted model under both (ort-cpu), each with the original under the same options.
+--convert prepack --format tflite fuzzes ``convert --prepack`` of TFLite models (XNNPACK weight cache, seeds with
+CONV_2D / FULLY_CONNECTED, fp32 and fp16+DEQUANTIZE); the structure mode compares the original under XNNPACK with
+the converted model opened by ``weightshare.litert.compiled_model``, which must use its cache.
 """
 
 from __future__ import annotations
@@ -53,6 +56,10 @@ def seeds(fmt: str, d: Path, convert: str = "plain") -> list:
             extra = {p.name: p.read_bytes() for p in d.iterdir() if p.suffix == ".data"}
             out.append((m.name, m.read_bytes(), extra))
         return out
+    if fmt == "tflite" and convert == "prepack":
+        from tflite_fixtures import sample_model
+
+        return [("m.tflite", sample_model(d / "m.tflite", fc_out=64).read_bytes(), {})]
     if fmt == "tflite":
         from tflite_fixtures import sample_model, sparse_model
 
@@ -76,8 +83,10 @@ def main() -> int:
         "--convert", choices=("plain", "prepack", "ort-cpu"), default="plain", help="ONNX: which conversion"
     )
     args = ap.parse_args()
-    if args.convert != "plain" and (args.format or ["onnx"]) != ["onnx"]:
-        raise SystemExit("--convert prepack / ort-cpu are ONNX modes: add --format onnx")
+    if args.convert == "ort-cpu" and (args.format or ["onnx"]) != ["onnx"]:
+        raise SystemExit("--convert ort-cpu is an ONNX mode: add --format onnx")
+    if args.convert == "prepack" and not set(args.format or ["onnx"]) <= {"onnx", "tflite"}:
+        raise SystemExit("--convert prepack: add --format onnx or --format tflite")
     if args.mode == "structure":
         return structure(args)
     formats = args.format or ["onnx", "tflite"]

@@ -98,9 +98,42 @@ def run_tflite(path: str) -> list:
     return out
 
 
+def run_compiled(path: str, helper: bool) -> list:
+    """Every signature under XNNPACK (LiteRT's CompiledModel, CPU); ``helper``: through
+    ``weightshare.litert.compiled_model``, which must have found and used the model's cache."""
+    from ai_edge_litert.compiled_model import CompiledModel
+
+    if helper:
+        from weightshare.litert import compiled_model
+
+        cm = compiled_model(path)
+        if cm.weightshare_cache is None:
+            raise ValueError("the helper did not use the --prepack cache")
+    else:
+        cm = CompiledModel.from_file(path)
+    rng = np.random.default_rng(7)
+    out = []
+    for key in sorted(cm.get_signature_list()):
+        idx = cm.get_signature_index(key)
+        sig = cm.get_signature_list()[key]
+        ins, outs = cm.create_input_buffers(idx), cm.create_output_buffers(idx)
+        details = cm.get_input_tensor_details(key)
+        for name, buf in zip(sig["inputs"], ins):
+            buf.write(_feed(details[name]["dtype"], list(details[name]["shape"]), rng))
+        cm.run_by_index(idx, ins, outs)
+        od = cm.get_output_tensor_details(key)
+        out += _outputs(
+            buf.read(int(np.prod(od[n]["shape"])), od[n]["dtype"]).reshape(od[n]["shape"])
+            for n, buf in zip(sig["outputs"], outs)
+        )
+    return out
+
+
 def run_model(fmt: str, path: str, config: dict[str, str] | None = None):
     """("ok", outputs) or ("fail", message): the runtime refused or failed the model."""
     try:
+        if fmt == "tflite-xnnpack":
+            return "ok", run_compiled(path, bool(config))
         return "ok", run_onnx(path, config) if fmt == "onnx" else run_tflite(path)
     except Exception as e:  # the runtime's verdict on a hostile model, whatever its type
         return "fail", f"{type(e).__name__}: {str(e)[:200]}"
@@ -543,6 +576,18 @@ def one_input(
         return
     ran = False
     for converted_name, config in _comparisons(fmt, name, mode):
+        if fmt == "tflite" and mode == "prepack":  # XNNPACK without a cache vs the helper with the cache
+            status, before = runner.run("tflite-xnnpack", src)
+            if status == "ok":
+                ran = True
+                if converted:
+                    status_after, after = runner.run("tflite-xnnpack", out / name, config={"helper": "1"})
+                    stats.compared += 1
+                    if status_after != "ok" or after != before:
+                        stats.mismatches += 1
+                        why = after if status_after != "ok" else _first_difference(before, after)
+                        raise Finding(f"{kind}: original ran under XNNPACK, converted+cache {status_after}: {why}")
+            continue
         status, before = runner.run(fmt, src, config=config)
         if status != "ok":
             continue
@@ -561,7 +606,7 @@ def one_input(
 OFF = {"session.disable_prepacking": "1"}
 MODES = {
     "plain": None,
-    "prepack": ConvertOptions(prepack=True),
+    "prepack": ConvertOptions(prepack=True),  # ONNX: ORT prepacking; TFLite: the XNNPACK weight cache
     "ort-cpu": ConvertOptions(unpack=frozenset({"ort-cpu"})),
 }
 
@@ -595,6 +640,8 @@ def tflite_reads_unset(m) -> bool:
             if any(int(i) >= 0 and int(i) not in ready for i in (op.inputs if op.inputs is not None else [])):
                 return True
             ready.update(int(o) for o in (op.outputs if op.outputs is not None else []))
+        if any(int(o) not in ready for o in (g.outputs if g.outputs is not None else [])):
+            return True  # a graph output nothing writes (e.g. its producer dropped): the arena's leftovers
     return False
 
 
@@ -643,6 +690,9 @@ def seeds(fmt: str, d: Path, mode: str = "plain") -> list[tuple[str, object, dic
         return out
     from tflite_fixtures import sample_model
 
+    d.mkdir(parents=True, exist_ok=True)
+    if mode == "prepack":  # CONV_2D / FULLY_CONNECTED, fp32 and fp16+DEQUANTIZE: what --prepack packs
+        return [(p.name, load_seed(fmt, p), {}) for p in (sample_model(d / "m.tflite", fc_out=64),)]
     return [
         (p.name, load_seed(fmt, p), {})
         for p in (sample_model(d / "m.tflite", fc_out=64), tflite_concat_seed(d / "c.tflite"))

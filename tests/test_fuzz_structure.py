@@ -61,3 +61,19 @@ def test_structure_mutations_of_the_onnx_runtime_modes(tmp_path, runner, mode):
             raise AssertionError(f"input {stats.inputs}: {e}") from None
     assert stats.internal_errors == stats.mismatches == 0
     assert stats.converted and stats.compared, stats
+
+
+def test_structure_mutations_of_tflite_prepack(tmp_path, runner):
+    """``convert --prepack`` of TFLite: the converted model with its XNNPACK cache (weightshare.litert) gives the
+    original's XNNPACK outputs (the long runs: scripts/fuzz.py --convert prepack --format tflite)."""
+    corpus = seeds("tflite", tmp_path / "seeds", "prepack")
+    rng = random.Random(20261202)
+    stats = StructStats()
+    for _ in range(6):
+        name, model, extra = rng.choice(corpus)
+        try:
+            one_input("tflite", model, name, rng, tmp_path / "w", extra, runner, stats, "prepack")
+        except Finding as e:
+            raise AssertionError(f"input {stats.inputs}: {e}") from None
+    assert stats.internal_errors == stats.mismatches == 0
+    assert stats.converted and stats.compared, stats
