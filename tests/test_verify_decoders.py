@@ -78,3 +78,52 @@ def test_every_missing_input_is_named_at_once(cli, tmp_path):
     onnx.save(model, str(tmp_path / "m.onnx"))
     res = cli("verify", tmp_path / "m.onnx", tmp_path / "m.onnx")
     assert res.returncode == 2 and "--input a=a.npy --input b=b.npy" in res.stderr, res.stderr
+
+
+def test_merged_decoder_verifies_with_no_options(cli, tmp_path):
+    from weightshare.formats.onnx import model_forms
+
+    src = model_forms.merged_decoder(tmp_path / "decoder_model_merged.onnx", mib=0.1)
+    assert cli("convert", src, "-o", tmp_path / "out", "-q").returncode == 0
+    res = cli("verify", src, tmp_path / "out" / src.name)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_decoder_without_past_verifies_with_no_options(cli, tmp_path):
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("Gather", ["E", "input_ids"], ["e"]),
+        helper.make_node("Cast", ["attention_mask"], ["m"], to=T.FLOAT),
+        helper.make_node("Unsqueeze", ["m", "ax"], ["m3"]),
+        helper.make_node("Mul", ["e", "m3"], ["em"]),
+        helper.make_node("MatMul", ["em", "W"], ["logits"]),
+        helper.make_node("Reshape", ["em", "kv_shape"], ["k4"]),
+        helper.make_node("Transpose", ["k4"], ["present.0.key"], perm=[0, 2, 1, 3]),
+        helper.make_node("Identity", ["present.0.key"], ["present.0.value"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "decoder",
+        [
+            helper.make_tensor_value_info("input_ids", T.INT64, ["batch_size", "sequence_length"]),
+            helper.make_tensor_value_info("attention_mask", T.INT64, ["batch_size", "sequence_length"]),
+        ],
+        [
+            helper.make_tensor_value_info("logits", T.FLOAT, ["batch_size", "sequence_length", 50]),
+            helper.make_tensor_value_info("present.0.key", T.FLOAT, ["batch_size", 2, "sequence_length", 8]),
+            helper.make_tensor_value_info("present.0.value", T.FLOAT, ["batch_size", 2, "sequence_length", 8]),
+        ],
+        [
+            numpy_helper.from_array(rng.standard_normal((50, 16)).astype(np.float32), "E"),
+            numpy_helper.from_array(rng.standard_normal((16, 50)).astype(np.float32), "W"),
+            numpy_helper.from_array(np.array([0, 0, 2, 8], np.int64), "kv_shape"),
+            numpy_helper.from_array(np.array([2], np.int64), "ax"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    src = tmp_path / "decoder_model.onnx"
+    onnx.save(model, str(src))
+    assert cli("convert", src, "-o", tmp_path / "out", "-q").returncode == 0
+    res = cli("verify", src, tmp_path / "out" / src.name)
+    assert res.returncode == 0, res.stdout + res.stderr
