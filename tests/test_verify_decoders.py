@@ -78,3 +78,117 @@ def test_every_missing_input_is_named_at_once(cli, tmp_path):
     onnx.save(model, str(tmp_path / "m.onnx"))
     res = cli("verify", tmp_path / "m.onnx", tmp_path / "m.onnx")
     assert res.returncode == 2 and "--input a=a.npy --input b=b.npy" in res.stderr, res.stderr
+
+
+def test_merged_decoder_verifies_with_no_options(cli, tmp_path):
+    from weightshare.formats.onnx import model_forms
+
+    src = model_forms.merged_decoder(tmp_path / "decoder_model_merged.onnx", mib=0.1)
+    assert cli("convert", src, "-o", tmp_path / "out", "-q").returncode == 0
+    res = cli("verify", src, tmp_path / "out" / src.name)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_decoder_without_past_verifies_with_no_options(cli, tmp_path):
+    rng = np.random.default_rng(1)
+    nodes = [
+        helper.make_node("Gather", ["E", "input_ids"], ["e"]),
+        helper.make_node("Cast", ["attention_mask"], ["m"], to=T.FLOAT),
+        helper.make_node("Unsqueeze", ["m", "ax"], ["m3"]),
+        helper.make_node("Mul", ["e", "m3"], ["em"]),
+        helper.make_node("MatMul", ["em", "W"], ["logits"]),
+        helper.make_node("Reshape", ["em", "kv_shape"], ["k4"]),
+        helper.make_node("Transpose", ["k4"], ["present.0.key"], perm=[0, 2, 1, 3]),
+        helper.make_node("Identity", ["present.0.key"], ["present.0.value"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "decoder",
+        [
+            helper.make_tensor_value_info("input_ids", T.INT64, ["batch_size", "sequence_length"]),
+            helper.make_tensor_value_info("attention_mask", T.INT64, ["batch_size", "sequence_length"]),
+        ],
+        [
+            helper.make_tensor_value_info("logits", T.FLOAT, ["batch_size", "sequence_length", 50]),
+            helper.make_tensor_value_info("present.0.key", T.FLOAT, ["batch_size", 2, "sequence_length", 8]),
+            helper.make_tensor_value_info("present.0.value", T.FLOAT, ["batch_size", 2, "sequence_length", 8]),
+        ],
+        [
+            numpy_helper.from_array(rng.standard_normal((50, 16)).astype(np.float32), "E"),
+            numpy_helper.from_array(rng.standard_normal((16, 50)).astype(np.float32), "W"),
+            numpy_helper.from_array(np.array([0, 0, 2, 8], np.int64), "kv_shape"),
+            numpy_helper.from_array(np.array([2], np.int64), "ax"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    src = tmp_path / "decoder_model.onnx"
+    onnx.save(model, str(src))
+    assert cli("convert", src, "-o", tmp_path / "out", "-q").returncode == 0
+    res = cli("verify", src, tmp_path / "out" / src.name)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_gqa_decoder_verifies_with_no_options(cli, tmp_path):
+    """onnxruntime-genai's layout: seqlens_k / total_sequence_length derived in-graph from attention_mask
+    (ReduceSum - 1, Shape[1]); past_key_values.0.key [batch, kv_num_heads, past_sequence_length, head_size]."""
+    rng = np.random.default_rng(0)
+    H, KV, D = 4, 2, 8
+    nodes = [
+        helper.make_node("Gather", ["E", "input_ids"], ["x"]),
+        helper.make_node("MatMul", ["x", "Wq"], ["q"]),
+        helper.make_node("MatMul", ["x", "Wk"], ["k"]),
+        helper.make_node("MatMul", ["x", "Wv"], ["v"]),
+        helper.make_node("ReduceSum", ["attention_mask", "one"], ["s"], keepdims=0),
+        helper.make_node("Sub", ["s", "one"], ["s1"]),
+        helper.make_node("Cast", ["s1"], ["seqlens_k"], to=T.INT32),
+        helper.make_node("Shape", ["attention_mask"], ["ms"]),
+        helper.make_node("Gather", ["ms", "one"], ["tl"], axis=0),
+        helper.make_node("Cast", ["tl"], ["total_sequence_length"], to=T.INT32),
+        helper.make_node(
+            "GroupQueryAttention",
+            ["q", "k", "v", "past_key_values.0.key", "past_key_values.0.value", "seqlens_k", "total_sequence_length"],
+            ["o", "present.0.key", "present.0.value"],
+            domain="com.microsoft",
+            num_heads=H,
+            kv_num_heads=KV,
+        ),
+        helper.make_node("MatMul", ["o", "Wo"], ["logits"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "gqa",
+        [
+            helper.make_tensor_value_info("input_ids", T.INT64, ["batch_size", "sequence_length"]),
+            helper.make_tensor_value_info("attention_mask", T.INT64, ["batch_size", "total_sequence_length"]),
+            helper.make_tensor_value_info(
+                "past_key_values.0.key", T.FLOAT, ["batch_size", KV, "past_sequence_length", D]
+            ),
+            helper.make_tensor_value_info(
+                "past_key_values.0.value", T.FLOAT, ["batch_size", KV, "past_sequence_length", D]
+            ),
+        ],
+        [
+            helper.make_tensor_value_info("logits", T.FLOAT, ["batch_size", "sequence_length", 50]),
+            helper.make_tensor_value_info("present.0.key", T.FLOAT, ["batch_size", KV, "total_sequence_length", D]),
+            helper.make_tensor_value_info("present.0.value", T.FLOAT, ["batch_size", KV, "total_sequence_length", D]),
+        ],
+        [
+            numpy_helper.from_array(a, n)
+            for n, a in [
+                ("E", rng.standard_normal((50, 32)).astype(np.float32)),
+                ("Wq", rng.standard_normal((32, H * D)).astype(np.float32)),
+                ("Wk", rng.standard_normal((32, KV * D)).astype(np.float32)),
+                ("Wv", rng.standard_normal((32, KV * D)).astype(np.float32)),
+                ("Wo", rng.standard_normal((H * D, 50)).astype(np.float32)),
+                ("one", np.array([1], np.int64)),
+            ]
+        ],
+    )
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 8
+    src = tmp_path / "model.onnx"
+    onnx.save(m, str(src))
+    assert cli("convert", src, "-o", tmp_path / "out", "-q").returncode == 0
+    res = cli("verify", src, tmp_path / "out" / src.name)
+    assert res.returncode == 0, res.stdout + res.stderr
