@@ -17,14 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
-import shutil
 import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from ...atomic import TMP_PREFIX
 from ...errors import OutputError
 
 RECORD_SUFFIX = ".json"
@@ -136,35 +131,3 @@ class HeldFd:
 
     def __del__(self) -> None:
         self.close()
-
-
-@contextmanager
-def locked_staging(out_dir: Path, suffix: str) -> Iterator[Path]:
-    """A private temporary directory in ``out_dir``, flock-ed for as long as it exists.
-
-    Named like every other temporary (``TMP_PREFIX``, a random part, no PID), so a concurrent run's
-    stale-temporary cleanup skips it while its lock is held and may remove it only once this run is gone.
-    """
-    for _attempt in range(10):
-        path = out_dir / f"{TMP_PREFIX}{secrets.token_hex(8)}{suffix}"
-        try:
-            os.mkdir(path, 0o700)
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise OutputError(f"cannot create a staging directory: {e.strerror}", out_dir) from None
-        try:
-            import fcntl  # POSIX only; imported here so that the package still imports on Windows
-
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            if os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino:
-                continue  # another run's cleanup removed it between mkdir and flock: take a new name
-            try:
-                yield path
-            finally:
-                shutil.rmtree(path, ignore_errors=True)
-            return
-        finally:
-            os.close(fd)
-    raise OutputError("cannot create a staging directory (removed again and again)", out_dir)

@@ -33,7 +33,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...atomic import CommitHook, OutputTransaction
+from ...atomic import CommitHook, OutputTransaction, locked_stage
 from ...blob import Hasher
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
 from ...findings import Code, Finding
@@ -291,7 +291,7 @@ def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction, gra
     """
     out_dir = final_model.parent
     try:
-        with cache_record.locked_staging(out_dir, "-prepack") as stage:
+        with locked_stage(out_dir, "prepack") as stage:
             model = stage / final_model.name
             _link(_staged(tx, final_model), model)
             if blob_name is not None:
