@@ -684,6 +684,7 @@ def verify(
     shapes: dict[str, list[int]] | None = None,
     inputs: dict[str, Any] | None = None,
     seed: int = 0,
+    decode_steps: int = 0,
 ) -> VerifyReport:
     """Run both models in the real runtime on the same inputs; pass only if every output is byte-identical.
 
@@ -698,6 +699,8 @@ def verify(
         shapes: TFLite: the full shape of an input with dynamic dims, by input name.
         inputs: real values (numpy arrays) for inputs, by name, used in every run.
         seed: seed of the random inputs of the first run.
+        decode_steps: ONNX decoders: after the runs, a prefill step then this many steps feeding each
+            ``present*`` output back as its ``past*`` input (next token: the argmax of the logits).
 
     Returns:
         A ``VerifyReport``; ``passed`` is the verdict, ``mismatches`` and ``checksum_mismatches`` say why not.
@@ -712,4 +715,4 @@ def verify(
     """
     from .verify import verify as run_verify
 
-    return run_verify(original, converted, runs, dims, seed, inputs, shapes)
+    return run_verify(original, converted, runs, dims, seed, inputs, shapes, decode_steps)

@@ -696,6 +696,11 @@ def verify(
         help="Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable.",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
+    decode_steps: int = typer.Option(
+        0,
+        "--decode-steps",
+        help="ONNX decoders: a prefill step, then N steps feeding each present* output back as its past* input.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
 ) -> None:
@@ -717,7 +722,7 @@ def verify(
     try:
         with user_errors():
             dims, shapes, given = _verify_args(dim, shape, inputs)
-            report = run_verify(original, converted, runs, dims, seed, given, shapes)
+            report = run_verify(original, converted, runs, dims, seed, given, shapes, decode_steps)
         reported = True
     except typer.Exit:
         reported = True
@@ -736,8 +741,9 @@ def verify(
             info(f"note: {note}")
         verdict = "ok" if report.passed else "FAILED"
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
+        steps = f", prefill + {report.decode_steps} decode steps" if decode_steps else ""
         info(
-            f"{verdict}: {report.runs} runs{ran}, {report.outputs_compared} outputs compared, "
+            f"{verdict}: {report.runs} runs{steps}{ran}, {report.outputs_compared} outputs compared, "
             f"{report.payloads_hashed} blob payloads re-hashed, {report.payloads_compared} compared with the original"
         )
     raise typer.Exit(0 if report.passed else 1)

@@ -34,6 +34,7 @@ class VerifyReport:
     converted: str
     format: str
     runs: int = 0
+    decode_steps: int = 0  # steps fed back from the previous step's present outputs, after a prefill (ONNX)
     outputs_compared: int = 0
     mismatches: list[str] = field(default_factory=list)
     payloads_hashed: int = 0
@@ -135,12 +136,14 @@ def verify(
     seed: int = 0,
     inputs: dict[str, Any] | None = None,
     shapes: dict[str, list[int]] | None = None,
+    decode_steps: int = 0,
 ) -> VerifyReport:
     """Run ``original`` and ``converted`` on the same inputs and compare; re-hash the blob.
 
     ``inputs``: name -> value used in every run instead of random values; ``dims``:
     symbolic dim name (or ``"*"`` for every other dynamic dim) -> value; ``shapes``
-    (TFLite): input name -> full shape for inputs with dynamic dims.
+    (TFLite): input name -> full shape for inputs with dynamic dims; ``decode_steps`` (ONNX decoders): after the
+    runs, a prefill step and this many steps feeding each present output back as its past input.
     """
     original, converted = Path(original), Path(converted)
     fmt = detect_format(original)
@@ -148,6 +151,8 @@ def verify(
         raise UsageError(f"{original} and {converted} are not the same format")
     if runs < 1:
         raise UsageError("--runs must be at least 1")
+    if decode_steps < 0 or (decode_steps and fmt != "onnx"):
+        raise UsageError("--decode-steps takes a non-negative number of steps, for ONNX models")
     report = VerifyReport(str(original), str(converted), fmt)
     opts: dict[str, Any] = {
         "runs": runs,
@@ -155,6 +160,7 @@ def verify(
         "seed": seed,
         "inputs": inputs or {},
         "shapes": shapes or {},
+        "decode_steps": decode_steps,
     }
     try:
         broken = _check_blob(report, converted)

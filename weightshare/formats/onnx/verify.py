@@ -131,7 +131,8 @@ def verify_in_runtime(
 def _run_both(
     report: VerifyReport, a: Any, original: Path, converted: Path, opts: dict[str, Any], share: bool, prefix: str
 ) -> None:
-    from ...runtimes.ort import index_bounds, new_session, random_feeds
+    from ...runtimes.ort import new_session
+    from .decode import derived_dims, make_feeds, read_facts
 
     try:
         b = new_session(str(converted), share=share, log_level=4)
@@ -144,19 +145,98 @@ def _run_both(
     compare_names(report, f"{prefix}output", names_a, names_b)
     if len(report.mismatches) > before:
         return
-    bounds = index_bounds(str(original))
+    facts = read_facts(original)
+    dims, missing = derived_dims(a.get_inputs(), facts, opts["dims"])
     for r in range(opts["runs"]):
-        feeds = random_feeds(a, opts["seed"] + r, opts["dims"], opts["inputs"], bounds)
-        try:
-            outs_a = dict(zip(names_a, a.run(None, feeds)))
-        except Exception as e:  # noqa: BLE001
-            raise OriginalFails(
-                f"the original model fails in onnxruntime: {first_line(e)} ({hint('onnx')})", original
-            ) from None
+        # use_cache_branch (merged decoders) alternates: run 0 takes the prefill branch, run 1 the cache branch
+        feeds = make_feeds(a.get_inputs(), facts, dims, opts["inputs"], opts["seed"] + r, r % 2 == 1, missing)
+        outs_a = _run_original(a, feeds, original)
         try:
             outs_b = dict(zip(names_b, b.run(None, feeds)))
         except Exception as e:  # noqa: BLE001
             report.mismatches.append(f"{prefix}run {r}: the converted model fails in onnxruntime: {first_line(e)}")
             return
-        compare_outputs(report, names_a, outs_a, outs_b, r, prefix)
+        compare_outputs(report, names_a, dict(zip(names_a, outs_a)), outs_b, r, prefix)
         report.runs += 1
+    if opts.get("decode_steps", 0) and len(report.mismatches) == before:
+        _decode(report, a, b, original, opts, prefix, facts, dims, missing)
+
+
+def _run_original(a: Any, feeds: dict[str, Any], original: Path) -> list[Any]:
+    try:
+        return list(a.run(None, feeds))
+    except Exception as e:  # noqa: BLE001
+        raise OriginalFails(
+            f"the original model fails in onnxruntime: {first_line(e)} ({hint('onnx')})", original
+        ) from None
+
+
+def _decode(
+    report: VerifyReport,
+    a: Any,
+    b: Any,
+    original: Path,
+    opts: dict[str, Any],
+    prefix: str,
+    facts: Any,
+    dims: dict[str, int],
+    missing: list[tuple[str, str]],
+) -> None:
+    """A prefill step, then ``decode_steps`` steps feeding each present output back as its past input; both
+    models get the original's feeds at every step and every step's outputs are compared byte for byte."""
+    import numpy as np
+
+    from ...compare import differences
+    from .decode import make_feeds, next_tokens, plan, step_dims
+
+    inputs = a.get_inputs()
+    names_a, names_b = [o.name for o in a.get_outputs()], [o.name for o in b.get_outputs()]
+    p = plan(inputs, names_a)
+    if not p.feeds_back and p.ids is None:
+        raise UsageError(
+            f"--decode-steps: {original.name} has no present* output feeding a past* input and no input_ids "
+            "to grow, so there is nothing to decode (verify it without --decode-steps)"
+        )
+    given = opts["inputs"]
+    seq = next((opts["dims"][d] for d in p.seq_dims if d in opts["dims"]), 4)
+    past = next((opts["dims"][d] for d in p.past_dims if d in opts["dims"]), 0)
+    rng = np.random.default_rng(opts["seed"])
+    feeds = make_feeds(inputs, facts, step_dims(p, dims, past, seq), given, opts["seed"], False, missing, past)
+    grown = ("attention_mask", "position", "seqlens_k", "total_sequence_length", "use_cache")
+    steps = opts["decode_steps"]
+    for step in range(steps + 1):
+        label = f"{prefix}decode step {step}" + (" (prefill)" if step == 0 else "")
+        outs_a = dict(zip(names_a, _run_original(a, feeds, original)))
+        try:
+            outs_b = dict(zip(names_b, b.run(None, feeds)))
+        except Exception as e:  # noqa: BLE001
+            report.mismatches.append(f"{label}: the converted model fails in onnxruntime: {first_line(e)}")
+            return
+        before = len(report.mismatches)
+        for name in names_a:
+            if name in outs_b:
+                report.outputs_compared += 1
+                report.mismatches += [f"{label}: {line}" for line in differences(outs_a[name], outs_b[name], name)]
+        if len(report.mismatches) > before:
+            return  # the next steps would be fed from outputs that already differ
+        if step:
+            report.decode_steps += 1
+        if step == steps:
+            return
+        ids = feeds.get(p.ids) if p.ids else None
+        token = next_tokens(p, outs_a, ids, facts, rng) if ids is not None and p.ids not in given else None
+        if p.feeds_back:  # a KV cache: one new token on top of the past
+            past, seq = past + seq, 1
+        else:  # no cache: the whole sequence again, one token longer
+            seq += 1
+        fresh = make_feeds(inputs, facts, step_dims(p, dims, past, seq), given, opts["seed"] + step + 1, True)
+        for inp in inputs:
+            name, old = inp.name, feeds[inp.name]
+            if name in p.feeds_back:
+                feeds[name] = outs_a[p.feeds_back[name]]
+            elif name == p.ids and token is not None:
+                feeds[name] = token if p.feeds_back else np.concatenate([old, token], axis=-1)
+            elif any(g in name.lower() for g in grown) and "encoder" not in name.lower():
+                feeds[name] = fresh[name]
+            elif getattr(old, "shape", None) != getattr(fresh[name], "shape", None):
+                feeds[name] = fresh[name]

@@ -1,0 +1,434 @@
+"""Inputs for ONNX decoders, read from the model, and ``verify --decode-steps N``.
+
+What a decoder needs is read from the model itself, then from the configs exporters write beside it:
+
+- head counts and head size from the attention ops' attributes (``GroupQueryAttention`` num_heads / kv_num_heads,
+  ``MultiHeadAttention`` / ``Attention`` num_heads) and the width of the projection feeding their query (a weight's
+  shape), else ``genai_config.json`` (model.decoder.num_attention_heads, num_key_value_heads, head_size,
+  hidden_size) or optimum's / transformers' ``config.json`` (num_attention_heads / n_head / num_heads,
+  num_key_value_heads, head_dim / d_kv, hidden_size / n_embd / d_model);
+- the hidden size of an input such as ``encoder_hidden_states`` from the weight of the MatMul that consumes it;
+- the exclusive bound of every index input: token ids below the embedding's rows (Gather, EmbedLayerNormalization,
+  else the logits' width), segment ids below the segment embedding's rows, position ids below the rotary cache's.
+
+A decode loop runs a prefill step (self-attention past length 0, ``use_cache_branch`` false) and then feeds every
+``present*`` output back as the matching ``past*`` input, one token at a time, the next token being the argmax of
+the logits; attention masks, position ids, ``seqlens_k`` and ``total_sequence_length`` grow with it. Both models
+get the same inputs at every step (made from the original's outputs), so each step's outputs are compared alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import onnx
+
+_ONNX_TYPES = {
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
+    "tensor(bool)": "bool",
+    "tensor(int16)": "int16",
+    "tensor(uint16)": "uint16",
+    "tensor(uint32)": "uint32",
+    "tensor(uint64)": "uint64",
+}
+
+# op type -> [(position of an index input, position of the tensor it indexes, axis)]
+_INDEXING: dict[str, list[tuple[int, int, int]]] = {
+    "Gather": [(1, 0, -1)],  # -1: the node's own axis attribute
+    "GatherElements": [(1, 0, -1)],
+    "EmbedLayerNormalization": [(0, 2, 0), (1, 4, 0), (8, 3, 0)],  # input_ids, segment_ids, position_ids
+    "RotaryEmbedding": [(1, 2, 0)],  # position_ids index cos_cache's rows
+}
+_ATTENTION = {"GroupQueryAttention", "MultiHeadAttention", "Attention", "DecoderMaskedMultiHeadAttention"}
+# ops whose output has the last dim of their first input (what a projection's width passes through)
+_SAME_WIDTH = {"Add", "Mul", "RotaryEmbedding", "Cast", "Identity", "Relu", "Gelu", "FastGelu", "Sub", "Div"}
+_CONFIG_KEYS = {  # fact -> keys in genai_config.json's model.decoder, then in config.json
+    "heads": (("num_attention_heads",), ("num_attention_heads", "n_head", "num_heads", "encoder_attention_heads")),
+    "kv_heads": (("num_key_value_heads",), ("num_key_value_heads", "n_head_kv")),
+    "head_size": (("head_size",), ("head_dim", "d_kv", "kv_channels")),
+    "hidden": (("hidden_size",), ("hidden_size", "n_embd", "d_model")),
+}
+
+
+@dataclass
+class ModelFacts:
+    """What the graph (and the configs beside it) say about a decoder's inputs; None where nothing says."""
+
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_size: int | None = None
+    hidden: int | None = None
+    vocab: int | None = None
+    bounds: dict[str, int | None] = field(default_factory=dict)  # index input -> exclusive bound
+    hidden_of: dict[str, int] = field(default_factory=dict)  # input -> last dim, from the weight consuming it
+    sources: list[str] = field(default_factory=list)
+
+
+def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
+    out = [graph]
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("g"):
+                out += _graphs(a.g)
+            for g in a.graphs:
+                out += _graphs(g)
+    return out
+
+
+def _attr(node: onnx.NodeProto, name: str) -> int | None:
+    return next((int(a.i) for a in node.attribute if a.name == name), None)
+
+
+def _config(path: Path) -> dict[str, Any]:
+    """A small JSON config beside the model, or {} (absent, unreadable, oversized or not an object)."""
+    try:
+        if not path.is_file() or path.stat().st_size > 4 << 20:
+            return {}
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _positive(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def read_facts(path: Path) -> ModelFacts:
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    except Exception:  # noqa: BLE001 -- inference is a hint: without it, weights' shapes are traced
+        inferred = model.graph
+    graphs = _graphs(inferred)
+    shapes: dict[str, list[int | None]] = {}
+    producer: dict[str, onnx.NodeProto] = {}
+    consumers: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+    for g in graphs:
+        for t in g.initializer:
+            shapes[t.name] = list(t.dims)
+        for vi in list(g.input) + list(g.value_info) + list(g.output):
+            if vi.name not in shapes and vi.type.HasField("tensor_type"):
+                shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+        for node in g.node:
+            for o in node.output:
+                producer[o] = node
+            for i, name in enumerate(node.input):
+                consumers.setdefault(name, []).append((node, i))
+    initializers = {t.name for g in graphs for t in g.initializer}
+    inputs = {i.name for i in model.graph.input} - initializers
+    facts = ModelFacts()
+
+    def width(name: str, depth: int = 0) -> int | None:
+        """The last dim of ``name``: inferred, else the width of the projection that made it."""
+        shape = shapes.get(name)
+        if shape and shape[-1]:
+            return shape[-1]
+        node = producer.get(name)
+        if node is None or depth > 8:
+            return None
+        if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in initializers:
+            w = shapes[node.input[1]]
+            return (w[0] if node.op_type == "Gemm" and _attr(node, "transB") else w[-1]) if w else None
+        if node.op_type == "MatMulNBits":
+            return _attr(node, "N")
+        if node.op_type in _SAME_WIDTH or node.op_type.endswith("LayerNormalization"):
+            return width(node.input[0], depth + 1) if node.input else None
+        return None
+
+    for g in graphs:
+        for node in g.node:
+            if node.domain not in ("", "ai.onnx", "com.microsoft") or node.op_type not in _ATTENTION:
+                continue
+            heads = _attr(node, "num_heads")
+            if not heads:
+                continue
+            kv = _attr(node, "kv_num_heads") if node.op_type == "GroupQueryAttention" else heads
+            facts.heads = facts.heads or heads
+            facts.kv_heads = facts.kv_heads or kv
+            size = None
+            if node.op_type == "Attention" and len(node.input) > 1 and shapes.get(node.input[1]):
+                w = shapes[node.input[1]]
+                size = w[-1] // 3 // heads if w and w[-1] else None  # packed QKV weight [hidden, 3 * hidden]
+            elif node.input:
+                q = width(node.input[0])
+                packed = len(node.input) < 2 or not node.input[1]  # query holds Q, K and V
+                parts = heads + 2 * (kv or heads) if packed else heads
+                size = q // parts if q and q % parts == 0 else None
+            facts.head_size = facts.head_size or size
+            if size:
+                facts.sources.append(f"{node.op_type} {node.name or node.output[0]!r} attributes")
+    for name in inputs:
+        for node, i in consumers.get(name, []):
+            if node.op_type == "MatMul" and i == 0 and node.input[1] in initializers:
+                w = shapes[node.input[1]]
+                if w and len(w) == 2 and w[0]:
+                    facts.hidden_of[name] = w[0]
+            for index, data, axis in _INDEXING.get(node.op_type, []):
+                if i != index or len(node.input) <= data or not node.input[data]:
+                    continue
+                table = shapes.get(node.input[data])
+                ax = (_attr(node, "axis") or 0) if axis < 0 else axis
+                size = table[ax] if table and -len(table) <= ax < len(table) else None
+                old = facts.bounds.get(name, size)
+                facts.bounds[name] = None if old is None or size is None else min(old, size)
+    from ...runtimes.ort import index_bounds
+
+    for name, size in index_bounds(str(path)).items():  # GatherND, Scatter*: the main graph's direct uses
+        old = facts.bounds.get(name, size)
+        facts.bounds[name] = None if old is None or size is None else min(old, size)
+    for name, bound in facts.bounds.items():
+        if "input_ids" in name.lower() and bound:
+            facts.vocab = bound
+    if facts.vocab is None:
+        for o in model.graph.output:
+            shape = shapes.get(o.name)
+            if "logits" in o.name.lower() and shape and shape[-1]:
+                facts.vocab = shape[-1]
+    _facts_from_configs(facts, path.parent)
+    if facts.kv_heads is None:
+        facts.kv_heads = facts.heads
+    if facts.head_size is None and facts.heads and facts.hidden and facts.hidden % facts.heads == 0:
+        facts.head_size = facts.hidden // facts.heads
+    return facts
+
+
+def _facts_from_configs(facts: ModelFacts, directory: Path) -> None:
+    genai = _config(directory / "genai_config.json")
+    model = genai.get("model") if isinstance(genai.get("model"), dict) else {}
+    decoder = model.get("decoder") if isinstance(model.get("decoder"), dict) else {}
+    config = _config(directory / "config.json")
+    for fact, (genai_keys, config_keys) in _CONFIG_KEYS.items():
+        if getattr(facts, fact) is not None:
+            continue
+        for source, data, keys in (("genai_config.json", decoder, genai_keys), ("config.json", config, config_keys)):
+            value = next((_positive(data.get(k)) for k in keys if _positive(data.get(k))), None)
+            if value is not None:
+                setattr(facts, fact, value)
+                facts.sources.append(f"{source} ({fact})")
+                break
+    if facts.vocab is None:
+        facts.vocab = _positive(model.get("vocab_size")) or _positive(config.get("vocab_size"))
+
+
+def past_key(name: str, prefixes: tuple[str, ...]) -> str | None:
+    """``past_key_values.0.key`` / ``present.0.key`` -> ``0.key``: what ties a present output to its past input."""
+    low = name.lower()
+    for p in prefixes:
+        if low.startswith(p):
+            return low[len(p) :].lstrip("._") or None
+    return None
+
+
+def pairs(input_names: list[str], output_names: list[str]) -> dict[str, str]:
+    """past input -> the present output that feeds it on the next step."""
+    presents = {past_key(o, ("present_key_values", "present")): o for o in output_names}
+    presents.pop(None, None)
+    out = {}
+    for name in input_names:
+        key = past_key(name, ("past_key_values", "past"))
+        if key is not None and key in presents:
+            out[name] = presents[key]
+    return out
+
+
+def _past_axes(shape: list[Any]) -> tuple[int, int, int] | None:
+    """(heads, sequence, head size) axes of a KV-cache input: [batch, heads, seq, size] or gpt2's [2, batch, ...]."""
+    return {4: (1, 2, 3), 5: (2, 3, 4)}.get(len(shape))
+
+
+def _is_past(name: str) -> bool:
+    return past_key(name, ("past_key_values", "past")) is not None
+
+
+def _is_cross(name: str) -> bool:
+    return any(w in name.lower() for w in ("encoder", "cross"))
+
+
+_NAME = re.compile(r"[A-Za-z_]\w*\Z")
+
+
+def derived_dims(
+    inputs: list[Any], facts: ModelFacts, dims: dict[str, int]
+) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """``dims`` plus what the model says of the symbolic dims the user did not give (head counts, head size,
+    hidden sizes), and the dims that matter but nothing determines, each with where it is."""
+    out = dict(dims)
+    missing: list[tuple[str, str]] = []
+
+    def put(d: object, value: int | None, where: str) -> None:
+        if not isinstance(d, str) or not _NAME.match(d) or d in dims:
+            return
+        if value:
+            out.setdefault(d, value)
+        elif d not in out and all(m != d for m, _ in missing):
+            missing.append((d, where))
+
+    for inp in inputs:
+        shape = list(inp.shape)
+        axes = _past_axes(shape) if _is_past(inp.name) else None
+        if axes:
+            heads = facts.heads if _is_cross(inp.name) else facts.kv_heads
+            put(shape[axes[0]], heads, f"the head count, axis {axes[0]} of {inp.name!r}")
+            put(shape[axes[2]], facts.head_size, f"the head size, axis {axes[2]} of {inp.name!r}")
+        elif shape and inp.name in facts.hidden_of:
+            put(shape[-1], facts.hidden_of[inp.name], "")
+        elif shape and any(w in inp.name.lower() for w in ("hidden_states", "inputs_embeds")):
+            put(shape[-1], facts.hidden, f"the hidden size, last axis of {inp.name!r}")
+    return out, missing
+
+
+def _shape(inp: Any, dims: dict[str, int]) -> list[int]:
+    from ...runtimes.ort import dim_value
+
+    return [dim_value(d, dims) for d in inp.shape]
+
+
+def make_feeds(
+    inputs: list[Any],
+    facts: ModelFacts,
+    dims: dict[str, int],
+    given: dict[str, Any],
+    seed: int,
+    use_cache: bool,
+    missing_dims: list[tuple[str, str]] | None = None,
+    past_length: int | None = None,
+) -> dict[str, Any]:
+    """Seeded inputs from a session's input signature, except those ``given``: index inputs inside the tensor they
+    index, integer masks ones, position ids counting up from ``past_length`` (else 0), ``seqlens_k`` /
+    ``total_sequence_length`` from the mask's length, ``use_cache_branch`` as told. Everything that cannot be made
+    (and every dim in ``missing_dims``) is named at once, in one error with a runnable example."""
+    import numpy as np
+
+    from ...errors import UsageError
+
+    rng = np.random.default_rng(seed)
+    feeds: dict[str, Any] = {}
+    missing: list[tuple[str, str]] = []
+    total = _total_length(inputs, dims)
+    for inp in inputs:
+        if inp.name in given:
+            feeds[inp.name] = given[inp.name]
+            continue
+        shape = _shape(inp, dims)
+        dtype = _ONNX_TYPES.get(inp.type)
+        name = inp.name.lower()
+        integer = dtype is not None and dtype.startswith(("int", "uint"))
+        bound = facts.bounds.get(inp.name, facts.vocab if "input_ids" in name else None)
+        if dtype is None:
+            missing.append((inp.name, f"has type {inp.type}, which cannot be generated"))
+        elif integer and "position" in name and shape:
+            start = past_length or 0
+            feeds[inp.name] = np.broadcast_to(np.arange(start, start + shape[-1]), shape).astype(dtype)
+        elif inp.name in facts.bounds and bound is None:
+            missing.append((inp.name, "indexes a tensor of unknown size, so random values would be out of range"))
+        elif integer and bound is not None:
+            feeds[inp.name] = rng.integers(0, max(bound, 1), shape).astype(dtype)
+        elif dtype == "bool" and "use_cache" in name:
+            feeds[inp.name] = np.full(shape, use_cache, bool)
+        elif dtype == "bool":
+            feeds[inp.name] = rng.integers(0, 2, shape).astype(bool)
+        elif integer and "mask" in name:
+            feeds[inp.name] = np.ones(shape, dtype)  # attend to everything: every position is valid
+        elif integer and "seqlens_k" in name:
+            feeds[inp.name] = np.full(shape, max(total - 1, 0), dtype)
+        elif integer and "total_sequence_length" in name:
+            feeds[inp.name] = np.full(shape, total, dtype)
+        elif integer:
+            feeds[inp.name] = rng.integers(0, 3, shape).astype(dtype)
+        else:
+            feeds[inp.name] = rng.standard_normal(shape).astype(dtype)
+    dims_missing = missing_dims or []
+    if missing or dims_missing:
+        why = "; ".join([f"{n!r} {reason}" for n, reason in missing] + [f"dim {d!r} ({w})" for d, w in dims_missing])
+        example = " ".join([f"--input {n}={n}.npy" for n, _ in missing] + [f"--dim {d}=N" for d, _ in dims_missing])
+        head = "inputs that need real values" if missing else "dims that cannot be read from the model"
+        raise UsageError(f"{head}: {why}; give them with {example}")
+    return feeds
+
+
+def _total_length(inputs: list[Any], dims: dict[str, int]) -> int:
+    """Past plus new tokens: the attention mask's length, else the ids' length plus a past input's."""
+    from ...runtimes.ort import dim_value
+
+    for inp in inputs:
+        name = inp.name.lower()
+        if "attention_mask" in name and "encoder" not in name and len(inp.shape) >= 2:
+            return dim_value(inp.shape[-1], dims)
+    seq = next((dim_value(i.shape[-1], dims) for i in inputs if "input_ids" in i.name.lower() and i.shape), 1)
+    for inp in inputs:
+        axes = _past_axes(list(inp.shape)) if _is_past(inp.name) and not _is_cross(inp.name) else None
+        if axes:
+            return seq + dim_value(inp.shape[axes[1]], dims)
+    return seq
+
+
+@dataclass
+class DecodePlan:
+    """How a model is stepped: which dims are the past / new / total lengths, which present feeds which past."""
+
+    ids: str | None
+    logits: str | None
+    feeds_back: dict[str, str]  # past input -> present output
+    past_dims: set[str]
+    seq_dims: set[str]
+    total_dims: set[str]
+
+
+def plan(inputs: list[Any], output_names: list[str]) -> DecodePlan:
+    names = [i.name for i in inputs]
+    back = pairs(names, output_names)
+    ids = next((i for i in inputs if "input_ids" in i.name.lower() and "encoder" not in i.name.lower()), None)
+    logits = next((o for o in output_names if "logits" in o.lower()), None)
+    seq_dims = {d for d in (ids.shape[-1:] if ids is not None else []) if isinstance(d, str) and _NAME.match(d)}
+    past_dims = set()
+    for inp in inputs:
+        axes = _past_axes(list(inp.shape)) if inp.name in back and not _is_cross(inp.name) else None
+        d = inp.shape[axes[1]] if axes else None
+        if isinstance(d, str) and _NAME.match(d):
+            past_dims.add(d)
+    total_dims = set()
+    for inp in inputs:
+        name = inp.name.lower()
+        if "attention_mask" in name and "encoder" not in name and inp.shape:
+            d = inp.shape[-1]
+            if isinstance(d, str) and _NAME.match(d) and d not in seq_dims | past_dims:
+                total_dims.add(d)
+    return DecodePlan(ids.name if ids is not None else None, logits, back, past_dims, seq_dims, total_dims)
+
+
+def step_dims(p: DecodePlan, dims: dict[str, int], past: int, seq: int) -> dict[str, int]:
+    out = dict(dims)
+    out.update({d: past for d in p.past_dims})
+    out.update({d: seq for d in p.seq_dims})
+    out.update({d: past + seq for d in p.total_dims})
+    return out
+
+
+def next_tokens(p: DecodePlan, outs: dict[str, Any], ids: Any, facts: ModelFacts, rng: Any) -> Any:
+    """[batch, 1] ids: the argmax of the last position's logits, else a seeded random id below the vocab size."""
+    import numpy as np
+
+    batch = ids.shape[0] if getattr(ids, "ndim", 0) >= 1 else 1
+    logits = outs.get(p.logits) if p.logits else None
+    if isinstance(logits, np.ndarray) and logits.ndim >= 2 and logits.shape[0] == batch and logits.size:
+        last = logits.reshape(batch, -1, logits.shape[-1])[:, -1, :]
+        token = np.argmax(last, axis=-1)
+        if facts.vocab:
+            token = token % facts.vocab
+    else:
+        token = rng.integers(0, facts.vocab or 3, batch)
+    return token.reshape(batch, 1).astype(ids.dtype)
