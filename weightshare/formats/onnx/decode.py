@@ -122,7 +122,9 @@ def read_facts(path: Path) -> ModelFacts:
             shapes[t.name] = list(t.dims)
         for vi in list(g.input) + list(g.value_info) + list(g.output):
             if vi.name not in shapes and vi.type.HasField("tensor_type"):
-                shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+                shapes[vi.name] = [
+                    d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim
+                ]
         for node in g.node:
             for o in node.output:
                 producer[o] = node
@@ -194,9 +196,9 @@ def read_facts(path: Path) -> ModelFacts:
         if "input_ids" in name.lower() and bound:
             facts.vocab = bound
     if facts.vocab is None:
-        for o in model.graph.output:
-            shape = shapes.get(o.name)
-            if "logits" in o.name.lower() and shape and shape[-1]:
+        for out in model.graph.output:
+            shape = shapes.get(out.name)
+            if "logits" in out.name.lower() and shape and shape[-1]:
                 facts.vocab = shape[-1]
     _facts_from_configs(facts, path.parent)
     if facts.kv_heads is None:
@@ -208,8 +210,8 @@ def read_facts(path: Path) -> ModelFacts:
 
 def _facts_from_configs(facts: ModelFacts, directory: Path) -> None:
     genai = _config(directory / "genai_config.json")
-    model = genai.get("model") if isinstance(genai.get("model"), dict) else {}
-    decoder = model.get("decoder") if isinstance(model.get("decoder"), dict) else {}
+    model: dict[str, Any] = genai["model"] if isinstance(genai.get("model"), dict) else {}
+    decoder: dict[str, Any] = model["decoder"] if isinstance(model.get("decoder"), dict) else {}
     config = _config(directory / "config.json")
     for fact, (genai_keys, config_keys) in _CONFIG_KEYS.items():
         if getattr(facts, fact) is not None:
@@ -408,6 +410,20 @@ def plan(inputs: list[Any], output_names: list[str]) -> DecodePlan:
             if isinstance(d, str) and _NAME.match(d) and d not in seq_dims | past_dims:
                 total_dims.add(d)
     return DecodePlan(ids.name if ids is not None else None, logits, back, past_dims, seq_dims, total_dims)
+
+
+def run_lengths(p: DecodePlan, dims: dict[str, int], past_zero: bool) -> dict[str, int]:
+    """``dims`` for a plain run: past lengths 0 when ``past_zero`` (a merged decoder's prefill branch), a mask's
+    own length name (``total_sequence_length``) the past's plus the new tokens', unless the user gave them."""
+    from ...runtimes.ort import dim_value
+
+    out = dict(dims)
+    if past_zero:
+        out.update({d: 0 for d in p.past_dims if d not in dims})
+    past = max((dim_value(d, out) for d in p.past_dims), default=0)
+    seq = max((dim_value(d, out) for d in p.seq_dims), default=1)
+    out.update({d: past + seq for d in p.total_dims if d not in dims})
+    return out
 
 
 def step_dims(p: DecodePlan, dims: dict[str, int], past: int, seq: int) -> dict[str, int]:

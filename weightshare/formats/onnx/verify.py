@@ -132,7 +132,7 @@ def _run_both(
     report: VerifyReport, a: Any, original: Path, converted: Path, opts: dict[str, Any], share: bool, prefix: str
 ) -> None:
     from ...runtimes.ort import new_session
-    from .decode import derived_dims, make_feeds, read_facts
+    from .decode import derived_dims, make_feeds, plan, read_facts, run_lengths
 
     try:
         b = new_session(str(converted), share=share, log_level=4)
@@ -147,9 +147,14 @@ def _run_both(
         return
     facts = read_facts(original)
     dims, missing = derived_dims(a.get_inputs(), facts, opts["dims"])
+    merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in a.get_inputs())
+    p = plan(a.get_inputs(), names_a)
     for r in range(opts["runs"]):
-        # use_cache_branch (merged decoders) alternates: run 0 takes the prefill branch, run 1 the cache branch
-        feeds = make_feeds(a.get_inputs(), facts, dims, opts["inputs"], opts["seed"] + r, r % 2 == 1, missing)
+        # use_cache_branch (merged decoders) alternates: run 0 takes the prefill branch (no past: the mask is as
+        # long as the new tokens), run 1 the cache branch
+        use_cache = r % 2 == 1
+        run_dims = run_lengths(p, dims, past_zero=merged and not use_cache)
+        feeds = make_feeds(a.get_inputs(), facts, run_dims, opts["inputs"], opts["seed"] + r, use_cache, missing)
         outs_a = _run_original(a, feeds, original)
         try:
             outs_b = dict(zip(names_b, b.run(None, feeds)))
