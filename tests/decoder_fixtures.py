@@ -153,10 +153,11 @@ def decoder_with_past(path, heads=2, size=8, heads_dim=None, size_dim=None, merg
     return _save(nodes, "decoder", inputs, outputs, inits, path)
 
 
-def llama_like(path, heads=4, kv_heads=2, size=8, genai_config=True, seed=0):
+def llama_like(path, heads=4, kv_heads=2, size=8, genai_config=True, lengths_as_inputs=False, seed=0):
     """onnxruntime-genai's llama export in miniature: RotaryEmbedding (com.microsoft) on Q and K from position_ids,
-    GroupQueryAttention with seqlens_k / total_sequence_length made in-graph from attention_mask, past_key_values
-    with symbolic head dims, SimplifiedLayerNormalization, genai_config.json beside it."""
+    GroupQueryAttention with seqlens_k / total_sequence_length made in-graph from attention_mask (or, with
+    ``lengths_as_inputs``, graph inputs checked against the mask in-graph), past_key_values with symbolic head
+    dims, SimplifiedLayerNormalization, genai_config.json beside it."""
     rng = np.random.default_rng(seed)
     hidden, max_len = 32, 64
     pos = np.arange(max_len)[:, None] / (10000 ** (np.arange(0, size, 2) / size))[None, :]
@@ -181,10 +182,28 @@ def llama_like(path, heads=4, kv_heads=2, size=8, genai_config=True, seed=0):
         h.make_node("RotaryEmbedding", ["k0", "position_ids", "cos_cache", "sin_cache"], ["k"], domain="com.microsoft"),
         h.make_node("ReduceSum", ["attention_mask", "one"], ["s"], keepdims=0),
         h.make_node("Sub", ["s", "one"], ["s1"]),
-        h.make_node("Cast", ["s1"], ["seqlens_k"], to=T.INT32),
+        h.make_node("Cast", ["s1"], ["seqlens_k_mask"], to=T.INT32),
         h.make_node("Shape", ["attention_mask"], ["ms"]),
         h.make_node("Gather", ["ms", "one"], ["tl"], axis=0),
-        h.make_node("Cast", ["tl"], ["total_sequence_length"], to=T.INT32),
+        h.make_node("Cast", ["tl"], ["total_mask"], to=T.INT32),
+    ]
+    if lengths_as_inputs:  # Reshape to [seqlens_k - seqlens_k_mask + 1]: fails unless the inputs agree with the mask
+        inits["one32"] = np.array([1], np.int32)
+        inits["total_shape"] = np.array([1], np.int64)
+        for given, made in (("seqlens_k", "seqlens_k_mask"), ("total_sequence_length", "total_mask")):
+            nodes += [
+                h.make_node("Sub", [given, made], [f"{given}_d"]),
+                h.make_node("Add", [f"{given}_d", "one32"], [f"{given}_d1"]),
+                h.make_node("Cast", [f"{given}_d1"], [f"{given}_d64"], to=T.INT64),
+                h.make_node("Reshape", [f"{given}_d64", "total_shape"], [f"{given}_v"]),
+                h.make_node("Reshape", ["one", f"{given}_v"], [f"{given}_ok"]),  # a 1-element tensor to [d + 1]
+            ]
+    else:
+        nodes += [
+            h.make_node("Identity", ["seqlens_k_mask"], ["seqlens_k"]),
+            h.make_node("Identity", ["total_mask"], ["total_sequence_length"]),
+        ]
+    nodes += [
         h.make_node(
             "GroupQueryAttention",
             ["q", "k", "v", "past_key_values.0.key", "past_key_values.0.value", "seqlens_k", "total_sequence_length"],
@@ -209,6 +228,9 @@ def llama_like(path, heads=4, kv_heads=2, size=8, genai_config=True, seed=0):
         _vi("present.0.key", T.FLOAT, kv_out),
         _vi("present.0.value", T.FLOAT, kv_out),
     ]
+    if lengths_as_inputs:
+        inputs += [_vi("seqlens_k", T.INT32, ["batch_size"]), _vi("total_sequence_length", T.INT32, [])]
+        outputs += [_vi(f"{n}_ok", T.INT64, [1]) for n in ("seqlens_k", "total_sequence_length")]
     out = _save(nodes, "llama", inputs, outputs, inits, path, ms=True)
     if genai_config:
         decoder = {"num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_size": size}

@@ -22,10 +22,15 @@ import weightshare
 from weightshare.formats.onnx.decode import pairs, read_facts
 
 
-def _convert(cli, src, out):
-    res = cli("convert", src, "-o", out, "-q")
-    assert res.returncode == 0, res.stderr
+def _convert(src, out):
+    weightshare.convert(src, out)
     return out / src.name
+
+
+def _decodes(src, out, steps=4, **kw):
+    report = weightshare.verify(src, out, decode_steps=steps, **kw)
+    assert report.passed and report.decode_steps == steps, report.mismatches
+    return report
 
 
 def test_present_outputs_pair_with_past_inputs_by_name():
@@ -67,37 +72,34 @@ def test_head_dims_read_from_attributes_and_configs(tmp_path):
 @pytest.mark.slow
 def test_decoder_with_past_decode_steps_bit_identical(cli, tmp_path):
     src = fx.decoder_with_past(tmp_path / "decoder_with_past_model.onnx")
-    out = _convert(cli, src, tmp_path / "out")
+    out = _convert(src, tmp_path / "out")
     res = cli("verify", src, out, "--decode-steps", "4")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "prefill + 4 decode steps" in res.stdout, res.stdout
-    doc = json.loads(cli("verify", src, out, "--decode-steps", "2", "--json").stdout)
-    assert doc["passed"] and doc["decode_steps"] == 2
+    assert "3 runs, prefill + 4 decode steps" in res.stdout, res.stdout
+    # the prefill and every step: the three outputs of each compared, after the three runs'
+    assert _decodes(src, out).outputs_compared == 3 * 3 + 5 * 3
 
 
 @pytest.mark.slow
 def test_symbolic_head_dims_named_at_once_then_read_from_config_json(cli, tmp_path):
     src = fx.decoder_with_past(tmp_path / "decoder_with_past_model.onnx", 2, 8, "num_heads", "head_size")
-    out = _convert(cli, src, tmp_path / "out")
+    out = _convert(src, tmp_path / "out")
     res = cli("verify", src, out)
     assert res.returncode == 2, res.stdout + res.stderr
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--dim num_heads=N --dim head_size=N" in lines[0], res.stderr
-    res = cli("verify", src, out, "--dim", "num_heads=2", "--dim", "head_size=8", "--decode-steps", "4")
-    assert res.returncode == 0, res.stdout + res.stderr  # the example, filled in, runs
+    _decodes(src, out, dims={"num_heads": 2, "head_size": 8})  # the example, filled in, runs
     (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 2, "head_dim": 8}))
-    res = cli("verify", src, out, "--decode-steps", "4")
-    assert res.returncode == 0, res.stdout + res.stderr
+    _decodes(src, out)
 
 
 @pytest.mark.slow
 def test_merged_decoder_decode_steps_bit_identical(cli, tmp_path):
     src = fx.decoder_with_past(tmp_path / "decoder_model_merged.onnx", merged=True)
-    out = _convert(cli, src, tmp_path / "out")
+    out = _convert(src, tmp_path / "out")
     res = cli("verify", src, out)
     assert res.returncode == 0, res.stdout + res.stderr
-    res = cli("verify", src, out, "--decode-steps", "4")
-    assert res.returncode == 0, res.stdout + res.stderr
+    _decodes(src, out)
 
 
 @pytest.mark.slow
@@ -105,14 +107,13 @@ def test_a_weight_read_only_by_decode_steps_changed_fails_on_a_decode_step(cli, 
     """The merged decoder's cache branch adds a 32-byte bias kept inline: run 0 (use_cache_branch false) never
     reads it, the payload comparison covers blob payloads only, so only a decode step can see it changed."""
     src = fx.decoder_with_past(tmp_path / "decoder_model_merged.onnx", merged=True)
-    out = _convert(cli, src, tmp_path / "out")
+    out = _convert(src, tmp_path / "out")
     model = onnx.load(str(out), load_external_data=False)
     bias = next(t for t in model.graph.initializer if t.name == "cache_bias")
     assert not bias.external_data  # inline: the premise of the test
     bias.CopyFrom(numpy_helper.from_array(np.full(8, 0.5, np.float32), "cache_bias"))
     onnx.save(model, str(out))
-    res = cli("verify", src, out, "--runs", "1")
-    assert res.returncode == 0, res.stdout + res.stderr  # the plain run cannot tell
+    assert weightshare.verify(src, out, runs=1).passed  # the plain run cannot tell
     res = cli("verify", src, out, "--runs", "1", "--decode-steps", "4")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "FAIL: decode step 1:" in res.stdout and "decode step 0" not in res.stdout, res.stdout
@@ -121,32 +122,40 @@ def test_a_weight_read_only_by_decode_steps_changed_fails_on_a_decode_step(cli, 
 @pytest.mark.slow
 def test_llama_like_gqa_rotary_symbolic_head_dims(cli, tmp_path):
     src = fx.llama_like(tmp_path / "model.onnx")
-    out = _convert(cli, src, tmp_path / "out")
+    out = _convert(src, tmp_path / "out")
     res = cli("verify", src, out)
     assert res.returncode == 0, res.stdout + res.stderr
-    res = cli("verify", src, out, "--decode-steps", "4")
-    assert res.returncode == 0, res.stdout + res.stderr
+    _decodes(src, out)
     (tmp_path / "genai_config.json").unlink()  # GroupQueryAttention's attributes are enough
-    report = weightshare.verify(src, out, runs=1, decode_steps=4)
-    assert report.passed and report.decode_steps == 4, report.mismatches
+    _decodes(src, out, runs=1)
 
 
 @pytest.mark.slow
 def test_t5_like_encoder_decoder_pair(cli, tmp_path):
     srcs = fx.t5_like(tmp_path / "t5")
-    res = cli("convert", tmp_path / "t5", "-o", tmp_path / "out", "-q")
-    assert res.returncode == 0, res.stderr
+    weightshare.convert_folder(tmp_path / "t5", tmp_path / "out")
     for src in srcs:
         res = cli("verify", src, tmp_path / "out" / src.name)
         assert res.returncode == 0, src.name + res.stdout + res.stderr
-    for src in srcs[1:]:
-        res = cli("verify", src, tmp_path / "out" / src.name, "--decode-steps", "4")
-        assert res.returncode == 0, src.name + res.stdout + res.stderr
+    for src in srcs[1:]:  # decoder_model: no cache, the sequence grows; decoder_with_past: the cross past stays
+        _decodes(src, tmp_path / "out" / src.name)
 
 
-def test_embed_layer_normalization_inputs_generated_validly(cli, tmp_path):
+def test_embed_layer_normalization_inputs_generated_validly(tmp_path):
+    """Random ids in [0, 3) were out of the 2-row segment table: ORT's "input index out of range"."""
     src = fx.bert_embed_layernorm(tmp_path / "model.onnx")
-    out = _convert(cli, src, tmp_path / "out")
+    out = _convert(src, tmp_path / "out")
     assert read_facts(src).bounds == {"input_ids": fx.VOCAB, "token_type_ids": 2}
-    res = cli("verify", src, out, "--dim", "sequence_length=16")
-    assert res.returncode == 0, res.stdout + res.stderr
+    report = weightshare.verify(src, out, dims={"sequence_length": 16})
+    assert report.passed and report.runs == 3, report.mismatches
+
+
+@pytest.mark.slow
+def test_seqlens_k_and_total_sequence_length_inputs_grow_with_the_mask(tmp_path):
+    """Both are graph inputs here, and the graph fails unless they agree with the attention mask's length."""
+    src = fx.llama_like(tmp_path / "model.onnx", lengths_as_inputs=True)
+    weightshare.convert(src, tmp_path / "out")
+    report = weightshare.verify(src, tmp_path / "out" / src.name, runs=2, decode_steps=4)
+    assert report.passed and report.runs == 2 and report.decode_steps == 4, report.mismatches
+    with pytest.raises(weightshare.OriginalFails):  # the check in the graph can fail
+        weightshare.verify(src, tmp_path / "out" / src.name, runs=1, inputs={"seqlens_k": np.array([3], np.int32)})

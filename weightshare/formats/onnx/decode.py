@@ -264,10 +264,11 @@ _NAME = re.compile(r"[A-Za-z_]\w*\Z")
 
 
 def derived_dims(
-    inputs: list[Any], facts: ModelFacts, dims: dict[str, int]
+    inputs: list[Any], facts: ModelFacts, dims: dict[str, int], given: dict[str, Any] | None = None
 ) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """``dims`` plus what the model says of the symbolic dims the user did not give (head counts, head size,
-    hidden sizes), and the dims that matter but nothing determines, each with where it is."""
+    hidden sizes), and the dims that matter but nothing determines, each with where it is (inputs ``given``
+    real values need none)."""
     out = dict(dims)
     missing: list[tuple[str, str]] = []
 
@@ -280,6 +281,8 @@ def derived_dims(
             missing.append((d, where))
 
     for inp in inputs:
+        if inp.name in (given or {}):
+            continue
         shape = list(inp.shape)
         axes = _past_axes(shape) if _is_past(inp.name) else None
         if axes:

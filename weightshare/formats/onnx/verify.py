@@ -146,7 +146,7 @@ def _run_both(
     if len(report.mismatches) > before:
         return
     facts = read_facts(original)
-    dims, missing = derived_dims(a.get_inputs(), facts, opts["dims"])
+    dims, missing = derived_dims(a.get_inputs(), facts, opts["dims"], opts["inputs"])
     merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in a.get_inputs())
     p = plan(a.get_inputs(), names_a)
     for r in range(opts["runs"]):
