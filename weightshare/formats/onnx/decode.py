@@ -109,7 +109,13 @@ def read_facts(path: Path) -> ModelFacts:
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
+    for g in _graphs(model.graph):  # inference needs weights' shapes, not their bytes (small constants stay)
+        for t in g.initializer:
+            if len(t.raw_data) > 4096:
+                t.ClearField("raw_data")
     try:
+        if model.ByteSize() > 1 << 30:
+            raise ValueError("too large to infer")
         inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
     except Exception:  # noqa: BLE001 -- inference is a hint: without it, weights' shapes are traced
         inferred = model.graph

@@ -131,7 +131,7 @@ def verify_in_runtime(
 def _run_both(
     report: VerifyReport, a: Any, original: Path, converted: Path, opts: dict[str, Any], share: bool, prefix: str
 ) -> None:
-    from ...runtimes.ort import new_session
+    from ...runtimes.ort import dim_value, new_session
     from .decode import derived_dims, make_feeds, plan, read_facts, run_lengths
 
     try:
@@ -154,7 +154,8 @@ def _run_both(
         # long as the new tokens), run 1 the cache branch
         use_cache = r % 2 == 1
         run_dims = run_lengths(p, dims, past_zero=merged and not use_cache)
-        feeds = make_feeds(a.get_inputs(), facts, run_dims, opts["inputs"], opts["seed"] + r, use_cache, missing)
+        past = max((dim_value(d, run_dims) for d in p.past_dims), default=0)
+        feeds = make_feeds(a.get_inputs(), facts, run_dims, opts["inputs"], opts["seed"] + r, use_cache, missing, past)
         outs_a = _run_original(a, feeds, original)
         try:
             outs_b = dict(zip(names_b, b.run(None, feeds)))
@@ -203,7 +204,19 @@ def _decode(
             "to grow, so there is nothing to decode (verify it without --decode-steps)"
         )
     given = opts["inputs"]
+    if p.ids in given or any(name in given for name in p.feeds_back):
+        raise UsageError(
+            "--decode-steps makes the token ids and past inputs of every step itself: drop --input for "
+            + ", ".join(n for n in [p.ids or "", *p.feeds_back] if n in given)
+        )
     seq = next((opts["dims"][d] for d in p.seq_dims if d in opts["dims"]), 4)
+    static = [i.shape[-1] for i in inputs if i.name == p.ids and i.shape and isinstance(i.shape[-1], int)]
+    if static and not p.feeds_back:
+        raise UsageError(
+            f"--decode-steps: {original.name} has no present* output feeding a past* input and its {p.ids} has a "
+            f"fixed length ({static[0]}), so there is nothing to decode (verify it without --decode-steps)"
+        )
+    seq = static[0] if static else seq
     past = next((opts["dims"][d] for d in p.past_dims if d in opts["dims"]), 0)
     rng = np.random.default_rng(opts["seed"])
     feeds = make_feeds(inputs, facts, step_dims(p, dims, past, seq), given, opts["seed"], False, missing, past)
