@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .errors import OutputError, UsageError
 from .formats import Format, detect, model_suffixes
 from .options import BLOB_GRACE_S, INLINE_THRESHOLD, ConvertOptions, Unpack

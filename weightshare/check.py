@@ -12,7 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .blob import ALIGN_KEY, AlignPolicy
+from ._placement import AlignPolicy
+from ._safetensors import ALIGN_KEY
 from .errors import WeightshareError
 from .findings import Code, Finding, Severity
 from .formats import model_suffixes

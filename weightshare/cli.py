@@ -22,7 +22,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from . import api
 from ._folder import is_model_folder
-from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
+from ._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .errors import WeightshareError
 from .options import INLINE_THRESHOLD, ConvertOptions, Unpack
 from .report import ConversionReport, JsonDict, ZooReport

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .blob import split_digest
+from ._checksum import split_digest
 from .findings import Code, Finding, Severity
 from .report import JsonDict
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypedDict
 
+from ._safetensors import SafetensorsBlob
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from .blob import SafetensorsBlob
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
 from .paths import resolve_inside

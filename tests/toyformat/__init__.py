@@ -12,7 +12,7 @@ import base64
 import json
 from pathlib import Path
 
-from weightshare.blob import PlannedTensor
+from weightshare._placement import PlannedTensor
 from weightshare.errors import InvalidModel, Unsupported
 from weightshare.formats.base import BenchRuntime
 from weightshare.inventory import ModelInventory, PayloadInfo, alignment_of

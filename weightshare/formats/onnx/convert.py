@@ -19,8 +19,8 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from ..._placement import PlannedTensor
 from ...atomic import OutputTransaction
-from ...blob import PlannedTensor
 from ...errors import InvalidModel
 from ...options import ConvertOptions, Unpack
 from ...ort import malloc_trim

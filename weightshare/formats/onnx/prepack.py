@@ -34,8 +34,8 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from ..._placement import PlannedTensor
 from ...atomic import OutputTransaction, locked_stage
-from ...blob import PlannedTensor
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models

@@ -27,8 +27,8 @@ from pathlib import Path
 import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
+from ..._placement import BlobEntry, BlobWriter, PlannedTensor, Progress
 from ...atomic import OutputTransaction
-from ...blob import BlobEntry, BlobWriter, PlannedTensor, Progress
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside

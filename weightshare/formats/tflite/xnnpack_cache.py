@@ -33,8 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..._checksum import Hasher
 from ...atomic import CommitHook, OutputTransaction, locked_stage
-from ...blob import Hasher
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
 from ...findings import Code, Finding
 from ...paths import resolve_inside
