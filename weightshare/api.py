@@ -267,6 +267,7 @@ def convert_folder(
         ort_max_growth,
     )
     opts = _options(options, keywords.options(progress))
+    _check_options(opts)
     from ._folder import convert_folder as run
 
     return run(Path(src), Path(out), opts)
@@ -314,6 +315,35 @@ def _options(options: ConvertOptions | None, from_keywords: ConvertOptions) -> C
     return options
 
 
+def _check_options(options: ConvertOptions, shared_blob: str | None = None) -> None:
+    """Options that exclude each other, refused before anything is read (the one place that checks them)."""
+    if Unpack.ORT_CPU.value in options.unpack and options.keep_packed:
+        raise UsageError("--unpack ort-cpu and --keep-packed exclude each other")
+    if shared_blob is not None and options.blob_name is not None:
+        raise UsageError("--blob and --shared-blob exclude each other")
+
+
+def _convert_inputs(
+    inputs: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    options: ConvertOptions,
+    shared_blob: str | None = None,
+) -> ZooReport | FolderReport | list[ConversionReport]:
+    """What ``weightshare convert INPUTS -o OUT [--shared-blob NAME]`` does: a zoo with ``shared_blob``, else a model
+    folder's tree (given alone), else the models (files, folders' models, globs) as one batch."""
+    _check_options(options, shared_blob)
+    if shared_blob is not None:
+        return convert_zoo(inputs, out_dir, shared_blob, options)
+    from ._folder import convert_folder as run_folder
+    from ._folder import is_model_folder
+
+    if any(is_model_folder(Path(i)) for i in inputs):
+        if len(inputs) > 1:
+            raise UsageError("a model folder is converted on its own (its tree is reproduced in OUTDIR): give it alone")
+        return run_folder(Path(inputs[0]), Path(out_dir), options)
+    return convert_many(_expand_inputs(inputs), out_dir, options)
+
+
 def convert_many(
     models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
 ) -> list[ConversionReport]:
@@ -339,9 +369,10 @@ def convert_many(
         ['out/a.onnx', 'out/b.tflite']
     """
     options = options or ConvertOptions()
+    _check_options(options)
     sources = [Path(m) for m in models]
     if not sources:
-        raise UsageError("no models to convert")
+        raise UsageError("no models to convert (none given, or a glob that matched nothing)")
     if options.blob_name is not None and len(sources) > 1:
         raise UsageError("--blob names one model's blob; with several models use --shared-blob or leave it out")
     out = Path(out_dir)
@@ -497,6 +528,7 @@ def convert_zoo(
         'zoo/shared.0a1b2c3d4e5f.safetensors'
     """
     options = options or ConvertOptions()
+    _check_options(options, shared_blob)
     sources = _expand_inputs(models)
     if not sources:
         raise UsageError("no models to convert")

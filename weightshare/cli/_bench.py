@@ -8,9 +8,8 @@ from pathlib import Path
 
 import typer
 
-from ..report import JsonDict
 from ._app import _pairs, app, fail, user_errors
-from ._render import Table, _mib, detail, err, info, out
+from ._render import detail, err, info, render_bench, render_demo, size
 
 
 @app.command()
@@ -64,26 +63,7 @@ def bench(
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    counts = result["sessions"]
-    t = Table(title=f"{result['model']}: PSS (MiB) after N sessions in one process", title_justify="left")
-    for col in ["variant", "setting", *[f"{n}" for n in counts], f"{counts[-1]}/1", "private", "shared"]:
-        t.add_column(col, justify="left" if col in ("variant", "setting") else "right")
-    groups: dict[tuple[str, str], list[JsonDict]] = {}
-    for r in result["rows"]:
-        groups.setdefault((r["variant"], r["mode"]), []).append(r)
-    for (variant, mode), rows in groups.items():
-        pss = [r["pss_mib"] for r in rows]
-        t.add_row(
-            variant,
-            mode,
-            *[f"{v:,.0f}" for v in pss],
-            f"{pss[-1] / pss[0]:.2f}x",
-            f"{rows[-1]['private_mib']:,.0f}",
-            f"{rows[-1]['shared_mib']:,.0f}",
-        )
-    out.print(t)
-    if plot_path is not None:
-        out.print(f"plot: {plot_path}")
+    render_bench(result, plot_path)
 
 
 @app.command()
@@ -107,35 +87,14 @@ def demo(
             info(f"removed {workdir.resolve()}" if removed else f"nothing to remove at {workdir.resolve()}")
             return
         # the fp16 original, the fp32 blob, and the --prepack blob (fp32 payloads plus ORT's packed copies)
-        size = layers * (2048 * 2048 + 2048) * (2 + 4 + 8)
+        nbytes = layers * (2048 * 2048 + 2048) * (2 + 4 + 8)
         if not as_json:
             info(
-                f"writing about {_mib(size)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
+                f"writing about {size(nbytes)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
                 f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})"
             )
         result = run_demo(workdir, sessions, layers, progress=lambda msg: detail(msg))
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    t = Table(title=f"{sessions} ONNX Runtime sessions in one process")
-    for col in ("model", "file size", "PSS 1 session", f"PSS {sessions} sessions", "per extra session"):
-        t.add_column(col, justify="right" if col != "model" else "left")
-    for row in result["rows"]:
-        t.add_row(
-            row["variant"],
-            _mib(row["file_bytes"]),
-            f"{row['pss_1_mib']:,.1f} MiB",
-            f"{row['pss_n_mib']:,.1f} MiB",
-            f"{row['per_session_mib']:,.1f} MiB",
-        )
-    out.print(t)
-    out.print(f"converted: {result['converted']}  (outputs equal: {result['outputs_equal']})")
-    out.print(
-        f"PSS of {sessions} sessions: original {result['ratio_original']:.2f}x one session, "
-        f"converted {result['ratio_converted']:.2f}x (disable_prepacking)"
-    )
-    out.print(
-        f"at default options: original {result['ratio_original_default']:.2f}x, converted --prepack "
-        f"{result['ratio_prepacked']:.2f}x  ({result['prepacked']}, outputs equal: "
-        f"{result['prepacked_outputs_equal']})"
-    )
+    render_demo(result, sessions)

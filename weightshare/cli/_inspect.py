@@ -10,7 +10,7 @@ import typer
 
 from ..options import INLINE_THRESHOLD
 from ._app import app, fail, user_errors
-from ._render import VERBOSITY, Table, _mib, err, info, out, quiet
+from ._render import VERBOSITY, err, info, quiet, render_inventory
 
 
 @app.command()
@@ -39,56 +39,7 @@ def inspect(
     if as_json:
         print(json.dumps(inspect_document(inv, findings), indent=2))
         return
-    rows = sorted(inv.payloads, key=lambda p: -p.nbytes)
-    t = Table(title=f"{inv.model} ({inv.format}, {_mib(inv.file_bytes)})", title_justify="left")
-    settings = inv.settings[:3] if len(inv.settings) > 1 else []
-    for col in ("payload", "dtype", "size", "where", "encoding", "align"):
-        t.add_column(col, justify="right" if col in ("size", "align") else "left")
-    for setting in settings or ["per session"]:
-        t.add_column(f"copied/session: {setting}" if settings else setting, justify="right")
-    t.add_column("note")
-    for p in rows[: limit or None]:
-        where = "embedded" if p.location == "embedded" else f"{p.file}@{p.offset}"
-        note = "; ".join(
-            x
-            for x in (
-                p.unpacked_at_load,
-                p.copy_reason,
-                f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
-                p.problem,
-                p.stays_inline_because,
-            )
-            if x
-        )
-        copies = [p.copies.get(s, p.copied_per_session) for s in settings] if settings else [p.copied_per_session]
-        t.add_row(
-            p.name,
-            p.dtype,
-            _mib(p.nbytes),
-            where,
-            p.encoding,
-            str(p.alignment or ""),
-            *[_mib(c) if c else "0" for c in copies],
-            note,
-        )
-    out.print(t)
-    if limit and len(rows) > limit:
-        out.print(f"... {len(rows) - limit} smaller payloads not shown (--limit 0 shows all)")
-    moves = sum(1 for p in inv.payloads if p.would_move)
-    per_setting = "; ".join(f"{s}: {_mib(inv.copied_under(s))}" for s in settings) or _mib(inv.copied_per_session)
-    out.print(
-        f"{len(inv.payloads)} payloads: {_mib(inv.embedded_bytes)} embedded, {_mib(inv.external_bytes)} "
-        f"external, {_mib(inv.duplicate_bytes)} duplicated. Copied per session: {per_setting}. "
-        f"`convert` would move {moves} payloads and unpack "
-        f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}."
-    )
-    if inv.measured:
-        measured = "; ".join(f"{s}: {_mib(n)}" for s, n in inv.measured.items())
-        out.print(f"Measured, one more session costs: {measured} (onnxruntime, PSS from 1 to 4 sessions).")
-    for note in inv.notes + inv.measure_notes:
-        out.print(f"note: {note}")
-    for f in findings:
-        out.print(f"{f.severity.value}: {f.code.value}: {f.message} (fix: {f.fix})")
+    render_inventory(inv, findings, limit)
 
 
 @app.command()
