@@ -18,12 +18,20 @@ from typing import TYPE_CHECKING, Any
 
 from ._placement import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress, align_up
 from .errors import InvalidModel, OutputError
+from .formats.base import BlobContainer
 from .tensors import PayloadSource
 
 if TYPE_CHECKING:
     from .write import BlobPayload
 
-__all__ = ["ALIGN_KEY", "METADATA_KEY", "SAFETENSORS_DTYPES", "SafetensorsBlob", "read_safetensors_metadata"]
+__all__ = [
+    "ALIGN_KEY",
+    "CONTAINER",
+    "METADATA_KEY",
+    "SAFETENSORS_DTYPES",
+    "SafetensorsBlob",
+    "read_safetensors_metadata",
+]
 
 ALIGN_KEY = "weightshare.align"  # in a safetensors blob's __metadata__: the AlignPolicy it was written with
 
@@ -266,6 +274,11 @@ class SafetensorsBlob:
         self.header_sha256 = self._header_hash.hexdigest()
         return self.writer.finish()
 
+    def name_digest(self) -> str:
+        """``BlobWriter``: the header's SHA-256 (it lists every payload's digest, dtype, shape and offset: equal
+        digests, equal files), hashed as it was written by ``finish``."""
+        return self.header_sha256
+
     def _write_header_text(self, batch: list[str], pos: int) -> int:
         data = "".join(batch).encode()
         self._header_hash.update(data)
@@ -301,3 +314,13 @@ def read_safetensors_metadata(path: str) -> tuple[int, dict[str, Any], Any]:
         except (TypeError, json.JSONDecodeError):
             raise InvalidModel("weightshare payload metadata is not valid JSON", path) from None
     return 8 + n, header, payloads
+
+
+def _open(
+    fd: int, planned: list[PlannedTensor], policy: AlignPolicy, metadata: dict[str, str], prefixes: Sequence[str] | None
+) -> SafetensorsBlob:
+    return SafetensorsBlob(fd, planned, policy, metadata=metadata, prefixes=prefixes)
+
+
+# The formats whose models reference a safetensors blob (ONNX external data, TFLite ExternalBuffer groups) declare it.
+CONTAINER = BlobContainer(".safetensors", _open)

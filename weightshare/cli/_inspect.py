@@ -86,14 +86,14 @@ def check(
     """
     from ..check import Gate, find_models
     from ..check import check as run_check
-    from ..contract import SETTINGS, check_document, exit_code, github_annotations
+    from ..contract import check_document, exit_code, github_annotations, setting_ids
 
     quiet(quiet_)
     if output_format not in ("text", "json", "github"):
         fail(f"--format takes text, json or github, got {output_format!r}")
     for t in target:
-        if t not in SETTINGS:
-            fail(f"--target {t!r} is not a setting id ({', '.join(SETTINGS)})")
+        if t not in setting_ids():
+            fail(f"--target {t!r} is not a setting id ({', '.join(setting_ids())})")
     if threshold < 0:
         fail("--threshold must not be negative")
     gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)

@@ -210,7 +210,10 @@ def render_inventory(inv: ModelInventory, findings: list[Finding], limit: int) -
     )
     if inv.measured:
         measured = "; ".join(f"{s}: {size(n)}" for s, n in inv.measured.items())
-        out.print(f"Measured, one more session costs: {measured} (onnxruntime, PSS from 1 to 4 sessions).")
+        out.print(
+            f"Measured, one more session costs: {measured} (the runtime asked in child processes, PSS from 1 to 4 "
+            "sessions)."
+        )
     for note in inv.notes + inv.measure_notes:
         out.print(f"note: {note}")
     for f in findings:
@@ -243,7 +246,7 @@ def render_bench(result: JsonDict, plot_path: Path | None) -> None:
 
 def render_demo(result: JsonDict, sessions: int) -> None:
     """``demo``: file size and PSS of each variant, and the ratios."""
-    t = Table(title=f"{sessions} ONNX Runtime sessions in one process")
+    t = Table(title=f"{sessions} sessions in one process")
     for col in ("model", "file size", "PSS 1 session", f"PSS {sessions} sessions", "per extra session"):
         t.add_column(col, justify="right" if col != "model" else "left")
     for row in result["rows"]:

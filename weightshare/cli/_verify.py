@@ -9,15 +9,23 @@ from typing import Any
 
 import typer
 
+from ..errors import WeightshareError
 from ._app import _pairs, app, fail, user_errors
 from ._render import info, quiet
 
 
-def _silence_litert() -> None:
-    from ..runtimes.litert import silence_native_stderr_until_exit
+def _quiet_runtime_exit(model: Path) -> None:
+    """After verify's result: a format whose runtime logs its teardown at exit silences it (``quiet_exit``)."""
+    from ..formats import detect
 
-    sys.stdout.flush()
-    silence_native_stderr_until_exit()
+    try:
+        fmt = detect(model)
+    except WeightshareError:
+        return
+    quiet_exit = getattr(fmt, "quiet_exit", None)
+    if quiet_exit is not None:
+        sys.stdout.flush()
+        quiet_exit()
 
 
 def _verify_args(
@@ -87,8 +95,8 @@ def verify(
         reported = True
         raise
     finally:  # after the one error line, if any: LiteRT logs its teardown at exit
-        if original.suffix == ".tflite" and reported:
-            _silence_litert()
+        if reported:
+            _quiet_runtime_exit(original)
     if as_json:
         from ..contract import verify_document
 
