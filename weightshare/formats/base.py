@@ -6,8 +6,9 @@ format (convert, zoo mode, inspect/check, verify, bench) goes through a ``Format
 by ``weightshare.formats.detect``; nothing outside a format's folder names a format.
 
 Adding a format: a folder ``weightshare/formats/<name>/`` whose ``__init__.py`` defines
-``FORMAT`` (an object satisfying this protocol), and one line in ``formats/__init__.py``'s
-``_BUILTIN``. Heavy imports (onnx, flatbuffers, coremltools, runtimes) belong inside the
+``FORMAT`` (an object satisfying this protocol: its methods and its facts, the blob container,
+what its runtime maps in place, its settings and finding codes), and one line in
+``formats/__init__.py``'s ``_BUILTIN``; docs/design.md lists every file a format touches. Heavy imports (onnx, flatbuffers, coremltools, runtimes) belong inside the
 methods, so that detecting a format costs nothing.
 """
 
