@@ -8,8 +8,9 @@ by ``weightshare.formats.detect``; nothing outside a format's folder names a for
 Adding a format: a folder ``weightshare/formats/<name>/`` whose ``__init__.py`` defines
 ``FORMAT`` (an object satisfying this protocol: its methods and its facts, the blob container,
 what its runtime maps in place, its settings and finding codes), and one line in
-``formats/__init__.py``'s ``_BUILTIN``; docs/design.md lists every file a format touches. Heavy imports (onnx, flatbuffers, coremltools, runtimes) belong inside the
-methods, so that detecting a format costs nothing.
+``formats/__init__.py``'s ``_BUILTIN``; docs/design.md lists every file a format touches.
+Heavy imports (onnx, flatbuffers, coremltools, runtimes) belong inside the methods, so that
+detecting a format costs nothing.
 """
 
 from __future__ import annotations
