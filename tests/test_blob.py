@@ -10,14 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from weightshare.blob import (
-    AlignPolicy,
-    BlobWriter,
-    PlannedTensor,
-    SafetensorsBlob,
-    read_safetensors_metadata,
-    split_digest,
-)
+from weightshare._checksum import split_digest
+from weightshare._placement import AlignPolicy, BlobWriter, PlannedTensor
+from weightshare._safetensors import SafetensorsBlob, read_safetensors_metadata
 from weightshare.errors import InvalidModel
 from weightshare.recorded import recorded_payloads
 from weightshare.tensors import (
@@ -225,7 +220,7 @@ _names = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(['
     )
 )
 def test_header_text_equals_json_dumps_of_the_dict(tmp_path_factory, specs):
-    from weightshare.blob import SafetensorsBlob
+    from weightshare._safetensors import SafetensorsBlob
 
     planned, sources = [], []
     for name, dtype, shape, dup in specs:
@@ -250,7 +245,7 @@ def test_header_text_equals_json_dumps_of_the_dict(tmp_path_factory, specs):
 @pytest.mark.parametrize("kind", ["sha256", "blake3"])
 def test_recorded_digests_read_both_kinds(tmp_path, kind, monkeypatch):
     # Blobs written before BLAKE3 record {"sha256": hex}; new ones {"blake3": hex}. Both are read back.
-    import weightshare.blob as blob_module
+    import weightshare._checksum as blob_module
 
     monkeypatch.setattr(blob_module, "DIGEST", kind)
     a = np.arange(1000, dtype=np.float32)
@@ -272,7 +267,7 @@ def test_check_verifies_blobs_of_either_kind(tmp_path, kind, fmt, monkeypatch):
     from tflite_fixtures import sample_model
 
     import weightshare
-    import weightshare.blob as blob_module
+    import weightshare._checksum as blob_module
     from weightshare.check import check
     from weightshare.options import ConvertOptions
 

@@ -17,7 +17,7 @@ import coreml_fixtures as F
 import pytest
 
 import weightshare.api as api
-from weightshare.blob import AlignPolicy
+from weightshare._placement import AlignPolicy
 from weightshare.formats.coreml.milblob import WeightFile
 from weightshare.options import ConvertOptions
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from weightshare.blob import AlignPolicy
+from weightshare._placement import AlignPolicy
 from weightshare.errors import InvalidModel
 from weightshare.formats.coreml.milblob import BlobRecord, WeightFile, WeightFileWriter, pack_record
 from weightshare.tensors import BytesSource

@@ -22,7 +22,8 @@ from onnx_fixtures import kitchen_sink
 from tflite_fixtures import sample_model
 
 import weightshare
-import weightshare.blob as blob_module
+import weightshare._checksum as checksum_module
+import weightshare._placement as placement_module
 
 N = 1_500_000  # 6 MiB as fp32: more than one 4 MiB chunk, so chunk boundaries are exercised
 
@@ -113,7 +114,7 @@ BIG_BLOB = {
 
 @pytest.mark.parametrize("digest", ["sha256", "blake3"])
 def test_onnx_kitchen_sink_bytes_are_pinned(tmp_path, monkeypatch, digest):
-    monkeypatch.setattr(blob_module, "DIGEST", digest)
+    monkeypatch.setattr(checksum_module, "DIGEST", digest)
     (tmp_path / "in").mkdir()
     report = weightshare.convert(kitchen_sink(tmp_path / "in", seed=3), tmp_path / "out")
     assert _onnx_digests(report) == (SINK_MODEL, SINK_BLOB[digest])
@@ -133,7 +134,7 @@ def test_onnx_multi_chunk_payload_bytes_are_pinned(tmp_path, monkeypatch, kernel
         return real(*args)
 
     monkeypatch.setattr(os, "copy_file_range", copy_file_range)
-    monkeypatch.setattr(blob_module, "_KERNEL_COPY", True)
+    monkeypatch.setattr(placement_module, "_KERNEL_COPY", True)
     (tmp_path / "in").mkdir()
     report = weightshare.convert(big_model(tmp_path / "in"), tmp_path / "out")
     assert _onnx_digests(report) == (BIG_MODEL, BIG_BLOB["blake3"])
@@ -145,7 +146,7 @@ def test_sha256_blob_is_todays_and_differs_from_blake3_only_in_the_recorded_dige
     model = big_model(tmp_path / "in")
     blobs = {}
     for digest in ("sha256", "blake3"):
-        monkeypatch.setattr(blob_module, "DIGEST", digest)
+        monkeypatch.setattr(checksum_module, "DIGEST", digest)
         report = weightshare.convert(model, tmp_path / digest)
         assert _onnx_digests(report) == (BIG_MODEL, BIG_BLOB[digest])
         blobs[digest] = Path(next(p for p in report.outputs if p.endswith(".safetensors"))).read_bytes()

@@ -15,7 +15,7 @@ from onnx_fixtures import D, N, kitchen_sink, sparse_model
 from safetensors import safe_open
 
 import weightshare
-from weightshare.blob import read_safetensors_metadata
+from weightshare._safetensors import read_safetensors_metadata
 from weightshare.formats.onnx.fold import shape_tensor_names
 from weightshare.formats.onnx.graph import iter_scopes
 

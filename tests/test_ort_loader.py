@@ -19,8 +19,8 @@ import onnxruntime as ort
 import pytest
 
 import weightshare.ort as wort
+from weightshare._safetensors import read_safetensors_metadata
 from weightshare.api import convert
-from weightshare.blob import read_safetensors_metadata
 from weightshare.errors import InvalidModel, WeightshareError
 from weightshare.formats.onnx.prepack import OPTIMIZED_PREFIX
 from weightshare.formats.onnx.prepack_record import METADATA_KEY, parse_record

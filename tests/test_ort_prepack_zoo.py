@@ -16,7 +16,7 @@ import pytest
 from safetensors import safe_open
 
 import weightshare.ort as wort
-from weightshare.blob import read_safetensors_metadata
+from weightshare._safetensors import read_safetensors_metadata
 from weightshare.formats.onnx import model_forms as mf
 from weightshare.formats.onnx.prepack import METADATA_KEY, PREPACKED_ENTRY, external_tensors, portable_name
 

@@ -80,6 +80,8 @@ PUBLIC = {
     "weightshare.report": ["ConversionReport", "JsonDict", "ZooReport"],
     "weightshare.formats": [
         "BenchRuntime",
+        "BlobContainer",
+        "BlobFile",
         "Format",
         "converter",
         "detect",
@@ -88,19 +90,35 @@ PUBLIC = {
         "model_suffixes",
         "register",
         "registered",
+        "safetensors_container",
         "unregister",
     ],
-    "weightshare.formats.base": ["BenchRuntime", "Format"],
+    "weightshare.formats.base": ["BenchRuntime", "BlobContainer", "BlobFile", "Format"],
+}
+
+# The loaders: runtime-specific by name, public like the package's own functions. Their ``__all__`` is pinned here;
+# their docstrings are not held to the Args/Returns sections yet (their functions document them in prose).
+LOADERS = {
+    "weightshare.ort": [
+        "METADATA_KEY",
+        "check_packed_payloads",
+        "malloc_trim",
+        "mismatch",
+        "prepack_info",
+        "session",
+        "this_machine",
+    ],
+    "weightshare.litert": ["SharedInterpreter", "compiled_model", "find_cache", "interpreter"],
 }
 
 # The functions users call directly document all four sections (safetensors' style).
 TOP_LEVEL_SECTIONS = ("Args:", "Returns:", "Raises:", "Example:")
 
 
-@pytest.mark.parametrize("module", sorted(PUBLIC))
+@pytest.mark.parametrize("module", sorted({**PUBLIC, **LOADERS}))
 def test_public_module_all_is_pinned(module):
     mod = importlib.import_module(module)
-    assert sorted(mod.__all__) == sorted(PUBLIC[module])
+    assert sorted(mod.__all__) == sorted({**PUBLIC, **LOADERS}[module])
     for name in mod.__all__:
         assert getattr(mod, name) is not None, f"{module}.{name} does not resolve"
 

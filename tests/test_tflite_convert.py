@@ -19,8 +19,8 @@ from ai_edge_litert import schema_py_generated as s
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
 from tflite_fixtures import OP, ModelBuilder, run_compiled_model, sample_inputs, sample_model
 
+from weightshare._placement import AlignPolicy
 from weightshare.api import convert
-from weightshare.blob import AlignPolicy
 from weightshare.options import ConvertOptions
 
 RESOLVERS = [OpResolverType.AUTO, OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES]

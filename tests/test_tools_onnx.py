@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from weightshare.blob import read_safetensors_metadata
+from weightshare._safetensors import read_safetensors_metadata
 from weightshare.samples import mlp_onnx
 
 

@@ -309,7 +309,7 @@ def test_tensor_difference_says_where_and_how_much():
 
 def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
     """A record no tensor points at (as --prepack's packed copies are) is still checked against its SHA-256."""
-    from weightshare.blob import read_safetensors_metadata
+    from weightshare._safetensors import read_safetensors_metadata
 
     a, b = W, W[:, ::-1] * 3
     src = _model(

@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
-from weightshare.blob import digest_of, split_digest
+from weightshare._checksum import digest_of, split_digest
 from weightshare.recorded import recorded_records
 from weightshare.verify import first_difference
 

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from weightshare.blob import AlignPolicy, BlobEntry, PlannedTensor, SafetensorsBlob
+from weightshare._placement import AlignPolicy, BlobEntry, PlannedTensor
+from weightshare._safetensors import SafetensorsBlob
 from weightshare.errors import OutputError
 from weightshare.formats.coreml.milblob import BlobRecord, WeightFile, WeightFileWriter, record_payload
 from weightshare.formats.tflite.convert import AppendedContainer

@@ -15,8 +15,8 @@ from onnx import numpy_helper as nh
 from safetensors import safe_open
 
 import weightshare
+from weightshare._safetensors import read_safetensors_metadata
 from weightshare.api import convert_zoo
-from weightshare.blob import read_safetensors_metadata
 
 DIM = 256
 

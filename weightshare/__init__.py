@@ -25,8 +25,8 @@ from .errors import InvalidModel, OutputError, UnsafePath, Unsupported, UsageErr
 
 if _TYPE_CHECKING:
     from ._folder import FolderReport
+    from ._placement import AlignPolicy
     from .api import CheckReport, check, convert, convert_folder, convert_many, convert_zoo, inspect, merge, verify
-    from .blob import AlignPolicy
     from .findings import Finding, Severity
     from .inventory import ModelInventory, PayloadInfo
     from .options import ConvertOptions, Unpack
@@ -67,7 +67,7 @@ __version__ = "0.1.0"
 
 # name -> the module that defines it
 _LAZY = {
-    "AlignPolicy": "blob",
+    "AlignPolicy": "_placement",
     "CheckReport": "api",
     "ConversionReport": "report",
     "ConvertOptions": "options",

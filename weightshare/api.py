@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from .blob import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
-from .errors import OutputError, UsageError
+from .errors import OutputError, Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
 from .options import BLOB_GRACE_S, INLINE_THRESHOLD, ConvertOptions, Unpack
 from .paths import check_no_overlap, plain_file_name
@@ -30,6 +30,7 @@ from .report import ConversionReport, ZooReport
 if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
     from ._folder import FolderReport
     from .findings import Finding
+    from .formats.base import BlobContainer
     from .inventory import ModelInventory
     from .verify import VerifyReport
 
@@ -267,6 +268,7 @@ def convert_folder(
         ort_max_growth,
     )
     opts = _options(options, keywords.options(progress))
+    _check_options(opts)
     from ._folder import convert_folder as run
 
     return run(Path(src), Path(out), opts)
@@ -314,6 +316,35 @@ def _options(options: ConvertOptions | None, from_keywords: ConvertOptions) -> C
     return options
 
 
+def _check_options(options: ConvertOptions, shared_blob: str | None = None) -> None:
+    """Options that exclude each other, refused before anything is read (the one place that checks them)."""
+    if Unpack.ORT_CPU.value in options.unpack and options.keep_packed:
+        raise UsageError("--unpack ort-cpu and --keep-packed exclude each other")
+    if shared_blob is not None and options.blob_name is not None:
+        raise UsageError("--blob and --shared-blob exclude each other")
+
+
+def _convert_inputs(
+    inputs: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    options: ConvertOptions,
+    shared_blob: str | None = None,
+) -> ZooReport | FolderReport | list[ConversionReport]:
+    """What ``weightshare convert INPUTS -o OUT [--shared-blob NAME]`` does: a zoo with ``shared_blob``, else a model
+    folder's tree (given alone), else the models (files, folders' models, globs) as one batch."""
+    _check_options(options, shared_blob)
+    if shared_blob is not None:
+        return convert_zoo(inputs, out_dir, shared_blob, options)
+    from ._folder import convert_folder as run_folder
+    from ._folder import is_model_folder
+
+    if any(is_model_folder(Path(i)) for i in inputs):
+        if len(inputs) > 1:
+            raise UsageError("a model folder is converted on its own (its tree is reproduced in OUTDIR): give it alone")
+        return run_folder(Path(inputs[0]), Path(out_dir), options)
+    return convert_many(_expand_inputs(inputs), out_dir, options)
+
+
 def convert_many(
     models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
 ) -> list[ConversionReport]:
@@ -339,9 +370,10 @@ def convert_many(
         ['out/a.onnx', 'out/b.tflite']
     """
     options = options or ConvertOptions()
+    _check_options(options)
     sources = [Path(m) for m in models]
     if not sources:
-        raise UsageError("no models to convert")
+        raise UsageError("no models to convert (none given, or a glob that matched nothing)")
     if options.blob_name is not None and len(sources) > 1:
         raise UsageError("--blob names one model's blob; with several models use --shared-blob or leave it out")
     out = Path(out_dir)
@@ -497,6 +529,7 @@ def convert_zoo(
         'zoo/shared.0a1b2c3d4e5f.safetensors'
     """
     options = options or ConvertOptions()
+    _check_options(options, shared_blob)
     sources = _expand_inputs(models)
     if not sources:
         raise UsageError("no models to convert")
@@ -513,18 +546,19 @@ def convert_zoo(
     _check_outputs(sources, [out / s.name for s in sources])
     for s in sources:
         _check_input(s)
-    target = blob_target(None, out, shared_blob)
+    formats = [detect(s) for s in sources]
+    target = blob_target(None, out, shared_blob, _shared_container(sources, formats))
     start = time.perf_counter()
     _reset_peak_rss()
     with OutputTransaction() as tx, ExitStack() as stages:
         _prepare_out_dir(out, tx)
-        prepared = [_prepare_zoo_model(src, out, options, stages) for src in sources]
+        prepared = [_prepare_zoo_model(fmt, src, out, options, stages) for fmt, src in zip(formats, sources)]
         for p, src in zip(prepared, sources):
             p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
-        if options.prepack:
-            from .formats.onnx.prepack import share_metadata
-
-            share_metadata(prepared)
+        for fmt in {id(f): f for f in formats}.values():  # what models sharing one blob record together
+            join = getattr(fmt, "join_shared", None)
+            if join is not None:
+                join([p for p, f in zip(prepared, formats) if f is fmt], options)
         write_models(prepared, out, target, options, tx)
         blob = next((o for p in prepared for o in p.report.outputs if o.endswith(".safetensors")), "")
         report = ZooReport(blob=blob, models=[p.report for p in prepared], blob_bytes=prepared[0].report.blob_bytes)
@@ -541,18 +575,27 @@ def convert_zoo(
     return report
 
 
-def _prepare_zoo_model(src: Path, out: Path, options: ConvertOptions, stages: ExitStack) -> PreparedModel:
-    """One zoo model's payloads; with --prepack read from a staging directory that ``stages`` removes."""
-    if options.prepack and detect(src).name == "onnx":
-        from .formats.onnx.prepack import prepare_prepacked, staging
+def _shared_container(sources: list[Path], formats: list[Format]) -> BlobContainer:
+    """The container of a zoo's one blob: the one every model's format declares (``Format.blob_container``)."""
+    first = formats[0].blob_container
+    for src, fmt in zip(sources, formats):
+        container = fmt.blob_container
+        if container is None:
+            raise Unsupported(f"{fmt.name} models keep their weights in their own files: they cannot share a blob", src)
+        if first is None or container != first:
+            raise Unsupported("these models' formats keep a shared blob in different containers", src)
+    assert first is not None
+    return first
 
-        return prepare_prepacked(src, out, options, stages.enter_context(staging(out)))
-    return _prepare_for_blob(src, out, options)
 
-
-def _prepare_for_blob(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
-    """A format's prepare step for a shared blob (ONNX; TFLite with --external)."""
-    return detect(src).prepare(src, out_dir, options)
+def _prepare_zoo_model(fmt: Format, src: Path, out: Path, options: ConvertOptions, stages: ExitStack) -> PreparedModel:
+    """One zoo model's payloads: the format's ``prepare_shared`` when it has one (it may stage files that ``stages``
+    removes, e.g. ONNX --prepack), else its ``prepare``."""
+    prepare_shared = getattr(fmt, "prepare_shared", None)
+    if prepare_shared is not None:
+        prepared: PreparedModel = prepare_shared(src, out, options, stages)
+        return prepared
+    return fmt.prepare(src, out, options)
 
 
 def merge(
@@ -582,19 +625,23 @@ def merge(
     Example:
         >>> weightshare.merge(["small.mlpackage", "large.mlpackage"], "both.mlpackage", ["small", "large"])
     """
-    from .formats.coreml import merge as coreml_merge
-
     options = options or ConvertOptions()
     out = Path(out)
     paths = [Path(s) for s in sources]
     check_no_overlap(paths, [out])
     for s in paths:
         _check_input(s)
+    if not paths:
+        raise UsageError("no models to merge")
+    fmt = detect(paths[0])
+    merge_models = getattr(fmt, "merge", None)  # a format with multifunction models
+    if merge_models is None:
+        raise Unsupported(f"{fmt.name} models cannot be merged into one multifunction model", paths[0])
     start = time.perf_counter()
     _reset_peak_rss()
     with OutputTransaction() as tx:
         _prepare_out_dir(out.parent if str(out.parent) else Path("."), tx)
-        report = coreml_merge.merge_packages(paths, list(function_names or []), default_function, out, options, tx)
+        report: ConversionReport = merge_models(paths, list(function_names or []), default_function, out, options, tx)
     return _finish(report, start)
 
 

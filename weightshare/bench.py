@@ -35,8 +35,8 @@ def bench(
     runtime = fmt.bench_runtime(model)
     measure = runtime.measure
     if inputs:
-        if fmt.name != "tflite":
-            raise UsageError("bench --input is supported for TFLite models (ONNX inputs are made in range already)")
+        if not runtime.takes_inputs:
+            raise UsageError(f"bench --input is not supported for {fmt.name} models (their inputs are made in range)")
         for name, file in inputs.items():
             if not Path(file).is_file():
                 raise UsageError(f"--input {name}: no such file {file}")

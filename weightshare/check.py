@@ -12,10 +12,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .blob import ALIGN_KEY, AlignPolicy
+from ._placement import AlignPolicy
+from ._safetensors import ALIGN_KEY
 from .errors import WeightshareError
-from .findings import Code, Finding, Severity
-from .formats import model_suffixes
+from .findings import Code, Finding, Severity, TextEnum, code_named
+from .formats import get, model_suffixes
 from .inventory import ModelInventory, PayloadInfo, inventory
 from .options import INLINE_THRESHOLD
 from .recorded import blob_metadata
@@ -96,12 +97,12 @@ def _copies(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
         for p in inv.payloads
         if p.location == "embedded" and p.nbytes >= gate.inline_threshold and not p.stays_inline_because
     ]
-    if embedded and inv.format == "tflite":  # mapped with the file: shared, only badly aligned (measured)
+    if embedded and "embedded" in get(inv.format).maps_in_place:  # mapped with the file: shared, only badly aligned
         add(
             Code.INLINE_UNALIGNED,
             embedded,
             f"{len(embedded)} payloads ({_mib(sum(p.nbytes for p in embedded))}) "
-            f"are inline in the flatbuffer: shared by interpreters without delegate, but only 16-byte aligned: "
+            f"are inline in the model file: mapped with it and shared where the runtime maps it, but not page-aligned: "
             f"{_names(embedded)}",
         )
     elif embedded:
@@ -131,7 +132,7 @@ def _copies(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
         cost = _cost(inv, payloads)
         where = ", ".join(f"{_mib(n)} under {s}" for s, n in cost.items())
         add(
-            Code(code),
+            code_named(code),
             payloads,
             f"{len(payloads)} payloads ({_mib(sum(p.nbytes for p in payloads))}): "
             f"{payloads[0].copy_reason}; copied per session: {where}: {_names(payloads)}",
@@ -183,11 +184,11 @@ def _layout(inv: ModelInventory, add: Callable[..., None], gate: Gate, model_dir
         p for p in inv.payloads if p.location == "external" and p.alignment is not None and p.alignment < expected(p)
     ]
     if unaligned:
-        # ONNX Runtime 1.32 maps external data at any offset (measured: 2 x 16 MiB MatMul weights written with
-        # --align 64, 3 sessions with disable_prepacking: PSS 99.5 -> 99.8 MiB), so for ONNX a misaligned
-        # payload costs partly shared pages, not a copy: a warning. Other runtimes: not measured, so it counts
-        # whole against the threshold.
-        cost = 0 if inv.format == "onnx" else sum(p.nbytes for p in unaligned)
+        # A runtime that maps external data at any offset (``Format.maps_unaligned``; ONNX Runtime 1.32, measured:
+        # 2 x 16 MiB MatMul weights written with --align 64, 3 sessions with disable_prepacking: PSS 99.5 -> 99.8
+        # MiB) pays partly shared pages for a misaligned payload, not a copy: a warning. Other runtimes: not
+        # measured, so it counts whole against the threshold.
+        cost = 0 if get(inv.format).maps_unaligned else sum(p.nbytes for p in unaligned)
         add(
             Code.UNALIGNED,
             unaligned,
@@ -213,7 +214,7 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
     model = Path(inv.model).resolve()
     model_dir = model if model.is_dir() else model.parent  # an .mlpackage: file names are relative to it
 
-    def add(code: Code, payloads: list[PayloadInfo], message: str, severity: Severity | None = None) -> None:
+    def add(code: TextEnum, payloads: list[PayloadInfo], message: str, severity: Severity | None = None) -> None:
         if inv.fallback_of and severity is not None and severity is Severity.ERROR:
             # a --prepack output's portable model is the fallback where its packed weights cannot be used
             severity = Severity.WARNING
@@ -235,7 +236,7 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
             by_problem.setdefault(p.problem_code or Code.BAD_EXTERNAL_DATA.value, []).append(p)
     for code, payloads in sorted(by_problem.items()):
         more = f" (and {len(payloads) - 1} more payloads)" if len(payloads) > 1 else ""
-        add(Code(code), payloads, payloads[0].problem + more)
+        add(code_named(code), payloads, payloads[0].problem + more)
     for name in inv.external_files:
         try:
             mode = os.stat(model_dir / name).st_mode

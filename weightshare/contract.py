@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from .blob import split_digest
+from ._checksum import split_digest
 from .findings import Code, Finding, Severity
 from .report import JsonDict
 
@@ -21,16 +21,14 @@ if TYPE_CHECKING:
     from .verify import VerifyReport
 
 SCHEMA = 1
-# Stable ids of the runtime settings an inventory reports copies under (``ModelInventory.settings``) and
-# `check --target` takes.
-SETTINGS = (
-    "ort-default",
-    "ort-disable-prepacking",
-    "litert-builtin",
-    "litert-xnnpack",
-    "litert-compiled-cache",
-    "coreml",
-)
+
+
+def setting_ids() -> tuple[str, ...]:
+    """Stable ids of the runtime settings an inventory reports copies under (``ModelInventory.settings``) and
+    `check --target` takes: every registered format's ``Format.settings``."""
+    from .formats import registered
+
+    return tuple(s for fmt in registered() for s in fmt.settings)
 
 
 def tagged_digest(digest: str) -> str:

@@ -2,8 +2,10 @@
 
 A finding is created where the problem is detected (a format's inventory when it
 locates a payload, ``check`` when it reads the inventory); ``check`` and ``inspect``
-only render them. ``CODES`` is the one table of meanings and fixes; docs/ci.md
-lists the same codes, and a test keeps the two in step.
+only render them. ``CODES`` is the table of the format-neutral codes' meanings and
+fixes; a format declares its own runtime's codes beside it (``Format.findings``, a
+``TextEnum`` of its own), and ``all_codes`` joins them. docs/ci.md lists every code,
+and a test keeps the two in step.
 
 Severity, by effect (``check.Gate``): ``error`` -- a copy that costs more than the
 threshold (default 1 MiB) per session under a setting ``check`` targets, or a model
@@ -16,13 +18,14 @@ severity at full effect.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
 from .errors import UnsafePath
 
 
-class _StrEnum(str, Enum):
+class TextEnum(str, Enum):
     """Compares and hashes like its value, so ``"unaligned" in {Code.UNALIGNED}`` holds."""
 
     def __hash__(self) -> int:
@@ -32,7 +35,7 @@ class _StrEnum(str, Enum):
         return str(self.value)
 
 
-class Severity(_StrEnum):
+class Severity(TextEnum):
     """An error fails ``check``; a warning (a copy that a runtime setting avoids) fails it only with --strict."""
 
     ERROR = "error"
@@ -40,13 +43,12 @@ class Severity(_StrEnum):
     INFO = "info"
 
 
-class Code(_StrEnum):
+class Code(TextEnum):
+    """The format-neutral finding codes; a format's own are in its folder (``Format.findings``)."""
+
     EMBEDDED_WEIGHTS = "embedded-weights"
     UNPACKED_PER_SESSION = "unpacked-per-session"
     MEASURED_COPY = "copied-per-session"
-    ORT_NCHWC_COPY = "ort-nchwc-copy-per-session"
-    ORT_PREPACK_COPY = "ort-prepack-copy-per-session"
-    XNNPACK_PACK_COPY = "xnnpack-pack-copy-per-interpreter"
     INLINE_UNALIGNED = "inline-unaligned"
     UNALIGNED = "unaligned"
     DUPLICATE_PAYLOADS = "duplicate-payloads"
@@ -56,10 +58,7 @@ class Code(_StrEnum):
     BLOB_NOT_WORLD_READABLE = "blob-not-world-readable"
     CHECKSUM_MISMATCH = "checksum-mismatch"
     BLOB_DIGEST_MISMATCH = "blob-digest-mismatch"
-    BAD_PREPACKED_ENTRY = "bad-prepacked-entry"
-    BAD_PREPACK_RECORD = "bad-prepack-record"
     UNREADABLE_MODEL = "unreadable-model"
-    XNNPACK_CACHE_MISMATCH = "xnnpack-cache-mismatch"
 
 
 @dataclass(frozen=True)
@@ -69,56 +68,37 @@ class CodeInfo:
     fix: str
 
 
-CODES: dict[Code, CodeInfo] = {
+CODES: dict[TextEnum, CodeInfo] = {
     Code.EMBEDDED_WEIGHTS: CodeInfo(
         Severity.ERROR,
-        "Weights are stored inside the ONNX/Core ML model file; the runtime copies them into "
+        "Weights are stored inside the model file, which the runtime parses (not maps): it copies them into "
         "private memory in every session.",
         "weightshare convert MODEL -o OUT",
     ),
     Code.UNPACKED_PER_SESSION: CodeInfo(
         Severity.ERROR,
-        "The runtime converts these weights in every session (ONNX Cast fp16->float constant "
-        "folding, TFLite DEQUANTIZE or DENSIFY of a constant) into a private copy.",
+        "The runtime converts these weights in every session (an fp16->float Cast folded as a constant, a "
+        "DEQUANTIZE or DENSIFY of a constant) into a private copy.",
         "weightshare convert MODEL -o OUT (stores the converted form in the blob)",
     ),
     Code.MEASURED_COPY: CodeInfo(
         Severity.ERROR,
-        "Measured: one more session of this model costs this much private memory under the setting named (ONNX "
-        "Runtime asked in a child process: PSS growth from 1 to 4 sessions, over 3). Whatever the cause (pre-packing, "
-        "NCHWc, casts, a kernel inside a subgraph), each session pays it.",
-        "convert with --prepack (packed copies in the blob), or load with session.disable_prepacking=1; the "
-        "static findings listed with it say which weights",
-    ),
-    Code.ORT_NCHWC_COPY: CodeInfo(
-        Severity.ERROR,
-        "ONNX Runtime's NCHWc layout transformer (graph optimization level ORT_ENABLE_ALL, the "
-        "default) copies these Conv weights into every session, even with session.disable_prepacking=1.",
-        "convert with --prepack, or create sessions with graph_optimization_level=ORT_ENABLE_EXTENDED (and "
-        "session.disable_prepacking=1)",
-    ),
-    Code.ORT_PREPACK_COPY: CodeInfo(
-        Severity.WARNING,
-        "With default session options ONNX Runtime (MLAS) pre-packs a private copy of every "
-        "constant MatMul/Gemm B weight per session.",
-        "create sessions with session.disable_prepacking=1, or convert with --prepack",
-    ),
-    Code.XNNPACK_PACK_COPY: CodeInfo(
-        Severity.WARNING,
-        "LiteRT's default XNNPACK delegate packs FULLY_CONNECTED/CONV weights into a private copy per interpreter.",
-        "create interpreters with OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES, or "
-        "use CompiledModel with an XNNPACK weight cache file",
+        "Measured: one more session of this model costs this much private memory under the setting named (the "
+        "runtime asked in a child process: PSS growth from 1 to 4 sessions, over 3). Whatever the cause (pre-packing, "
+        "a layout transform, casts, a kernel inside a subgraph), each session pays it.",
+        "convert with --prepack (packed copies in the blob), or load with the setting that shares; the "
+        "static findings listed with it say which weights and how",
     ),
     Code.INLINE_UNALIGNED: CodeInfo(
         Severity.WARNING,
-        "TFLite buffers inside the flatbuffer are mapped with the file and shared, but only "
-        "16-byte aligned: pages are shared partly, XNNPACK cannot map them.",
+        "Payloads inside the model file are mapped with the file and shared, but not page-aligned: "
+        "pages are shared partly, and a runtime that maps aligned weights cannot map them.",
         "weightshare convert MODEL -o OUT",
     ),
     Code.UNALIGNED: CodeInfo(
         Severity.ERROR,
         "External payloads sit at offsets below the alignment their blob records (convert --align), else "
-        "64 KiB for >= 1 MiB, 64 B below. A warning for ONNX (ONNX Runtime maps any offset); other formats: an "
+        "64 KiB for >= 1 MiB, 64 B below. A warning where the runtime maps any offset; otherwise an "
         "error from the threshold on.",
         "weightshare convert MODEL -o OUT (re-lays the blob)",
     ),
@@ -163,31 +143,11 @@ CODES: dict[Code, CodeInfo] = {
         "and its checksum re-recorded) or another blob was renamed to this name.",
         "re-run weightshare convert from the original model",
     ),
-    Code.BAD_PREPACKED_ENTRY: CodeInfo(
-        Severity.ERROR,
-        "A prepacked_N external-data entry of a --prepack model does not point at the packed copy the blob "
-        "records for its tensor: ONNX Runtime refuses the model at load (ValidatePrePackedWeights) or maps "
-        "another weight's packed bytes.",
-        "re-run weightshare convert MODEL -o OUT --prepack from the original model",
-    ),
-    Code.BAD_PREPACK_RECORD: CodeInfo(
-        Severity.ERROR,
-        "The weightshare.ort_prepack record in the blob's metadata is malformed or names a model outside the "
-        "model's directory: weightshare.ort.session refuses the model (no fallback).",
-        "re-run weightshare convert MODEL -o OUT --prepack from the original model",
-    ),
     Code.UNREADABLE_MODEL: CodeInfo(
         Severity.ERROR,
         "The file cannot be read as a model (truncated, corrupt, not a model): nothing in it was checked. "
         "The other models of the batch still are; `check` exits 2.",
         "replace the file with an intact copy",
-    ),
-    Code.XNNPACK_CACHE_MISMATCH: CodeInfo(
-        Severity.ERROR,
-        "An XNNPACK weight cache beside a TFLite model was built for other content (another "
-        "model, blob or LiteRT version): LiteRT used with it directly would compute with the cached weights, "
-        "not the model's.",
-        "re-run weightshare convert MODEL -o OUT --prepack (builds the matching cache), or delete the stale cache file",
     ),
 }
 
@@ -196,7 +156,7 @@ CODES: dict[Code, CodeInfo] = {
 class Finding:
     """One problem ``check`` found: which code, in which file (and tensor), and the fix."""
 
-    code: Code
+    code: TextEnum  # a ``Code``, or a format's own code (``Format.findings``)
     severity: Severity
     file: str  # the model (or package) the finding is about
     tensor: str  # the first tensor concerned, "" when the finding is about the file
@@ -204,9 +164,9 @@ class Finding:
     fix: str
 
     @classmethod
-    def of(cls, code: Code, file: str, message: str, tensor: str = "", severity: Severity | None = None) -> Finding:
+    def of(cls, code: TextEnum, file: str, message: str, tensor: str = "", severity: Severity | None = None) -> Finding:
         """``severity``: where the rule that found it weighed its effect (``check.Gate``); else the code's."""
-        info = CODES[code]
+        info = all_codes()[code]
         return cls(code, severity or info.severity, file, tensor, message, info.fix)
 
     def line(self) -> str:
@@ -230,3 +190,21 @@ def problem_code(error: Exception, file_exists: bool) -> Code:
     if isinstance(error, UnsafePath):
         return Code.BLOB_OUTSIDE_MODEL_DIR
     return Code.BAD_EXTERNAL_DATA if file_exists else Code.MISSING_EXTERNAL_FILE
+
+
+def all_codes() -> Mapping[TextEnum, CodeInfo]:
+    """Every finding code: the format-neutral ``CODES`` and each registered format's ``Format.findings``."""
+    from .formats import registered
+
+    codes: dict[TextEnum, CodeInfo] = dict(CODES)
+    for fmt in registered():
+        codes.update(fmt.findings)
+    return codes
+
+
+def code_named(value: str) -> TextEnum:
+    """The code whose value is ``value`` (``PayloadInfo.copy_code``, ``problem_code``), format codes included."""
+    for code in all_codes():
+        if code.value == value:
+            return code
+    raise KeyError(value)

@@ -11,8 +11,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ._checksum import digest_of, split_digest
 from ._platform import require_posix
-from .blob import digest_of, split_digest
 from .findings import Code, Finding
 from .formats import detect
 from .recorded import blob_name_problem, record_problem, recorded_records

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from .blob import AlignPolicy
+from ._placement import AlignPolicy
 
 __all__ = ["BLOB_GRACE_S", "INLINE_THRESHOLD", "ConvertOptions", "Unpack"]
 

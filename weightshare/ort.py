@@ -92,7 +92,8 @@ def prepack_info(model_path: str | os.PathLike[str]) -> tuple[JsonDict, Path] | 
 def check_packed_payloads(blob: str | os.PathLike[str], info: JsonDict) -> str | None:
     """Recorded digest (BLAKE3, or SHA-256 in older blobs) of every payload only the prepacked model uses;
     the first mismatch (or such a payload without a digest), or None. ``blob`` may be ``fd_path(fd)``."""
-    from .blob import read_safetensors_metadata, split_digest
+    from ._checksum import split_digest
+    from ._safetensors import read_safetensors_metadata
     from .recorded import record_problem, recorded_records
 
     path = os.fspath(blob)

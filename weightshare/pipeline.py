@@ -2,8 +2,8 @@
 
 A format's ``prepare`` step (scan + plan) returns a ``PreparedModel``: the payloads
 that go to the blob and an ``emit`` callback that writes the rewritten model.
-``write_blob`` streams every payload of every model into one safetensors blob
-(``write.write_payloads``, the one write path), so a zoo of models that share
+``write_blob`` streams every payload of every model into one blob, in the container its
+format declares (``Format.blob_container``; ``write.write_payloads``, the one write path), so a zoo of models that share
 weights stores each distinct payload once; each model's ``emit`` then gets the
 blob's location and that model's ``Placements``.
 """
@@ -17,27 +17,27 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from .blob import SafetensorsBlob
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
 from .paths import resolve_inside
 from .report import ConversionReport
 from .write import BlobPayload, Placements, write_payloads
 
+if TYPE_CHECKING:
+    from .formats.base import BlobContainer
+
 __all__ = ["BlobPayload", "BlobTarget", "Emit", "Placements", "PreparedModel", "blob_target", "write_models"]
 
-SUFFIX = ".safetensors"
 DIGEST_CHARS = 12
-MODEL_SUFFIXES = (".onnx", ".tflite")  # the formats whose models reference a safetensors blob by name
 
 
 class PreparedExtra(TypedDict, total=False):
     """What a format passes along with a prepared model."""
 
-    blob_metadata: dict[str, str]  # written into the blob's safetensors ``__metadata__``
+    blob_metadata: dict[str, str]  # written into the blob's metadata (a safetensors blob: its ``__metadata__``)
     plans: list[Any]  # the format's own plan, read back by that format only (TFLite: its BufferPlans)
 
 
@@ -59,12 +59,14 @@ def write_blob(
     blob_path: Path,
     options: ConvertOptions,
     tx: OutputTransaction,
+    container: BlobContainer,
     shown: Path | None = None,
 ) -> tuple[Path, int, str, list[Placements]]:
     """Stream every payload of ``models`` into one blob; return (its temporary, its size, its content digest,
     each model's placements).
 
-    ``blob_path`` names the temporary; ``shown`` is the blob as error messages name it.
+    ``blob_path`` names the temporary; ``container`` is its layout (the format's ``blob_container``); ``shown``
+    is the blob as error messages name it.
     """
     shown = shown or blob_path
     planned = [p.tensor for m in models for p in m.payloads]
@@ -77,13 +79,13 @@ def write_blob(
         raise OutputError(f"cannot write the blob: {e.strerror}", shown) from None
     try:
         metadata = {k: v for m in models for k, v in m.extra.get("blob_metadata", {}).items()}
-        blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata, prefixes=prefixes)
+        blob = container.open(fd, planned, options.align, metadata, prefixes)
         if options.progress_total is not None:
             options.progress_total(sum(t.nbytes for t in planned))
         placements = [write_payloads(blob, m.payloads, m.report, progress) for m in models]
         size = blob.finish()
         # The header lists every payload's digest, dtype, shape and offset: equal digests, equal files.
-        return tmp, size, blob.header_sha256[:DIGEST_CHARS], placements  # header digest: hashed as it was written
+        return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements
     except OSError as e:  # EFBIG, ENOSPC, EIO: name the file being written, not just the errno
         raise OutputError(f"cannot write the blob: {e.strerror or e}", shown) from None
     except OutputError as e:
@@ -107,10 +109,11 @@ def write_models(
             clean_stale_temporaries(target.directory)
         tmp, size, digest, placements = write_blob(
             models,
-            target.directory / f"{target.base}{SUFFIX}",
+            target.directory / f"{target.base}{target.container.suffix}",
             options,
             tx,
-            shown=target.directory / f"{target.base}.<digest>{SUFFIX}",
+            target.container,
+            shown=target.directory / f"{target.base}.<digest>{target.container.suffix}",
         )
         location, blob_path = target.named(digest)
         tx.retarget(tmp, blob_path)
@@ -128,21 +131,23 @@ def write_models(
 
 @dataclass
 class BlobTarget:
-    """Where a blob goes: ``directory/<base>.<digest>.safetensors``, referenced from the model as ``prefix`` + that."""
+    """Where a blob goes: ``directory/<base>.<digest><suffix>``, referenced from the model as ``prefix`` + that."""
 
     directory: Path
     base: str
     prefix: str  # the blob's directory relative to OUTDIR, as the model references it ("" or "sub/dir/")
+    container: BlobContainer  # the blob's file layout, declared by the format (``Format.blob_container``)
 
     def named(self, digest: str) -> tuple[str, Path]:
-        name = f"{self.base}.{digest}{SUFFIX}"
+        name = f"{self.base}.{digest}{self.container.suffix}"
         return self.prefix + name, self.directory / name
 
 
-def blob_target(src: Path | None, out_dir: Path, blob_name: str | None) -> BlobTarget:
+def blob_target(src: Path | None, out_dir: Path, blob_name: str | None, container: BlobContainer) -> BlobTarget:
     """Validate a blob name (``--blob``, ``--shared-blob``, or the default) and say where its blob goes.
 
-    ``NAME`` (``.safetensors`` stripped) becomes ``NAME.<digest12>.safetensors``; the default NAME is
+    ``container`` is the format's ``blob_container``. ``NAME`` (the
+    container's suffix stripped) becomes ``NAME.<digest12><suffix>``; the default NAME is
     ``<model stem>.weights``. The digest makes every blob name unique per content, so a blob is
     never rewritten in place and a reader that opened the old model still finds the old blob.
     """
@@ -159,26 +164,28 @@ def blob_target(src: Path | None, out_dir: Path, blob_name: str | None) -> BlobT
         raise UsageError(f"blob name {name!r} names a directory, not a file", where)
     if any(part.startswith(TMP_PREFIX) for part in rel.parts):
         raise UsageError(f"blob name {name!r} starts with {TMP_PREFIX!r}, which marks weightshare's temporaries", where)
-    base = rel.name.removesuffix(SUFFIX)
+    base = rel.name.removesuffix(container.suffix)
     if not base or base.startswith("."):
         raise UsageError(f"blob name {name!r} must start with a name (not a dot)", where)
     parent = rel.parent
     prefix = "" if str(parent) == "." else f"{parent.as_posix()}/"
-    return BlobTarget(Path(out_dir) / parent, base, prefix)
+    return BlobTarget(Path(out_dir) / parent, base, prefix, container)
 
 
 class OldBlobCollector(CommitHook):
     """Removes earlier blobs of the same name once nothing references them for ``grace_s`` seconds.
 
-    Candidates are only files named ``<base>.<12 hex digits>.safetensors`` beside the new blob. A
-    candidate is referenced when its file name occurs in a model file (.onnx, .tflite) in OUTDIR or
+    Candidates are only files named ``<base>.<12 hex digits><suffix>`` beside the new blob. A
+    candidate is referenced when its file name occurs in a model file (any registered format's) in OUTDIR or
     in the blob's directory: a byte search, so it can only err on the side of keeping a blob. A blob
     that a model referenced until this commit gets its mtime set to now; the grace period counts from
     there, so a reader that opened the old model just before the swap still finds its blob.
     """
 
     def __init__(self, target: BlobTarget, out_dir: Path, keep: str, grace_s: float) -> None:
-        self.pattern = re.compile(re.escape(target.base) + rf"\.[0-9a-f]{{{DIGEST_CHARS}}}" + re.escape(SUFFIX) + "$")
+        self.pattern = re.compile(
+            re.escape(target.base) + rf"\.[0-9a-f]{{{DIGEST_CHARS}}}" + re.escape(target.container.suffix) + "$"
+        )
         self.blob_dir, self.keep, self.grace_s = target.directory, keep, grace_s
         self.model_dirs = {out_dir, target.directory}
         self.was_referenced: set[str] = set()
@@ -218,13 +225,16 @@ def referenced_names(candidates: list[Path], model_dirs: set[Path]) -> set[str]:
     """The candidate file names that occur in any model file of ``model_dirs``."""
     if not candidates:
         return set()
+    from .formats import model_suffixes
+
     wanted = {c.name: c.name.encode() for c in candidates}
+    suffixes = model_suffixes()
     found: set[str] = set()
     for d in model_dirs:
         if not d.is_dir():
             continue
         for f in d.iterdir():
-            if f.suffix not in MODEL_SUFFIXES or f.name.startswith(TMP_PREFIX) or not f.is_file():
+            if f.suffix not in suffixes or f.name.startswith(TMP_PREFIX) or not f.is_file():
                 continue
             found |= _names_in(f, wanted)
             if len(found) == len(wanted):

@@ -14,13 +14,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .blob import METADATA_KEY, digest_of, new_hasher, read_safetensors_metadata, split_digest, tagged
+from ._checksum import digest_of, new_hasher, split_digest, tagged
+from ._safetensors import METADATA_KEY, read_safetensors_metadata
 from .errors import InvalidModel, WeightshareError
 from .tensors import CHUNK_SIZE, FileRange, PayloadSource
 
 
 def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
-    """(name, absolute offset, length, tagged digest (``blob.tagged``: SHA-256 bare, "blake3:<hex>")) of every
+    """(name, absolute offset, length, tagged digest (``_checksum.tagged``: SHA-256 bare, "blake3:<hex>")) of every
     payload a weightshare blob records; [] for any other file (not safetensors, no weightshare metadata, or a
     header too odd to trust for a lookup)."""
     try:

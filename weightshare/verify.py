@@ -56,12 +56,6 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def hint(fmt: str) -> str:
-    if fmt == "onnx":
-        return "give real inputs with --input NAME=FILE.npy, or symbolic dims with --dim NAME=VALUE"
-    return "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --shape NAME=1,16000 / --dim '*=N'"
-
-
 def compare_outputs(
     report: VerifyReport, names: list[str], outs_a: dict[str, Any], outs_b: dict[str, Any], run: int, prefix: str = ""
 ) -> None:
@@ -151,8 +145,8 @@ def verify(
         raise UsageError(f"{original} and {converted} are not the same format")
     if runs < 1:
         raise UsageError("--runs must be at least 1")
-    if decode_steps < 0 or (decode_steps and fmt != "onnx"):
-        raise UsageError("--decode-steps takes a non-negative number of steps, for ONNX models")
+    if decode_steps < 0 or (decode_steps and not getattr(get(fmt), "decodes", False)):
+        raise UsageError(f"--decode-steps takes a non-negative number of steps, for decoders ({fmt} has none)")
     report = VerifyReport(str(original), str(converted), fmt)
     opts: dict[str, Any] = {
         "runs": runs,
@@ -172,18 +166,18 @@ def verify(
 
 
 def load_input(name: str, file: str | os.PathLike[str]) -> Any:
-    """A value for ``--input NAME=FILE``: a .npy array, or a serialized ONNX TensorProto (.pb)."""
+    """A value for ``--input NAME=FILE``: a .npy array, or a file a format reads (``Format.input_readers``, by
+    suffix: ONNX's serialized TensorProto ``.pb``)."""
     import numpy as np
+
+    from .formats import registered
 
     path = Path(file)
     try:
-        if path.suffix == ".pb":
-            import onnx
-            from onnx import numpy_helper
-
-            proto = onnx.TensorProto()
-            proto.ParseFromString(path.read_bytes())
-            return numpy_helper.to_array(proto)
+        for fmt in registered():
+            read = getattr(fmt, "input_readers", {}).get(path.suffix)
+            if read is not None:
+                return read(path)
         return np.load(path, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 -- unreadable input file: the user's problem, one line
         raise UsageError(f"--input {name}: cannot read {path}: {first_line(e)}") from None

@@ -3,14 +3,14 @@
 Every format hands ``write_payloads`` the payloads it wants out of its model file and a *container*: the
 layout strategy of the file they go into. Three exist:
 
-- ``blob.SafetensorsBlob``: the shared safetensors blob (ONNX, TFLite ``--external``, zoo mode), a JSON
+- ``_safetensors.SafetensorsBlob``: the shared safetensors blob (ONNX, TFLite ``--external``, zoo mode), a JSON
   header in front, payloads at page-aligned absolute offsets;
 - ``formats.tflite.convert.AppendedContainer``: payloads appended after a TFLite flatbuffer, which the
   format writes over the file's first bytes once the payloads have their offsets;
 - ``formats.coreml.milblob.WeightFileWriter``: a Core ML weight.bin, a 64-byte record before each payload;
   what the model references is the record's offset.
 
-All three stream through one ``blob.BlobWriter`` (alignment, dedupe by content digest, kernel copies,
+All three stream through one ``_placement.BlobWriter`` (alignment, dedupe by content digest, kernel copies,
 writeback). ``write_payloads`` returns ``Placements``: where each payload landed, by its position in the
 order given, which the format's ``emit`` then takes as an argument. The report's payload counters are
 filled here and nowhere else.
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from .blob import BlobEntry, PlannedTensor, Progress
+from ._placement import BlobEntry, PlannedTensor, Progress
 from .errors import OutputError
 from .report import ConversionReport
 from .tensors import PayloadSource

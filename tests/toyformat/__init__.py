@@ -12,9 +12,10 @@ import base64
 import json
 from pathlib import Path
 
-from weightshare.blob import PlannedTensor
+from weightshare._placement import PlannedTensor
 from weightshare.errors import InvalidModel, Unsupported
-from weightshare.formats.base import BenchRuntime
+from weightshare.formats import safetensors_container
+from weightshare.formats.base import BenchRuntime, BlobContainer
 from weightshare.inventory import ModelInventory, PayloadInfo, alignment_of
 from weightshare.pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from weightshare.report import ConversionReport
@@ -34,6 +35,14 @@ def _load(path: Path) -> dict:
 class ToyFormat:
     name = "toy"
     suffixes = (".toymodel",)
+    maps_in_place = frozenset({"external"})  # the toy runtime decodes embedded base64 per session
+    maps_unaligned = False
+    findings: dict = {}  # the format-neutral codes cover it
+    settings: tuple[str, ...] = ()  # one runtime, no settings to tell apart
+
+    @property
+    def blob_container(self) -> BlobContainer:
+        return safetensors_container()
 
     def claims(self, path: Path, head: bytes) -> bool:
         return path.suffix == ".toymodel" and head[:1] == b"{"
@@ -71,7 +80,7 @@ class ToyFormat:
         return PreparedModel(report, payloads, emit)
 
     def convert(self, src: Path, out_dir: Path, options, tx) -> ConversionReport:
-        target = blob_target(src, out_dir, options.blob_name)
+        target = blob_target(src, out_dir, options.blob_name, self.blob_container)
         prepared = self.prepare(src, out_dir, options)
         write_models([prepared], out_dir, target, options, tx)
         return prepared.report

@@ -11,10 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import InvalidModel, Unsupported
-from .base import BenchRuntime, Format
+from .base import BenchRuntime, BlobContainer, BlobFile, Format
 
 __all__ = [
     "BenchRuntime",
+    "BlobContainer",
+    "BlobFile",
     "Format",
     "converter",
     "detect",
@@ -23,6 +25,7 @@ __all__ = [
     "model_suffixes",
     "register",
     "registered",
+    "safetensors_container",
     "unregister",
 ]
 
@@ -96,6 +99,22 @@ def model_suffixes() -> tuple[str, ...]:
         Every registered format's model suffixes, e.g. ``(".tflite", ".mlpackage", ".onnx")``.
     """
     return tuple(s for fmt in registered() for s in fmt.suffixes)
+
+
+def safetensors_container() -> BlobContainer:
+    """The safetensors container, which ONNX and TFLite declare as their ``blob_container``.
+
+    Returns:
+        A ``BlobContainer`` (suffix ``.safetensors``): a valid safetensors file whose payloads sit at
+        page-aligned absolute offsets.
+
+    Example:
+        >>> safetensors_container().suffix
+        '.safetensors'
+    """
+    from .._safetensors import CONTAINER
+
+    return CONTAINER
 
 
 def _head(path: Path) -> bytes:

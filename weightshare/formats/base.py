@@ -6,27 +6,58 @@ format (convert, zoo mode, inspect/check, verify, bench) goes through a ``Format
 by ``weightshare.formats.detect``; nothing outside a format's folder names a format.
 
 Adding a format: a folder ``weightshare/formats/<name>/`` whose ``__init__.py`` defines
-``FORMAT`` (an object satisfying this protocol), and one line in ``formats/__init__.py``'s
-``_BUILTIN``. Heavy imports (onnx, flatbuffers, coremltools, runtimes) belong inside the
-methods, so that detecting a format costs nothing.
+``FORMAT`` (an object satisfying this protocol: its methods and its facts, the blob container,
+what its runtime maps in place, its settings and finding codes), and one line in
+``formats/__init__.py``'s ``_BUILTIN``; docs/design.md lists every file a format touches.
+Heavy imports (onnx, flatbuffers, coremltools, runtimes) belong inside the methods, so that
+detecting a format costs nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from .._placement import AlignPolicy, BlobEntry, PlannedTensor, Progress
     from ..atomic import OutputTransaction
+    from ..findings import CodeInfo, TextEnum
     from ..inventory import ModelInventory
     from ..options import ConvertOptions
     from ..pipeline import PreparedModel
     from ..report import ConversionReport
     from ..verify import VerifyReport
+    from ..write import BlobPayload
 
-__all__ = ["BenchRuntime", "Format"]
+__all__ = ["BenchRuntime", "BlobContainer", "BlobFile", "Format"]
+
+
+class BlobFile(Protocol):
+    """A blob file being written: a ``write.Container`` that also ends the file and names its content."""
+
+    def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
+        """Write one payload; return where it landed."""
+        ...
+
+    def finish(self) -> int:
+        """Write what goes after the payloads (a header, an index); return the file's size."""
+        ...
+
+    def name_digest(self) -> str:
+        """Hex digest of the content, from which the blob's file name is made (``NAME.<digest12><suffix>``)."""
+        ...
+
+
+@dataclass(frozen=True)
+class BlobContainer:
+    """The container of the blob a format's models reference by name (``--blob``, zoo mode's ``--shared-blob``):
+    its file suffix, and how a writer over an open file is made from the planned payloads
+    (fd, planned, alignment, metadata, per-payload name prefixes)."""
+
+    suffix: str
+    open: Callable[[int, list[PlannedTensor], AlignPolicy, dict[str, str], Sequence[str] | None], BlobFile]
 
 
 @dataclass(frozen=True)
@@ -39,6 +70,7 @@ class BenchRuntime:
     modes: tuple[tuple[str, bool], ...]
     prepacked: tuple[str, bool] | None = None  # how a ``convert --prepack`` output is measured, if the format has one
     prepacked_env: dict[str, str] = field(default_factory=dict)  # environment of that measuring process
+    takes_inputs: bool = False  # ``measure`` takes a fourth argument, input name -> .npy file (``bench --input``)
 
 
 class Format(Protocol):
@@ -46,6 +78,22 @@ class Format(Protocol):
 
     name: str  # "onnx", "tflite", "coreml": in reports and --json
     suffixes: tuple[str, ...]  # what a directory walk picks up as models of this format
+    # The container of the blob its models reference by name; None when its models keep their weights elsewhere
+    # (a Core ML package's own weight.bin). Models of a zoo share one blob, so their formats' containers agree.
+
+    @property
+    def blob_container(self) -> BlobContainer | None: ...
+
+    # Where the payloads a runtime maps in place (shared by every session, never copied) live: "external" (in a
+    # blob or data file) and/or "embedded" (inside the model file, e.g. a flatbuffer mapped with the file).
+    maps_in_place: frozenset[str]
+    # The runtime maps an external payload at any offset: a misaligned one costs partly shared pages, not a copy.
+    maps_unaligned: bool
+    # Its own finding codes with their docs rows (severity, meaning, fix); the format-neutral ones are in
+    # ``weightshare.findings.CODES``.
+    findings: Mapping[TextEnum, CodeInfo]
+    # Stable ids of the runtime settings its inventory reports copies under (``check --target`` takes them).
+    settings: tuple[str, ...]
 
     def claims(self, path: Path, head: bytes) -> bool:
         """True when ``path`` is a model of this format; ``head`` is its first 8 bytes (b"" for a directory).

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import Unsupported
+from ...findings import CodeInfo, TextEnum
 from ..base import BenchRuntime
 
 if TYPE_CHECKING:
@@ -20,6 +21,11 @@ if TYPE_CHECKING:
 class CoremlFormat:
     name = "coreml"
     suffixes = (".mlpackage",)
+    blob_container = None  # the weights stay in the package's own weight.bin
+    maps_in_place = frozenset({"external"})
+    maps_unaligned = False
+    findings: dict[TextEnum, CodeInfo] = {}  # the format-neutral codes cover it
+    settings = ("coreml",)
 
     def claims(self, path: Path, head: bytes) -> bool:
         if path.is_dir():
@@ -43,6 +49,20 @@ class CoremlFormat:
             "use `weightshare merge` to share weights between Core ML models",
             src,
         )
+
+    def merge(
+        self,
+        sources: list[Path],
+        function_names: list[str],
+        default_function: str | None,
+        out: Path,
+        options: ConvertOptions,
+        tx: OutputTransaction,
+    ) -> ConversionReport:
+        """``weightshare merge``: one multifunction package, each distinct weight stored once (streamed)."""
+        from .merge import merge_packages
+
+        return merge_packages(sources, function_names, default_function, out, options, tx)
 
     def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
         from .inventory import inventory_file

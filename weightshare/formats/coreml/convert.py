@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import Message
 
+from ..._placement import Progress, align_up
 from ...atomic import OutputTransaction
-from ...blob import Progress, align_up
 from ...errors import InvalidModel, OutputError
 from ...options import ConvertOptions
 from ...report import ConversionReport, JsonDict

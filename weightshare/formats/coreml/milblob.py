@@ -28,7 +28,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ...blob import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress, digest_of
+from ..._checksum import digest_of
+from ..._placement import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress
 from ...errors import InvalidModel, OutputError
 from ...tensors import FileRange, PayloadSource, open_input
 from ...write import BlobPayload

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..base import BenchRuntime
+from ..base import BenchRuntime, BlobContainer
+from .findings import CODES
 
 if TYPE_CHECKING:
     from ...atomic import OutputTransaction
@@ -19,6 +22,16 @@ if TYPE_CHECKING:
 class OnnxFormat:
     name = "onnx"
     suffixes = (".onnx",)
+    maps_in_place = frozenset({"external"})
+    findings = CODES
+    settings = ("ort-default", "ort-disable-prepacking")  # inventory.ORT_DEFAULT, ORT_SHARE
+    maps_unaligned = True  # ONNX Runtime maps external data at any offset (measured, see check.py)
+
+    @property
+    def blob_container(self) -> BlobContainer:
+        from ..._safetensors import CONTAINER
+
+        return CONTAINER
 
     def claims(self, path: Path, head: bytes) -> bool:
         # A ModelProto starts with ir_version (field 1, varint: tag byte 0x08).
@@ -41,6 +54,29 @@ class OnnxFormat:
         from .convert import prepare
 
         return prepare(src, out_dir, options)
+
+    def prepare_shared(self, src: Path, out_dir: Path, options: ConvertOptions, stages: ExitStack) -> PreparedModel:
+        """Zoo mode: ``prepare``, or with --prepack the packed payloads read from a staging directory that
+        ``stages`` removes once the zoo is written."""
+        if not options.prepack:
+            return self.prepare(src, out_dir, options)
+        from .prepack import prepare_prepacked, staging
+
+        return prepare_prepacked(src, out_dir, options, stages.enter_context(staging(out_dir)))
+
+    def join_shared(self, prepared: list[PreparedModel], options: ConvertOptions) -> None:
+        """Zoo mode with --prepack: one blob record naming every model's portable twin."""
+        if options.prepack and prepared:
+            from .prepack import share_metadata
+
+            share_metadata(prepared)
+
+    decodes = True  # verify --decode-steps: present* outputs fed back as past* inputs
+
+    @property
+    def input_readers(self) -> dict[str, Callable[[Path], Any]]:
+        """``verify --input NAME=FILE``: files this format reads besides .npy, by suffix."""
+        return {".pb": _read_tensor_proto}
 
     def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
         from .inventory import inventory_file
@@ -69,6 +105,16 @@ class OnnxFormat:
             prepacked=("default", False),
             prepacked_env={"MALLOC_MMAP_THRESHOLD_": "1048576"},
         )
+
+
+def _read_tensor_proto(path: Path) -> Any:
+    """A serialized ONNX TensorProto as a numpy array."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.TensorProto()
+    proto.ParseFromString(path.read_bytes())
+    return numpy_helper.to_array(proto)
 
 
 FORMAT = OnnxFormat()

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from ..._placement import PlannedTensor
+from ..._safetensors import CONTAINER
 from ...atomic import OutputTransaction
-from ...blob import PlannedTensor
 from ...errors import InvalidModel
 from ...options import ConvertOptions, Unpack
 from ...ort import malloc_trim
@@ -322,7 +323,7 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
         from .prepack import convert_prepacked
 
         return convert_prepacked(src, out_dir, options, tx)
-    target = blob_target(src, out_dir, options.blob_name)
+    target = blob_target(src, out_dir, options.blob_name, CONTAINER)
     prepared = prepare(src, out_dir, options)
     write_models([prepared], out_dir, target, options, tx)
     return prepared.report

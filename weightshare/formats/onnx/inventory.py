@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ...errors import UnsafePath, WeightshareError
-from ...findings import Code, Finding, problem_code
+from ...findings import Finding, problem_code
 from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
 from ...recorded import blob_metadata, recorded_payloads, recorded_records
@@ -33,6 +33,7 @@ from ...tensors import FileRange
 from . import dtypes
 from ._proto import pb
 from .convert import load_skeleton, plan
+from .findings import OnnxCode
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
 from .ortcpu import inventory_notes
@@ -102,14 +103,24 @@ def _ort_copies(site: Site, uses: list[tuple[pb.NodeProto, int]], packed: bool) 
     nbytes = 4 * math.prod(dims)
     if any(_nchwc_reordered(node, dims) for node, i in uses if i == 1):
         # measured: each session grows by twice the weight (the reordered initializer, and the tensor made of it)
-        return 2 * nbytes, 0, "Conv weights reordered to NCHWc per session at ORT_ENABLE_ALL", Code.ORT_NCHWC_COPY.value
+        return (
+            2 * nbytes,
+            0,
+            "Conv weights reordered to NCHWc per session at ORT_ENABLE_ALL",
+            OnnxCode.ORT_NCHWC_COPY.value,
+        )
     # with --prepack's packed copy in the file (``packed``), ORT maps it instead of packing per session
     if (
         not packed
         and len(dims) == 2
         and any(node.op_type in ("MatMul", "Gemm") and node.domain in ("", "ai.onnx") and i == 1 for node, i in uses)
     ):
-        return 0, nbytes, "MatMul/Gemm B pre-packed by MLAS per session at default options", Code.ORT_PREPACK_COPY.value
+        return (
+            0,
+            nbytes,
+            "MatMul/Gemm B pre-packed by MLAS per session at default options",
+            OnnxCode.ORT_PREPACK_COPY.value,
+        )
     return 0, 0, "", ""
 
 
@@ -204,7 +215,7 @@ def _fallback_of(path: Path, files: list[str]) -> tuple[str, list[Finding]]:
         try:
             record = parse_record(raw, name)
         except WeightshareError as e:
-            findings.append(Finding.of(Code.BAD_PREPACK_RECORD, str(path), f"{name}: {e.message}"))
+            findings.append(Finding.of(OnnxCode.BAD_PREPACK_RECORD, str(path), f"{name}: {e.message}"))
             continue
         if path.name in (record["portable_model"], *record["portable_models"].values()):
             twins = {v: k for k, v in record["portable_models"].items()}
@@ -248,7 +259,7 @@ def packed_entry_findings(
     more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
     return [
         Finding.of(
-            Code.BAD_PREPACKED_ENTRY,
+            OnnxCode.BAD_PREPACKED_ENTRY,
             inv.model,
             f"pre-packed entry of tensor {bad[0]}{more} does not point at the packed copy recorded for it in the "
             "blob: onnxruntime refuses it at load or maps another weight's bytes",

@@ -34,8 +34,9 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from ..._placement import PlannedTensor
+from ..._safetensors import CONTAINER
 from ...atomic import OutputTransaction, locked_stage
-from ...blob import PlannedTensor
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
@@ -187,7 +188,7 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> Conversi
     )
     prepared = prepare(src, stage, staged)
     with OutputTransaction() as tx:
-        write_models([prepared], stage, blob_target(None, stage, STAGE_BLOB), staged, tx)
+        write_models([prepared], stage, blob_target(None, stage, STAGE_BLOB, CONTAINER), staged, tx)
     return prepared.report
 
 
@@ -237,7 +238,7 @@ def _run_bounded(
 
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads."""
-    target = blob_target(src, out_dir, options.blob_name)
+    target = blob_target(src, out_dir, options.blob_name, CONTAINER)
     with staging(out_dir) as held:
         prepared = prepare_prepacked(src, out_dir, options, held)
         write_models([prepared], out_dir, target, options, tx)

@@ -17,7 +17,9 @@ from ...errors import UsageError
 from ...inventory import inventory
 from ...options import ConvertOptions, Unpack
 from ...tensors import FileRange, PayloadSource
-from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line, hint
+from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line
+
+_HINT = "give real inputs with --input NAME=FILE.npy, or symbolic dims with --dim NAME=VALUE"
 
 
 def _original_payloads(original: Path, converted_unpack: bool) -> dict[str, list[PayloadSource]]:
@@ -95,9 +97,7 @@ def verify_in_runtime(
     try:
         a = new_session(str(original), share=False, log_level=4)
     except Exception as e:  # noqa: BLE001 -- any runtime refusal is reported, not raised as a bug
-        raise OriginalFails(
-            f"the original model fails in onnxruntime: {first_line(e)} ({hint('onnx')})", original
-        ) from None
+        raise OriginalFails(f"the original model fails in onnxruntime: {first_line(e)} ({_HINT})", original) from None
     # names inside expression dims (past_sequence_length + sequence_length) count as names too
     symbolic = {
         n for i in a.get_inputs() for d in i.shape if isinstance(d, str) for n in re.findall(r"[A-Za-z_]\w*", d)
@@ -172,9 +172,7 @@ def _run_original(a: Any, feeds: dict[str, Any], original: Path) -> list[Any]:
     try:
         return list(a.run(None, feeds))
     except Exception as e:  # noqa: BLE001
-        raise OriginalFails(
-            f"the original model fails in onnxruntime: {first_line(e)} ({hint('onnx')})", original
-        ) from None
+        raise OriginalFails(f"the original model fails in onnxruntime: {first_line(e)} ({_HINT})", original) from None
 
 
 def _decode(

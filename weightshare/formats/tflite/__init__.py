@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidModel, UsageError
-from ..base import BenchRuntime
+from ..base import BenchRuntime, BlobContainer
+from .findings import CODES
 
 if TYPE_CHECKING:
     from ...atomic import OutputTransaction
@@ -24,6 +25,16 @@ if TYPE_CHECKING:
 class TfliteFormat:
     name = "tflite"
     suffixes = (".tflite",)
+    maps_in_place = frozenset({"embedded", "external"})  # the flatbuffer is mapped with the file
+    maps_unaligned = False
+    findings = CODES
+    settings = ("litert-builtin", "litert-xnnpack", "litert-compiled-cache")  # inventory.NO_DELEGATE, XNNPACK, ...
+
+    @property
+    def blob_container(self) -> BlobContainer:
+        from ..._safetensors import CONTAINER
+
+        return CONTAINER
 
     def claims(self, path: Path, head: bytes) -> bool:
         if len(head) >= 8 and head[4:8] == b"TFL3":  # the flatbuffer file identifier
@@ -54,10 +65,16 @@ class TfliteFormat:
 
         verify_in_runtime(report, original, converted, opts, broken)
 
+    def quiet_exit(self) -> None:
+        """LiteRT logs its teardown on native stderr at exit: silence it once a command has printed its result."""
+        from ...runtimes.litert import silence_native_stderr_until_exit
+
+        silence_native_stderr_until_exit()
+
     def bench_runtime(self, path: Path) -> BenchRuntime:
         from ...runtimes.litert import measure_interpreters
 
-        return BenchRuntime(measure_interpreters, (("no delegate", True), ("XNNPACK", False)))
+        return BenchRuntime(measure_interpreters, (("no delegate", True), ("XNNPACK", False)), takes_inputs=True)
 
 
 FORMAT = TfliteFormat()

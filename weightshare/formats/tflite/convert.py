@@ -27,8 +27,9 @@ from pathlib import Path
 import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
+from ..._placement import BlobEntry, BlobWriter, PlannedTensor, Progress
+from ..._safetensors import CONTAINER
 from ...atomic import OutputTransaction
-from ...blob import BlobEntry, BlobWriter, PlannedTensor, Progress
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...paths import resolve_inside
@@ -404,7 +405,7 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
     final = out_dir / src.name
     blob_name = None
     if options.external:
-        target = blob_target(src, out_dir, options.blob_name)
+        target = blob_target(src, out_dir, options.blob_name, CONTAINER)
         prepared = _prepare(src, out_dir, options)
         write_models([prepared], out_dir, target, options, tx)
         report, plans = prepared.report, prepared.extra["plans"]

@@ -28,6 +28,7 @@ from ...recorded import recorded_payloads
 from ...tensors import FileRange
 from . import flatbuf
 from .dequantize import dequantized_copies
+from .findings import TfliteCode
 from .graph import (
     DENSIFY,
     DEQUANTIZE,
@@ -250,7 +251,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         }
         if packed:
             info.copy_reason = "weights packed by XNNPACK per interpreter"
-            info.copy_code = Code.XNNPACK_PACK_COPY.value
+            info.copy_code = TfliteCode.XNNPACK_PACK_COPY.value
             info.copy_bytes = {NO_DELEGATE: 0, XNNPACK: packed, XNNPACK_CACHE: 0}
         if hash_payloads:
             info.sha256 = payload_digest(ref.source(str(path)))

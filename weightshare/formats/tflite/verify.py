@@ -14,7 +14,9 @@ from typing import Any
 
 from ...errors import UsageError, WeightshareError
 from ...inventory import inventory
-from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line, hint
+from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line
+
+_HINT = "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --shape NAME=1,16000 / --dim '*=N'"
 
 
 def verify_in_runtime(
@@ -177,7 +179,7 @@ def tflite_hint(e: BaseException, feeds: dict[str, Any], opts: dict[str, Any]) -
     if feeds:
         given = ", ".join(f"--input {n}" for n in feeds)
         return f"the values given ({given}) do not suit the model, e.g. indices out of range"
-    return hint("tflite")
+    return _HINT
 
 
 def _first_feeds(opened: list[tuple[str, str, Any, Any]], opts: dict[str, Any]) -> dict[str, Any]:

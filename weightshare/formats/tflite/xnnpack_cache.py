@@ -33,12 +33,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..._checksum import Hasher
 from ...atomic import CommitHook, OutputTransaction, locked_stage
-from ...blob import Hasher
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
-from ...findings import Code, Finding
+from ...findings import Finding
 from ...paths import resolve_inside
 from . import cache_record
+from .findings import TfliteCode
 
 if TYPE_CHECKING:
     from ai_edge_litert import schema_py_generated as schema
@@ -497,7 +498,7 @@ def inventory_notes(model: str | os.PathLike[str]) -> tuple[list[str], list[Find
             if not st.matches:
                 findings.append(
                     Finding.of(
-                        Code.XNNPACK_CACHE_MISMATCH,
+                        TfliteCode.XNNPACK_CACHE_MISMATCH,
                         str(model),
                         f"XNNPACK weight cache {st.path.name} does not match the model: {st.reason}",
                     )

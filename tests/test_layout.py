@@ -1,0 +1,149 @@
+"""The layout: option conflicts refused by the API (the CLI only forwards), one byte formatter for every figure.
+
+Before: small fixture models built in tmp_path.
+Under test: ``api``'s option-conflict checks through the public functions and the CLI, ``cli._render.size``.
+After: nothing is written for a refused conversion.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import weightshare
+from weightshare import ConvertOptions, UsageError
+from weightshare.cli._render import size, size_mib
+from weightshare.samples import mlp_onnx
+
+
+@pytest.fixture()
+def model(tmp_path):
+    (tmp_path / "in").mkdir()
+    return mlp_onnx(tmp_path / "in" / "m.onnx", layers=1, dim=64)
+
+
+def test_ort_cpu_and_keep_packed_are_refused_by_the_api(model, tmp_path):
+    with pytest.raises(UsageError, match="--unpack ort-cpu and --keep-packed exclude each other"):
+        weightshare.convert(model, tmp_path / "out", unpack=("ort-cpu",), keep_packed=True)
+    with pytest.raises(UsageError, match="exclude each other"):
+        weightshare.convert_many(
+            [model], tmp_path / "out", ConvertOptions(unpack=frozenset({"ort-cpu"}), keep_packed=True)
+        )
+    assert not (tmp_path / "out").exists()
+
+
+def test_blob_and_shared_blob_are_refused_by_the_api(model, tmp_path):
+    with pytest.raises(UsageError, match="--blob and --shared-blob exclude each other"):
+        weightshare.convert_zoo([model], tmp_path / "zoo", "shared", ConvertOptions(blob_name="mine"))
+    assert not (tmp_path / "zoo").exists()
+
+
+def test_the_cli_reports_the_api_refusal_as_one_line(model, tmp_path):
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "weightshare",
+            "convert",
+            str(model),
+            "-o",
+            str(tmp_path / "out"),
+            "--blob",
+            "a",
+            "--shared-blob",
+            "b",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip() == "weightshare: error: --blob and --shared-blob exclude each other"
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_model_folder_beside_other_inputs_is_refused(model, tmp_path):
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    mlp_onnx(folder / "model.onnx", layers=1, dim=64)
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="a model folder is converted on its own"):
+        weightshare.api._convert_inputs([folder, model], tmp_path / "out", ConvertOptions())
+
+
+@pytest.mark.parametrize(
+    "nbytes,text", [(17, "17 B"), (3584, "3.5 KiB"), (56 << 20, "56.0 MiB"), (2048 << 20, "2.0 GiB"), (0, "0 B")]
+)
+def test_one_byte_formatter(nbytes, text):
+    assert size(nbytes) == text
+    assert size_mib(nbytes / (1 << 20)) == text
+
+
+# Shared code: everything in weightshare/ but the formats' folders and the modules runtime- or format-specific by
+# name: the public loaders (ort.py, litert*.py), the runtimes' measuring code (runtimes/), the ONNX Runtime demo and
+# the sample-model builders (demo.py, samples.py).
+PACKAGE = Path(weightshare.__file__).parent
+NOT_SHARED = ("formats/", "runtimes/", "ort.py", "litert", "demo.py", "samples.py")
+
+
+def _shared_modules() -> list[Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if not p.relative_to(PACKAGE).as_posix().startswith(NOT_SHARED)]
+
+
+def _format_words() -> list[str]:
+    from weightshare import formats
+
+    return sorted({w.lower() for f in formats.registered() for w in (f.name, *f.suffixes)} | {"litert", "core ml"})
+
+
+def _literals(tree: ast.AST) -> list[tuple[int, str]]:
+    """String literals that are code (docstrings and --help texts are documentation) and imported module paths."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+        ):
+            skip.add(id(body[0].value))
+        if isinstance(node, ast.keyword) and node.arg == "help":
+            skip.update(id(n) for n in ast.walk(node.value))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            found.append((node.lineno, node.value))
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, node.module or ""))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+    return found
+
+
+def test_shared_modules_name_no_format():
+    words = _format_words()
+    assert {"onnx", ".onnx", "tflite", ".tflite", "coreml", ".mlpackage"} <= set(words)
+    hits = [
+        f"{path.relative_to(PACKAGE)}:{line}: {text[:80]!r}"
+        for path in _shared_modules()
+        for line, text in _literals(ast.parse(path.read_text()))
+        if any(w in text.lower() for w in words)
+    ]
+    assert not hits, "format facts outside weightshare/formats/:\n" + "\n".join(hits)
+
+
+def test_the_walk_sees_a_format_name_where_there_is_one(tmp_path):
+    # the walk itself can fail: a literal in code is found, the same words in a docstring or a --help text are not
+    tree = ast.parse('"""ONNX docs."""\nimport typer\nx = typer.Option(1, help="ONNX help")\nif fmt == "onnx": pass\n')
+    assert [t for _, t in _literals(tree) if "onnx" in t.lower()] == ["onnx"]
+
+
+def test_no_module_over_500_lines_outside_the_formats():
+    long = {
+        p.relative_to(PACKAGE).as_posix(): n for p in _shared_modules() if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert set(long) <= {"api.py"}, long  # api.py: the public functions and their docstrings, one job

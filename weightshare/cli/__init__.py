@@ -1,0 +1,19 @@
+"""The `weightshare` command: a thin Typer layer over ``weightshare.api``.
+
+``_app``: the app, its global options and the exit mapping (0 ok, 1 a check or verify found a problem, 2 bad
+input or usage); ``_render``: every table and line printed; one module per command group: ``_convert``
+(convert, merge), ``_inspect`` (inspect, check), ``_verify`` (verify), ``_bench`` (bench, demo).
+"""
+
+from __future__ import annotations
+
+from typer.core import TyperCommand
+
+from . import _bench, _convert, _inspect, _verify  # noqa: F401  (each registers its commands on ``app``)
+from ._app import _Command, app, main
+
+__all__ = ["app", "main"]
+
+for _info in app.registered_commands:  # every command renders its help like the group (see _Command)
+    if _info.cls in (None, TyperCommand):
+        _info.cls = _Command

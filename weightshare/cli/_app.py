@@ -1,0 +1,153 @@
+"""The Typer app, its global options, and how errors become one line and an exit code.
+
+Exit codes: 0 ok, 1 a check or verify found a problem, 2 bad input or usage.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+from typing import Any, NoReturn
+
+import typer
+from typer.core import TyperCommand, TyperGroup
+
+from ..errors import WeightshareError
+from ._render import VERBOSITY, err
+
+
+def _flags_without_placeholder(command: TyperCommand | TyperGroup, ctx: Any) -> None:
+    """typer prints a ``<bool>`` type beside every flag, which takes no value: show none (an empty metavar)."""
+    for param in command.get_params(ctx):
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+
+
+class _Command(TyperCommand):
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # typer._click types: not public
+        _flags_without_placeholder(self, ctx)
+        super().format_help(ctx, formatter)
+
+
+class _Group(TyperGroup):
+    def format_help(self, ctx: Any, formatter: Any) -> None:  # typer._click types: not public
+        _flags_without_placeholder(self, ctx)
+        super().format_help(ctx, formatter)
+
+
+# markdown: docstring paragraphs are reflowed to the terminal width (rich mode kept their hard line breaks, which
+# then wrapped again into ragged one-word lines). Help text with <angle brackets> puts them in `code spans`:
+# markdown takes a bare <digest12> for an HTML tag and drops it.
+app = typer.Typer(
+    cls=_Group,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
+    "shared by every session, interpreter, function and process.",
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        print(f"weightshare {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _global(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+    quiet_all: bool = typer.Option(
+        False, "-q", "--quiet", help="Print nothing but errors, findings and requested JSON."
+    ),
+    verbose: bool = typer.Option(False, "-v", "--verbose", help="Print more detail (per-model tables, notes)."),
+) -> None:
+    """Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and shared by every
+    session, interpreter, function and process."""
+    VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    err.print(f"weightshare: error: {message}", markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (timeout, docker stop, kill): unwound like Ctrl-C so that temporaries are removed."""
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn input problems into one line and exit code 2; never a traceback."""
+    try:
+        yield
+    except WeightshareError as e:
+        fail(e.line())
+    except Terminated:
+        fail("terminated; no output was left behind", 128 + signal.SIGTERM)
+    except KeyboardInterrupt:
+        fail("interrupted; no output was left behind", 130)
+    except MemoryError:
+        fail("out of memory")
+    except OSError as e:
+        fail(f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}")
+
+
+def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
+    pairs = []
+    for item in items:
+        name, sep, value = item.rpartition("=")
+        if not sep or not name or not value:
+            fail(f"{option} takes NAME={what}, got {item!r}")
+        pairs.append((name, value))
+    return pairs
+
+
+def main() -> None:
+    # A file size limit (RLIMIT_FSIZE, quota-like) must surface as an EFBIG write error that we clean up
+    # after, not as a SIGXFSZ that kills the process and leaves temporaries behind.
+    if hasattr(signal, "SIGXFSZ"):  # not on Windows
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _terminate)
+    # Skip the interpreter's last full garbage collection at exit, which walks every object the imports made
+    # (onnx, numpy, protobuf): about 0.1 CPU s of each command. Nothing weightshare does relies on it: files
+    # and temporaries are closed and cleaned by the command itself.
+    atexit.register(gc.freeze)
+    # The command does no linear algebra: numpy's OpenBLAS need not start (and spin up) a thread per core when
+    # numpy is imported (fp16 unpacking), about 0.03-0.05 CPU s. The command's own children inherit it; none of
+    # them multiplies matrices with numpy either (ONNX Runtime and LiteRT have their own thread pools).
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    if os.environ.get("WEIGHTSHARE_DEBUG"):
+        app()
+        return
+    try:
+        app()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt as e:  # outside a command's own handling (argument parsing, imports)
+        what = "terminated" if isinstance(e, Terminated) else "interrupted"
+        err.print(f"weightshare: error: {what}; no output was left behind", markup=False, highlight=False)
+        sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
+    except Exception as e:  # a bug in weightshare: still one line, and how to get the traceback
+        err.print(
+            f"weightshare: internal error: {type(e).__name__}: {e} (set WEIGHTSHARE_DEBUG=1 for a traceback)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(2)

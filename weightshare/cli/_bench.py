@@ -1,0 +1,100 @@
+"""The measuring commands: ``bench`` (PSS of N sessions) and ``demo``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from ._app import _pairs, app, fail, user_errors
+from ._render import detail, err, info, render_bench, render_demo, size
+
+
+@app.command()
+def bench(
+    model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
+    sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
+    plot_path: Path | None = typer.Option(
+        None, "--plot", help='Write a PNG chart of PSS vs sessions (needs matplotlib: pip install "weightshare[plot]").'
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the measurements as one JSON document."),
+    inputs: list[str] = typer.Option(
+        [], "--input", help="TFLite: real values for an input, NAME=FILE.npy, instead of random ones. Repeatable."
+    ),
+) -> None:
+    """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
+
+    Each model and runtime setting runs in a fresh process; ONNX Runtime with and without
+    session.disable_prepacking, plus the `convert --prepack` result at default options;
+    LiteRT without delegate and with the default XNNPACK one.
+    """
+    from ..bench import bench as run_bench
+    from ..bench import plot
+
+    with user_errors():
+        try:
+            counts = sorted({int(x) for x in sessions.split(",") if x.strip()})
+        except ValueError:
+            fail(f"--sessions takes comma-separated integers, got {sessions!r}")
+        if plot_path is not None:
+            plot_path = plot_path.resolve()
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                fail('--plot needs matplotlib: pip install "weightshare[plot]"')
+        status = err.status("measuring") if sys.stderr.isatty() and not as_json else None
+        if status:
+            status.start()
+        try:
+            result = run_bench(
+                model,
+                counts,
+                progress=(lambda m: status.update(m)) if status else (lambda m: None),
+                inputs=dict(_pairs(inputs, "--input", "FILE.npy")),
+            )
+        finally:
+            if status:
+                status.stop()
+        if plot_path is not None:
+            plot(result, plot_path)
+            result["plot"] = str(plot_path)
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    render_bench(result, plot_path)
+
+
+@app.command()
+def demo(
+    workdir: Path = typer.Option(
+        Path("weightshare-demo"),
+        "--dir",
+        help="Where to put the sample models (56 MiB per layer: ~675 MiB with the default 12 layers).",
+    ),
+    sessions: int = typer.Option(4, "--sessions", help="ONNX Runtime sessions to open per variant."),
+    layers: int = typer.Option(12, "--layers", help="MLP layers of 2048x2048 fp16 weights (8 MiB each)."),
+    clean: bool = typer.Option(False, "--clean", help="Remove the demo directory (--dir) and exit."),
+    as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
+) -> None:
+    """Build a sample fp16 ONNX model, convert it, and show the memory of N sessions before and after."""
+    from ..demo import clean_demo, run_demo
+
+    with user_errors():
+        if clean:
+            removed = clean_demo(workdir)
+            info(f"removed {workdir.resolve()}" if removed else f"nothing to remove at {workdir.resolve()}")
+            return
+        # the fp16 original, the fp32 blob, and the --prepack blob (fp32 payloads plus ORT's packed copies)
+        nbytes = layers * (2048 * 2048 + 2048) * (2 + 4 + 8)
+        if not as_json:
+            info(
+                f"writing about {size(nbytes)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
+                f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})"
+            )
+        result = run_demo(workdir, sessions, layers, progress=lambda msg: detail(msg))
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    render_demo(result, sessions)

@@ -1,0 +1,121 @@
+"""The inspection commands: ``inspect`` (one model's payloads) and ``check`` (the CI gate)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from ..options import INLINE_THRESHOLD
+from ._app import app, fail, user_errors
+from ._render import VERBOSITY, err, info, quiet, render_inventory
+
+
+@app.command()
+def inspect(
+    model: Path = typer.Argument(..., help="An ONNX, TFLite or Core ML model."),
+    as_json: bool = typer.Option(False, "--json", help="Print the inventory and findings as one JSON document."),
+    no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
+    limit: int = typer.Option(40, "--limit", help="Payload rows to show (largest first); 0 for all."),
+    no_measure: bool = typer.Option(
+        False, "--no-measure", help="Static per-session estimate only (do not ask onnxruntime in child processes)."
+    ),
+) -> None:
+    """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
+
+    Per-session copies are shown per runtime setting side by side (ONNX Runtime with
+    session.disable_prepacking=1 and with default options; LiteRT without delegate, with
+    XNNPACK, and CompiledModel with a weight cache), followed by check's findings.
+    """
+    from ..check import findings_for
+    from ..contract import inspect_document
+    from ..inventory import inventory
+
+    with user_errors():
+        inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
+        findings = findings_for(inv)
+    if as_json:
+        print(json.dumps(inspect_document(inv, findings), indent=2))
+        return
+    render_inventory(inv, findings, limit)
+
+
+@app.command()
+def check(
+    models: list[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
+    as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),
+    inline_threshold: int = typer.Option(
+        INLINE_THRESHOLD, "--inline-threshold", help="Embedded payloads below this size are fine."
+    ),
+    strict: bool = typer.Option(
+        False,
+        "--strict",
+        help="Fail on warnings too (copies that only a setting not targeted makes, 16-byte aligned inline "
+        "TFLite buffers).",
+    ),
+    target: list[str] = typer.Option(
+        [],
+        "--target",
+        help="Runtime setting the models will be loaded with: ort-default, ort-disable-prepacking, "
+        "litert-builtin, litert-xnnpack, litert-compiled-cache, coreml. Repeatable; a format none is named "
+        "for is held to its sharing setting (ort-disable-prepacking, litert-builtin).",
+    ),
+    threshold: int = typer.Option(
+        1 << 20, "--threshold", help="Bytes per session a copy may cost before it is an error (default 1 MiB)."
+    ),
+    output_format: str = typer.Option(
+        "text", "--format", help="text, json (same as --json) or github (workflow annotations)."
+    ),
+    no_measure: bool = typer.Option(
+        False,
+        "--no-measure",
+        help="Use the static per-session estimate only (default for ONNX: ask onnxruntime, in child processes, "
+        "what one more session costs under each setting).",
+    ),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
+) -> None:
+    """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
+
+    Errors (a copy above --threshold per session under a targeted setting, or a broken
+    model) fail the gate; warnings (a copy only another setting makes, named in the fix)
+    fail it only with --strict; info never. A file that cannot be read is one
+    unreadable-model finding, the rest are still checked, and the exit code is 2.
+    docs/ci.md lists every finding code and the JSON schema.
+    """
+    from ..check import Gate, find_models
+    from ..check import check as run_check
+    from ..contract import check_document, exit_code, github_annotations, setting_ids
+
+    quiet(quiet_)
+    if output_format not in ("text", "json", "github"):
+        fail(f"--format takes text, json or github, got {output_format!r}")
+    for t in target:
+        if t not in setting_ids():
+            fail(f"--target {t!r} is not a setting id ({', '.join(setting_ids())})")
+    if threshold < 0:
+        fail("--threshold must not be negative")
+    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)
+    with user_errors():
+        paths = find_models(models)
+        if not paths:
+            fail("no models found")
+        inventories, findings = run_check(paths, gate, keep_going=True)
+    code = exit_code(findings, strict)
+    if as_json or output_format == "json":
+        print(json.dumps(check_document(inventories, findings, gate, strict), indent=2))
+    elif output_format == "github":
+        for line in github_annotations(findings):
+            print(line)
+    else:
+        for f in findings:  # an unreadable file is bad input: its line goes where every command's errors go
+            print(f.line(), file=sys.stderr if f.code == "unreadable-model" else sys.stdout)
+        for inv in inventories:
+            for note in inv.measure_notes:  # how the figures were made: on stderr, silenced by -q
+                if VERBOSITY["level"] >= 0:
+                    err.print(f"note: {inv.model}: {note}", markup=False, highlight=False, soft_wrap=True)
+        if code == 0:
+            shown = f" ({len(findings)} warnings/info)" if findings else ""
+            info(f"ok: {len(inventories)} model(s) share-ready{shown}")
+    raise typer.Exit(code)

@@ -1,0 +1,121 @@
+"""The ``verify`` command: both models run in the real runtime on the same inputs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from ..errors import WeightshareError
+from ._app import _pairs, app, fail, user_errors
+from ._render import info, quiet
+
+
+def _quiet_runtime_exit(model: Path) -> None:
+    """After verify's result: a format whose runtime logs its teardown at exit silences it (``quiet_exit``)."""
+    from ..formats import detect
+
+    try:
+        fmt = detect(model)
+    except WeightshareError:
+        return
+    quiet_exit = getattr(fmt, "quiet_exit", None)
+    if quiet_exit is not None:
+        sys.stdout.flush()
+        quiet_exit()
+
+
+def _verify_args(
+    dim: list[str], shape: list[str], inputs: list[str]
+) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
+    from ..verify import load_input
+
+    dims: dict[str, int] = {}
+    shapes: dict[str, list[int]] = {}
+    for name, value in _pairs(dim, "--dim", "VALUE"):
+        if not value.isdigit():  # 0 is a valid length: past_sequence_length=0 is a prefill step
+            fail(f"--dim takes NAME=VALUE with a non-negative integer, got {name}={value!r}")
+        dims[name] = int(value)
+    for name, value in _pairs(shape, "--shape", "D0,D1,..."):
+        parts = [p.strip() for p in value.split(",")]
+        if not all(p.isdigit() for p in parts):
+            fail(f"--shape takes NAME=D0,D1,... with non-negative integers, got {name}={value!r}")
+        shapes[name] = [int(p) for p in parts]
+    given = {name: load_input(name, value) for name, value in _pairs(inputs, "--input", "FILE.npy")}
+    return dims, shapes, given
+
+
+@app.command()
+def verify(
+    original: Path = typer.Argument(..., help="The model before conversion."),
+    converted: Path = typer.Argument(..., help="The converted model."),
+    runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
+    dim: list[str] = typer.Option(
+        [],
+        "--dim",
+        help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
+        "sets every other dynamic dimension (TFLite dims have no names). Repeatable.",
+    ),
+    shape: list[str] = typer.Option(
+        [], "--shape", help="TFLite: full shape of an input with dynamic dims, NAME=1,16000. Repeatable."
+    ),
+    inputs: list[str] = typer.Option(
+        [],
+        "--input",
+        help="Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable.",
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
+    decode_steps: int = typer.Option(
+        0,
+        "--decode-steps",
+        help="ONNX decoders: a prefill step, then N steps feeding each present* output back as its past* input.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
+    quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
+) -> None:
+    """Run both models in the real runtime on the same inputs: pass only if outputs are byte-identical.
+
+    Compares output names, count and order, then each output's dtype, shape and raw
+    bytes (sequences, maps and optionals element by element). ONNX Runtime CPU at
+    default options; LiteRT without delegate and with XNNPACK (every signature), or
+    CompiledModel for ExternalBuffer models. Every blob payload is re-hashed against its
+    recorded checksum and the blob's name against its header; ONNX: every payload is compared byte
+    for byte with the original's, and a --prepack output's portable model is run too. Core ML (no
+    runtime on Linux): weights must decode to the same bytes and the programs must match op for op.
+    Exit 1 on a difference, 2 when the original itself does not run.
+    """
+    from ..verify import verify as run_verify
+
+    quiet(quiet_)
+    reported = False  # an unexpected exception is reported by main(): stderr must stay open for it
+    try:
+        with user_errors():
+            dims, shapes, given = _verify_args(dim, shape, inputs)
+            report = run_verify(original, converted, runs, dims, seed, given, shapes, decode_steps)
+        reported = True
+    except typer.Exit:
+        reported = True
+        raise
+    finally:  # after the one error line, if any: LiteRT logs its teardown at exit
+        if reported:
+            _quiet_runtime_exit(original)
+    if as_json:
+        from ..contract import verify_document
+
+        print(json.dumps(verify_document(report), indent=2))
+    else:
+        for line in report.checksum_mismatches + report.mismatches:
+            print(f"FAIL: {line}")
+        for note in report.notes:
+            info(f"note: {note}")
+        verdict = "ok" if report.passed else "FAILED"
+        ran = f" ({'; '.join(report.paths)})" if report.paths else ""
+        steps = f", prefill + {report.decode_steps} decode steps" if decode_steps else ""
+        info(
+            f"{verdict}: {report.runs} runs{steps}{ran}, {report.outputs_compared} outputs compared, "
+            f"{report.payloads_hashed} blob payloads re-hashed, {report.payloads_compared} compared with the original"
+        )
+    raise typer.Exit(0 if report.passed else 1)
