@@ -1,5 +1,6 @@
 import os
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -16,6 +17,10 @@ settings.register_profile(
 )
 settings.register_profile("explore", max_examples=500, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+# weightshare.ort remembers verified --prepack blobs in $XDG_CACHE_HOME: the suite (and every child it starts)
+# keeps its verdicts in a private directory per run instead of the user's cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="weightshare-tests-cache-")
 
 
 def run_cli(*args, cwd=None, env=None):
