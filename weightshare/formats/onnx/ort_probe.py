@@ -222,8 +222,8 @@ def external_locations(data: bytes) -> list[str]:
                             key, value = (data[a2:b2], value) if n2 == 1 else (key, data[a2:b2])
                     if key == b"location":
                         locations.append(value.decode("utf-8", "surrogateescape"))
-            if external:
-                found.update(dict.fromkeys(locations))
+            if external:  # no location at all: "" (which resolves to no file and is refused)
+                found.update(dict.fromkeys(locations or [""]))
             continue
         children = _CHILDREN[kind]
         for number, wire, a, b in reversed(list(_fields(data, start, end))):
