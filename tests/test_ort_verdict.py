@@ -21,7 +21,7 @@ from onnx import numpy_helper as nh
 import weightshare.ort as wort
 from weightshare.api import convert
 from weightshare.blob import read_safetensors_metadata
-from weightshare.errors import InvalidModel
+from weightshare.errors import InvalidModel, WeightshareError
 from weightshare.formats.onnx import ort_verdict
 from weightshare.formats.onnx.ort_probe import WireError, external_locations, fd_identity, nchwc_convs
 from weightshare.formats.onnx.prepack import OPTIMIZED_PREFIX, PACKED_PREFIX, external_tensors
@@ -305,3 +305,17 @@ def test_a_model_that_is_not_protobuf_is_invalid_model(tmp_path):
     bad.write_bytes(b"\x0a\xff\xff\xff\x0f not a model")
     with pytest.raises(InvalidModel, match="does not parse"):
         wort.session(bad)
+
+
+def test_an_external_tensor_without_a_location_is_refused(tmp_path):
+    t = nh.from_array(np.ones(4, np.float32), "w")
+    t.data_location = T.EXTERNAL
+    t.ClearField("raw_data")
+    g = h.make_graph(
+        [h.make_node("Identity", ["w"], ["y"])], "g", [], [h.make_tensor_value_info("y", T.FLOAT, [4])], [t]
+    )
+    model = tmp_path / "m.onnx"
+    model.write_bytes(h.make_model(g).SerializeToString())
+    assert external_locations(model.read_bytes()) == [""]
+    with pytest.raises(WeightshareError, match="empty or invalid path"):
+        wort.session(model)
