@@ -381,6 +381,7 @@ def _versus_onnx(work: Path, d: Path, model: Path, label: str) -> tuple[str, dic
     checks = {
         "peak RSS MiB (target <= 200)": rows["weightshare"]["peak"],
         "wall / onnx wall (target <= 1.5)": rows["weightshare"]["wall"] / rows["onnx load+save external"]["wall"],
+        "CPU / onnx CPU (target <= 1.2)": rows["weightshare"]["cpu"] / rows["onnx load+save external"]["cpu"],
     }
     return label, rows, checks
 

@@ -1,6 +1,9 @@
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,11 @@ settings.register_profile(
 )
 settings.register_profile("explore", max_examples=500, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
+
+# weightshare.ort remembers verified --prepack blobs in $XDG_CACHE_HOME: the suite (and every child it starts)
+# keeps its verdicts in a private directory per run instead of the user's cache.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="weightshare-tests-cache-")
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], True)
 
 
 def run_cli(*args, cwd=None, env=None):

@@ -34,7 +34,6 @@ from .formats.onnx.prepack_record import METADATA_KEY, portable_of, read_record_
 from .report import JsonDict
 
 if TYPE_CHECKING:
-    import onnx
     import onnxruntime as ort
 
 log = logging.getLogger("weightshare.ort")
@@ -48,7 +47,7 @@ __all__ = [
     "session",
     "this_machine",
 ]
-_verified: set[tuple[int, int, int, int]] = set()  # blobs whose ORT payloads passed their checksums in this process
+_verified: set[tuple[tuple[int, int, int, int, int], str]] = set()  # (identity, header digest) passed here
 _warned: set[str] = set()
 _machine: JsonDict | None = None
 
@@ -69,7 +68,7 @@ def this_machine() -> JsonDict:
 
         import onnxruntime as ort
 
-        from .formats.onnx.ort_child import cpu_features, nchwc_block_size
+        from .formats.onnx.ort_probe import cpu_features, nchwc_block_size
 
         _machine = {
             "onnxruntime": ort.__version__,
@@ -91,16 +90,40 @@ def prepack_info(model_path: str | os.PathLike[str]) -> tuple[JsonDict, Path] | 
 
 def check_packed_payloads(blob: str | os.PathLike[str], info: JsonDict) -> str | None:
     """Recorded digest (BLAKE3, or SHA-256 in older blobs) of every payload only the prepacked model uses;
-    the first mismatch (or such a payload without a digest), or None. ``blob`` may be ``fd_path(fd)``."""
+    the first mismatch (or such a payload without a digest), or None. ``blob`` may be ``fd_path(fd)``.
+
+    A blob that passed is remembered, in this process and in a per-user cache (``ort_verdict``), keyed by its
+    (device, inode, size, mtime_ns, ctime_ns) and the SHA-256 of its header: the next process opening the
+    same unchanged blob reads its header only. Any change to the file (ctime moves) hashes it again."""
+    from .formats.onnx import ort_verdict
+    from .formats.onnx.ort_probe import fd_identity
+
+    path = os.fspath(blob)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        return f"its blob cannot be opened ({e.strerror})"
+    try:
+        identity, digest = fd_identity(fd), ort_verdict.header_sha256(fd)
+        if digest is None:
+            return "its blob header cannot be read"
+        if (identity, digest) in _verified or ort_verdict.is_intact(identity, digest):
+            _verified.add((identity, digest))
+            return None
+        why = _hash_packed_payloads(path, info, identity[2])
+        if why is None and fd_identity(fd) == identity and ort_verdict.header_sha256(fd) == digest:
+            _verified.add((identity, digest))
+            ort_verdict.remember_intact(identity, digest)
+        return why
+    finally:
+        os.close(fd)
+
+
+def _hash_packed_payloads(path: str, info: JsonDict, size: int) -> str | None:
     from ._checksum import split_digest
     from ._safetensors import read_safetensors_metadata
     from .recorded import record_problem, recorded_records
 
-    path = os.fspath(blob)
-    st = os.stat(path)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if key in _verified:
-        return None
     prefixes = (str(info["packed_prefix"]), str(info["optimized_prefix"]))
     try:
         _start, header, _meta = read_safetensors_metadata(path)
@@ -113,11 +136,10 @@ def check_packed_payloads(blob: str | os.PathLike[str], info: JsonDict) -> str |
         if name not in records:
             return f"{name} has no recorded digest"
         offset, length, recorded = records[name]
-        if record_problem(path, offset, length, recorded, st.st_size):
-            if offset + length > st.st_size:
+        if record_problem(path, offset, length, recorded, size):
+            if offset + length > size:
                 return f"{name} is truncated"
             return f"{name} does not match its recorded {split_digest(recorded)[0]} digest"
-    _verified.add(key)
     return None
 
 
@@ -238,17 +260,14 @@ def _open_file(path: Path, origin: Path) -> int:
 class _OpenedModel:
     """A model file and every external-data file it references, each opened once and held open."""
 
-    def __init__(self, path: Path, data: bytes, model: onnx.ModelProto) -> None:
-        self.path, self.data, self.model = path, data, model
+    def __init__(self, path: Path, data: bytes) -> None:
+        self.path, self.data = path, data
         self.blobs: dict[str, int] = {}  # external-data location -> fd
         self.targets: dict[str, Path] = {}  # location -> the path ORT will open
 
     @classmethod
     def open(cls, path: Path) -> _OpenedModel:
-        import onnx
-        from google.protobuf.message import DecodeError
-
-        from .formats.onnx.prepack import external_tensors
+        from .formats.onnx.ort_probe import WireError, external_locations
         from .paths import resolve_inside
 
         fd = _open_file(path, path)
@@ -256,15 +275,13 @@ class _OpenedModel:
             data = _read_fd(fd)
         finally:
             os.close(fd)
-        model = onnx.ModelProto()
         try:
-            model.ParseFromString(data)
-        except (DecodeError, RecursionError):
+            locations = external_locations(data)
+        except WireError:
             raise InvalidModel("not an ONNX model (protobuf does not parse)", path) from None
-        opened = cls(path, data, model)
+        opened = cls(path, data)
         try:
-            for t in external_tensors(model):
-                loc = next((e.value for e in t.external_data if e.key == "location"), "")
+            for loc in locations:
                 if loc not in opened.blobs:
                     opened.targets[loc] = resolve_inside(path.parent, loc, "external data", origin=path)
                     opened.blobs[loc] = _open_file(opened.targets[loc], path)
@@ -325,18 +342,6 @@ class _OpenedModel:
         self.close()
 
 
-def _nchwc_convs(model: onnx.ModelProto) -> int:
-    """Conv nodes of the main graph whose float 4-D weight ORT_ENABLE_ALL reorders into an NCHWc copy."""
-    from onnx import TensorProto
-
-    weights = {t.name for t in model.graph.initializer if t.data_type == TensorProto.FLOAT and len(t.dims) == 4}
-    return sum(
-        1
-        for n in model.graph.node
-        if n.op_type == "Conv" and n.domain in ("", "ai.onnx") and len(n.input) > 1 and n.input[1] in weights
-    )
-
-
 def _open_plain(
     opened: _OpenedModel, so: ort.SessionOptions | None, providers: list[str], kwargs: dict[str, Any]
 ) -> ort.InferenceSession:
@@ -348,7 +353,9 @@ def _open_plain(
     so = so or ort.SessionOptions()
     _set_entry(so, "session.disable_prepacking", "1")
     chosen = "session.disable_prepacking=1"
-    convs = _nchwc_convs(opened.model)
+    from .formats.onnx.ort_probe import nchwc_convs
+
+    convs = nchwc_convs(opened.data)
     if (
         convs
         and this_machine()["nchwc_block"]

@@ -297,6 +297,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
 
     def emit(blob_location: str, placements: Placements, tx: OutputTransaction) -> list[Path]:
         location = encode_len_field(13, encode_len_field(1, b"location") + encode_len_field(2, blob_location.encode()))
+        offset_key, length_key = encode_len_field(1, b"offset"), encode_len_field(1, b"length")  # once, not per tensor
 
         def entries(index: int) -> bytes:  # what _set_external gives: location, offset, length
             at = position[index]
@@ -305,8 +306,8 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
             offset, length = placements.offset(at), placements.nbytes(at)
             return (
                 location
-                + encode_len_field(13, encode_len_field(1, b"offset") + encode_len_field(2, b"%d" % offset))
-                + encode_len_field(13, encode_len_field(1, b"length") + encode_len_field(2, b"%d" % length))
+                + encode_len_field(13, offset_key + encode_len_field(2, b"%d" % offset))
+                + encode_len_field(13, length_key + encode_len_field(2, b"%d" % length))
             )
 
         out_model = out_dir / src.name

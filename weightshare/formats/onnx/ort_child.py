@@ -24,70 +24,7 @@ from typing import Any, BinaryIO
 
 import onnx
 
-# /proc/cpuinfo flags that select MLAS kernels (SGEMM packing, NCHWc block size, int8 paths).
-CPU_FLAGS = (
-    "sse4_1",
-    "avx",
-    "avx2",
-    "fma",
-    "f16c",
-    "avx512f",
-    "avx512bw",
-    "avx512vl",
-    "avx512_vnni",
-    "avx_vnni",
-    "avx512_bf16",
-    "avx512_fp16",
-    "amx_tile",
-    "amx_bf16",
-    "amx_int8",
-    "asimd",
-    "asimddp",
-    "i8mm",
-    "bf16",
-    "sve",
-    "sme",
-)
-
-
-def cpu_features() -> list[str]:
-    from ...runtimes.cpuinfo import cpu_flags
-
-    flags = cpu_flags()
-    return [f for f in CPU_FLAGS if f in flags]
-
-
-def nchwc_block_size(directory: str | None = None) -> int:
-    """Measured, not guessed: ORT pads the output channels of an NCHWc Conv weight to its block size,
-    so an 8-channel 1x1 Conv's reordered weight has block-size rows (0: no NCHWc on this CPU).
-    ``directory``: where its scratch file goes (the converter's locked staging; default $TMPDIR)."""
-    import numpy as np
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto as T
-    from onnx import helper as h
-    from onnx import numpy_helper as nh
-
-    graph = h.make_graph(
-        [h.make_node("Conv", ["x", "w"], ["y"])],
-        "probe",
-        [h.make_tensor_value_info("x", T.FLOAT, [1, 8, 4, 4])],
-        [h.make_tensor_value_info("y", T.FLOAT, None)],
-        [nh.from_array(np.ones((8, 8, 1, 1), np.float32), "w")],
-    )
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
-    model.ir_version = 8
-    import tempfile
-
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        so = ort.SessionOptions()
-        so.optimized_model_filepath = f"{tmp}/probe.onnx"
-        so.log_severity_level = 3
-        ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        optimized = onnx.load(f"{tmp}/probe.onnx")
-    if not any(n.domain == "com.microsoft.nchwc" for n in optimized.graph.node):
-        return 0
-    return max((t.dims[0] for t in optimized.graph.initializer if len(t.dims) == 4), default=0)
+from .ort_probe import cpu_features, nchwc_block_size
 
 
 def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> None:

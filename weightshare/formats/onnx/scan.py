@@ -348,9 +348,9 @@ class Scanner:
                 f"tensor {name!r} has data type {data_type}, which cannot hold a numeric payload", wf.path
             )
         ref = self._ref(name, name_range, data_type, dims_t, payload, external if location == EXTERNAL else None)
-        marker = encode_len_field(1, REF_KEY.encode()) + encode_len_field(2, str(ref.index).encode())
+        marker = _MARKER_KEY + encode_len_field(2, str(ref.index).encode())
         kept.append(encode_len_field(13, marker))
-        kept.append(encode_varint_field(14, EXTERNAL))
+        kept.append(_EXTERNAL_LOCATION)
         return b"".join(kept)
 
     def _dims(self, f: Field) -> list[int]:
@@ -563,6 +563,7 @@ def _fields_of(buf: bytes, start: int, end: int) -> Iterator[tuple[int, int, int
 
 
 _MARKER_KEY = encode_len_field(1, REF_KEY.encode())
+_EXTERNAL_LOCATION = encode_varint_field(14, EXTERNAL)  # data_location: EXTERNAL, after every cut tensor's marker
 
 
 def place_markers(skeleton: bytes, entries: Callable[[int], bytes]) -> bytes:

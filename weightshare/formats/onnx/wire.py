@@ -130,7 +130,14 @@ class WireFile:
             pos = fend
 
 
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]  # the scan encodes ~20 tags and lengths per tensor
+
+
 def encode_varint(value: int) -> bytes:
+    if 0 <= value < 0x80:
+        return _ONE_BYTE[value]
+    if 0 <= value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     value &= 0xFFFFFFFFFFFFFFFF
     while True:
