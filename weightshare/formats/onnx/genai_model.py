@@ -30,7 +30,7 @@ def _sizes(mib: float) -> dict[str, int]:
     ~100 MiB on."""
     if mib < 16:
         return {"hidden": 64, "heads": 4, "kv_heads": 2, "inter": 128, "vocab": 256, "layers": 2}
-    hidden, inter, vocab = 2048, 5632, 8192
+    hidden, inter, vocab = 2048, 5632, 4096
     # int4 + an fp32 scale per block of 32: 0.625 bytes a weight; fp32 embedding
     per_layer = (hidden * hidden * 2 + hidden * hidden // 2 + 3 * hidden * inter) * (0.5 + 4 / BLOCK)
     fixed = vocab * hidden * 4 + vocab * hidden * (0.5 + 4 / BLOCK)
