@@ -341,8 +341,13 @@ def fp16_fused_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
             h.make_node("MatMul", [f"{p}.attn", w(f"{p}.o.w", (dim, dim), 0.5 * dim**-0.5)], [f"{p}.o"]),
             h.make_node(
                 "SkipLayerNormalization",
-                [f"{p}.o", cur, w(f"{p}.ln1.g", (dim,), 0.1), w(f"{p}.ln1.b", (dim,), 0.01),
-                 w(f"{p}.o.b", (dim,), 0.01)],
+                [
+                    f"{p}.o",
+                    cur,
+                    w(f"{p}.ln1.g", (dim,), 0.1),
+                    w(f"{p}.ln1.b", (dim,), 0.01),
+                    w(f"{p}.o.b", (dim,), 0.01),
+                ],
                 [f"{p}.ln1"],
                 epsilon=1e-5,
                 **ms,
@@ -352,8 +357,13 @@ def fp16_fused_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
             h.make_node("MatMul", [f"{p}.act", w(f"{p}.down.w", (4 * dim, dim), 0.5 * (4 * dim) ** -0.5)], [f"{p}.dn"]),
             h.make_node(
                 "SkipLayerNormalization",
-                [f"{p}.dn", f"{p}.ln1", w(f"{p}.ln2.g", (dim,), 0.1), w(f"{p}.ln2.b", (dim,), 0.01),
-                 w(f"{p}.dn.b", (dim,), 0.01)],
+                [
+                    f"{p}.dn",
+                    f"{p}.ln1",
+                    w(f"{p}.ln2.g", (dim,), 0.1),
+                    w(f"{p}.ln2.b", (dim,), 0.01),
+                    w(f"{p}.dn.b", (dim,), 0.01),
+                ],
                 [f"{p}.out"],
                 epsilon=1e-5,
                 **ms,
