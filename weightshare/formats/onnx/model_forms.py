@@ -479,7 +479,6 @@ def conv_net(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
 FORMS: dict[str, Form] = {
     "fp32": Form(fp32_mlp, "fp32 MatMul+Add MLP"),
     "fp16": Form(fp16_transformer, "unfused fp16 BERT-like encoder, embedded"),
-    "fp16_fused": Form(fp16_fused_transformer, "fused fp16 BERT-like encoder (Attention, SkipLayerNorm, FastGelu)"),
     "matmulnbits4": Form(_nbits(4, 32, False, None), "MatMulNBits int4, block 32, zero points"),
     "matmulnbits4_sym_b128_acc4": Form(_nbits(4, 128, True, 4), "MatMulNBits int4, block 128, symmetric, accuracy 4"),
     "matmulnbits8": Form(_nbits(8, 32, False, None), "MatMulNBits int8, block 32, zero points"),
