@@ -106,3 +106,50 @@ def test_blob_metadata_names_every_twin_and_the_helper_falls_back_to_its_own(fam
     assert portable_name("decoder_with_past_model.onnx") in said
     with_past = onnx.load(str(out / portable_name("decoder_with_past_model.onnx")), load_external_data=False)
     assert [i.name for i in sess.get_inputs()] == [i.name for i in with_past.graph.input]
+
+
+def _digests(path: Path) -> list[str]:
+    """BLAKE2 of every payload in a safetensors blob (header entries, metadata left out)."""
+    import hashlib
+
+    start, header, _meta = read_safetensors_metadata(path)
+    out = []
+    with open(path, "rb") as f:
+        for name, v in header.items():
+            if name.startswith("__"):
+                continue
+            a, b = v["data_offsets"]
+            f.seek(start + a)
+            out.append(hashlib.blake2b(f.read(b - a)).hexdigest())
+    return out
+
+
+def test_blob_size_is_unique_plain_plus_unique_packed_bytes(family):
+    """Computed from the tensors: every distinct source payload and every distinct packed copy is in the blob
+    exactly once, and the blob is no more than 1.1x their bytes."""
+    import hashlib
+
+    from weightshare.options import INLINE_THRESHOLD
+
+    src, _out, report = family
+    plain: dict[str, int] = {}
+    for name in NAMES:
+        for t in onnx.load(str(src / name)).graph.initializer:
+            data = onnx.numpy_helper.to_array(t).tobytes()
+            if len(data) >= INLINE_THRESHOLD:  # smaller ones stay inside the model files
+                plain[hashlib.blake2b(data).hexdigest()] = len(data)
+    blob = Path(report["blob"])
+    stored = _digests(blob)
+    assert len(stored) == len(set(stored)), "a payload is stored twice"
+    assert set(plain) <= set(stored), "a source payload is missing from the blob"
+    start, header, _meta = read_safetensors_metadata(blob)
+    packed = {}
+    with open(blob, "rb") as f:
+        for name, v in header.items():
+            if "ort.prepacked/" in name:  # "<model>/ort.prepacked/..." in a zoo blob
+                a, b = v["data_offsets"]
+                f.seek(start + a)
+                packed[hashlib.blake2b(f.read(b - a)).hexdigest()] = b - a
+    assert packed, "the family's MatMul weights are pre-packed"
+    unique = sum(plain.values()) + sum(packed.values())
+    assert blob.stat().st_size <= 1.1 * unique, (blob.stat().st_size, sum(plain.values()), sum(packed.values()))

@@ -307,6 +307,74 @@ def fp16_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     return _save(_model(nodes, inits, *io), Path(path), external=False)
 
 
+def fp16_fused_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """A fused fp16 BERT-like encoder (what ORT's transformers optimizer writes, then the fp16 conversion with
+    fp32 inputs/outputs), weights embedded: com.microsoft Attention (packed QKV + bias), output MatMul,
+    SkipLayerNormalization (bias in), MatMul + FastGelu (bias in), MatMul, SkipLayerNormalization."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    f16 = np.float16
+    dim, layers = _dims(mib, 2 * 12)
+    rng = np.random.default_rng(seed)
+    inits: list[onnx.TensorProto] = []
+    nodes = [h.make_node("Cast", ["x"], ["x16"], to=T.FLOAT16)]
+
+    def w(name: str, shape: tuple[int, ...], scale: float) -> str:
+        inits.append(nh.from_array(_arr(rng, shape, scale, f16), name))
+        return name
+
+    ms = {"domain": "com.microsoft"}
+    cur = "x16"
+    for i in range(layers):
+        p = f"layer{i}"
+        nodes += [
+            h.make_node(
+                "Attention",
+                [cur, w(f"{p}.qkv.w", (dim, 3 * dim), dim**-0.5), w(f"{p}.qkv.b", (3 * dim,), 0.01)],
+                [f"{p}.attn"],
+                num_heads=max(1, dim // 64),
+                **ms,
+            ),
+            h.make_node("MatMul", [f"{p}.attn", w(f"{p}.o.w", (dim, dim), 0.5 * dim**-0.5)], [f"{p}.o"]),
+            h.make_node(
+                "SkipLayerNormalization",
+                [
+                    f"{p}.o",
+                    cur,
+                    w(f"{p}.ln1.g", (dim,), 0.1),
+                    w(f"{p}.ln1.b", (dim,), 0.01),
+                    w(f"{p}.o.b", (dim,), 0.01),
+                ],
+                [f"{p}.ln1"],
+                epsilon=1e-5,
+                **ms,
+            ),  # fmt: skip
+            h.make_node("MatMul", [f"{p}.ln1", w(f"{p}.up.w", (dim, 4 * dim), dim**-0.5)], [f"{p}.up"]),
+            h.make_node("FastGelu", [f"{p}.up", w(f"{p}.up.b", (4 * dim,), 0.01)], [f"{p}.act"], **ms),
+            h.make_node("MatMul", [f"{p}.act", w(f"{p}.down.w", (4 * dim, dim), 0.5 * (4 * dim) ** -0.5)], [f"{p}.dn"]),
+            h.make_node(
+                "SkipLayerNormalization",
+                [
+                    f"{p}.dn",
+                    f"{p}.ln1",
+                    w(f"{p}.ln2.g", (dim,), 0.1),
+                    w(f"{p}.ln2.b", (dim,), 0.01),
+                    w(f"{p}.dn.b", (dim,), 0.01),
+                ],
+                [f"{p}.out"],
+                epsilon=1e-5,
+                **ms,
+            ),  # fmt: skip
+        ]
+        cur = f"{p}.out"
+    nodes.append(h.make_node("Cast", [cur], ["y"], to=T.FLOAT))
+    io = [_io("x", T.FLOAT, ["batch", "seq", dim])], [_io("y", T.FLOAT, ["batch", "seq", dim])]
+    return _save(_model(nodes, inits, *io, ms_domain=True), Path(path), external=False)
+
+
 def ms_attention(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     """com.microsoft Attention (packed QKV weight [d, 3d] + bias, as ORT's transformers optimizer
     writes it), output projection and residual per layer; fp32, external data."""

@@ -20,6 +20,7 @@ The result is CPU-specific: a GPU provider would have run the fp16 graph nativel
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -29,7 +30,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from ...atomic import locked_stage
-from ...errors import InvalidModel, UsageError
+from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...tensors import read_all
 from . import dtypes
@@ -67,6 +68,31 @@ except Exception as e:
     sys.exit(3)
 print(json.dumps({"version": ort.__version__,
                   "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+# The rounding check: ORT optimizes the original's and the adopted graph's probes at its default level, in one
+# child; the parent compares what it fused. Pre-packing stays off (no weight is read for it).
+_CHECK_CHILD = r"""
+import ctypes, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+import onnxruntime as ort
+for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = dst
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    so.log_severity_level = 3
+    try:
+        ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        print(" ".join(str(e).split())[:300], file=sys.stderr)
+        sys.exit(3)
+print("{}")
 """
 
 
@@ -167,9 +193,10 @@ def run_probe(
     input_bytes = src.stat().st_size + sum(r.native_nbytes for r in refs)
     limits = limits_for(input_bytes, src, opts.ort_child_timeout_s, opts.ort_child_memory_mib, opts.ort_max_growth)
     where = locked_stage(stage_in, "ortcpu") if stage_in is not None else tempfile.TemporaryDirectory(prefix=TMP)
-    with where as tmp:
-        probe_path = write_probe_model(skeleton, refs, Path(tmp))
-        out = Path(tmp) / "optimized.onnx"
+    with where as tmp_name:
+        tmp = Path(tmp_name).absolute()  # the child runs in it: a relative OUTDIR must not be resolved twice
+        probe_path = write_probe_model(skeleton, refs, tmp)
+        out = tmp / "optimized.onnx"
         env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
         try:
             proc = subprocess.run(
@@ -196,6 +223,138 @@ def run_probe(
             raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
     opsets = {o.domain: o.version for o in optimized.opset_import}
     return Probe(optimized.graph, opsets, answer["version"], answer["peak_rss_mib"])
+
+
+def _prefold(probe_path: Path, zeros: Path) -> None:
+    """In a probe of the adopted graph, do the fold the conversion will do (an fp16 stand-in read only by an
+    inserted Cast to float becomes an fp32 stand-in under the Cast's output name), so that ORT's constant folding
+    has no large Cast to compute: the check costs the same for a 64 MiB and a 1 GiB model."""
+    model = pb.ModelProto()
+    model.ParseFromString(probe_path.read_bytes())
+    g = model.graph
+    uses: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            uses[i] = uses.get(i, 0) + 1
+    stand_ins = {t.name: t for t in g.initializer if t.data_location == pb.TensorProto.EXTERNAL}
+    outputs = {o.name for o in g.output}
+    keep: list[pb.NodeProto] = []
+    longest = zeros.stat().st_size
+    for n in g.node:
+        t = stand_ins.get(n.input[0]) if _is_inserted(n) and _to_float(n) else None
+        if t is None or t.data_type != dtypes.FLOAT16 or uses.get(t.name) != 1 or t.name in outputs:
+            keep.append(n)
+            continue
+        t.name, t.data_type = n.output[0], dtypes.FLOAT
+        for e in t.external_data:
+            if e.key == "length":
+                e.value = str(2 * int(e.value))
+                longest = max(longest, int(e.value))
+    del g.node[:]
+    g.node.extend(keep)
+    with open(zeros, "r+b") as f:
+        f.truncate(longest)
+    probe_path.write_bytes(model.SerializeToString())
+
+
+def _fused(graph: pb.GraphProto) -> dict[tuple[str, str], int]:
+    counts: dict[tuple[str, str], int] = {}
+    for n in graph.node:
+        if n.op_type != "Cast":
+            key = (n.domain or "ai.onnx", n.op_type)
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def _power_of_two(x: float) -> bool:
+    m, _ = math.frexp(x)
+    return x > 0 and m == 0.5
+
+
+def _exact_fusion(node: pb.NodeProto) -> bool:
+    """A fusion whose arithmetic equals the unfused nodes': FusedMatMul without transposes whose alpha is a
+    power of two (the product scaled by 2^k, as Div/Mul by 2^k would; no rounding of its own)."""
+    if (node.domain, node.op_type) != ("com.microsoft", "FusedMatMul"):
+        return False
+    attrs = {a.name: a for a in node.attribute}
+    if any(attrs[k].i for k in ("transA", "transB", "transBatchA", "transBatchB") if k in attrs):
+        return False
+    return _power_of_two(attrs["alpha"].f if "alpha" in attrs else 1.0)
+
+
+def rounding_change(original: pb.GraphProto, adopted: pb.GraphProto) -> str | None:
+    """What ORT fuses in the adopted graph and not in the original (once the Casts are in the file its fp32
+    fusions apply where the fp16 graph had none), when that fusion can round differently; None when ORT runs
+    the same ops, or only exact fusions more."""
+    before, after = _fused(original), _fused(adopted)
+    more = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
+    if not more:
+        return None
+    extra = [n for n in adopted.node if ((n.domain or "ai.onnx"), n.op_type) in more]
+    if all(_exact_fusion(n) for n in extra):
+        return None
+    fewer = {k: v - after.get(k, 0) for k, v in before.items() if v > after.get(k, 0)}
+    bad = next(n for n in extra if not _exact_fusion(n))
+    fusion = next((p for p in bad.name.split("/") if p.endswith(("Fusion", "Transformer"))), "a fusion")
+    made = ", ".join(f"{v} {d}.{o}" if d != "ai.onnx" else f"{v} {o}" for (d, o), v in sorted(more.items()))
+    gone = ", ".join(f"{v} {o}" for (_d, o), v in sorted(fewer.items())) or "other nodes"
+    return f"{fusion} makes {made} of {gone}"
+
+
+def check_rounding(
+    original: pb.ModelProto,
+    adopted: pb.ModelProto,
+    refs: Sequence[TensorRef],
+    src: Path,
+    stage_in: Path | None,
+    options: ConvertOptions,
+) -> str | None:
+    """Optimize both probes at ORT's default level in one bounded child; ``rounding_change`` of the results."""
+    import subprocess
+    import tempfile
+
+    input_bytes = src.stat().st_size + sum(r.native_nbytes for r in refs)
+    limits = limits_for(
+        input_bytes, src, options.ort_child_timeout_s, options.ort_child_memory_mib, options.ort_max_growth
+    )
+    where = locked_stage(stage_in, "ortcpu-check") if stage_in is not None else tempfile.TemporaryDirectory(prefix=TMP)
+    with where as tmp_name:
+        tmp = Path(tmp_name).absolute()
+        args = []
+        for name, model in (("original", original), ("adopted", adopted)):
+            d = tmp / name
+            d.mkdir()
+            probe = write_probe_model(model, refs, d)
+            if name == "adopted":
+                _prefold(probe, d / ZEROS)
+            args += [str(probe), str(d / "optimized.onnx")]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", _CHECK_CHILD, *args],
+                capture_output=True,
+                check=False,
+                text=True,
+                timeout=limits.wall_s,
+                env=env,
+                cwd=tmp,
+                preexec_fn=limits.preexec(),
+            )
+        except subprocess.TimeoutExpired:
+            raise InvalidModel(limits.timeout_message(), src) from None
+        if proc.returncode != 0:
+            hit = limits.failure(proc.returncode, proc.stderr, [Path(a) for a in args[1::2]])
+            why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            raise InvalidModel(hit or f"onnxruntime (CPU) cannot optimize the model: {why}", src)
+        graphs = []
+        for out in args[1::2]:
+            m = pb.ModelProto()
+            try:
+                m.ParseFromString(Path(out).read_bytes())
+            except (DecodeError, OSError) as e:
+                raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
+            graphs.append(m.graph)
+    return rounding_change(graphs[0], graphs[1])
 
 
 def _rename_fresh(fresh: list[pb.NodeProto], taken: set[str]) -> None:
@@ -348,7 +507,10 @@ def unpack_for_cpu(
 ) -> dict[str, str]:
     """The ``prepare`` hook: adopt ORT CPU's Casts into ``model``. Returns metadata for the blob header.
     The probe stages inside ``out_dir`` (locked) and runs under ``options``' child limits."""
-    probe = run_probe(model, refs, src, out_dir, options)
+    opts = options or ConvertOptions()
+    probe = run_probe(model, refs, src, out_dir, opts)
+    original = pb.ModelProto()
+    original.CopyFrom(model)
     try:
         added = adopt_inserted_casts(model, probe.graph, probe.opsets)
     except NotAdoptable as e:
@@ -357,6 +519,15 @@ def unpack_for_cpu(
     if not added:
         notes.append(f"--unpack ort-cpu: onnxruntime {probe.version} CPU inserts no Cast in this model")
         return {}
+    change = check_rounding(original, model, refs, src, out_dir, opts)
+    if change is not None:
+        raise Unsupported(
+            f"--unpack ort-cpu: refused: with the Casts in the file onnxruntime {probe.version} CPU fuses what it "
+            f"did not in the fp16 graph ({change}), which rounds differently from the original; "
+            "convert without --unpack ort-cpu",
+            src,
+        )
+    del original
     on_weights = len(probe.cast_initializers())
     notes.append(
         f"--unpack ort-cpu: adopted {added} Cast(s) onnxruntime {probe.version} CPU inserts per session "

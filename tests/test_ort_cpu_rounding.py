@@ -1,0 +1,106 @@
+"""--unpack ort-cpu at ORT's default options: bit-identical to the original, or refused in one line.
+
+Once the Casts ORT's CPU provider inserts are in the file, the graph is fp32 where it was fp16, and ORT's fp32
+fusions apply where they did not before (MatMul(Q, K^T) / scale -> FusedMatMul, MatMulScaleFusion). A fusion
+that rounds differently (x * (1/7) is not x / 7) must not pass silently: the conversion compares what ORT fuses
+in the original and in the converted graph and refuses the model, naming the fusion. A power-of-two scale
+(sqrt(64) = 8, BERT's head size) fuses exactly and is converted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import numpy_helper as nh
+
+from weightshare.formats.onnx import model_forms as mf
+from weightshare.formats.onnx.ortcpu import rounding_change
+
+pytestmark = pytest.mark.slow  # an ORT probe child and a check child per conversion, many sessions
+
+
+def _outputs_equal(src: Path, out: Path) -> int:
+    """Comparisons made (seeds x batches x sequence lengths); asserts each is bit-identical."""
+    a, b = ort.InferenceSession(str(src)), ort.InferenceSession(str(out))
+    n = 0
+    for seed in (1, 2, 3):
+        for batch in (1, 2, 8):
+            for seq in (1, 7, 33):
+                feeds = mf.feeds(src, batch=batch, seq=seq, seed=seed)
+                x, y = a.run(None, feeds)[0], b.run(None, feeds)[0]
+                assert x.dtype == y.dtype and np.array_equal(x, y), (seed, batch, seq)
+                n += 1
+    return n
+
+
+def _optimized_ops(path: Path, tmp: Path) -> list[onnx.NodeProto]:
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp / f"{path.stem}.opt.onnx")
+    so.log_severity_level = 3
+    ort.InferenceSession(str(path), so)
+    return list(onnx.load(so.optimized_model_filepath, load_external_data=False).graph.node)
+
+
+@pytest.mark.parametrize("form", ["fp16", "fp16_fused"])
+def test_unfused_and_fused_fp16_transformers_are_bit_identical(tmp_path, cli, form):
+    build = {"fp16": mf.fp16_transformer, "fp16_fused": mf.fp16_fused_transformer}[form]  # fp16_fused is kept out
+    src = build(tmp_path / "src" / "model.onnx", mib=2)  # of FORMS, which the --prepack form tests run one by one
+    res = cli("convert", src, "-o", tmp_path / "out", "--unpack", "ort-cpu", "-q")
+    assert res.returncode == 0, res.stderr
+    out = tmp_path / "out" / "model.onnx"
+    converted = onnx.load(str(out), load_external_data=False)
+    assert any(n.name.startswith("InsertedPrecisionFreeCast_") for n in converted.graph.node)  # Casts adopted
+    assert _outputs_equal(src, out) == 27
+
+
+def test_unfused_fp16_fuses_once_converted_but_exactly(tmp_path, cli):
+    """The unfused model's attention scale is sqrt(64) = 8: the converted graph gets FusedMatMul(alpha=0.125)
+    the original does not have, and that fusion is exact (outputs compared above and here)."""
+    src = mf.build("fp16", tmp_path / "src" / "model.onnx", mib=2)
+    assert cli("convert", src, "-o", tmp_path / "out", "--unpack", "ort-cpu", "-q").returncode == 0
+    out = tmp_path / "out" / "model.onnx"
+    fused = [n for n in _optimized_ops(out, tmp_path) if n.op_type == "FusedMatMul"]
+    assert fused and all(a.f == 0.125 for n in fused for a in n.attribute if a.name == "alpha")
+    assert not [n for n in _optimized_ops(src, tmp_path) if n.op_type == "FusedMatMul"]
+    _outputs_equal(src, out)
+
+
+def test_a_fusion_that_changes_the_rounding_is_refused_in_one_line(tmp_path, cli):
+    src = mf.build("fp16", tmp_path / "src" / "model.onnx", mib=2)
+    model = onnx.load(str(src))
+    for t in model.graph.initializer:
+        if t.name == "scale":  # a head size whose sqrt is not a power of two: x * (1/7) != x / 7
+            t.CopyFrom(nh.from_array(np.array(7.0, np.float16), "scale"))
+    onnx.save(model, str(src))
+    # without the flag the conversion is exact; with it ORT would fuse the Div and round differently
+    assert cli("convert", src, "-o", tmp_path / "plain", "-q").returncode == 0
+    _outputs_equal(src, tmp_path / "plain" / "model.onnx")
+    res = cli("convert", src, "-o", tmp_path / "out", "--unpack", "ort-cpu", "-q")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "--unpack ort-cpu: refused" in lines[0] and "MatMulScaleFusion" in lines[0] and "FusedMatMul" in lines[0]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def _graph(*ops: tuple[str, str, dict[str, float | int]]) -> onnx.GraphProto:
+    g = onnx.GraphProto()
+    for i, (domain, op, attrs) in enumerate(ops):
+        n = onnx.helper.make_node(op, [], [f"o{i}"], name=f"/MatMulScaleFusion/{i}", domain=domain, **attrs)
+        g.node.append(n)
+    return g
+
+
+def test_rounding_change_allows_only_exact_fusions():
+    original = _graph(("", "MatMul", {}), ("", "Div", {}), ("", "Cast", {"to": 1}))
+    same = _graph(("", "MatMul", {}), ("", "Div", {}))  # Casts do not count
+    assert rounding_change(original, same) is None
+    pow2 = _graph(("com.microsoft", "FusedMatMul", {"alpha": 0.125}))
+    assert rounding_change(original, pow2) is None
+    for attrs in ({"alpha": 1 / 7}, {"alpha": 0.125, "transB": 1}):
+        said = rounding_change(original, _graph(("com.microsoft", "FusedMatMul", attrs)))
+        assert said == "MatMulScaleFusion makes 1 com.microsoft.FusedMatMul of 1 Div, 1 MatMul"
