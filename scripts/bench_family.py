@@ -70,7 +70,7 @@ def identical(src: Path, out: Path) -> bool:
 def unique_bytes(src: Path, blob: Path) -> tuple[int, int]:
     import onnx
 
-    from weightshare.blob import read_safetensors_metadata
+    from weightshare._safetensors import read_safetensors_metadata
 
     plain = {}
     for name in NAMES:

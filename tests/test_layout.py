@@ -86,7 +86,15 @@ def test_one_byte_formatter(nbytes, text):
 # name: the public loaders (ort.py, litert*.py), the runtimes' measuring code (runtimes/), the ONNX Runtime demo and
 # the sample-model builders (demo.py, samples.py).
 PACKAGE = Path(weightshare.__file__).parent
-NOT_SHARED = ("formats/", "runtimes/", "ort.py", "litert", "demo.py", "samples.py")
+NOT_SHARED = (
+    "formats/",
+    "runtimes/",
+    "ort.py",
+    "litert",
+    "genai.py",
+    "demo.py",
+    "samples.py",
+)  # runtime loaders by name
 
 
 def _shared_modules() -> list[Path]:
