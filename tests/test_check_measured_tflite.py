@@ -22,9 +22,10 @@ MiB = 1 << 20
 N, K = 2048, 1024
 
 
-def fc(path, kind: str):
-    """x [1, K] -> FULLY_CONNECTED(W [N, K]) -> y: W fp32, fp16 behind DEQUANTIZE, or int8 (per-channel scales)
-    behind DEQUANTIZE."""
+def fc(path, kind: str, n: int = N, k: int = K):
+    """x [1, k] -> FULLY_CONNECTED(W [n, k]) -> y: W fp32, fp16 behind DEQUANTIZE, or int8 (per-channel scales)
+    behind DEQUANTIZE (also scripts/bench_check.py --tflite)."""
+    N, K = n, k  # noqa: N806 -- the shapes' names
     rng = np.random.default_rng(3)
     mb = ModelBuilder()
     g = mb.subgraph("main")
