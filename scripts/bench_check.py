@@ -66,6 +66,7 @@ def tflite(mib: float) -> None:
     print(f"{'model':24s} {'setting':15s} {'exit':>4s} {'check MiB/i':>11s} {'PSS MiB/i':>9s} {'ratio 4/1':>9s}  agree")
     with tempfile.TemporaryDirectory() as tmp:
         for kind in ("fp32", "fp16", "int8"):
+            (Path(tmp) / kind).mkdir()
             src = fc(Path(tmp) / kind / "fc.tflite", kind, n, k)
             out = Path(tmp) / kind / "out"
             conv = subprocess.run(
