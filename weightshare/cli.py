@@ -553,7 +553,8 @@ def inspect(
     )
     if inv.measured:
         measured = "; ".join(f"{s}: {_mib(n)}" for s, n in inv.measured.items())
-        out.print(f"Measured, one more session costs: {measured} (onnxruntime, PSS from 1 to 4 sessions).")
+        runtime = "LiteRT" if inv.format == "tflite" else "onnxruntime"
+        out.print(f"Measured, one more session costs: {measured} ({runtime}, PSS from 1 to 4 sessions).")
     for note in inv.notes + inv.measure_notes:
         out.print(f"note: {note}")
     for f in findings:
