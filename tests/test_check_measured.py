@@ -1,7 +1,8 @@
 """`check`'s per-session figures are ONNX Runtime's own, on every model form (issue 21, item 1).
 
-Before: model forms the static rules got wrong (MatMulNBits, a merged decoder's MatMuls inside `If`, a Conv net,
-fp32 MatMuls), converted plain and with --prepack. Under test: `check --target ort-default --json` (child
+Before: model forms the static rules got wrong (MatMulNBits int4/int8, QDQ, DynamicQuantizeMatMul, Attention, fp16
+ops and fp16 weights behind Cast, a merged decoder's MatMuls inside `If`, a Conv net, fp32 MatMuls), converted
+plain and with --prepack. Under test: `check --target ort-default --json` (child
 processes). After: its exit code agrees with sharing measured independently (4 sessions within 1.10x of one ->
 0, else 1), and its bytes per session are within 2x of that measurement's per-session PSS cost.
 """
@@ -20,20 +21,34 @@ MiB = 1 << 20
 
 
 def _independent(path) -> tuple[float, float]:
-    """(PSS of 4 sessions / PSS of 1, bytes per extra session), in a fresh process: the bench's own probe."""
+    """(PSS of 4 sessions / PSS of 1, bytes per extra session), in a fresh process started with
+    MALLOC_MMAP_THRESHOLD_=1048576: the bench's own probe. The growth is that of PSS without program code
+    (shared libraries' PSS moves with every other process on the machine); the ratio puts it on one session's
+    whole PSS."""
+    from weightshare.formats.onnx.measure import MALLOC_ENV
     from weightshare.runtimes.ort import measure_sessions
 
-    rows = {r["sessions"]: r["pss_mib"] for r in measure_sessions(str(path), [1, 4], share=False)}
-    return rows[4] / rows[1], (rows[4] - rows[1]) / 3 * MiB
+    rows = {r["sessions"]: r for r in measure_sessions(str(path), [1, 4], share=False, env=MALLOC_ENV)}
+    growth = rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]
+    return (rows[1]["pss_mib"] + growth) / rows[1]["pss_mib"], growth / 3 * MiB
+
+
+# fp32, int4 MatMulNBits, a merged decoder and a Conv net; then int8 MatMulNBits, QDQ, DynamicQuantizeMatMul,
+# com.microsoft Attention, an fp16 BERT-like encoder and fp16 weights behind Cast: plain and --prepack.
+FORMS = [("fp32", False), ("fp32", True), ("matmulnbits4", False), ("merged_decoder", False), ("conv", False)] + [
+    (form, prepack)
+    for form in ("matmulnbits8", "qdq", "dynamic", "attention", "fp16", "fp16_cast")
+    for prepack in (False, True)
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "form, prepack",
-    [("fp32", False), ("fp32", True), ("matmulnbits4", False), ("merged_decoder", False), ("conv", False)],
-)
+@pytest.mark.parametrize("form, prepack", FORMS)
 def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form, prepack):
-    src = build(form, tmp_path / "m.onnx", mib=4)
+    # A --prepack output's remaining per-session cost is the runtime's own state (arena, per-thread heaps: 0.3 to
+    # 1.6 MiB between runs of a 4 MiB Attention model on a shared machine), which at 4 MiB sits on the 1.10x line;
+    # at 12 MiB of weights it is well below it, as at serving sizes.
+    src = build(form, tmp_path / "m.onnx", mib=12 if prepack else 4)
     out = tmp_path / "out"
     assert cli("convert", src, "-o", out, "-q", *(["--prepack"] if prepack else [])).returncode == 0
     model = out / "m.onnx"
@@ -44,7 +59,7 @@ def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form,
     figure = summary["copied_per_session_by_setting"]["ort-default"]
     ratio, per_session = _independent(model)
     expected = 0 if ratio <= 1.10 else 1
-    assert res.returncode == expected, (form, prepack, ratio, figure, doc["findings"])
+    assert res.returncode == expected, (form, prepack, ratio, figure, per_session, doc["findings"])
     if per_session >= MiB or figure >= MiB:  # below that both are the runtime's per-session state, not weights
         assert per_session / 2 <= figure <= 2 * per_session, (form, prepack, figure, per_session)
 

@@ -13,6 +13,7 @@ from weightshare.formats.onnx import model_forms as mf
 SIGNATURE = {
     "fp32": "MatMul",
     "fp16": "LayerNormalization",
+    "fp16_cast": "Cast",
     "matmulnbits4": "MatMulNBits",
     "matmulnbits4_sym_b128_acc4": "MatMulNBits",
     "matmulnbits8": "MatMulNBits",

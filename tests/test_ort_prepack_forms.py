@@ -25,6 +25,7 @@ from weightshare.formats.onnx.prepack import PREPACKED_ENTRY, external_tensors
 PACKING_OP = {
     "fp32": "MatMul",
     "fp16": "MatMul",
+    "fp16_cast": "MatMul",
     "matmulnbits4": "com.microsoft.MatMulNBits",
     "matmulnbits4_sym_b128_acc4": "com.microsoft.MatMulNBits",
     "matmulnbits8_sym_b64_acc4": "com.microsoft.MatMulNBits",

@@ -225,7 +225,9 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
     _measured(inv, add, gate)
     static = len(out)
     _copies(inv, add, gate)
-    if inv.measured:  # the runtime's own figure decides; the rules only say where the bytes go
+    if inv.measured and all(s in inv.measured for s in gate.targeted(inv)):
+        # the runtime's own figure decides; the rules only say where the bytes go (a targeted setting that
+        # was not measured, such as litert-compiled-cache, keeps its static findings)
         for f in out[static:]:
             f.severity = Severity.INFO
             f.message += " (static rule; the measured figure decides)"

@@ -260,7 +260,7 @@ def _probe(model_path: str, counts: list[int], share: bool, inputs: dict[str, st
     """
     import time
 
-    from .memory import memory_now
+    from .memory import data_pss, memory_now
 
     given = {name: np.load(path, allow_pickle=False) for name, path in (inputs or {}).items()}
     rows, interps = [], []
@@ -271,19 +271,26 @@ def _probe(model_path: str, counts: list[int], share: bool, inputs: dict[str, st
             entry(entry.feeds(0, given))
         interps.append(interp)
         if n in counts:
-            rows.append({"sessions": n, **memory_now(), "load_s": round(time.perf_counter() - t0, 3)})
+            row = {"sessions": n, **memory_now(), "load_s": round(time.perf_counter() - t0, 3)}
+            row["data_pss_mib"] = round(data_pss() / (1 << 20), 2)  # without code: steady on a shared machine
+            rows.append(row)
     return rows
 
 
 def measure_interpreters(
-    model_path: str, counts: list[int], share: bool = True, inputs: dict[str, str] | None = None
+    model_path: str,
+    counts: list[int],
+    share: bool = True,
+    inputs: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[JsonDict]:
-    """Memory of 1..N interpreters of ``model_path`` in a fresh process (``inputs``: name -> .npy file)."""
+    """Memory of 1..N interpreters of ``model_path`` in a fresh process (``inputs``: name -> .npy file; ``env``:
+    variables added to the child's environment)."""
     from ..errors import Unsupported
     from .memory import in_child
 
     try:
-        rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share, inputs or {}])
+        rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share, inputs or {}], env)
     except RuntimeError as e:  # LiteRT refused the model or the inputs in the probe: the user's to fix, one line
         detail = str(e).split("failed in a child process: ", 1)[-1]
         raise Unsupported(

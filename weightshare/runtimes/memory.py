@@ -8,6 +8,7 @@ Peak RSS of a finished child comes from ``getrusage(RUSAGE_CHILDREN)``.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from typing import Any
@@ -22,6 +23,28 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
             if len(parts) >= 3 and parts[-1] == "kB":
                 out[parts[0].rstrip(":")] = int(parts[1]) * 1024
     return out
+
+
+_CODE = re.compile(r"\.so(\.[0-9.]+)?$")
+
+
+def data_pss(pid: int | str = "self") -> int:
+    """PSS in bytes of every mapping but program code: anonymous memory (heap, arenas, copies) and mapped data
+    files (weights), without shared libraries and executables (``/proc/<pid>/smaps``). Code is not per session,
+    but its PSS moves whenever another process maps or unmaps the same library (measured: +-1.5 MiB between two
+    reads of an onnxruntime process on a shared machine), which would drown a few MiB of per-session copies."""
+    total, code = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if not parts:
+                continue
+            if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):  # a mapping's header line
+                path = parts[5] if len(parts) > 5 else ""
+                code = bool(path) and not path.startswith("[") and ("x" in parts[1] or bool(_CODE.search(path)))
+            elif parts[0] == "Pss:" and not code:
+                total += int(parts[1]) * 1024
+    return total
 
 
 def memory_now(pid: int | str = "self") -> dict[str, float]:
@@ -57,16 +80,30 @@ def run_child_peak(cmd: list[str], **kwargs: Any) -> tuple[subprocess.CompletedP
     return res, peak
 
 
-def in_child(module: str, func: str, args: list[object]) -> Any:
+def in_child(
+    module: str, func: str, args: list[object], env: dict[str, str] | None = None, timeout: float | None = None
+) -> Any:
     """Call ``module.func(*args)`` in a fresh Python process and return its JSON result (as ``json.loads`` does).
+    ``env``: variables set for the child on top of this process's environment (read at the child's start, such
+    as glibc's ``MALLOC_MMAP_THRESHOLD_``); ``timeout``: seconds before the child is killed (a RuntimeError).
 
     Memory probes run in their own process so that nothing loaded before (another
     model, another runtime) is counted, and so that PSS is per process.
     """
     import json
+    import os
 
     code = f"import json, sys; from {module} import {func}; print(json.dumps({func}(*json.loads(sys.argv[1]))))"
-    res = subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True)
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(args)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **env} if env else None,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{module}.{func} did not finish within {timeout:.0f} s in a child process") from None
     if res.returncode != 0:
         tail = res.stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"{module}.{func} failed in a child process: {tail[0]}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..report import JsonDict
-from .memory import in_child, memory_now
+from .memory import data_pss, in_child, memory_now
 
 if TYPE_CHECKING:
     import onnx
@@ -192,6 +192,7 @@ def _probe(model_path: str, counts: list[int], share: bool) -> list[JsonDict]:
         sessions.append(session)
         if n in counts:
             row = {"sessions": n, **memory_now(), "load_s": round(time.perf_counter() - t0, 3)}
+            row["data_pss_mib"] = round(data_pss() / (1 << 20), 2)  # without code: steady on a shared machine
             row["baseline_pss_mib"] = base["pss_mib"]
             rows.append(row)
     return rows
@@ -214,7 +215,9 @@ def measure_models(model_paths: list[str], share: bool = True) -> list[JsonDict]
     return rows
 
 
-def measure_sessions(model_path: str, counts: list[int], share: bool = True) -> list[JsonDict]:
-    """Memory of 1..N ONNX Runtime sessions of ``model_path``, in a fresh process."""
-    rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share])
+def measure_sessions(
+    model_path: str, counts: list[int], share: bool = True, env: dict[str, str] | None = None
+) -> list[JsonDict]:
+    """Memory of 1..N ONNX Runtime sessions of ``model_path``, in a fresh process (started with ``env`` added)."""
+    rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share], env)
     return rows

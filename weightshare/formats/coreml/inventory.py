@@ -212,7 +212,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     inv.settings = ["coreml"]
     inv.notes.append(
         "Core ML memory-maps weight.bin: payloads are shared by every load and function, nothing is "
-        "copied per session; per-function copies happen when coremltools' save_multifunction builds "
-        "a package, not at load"
+        "copied per session (static: no Core ML runtime runs on Linux, so this is not measured); "
+        "per-function copies happen when coremltools' save_multifunction builds a package, not at load"
     )
     return inv

@@ -6,10 +6,14 @@ transformers optimizer's fp16 graphs cast per session (issue 21 measured +44 to 
 the rules said cost nothing). ORT itself is the one authority on what it copies, so ``check`` and ``inspect``
 ask it: a fresh child process per setting opens sessions one by one, runs each once (seeded random inputs,
 when the signature allows) so that mapped weights are paged in as in serving, and reads its PSS after each.
-No ``malloc_trim``: what glibc keeps of the buffers ORT frees at load (NCHWc's replaced Conv weights, pre-pack
-validation copies) is what a plain ``InferenceSession`` costs, and what a PSS benchmark sees. The cost of one more
-session is the growth from the first to the fourth session, over 3: form-agnostic,
-subgraphs included, and what a PSS benchmark would show.
+The child starts with ``MALLOC_MMAP_THRESHOLD_=1048576`` (``MALLOC_ENV``), as serving processes that share
+weights are told to (``weightshare.ort``): buffers of 1 MiB or more that ORT allocates and frees at load (the
+plain weight a pre-pack replaced, validation copies) are then mmapped and returned to the kernel when freed,
+so what remains is what ORT keeps per session. Without it glibc's heap keeps some of them and the figure
+depends on the sizes involved (measured, 4 MiB MatMulNBits int8: 0.5 MiB per session with it, 2.9 MiB
+without; docs/ci.md). The cost of one more session is the growth from the first to the fourth session, over
+3, of the PSS of everything but program code (``data_pss``: code is not per session, and its PSS moves with
+other processes): form-agnostic, subgraphs included, and what a PSS benchmark would show.
 """
 
 from __future__ import annotations
@@ -24,15 +28,17 @@ from ...report import JsonDict
 SESSIONS = 4  # growth from 1 to 4 sessions, over 3: the sharing criterion of a PSS benchmark (4 vs 1), less noisy
 SETTINGS = (("ort-disable-prepacking", True), ("ort-default", False))
 ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static estimate only
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glibc setting (see above)
 
 
 def probe(model_path: str, share: bool, sessions: int = SESSIONS) -> JsonDict:
     """In this (child) process: PSS after each of ``sessions`` sessions under the setting; or why ORT refused."""
-    from ...runtimes.memory import smaps_rollup
+    from ...runtimes.memory import data_pss, smaps_rollup
     from ...runtimes.ort import index_bounds, new_session, random_feeds
 
     opened: list[Any] = []
     pss: list[int] = []
+    data: list[int] = []
     feeds: dict[str, Any] | None = None
     ran = True
     for _ in range(sessions):
@@ -52,7 +58,8 @@ def probe(model_path: str, share: bool, sessions: int = SESSIONS) -> JsonDict:
                 feeds, ran = None, False
         opened.append(s)
         pss.append(smaps_rollup()["Pss"])
-    return {"pss": pss, "ran": ran}
+        data.append(data_pss())
+    return {"pss": pss, "data_pss": data, "ran": ran}
 
 
 def available() -> bool:
@@ -75,7 +82,7 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
     notes: list[str] = []
     for setting, share in SETTINGS:
         try:
-            res: JsonDict = in_child(__name__, "probe", [str(path), share])
+            res: JsonDict = in_child(__name__, "probe", [str(path), share], MALLOC_ENV)
         except RuntimeError as e:
             notes.append(f"could not measure {setting}: {e}")
             continue
@@ -83,7 +90,8 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             notes.append(f"onnxruntime CPU refuses the model under {setting}: {res['error']}")
             continue
         pss = res["pss"]
-        out[setting] = max(0, (pss[-1] - pss[0]) // (len(pss) - 1))
+        data = res["data_pss"]  # the growth without code's PSS, which other processes move
+        out[setting] = max(0, (data[-1] - data[0]) // (len(data) - 1))
         one[setting] = pss[0]
         if not res["ran"]:
             notes.append(f"{setting}: sessions measured without a run (inputs could not be generated)")

@@ -131,6 +131,25 @@ def fp32_mlp(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     return _save(_mlp(dim, layers, seed), Path(path), external=True)
 
 
+def fp16_cast_mlp(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """The fp32 MLP with every weight stored fp16 behind a ``Cast(to=FLOAT)`` (what keep-fp32-compute fp16
+    exports and ORT's transformers optimizer leave for ops kept in fp32), external data: ORT constant-folds
+    each Cast into a private fp32 copy per session."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    dim, layers = _dims(mib, 16)
+    nodes, inits = _mlp_nodes(dim, layers, seed)
+    casts, halves = [], []
+    for t in inits:
+        halves.append(nh.from_array(nh.to_array(t).astype(np.float16), f"{t.name}.fp16"))
+        casts.append(h.make_node("Cast", [f"{t.name}.fp16"], [t.name], to=T.FLOAT))
+    io = [_io("x", T.FLOAT, ["batch", "seq", dim])], [_io("y", T.FLOAT, ["batch", "seq", dim])]
+    return _save(_model(casts + nodes, halves, *io), Path(path), external=True)
+
+
 # --- MatMulNBits ------------------------------------------------------------------------------------------
 
 
@@ -479,6 +498,7 @@ def conv_net(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
 FORMS: dict[str, Form] = {
     "fp32": Form(fp32_mlp, "fp32 MatMul+Add MLP"),
     "fp16": Form(fp16_transformer, "unfused fp16 BERT-like encoder, embedded"),
+    "fp16_cast": Form(fp16_cast_mlp, "fp32 MLP with fp16 weights behind Cast(to=FLOAT)"),
     "matmulnbits4": Form(_nbits(4, 32, False, None), "MatMulNBits int4, block 32, zero points"),
     "matmulnbits4_sym_b128_acc4": Form(_nbits(4, 128, True, 4), "MatMulNBits int4, block 128, symmetric, accuracy 4"),
     "matmulnbits8": Form(_nbits(8, 32, False, None), "MatMulNBits int8, block 32, zero points"),

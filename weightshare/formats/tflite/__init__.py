@@ -60,6 +60,12 @@ class TfliteFormat:
 
         return inventory_file(path, hash_payloads)
 
+    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
+        """Bytes one more LiteRT interpreter costs per setting, measured in child processes (``measure.py``)."""
+        from .measure import measure_copies
+
+        return measure_copies(path)
+
     def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         from .verify import verify_in_runtime
 

@@ -1,0 +1,93 @@
+"""What one more LiteRT interpreter costs, measured: the PSS growth from 1 to 4 interpreters, per setting, in a child.
+
+The static rules (``inventory.py``) say which buffers XNNPACK packs and which DEQUANTIZE/DENSIFY kernels
+materialise; LiteRT itself is the authority on what a new interpreter copies (XNNPACK's packing of int8
+weight-only and fp16 weights behind DEQUANTIZE included), so ``check`` and ``inspect`` ask it as they ask ONNX
+Runtime (``formats/onnx/measure.py``): a fresh child per setting opens interpreters one by one, runs every
+signature once (seeded random inputs, in range for index inputs), and reads its PSS after each. The growth is
+that of the PSS of everything but program code (``runtimes.memory.data_pss``), over 3. The child is bounded
+(``TIMEOUT_S``) and started with ``MALLOC_MMAP_THRESHOLD_=1048576`` like the ONNX one. ``litert-compiled-cache``
+(CompiledModel with an XNNPACK weight cache file) is not measured: its figure stays the static one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from ...report import JsonDict
+from ..onnx.measure import ENV_SKIP, MALLOC_ENV, SESSIONS
+
+SETTINGS = (("litert-builtin", True), ("litert-xnnpack", False))  # (setting id, without default delegates)
+TIMEOUT_S = 600.0
+
+
+def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDict:
+    """In this (child) process: PSS after each of ``interpreters`` interpreters under the setting, or why LiteRT
+    refused the model."""
+    from ...runtimes.litert import entry_points, native_stderr_silenced, new_interpreter
+    from ...runtimes.memory import data_pss, smaps_rollup
+
+    opened: list[Any] = []
+    pss: list[int] = []
+    data: list[int] = []
+    ran = True
+    with native_stderr_silenced():
+        for _ in range(interpreters):
+            try:
+                interp = new_interpreter(model_path, share, allocate=False)
+            except Exception as e:  # noqa: BLE001 -- any refusal is the answer
+                return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+            if ran:
+                try:
+                    for _key, entry in entry_points(interp):
+                        entry(entry.feeds(0, {}))
+                except Exception:  # noqa: BLE001 -- inputs it cannot make up: interpreters are measured unrun
+                    ran = False
+            if not ran:
+                try:
+                    interp.allocate_tensors()  # XNNPACK packs when the delegate is applied, at allocation
+                except Exception as e:  # noqa: BLE001
+                    return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+            opened.append(interp)
+            pss.append(smaps_rollup()["Pss"])
+            data.append(data_pss())
+    return {"pss": pss, "data_pss": data, "ran": ran}
+
+
+def available() -> bool:
+    return importlib.util.find_spec("ai_edge_litert") is not None and os.environ.get(ENV_SKIP, "") != "1"
+
+
+def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    """(setting id -> bytes one more interpreter costs, setting id -> PSS of the child with one interpreter,
+    notes); ({}, {}, [why not]) when ai-edge-litert is not installed or measuring is off."""
+    if not available():
+        return (
+            {},
+            {},
+            ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
+        )
+    from ...runtimes.memory import in_child
+
+    out: dict[str, int] = {}
+    one: dict[str, int] = {}
+    notes: list[str] = []
+    for setting, share in SETTINGS:
+        try:
+            res: JsonDict = in_child(__name__, "probe", [str(path), share], MALLOC_ENV, timeout=TIMEOUT_S)
+        except RuntimeError as e:
+            notes.append(f"could not measure {setting}: {e}")
+            continue
+        if "error" in res:
+            notes.append(f"LiteRT refuses the model under {setting}: {res['error']}")
+            continue
+        data = res["data_pss"]
+        out[setting] = max(0, (data[-1] - data[0]) // (len(data) - 1))
+        one[setting] = res["pss"][0]
+        if not res["ran"]:
+            notes.append(f"{setting}: interpreters measured without a run (inputs could not be generated)")
+    notes.append("litert-compiled-cache is not measured: its figure is the static estimate")
+    return out, one, notes
