@@ -269,9 +269,12 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     return found, tally
 
 
-def optimize_bounded(model: str, out_model: str, min_external: str, budget: int) -> dict[str, Any]:
+def optimize_bounded(
+    model: str, out_model: str, min_external: str, budget: int, sharer: Sharer | None = None
+) -> dict[str, Any]:
     """Step 1 in memory bounded by ``budget`` weight bytes per segment (``ort_segments``): the
-    optimized graph in ``out_model``, its initializers in files named after it."""
+    optimized graph in ``out_model``, its initializers in files named after it (or, with ``sharer``,
+    settled segment by segment into the staged payloads and ``ort.rest.bin``)."""
     from .ort_segments import Segmenter
 
     def run(src: str, dst: str, bin_name: str) -> None:
@@ -280,7 +283,18 @@ def optimize_bounded(model: str, out_model: str, min_external: str, budget: int)
         optimize(src, dst, bin_name, min_external)
         malloc_trim()  # the session's heap goes back before the next segment's session
 
-    return Segmenter(model, out_model, run, budget).run().as_dict()
+    return (
+        Segmenter(
+            model,
+            out_model,
+            run,
+            budget,
+            settle=sharer.settle if sharer else None,
+            reset=sharer.reset if sharer else None,
+        )
+        .run()
+        .as_dict()
+    )
 
 
 def _external(t: onnx.TensorProto) -> tuple[str, int, int] | None:
@@ -302,53 +316,84 @@ def _same_bytes(a: str, a_at: int, b: str, b_at: int, length: int) -> bool:
     return True
 
 
-def share_unchanged(model: str, out_model: str) -> None:
-    """Point the optimized graph's initializers that ORT left as they were back at the staged model's
-    payload, and keep only the changed ones (reordered, fused) in a file of their own: ORT's optimized
-    files, a second copy of the weights, leave OUTDIR before the packing starts. Both models sit in one
-    directory, so a location holds for either."""
-    import os
+class Sharer:
+    """Points the optimized graph's initializers that ORT left as they were back at the staged model's
+    payload, and keeps only the changed ones (reordered, fused) in ``ort.rest.bin``: ORT's own files, a
+    second copy of the weights, leave OUTDIR as soon as each segment is optimized (``settle``), not once
+    the whole graph is. Both models sit in one directory, so a location holds for either."""
 
-    stage = os.path.dirname(out_model)
-    src = onnx.load(model, load_external_data=False)
-    plain = {t.name: t for t in src.graph.initializer if _external(t)}
+    REST = "ort.rest.bin"
+
+    def __init__(self, model: str, stage: str) -> None:
+        self.stage = stage
+        src = onnx.load(model, load_external_data=False)
+        self.plain = {t.name: t for t in src.graph.initializer if _external(t)}
+        self.kept = {self.REST} | {w[0] for t in self.plain.values() if (w := _external(t)) is not None}
+        open(os.path.join(stage, self.REST), "wb").close()
+
+    def reset(self) -> None:
+        """Nothing settled so far is kept (the graph is optimized in one piece after all)."""
+        open(os.path.join(self.stage, self.REST), "wb").close()
+
+    def settle(self, opt: onnx.ModelProto) -> None:
+        """Re-point ``opt``'s external initializers (plain payload or ``ort.rest.bin``) and remove the
+        files ORT wrote them to."""
+        from .prepack import external_tensors
+
+        old_files: set[str] = set()
+        with open(os.path.join(self.stage, self.REST), "ab") as out:
+            for t in external_tensors(opt):
+                where = _external(t)
+                if where is None or where[0] in self.kept:
+                    continue
+                old_files.add(where[0])
+                twin = self.plain.get(t.name)
+                mine = _external(twin) if twin is not None else None
+                if (
+                    twin is not None
+                    and mine is not None
+                    and (twin.data_type, list(twin.dims)) == (t.data_type, list(t.dims))
+                    and mine[2] == where[2]
+                    and _same_bytes(
+                        os.path.join(self.stage, mine[0]),
+                        mine[1],
+                        os.path.join(self.stage, where[0]),
+                        where[1],
+                        where[2],
+                    )
+                ):
+                    location, offset, length = mine
+                else:
+                    location, offset, length = self.REST, out.seek(0, 2), where[2]
+                    _append(os.path.join(self.stage, where[0]), where[1], where[2], out)
+                del t.external_data[:]
+                for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                    entry = t.external_data.add()
+                    entry.key, entry.value = k, v
+        for name in old_files:
+            if os.path.exists(os.path.join(self.stage, name)):
+                os.unlink(os.path.join(self.stage, name))
+
+
+def _append(path: str, offset: int, length: int, out: BinaryIO) -> None:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length:
+            chunk = f.read(min(length, 1 << 20))
+            if not chunk:
+                raise OSError(f"onnxruntime's file {os.path.basename(path)} ends early")
+            out.write(chunk)
+            length -= len(chunk)
+
+
+def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) -> None:
+    """``Sharer.settle`` of the saved optimized model ``out_model`` (what segments left unsettled:
+    the whole-graph session's file)."""
+    sharer = sharer or Sharer(model, os.path.dirname(out_model))
     opt = onnx.load(out_model, load_external_data=False)
-    from .prepack import external_tensors
-
-    old_files: set[str] = set()
-    rest = os.path.join(stage, "ort.rest.bin")
-    with open(rest, "wb") as out:
-        for t in external_tensors(opt):
-            where = _external(t)
-            if where is None:
-                continue
-            old_files.add(where[0])
-            twin = plain.get(t.name)
-            mine = _external(twin) if twin is not None else None
-            if (
-                twin is not None
-                and mine is not None
-                and (twin.data_type, list(twin.dims)) == (t.data_type, list(t.dims))
-                and mine[2] == where[2]
-                and _same_bytes(
-                    os.path.join(stage, mine[0]), mine[1], os.path.join(stage, where[0]), where[1], where[2]
-                )
-            ):
-                location, offset, length = mine
-            else:
-                location, offset, length = "ort.rest.bin", out.tell(), where[2]
-                with open(os.path.join(stage, where[0]), "rb") as f:
-                    f.seek(where[1])
-                    out.write(f.read(where[2]))
-            del t.external_data[:]
-            for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = k, v
+    sharer.settle(opt)
     with open(out_model, "wb") as f:
         f.write(opt.SerializeToString())
-    kept = {"ort.rest.bin"} | {w[0] for t in plain.values() if (w := _external(t)) is not None}
-    for name in old_files - kept:
-        os.unlink(os.path.join(stage, name))
 
 
 def main(argv: list[str]) -> int:
@@ -358,8 +403,9 @@ def main(argv: list[str]) -> int:
     die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
     import onnxruntime as ort
 
-    segments = optimize_bounded(model, out_model, min_external, int(budget))
-    share_unchanged(model, out_model)
+    sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)))
+    segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
+    share_unchanged(model, out_model, sharer)
     packed, tally = pack(out_model, int(min_external))
     binding = {
         "onnxruntime": ort.__version__,

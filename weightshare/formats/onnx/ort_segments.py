@@ -35,6 +35,8 @@ from typing import Any
 import onnx
 from onnx import helper
 
+from ...blob import new_hasher
+
 NCHWC = "com.microsoft.nchwc"
 DEFAULT_BUDGET = 32 << 20  # weight bytes per segment; a window (two segments) is optimized at once
 BUDGET_ENV = "WEIGHTSHARE_ORT_SEGMENT_BYTES"  # smaller budgets, to exercise the cuts on small models
@@ -341,24 +343,38 @@ def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: s
 # ---------------------------------------------------------------- comparing graphs
 
 
+_digests: dict[tuple[str, int, int], bytes] = {}  # payloads of files that never change (not a window's file)
+
+
 def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
-    h = hashlib.blake2b(f"{t.data_type}:{list(t.dims)}:".encode(), digest_size=20)
+    """The blob's own checksum (BLAKE3 where installed) of ``t``'s bytes: each segment's payloads are read
+    once however many windows they are compared in."""
+    head = f"{t.data_type}:{list(t.dims)}:"
     if t.data_location == onnx.TensorProto.EXTERNAL:
         e = {x.key: x.value for x in t.external_data}
-        remaining = int(e.get("length", "-1"))
-        with open(directory / e["location"], "rb") as f:  # streamed: a segment's weights never sit in memory
-            f.seek(int(e.get("offset", "0")))
+        path, offset, length = directory / e["location"], int(e.get("offset", "0")), int(e.get("length", "-1"))
+        key = (str(path), offset, length)
+        if key in _digests:
+            return head + _digests[key].hex()
+        h = new_hasher()
+        remaining = length
+        with open(path, "rb") as f:  # streamed: a segment's weights never sit in memory
+            f.seek(offset)
             while remaining != 0:
                 chunk = f.read(1 << 20 if remaining < 0 else min(remaining, 1 << 20))
                 if not chunk:
                     break
                 h.update(chunk)
                 remaining -= len(chunk)
-    else:  # small: whether ORT stored it inline or outside must not matter
-        from onnx import numpy_helper
+        if ".win" not in path.name and ".seg" not in path.name:  # ORT rewrites these under the same name
+            _digests[key] = h.digest()
+        return head + h.hexdigest()
+    # small: whether ORT stored it inline or outside must not matter
+    from onnx import numpy_helper
 
-        h.update(numpy_helper.to_array(t).tobytes())
-    return h.hexdigest()
+    h = new_hasher()
+    h.update(numpy_helper.to_array(t).tobytes())
+    return head + h.hexdigest()
 
 
 def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
@@ -372,9 +388,7 @@ def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], 
     nodes: Counter[str] = Counter()
     for n in g.node:
         attrs = sorted(a.SerializeToString() for a in n.attribute)
-        h = hashlib.blake2b(
-            repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode(), digest_size=20
-        ).hexdigest()
+        h = hashlib.sha256(repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode()).hexdigest()
         nodes[h] += 1
         for k, o in enumerate(n.output):
             ids[o] = f"{h}:{k}"
@@ -407,7 +421,17 @@ class Report:
 class Segmenter:
     """Optimizes ``model_path`` segment by segment into ``out_model`` (external data beside it)."""
 
-    def __init__(self, model_path: str, out_model: str, optimize: Optimizer, budget: int) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        out_model: str,
+        optimize: Optimizer,
+        budget: int,
+        settle: Callable[[onnx.ModelProto], None] | None = None,
+        reset: Callable[[], None] | None = None,
+    ) -> None:
+        self.settle = settle  # re-points a segment's initializers off ORT's file (which it removes), if given
+        self.reset = reset  # forgets what ``settle`` kept, when the graph goes back to one piece
         self.src = Path(model_path)
         self.out = Path(out_model)
         self.optimize = optimize
@@ -450,7 +474,10 @@ class Segmenter:
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            self.optimized[key] = self._run(*key, tag=self._tag(key))
+            part = self._run(*key, tag=self._tag(key))
+            if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
+                self.settle(part)
+            self.optimized[key] = part
         return self.optimized[key]
 
     @staticmethod
@@ -478,6 +505,8 @@ class Segmenter:
         for key in [k for k in self.optimized if k not in keep]:
             del self.optimized[key]
             self._bin(self._tag(key)).unlink(missing_ok=True)
+        if not keep and self.reset is not None:
+            self.reset()
 
     def run(self) -> Report:
         try:

@@ -41,8 +41,8 @@ from ...options import ConvertOptions
 from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport, JsonDict
 from ...runtimes.memory import run_child_peak
-from ...tensors import FileRange
 from . import dtypes
+from .disk_use import DiskPeak, ReleasedRange, mark_overlaps
 from .ort_limits import limits_for
 from .ort_segments import budget_from_env
 
@@ -115,7 +115,7 @@ class Relocator:
         rng = (str(path), offset, length)
         if rng not in self.order:
             self.order[rng] = len(self.payloads)
-            source = FileRange(str(path), offset, length)
+            source = ReleasedRange(str(path), offset, length)  # its blocks are freed once the blob holds them
             source.check_within(path.stat().st_size)
             self.payloads.append(BlobPayload(planned, source, length))
         return rng
@@ -238,10 +238,26 @@ def _run_bounded(
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads."""
     target = blob_target(src, out_dir, options.blob_name)
-    with staging(out_dir) as held:
-        prepared = prepare_prepacked(src, out_dir, options, held)
-        write_models([prepared], out_dir, target, options, tx)
+    with DiskPeak(out_dir) as disk:
+        with staging(out_dir) as held:
+            prepared = prepare_prepacked(src, out_dir, options, held)
+            disk.sample()
+            write_models([prepared], out_dir, target, options, tx)
+            disk.sample()
+    report_disk(prepared.report, disk.peak)
     return prepared.report
+
+
+def report_disk(report: ConversionReport, peak: int) -> None:
+    """The temporary disk peak next to the final outputs (``disk_use``)."""
+    final = sum(Path(o).stat().st_size for o in report.outputs if Path(o).exists())
+    report.prepack["temp_disk_peak_bytes"] = peak
+    report.prepack["final_output_bytes"] = final
+    ratio = f", {peak / final:.2f}x" if final else ""
+    report.notes.append(
+        f"--prepack: temporary disk peak in the output directory {peak / 2**20:.1f} MiB "
+        f"(final outputs {final / 2**20:.1f} MiB{ratio})"
+    )
 
 
 def staging(out_dir: Path) -> AbstractContextManager[Path]:
@@ -279,6 +295,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     for t in external_tensors(optimized):
         reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}", result["packed"].get(t.name, []))
     packed = [p for p in reloc.payloads[plain:] if p.tensor.name.startswith(PACKED_PREFIX)]
+    mark_overlaps([p.source for p in reloc.payloads if isinstance(p.source, ReleasedRange)])
     names = {
         "prepacked_model": src.name,
         "portable_model": portable_name(src.name),
