@@ -90,7 +90,7 @@ def nchwc_block_size(directory: str | None = None) -> int:
     return max((t.dims[0] for t in optimized.graph.initializer if len(t.dims) == 4), default=0)
 
 
-def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> None:
+def optimize(model: str, out_model: str, bin_name: str, min_external: str, prepack: bool = False) -> None:
     """The level-ALL graph (fusions, NCHWc Conv weights) of ``model``, without pre-packing.
 
     With pre-packing off ORT holds only the reordered Conv weights (1x, plus ~3x the Conv weight it
@@ -103,7 +103,10 @@ def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> No
     # The default level: what a user's plain InferenceSession(path) runs, NCHWc included.
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.optimized_model_filepath = out_model
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    if prepack:  # a segment: its packed copies saved by the session that optimizes it (bounded by the segment)
+        so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    else:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", min_external)
     so.log_severity_level = 3  # ORT warns that a level-ALL graph is hardware-specific: we record that instead
@@ -221,7 +224,8 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     found: dict[str, list[list[str]]] = {}
     tally: dict[str, OpTally] = {}
     packed_bin = os.path.join(stage, PACKED_BIN)
-    open(packed_bin, "wb").close()
+    if not os.path.exists(packed_bin):
+        open(packed_bin, "wb").close()
     for n, (node, scope) in enumerate(all_nodes(model.graph)):
         inits = _scope_inits(scope)
         weights = [i for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
@@ -269,6 +273,35 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     return found, tally
 
 
+def tally_packed(opt_model: str) -> dict[str, OpTally]:
+    """Per op type, from the saved graph's ``prepacked_N`` entries: which weight-bearing nodes ORT packed."""
+    from .ort_types import all_nodes
+
+    model = onnx.load(opt_model, load_external_data=False)
+    tally: dict[str, OpTally] = {}
+    for node, scope in all_nodes(model.graph):
+        inits = _scope_inits(scope)
+        weights = [inits[i] for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
+        if not weights:
+            continue
+        op = tally.setdefault(f"{node.domain}.{node.op_type}" if node.domain else node.op_type, OpTally())
+        op.nodes += 1
+        sizes = [
+            sum(int(b.split(";")[1]) for b in e.value.split("|")[1:])
+            for t in weights
+            for e in t.external_data
+            if e.key.startswith("prepacked_")
+        ]
+        if sizes:
+            op.packed += 1
+            op.packed_bytes += sum(sizes)
+        elif node.domain == "com.microsoft.nchwc":
+            op.skip("its kernel pre-packs nothing: the optimizer reordered its weights (stored as optimized tensors)")
+        else:
+            op.skip("its kernel pre-packs nothing here")
+    return tally
+
+
 def optimize_bounded(
     model: str, out_model: str, min_external: str, budget: int, sharer: Sharer | None = None
 ) -> dict[str, Any]:
@@ -277,24 +310,25 @@ def optimize_bounded(
     settled segment by segment into the staged payloads and ``ort.rest.bin``)."""
     from .ort_segments import Segmenter
 
-    def run(src: str, dst: str, bin_name: str) -> None:
+    def run(src: str, dst: str, bin_name: str, prepack: bool = False) -> None:
         from ...ort import malloc_trim
 
-        optimize(src, dst, bin_name, min_external)
+        optimize(src, dst, bin_name, min_external, prepack)
         malloc_trim()  # the session's heap goes back before the next segment's session
 
-    return (
-        Segmenter(
-            model,
-            out_model,
-            run,
-            budget,
-            settle=sharer.settle if sharer else None,
-            reset=sharer.reset if sharer else None,
-        )
-        .run()
-        .as_dict()
+    def run_packed(src: str, dst: str, bin_name: str) -> None:
+        run(src, dst, bin_name, True)
+
+    segmenter = Segmenter(
+        model,
+        out_model,
+        run,
+        budget,
+        settle=sharer.settle if sharer else None,
+        reset=sharer.reset if sharer else None,
+        optimize_packed=run_packed if sharer else None,
     )
+    return segmenter.run().as_dict()
 
 
 def _external(t: onnx.TensorProto) -> tuple[str, int, int] | None:
@@ -329,11 +363,17 @@ class Sharer:
         src = onnx.load(model, load_external_data=False)
         self.plain = {t.name: t for t in src.graph.initializer if _external(t)}
         self.kept = {self.REST} | {w[0] for t in self.plain.values() if (w := _external(t)) is not None}
-        open(os.path.join(stage, self.REST), "wb").close()
+        self.reset()
 
     def reset(self) -> None:
         """Nothing settled so far is kept (the graph is optimized in one piece after all)."""
         open(os.path.join(self.stage, self.REST), "wb").close()
+        open(os.path.join(self.stage, PACKED_BIN), "wb").close()
+
+    def _move(self, value: str, src: str) -> str:
+        """One ``prepacked_N`` entry's buffers appended to PACKED_BIN; the entry re-pointed there."""
+        with open(src, "rb") as f, open(os.path.join(self.stage, PACKED_BIN), "ab") as dst:
+            return _move_packed(value, f, dst)[0]
 
     def settle(self, opt: onnx.ModelProto) -> None:
         """Re-point ``opt``'s external initializers (plain payload or ``ort.rest.bin``) and remove the
@@ -366,8 +406,18 @@ class Sharer:
                 else:
                     location, offset, length = self.REST, out.seek(0, 2), where[2]
                     _append(os.path.join(self.stage, where[0]), where[1], where[2], out)
+                packs = [
+                    self._move(e.value, os.path.join(self.stage, where[0]))
+                    for e in t.external_data
+                    if e.key.startswith("prepacked_")
+                ]
+                values = [("location", location), ("offset", str(offset)), ("length", str(length))]
+                if packs:
+                    from .prepack import PACKED_FILE_KEY
+
+                    values += [(PACKED_FILE_KEY, PACKED_BIN), *((f"prepacked_{i}", v) for i, v in enumerate(packs))]
                 del t.external_data[:]
-                for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+                for k, v in values:
                     entry = t.external_data.add()
                     entry.key, entry.value = k, v
         for name in old_files:
@@ -406,7 +456,11 @@ def main(argv: list[str]) -> int:
     sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)))
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
     share_unchanged(model, out_model, sharer)
-    packed, tally = pack(out_model, int(min_external))
+    if segments["segments"] > 1:  # each segment's session saved its packed copies (Sharer moved them)
+        packed: dict[str, list[list[str]]] = {}
+        tally = tally_packed(out_model)
+    else:  # one piece: ORT's session held no packed copies; node by node, in bounded memory
+        packed, tally = pack(out_model, int(min_external))
     binding = {
         "onnxruntime": ort.__version__,
         "optimization_level": "ORT_ENABLE_ALL",

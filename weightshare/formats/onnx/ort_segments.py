@@ -429,7 +429,9 @@ class Segmenter:
         budget: int,
         settle: Callable[[onnx.ModelProto], None] | None = None,
         reset: Callable[[], None] | None = None,
+        optimize_packed: Optimizer | None = None,
     ) -> None:
+        self.optimize_packed = optimize_packed  # a segment's session that also saves ORT's packed copies
         self.settle = settle  # re-points a segment's initializers off ORT's file (which it removes), if given
         self.reset = reset  # forgets what ``settle`` kept, when the graph goes back to one piece
         self.src = Path(model_path)
@@ -444,7 +446,7 @@ class Segmenter:
     def _bin(self, tag: str) -> Path:
         return self.out.parent / f"{self.stem}.{tag}.bin"
 
-    def _run(self, start: int, stop: int, standin: frozenset[str], tag: str) -> onnx.ModelProto:
+    def _run(self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False) -> onnx.ModelProto:
         """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
         part = extract(self.model, start, stop, self.types, standin)
         # beside the source model, so that the initializers' relative external data locations resolve
@@ -452,7 +454,8 @@ class Segmenter:
         opt = self.out.parent / f"{self.stem}.{tag}.onnx"
         tmp.write_bytes(part.SerializeToString())
         try:
-            self.optimize(str(tmp), str(opt), self._bin(tag).name)
+            run = self.optimize_packed if prepack and self.optimize_packed is not None else self.optimize
+            run(str(tmp), str(opt), self._bin(tag).name)
         finally:
             tmp.unlink()
         result = onnx.load(str(opt), load_external_data=False)
@@ -474,7 +477,7 @@ class Segmenter:
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            part = self._run(*key, tag=self._tag(key))
+            part = self._run(*key, tag=self._tag(key), prepack=True)
             if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
                 self.settle(part)
             self.optimized[key] = part

@@ -50,6 +50,7 @@ METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the
 PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PREPACKED_ENTRY = "prepacked_"
+PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
 STAGE_BLOB = "plain"
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 
@@ -138,7 +139,9 @@ class Relocator:
             length = path.stat().st_size - offset
         dtype = dtypes.NAMES.get(tensor.data_type, "uint8")
         rng = self.payload(path, offset, length, PlannedTensor(name, dtype, tuple(tensor.dims), length))
-        found = [(PackedRef.parse(v, path), path) for k, v in e.items() if k.startswith(PREPACKED_ENTRY)]
+        # ORT's own entries point into the tensor's file; those the child moved (PACKED_FILE_KEY) into that file
+        packs = directory / e[PACKED_FILE_KEY] if PACKED_FILE_KEY in e else path
+        found = [(PackedRef.parse(v, packs), packs) for k, v in e.items() if k.startswith(PREPACKED_ENTRY)]
         found += [(PackedRef.parse(v, directory / f), directory / f) for v, f in packed_elsewhere]
         packed, ranges, keys = [], [], set()
         for ref, where in found:
