@@ -518,6 +518,11 @@ def convert_zoo(
     _reset_peak_rss()
     with OutputTransaction() as tx, ExitStack() as stages:
         _prepare_out_dir(out, tx)
+        disk = None
+        if options.prepack:  # the staged models' temporary disk, zoo-wide (entered first: exits last)
+            from .formats.onnx.disk_use import DiskPeak
+
+            disk = stages.enter_context(DiskPeak(out))
         prepared = [_prepare_zoo_model(src, out, options, stages) for src in sources]
         for p, src in zip(prepared, sources):
             p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
@@ -533,6 +538,12 @@ def convert_zoo(
         marker = tx.new_file(out / _ZOO_MARKER)
         marker.write_text(json.dumps({"blob": Path(blob).name, "models": names}, indent=1) + "\n")
         tx.add_hook(_DropRemovedModels(out, list(dict.fromkeys(names + written))))
+    if disk is not None:
+        from .formats.onnx.prepack import report_disk
+
+        for m in report.models:
+            if m.prepack:
+                report_disk(m, disk.peak)
     _finish(report, start)
     children = [m.prepack.get("ort_child_peak_rss_mib", 0.0) for m in report.models]
     report.peak_rss_mib = round(report.peak_rss_mib + max(children, default=0.0), 1)  # one ORT child at a time

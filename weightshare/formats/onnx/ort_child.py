@@ -370,18 +370,19 @@ class Sharer:
         open(os.path.join(self.stage, self.REST), "wb").close()
         open(os.path.join(self.stage, PACKED_BIN), "wb").close()
 
-    def _move(self, value: str, src: str) -> str:
-        """One ``prepacked_N`` entry's buffers appended to PACKED_BIN; the entry re-pointed there."""
-        with open(src, "rb") as f, open(os.path.join(self.stage, PACKED_BIN), "ab") as dst:
-            return _move_packed(value, f, dst)[0]
+    def settle(self, opt: onnx.ModelProto, tag: str = "") -> list[str]:
+        """Re-point ``opt``'s external initializers (plain payload, or the changed bytes in a file of its
+        own) and its packed buffers (``packed.bin``, or one of its own), and remove the files ORT wrote
+        them to. ``tag``: a segment's, whose files go when the segment is dropped; the names returned."""
+        from .prepack import PACKED_FILE_KEY, external_tensors
 
-    def settle(self, opt: onnx.ModelProto) -> None:
-        """Re-point ``opt``'s external initializers (plain payload or ``ort.rest.bin``) and remove the
-        files ORT wrote them to."""
-        from .prepack import external_tensors
-
+        rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
+        self.kept |= {rest, packed}
         old_files: set[str] = set()
-        with open(os.path.join(self.stage, self.REST), "ab") as out:
+        with (
+            open(os.path.join(self.stage, rest), "ab") as out,
+            open(os.path.join(self.stage, packed), "ab") as packs_out,
+        ):
             for t in external_tensors(opt):
                 where = _external(t)
                 if where is None or where[0] in self.kept:
@@ -404,18 +405,17 @@ class Sharer:
                 ):
                     location, offset, length = mine
                 else:
-                    location, offset, length = self.REST, out.seek(0, 2), where[2]
+                    location, offset, length = rest, out.seek(0, 2), where[2]
                     _append(os.path.join(self.stage, where[0]), where[1], where[2], out)
-                packs = [
-                    self._move(e.value, os.path.join(self.stage, where[0]))
-                    for e in t.external_data
-                    if e.key.startswith("prepacked_")
-                ]
                 values = [("location", location), ("offset", str(offset)), ("length", str(length))]
-                if packs:
-                    from .prepack import PACKED_FILE_KEY
-
-                    values += [(PACKED_FILE_KEY, PACKED_BIN), *((f"prepacked_{i}", v) for i, v in enumerate(packs))]
+                with open(os.path.join(self.stage, where[0]), "rb") as f:
+                    moved = [
+                        _move_packed(e.value, f, packs_out)[0]
+                        for e in t.external_data
+                        if e.key.startswith("prepacked_")
+                    ]
+                if moved:
+                    values += [(PACKED_FILE_KEY, packed), *((f"prepacked_{i}", v) for i, v in enumerate(moved))]
                 del t.external_data[:]
                 for k, v in values:
                     entry = t.external_data.add()
@@ -423,6 +423,7 @@ class Sharer:
         for name in old_files:
             if os.path.exists(os.path.join(self.stage, name)):
                 os.unlink(os.path.join(self.stage, name))
+        return [rest, packed] if tag else []
 
 
 def _append(path: str, offset: int, length: int, out: BinaryIO) -> None:

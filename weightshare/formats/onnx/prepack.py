@@ -253,7 +253,7 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
 
 def report_disk(report: ConversionReport, peak: int) -> None:
     """The temporary disk peak next to the final outputs (``disk_use``)."""
-    final = sum(Path(o).stat().st_size for o in report.outputs if Path(o).exists())
+    final = report.blob_bytes + report.prepack.pop("model_file_bytes", 0)  # not committed yet: sizes as written
     report.prepack["temp_disk_peak_bytes"] = peak
     report.prepack["final_output_bytes"] = final
     ratio = f", {peak / final:.2f}x" if final else ""
@@ -314,8 +314,10 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
         written = []
         for model, name in ((optimized, src.name), (portable, portable_name(src.name))):
             tmp = tx.new_file(out_dir / name)
-            tmp.write_bytes(model.SerializeToString())
+            data = model.SerializeToString()
+            tmp.write_bytes(data)
             written.append(out_dir / name)
+            report.prepack["model_file_bytes"] = report.prepack.get("model_file_bytes", 0) + len(data)
         return written
 
     _report_packing(report, src, binding, packed, child_peak, result)
