@@ -1,8 +1,9 @@
 """--prepack at bounded cost: staged bytes given back as the blob takes them (disk_use), ORT's optimization
 cut at transformer layer boundaries (several crossing tensors, mask and rotary tensors computed again per
-segment, fp16 Cast pairs and DynamicQuantizeLinear kept with their kernels), each segment packed by the session
-that optimizes it. What is asserted is exact: bit-identical outputs at default options, the packed entries and
-optimized graph of ORT's own whole-model session, the report's file sizes, nothing left in OUTDIR."""
+segment, a failed cut moved earlier: DynamicQuantizeLinear stays with its MatMulInteger), each segment packed
+by the session that optimizes it. What is asserted is exact: bit-identical outputs at default options, the
+packed entries and optimized graph of ORT's own whole-model session, the report's file sizes, nothing left
+in OUTDIR."""
 
 from __future__ import annotations
 

@@ -7,7 +7,13 @@ node heavier than that is a segment of its own), each optimized in its own sessi
 optimized segments are stitched into one graph.
 
 Exactness: a cut must not change what ORT builds. Cuts go only before a weight-bearing node where
-exactly one tensor crosses (``plan``). Where a cut runs through an NCHWc region, the two halves
+exactly one tensor crosses, or a few that the segment before the cut makes (a transformer layer
+boundary: the residual stream and the branch added to it), each of a known element type (``plan``).
+Tensors computed from the graph inputs and small constants alone (attention masks, position ids,
+rotary caches: read by every layer) do not count as crossing: each segment computes them again and
+the stitch keeps one copy, as ORT's common-subexpression elimination does in one graph. A cut whose
+check fails is first moved earlier (up to ``MAX_ALTERNATIVES`` places, back to the weight-bearing node
+before it: a DynamicQuantizeLinear then stays with the MatMulInteger it fuses into). Where a cut runs through an NCHWc region, the two halves
 end in ``ReorderOutput`` and start with ``ReorderInput``; the stitch wires the NCHWc tensor
 through instead, which is what the whole-graph optimizer builds, and the later segment reads its
 input through a stand-in that ORT makes NCHWc, as the whole graph would have it (``extract``).
@@ -441,30 +447,11 @@ def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: s
         ):
             alias[n.output[0]] = src.input[0]
             continue
-        if (
-            _is_cast(n, onnx.TensorProto.FLOAT)
-            and n.input[0] in boundary
-            and src is not None
-            and _is_cast(src, onnx.TensorProto.FLOAT16)
-        ):
-            # ORT runs fp16 nodes its CPU kernels lack in fp32 between Casts, and in one graph removes a
-            # Cast to fp16 straight followed by one back (fp16 forms): the cut put the pair on two sides
-            alias[n.output[0]] = src.input[0]
-            continue
         kept.append(n)
     for n in kept:
         n.input[:] = [alias.get(i, i) for i in n.input]
     read = {i for n in kept for i in n.input} | outputs
-    return [
-        n
-        for n in kept
-        if n.output[0] in read
-        or not ((n.domain == NCHWC and n.op_type == "ReorderOutput") or _is_cast(n, onnx.TensorProto.FLOAT16))
-    ]
-
-
-def _is_cast(n: onnx.NodeProto, to: int) -> bool:
-    return n.domain in ("", "ai.onnx") and n.op_type == "Cast" and len(n.input) == 1 and _attr(n, "to", 0) == to
+    return [n for n in kept if not (n.domain == NCHWC and n.op_type == "ReorderOutput" and n.output[0] not in read)]
 
 
 # ---------------------------------------------------------------- comparing graphs
@@ -675,7 +662,7 @@ class Segmenter:
                     self._keep_current(bounds)
                     report.moved += 1
                     k = max(k - 1, 0)
-                    if report.merged + report.moved > max(8, len(self.plan.bounds)):
+                    if report.merged + report.moved > max(8, 2 * len(self.plan.bounds)):
                         bounds = [bounds[0], bounds[-1]]  # as below: this graph does not cut
                     continue
                 report.merged += 1
@@ -683,7 +670,7 @@ class Segmenter:
                 self._keep_current(bounds)
                 k = max(k - 1, 0)  # the merged segment changes the pair to its left too
                 failed = report.merged + report.moved
-                if report.merged > max(8, len(self.plan.bounds) // 2) or failed > max(8, len(self.plan.bounds)):
+                if report.merged > max(8, len(self.plan.bounds) // 2) or failed > max(8, 2 * len(self.plan.bounds)):
                     # re-checking merged (ever larger) pairs would cost
                     bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
