@@ -13,7 +13,8 @@ Tensors computed from the graph inputs and small constants alone (attention mask
 rotary caches: read by every layer) do not count as crossing: each segment computes them again and
 the stitch keeps one copy, as ORT's common-subexpression elimination does in one graph. A cut whose
 check fails is first moved earlier (up to ``MAX_ALTERNATIVES`` places, back to the weight-bearing node
-before it: a DynamicQuantizeLinear then stays with the MatMulInteger it fuses into). Where a cut runs through an NCHWc region, the two halves
+before it: a DynamicQuantizeLinear then stays with the MatMulInteger it fuses into).
+Where a cut runs through an NCHWc region, the two halves
 end in ``ReorderOutput`` and start with ``ReorderInput``; the stitch wires the NCHWc tensor
 through instead, which is what the whole-graph optimizer builds, and the later segment reads its
 input through a stand-in that ORT makes NCHWc, as the whole graph would have it (``extract``).
