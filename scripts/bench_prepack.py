@@ -11,6 +11,10 @@ For each model, four variants side by side:
 - median and best latency at batch 1/4/16/64, the variants interleaved in one process (on a shared
   machine read them as ratios; the best-of figures are the least disturbed by other load);
 - whether outputs are bit-identical to the original at default settings.
+--cost-gib 1 / --cost-form llama:1536: what --prepack costs on a MatMul+Conv model of that size (or a
+model_forms form of that many MiB) next to its anchors (the plain conversion; ORT's own save-prepacked session on
+the same model): CPU s and wall s, converter and ORT child peak RSS, OUTDIR's temporary disk peak (the report's,
+and `du` polled every 20 ms), final outputs, ratios.
 --convert-gib: peak RSS of `convert --prepack` (the converter and its ORT child) on MatMul models of that size;
 --convert-conv-gib / --convert-resnet-gib: the same on Conv-chain / ResNet-like models (--whole-graph: also with ORT
 optimizing the graph in one piece, as --prepack did before it cut the graph into segments).
@@ -21,11 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -211,6 +217,112 @@ def convert_memory(gib: float, work: Path, kind: str = "mm", whole: bool = False
     }
 
 
+ORT_SAVE_PREPACKED = """
+import sys, onnxruntime as ort
+so = ort.SessionOptions()
+so.optimized_model_filepath = sys.argv[2]
+so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "ort.bin")
+so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+so.log_severity_level = 3
+ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+"""
+
+
+def _du(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def _timed(cmd: list[str], out: Path | None = None) -> dict:
+    """``cmd`` in a child: wall s, CPU s (user + system of its whole tree), peak RSS, ``out``'s peak disk use."""
+    peak_disk, done = [0], threading.Event()
+
+    def poll() -> None:
+        while not done.wait(0.02):
+            peak_disk[0] = max(peak_disk[0], _du(out)) if out is not None else 0
+
+    t = threading.Thread(target=poll)
+    t.start()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    try:
+        res, peak = run_child_peak(cmd)
+    finally:
+        done.set()
+        t.join()
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if res.returncode != 0:
+        raise SystemExit(res.stderr)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"wall_s": wall, "cpu_s": cpu, "peak_mib": peak, "stdout": res.stdout, "du_peak": peak_disk[0]}
+
+
+def cost(src: Path, work: Path, label: str) -> dict:
+    """One row: --prepack's cost next to the plain conversion's and ORT's own save-prepacked session's."""
+    weights = sum(f.stat().st_size for f in src.parent.iterdir() if f.is_file())
+    conv = [sys.executable, "-m", "weightshare", "convert", str(src), "-q", "--json"]
+    plain = _timed([*conv, "-o", str(work / "plain")])
+    shutil.rmtree(work / "plain")
+    (work / "ort").mkdir()
+    anchor = _timed([sys.executable, "-c", ORT_SAVE_PREPACKED, str(src), str(work / "ort" / "ort.onnx")])
+    shutil.rmtree(work / "ort")
+    (work / "pre").mkdir()
+    pre = _timed([*conv, "-o", str(work / "pre"), "--prepack"], work / "pre")
+    report = json.loads(pre["stdout"])
+    final = _du(work / "pre")
+    shutil.rmtree(work / "pre")
+    info = report.get("prepack", {})
+    seg = info.get("segments", {})
+    return {
+        "model": label,
+        "weights_mib": round(weights / 2**20),
+        "plain": {"cpu_s": round(plain["cpu_s"], 2), "wall_s": round(plain["wall_s"], 2)},
+        "ort_save_prepacked": {
+            "cpu_s": round(anchor["cpu_s"], 2),
+            "wall_s": round(anchor["wall_s"], 2),
+            "peak_mib": round(anchor["peak_mib"]),
+        },
+        "prepack": {
+            "cpu_s": round(pre["cpu_s"], 2),
+            "wall_s": round(pre["wall_s"], 2),
+            "converter_peak_mib": report["peak_rss_mib"],
+            "ort_child_peak_mib": info.get("ort_child_peak_rss_mib"),
+            "temp_disk_peak_mib": round(info.get("temp_disk_peak_bytes", 0) / 2**20),
+            "du_temp_disk_peak_mib": round(pre["du_peak"] / 2**20),
+            "final_mib": round(final / 2**20),
+            "segments": seg.get("segments", 1),
+            "largest_segment_mib": round(seg.get("largest_segment_bytes", 0) / 2**20, 1),
+            "single_reason": seg.get("single_reason", ""),
+        },
+    }
+
+
+def show_cost(r: dict) -> None:
+    p, a, b = r["prepack"], r["ort_save_prepacked"], r["plain"]
+    print(
+        f"\n== --prepack cost, {r['model']} ({r['weights_mib']} MiB) ==\n"
+        f"{'':26}{'CPU s':>8}{'wall s':>8}{'peak MiB':>10}\n"
+        f"{'plain conversion':26}{b['cpu_s']:>8}{b['wall_s']:>8}\n"
+        f"{'ORT save-prepacked':26}{a['cpu_s']:>8}{a['wall_s']:>8}{a['peak_mib']:>10}\n"
+        f"{'--prepack':26}{p['cpu_s']:>8}{p['wall_s']:>8}{p['converter_peak_mib']:>10} (ORT child "
+        f"{p['ort_child_peak_mib']})\n"
+        f"CPU --prepack / (ORT save-prepacked + plain) = {p['cpu_s'] / (a['cpu_s'] + b['cpu_s']):.2f}x; "
+        f"CPU / plain = {p['cpu_s'] / b['cpu_s']:.1f}x\n"
+        f"temp disk peak {p['temp_disk_peak_mib']} MiB (du every 20 ms: {p['du_temp_disk_peak_mib']} MiB), final "
+        f"outputs {p['final_mib']} MiB: {p['du_temp_disk_peak_mib'] / max(p['final_mib'], 1):.2f}x; "
+        f"{p['segments']} segment(s), largest {p['largest_segment_mib']} MiB {p['single_reason']}",
+        flush=True,
+    )
+
+
 def show(r: dict) -> None:
     print(f"\n== {r['model']} model: {r['weights_mib']} MiB of weights ==")
     w = 30
@@ -251,6 +363,8 @@ def main() -> None:
         action="store_true",
         help="with --convert-conv/resnet-gib: also without segments (ORT optimizing the whole graph at once)",
     )
+    ap.add_argument("--cost-gib", default="", help="e.g. 1,4: --prepack's cost on MatMul+Conv models of that size")
+    ap.add_argument("--cost-form", default="", help="e.g. llama:1536,matmulnbits4:512: model_forms form:MiB")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
@@ -273,6 +387,31 @@ def main() -> None:
             results.append(bench_model(name, work))
             shutil.rmtree(work)
             show(results[-1])
+        for gib in filter(None, args.cost_gib.split(",")):
+            work = Path(tmp) / f"cost{gib}"
+            work.mkdir()
+            g = float(gib)  # 3/4 MatMul (64 MiB layers), 1/4 Conv (9 MiB 512x512x3x3 layers)
+            src = mixed_onnx(
+                work / "src" / "model.onnx" if (work / "src").mkdir() is None else "",
+                conv_layers=round(g * 2**30 / 4 / (512 * 512 * 9 * 4)),
+                channels=512,
+                mm_layers=round(g * 2**30 * 3 / 4 / (4096 * 4096 * 4)),
+                dim=4096,
+                spatial=4,
+            )
+            results.append({"cost": cost(src, work, f"{gib} GiB MatMul+Conv")})
+            shutil.rmtree(work)
+            show_cost(results[-1]["cost"])
+        for spec in filter(None, args.cost_form.split(",")):
+            from weightshare.formats.onnx import model_forms
+
+            form, mib = spec.split(":")
+            work = Path(tmp) / f"cost-{form}"
+            (work / "src").mkdir(parents=True)
+            src = model_forms.build(form, work / "src" / "model.onnx", mib=float(mib))
+            results.append({"cost": cost(src, work, f"{form} {mib} MiB")})
+            shutil.rmtree(work)
+            show_cost(results[-1]["cost"])
         for kind, sizes in (
             ("mm", args.convert_gib),
             ("conv", args.convert_conv_gib),

@@ -14,6 +14,8 @@ SIGNATURE = {
     "fp32": "MatMul",
     "fp16": "LayerNormalization",
     "fp16_cast": "Cast",
+    "llama": "Sigmoid",
+    "llama_fp16": "Sigmoid",
     "matmulnbits4": "MatMulNBits",
     "matmulnbits4_sym_b128_acc4": "MatMulNBits",
     "matmulnbits8": "MatMulNBits",

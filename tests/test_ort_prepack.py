@@ -305,7 +305,8 @@ def test_segmented_optimization_is_the_whole_graph_optimization(tmp_path, sample
     whole = _level_all(src, tmp_path / "whole" / "ort.onnx", 1 << 40)
     split = _level_all(src, tmp_path / "split" / "ort.onnx", 20000)
     assert whole["segments"] == 1 and split["segments"] > 2, split
-    assert split["checked_cuts"] == split["segments"] - 1 + split["unsafe_cuts"]
+    # every cut checked, and each dropped or moved one once more (a moved cut re-checks the cut before it)
+    assert split["checked_cuts"] >= split["segments"] - 1 + split["unsafe_cuts"] + split["moved_cuts"]
     assert _fingerprint(tmp_path / "split" / "ort.onnx") == _fingerprint(tmp_path / "whole" / "ort.onnx")
     stitched, original = ort.InferenceSession(str(tmp_path / "split" / "ort.onnx")), _plain(src)
     for batch in (1, 16):

@@ -35,11 +35,21 @@ PACKING_OP = {
     "attention": "com.microsoft.Attention",
     "merged_decoder": "MatMul",
     "conv": "Gemm",
+    "llama": "MatMul",
+    "llama_fp16": "MatMul",
 }
 
 
 # Variants of a form another parameter already covers run in the slow tier only (each costs a conversion).
-VARIANTS = {"matmulnbits4_sym_b128_acc4", "matmulnbits8_sym_b64_acc4", "qdq_per_channel", "fp32", "conv"}
+VARIANTS = {
+    "matmulnbits4_sym_b128_acc4",
+    "matmulnbits8_sym_b64_acc4",
+    "qdq_per_channel",
+    "fp32",
+    "conv",
+    "llama",
+    "llama_fp16",
+}
 
 
 @pytest.fixture(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._disk import DiskPeak
 from ._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from .errors import OutputError, Unsupported, UsageError
@@ -552,6 +553,7 @@ def convert_zoo(
     _reset_peak_rss()
     with OutputTransaction() as tx, ExitStack() as stages:
         _prepare_out_dir(out, tx)
+        disk = stages.enter_context(DiskPeak(out)) if options.prepack else None  # zoo-wide; entered first: exits last
         prepared = [_prepare_zoo_model(fmt, src, out, options, stages) for fmt, src in zip(formats, sources)]
         for p, src in zip(prepared, sources):
             p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
@@ -567,6 +569,11 @@ def convert_zoo(
         marker = tx.new_file(out / _ZOO_MARKER)
         marker.write_text(json.dumps({"blob": Path(blob).name, "models": names}, indent=1) + "\n")
         tx.add_hook(_DropRemovedModels(out, list(dict.fromkeys(names + written))))
+    if disk is not None:
+        for fmt, m in zip(formats, report.models):
+            note = getattr(fmt, "report_disk", None)  # the format says what its temporary disk was for
+            if note is not None and m.prepack:
+                note(m, disk.peak)
     _finish(report, start)
     children = [m.prepack.get("ort_child_peak_rss_mib", 0.0) for m in report.models]
     report.peak_rss_mib = round(report.peak_rss_mib + max(children, default=0.0), 1)  # one ORT child at a time

@@ -96,4 +96,7 @@ def write_payloads(
             raise OutputError(f"payload {p.tensor.name!r}: {entry.nbytes} bytes placed, {p.tensor.nbytes} planned")
         placements.append(entry)
         account(report, p.nbytes_in, entry)
+        release = getattr(p.source, "release", None)  # a staged source whose bytes are no longer needed
+        if release is not None:
+            release()
     return placements

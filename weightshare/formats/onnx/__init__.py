@@ -71,6 +71,12 @@ class OnnxFormat:
 
             share_metadata(prepared)
 
+    def report_disk(self, report: ConversionReport, peak: int) -> None:
+        """Zoo mode with --prepack: the zoo-wide temporary disk peak in each model's report."""
+        from .prepack import report_disk
+
+        report_disk(report, peak)
+
     decodes = True  # verify --decode-steps: present* outputs fed back as past* inputs
 
     @property

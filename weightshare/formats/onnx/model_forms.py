@@ -394,6 +394,113 @@ def fp16_fused_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     return _save(_model(nodes, inits, *io, ms_domain=True), Path(path), external=False)
 
 
+def _llama(fp16: bool) -> Callable[[Path, float, int], Path]:
+    def build(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+        """A llama-like decoder as exporters leave it, unfused: RMSNorm from Pow/ReduceMean/Sqrt/Div, Q/K/V
+        MatMuls, rotary embedding from cos/sin caches gathered by ``position_ids``, an additive mask from
+        ``attention_mask``, Softmax attention, output projection, SiLU-gated MLP, residual Adds; the mask and
+        the rotary tensors are computed once from the graph inputs and read by every layer."""
+        import numpy as np
+        from onnx import TensorProto as T
+        from onnx import helper as h
+        from onnx import numpy_helper as nh
+
+        ft = np.float16 if fp16 else np.float32
+        elem = T.FLOAT16 if fp16 else T.FLOAT
+        dim, layers = _dims(mib, (2 if fp16 else 4) * 10)
+        heads = max(1, dim // 64)
+        hd, ff, max_pos = dim // heads, 2 * dim, 64
+        rng = np.random.default_rng(seed)
+        pos = np.arange(max_pos)[:, None] / (10000 ** (np.arange(0, hd, 2) / hd))[None, :]
+        inits = [
+            nh.from_array(np.cos(pos).astype(ft), "cos_cache"),
+            nh.from_array(np.sin(pos).astype(ft), "sin_cache"),
+            nh.from_array(np.array([0, 0, heads, hd], np.int64), "heads_shape"),
+            nh.from_array(np.array([0, 0, dim], np.int64), "merge_shape"),
+            nh.from_array(np.array(hd**0.5, ft), "scale"),
+            nh.from_array(np.array(1e-5, ft), "eps"),
+            nh.from_array(np.array(2.0, ft), "two"),
+            nh.from_array(np.array(1.0, ft), "one"),
+            nh.from_array(np.array(-10000.0, ft), "neg"),
+            nh.from_array(np.array([hd // 2, hd // 2], np.int64), "halves"),
+        ]
+        nodes: list[onnx.NodeProto] = []
+
+        def op(kind: str, ins: list[str], out: str, **attrs: Any) -> str:
+            nodes.append(h.make_node(kind, ins, [out], **attrs))
+            return out
+
+        def mm(x: str, name: str, k: int, n: int) -> str:
+            inits.append(nh.from_array(_arr(rng, (k, n), 0.5 * k**-0.5, ft), f"{name}.w"))
+            return op("MatMul", [x, f"{name}.w"], name)
+
+        def rms(x: str, name: str) -> str:
+            inits.append(nh.from_array((1 + _arr(rng, (dim,), 0.05)).astype(ft), f"{name}.g"))
+            var = op("ReduceMean", [op("Pow", [x, "two"], f"{name}.sq")], f"{name}.var", axes=[-1], keepdims=1)
+            den = op("Sqrt", [op("Add", [var, "eps"], f"{name}.ve")], f"{name}.den")
+            return op("Mul", [op("Div", [x, den], f"{name}.n"), f"{name}.g"], name)
+
+        # from the graph inputs, once: the additive mask [b, 1, 1, s] and cos/sin [b, 1, s, hd]
+        m = op("Cast", ["attention_mask"], "mask.f", to=elem)
+        bias = op("Mul", [op("Sub", ["one", m], "mask.inv"), "neg"], "mask.neg")
+        bias = op("Unsqueeze", [bias, "axes12"], "mask.bias")
+        inits.append(nh.from_array(np.array([1, 2], np.int64), "axes12"))
+        inits.append(nh.from_array(np.array([1], np.int64), "axes1"))
+        rot = {}
+        for t in ("cos", "sin"):
+            half = op("Gather", [f"{t}_cache", "position_ids"], f"{t}.half")
+            rot[t] = op("Unsqueeze", [op("Concat", [half, half], f"{t}.full", axis=-1), "axes1"], t)
+
+        def rotary(x: str, name: str) -> str:
+            a, b = f"{name}.a", f"{name}.b"
+            nodes.append(h.make_node("Split", [x, "halves"], [a, b], axis=-1))
+            rotated = op("Concat", [op("Neg", [b], f"{name}.nb"), a], f"{name}.rot", axis=-1)
+            return op(
+                "Add",
+                [op("Mul", [x, rot["cos"]], f"{name}.xc"), op("Mul", [rotated, rot["sin"]], f"{name}.rs")],
+                f"{name}.pe",
+            )
+
+        cur = "x"
+        for i in range(layers):
+            p = f"layer{i}"
+            a = rms(cur, f"{p}.norm1")
+            heads_of = {
+                t: op(
+                    "Transpose",
+                    [op("Reshape", [mm(a, f"{p}.{t}", dim, dim), "heads_shape"], f"{p}.{t}.r")],
+                    f"{p}.{t}.t",
+                    perm=[0, 2, 1, 3],
+                )
+                for t in ("q", "k", "v")
+            }
+            q, k = rotary(heads_of["q"], f"{p}.q"), rotary(heads_of["k"], f"{p}.k")
+            k = op("Transpose", [k], f"{p}.k.tt", perm=[0, 1, 3, 2])
+            scores = op("Add", [op("Div", [op("MatMul", [q, k], f"{p}.qk"), "scale"], f"{p}.sd"), bias], f"{p}.sm")
+            ctx = op("MatMul", [op("Softmax", [scores], f"{p}.probs", axis=-1), heads_of["v"]], f"{p}.ctx")
+            merged = op(
+                "Reshape", [op("Transpose", [ctx], f"{p}.ctx.t", perm=[0, 2, 1, 3]), "merge_shape"], f"{p}.ctx.m"
+            )
+            cur = op("Add", [cur, mm(merged, f"{p}.o", dim, dim)], f"{p}.attn")
+            b2 = rms(cur, f"{p}.norm2")
+            gate = mm(b2, f"{p}.gate", dim, ff)
+            silu = op("Mul", [gate, op("Sigmoid", [gate], f"{p}.sig")], f"{p}.silu")
+            act = op("Mul", [silu, mm(b2, f"{p}.up", dim, ff)], f"{p}.act")
+            cur = op("Add", [cur, mm(act, f"{p}.down", ff, dim)], f"{p}.out")
+        op("Identity", [rms(cur, "final_norm")], "y")
+        io = (
+            [
+                _io("x", elem, ["batch", "seq", dim]),
+                _io("attention_mask", T.INT64, ["batch", "seq"]),
+                _io("position_ids", T.INT64, ["batch", "seq"]),
+            ],
+            [_io("y", elem, ["batch", "seq", dim])],
+        )
+        return _save(_model(nodes, inits, *io), Path(path), external=True)
+
+    return build
+
+
 def ms_attention(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     """com.microsoft Attention (packed QKV weight [d, 3d] + bias, as ORT's transformers optimizer
     writes it), output projection and residual per layer; fp32, external data."""
@@ -510,6 +617,8 @@ FORMS: dict[str, Form] = {
     "attention": Form(ms_attention, "com.microsoft Attention, packed QKV + bias"),
     "merged_decoder": Form(merged_decoder, "If(use_cache_branch) with outer-scope weights"),
     "conv": Form(conv_net, "ResNet/Inception-like CNN"),
+    "llama": Form(_llama(False), "llama-like fp32 decoder: RMSNorm, rotary, mask from the inputs, SiLU MLP"),
+    "llama_fp16": Form(_llama(True), "llama-like fp16 decoder (as llama, fp16 weights and activations)"),
 }
 
 
@@ -539,6 +648,11 @@ def feeds(
         shape = [named.get(d.dim_param, 1) if d.dim_param else d.dim_value for d in tt.shape.dim]
         if tt.elem_type == onnx.TensorProto.BOOL:
             out[vi.name] = np.full(shape, use_cache_branch, dtype=bool)
+        elif vi.name == "position_ids":
+            out[vi.name] = np.broadcast_to(np.arange(shape[-1], dtype=np.int64), shape).copy()
+        elif vi.name == "attention_mask":  # the last position of each row but the first masked out
+            out[vi.name] = np.ones(shape, np.int64)
+            out[vi.name][1:, -1] = 0
         else:
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type)
             out[vi.name] = rng.standard_normal(shape, dtype=np.float32).astype(dtype)

@@ -27,7 +27,7 @@ import onnx
 from .ort_probe import cpu_features, nchwc_block_size
 
 
-def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> None:
+def optimize(model: str, out_model: str, bin_name: str, min_external: str, prepack: bool = False) -> None:
     """The level-ALL graph (fusions, NCHWc Conv weights) of ``model``, without pre-packing.
 
     With pre-packing off ORT holds only the reordered Conv weights (1x, plus ~3x the Conv weight it
@@ -40,7 +40,10 @@ def optimize(model: str, out_model: str, bin_name: str, min_external: str) -> No
     # The default level: what a user's plain InferenceSession(path) runs, NCHWc included.
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.optimized_model_filepath = out_model
-    so.add_session_config_entry("session.disable_prepacking", "1")
+    if prepack:  # a segment: its packed copies saved by the session that optimizes it (bounded by the segment)
+        so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    else:
+        so.add_session_config_entry("session.disable_prepacking", "1")
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", min_external)
     so.log_severity_level = 3  # ORT warns that a level-ALL graph is hardware-specific: we record that instead
@@ -158,7 +161,8 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     found: dict[str, list[list[str]]] = {}
     tally: dict[str, OpTally] = {}
     packed_bin = os.path.join(stage, PACKED_BIN)
-    open(packed_bin, "wb").close()
+    if not os.path.exists(packed_bin):
+        open(packed_bin, "wb").close()
     for n, (node, scope) in enumerate(all_nodes(model.graph)):
         inits = _scope_inits(scope)
         weights = [i for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
@@ -206,18 +210,62 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     return found, tally
 
 
-def optimize_bounded(model: str, out_model: str, min_external: str, budget: int) -> dict[str, Any]:
+def tally_packed(opt_model: str) -> dict[str, OpTally]:
+    """Per op type, from the saved graph's ``prepacked_N`` entries: which weight-bearing nodes ORT packed."""
+    from .ort_types import all_nodes
+
+    model = onnx.load(opt_model, load_external_data=False)
+    tally: dict[str, OpTally] = {}
+    for node, scope in all_nodes(model.graph):
+        inits = _scope_inits(scope)
+        weights = [inits[i] for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
+        if not weights:
+            continue
+        op = tally.setdefault(f"{node.domain}.{node.op_type}" if node.domain else node.op_type, OpTally())
+        op.nodes += 1
+        sizes = [
+            sum(int(b.split(";")[1]) for b in e.value.split("|")[1:])
+            for t in weights
+            for e in t.external_data
+            if e.key.startswith("prepacked_")
+        ]
+        if sizes:
+            op.packed += 1
+            op.packed_bytes += sum(sizes)
+        elif node.domain == "com.microsoft.nchwc":
+            op.skip("its kernel pre-packs nothing: the optimizer reordered its weights (stored as optimized tensors)")
+        else:
+            op.skip("its kernel pre-packs nothing here")
+    return tally
+
+
+def optimize_bounded(
+    model: str, out_model: str, min_external: str, budget: int, sharer: Sharer | None = None
+) -> dict[str, Any]:
     """Step 1 in memory bounded by ``budget`` weight bytes per segment (``ort_segments``): the
-    optimized graph in ``out_model``, its initializers in files named after it."""
+    optimized graph in ``out_model``, its initializers in files named after it (or, with ``sharer``,
+    settled segment by segment into the staged payloads and ``ort.rest.bin``)."""
     from .ort_segments import Segmenter
 
-    def run(src: str, dst: str, bin_name: str) -> None:
+    def run(src: str, dst: str, bin_name: str, prepack: bool = False) -> None:
         from ...ort import malloc_trim
 
-        optimize(src, dst, bin_name, min_external)
+        optimize(src, dst, bin_name, min_external, prepack)
         malloc_trim()  # the session's heap goes back before the next segment's session
 
-    return Segmenter(model, out_model, run, budget).run().as_dict()
+    def run_packed(src: str, dst: str, bin_name: str) -> None:
+        run(src, dst, bin_name, True)
+
+    segmenter = Segmenter(
+        model,
+        out_model,
+        run,
+        budget,
+        settle=sharer.settle if sharer else None,
+        reset=sharer.reset if sharer else None,
+        optimize_packed=run_packed if sharer else None,
+    )
+    return segmenter.run().as_dict()
 
 
 def _external(t: onnx.TensorProto) -> tuple[str, int, int] | None:
@@ -239,53 +287,101 @@ def _same_bytes(a: str, a_at: int, b: str, b_at: int, length: int) -> bool:
     return True
 
 
-def share_unchanged(model: str, out_model: str) -> None:
-    """Point the optimized graph's initializers that ORT left as they were back at the staged model's
-    payload, and keep only the changed ones (reordered, fused) in a file of their own: ORT's optimized
-    files, a second copy of the weights, leave OUTDIR before the packing starts. Both models sit in one
-    directory, so a location holds for either."""
-    import os
+class Sharer:
+    """Points the optimized graph's initializers that ORT left as they were back at the staged model's
+    payload, and keeps only the changed ones (reordered, fused) in ``ort.rest.bin``: ORT's own files, a
+    second copy of the weights, leave OUTDIR as soon as each segment is optimized (``settle``), not once
+    the whole graph is. Both models sit in one directory, so a location holds for either."""
 
-    stage = os.path.dirname(out_model)
-    src = onnx.load(model, load_external_data=False)
-    plain = {t.name: t for t in src.graph.initializer if _external(t)}
+    REST = "ort.rest.bin"
+
+    def __init__(self, model: str, stage: str) -> None:
+        self.stage = stage
+        src = onnx.load(model, load_external_data=False)
+        self.plain = {t.name: t for t in src.graph.initializer if _external(t)}
+        self.kept = {self.REST} | {w[0] for t in self.plain.values() if (w := _external(t)) is not None}
+        self.reset()
+
+    def reset(self) -> None:
+        """Nothing settled so far is kept (the graph is optimized in one piece after all)."""
+        open(os.path.join(self.stage, self.REST), "wb").close()
+        open(os.path.join(self.stage, PACKED_BIN), "wb").close()
+
+    def settle(self, opt: onnx.ModelProto, tag: str = "") -> list[str]:
+        """Re-point ``opt``'s external initializers (plain payload, or the changed bytes in a file of its
+        own) and its packed buffers (``packed.bin``, or one of its own), and remove the files ORT wrote
+        them to. ``tag``: a segment's, whose files go when the segment is dropped; the names returned."""
+        from .prepack import PACKED_FILE_KEY, external_tensors
+
+        rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
+        self.kept |= {rest, packed}
+        old_files: set[str] = set()
+        with (
+            open(os.path.join(self.stage, rest), "ab") as out,
+            open(os.path.join(self.stage, packed), "ab") as packs_out,
+        ):
+            for t in external_tensors(opt):
+                where = _external(t)
+                if where is None or where[0] in self.kept:
+                    continue
+                old_files.add(where[0])
+                twin = self.plain.get(t.name)
+                mine = _external(twin) if twin is not None else None
+                if (
+                    twin is not None
+                    and mine is not None
+                    and (twin.data_type, list(twin.dims)) == (t.data_type, list(t.dims))
+                    and mine[2] == where[2]
+                    and _same_bytes(
+                        os.path.join(self.stage, mine[0]),
+                        mine[1],
+                        os.path.join(self.stage, where[0]),
+                        where[1],
+                        where[2],
+                    )
+                ):
+                    location, offset, length = mine
+                else:
+                    location, offset, length = rest, out.seek(0, 2), where[2]
+                    _append(os.path.join(self.stage, where[0]), where[1], where[2], out)
+                values = [("location", location), ("offset", str(offset)), ("length", str(length))]
+                with open(os.path.join(self.stage, where[0]), "rb") as f:
+                    moved = [
+                        _move_packed(e.value, f, packs_out)[0]
+                        for e in t.external_data
+                        if e.key.startswith("prepacked_")
+                    ]
+                if moved:
+                    values += [(PACKED_FILE_KEY, packed), *((f"prepacked_{i}", v) for i, v in enumerate(moved))]
+                del t.external_data[:]
+                for k, v in values:
+                    entry = t.external_data.add()
+                    entry.key, entry.value = k, v
+        for name in old_files:
+            if os.path.exists(os.path.join(self.stage, name)):
+                os.unlink(os.path.join(self.stage, name))
+        return [rest, packed] if tag else []
+
+
+def _append(path: str, offset: int, length: int, out: BinaryIO) -> None:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        while length:
+            chunk = f.read(min(length, 1 << 20))
+            if not chunk:
+                raise OSError(f"onnxruntime's file {os.path.basename(path)} ends early")
+            out.write(chunk)
+            length -= len(chunk)
+
+
+def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) -> None:
+    """``Sharer.settle`` of the saved optimized model ``out_model`` (what segments left unsettled:
+    the whole-graph session's file)."""
+    sharer = sharer or Sharer(model, os.path.dirname(out_model))
     opt = onnx.load(out_model, load_external_data=False)
-    from .prepack import external_tensors
-
-    old_files: set[str] = set()
-    rest = os.path.join(stage, "ort.rest.bin")
-    with open(rest, "wb") as out:
-        for t in external_tensors(opt):
-            where = _external(t)
-            if where is None:
-                continue
-            old_files.add(where[0])
-            twin = plain.get(t.name)
-            mine = _external(twin) if twin is not None else None
-            if (
-                twin is not None
-                and mine is not None
-                and (twin.data_type, list(twin.dims)) == (t.data_type, list(t.dims))
-                and mine[2] == where[2]
-                and _same_bytes(
-                    os.path.join(stage, mine[0]), mine[1], os.path.join(stage, where[0]), where[1], where[2]
-                )
-            ):
-                location, offset, length = mine
-            else:
-                location, offset, length = "ort.rest.bin", out.tell(), where[2]
-                with open(os.path.join(stage, where[0]), "rb") as f:
-                    f.seek(where[1])
-                    out.write(f.read(where[2]))
-            del t.external_data[:]
-            for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
-                entry = t.external_data.add()
-                entry.key, entry.value = k, v
+    sharer.settle(opt)
     with open(out_model, "wb") as f:
         f.write(opt.SerializeToString())
-    kept = {"ort.rest.bin"} | {w[0] for t in plain.values() if (w := _external(t)) is not None}
-    for name in old_files - kept:
-        os.unlink(os.path.join(stage, name))
 
 
 def main(argv: list[str]) -> int:
@@ -295,9 +391,14 @@ def main(argv: list[str]) -> int:
     die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
     import onnxruntime as ort
 
-    segments = optimize_bounded(model, out_model, min_external, int(budget))
-    share_unchanged(model, out_model)
-    packed, tally = pack(out_model, int(min_external))
+    sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)))
+    segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
+    share_unchanged(model, out_model, sharer)
+    if segments["segments"] > 1:  # each segment's session saved its packed copies (Sharer moved them)
+        packed: dict[str, list[list[str]]] = {}
+        tally = tally_packed(out_model)
+    else:  # one piece: ORT's session held no packed copies; node by node, in bounded memory
+        packed, tally = pack(out_model, int(min_external))
     binding = {
         "onnxruntime": ort.__version__,
         "optimization_level": "ORT_ENABLE_ALL",

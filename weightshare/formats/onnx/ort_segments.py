@@ -7,7 +7,14 @@ node heavier than that is a segment of its own), each optimized in its own sessi
 optimized segments are stitched into one graph.
 
 Exactness: a cut must not change what ORT builds. Cuts go only before a weight-bearing node where
-exactly one tensor crosses (``plan``). Where a cut runs through an NCHWc region, the two halves
+exactly one tensor crosses, or a few that the segment before the cut makes (a transformer layer
+boundary: the residual stream and the branch added to it), each of a known element type (``plan``).
+Tensors computed from the graph inputs and small constants alone (attention masks, position ids,
+rotary caches: read by every layer) do not count as crossing: each segment computes them again and
+the stitch keeps one copy, as ORT's common-subexpression elimination does in one graph. A cut whose
+check fails is first moved earlier (up to ``MAX_ALTERNATIVES`` places, back to the weight-bearing node
+before it: a DynamicQuantizeLinear then stays with the MatMulInteger it fuses into).
+Where a cut runs through an NCHWc region, the two halves
 end in ``ReorderOutput`` and start with ``ReorderInput``; the stitch wires the NCHWc tensor
 through instead, which is what the whole-graph optimizer builds, and the later segment reads its
 input through a stand-in that ORT makes NCHWc, as the whole graph would have it (``extract``).
@@ -34,6 +41,8 @@ from typing import Any
 
 import onnx
 from onnx import helper
+
+from ..._checksum import new_hasher
 
 NCHWC = "com.microsoft.nchwc"
 DEFAULT_BUDGET = 32 << 20  # weight bytes per segment; a window (two segments) is optimized at once
@@ -68,6 +77,13 @@ class Plan:
     bounds: list[int]
     weights: list[int]  # weight bytes per node
     reason: str = ""  # why the graph stays in one piece, when it does
+    # cut -> other places for it, tried in order when its pair check fails: earlier, back to the node after
+    # the weight-bearing node before it (quantized MatMuls: the DynamicQuantizeLinear in front of them fuses
+    # with them, so the cut goes before it)
+    alternatives: dict[int, list[int]] = field(default_factory=dict)
+    # tensors computed from graph inputs and small constants only (attention masks, position ids, rotary
+    # caches): every segment that reads one computes it again (``extract``), the stitch keeps one copy
+    derived: frozenset[str] = frozenset()
 
     def segment_bytes(self, k: int) -> int:
         return sum(self.weights[self.bounds[k] : self.bounds[k + 1]])
@@ -92,7 +108,8 @@ def _refusal(graph: onnx.GraphProto) -> str:
 
 def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
     """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``, where
-    exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it.
+    exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it,
+    or a few that the segment before the cut makes (``_cuttable``).
 
     Why one: everything the later segment learns about the earlier ones then comes through that
     tensor, produced in the segment right before the cut, so the pair check sees every node that
@@ -114,17 +131,60 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
     consts = constants(graph)
     last_use = {name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts}
     outputs = {o.name for o in graph.output}
+    made = {o: k for k, node in enumerate(graph.node) for o in node.output}
+    derived = derived_tensors(graph, heavy)
     bounds, size, live = [0], 0, set[str]()
+    crossings: list[list[str]] = []  # by node: the tensors a cut before it would hand over
+    alternatives: dict[int, list[int]] = {}
+    last_big = -1
     for p, node in enumerate(graph.node):
         big = max((inits.get(i, 0) for i in node.input), default=0) >= heavy
-        crossing = [t for t in live if last_use.get(t, -1) >= p or t in outputs]
-        if p > bounds[-1] and big and size + weights[p] > budget and len(crossing) == 1 and crossing[0] in typed:
+        crossing = [t for t in live if (last_use.get(t, -1) >= p and t not in derived) or t in outputs]
+        crossings.append(crossing)
+        if p > bounds[-1] and big and size + weights[p] > budget and _cuttable(crossing, typed, made, bounds[-1]):
+            start = bounds[-1]
             bounds.append(p)
             size = 0
+            alternatives[p] = [
+                q for q in range(p - 1, max(last_big, start), -1) if _cuttable(crossings[q], typed, made, start)
+            ][:MAX_ALTERNATIVES]
+        if big:
+            last_big = p
         size += weights[p]
         live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts))
     bounds.append(len(graph.node))
-    return Plan(bounds, weights)
+    return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, derived=derived)
+
+
+def derived_tensors(graph: onnx.GraphProto, heavy: int) -> frozenset[str]:
+    """Outputs of nodes that read only graph inputs, initializers under ``heavy`` bytes, constants and
+    other such outputs (no graph output among them): what a segment can compute again for itself."""
+    small = {t.name for t in graph.initializer if _tensor_bytes(t) < heavy}
+    known = {i.name for i in graph.input} | small | set(constants(graph)) | {""}
+    outputs = {o.name for o in graph.output}
+    derived: set[str] = set()
+    for node in graph.node:
+        if node.op_type == "Constant" and not node.input:
+            continue
+        if all(i in known or i in derived for i in node.input) and not any(o in outputs for o in node.output):
+            derived.update(o for o in node.output if o)
+    return frozenset(derived)
+
+
+MAX_ALTERNATIVES = 2  # other places tried for a cut whose pair check fails, before its segments are merged
+MAX_CROSSING = 4  # tensors a cut may hand over (a pre-norm transformer layer boundary: the residual and a branch)
+
+
+def _cuttable(crossing: list[str], typed: set[str], made: dict[str, int], start: int) -> bool:
+    """Whether a cut may hand ``crossing`` to the next segment: one tensor, or a few (transformer layers: the
+    residual stream next to the attention or MLP branch it is added to, so that the Add and the norm after it
+    stay together and fuse as in the whole graph), each of a known element type. Several only when every one
+    is made in the segment that ends at the cut (starting at node ``start``): then the pair check, which
+    optimizes that segment and the next together, sees every node that makes a crossing tensor; a tensor
+    from further back (a long skip connection) would reach the later segment unseen."""
+    if not crossing or len(crossing) > MAX_CROSSING or any(t not in typed for t in crossing):
+        return False
+    return len(crossing) == 1 or all(made.get(t, -1) >= start for t in crossing)
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:
@@ -154,6 +214,7 @@ def extract(
     stop: int,
     types: dict[str, onnx.ValueInfoProto],
     standin: frozenset[str] = frozenset(),
+    derived: frozenset[str] = frozenset(),
 ) -> onnx.ModelProto:
     """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
     (or the graph's outputs) read become outputs. Initializers keep their external data references.
@@ -168,6 +229,10 @@ def extract(
     nodes = list(g.node[start:stop])
     here = {o for n in nodes for o in n.output}
     read = {i for n in nodes for i in n.input if i}
+    if derived & (read - here):  # computed again here, from the graph inputs, as the segment before did
+        nodes = _recomputed(g, start, derived & (read - here)) + nodes
+        here = {o for n in nodes for o in n.output}
+        read = {i for n in nodes for i in n.input if i}
     nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
     produced = {o for n in nodes for o in n.output if o}
     if standin:
@@ -179,7 +244,8 @@ def extract(
             rewired.append(n2)
         nodes = [helper.make_node("MaxPool", [t], [f"{t}{STANDIN}"], kernel_shape=[1, 1]) for t in sorted(standin)]
         nodes += rewired
-    later = {i for n in g.node[stop:] for i in n.input if i not in consts} | {o.name for o in g.output}
+    later = {i for n in g.node[stop:] for i in n.input if i not in consts and i not in derived}
+    later |= {o.name for o in g.output}
     inits = [t for t in g.initializer if t.name in read]
     overridable = {i.name for i in g.input}
     init_names = {t.name for t in g.initializer}
@@ -190,6 +256,19 @@ def extract(
     m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
     m.functions.extend(model.functions)
     return m
+
+
+def _recomputed(g: onnx.GraphProto, before: int, wanted: frozenset[str]) -> list[onnx.NodeProto]:
+    """The nodes (before node ``before``, in graph order) that compute ``wanted`` and what they read of it."""
+    made = {o: k for k, n in enumerate(g.node[:before]) for o in n.output}
+    need, todo = set(), [made[t] for t in wanted if t in made]
+    while todo:
+        k = todo.pop()
+        if k in need:
+            continue
+        need.add(k)
+        todo += [made[i] for i in g.node[k].input if i in made]
+    return [g.node[k] for k in sorted(need)]
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -273,7 +352,9 @@ def stitch(
                 v2.name = rename.get(v.name, v.name)
                 value_info.append(v2)
     outputs = list(outputs)
+    inputs = list(inputs)
     nodes = _splice_reorders(nodes, boundary, {o.name for o in outputs})
+    nodes, inits = _merge_recomputed(nodes, inits, {i.name for i in inputs}, {o.name for o in outputs})
     made = {o for n in nodes for o in n.output}
     value_info = [v for v in value_info if v.name in made]
     graph = helper.make_graph(nodes, name, list(inputs), outputs, inits, value_info=value_info)
@@ -293,6 +374,42 @@ def stitch(
                 seen.add((f.domain, f.name))
                 model.functions.append(f)
     return model
+
+
+def _merge_recomputed(
+    nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], inputs: set[str], outputs: set[str]
+) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
+    """One copy of what several segments computed again from the graph inputs (``extract``): a node that
+    reads only graph inputs, initializers and such nodes' outputs, equal to an earlier one (op, domain,
+    attributes, inputs; initializers by their content and location), is dropped and its outputs read from
+    the earlier one, as ORT's common-subexpression elimination does in one graph."""
+    ids: dict[str, Any] = {name: ("input", name) for name in inputs}
+    for t in inits:
+        if t.name not in ids:
+            t2 = onnx.TensorProto()
+            t2.CopyFrom(t)
+            t2.name = ""
+            ids[t.name] = ("init", t2.SerializeToString())
+    ids[""] = ""
+    seen: dict[Any, onnx.NodeProto] = {}
+    alias: dict[str, str] = {}
+    kept = []
+    for n in nodes:
+        n.input[:] = [alias.get(i, i) for i in n.input]
+        if all(i in ids for i in n.input) and not any(o in outputs for o in n.output):
+            key = (n.op_type, n.domain, tuple(sorted(a.SerializeToString() for a in n.attribute)))
+            key += tuple(ids[i] for i in n.input)
+            first = seen.get(key)
+            if first is not None and len(first.output) == len(n.output):
+                alias.update({o: f for o, f in zip(n.output, first.output) if o})
+                continue
+            seen[key] = n
+            ids.update({o: (key, k) for k, o in enumerate(n.output) if o})
+        kept.append(n)
+    if not alias:
+        return nodes, inits
+    read = {i for n in kept for i in n.input} | inputs | outputs
+    return kept, [t for t in inits if t.name in read]
 
 
 def _standin_aliases(part: onnx.ModelProto, standin: frozenset[str]) -> tuple[set[int], dict[str, str]]:
@@ -341,24 +458,38 @@ def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: s
 # ---------------------------------------------------------------- comparing graphs
 
 
+_digests: dict[tuple[str, int, int], bytes] = {}  # payloads of files that never change (not a window's file)
+
+
 def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
-    h = hashlib.blake2b(f"{t.data_type}:{list(t.dims)}:".encode(), digest_size=20)
+    """The blob's own checksum (BLAKE3 where installed) of ``t``'s bytes: each segment's payloads are read
+    once however many windows they are compared in."""
+    head = f"{t.data_type}:{list(t.dims)}:"
     if t.data_location == onnx.TensorProto.EXTERNAL:
         e = {x.key: x.value for x in t.external_data}
-        remaining = int(e.get("length", "-1"))
-        with open(directory / e["location"], "rb") as f:  # streamed: a segment's weights never sit in memory
-            f.seek(int(e.get("offset", "0")))
+        path, offset, length = directory / e["location"], int(e.get("offset", "0")), int(e.get("length", "-1"))
+        key = (str(path), offset, length)
+        if key in _digests:
+            return head + _digests[key].hex()
+        h = new_hasher()
+        remaining = length
+        with open(path, "rb") as f:  # streamed: a segment's weights never sit in memory
+            f.seek(offset)
             while remaining != 0:
                 chunk = f.read(1 << 20 if remaining < 0 else min(remaining, 1 << 20))
                 if not chunk:
                     break
                 h.update(chunk)
                 remaining -= len(chunk)
-    else:  # small: whether ORT stored it inline or outside must not matter
-        from onnx import numpy_helper
+        if ".win" not in path.name and ".seg" not in path.name:  # ORT rewrites these under the same name
+            _digests[key] = h.digest()
+        return head + h.hexdigest()
+    # small: whether ORT stored it inline or outside must not matter
+    from onnx import numpy_helper
 
-        h.update(numpy_helper.to_array(t).tobytes())
-    return h.hexdigest()
+    h = new_hasher()
+    h.update(numpy_helper.to_array(t).tobytes())
+    return head + h.hexdigest()
 
 
 def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
@@ -372,9 +503,7 @@ def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], 
     nodes: Counter[str] = Counter()
     for n in g.node:
         attrs = sorted(a.SerializeToString() for a in n.attribute)
-        h = hashlib.blake2b(
-            repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode(), digest_size=20
-        ).hexdigest()
+        h = hashlib.sha256(repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode()).hexdigest()
         nodes[h] += 1
         for k, o in enumerate(n.output):
             ids[o] = f"{h}:{k}"
@@ -389,6 +518,7 @@ class Report:
     segments: int = 1
     largest_bytes: int = 0
     merged: int = 0  # cuts removed because the pair check failed
+    moved: int = 0  # cuts moved to another place after their pair check failed
     reason: str = ""  # why there is one segment
     checked: int = 0
     details: list[str] = field(default_factory=list)
@@ -398,6 +528,7 @@ class Report:
             "segments": self.segments,
             "largest_segment_bytes": self.largest_bytes,
             "unsafe_cuts": self.merged,
+            "moved_cuts": self.moved,
             "checked_cuts": self.checked,
             "single_reason": self.reason,
             "dropped_cuts": self.details[:10],
@@ -407,7 +538,19 @@ class Report:
 class Segmenter:
     """Optimizes ``model_path`` segment by segment into ``out_model`` (external data beside it)."""
 
-    def __init__(self, model_path: str, out_model: str, optimize: Optimizer, budget: int) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        out_model: str,
+        optimize: Optimizer,
+        budget: int,
+        settle: Callable[[onnx.ModelProto, str], list[str]] | None = None,
+        reset: Callable[[], None] | None = None,
+        optimize_packed: Optimizer | None = None,
+    ) -> None:
+        self.optimize_packed = optimize_packed  # a segment's session that also saves ORT's packed copies
+        self.settle = settle  # re-points a segment's initializers off ORT's file (which it removes), if given
+        self.reset = reset  # forgets what ``settle`` kept, when the graph goes back to one piece
         self.src = Path(model_path)
         self.out = Path(out_model)
         self.optimize = optimize
@@ -416,19 +559,21 @@ class Segmenter:
         self.plan = plan(self.model.graph, budget, set(self.types))
         self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
+        self.files: dict[tuple[int, int, frozenset[str]], list[str]] = {}
 
     def _bin(self, tag: str) -> Path:
         return self.out.parent / f"{self.stem}.{tag}.bin"
 
-    def _run(self, start: int, stop: int, standin: frozenset[str], tag: str) -> onnx.ModelProto:
+    def _run(self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False) -> onnx.ModelProto:
         """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
-        part = extract(self.model, start, stop, self.types, standin)
+        part = extract(self.model, start, stop, self.types, standin, self.plan.derived)
         # beside the source model, so that the initializers' relative external data locations resolve
         tmp = self.src.parent / f"{self.stem}.{tag}.in.onnx"
         opt = self.out.parent / f"{self.stem}.{tag}.onnx"
         tmp.write_bytes(part.SerializeToString())
         try:
-            self.optimize(str(tmp), str(opt), self._bin(tag).name)
+            run = self.optimize_packed if prepack and self.optimize_packed is not None else self.optimize
+            run(str(tmp), str(opt), self._bin(tag).name)
         finally:
             tmp.unlink()
         result = onnx.load(str(opt), load_external_data=False)
@@ -450,7 +595,10 @@ class Segmenter:
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            self.optimized[key] = self._run(*key, tag=self._tag(key))
+            part = self._run(*key, tag=self._tag(key), prepack=True)
+            if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
+                self.files[key] = self.settle(part, self._tag(key))
+            self.optimized[key] = part
         return self.optimized[key]
 
     @staticmethod
@@ -463,7 +611,7 @@ class Segmenter:
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
         together = self._run(a, c, standin, f"win{a}-{c}")
         try:
-            window = extract(self.model, a, c, self.types, standin)
+            window = extract(self.model, a, c, self.types, standin, self.plan.derived)
             pair = stitch(
                 [left, right],
                 together.graph.input,
@@ -478,6 +626,15 @@ class Segmenter:
         for key in [k for k in self.optimized if k not in keep]:
             del self.optimized[key]
             self._bin(self._tag(key)).unlink(missing_ok=True)
+            for name in self.files.pop(key, []):  # what ``settle`` kept of it
+                (self.out.parent / name).unlink(missing_ok=True)
+        if not keep and self.reset is not None:
+            self.reset()
+
+    def _keep_current(self, bounds: list[int]) -> None:
+        """Drop the optimized segments (and their files) that a moved or removed cut made obsolete."""
+        current = set(zip(bounds, bounds[1:]))
+        self._clean({key for key in self.optimized if (key[0], key[1]) in current} or {(-1, -1, frozenset())})
 
     def run(self) -> Report:
         try:
@@ -497,11 +654,25 @@ class Segmenter:
                 if self.cut_is_exact(bounds, k):
                     k += 1
                     continue
-                report.merged += 1
+                tried = self.plan.alternatives.get(bounds[k + 1], [])
                 report.details.append(f"node {bounds[k + 1]} ({self.model.graph.node[bounds[k + 1]].op_type})")
+                moves = [q for q in tried if bounds[k] < q < bounds[k + 1]]
+                if moves:  # the cut moves earlier; the segment left of it changed, so its own cut is re-checked
+                    self.plan.alternatives[moves[0]] = moves[1:]
+                    bounds[k + 1] = moves[0]
+                    self._keep_current(bounds)
+                    report.moved += 1
+                    k = max(k - 1, 0)
+                    if report.merged + report.moved > max(8, 2 * len(self.plan.bounds)):
+                        bounds = [bounds[0], bounds[-1]]  # as below: this graph does not cut
+                    continue
+                report.merged += 1
                 del bounds[k + 1]
+                self._keep_current(bounds)
                 k = max(k - 1, 0)  # the merged segment changes the pair to its left too
-                if report.merged > max(8, len(self.plan.bounds) // 2):  # re-checking merged pairs would cost
+                failed = report.merged + report.moved
+                if report.merged > max(8, len(self.plan.bounds) // 2) or failed > max(8, 2 * len(self.plan.bounds)):
+                    # re-checking merged (ever larger) pairs would cost
                     bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())

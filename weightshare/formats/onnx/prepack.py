@@ -34,6 +34,7 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from ..._disk import DiskPeak
 from ..._placement import PlannedTensor
 from ..._safetensors import CONTAINER
 from ...atomic import OutputTransaction, locked_stage
@@ -42,8 +43,8 @@ from ...options import ConvertOptions
 from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport, JsonDict
 from ...runtimes.memory import run_child_peak
-from ...tensors import FileRange
 from . import dtypes
+from .disk_use import ReleasedRange, mark_overlaps
 from .ort_limits import limits_for
 from .ort_segments import budget_from_env
 
@@ -51,6 +52,7 @@ METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the
 PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PREPACKED_ENTRY = "prepacked_"
+PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
 STAGE_BLOB = "plain"
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 
@@ -116,7 +118,7 @@ class Relocator:
         rng = (str(path), offset, length)
         if rng not in self.order:
             self.order[rng] = len(self.payloads)
-            source = FileRange(str(path), offset, length)
+            source = ReleasedRange(str(path), offset, length)  # its blocks are freed once the blob holds them
             source.check_within(path.stat().st_size)
             self.payloads.append(BlobPayload(planned, source, length))
         return rng
@@ -139,7 +141,9 @@ class Relocator:
             length = path.stat().st_size - offset
         dtype = dtypes.NAMES.get(tensor.data_type, "uint8")
         rng = self.payload(path, offset, length, PlannedTensor(name, dtype, tuple(tensor.dims), length))
-        found = [(PackedRef.parse(v, path), path) for k, v in e.items() if k.startswith(PREPACKED_ENTRY)]
+        # ORT's own entries point into the tensor's file; those the child moved (PACKED_FILE_KEY) into that file
+        packs = directory / e[PACKED_FILE_KEY] if PACKED_FILE_KEY in e else path
+        found = [(PackedRef.parse(v, packs), packs) for k, v in e.items() if k.startswith(PREPACKED_ENTRY)]
         found += [(PackedRef.parse(v, directory / f), directory / f) for v, f in packed_elsewhere]
         packed, ranges, keys = [], [], set()
         for ref, where in found:
@@ -239,10 +243,26 @@ def _run_bounded(
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads."""
     target = blob_target(src, out_dir, options.blob_name, CONTAINER)
-    with staging(out_dir) as held:
-        prepared = prepare_prepacked(src, out_dir, options, held)
-        write_models([prepared], out_dir, target, options, tx)
+    with DiskPeak(out_dir) as disk:
+        with staging(out_dir) as held:
+            prepared = prepare_prepacked(src, out_dir, options, held)
+            disk.sample()
+            write_models([prepared], out_dir, target, options, tx)
+            disk.sample()
+    report_disk(prepared.report, disk.peak)
     return prepared.report
+
+
+def report_disk(report: ConversionReport, peak: int) -> None:
+    """The temporary disk peak next to the final outputs (``disk_use``)."""
+    final = report.blob_bytes + report.prepack.pop("model_file_bytes", 0)  # not committed yet: sizes as written
+    report.prepack["temp_disk_peak_bytes"] = peak
+    report.prepack["final_output_bytes"] = final
+    ratio = f", {peak / final:.2f}x" if final else ""
+    report.notes.append(
+        f"--prepack: temporary disk peak in the output directory {peak / 2**20:.1f} MiB "
+        f"(final outputs {final / 2**20:.1f} MiB{ratio})"
+    )
 
 
 def staging(out_dir: Path) -> AbstractContextManager[Path]:
@@ -280,6 +300,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     for t in external_tensors(optimized):
         reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}", result["packed"].get(t.name, []))
     packed = [p for p in reloc.payloads[plain:] if p.tensor.name.startswith(PACKED_PREFIX)]
+    mark_overlaps([p.source for p in reloc.payloads if isinstance(p.source, ReleasedRange)])
     names = {
         "prepacked_model": src.name,
         "portable_model": portable_name(src.name),
@@ -295,8 +316,10 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
         written = []
         for model, name in ((optimized, src.name), (portable, portable_name(src.name))):
             tmp = tx.new_file(out_dir / name)
-            tmp.write_bytes(model.SerializeToString())
+            data = model.SerializeToString()
+            tmp.write_bytes(data)
             written.append(out_dir / name)
+            report.prepack["model_file_bytes"] = report.prepack.get("model_file_bytes", 0) + len(data)
         return written
 
     _report_packing(report, src, binding, packed, child_peak, result)

@@ -1,0 +1,119 @@
+"""--prepack at bounded cost: staged bytes given back as the blob takes them (disk_use), ORT's optimization
+cut at transformer layer boundaries (several crossing tensors, mask and rotary tensors computed again per
+segment, a failed cut moved earlier: DynamicQuantizeLinear stays with its MatMulInteger), each segment packed
+by the session that optimizes it. What is asserted is exact: bit-identical outputs at default options, the
+packed entries and optimized graph of ORT's own whole-model session, the report's file sizes, nothing left
+in OUTDIR."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from weightshare._disk import allocated_bytes
+from weightshare.formats.onnx import model_forms as mf
+from weightshare.formats.onnx import ort_segments as segs
+from weightshare.formats.onnx.disk_use import ReleasedRange, mark_overlaps, punch
+from weightshare.formats.onnx.ort_types import all_nodes
+from weightshare.formats.onnx.prepack import PREPACKED_ENTRY, external_tensors
+
+BUDGET = {segs.BUDGET_ENV: "65536"}
+
+
+def _holes_supported(path: Path) -> bool:
+    path.write_bytes(b"\1" * 3 * 4096)
+    return punch(str(path), 4096, 4096) and os.stat(path).st_blocks * 512 < 3 * 4096
+
+
+def test_punch_frees_whole_blocks_inside_the_range_and_keeps_every_other_byte(tmp_path):
+    f = tmp_path / "staged.bin"
+    if not _holes_supported(tmp_path / "probe.bin"):
+        pytest.skip("this file system keeps punched blocks (the staging then keeps them until it goes)")
+    data = bytes(range(256)) * (16 * 4096 // 256)
+    f.write_bytes(data)
+    before = allocated_bytes(str(tmp_path))
+    # a range from mid-block 1 to mid-block 9: blocks 2..8 go, the partial blocks at its ends stay
+    assert punch(str(f), 4096 + 100, 8 * 4096)
+    after = f.read_bytes()
+    assert len(after) == len(data)
+    assert after[: 2 * 4096] == data[: 2 * 4096] and after[9 * 4096 :] == data[9 * 4096 :]
+    assert after[2 * 4096 : 9 * 4096] == bytes(7 * 4096)
+    assert before - allocated_bytes(str(tmp_path)) == 7 * 4096
+
+
+def test_ranges_sharing_a_block_are_not_released(tmp_path):
+    a, b, c = (ReleasedRange("f", 0, 5000), ReleasedRange("f", 6000, 9000), ReleasedRange("f", 20480, 4096))
+    other = ReleasedRange("g", 0, 5000)
+    mark_overlaps([a, b, c, other])
+    assert (a.releasable, b.releasable, c.releasable, other.releasable) == (False, False, True, True)
+
+
+def test_a_failed_run_leaves_nothing_in_outdir(tmp_path, cli):
+    src = mf.build("fp32", tmp_path / "src" / "model.onnx", mib=1)
+    out = tmp_path / "out"
+    res = cli("convert", src, "-o", out, "--prepack", "-q", "--ort-max-growth", "0.01")
+    assert res.returncode == 2 and "--ort-max-growth" in res.stderr, res.stderr
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def _ort_whole(src: Path, tmp: Path) -> tuple[set[tuple[str, str]], Counter[str]]:
+    """ORT's own default-option session of ``src``: its (initializer, kernel key) packs and its node ops."""
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp / "ort.onnx")
+    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "ort.bin")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    so.log_severity_level = 3
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    return _packs_and_ops(tmp / "ort.onnx")
+
+
+def _packs_and_ops(path: Path) -> tuple[set[tuple[str, str]], Counter[str]]:
+    model = onnx.load(str(path), load_external_data=False)
+    packs = {
+        (t.name, e.value.split("|")[0])
+        for t in external_tensors(model)
+        for e in t.external_data
+        if e.key.startswith(PREPACKED_ENTRY)
+    }
+    return packs, Counter(f"{n.domain}.{n.op_type}" for n, _ in all_nodes(model.graph))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["llama", "matmulnbits4", "dynamic", "fp16"])
+def test_llm_forms_are_cut_at_layer_boundaries_and_stay_bit_identical(form, tmp_path, cli):
+    src = mf.build(form, tmp_path / "src" / "model.onnx", mib=1)
+    out = tmp_path / "out"
+    res = cli("convert", src, "-o", out, "--prepack", "--json", "-q", env=BUDGET)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    seg = report["prepack"]["segments"]
+    assert seg["segments"] > 1, seg  # the child's memory is bounded by a segment, not the model
+    assert seg["checked_cuts"] >= seg["segments"] - 1
+    # bit-identical to the original at default options, and the portable twin without pre-packing
+    original, prepacked = ort.InferenceSession(str(src)), ort.InferenceSession(report["outputs"][0])
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    plain_off, portable = (ort.InferenceSession(str(p), so) for p in (src, report["outputs"][1]))
+    for batch in (1, 8):
+        feeds = mf.feeds(src, batch=batch)
+        a, b = original.run(None, feeds)[0], prepacked.run(None, feeds)[0]
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+        assert np.array_equal(plain_off.run(None, feeds)[0], portable.run(None, feeds)[0])
+    # the packed entries and the optimized graph of ORT's own whole-model session
+    (tmp_path / "whole").mkdir()
+    packs, ops = _ort_whole(src, tmp_path / "whole")
+    assert packs, "each of these forms has weights ORT pre-packs"
+    assert _packs_and_ops(Path(report["outputs"][0])) == (packs, ops)
+    # the report's sizes are the files'; the staging is gone
+    files = sorted(out.iterdir())
+    assert report["prepack"]["final_output_bytes"] == sum(f.stat().st_size for f in files)
+    assert report["prepack"]["temp_disk_peak_bytes"] > 0
+    assert sorted(f.name for f in files) == sorted(Path(o).name for o in report["outputs"])
