@@ -33,7 +33,7 @@ def new_session(model_path: str, share: bool = True, log_level: int = 3) -> ort.
     return ort.InferenceSession(model_path, session_options(share, log_level), providers=["CPUExecutionProvider"])
 
 
-_ORT_TYPES = {
+ORT_TYPES = {
     "tensor(float)": "float32",
     "tensor(float16)": "float16",
     "tensor(double)": "float64",
@@ -153,7 +153,7 @@ def random_feeds(
             feeds[inp.name] = given[inp.name]
             continue
         shape = [dim_value(d, dims) for d in inp.shape]
-        dtype = _ORT_TYPES.get(inp.type)
+        dtype = ORT_TYPES.get(inp.type)
         name = inp.name.lower()
         if dtype is None:
             missing.append((inp.name, f"has type {inp.type}, which cannot be generated"))

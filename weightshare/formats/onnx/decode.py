@@ -25,23 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ...runtimes.ort import ORT_TYPES
+
 if TYPE_CHECKING:
     import onnx
-
-_ONNX_TYPES = {
-    "tensor(float)": "float32",
-    "tensor(float16)": "float16",
-    "tensor(double)": "float64",
-    "tensor(int64)": "int64",
-    "tensor(int32)": "int32",
-    "tensor(int8)": "int8",
-    "tensor(uint8)": "uint8",
-    "tensor(bool)": "bool",
-    "tensor(int16)": "int16",
-    "tensor(uint16)": "uint16",
-    "tensor(uint32)": "uint32",
-    "tensor(uint64)": "uint64",
-}
 
 # op type -> [(position of an index input, position of the tensor it indexes, axis)]
 _INDEXING: dict[str, list[tuple[int, int, int]]] = {
@@ -335,7 +322,7 @@ def make_feeds(
             feeds[inp.name] = given[inp.name]
             continue
         shape = _shape(inp, dims)
-        dtype = _ONNX_TYPES.get(inp.type)
+        dtype = ORT_TYPES.get(inp.type)
         name = inp.name.lower()
         integer = dtype is not None and dtype.startswith(("int", "uint"))
         bound = facts.bounds.get(inp.name, facts.vocab if "input_ids" in name else None)

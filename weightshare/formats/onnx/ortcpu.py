@@ -36,7 +36,7 @@ from ...tensors import read_all
 from . import dtypes
 from ._proto import pb
 from .graph import collect_sites, subgraphs
-from .ort_limits import limits_for
+from .ort_limits import ChildLimits, limits_for
 from .scan import REF_KEY, TensorRef
 
 ORT_CPU = "ort-cpu"  # the --unpack value
@@ -184,7 +184,6 @@ def run_probe(
     """ORT's answer for ``skeleton``, from a bounded child (``ort_limits``) working in a locked staging directory
     inside ``stage_in`` (OUTDIR: never $TMPDIR, so a killed run leaves nothing there that the next run's
     cleanup would not remove), or in a temporary directory when there is no OUTDIR (inspect, check)."""
-    import subprocess
     import tempfile
 
     if onnxruntime_version() is None:
@@ -197,32 +196,49 @@ def run_probe(
         tmp = Path(tmp_name).absolute()  # the child runs in it: a relative OUTDIR must not be resolved twice
         probe_path = write_probe_model(skeleton, refs, tmp)
         out = tmp / "optimized.onnx"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-c", _CHILD, str(probe_path), str(out)],
-                capture_output=True,
-                check=False,
-                text=True,
-                timeout=limits.wall_s,
-                env=env,
-                cwd=tmp,
-                preexec_fn=limits.preexec(),
-            )
-        except subprocess.TimeoutExpired:
-            raise InvalidModel(limits.timeout_message(), src) from None
-        if proc.returncode != 0:
-            hit = limits.failure(proc.returncode, proc.stderr, [out])
-            why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            raise InvalidModel(hit or f"onnxruntime (CPU) cannot load the model: {why}", src)
-        answer = json.loads(proc.stdout.strip().splitlines()[-1])
-        optimized = pb.ModelProto()
-        try:
-            optimized.ParseFromString(out.read_bytes())
-        except (DecodeError, OSError) as e:  # ORT wrote it; a failure here is ours to report plainly
-            raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
+        stdout = _run_child(_CHILD, [str(probe_path), str(out)], [out], limits, tmp, src, "load")
+        answer = json.loads(stdout.strip().splitlines()[-1])
+        optimized = _read_saved(out, src)
     opsets = {o.domain: o.version for o in optimized.opset_import}
     return Probe(optimized.graph, opsets, answer["version"], answer["peak_rss_mib"])
+
+
+def _run_child(
+    script: str, args: list[str], outs: list[Path], limits: ChildLimits, tmp: Path, src: Path, verb: str
+) -> str:
+    """Run an onnxruntime child (``python -c script *args``) in ``tmp`` under ``limits``; its stdout, or
+    InvalidModel naming the limit it hit or the last line ORT printed."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script, *args],
+            capture_output=True,
+            check=False,
+            text=True,
+            timeout=limits.wall_s,
+            env=env,
+            cwd=tmp,
+            preexec_fn=limits.preexec(),
+        )
+    except subprocess.TimeoutExpired:
+        raise InvalidModel(limits.timeout_message(), src) from None
+    if proc.returncode != 0:
+        hit = limits.failure(proc.returncode, proc.stderr, outs)
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise InvalidModel(hit or f"onnxruntime (CPU) cannot {verb} the model: {why}", src)
+    return proc.stdout
+
+
+def _read_saved(out: Path, src: Path) -> pb.ModelProto:
+    """The model ORT saved at ``out``; ORT wrote it, so a failure here is ours to report plainly."""
+    model = pb.ModelProto()
+    try:
+        model.ParseFromString(out.read_bytes())
+    except (DecodeError, OSError) as e:
+        raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
+    return model
 
 
 def _prefold(probe_path: Path, zeros: Path) -> None:
@@ -310,7 +326,6 @@ def check_rounding(
     options: ConvertOptions,
 ) -> str | None:
     """Optimize both probes at ORT's default level in one bounded child; ``rounding_change`` of the results."""
-    import subprocess
     import tempfile
 
     input_bytes = src.stat().st_size + sum(r.native_nbytes for r in refs)
@@ -328,32 +343,9 @@ def check_rounding(
             if name == "adopted":
                 _prefold(probe, d / ZEROS)
             args += [str(probe), str(d / "optimized.onnx")]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")}
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-c", _CHECK_CHILD, *args],
-                capture_output=True,
-                check=False,
-                text=True,
-                timeout=limits.wall_s,
-                env=env,
-                cwd=tmp,
-                preexec_fn=limits.preexec(),
-            )
-        except subprocess.TimeoutExpired:
-            raise InvalidModel(limits.timeout_message(), src) from None
-        if proc.returncode != 0:
-            hit = limits.failure(proc.returncode, proc.stderr, [Path(a) for a in args[1::2]])
-            why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            raise InvalidModel(hit or f"onnxruntime (CPU) cannot optimize the model: {why}", src)
-        graphs = []
-        for out in args[1::2]:
-            m = pb.ModelProto()
-            try:
-                m.ParseFromString(Path(out).read_bytes())
-            except (DecodeError, OSError) as e:
-                raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
-            graphs.append(m.graph)
+        outs = [Path(a) for a in args[1::2]]
+        _run_child(_CHECK_CHILD, args, outs, limits, tmp, src, "optimize")
+        graphs = [_read_saved(out, src).graph for out in outs]
     return rounding_change(graphs[0], graphs[1])
 
 
