@@ -32,7 +32,17 @@ CONFIG = "genai_config.json"
 
 
 def decoder_file(folder: str | os.PathLike[str]) -> Path:
-    """The decoder model ``genai_config.json`` names (``model.decoder.filename``)."""
+    """The decoder model ``genai_config.json`` names (``model.decoder.filename``).
+
+    Args:
+        folder: an onnxruntime-genai model folder.
+
+    Returns:
+        The decoder model's path inside ``folder``.
+
+    Raises:
+        InvalidModel: no readable genai_config.json, or its decoder filename leaves the folder.
+    """
     path = Path(folder) / CONFIG
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
@@ -58,7 +68,16 @@ def model(folder: str | os.PathLike[str]) -> Any:
 
     Opens the folder as genai_config.json says when its decoder is a plain conversion, or a ``--prepack`` model
     whose packed data matches this machine; else the decoder's portable twin (one warning through logging).
-    Raises UsageError without onnxruntime-genai, InvalidModel when the folder names no decoder.
+
+    Args:
+        folder: the converted onnxruntime-genai folder (``weightshare convert DIR -o OUT``).
+
+    Returns:
+        An ``onnxruntime_genai.Model``.
+
+    Raises:
+        UsageError: onnxruntime-genai is not installed.
+        InvalidModel: the folder names no decoder, or the decoder's ``--prepack`` record cannot be trusted.
     """
     try:
         import onnxruntime_genai as og

@@ -38,7 +38,13 @@ _RETRIES = 3  # the model replaced between hashing and loading (a re-conversion 
 
 
 def find_cache(model: str | os.PathLike[str]) -> tuple[Path | None, str]:
-    """The cache that matches ``model``'s current content and its own record, or None and why none is used."""
+    """The XNNPACK weight cache that matches ``model``'s current content and its own record.
+
+    Args:
+        model: a ``.tflite`` model written by ``weightshare convert --prepack``.
+
+    Returns:
+        (cache path, "") when one matches; (None, why none is used) otherwise."""
     cache, fd, why = open_cache(model)
     if fd is not None:
         os.close(fd)
@@ -98,7 +104,15 @@ def _file_state(path: Path) -> tuple[int, int, int] | None:
 def compiled_model(path: str | os.PathLike[str], **kwargs: Any) -> CompiledModel:
     """``CompiledModel.from_file(path, **kwargs)`` with the model's own XNNPACK weight cache when there is one.
 
-    The returned CompiledModel carries ``weightshare_cache``: the cache file used, or None.
+    Args:
+        path: a ``.tflite`` model (a ``convert --prepack`` output shares its packed weights).
+        **kwargs: passed on to ``CompiledModel.from_file`` (``options`` must not name a weight cache).
+
+    Returns:
+        The CompiledModel; its ``weightshare_cache`` attribute is the cache file used, or None.
+
+    Raises:
+        UsageError: ``options`` already names an XNNPACK weight cache.
     """
     from ai_edge_litert.compiled_model import CompiledModel
 

@@ -214,6 +214,16 @@ def interpreter(model_path: str | os.PathLike[str], num_threads: int | None = No
 
     Convert with ``weightshare convert MODEL.tflite -o OUT --prepack`` and open ``OUT/MODEL.tflite``. Without a
     matching cache it still runs (one warning, each instance packing its own weights).
+
+    Args:
+        model_path: a ``.tflite`` model.
+        num_threads: CPU threads of the interpreter (default 1).
+
+    Returns:
+        A SharedInterpreter with the Interpreter API (allocate_tensors, set_tensor, invoke, get_tensor, ...).
+
+    Raises:
+        UsageError: ``num_threads`` is not an int >= 1.
     """
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.interpreter import Interpreter, OpResolverType

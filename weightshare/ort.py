@@ -53,7 +53,11 @@ _machine: JsonDict | None = None
 
 
 def malloc_trim() -> bool:
-    """Hand freed heap pages back to the OS (glibc); False where there is no malloc_trim."""
+    """Hand freed heap pages back to the OS (glibc), e.g. after closing sessions.
+
+    Returns:
+        True when ``malloc_trim`` ran; False where the C library has none.
+    """
     try:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
@@ -61,7 +65,11 @@ def malloc_trim() -> bool:
 
 
 def this_machine() -> JsonDict:
-    """What packed data depends on, measured here the way conversion measured it (cached)."""
+    """What packed data depends on, measured here the way conversion measured it (cached per process).
+
+    Returns:
+        The CPU features and kernel facts ``--prepack`` records in a blob, as a JSON-able dict.
+    """
     global _machine
     if _machine is None:
         import platform
@@ -80,17 +88,31 @@ def this_machine() -> JsonDict:
 
 
 def prepack_info(model_path: str | os.PathLike[str]) -> tuple[JsonDict, Path] | None:
-    """The validated ``--prepack`` record of the model's blob and the blob's path, or None for any other model.
+    """The validated ``--prepack`` record of the model's blob and the blob's path.
 
-    Raises InvalidModel when the record is malformed (``prepack_record.parse_record``)."""
+    Args:
+        model_path: an ONNX model file.
+
+    Returns:
+        (record, blob path) for a ``convert --prepack`` output; None for any other model.
+
+    Raises:
+        InvalidModel: the record is malformed (absolute or escaping paths, wrong types)."""
     with _OpenedModel.open(Path(model_path)) as opened:
         found = opened.record()
         return None if found is None else (found[0], Path(model_path).parent / found[1])
 
 
 def check_packed_payloads(blob: str | os.PathLike[str], info: JsonDict) -> str | None:
-    """Recorded digest (BLAKE3, or SHA-256 in older blobs) of every payload only the prepacked model uses;
-    the first mismatch (or such a payload without a digest), or None. ``blob`` may be ``fd_path(fd)``.
+    """Check the recorded digest (BLAKE3, or SHA-256 in older blobs) of every payload only the prepacked model uses.
+
+    Args:
+        blob: the blob's path (may be ``/proc/self/fd/N`` of an fd already opened).
+        info: the record ``prepack_info`` returned for the model.
+
+    Returns:
+        Why the packed payloads cannot be trusted (the first mismatch, or such a payload without a digest), or
+        None when all match.
 
     A blob that passed is remembered, in this process and in a per-user cache (``ort_verdict``), keyed by its
     (device, inode, size, mtime_ns, ctime_ns) and the SHA-256 of its header: the next process opening the
@@ -144,7 +166,14 @@ def _hash_packed_payloads(path: str, info: JsonDict, size: int) -> str | None:
 
 
 def mismatch(info: JsonDict) -> str | None:
-    """Why packed data built for ``info`` cannot run here, or None."""
+    """Whether packed data built for the machine ``info`` describes can run on this one.
+
+    Args:
+        info: the record ``prepack_info`` returned for the model.
+
+    Returns:
+        Why it cannot (the first CPU feature or kernel fact that differs), or None when it can.
+    """
     here = this_machine()
     for key in ("onnxruntime", "machine", "nchwc_block", "cpu_features"):
         if info.get(key) != here[key]:
