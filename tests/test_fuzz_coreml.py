@@ -1,4 +1,5 @@
-"""Mutation fuzzing of the Core ML converter: >= 2,000 damaged packages, no traceback, nothing left behind.
+"""Mutation fuzzing of the Core ML converter: >= 600 damaged packages, no traceback, nothing left behind
+(per test run; scripts/fuzz.py runs for minutes).
 
 Before: five small valid packages (fp16, nested blocks, iOS18 sub-byte constexpr inputs, iOS16 constexpr
 attributes, a coremltools multifunction package). Under test: weightshare.api.convert on each package with one
@@ -29,13 +30,13 @@ def seeds(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_fuzz_2000_packages(seeds, tmp_path):
+def test_fuzz_600_packages(seeds, tmp_path):
     stats = FuzzStats()
     rng = random.Random(20261130)
     work = scratch_dir(tmp_path / "w")
     per_target = {t: [0, 0] for t in TARGETS}
     try:
-        for i in range(2000):
+        for i in range(600):
             seed, target = seeds[i % len(seeds)], TARGETS[i // len(seeds) % len(TARGETS)]
             kind, files = mutate_package(seed, rng, target)
             rejected = stats.rejected
@@ -47,9 +48,9 @@ def test_fuzz_2000_packages(seeds, tmp_path):
             per_target[target][stats.rejected > rejected] += 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    assert stats.inputs == 2000
-    assert stats.rejected > 600 and stats.converted > 300, stats  # both paths really exercised
-    assert all(converted > 20 and rejected > 100 for converted, rejected in per_target.values()), per_target
+    assert stats.inputs == 600
+    assert stats.rejected > 180 and stats.converted > 90, stats  # both paths really exercised
+    assert all(converted > 6 and rejected > 30 for converted, rejected in per_target.values()), per_target
     structured = {k for k in stats.by_kind if k.split(":")[1] in ("record", "spec-offset", "spec-file", "manifest")}
     assert len(structured) == 4, stats.by_kind
 

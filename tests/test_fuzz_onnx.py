@@ -1,4 +1,5 @@
-"""Mutation fuzzing of the ONNX converter: >= 2,000 damaged models, no traceback, nothing left behind."""
+"""Mutation fuzzing of the ONNX converter: >= 600 damaged models, no traceback, nothing left behind
+(per test run; scripts/fuzz.py runs for minutes)."""
 
 from __future__ import annotations
 
@@ -25,13 +26,13 @@ def seed(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_fuzz_2000_mutations(seed, tmp_path):
+def test_fuzz_600_mutations(seed, tmp_path):
     data, extra = seed
-    stats = FuzzStats(keep_dir=tmp_path / "kept", keep_every=25)
+    stats = FuzzStats(keep_dir=tmp_path / "kept", keep_every=8)
     rng = random.Random(20261130)
     work = scratch_dir(tmp_path)
     try:
-        for i in range(2000):
+        for i in range(600):
             kind, mutated = mutate(data, rng, MUTATIONS[i % len(MUTATIONS)])
             try:
                 check_one(mutated, "fz.onnx", work, stats, kind, extra)
@@ -40,8 +41,8 @@ def test_fuzz_2000_mutations(seed, tmp_path):
                 raise AssertionError(f"input {i} ({kind}): {e}; saved as {tmp_path / 'failing.onnx'}") from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    assert stats.inputs == 2000
-    assert stats.rejected > 500 and stats.converted > 100, stats  # both paths really exercised
+    assert stats.inputs == 600
+    assert stats.rejected > 150 and stats.converted > 30, stats  # both paths really exercised
     loads = runtime_loads(stats)  # onnxruntime loads every kept conversion whose damaged input it loads
     assert loads["original_loads"] >= 5, loads
 
