@@ -47,8 +47,9 @@ FORMS = [("fp32", False), ("fp32", True), ("matmulnbits4", False), ("merged_deco
 def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form, prepack):
     # A --prepack output's remaining per-session cost is the runtime's own state (arena, per-thread heaps: 0.3 to
     # 1.6 MiB between runs of a 4 MiB Attention model on a shared machine), which at 4 MiB sits on the 1.10x line;
-    # at 12 MiB of weights it is well below it, as at serving sizes.
-    src = build(form, tmp_path / "m.onnx", mib=12 if prepack else 4)
+    # at 12 MiB of weights it is well below it, as at serving sizes. Attention's state is the largest (1.4-1.8 MiB
+    # per session measured at 12 MiB, a ratio of 1.10 in one CI run; 0.3 MiB at 100 MiB): 32 MiB for it.
+    src = build(form, tmp_path / "m.onnx", mib=(32 if form == "attention" else 12) if prepack else 4)
     out = tmp_path / "out"
     assert cli("convert", src, "-o", out, "-q", *(["--prepack"] if prepack else [])).returncode == 0
     model = out / "m.onnx"
