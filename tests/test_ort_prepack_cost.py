@@ -65,14 +65,9 @@ def test_a_failed_run_leaves_nothing_in_outdir(tmp_path, cli):
 
 def _ort_whole(src: Path, tmp: Path) -> tuple[set[tuple[str, str]], Counter[str]]:
     """ORT's own default-option session of ``src``: its (initializer, kernel key) packs and its node ops."""
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp / "ort.onnx")
-    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "ort.bin")
-    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    so.log_severity_level = 3
-    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
-    return _packs_and_ops(tmp / "ort.onnx")
+    from test_ort_prepack_forms import ort_saved_session
+
+    return _packs_and_ops(ort_saved_session(src, tmp))
 
 
 def _packs_and_ops(path: Path) -> tuple[set[tuple[str, str]], Counter[str]]:

@@ -69,6 +69,11 @@ def converted(request, tmp_path_factory):
 def _ort_packed(src: Path, tmp: Path) -> set[tuple[str, str]]:
     """(initializer, kernel key) of every pre-packed copy ORT's own default-option session of ``src`` saves;
     its optimized graph at ``tmp``/ort.onnx."""
+    return _packed(ort_saved_session(src, tmp))
+
+
+def ort_saved_session(src: Path, tmp: Path) -> Path:
+    """ORT's own default-option session of ``src``, saved with its pre-packed copies: ``tmp``/ort.onnx."""
     so = ort.SessionOptions()
     so.optimized_model_filepath = str(tmp / "ort.onnx")
     so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
@@ -76,7 +81,7 @@ def _ort_packed(src: Path, tmp: Path) -> set[tuple[str, str]]:
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     so.log_severity_level = 3
     ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
-    return _packed(tmp / "ort.onnx")
+    return tmp / "ort.onnx"
 
 
 def _packed(path: Path) -> set[tuple[str, str]]:
