@@ -228,6 +228,21 @@ so.log_severity_level = 3
 ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
 """
 
+# Session creation + first run at ORT's default options; the child's max RSS is the load peak.
+LOAD_PEAK = """
+import sys, onnxruntime as ort
+from weightshare.formats.onnx.model_forms import feeds
+so = ort.SessionOptions()
+so.log_severity_level = 3
+s = ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
+s.run(None, feeds(sys.argv[2]))
+"""
+
+
+def load_peak(model: Path, src: Path) -> float:
+    """Peak RSS (MiB) of a fresh process that opens ``model`` at default options and runs it once."""
+    return round(_timed([sys.executable, "-c", LOAD_PEAK, str(model), str(src)])["peak_mib"], 1)
+
 
 def _du(path: Path) -> int:
     total = 0
@@ -278,6 +293,7 @@ def cost(src: Path, work: Path, label: str) -> dict:
     pre = _timed([*conv, "-o", str(work / "pre"), "--prepack"], work / "pre")
     report = json.loads(pre["stdout"])
     final = _du(work / "pre")
+    load = {"original": load_peak(src, src), "prepack": load_peak(work / "pre" / src.name, src)}
     shutil.rmtree(work / "pre")
     info = report.get("prepack", {})
     seg = info.get("segments", {})
@@ -302,6 +318,7 @@ def cost(src: Path, work: Path, label: str) -> dict:
             "largest_segment_mib": round(seg.get("largest_segment_bytes", 0) / 2**20, 1),
             "single_reason": seg.get("single_reason", ""),
         },
+        "load_peak_mib": load,
     }
 
 
@@ -318,7 +335,10 @@ def show_cost(r: dict) -> None:
         f"CPU / plain = {p['cpu_s'] / b['cpu_s']:.1f}x\n"
         f"temp disk peak {p['temp_disk_peak_mib']} MiB (du every 20 ms: {p['du_temp_disk_peak_mib']} MiB), final "
         f"outputs {p['final_mib']} MiB: {p['du_temp_disk_peak_mib'] / max(p['final_mib'], 1):.2f}x; "
-        f"{p['segments']} segment(s), largest {p['largest_segment_mib']} MiB {p['single_reason']}",
+        f"{p['segments']} segment(s), largest {p['largest_segment_mib']} MiB {p['single_reason']}\n"
+        f"load peak (session + first run, defaults, max RSS): original {r['load_peak_mib']['original']} MiB, "
+        f"--prepack {r['load_peak_mib']['prepack']} MiB: "
+        f"{r['load_peak_mib']['prepack'] / r['load_peak_mib']['original']:.2f}x",
         flush=True,
     )
 

@@ -383,28 +383,36 @@ def _merge_recomputed(
     reads only graph inputs, initializers and such nodes' outputs, equal to an earlier one (op, domain,
     attributes, inputs; initializers by their content and location), is dropped and its outputs read from
     the earlier one, as ORT's common-subexpression elimination does in one graph."""
+    # Each value's identity is a flat key: ("input", name), ("init", digest of the tensor without its name) or
+    # ("node", number of the first node with that key, output index). Nesting the producers' keys instead made
+    # hashing exponential in the depth of a DAG (a transformer's residual adds read one value twice).
     ids: dict[str, Any] = {name: ("input", name) for name in inputs}
-    for t in inits:
-        if t.name not in ids:
-            t2 = onnx.TensorProto()
-            t2.CopyFrom(t)
-            t2.name = ""
-            ids[t.name] = ("init", t2.SerializeToString())
+    by_name = {t.name: t for t in inits}
     ids[""] = ""
-    seen: dict[Any, onnx.NodeProto] = {}
+
+    def ident(name: str) -> Any:
+        if name not in ids and name in by_name:
+            t2 = onnx.TensorProto()
+            t2.CopyFrom(by_name[name])
+            t2.name = ""
+            ids[name] = ("init", hashlib.blake2b(t2.SerializeToString(), digest_size=16).digest())
+        return ids.get(name)
+
+    seen: dict[Any, tuple[int, onnx.NodeProto]] = {}
     alias: dict[str, str] = {}
     kept = []
     for n in nodes:
         n.input[:] = [alias.get(i, i) for i in n.input]
-        if all(i in ids for i in n.input) and not any(o in outputs for o in n.output):
-            key = (n.op_type, n.domain, tuple(sorted(a.SerializeToString() for a in n.attribute)))
-            key += tuple(ids[i] for i in n.input)
-            first = seen.get(key)
-            if first is not None and len(first.output) == len(n.output):
-                alias.update({o: f for o, f in zip(n.output, first.output) if o})
+        refs = [ident(i) for i in n.input]
+        if all(r is not None for r in refs) and not any(o in outputs for o in n.output):
+            key = (n.op_type, n.domain, tuple(sorted(a.SerializeToString() for a in n.attribute)), *refs)
+            hit = seen.get(key)
+            if hit is not None and len(hit[1].output) == len(n.output):
+                alias.update({o: f for o, f in zip(n.output, hit[1].output) if o})
                 continue
-            seen[key] = n
-            ids.update({o: (key, k) for k, o in enumerate(n.output) if o})
+            number = len(seen)
+            seen[key] = (number, n)
+            ids.update({o: ("node", number, k) for k, o in enumerate(n.output) if o})
         kept.append(n)
     if not alias:
         return nodes, inits
