@@ -377,7 +377,7 @@ def test_graphs_that_are_not_cut(tmp_path):
 
     src = mixed_onnx(tmp_path / "m.onnx", conv_layers=2, channels=32, mm_layers=2, dim=64)
     model = onnx.load(str(src), load_external_data=False)
-    types = set(segs.tensor_types(model))
+    types = segs.tensor_types(model)
     assert len(segs.plan(model.graph, 1 << 30, types).bounds) == 2  # small enough for one piece
     assert len(segs.plan(model.graph, 1000, types).bounds) > 2
     then = h.make_graph(

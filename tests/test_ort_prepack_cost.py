@@ -82,11 +82,22 @@ def _packs_and_ops(path: Path) -> tuple[set[tuple[str, str]], Counter[str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["llama", "matmulnbits4", "dynamic", "fp16"])
-def test_llm_forms_are_cut_at_layer_boundaries_and_stay_bit_identical(form, tmp_path, cli):
+@pytest.mark.parametrize(
+    "form,unpack",
+    [
+        ("llama", ()),
+        ("matmulnbits4", ()),
+        ("dynamic", ()),
+        ("fp16", ()),
+        ("qdq", ()),  # quantize_static puts every weight's DequantizeLinear first: they move next to their MatMul
+        ("qdq_per_channel", ()),
+        ("llama_fp16", ("--unpack", "ort-cpu")),  # fp32 copies in the file: ORT inserts no Casts to cut across
+    ],
+)
+def test_llm_forms_are_cut_at_layer_boundaries_and_stay_bit_identical(form, unpack, tmp_path, cli):
     src = mf.build(form, tmp_path / "src" / "model.onnx", mib=1)
     out = tmp_path / "out"
-    res = cli("convert", src, "-o", out, "--prepack", "--json", "-q", env=BUDGET)
+    res = cli("convert", src, "-o", out, "--prepack", *unpack, "--json", "-q", env=BUDGET)
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     seg = report["prepack"]["segments"]
@@ -102,9 +113,15 @@ def test_llm_forms_are_cut_at_layer_boundaries_and_stay_bit_identical(form, tmp_
         a, b = original.run(None, feeds)[0], prepacked.run(None, feeds)[0]
         assert a.dtype == b.dtype and np.array_equal(a, b)
         assert np.array_equal(plain_off.run(None, feeds)[0], portable.run(None, feeds)[0])
-    # the packed entries and the optimized graph of ORT's own whole-model session
+    # the packed entries and the optimized graph of ORT's own whole-model session (of the model as unpacked,
+    # with --unpack: the plain conversion with the same unpacking, which holds the same weights)
     (tmp_path / "whole").mkdir()
-    packs, ops = _ort_whole(src, tmp_path / "whole")
+    reference = src
+    if unpack:
+        plain = cli("convert", src, "-o", tmp_path / "plain", *unpack, "--json", "-q")
+        assert plain.returncode == 0, plain.stderr
+        reference = Path(json.loads(plain.stdout)["outputs"][0])
+    packs, ops = _ort_whole(reference, tmp_path / "whole")
     assert packs, "each of these forms has weights ORT pre-packs"
     assert _packs_and_ops(Path(report["outputs"][0])) == (packs, ops)
     # the report's sizes are the files'; the staging is gone

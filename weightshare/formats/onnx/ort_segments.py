@@ -106,7 +106,7 @@ def _refusal(graph: onnx.GraphProto) -> str:
     return ""
 
 
-def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
+def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoProto]) -> Plan:
     """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``, where
     exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it,
     or a few that the segment before the cut makes (``_cuttable``).
@@ -118,7 +118,7 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
     as a plain graph input, and ORT does not fuse it into the Conv the way it does in the whole
     graph (measured). A segment starts with a weight-bearing node (a Conv re-decides its layout),
     so fusions that run forward from a node (Conv+BN/Add/Relu, MatMul+Add) stay inside.
-    ``typed``: tensors whose element type is known (the cut tensor becomes a segment input).
+    ``typed``: the tensors whose element type is known (``tensor_types``; the cut tensor becomes a segment input).
     """
     inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
     weights = [sum(inits.get(i, 0) for i in _reads(n)) for n in graph.node]
@@ -143,17 +143,62 @@ def plan(graph: onnx.GraphProto, budget: int, typed: set[str]) -> Plan:
         crossings.append(crossing)
         if p > bounds[-1] and big and size + weights[p] > budget and _cuttable(crossing, typed, made, bounds[-1]):
             start = bounds[-1]
-            bounds.append(p)
-            size = 0
-            alternatives[p] = [
-                q for q in range(p - 1, max(last_big, start), -1) if _cuttable(crossings[q], typed, made, start)
-            ][:MAX_ALTERNATIVES]
+            # where a failing cut moves: back towards the last weight-bearing node, and past it to a place where
+            # only integer tensors cross (a QDQ graph's quantized activations: each DequantizeLinear stays with
+            # the nodes it feeds, so ORT fuses them as in the whole graph), those first
+            back = range(p - 1, max(start, p - ALTERNATIVE_REACH), -1)
+            places = [q for q in back if (q > last_big or _integral(crossings[q], typed))]
+            places = [q for q in places if _cuttable(crossings[q], typed, made, start)]
+            places.sort(key=lambda q: not _integral(crossings[q], typed))
+            cut = p
+            if places and _integral(crossings[places[0]], typed) and not _integral(crossing, typed):
+                cut = places.pop(0)  # straight to where only quantized tensors cross: no failing check first
+                places = [q for q in places if q < cut]
+            bounds.append(cut)
+            size = sum(weights[cut:p])
+            alternatives[cut] = places[:MAX_ALTERNATIVES]
         if big:
             last_big = p
         size += weights[p]
         live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts))
     bounds.append(len(graph.node))
     return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, derived=derived)
+
+
+def sink_weight_producers(graph: onnx.GraphProto) -> None:
+    """Move each node that reads only initializers (a QDQ model's DequantizeLinear of a weight; quantizers
+    put them all first) to just before the first node that reads it, so that a weight sits next to the node
+    that uses it and the graph has places to cut between layers. A topological order still; subgraph-holding
+    nodes and Constants stay where they are."""
+    inits = {t.name for t in graph.initializer} | {""}
+    nodes = list(graph.node)
+    movable = {
+        k
+        for k, n in enumerate(nodes)
+        if n.input
+        and n.op_type != "Constant"
+        and all(i in inits for i in n.input)
+        and not any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)
+    }
+    if not movable:
+        return
+    first_reader: dict[str, int] = {}
+    for k, n in enumerate(nodes):
+        for i in _reads(n):
+            first_reader.setdefault(i, k)
+    before: dict[int, list[int]] = {}
+    for k in sorted(movable):
+        readers = [first_reader[o] for o in nodes[k].output if o in first_reader]
+        at = min(readers) if readers else k
+        before.setdefault(max(at, k), []).append(k)
+    order = []
+    for k in range(len(nodes)):
+        order += before.get(k, [])
+        if k not in movable:
+            order.append(k)
+    if order != list(range(len(nodes))):
+        del graph.node[:]
+        graph.node.extend(nodes[k] for k in order)
 
 
 def derived_tensors(graph: onnx.GraphProto, heavy: int) -> frozenset[str]:
@@ -172,10 +217,21 @@ def derived_tensors(graph: onnx.GraphProto, heavy: int) -> frozenset[str]:
 
 
 MAX_ALTERNATIVES = 2  # other places tried for a cut whose pair check fails, before its segments are merged
+ALTERNATIVE_REACH = 32  # how many nodes back such a place may lie
+FLOATS = frozenset(
+    {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE, onnx.TensorProto.BFLOAT16}
+)
+
+
+def _integral(crossing: list[str], typed: dict[str, onnx.ValueInfoProto]) -> bool:
+    """Whether every tensor of ``crossing`` has a known integer element type (quantized activations)."""
+    return bool(crossing) and all(t in typed and typed[t].type.tensor_type.elem_type not in FLOATS for t in crossing)
+
+
 MAX_CROSSING = 4  # tensors a cut may hand over (a pre-norm transformer layer boundary: the residual and a branch)
 
 
-def _cuttable(crossing: list[str], typed: set[str], made: dict[str, int], start: int) -> bool:
+def _cuttable(crossing: list[str], typed: dict[str, onnx.ValueInfoProto], made: dict[str, int], start: int) -> bool:
     """Whether a cut may hand ``crossing`` to the next segment: one tensor, or a few (transformer layers: the
     residual stream next to the attention or MLP branch it is added to, so that the Add and the norm after it
     stay together and fuse as in the whole graph), each of a known element type. Several only when every one
@@ -563,8 +619,9 @@ class Segmenter:
         self.out = Path(out_model)
         self.optimize = optimize
         self.model = onnx.load(str(self.src), load_external_data=False)
+        sink_weight_producers(self.model.graph)
         self.types = tensor_types(self.model)
-        self.plan = plan(self.model.graph, budget, set(self.types))
+        self.plan = plan(self.model.graph, budget, self.types)
         self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
         self.files: dict[tuple[int, int, frozenset[str]], list[str]] = {}
