@@ -11,7 +11,7 @@ For each model, four variants side by side:
 - median and best latency at batch 1/4/16/64, the variants interleaved in one process (on a shared
   machine read them as ratios; the best-of figures are the least disturbed by other load);
 - whether outputs are bit-identical to the original at default settings.
---cost-gib 1 / --cost-form llama:1536: what --prepack costs on a MatMul+Conv model of that size (or a
+--cost-gib 1 / --cost-form llama:1536 (form:MiB[:unpack]): what --prepack costs on a MatMul+Conv model of that size (or a
 model_forms form of that many MiB) next to its anchors (the plain conversion; ORT's own save-prepacked session on
 the same model): CPU s and wall s, converter and ORT child peak RSS, OUTDIR's temporary disk peak (the report's,
 and `du` polled every 20 ms), final outputs, ratios.
@@ -280,10 +280,12 @@ def _timed(cmd: list[str], out: Path | None = None) -> dict:
     return {"wall_s": wall, "cpu_s": cpu, "peak_mib": peak, "stdout": res.stdout, "du_peak": peak_disk[0]}
 
 
-def cost(src: Path, work: Path, label: str) -> dict:
-    """One row: --prepack's cost next to the plain conversion's and ORT's own save-prepacked session's."""
+def cost(src: Path, work: Path, label: str, unpack: tuple[str, ...] = ()) -> dict:
+    """One row: --prepack's cost next to the plain conversion's and ORT's own save-prepacked session's
+    (``unpack``: --unpack values for both conversions)."""
     weights = sum(f.stat().st_size for f in src.parent.iterdir() if f.is_file())
     conv = [sys.executable, "-m", "weightshare", "convert", str(src), "-q", "--json"]
+    conv += [a for u in unpack for a in ("--unpack", u)]
     plain = _timed([*conv, "-o", str(work / "plain")])
     shutil.rmtree(work / "plain")
     (work / "ort").mkdir()
@@ -384,7 +386,11 @@ def main() -> None:
         help="with --convert-conv/resnet-gib: also without segments (ORT optimizing the whole graph at once)",
     )
     ap.add_argument("--cost-gib", default="", help="e.g. 1,4: --prepack's cost on MatMul+Conv models of that size")
-    ap.add_argument("--cost-form", default="", help="e.g. llama:1536,matmulnbits4:512: model_forms form:MiB")
+    ap.add_argument(
+        "--cost-form",
+        default="",
+        help="e.g. llama:1536,qdq:1600,llama_fp16:1600:ort-cpu: model_forms form:MiB[:--unpack value]",
+    )
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
@@ -425,11 +431,12 @@ def main() -> None:
         for spec in filter(None, args.cost_form.split(",")):
             from weightshare.formats.onnx import model_forms
 
-            form, mib = spec.split(":")
+            form, mib, *unpack = spec.split(":")
             work = Path(tmp) / f"cost-{form}"
             (work / "src").mkdir(parents=True)
             src = model_forms.build(form, work / "src" / "model.onnx", mib=float(mib))
-            results.append({"cost": cost(src, work, f"{form} {mib} MiB")})
+            how = "".join(f" --unpack {u}" for u in unpack)
+            results.append({"cost": cost(src, work, f"{form} {mib} MiB{how}", tuple(unpack))})
             shutil.rmtree(work)
             show_cost(results[-1]["cost"])
         for kind, sizes in (
