@@ -11,8 +11,8 @@ For each model, four variants side by side:
 - median and best latency at batch 1/4/16/64, the variants interleaved in one process (on a shared
   machine read them as ratios; the best-of figures are the least disturbed by other load);
 - whether outputs are bit-identical to the original at default settings.
---cost-gib 1 / --cost-form llama:1536 (form:MiB[:unpack]): what --prepack costs on a MatMul+Conv model of that size (or a
-model_forms form of that many MiB) next to its anchors (the plain conversion; ORT's own save-prepacked session on
+--cost-gib 1 / --cost-form llama:1536 (form:MiB[:unpack]): what --prepack costs on a MatMul+Conv model of that
+size (or a model_forms form of that many MiB) next to its anchors (the plain conversion; ORT's own save-prepacked session on
 the same model): CPU s and wall s, converter and ORT child peak RSS, OUTDIR's temporary disk peak (the report's,
 and `du` polled every 20 ms), final outputs, ratios.
 --convert-gib: peak RSS of `convert --prepack` (the converter and its ORT child) on MatMul models of that size;
