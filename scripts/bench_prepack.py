@@ -12,9 +12,10 @@ For each model, four variants side by side:
   machine read them as ratios; the best-of figures are the least disturbed by other load);
 - whether outputs are bit-identical to the original at default settings.
 --cost-gib 1 / --cost-form llama:1536 (form:MiB[:unpack]): what --prepack costs on a MatMul+Conv model of that
-size (or a model_forms form of that many MiB) next to its anchors (the plain conversion; ORT's own save-prepacked session on
-the same model): CPU s and wall s, converter and ORT child peak RSS, OUTDIR's temporary disk peak (the report's,
-and `du` polled every 20 ms), final outputs, ratios.
+size (or a model_forms form of that many MiB) next to its anchors (the plain conversion; ORT's own save-prepacked
+session on the same model): CPU s and wall s, converter and ORT child peak RSS, OUTDIR's temporary disk peak (the
+report's, and `du` polled every 20 ms), final outputs, ratios; and the load peak (max RSS of a process that opens the
+original or the --prepack output at default options and runs it once).
 --convert-gib: peak RSS of `convert --prepack` (the converter and its ORT child) on MatMul models of that size;
 --convert-conv-gib / --convert-resnet-gib: the same on Conv-chain / ResNet-like models (--whole-graph: also with ORT
 optimizing the graph in one piece, as --prepack did before it cut the graph into segments).
