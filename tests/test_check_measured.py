@@ -36,11 +36,15 @@ def _independent(path) -> tuple[float, float]:
 # fp32, int4 MatMulNBits, a merged decoder and a Conv net; then int8 MatMulNBits, QDQ, DynamicQuantizeMatMul,
 # com.microsoft Attention, an fp16 BERT-like encoder, fp16 weights behind Cast and a llama-like decoder as
 # exporters leave it (unfused RMSNorm, rotary, SiLU MLP): plain and --prepack; the fp16 llama-like decoder plain.
-FORMS = [("fp32", False), ("fp32", True), ("matmulnbits4", False), ("merged_decoder", False), ("conv", False)] + [
-    (form, prepack)
-    for form in ("matmulnbits8", "qdq", "dynamic", "attention", "fp16", "fp16_cast", "llama")
-    for prepack in (False, True)
-] + [("llama_fp16", False)]
+FORMS = (
+    [("fp32", False), ("fp32", True), ("matmulnbits4", False), ("merged_decoder", False), ("conv", False)]
+    + [
+        (form, prepack)
+        for form in ("matmulnbits8", "qdq", "dynamic", "attention", "fp16", "fp16_cast", "llama")
+        for prepack in (False, True)
+    ]
+    + [("llama_fp16", False)]
+)
 
 
 @pytest.mark.slow
