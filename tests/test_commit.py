@@ -16,8 +16,8 @@ import pytest
 
 import weightshare
 from weightshare import atomic
-from weightshare.atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
-from weightshare.samples import mlp_onnx
+from weightshare._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from weightshare._samples import mlp_onnx
 
 
 def run(model: Path, seed: int = 0) -> np.ndarray:

@@ -14,9 +14,9 @@ from safetensors import safe_open
 
 import weightshare.api as api
 from weightshare import formats
-from weightshare.check import check
+from weightshare._check import check
+from weightshare._inventory import inventory
 from weightshare.errors import InvalidModel, Unsupported
-from weightshare.inventory import inventory
 
 
 @pytest.fixture

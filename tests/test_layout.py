@@ -16,8 +16,8 @@ import pytest
 
 import weightshare
 from weightshare import ConvertOptions, UsageError
+from weightshare._samples import mlp_onnx
 from weightshare.cli._render import size, size_mib
-from weightshare.samples import mlp_onnx
 
 
 @pytest.fixture()
@@ -83,17 +83,18 @@ def test_one_byte_formatter(nbytes, text):
 
 
 # Shared code: everything in weightshare/ but the formats' folders and the modules runtime- or format-specific by
-# name: the public loaders (ort.py, litert*.py), the runtimes' measuring code (runtimes/), the ONNX Runtime demo and
-# the sample-model builders (demo.py, samples.py).
+# name: the public loaders (ort.py, litert.py, _litert_interpreter.py, genai.py), the runtimes' measuring code
+# (_runtimes/), the ONNX Runtime demo and the sample-model builders (_demo.py, _samples.py).
 PACKAGE = Path(weightshare.__file__).parent
 NOT_SHARED = (
     "formats/",
-    "runtimes/",
+    "_runtimes/",
     "ort.py",
-    "litert",
+    "litert.py",
+    "_litert_interpreter.py",
     "genai.py",
-    "demo.py",
-    "samples.py",
+    "_demo.py",
+    "_samples.py",
 )  # runtime loaders by name
 
 

@@ -22,8 +22,8 @@ import typer.main
 from onnx import TensorProto, helper, numpy_helper
 
 from weightshare import __version__
+from weightshare._samples import mlp_onnx
 from weightshare.cli import app
-from weightshare.samples import mlp_onnx
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import api
-from .atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
 from .errors import OutputError, Unsupported, UsageError
 from .formats import detect, model_suffixes
 from .options import ConvertOptions
@@ -128,7 +128,7 @@ def plan_folder(folder: Path) -> FolderPlan:
 
 def _weight_files(folder: Path, models: list[Path]) -> set[Path]:
     """Files that ``models`` reference for their weights (external data), relative to ``folder``."""
-    from .inventory import inventory
+    from ._inventory import inventory
 
     found: set[Path] = set()
     for model in models:

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._placement import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress, align_up
+from ._tensors import PayloadSource
 from .errors import InvalidModel, OutputError
 from .formats.base import BlobContainer
-from .tensors import PayloadSource
 
 if TYPE_CHECKING:
-    from .write import BlobPayload
+    from ._write import BlobPayload
 
 __all__ = [
     "ALIGN_KEY",

@@ -18,22 +18,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from ._disk import DiskPeak
+from ._paths import check_no_overlap, plain_file_name
+from ._pipeline import PreparedModel, blob_target, write_models
 from ._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
-from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
 from .errors import OutputError, Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
 from .options import BLOB_GRACE_S, INLINE_THRESHOLD, ConvertOptions, Unpack
-from .paths import check_no_overlap, plain_file_name
-from .pipeline import PreparedModel, blob_target, write_models
 from .report import ConversionReport, ZooReport
 
 if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
+    from ._findings import Finding
     from ._folder import FolderReport
-    from .findings import Finding
+    from ._inventory import ModelInventory
+    from ._verify import VerifyReport
     from .formats.base import BlobContainer
-    from .inventory import ModelInventory
-    from .verify import VerifyReport
 
 __all__ = [
     "CheckReport",
@@ -680,7 +680,7 @@ def inspect(model: str | os.PathLike[str], *, hash_payloads: bool = True) -> Mod
         >>> inv.copied_per_session, inv.external_files
         (0, ['model.weights.1f2e3d4c5b6a.safetensors'])
     """
-    from .inventory import inventory
+    from ._inventory import inventory
 
     return inventory(model, hash_payloads=hash_payloads)
 
@@ -717,9 +717,9 @@ def check(
         >>> result.ok, [f.line() for f in result.findings]
         (True, [])
     """
-    from .check import Gate, find_models
-    from .check import check as run_check
-    from .findings import Severity
+    from ._check import Gate, find_models
+    from ._check import check as run_check
+    from ._findings import Severity
 
     paths = find_models(models)
     if not paths:
@@ -767,6 +767,6 @@ def verify(
         >>> weightshare.verify("model.onnx", "out/model.onnx", runs=2).passed
         True
     """
-    from .verify import verify as run_verify
+    from ._verify import verify as run_verify
 
     return run_verify(original, converted, runs, dims, seed, inputs, shapes, decode_steps)

@@ -12,14 +12,14 @@ import base64
 import json
 from pathlib import Path
 
+from weightshare._inventory import ModelInventory, PayloadInfo, alignment_of
+from weightshare._pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from weightshare._placement import PlannedTensor
+from weightshare._tensors import BytesSource
 from weightshare.errors import InvalidModel, Unsupported
 from weightshare.formats import safetensors_container
 from weightshare.formats.base import BenchRuntime, BlobContainer
-from weightshare.inventory import ModelInventory, PayloadInfo, alignment_of
-from weightshare.pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from weightshare.report import ConversionReport
-from weightshare.tensors import BytesSource
 
 
 def _load(path: Path) -> dict:

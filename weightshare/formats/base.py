@@ -21,15 +21,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from .._atomic import OutputTransaction
+    from .._findings import CodeInfo, TextEnum
+    from .._inventory import ModelInventory
+    from .._pipeline import PreparedModel
     from .._placement import AlignPolicy, BlobEntry, PlannedTensor, Progress
-    from ..atomic import OutputTransaction
-    from ..findings import CodeInfo, TextEnum
-    from ..inventory import ModelInventory
+    from .._verify import VerifyReport
+    from .._write import BlobPayload
     from ..options import ConvertOptions
-    from ..pipeline import PreparedModel
     from ..report import ConversionReport
-    from ..verify import VerifyReport
-    from ..write import BlobPayload
 
 __all__ = ["BenchRuntime", "BlobContainer", "BlobFile", "Format"]
 
@@ -90,7 +90,7 @@ class Format(Protocol):
     # The runtime maps an external payload at any offset: a misaligned one costs partly shared pages, not a copy.
     maps_unaligned: bool
     # Its own finding codes with their docs rows (severity, meaning, fix); the format-neutral ones are in
-    # ``weightshare.findings.CODES``.
+    # ``weightshare._findings.CODES``.
     findings: Mapping[TextEnum, CodeInfo]
     # Stable ids of the runtime settings its inventory reports copies under (``check --target`` takes them).
     settings: tuple[str, ...]

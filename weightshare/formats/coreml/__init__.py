@@ -5,17 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._findings import CodeInfo, TextEnum
 from ...errors import Unsupported
-from ...findings import CodeInfo, TextEnum
 from ..base import BenchRuntime
 
 if TYPE_CHECKING:
-    from ...atomic import OutputTransaction
-    from ...inventory import ModelInventory
+    from ..._atomic import OutputTransaction
+    from ..._inventory import ModelInventory
+    from ..._pipeline import PreparedModel
+    from ..._verify import VerifyReport
     from ...options import ConvertOptions
-    from ...pipeline import PreparedModel
     from ...report import ConversionReport
-    from ...verify import VerifyReport
 
 
 NOT_MEASURED = (

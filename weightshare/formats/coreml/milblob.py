@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from ..._checksum import digest_of
 from ..._placement import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress
+from ..._tensors import FileRange, PayloadSource, open_input
+from ..._write import BlobPayload
 from ...errors import InvalidModel, OutputError
-from ...tensors import FileRange, PayloadSource, open_input
-from ...write import BlobPayload
 
 HEADER_SIZE = 64
 RECORD_SIZE = 64

@@ -11,12 +11,12 @@ from ..base import BenchRuntime, BlobContainer
 from .findings import CODES
 
 if TYPE_CHECKING:
-    from ...atomic import OutputTransaction
-    from ...inventory import ModelInventory
+    from ..._atomic import OutputTransaction
+    from ..._inventory import ModelInventory
+    from ..._pipeline import PreparedModel
+    from ..._verify import VerifyReport
     from ...options import ConvertOptions
-    from ...pipeline import PreparedModel
     from ...report import ConversionReport
-    from ...verify import VerifyReport
 
 
 class OnnxFormat:
@@ -101,7 +101,7 @@ class OnnxFormat:
         verify_in_runtime(report, original, converted, opts, broken)
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
-        from ...runtimes.ort import measure_sessions
+        from ..._runtimes.ort import measure_sessions
 
         # --prepack output at default options, in a process started with the malloc setting that returns ORT's
         # freed pre-pack validation buffers to the OS (weightshare.ort.session does the same with malloc_trim).

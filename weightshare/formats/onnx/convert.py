@@ -19,15 +19,15 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from ..._atomic import OutputTransaction
+from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ..._placement import PlannedTensor
 from ..._safetensors import CONTAINER
-from ...atomic import OutputTransaction
+from ..._tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from ...errors import InvalidModel
 from ...options import ConvertOptions, Unpack
 from ...ort import malloc_trim
-from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from . import dtypes
 from ._proto import pb
 from .fold import fold_fp16_casts, shape_tensor_names

@@ -16,7 +16,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-from ...tensors import FileRange
+from ..._tensors import FileRange
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02

@@ -29,10 +29,10 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from ...atomic import locked_stage
+from ..._atomic import locked_stage
+from ..._tensors import read_all
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
-from ...tensors import read_all
 from . import dtypes
 from ._proto import pb
 from .graph import collect_sites, subgraphs

@@ -34,15 +34,15 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from ..._atomic import OutputTransaction, locked_stage
 from ..._disk import DiskPeak
+from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ..._placement import PlannedTensor
+from ..._runtimes.memory import run_child_peak
 from ..._safetensors import CONTAINER
-from ...atomic import OutputTransaction, locked_stage
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
-from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport, JsonDict
-from ...runtimes.memory import run_child_peak
 from . import dtypes
 from .disk_use import ReleasedRange, mark_overlaps
 from .ort_limits import limits_for

@@ -14,12 +14,12 @@ from ..base import BenchRuntime, BlobContainer
 from .findings import CODES
 
 if TYPE_CHECKING:
-    from ...atomic import OutputTransaction
-    from ...inventory import ModelInventory
+    from ..._atomic import OutputTransaction
+    from ..._inventory import ModelInventory
+    from ..._pipeline import PreparedModel
+    from ..._verify import VerifyReport
     from ...options import ConvertOptions
-    from ...pipeline import PreparedModel
     from ...report import ConversionReport
-    from ...verify import VerifyReport
 
 
 class TfliteFormat:
@@ -73,12 +73,12 @@ class TfliteFormat:
 
     def quiet_exit(self) -> None:
         """LiteRT logs its teardown on native stderr at exit: silence it once a command has printed its result."""
-        from ...runtimes.litert import silence_native_stderr_until_exit
+        from ..._runtimes.litert import silence_native_stderr_until_exit
 
         silence_native_stderr_until_exit()
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
-        from ...runtimes.litert import measure_interpreters
+        from ..._runtimes.litert import measure_interpreters
 
         return BenchRuntime(measure_interpreters, (("no delegate", True), ("XNNPACK", False)), takes_inputs=True)
 

@@ -27,8 +27,8 @@ TIMEOUT_S = 600.0
 def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDict:
     """In this (child) process: PSS after each of ``interpreters`` interpreters under the setting, or why LiteRT
     refused the model."""
-    from ...runtimes.litert import entry_points, native_stderr_silenced, new_interpreter
-    from ...runtimes.memory import data_pss, smaps_rollup
+    from ..._runtimes.litert import entry_points, native_stderr_silenced, new_interpreter
+    from ..._runtimes.memory import data_pss, smaps_rollup
 
     opened: list[Any] = []
     pss: list[int] = []
@@ -70,7 +70,7 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             {},
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
         )
-    from ...runtimes.memory import in_child
+    from ..._runtimes.memory import in_child
 
     out: dict[str, int] = {}
     one: dict[str, int] = {}

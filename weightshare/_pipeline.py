@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
+from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
+from ._paths import resolve_inside
+from ._write import BlobPayload, Placements, write_payloads
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
-from .paths import resolve_inside
 from .report import ConversionReport
-from .write import BlobPayload, Placements, write_payloads
 
 if TYPE_CHECKING:
     from .formats.base import BlobContainer

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from ._checksum import digest_of, new_hasher, split_digest, tagged
 from ._safetensors import METADATA_KEY, read_safetensors_metadata
+from ._tensors import CHUNK_SIZE, FileRange, PayloadSource
 from .errors import InvalidModel, WeightshareError
-from .tensors import CHUNK_SIZE, FileRange, PayloadSource
 
 
 def recorded_records(path: str) -> list[tuple[str, int, int, str]]:

@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ._checksum import digest_of, split_digest
+from ._findings import Code, Finding
 from ._platform import require_posix
-from .findings import Code, Finding
+from ._recorded import blob_name_problem, record_problem, recorded_records
+from ._tensors import CHUNK_SIZE, PayloadSource
 from .formats import detect
-from .recorded import blob_name_problem, record_problem, recorded_records
 from .report import JsonDict
-from .tensors import CHUNK_SIZE, PayloadSource
 
 
 @dataclass
