@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from .. import api
+from .._convert_api import convert_inputs
 from .._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy
 from ..options import INLINE_THRESHOLD, ConvertOptions, Unpack
 from ._app import app, user_errors
@@ -158,7 +159,7 @@ def convert(
             ort_child_memory_mib=ort_child_memory,
             ort_max_growth=ort_max_growth,
         )
-        result = api._convert_inputs(models, output, options, shared_blob)
+        result = convert_inputs(models, output, options, shared_blob)
     render_conversion(result, output, as_json)
 
 
