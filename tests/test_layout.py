@@ -157,3 +157,27 @@ def test_no_module_over_500_lines_outside_the_formats():
         p.relative_to(PACKAGE).as_posix(): n for p in _shared_modules() if (n := len(p.read_text().splitlines())) > 500
     }
     assert not long, long
+
+
+def test_format_only_options_are_declared_by_the_formats_and_read_only_there():
+    """Format.options: each format-only ConvertOptions field is declared by a format and read by no shared module."""
+    import dataclasses
+
+    from weightshare import formats
+    from weightshare.options import Unpack
+
+    fields = {f.name for f in dataclasses.fields(ConvertOptions)}
+    declared = {name for fmt in formats.registered() for name in fmt.options.fields}
+    assert declared == {"external", "ort_child_timeout_s", "ort_child_memory_mib", "ort_max_growth"}
+    assert declared <= fields
+    reads = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}: .{node.attr}"
+        for path in _shared_modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr in declared
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")  # _Keywords' own copies
+    ]
+    assert not reads, "format-only options read outside their formats:\n" + "\n".join(reads)
+    # Unpack's members and the CLI's --unpack help are the built-in formats' declarations
+    assert [u.value for u in Unpack] == [v for fmt in formats.registered() for v in fmt.options.unpack]

@@ -83,6 +83,7 @@ PUBLIC = {
         "BlobContainer",
         "BlobFile",
         "Format",
+        "FormatOptions",  # a format's own options (Format.options), issue 23
         "converter",
         "detect",
         "detect_format",
@@ -93,7 +94,7 @@ PUBLIC = {
         "safetensors_container",
         "unregister",
     ],
-    "weightshare.formats.base": ["BenchRuntime", "BlobContainer", "BlobFile", "Format"],
+    "weightshare.formats.base": ["BenchRuntime", "BlobContainer", "BlobFile", "Format", "FormatOptions"],
 }
 
 # The loaders: runtime-specific by name, public like the package's own functions; pinned and documented like them.

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from ._format_options import check_unpack
 from ._paths import check_no_overlap
 from .errors import OutputError, UsageError
-from .formats import model_suffixes
-from .options import ConvertOptions, Unpack
+from .formats import model_suffixes, registered
+from .options import ConvertOptions
 from .report import ConversionReport, ZooReport
 
 if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
@@ -94,8 +95,7 @@ def add_child_peak(report: ConversionReport) -> None:
 
 def check_options(options: ConvertOptions, shared_blob: str | None = None) -> None:
     """Options that exclude each other, refused before anything is read (the one place that checks them)."""
-    if Unpack.ORT_CPU.value in options.unpack and options.keep_packed:
-        raise UsageError("--unpack ort-cpu and --keep-packed exclude each other")
+    check_unpack(options.unpack, options.keep_packed, registered())  # what the formats declare (Format.options)
     if shared_blob is not None and options.blob_name is not None:
         raise UsageError("--blob and --shared-blob exclude each other")
 

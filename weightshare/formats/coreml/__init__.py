@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..._findings import CodeInfo, TextEnum
 from ...errors import Unsupported
-from ..base import BenchRuntime
+from ..base import BenchRuntime, FormatOptions
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
@@ -34,6 +34,7 @@ class CoremlFormat:
     maps_unaligned = False
     findings: dict[TextEnum, CodeInfo] = {}  # the format-neutral codes cover it
     settings = ("coreml",)
+    options = FormatOptions()  # no --unpack of its own (constexpr decompression is not implemented)
 
     def claims(self, path: Path, head: bytes) -> bool:
         if path.is_dir():

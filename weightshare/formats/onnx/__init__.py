@@ -7,7 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..base import BenchRuntime, BlobContainer
+from ..base import BenchRuntime, BlobContainer, FormatOptions
 from .findings import CODES
 
 if TYPE_CHECKING:
@@ -19,13 +19,27 @@ if TYPE_CHECKING:
     from ...report import ConversionReport
 
 
+ORT_CPU = "ort-cpu"  # the --unpack value of ortcpu.py
+# The --unpack values ONNX implements, with their help text (``weightshare convert --help`` shows it).
+UNPACK = {
+    ORT_CPU: "ONNX: store fp16 weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
+    "CPU-specific, a GPU provider would run fp16",
+}
+
+
 class OnnxFormat:
     name = "onnx"
     suffixes = (".onnx",)
     maps_in_place = frozenset({"external"})
     findings = CODES
     settings = ("ort-default", "ort-disable-prepacking")  # inventory.ORT_DEFAULT, ORT_SHARE
-    maps_unaligned = True  # ONNX Runtime maps external data at any offset (measured, see check.py)
+    maps_unaligned = True  # ONNX Runtime maps external data at any offset (measured, see _check.py)
+    # --unpack ort-cpu adopts the Casts --keep-packed keeps; the onnxruntime child's limits (ort_limits.py)
+    options = FormatOptions(
+        unpack=UNPACK,
+        unpack_excludes_keep_packed=frozenset({ORT_CPU}),
+        fields=("ort_child_timeout_s", "ort_child_memory_mib", "ort_max_growth"),
+    )
 
     @property
     def blob_container(self) -> BlobContainer:

@@ -39,7 +39,6 @@ from .graph import collect_sites, subgraphs
 from .ort_limits import ChildLimits, limits_for
 from .scan import REF_KEY, TensorRef
 
-ORT_CPU = "ort-cpu"  # the --unpack value
 PREFIX = "InsertedPrecisionFreeCast_"
 TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's node>"
 # Payloads up to this size keep their real bytes in the probe (shape tensors, pads, scales that kernels or shape

@@ -17,7 +17,8 @@ from ..._inventory import inventory
 from ..._tensors import FileRange, PayloadSource
 from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line
 from ...errors import UsageError
-from ...options import ConvertOptions, Unpack
+from ...options import ConvertOptions
+from . import ORT_CPU
 
 _HINT = "give real inputs with --input NAME=FILE.npy, or symbolic dims with --dim NAME=VALUE"
 
@@ -30,7 +31,7 @@ def _original_payloads(original: Path, converted_unpack: bool) -> dict[str, list
 
     variants = [ConvertOptions(inline_threshold=0), ConvertOptions(inline_threshold=0, keep_packed=True)]
     if converted_unpack:
-        variants.append(ConvertOptions(inline_threshold=0, unpack=frozenset({Unpack.ORT_CPU.value})))
+        variants.append(ConvertOptions(inline_threshold=0, unpack=frozenset({ORT_CPU})))
     out: dict[str, list[PayloadSource]] = {}
     for options in variants:
         for p in prepare(original, original.parent, options).payloads:

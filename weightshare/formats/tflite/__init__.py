@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidModel, UsageError
-from ..base import BenchRuntime, BlobContainer
+from ..base import BenchRuntime, BlobContainer, FormatOptions
 from .findings import CODES
 
 if TYPE_CHECKING:
@@ -22,6 +22,14 @@ if TYPE_CHECKING:
     from ...report import ConversionReport
 
 
+# The --unpack values TFLite implements, with their help text (``weightshare convert --help`` shows it).
+UNPACK = {
+    "sparse": "TFLite: DENSIFY of a constant sparse tensor becomes a dense constant",
+    "dequantize": "TFLite: weight-only int8, DEQUANTIZE of an int8 constant, stored once as the fp32 values LiteRT "
+    "computes",
+}
+
+
 class TfliteFormat:
     name = "tflite"
     suffixes = (".tflite",)
@@ -29,6 +37,7 @@ class TfliteFormat:
     maps_unaligned = False
     findings = CODES
     settings = ("litert-builtin", "litert-xnnpack", "litert-compiled-cache")  # inventory.NO_DELEGATE, XNNPACK, ...
+    options = FormatOptions(unpack=UNPACK, fields=("external",))  # --external: ExternalBuffer groups in a blob
 
     @property
     def blob_container(self) -> BlobContainer:

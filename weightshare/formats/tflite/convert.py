@@ -38,7 +38,7 @@ from ..._write import write_payloads
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport
-from . import flatbuf
+from . import UNPACK, flatbuf
 from .dequantize import plan_dequantize
 from .graph import (
     NUMPY_DTYPES,
@@ -304,11 +304,10 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
         graph = flatbuf.read_graph(reader, mapping)
     validate(graph, len(refs), path)
     report = ConversionReport(model=path, format="tflite")
-    unknown = set(options.unpack) - {"sparse", "dequantize"}
+    unknown = set(options.unpack) - set(UNPACK)  # another format's value
     if unknown:
-        raise UsageError(
-            f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse' and 'dequantize')", src
-        )
+        knows = " and ".join(repr(v) for v in UNPACK)
+        raise UsageError(f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows {knows})", src)
     sources: list[PayloadSource | None] = [ref.source(path) if ref.nbytes else None for ref in refs]
     read_external_buffers(graph, src, sources)
     detached: set[int] = set()
