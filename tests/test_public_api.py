@@ -83,7 +83,7 @@ PUBLIC = {
         "BlobContainer",
         "BlobFile",
         "Format",
-        "FormatOptions",  # a format's own options (Format.options), issue 23
+        "FormatOptions",  # a format's own options (Format.options)
         "converter",
         "detect",
         "detect_format",

@@ -1,7 +1,7 @@
 """The conversion functions: ``convert``, ``convert_folder``, ``convert_many`` (one transaction per call), the
-keyword options they share, and ``merge`` (Core ML-style multifunction models through the format's ``merge``).
+keyword options they share, and ``merge`` (models into one multifunction model, through the format's ``merge``).
 
-Re-exported by ``weightshare.api``; documented there.
+Re-exported by ``weightshare.api``, their public home (import them from there).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The inspection functions: ``inspect`` (one model's payloads), ``check`` (the CI gate) and ``verify`` (both
 models run in their runtime).
 
-Re-exported by ``weightshare.api``; documented there.
+Re-exported by ``weightshare.api``, their public home (import them from there).
 """
 
 from __future__ import annotations

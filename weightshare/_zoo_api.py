@@ -1,6 +1,6 @@
 """``convert_zoo``: many models into one directory, all of them referencing one shared blob.
 
-Re-exported by ``weightshare.api``; documented there.
+Re-exported by ``weightshare.api``, their public home (import them from there).
 """
 
 from __future__ import annotations
