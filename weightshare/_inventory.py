@@ -58,7 +58,7 @@ class ModelInventory:
     # most (what ``copied_per_session`` reports), the others are the runtime's defaults.
     settings: list[str] = field(default_factory=list)
     # Problems about the model as a whole that its format detected (not tied to one payload), as
-    # ``findings.Finding``; ``check`` reports them with the payload findings.
+    # ``_findings.Finding``; ``check`` reports them with the payload findings.
     findings: list[Finding] = field(default_factory=list)
     # Blob records no tensor references directly (e.g. ORT's pre-packed copies of ``--prepack``), re-hashed
     # when the inventory hashes payloads: how many, and one line per record that fails its recorded digest.

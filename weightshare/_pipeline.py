@@ -3,8 +3,8 @@
 A format's ``prepare`` step (scan + plan) returns a ``PreparedModel``: the payloads
 that go to the blob and an ``emit`` callback that writes the rewritten model.
 ``write_blob`` streams every payload of every model into one blob, in the container its
-format declares (``Format.blob_container``; ``write.write_payloads``, the one write path), so a zoo of models that share
-weights stores each distinct payload once; each model's ``emit`` then gets the
+format declares (``Format.blob_container``; ``_write.write_payloads``, the one write path), so a zoo
+of models that share weights stores each distinct payload once; each model's ``emit`` then gets the
 blob's location and that model's ``Placements``.
 """
 

@@ -4,7 +4,7 @@
 that the data section starts at an aligned absolute offset and every payload offset is planned before its
 bytes are written, as gguf-py's writer does; the payloads go through the placement engine
 (``_placement.BlobWriter``). Like the other containers (``formats.tflite.convert.AppendedContainer``,
-``formats.coreml.milblob.WeightFileWriter``) it is a ``write.Container``.
+``formats.coreml.milblob.WeightFileWriter``) it is a ``_write.Container``.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ class SafetensorsBlob:
         return w.entry(row, duplicate)
 
     def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
-        """``write.Container``: the payload under its planned tensor's name."""
+        """``_write.Container``: the payload under its planned tensor's name."""
         return self.add(payload.tensor, payload.source, progress)
 
     @property

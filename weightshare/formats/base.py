@@ -35,7 +35,7 @@ __all__ = ["BenchRuntime", "BlobContainer", "BlobFile", "Format", "FormatOptions
 
 
 class BlobFile(Protocol):
-    """A blob file being written: a ``write.Container`` that also ends the file and names its content."""
+    """A blob file being written: a ``_write.Container`` that also ends the file and names its content."""
 
     def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
         """Write one payload; return where it landed."""

@@ -110,7 +110,7 @@ class BlobRelocator:
             self._values.append((bfv, key))
 
     def write(self, report: ConversionReport, progress: Progress | None = None) -> None:
-        """Copy every payload (``write.write_payloads``, which fills ``report``'s counters), then point every
+        """Copy every payload (``_write.write_payloads``, which fills ``report``'s counters), then point every
         ``BlobFileValue`` at its new record."""
         order: list[tuple[Path, int]] = []
 

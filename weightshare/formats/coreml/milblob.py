@@ -173,7 +173,7 @@ def record_payload(rec: BlobRecord, source: PayloadSource, name: str = "") -> Re
 
 
 class WeightFileWriter:
-    """``write.Container`` of a weight.bin: payloads at ``policy`` alignment, each distinct payload once.
+    """``_write.Container`` of a weight.bin: payloads at ``policy`` alignment, each distinct payload once.
 
     A payload that could be a duplicate (an earlier one has the same dtype and length) is
     hashed before it is written: merging N functions that share their weights then reads N

@@ -267,7 +267,7 @@ def report_disk(report: ConversionReport, peak: int) -> None:
 
 def staging(out_dir: Path) -> AbstractContextManager[Path]:
     """A temporary directory in ``out_dir`` (same file system as the outputs), uniquely named and flock-ed from
-    creation to removal (``atomic.locked_stage``): a concurrent run, in this PID namespace or another, neither
+    creation to removal (``_atomic.locked_stage``): a concurrent run, in this PID namespace or another, neither
     reuses nor removes it."""
     return locked_stage(out_dir, "prepack")
 

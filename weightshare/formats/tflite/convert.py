@@ -220,7 +220,7 @@ def _open_output(tmp: Path) -> int:
 
 
 class AppendedContainer:
-    """``write.Container``: payloads appended after a flatbuffer of ``start`` bytes, which the caller writes
+    """``_write.Container``: payloads appended after a flatbuffer of ``start`` bytes, which the caller writes
     over the file's first bytes once the payloads have their offsets (``BlobWriter.pwrite``)."""
 
     def __init__(self, fd: int, start: int, options: ConvertOptions):

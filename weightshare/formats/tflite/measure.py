@@ -5,7 +5,7 @@ materialise; LiteRT itself is the authority on what a new interpreter copies (XN
 weight-only and fp16 weights behind DEQUANTIZE included), so ``check`` and ``inspect`` ask it as they ask ONNX
 Runtime (``formats/onnx/measure.py``): a fresh child per setting opens interpreters one by one, runs every
 signature once (seeded random inputs, in range for index inputs), and reads its PSS after each. The growth is
-that of the PSS of everything but program code (``runtimes.memory.data_pss``), over 3. The child is bounded
+that of the PSS of everything but program code (``_runtimes.memory.data_pss``), over 3. The child is bounded
 (``TIMEOUT_S``) and started with ``MALLOC_MMAP_THRESHOLD_=1048576`` like the ONNX one. ``litert-compiled-cache``
 (CompiledModel with an XNNPACK weight cache file) is not measured: its figure stays the static one.
 """
