@@ -2,7 +2,7 @@
 --prepack, side by side in one run.
 
 For every form and variant: `check --target ort-default --json`'s exit code and its figure for one more session
-at default options, against an independent measurement (``weightshare.runtimes.ort.measure_sessions``: 1 and 4
+at default options, against an independent measurement (``weightshare._runtimes.ort.measure_sessions``: 1 and 4
 sessions in a fresh process started with MALLOC_MMAP_THRESHOLD_=1048576, as the sharing criterion says): the PSS
 ratio of 4 sessions to 1 and the PSS per extra session.
 "agree" means: exit 0 exactly when 4 sessions <= 1.10x one, and the figure within 2x of the measured cost (or
@@ -14,7 +14,7 @@ both under 1 MiB).
 
 ``--tflite``: one FULLY_CONNECTED of ~MIB of fp32 weights, stored fp32, fp16 behind DEQUANTIZE or int8 weight-only
 behind DEQUANTIZE, as given and converted; per setting (litert-builtin, litert-xnnpack) `check --target SETTING
---json` against 1 and 4 interpreters in a fresh process (``weightshare.runtimes.litert.measure_interpreters``).
+--json` against 1 and 4 interpreters in a fresh process (``weightshare._runtimes.litert.measure_interpreters``).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from weightshare._runtimes.ort import measure_sessions
 from weightshare.formats.onnx.measure import MALLOC_ENV
 from weightshare.formats.onnx.model_forms import FORMS, build
-from weightshare.runtimes.ort import measure_sessions
 
 MiB = 1 << 20
 
@@ -59,7 +59,7 @@ def tflite(mib: float) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from test_check_measured_tflite import fc
 
-    from weightshare.runtimes.litert import measure_interpreters
+    from weightshare._runtimes.litert import measure_interpreters
 
     k = 1024
     n = max(64, int(mib * MiB / (4 * k)))

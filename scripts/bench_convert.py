@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from weightshare.samples import mlp_onnx
+from weightshare._samples import mlp_onnx
 
 GIB, MIB = 1 << 30, 1 << 20
 

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from weightshare._runtimes.memory import memory_now
 from weightshare.formats.onnx import model_forms as mf
-from weightshare.runtimes.memory import memory_now
 
 NAMES = ("decoder_model_merged.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx")  # largest first
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576"}

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
 from weightshare.formats.onnx import genai_model as gm
-from weightshare.runtimes.memory import memory_now, run_child_peak, smaps_rollup
 
 VARIANTS = ("original", "plain", "--prepack", "--prepack helper")
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576"}

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
 from weightshare.formats.onnx import model_forms as mf
-from weightshare.runtimes.memory import memory_now, run_child_peak, smaps_rollup
 
 FORMS = ("matmulnbits4", "matmulnbits8_sym_b64_acc4", "qdq", "dynamic", "attention", "merged_decoder")
 VARIANTS = ("original default", "plain default", "plain disable_prepacking", "--prepack default", "--prepack helper")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from weightshare.runtimes.memory import run_child_peak
+from weightshare._runtimes.memory import run_child_peak
 
 SESSIONS = [1, 4, 8]
 
@@ -167,7 +167,7 @@ def _session(path: str, level: str, share: bool):
 
 
 def child(path: str, level: str, share: bool, width: int) -> dict:
-    from weightshare.runtimes.memory import memory_now
+    from weightshare._runtimes.memory import memory_now
 
     def feeds(session, batch):
         inp = session.get_inputs()[0]

@@ -42,7 +42,7 @@ PROBE = """
 import json, sys
 import onnxruntime as ort
 import weightshare.ort as wort
-from weightshare.runtimes.memory import memory_now
+from weightshare._runtimes.memory import memory_now
 from weightshare.formats.onnx.prepack_samples import sample_input
 path, src, how = sys.argv[1:]
 rows, sessions = [], []
@@ -71,7 +71,7 @@ else:
 s.run(None, x)
 cpu2 = time.process_time()
 import json
-from weightshare.runtimes.memory import smaps_rollup
+from weightshare._runtimes.memory import smaps_rollup
 print(json.dumps({"session_cpu": cpu2 - cpu1, "anon_mib": smaps_rollup()["Anonymous"] / 2**20,
                   "onnx_imported": "onnx" in sys.modules}))
 """

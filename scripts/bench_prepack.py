@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
+from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
 from weightshare.formats.onnx.ort_segments import BUDGET_ENV
 from weightshare.formats.onnx.prepack_samples import cnn_onnx, mixed_onnx, sample_input
-from weightshare.runtimes.memory import memory_now, run_child_peak, smaps_rollup
 
 MODELS = {  # weights: matmul 272 MiB, conv 72 MiB, mixed 276 MiB
     "matmul": dict(conv_layers=0, channels=2048, mm_layers=16, dim=2048),

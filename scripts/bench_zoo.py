@@ -17,9 +17,9 @@ import shutil
 import sys
 from pathlib import Path
 
-from weightshare.runtimes.memory import run_child_peak
-from weightshare.runtimes.ort import measure_models
-from weightshare.samples import mlp_onnx
+from weightshare._runtimes.memory import run_child_peak
+from weightshare._runtimes.ort import measure_models
+from weightshare._samples import mlp_onnx
 
 LENGTHS = [1, 16, 64, 128, 256, 512, 1024, 2048]
 

@@ -28,8 +28,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 
 def bench_demo(path: Path, workdir: Path) -> dict:
-    from weightshare.bench import bench, plot
-    from weightshare.samples import mlp_onnx
+    from weightshare._bench import bench, plot
+    from weightshare._samples import mlp_onnx
 
     model = mlp_onnx(workdir / "mlp_fp16.onnx", layers=12, dim=2048, weights="float16")
     result = bench(model, [1, 2, 4, 8], workdir=workdir, progress=lambda m: print(f"  {m}", file=sys.stderr))

@@ -14,7 +14,7 @@ import signal
 import sys
 from typing import Any
 
-import weightshare.pipeline as pipeline
+import weightshare._pipeline as pipeline
 from weightshare.cli import main
 
 

@@ -12,10 +12,9 @@ from safetensors import safe_open
 
 from weightshare._checksum import split_digest
 from weightshare._placement import AlignPolicy, BlobWriter, PlannedTensor
+from weightshare._recorded import recorded_payloads
 from weightshare._safetensors import SafetensorsBlob, read_safetensors_metadata
-from weightshare.errors import InvalidModel
-from weightshare.recorded import recorded_payloads
-from weightshare.tensors import (
+from weightshare._tensors import (
     BufferRing,
     BytesSource,
     ConcatSource,
@@ -24,6 +23,7 @@ from weightshare.tensors import (
     bf16_to_fp32,
     fp16_to_fp32,
 )
+from weightshare.errors import InvalidModel
 
 
 def _write_blob(path, arrays, policy=AlignPolicy()):
@@ -116,7 +116,7 @@ def test_chunked_fp16_and_bf16_conversion_matches_numpy(data, chunk):
 def test_fp16_conversion_gives_numpy_bits_for_every_half(fast, monkeypatch):
     """The block-wise bit conversion (and its fallback, numpy's cast) on all 65536 halves, at odd starts and
     lengths and across a block boundary: the same bits as numpy's astype, NaN payloads and signed zeros kept."""
-    import weightshare.tensors as tensors
+    import weightshare._tensors as tensors
 
     assert tensors._fp16_fast()  # exact on this machine: the fast path is what runs
     monkeypatch.setattr(tensors, "_FP16_EXACT", fast)
@@ -268,7 +268,7 @@ def test_check_verifies_blobs_of_either_kind(tmp_path, kind, fmt, monkeypatch):
 
     import weightshare
     import weightshare._checksum as blob_module
-    from weightshare.check import check
+    from weightshare._check import check
     from weightshare.options import ConvertOptions
 
     monkeypatch.setattr(blob_module, "DIGEST", kind)
@@ -302,9 +302,9 @@ def test_zero_length_payloads_are_listed_and_pass_check_and_verify(tmp_path):
     from safetensors.numpy import load_file
 
     import weightshare
-    from weightshare.check import check
+    from weightshare._check import check
+    from weightshare._verify import verify
     from weightshare.options import ConvertOptions
-    from weightshare.verify import verify
 
     empty = nh.from_array(np.zeros((0, 4), np.float32), "empty")
     empty2 = nh.from_array(np.zeros((0, 4), np.float32), "empty2")  # a duplicate of it: an alias

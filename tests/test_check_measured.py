@@ -25,8 +25,8 @@ def _independent(path) -> tuple[float, float]:
     MALLOC_MMAP_THRESHOLD_=1048576: the bench's own probe. The growth is that of PSS without program code
     (shared libraries' PSS moves with every other process on the machine); the ratio puts it on one session's
     whole PSS."""
+    from weightshare._runtimes.ort import measure_sessions
     from weightshare.formats.onnx.measure import MALLOC_ENV
-    from weightshare.runtimes.ort import measure_sessions
 
     rows = {r["sessions"]: r for r in measure_sessions(str(path), [1, 4], share=False, env=MALLOC_ENV)}
     growth = rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]

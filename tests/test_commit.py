@@ -15,9 +15,10 @@ import onnxruntime as ort
 import pytest
 
 import weightshare
-from weightshare import atomic
-from weightshare.atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
-from weightshare.samples import mlp_onnx
+from weightshare import _atomic as atomic
+from weightshare._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from weightshare._run import expand_inputs
+from weightshare._samples import mlp_onnx
 
 
 def run(model: Path, seed: int = 0) -> np.ndarray:
@@ -106,7 +107,7 @@ def test_a_good_and_a_bad_model_leave_nothing(tmp_path, cli):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(weightshare.WeightshareError, match="b_bad.onnx"):
-        weightshare.api.convert_many(weightshare.api._expand_inputs([src]), out)
+        weightshare.api.convert_many(expand_inputs([src]), out)
     assert tree(out) == {"keep.txt": hashlib.sha256(b"mine").hexdigest()}
 
 

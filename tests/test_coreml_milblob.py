@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightshare._placement import AlignPolicy
+from weightshare._tensors import BytesSource
 from weightshare.errors import InvalidModel
 from weightshare.formats.coreml.milblob import BlobRecord, WeightFile, WeightFileWriter, pack_record
-from weightshare.tensors import BytesSource
 
 
 def _write(path, payloads, policy=AlignPolicy()):

@@ -14,9 +14,10 @@ from safetensors import safe_open
 
 import weightshare.api as api
 from weightshare import formats
-from weightshare.check import check
-from weightshare.errors import InvalidModel, Unsupported
-from weightshare.inventory import inventory
+from weightshare._check import check
+from weightshare._inventory import inventory
+from weightshare._samples import mlp_onnx
+from weightshare.errors import InvalidModel, Unsupported, UsageError
 
 
 @pytest.fixture
@@ -88,3 +89,41 @@ def test_toy_models_join_a_shared_blob_in_zoo_mode(toy, tmp_path):
     zoo = api.convert_zoo([a, b], tmp_path / "zoo", "zoo.safetensors")
     assert [m.tensors_moved for m in zoo.models] == [1, 2]
     assert sum(m.deduplicated for m in zoo.models) == 1  # b's "w" is a's "w"
+
+
+def test_the_toy_format_declares_an_unpack_value_of_its_own(toy, tmp_path):
+    """Format.options: the toy format's `--unpack toy-f32` is accepted because it declares it; nothing else changed."""
+    h = np.linspace(-2, 2, 1024, dtype=np.float16)  # 2 KiB fp16: moves, as float32
+    src = _toy_model(tmp_path / "m.toymodel", {"h": h})
+    report = api.convert(src, tmp_path / "out", unpack=("toy-f32",))
+    assert report.unpacked == 1
+    out = tmp_path / "out" / "m.toymodel"
+    entry = json.loads(out.read_text())["tensors"]["h"]
+    assert entry["dtype"] == "float32" and entry["length"] == 4 * h.size
+    with safe_open(str(out.parent / entry["location"]), "np") as st:
+        assert np.array_equal(st.get_tensor("h"), h.astype(np.float32))
+    plain = api.convert(src, tmp_path / "plain")
+    assert (
+        plain.unpacked == 0
+        and json.loads((tmp_path / "plain" / "m.toymodel").read_text())["tensors"]["h"]["dtype"] == "float16"
+    )
+    # another format's model is told the value is not its own, as for a built-in format's value (ONNX: a note)
+    onnx_report = api.convert(mlp_onnx(tmp_path / "m.onnx", layers=1, dim=64), tmp_path / "o", unpack=("toy-f32",))
+    assert any("--unpack toy-f32 is not implemented for ONNX" in n for n in onnx_report.notes)
+
+
+def test_an_unpack_value_no_format_declares_is_refused_naming_those_that_do(toy, tmp_path):
+    src = _toy_model(tmp_path / "m.toymodel", {"h": np.zeros(1024, np.float16)})
+    with pytest.raises(UsageError) as e:
+        api.convert(src, tmp_path / "out", unpack=("nope",))
+    assert e.value.message == (
+        "unknown --unpack value nope: no registered format declares it "
+        "(tflite: 'sparse', 'dequantize'; onnx: 'ort-cpu'; toy: 'toy-f32')"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_value_declared_by_an_unregistered_format_is_refused(tmp_path):
+    src = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=64)
+    with pytest.raises(UsageError, match="unknown --unpack value toy-f32: no registered format declares it"):
+        api.convert(src, tmp_path / "out", unpack=("toy-f32",))

@@ -57,9 +57,9 @@ def test_fuzz_600_packages(seeds, tmp_path):
 
 def test_fuzz_check_and_verify(seeds, tmp_path):
     """inspect/check and verify read the same untrusted packages: findings, mismatches or a WeightshareError."""
-    from weightshare.check import check
+    from weightshare._check import check
+    from weightshare._verify import verify
     from weightshare.errors import WeightshareError
-    from weightshare.verify import verify
 
     rng = random.Random(5)
     outcomes = {"findings": 0, "clean": 0, "error": 0, "verify failed": 0}

@@ -16,10 +16,10 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 import weightshare
+from weightshare._tensors import FileRange, open_input
 from weightshare.errors import InvalidModel, UnsafePath
 from weightshare.formats.onnx import scan
 from weightshare.formats.tflite import convert as tflite_convert
-from weightshare.tensors import FileRange, open_input
 
 SECRET = np.full(4096, 1234.5, np.float32)  # 16 KiB outside the model directory
 

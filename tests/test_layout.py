@@ -16,8 +16,9 @@ import pytest
 
 import weightshare
 from weightshare import ConvertOptions, UsageError
+from weightshare._convert_api import convert_inputs
+from weightshare._samples import mlp_onnx
 from weightshare.cli._render import size, size_mib
-from weightshare.samples import mlp_onnx
 
 
 @pytest.fixture()
@@ -71,7 +72,7 @@ def test_a_model_folder_beside_other_inputs_is_refused(model, tmp_path):
     mlp_onnx(folder / "model.onnx", layers=1, dim=64)
     (folder / "config.json").write_text("{}")
     with pytest.raises(UsageError, match="a model folder is converted on its own"):
-        weightshare.api._convert_inputs([folder, model], tmp_path / "out", ConvertOptions())
+        convert_inputs([folder, model], tmp_path / "out", ConvertOptions())
 
 
 @pytest.mark.parametrize(
@@ -83,17 +84,18 @@ def test_one_byte_formatter(nbytes, text):
 
 
 # Shared code: everything in weightshare/ but the formats' folders and the modules runtime- or format-specific by
-# name: the public loaders (ort.py, litert*.py), the runtimes' measuring code (runtimes/), the ONNX Runtime demo and
-# the sample-model builders (demo.py, samples.py).
+# name: the public loaders (ort.py, litert.py, _litert_interpreter.py, genai.py), the runtimes' measuring code
+# (_runtimes/), the ONNX Runtime demo and the sample-model builders (_demo.py, _samples.py).
 PACKAGE = Path(weightshare.__file__).parent
 NOT_SHARED = (
     "formats/",
-    "runtimes/",
+    "_runtimes/",
     "ort.py",
-    "litert",
+    "litert.py",
+    "_litert_interpreter.py",
     "genai.py",
-    "demo.py",
-    "samples.py",
+    "_demo.py",
+    "_samples.py",
 )  # runtime loaders by name
 
 
@@ -154,4 +156,28 @@ def test_no_module_over_500_lines_outside_the_formats():
     long = {
         p.relative_to(PACKAGE).as_posix(): n for p in _shared_modules() if (n := len(p.read_text().splitlines())) > 500
     }
-    assert set(long) <= {"api.py"}, long  # api.py: the public functions and their docstrings, one job
+    assert not long, long
+
+
+def test_format_only_options_are_declared_by_the_formats_and_read_only_there():
+    """Format.options: each format-only ConvertOptions field is declared by a format and read by no shared module."""
+    import dataclasses
+
+    from weightshare import formats
+    from weightshare.options import Unpack
+
+    fields = {f.name for f in dataclasses.fields(ConvertOptions)}
+    declared = {name for fmt in formats.registered() for name in fmt.options.fields}
+    assert declared == {"external", "ort_child_timeout_s", "ort_child_memory_mib", "ort_max_growth"}
+    assert declared <= fields
+    reads = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}: .{node.attr}"
+        for path in _shared_modules()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute)
+        and node.attr in declared
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")  # _Keywords' own copies
+    ]
+    assert not reads, "format-only options read outside their formats:\n" + "\n".join(reads)
+    # Unpack's members and the CLI's --unpack help are the built-in formats' declarations
+    assert [u.value for u in Unpack] == [v for fmt in formats.registered() for v in fmt.options.unpack]

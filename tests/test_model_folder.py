@@ -22,7 +22,7 @@ import pytest
 
 import weightshare
 from weightshare import UsageError
-from weightshare.samples import mlp_onnx
+from weightshare._samples import mlp_onnx
 
 SIDE = {
     "config.json": (b'{"model_type": "phi3"}\n', 0o644),

@@ -9,9 +9,9 @@ each session (the measurement can tell the difference).
 
 from __future__ import annotations
 
+from weightshare._runtimes.ort import measure_sessions
+from weightshare._samples import mlp_onnx
 from weightshare.api import convert
-from weightshare.runtimes.ort import measure_sessions
-from weightshare.samples import mlp_onnx
 
 
 def test_eight_sessions_of_a_converted_model_cost_one(tmp_path):

@@ -20,10 +20,10 @@ from onnx import numpy_helper as nh
 from onnxconverter_common import float16
 
 import weightshare
+from weightshare._inventory import inventory
+from weightshare._runtimes.ort import measure_sessions
 from weightshare.formats.onnx.ortcpu import ort_cpu_cast_bytes
-from weightshare.inventory import inventory
 from weightshare.options import ConvertOptions
-from weightshare.runtimes.ort import measure_sessions
 
 ORT_CPU = ConvertOptions(unpack=frozenset({"ort-cpu"}))
 DISABLE_PREPACKING = {"session.disable_prepacking": "1"}

@@ -263,7 +263,7 @@ def test_a_model_without_external_data_opens_with_the_defaults(tmp_path, caplog)
 _PSS = """
 import json, sys
 import weightshare.ort as wort
-from weightshare.runtimes.memory import memory_now
+from weightshare._runtimes.memory import memory_now
 from weightshare.formats.onnx.prepack_samples import sample_input
 path, src = sys.argv[1:]
 sessions, rows = [], []

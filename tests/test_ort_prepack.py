@@ -185,7 +185,7 @@ def test_helper_falls_back_on_another_machine(converted, monkeypatch, caplog):
 
 _PSS_PROBE = """
 import json, sys, onnxruntime as ort
-from weightshare.runtimes.memory import memory_now
+from weightshare._runtimes.memory import memory_now
 from weightshare.ort import malloc_trim
 from weightshare.formats.onnx.prepack_samples import sample_input
 path, src = sys.argv[1:]

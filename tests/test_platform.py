@@ -13,7 +13,7 @@ import json
 import subprocess
 import sys
 
-from weightshare.samples import mlp_onnx
+from weightshare._samples import mlp_onnx
 
 CHILD = r"""
 import io, json, sys

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from weightshare.atomic import TMP_PREFIX, OutputTransaction
+from weightshare._atomic import TMP_PREFIX, OutputTransaction
 from weightshare.errors import UsageError
 from weightshare.formats.onnx.prepack_samples import mixed_onnx
 
@@ -158,11 +158,11 @@ def test_two_prepack_runs_in_two_pid_namespaces_both_succeed(tmp_path):
 
 
 def test_prepack_staging_is_named_uniquely_and_held(tmp_path):
-    from weightshare.atomic import locked_stage
+    from weightshare._atomic import locked_stage
 
     with locked_stage(tmp_path, "prepack") as a, locked_stage(tmp_path, "prepack") as b:
         assert a != b and str(os.getpid()) not in a.name and a.parent == tmp_path
-        from weightshare.atomic import clean_stale_temporaries
+        from weightshare._atomic import clean_stale_temporaries
 
         assert clean_stale_temporaries(tmp_path) == []  # both held: a concurrent run's cleanup leaves them
         (a / "f").write_bytes(b"1")

@@ -12,8 +12,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from weightshare.atomic import TMP_PREFIX
-from weightshare.samples import mlp_onnx
+from weightshare._atomic import TMP_PREFIX
+from weightshare._samples import mlp_onnx
 
 
 def start(args, **kwargs) -> subprocess.Popen:

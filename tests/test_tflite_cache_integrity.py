@@ -17,8 +17,8 @@ import pytest
 from ai_edge_litert.compiled_model import CompiledModel
 from tflite_fixtures import run_compiled_model, sample_model
 
+from weightshare._atomic import clean_stale_temporaries
 from weightshare.api import convert
-from weightshare.atomic import clean_stale_temporaries
 from weightshare.formats.tflite import xnnpack_cache
 from weightshare.formats.tflite.cache_record import record_path
 from weightshare.litert import compiled_model

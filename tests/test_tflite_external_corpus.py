@@ -11,10 +11,10 @@ import pytest
 from test_tflite_dequantize import fc_model
 from tflite_fixtures import ModelBuilder, float_graph, int8_graph, lm_model, sample_model, sparse_model
 
+from weightshare._runtimes.litert import compiled_entry_points
 from weightshare.api import convert
 from weightshare.errors import UsageError
 from weightshare.options import ConvertOptions
-from weightshare.runtimes.litert import compiled_entry_points
 
 
 def _nosig(path):

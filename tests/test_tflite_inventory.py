@@ -1,22 +1,19 @@
 """`inspect` / `check` for TFLite: what each interpreter copies, where every buffer lives.
 
 Before: the sample model, its converted form and its --external form (one with a damaged blob).
-Under test: ``weightshare.inventory.inventory`` over the TFLite inventory, and ``check.findings_for``.
+Under test: ``weightshare._inventory.inventory`` over the TFLite inventory, and ``_check.findings_for``.
 After: the original reports the fp16 DEQUANTIZE copies; the converted models are share-ready; damage is found.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 from tflite_fixtures import sample_model
 
-import weightshare.inventory as inventory_mod
+import weightshare._check as check_mod
+import weightshare._inventory as inventory_mod
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
-
-check_mod = importlib.import_module("weightshare.check")  # `import ... as` would give the function weightshare.check
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from tflite_fixtures import OP, ModelBuilder, lm_model, s
 
+from weightshare._verify import verify
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
-from weightshare.verify import verify
 
 CONVERSIONS = {"plain": {}, "external": {"external": True}, "prepack": {"prepack": True}}
 
@@ -52,8 +52,8 @@ def test_verify_passes_on_an_lm_without_inputs(lms, sig, conversion):
 
 def test_given_input_is_used_on_every_leg(lms, monkeypatch):
     """--input reaches every leg, the CompiledModel + cache leg included (it used to feed random ints)."""
-    import weightshare.runtimes.litert as L
-    from weightshare.verify import OriginalFails
+    import weightshare._runtimes.litert as L
+    from weightshare._verify import OriginalFails
 
     src, out = lms[(True, "prepack")]
     given = np.arange(8, dtype=np.int32) * 100
@@ -95,7 +95,7 @@ def _custom_model(path: Path, custom: str) -> Path:
 
 @pytest.mark.parametrize(("custom", "cause"), [("FlexAddV2", "Flex delegate"), ("MyOp", "custom op")])
 def test_hint_names_the_real_cause(tmp_path, custom, cause):
-    from weightshare.verify import OriginalFails
+    from weightshare._verify import OriginalFails
 
     src = _custom_model(tmp_path / "m.tflite", custom)
     with pytest.raises(OriginalFails) as e:
@@ -105,7 +105,7 @@ def test_hint_names_the_real_cause(tmp_path, custom, cause):
 
 _HARNESS = """
 import sys
-import weightshare.runtimes.litert as L
+import weightshare._runtimes.litert as L
 
 leg = sys.argv[1]
 
@@ -153,9 +153,9 @@ def test_injected_exception_in_a_leg_is_an_internal_error(lms, leg, conversion):
 @pytest.mark.slow
 def test_bench_feeds_in_range_ids_and_given_inputs(lms, tmp_path):
     """bench used to feed random ints to EMBEDDING_LOOKUP and call LiteRT's refusal an internal error."""
-    from weightshare.bench import bench
+    from weightshare._bench import bench
+    from weightshare._runtimes.litert import measure_interpreters
     from weightshare.errors import Unsupported
-    from weightshare.runtimes.litert import measure_interpreters
 
     src, _out = lms[(True, "plain")]
     result = bench(src, [1], workdir=tmp_path)

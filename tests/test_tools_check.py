@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from weightshare.findings import all_codes
+from weightshare._findings import all_codes
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "ci.md"
 

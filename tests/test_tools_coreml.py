@@ -17,10 +17,10 @@ import coreml_fixtures as F
 import pytest
 
 from weightshare import api
-from weightshare.check import check
+from weightshare._check import check
+from weightshare._inventory import inventory
+from weightshare._verify import verify
 from weightshare.formats.coreml.milblob import WeightFile
-from weightshare.inventory import inventory
-from weightshare.verify import verify
 
 WEIGHTS = "Data/com.apple.CoreML/weights/weight.bin"
 MODEL = "Data/com.apple.CoreML/model.mlmodel"

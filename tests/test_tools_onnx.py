@@ -8,7 +8,7 @@ import os
 import pytest
 
 from weightshare._safetensors import read_safetensors_metadata
-from weightshare.samples import mlp_onnx
+from weightshare._samples import mlp_onnx
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from tflite_fixtures import OP, ModelBuilder, s
 
+from weightshare._check import findings_for
+from weightshare._inventory import inventory
 from weightshare.api import convert
-from weightshare.check import findings_for
-from weightshare.inventory import inventory
 
 MIB = 1 << 20
 

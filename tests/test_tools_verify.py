@@ -16,10 +16,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from weightshare._compare import differences, tensor_difference
+from weightshare._inventory import inventory
+from weightshare._verify import verify
 from weightshare.api import convert
-from weightshare.compare import differences, tensor_difference
-from weightshare.inventory import inventory
-from weightshare.verify import verify
 
 W = np.arange(512, dtype=np.float32).reshape(1, 512) / 7  # 2 KiB: above the inline threshold, moves to the blob
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from tflite_fixtures import OP, ModelBuilder, s
 
+from weightshare._inventory import inventory
 from weightshare.api import convert
-from weightshare.inventory import inventory
 from weightshare.options import ConvertOptions
 
 

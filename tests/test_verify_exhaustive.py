@@ -22,8 +22,8 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 from weightshare._checksum import digest_of, split_digest
-from weightshare.recorded import recorded_records
-from weightshare.verify import first_difference
+from weightshare._recorded import recorded_records
+from weightshare._verify import first_difference
 
 
 def _model(path: Path, row999: float = 0.0) -> Path:

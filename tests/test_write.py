@@ -1,4 +1,4 @@
-"""The one write path (``weightshare.write``): every container, one accountant, placements by position."""
+"""The one write path (``weightshare._write``): every container, one accountant, placements by position."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from safetensors.numpy import load_file
 
 from weightshare._placement import AlignPolicy, BlobEntry, PlannedTensor
 from weightshare._safetensors import SafetensorsBlob
+from weightshare._tensors import BytesSource
+from weightshare._write import BlobPayload, write_payloads
 from weightshare.errors import OutputError
 from weightshare.formats.coreml.milblob import BlobRecord, WeightFile, WeightFileWriter, record_payload
 from weightshare.formats.tflite.convert import AppendedContainer
 from weightshare.options import ConvertOptions
 from weightshare.report import ConversionReport
-from weightshare.tensors import BytesSource
-from weightshare.write import BlobPayload, write_payloads
 
 POLICY = AlignPolicy(large=4096, small=64, threshold=1024)
 RNG = np.random.default_rng(7)

@@ -15,23 +15,21 @@ load neither numpy nor onnx.
 """
 
 import importlib as _importlib
-import sys as _sys
 from importlib.util import find_spec as _find_spec
-from types import ModuleType as _ModuleType
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
 from .errors import InvalidModel, OutputError, UnsafePath, Unsupported, UsageError, WeightshareError
 
 if _TYPE_CHECKING:
+    from ._findings import Finding, Severity
     from ._folder import FolderReport
+    from ._inventory import ModelInventory, PayloadInfo
     from ._placement import AlignPolicy
+    from ._verify import OriginalFails, VerifyReport
     from .api import CheckReport, check, convert, convert_folder, convert_many, convert_zoo, inspect, merge, verify
-    from .findings import Finding, Severity
-    from .inventory import ModelInventory, PayloadInfo
     from .options import ConvertOptions, Unpack
     from .report import ConversionReport, ZooReport
-    from .verify import OriginalFails, VerifyReport
 
 __all__ = [
     "AlignPolicy",
@@ -71,14 +69,14 @@ _LAZY = {
     "CheckReport": "api",
     "ConversionReport": "report",
     "ConvertOptions": "options",
-    "Finding": "findings",
+    "Finding": "_findings",
     "FolderReport": "_folder",
-    "ModelInventory": "inventory",
-    "OriginalFails": "verify",
-    "PayloadInfo": "inventory",
-    "Severity": "findings",
+    "ModelInventory": "_inventory",
+    "OriginalFails": "_verify",
+    "PayloadInfo": "_inventory",
+    "Severity": "_findings",
     "Unpack": "options",
-    "VerifyReport": "verify",
+    "VerifyReport": "_verify",
     "ZooReport": "report",
     "check": "api",
     "convert": "api",
@@ -105,25 +103,3 @@ def __getattr__(name: str) -> _Any:
 
 def __dir__() -> list[str]:
     return sorted(__all__)  # the public names; the rest of the package namespace is internal
-
-
-# Functions that share their name with an internal module (weightshare/check.py, weightshare/verify.py).
-_NAMED_LIKE_A_MODULE = frozenset({"check", "verify"})
-
-
-class _Package(_ModuleType):
-    """Keeps ``weightshare.check`` and ``weightshare.verify`` the functions.
-
-    After loading a submodule the import system sets it as an attribute of its package, which would replace the
-    function ``weightshare.check`` by the module ``weightshare.check`` as soon as anything imported that module.
-    The modules stay importable by their full names (``from weightshare.check import find_models``): they are
-    in ``sys.modules``.
-    """
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _NAMED_LIKE_A_MODULE and isinstance(value, _ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import api
-from .atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from ._convert_api import convert_one
+from ._run import finish, prepare_out_dir, reset_peak_rss
 from .errors import OutputError, Unsupported, UsageError
 from .formats import detect, model_suffixes
 from .options import ConvertOptions
@@ -63,20 +64,20 @@ def convert_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderR
         raise UsageError("--blob names one model's blob; this folder has several models", folder)
     report = FolderReport(str(folder))
     start = time.perf_counter()
-    api._reset_peak_rss()
+    reset_peak_rss()
     with OutputTransaction() as tx:
-        api._prepare_out_dir(out_dir, tx)
+        prepare_out_dir(out_dir, tx)
         for rel in plan.models:
             model, where = folder / rel, out_dir / rel.parent
             tx.make_dirs(where)
             clean_stale_temporaries(where)
             t0 = time.perf_counter()
-            report.models.append(api._finish(api._convert_one(detect(model), model, where, opts, tx), t0))
+            report.models.append(finish(convert_one(detect(model), model, where, opts, tx), t0))
         for rel in plan.copies:
             tx.make_dirs(out_dir / rel.parent)
             report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx)
             report.copied.append(str(out_dir / rel))
-    return api._finish(report, start)
+    return finish(report, start)
 
 
 def is_model_folder(path: Path) -> bool:
@@ -128,7 +129,7 @@ def plan_folder(folder: Path) -> FolderPlan:
 
 def _weight_files(folder: Path, models: list[Path]) -> set[Path]:
     """Files that ``models`` reference for their weights (external data), relative to ``folder``."""
-    from .inventory import inventory
+    from ._inventory import inventory
 
     found: set[Path] = set()
     for model in models:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from . import _checksum
 from ._checksum import Hasher, new_hasher, tagged
+from ._tensors import CHUNK_SIZE, BufferRing, FileRange, InputFile, PayloadSource, chunks_of, stable_chunks
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
-from .tensors import CHUNK_SIZE, BufferRing, FileRange, InputFile, PayloadSource, chunks_of, stable_chunks
 
 if TYPE_CHECKING:
     pass

@@ -4,7 +4,7 @@
 that the data section starts at an aligned absolute offset and every payload offset is planned before its
 bytes are written, as gguf-py's writer does; the payloads go through the placement engine
 (``_placement.BlobWriter``). Like the other containers (``formats.tflite.convert.AppendedContainer``,
-``formats.coreml.milblob.WeightFileWriter``) it is a ``write.Container``.
+``formats.coreml.milblob.WeightFileWriter``) it is a ``_write.Container``.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._placement import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress, align_up
+from ._tensors import PayloadSource
 from .errors import InvalidModel, OutputError
 from .formats.base import BlobContainer
-from .tensors import PayloadSource
 
 if TYPE_CHECKING:
-    from .write import BlobPayload
+    from ._write import BlobPayload
 
 __all__ = [
     "ALIGN_KEY",
@@ -197,7 +197,7 @@ class SafetensorsBlob:
         return w.entry(row, duplicate)
 
     def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
-        """``write.Container``: the payload under its planned tensor's name."""
+        """``_write.Container``: the payload under its planned tensor's name."""
         return self.add(payload.tensor, payload.source, progress)
 
     @property

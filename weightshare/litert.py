@@ -24,9 +24,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ._litert_interpreter import SharedInterpreter, interpreter
 from .errors import UsageError
 from .formats.tflite import cache_record, xnnpack_cache
-from .litert_interpreter import SharedInterpreter, interpreter
 
 if TYPE_CHECKING:
     from ai_edge_litert.compiled_model import CompiledModel

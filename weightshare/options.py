@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, EnumMeta
+from typing import TYPE_CHECKING
 
 from ._placement import AlignPolicy
 
@@ -14,23 +15,48 @@ BLOB_GRACE_S = 600.0  # an unreferenced old blob stays this long: readers that o
 INLINE_THRESHOLD = 1024  # payloads below this stay inside the model file: a page of padding would cost more
 
 
-class Unpack(str, Enum):
-    """``--unpack`` values: opt-in unpackings a converter does on request. Any other value is a usage error."""
+_UNPACK_DOC = """``--unpack`` values: opt-in unpackings a converter does on request. Any other value is a usage error.
 
-    SPARSE = "sparse"  # TFLite: DENSIFY of a constant sparse tensor becomes a dense constant
-    ORT_CPU = "ort-cpu"  # ONNX: fp16 weights stored as the fp32 copies ONNX Runtime's CPU provider makes
-    DEQUANTIZE = "dequantize"  # TFLite: DEQUANTIZE of a constant int8 tensor (weight-only int8) becomes fp32
+Its members are the values the built-in formats declare (``Format.options.unpack``), named by value
+(``Unpack.SPARSE`` is ``"sparse"``, ``Unpack.ORT_CPU`` is ``"ort-cpu"``); the API takes plain strings too,
+including the values of a format registered at run time.
+"""
+
+
+def _unpack_members() -> dict[str, str]:
+    from . import formats
+    from ._format_options import unpack_values
+
+    return {value.upper().replace("-", "_"): value for value in unpack_values(formats._builtin())}
+
+
+if TYPE_CHECKING:
+
+    class _Declared(EnumMeta):
+        def __getattr__(cls, name: str) -> Unpack: ...  # members are known at run time only
+
+    class Unpack(str, Enum, metaclass=_Declared):
+        _value_: str
+
+else:
+    Unpack = Enum("Unpack", _unpack_members(), type=str, module=__name__, qualname="Unpack")
+    Unpack.__doc__ = _UNPACK_DOC
 
 
 @dataclass
 class ConvertOptions:
     """Every option of a conversion, as one value (``weightshare.convert`` also takes them as keywords).
 
+    Every field is forwarded to the format of each model. The fields a format declares as its own
+    (``Format.options.fields``: TFLite's ``external``, ONNX's ``ort_child_*`` and ``ort_max_growth``) are
+    read only by the formats that declare them; the other formats ignore them. ``unpack`` values are checked
+    against what the registered formats declare (``Format.options.unpack``) before anything is read.
+
     Args:
         align: payload alignment (``--align``, ``--align-threshold``).
         inline_threshold: payloads smaller than this many bytes stay inline.
         keep_packed: do not unpack (no fp16->fp32 folding, typed fields stay as they are).
-        unpack: opt-in unpackings, values of ``Unpack``: {"sparse"}, {"ort-cpu"}.
+        unpack: opt-in unpackings, values a format declares (``Unpack``): {"sparse"}, {"ort-cpu"}.
         blob_name: file name of the external blob inside OUTDIR (ONNX, TFLite --external).
         blob_grace_s: an earlier blob that no model in OUTDIR references any more is removed by a later
             run once it has been unreferenced this many seconds (``--blob-grace``).

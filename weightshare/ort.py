@@ -143,8 +143,8 @@ def check_packed_payloads(blob: str | os.PathLike[str], info: JsonDict) -> str |
 
 def _hash_packed_payloads(path: str, info: JsonDict, size: int) -> str | None:
     from ._checksum import split_digest
+    from ._recorded import record_problem, recorded_records
     from ._safetensors import read_safetensors_metadata
-    from .recorded import record_problem, recorded_records
 
     prefixes = (str(info["packed_prefix"]), str(info["optimized_prefix"]))
     try:
@@ -296,8 +296,8 @@ class _OpenedModel:
 
     @classmethod
     def open(cls, path: Path) -> _OpenedModel:
+        from ._paths import resolve_inside
         from .formats.onnx.ort_probe import WireError, external_locations
-        from .paths import resolve_inside
 
         fd = _open_file(path, path)
         try:

@@ -3,7 +3,9 @@
 A ``.toymodel`` file is JSON: ``{"toymodel": 1, "tensors": {name: {"dtype", "shape", and either "data"
 (base64, embedded) or "location"/"offset"/"length" (external)}}}``. ``weightshare convert`` moves every
 embedded tensor of 1 KiB or more into the shared safetensors blob through the common pipeline; ``inspect``
-and ``check`` see where each payload lives. Nothing here is imported by weightshare itself.
+and ``check`` see where each payload lives. It declares an ``--unpack`` value of its own, ``toy-f32``
+(float16 tensors stored as float32), as a built-in format declares its options. Nothing here is imported by
+weightshare itself.
 """
 
 from __future__ import annotations
@@ -12,14 +14,14 @@ import base64
 import json
 from pathlib import Path
 
+from weightshare._inventory import ModelInventory, PayloadInfo, alignment_of
+from weightshare._pipeline import BlobPayload, PreparedModel, blob_target, write_models
 from weightshare._placement import PlannedTensor
+from weightshare._tensors import BytesSource
 from weightshare.errors import InvalidModel, Unsupported
 from weightshare.formats import safetensors_container
-from weightshare.formats.base import BenchRuntime, BlobContainer
-from weightshare.inventory import ModelInventory, PayloadInfo, alignment_of
-from weightshare.pipeline import BlobPayload, PreparedModel, blob_target, write_models
+from weightshare.formats.base import BenchRuntime, BlobContainer, FormatOptions
 from weightshare.report import ConversionReport
-from weightshare.tensors import BytesSource
 
 
 def _load(path: Path) -> dict:
@@ -32,6 +34,12 @@ def _load(path: Path) -> dict:
     return doc
 
 
+def _f16_to_f32(data: bytes) -> bytes:
+    import numpy as np
+
+    return np.frombuffer(data, "<f2").astype("<f4").tobytes()
+
+
 class ToyFormat:
     name = "toy"
     suffixes = (".toymodel",)
@@ -39,6 +47,7 @@ class ToyFormat:
     maps_unaligned = False
     findings: dict = {}  # the format-neutral codes cover it
     settings: tuple[str, ...] = ()  # one runtime, no settings to tell apart
+    options = FormatOptions(unpack={"toy-f32": "Toy: float16 tensors stored as the float32 the toy runtime computes"})
 
     @property
     def blob_container(self) -> BlobContainer:
@@ -56,6 +65,10 @@ class ToyFormat:
             if "data" not in t:
                 continue
             data = base64.b64decode(t["data"])
+            if "toy-f32" in options.unpack and t["dtype"] == "float16":
+                data = _f16_to_f32(data)
+                t.update(dtype="float32", data=base64.b64encode(data).decode())  # inline or moved: float32 now
+                report.unpacked += 1
             if len(data) < options.inline_threshold:
                 report.inline_kept += 1
                 continue

@@ -30,8 +30,8 @@ def bench(
     session.disable_prepacking, plus the `convert --prepack` result at default options;
     LiteRT without delegate and with the default XNNPACK one.
     """
-    from ..bench import bench as run_bench
-    from ..bench import plot
+    from .._bench import bench as run_bench
+    from .._bench import plot
 
     with user_errors():
         try:
@@ -79,7 +79,7 @@ def demo(
     as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
 ) -> None:
     """Build a sample fp16 ONNX model, convert it, and show the memory of N sessions before and after."""
-    from ..demo import clean_demo, run_demo
+    from .._demo import clean_demo, run_demo
 
     with user_errors():
         if clean:

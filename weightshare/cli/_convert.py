@@ -8,8 +8,11 @@ from pathlib import Path
 import typer
 
 from .. import api
+from .._convert_api import convert_inputs
+from .._format_options import unpack_help
 from .._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy
-from ..options import INLINE_THRESHOLD, ConvertOptions, Unpack
+from ..formats import registered
+from ..options import INLINE_THRESHOLD, ConvertOptions
 from ._app import app, user_errors
 from ._render import progress_bar, quiet, render_conversion, render_report
 
@@ -40,16 +43,8 @@ _KEEP_PACKED = typer.Option(
     False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and typed protobuf fields as they are."
 )
 
-_UNPACK = typer.Option(
-    [],
-    "--unpack",
-    metavar="sparse|dequantize|ort-cpu",
-    help="Opt-in unpacking: 'sparse' (TFLite: DENSIFY of a "
-    "constant sparse tensor becomes a dense constant). 'dequantize' (TFLite: weight-only int8, DEQUANTIZE of "
-    "an int8 constant, stored once as the fp32 values LiteRT computes). 'ort-cpu' (ONNX: store fp16 "
-    "weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
-    "CPU-specific, a GPU provider would run fp16).",
-)
+_UNPACK_METAVAR, _UNPACK_HELP = unpack_help(registered())  # what the formats declare (Format.options)
+_UNPACK = typer.Option([], "--unpack", metavar=_UNPACK_METAVAR, help=_UNPACK_HELP)
 
 _EXTERNAL = typer.Option(
     False,
@@ -122,7 +117,7 @@ def convert(
     blob: str | None = _BLOB,
     blob_grace: float = _BLOB_GRACE,
     keep_packed: bool = _KEEP_PACKED,
-    unpack: list[Unpack] = _UNPACK,
+    unpack: list[str] = _UNPACK,
     external: bool = _EXTERNAL,
     prepack: bool = _PREPACK,
     align: int = _ALIGN,
@@ -147,7 +142,7 @@ def convert(
             align=AlignPolicy(large=align, threshold=align_threshold),
             inline_threshold=inline_threshold,
             keep_packed=keep_packed,
-            unpack=frozenset(u.value for u in unpack),
+            unpack=frozenset(unpack),
             blob_name=blob,
             external=external,
             prepack=prepack,
@@ -158,7 +153,7 @@ def convert(
             ort_child_memory_mib=ort_child_memory,
             ort_max_growth=ort_max_growth,
         )
-        result = api._convert_inputs(models, output, options, shared_blob)
+        result = convert_inputs(models, output, options, shared_blob)
     render_conversion(result, output, as_json)
 
 

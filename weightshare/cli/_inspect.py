@@ -29,9 +29,9 @@ def inspect(
     session.disable_prepacking=1 and with default options; LiteRT without delegate, with
     XNNPACK, and CompiledModel with a weight cache), followed by check's findings.
     """
-    from ..check import findings_for
-    from ..contract import inspect_document
-    from ..inventory import inventory
+    from .._check import findings_for
+    from .._contract import inspect_document
+    from .._inventory import inventory
 
     with user_errors():
         inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
@@ -84,9 +84,9 @@ def check(
     unreadable-model finding, the rest are still checked, and the exit code is 2.
     docs/ci.md lists every finding code and the JSON schema.
     """
-    from ..check import Gate, find_models
-    from ..check import check as run_check
-    from ..contract import check_document, exit_code, github_annotations, setting_ids
+    from .._check import Gate, find_models
+    from .._check import check as run_check
+    from .._contract import check_document, exit_code, github_annotations, setting_ids
 
     quiet(quiet_)
     if output_format not in ("text", "json", "github"):

@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.table import Table as RichTable
 
+    from .._findings import Finding
     from .._folder import FolderReport
-    from ..findings import Finding
-    from ..inventory import ModelInventory
+    from .._inventory import ModelInventory
 
 
 # Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.

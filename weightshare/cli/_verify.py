@@ -31,7 +31,7 @@ def _quiet_runtime_exit(model: Path) -> None:
 def _verify_args(
     dim: list[str], shape: list[str], inputs: list[str]
 ) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
-    from ..verify import load_input
+    from .._verify import load_input
 
     dims: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
@@ -87,7 +87,7 @@ def verify(
     runtime on Linux): weights must decode to the same bytes and the programs must match op for op.
     Exit 1 on a difference, 2 when the original itself does not run.
     """
-    from ..verify import verify as run_verify
+    from .._verify import verify as run_verify
 
     quiet(quiet_)
     reported = False  # an unexpected exception is reported by main(): stderr must stay open for it
@@ -103,7 +103,7 @@ def verify(
         if reported:
             _quiet_runtime_exit(original)
     if as_json:
-        from ..contract import verify_document
+        from .._contract import verify_document
 
         print(json.dumps(verify_document(report), indent=2))
     else:

@@ -11,13 +11,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import InvalidModel, Unsupported
-from .base import BenchRuntime, BlobContainer, BlobFile, Format
+from .base import BenchRuntime, BlobContainer, BlobFile, Format, FormatOptions
 
 __all__ = [
     "BenchRuntime",
     "BlobContainer",
     "BlobFile",
     "Format",
+    "FormatOptions",
     "converter",
     "detect",
     "detect_format",
@@ -46,8 +47,13 @@ def registered() -> list[Format]:
         ['tflite', 'coreml', 'onnx']
     """
     if not _registry:
-        _registry.extend(importlib.import_module(f"{__name__}.{name}").FORMAT for name in _BUILTIN)
+        _registry.extend(_builtin())
     return _registry
+
+
+def _builtin() -> list[Format]:
+    """The built-in formats, whatever is registered (``Unpack`` and the CLI's help are built from them)."""
+    return [importlib.import_module(f"{__name__}.{name}").FORMAT for name in _BUILTIN]
 
 
 def register(fmt: Format, first: bool = False) -> None:

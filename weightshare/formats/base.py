@@ -7,7 +7,7 @@ by ``weightshare.formats.detect``; nothing outside a format's folder names a for
 
 Adding a format: a folder ``weightshare/formats/<name>/`` whose ``__init__.py`` defines
 ``FORMAT`` (an object satisfying this protocol: its methods and its facts, the blob container,
-what its runtime maps in place, its settings and finding codes), and one line in
+what its runtime maps in place, its settings, finding codes and own options), and one line in
 ``formats/__init__.py``'s ``_BUILTIN``; docs/design.md lists every file a format touches.
 Heavy imports (onnx, flatbuffers, coremltools, runtimes) belong inside the methods, so that
 detecting a format costs nothing.
@@ -21,21 +21,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from .._atomic import OutputTransaction
+    from .._findings import CodeInfo, TextEnum
+    from .._inventory import ModelInventory
+    from .._pipeline import PreparedModel
     from .._placement import AlignPolicy, BlobEntry, PlannedTensor, Progress
-    from ..atomic import OutputTransaction
-    from ..findings import CodeInfo, TextEnum
-    from ..inventory import ModelInventory
+    from .._verify import VerifyReport
+    from .._write import BlobPayload
     from ..options import ConvertOptions
-    from ..pipeline import PreparedModel
     from ..report import ConversionReport
-    from ..verify import VerifyReport
-    from ..write import BlobPayload
 
-__all__ = ["BenchRuntime", "BlobContainer", "BlobFile", "Format"]
+__all__ = ["BenchRuntime", "BlobContainer", "BlobFile", "Format", "FormatOptions"]
 
 
 class BlobFile(Protocol):
-    """A blob file being written: a ``write.Container`` that also ends the file and names its content."""
+    """A blob file being written: a ``_write.Container`` that also ends the file and names its content."""
 
     def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
         """Write one payload; return where it landed."""
@@ -73,6 +73,28 @@ class BenchRuntime:
     takes_inputs: bool = False  # ``measure`` takes a fourth argument, input name -> .npy file (``bench --input``)
 
 
+@dataclass(frozen=True)
+class FormatOptions:
+    """The conversion options that are a format's own, declared by the format (``Format.options``).
+
+    Shared code names none of them: an ``--unpack`` value no registered format declares is a usage error
+    naming the formats that declare some, the CLI's ``--unpack`` choices and help text and ``Unpack``'s
+    members are built from the built-in formats' declarations, and the ``ConvertOptions`` fields listed in
+    ``fields`` are forwarded to every format and read only by those that declare them.
+
+    Args:
+        unpack: its ``--unpack`` values, each with its help text, which names the format
+            (``{"sparse": "TFLite: DENSIFY of a constant sparse tensor becomes a dense constant"}``).
+        unpack_excludes_keep_packed: those of its ``--unpack`` values that ``--keep-packed`` contradicts
+            (refused together, before anything is read).
+        fields: the ``ConvertOptions`` fields only this format reads (TFLite: ``external``).
+    """
+
+    unpack: Mapping[str, str] = field(default_factory=dict)
+    unpack_excludes_keep_packed: frozenset[str] = frozenset()
+    fields: tuple[str, ...] = ()
+
+
 class Format(Protocol):
     """What a format folder's ``FORMAT`` provides; ``tests/toyformat`` is a complete worked example."""
 
@@ -90,10 +112,12 @@ class Format(Protocol):
     # The runtime maps an external payload at any offset: a misaligned one costs partly shared pages, not a copy.
     maps_unaligned: bool
     # Its own finding codes with their docs rows (severity, meaning, fix); the format-neutral ones are in
-    # ``weightshare.findings.CODES``.
+    # ``weightshare._findings.CODES``.
     findings: Mapping[TextEnum, CodeInfo]
     # Stable ids of the runtime settings its inventory reports copies under (``check --target`` takes them).
     settings: tuple[str, ...]
+    # Its own conversion options: its --unpack values and the ConvertOptions fields only it reads.
+    options: FormatOptions
 
     def claims(self, path: Path, head: bytes) -> bool:
         """True when ``path`` is a model of this format; ``head`` is its first 8 bytes (b"" for a directory).

@@ -5,17 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._findings import CodeInfo, TextEnum
 from ...errors import Unsupported
-from ...findings import CodeInfo, TextEnum
-from ..base import BenchRuntime
+from ..base import BenchRuntime, FormatOptions
 
 if TYPE_CHECKING:
-    from ...atomic import OutputTransaction
-    from ...inventory import ModelInventory
+    from ..._atomic import OutputTransaction
+    from ..._inventory import ModelInventory
+    from ..._pipeline import PreparedModel
+    from ..._verify import VerifyReport
     from ...options import ConvertOptions
-    from ...pipeline import PreparedModel
     from ...report import ConversionReport
-    from ...verify import VerifyReport
 
 
 NOT_MEASURED = (
@@ -34,6 +34,7 @@ class CoremlFormat:
     maps_unaligned = False
     findings: dict[TextEnum, CodeInfo] = {}  # the format-neutral codes cover it
     settings = ("coreml",)
+    options = FormatOptions()  # no --unpack of its own (constexpr decompression is not implemented)
 
     def claims(self, path: Path, head: bytes) -> bool:
         if path.is_dir():

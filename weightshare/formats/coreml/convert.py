@@ -3,7 +3,7 @@
 scan: walk the program spec for every ``BlobFileValue`` (const values, constexpr
 attributes and input bindings, function/block/program attributes, nested blocks
 of control-flow ops); write: copy each referenced payload in chunks into the new
-weight.bin through the one write path (``weightshare.write``, with ``WeightFileWriter``
+weight.bin through the one write path (``weightshare._write``, with ``WeightFileWriter``
 as the container); emit: point the ``BlobFileValue`` at the new record, write the
 spec, copy every other file of the package byte for byte.
 """
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import Message
 
+from ..._atomic import OutputTransaction
 from ..._placement import Progress, align_up
-from ...atomic import OutputTransaction
+from ..._write import write_payloads
 from ...errors import InvalidModel, OutputError
 from ...options import ConvertOptions
 from ...report import ConversionReport, JsonDict
-from ...write import write_payloads
 from .milblob import (
     RECORD_ALIGN,
     RECORD_SIZE,
@@ -110,7 +110,7 @@ class BlobRelocator:
             self._values.append((bfv, key))
 
     def write(self, report: ConversionReport, progress: Progress | None = None) -> None:
-        """Copy every payload (``write.write_payloads``, which fills ``report``'s counters), then point every
+        """Copy every payload (``_write.write_payloads``, which fills ``report``'s counters), then point every
         ``BlobFileValue`` at its new record."""
         order: list[tuple[Path, int]] = []
 

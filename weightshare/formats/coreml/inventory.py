@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import Message
 
+from ..._findings import problem_code
+from ..._inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...errors import InvalidModel, UnsafePath, WeightshareError
-from ...findings import problem_code
-from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
 from .convert import MAX_DEPTH
 from .milblob import BlobRecord, WeightFile

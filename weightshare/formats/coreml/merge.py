@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ...atomic import OutputTransaction
+from ..._atomic import OutputTransaction
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport

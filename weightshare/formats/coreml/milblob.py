@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 from ..._checksum import digest_of
 from ..._placement import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress
+from ..._tensors import FileRange, PayloadSource, open_input
+from ..._write import BlobPayload
 from ...errors import InvalidModel, OutputError
-from ...tensors import FileRange, PayloadSource, open_input
-from ...write import BlobPayload
 
 HEADER_SIZE = 64
 RECORD_SIZE = 64
@@ -173,7 +173,7 @@ def record_payload(rec: BlobRecord, source: PayloadSource, name: str = "") -> Re
 
 
 class WeightFileWriter:
-    """``write.Container`` of a weight.bin: payloads at ``policy`` alignment, each distinct payload once.
+    """``_write.Container`` of a weight.bin: payloads at ``policy`` alignment, each distinct payload once.
 
     A payload that could be a duplicate (an earlier one has the same dtype and length) is
     hashed before it is written: merging N functions that share their weights then reads N

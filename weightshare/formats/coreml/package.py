@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from google.protobuf.message import DecodeError
 
+from ..._paths import resolve_inside
 from ...errors import InvalidModel, OutputError, UnsafePath, Unsupported
-from ...paths import resolve_inside
 from ...report import JsonDict
 
 if TYPE_CHECKING:

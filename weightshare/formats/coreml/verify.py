@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 from google.protobuf.message import Message
 
+from ..._verify import VerifyReport
 from ...errors import WeightshareError
-from ...verify import VerifyReport
 from .convert import iter_blob_file_values
 from .inventory import BlobLocator, blob_sites
 from .milblob import BlobRecord, WeightFile

@@ -7,16 +7,24 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..base import BenchRuntime, BlobContainer
+from ..base import BenchRuntime, BlobContainer, FormatOptions
 from .findings import CODES
 
 if TYPE_CHECKING:
-    from ...atomic import OutputTransaction
-    from ...inventory import ModelInventory
+    from ..._atomic import OutputTransaction
+    from ..._inventory import ModelInventory
+    from ..._pipeline import PreparedModel
+    from ..._verify import VerifyReport
     from ...options import ConvertOptions
-    from ...pipeline import PreparedModel
     from ...report import ConversionReport
-    from ...verify import VerifyReport
+
+
+ORT_CPU = "ort-cpu"  # the --unpack value of ortcpu.py
+# The --unpack values ONNX implements, with their help text (``weightshare convert --help`` shows it).
+UNPACK = {
+    ORT_CPU: "ONNX: store fp16 weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
+    "CPU-specific, a GPU provider would run fp16",
+}
 
 
 class OnnxFormat:
@@ -25,7 +33,13 @@ class OnnxFormat:
     maps_in_place = frozenset({"external"})
     findings = CODES
     settings = ("ort-default", "ort-disable-prepacking")  # inventory.ORT_DEFAULT, ORT_SHARE
-    maps_unaligned = True  # ONNX Runtime maps external data at any offset (measured, see check.py)
+    maps_unaligned = True  # ONNX Runtime maps external data at any offset (measured, see _check.py)
+    # --unpack ort-cpu adopts the Casts --keep-packed keeps; the onnxruntime child's limits (ort_limits.py)
+    options = FormatOptions(
+        unpack=UNPACK,
+        unpack_excludes_keep_packed=frozenset({ORT_CPU}),
+        fields=("ort_child_timeout_s", "ort_child_memory_mib", "ort_max_growth"),
+    )
 
     @property
     def blob_container(self) -> BlobContainer:
@@ -101,7 +115,7 @@ class OnnxFormat:
         verify_in_runtime(report, original, converted, opts, broken)
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
-        from ...runtimes.ort import measure_sessions
+        from ..._runtimes.ort import measure_sessions
 
         # --prepack output at default options, in a process started with the malloc setting that returns ORT's
         # freed pre-pack validation buffers to the OS (weightshare.ort.session does the same with malloc_trim).

@@ -19,16 +19,16 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
+from ..._atomic import OutputTransaction
+from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ..._placement import PlannedTensor
 from ..._safetensors import CONTAINER
-from ...atomic import OutputTransaction
+from ..._tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from ...errors import InvalidModel
-from ...options import ConvertOptions, Unpack
+from ...options import ConvertOptions
 from ...ort import malloc_trim
-from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
-from . import dtypes
+from . import ORT_CPU, UNPACK, dtypes
 from ._proto import pb
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
@@ -230,7 +230,7 @@ def _read_wire(ref: TensorRef) -> bytes:
 def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     """scan + fold + plan: everything but writing. Holds the skeleton, never a payload."""
     report = ConversionReport(model=str(src), format="onnx")
-    other = options.unpack - {Unpack.ORT_CPU.value}
+    other = options.unpack - set(UNPACK)  # another format's values
     if other:
         report.notes.append(
             f"--unpack {','.join(sorted(other))} is not implemented for ONNX; sparse tensors were kept as they are"
@@ -240,7 +240,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     model = load_skeleton(skeleton, src)
     del skeleton
     blob_metadata = {}
-    if Unpack.ORT_CPU.value in options.unpack and not options.keep_packed:  # before the fold, which folds ORT's Casts
+    if ORT_CPU in options.unpack and not options.keep_packed:  # before the fold, which folds ORT's Casts
         from .ortcpu import unpack_for_cpu  # subprocess, tempfile, importlib.metadata: not on every conversion's path
 
         blob_metadata = unpack_for_cpu(model, refs, src, report.notes, out_dir, options)

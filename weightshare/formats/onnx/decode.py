@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...runtimes.ort import ORT_TYPES
+from ..._runtimes.ort import ORT_TYPES
 
 if TYPE_CHECKING:
     import onnx
@@ -180,7 +180,7 @@ def read_facts(path: Path) -> ModelFacts:
                 size = table[ax] if table and -len(table) <= ax < len(table) else None
                 old = facts.bounds.get(name, size)
                 facts.bounds[name] = None if old is None or size is None else min(old, size)
-    from ...runtimes.ort import index_bounds
+    from ..._runtimes.ort import index_bounds
 
     for name, size in index_bounds(str(path)).items():  # GatherND, Scatter*: the main graph's direct uses
         old = facts.bounds.get(name, size)
@@ -290,7 +290,7 @@ def derived_dims(
 
 
 def _shape(inp: Any, dims: dict[str, int]) -> list[int]:
-    from ...runtimes.ort import dim_value
+    from ..._runtimes.ort import dim_value
 
     return [dim_value(d, dims) for d in inp.shape]
 
@@ -360,7 +360,7 @@ def make_feeds(
 
 def _total_length(inputs: list[Any], dims: dict[str, int]) -> int:
     """Past plus new tokens: the attention mask's length, else the ids' length plus a past input's."""
-    from ...runtimes.ort import dim_value
+    from ..._runtimes.ort import dim_value
 
     for inp in inputs:
         name = inp.name.lower()
@@ -411,7 +411,7 @@ def plan(inputs: list[Any], output_names: list[str]) -> DecodePlan:
 def run_lengths(p: DecodePlan, dims: dict[str, int], past_zero: bool) -> dict[str, int]:
     """``dims`` for a plain run: past lengths 0 when ``past_zero`` (a merged decoder's prefill branch), a mask's
     own length name (``total_sequence_length``) the past's plus the new tokens', unless the user gave them."""
-    from ...runtimes.ort import dim_value
+    from ..._runtimes.ort import dim_value
 
     out = dict(dims)
     if past_zero:

@@ -16,7 +16,7 @@ import ctypes
 import os
 from dataclasses import dataclass
 
-from ...tensors import FileRange
+from ..._tensors import FileRange
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
@@ -52,7 +52,7 @@ def punch(path: str, offset: int, length: int) -> bool:
 
 @dataclass(slots=True)
 class ReleasedRange(FileRange):
-    """A staged ``FileRange`` whose blocks are freed once its payload is placed (``write.write_payloads``)."""
+    """A staged ``FileRange`` whose blocks are freed once its payload is placed (``_write.write_payloads``)."""
 
     releasable: bool = True  # False when another payload's range overlaps it
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...findings import CodeInfo, Severity, TextEnum
+from ..._findings import CodeInfo, Severity, TextEnum
 
 __all__ = ["CODES", "OnnxCode"]
 

@@ -24,12 +24,12 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..._findings import Finding, problem_code
+from ..._inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
+from ..._recorded import blob_metadata, recorded_payloads, recorded_records
+from ..._tensors import FileRange
 from ...errors import UnsafePath, WeightshareError
-from ...findings import Finding, problem_code
-from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
-from ...recorded import blob_metadata, recorded_payloads, recorded_records
-from ...tensors import FileRange
 from . import dtypes
 from ._proto import pb
 from .convert import load_skeleton, plan

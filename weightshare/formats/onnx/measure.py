@@ -33,8 +33,8 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glib
 
 def probe(model_path: str, share: bool, sessions: int = SESSIONS) -> JsonDict:
     """In this (child) process: PSS after each of ``sessions`` sessions under the setting; or why ORT refused."""
-    from ...runtimes.memory import data_pss, smaps_rollup
-    from ...runtimes.ort import index_bounds, new_session, random_feeds
+    from ..._runtimes.memory import data_pss, smaps_rollup
+    from ..._runtimes.ort import index_bounds, new_session, random_feeds
 
     opened: list[Any] = []
     pss: list[int] = []
@@ -75,7 +75,7 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             {},
             ["per-session copies are the static estimate: onnxruntime is not installed (or measuring is off)"],
         )
-    from ...runtimes.memory import in_child
+    from ..._runtimes.memory import in_child
 
     out: dict[str, int] = {}
     one: dict[str, int] = {}

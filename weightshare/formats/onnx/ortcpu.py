@@ -29,17 +29,16 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from ...atomic import locked_stage
+from ..._atomic import locked_stage
+from ..._tensors import read_all
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
-from ...tensors import read_all
 from . import dtypes
 from ._proto import pb
 from .graph import collect_sites, subgraphs
 from .ort_limits import ChildLimits, limits_for
 from .scan import REF_KEY, TensorRef
 
-ORT_CPU = "ort-cpu"  # the --unpack value
 PREFIX = "InsertedPrecisionFreeCast_"
 TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's node>"
 # Payloads up to this size keep their real bytes in the probe (shape tensors, pads, scales that kernels or shape

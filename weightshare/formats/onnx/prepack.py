@@ -34,15 +34,15 @@ import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from ..._atomic import OutputTransaction, locked_stage
 from ..._disk import DiskPeak
+from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ..._placement import PlannedTensor
+from ..._runtimes.memory import run_child_peak
 from ..._safetensors import CONTAINER
-from ...atomic import OutputTransaction, locked_stage
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
-from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...report import ConversionReport, JsonDict
-from ...runtimes.memory import run_child_peak
 from . import dtypes
 from .disk_use import ReleasedRange, mark_overlaps
 from .ort_limits import limits_for
@@ -267,7 +267,7 @@ def report_disk(report: ConversionReport, peak: int) -> None:
 
 def staging(out_dir: Path) -> AbstractContextManager[Path]:
     """A temporary directory in ``out_dir`` (same file system as the outputs), uniquely named and flock-ed from
-    creation to removal (``atomic.locked_stage``): a concurrent run, in this PID namespace or another, neither
+    creation to removal (``_atomic.locked_stage``): a concurrent run, in this PID namespace or another, neither
     reuses nor removes it."""
     return locked_stage(out_dir, "prepack")
 

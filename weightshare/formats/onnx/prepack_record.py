@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..._paths import plain_file_name
 from ...errors import InvalidModel, UsageError
-from ...paths import plain_file_name
 from ...report import JsonDict
 
 METADATA_KEY = "weightshare.ort_prepack"

@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import overload
 
+from ..._paths import resolve_inside
+from ..._recorded import CheckedSource, recorded_payloads
+from ..._tensors import ConcatSource, FileRange, InputFile, PayloadSource, open_input
 from ...errors import InvalidModel, Unsupported
-from ...paths import resolve_inside
-from ...recorded import CheckedSource, recorded_payloads
-from ...tensors import ConcatSource, FileRange, InputFile, PayloadSource, open_input
 from . import dtypes
 from .wire import (
     LEN,

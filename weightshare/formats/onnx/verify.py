@@ -13,11 +13,12 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..._inventory import inventory
+from ..._tensors import FileRange, PayloadSource
+from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line
 from ...errors import UsageError
-from ...inventory import inventory
-from ...options import ConvertOptions, Unpack
-from ...tensors import FileRange, PayloadSource
-from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line
+from ...options import ConvertOptions
+from . import ORT_CPU
 
 _HINT = "give real inputs with --input NAME=FILE.npy, or symbolic dims with --dim NAME=VALUE"
 
@@ -30,7 +31,7 @@ def _original_payloads(original: Path, converted_unpack: bool) -> dict[str, list
 
     variants = [ConvertOptions(inline_threshold=0), ConvertOptions(inline_threshold=0, keep_packed=True)]
     if converted_unpack:
-        variants.append(ConvertOptions(inline_threshold=0, unpack=frozenset({Unpack.ORT_CPU.value})))
+        variants.append(ConvertOptions(inline_threshold=0, unpack=frozenset({ORT_CPU})))
     out: dict[str, list[PayloadSource]] = {}
     for options in variants:
         for p in prepare(original, original.parent, options).payloads:
@@ -39,7 +40,7 @@ def _original_payloads(original: Path, converted_unpack: bool) -> dict[str, list
 
 
 def _unpacked_for_cpu(converted: Path, files: list[str]) -> bool:
-    from ...recorded import blob_metadata
+    from ..._recorded import blob_metadata
 
     return any(blob_metadata(str(converted.parent / f)).get("weightshare.unpack") == "ort-cpu" for f in files)
 
@@ -92,7 +93,7 @@ def _portable_of(converted: Path) -> Path | None:
 def verify_in_runtime(
     report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool
 ) -> None:
-    from ...runtimes.ort import new_session
+    from ..._runtimes.ort import new_session
 
     try:
         a = new_session(str(original), share=False, log_level=4)
@@ -131,7 +132,7 @@ def verify_in_runtime(
 def _run_both(
     report: VerifyReport, a: Any, original: Path, converted: Path, opts: dict[str, Any], share: bool, prefix: str
 ) -> None:
-    from ...runtimes.ort import dim_value, new_session
+    from ..._runtimes.ort import dim_value, new_session
     from .decode import derived_dims, make_feeds, plan, read_facts, run_lengths
 
     try:
@@ -190,7 +191,7 @@ def _decode(
     models get the original's feeds at every step and every step's outputs are compared byte for byte."""
     import numpy as np
 
-    from ...compare import differences
+    from ..._compare import differences
     from .decode import make_feeds, next_tokens, plan, step_dims
 
     inputs = a.get_inputs()

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..._tensors import CHUNK_SIZE, PayloadSource
 from ...errors import InvalidModel
-from ...tensors import CHUNK_SIZE, PayloadSource
 
 if TYPE_CHECKING:
     import numpy as np  # imported where used: a model without packed fields needs no numpy (start-up time)

@@ -10,16 +10,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidModel, UsageError
-from ..base import BenchRuntime, BlobContainer
+from ..base import BenchRuntime, BlobContainer, FormatOptions
 from .findings import CODES
 
 if TYPE_CHECKING:
-    from ...atomic import OutputTransaction
-    from ...inventory import ModelInventory
+    from ..._atomic import OutputTransaction
+    from ..._inventory import ModelInventory
+    from ..._pipeline import PreparedModel
+    from ..._verify import VerifyReport
     from ...options import ConvertOptions
-    from ...pipeline import PreparedModel
     from ...report import ConversionReport
-    from ...verify import VerifyReport
+
+
+# The --unpack values TFLite implements, with their help text (``weightshare convert --help`` shows it).
+UNPACK = {
+    "sparse": "TFLite: DENSIFY of a constant sparse tensor becomes a dense constant",
+    "dequantize": "TFLite: weight-only int8, DEQUANTIZE of an int8 constant, stored once as the fp32 values LiteRT "
+    "computes",
+}
 
 
 class TfliteFormat:
@@ -29,6 +37,7 @@ class TfliteFormat:
     maps_unaligned = False
     findings = CODES
     settings = ("litert-builtin", "litert-xnnpack", "litert-compiled-cache")  # inventory.NO_DELEGATE, XNNPACK, ...
+    options = FormatOptions(unpack=UNPACK, fields=("external",))  # --external: ExternalBuffer groups in a blob
 
     @property
     def blob_container(self) -> BlobContainer:
@@ -73,12 +82,12 @@ class TfliteFormat:
 
     def quiet_exit(self) -> None:
         """LiteRT logs its teardown on native stderr at exit: silence it once a command has printed its result."""
-        from ...runtimes.litert import silence_native_stderr_until_exit
+        from ..._runtimes.litert import silence_native_stderr_until_exit
 
         silence_native_stderr_until_exit()
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
-        from ...runtimes.litert import measure_interpreters
+        from ..._runtimes.litert import measure_interpreters
 
         return BenchRuntime(measure_interpreters, (("no delegate", True), ("XNNPACK", False)), takes_inputs=True)
 

@@ -5,10 +5,10 @@ plan: ``sparse`` (opt-in) and ``graph`` fold DENSIFY and fp16 DEQUANTIZE; each
 output buffer is then empty, inline (below the inline threshold, and metadata
 buffers) or moved.
 write + emit, default: moved payloads go through the one write path
-(``weightshare.write``) into an ``AppendedContainer``, after the flatbuffer, which is
+(``weightshare._write``) into an ``AppendedContainer``, after the flatbuffer, which is
 rebuilt from the schema object API with the placements.
 write + emit, ``--external``: ``prepare`` hands the payloads to the shared
-pipeline (``weightshare.pipeline``), which also serves zoo mode (one blob for
+pipeline (``weightshare._pipeline``), which also serves zoo mode (one blob for
 many models); ``emit`` points tensors at ExternalBuffers in the blob.
 
 Appending needs the flatbuffer's size before the first payload offset is known:
@@ -27,18 +27,18 @@ from pathlib import Path
 import flatbuffers
 from ai_edge_litert import schema_py_generated as schema
 
+from ..._atomic import OutputTransaction
+from ..._paths import resolve_inside
+from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ..._placement import BlobEntry, BlobWriter, PlannedTensor, Progress
+from ..._recorded import CheckedSource, recorded_payloads
 from ..._safetensors import CONTAINER
-from ...atomic import OutputTransaction
+from ..._tensors import ElementwiseSource, FileRange, InputFile, PayloadSource, fp16_to_fp32, open_input, read_all
+from ..._write import write_payloads
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
-from ...paths import resolve_inside
-from ...pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
-from ...recorded import CheckedSource, recorded_payloads
 from ...report import ConversionReport
-from ...tensors import ElementwiseSource, FileRange, InputFile, PayloadSource, fp16_to_fp32, open_input, read_all
-from ...write import write_payloads
-from . import flatbuf
+from . import UNPACK, flatbuf
 from .dequantize import plan_dequantize
 from .graph import (
     NUMPY_DTYPES,
@@ -220,7 +220,7 @@ def _open_output(tmp: Path) -> int:
 
 
 class AppendedContainer:
-    """``write.Container``: payloads appended after a flatbuffer of ``start`` bytes, which the caller writes
+    """``_write.Container``: payloads appended after a flatbuffer of ``start`` bytes, which the caller writes
     over the file's first bytes once the payloads have their offsets (``BlobWriter.pwrite``)."""
 
     def __init__(self, fd: int, start: int, options: ConvertOptions):
@@ -304,11 +304,10 @@ def scan_and_plan(src: Path, options: ConvertOptions) -> tuple[schema.ModelT, li
         graph = flatbuf.read_graph(reader, mapping)
     validate(graph, len(refs), path)
     report = ConversionReport(model=path, format="tflite")
-    unknown = set(options.unpack) - {"sparse", "dequantize"}
+    unknown = set(options.unpack) - set(UNPACK)  # another format's value
     if unknown:
-        raise UsageError(
-            f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows 'sparse' and 'dequantize')", src
-        )
+        knows = " and ".join(repr(v) for v in UNPACK)
+        raise UsageError(f"unknown --unpack value {', '.join(sorted(unknown))} (TFLite knows {knows})", src)
     sources: list[PayloadSource | None] = [ref.source(path) if ref.nbytes else None for ref in refs]
     read_external_buffers(graph, src, sources)
     detached: set[int] = set()

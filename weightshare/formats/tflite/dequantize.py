@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
+from ..._tensors import CHUNK_SIZE, PayloadSource
 from ...errors import InvalidModel
-from ...tensors import CHUNK_SIZE, PayloadSource
 from .graph import DEQUANTIZE, FLOAT32, TYPE_NAMES, builtin_code, element_count, indices, tensor_name
 from .sparse import DensifyFold
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 from ai_edge_litert import schema_py_generated as schema
 
+from ..._tensors import FileRange
 from ...errors import InvalidModel
-from ...tensors import FileRange
 
 FILE_IDENTIFIER = b"TFL3"
 SCHEMA_VERSION = 3

@@ -19,13 +19,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..._findings import CODES, Code, Finding, problem_code
+from ..._inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
+from ..._paths import resolve_inside
+from ..._recorded import recorded_payloads
+from ..._tensors import FileRange
 from ...errors import UnsafePath, WeightshareError
-from ...findings import CODES, Code, Finding, problem_code
-from ...inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ...options import ConvertOptions
-from ...paths import resolve_inside
-from ...recorded import recorded_payloads
-from ...tensors import FileRange
 from . import flatbuf
 from .dequantize import dequantized_copies
 from .findings import TfliteCode

@@ -5,7 +5,7 @@ materialise; LiteRT itself is the authority on what a new interpreter copies (XN
 weight-only and fp16 weights behind DEQUANTIZE included), so ``check`` and ``inspect`` ask it as they ask ONNX
 Runtime (``formats/onnx/measure.py``): a fresh child per setting opens interpreters one by one, runs every
 signature once (seeded random inputs, in range for index inputs), and reads its PSS after each. The growth is
-that of the PSS of everything but program code (``runtimes.memory.data_pss``), over 3. The child is bounded
+that of the PSS of everything but program code (``_runtimes.memory.data_pss``), over 3. The child is bounded
 (``TIMEOUT_S``) and started with ``MALLOC_MMAP_THRESHOLD_=1048576`` like the ONNX one. ``litert-compiled-cache``
 (CompiledModel with an XNNPACK weight cache file) is not measured: its figure stays the static one.
 """
@@ -27,8 +27,8 @@ TIMEOUT_S = 600.0
 def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDict:
     """In this (child) process: PSS after each of ``interpreters`` interpreters under the setting, or why LiteRT
     refused the model."""
-    from ...runtimes.litert import entry_points, native_stderr_silenced, new_interpreter
-    from ...runtimes.memory import data_pss, smaps_rollup
+    from ..._runtimes.litert import entry_points, native_stderr_silenced, new_interpreter
+    from ..._runtimes.memory import data_pss, smaps_rollup
 
     opened: list[Any] = []
     pss: list[int] = []
@@ -70,7 +70,7 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             {},
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
         )
-    from ...runtimes.memory import in_child
+    from ..._runtimes.memory import in_child
 
     out: dict[str, int] = {}
     one: dict[str, int] = {}

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from ai_edge_litert import schema_py_generated as schema
 
+from ..._tensors import BytesSource, PayloadSource, read_all
 from ...errors import InvalidModel, Unsupported
-from ...tensors import BytesSource, PayloadSource, read_all
 from .graph import DENSIFY, TYPE_NAMES, builtin_code, element_count, indices, tensor_name
 
 _VALUE_TYPES = {schema.TensorType.FLOAT32: "<f4", schema.TensorType.FLOAT16: "<f2", schema.TensorType.INT8: "i1"}

@@ -12,9 +12,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from ..._inventory import inventory
+from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line
 from ...errors import UsageError, WeightshareError
-from ...inventory import inventory
-from ...verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line
 
 _HINT = "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --shape NAME=1,16000 / --dim '*=N'"
 
@@ -22,7 +22,7 @@ _HINT = "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --s
 def verify_in_runtime(
     report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool
 ) -> None:
-    from ...runtimes.litert import native_stderr_silenced
+    from ..._runtimes.litert import native_stderr_silenced
 
     named = sorted(set(opts["dims"]) - {"*"})
     if named:
@@ -46,8 +46,8 @@ def verify_in_runtime(
 
 def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any]) -> None:
     """A --prepack XNNPACK weight cache, checked through CompiledModel: original without, converted with it."""
+    from ..._runtimes.litert import LITERT_ERRORS, compiled_entry_points
     from ...litert import open_cache
-    from ...runtimes.litert import LITERT_ERRORS, compiled_entry_points
     from . import cache_record, xnnpack_cache
 
     cache, fd, why = open_cache(converted)
@@ -78,7 +78,7 @@ def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, 
 
 def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[tuple[str, str, Any, Any]], list[str]]:
     """(path name, original entry points, converted entry points or an error line), one per LiteRT mode."""
-    from ...runtimes.litert import LITERT_ERRORS, MODES, compiled_entry_points, entry_points, open_mode
+    from ..._runtimes.litert import LITERT_ERRORS, MODES, compiled_entry_points, entry_points, open_mode
 
     if external:  # only CompiledModel loads ExternalBuffer groups: run both models through it, same kernels
         try:
@@ -118,7 +118,7 @@ def _run_path(
 
     Only LiteRT's own errors count as "this path does not run the model"; any other exception propagates.
     """
-    from ...runtimes.litert import LITERT_ERRORS
+    from ..._runtimes.litert import LITERT_ERRORS
 
     before = len(report.mismatches)
     compare_names(report, "signature", [k for k, _ in ea], [k for k, _ in eb])

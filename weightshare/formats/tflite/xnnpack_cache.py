@@ -33,11 +33,11 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..._atomic import CommitHook, OutputTransaction, locked_stage
 from ..._checksum import Hasher
-from ...atomic import CommitHook, OutputTransaction, locked_stage
+from ..._findings import Finding
+from ..._paths import resolve_inside
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
-from ...findings import Finding
-from ...paths import resolve_inside
 from . import cache_record
 from .findings import TfliteCode
 
@@ -68,7 +68,7 @@ def litert_version() -> str:
 @lru_cache(maxsize=1)
 def cpu_fingerprint() -> str:
     """Machine architecture and the ISA flags XNNPACK dispatches on (empty where /proc/cpuinfo is absent)."""
-    from ...runtimes.cpuinfo import cpu_flags
+    from ..._runtimes.cpuinfo import cpu_flags
 
     flags = {v for v in cpu_flags() if _ISA_FLAG.match(v)}
     return platform.machine() + ":" + ",".join(sorted(flags))

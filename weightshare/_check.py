@@ -12,14 +12,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._findings import Code, Finding, Severity, TextEnum, code_named
+from ._inventory import ModelInventory, PayloadInfo, inventory
 from ._placement import AlignPolicy
+from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
 from .errors import WeightshareError
-from .findings import Code, Finding, Severity, TextEnum, code_named
 from .formats import get, model_suffixes
-from .inventory import ModelInventory, PayloadInfo, inventory
 from .options import INLINE_THRESHOLD
-from .recorded import blob_metadata
 
 COPY_THRESHOLD = 1 << 20  # bytes per session a copy may cost before `check` fails on it (--threshold)
 MAX_RATIO = 1.10  # a measured growth counts when 4 sessions cost more than this times one session's PSS

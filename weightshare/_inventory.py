@@ -12,12 +12,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ._checksum import digest_of, split_digest
+from ._findings import Code, Finding
 from ._platform import require_posix
-from .findings import Code, Finding
+from ._recorded import blob_name_problem, record_problem, recorded_records
+from ._tensors import CHUNK_SIZE, PayloadSource
 from .formats import detect
-from .recorded import blob_name_problem, record_problem, recorded_records
 from .report import JsonDict
-from .tensors import CHUNK_SIZE, PayloadSource
 
 
 @dataclass
@@ -58,7 +58,7 @@ class ModelInventory:
     # most (what ``copied_per_session`` reports), the others are the runtime's defaults.
     settings: list[str] = field(default_factory=list)
     # Problems about the model as a whole that its format detected (not tied to one payload), as
-    # ``findings.Finding``; ``check`` reports them with the payload findings.
+    # ``_findings.Finding``; ``check`` reports them with the payload findings.
     findings: list[Finding] = field(default_factory=list)
     # Blob records no tensor references directly (e.g. ORT's pre-packed copies of ``--prepack``), re-hashed
     # when the inventory hashes payloads: how many, and one line per record that fails its recorded digest.

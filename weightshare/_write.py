@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ._placement import BlobEntry, PlannedTensor, Progress
+from ._tensors import PayloadSource
 from .errors import OutputError
 from .report import ConversionReport
-from .tensors import PayloadSource
 
 
 @dataclass(slots=True)

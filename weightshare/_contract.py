@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ._checksum import split_digest
-from .findings import Code, Finding, Severity
+from ._findings import Code, Finding, Severity
 from .report import JsonDict
 
 if TYPE_CHECKING:
-    from .check import Gate
-    from .inventory import ModelInventory
-    from .verify import VerifyReport
+    from ._check import Gate
+    from ._inventory import ModelInventory
+    from ._verify import VerifyReport
 
 SCHEMA = 1
 

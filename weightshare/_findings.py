@@ -7,7 +7,7 @@ fixes; a format declares its own runtime's codes beside it (``Format.findings``,
 ``TextEnum`` of its own), and ``all_codes`` joins them. docs/ci.md lists every code,
 and a test keeps the two in step.
 
-Severity, by effect (``check.Gate``): ``error`` -- a copy that costs more than the
+Severity, by effect (``_check.Gate``): ``error`` -- a copy that costs more than the
 threshold (default 1 MiB) per session under a setting ``check`` targets, or a model
 that is broken or gives wrong outputs: ``check`` exits 1. ``warning`` -- such a copy
 under a setting not targeted (the fix names the setting that avoids it), or a layout
@@ -165,7 +165,7 @@ class Finding:
 
     @classmethod
     def of(cls, code: TextEnum, file: str, message: str, tensor: str = "", severity: Severity | None = None) -> Finding:
-        """``severity``: where the rule that found it weighed its effect (``check.Gate``); else the code's."""
+        """``severity``: where the rule that found it weighed its effect (``_check.Gate``); else the code's."""
         info = all_codes()[code]
         return cls(code, severity or info.severity, file, tensor, message, info.fix)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 
 from . import api
+from ._samples import mlp_onnx
 from .options import ConvertOptions
 from .report import JsonDict
-from .samples import mlp_onnx
 
 DEMO_FILES = ("mlp_fp16.onnx", "converted", "prepacked")
 
@@ -42,7 +42,7 @@ def clean_demo(workdir: Path) -> bool:
 def run_demo(
     workdir: Path, sessions: int = 4, layers: int = 12, progress: Callable[[str], object] = lambda msg: None
 ) -> JsonDict:
-    from .runtimes.ort import measure_sessions, new_session
+    from ._runtimes.ort import measure_sessions, new_session
 
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,8 @@
 A format's ``prepare`` step (scan + plan) returns a ``PreparedModel``: the payloads
 that go to the blob and an ``emit`` callback that writes the rewritten model.
 ``write_blob`` streams every payload of every model into one blob, in the container its
-format declares (``Format.blob_container``; ``write.write_payloads``, the one write path), so a zoo of models that share
-weights stores each distinct payload once; each model's ``emit`` then gets the
+format declares (``Format.blob_container``; ``_write.write_payloads``, the one write path), so a zoo
+of models that share weights stores each distinct payload once; each model's ``emit`` then gets the
 blob's location and that model's ``Placements``.
 """
 
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from .atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
+from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
+from ._paths import resolve_inside
+from ._write import BlobPayload, Placements, write_payloads
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
-from .paths import resolve_inside
 from .report import ConversionReport
-from .write import BlobPayload, Placements, write_payloads
 
 if TYPE_CHECKING:
     from .formats.base import BlobContainer

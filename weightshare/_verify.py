@@ -14,12 +14,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .compare import differences
+from ._compare import differences
+from ._inventory import inventory
+from ._tensors import CHUNK_SIZE, PayloadSource
 from .errors import InvalidModel, UsageError, WeightshareError
 from .formats import detect_format, get
-from .inventory import inventory
 from .report import JsonDict
-from .tensors import CHUNK_SIZE, PayloadSource
 
 
 class OriginalFails(WeightshareError):

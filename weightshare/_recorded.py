@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 from ._checksum import digest_of, new_hasher, split_digest, tagged
 from ._safetensors import METADATA_KEY, read_safetensors_metadata
+from ._tensors import CHUNK_SIZE, FileRange, PayloadSource
 from .errors import InvalidModel, WeightshareError
-from .tensors import CHUNK_SIZE, FileRange, PayloadSource
 
 
 def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
@@ -48,7 +48,7 @@ def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
     return out
 
 
-# ``pipeline.blob_target``: NAME.<digest12>.safetensors, the digest being the first 12 hex digits of the SHA-256
+# ``_pipeline.blob_target``: NAME.<digest12>.safetensors, the digest being the first 12 hex digits of the SHA-256
 # of the header text as written (without its length prefix and the spaces that pad it to the data section).
 _DIGEST_NAME = re.compile(r"\.([0-9a-f]{12})\.safetensors$")
 _HEADER_LIMIT = 100 << 20  # read_safetensors_metadata's bound on a header

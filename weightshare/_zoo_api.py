@@ -1,0 +1,174 @@
+"""``convert_zoo``: many models into one directory, all of them referencing one shared blob.
+
+Re-exported by ``weightshare.api``, their public home (import them from there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from contextlib import ExitStack
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ._atomic import CommitHook, OutputTransaction
+from ._disk import DiskPeak
+from ._paths import plain_file_name
+from ._pipeline import PreparedModel, blob_target, write_models
+from ._run import (
+    check_input,
+    check_options,
+    check_outputs,
+    expand_inputs,
+    finish,
+    prepare_out_dir,
+    reset_peak_rss,
+)
+from .errors import Unsupported, UsageError
+from .formats import Format, detect, model_suffixes
+from .options import ConvertOptions
+from .report import ZooReport
+
+if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
+    from .formats.base import BlobContainer
+
+
+_ZOO_MARKER = ".weightshare-zoo.json"
+
+
+class _DropRemovedModels(CommitHook):
+    """After a zoo commit: remove the models the previous zoo listed and this one does not."""
+
+    def __init__(self, out: Path, keep: list[str]) -> None:
+        self.out, self.keep = out, set(keep)
+        self.old: list[str] = []
+
+    def before(self) -> None:
+        try:
+            self.old = list(json.loads((self.out / _ZOO_MARKER).read_text()).get("models", []))
+        except (OSError, ValueError, AttributeError):
+            self.old = []
+
+    def after(self) -> None:
+        for name in self.old:
+            # The marker is a file anyone can edit: only plain, visible model file names of an earlier zoo
+            # (never the marker itself, a temporary, a path, or a name with a NUL byte).
+            if not plain_file_name(name) or name in self.keep or not str(name).endswith(model_suffixes()):
+                continue
+            try:
+                (self.out / name).unlink()
+            except OSError:
+                pass
+
+
+def convert_zoo(
+    models: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    shared_blob: str,
+    options: ConvertOptions | None = None,
+) -> ZooReport:
+    """Convert many models into ``out_dir`` so that all of them reference one blob, ``shared_blob``.
+
+    Each distinct payload (same bytes after unpacking) is stored once, in
+    ``<shared_blob>.<digest12>.safetensors`` (``.safetensors`` stripped from the name first). The new blob
+    and every model are committed in one transaction, each model by one rename: a reader opening
+    a model sees the old one with the old blob or the new one with the new blob. Models of the
+    previous zoo that are not in this one are removed; the old blob stays for the grace period.
+
+    Args:
+        models: model files, folders (their models, not their subfolders) or globs; ONNX, or TFLite with
+            ``ConvertOptions(external=True)``.
+        out_dir: the zoo directory: new, empty, or written by an earlier ``convert_zoo``.
+        shared_blob: the blob's NAME (``--shared-blob``).
+        options: the options, as ``convert`` takes them; ``prepack`` is refused (a prepacked model needs its
+            own blob).
+
+    Returns:
+        A ``ZooReport``: the blob, each model's report, and the totals that show the deduplication.
+
+    Raises:
+        UsageError: no models, ``out_dir`` not a zoo, an input inside ``out_dir``, ``prepack``, a folder with
+            models in subfolders.
+        WeightshareError: any of ``convert``'s errors; nothing is written.
+
+    Example:
+        >>> zoo = weightshare.convert_zoo(["a.onnx", "b.onnx"], "zoo/", "shared")
+        >>> zoo.blob
+        'zoo/shared.0a1b2c3d4e5f.safetensors'
+    """
+    options = options or ConvertOptions()
+    check_options(options, shared_blob)
+    sources = expand_inputs(models)
+    if not sources:
+        raise UsageError("no models to convert")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError("output must be a directory", out)
+    if out.exists() and any(out.iterdir()) and not (out / _ZOO_MARKER).exists():
+        raise UsageError(
+            "output directory is not empty and was not written by --shared-blob; choose an empty or new directory", out
+        )
+    for s in sources:
+        if s.resolve().parent == out.resolve():
+            raise UsageError("an input lies in the output directory, which is rewritten as a whole", s)
+    check_outputs(sources, [out / s.name for s in sources])
+    for s in sources:
+        check_input(s)
+    formats = [detect(s) for s in sources]
+    target = blob_target(None, out, shared_blob, _shared_container(sources, formats))
+    start = time.perf_counter()
+    reset_peak_rss()
+    with OutputTransaction() as tx, ExitStack() as stages:
+        prepare_out_dir(out, tx)
+        disk = stages.enter_context(DiskPeak(out)) if options.prepack else None  # zoo-wide; entered first: exits last
+        prepared = [_prepare_zoo_model(fmt, src, out, options, stages) for fmt, src in zip(formats, sources)]
+        for p, src in zip(prepared, sources):
+            p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
+        for fmt in {id(f): f for f in formats}.values():  # what models sharing one blob record together
+            join = getattr(fmt, "join_shared", None)
+            if join is not None:
+                join([p for p, f in zip(prepared, formats) if f is fmt], options)
+        write_models(prepared, out, target, options, tx)
+        blob = next((o for p in prepared for o in p.report.outputs if o.endswith(".safetensors")), "")
+        report = ZooReport(blob=blob, models=[p.report for p in prepared], blob_bytes=prepared[0].report.blob_bytes)
+        names = [s.name for s in sources]
+        written = [Path(o).name for p in prepared for o in p.report.outputs if not o.endswith(".safetensors")]
+        marker = tx.new_file(out / _ZOO_MARKER)
+        marker.write_text(json.dumps({"blob": Path(blob).name, "models": names}, indent=1) + "\n")
+        tx.add_hook(_DropRemovedModels(out, list(dict.fromkeys(names + written))))
+    if disk is not None:
+        for fmt, m in zip(formats, report.models):
+            note = getattr(fmt, "report_disk", None)  # the format says what its temporary disk was for
+            if note is not None and m.prepack:
+                note(m, disk.peak)
+    finish(report, start)
+    children = [m.prepack.get("ort_child_peak_rss_mib", 0.0) for m in report.models]
+    report.peak_rss_mib = round(report.peak_rss_mib + max(children, default=0.0), 1)  # one ORT child at a time
+    for m in report.models:
+        m.wall_time_s, m.peak_rss_mib = report.wall_time_s, report.peak_rss_mib
+    return report
+
+
+def _shared_container(sources: list[Path], formats: list[Format]) -> BlobContainer:
+    """The container of a zoo's one blob: the one every model's format declares (``Format.blob_container``)."""
+    first = formats[0].blob_container
+    for src, fmt in zip(sources, formats):
+        container = fmt.blob_container
+        if container is None:
+            raise Unsupported(f"{fmt.name} models keep their weights in their own files: they cannot share a blob", src)
+        if first is None or container != first:
+            raise Unsupported("these models' formats keep a shared blob in different containers", src)
+    assert first is not None
+    return first
+
+
+def _prepare_zoo_model(fmt: Format, src: Path, out: Path, options: ConvertOptions, stages: ExitStack) -> PreparedModel:
+    """One zoo model's payloads: the format's ``prepare_shared`` when it has one (it may stage files that ``stages``
+    removes, e.g. ONNX --prepack), else its ``prepare``."""
+    prepare_shared = getattr(fmt, "prepare_shared", None)
+    if prepare_shared is not None:
+        prepared: PreparedModel = prepare_shared(src, out, options, stages)
+        return prepared
+    return fmt.prepare(src, out, options)
