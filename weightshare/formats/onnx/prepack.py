@@ -47,9 +47,8 @@ from . import dtypes
 from .disk_use import ReleasedRange, mark_overlaps
 from .ort_limits import limits_for
 from .ort_segments import budget_from_env
+from .prepack_record import METADATA_KEY, PACKED_PREFIX
 
-METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
-PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PREPACKED_ENTRY = "prepacked_"
 PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into

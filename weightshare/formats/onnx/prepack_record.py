@@ -19,7 +19,8 @@ from ..._paths import plain_file_name
 from ...errors import InvalidModel, UsageError
 from ...report import JsonDict
 
-METADATA_KEY = "weightshare.ort_prepack"
+METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
+PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies
 _STRINGS = ("onnxruntime", "machine", "prepacked_model", "portable_model")
 _OPTIONAL_STRINGS = ("optimization_level", "packed_prefix", "optimized_prefix")
 _DEFAULTS = {"packed_prefix": "ort.prepacked/", "optimized_prefix": "ort.optimized/"}
