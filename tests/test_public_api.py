@@ -232,6 +232,16 @@ def test_import_and_convert_load_only_what_they_need(tmp_path):
         "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code"
     )
     assert "onnx" not in cli and "ml_dtypes" not in cli and "numpy" not in cli
+    for command in ("inspect", "check"):  # the static figures: no onnx (ml_dtypes alone is ~1 CPU s with 0.7)
+        gate = _imported_by(
+            "import sys\nfrom weightshare.cli import main\n"
+            f"sys.argv = ['weightshare', {command!r}, {str(src)!r}, '--no-measure']\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code"
+        )
+        assert "onnx" not in gate and "ml_dtypes" not in gate, (command, gate)
+    # the measuring child's own reading of the model
+    child = _imported_by(f"from weightshare._runtimes.ort import index_bounds\nindex_bounds({str(src)!r})")
+    assert "onnx" not in child and "ml_dtypes" not in child
 
 
 def test_protobuf_classes_are_onnx_own(tmp_path):
