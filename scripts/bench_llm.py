@@ -8,7 +8,7 @@ plainly and with ``--prepack``, and measured in five variants side by side:
 (the last through ``weightshare.ort.session``). Per variant:
 - PSS above a process that imported onnxruntime and holds no session, after 1 and 4 sessions in one
   process, and summed over 3 processes of one session each (children started with
-  MALLOC_MMAP_THRESHOLD_=1048576, as the done-when rows of issue 20 say);
+  MALLOC_MMAP_THRESHOLD_=1048576, as the sharing criterion says);
 - median latency, variants interleaved in one process: a decode step (batch 1, seq 1), a prefill
   (batch 1, seq 32) and batch 8 (seq 1); on a shared machine read them as ratios;
 - whether outputs are bit-identical to the original at default options (both If branches for a merged decoder).

@@ -3,7 +3,7 @@
 Usage: python scripts/bench_reader_race.py [--swaps 1000] [--prepack-swaps 40] [--modes plain,zoo,prepack]
 Prints, per mode, the sessions that computed v1, v2, a mix (neither) and the failed loads.
 prepack: ``convert --prepack`` re-conversions (each runs ORT's optimizer in a child: ~1-2 s), the reader opening
-``weightshare.ort.session`` (the helper checks the blob, then ORT loads: issue 22's check-then-load gap).
+``weightshare.ort.session`` (the helper checks the blob, then ORT loads: the check-then-load gap).
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def _reference_header(blob) -> bytes:
     tensors["__metadata__"] = {
         "format": "weightshare",
         "weightshare.payloads": json.dumps(meta, separators=(",", ":")),
-        **blob.metadata,  # the alignment policy (issue 21), and what a format adds
+        **blob.metadata,  # the alignment policy, and what a format adds
     }
     return json.dumps(tensors, separators=(",", ":")).encode()
 

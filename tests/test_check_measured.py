@@ -1,4 +1,4 @@
-"""`check`'s per-session figures are ONNX Runtime's own, on every model form (issue 21, item 1).
+"""`check`'s per-session figures are ONNX Runtime's own, on every model form.
 
 Before: model forms the static rules got wrong (MatMulNBits int4/int8, QDQ, DynamicQuantizeMatMul, Attention, fp16
 ops and fp16 weights behind Cast, a merged decoder's MatMuls inside `If`, a Conv net, fp32 MatMuls), converted

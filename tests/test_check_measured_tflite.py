@@ -1,4 +1,4 @@
-"""`check`'s per-interpreter figures for TFLite are LiteRT's own (issue 21, item 1: XNNPACK packing per interpreter,
+"""`check`'s per-interpreter figures for TFLite are LiteRT's own (XNNPACK packing per interpreter,
 int8 weight-only and fp16 DEQUANTIZE included).
 
 Before: three FULLY_CONNECTED models built with the TFLite schema (an fp32 weight, an fp16 weight behind

@@ -98,7 +98,7 @@ def _tensors(message):
 
 # The kitchen sink's blob differs from cc54cfd's in the header only: Constant payloads are named by the Constant's
 # output since the fold rewrite ("c32", was its tensor's name "c32v"); the data section is byte for byte cc54cfd's.
-# Issue 21: the header's __metadata__ gained "weightshare.align" (the alignment policy, read by `check`); the
+# The header's __metadata__ gained "weightshare.align" (the alignment policy, read by `check`); the
 # data section is unchanged.
 SINK_MODEL = "52f33c793b2f935dbfddc2437d6c3d8c17def039eb15edeb1febb769e2f286ca"
 SINK_BLOB = {

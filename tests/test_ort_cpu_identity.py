@@ -1,4 +1,4 @@
-"""--unpack ort-cpu matches ORT's probe nodes to the model's by identity, not by tensor names (issue 22 item 3)."""
+"""--unpack ort-cpu matches ORT's probe nodes to the model's by identity, not by tensor names."""
 
 from __future__ import annotations
 

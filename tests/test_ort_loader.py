@@ -1,6 +1,4 @@
 """weightshare.ort.session: what it checks is what ORT runs; the blob's record is untrusted; plain conversions share.
-
-Issue 22 items 1 and 6, issue 23 item 2 (ONNX).
 """
 
 from __future__ import annotations
@@ -280,7 +278,7 @@ print(json.dumps(rows))
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["matmul", "conv"])
 def test_four_sessions_of_a_plain_conversion_cost_about_one(tmp_path, kind):
-    """Issue 23: 4 sessions <= 1.10x one (PSS above the interpreter's own), for MatMul and for Conv weights."""
+    """4 sessions <= 1.10x one (PSS above the interpreter's own), for MatMul and for Conv weights."""
     # ~55-65 MiB of weights: what a session holds besides them (activations, ORT's arena: 0.2-0.8 MiB at
     # these shapes) stays small beside them, as it does for real models
     if kind == "conv":

@@ -1,4 +1,4 @@
-"""Issue 22: collisions, staging, the bounded ORT child, zoo markers and re-conversion of --prepack outputs."""
+"""Collisions, staging, the bounded ORT child, zoo markers and re-conversion of --prepack outputs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 22 items 4 and 7: XNNPACK weight caches bound to their content; cache builds that survive concurrent runs.
+"""XNNPACK weight caches bound to their content; cache builds that survive concurrent runs.
 
 Every test reproduces a scenario that went wrong before: a damaged, truncated, foreign or linked cache under the
 expected name was used by LiteRT (wrong outputs) or rebuilt in place by a reader; a concurrent run's
@@ -126,7 +126,7 @@ def test_intact_cache_is_used(built, tmp_path):
 
 
 def test_cache_build_survives_a_concurrent_runs_cleanup(built, tmp_path, monkeypatch):
-    """Issue 22 item 4: another run into the same OUTDIR cleans stale temporaries while the cache builds. The
+    """Another run into the same OUTDIR cleans stale temporaries while the cache builds. The
     staging directory used to be an unlocked temporary, removed under the build (5 of 5 runs killed)."""
     src = built[0][0].parent / built[0][1]
     real_build = xnnpack_cache.build

@@ -1,4 +1,4 @@
-"""``--unpack dequantize``: weight-only int8 (DEQUANTIZE of an integer constant) stored once as fp32 (issue 24 item 2).
+"""``--unpack dequantize``: weight-only int8 (DEQUANTIZE of an integer constant) stored once as fp32.
 
 Before: FULLY_CONNECTED(x, DEQUANTIZE(int weights), bias); every interpreter makes its own fp32 copy.
 Proof of the arithmetic: a model whose output IS the DEQUANTIZE output is run by LiteRT's kernel, and the values

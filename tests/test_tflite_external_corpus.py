@@ -1,4 +1,4 @@
-"""Every ``--external`` output of the TFLite test corpus loads and runs in CompiledModel (issue 24 item 3).
+"""Every ``--external`` output of the TFLite test corpus loads and runs in CompiledModel.
 
 A sparse tensor moved to an external buffer made an output CompiledModel cannot load ("Insufficient buffer
 size") with exit 0; it is now refused with the --unpack sparse hint, and with --unpack sparse it loads.

@@ -1,4 +1,4 @@
-"""``weightshare.litert.interpreter``: the Interpreter API, XNNPACK with the shared weight cache (issue 24 item 1).
+"""``weightshare.litert.interpreter``: the Interpreter API, XNNPACK with the shared weight cache.
 
 Outputs are compared bit for bit with LiteRT's default Interpreter (XNNPACK) on the *original* model.
 """

@@ -210,7 +210,7 @@ def test_reconvert_replaces_the_cache(pair, tmp_path):
 
 
 def test_superseded_cache_stays_for_the_grace_period(pair, tmp_path):
-    """Issue 22 item 7: a re-conversion removed the old cache at once, so a reader that had opened the old
+    """A re-conversion removed the old cache at once, so a reader that had opened the old
     model hit a raw FileNotFoundError. The old cache now stays (mtime stamped) until --blob-grace has passed."""
     src, _out, _cache, _report, _ref = pair[0]
     first = Path(convert(src, tmp_path, ConvertOptions(prepack=True)).outputs[-1])

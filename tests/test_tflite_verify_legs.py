@@ -1,4 +1,4 @@
-"""TFLite ``verify`` on real model shapes, on every leg (issue 24 item 4).
+"""TFLite ``verify`` on real model shapes, on every leg.
 
 An LM-like model (EMBEDDING_LOOKUP + GATHER by int32 token ids) needs in-range ids, read from the graph, on every
 leg: the Interpreter without and with XNNPACK, CompiledModel for --external, CompiledModel + the --prepack cache.

@@ -1,4 +1,4 @@
-"""`verify --decode-steps N` and decoder inputs read from the model (issue 21, item 4).
+"""`verify --decode-steps N` and decoder inputs read from the model.
 
 Under test: the CLI (and ``weightshare.verify(..., decode_steps=N)``) on decoder exports built with onnx helpers
 (``decoder_fixtures``): a prefill step and N steps feeding each present output back as its past input, both models

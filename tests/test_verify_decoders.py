@@ -1,4 +1,4 @@
-"""`verify` drives decoder-style inputs unaided (issue 21, item 4, in part).
+"""`verify` drives decoder-style inputs unaided.
 
 Before: a decoder_with_past-like model whose attention_mask has the expression dim
 ``past_sequence_length + sequence_length`` (Concat makes ORT check it), and a model with two inputs verify cannot

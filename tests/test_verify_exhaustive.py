@@ -1,4 +1,4 @@
-"""`verify` and `check` cannot be fooled by a blob that was rewritten to look consistent (issue 21, item 3).
+"""`verify` and `check` cannot be fooled by a blob that was rewritten to look consistent.
 
 Before: a model whose embedding (1000 rows) is read by a Gather on random ids, converted (plain and --prepack).
 Under test: the CLI (child processes) on four adversarial edits: an embedding row overwritten with its checksum

@@ -2,7 +2,7 @@
 
 Static rules cannot keep up with ORT: MatMulNBits, DynamicQuantizeMatMul, the QDQ kernels fused at
 ORT_ENABLE_ALL, Attention and every kernel inside an ``If`` branch pre-pack their weights per session, and the
-transformers optimizer's fp16 graphs cast per session (issue 21 measured +44 to +344 MiB per session on forms
+transformers optimizer's fp16 graphs cast per session (measured +44 to +344 MiB per session on forms
 the rules said cost nothing). ORT itself is the one authority on what it copies, so ``check`` and ``inspect``
 ask it: a fresh child process per setting opens sessions one by one, runs each once (seeded random inputs,
 when the signature allows) so that mapped weights are paged in as in serving, and reads its PSS after each.

@@ -1,7 +1,7 @@
 """``convert --prepack`` for ONNX: ONNX Runtime's pre-packed and NCHWc weights in the shared blob.
 
 Without it, a default-option ORT session copies every MatMul/Gemm weight into a private pre-packed
-buffer and, at ORT_ENABLE_ALL, every Conv weight into an NCHWc-reordered one (DESIGN.md 7), so
+buffer and, at ORT_ENABLE_ALL, every Conv weight into an NCHWc-reordered one, so
 converted models share nothing at default settings. ORT can save both: the level-ALL optimized
 graph with reordered Conv weights as initializers, and each pre-packed copy as a ``prepacked_N``
 external-data entry that later sessions map instead of packing.
