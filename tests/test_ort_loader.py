@@ -1,5 +1,4 @@
-"""weightshare.ort.session: what it checks is what ORT runs; the blob's record is untrusted; plain conversions share.
-"""
+"""weightshare.ort.session: what it checks is what ORT runs; the blob's record is untrusted; plain conversions share."""
 
 from __future__ import annotations
 
