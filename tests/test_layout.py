@@ -181,3 +181,21 @@ def test_format_only_options_are_declared_by_the_formats_and_read_only_there():
     assert not reads, "format-only options read outside their formats:\n" + "\n".join(reads)
     # Unpack's members and the CLI's --unpack help are the built-in formats' declarations
     assert [u.value for u in Unpack] == [v for fmt in formats.registered() for v in fmt.options.unpack]
+
+
+def test_no_reference_to_documents_outside_the_repository():
+    """Code, tests, scripts and docs cite what a reader can open: no issue numbers, no sections of design notes
+    that live elsewhere (the reasons are written where they apply)."""
+    import re
+
+    root = Path(weightshare.__file__).resolve().parent.parent
+    pattern = re.compile(r"\b[Ii]ssue \d+|\bDESIGN\.md\b|\bSTYLE\.md\b")
+    files = [p for d in ("weightshare", "tests", "scripts", "docs") for p in (root / d).rglob("*") if p.is_file()]
+    files = [p for p in files + [root / "README.md"] if p.suffix in (".py", ".md") and p != Path(__file__).resolve()]
+    found = [
+        f"{p.relative_to(root)}:{n}"
+        for p in files
+        for n, line in enumerate(p.read_text(encoding="utf-8", errors="replace").splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not found, found
