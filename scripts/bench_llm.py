@@ -168,13 +168,16 @@ def convert(src: Path, out: Path, *flags: str) -> dict:
     return report
 
 
-def bench_form(name: str, mib: float, work: Path, variants: tuple[str, ...] = VARIANTS, reps: int = 48) -> dict:
+def bench_form(
+    name: str, mib: float, work: Path, variants: tuple[str, ...] = VARIANTS, reps: int = 48, unpack: str = ""
+) -> dict:
     t0 = time.perf_counter()
     src = mf.build(name, work / "src" / "model.onnx", mib=mib)
     built = time.perf_counter() - t0
     weights = _du(src.parent) / 2**20
-    plain = convert(src, work / "plain")
-    pre = convert(src, work / "prepack", "--prepack")
+    flags = [a for u in filter(None, unpack.split(",")) for a in ("--unpack", u)]
+    plain = convert(src, work / "plain", *flags)
+    pre = convert(src, work / "prepack", "--prepack", *flags)
     paths = {
         "original default": str(src),
         "plain default": plain["outputs"][0],
@@ -183,7 +186,8 @@ def bench_form(name: str, mib: float, work: Path, variants: tuple[str, ...] = VA
         "--prepack helper": pre["outputs"][0],
     }
     paths = {v: p for v, p in paths.items() if v in variants}
-    r: dict = {"form": name, "weights_mib": round(weights, 1), "build_s": round(built, 1), "pss": {}, "procs": {}}
+    r: dict = {"form": name, "unpack": unpack, "weights_mib": round(weights, 1), "build_s": round(built, 1)}
+    r.update(pss={}, procs={})
     for v, p in paths.items():
         r["pss"][v] = json.loads(_child("sessions", p, v).communicate()[0].splitlines()[-1])
         r["procs"][v] = processes(p, v)
@@ -204,7 +208,8 @@ def bench_form(name: str, mib: float, work: Path, variants: tuple[str, ...] = VA
 
 def show(r: dict) -> None:
     variants = list(r["pss"])
-    print(f"\n== {r['form']}: {r['weights_mib']} MiB on disk (built in {r['build_s']} s) ==")
+    how = f" (--unpack {r['unpack']})" if r.get("unpack") else ""
+    print(f"\n== {r['form']}{how}: {r['weights_mib']} MiB on disk (built in {r['build_s']} s) ==")
     w = 26
     print(f"{'':30}" + "".join(f"{v:>{w}}" for v in variants))
     rows = [
@@ -242,6 +247,7 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS), help="a subset, for a focused latency A/B")
     ap.add_argument("--reps", type=int, default=48, help="timed runs per shape at batch*seq 1")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--unpack", default="", help="--unpack values for both conversions, e.g. ort-cpu (fp16 forms)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -260,7 +266,7 @@ def main() -> None:
         for name in filter(None, args.forms.split(",")):
             work = Path(tmp) / name
             variants = tuple(v for v in args.variants.split(",") if v)
-            results.append(bench_form(name, args.mib, work, ("original default", *variants), args.reps))
+            results.append(bench_form(name, args.mib, work, ("original default", *variants), args.reps, args.unpack))
             shutil.rmtree(work)
             show(results[-1])
     if args.json:
