@@ -38,6 +38,9 @@ def install(spec: str) -> None:
 
 
 if __name__ == "__main__":
+    # Ctrl-C as in a terminal: a parent that ignores SIGINT (a test worker after some native library set it so)
+    # passes SIG_IGN on, and Python then leaves SIGINT ignored; the test is about the CLI's answer to it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     install(sys.argv[1])
     sys.argv = ["weightshare", *sys.argv[2:]]
     main()
