@@ -148,3 +148,58 @@ def test_merging_recomputed_nodes_is_linear_in_graph_depth():
     kept, _ = segs._merge_recomputed(nodes, [], {"x"}, {"out"})
     assert len(kept) == 2 * 300 + 1  # each block's second copy is read from the first
     assert all(n.output[0].endswith("a") for n in kept[:-1])
+
+
+@pytest.mark.slow
+def test_a_cut_check_is_reused_only_for_windows_of_the_same_shape_and_the_result_is_orts_own(tmp_path, cli):
+    """Layer boundaries of a Conv chain and an MLP are all alike: after the first window of a shape, the cuts in
+    windows of that shape take its answer (``checks_reused``) instead of a session each. The stitched graph must
+    still be ORT's own whole-model graph, packed entries and op counts, and run bit-identical."""
+    from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
+
+    # 256 KiB MatMul weights and 144 KiB Conv weights: large enough to count as weights, one segment each
+    (tmp_path / "src").mkdir()
+    src = mixed_onnx(tmp_path / "src" / "m.onnx", conv_layers=6, channels=64, mm_layers=8, dim=256, spatial=4)
+    res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "--json", "-q", env=BUDGET)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    seg = report["prepack"]["segments"]
+    assert seg["segments"] > 8 and seg["checks_reused"] >= 4, seg
+    assert seg["checked_cuts"] - seg["checks_reused"] >= 3  # each distinct shape still ran its own window
+    (tmp_path / "whole").mkdir()
+    assert _packs_and_ops(Path(report["outputs"][0])) == _ort_whole(src, tmp_path / "whole")
+    original, prepacked = ort.InferenceSession(str(src)), ort.InferenceSession(report["outputs"][0])
+    for batch in (1, 8):
+        feeds = sample_input(src, batch)
+        assert np.array_equal(original.run(None, feeds)[0], prepacked.run(None, feeds)[0])
+
+
+def test_window_shape_keeps_what_orts_decisions_read_and_drops_weight_values(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    def window(w: float, bias: float, scale: float, zero_point: int) -> onnx.ModelProto:
+        rng = np.random.default_rng(int(w * 10))
+        inits = [
+            numpy_helper.from_array((rng.standard_normal((128, 128)) * w).astype(np.float32), "w"),
+            numpy_helper.from_array(np.full(128, bias, np.float32), "b"),
+            numpy_helper.from_array(np.array(scale, np.float32), "s"),
+            numpy_helper.from_array(np.array(zero_point, np.uint8), "zp"),
+        ]
+        nodes = [
+            helper.make_node("MatMul", ["x", "w"], ["m"]),
+            helper.make_node("Add", ["m", "b"], ["a"]),
+            helper.make_node("QuantizeLinear", ["a", "s", "zp"], ["y"]),
+        ]
+        x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 128])
+        y = helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 128])
+        return helper.make_model(helper.make_graph(nodes, "w", [x], [y], inits))
+
+    def shape(m: onnx.ModelProto, right: int = 2) -> str:
+        return segs.window_shape(m, right, frozenset(), frozenset(), tmp_path)
+
+    base = shape(window(1.0, 0.5, 0.1, 128))
+    assert shape(window(2.0, 0.5, 0.1, 128)) == base  # another weight (64 KiB: a weight), same shape
+    assert shape(window(1.0, 0.7, 0.1, 128)) == base  # another bias vector: not something ORT tests
+    assert shape(window(1.0, 0.5, 0.2, 128)) != base  # a scalar scale: fusions compare those
+    assert shape(window(1.0, 0.5, 0.1, 0)) != base  # a zero point: its value decides QDQ fusions
+    assert shape(window(1.0, 0.5, 0.1, 128), right=1) != base  # the cut elsewhere

@@ -32,6 +32,7 @@ largest Conv weight (ORT's transient copies while reordering one), whatever the 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -216,6 +217,8 @@ def derived_tensors(graph: onnx.GraphProto, heavy: int) -> frozenset[str]:
     return frozenset(derived)
 
 
+HEAVY_BYTES = 65536  # a window's initializers from this size on are weights: their values shape no decision of ORT
+EXACT_FLOATS = 16  # float initializers up to this many elements are constants whose values ORT's fusions test
 MAX_ALTERNATIVES = 2  # other places tried for a cut whose pair check fails, before its segments are merged
 ALTERNATIVE_REACH = 32  # how many nodes back such a place may lie
 FLOATS = frozenset(
@@ -556,6 +559,53 @@ def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
     return head + h.hexdigest()
 
 
+def window_shape(
+    window: onnx.ModelProto, right: int, standin: frozenset[str], standin_right: frozenset[str], directory: Path
+) -> str:
+    """What ORT's decisions about a window can depend on, independent of tensor and node names: every node's op,
+    domain, attributes, inputs and side of the cut (the last ``right`` nodes are the segment after it), graph inputs
+    by type and shape in the order nodes first read them; initializers: integer ones and floats of up to
+    ``EXACT_FLOATS`` elements under ``HEAVY_BYTES`` by their bytes, longer float vectors by type, shape and which of
+    them are equal to each other (ORT compares scales, it does not read a bias), weights by type and shape; the
+    tensors each side reads in NCHWc (``standin``, ``standin_right``) and the outputs."""
+    g = window.graph
+    inits = {t.name: t for t in g.initializer}
+    inputs = {i.name: i for i in g.input}
+    ids: dict[str, str] = {"": ""}
+
+    classes: dict[str, int] = {}  # a float vector's digest -> its class: which ones are equal, not their values
+
+    def ident(name: str) -> str:
+        if name not in ids:
+            if name in inits:
+                t = inits[name]
+                if _tensor_bytes(t) >= HEAVY_BYTES:
+                    ids[name] = f"weight:{t.data_type}:{list(t.dims)}"
+                elif t.data_type in FLOATS and math.prod(t.dims) > EXACT_FLOATS:
+                    digest = _digest_payload(t, directory)  # a bias, a per-channel scale
+                    ids[name] = f"floats:{t.data_type}:{list(t.dims)}:{classes.setdefault(digest, len(classes))}"
+                else:  # scalars (epsilon, exponents, scales), zero points, shapes, axes, indices: their values
+                    ids[name] = f"init:{_digest_payload(t, directory)}"
+            elif name in inputs:
+                ids[name] = f"input{len(ids)}:{inputs[name].type.SerializeToString().hex()}"
+            else:
+                ids[name] = f"unknown:{name}"  # not from this window: never equal to another window's
+        return ids[name]
+
+    first_right = len(g.node) - right
+    h = hashlib.sha256()
+    for j, n in enumerate(g.node):
+        attrs = sorted(a.SerializeToString() for a in n.attribute)
+        side = "R" if j >= first_right else "L"
+        node = hashlib.sha256(repr((side, n.op_type, n.domain, attrs, [ident(i) for i in n.input])).encode())
+        h.update(node.digest())
+        for k, o in enumerate(n.output):
+            ids[o] = f"{node.hexdigest()}:{k}"
+    ends = (sorted(ident(o.name) for o in g.output), sorted(ident(t) for t in standin))
+    h.update(repr((*ends, sorted(ident(t) for t in standin_right))).encode())
+    return h.hexdigest()
+
+
 def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
     """What a graph computes, independent of tensor and node names: every node as a hash of its op,
     domain, attributes and (recursively) its inputs; initializers by their bytes."""
@@ -585,6 +635,7 @@ class Report:
     moved: int = 0  # cuts moved to another place after their pair check failed
     reason: str = ""  # why there is one segment
     checked: int = 0
+    reused: int = 0  # of the checked cuts, those answered by an earlier window of the same shape
     details: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -594,6 +645,7 @@ class Report:
             "unsafe_cuts": self.merged,
             "moved_cuts": self.moved,
             "checked_cuts": self.checked,
+            "checks_reused": self.reused,
             "single_reason": self.reason,
             "dropped_cuts": self.details[:10],
         }
@@ -624,6 +676,8 @@ class Segmenter:
         self.plan = plan(self.model.graph, budget, self.types)
         self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
+        self.answers: dict[str, bool] = {}  # window_shape -> whether the cut in it was exact
+        self.reused = 0  # cut checks answered by an earlier window of the same shape
         self.files: dict[tuple[int, int, frozenset[str]], list[str]] = {}
 
     def _bin(self, tag: str) -> Path:
@@ -671,21 +725,32 @@ class Segmenter:
         return f"seg{key[0]}-{key[1]}" + ("s" if key[2] else "")
 
     def cut_is_exact(self, bounds: list[int], k: int) -> bool:
-        """Segments k and k + 1 stitched equal the two optimized in one session."""
+        """Segments k and k + 1 stitched equal the two optimized in one session.
+
+        A window of the same shape as one already checked (``window_shape``: ops, attributes, wiring, tensor
+        types and shapes, the bytes of every small initializer; the large weights by type and shape) gets that
+        check's answer without a session of its own: a transformer's or a Conv chain's layer boundaries are all
+        alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights."""
         left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
+        window = extract(self.model, a, c, self.types, standin, self.plan.derived)
+        shape = window_shape(window, c - bounds[k + 1], standin, self.standin(bounds, k + 1), self.src.parent)
+        if shape in self.answers:
+            self.reused += 1
+            return self.answers[shape]
         together = self._run(a, c, standin, f"win{a}-{c}")
         try:
-            window = extract(self.model, a, c, self.types, standin, self.plan.derived)
             pair = stitch(
                 [left, right],
                 together.graph.input,
                 window.graph.output,
                 standins=[frozenset(), self.standin(bounds, k + 1)],
             )
-            return fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
+            exact = fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
         finally:
             self._bin(f"win{a}-{c}").unlink(missing_ok=True)
+        self.answers[shape] = exact
+        return exact
 
     def _clean(self, keep: set[tuple[int, int, frozenset[str]]]) -> None:
         for key in [k for k in self.optimized if k not in keep]:
@@ -716,7 +781,10 @@ class Segmenter:
             k = 0
             while k < len(bounds) - 2:
                 report.checked += 1
-                if self.cut_is_exact(bounds, k):
+                reused = self.reused
+                exact = self.cut_is_exact(bounds, k)
+                report.reused += self.reused - reused
+                if exact:
                     k += 1
                     continue
                 tried = self.plan.alternatives.get(bounds[k + 1], [])
