@@ -27,6 +27,15 @@ from pathlib import Path
 
 from ...errors import Unsupported
 
+DEFAULT_BUDGET = 32 << 20  # weight bytes per ORT segment (ort_segments); a window (two segments) is optimized at once
+BUDGET_ENV = "WEIGHTSHARE_ORT_SEGMENT_BYTES"  # smaller budgets, to exercise the cuts on small models
+
+
+def budget_from_env() -> int:
+    value = os.environ.get(BUDGET_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_BUDGET
+
+
 WALL_FLOOR_S = 300.0
 WALL_S_PER_GIB = 600.0
 MEMORY_FLOOR = 4 << 30  # python + onnxruntime + numpy map ~0.4 GiB of address space before loading anything

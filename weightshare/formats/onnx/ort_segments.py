@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -44,17 +43,11 @@ import onnx
 from onnx import helper
 
 from ..._checksum import new_hasher
+from .ort_limits import BUDGET_ENV as BUDGET_ENV  # the tests and benches set it through this module
 
 NCHWC = "com.microsoft.nchwc"
-DEFAULT_BUDGET = 32 << 20  # weight bytes per segment; a window (two segments) is optimized at once
-BUDGET_ENV = "WEIGHTSHARE_ORT_SEGMENT_BYTES"  # smaller budgets, to exercise the cuts on small models
 
 Optimizer = Callable[[str, str, str], None]  # (model path, optimized model path, its external data file name)
-
-
-def budget_from_env() -> int:
-    value = os.environ.get(BUDGET_ENV, "")
-    return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_BUDGET
 
 
 def _tensor_bytes(t: onnx.TensorProto) -> int:

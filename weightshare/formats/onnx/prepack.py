@@ -30,7 +30,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
@@ -44,9 +43,9 @@ from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport, JsonDict
 from . import dtypes
+from ._proto import pb
 from .disk_use import ReleasedRange, mark_overlaps
-from .ort_limits import limits_for
-from .ort_segments import budget_from_env
+from .ort_limits import budget_from_env, limits_for
 from .prepack_record import METADATA_KEY, PACKED_PREFIX
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
@@ -62,10 +61,17 @@ def portable_name(model_name: str) -> str:
     return f"{stem}.portable.onnx"
 
 
-def external_tensors(msg: Message) -> Iterator[onnx.TensorProto]:
+def _load(path: Path) -> pb.ModelProto:
+    """A model's graph without its external data (the protobuf classes only: ``import onnx`` costs ~1 CPU s)."""
+    model = pb.ModelProto()
+    model.ParseFromString(path.read_bytes())
+    return model
+
+
+def external_tensors(msg: Message) -> Iterator[pb.TensorProto]:
     """Every tensor with external data anywhere in ``msg`` (initializers, attributes, subgraphs, functions)."""
-    if isinstance(msg, onnx.TensorProto):
-        if msg.data_location == onnx.TensorProto.EXTERNAL:
+    if isinstance(msg, pb.TensorProto):
+        if msg.data_location == pb.TensorProto.EXTERNAL:
             yield msg
         return
     for field, value in msg.ListFields():
@@ -81,7 +87,7 @@ def _repeated(field: FieldDescriptor) -> bool:
     return bool(repeated) if repeated is not None else getattr(field, "label", None) == 3  # LABEL_REPEATED
 
 
-def _entries(tensor: onnx.TensorProto) -> dict[str, str]:
+def _entries(tensor: pb.TensorProto) -> dict[str, str]:
     return {e.key: e.value for e in tensor.external_data}
 
 
@@ -129,7 +135,7 @@ class Relocator:
             edit(location)
 
     def add_tensor(
-        self, tensor: onnx.TensorProto, directory: Path, name: str, packed_elsewhere: Sequence[Sequence[str]] = ()
+        self, tensor: pb.TensorProto, directory: Path, name: str, packed_elsewhere: Sequence[Sequence[str]] = ()
     ) -> None:
         """Place ``tensor``'s payload and its pre-packed buffers: its own ``prepacked_N`` entries (in its
         file) and ``packed_elsewhere`` ([entry value, file name in ``directory``], from node-by-node packing)."""
@@ -158,7 +164,7 @@ class Relocator:
 
     def _rewrite(
         self,
-        tensor: onnx.TensorProto,
+        tensor: pb.TensorProto,
         location: str,
         rng: tuple[str, int, int],
         packed: list[PackedRef],
@@ -290,8 +296,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     report = _stage_portable(src, stage, options)
     result, child_peak = _run_ort(stage / src.name, src, options)
     binding = result["binding"]
-    portable = onnx.load(str(stage / src.name), load_external_data=False)
-    optimized = onnx.load(str(stage / ORT_MODEL), load_external_data=False)
+    portable, optimized = _load(stage / src.name), _load(stage / ORT_MODEL)
     reloc = Relocator()
     for t in external_tensors(portable):
         reloc.add_tensor(t, stage, t.name)
