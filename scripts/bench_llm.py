@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from weightshare._disk import allocated_bytes
 from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
 from weightshare.formats.onnx import model_forms as mf
 
@@ -130,14 +131,7 @@ def latency(paths: dict[str, str], src: str, reps: int = 48) -> tuple[dict, dict
 
 
 def _du(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
+    return allocated_bytes(str(path))  # the converter's own meter (``--json`` temp_disk_peak_bytes)
 
 
 def convert(src: Path, out: Path, *flags: str) -> dict:

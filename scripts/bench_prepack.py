@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from weightshare._disk import allocated_bytes
 from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
 from weightshare.formats.onnx.ort_segments import BUDGET_ENV
 from weightshare.formats.onnx.prepack_samples import cnn_onnx, mixed_onnx, sample_input
@@ -246,14 +247,7 @@ def load_peak(model: Path, src: Path) -> float:
 
 
 def _du(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(root, f)).st_blocks * 512
-            except FileNotFoundError:
-                pass
-    return total
+    return allocated_bytes(str(path))  # the converter's own meter (``--json`` temp_disk_peak_bytes)
 
 
 def _timed(cmd: list[str], out: Path | None = None) -> dict:

@@ -74,12 +74,9 @@ def index_bounds(model_path: str) -> dict[str, int | None]:
     Random indices outside the indexed axis make the original model fail (ORT checks
     Gather indices), so they are drawn from [0, bound). Only direct uses are seen.
     """
-    from ..formats.onnx._proto import pb  # the message classes only: `import onnx` costs ~1 CPU s (ml_dtypes)
+    from ..formats.onnx._proto import load_model  # the message classes only: `import onnx` costs ~1 CPU s
 
-    model = pb.ModelProto()
-    with open(model_path, "rb") as f:
-        model.ParseFromString(f.read())
-    graph = model.graph
+    graph = load_model(model_path).graph
     inputs = {i.name for i in graph.input} - {t.name for t in graph.initializer}
     shapes = _known_shapes(graph)
     bounds: dict[str, int | None] = {}

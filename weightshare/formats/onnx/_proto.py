@@ -15,7 +15,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-__all__ = ["pb"]
+__all__ = ["load_model", "pb"]
 
 _PRIVATE_NAME = "weightshare.formats.onnx._onnx_ml_pb2"
 
@@ -45,3 +45,11 @@ if TYPE_CHECKING:
     from onnx import onnx_ml_pb2 as pb
 else:
     pb = _load()
+
+
+def load_model(path: str | Path) -> pb.ModelProto:
+    """The model file at ``path`` parsed, its external data left where it is (``onnx.load(path,
+    load_external_data=False)`` without ``import onnx``)."""
+    model = pb.ModelProto()
+    model.ParseFromString(Path(path).read_bytes())
+    return model

@@ -768,16 +768,18 @@ class Segmenter:
             return Report(reason=f"cutting failed: {type(e).__name__}", largest_bytes=sum(self.plan.weights))
 
     def _segmented(self) -> Report:
+        report = self._cut()
+        report.reused = self.reused
+        return report
+
+    def _cut(self) -> Report:
         bounds = list(self.plan.bounds)
         report = Report(reason=self.plan.reason)
         if len(bounds) > 2:
             k = 0
             while k < len(bounds) - 2:
                 report.checked += 1
-                reused = self.reused
-                exact = self.cut_is_exact(bounds, k)
-                report.reused += self.reused - reused
-                if exact:
+                if self.cut_is_exact(bounds, k):
                     k += 1
                     continue
                 tried = self.plan.alternatives.get(bounds[k + 1], [])

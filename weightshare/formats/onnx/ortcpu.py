@@ -34,7 +34,7 @@ from ..._tensors import read_all
 from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from . import dtypes
-from ._proto import pb
+from ._proto import load_model, pb
 from .graph import collect_sites, subgraphs
 from .ort_limits import ChildLimits, limits_for
 from .scan import REF_KEY, TensorRef
@@ -244,8 +244,7 @@ def _prefold(probe_path: Path, zeros: Path) -> None:
     """In a probe of the adopted graph, do the fold the conversion will do (an fp16 stand-in read only by an
     inserted Cast to float becomes an fp32 stand-in under the Cast's output name), so that ORT's constant folding
     has no large Cast to compute: the check costs the same for a 64 MiB and a 1 GiB model."""
-    model = pb.ModelProto()
-    model.ParseFromString(probe_path.read_bytes())
+    model = load_model(probe_path)
     g = model.graph
     uses: dict[str, int] = {}
     for n in g.node:

@@ -43,7 +43,7 @@ from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport, JsonDict
 from . import dtypes
-from ._proto import pb
+from ._proto import load_model, pb
 from .disk_use import ReleasedRange, mark_overlaps
 from .ort_limits import budget_from_env, limits_for
 from .prepack_record import METADATA_KEY, PACKED_PREFIX
@@ -59,13 +59,6 @@ def portable_name(model_name: str) -> str:
     """File name of the portable model written next to the prepacked one."""
     stem = model_name[: -len(".onnx")] if model_name.endswith(".onnx") else model_name
     return f"{stem}.portable.onnx"
-
-
-def _load(path: Path) -> pb.ModelProto:
-    """A model's graph without its external data (the protobuf classes only: ``import onnx`` costs ~1 CPU s)."""
-    model = pb.ModelProto()
-    model.ParseFromString(path.read_bytes())
-    return model
 
 
 def external_tensors(msg: Message) -> Iterator[pb.TensorProto]:
@@ -296,7 +289,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     report = _stage_portable(src, stage, options)
     result, child_peak = _run_ort(stage / src.name, src, options)
     binding = result["binding"]
-    portable, optimized = _load(stage / src.name), _load(stage / ORT_MODEL)
+    portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     reloc = Relocator()
     for t in external_tensors(portable):
         reloc.add_tensor(t, stage, t.name)
