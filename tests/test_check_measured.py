@@ -35,28 +35,30 @@ def _independent(path) -> tuple[float, float]:
 
 # fp32, int4 MatMulNBits, a merged decoder and a Conv net; then int8 MatMulNBits, QDQ, DynamicQuantizeMatMul,
 # com.microsoft Attention, an fp16 BERT-like encoder, fp16 weights behind Cast and a llama-like decoder as
-# exporters leave it (unfused RMSNorm, rotary, SiLU MLP): plain and --prepack; the fp16 llama-like decoder plain.
+# exporters leave it (unfused RMSNorm, rotary, SiLU MLP): plain and --prepack; the fp16 llama-like decoder plain and with --prepack --unpack ort-cpu.
+PREPACK = ("--prepack",)
 FORMS = (
-    [("fp32", False), ("fp32", True), ("matmulnbits4", False), ("merged_decoder", False), ("conv", False)]
+    [("fp32", ()), ("fp32", PREPACK), ("matmulnbits4", ()), ("merged_decoder", ()), ("conv", ())]
     + [
-        (form, prepack)
+        (form, flags)
         for form in ("matmulnbits8", "qdq", "dynamic", "attention", "fp16", "fp16_cast", "llama")
-        for prepack in (False, True)
+        for flags in ((), PREPACK)
     ]
-    + [("llama_fp16", False)]
+    + [("llama_fp16", ()), ("llama_fp16", (*PREPACK, "--unpack", "ort-cpu"))]
 )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form, prepack", FORMS)
-def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form, prepack):
+@pytest.mark.parametrize("form, flags", FORMS, ids=[f"{f}{''.join(x)}" for f, x in FORMS])
+def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form, flags):
     # A --prepack output's remaining per-session cost is the runtime's own state (arena, per-thread heaps: 0.3 to
     # 1.6 MiB between runs of a 4 MiB Attention model on a shared machine), which at 4 MiB sits on the 1.10x line;
     # at 12 MiB of weights it is well below it, as at serving sizes. Attention's state is the largest (1.4-1.8 MiB
     # per session measured at 12 MiB, a ratio of 1.10 in one CI run; 0.3 MiB at 100 MiB): 32 MiB for it.
+    prepack = "--prepack" in flags
     src = build(form, tmp_path / "m.onnx", mib=(32 if form == "attention" else 12) if prepack else 4)
     out = tmp_path / "out"
-    assert cli("convert", src, "-o", out, "-q", *(["--prepack"] if prepack else [])).returncode == 0
+    assert cli("convert", src, "-o", out, "-q", *flags).returncode == 0
     model = out / "m.onnx"
     res = cli("check", model, "--target", "ort-default", "--json")
     doc = json.loads(res.stdout)
