@@ -35,7 +35,8 @@ def _independent(path) -> tuple[float, float]:
 
 # fp32, int4 MatMulNBits, a merged decoder and a Conv net; then int8 MatMulNBits, QDQ, DynamicQuantizeMatMul,
 # com.microsoft Attention, an fp16 BERT-like encoder, fp16 weights behind Cast and a llama-like decoder as
-# exporters leave it (unfused RMSNorm, rotary, SiLU MLP): plain and --prepack; the fp16 llama-like decoder plain and with --prepack --unpack ort-cpu.
+# exporters leave it (unfused RMSNorm, rotary, SiLU MLP): plain and --prepack;
+# the fp16 llama-like decoder plain and with --prepack --unpack ort-cpu.
 PREPACK = ("--prepack",)
 FORMS = (
     [("fp32", ()), ("fp32", PREPACK), ("matmulnbits4", ()), ("merged_decoder", ()), ("conv", ())]
