@@ -125,20 +125,25 @@ def nchwc_block_size(directory: str | None = None) -> int:
     return block if nchwc else 0
 
 
+def _read_varint(data: bytes, pos: int, end: int) -> tuple[int, int]:
+    """The varint at ``data[pos]`` (not reaching ``end``) and the position after it."""
+    result = shift = 0
+    while True:
+        if pos >= end or shift > 63:
+            raise WireError("truncated or overlong varint")
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if b < 0x80:
+            return result, pos
+        shift += 7
+
+
 def _varint_values(data: bytes, start: int, end: int) -> list[int]:
     """The values of a packed varint field."""
     out, pos = [], start
     while pos < end:
-        v = shift = 0
-        while True:
-            if pos >= end or shift > 63:
-                raise WireError("truncated packed varint")
-            byte = data[pos]
-            pos += 1
-            v |= (byte & 0x7F) << shift
-            shift += 7
-            if byte < 0x80:
-                break
+        v, pos = _read_varint(data, pos, end)
         out.append(v)
     return out
 
@@ -166,16 +171,8 @@ def _fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, 
 
     def varint() -> int:
         nonlocal pos
-        result = shift = 0
-        while True:
-            if pos >= end or shift > 63:
-                raise WireError("truncated or overlong varint")
-            b = data[pos]
-            pos += 1
-            result |= (b & 0x7F) << shift
-            if b < 0x80:
-                return result
-            shift += 7
+        value, pos = _read_varint(data, pos, end)
+        return value
 
     while pos < end:
         tag = varint()
