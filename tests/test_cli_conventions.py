@@ -51,3 +51,41 @@ def test_shell_completion(cli):
         text=True,
     )
     assert done.stdout.split() == ["--prepack"], done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["convert", "--bogus"], "No such option: --bogus (Possible options: --blob)"),
+        (["convert"], "Missing argument 'models'"),
+        (["convert", "m.onnx", "-o", "out", "--align", "abc"], "Invalid value for '--align': 'abc' is not a valid int"),
+        (["nosuch"], "No such command 'nosuch'"),
+        (["check", "m.onnx", "--threshold"], "Option '--threshold' requires an argument"),
+    ],
+)
+def test_a_usage_error_is_one_line_and_exit_2(cli, tmp_path, args, message):
+    """Typer draws usage errors as a 5-line box; the README promises one `weightshare: error:` line, exit 2."""
+    res = cli(*args, cwd=tmp_path, env={"COLUMNS": "80"})
+    assert res.returncode == 2 and res.stdout == ""
+    command = "weightshare" if args[0] == "nosuch" else f"weightshare {args[0]}"
+    assert res.stderr == f"weightshare: error: {message} (see '{command} -h')\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_fits_80_columns_with_examples(cli, command):
+    """No help cell is cut with an ellipsis at 80 columns; every command shows how it is typically run."""
+    args = [command] if command else []
+    res = cli(*args, "--help", env={"COLUMNS": "80", "NO_COLOR": "1"})
+    assert res.returncode == 0, res.stderr
+    assert "…" not in res.stdout
+    assert max(len(line) for line in res.stdout.splitlines()) <= 80
+    if command:
+        examples = res.stdout.split("Examples:", 1)[1].split()
+        assert examples.count("weightshare") >= 1 and command in examples
+
+
+def test_commands_are_listed_in_workflow_order(cli):
+    text = cli("--help", env=WIDE).stdout
+    listed = [line.split()[1] for line in text.splitlines() if line.startswith("│ ") and line.split()[1] in COMMANDS]
+    assert listed == COMMANDS

@@ -179,6 +179,9 @@ def test_demo_says_where_it_writes_and_how_much(cli, tmp_path):
     assert first.startswith("writing about 56.0 MiB to ") and str(demo) in first and "--clean" in first
     written = sum(p.stat().st_size for p in demo.rglob("*") if p.is_file())
     assert 55 << 20 < written < 57 << 20, written
+    # in a pipe too, the stages of its half minute of work are named on stderr (stdout stays the report)
+    stages = [line for line in res.stderr.splitlines() if line.endswith(" ...")]
+    assert stages[0].startswith("building ") and any(s.startswith("converting with --prepack") for s in stages)
     assert cli("demo", "--clean", "--dir", demo).returncode == 0 and not demo.exists()
 
 
@@ -198,3 +201,20 @@ def test_report_peak_rss_is_the_converters_own_not_its_parents(two, tmp_path):
     assert res.returncode == 0, res.stderr
     peak = json.loads(res.stdout)["peak_rss_mib"]
     assert 10 < peak < 250, peak  # ru_maxrss would report the parent's 300+ MiB
+
+
+def test_global_flags_work_after_the_command_too(two, cli, tmp_path):
+    """`-v`/`-q` go before or after the command (`weightshare convert -v ...` was "No such option: -v")."""
+    after = cli("convert", two[0], "-o", tmp_path / "a", "-v")
+    before = cli("-v", "convert", two[0], "-o", tmp_path / "b")
+    assert after.returncode == before.returncode == 0, after.stderr
+    # the same report either way, up to the figures (time, peak RSS) and the output path
+    same = [
+        re.sub(r"[\d.]+|\s+", "", r.stdout.replace(str(tmp_path / d), "OUT")) for r, d in ((after, "a"), (before, "b"))
+    ]
+    assert same[0] == same[1]
+    quiet = cli("inspect", two[0], "--no-measure", "-q")
+    assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
+    # after `--`, a -v is an argument, not a flag: here a file name that does not exist
+    res = cli("inspect", "--", "-v")
+    assert res.returncode == 2 and "-v" in res.stderr and "no such file" in res.stderr

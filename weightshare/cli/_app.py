@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import os
 import signal
 import sys
@@ -16,10 +17,22 @@ from types import FrameType
 from typing import Any, NoReturn
 
 import typer
+from typer import Abort
 from typer.core import TyperCommand, TyperGroup
 
 from ..errors import WeightshareError
 from ._render import VERBOSITY, err
+
+
+def _click_exceptions() -> Any:
+    """The click that typer parses with: its own copy in recent typer, the click package before."""
+    try:
+        return importlib.import_module("typer._click.exceptions")
+    except ImportError:  # pragma: no cover -- older typer on click
+        return importlib.import_module("click.exceptions")
+
+
+_CLICK = _click_exceptions()
 
 
 def _flags_without_placeholder(command: TyperCommand | TyperGroup, ctx: Any) -> None:
@@ -53,6 +66,11 @@ app = typer.Typer(
     help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
     "shared by every session, interpreter, function and process.",
 )
+
+
+def examples(*commands: str) -> str:
+    """A command's epilog: its typical invocations, one per line (markdown: a fenced block keeps the lines)."""
+    return "Examples:\n\n```\n" + "\n".join(commands) + "\n```"
 
 
 def _version(value: bool) -> None:
@@ -118,6 +136,45 @@ def _pairs(items: list[str], option: str, what: str) -> list[tuple[str, str]]:
     return pairs
 
 
+# The global flags, accepted after the command too (`weightshare check -v MODEL`): every command honours them,
+# and a user should not have to know which options belong to the group.
+_GLOBAL_FLAGS = frozenset({"-v", "--verbose", "-q", "--quiet"})
+
+
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """Move -v/-q given after the command in front of it (where the group parses them); ``--`` ends options."""
+    end = args.index("--") if "--" in args else len(args)
+    flags = [a for a in args[:end] if a in _GLOBAL_FLAGS]
+    if not flags:
+        return args
+    return flags + [a for a in args[:end] if a not in _GLOBAL_FLAGS] + args[end:]
+
+
+def _command_path(args: list[str]) -> str:
+    """``weightshare CMD`` for the first argument that names a command (click leaves some errors without one)."""
+    names = {info.name or (info.callback.__name__ if info.callback else "") for info in app.registered_commands}
+    command = next((a for a in args if a in names), None)
+    return f"weightshare {command}" if command else "weightshare"
+
+
+def _run_app(args: list[str]) -> int:
+    """Run the app; a usage error is one ``weightshare: error:`` line and exit code 2, as every other error."""
+    try:
+        code = app(args=args, prog_name="weightshare", standalone_mode=False)
+    except _CLICK.NoArgsIsHelpError as e:  # `weightshare` alone: the help, as click prints it
+        if e.ctx is not None:
+            print(e.ctx.get_help())
+        return 2
+    except _CLICK.UsageError as e:
+        command = e.ctx.command_path if e.ctx is not None else _command_path(args)
+        message = e.format_message().rstrip(".")
+        err.print(f"weightshare: error: {message} (see '{command} -h')", markup=False, highlight=False, soft_wrap=True)
+        return 2
+    except Abort:  # Ctrl-C while typer itself reads the arguments
+        raise KeyboardInterrupt from None
+    return code if isinstance(code, int) else 0
+
+
 def main() -> None:
     # A file size limit (RLIMIT_FSIZE, quota-like) must surface as an EFBIG write error that we clean up
     # after, not as a SIGXFSZ that kills the process and leaves temporaries behind.
@@ -132,11 +189,11 @@ def main() -> None:
     # numpy is imported (fp16 unpacking), about 0.03-0.05 CPU s. The command's own children inherit it; none of
     # them multiplies matrices with numpy either (ONNX Runtime and LiteRT have their own thread pools).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    args = hoist_global_flags(sys.argv[1:])
     if os.environ.get("WEIGHTSHARE_DEBUG"):
-        app()
-        return
+        sys.exit(_run_app(args))
     try:
-        app()
+        sys.exit(_run_app(args))
     except SystemExit:
         raise
     except KeyboardInterrupt as e:  # outside a command's own handling (argument parsing, imports)

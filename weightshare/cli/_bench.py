@@ -8,11 +8,13 @@ from pathlib import Path
 
 import typer
 
-from ._app import _pairs, app, fail, user_errors
-from ._render import detail, err, info, render_bench, render_demo, size
+from ._app import _pairs, app, examples, fail, user_errors
+from ._render import err, info, render_bench, render_demo, size, stage
 
 
-@app.command()
+@app.command(
+    epilog=examples("weightshare bench model.onnx --sessions 1,2,4,8", "weightshare bench model.onnx --plot mem.png")
+)
 def bench(
     model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
@@ -66,7 +68,7 @@ def bench(
     render_bench(result, plot_path)
 
 
-@app.command()
+@app.command(epilog=examples("weightshare demo", "weightshare demo --clean"))
 def demo(
     workdir: Path = typer.Option(
         Path("weightshare-demo"),
@@ -93,7 +95,7 @@ def demo(
                 f"writing about {size(nbytes)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
                 f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})"
             )
-        result = run_demo(workdir, sessions, layers, progress=lambda msg: detail(msg))
+        result = run_demo(workdir, sessions, layers, progress=stage)
     if as_json:
         print(json.dumps(result, indent=2))
         return

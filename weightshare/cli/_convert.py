@@ -13,7 +13,7 @@ from .._format_options import unpack_help
 from .._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy
 from ..formats import registered
 from ..options import INLINE_THRESHOLD, ConvertOptions
-from ._app import app, user_errors
+from ._app import app, examples, user_errors
 from ._render import progress_bar, quiet, render_conversion, render_report
 
 _MODELS = typer.Argument(
@@ -30,6 +30,7 @@ _BLOB = typer.Option(
     help="Blob name inside OUTDIR: the blob is written as "
     "`NAME.<digest12>.safetensors`, digest of its content (default NAME: "
     "MODEL.weights).",
+    rich_help_panel="Blob layout",
 )
 
 _BLOB_GRACE = typer.Option(
@@ -37,14 +38,20 @@ _BLOB_GRACE = typer.Option(
     "--blob-grace",
     help="Seconds an earlier blob that no model in "
     "OUTDIR references any more is kept, for readers that opened the old model.",
+    rich_help_panel="Blob layout",
 )
 
 _KEEP_PACKED = typer.Option(
-    False, "--keep-packed", help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and typed protobuf fields as they are."
+    False,
+    "--keep-packed",
+    help="Do not unpack: keep fp16 + Cast/DEQUANTIZE and typed protobuf fields as they are.",
+    rich_help_panel="Unpacking",
 )
 
-_UNPACK_METAVAR, _UNPACK_HELP = unpack_help(registered())  # what the formats declare (Format.options)
-_UNPACK = typer.Option([], "--unpack", metavar=_UNPACK_METAVAR, help=_UNPACK_HELP)
+_, _UNPACK_HELP = unpack_help(registered())  # what the formats declare (Format.options)
+# The metavar names the option's kind; the values and what each does are in the help text (a metavar of every
+# value widened the option column until help cells were cut at 80 columns).
+_UNPACK = typer.Option([], "--unpack", metavar="<value>", help=_UNPACK_HELP, rich_help_panel="Unpacking")
 
 _EXTERNAL = typer.Option(
     False,
@@ -52,6 +59,7 @@ _EXTERNAL = typer.Option(
     help="TFLite: write weights to a safetensors blob referenced "
     "by ExternalBuffer groups. Only LiteRT CompiledModel loads these, the classic "
     "Interpreter does not.",
+    rich_help_panel="Runtime",
 )
 
 _PREPACK = typer.Option(
@@ -64,18 +72,25 @@ _PREPACK = typer.Option(
     " Needs onnxruntime. TFLite: also write the XNNPACK weight cache of the converted "
     "model (its name carries a digest of the model, its blob and the LiteRT version); "
     "load with weightshare.litert.compiled_model.",
+    rich_help_panel="Runtime",
 )
 
-_ALIGN = typer.Option(LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes).")
+_ALIGN = typer.Option(
+    LARGE_ALIGN, "--align", help="Alignment of payloads >= --align-threshold (bytes).", rich_help_panel="Blob layout"
+)
 
 _ALIGN_THRESHOLD = typer.Option(
     ALIGN_THRESHOLD,
     "--align-threshold",
     help="Payload size from which --align applies; smaller payloads are 64-byte aligned.",
+    rich_help_panel="Blob layout",
 )
 
 _INLINE_THRESHOLD = typer.Option(
-    INLINE_THRESHOLD, "--inline-threshold", help="Payloads smaller than this stay inside the model file."
+    INLINE_THRESHOLD,
+    "--inline-threshold",
+    help="Payloads smaller than this stay inside the model file.",
+    rich_help_panel="Blob layout",
 )
 
 _SHARED_BLOB = typer.Option(
@@ -85,6 +100,7 @@ _SHARED_BLOB = typer.Option(
     "references this one blob (`NAME.<digest12>.safetensors`); identical "
     "payloads are stored once. Models are swapped in one by one, each "
     "with its blob. TFLite models join with --external.",
+    rich_help_panel="Blob layout",
 )
 
 _ORT_CHILD_TIMEOUT = typer.Option(
@@ -92,10 +108,14 @@ _ORT_CHILD_TIMEOUT = typer.Option(
     "--ort-child-timeout",
     help="Seconds the onnxruntime child of --prepack / --unpack ort-cpu may run (CPU time follows); "
     "default: 300 plus 600 per GiB of model.",
+    rich_help_panel="ONNX Runtime child",
 )
 
 _ORT_CHILD_MEMORY = typer.Option(
-    None, "--ort-child-memory", help="Address space (MiB) of that child; default: 4096 plus 8x the model."
+    None,
+    "--ort-child-memory",
+    help="Address space (MiB) of that child; default: 4096 plus 8x the model.",
+    rich_help_panel="ONNX Runtime child",
 )
 
 _ORT_MAX_GROWTH = typer.Option(
@@ -103,6 +123,7 @@ _ORT_MAX_GROWTH = typer.Option(
     "--ort-max-growth",
     help="What that child may write (optimized and packed copies) as a multiple of the model's size; "
     "default 4 (at least 16 MiB).",
+    rich_help_panel="ONNX Runtime child",
 )
 
 _AS_JSON = typer.Option(False, "--json", help="Print the conversion report as one JSON document.")
@@ -110,7 +131,13 @@ _AS_JSON = typer.Option(False, "--json", help="Print the conversion report as on
 _QUIET = typer.Option(False, "-q", "--quiet", help="No progress bar, no report: errors only.")
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "weightshare convert model.onnx -o out/",
+        "weightshare convert model.onnx -o out/ --prepack",
+        "weightshare convert models/ -o out/ --shared-blob zoo",
+    )
+)
 def convert(
     models: list[Path] = _MODELS,
     output: Path = _OUTPUT,
@@ -161,7 +188,7 @@ def _desc(models: list[Path]) -> str:
     return models[0].name if len(models) == 1 else f"{len(models)} models"
 
 
-@app.command()
+@app.command(epilog=examples("weightshare merge a.mlpackage b.mlpackage --name f_a --name f_b -o mf.mlpackage"))
 def merge(
     sources: list[Path] = typer.Argument(
         ..., help="Core ML .mlpackage files (multifunction sources contribute all their functions)."

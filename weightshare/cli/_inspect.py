@@ -9,11 +9,11 @@ from pathlib import Path
 import typer
 
 from ..options import INLINE_THRESHOLD
-from ._app import app, fail, user_errors
+from ._app import app, examples, fail, user_errors
 from ._render import VERBOSITY, err, info, quiet, render_inventory
 
 
-@app.command()
+@app.command(epilog=examples("weightshare inspect model.onnx", "weightshare inspect out/model.onnx --json"))
 def inspect(
     model: Path = typer.Argument(..., help="An ONNX, TFLite or Core ML model."),
     as_json: bool = typer.Option(False, "--json", help="Print the inventory and findings as one JSON document."),
@@ -42,7 +42,13 @@ def inspect(
     render_inventory(inv, findings, limit)
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "weightshare check out/",
+        "weightshare check out/model.onnx --target ort-disable-prepacking",
+        "weightshare check models/ --json",
+    )
+)
 def check(
     models: list[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),

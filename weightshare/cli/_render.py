@@ -73,6 +73,13 @@ def info(message: str) -> None:
         out.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
+def stage(message: str) -> None:
+    """A stage of long work, on stderr (so JSON on stdout stays clean) whether or not it is a terminal: a command
+    that works for tens of seconds says what it is doing; silenced by -q."""
+    if VERBOSITY["level"] >= 0:
+        err.print(f"{message} ...", markup=False, highlight=False, soft_wrap=True)
+
+
 def detail(message: str) -> None:
     """Shown with -v only."""
     if VERBOSITY["level"] > 0:

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from ..errors import WeightshareError
-from ._app import _pairs, app, fail, user_errors
+from ._app import _pairs, app, examples, fail, user_errors
 from ._render import info, quiet
 
 
@@ -48,7 +48,11 @@ def _verify_args(
     return dims, shapes, given
 
 
-@app.command()
+@app.command(
+    epilog=examples(
+        "weightshare verify model.onnx out/model.onnx", "weightshare verify model.onnx out/model.onnx --dim batch=8"
+    )
+)
 def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
