@@ -64,9 +64,20 @@ def run_child_peak(cmd: list[str], **kwargs: Any) -> tuple[subprocess.CompletedP
     The peak is read from RUSAGE_CHILDREN in a fresh Python process that only
     spawns ``cmd``, so earlier children of the caller cannot inflate it.
     """
+    # The wrapper's child dies with the wrapper (PR_SET_PDEATHSIG, set between fork and exec, then a check that the
+    # wrapper did not die before it was set): a child that armed this itself after its start-up left a window in
+    # which a converter killed with -9 orphaned it (seen on a loaded machine).
     wrapper = (
-        "import resource, subprocess, sys, json\n"
-        "r = subprocess.run(sys.argv[1:], capture_output=True)\n"
+        "import ctypes, os, resource, signal, subprocess, sys, json\n"
+        "me = os.getpid()\n"
+        "def arm():\n"
+        "    try:\n"
+        "        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)\n"
+        "    except (OSError, AttributeError):\n"
+        "        return\n"
+        "    if os.getppid() != me:\n"
+        "        os._exit(137)\n"
+        "r = subprocess.run(sys.argv[1:], capture_output=True, preexec_fn=arm)\n"
         "peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024\n"
         "sys.stderr.buffer.write(r.stderr)\n"
         "sys.stdout.buffer.write(r.stdout)\n"

@@ -66,8 +66,10 @@ class ChildLimits:
     def preexec(self) -> Callable[[], None]:
         """For ``subprocess``: applied in the child before it runs anything."""
 
+        parent = os.getpid()  # in the parent: what the child must still have once it armed the signal
+
         def apply() -> None:
-            die_with_parent()
+            die_with_parent(parent)
             resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_s, self.cpu_s + 5))
             resource.setrlimit(resource.RLIMIT_AS, (self.memory_bytes, self.memory_bytes))
             resource.setrlimit(resource.RLIMIT_FSIZE, (self.output_bytes, self.output_bytes))
@@ -106,13 +108,16 @@ class ChildLimits:
             raise Unsupported(self.output_message(), self.where)
 
 
-def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op)."""
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux; elsewhere a no-op). ``parent``: the pid
+    it must still have; a parent that died before the request was made left this process orphaned, so it exits."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return
+    if parent is not None and os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
 
 
 def limits_for(
