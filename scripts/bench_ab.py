@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import _builders  # noqa: F401  (tests/ on the path: the model builders)
+import model_forms as mf
 import numpy as np
-
-from weightshare.formats.onnx import model_forms as mf
 
 
 def _cpu() -> float:

@@ -25,9 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _builders  # noqa: F401  (tests/ on the path: the model builders)
+from model_forms import FORMS, build
+
 from weightshare._runtimes.ort import measure_sessions
 from weightshare.formats.onnx.measure import MALLOC_ENV
-from weightshare.formats.onnx.model_forms import FORMS, build
 
 MiB = 1 << 20
 

@@ -21,10 +21,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _builders  # noqa: F401  (tests/ on the path: the model builders)
+import model_forms as mf
 import numpy as np
 
 from weightshare._runtimes.memory import memory_now
-from weightshare.formats.onnx import model_forms as mf
 
 NAMES = ("decoder_model_merged.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx")  # largest first
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576"}

@@ -2,7 +2,7 @@
 
     python scripts/bench_genai.py [--mib 150] [--fp32] [--workdir DIR] [--json]
 
-A genai-builder-like llama decoder (``weightshare.formats.onnx.genai_model``: GroupQueryAttention, MatMulNBits int4
+A genai-builder-like llama decoder (``tests/genai_model.py``: GroupQueryAttention, MatMulNBits int4
 block 32 accuracy 4, or fp32 MatMul with ``--fp32``) is built in code at ``--mib`` of weights, converted plainly and
 with ``--prepack``, and measured in four variants:
   original | plain | --prepack | --prepack helper (``weightshare.genai.model``)
@@ -28,10 +28,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import _builders  # noqa: F401  (tests/ on the path: the model builders)
+import genai_model as gm
 import numpy as np
 
 from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
-from weightshare.formats.onnx import genai_model as gm
 
 VARIANTS = ("original", "plain", "--prepack", "--prepack helper")
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "1048576"}

@@ -2,7 +2,7 @@
 
     python scripts/bench_llm.py [--forms matmulnbits4,qdq,...] [--mib 100] [--workdir DIR] [--json]
 
-Each form of ``weightshare.formats.onnx.model_forms`` is built in code at ``--mib`` of weights, converted
+Each form of ``tests/model_forms.py`` is built in code at ``--mib`` of weights, converted
 plainly and with ``--prepack``, and measured in five variants side by side:
   original default | plain default | plain disable_prepacking | --prepack default | --prepack helper
 (the last through ``weightshare.ort.session``). Per variant:
@@ -30,11 +30,12 @@ import threading
 import time
 from pathlib import Path
 
+import _builders  # noqa: F401  (tests/ on the path: the model builders)
+import model_forms as mf
 import numpy as np
 
 from weightshare._disk import allocated_bytes
 from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
-from weightshare.formats.onnx import model_forms as mf
 
 FORMS = ("matmulnbits4", "matmulnbits8_sym_b64_acc4", "qdq", "dynamic", "attention", "merged_decoder")
 VARIANTS = ("original default", "plain default", "plain disable_prepacking", "--prepack default", "--prepack helper")

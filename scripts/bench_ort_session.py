@@ -34,8 +34,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _builders  # noqa: F401  (tests/ on the path: the model builders)
+from prepack_samples import mixed_onnx, sample_input
+
 from weightshare.api import convert
-from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
 from weightshare.options import ConvertOptions
 
 PROBE = """
@@ -43,7 +45,7 @@ import json, sys
 import onnxruntime as ort
 import weightshare.ort as wort
 from weightshare._runtimes.memory import memory_now
-from weightshare.formats.onnx.prepack_samples import sample_input
+from prepack_samples import sample_input
 path, src, how = sys.argv[1:]
 rows, sessions = [], []
 base = memory_now()["pss_mib"]

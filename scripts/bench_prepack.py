@@ -36,12 +36,13 @@ import threading
 import time
 from pathlib import Path
 
+import _builders  # noqa: F401  (tests/ on the path: the model builders)
 import numpy as np
+from prepack_samples import cnn_onnx, mixed_onnx, sample_input
 
 from weightshare._disk import allocated_bytes
 from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
 from weightshare.formats.onnx.ort_segments import BUDGET_ENV
-from weightshare.formats.onnx.prepack_samples import cnn_onnx, mixed_onnx, sample_input
 
 MODELS = {  # weights: matmul 272 MiB, conv 72 MiB, mixed 276 MiB
     "matmul": dict(conv_layers=0, channels=2048, mm_layers=16, dim=2048),
@@ -233,7 +234,7 @@ ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
 # Session creation + first run at ORT's default options; the child's max RSS is the load peak.
 LOAD_PEAK = """
 import sys, onnxruntime as ort
-from weightshare.formats.onnx.model_forms import feeds
+from model_forms import feeds
 so = ort.SessionOptions()
 so.log_severity_level = 3
 s = ort.InferenceSession(sys.argv[1], so, providers=["CPUExecutionProvider"])
@@ -424,7 +425,7 @@ def main() -> None:
             shutil.rmtree(work)
             show_cost(results[-1]["cost"])
         for spec in filter(None, args.cost_form.split(",")):
-            from weightshare.formats.onnx import model_forms
+            import model_forms
 
             form, mib, *unpack = spec.split(":")
             work = Path(tmp) / f"cost-{form}"

@@ -10,6 +10,9 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The model builders live here (model_forms, prepack_samples, genai_model...), not in the package: the children a
+# test starts (`python -c` probes measuring PSS) import them too.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
 
 # Property tests are deterministic: the same examples on every run and every machine (derandomized, no example
 # database carried between runs), and no health check that measures time (a loaded CI machine is slow, not wrong).

@@ -704,8 +704,7 @@ def _mode_seeds(d: Path, mode: str) -> list[tuple[str, object, dict[str, bytes]]
 
     import onnx
     from onnxconverter_common import float16
-
-    from weightshare.formats.onnx.prepack_samples import mixed_onnx
+    from prepack_samples import mixed_onnx
 
     d.mkdir(parents=True, exist_ok=True)
     m = mixed_onnx(d / "mixed.onnx", conv_layers=1, channels=8, mm_layers=2, dim=16)

@@ -12,8 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from weightshare.formats.onnx.model_forms import build
+from model_forms import build
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -18,9 +18,10 @@ import pytest
 
 og = pytest.importorskip("onnxruntime_genai")
 
+import genai_model as gm  # noqa: E402
+
 import weightshare.genai as wgenai  # noqa: E402
 import weightshare.ort as wort  # noqa: E402
-from weightshare.formats.onnx import genai_model as gm  # noqa: E402
 from weightshare.formats.onnx.prepack import portable_name  # noqa: E402
 
 PROMPTS = ([1, 5, 7, 9, 11], [3, 200, 17])

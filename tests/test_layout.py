@@ -110,7 +110,8 @@ def _format_words() -> list[str]:
 
 
 def _literals(tree: ast.AST) -> list[tuple[int, str]]:
-    """String literals that are code (docstrings and --help texts are documentation) and imported module paths."""
+    """String literals that are code (docstrings and --help texts, examples and panel titles are documentation) and
+    imported module paths."""
     skip: set[int] = set()
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
@@ -121,7 +122,8 @@ def _literals(tree: ast.AST) -> list[tuple[int, str]]:
             and isinstance(body[0].value, ast.Constant)
         ):
             skip.add(id(body[0].value))
-        if isinstance(node, ast.keyword) and node.arg == "help":
+        # help texts, a command's examples (epilog) and the help panels' titles are documentation
+        if isinstance(node, ast.keyword) and node.arg in ("help", "epilog", "rich_help_panel"):
             skip.update(id(n) for n in ast.walk(node.value))
     found = []
     for node in ast.walk(tree):

@@ -1,13 +1,12 @@
-"""The model-forms corpus (weightshare.formats.onnx.model_forms): every form builds small, loads in ORT and runs."""
+"""The model-forms corpus (tests/model_forms.py): every form builds small, loads in ORT and runs."""
 
 from __future__ import annotations
 
+import model_forms as mf
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-
-from weightshare.formats.onnx import model_forms as mf
 
 # The op each form must contain after it is written (what makes it that form).
 SIGNATURE = {

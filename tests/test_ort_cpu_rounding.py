@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import model_forms as mf
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 from onnx import numpy_helper as nh
 
-from weightshare.formats.onnx import model_forms as mf
 from weightshare.formats.onnx.ortcpu import rounding_change
 
 pytestmark = pytest.mark.slow  # an ORT probe child and a check child per conversion, many sessions

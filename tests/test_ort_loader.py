@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from prepack_samples import mixed_onnx, sample_input
 
 import weightshare.ort as wort
 from weightshare._safetensors import read_safetensors_metadata
@@ -21,7 +22,6 @@ from weightshare.api import convert
 from weightshare.errors import InvalidModel, WeightshareError
 from weightshare.formats.onnx.prepack import OPTIMIZED_PREFIX
 from weightshare.formats.onnx.prepack_record import METADATA_KEY, parse_record
-from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
 from weightshare.options import ConvertOptions
 
 _REAL_SESSION = ort.InferenceSession
@@ -261,7 +261,7 @@ _PSS = """
 import json, sys
 import weightshare.ort as wort
 from weightshare._runtimes.memory import memory_now
-from weightshare.formats.onnx.prepack_samples import sample_input
+from prepack_samples import sample_input
 path, src = sys.argv[1:]
 sessions, rows = [], []
 base = memory_now()["pss_mib"]

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from prepack_samples import cnn_onnx, downsample_onnx, mixed_onnx, sample_input
 from safetensors import safe_open
 
 import weightshare.ort as wort
@@ -21,7 +22,6 @@ from weightshare._safetensors import read_safetensors_metadata
 from weightshare.formats.onnx import ort_segments as segs
 from weightshare.formats.onnx.ort_child import optimize as ort_optimize
 from weightshare.formats.onnx.prepack import METADATA_KEY, OPTIMIZED_PREFIX, PACKED_PREFIX, portable_name
-from weightshare.formats.onnx.prepack_samples import cnn_onnx, downsample_onnx, mixed_onnx, sample_input
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +187,7 @@ _PSS_PROBE = """
 import json, sys, onnxruntime as ort
 from weightshare._runtimes.memory import memory_now
 from weightshare.ort import malloc_trim
-from weightshare.formats.onnx.prepack_samples import sample_input
+from prepack_samples import sample_input
 path, src = sys.argv[1:]
 sessions, rows = [], []
 base = memory_now()["pss_mib"]

@@ -12,13 +12,13 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import model_forms as mf
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
 from weightshare._disk import allocated_bytes
-from weightshare.formats.onnx import model_forms as mf
 from weightshare.formats.onnx import ort_segments as segs
 from weightshare.formats.onnx.disk_use import ReleasedRange, mark_overlaps, punch
 from weightshare.formats.onnx.ort_types import all_nodes
@@ -155,7 +155,7 @@ def test_a_cut_check_is_reused_only_for_windows_of_the_same_shape_and_the_result
     """Layer boundaries of a Conv chain and an MLP are all alike: after the first window of a shape, the cuts in
     windows of that shape take its answer (``checks_reused``) instead of a session each. The stitched graph must
     still be ORT's own whole-model graph, packed entries and op counts, and run bit-identical."""
-    from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
+    from prepack_samples import mixed_onnx, sample_input
 
     # 256 KiB MatMul weights and 144 KiB Conv weights: large enough to count as weights, one segment each
     (tmp_path / "src").mkdir()

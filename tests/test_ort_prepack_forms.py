@@ -10,12 +10,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import model_forms as mf
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
-from weightshare.formats.onnx import model_forms as mf
 from weightshare.formats.onnx.ort_types import all_nodes
 from weightshare.formats.onnx.prepack import PREPACKED_ENTRY, external_tensors
 

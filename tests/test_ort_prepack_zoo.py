@@ -9,6 +9,7 @@ import json
 import logging
 from pathlib import Path
 
+import model_forms as mf
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -17,7 +18,6 @@ from safetensors import safe_open
 
 import weightshare.ort as wort
 from weightshare._safetensors import read_safetensors_metadata
-from weightshare.formats.onnx import model_forms as mf
 from weightshare.formats.onnx.prepack import METADATA_KEY, PREPACKED_ENTRY, external_tensors, portable_name
 
 pytestmark = pytest.mark.slow  # three conversions with an ORT child each

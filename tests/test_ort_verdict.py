@@ -17,6 +17,7 @@ import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
+from prepack_samples import mixed_onnx, sample_input
 
 import weightshare.ort as wort
 from weightshare._safetensors import read_safetensors_metadata
@@ -26,7 +27,6 @@ from weightshare.formats.onnx import ort_verdict
 from weightshare.formats.onnx.ort_probe import WireError, external_locations, fd_identity, nchwc_convs
 from weightshare.formats.onnx.prepack import OPTIMIZED_PREFIX, PACKED_PREFIX, external_tensors
 from weightshare.formats.onnx.prepack_record import portable_of
-from weightshare.formats.onnx.prepack_samples import mixed_onnx, sample_input
 from weightshare.options import ConvertOptions
 
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from prepack_samples import mixed_onnx
 
 from weightshare._atomic import TMP_PREFIX, OutputTransaction
 from weightshare.errors import UsageError
-from weightshare.formats.onnx.prepack_samples import mixed_onnx
 
 
 def _nothing_left(out: Path) -> bool:

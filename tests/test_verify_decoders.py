@@ -81,7 +81,7 @@ def test_every_missing_input_is_named_at_once(cli, tmp_path):
 
 
 def test_merged_decoder_verifies_with_no_options(cli, tmp_path):
-    from weightshare.formats.onnx import model_forms
+    import model_forms
 
     src = model_forms.merged_decoder(tmp_path / "decoder_model_merged.onnx", mib=0.1)
     assert cli("convert", src, "-o", tmp_path / "out", "-q").returncode == 0

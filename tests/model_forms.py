@@ -590,7 +590,7 @@ def decoder_family(directory: str | os.PathLike[str], mib: float = 2.0, seed: in
 
 def conv_net(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     """A small ResNet/Inception-like CNN (Conv+BN+Relu, Clip, branches; NCHWc at ORT_ENABLE_ALL), external data."""
-    from .prepack_samples import cnn_onnx
+    from prepack_samples import cnn_onnx
 
     # 3x3 Conv weights dominate: two per residual block, c^2 * 9 * 4 bytes each.
     channels = 32
