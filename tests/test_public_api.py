@@ -198,6 +198,18 @@ def test_convert_takes_keyword_options(tmp_path):
         weightshare.convert(src, tmp_path / "c", ConvertOptions(), keep_packed=True)
 
 
+def test_one_unpack_value_is_a_value_not_its_characters(tmp_path):
+    """`unpack="ort-cpu"` from Python was split into {"o", "r", "t", ...} and refused as unknown values."""
+    assert ConvertOptions(unpack="ort-cpu").unpack == frozenset({"ort-cpu"})  # type: ignore[arg-type]
+    assert ConvertOptions(unpack=[weightshare.options.Unpack.ORT_CPU]).unpack == frozenset({"ort-cpu"})  # type: ignore[arg-type]
+    src = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=64)
+    with pytest.raises(UsageError, match="unknown --unpack value nonesuch"):
+        weightshare.convert(src, tmp_path / "a", unpack="nonesuch")
+    by_string = weightshare.convert(src, tmp_path / "b", unpack="ort-cpu")
+    by_list = weightshare.convert(src, tmp_path / "c", unpack=["ort-cpu"])
+    assert [Path(o).read_bytes() for o in by_string.outputs] == [Path(o).read_bytes() for o in by_list.outputs]
+
+
 def test_convert_prepack_keyword(tmp_path):
     src = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=64, weights="float32")
     report = weightshare.convert(src, tmp_path / "out", prepack=True)

@@ -28,7 +28,7 @@ from ._run import (
 from ._zoo_api import convert_zoo
 from .errors import OutputError, Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
-from .options import BLOB_GRACE_S, INLINE_THRESHOLD, ConvertOptions, Unpack
+from .options import BLOB_GRACE_S, INLINE_THRESHOLD, ConvertOptions
 from .report import ConversionReport, ZooReport
 
 if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
@@ -41,7 +41,7 @@ def convert(
     options: ConvertOptions | None = None,
     *,
     prepack: bool = False,
-    unpack: Iterable[str] = (),
+    unpack: str | Iterable[str] = (),
     keep_packed: bool = False,
     external: bool = False,
     blob: str | None = None,
@@ -117,7 +117,7 @@ def convert_folder(
     options: ConvertOptions | None = None,
     *,
     prepack: bool = False,
-    unpack: Iterable[str] = (),
+    unpack: str | Iterable[str] = (),
     keep_packed: bool = False,
     external: bool = False,
     blob: str | None = None,
@@ -195,7 +195,7 @@ class _Keywords:
     """The keyword options of ``convert`` / ``convert_folder`` (the CLI's), in their order there."""
 
     prepack: bool
-    unpack: Iterable[str]
+    unpack: str | Iterable[str]
     keep_packed: bool
     external: bool
     blob: str | None
@@ -212,7 +212,7 @@ class _Keywords:
             align=AlignPolicy(large=self.align, threshold=self.align_threshold),
             inline_threshold=self.inline_threshold,
             keep_packed=self.keep_packed,
-            unpack=frozenset(u.value if isinstance(u, Unpack) else str(u) for u in self.unpack),
+            unpack=frozenset([self.unpack] if isinstance(self.unpack, str) else self.unpack),
             blob_name=self.blob,
             blob_grace_s=self.blob_grace,
             external=self.external,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum, EnumMeta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from ._placement import AlignPolicy
 
@@ -89,3 +89,9 @@ class ConvertOptions:
     ort_child_timeout_s: float | None = None
     ort_child_memory_mib: int | None = None
     ort_max_growth: float | None = None
+
+    def __post_init__(self) -> None:
+        # One value is a value, not its characters: unpack="ort-cpu" once became {"o", "r", "t", ...}.
+        given: object = self.unpack  # the API takes one value or any iterable of them, Unpack members or strings
+        values = cast("Iterable[object]", (given,) if isinstance(given, str) else given)
+        self.unpack = frozenset(v.value if isinstance(v, Enum) else str(v) for v in values)
