@@ -172,3 +172,13 @@ def test_output_onto_input_refused(tmp_path, cli):
 def test_not_a_model(tmp_path, cli):
     res = cli("convert", tmp_path / "nothing.onnx", "-o", tmp_path / "out")
     assert res.returncode == 2 and "no such file" in res.stderr
+
+
+@pytest.mark.parametrize("content", [b"hello\n", b'{"format": "json"}\n', b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR"])
+def test_a_file_of_another_kind_is_named_so(tmp_path, cli, content):
+    """A text or image file named .onnx was "unsupported protobuf wire type 4 at offset 2": true, and no help."""
+    model = tmp_path / "model.onnx"
+    model.write_bytes(content)
+    for args in (["convert", model, "-o", tmp_path / "out"], ["inspect", model]):
+        res = cli(*args)
+        assert_clean_failure(res, model, tmp_path / "out", "not an ONNX model")

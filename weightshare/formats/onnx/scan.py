@@ -265,7 +265,14 @@ class Scanner:
         """Return the skeleton (the model with payloads cut out); fills ``self.refs``."""
         if self.wf.size == 0:
             raise self.wf.error("empty file")
-        new = self._message(0, self.wf.size, "model", 0)
+        try:
+            new = self._message(0, self.wf.size, "model", 0)
+        except InvalidModel as e:
+            # Every ModelProto that ONNX Runtime loads starts with its ir_version (field 1, tag byte 0x08; fields
+            # are written in number order): a file that fails to parse and does not start so is another kind of file.
+            if self.wf.read(0, 1) != b"\x08":
+                raise self.wf.error(f"not an ONNX model ({e.message})") from None
+            raise
         return bytes(new) if new is not None else self.wf.read(0, self.wf.size)
 
     def _message(self, start: int, end: int, kind: str, depth: int) -> bytes | bytearray | None:
