@@ -6,12 +6,15 @@ Under test: `weightshare ...` in child processes (a pipe, as in CI; a pseudo-ter
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
 import re
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +115,8 @@ def test_tables_are_not_cut_at_80_columns_in_a_pipe(cli, tmp_path):
 def _in_terminal(args: list[str], env: dict) -> str:
     """Run the CLI with stdout/stderr on a pseudo-terminal; return what it wrote."""
     leader, follower = pty.openpty()
+    # a terminal has a size (a new pty has 0 x 0, and tqdm draws nothing in 0 columns)
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
     proc = subprocess.Popen(
         [sys.executable, "-m", "weightshare", *args],
         stdout=follower,
@@ -218,3 +223,13 @@ def test_global_flags_work_after_the_command_too(two, cli, tmp_path):
     # after `--`, a -v is an argument, not a flag: here a file name that does not exist
     res = cli("inspect", "--", "-v")
     assert res.returncode == 2 and "-v" in res.stderr and "no such file" in res.stderr
+
+
+def test_prepack_on_a_terminal_names_its_onnxruntime_phase(tmp_path):
+    """The bar sat at 0.00B through the onnxruntime child (most of a --prepack run): its phase is named now."""
+    from weightshare._samples import mlp_onnx
+
+    src = mlp_onnx(tmp_path / "m.onnx", layers=2, dim=256, weights="float32")
+    shown = _in_terminal(["convert", str(src), "-o", str(tmp_path / "out"), "--prepack"], {"COLUMNS": "200"})
+    assert "onnxruntime optimizes and packs the weights" in shown, shown
+    assert (tmp_path / "out" / "m.onnx").is_file()

@@ -66,6 +66,8 @@ class ConvertOptions:
             TFLite: an XNNPACK weight cache bound to the model's content (see ``weightshare.litert``).
         progress: called with a byte count as payload bytes are written (for progress bars).
         progress_total: called once with the payload bytes a converter is about to write.
+        stage: called with a short description when a phase that writes no payload bytes starts (the
+            onnxruntime child of ``prepack`` / ``unpack={"ort-cpu"}``), for a progress display to name it.
         ort_child_timeout_s: wall-time limit of the onnxruntime child (``--prepack``, ``--unpack ort-cpu``);
             None: derived from the model's size (``formats.onnx.ort_limits``). Its CPU-time limit follows.
         ort_child_memory_mib: address-space limit of that child; None: derived from the model's size.
@@ -86,6 +88,7 @@ class ConvertOptions:
     prepack: bool = False
     progress: Callable[[int], object] | None = None
     progress_total: Callable[[int], None] | None = None
+    stage: Callable[[str], None] | None = None
     ort_child_timeout_s: float | None = None
     ort_child_memory_mib: int | None = None
     ort_max_growth: float | None = None

@@ -164,7 +164,7 @@ def convert(
     Outputs appear all together or not at all.
     """
     quiet_ = quiet(quiet_)
-    with user_errors(), progress_bar(not quiet_, "zoo" if shared_blob else _desc(models)) as (update, total):
+    with user_errors(), progress_bar(not quiet_, "zoo" if shared_blob else _desc(models)) as hooks:
         options = ConvertOptions(
             align=AlignPolicy(large=align, threshold=align_threshold),
             inline_threshold=inline_threshold,
@@ -173,8 +173,9 @@ def convert(
             blob_name=blob,
             external=external,
             prepack=prepack,
-            progress=update,
-            progress_total=total,
+            progress=hooks.update,
+            progress_total=hooks.total,
+            stage=hooks.stage,
             blob_grace_s=blob_grace,
             ort_child_timeout_s=ort_child_timeout,
             ort_child_memory_mib=ort_child_memory,
@@ -214,9 +215,11 @@ def merge(
     Streams weight data chunk by chunk: memory does not grow with the number of functions.
     """
     quiet_ = quiet(quiet_)
-    with user_errors(), progress_bar(not quiet_, output.name) as (update, total):
+    with user_errors(), progress_bar(not quiet_, output.name) as hooks:
         opts = ConvertOptions(
-            align=AlignPolicy(large=align, threshold=align_threshold), progress=update, progress_total=total
+            align=AlignPolicy(large=align, threshold=align_threshold),
+            progress=hooks.update,
+            progress_total=hooks.total,
         )
         report = api.merge(sources, output, function_name, default_function, opts)
     if as_json:

@@ -7,6 +7,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -86,21 +87,35 @@ def detail(message: str) -> None:
         out.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
+@dataclass(frozen=True)
+class ProgressHooks:
+    """What a conversion reports as it goes (``ConvertOptions.progress``, ``progress_total``, ``stage``)."""
+
+    update: Progress | None = None
+    total: Callable[[int], None] | None = None
+    stage: Callable[[str], None] | None = None
+
+
 @contextmanager
-def progress_bar(enabled: bool, desc: str) -> Iterator[tuple[Progress | None, Callable[[int], None] | None]]:
-    """A byte progress bar on stderr when it is a terminal; nothing in pipes and CI."""
+def progress_bar(enabled: bool, desc: str) -> Iterator[ProgressHooks]:
+    """A byte progress bar on stderr when it is a terminal, its description naming a phase that writes no bytes
+    (the onnxruntime child of --prepack: seconds at 0 B otherwise); nothing in pipes and CI."""
     if not enabled or not sys.stderr.isatty():
-        yield None, None
+        yield ProgressHooks()
         return
     from tqdm import tqdm
 
     bar = tqdm(desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False, file=sys.stderr)
 
     def total(n: int) -> None:
+        bar.set_description_str(desc, refresh=False)
         bar.reset(total=n)
 
+    def stage(message: str) -> None:
+        bar.set_description_str(f"{desc}: {message}")
+
     try:
-        yield bar.update, total
+        yield ProgressHooks(bar.update, total, stage)
     finally:
         bar.close()
 

@@ -195,6 +195,8 @@ def run_probe(
         tmp = Path(tmp_name).absolute()  # the child runs in it: a relative OUTDIR must not be resolved twice
         probe_path = write_probe_model(skeleton, refs, tmp)
         out = tmp / "optimized.onnx"
+        if opts.stage is not None:
+            opts.stage("onnxruntime reads the graph it would run (child process)")
         stdout = _run_child(_CHILD, [str(probe_path), str(out)], [out], limits, tmp, src, "load")
         answer = json.loads(stdout.strip().splitlines()[-1])
         optimized = _read_saved(out, src)
@@ -342,6 +344,8 @@ def check_rounding(
                 _prefold(probe, d / ZEROS)
             args += [str(probe), str(d / "optimized.onnx")]
         outs = [Path(a) for a in args[1::2]]
+        if options.stage is not None:
+            options.stage("onnxruntime optimizes the original and the adopted graph (child process)")
         _run_child(_CHECK_CHILD, args, outs, limits, tmp, src, "optimize")
         graphs = [_read_saved(out, src).graph for out in outs]
     return rounding_change(graphs[0], graphs[1])

@@ -207,6 +207,8 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
         str(options.inline_threshold),
         str(budget_from_env()),
     ]
+    if options.stage is not None:
+        options.stage("onnxruntime optimizes and packs the weights (child process)")
     res, peak = _run_bounded(cmd, model.parent, src, options)
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
