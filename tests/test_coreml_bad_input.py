@@ -228,7 +228,7 @@ def test_cli_merge_json_report(good, tmp_path):
     shutil.copytree(good, copy)
     result = _cli("merge", good, copy, "--function-name", "a", "--function-name", "b", "-o", out, "--json")
     assert result.returncode == 0, result.stderr
-    report = json.loads(result.stdout)
+    (report,) = json.loads(result.stdout)["reports"]
     assert report["deduplicated_bytes"] == report["bytes_written"] > 0
     assert out.is_dir()
 

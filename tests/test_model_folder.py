@@ -64,7 +64,8 @@ def test_cli_convert_folder_reproduces_the_tree(tmp_path, cli):
     res = cli("convert", repo, "-o", out, "--json")
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
-    assert sorted(Path(m["model"]).name for m in report["models"]) == ["decoder_model.onnx", "model.onnx"]
+    assert sorted(Path(m["model"]).name for m in report["reports"]) == ["decoder_model.onnx", "model.onnx"]
+    assert report["folder"]["folder"] == str(repo) and report["zoo"] is None
 
     blobs = {p for p in tree(out) if p.endswith(".safetensors")}
     assert {Path(b).parent.as_posix() for b in blobs} == {".", "onnx"}  # each model's blob beside it

@@ -177,7 +177,7 @@ def test_cli_convert_json_and_blob_name(tmp_path, cli):
     src = kitchen_sink(tmp_path)
     res = cli("convert", src, "-o", tmp_path / "out", "--blob", "shared.safetensors", "--json")
     assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     blob = Path(report["outputs"][1])  # --blob NAME is a stable prefix: NAME.<digest12>.safetensors
     assert report["outputs"] == [str(tmp_path / "out" / "sink.onnx"), str(blob)]
     assert blob.parent == tmp_path / "out" and re.fullmatch(r"shared\.[0-9a-f]{12}\.safetensors", blob.name)

@@ -337,7 +337,7 @@ def test_ort_cpu_with_prepack_shares_at_default_options(tmp_path, cli, name):
     src = save(build(), tmp_path / f"{name}.onnx")
     res = cli("convert", src, "-o", tmp_path / "out", "--unpack", "ort-cpu", "--prepack", "--json", "-q")
     assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     notes = " ".join(report["notes"])
     assert "--unpack ort-cpu" in notes and "--prepack" in notes
     prepacked, portable = (tmp_path / "out" / src.name), (tmp_path / "out" / f"{name}.portable.onnx")

@@ -33,7 +33,7 @@ def converted(tmp_path_factory):
     src = mixed_onnx(d / "mixed.onnx", conv_layers=2, channels=32, mm_layers=3, dim=256)
     res = run_cli("convert", src, "-o", d / "out", "--prepack", "--json", "-q")
     assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     return src, report
 
 
@@ -394,7 +394,7 @@ def test_prepack_cli_reports_segments_and_stays_bit_identical(tmp_path):
     src = cnn_onnx(tmp_path / "cnn.onnx", channels=48, blocks=6, spatial=6, seed=3)
     res = run_cli("convert", src, "-o", tmp_path / "out", "--prepack", "--json", "-q", env={segs.BUDGET_ENV: "20000"})
     assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     note = next(n for n in report["notes"] if "segments" in n)
     assert int(note.split(" in ")[1].split()[0]) > 2, note
     prepacked = ort.InferenceSession(report["outputs"][0])

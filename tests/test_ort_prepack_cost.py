@@ -99,7 +99,7 @@ def test_llm_forms_are_cut_at_layer_boundaries_and_stay_bit_identical(form, unpa
     out = tmp_path / "out"
     res = cli("convert", src, "-o", out, "--prepack", *unpack, "--json", "-q", env=BUDGET)
     assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     seg = report["prepack"]["segments"]
     assert seg["segments"] > 1, seg  # the child's memory is bounded by a segment, not the model
     assert seg["checked_cuts"] >= seg["segments"] - 1
@@ -120,7 +120,7 @@ def test_llm_forms_are_cut_at_layer_boundaries_and_stay_bit_identical(form, unpa
     if unpack:
         plain = cli("convert", src, "-o", tmp_path / "plain", *unpack, "--json", "-q")
         assert plain.returncode == 0, plain.stderr
-        reference = Path(json.loads(plain.stdout)["outputs"][0])
+        reference = Path(json.loads(plain.stdout)["reports"][0]["outputs"][0])
     packs, ops = _ort_whole(reference, tmp_path / "whole")
     assert packs, "each of these forms has weights ORT pre-packs"
     assert _packs_and_ops(Path(report["outputs"][0])) == (packs, ops)
@@ -162,7 +162,7 @@ def test_a_cut_check_is_reused_only_for_windows_of_the_same_shape_and_the_result
     src = mixed_onnx(tmp_path / "src" / "m.onnx", conv_layers=6, channels=64, mm_layers=8, dim=256, spatial=4)
     res = cli("convert", src, "-o", tmp_path / "out", "--prepack", "--json", "-q", env=BUDGET)
     assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     seg = report["prepack"]["segments"]
     assert seg["segments"] > 8 and seg["checks_reused"] >= 4, seg
     assert seg["checked_cuts"] - seg["checks_reused"] >= 3  # each distinct shape still ran its own window

@@ -63,7 +63,7 @@ def converted(request, tmp_path_factory):
     src = mf.build(request.param, d / "src" / "model.onnx", mib=1)
     res = run_cli("convert", src, "-o", d / "out", "--prepack", "--json", "-q")
     assert res.returncode == 0, res.stderr
-    return request.param, src, json.loads(res.stdout)
+    return request.param, src, json.loads(res.stdout)["reports"][0]
 
 
 def _ort_packed(src: Path, tmp: Path) -> set[tuple[str, str]]:

@@ -231,7 +231,7 @@ def test_cli_convert_external_json(converted, tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    (report,) = json.loads(proc.stdout)["reports"]
     assert report["format"] == "tflite" and report["ops_removed"] == 2
     (blob,) = tmp_path.glob("sample.weights.*.safetensors")
     assert report["outputs"] == [str(tmp_path / src.name), str(blob)]

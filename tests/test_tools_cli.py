@@ -54,8 +54,8 @@ def test_quiet_convert_prints_nothing_and_batch_prints_one_line_per_model(two, c
     assert lines[0].startswith(f"{a}: ") and lines[1].startswith(f"{b}: ") and lines[2].startswith("total: 2 models")
     res = cli("convert", a, b, "-o", tmp_path / "json", "--json")
     doc = json.loads(res.stdout)  # one document
-    assert [Path(m["model"]).name for m in doc["models"]] == ["a.onnx", "b.onnx"] and doc["total"]["models"] == 2
-    assert doc["total"]["tensors_moved"] == sum(m["tensors_moved"] for m in doc["models"])
+    assert [Path(m["model"]).name for m in doc["reports"]] == ["a.onnx", "b.onnx"] and doc["total"]["models"] == 2
+    assert doc["total"]["tensors_moved"] == sum(m["tensors_moved"] for m in doc["reports"])
     res = cli("-v", "convert", a, b, "-o", tmp_path / "verbose")
     assert res.stdout.count("payloads moved") >= 4  # a table per model, then the lines
 
@@ -204,7 +204,7 @@ def test_report_peak_rss_is_the_converters_own_not_its_parents(two, tmp_path):
     a, _ = two
     res = subprocess.run([sys.executable, "-c", PARENT, str(a), str(tmp_path / "o")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    peak = json.loads(res.stdout)["peak_rss_mib"]
+    peak = json.loads(res.stdout)["reports"][0]["peak_rss_mib"]
     assert 10 < peak < 250, peak  # ru_maxrss would report the parent's 300+ MiB
 
 

@@ -127,7 +127,7 @@ def test_bench_measures_original_and_converted(models, cli, tmp_path):
     _, fp16 = models
     res = cli("bench", fp16, "--sessions", "1,2", "--json")
     assert res.returncode == 0, res.stderr
-    result = json.loads(res.stdout)
+    (result,) = json.loads(res.stdout)["reports"]
     seen = {(r["variant"], r["mode"], r["sessions"]) for r in result["rows"]}
     assert len(seen) == 10 and all(r["pss_mib"] > 0 for r in result["rows"])
     assert {("converted --prepack", "default", n) for n in (1, 2)} <= seen

@@ -111,8 +111,9 @@ def test_rerun_with_a_model_added_rebuilds_a_complete_outdir(tmp_path, cli):
     assert cli("convert", *first, "-o", out, "--shared-blob", "zoo.safetensors").returncode == 0
     res = cli("convert", src, "-o", out, "--shared-blob", "zoo.safetensors", "--json")
     assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
-    assert len(report["models"]) == 3 and report["dedupe_ratio"] == 2.5
+    doc = json.loads(res.stdout)
+    report = doc["zoo"]
+    assert len(doc["reports"]) == 3 and report["dedupe_ratio"] == 2.5 and doc["folder"] is None
     blob = Path(report["blob"]).name
     # the first run's blob stays for the grace period: readers that opened an old model still find it
     blobs = sorted(p.name for p in out.glob("zoo.*.safetensors"))

@@ -1,26 +1,77 @@
-"""The machine contract: the JSON documents `check`, `inspect` and `verify` print with ``--json``, and
-`check --format github`'s workflow annotations.
+"""The machine contract: the JSON document every command prints with ``--json``, and `check --format github`'s
+workflow annotations.
 
-Every document carries ``"schema": SCHEMA`` and ``"command"``, and has the same top-level keys whatever the
-number of models. A key is never renamed or given another meaning within a schema version; new keys may appear.
-docs/ci.md shows the schema and an example, which a test keeps in step with this module.
+Every document is one envelope (``envelope``): ``"schema": SCHEMA``, ``"command"``, ``"ok"``, ``"exit_code"``, then
+the command's own keys, the same top-level keys whatever the number of models (``convert``: ``reports``, one per
+model, with ``folder`` and ``zoo`` null unless the run was one; a failure: ``error``). A key is never renamed or
+given another meaning within a schema version; new keys may appear. The JSON Schema of each command's document
+ships in ``weightshare/schemas/`` (``schema_path``); docs/ci.md shows them, and tests validate every command's
+output against them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._checksum import split_digest
 from ._findings import Code, Finding, Severity
-from .report import JsonDict
+from .report import ConversionReport, JsonDict, ZooReport
 
 if TYPE_CHECKING:
     from ._check import Gate
+    from ._folder import FolderReport
     from ._inventory import ModelInventory
     from ._verify import VerifyReport
 
 SCHEMA = 1
+COMMANDS = ("convert", "merge", "inspect", "check", "verify", "bench", "demo")
+
+
+def envelope(command: str, exit_code: int, **body: object) -> JsonDict:
+    """The keys every ``--json`` document starts with, then the command's own (``reports``, ``findings``, ...)."""
+    return {"schema": SCHEMA, "command": command, "ok": exit_code == 0, "exit_code": exit_code, **body}
+
+
+def error_document(command: str, message: str, exit_code: int) -> JsonDict:
+    """What ``--json`` prints when the command fails before it has a result: the one error line, as JSON."""
+    return envelope(command, exit_code, error=message)
+
+
+def schema_path(command: str) -> Path:
+    """The JSON Schema (draft 2020-12) of ``command``'s document, shipped with the package."""
+    return Path(__file__).parent / "schemas" / f"{command}.schema.json"
+
+
+def convert_document(result: ZooReport | FolderReport | list[ConversionReport]) -> JsonDict:
+    """``convert --json``: every model's report under ``reports`` and their totals, whether the run converted one
+    model, a batch, a model folder (``folder``: what was copied) or a zoo (``zoo``: the shared blob, the dedupe)."""
+    from .report import ZooReport
+
+    folder = zoo = None
+    if isinstance(result, list):
+        reports = result
+    elif isinstance(result, ZooReport):
+        reports = result.models
+        zoo = {k: v for k, v in result.to_dict().items() if k != "models"}
+    else:
+        reports = result.models
+        folder = {k: v for k, v in result.to_dict().items() if k != "models"}
+    return envelope("convert", 0, reports=[r.to_dict() for r in reports], total=totals(reports), folder=folder, zoo=zoo)
+
+
+def totals(reports: Sequence[ConversionReport]) -> JsonDict:
+    """A run's sums over its models (peak RSS: the highest, the models share one process)."""
+    return {
+        "models": len(reports),
+        "tensors_moved": sum(r.tensors_moved for r in reports),
+        "bytes_in": sum(r.bytes_in for r in reports),
+        "bytes_written": sum(r.bytes_written for r in reports),
+        "blob_bytes": sum(r.blob_bytes for r in reports),
+        "wall_time_s": round(sum(r.wall_time_s for r in reports), 3),
+        "peak_rss_mib": max((r.peak_rss_mib for r in reports), default=0.0),
+    }
 
 
 def setting_ids() -> tuple[str, ...]:
@@ -73,16 +124,14 @@ def check_document(
     code = exit_code(findings, strict)
     count = {s.value: sum(1 for f in findings if f.severity == s) for s in Severity}
     unreadable = [f.file for f in findings if f.code == Code.UNREADABLE_MODEL]
-    return {
-        "schema": SCHEMA,
-        "command": "check",
-        "ok": code == 0,
-        "exit_code": code,
-        "gate": {"targets": list(gate.targets), "threshold": gate.threshold, "strict": strict},
-        "models": [_model_summary(i) for i in inventories] + [_unreadable(f) for f in unreadable],
-        "findings": [f.to_dict() for f in findings],
-        "summary": {"models": len(inventories) + len(unreadable), **count},
-    }
+    return envelope(
+        "check",
+        code,
+        gate={"targets": list(gate.targets), "threshold": gate.threshold, "strict": strict},
+        models=[_model_summary(i) for i in inventories] + [_unreadable(f) for f in unreadable],
+        findings=[f.to_dict() for f in findings],
+        summary={"models": len(inventories) + len(unreadable), **count},
+    )
 
 
 def _unreadable(model: str) -> JsonDict:
@@ -98,11 +147,11 @@ def _unreadable(model: str) -> JsonDict:
 
 def inspect_document(inv: ModelInventory, findings: Sequence[Finding]) -> JsonDict:
     """One model's inventory, its keys at the top level next to the schema, and check's findings for it."""
-    return {"schema": SCHEMA, "command": "inspect", **inventory_dict(inv), "findings": [f.to_dict() for f in findings]}
+    return envelope("inspect", 0, **{**inventory_dict(inv), "findings": [f.to_dict() for f in findings]})
 
 
 def verify_document(report: VerifyReport) -> JsonDict:
-    return {"schema": SCHEMA, "command": "verify", **report.to_dict()}
+    return envelope("verify", 0 if report.passed else 1, **report.to_dict())
 
 
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "notice"}

@@ -63,7 +63,9 @@ def bench(
             plot(result, plot_path)
             result["plot"] = str(plot_path)
     if as_json:
-        print(json.dumps(result, indent=2))
+        from .._contract import envelope
+
+        print(json.dumps(envelope("bench", 0, reports=[result]), indent=2))
         return
     render_bench(result, plot_path)
 
@@ -97,6 +99,8 @@ def demo(
             )
         result = run_demo(workdir, sessions, layers, progress=stage)
     if as_json:
-        print(json.dumps(result, indent=2))
+        from .._contract import envelope
+
+        print(json.dumps(envelope("demo", 0, reports=[result]), indent=2))
         return
     render_demo(result, sessions)

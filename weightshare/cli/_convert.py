@@ -223,6 +223,8 @@ def merge(
         )
         report = api.merge(sources, output, function_name, default_function, opts)
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
+        from .._contract import envelope
+
+        print(json.dumps(envelope("merge", 0, reports=[report.to_dict()]), indent=2))
     elif not quiet_:
         render_report(report)

@@ -294,11 +294,13 @@ def render_demo(result: JsonDict, sessions: int) -> None:
 
 def render_conversion(result: ZooReport | FolderReport | list[ConversionReport], output: Path, as_json: bool) -> None:
     """``convert``: a zoo's table, a model folder's lines, one model's report, or a batch's lines and totals; with
-    ``as_json`` one document (for a batch of several: every report and the totals)."""
-    if isinstance(result, list):
-        _render_batch(result, as_json)
-    elif as_json:
-        print(json.dumps(result.to_dict(), indent=2))
+    ``as_json`` the one document every run has (``_contract.convert_document``)."""
+    if as_json:
+        from .._contract import convert_document
+
+        print(json.dumps(convert_document(result), indent=2))
+    elif isinstance(result, list):
+        _render_batch(result)
     elif quiet(False):
         return
     elif isinstance(result, ZooReport):
@@ -315,13 +317,7 @@ def render_conversion(result: ZooReport | FolderReport | list[ConversionReport],
         )
 
 
-def _render_batch(reports: list[ConversionReport], as_json: bool) -> None:
-    if as_json:  # one document: the report, or for a batch every report and the totals
-        if len(reports) == 1:
-            print(json.dumps(reports[0].to_dict(), indent=2))
-        else:
-            print(json.dumps({"models": [r.to_dict() for r in reports], "total": _totals(reports)}, indent=2))
-        return
+def _render_batch(reports: list[ConversionReport]) -> None:
     if quiet(False):
         return
     if len(reports) == 1 or VERBOSITY["level"] > 0:
@@ -333,20 +329,10 @@ def _render_batch(reports: list[ConversionReport], as_json: bool) -> None:
                 f"{r.model}: {r.tensors_moved} payloads moved, {size(r.bytes_written)} stored, "
                 f"{r.unpacked} unpacked, {r.wall_time_s:.2f} s, peak RSS {size_mib(r.peak_rss_mib)} -> {r.outputs[0]}"
             )
-        t = _totals(reports)
+        from .._contract import totals
+
+        t = totals(reports)
         info(
             f"total: {t['models']} models, {t['tensors_moved']} payloads moved, {size(t['bytes_written'])} stored, "
             f"{t['wall_time_s']:.2f} s, peak RSS {size_mib(t['peak_rss_mib'])}"
         )
-
-
-def _totals(reports: list[ConversionReport]) -> JsonDict:
-    return {
-        "models": len(reports),
-        "tensors_moved": sum(r.tensors_moved for r in reports),
-        "bytes_in": sum(r.bytes_in for r in reports),
-        "bytes_written": sum(r.bytes_written for r in reports),
-        "blob_bytes": sum(r.blob_bytes for r in reports),
-        "wall_time_s": round(sum(r.wall_time_s for r in reports), 3),
-        "peak_rss_mib": max((r.peak_rss_mib for r in reports), default=0.0),
-    }
