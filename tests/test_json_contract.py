@@ -95,3 +95,76 @@ def test_demo(cli, tmp_path):
     res = cli("demo", "--dir", tmp_path / "d", "--layers", "1", "--sessions", "2", "--json")
     (result,) = _valid(res, "demo")["reports"]
     assert result["prepacked_outputs_equal"] is True
+
+
+# What GitHub code scanning reads of a SARIF 2.1.0 upload (its documented required properties), as a schema.
+SARIF_SUBSET = {
+    "type": "object",
+    "required": ["version", "runs"],
+    "properties": {
+        "version": {"const": "2.1.0"},
+        "runs": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["tool", "results"],
+                "properties": {
+                    "tool": {
+                        "type": "object",
+                        "required": ["driver"],
+                        "properties": {"driver": {"type": "object", "required": ["name", "rules"]}},
+                    },
+                    "results": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["ruleId", "message", "locations", "level"],
+                            "properties": {
+                                "level": {"enum": ["error", "warning", "note", "none"]},
+                                "message": {"type": "object", "required": ["text"]},
+                                "locations": {
+                                    "type": "array",
+                                    "minItems": 1,
+                                    "items": {
+                                        "type": "object",
+                                        "required": ["physicalLocation"],
+                                        "properties": {
+                                            "physicalLocation": {
+                                                "type": "object",
+                                                "required": ["artifactLocation"],
+                                                "properties": {
+                                                    "artifactLocation": {"type": "object", "required": ["uri"]}
+                                                },
+                                            }
+                                        },
+                                    },
+                                },
+                            },
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def test_check_format_sarif_is_a_sarif_log_with_one_result_per_finding(models, cli):
+    d, a, _, _ = models
+    big = mlp_onnx(d / "sarif.onnx", layers=1, dim=1024)
+    as_json = json.loads(cli("check", big, a, "--json", "--no-measure").stdout)
+    res = cli("check", big, a, "--format", "sarif", "--no-measure")
+    assert res.returncode == as_json["exit_code"] == 1
+    log = json.loads(res.stdout)
+    jsonschema.validate(log, SARIF_SUBSET)
+    (run,) = log["runs"]
+    rules = run["tool"]["driver"]["rules"]
+    assert [r["ruleId"] for r in run["results"]] == [f["code"] for f in as_json["findings"]]
+    for result in run["results"]:
+        assert rules[result["ruleIndex"]]["id"] == result["ruleId"]
+        assert rules[result["ruleIndex"]]["help"]["text"].startswith("fix: ")
+    assert {r["locations"][0]["physicalLocation"]["artifactLocation"]["uri"] for r in run["results"]} <= {
+        str(big),
+        str(a),
+    }

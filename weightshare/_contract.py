@@ -171,3 +171,43 @@ def github_annotations(findings: Sequence[Finding]) -> list[str]:
         message = _escape(f"{f.message} (fix: {f.fix})")
         lines.append(f"::{_LEVEL[f.severity]} file={_escape(f.file, property_=True)},title={title}::{message}")
     return lines
+
+
+_SARIF_LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}
+
+
+def sarif_document(findings: Sequence[Finding]) -> JsonDict:
+    """``check --format sarif``: the findings as a SARIF 2.1.0 log (GitHub code scanning and other SARIF viewers).
+    One rule per finding code that occurs (its meaning and fix from the code table), one result per finding."""
+    from . import __version__
+    from ._findings import all_codes
+
+    table = all_codes()
+    codes = sorted({f.code for f in findings}, key=lambda c: c.value)
+    rules = [
+        {
+            "id": code.value,
+            "shortDescription": {"text": code.value},
+            "fullDescription": {"text": table[code].meaning},
+            "help": {"text": f"fix: {table[code].fix}"},
+            "defaultConfiguration": {"level": _SARIF_LEVEL[table[code].severity]},
+        }
+        for code in codes
+    ]
+    results = [
+        {
+            "ruleId": f.code.value,
+            "ruleIndex": codes.index(f.code),
+            "level": _SARIF_LEVEL[f.severity],
+            "message": {"text": f"{f.message} (fix: {f.fix})"},
+            "locations": [{"physicalLocation": {"artifactLocation": {"uri": Path(f.file).as_posix()}}}],
+            **({"properties": {"tensor": f.tensor}} if f.tensor else {}),
+        }
+        for f in findings
+    ]
+    driver = {"name": "weightshare", "version": __version__, "rules": rules}
+    return {
+        "$schema": "https://json.schemastore.org/sarif-2.1.0.json",
+        "version": "2.1.0",
+        "runs": [{"tool": {"driver": driver}, "results": results}],
+    }

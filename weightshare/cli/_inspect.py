@@ -72,7 +72,9 @@ def check(
         1 << 20, "--threshold", help="Bytes per session a copy may cost before it is an error (default 1 MiB)."
     ),
     output_format: str = typer.Option(
-        "text", "--format", help="text, json (same as --json) or github (workflow annotations)."
+        "text",
+        "--format",
+        help="text, json (same as --json), github (workflow annotations) or sarif (SARIF 2.1.0, for code scanning).",
     ),
     no_measure: bool = typer.Option(
         False,
@@ -92,11 +94,11 @@ def check(
     """
     from .._check import Gate, find_models
     from .._check import check as run_check
-    from .._contract import check_document, exit_code, github_annotations, setting_ids
+    from .._contract import check_document, exit_code, github_annotations, sarif_document, setting_ids
 
     quiet(quiet_)
-    if output_format not in ("text", "json", "github"):
-        fail(f"--format takes text, json or github, got {output_format!r}")
+    if output_format not in ("text", "json", "github", "sarif"):
+        fail(f"--format takes text, json, github or sarif, got {output_format!r}")
     for t in target:
         if t not in setting_ids():
             fail(f"--target {t!r} is not a setting id ({', '.join(setting_ids())})")
@@ -111,6 +113,8 @@ def check(
     code = exit_code(findings, strict)
     if as_json or output_format == "json":
         print(json.dumps(check_document(inventories, findings, gate, strict), indent=2))
+    elif output_format == "sarif":
+        print(json.dumps(sarif_document(findings), indent=2))
     elif output_format == "github":
         for line in github_annotations(findings):
             print(line)
