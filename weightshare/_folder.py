@@ -18,6 +18,7 @@ from typing import Any
 
 from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
 from ._convert_api import convert_one
+from ._paths import check_utf8_path
 from ._run import finish, prepare_out_dir, reset_peak_rss
 from ._tensors import open_input
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
@@ -120,6 +121,8 @@ def plan_folder(folder: Path) -> FolderPlan:
     for root, dirs, names in os.walk(folder, onerror=unlistable):
         here = Path(root)
         rel = here.relative_to(folder)
+        for name in (*dirs, *names):
+            check_utf8_path(here / name)  # the report (and --json) names every file
         for d in sorted(dirs):
             if (here / d).is_symlink():
                 raise Unsupported("is a symlink to a directory inside a model folder; copy or remove it", here / d)

@@ -62,6 +62,22 @@ def resolve_inside(
     return target
 
 
+def printable(path: str | os.PathLike[str]) -> str:
+    """``path`` for a message: bytes that are not UTF-8 (kept by Python as surrogates) shown as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def check_utf8_path(path: str | os.PathLike[str]) -> None:
+    """Refuse a path whose bytes are not UTF-8: ONNX Runtime's and LiteRT's Python APIs cannot even be given it,
+    and model formats store names (blob locations) as UTF-8 strings."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(
+            "the name is not valid UTF-8; the runtimes cannot open it: rename it", printable(path)
+        ) from None
+
+
 def plain_file_name(name: object) -> bool:
     """A bare, visible file name: no directory part (POSIX or Windows), no NUL, not ``.``/``..``, no leading dot
     (weightshare's temporaries and markers start with one)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import json
 import os
 import signal
 import sys
@@ -78,7 +79,19 @@ def _global(
     VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
 
 
+# Set by main() when the command line asks for --json: a failure is then one JSON document on stdout too (the
+# one line stays on stderr), so a script reading stdout never gets an empty document.
+JSON_ERRORS = {"on": False}
+
+
+def json_error(message: str, code: int) -> None:
+    if JSON_ERRORS["on"]:
+        sys.stdout.write(json.dumps({"ok": False, "error": message, "exit_code": code}, ensure_ascii=True) + "\n")
+        sys.stdout.flush()
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
+    json_error(message, code)
     err.print(f"weightshare: error: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -132,10 +145,14 @@ def main() -> None:
     # numpy is imported (fp16 unpacking), about 0.03-0.05 CPU s. The command's own children inherit it; none of
     # them multiplies matrices with numpy either (ONNX Runtime and LiteRT have their own thread pools).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+    args = sys.argv[1:]
+    JSON_ERRORS["on"] = "--json" in (args[: args.index("--")] if "--" in args else args)
     if os.environ.get("WEIGHTSHARE_DEBUG"):
         app()
         return
     try:
+        if JSON_ERRORS["on"]:
+            _run_json()
         app()
     except SystemExit:
         raise
@@ -144,6 +161,7 @@ def main() -> None:
         err.print(f"weightshare: error: {what}; no output was left behind", markup=False, highlight=False)
         sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
     except Exception as e:  # a bug in weightshare: still one line, and how to get the traceback
+        json_error(f"internal error: {type(e).__name__}: {e}", 2)
         err.print(
             f"weightshare: internal error: {type(e).__name__}: {e} (set WEIGHTSHARE_DEBUG=1 for a traceback)",
             markup=False,
@@ -151,3 +169,18 @@ def main() -> None:
             soft_wrap=True,
         )
         sys.exit(2)
+
+
+def _run_json() -> NoReturn:
+    """``app()`` with click's own usage errors (a bad option value, a missing argument) also as JSON."""
+    from typer._click.exceptions import ClickException  # typer's own click (not public; format_help uses it too)
+
+    try:
+        code = app(standalone_mode=False)
+    except ClickException as e:
+        json_error(e.format_message(), e.exit_code)
+        e.show()
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        raise KeyboardInterrupt from None
+    sys.exit(code if isinstance(code, int) else 0)
