@@ -91,7 +91,7 @@ _ORT_CHILD_TIMEOUT = typer.Option(
     None,
     "--ort-child-timeout",
     help="Seconds the onnxruntime child of --prepack / --unpack ort-cpu may run (CPU time follows); "
-    "default: 300 plus 600 per GiB of model.",
+    "default: 30 plus 600 per GiB of model.",
 )
 
 _ORT_CHILD_MEMORY = typer.Option(
