@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
 from ._convert_api import convert_one
+from ._outputs_record import record_run
 from ._paths import check_utf8_path
 from ._run import finish, prepare_out_dir, reset_peak_rss
 from ._tensors import open_input
@@ -68,10 +69,11 @@ def convert_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderR
     reset_peak_rss()
     with OutputTransaction() as tx:
         prepare_out_dir(out_dir, tx)
+        sweep_temporaries(out_dir)  # a killed run's, in any subdirectory (side-file-only ones too)
+        tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few
         for rel in plan.models:
             model, where = folder / rel, out_dir / rel.parent
             tx.make_dirs(where)
-            clean_stale_temporaries(where)
             t0 = time.perf_counter()
             report.models.append(finish(convert_one(detect(model), model, where, opts, tx), t0))
         roots = source_roots(folder)
@@ -79,6 +81,7 @@ def convert_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderR
             tx.make_dirs(out_dir / rel.parent)
             report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx, roots)
             report.copied.append(str(out_dir / rel))
+        record_run(tx, out_dir, [folder], opts.blob_grace_s)  # what an earlier run wrote and this one does not
     return finish(report, start)
 
 
