@@ -36,7 +36,8 @@ _BLOB_GRACE = typer.Option(
     600.0,
     "--blob-grace",
     help="Seconds an earlier blob that no model in "
-    "OUTDIR references any more is kept, for readers that opened the old model.",
+    "OUTDIR references any more, or an output of an earlier run of the same inputs that this run no longer writes "
+    "(a portable twin, a model gone from the folder), is kept, for readers that opened the old model.",
 )
 
 _KEEP_PACKED = typer.Option(
