@@ -49,6 +49,11 @@ def test_non_finite_or_negative_numbers_are_refused(tmp_path, cli, model, option
     assert not out.exists()
 
 
+def test_a_negative_seed_is_refused(tmp_path, cli, model):
+    res = cli("verify", model, model, "--seed", "-1")
+    assert res.returncode == 2 and "--seed" in one_line(res.stderr)
+
+
 def test_a_name_that_is_not_utf8_is_bad_input(tmp_path, cli, model):
     odd = tmp_path / os.fsdecode(b"m\xff-weights.onnx")
     shutil.copyfile(model, odd)
