@@ -7,11 +7,14 @@ full disk removes the temporaries and leaves earlier outputs untouched. One
 transaction holds every output of a run, so a run with several models commits
 all of them or none.
 
-Temporaries are named ``.weightshare-tmp-<pid>-...`` and each one is held under an
-exclusive ``flock`` by the process writing it, from its creation to the end of the
-transaction. A later run removes only temporaries whose lock it can take: a PID
-from another PID namespace (another container sharing the volume) may look dead
-here, but its lock is still visible through the shared file.
+Temporaries are named ``.weightshare-tmp-<pid>-<token>-...`` (``token``: the transaction's) and are protected
+by an exclusive ``flock`` held by the process writing them, from creation to the end of the transaction: a
+temporary directory by a lock on itself, the temporary files by one guard file per transaction,
+``.weightshare-tmp-<pid>-<token>.guard``, in their directory or an ancestor of it (a folder conversion guards
+OUTDIR once for its whole tree), so that a run staging thousands of files holds a few descriptors, not one per
+file. A later run removes only temporaries no live lock protects (neither their guard's nor their own): a PID
+from another PID namespace (another container sharing the volume) may look dead here, but its lock is still
+visible through the shared file.
 """
 
 from __future__ import annotations
@@ -57,6 +60,32 @@ def _try_lock(path: Path) -> int | None:
     return fd
 
 
+def _guard_name(pid: int | str, token: str) -> str:
+    return f"{TMP_PREFIX}{pid}-{token}.guard"
+
+
+def _guarded(entry: Path) -> bool:
+    """A live transaction's guard (in the entry's directory or an ancestor) protects this temporary."""
+    parts = entry.name[len(TMP_PREFIX) :].split("-", 2)
+    if len(parts) < 3 or not parts[0].isdigit() or not parts[1]:
+        return False
+    name = _guard_name(parts[0], parts[1])
+    for d in (entry.parent, *entry.parent.parents):
+        guard = d / name
+        try:
+            fd = os.open(guard, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True  # its writer holds it
+        finally:
+            os.close(fd)
+        return False
+    return False
+
+
 def clean_stale_temporaries(directory: Path) -> list[Path]:
     """Remove temporaries that no live process holds (their writer's flock is gone)."""
     removed: list[Path] = []
@@ -64,6 +93,8 @@ def clean_stale_temporaries(directory: Path) -> list[Path]:
         return removed
     for entry in directory.iterdir():
         if not entry.name.startswith(TMP_PREFIX) or entry.is_symlink():
+            continue
+        if _guarded(entry):
             continue
         fd = _try_lock(entry)
         if fd is None:  # a live writer holds it, whatever its PID looks like from here
@@ -76,6 +107,19 @@ def clean_stale_temporaries(directory: Path) -> list[Path]:
         finally:
             os.close(fd)
         removed.append(entry)
+    return removed
+
+
+def sweep_temporaries(root: Path) -> list[Path]:
+    """``clean_stale_temporaries`` in ``root`` and every directory below it (links not followed; temporary
+    directories are removed whole, not entered): a run killed in a subdirectory of OUTDIR that holds no model
+    left its temporaries where no later run would otherwise look."""
+    removed: list[Path] = []
+    if not root.is_dir() or root.is_symlink():
+        return removed
+    for here, dirs, _names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(TMP_PREFIX)]
+        removed += clean_stale_temporaries(Path(here))
     return removed
 
 
@@ -186,22 +230,60 @@ class OutputTransaction:
         self._hooks: list[CommitHook] = []
         self._after: list[Callable[[], None]] = []  # run after the renames, under the directory locks
         self._done = False
+        self._token = secrets.token_hex(6)
+        self._guards: dict[Path, tuple[Path, int]] = {}  # guarded directory -> (guard file, fd holding its flock)
 
     def _tmp_name(self, final: Path) -> Path:
-        return final.parent / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-{final.name}"[:255]
+        return final.parent / f"{TMP_PREFIX}{os.getpid()}-{self._token}-{secrets.token_hex(4)}-{final.name}"[:255]
+
+    def guard(self, directory: Path) -> None:
+        """Protect every temporary file this transaction creates in ``directory`` or below with one lock (a
+        folder conversion guards OUTDIR once); without it, each directory with temporaries gets its own guard."""
+        directory = Path(directory)
+        if directory in self._guards:
+            return
+        path = directory / _guard_name(os.getpid(), self._token)
+        for _attempt in range(10):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except FileExistsError:
+                path.unlink(missing_ok=True)  # ours by name (pid and token): a leftover of this very run
+                continue
+            except OSError as e:
+                raise OutputError(f"cannot create output file: {e.strerror}", directory) from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+            except BaseException:  # Ctrl-C between creating and locking: nothing stays behind
+                os.close(fd)
+                path.unlink(missing_ok=True)
+                raise
+            if same:
+                self._guards[directory] = (path, fd)
+                return
+            os.close(fd)  # a concurrent cleanup removed it between creation and lock: create it again
+        raise OutputError("cannot create a temporary output (removed again and again)", directory)
+
+    def _guarded_dir(self, directory: Path) -> bool:
+        return any(d in self._guards for d in (directory, *directory.parents))
 
     def _create(self, final: Path, is_dir: bool) -> Path:
-        """Register, create and lock a temporary; registered first so an interrupt in between leaves nothing."""
+        """Register, create and lock a temporary; registered first so an interrupt in between leaves nothing.
+
+        A temporary file is protected by its directory's guard (``guard``), taken before it exists, and holds
+        no descriptor of its own; a temporary directory holds a lock on itself."""
         final = Path(final)
+        if not is_dir and not self._guarded_dir(final.parent):
+            self.guard(final.parent)
         for _attempt in range(10):
             t = _Temp(self._tmp_name(final), final, is_dir)
             self._pending.append(t)
             try:
-                if is_dir:
-                    os.mkdir(t.tmp, 0o777)
-                    t.fd = os.open(t.tmp, os.O_RDONLY | os.O_DIRECTORY)
-                else:
-                    t.fd = os.open(t.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+                if not is_dir:
+                    os.close(os.open(t.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+                    return t.tmp
+                os.mkdir(t.tmp, 0o777)
+                t.fd = os.open(t.tmp, os.O_RDONLY | os.O_DIRECTORY)
                 fcntl.flock(t.fd, fcntl.LOCK_EX)
                 if os.stat(t.tmp, follow_symlinks=False).st_ino == os.fstat(t.fd).st_ino:
                     return t.tmp
@@ -253,6 +335,10 @@ class OutputTransaction:
         """The temporary path that ``commit`` will rename to ``final`` (None when nothing is staged there)."""
         return next((t.tmp for t in self._pending if t.final == Path(final)), None)
 
+    def finals(self) -> list[Path]:
+        """Every path ``commit`` will write (what this run outputs)."""
+        return [t.final for t in self._pending]
+
     def after_commit(self, action: Callable[[], None]) -> None:
         """Run ``action()`` once every output is in place (e.g. removing files the new outputs supersede)."""
         self._after.append(action)
@@ -269,9 +355,13 @@ class OutputTransaction:
         try:
             self._refuse_collisions()
             for t in self._pending:
-                if not t.is_dir and t.fd is not None:
-                    os.fsync(t.fd)
-                    os.fchmod(t.fd, mode_file if t.mode is None else t.mode)
+                if not t.is_dir:  # one descriptor at a time, however many files were staged
+                    fd = os.open(t.tmp, os.O_RDONLY | os.O_NOFOLLOW)
+                    try:
+                        os.fsync(fd)
+                        os.fchmod(fd, mode_file if t.mode is None else t.mode)
+                    finally:
+                        os.close(fd)
             files = [t for t in self._pending if not t.is_dir]
             dirs = [t for t in reversed(self._pending) if t.is_dir]
             with locked_dirs({t.final.parent for t in self._pending}):
@@ -346,6 +436,13 @@ class OutputTransaction:
                 os.close(t.fd)
                 t.fd = None
         self._pending.clear()
+        for path, fd in self._guards.values():  # after every temporary is renamed or removed
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            os.close(fd)
+        self._guards.clear()
 
     def abort(self) -> None:
         for t in self._pending:

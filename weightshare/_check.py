@@ -211,8 +211,10 @@ def _layout(inv: ModelInventory, add: Callable[..., None], gate: Gate, model_dir
 def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]:
     gate = gate or Gate()
     out: list[Finding] = []
-    model = Path(inv.model).resolve()
-    model_dir = model if model.is_dir() else model.parent  # an .mlpackage: file names are relative to it
+    model = Path(inv.model).absolute()
+    # an .mlpackage: file names are relative to it; a model file: to the directory of the path given, where the
+    # runtime opens them (not beside a symlink's target)
+    model_dir = model.resolve() if model.is_dir() else model.parent
 
     def add(code: TextEnum, payloads: list[PayloadInfo], message: str, severity: Severity | None = None) -> None:
         if inv.fallback_of and severity is not None and severity is Severity.ERROR:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ._atomic import TMP_PREFIX, OutputTransaction
+from ._outputs_record import DroppedCompanions, dropped_companions
 from ._paths import check_no_overlap
 from ._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from ._run import (
@@ -297,6 +298,10 @@ def convert_many(
     reports = []
     with OutputTransaction() as tx:
         prepare_out_dir(out, tx)
+        for src, fmt in zip(sources, formats):  # before the blob collectors (hooks run in order)
+            dropped = dropped_companions(fmt, src, out, options)
+            if dropped:
+                tx.add_hook(DroppedCompanions(out / src.name, dropped, options.blob_grace_s))
         for src, fmt in zip(sources, formats):
             t0 = time.perf_counter()
             reports.append(finish(convert_one(fmt, src, out, options, tx), t0))

@@ -10,17 +10,19 @@ its blob. Everything goes through the caller's ``OutputTransaction``: all of it 
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
+from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
 from ._convert_api import convert_one
+from ._outputs_record import record_run
+from ._paths import check_utf8_path
 from ._run import finish, prepare_out_dir, reset_peak_rss
-from .errors import OutputError, Unsupported, UsageError
+from ._tensors import open_input
+from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import detect, model_suffixes
 from .options import ConvertOptions
 from .report import ConversionReport
@@ -67,16 +69,19 @@ def convert_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderR
     reset_peak_rss()
     with OutputTransaction() as tx:
         prepare_out_dir(out_dir, tx)
+        sweep_temporaries(out_dir)  # a killed run's, in any subdirectory (side-file-only ones too)
+        tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few
         for rel in plan.models:
             model, where = folder / rel, out_dir / rel.parent
             tx.make_dirs(where)
-            clean_stale_temporaries(where)
             t0 = time.perf_counter()
             report.models.append(finish(convert_one(detect(model), model, where, opts, tx), t0))
+        roots = source_roots(folder)
         for rel in plan.copies:
             tx.make_dirs(out_dir / rel.parent)
-            report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx)
+            report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx, roots)
             report.copied.append(str(out_dir / rel))
+        record_run(tx, out_dir, [folder], opts.blob_grace_s)  # what an earlier run wrote and this one does not
     return finish(report, start)
 
 
@@ -97,16 +102,30 @@ class FolderPlan:
 def plan_folder(folder: Path) -> FolderPlan:
     """Walk ``folder``: its models, the weight files they reference, and the files to copy.
 
+    A file may be a symlink only when its real path stays inside the folder, or, in a Hugging Face hub snapshot
+    (``models--ORG--NAME/snapshots/REV``), inside that cache's ``blobs/`` (``source_roots``): a link anywhere
+    else (``tokenizer_config.json -> /proc/self/environ``, ``-> ~/.ssh/id_rsa``) would copy a file that is not
+    part of the model into OUTDIR.
+
     Raises:
         Unsupported: a symlink to a directory (a loop, or a tree outside the folder).
-        UsageError: a FIFO, socket or device (it would block or never end).
+        UnsafePath: a symlink whose real path leaves the folder (and its hub cache).
+        UsageError: a FIFO, socket or device (it would block or never end); a directory that cannot be listed.
     """
     suffixes = model_suffixes()
+    roots = source_roots(folder)
     plan = FolderPlan()
     files: list[Path] = []
-    for root, dirs, names in os.walk(folder):
+
+    def unlistable(e: OSError) -> None:
+        # a subdirectory left out would be a silently incomplete OUTDIR
+        raise UsageError(f"cannot list this directory: {e.strerror or e}", e.filename or folder)
+
+    for root, dirs, names in os.walk(folder, onerror=unlistable):
         here = Path(root)
         rel = here.relative_to(folder)
+        for name in (*dirs, *names):
+            check_utf8_path(here / name)  # the report (and --json) names every file
         for d in sorted(dirs):
             if (here / d).is_symlink():
                 raise Unsupported("is a symlink to a directory inside a model folder; copy or remove it", here / d)
@@ -116,15 +135,44 @@ def plan_folder(folder: Path) -> FolderPlan:
         for name in sorted(names):
             if name.startswith(TMP_PREFIX):
                 continue  # another run's temporary: never an input
-            st = os.stat(here / name)  # follows a symlink to a file (Hugging Face caches link into blobs/)
-            if not stat.S_ISREG(st.st_mode):
-                raise UsageError("is not a regular file (a FIFO, socket or device); refusing to read it", here / name)
+            source_file(here / name, roots)
             (plan.models if Path(name).suffix in suffixes else files).append(rel / name)
     plan.models.sort()
     referenced = _weight_files(folder, plan.models)
     plan.weight_files = [f for f in files if f in referenced]
     plan.copies = [f for f in files if f not in referenced]
     return plan
+
+
+def source_roots(folder: Path) -> tuple[Path, ...]:
+    """Where the real path of a file in ``folder`` may lie: the folder itself (resolved) and, when the folder is
+    (inside) a Hugging Face hub snapshot, ``models--ORG--NAME/blobs`` of that cache."""
+    real = folder.resolve()
+    roots = [real]
+    for d in (real, *real.parents):
+        if d.parent.name == "snapshots" and (d.parent.parent / "blobs").is_dir():
+            roots.append(d.parent.parent / "blobs")
+            break
+    return tuple(roots)
+
+
+def source_file(path: Path, roots: tuple[Path, ...]) -> os.stat_result:
+    """Check that ``path`` is a regular file whose real path lies in ``roots``; its stat (links followed)."""
+    try:
+        st = os.stat(path)  # follows a symlink to a file (Hugging Face caches link into blobs/)
+    except OSError as e:
+        raise UsageError(f"cannot read: {e.strerror}", path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UsageError("is not a regular file (a FIFO, socket or device); refusing to read it", path)
+    if path.is_symlink():
+        real = path.resolve()
+        if not any(real == r or r in real.parents for r in roots):
+            raise UnsafePath(
+                f"is a symlink to {str(real)[:200]}, outside the model folder; refusing to copy it "
+                "(copy the file into the folder, or remove the link)",
+                path,
+            )
+    return st
 
 
 def _weight_files(folder: Path, models: list[Path]) -> set[Path]:
@@ -140,17 +188,26 @@ def _weight_files(folder: Path, models: list[Path]) -> set[Path]:
     return found
 
 
-def copy_file(src: Path, final: Path, tx: OutputTransaction) -> int:
-    """Stage a byte-identical copy of ``src`` at ``final``, with ``src``'s permission bits; returns its size."""
+def copy_file(src: Path, final: Path, tx: OutputTransaction, roots: tuple[Path, ...] | None = None) -> int:
+    """Stage a byte-identical copy of ``src`` at ``final``, with ``src``'s permission bits; returns its size.
+
+    ``src`` is opened once, at its checked real path, without following a link there, and the opened file must
+    still lie inside ``roots`` (``source_roots``): a link swapped after the walk is refused, never copied."""
+    roots = roots if roots is not None else (src.parent.resolve(),)
+    source_file(src, roots)
+    f = open_input(src.resolve(), roots, src)
     try:
-        st = os.stat(src)
-    except OSError as e:
-        raise UsageError(f"cannot read: {e.strerror}", src) from None
-    tmp = tx.new_file(final, stat.S_IMODE(st.st_mode))
-    try:
-        shutil.copyfile(src, tmp)  # streamed (sendfile / copy_file_range), never the whole file in memory
-    except OSError as e:
-        if e.filename is not None and Path(e.filename) == src:
-            raise UsageError(f"cannot read: {e.strerror}", src) from None
-        raise OutputError(f"cannot write the copy: {e.strerror or e}", final) from None
-    return st.st_size
+        tmp = tx.new_file(final, stat.S_IMODE(os.fstat(f.fd).st_mode))
+        try:
+            with open(tmp, "wb") as out:
+                done = 0
+                while done < f.size:  # streamed in the kernel, never the whole file in memory
+                    n = os.sendfile(out.fileno(), f.fd, done, min(f.size - done, 1 << 30))
+                    if n == 0:
+                        raise UsageError("changed while it was copied (shorter than when opened)", src)
+                    done += n
+        except OSError as e:
+            raise OutputError(f"cannot write the copy: {e.strerror or e}", final) from None
+        return f.size
+    finally:
+        f.close()

@@ -14,12 +14,38 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from .errors import UnsafePath, UsageError
 
 
-def resolve_inside(base_dir: Path, name: str, what: str, origin: str | os.PathLike[str] | None = None) -> Path:
-    """Return ``base_dir/name`` after checking it cannot leave ``base_dir``.
+def model_dir(model: str | os.PathLike[str]) -> Path:
+    """The directory a runtime resolves a model's relative names against: the parent of the path it was given,
+    made absolute, NOT the parent of a symlink's target (ONNX Runtime opens ``dirname(given)/location``; a
+    symlinked model whose target has a file of the same name beside it must not be read with that file's bytes)."""
+    return Path(model).absolute().parent
+
+
+def external_data_roots(model: str | os.PathLike[str]) -> tuple[Path, ...]:
+    """Where ONNX Runtime (1.32, ``ValidateExternalDataPath``) lets a model's external data resolve to: inside the
+    model's directory (resolved), or inside the directory of the model file's own real path. The second is the
+    Hugging Face hub cache: ``snapshots/REV/model.onnx -> ../../blobs/A`` and ``model.onnx_data -> ../../blobs/B``
+    (both physical files side by side in ``blobs/``)."""
+    roots = [model_dir(model).resolve()]
+    real = Path(model).resolve().parent
+    if real not in roots:
+        roots.append(real)
+    return tuple(roots)
+
+
+def resolve_inside(
+    base_dir: Path,
+    name: str,
+    what: str,
+    origin: str | os.PathLike[str] | None = None,
+    roots: tuple[Path, ...] | None = None,
+) -> Path:
+    """Return ``base_dir/name`` (resolved) after checking it cannot leave ``base_dir``.
 
     Refused: empty names, absolute paths (POSIX or Windows, drive letters, UNC),
     any ``..`` component, NUL bytes, and names that resolve (through symlinks)
-    outside ``base_dir``. ``origin`` is the file the name was read from, for the message.
+    outside ``base_dir`` (or outside each of ``roots``, when given: ``external_data_roots``).
+    ``origin`` is the file the name was read from, for the message.
     """
     where = origin if origin is not None else base_dir
     if not name or "\x00" in name:
@@ -31,9 +57,25 @@ def resolve_inside(base_dir: Path, name: str, what: str, origin: str | os.PathLi
         raise UnsafePath(f"{what} path {name!r} contains '..'; it must stay inside the model directory", where)
     base = Path(base_dir).resolve()
     target = (base / name).resolve()
-    if target != base and base not in target.parents:
+    if not any(_inside(target, r) for r in (roots or (base,))):
         raise UnsafePath(f"{what} path {name!r} resolves outside the model directory (symlink?)", where)
     return target
+
+
+def printable(path: str | os.PathLike[str]) -> str:
+    """``path`` for a message: bytes that are not UTF-8 (kept by Python as surrogates) shown as ``\\xNN``."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def check_utf8_path(path: str | os.PathLike[str]) -> None:
+    """Refuse a path whose bytes are not UTF-8: ONNX Runtime's and LiteRT's Python APIs cannot even be given it,
+    and model formats store names (blob locations) as UTF-8 strings."""
+    try:
+        os.fspath(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError(
+            "the name is not valid UTF-8; the runtimes cannot open it: rename it", printable(path)
+        ) from None
 
 
 def plain_file_name(name: object) -> bool:

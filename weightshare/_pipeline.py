@@ -186,15 +186,23 @@ class OldBlobCollector(CommitHook):
         self.pattern = re.compile(
             re.escape(target.base) + rf"\.[0-9a-f]{{{DIGEST_CHARS}}}" + re.escape(target.container.suffix) + "$"
         )
+        # a blob of an earlier --blob name: any digest-named file that weightshare wrote (its align record)
+        self.any_name = re.compile(rf".+\.[0-9a-f]{{{DIGEST_CHARS}}}" + re.escape(target.container.suffix) + "$")
         self.blob_dir, self.keep, self.grace_s = target.directory, keep, grace_s
         self.model_dirs = {out_dir, target.directory}
         self.was_referenced: set[str] = set()
 
     def _candidates(self) -> list[Path]:
+        from ._recorded import blob_metadata
+        from ._safetensors import ALIGN_KEY
+
         return [
             p
             for p in self.blob_dir.iterdir()
-            if self.pattern.match(p.name) and p.name != self.keep and p.is_file() and not p.is_symlink()
+            if p.name != self.keep
+            and p.is_file()
+            and not p.is_symlink()
+            and (self.pattern.match(p.name) or (self.any_name.match(p.name) and ALIGN_KEY in blob_metadata(str(p))))
         ]
 
     def before(self) -> None:
@@ -215,6 +223,8 @@ class OldBlobCollector(CommitHook):
                     continue
                 if c.name in self.was_referenced:
                     os.utime(c)  # unreferenced from now on: the grace period starts here
+                    if self.grace_s <= 0:
+                        c.unlink(missing_ok=True)
                 elif now - c.stat().st_mtime >= self.grace_s:
                     c.unlink(missing_ok=True)
         except OSError:

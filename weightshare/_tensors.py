@@ -20,6 +20,7 @@ import stat
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -103,15 +104,15 @@ def _fd_real_path(fd: int) -> str | None:
 
 def open_input(
     path: str | os.PathLike[str],
-    inside: str | os.PathLike[str] | None = None,
+    inside: str | os.PathLike[str] | tuple[Path, ...] | None = None,
     origin: str | os.PathLike[str] | None = None,
 ) -> InputFile:
     """Open ``path`` for reading, once, refusing anything but a regular file.
 
     With ``inside`` (the model directory; ``path`` must already have passed
     ``resolve_inside``), the last component must not be a symlink and the opened
-    descriptor's real path must lie inside ``inside``: a file swapped for a symlink,
-    or a directory on the way swapped, after the check is refused, never read.
+    descriptor's real path must lie inside ``inside`` (or one of them, ``external_data_roots``): a file swapped
+    for a symlink, or a directory on the way swapped, after the check is refused, never read.
     The open is non-blocking so that a FIFO is refused instead of waiting for a writer.
     """
     path = os.fspath(path)
@@ -139,16 +140,20 @@ def open_input(
 
 
 def _check_opened_inside(
-    fd: int, st: os.stat_result, path: str, inside: str | os.PathLike[str], where: str | os.PathLike[str]
+    fd: int,
+    st: os.stat_result,
+    path: str,
+    inside: str | os.PathLike[str] | tuple[Path, ...],
+    where: str | os.PathLike[str],
 ) -> None:
-    base = os.path.realpath(inside)
+    bases = [os.path.realpath(b) for b in inside] if isinstance(inside, tuple) else [os.path.realpath(inside)]
     real = _fd_real_path(fd)
     if real is None:  # fall back to: the name now resolves to the very file we hold, and inside base
         real = os.path.realpath(path)
         now = os.stat(real)
         if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
             raise UnsafePath(f"{os.path.basename(path)!r} changed while being opened", where)
-    if os.path.commonpath([base, real]) != base:
+    if not any(os.path.commonpath([base, real]) == base for base in bases):
         raise UnsafePath(f"{os.path.basename(path)!r} resolves outside the model directory once opened", where)
 
 

@@ -145,6 +145,8 @@ def verify(
         raise UsageError(f"{original} and {converted} are not the same format")
     if runs < 1:
         raise UsageError("--runs must be at least 1")
+    if not 0 <= seed < 1 << 63:  # numpy's generators take a non-negative seed
+        raise UsageError(f"--seed takes a non-negative integer below 2**63, got {seed}")
     if decode_steps < 0 or (decode_steps and not getattr(get(fmt), "decodes", False)):
         raise UsageError(f"--decode-steps takes a non-negative number of steps, for decoders ({fmt} has none)")
     report = VerifyReport(str(original), str(converted), fmt)

@@ -98,3 +98,33 @@ class ConvertOptions:
         given: object = self.unpack  # the API takes one value or any iterable of them, Unpack members or strings
         values = cast("Iterable[object]", (given,) if isinstance(given, str) else given)
         self.unpack = frozenset(v.value if isinstance(v, Enum) else str(v) for v in values)
+        check_numbers(self)
+
+
+# Each number a user gives, with its option and the range it must lie in: a NaN compares false with every bound
+# (a "timeout" that never fires, a grace period that never ends), an infinity overflows the integer limits it
+# becomes (setrlimit), a negative value means nothing. Upper bounds are far above any real use.
+_RANGES: dict[str, tuple[str, float, float, bool]] = {  # field: (option, low, high, low allowed)
+    "blob_grace_s": ("--blob-grace", 0.0, 100 * 365 * 86400.0, True),
+    "ort_child_timeout_s": ("--ort-child-timeout", 0.0, 30 * 86400.0, False),
+    "ort_child_memory_mib": ("--ort-child-memory", 0.0, float(1 << 40), False),
+    "ort_max_growth": ("--ort-max-growth", 0.0, 1e6, False),
+    "inline_threshold": ("--inline-threshold", 0.0, float(1 << 62), True),
+}
+
+
+def check_numbers(options: ConvertOptions) -> None:
+    """Refuse a number option that is not finite or out of its range (``UsageError``, before anything is read)."""
+    import math
+
+    from .errors import UsageError
+
+    for name, (option, low, high, low_ok) in _RANGES.items():
+        value = getattr(options, name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UsageError(f"{option} takes a number, got {value!r}")
+        if not math.isfinite(value) or value > high or value < low or (value == low and not low_ok):
+            bound = f">= {low:g}" if low_ok else f"> {low:g}"
+            raise UsageError(f"{option} must be a finite number {bound} and <= {high:g}, got {value!r}")

@@ -296,7 +296,7 @@ class _OpenedModel:
 
     @classmethod
     def open(cls, path: Path) -> _OpenedModel:
-        from ._paths import resolve_inside
+        from ._paths import external_data_roots, resolve_inside
         from .formats.onnx.ort_probe import WireError, external_locations
 
         fd = _open_file(path, path)
@@ -312,7 +312,9 @@ class _OpenedModel:
         try:
             for loc in locations:
                 if loc not in opened.blobs:
-                    opened.targets[loc] = resolve_inside(path.parent, loc, "external data", origin=path)
+                    opened.targets[loc] = resolve_inside(
+                        path.parent, loc, "external data", origin=path, roots=external_data_roots(path)
+                    )
                     opened.blobs[loc] = _open_file(opened.targets[loc], path)
         except BaseException:
             opened.close()

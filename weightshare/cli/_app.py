@@ -8,6 +8,7 @@ from __future__ import annotations
 import atexit
 import gc
 import importlib
+import json
 import os
 import signal
 import sys
@@ -96,7 +97,22 @@ def _global(
     VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
 
 
+# Set by main() when the command line asks for --json: a failure is then one JSON document on stdout too (the
+# envelope with the error; the one line stays on stderr), so a script reading stdout never gets an empty document.
+JSON_ERRORS: dict[str, str | None] = {"command": None}
+
+
+def json_error(message: str, code: int) -> None:
+    command = JSON_ERRORS["command"]
+    if command is not None:
+        from .._contract import error_document
+
+        sys.stdout.write(json.dumps(error_document(command, message, code), ensure_ascii=True) + "\n")
+        sys.stdout.flush()
+
+
 def fail(message: str, code: int = 2) -> NoReturn:
+    json_error(message, code)
     err.print(f"weightshare: error: {message}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
@@ -150,11 +166,10 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     return flags + [a for a in args[:end] if a not in _GLOBAL_FLAGS] + args[end:]
 
 
-def _command_path(args: list[str]) -> str:
-    """``weightshare CMD`` for the first argument that names a command (click leaves some errors without one)."""
+def _command_name(args: list[str]) -> str:
+    """The first argument that names a command, or "" (click leaves some errors without a context)."""
     names = {info.name or (info.callback.__name__ if info.callback else "") for info in app.registered_commands}
-    command = next((a for a in args if a in names), None)
-    return f"weightshare {command}" if command else "weightshare"
+    return next((a for a in args if a in names), "")
 
 
 def _run_app(args: list[str]) -> int:
@@ -166,8 +181,10 @@ def _run_app(args: list[str]) -> int:
             print(e.ctx.get_help())
         return 2
     except _CLICK.UsageError as e:
-        command = e.ctx.command_path if e.ctx is not None else _command_path(args)
+        name = _command_name(args)
+        command = e.ctx.command_path if e.ctx is not None else f"weightshare {name}".rstrip()
         message = e.format_message().rstrip(".")
+        json_error(message, 2)
         err.print(f"weightshare: error: {message} (see '{command} -h')", markup=False, highlight=False, soft_wrap=True)
         return 2
     except Abort:  # Ctrl-C while typer itself reads the arguments
@@ -190,6 +207,9 @@ def main() -> None:
     # them multiplies matrices with numpy either (ONNX Runtime and LiteRT have their own thread pools).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     args = hoist_global_flags(sys.argv[1:])
+    options = args[: args.index("--")] if "--" in args else args
+    json_asked = "--json" in options or any(a in ("--format=json", "--format=sarif") for a in options)
+    JSON_ERRORS["command"] = _command_name(args) if json_asked else None
     if os.environ.get("WEIGHTSHARE_DEBUG"):
         sys.exit(_run_app(args))
     try:
@@ -201,6 +221,7 @@ def main() -> None:
         err.print(f"weightshare: error: {what}; no output was left behind", markup=False, highlight=False)
         sys.exit(128 + signal.SIGTERM if isinstance(e, Terminated) else 130)
     except Exception as e:  # a bug in weightshare: still one line, and how to get the traceback
+        json_error(f"internal error: {type(e).__name__}: {e}", 2)
         err.print(
             f"weightshare: internal error: {type(e).__name__}: {e} (set WEIGHTSHARE_DEBUG=1 for a traceback)",
             markup=False,

@@ -37,7 +37,8 @@ _BLOB_GRACE = typer.Option(
     600.0,
     "--blob-grace",
     help="Seconds an earlier blob that no model in "
-    "OUTDIR references any more is kept, for readers that opened the old model.",
+    "OUTDIR references any more, or an output of an earlier run of the same inputs that this run no longer writes "
+    "(a portable twin, a model gone from the folder), is kept, for readers that opened the old model.",
     rich_help_panel="Blob layout",
 )
 
@@ -107,7 +108,7 @@ _ORT_CHILD_TIMEOUT = typer.Option(
     None,
     "--ort-child-timeout",
     help="Seconds the onnxruntime child of --prepack / --unpack ort-cpu may run (CPU time follows); "
-    "default: 300 plus 600 per GiB of model.",
+    "default: 30 plus 600 per GiB of model.",
     rich_help_panel="ONNX Runtime child",
 )
 

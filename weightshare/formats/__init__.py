@@ -10,6 +10,7 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
+from .._paths import check_utf8_path
 from ..errors import InvalidModel, Unsupported
 from .base import BenchRuntime, BlobContainer, BlobFile, Format, FormatOptions
 
@@ -148,6 +149,7 @@ def detect(path: Path) -> Format:
         Unsupported: no format claims it.
     """
     path = Path(path)
+    check_utf8_path(path)
     head = _head(path)
     for fmt in registered():
         if fmt.claims(path, head):

@@ -88,6 +88,20 @@ def _config(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+# What a config file may claim, at most, for a size the graph does not state (docs/reliability.md): a config.json
+# beside the model is as untrusted as the model, and these sizes become the shapes of generated inputs (a
+# hidden_size of 5e7 made verify allocate 1.7 GB). The largest real models stay well below: hidden 18,432
+# (the largest public dense decoders), 128 heads, head size 256, a vocabulary of 262,144.
+CONFIG_CAPS = {"heads": 1024, "kv_heads": 1024, "head_size": 4096, "hidden": 1 << 16, "vocab": 1 << 22}
+
+
+def config_size(fact: str, value: object) -> int | None:
+    """A size a config file claims for ``fact`` (a key of ``CONFIG_CAPS``), or None when it is no positive integer
+    or above its cap (then nothing is taken from the config for it)."""
+    size = _positive(value)
+    return size if size is not None and size <= CONFIG_CAPS.get(fact, 1 << 16) else None
+
+
 def _positive(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
@@ -210,13 +224,16 @@ def _facts_from_configs(facts: ModelFacts, directory: Path) -> None:
         if getattr(facts, fact) is not None:
             continue
         for source, data, keys in (("genai_config.json", decoder, genai_keys), ("config.json", config, config_keys)):
-            value = next((_positive(data.get(k)) for k in keys if _positive(data.get(k))), None)
+            value = next((config_size(fact, data.get(k)) for k in keys if config_size(fact, data.get(k))), None)
+            for k in keys:
+                if value is None and _positive(data.get(k)):
+                    facts.sources.append(f"{source} {k}={data[k]} ignored (above {CONFIG_CAPS[fact]})")
             if value is not None:
                 setattr(facts, fact, value)
                 facts.sources.append(f"{source} ({fact})")
                 break
     if facts.vocab is None:
-        facts.vocab = _positive(model.get("vocab_size")) or _positive(config.get("vocab_size"))
+        facts.vocab = config_size("vocab", model.get("vocab_size")) or config_size("vocab", config.get("vocab_size"))
 
 
 def past_key(name: str, prefixes: tuple[str, ...]) -> str | None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..._findings import Finding, problem_code
 from ..._inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
+from ..._paths import external_data_roots, model_dir
 from ..._recorded import blob_metadata, recorded_payloads, recorded_records
 from ..._tensors import FileRange
 from ...errors import UnsafePath, WeightshareError
@@ -53,8 +54,8 @@ NCHWC_BLOCK = 8  # the smallest NCHWc block (AVX2); AVX-512 machines use 16 and 
 class _LenientScanner(Scanner):
     """Records a broken external reference as a finding instead of stopping the whole inspection."""
 
-    def __init__(self, wf: WireFile, model_dir: Path) -> None:
-        super().__init__(wf, model_dir)
+    def __init__(self, wf: WireFile, model_dir: Path, roots: tuple[Path, ...] | None = None) -> None:
+        super().__init__(wf, model_dir, roots=roots)
         self.problems: dict[int, tuple[str, str, str]] = {}  # ref index -> (location, problem, code)
         self.prepacked: set[int] = set()  # refs whose external data carries ORT's pre-packed copy (--prepack)
         self.packed_entries: dict[int, list[str]] = {}  # ref index -> its prepacked_N entry values
@@ -126,7 +127,7 @@ def _ort_copies(site: Site, uses: list[tuple[pb.NodeProto, int]], packed: bool) 
 def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     inv = ModelInventory(model=str(path), format="onnx", file_bytes=path.stat().st_size)
     with WireFile(path) as wf:
-        scanner = _LenientScanner(wf, path.resolve().parent)
+        scanner = _LenientScanner(wf, model_dir(path), external_data_roots(path))
         skeleton = scanner.scan()
     refs: Sequence[TensorRef] = scanner.refs
     model = load_skeleton(skeleton, path)
@@ -158,7 +159,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
                 info.problem_code = code
             else:
                 part = ref.parts[0]
-                info.file = os.path.relpath(part.path, path.resolve().parent)
+                info.file = os.path.relpath(part.path, model_dir(path))
                 info.offset = part.offset
                 info.alignment = alignment_of(part.offset)
                 external_files.add(info.file)
@@ -189,7 +190,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             to_hash.append((info, ref.parts[0] if len(ref.parts) == 1 else ref.native_source()))
         inv.payloads.append(info)
     inv.external_files = sorted(external_files)
-    sums = {name: recorded_payloads(str(path.resolve().parent / name)) for name in external_files}
+    sums = {name: recorded_payloads(str(model_dir(path) / name)) for name in external_files}
     for info in inv.payloads:
         if info.location == "external" and info.file in sums and info.offset is not None:
             info.recorded_sha256 = sums[info.file].get((info.offset, info.nbytes), "")
@@ -198,7 +199,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     inv.fallback_of, bad_records = _fallback_of(path, inv.external_files)
     inv.findings += bad_records
     by_index = {ref.index: info for ref, info in zip((p.ref for p in placements), inv.payloads)}
-    inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, path.resolve().parent)
+    inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, model_dir(path))
     return inv
 
 
@@ -208,7 +209,7 @@ def _fallback_of(path: Path, files: list[str]) -> tuple[str, list[Finding]]:
     ``prepack_record.parse_record``)."""
     fallback, findings = "", []
     for name in files:
-        raw = blob_metadata(str(path.resolve().parent / name)).get(PREPACK_KEY)
+        raw = blob_metadata(str(model_dir(path) / name)).get(PREPACK_KEY)
         if raw is None:
             continue
         try:

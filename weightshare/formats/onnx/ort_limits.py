@@ -4,7 +4,8 @@ ORT optimizes whatever graph it is given: constant folding can turn a 136-byte m
 and some graphs keep it busy for minutes. A hostile model must end the run with one line, so each child runs
 under limits derived from the model's own size, each with a floor that every ordinary model stays far below:
 
-- wall time: ``WALL_FLOOR_S`` + ``WALL_S_PER_GIB`` per GiB of input (``--ort-child-timeout`` overrides);
+- wall time: ``WALL_FLOOR_S`` (30 s) + ``WALL_S_PER_GIB`` per GiB of input (``derived_wall_s``;
+  ``--ort-child-timeout`` overrides);
 - CPU time (RLIMIT_CPU): the wall time times the CPUs ORT's thread pool may use;
 - address space (RLIMIT_AS): ``MEMORY_FLOOR`` + ``MEMORY_PER_BYTE`` x input (``--ort-child-memory`` overrides);
 - file size (RLIMIT_FSIZE) and, checked afterwards, everything ORT wrote: ``--ort-max-growth`` (default 4) x
@@ -36,7 +37,10 @@ def budget_from_env() -> int:
     return int(value) if value.isdigit() and int(value) > 0 else DEFAULT_BUDGET
 
 
-WALL_FLOOR_S = 300.0
+# A floor of seconds, not minutes: python + onnxruntime start in about 1 s and optimize a small model in 1-2 s
+# more; a model of a few hundred bytes that keeps ORT busy longer asks for work its size does not justify (a
+# constant-folding bomb that ``fold_bound`` could not size statically).
+WALL_FLOOR_S = 30.0
 WALL_S_PER_GIB = 600.0
 MEMORY_FLOOR = 4 << 30  # python + onnxruntime + numpy map ~0.4 GiB of address space before loading anything
 MEMORY_PER_BYTE = 8  # the mapped model, ORT's optimized copy, reordered and packed copies, allocator slack
@@ -120,6 +124,11 @@ def die_with_parent(parent: int | None = None) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+def derived_wall_s(input_bytes: int) -> float:
+    """The wall time a model of ``input_bytes`` justifies (its CPU time follows in ``limits_for``)."""
+    return WALL_FLOOR_S + WALL_S_PER_GIB * input_bytes / (1 << 30)
+
+
 def limits_for(
     input_bytes: int,
     where: str | os.PathLike[str],
@@ -128,7 +137,7 @@ def limits_for(
     growth: float | None = None,
 ) -> ChildLimits:
     """The limits for a child working on a model of ``input_bytes`` (model file plus its weights)."""
-    wall = timeout_s if timeout_s is not None else WALL_FLOOR_S + WALL_S_PER_GIB * input_bytes / (1 << 30)
+    wall = timeout_s if timeout_s is not None else derived_wall_s(input_bytes)
     memory = memory_mib << 20 if memory_mib is not None else MEMORY_FLOOR + MEMORY_PER_BYTE * input_bytes
     factor = growth if growth is not None else DEFAULT_GROWTH
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -14,6 +14,10 @@ beside them (0600): an entry edited by hand, copied from another account or mach
 ignored and the blob verified again. Only "intact" verdicts are stored; a mismatch is found again (and
 said again) every time. Entries are written to a private temporary name and renamed into place.
 Nothing here can make a blob pass that fails: at worst the cache is missed and the digests are hashed.
+
+The cache is bounded: each write drops entries older than ``MAX_AGE_S`` (30 days) and, beyond ``MAX_ENTRIES``
+(128, about 40 KiB), the least recently written ones; a temporary of a killed writer goes after an hour. Every
+re-conversion makes a new blob (a new inode), so without this the entries of blobs long gone would pile up.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ _FORMAT = "weightshare-ort-verdict/1"
 _KEY_NAME = "key"
 _KEY_BYTES = 32
 _MAX_ENTRY = 4096
+MAX_ENTRIES = 128
+MAX_AGE_S = 30 * 86400
+_TMP_AGE_S = 3600
 Identity = tuple[int, int, int, int, int]
 
 
@@ -167,6 +174,44 @@ def remember_intact(identity: Identity, header_sha256: str) -> None:
             log.debug("weightshare: the verdict cache %s is not usable; not remembering the check", cache_dir())
             return
         _write_atomic(name, body + b"\n" + hmac.new(key, body, hashlib.sha256).hexdigest().encode(), dir_fd)
+        prune(dir_fd, keep=name)
+
+
+def prune(dir_fd: int, keep: str = "", now: float | None = None) -> None:
+    """Bound the cache (``MAX_ENTRIES``, ``MAX_AGE_S``); best effort, concurrent writers may prune the same."""
+    import time
+
+    now = time.time() if now is None else now
+    entries: list[tuple[float, str]] = []
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for n in names:
+        is_entry = len(n) == 40 and all(c in "0123456789abcdef" for c in n)
+        if not is_entry and not n.startswith(".tmp-"):
+            continue  # the key, or nothing of ours
+        try:
+            st = os.stat(n, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if not is_entry:
+            if now - st.st_mtime > _TMP_AGE_S:
+                _unlink(n, dir_fd)
+        elif n != keep and now - st.st_mtime > MAX_AGE_S:
+            _unlink(n, dir_fd)
+        else:
+            entries.append((st.st_mtime if n != keep else now, n))
+    entries.sort(reverse=True)
+    for _mtime, n in entries[MAX_ENTRIES:]:
+        _unlink(n, dir_fd)
+
+
+def _unlink(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 
 def header_sha256(fd: int) -> str | None:

@@ -35,6 +35,7 @@ from ...errors import InvalidModel, Unsupported, UsageError
 from ...options import ConvertOptions
 from . import dtypes
 from ._proto import load_model, pb
+from .fold_bound import check_constant_folding
 from .graph import collect_sites, subgraphs
 from .ort_limits import ChildLimits, limits_for
 from .scan import REF_KEY, TensorRef
@@ -189,6 +190,7 @@ def run_probe(
         raise UsageError("--unpack ort-cpu needs onnxruntime installed (pip install onnxruntime)", src)
     opts = options or ConvertOptions()
     input_bytes = src.stat().st_size + sum(r.native_nbytes for r in refs)
+    check_constant_folding(skeleton, input_bytes, src, opts.ort_max_growth)
     limits = limits_for(input_bytes, src, opts.ort_child_timeout_s, opts.ort_child_memory_mib, opts.ort_max_growth)
     where = locked_stage(stage_in, "ortcpu") if stage_in is not None else tempfile.TemporaryDirectory(prefix=TMP)
     with where as tmp_name:

@@ -45,6 +45,7 @@ from ...report import ConversionReport, JsonDict
 from . import dtypes
 from ._proto import load_model, pb
 from .disk_use import ReleasedRange, mark_overlaps
+from .fold_bound import check_staged
 from .ort_limits import budget_from_env, limits_for
 from .prepack_record import METADATA_KEY, PACKED_PREFIX
 
@@ -207,6 +208,7 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
         str(options.inline_threshold),
         str(budget_from_env()),
     ]
+    check_staged(model, src, options.ort_max_growth)  # a folding bomb is refused before the child starts
     if options.stage is not None:
         options.stage("onnxruntime optimizes and packs the weights (child process)")
     res, peak = _run_bounded(cmd, model.parent, src, options)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import overload
 
-from ..._paths import resolve_inside
+from ..._paths import external_data_roots, model_dir, resolve_inside
 from ..._recorded import CheckedSource, recorded_payloads
 from ..._tensors import ConcatSource, FileRange, InputFile, PayloadSource, open_input
 from ...errors import InvalidModel, Unsupported
@@ -248,9 +248,16 @@ class RefTable(Sequence["TensorRef"]):
 
 
 class Scanner:
-    def __init__(self, wf: WireFile, model_dir: Path, model_file: InputFile | None = None):
+    def __init__(
+        self,
+        wf: WireFile,
+        model_dir: Path,
+        model_file: InputFile | None = None,
+        roots: tuple[Path, ...] | None = None,
+    ):
         self.wf = wf
-        self.model_dir = model_dir
+        self.model_dir = model_dir  # the given path's directory: where ONNX Runtime opens external data
+        self.roots = roots or (model_dir,)  # where that data may resolve to (external_data_roots)
         self.model_file = model_file  # payloads inside the model are read through this fd, not by name
         self.refs = RefTable(wf.path, model_file)
         self._external: dict[str, InputFile] = {}  # each external file opened (and checked) once
@@ -456,7 +463,9 @@ class Scanner:
         location = info.get("location")
         if not location:
             raise InvalidModel(f"tensor {name!r} is external but has no location", wf.path)
-        target = resolve_inside(self.model_dir, location, f"external data of tensor {name!r}", wf.path)
+        target = resolve_inside(
+            self.model_dir, location, f"external data of tensor {name!r}", wf.path, roots=self.roots
+        )
         f = self._open_external(target, location, name)
         offset = _ort_integer(name, "offset", info.get("offset", "0"), wf.path)
         length = _ort_integer(name, "length", info.get("length", "0"), wf.path)
@@ -473,7 +482,8 @@ class Scanner:
             raise InvalidModel(
                 f"external data of tensor {name!r} has {length} bytes, its dims and type need {expected}", wf.path
             )
-        return FileRange(str(target), offset, length, f)
+        # named as ONNX Runtime opens it (beside the model path given), read through the fd opened at ``target``
+        return FileRange(str(self.model_dir / location), offset, length, f)
 
     def _open_external(self, target: Path, location: str, name: str) -> InputFile:
         """Open the checked path once (no symlink, regular file, still inside the model directory) and keep
@@ -483,7 +493,7 @@ class Scanner:
         if f is None:
             if not target.exists():
                 raise InvalidModel(f"external data file {location!r} of tensor {name!r} is missing", self.wf.path)
-            f = self._external[key] = open_input(target, self.model_dir, self.wf.path)
+            f = self._external[key] = open_input(target, self.roots, self.wf.path)
         return f
 
 
@@ -524,7 +534,7 @@ def scan_model(path: Path) -> tuple[bytes, RefTable]:
     with WireFile(path) as wf:
         if not os.path.samestat(os.fstat(wf.fd), os.fstat(model_file.fd)):
             raise InvalidModel("the file changed while it was being opened", path)
-        scanner = Scanner(wf, path.resolve().parent, model_file)
+        scanner = Scanner(wf, model_dir(path), model_file, external_data_roots(path))
         skeleton = scanner.scan()
     return skeleton, scanner.refs
 
