@@ -66,10 +66,16 @@ class ModelBuilder:
         self.subgraphs.append(g)
         return g
 
-    def signature(self, key: str, graph: GraphBuilder) -> None:
+    def signature(
+        self, key: str, graph: GraphBuilder, inputs: list[str] | None = None, outputs: list[str] | None = None
+    ) -> None:
+        """A SignatureDef over ``graph``'s inputs and outputs, named ``inputs``/``outputs`` (in the graph's order);
+        by default the tensors' own names. Converters name them otherwise: see ``keras_style_model``."""
         sd = s.SignatureDefT(signatureKey=key, subgraphIndex=self.subgraphs.index(graph))
-        sd.inputs = [s.TensorMapT(name=graph.tensors[i].name, tensorIndex=i) for i in graph.inputs]
-        sd.outputs = [s.TensorMapT(name=graph.tensors[i].name, tensorIndex=i) for i in graph.outputs]
+        in_names = inputs or [graph.tensors[i].name for i in graph.inputs]
+        out_names = outputs or [graph.tensors[i].name for i in graph.outputs]
+        sd.inputs = [s.TensorMapT(name=n, tensorIndex=i) for n, i in zip(in_names, graph.inputs, strict=True)]
+        sd.outputs = [s.TensorMapT(name=n, tensorIndex=i) for n, i in zip(out_names, graph.outputs, strict=True)]
         self.signatures.append(sd)
 
     def add_metadata(self, name: str, data: bytes) -> None:
@@ -103,8 +109,10 @@ class GraphBuilder:
         self.inputs: list[int] = []
         self.outputs: list[int] = []
 
-    def tensor(self, name: str, shape, dtype, buffer: int = 0, quant: tuple | None = None) -> int:
+    def tensor(self, name: str, shape, dtype, buffer: int = 0, quant: tuple | None = None, signature=None) -> int:
         t = s.TensorT(shape=list(shape), type=_NP_TYPES[np.dtype(dtype)], buffer=buffer, name=name)
+        if signature is not None:  # the converters' dynamic dims: -1 here, 1 in ``shape``
+            t.shapeSignature = list(signature)
         if quant is not None:
             scale, zero = quant
             t.quantization = s.QuantizationParametersT(
@@ -117,8 +125,8 @@ class GraphBuilder:
         array = np.ascontiguousarray(array)
         return self.tensor(name, array.shape, array.dtype, self.model.buffer(array.tobytes()), quant)
 
-    def input(self, name: str, shape, dtype="float32", quant=None) -> int:
-        i = self.tensor(name, shape, dtype, quant=quant)
+    def input(self, name: str, shape, dtype="float32", quant=None, signature=None) -> int:
+        i = self.tensor(name, shape, dtype, quant=quant, signature=signature)
         self.inputs.append(i)
         return i
 
@@ -324,4 +332,135 @@ def lm_model(path: Path, vocab: int = 1000, width: int = 64, seq: int = 8, signa
     g.outputs = [logits, picked]
     if signature:
         mb.signature("serving_default", g)
+    return mb.save(path)
+
+
+_FC = (s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
+_FC_KEEP = (s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT(keepNumDims=True))
+
+
+def keras_style_model(path: Path, seed: int = 0, width: int = 256) -> Path:
+    """What the TF Lite converter writes for a Keras ``Sequential([Input((64,), name="x"), Dense(width, relu),
+    Dense(10)])`` (scripts/build_tflite_exporters.py prints the real one): the signature ``serving_default`` names its
+    input ``x`` and its output ``dense_1`` (the Keras names) while the tensors are ``serving_default_x:0`` and
+    ``StatefulPartitionedCall:0``; the batch dim is dynamic (shape_signature -1)."""
+    rng = np.random.default_rng(seed)
+    mb = ModelBuilder()
+    g = mb.subgraph("main")
+    x = g.input("serving_default_x:0", [1, 64], signature=[-1, 64])
+    w1 = g.const("sequential/dense/MatMul", (rng.standard_normal((width, 64)) * 0.1).astype(np.float32))
+    b1 = g.const("sequential/dense/BiasAdd/ReadVariableOp", (rng.standard_normal(width) * 0.1).astype(np.float32))
+    h_name = "sequential/dense/MatMul;sequential/dense/Relu;sequential/dense/BiasAdd"
+    h = g.tensor(h_name, [1, width], "float32", signature=[-1, width])
+    relu = s.FullyConnectedOptionsT(fusedActivationFunction=s.ActivationFunctionType.RELU)
+    g.op(OP.FULLY_CONNECTED, [x, w1, b1], [h], s.BuiltinOptions.FullyConnectedOptions, relu)
+    w2 = g.const("sequential/dense_1/MatMul", (rng.standard_normal((10, width)) * 0.1).astype(np.float32))
+    b2 = g.const("sequential/dense_1/BiasAdd/ReadVariableOp", (rng.standard_normal(10) * 0.1).astype(np.float32))
+    y = g.tensor("StatefulPartitionedCall:0", [1, 10], "float32", signature=[-1, 10])
+    g.op(OP.FULLY_CONNECTED, [h, w2, b2], [y], *_FC)
+    g.outputs = [y]
+    mb.signature("serving_default", g, inputs=["x"], outputs=["dense_1"])
+    return mb.save(path)
+
+
+LM_SIGNATURES = ("prefill", "decode")
+
+
+def two_signature_lm(
+    path: Path,
+    vocab: int = 2048,
+    width: int = 128,
+    cache: int = 32,
+    prefill: int = 8,
+    seed: int = 0,
+    decode_mask_seed: int | None = None,
+) -> Path:
+    """A toy LM as litert-torch writes one (``litert_torch.signature("prefill", ...).signature("decode", ...)``, see
+    scripts/build_tflite_exporters.py): two subgraphs, one per signature, over ONE copy of the weights (their
+    tensors point at the same buffers); inputs ``tokens`` [1, T] int32 into an embedding table (GATHER), ``input_pos``
+    [T] int32 and the KV cache ``kv_cache_k_0``/``kv_cache_v_0`` [1, cache, width]; outputs ``logits`` [1, T, vocab]
+    and the updated cache (DYNAMIC_UPDATE_SLICE at ``input_pos[0]``) under the same names. Signature names are not
+    the tensors' (``decode_input_pos:0``, ``StatefulPartitionedCall:1``). T is ``prefill`` or 1.
+
+    The decode signature alone reads one constant, its attention mask (``decode_mask_seed`` changes its values:
+    a weight only decode reads)."""
+    rng = np.random.default_rng(seed)
+    mb = ModelBuilder()
+    shared = {
+        "embedding": (rng.standard_normal((vocab, width)) * 0.1).astype(np.float32),
+        "pos_embedding": (rng.standard_normal((cache, width)) * 0.1).astype(np.float32),
+        "q_proj": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+        "k_proj": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+        "v_proj": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+        "lm_head": (rng.standard_normal((vocab, width)) / np.sqrt(width)).astype(np.float32),
+    }
+    buffers = {name: mb.buffer(a.tobytes()) for name, a in shared.items()}
+    mask_rng = np.random.default_rng(seed + 1 if decode_mask_seed is None else decode_mask_seed)
+    decode_mask = (mask_rng.standard_normal(cache) * 0.5).astype(np.float32)
+    for key in LM_SIGNATURES:
+        t = prefill if key == "prefill" else 1
+        g = mb.subgraph(key)
+
+        def w(name: str, g=g) -> int:
+            return g.tensor(f"model/{name}/weight", shared[name].shape, "float32", buffers[name])
+
+        tokens = g.input(f"{key}_tokens:0", [1, t], "int32")
+        pos = g.input(f"{key}_input_pos:0", [t], "int32")
+        kv_k = g.input(f"{key}_kv_cache_k_0:0", [1, cache, width])
+        kv_v = g.input(f"{key}_kv_cache_v_0:0", [1, cache, width])
+        emb = g.tensor("model/embedding/gather", [1, t, width], "float32")
+        g.op(OP.GATHER, [w("embedding"), tokens], [emb], s.BuiltinOptions.GatherOptions, s.GatherOptionsT(axis=0))
+        pe = g.tensor("model/pos_embedding/gather", [t, width], "float32")
+        g.op(OP.GATHER, [w("pos_embedding"), pos], [pe], s.BuiltinOptions.GatherOptions, s.GatherOptionsT(axis=0))
+        h = g.tensor("model/add", [1, t, width], "float32")
+        g.op(OP.ADD, [emb, pe], [h], s.BuiltinOptions.AddOptions, s.AddOptionsT())
+        q, k, v = (g.tensor(f"model/{n}", [1, t, width], "float32") for n in ("q", "k", "v"))
+        for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            g.op(OP.FULLY_CONNECTED, [h, w(name), -1], [out], *_FC_KEEP)
+        # start index of the cache update: [0, input_pos[0], 0]
+        first = g.tensor("model/pos0", [1], "int32")
+        g.op(
+            OP.SLICE,
+            [pos, g.const("slice_begin", np.array([0], np.int32)), g.const("slice_size", np.array([1], np.int32))],
+            [first],
+        )
+        zero = g.const("zero", np.array([0], np.int32))
+        start = g.tensor("model/start", [3], "int32")
+        g.op(
+            OP.CONCATENATION,
+            [zero, first, zero],
+            [start],
+            s.BuiltinOptions.ConcatenationOptions,
+            s.ConcatenationOptionsT(axis=0),
+        )
+        new_k = g.tensor("StatefulPartitionedCall:1", [1, cache, width], "float32")
+        new_v = g.tensor("StatefulPartitionedCall:2", [1, cache, width], "float32")
+        g.op(OP.DYNAMIC_UPDATE_SLICE, [kv_k, k, start], [new_k])
+        g.op(OP.DYNAMIC_UPDATE_SLICE, [kv_v, v, start], [new_v])
+        scores = g.tensor("model/scores", [1, t, cache], "float32")
+        bmm_t = s.BatchMatMulOptionsT(adjX=False, adjY=True)
+        g.op(OP.BATCH_MATMUL, [q, new_k], [scores], s.BuiltinOptions.BatchMatMulOptions, bmm_t)
+        if key == "decode":
+            masked = g.tensor("model/masked_scores", [1, t, cache], "float32")
+            g.op(
+                OP.ADD,
+                [scores, g.const("decode/mask", decode_mask)],
+                [masked],
+                s.BuiltinOptions.AddOptions,
+                s.AddOptionsT(),
+            )
+            scores = masked
+        probs = g.tensor("model/probs", [1, t, cache], "float32")
+        g.op(OP.SOFTMAX, [scores], [probs], s.BuiltinOptions.SoftmaxOptions, s.SoftmaxOptionsT(beta=1.0))
+        att = g.tensor("model/attention", [1, t, width], "float32")
+        g.op(OP.BATCH_MATMUL, [probs, new_v], [att], s.BuiltinOptions.BatchMatMulOptions, s.BatchMatMulOptionsT())
+        logits = g.tensor("StatefulPartitionedCall:0", [1, t, vocab], "float32")
+        g.op(OP.FULLY_CONNECTED, [att, w("lm_head"), -1], [logits], *_FC_KEEP)
+        g.outputs = [logits, new_k, new_v]
+        mb.signature(
+            key,
+            g,
+            inputs=["tokens", "input_pos", "kv_cache_k_0", "kv_cache_v_0"],
+            outputs=["logits", "kv_cache_k_0", "kv_cache_v_0"],
+        )
     return mb.save(path)

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -89,48 +89,135 @@ def _random_array(
 
 # op -> (position of the index input, position of the indexed tensor)
 _INDEXING = {"GATHER": (1, 0), "GATHER_ND": (1, 0), "EMBEDDING_LOOKUP": (0, 1)}
+# ops that pass index values through unchanged (litert-torch reshapes token ids before the embedding lookup)
+_PASS_THROUGH = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS", "CAST", "IDENTITY")
 
 
-def index_bounds(interp: Interpreter) -> dict[int, int | None]:
-    """Tensor index of a graph input used as indices -> exclusive bound (None when unknown)."""
-    try:
-        ops = interp._get_ops_details()  # no public API lists ops and their tensors
-    except Exception:  # noqa: BLE001 -- an older LiteRT: fall back to the plain integer range
-        return {}
-    inputs = {d["index"] for d in interp.get_input_details()}
-    shapes = {d["index"]: [int(x) for x in d["shape_signature"]] for d in interp.get_tensor_details()}
+def _subgraph_bounds(graph: Any, sg: Any) -> dict[int, int | None]:
+    """Tensor index of a subgraph input whose values index a table -> exclusive bound (None: size unknown)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from ..formats.tflite.graph import builtin_code, indices
+
+    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+    codes = [names.get(builtin_code(c), "") for c in graph.operatorCodes or []]
+    tensors = sg.tensors or []
+    carries = {i: i for i in indices(sg.inputs)}  # tensor -> the subgraph input whose values it holds
     bounds: dict[int, int | None] = {}
-    for op in ops:
-        where = _INDEXING.get(op.get("op_name", ""))
-        ins = [int(i) for i in op.get("inputs", [])]
-        if where is None or len(ins) <= max(where) or ins[where[0]] not in inputs:
+    for op in sg.operators or []:
+        name = codes[op.opcodeIndex] if 0 <= op.opcodeIndex < len(codes) else ""
+        ins, outs = indices(op.inputs), indices(op.outputs)
+        if name in _PASS_THROUGH and ins and ins[0] in carries:
+            for o in outs:
+                carries[o] = carries[ins[0]]
             continue
-        data = shapes.get(ins[where[1]], [])
-        size = (min(data) if op["op_name"] == "GATHER_ND" else data[0]) if data else None
-        bounds[ins[where[0]]] = None if size is None or size < 1 else size
+        where = _INDEXING.get(name)
+        if where is None or len(ins) <= max(where) or ins[where[0]] not in carries:
+            continue
+        table = tensors[ins[where[1]]] if 0 <= ins[where[1]] < len(tensors) else None
+        shape = None if table is None else table.shapeSignature if table.shapeSignature is not None else table.shape
+        dims = [] if shape is None else [int(d) for d in shape]
+        if name == "GATHER":
+            axis = int(getattr(op.builtinOptions, "axis", 0) or 0)
+            dims = dims[axis:] if 0 <= axis < len(dims) else dims[axis:][:1] if -len(dims) <= axis < 0 else []
+        size = (min(dims) if name == "GATHER_ND" else dims[0]) if dims else -1
+        source = carries[ins[where[0]]]
+        known = bounds.get(source)
+        if size < 1:
+            bounds.setdefault(source, None)
+        else:
+            bounds[source] = size if known is None else min(known, size)
     return bounds
 
 
-def _shape(details: TensorDetails, shapes: dict[str, list[int]], dims: dict[str, int], name: str) -> list[int]:
-    if name in shapes:
-        return shapes[name]
+def _text(value: bytes | str | None) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value or "")
+
+
+def signature_bounds(model_path: str) -> dict[str, dict[str, int | None]]:
+    """Signature key -> input name -> exclusive bound of the values it must take, for inputs used as indices
+    (GATHER, GATHER_ND, EMBEDDING_LOOKUP, directly or through a reshape/cast), read from the model's graph: each
+    signature runs its own subgraph, whose ops the Interpreter's ``_get_ops_details`` (primary subgraph only) does
+    not list. Names are the signature's (``tokens``, not ``prefill_tokens:0``); the primary subgraph of a model
+    without SignatureDefs is key "" with tensor names."""
+    from ..formats.tflite.flatbuf import check_header, open_model, read_graph
+    from ..formats.tflite.graph import tensor_name
+
+    with open_model(model_path) as (reader, mapping):
+        check_header(reader)
+        graph = read_graph(reader, mapping)
+    subgraphs = graph.subgraphs or []
+    out: dict[str, dict[str, int | None]] = {}
+    if not graph.signatureDefs:
+        if subgraphs:
+            sg = subgraphs[0]
+            out[""] = {tensor_name(sg.tensors[i]): b for i, b in _subgraph_bounds(graph, sg).items()}
+        return out
+    for sd in graph.signatureDefs:
+        key = _text(sd.signatureKey)
+        if not 0 <= sd.subgraphIndex < len(subgraphs):
+            continue
+        by_tensor = _subgraph_bounds(graph, subgraphs[sd.subgraphIndex])
+        names = {int(m.tensorIndex): _text(m.name) for m in sd.inputs or []}
+        out[key] = {names[i]: b for i, b in by_tensor.items() if i in names}
+    return out
+
+
+def _shape(
+    details: TensorDetails, shapes: dict[str, list[int]], dims: dict[str, int], name: str, plain: str = ""
+) -> list[int]:
+    """``--shape SIGNATURE:NAME=...`` (``name``), else ``--shape NAME=...`` (``plain``), else the declared shape
+    with dynamic dims set by ``--dim '*=N'``."""
+    for n in (name, plain):
+        if n and n in shapes:
+            return shapes[n]
     signature = details.get("shape_signature")
     sig = [int(x) for x in (signature if signature is not None and len(signature) else details["shape"])]
     return [d if d >= 0 else dims.get("*", 1) for d in sig]
 
 
-class EntryPoint:
-    """One signature (or the primary subgraph): seeded random feeds in, outputs by name out."""
+def given_for(given: dict[str, np.ndarray] | None, key: str | None, name: str) -> np.ndarray | None:
+    """The value given for input ``name`` of signature ``key``: ``--input SIGNATURE:NAME=FILE`` first (signatures
+    of one LM take ``tokens`` as [1, 16] and [1, 1]), then ``--input NAME=FILE`` for every signature with it."""
+    if not given:
+        return None
+    if key and f"{key}:{name}" in given:
+        return given[f"{key}:{name}"]
+    return given.get(name)
 
-    def __init__(self, interp: Interpreter, key: str | None):
+
+def unknown_given(entries: list[tuple[str, EntryPoint]], given: dict[str, Any]) -> list[str]:
+    """The ``--input`` names no signature takes (``NAME`` or ``SIGNATURE:NAME``)."""
+    known: set[str] = set()
+    for key, entry in entries:
+        for name in entry.input_details():
+            known.add(name)
+            if key:
+                known.add(f"{key}:{name}")
+    return [n for n in given if n not in known]
+
+
+class EntryPoint:
+    """One signature (or the primary subgraph): seeded random feeds in, outputs by name out.
+
+    ``bounds``: the signature's index inputs -> exclusive bound (``signature_bounds``)."""
+
+    def __init__(self, interp: Interpreter, key: str | None, bounds: dict[str, int | None] | None = None):
         self.interp, self.key = interp, key
         self.runner = interp.get_signature_runner(key) if key else None
+        self.bounds = bounds or {}
 
     def input_details(self) -> dict[str, TensorDetails]:
         if self.runner:
             details: dict[str, TensorDetails] = self.runner.get_input_details()
             return details
         return {d["name"]: d for d in self.interp.get_input_details()}
+
+    def output_details(self) -> dict[str, TensorDetails]:
+        if self.runner:
+            details: dict[str, TensorDetails] = self.runner.get_output_details()
+            return details
+        return {d["name"]: d for d in self.interp.get_output_details()}
 
     def feeds(
         self,
@@ -142,24 +229,25 @@ class EntryPoint:
         from ..errors import UsageError
 
         rng = np.random.default_rng(seed)
-        bounds = index_bounds(self.interp)
         feeds: dict[str, np.ndarray] = {}
         for name, d in self.input_details().items():
-            if given and name in given:
-                feeds[name] = given[name]
+            value = given_for(given, self.key, name)
+            if value is not None:
+                feeds[name] = value
                 continue
-            if d["index"] in bounds and bounds[d["index"]] is None:
+            if name in self.bounds and self.bounds[name] is None:
+                where = f"{self.key}:{name}" if self.key else name
                 raise UsageError(
-                    f"input {name!r} indexes a tensor of unknown size, so random values would be "
-                    f"out of range; give it with --input {name}=FILE.npy"
+                    f"input {where!r} indexes a tensor of unknown size, so random values would be "
+                    f"out of range; give it with --input {where}=FILE.npy"
                 )
-            feeds[name] = _random_array(
-                rng, _shape(d, shapes or {}, dims or {}, name), d["dtype"], bounds.get(d["index"])
-            )
+            shape = _shape(d, shapes or {}, dims or {}, f"{self.key}:{name}" if self.key else name, name)
+            feeds[name] = _random_array(rng, shape, d["dtype"], self.bounds.get(name))
         return feeds
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.runner:
+            # np.array copies: the runner's outputs view its interpreter's tensors, which the next run overwrites
             return {k: np.array(v) for k, v in self.runner(**feeds).items()}
         details = self.interp.get_input_details()
         for d in details:
@@ -170,11 +258,14 @@ class EntryPoint:
         return {d["name"]: o for d, o in zip(self.interp.get_output_details(), outs)}
 
 
-def entry_points(interp: Interpreter) -> list[tuple[str, EntryPoint]]:
+def entry_points(interp: Interpreter, model_path: str | None = None) -> list[tuple[str, EntryPoint]]:
+    """Every signature of ``interp`` (or its primary subgraph, key ""); ``model_path``: the model it opened, read
+    for the inputs used as indices (without it, random index values may be out of range)."""
+    bounds = signature_bounds(model_path) if model_path else {}
     keys = list(interp.get_signature_list())
     if not keys:
-        return [("", EntryPoint(interp, None))]
-    return [(k, EntryPoint(interp, k)) for k in keys]
+        return [("", EntryPoint(interp, None, bounds.get("")))]
+    return [(k, EntryPoint(interp, k, bounds.get(k))) for k in keys]
 
 
 def open_mode(model_path: str, mode: str) -> Interpreter:
@@ -229,7 +320,7 @@ def compiled_entry_points(
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.options import Options
 
-    feeders = dict(entry_points(open_mode(inputs_from, MODES[0])))
+    feeders = dict(entry_points(open_mode(inputs_from, MODES[0]), inputs_from))
     if cache_path is None:
         model = CompiledModel.from_file(model_path)
     else:
@@ -267,7 +358,7 @@ def _probe(model_path: str, counts: list[int], share: bool, inputs: dict[str, st
     t0 = time.perf_counter()
     for n in range(1, max(counts) + 1):
         interp = new_interpreter(model_path, share, allocate=False)
-        for _key, entry in entry_points(interp):
+        for _key, entry in entry_points(interp, model_path):
             entry(entry.feeds(0, given))
         interps.append(interp)
         if n in counts:

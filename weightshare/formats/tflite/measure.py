@@ -42,7 +42,7 @@ def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDic
                 return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
             if ran:
                 try:
-                    for _key, entry in entry_points(interp):
+                    for _key, entry in entry_points(interp, model_path):
                         entry(entry.feeds(0, {}))
                 except Exception:  # noqa: BLE001 -- inputs it cannot make up: interpreters are measured unrun
                     ran = False

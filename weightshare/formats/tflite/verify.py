@@ -94,12 +94,12 @@ def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[t
     refusals: list[str] = []
     for mode in MODES:
         try:
-            ea = entry_points(open_mode(str(original), mode))
+            ea = entry_points(open_mode(str(original), mode), str(original))
         except LITERT_ERRORS as e:
             refusals.append(f"{mode}: {first_line(e)}")
             continue
         try:
-            eb: Any = entry_points(open_mode(str(converted), mode))
+            eb: Any = entry_points(open_mode(str(converted), mode), str(converted))
         except LITERT_ERRORS as e:
             eb = f"the converted model fails to load in LiteRT ({mode}): {first_line(e)}"
         opened.append((mode, f"LiteRT Interpreter, {mode}", ea, eb))
