@@ -38,6 +38,7 @@ class TfliteFormat:
     findings = CODES
     settings = ("litert-builtin", "litert-xnnpack", "litert-compiled-cache")  # inventory.NO_DELEGATE, XNNPACK, ...
     options = FormatOptions(unpack=UNPACK, fields=("external",))  # --external: ExternalBuffer groups in a blob
+    decodes = True  # verify --decode-steps: a prefill signature, then decode steps feeding the KV outputs back
 
     @property
     def blob_container(self) -> BlobContainer:
