@@ -343,27 +343,93 @@ def run(interp: Interpreter, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:
     return [interp.get_tensor(d["index"]).copy() for d in interp.get_output_details()]
 
 
-def _probe(model_path: str, counts: list[int], share: bool, inputs: dict[str, str] | None = None) -> list[JsonDict]:
-    """In this process: open interpreters one by one (each signature run once), memory after each count.
+def instance_buffers(model_path: str, interp: Interpreter) -> int:
+    """Bytes of one instance's own buffers after its signatures ran: every tensor of every signature's subgraph
+    that holds no constant data (activations, inputs and outputs, the KV cache fed in and out), at the shapes
+    ``interp`` allocated. An upper bound of LiteRT's arena (which reuses memory between tensors whose lifetimes do
+    not overlap): what an instance costs apart from weight copies."""
+    from ..formats.tflite.flatbuf import check_header, open_model, read_buffer_refs, read_graph
 
-    Inputs are ``inputs`` (name -> .npy file) where given, else seeded random values, in range for inputs used
-    as EMBEDDING_LOOKUP/GATHER indices.
+    with open_model(model_path) as (reader, mapping):
+        check_header(reader)
+        sizes = [r.nbytes for r in read_buffer_refs(reader)]
+        graph = read_graph(reader, mapping)
+    subgraphs = sorted({int(sd.subgraphIndex) for sd in graph.signatureDefs or []}) or [0]
+    total = 0
+    for si in subgraphs:
+        if not 0 <= si < len(graph.subgraphs or []):
+            continue
+        for ti, tensor in enumerate(graph.subgraphs[si].tensors or []):
+            if 0 < tensor.buffer < len(sizes) and sizes[tensor.buffer]:
+                continue  # a weight: mapped from the file, or packed (counted as a copy, not here)
+            try:
+                d = interp._get_tensor_details(ti, si)  # no public API gives another subgraph's tensors
+            except (ValueError, RuntimeError, IndexError):
+                continue
+            shape = [max(int(x), 0) for x in d["shape"]]
+            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(d["dtype"]).itemsize
+    return total
+
+
+def _open_helper(model_path: str) -> tuple[Any, list[tuple[str, Callable[..., Any], EntryPoint]]]:
+    """``weightshare.litert.interpreter`` and its signature runners, with the classic Interpreter's entry points
+    (details and index bounds only: opened without delegate, never allocated, it holds no weights)."""
+    from ..litert import interpreter
+
+    shared = interpreter(model_path)
+    entries = entry_points(open_mode(model_path, MODES[0]), model_path)
+    runs: list[tuple[str, Callable[..., Any], EntryPoint]] = []
+    for key, entry in entries:
+        runner = shared.get_signature_runner(key or None)
+        runs.append((key, lambda feeds, runner=runner: runner(**feeds), entry))
+    return shared, runs
+
+
+LOADERS = ("interpreter", "helper")  # the classic Interpreter (share: no default delegates), weightshare.litert
+
+
+def _probe(
+    model_path: str,
+    counts: list[int],
+    share: bool,
+    inputs: dict[str, str] | None = None,
+    loader: str = LOADERS[0],
+) -> list[JsonDict]:
+    """In this process: open instances one by one (each signature run once), memory after each count.
+
+    Inputs are ``inputs`` (name or SIGNATURE:NAME -> .npy file) where given, else seeded random values, in range
+    for inputs used as indices. ``loader``: the classic Interpreter, or ``weightshare.litert.interpreter`` (the
+    XNNPACK weight cache of a ``--prepack`` output). Each row also gives ``buffers_mib``: one instance's own
+    buffers (``instance_buffers``), what a new instance costs when no weight is copied.
     """
     import time
 
     from .memory import data_pss, memory_now
 
     given = {name: np.load(path, allow_pickle=False) for name, path in (inputs or {}).items()}
-    rows, interps = [], []
+    rows, instances = [], []
+    buffers = 0
     t0 = time.perf_counter()
     for n in range(1, max(counts) + 1):
-        interp = new_interpreter(model_path, share, allocate=False)
-        for _key, entry in entry_points(interp, model_path):
-            entry(entry.feeds(0, given))
-        interps.append(interp)
+        if loader == "helper":
+            instance, runs = _open_helper(model_path)
+            for _key, call, entry in runs:
+                call(entry.feeds(0, given))
+            if n == 1:
+                buffers = instance_buffers(model_path, runs[0][2].interp) if runs else 0
+        else:
+            instance = new_interpreter(model_path, share, allocate=False)
+            entries = entry_points(instance, model_path)
+            for _key, entry in entries:
+                entry(entry.feeds(0, given))
+            if n == 1:
+                buffers = instance_buffers(model_path, instance)
+            del entries  # a signature runner holds the interpreter: LiteRT refuses to reallocate while one lives
+        instances.append(instance)
         if n in counts:
             row = {"sessions": n, **memory_now(), "load_s": round(time.perf_counter() - t0, 3)}
             row["data_pss_mib"] = round(data_pss() / (1 << 20), 2)  # without code: steady on a shared machine
+            row["buffers_mib"] = round(buffers / (1 << 20), 2)
             rows.append(row)
     return rows
 
@@ -374,17 +440,27 @@ def measure_interpreters(
     share: bool = True,
     inputs: dict[str, str] | None = None,
     env: dict[str, str] | None = None,
+    loader: str = LOADERS[0],
 ) -> list[JsonDict]:
     """Memory of 1..N interpreters of ``model_path`` in a fresh process (``inputs``: name -> .npy file; ``env``:
-    variables added to the child's environment)."""
+    variables added to the child's environment; ``loader``: one of ``LOADERS``)."""
     from ..errors import Unsupported
     from .memory import in_child
 
     try:
-        rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share, inputs or {}], env)
+        rows: list[JsonDict] = in_child(
+            __name__, "_probe", [model_path, sorted(counts), share, inputs or {}, loader], env
+        )
     except RuntimeError as e:  # LiteRT refused the model or the inputs in the probe: the user's to fix, one line
         detail = str(e).split("failed in a child process: ", 1)[-1]
         raise Unsupported(
             f"LiteRT could not run the model: {detail} (give real inputs with --input NAME=FILE.npy)", model_path
         ) from None
     return rows
+
+
+def measure_shared(
+    model_path: str, counts: list[int], share: bool = True, inputs: dict[str, str] | None = None
+) -> list[JsonDict]:
+    """``measure_interpreters`` through ``weightshare.litert.interpreter`` (``bench``'s ``--prepack`` variant)."""
+    return measure_interpreters(model_path, counts, share, inputs, loader="helper")
