@@ -258,10 +258,15 @@ class EntryPoint:
         return {d["name"]: o for d, o in zip(self.interp.get_output_details(), outs)}
 
 
-def entry_points(interp: Interpreter, model_path: str | None = None) -> list[tuple[str, EntryPoint]]:
+def entry_points(
+    interp: Interpreter, model_path: str | None = None, bounds: dict[str, dict[str, int | None]] | None = None
+) -> list[tuple[str, EntryPoint]]:
     """Every signature of ``interp`` (or its primary subgraph, key ""); ``model_path``: the model it opened, read
-    for the inputs used as indices (without it, random index values may be out of range)."""
-    bounds = signature_bounds(model_path) if model_path else {}
+    for the inputs used as indices (without it, random index values may be out of range); ``bounds``: those
+    already read (``signature_bounds``: a measuring child gets them from its parent, so that the schema module
+    the graph reader imports is not counted in its memory)."""
+    if bounds is None:
+        bounds = signature_bounds(model_path) if model_path else {}
     keys = list(interp.get_signature_list())
     if not keys:
         return [("", EntryPoint(interp, None, bounds.get("")))]
@@ -371,13 +376,15 @@ def instance_buffers(model_path: str, interp: Interpreter) -> int:
     return total
 
 
-def _open_helper(model_path: str) -> tuple[Any, list[tuple[str, Callable[..., Any], EntryPoint]]]:
+def _open_helper(
+    model_path: str, bounds: dict[str, dict[str, int | None]]
+) -> tuple[Any, list[tuple[str, Callable[..., Any], EntryPoint]]]:
     """``weightshare.litert.interpreter`` and its signature runners, with the classic Interpreter's entry points
     (details and index bounds only: opened without delegate, never allocated, it holds no weights)."""
     from ..litert import interpreter
 
     shared = interpreter(model_path)
-    entries = entry_points(open_mode(model_path, MODES[0]), model_path)
+    entries = entry_points(open_mode(model_path, MODES[0]), model_path, bounds)
     runs: list[tuple[str, Callable[..., Any], EntryPoint]] = []
     for key, entry in entries:
         runner = shared.get_signature_runner(key or None)
@@ -394,6 +401,7 @@ def _probe(
     share: bool,
     inputs: dict[str, str] | None = None,
     loader: str = LOADERS[0],
+    bounds: dict[str, dict[str, int | None]] | None = None,
 ) -> list[JsonDict]:
     """In this process: open instances one by one (each signature run once), memory after each count.
 
@@ -408,29 +416,29 @@ def _probe(
 
     given = {name: np.load(path, allow_pickle=False) for name, path in (inputs or {}).items()}
     rows, instances = [], []
-    buffers = 0
+    runs: list[tuple[str, Callable[..., Any], EntryPoint]] = []
     t0 = time.perf_counter()
     for n in range(1, max(counts) + 1):
         if loader == "helper":
-            instance, runs = _open_helper(model_path)
+            instance, runs = _open_helper(model_path, bounds or {})
             for _key, call, entry in runs:
                 call(entry.feeds(0, given))
-            if n == 1:
-                buffers = instance_buffers(model_path, runs[0][2].interp) if runs else 0
         else:
             instance = new_interpreter(model_path, share, allocate=False)
-            entries = entry_points(instance, model_path)
+            entries = entry_points(instance, model_path, bounds or {})
             for _key, entry in entries:
                 entry(entry.feeds(0, given))
-            if n == 1:
-                buffers = instance_buffers(model_path, instance)
             del entries  # a signature runner holds the interpreter: LiteRT refuses to reallocate while one lives
         instances.append(instance)
         if n in counts:
             row = {"sessions": n, **memory_now(), "load_s": round(time.perf_counter() - t0, 3)}
             row["data_pss_mib"] = round(data_pss() / (1 << 20), 2)  # without code: steady on a shared machine
-            row["buffers_mib"] = round(buffers / (1 << 20), 2)
             rows.append(row)
+    # after the measurements: reading the graph leaves Python's own memory behind
+    interp = runs[0][2].interp if loader == "helper" and runs else instances[0]
+    buffers = instance_buffers(model_path, interp)
+    for row in rows:
+        row["buffers_mib"] = round(buffers / (1 << 20), 2)
     return rows
 
 
@@ -449,7 +457,10 @@ def measure_interpreters(
 
     try:
         rows: list[JsonDict] = in_child(
-            __name__, "_probe", [model_path, sorted(counts), share, inputs or {}, loader], env
+            __name__,
+            "_probe",
+            [model_path, sorted(counts), share, inputs or {}, loader, signature_bounds(model_path)],
+            env,
         )
     except RuntimeError as e:  # LiteRT refused the model or the inputs in the probe: the user's to fix, one line
         detail = str(e).split("failed in a child process: ", 1)[-1]

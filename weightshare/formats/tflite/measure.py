@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...errors import WeightshareError
 from ...report import JsonDict
 from ..onnx.measure import ENV_SKIP, MALLOC_ENV, SESSIONS
 
@@ -24,14 +25,14 @@ SETTINGS = (("litert-builtin", True), ("litert-xnnpack", False))  # (setting id,
 TIMEOUT_S = 600.0
 
 
-def _run_signatures(model_path: str, interp: Any) -> bool:
+def _run_signatures(model_path: str, interp: Any, bounds: dict[str, dict[str, int | None]]) -> bool:
     """Run every signature of ``interp`` once (seeded random inputs, index inputs in range); False when the inputs
     cannot be made up or LiteRT refuses them. The signature runners are dropped before returning: each holds the
     interpreter, and LiteRT refuses ``allocate_tensors`` ("at least 1 reference to internal data") while one
     lives."""
     from ..._runtimes.litert import entry_points
 
-    entries = entry_points(interp, model_path)
+    entries = entry_points(interp, model_path, bounds)
     try:
         for _key, entry in entries:
             entry(entry.feeds(0, {}))
@@ -55,7 +56,9 @@ def _allocate_signatures(interp: Any) -> None:
         del runner
 
 
-def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDict:
+def probe(
+    model_path: str, share: bool, interpreters: int = SESSIONS, bounds: dict[str, dict[str, int | None]] | None = None
+) -> JsonDict:
     """In this (child) process: PSS after each of ``interpreters`` interpreters under the setting, or why LiteRT
     refused the model; ``buffers``: one interpreter's own buffers (``instance_buffers``: activations, inputs and
     outputs, KV cache), which are not weight copies."""
@@ -68,26 +71,25 @@ def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDic
     ran = True
     buffers = 0
     with native_stderr_silenced():
-        for i in range(interpreters):
+        for _ in range(interpreters):
             try:
                 interp = new_interpreter(model_path, share, allocate=False)
             except Exception as e:  # noqa: BLE001 -- any refusal is the answer
                 return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
             if ran:
-                ran = _run_signatures(model_path, interp)
+                ran = _run_signatures(model_path, interp, bounds or {})
             if not ran:
                 try:
                     _allocate_signatures(interp)
                 except Exception as e:  # noqa: BLE001
                     return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
-            if i == 0:
-                try:
-                    buffers = instance_buffers(model_path, interp)
-                except Exception:  # noqa: BLE001 -- a figure beside the measurement, never a reason to drop it
-                    buffers = 0
             opened.append(interp)
             pss.append(smaps_rollup()["Pss"])
             data.append(data_pss())
+        try:  # after the measurements: reading the graph leaves Python's own memory behind
+            buffers = instance_buffers(model_path, opened[0])
+        except Exception:  # noqa: BLE001 -- a figure beside the measurement, never a reason to drop it
+            buffers = 0
     return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers}
 
 
@@ -115,14 +117,21 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             {},
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
         )
+    from ..._runtimes.litert import signature_bounds
     from ..._runtimes.memory import in_child
 
+    try:
+        bounds = signature_bounds(str(path))  # here: the child's memory must not count the graph reader
+    except WeightshareError:
+        bounds = {}
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
     for setting, share in SETTINGS:
         try:
-            res: JsonDict = in_child(__name__, "probe", [str(path), share], MALLOC_ENV, timeout=TIMEOUT_S)
+            res: JsonDict = in_child(
+                __name__, "probe", [str(path), share, SESSIONS, bounds], MALLOC_ENV, timeout=TIMEOUT_S
+            )
         except RuntimeError as e:
             notes.append(f"could not measure {setting}: {e}")
             continue
