@@ -22,6 +22,7 @@ _NP_TYPES = {
     np.dtype("int32"): TT.INT32,
     np.dtype("uint8"): TT.UINT8,
     np.dtype("int64"): TT.INT64,
+    np.dtype("bool"): TT.BOOL,
 }
 _OP_VERSIONS = {OP.DEQUANTIZE: 3}
 
@@ -375,12 +376,16 @@ def two_signature_lm(
     seed: int = 0,
     decode_mask_seed: int | None = None,
 ) -> Path:
-    """A toy LM as litert-torch writes one (``litert_torch.signature("prefill", ...).signature("decode", ...)``, see
-    scripts/build_tflite_exporters.py): two subgraphs, one per signature, over ONE copy of the weights (their
-    tensors point at the same buffers); inputs ``tokens`` [1, T] int32 into an embedding table (GATHER), ``input_pos``
-    [T] int32 and the KV cache ``kv_cache_k_0``/``kv_cache_v_0`` [1, cache, width]; outputs ``logits`` [1, T, vocab]
-    and the updated cache (DYNAMIC_UPDATE_SLICE at ``input_pos[0]``) under the same names. Signature names are not
-    the tensors' (``decode_input_pos:0``, ``StatefulPartitionedCall:1``). T is ``prefill`` or 1.
+    """A toy LM as litert-torch 0.10 writes one (``litert_torch.signature("prefill", m, sample_kwargs=...)
+    .signature("decode", m, ...)``; scripts/build_tflite_exporters.py prints the real one's ops): one subgraph per
+    signature over ONE copy of the weights (their tensors point at the same buffers). Inputs ``tokens`` [1, T]
+    int32 (RESHAPE -> EMBEDDING_LOOKUP of a vocab x width table), ``input_pos`` [T] int32 (torch's wrap of negative
+    indices, SELECT(LESS(p, 0), ADD(p, cache), p), then RESHAPE -> GATHER_ND of a position table) and the KV cache
+    ``kv_cache_k_0``/``kv_cache_v_0`` [1, cache, width]; outputs ``logits`` [1, T, vocab] and the updated cache
+    under the inputs' names. The tensors are named ``prefill_tokens``, ``decode_input_pos``,
+    ``decode_kv_cache_k_0_output``, ... (not the signature's names). T is ``prefill`` or 1. litert-torch writes the
+    cache update as STABLEHLO_SCATTER (with a subgraph per scatter); here it is DYNAMIC_UPDATE_SLICE at
+    ``input_pos[0]`` (its generative layers' other update), which this builder can write without subgraphs.
 
     The decode signature alone reads one constant, its attention mask (``decode_mask_seed`` changes its values:
     a weight only decode reads)."""
@@ -404,15 +409,33 @@ def two_signature_lm(
         def w(name: str, g=g) -> int:
             return g.tensor(f"model/{name}/weight", shared[name].shape, "float32", buffers[name])
 
-        tokens = g.input(f"{key}_tokens:0", [1, t], "int32")
-        pos = g.input(f"{key}_input_pos:0", [t], "int32")
-        kv_k = g.input(f"{key}_kv_cache_k_0:0", [1, cache, width])
-        kv_v = g.input(f"{key}_kv_cache_v_0:0", [1, cache, width])
-        emb = g.tensor("model/embedding/gather", [1, t, width], "float32")
-        g.op(OP.GATHER, [w("embedding"), tokens], [emb], s.BuiltinOptions.GatherOptions, s.GatherOptionsT(axis=0))
-        pe = g.tensor("model/pos_embedding/gather", [t, width], "float32")
-        g.op(OP.GATHER, [w("pos_embedding"), pos], [pe], s.BuiltinOptions.GatherOptions, s.GatherOptionsT(axis=0))
-        h = g.tensor("model/add", [1, t, width], "float32")
+        tokens = g.input(f"{key}_tokens", [1, t], "int32")
+        pos = g.input(f"{key}_input_pos", [t], "int32")
+        kv_k = g.input(f"{key}_kv_cache_k_0", [1, cache, width])
+        kv_v = g.input(f"{key}_kv_cache_v_0", [1, cache, width])
+        flat = g.tensor("model/embedding;1", [t], "int32")
+        g.op(OP.RESHAPE, [tokens, g.const("model/embedding;", np.array([t], np.int32))], [flat])
+        looked = g.tensor("model/embedding;2", [t, width], "float32")
+        g.op(OP.EMBEDDING_LOOKUP, [flat, w("embedding")], [looked])
+        emb = g.tensor("model/embedding;3", [1, t, width], "float32")
+        g.op(OP.RESHAPE, [looked, g.const("model/embedding;4", np.array([1, t, width], np.int32))], [emb])
+        negative = g.tensor("model;5", [t], "bool")
+        g.op(OP.LESS, [pos, g.const("model;3", np.array(0, np.int32))], [negative])
+        wrapped = g.tensor("model;6", [t], "int32")
+        g.op(
+            OP.ADD,
+            [pos, g.const("model;4", np.array(cache, np.int32))],
+            [wrapped],
+            s.BuiltinOptions.AddOptions,
+            s.AddOptionsT(),
+        )
+        index = g.tensor("model;7", [t], "int32")
+        g.op(OP.SELECT, [negative, wrapped, pos], [index])
+        index2 = g.tensor("model;8", [t, 1], "int32")
+        g.op(OP.RESHAPE, [index, g.const("model;2", np.array([t, 1], np.int32))], [index2])
+        pe = g.tensor("model;9", [t, width], "float32")
+        g.op(OP.GATHER_ND, [w("pos_embedding"), index2], [pe])
+        h = g.tensor("model;10", [1, t, width], "float32")
         g.op(OP.ADD, [emb, pe], [h], s.BuiltinOptions.AddOptions, s.AddOptionsT())
         q, k, v = (g.tensor(f"model/{n}", [1, t, width], "float32") for n in ("q", "k", "v"))
         for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
@@ -433,8 +456,8 @@ def two_signature_lm(
             s.BuiltinOptions.ConcatenationOptions,
             s.ConcatenationOptionsT(axis=0),
         )
-        new_k = g.tensor("StatefulPartitionedCall:1", [1, cache, width], "float32")
-        new_v = g.tensor("StatefulPartitionedCall:2", [1, cache, width], "float32")
+        new_k = g.tensor(f"{key}_kv_cache_k_0_output", [1, cache, width], "float32")
+        new_v = g.tensor(f"{key}_kv_cache_v_0_output", [1, cache, width], "float32")
         g.op(OP.DYNAMIC_UPDATE_SLICE, [kv_k, k, start], [new_k])
         g.op(OP.DYNAMIC_UPDATE_SLICE, [kv_v, v, start], [new_v])
         scores = g.tensor("model/scores", [1, t, cache], "float32")
@@ -454,7 +477,7 @@ def two_signature_lm(
         g.op(OP.SOFTMAX, [scores], [probs], s.BuiltinOptions.SoftmaxOptions, s.SoftmaxOptionsT(beta=1.0))
         att = g.tensor("model/attention", [1, t, width], "float32")
         g.op(OP.BATCH_MATMUL, [probs, new_v], [att], s.BuiltinOptions.BatchMatMulOptions, s.BatchMatMulOptionsT())
-        logits = g.tensor("StatefulPartitionedCall:0", [1, t, vocab], "float32")
+        logits = g.tensor(f"{key}_logits_output", [1, t, vocab], "float32")
         g.op(OP.FULLY_CONNECTED, [att, w("lm_head"), -1], [logits], *_FC_KEEP)
         g.outputs = [logits, new_k, new_v]
         mb.signature(

@@ -89,8 +89,10 @@ def _random_array(
 
 # op -> (position of the index input, position of the indexed tensor)
 _INDEXING = {"GATHER": (1, 0), "GATHER_ND": (1, 0), "EMBEDDING_LOOKUP": (0, 1)}
-# ops that pass index values through unchanged (litert-torch reshapes token ids before the embedding lookup)
-_PASS_THROUGH = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS", "CAST", "IDENTITY")
+# ops whose output carries an index input's values on to a lookup: litert-torch reshapes token ids before its
+# EMBEDDING_LOOKUP, and wraps positions as torch does for negative indices (SELECT(LESS(p, 0), ADD(p, n), p))
+# before its GATHER_ND and scatter into the KV cache
+_PASS_THROUGH = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS", "CAST", "IDENTITY", "SELECT", "SELECT_V2", "ADD", "SUB")
 
 
 def _subgraph_bounds(graph: Any, sg: Any) -> dict[int, int | None]:
@@ -107,9 +109,10 @@ def _subgraph_bounds(graph: Any, sg: Any) -> dict[int, int | None]:
     for op in sg.operators or []:
         name = codes[op.opcodeIndex] if 0 <= op.opcodeIndex < len(codes) else ""
         ins, outs = indices(op.inputs), indices(op.outputs)
-        if name in _PASS_THROUGH and ins and ins[0] in carries:
+        carried = next((carries[i] for i in ins if i in carries), None)
+        if name in _PASS_THROUGH and carried is not None:
             for o in outs:
-                carries[o] = carries[ins[0]]
+                carries[o] = carried
             continue
         where = _INDEXING.get(name)
         if where is None or len(ins) <= max(where) or ins[where[0]] not in carries:
@@ -120,6 +123,10 @@ def _subgraph_bounds(graph: Any, sg: Any) -> dict[int, int | None]:
         if name == "GATHER":
             axis = int(getattr(op.builtinOptions, "axis", 0) or 0)
             dims = dims[axis:] if 0 <= axis < len(dims) else dims[axis:][:1] if -len(dims) <= axis < 0 else []
+        if name == "GATHER_ND":  # the indices' last dim k addresses the table's first k dims
+            index = tensors[ins[where[0]]] if 0 <= ins[where[0]] < len(tensors) else None
+            k = int(index.shape[-1]) if index is not None and index.shape is not None and len(index.shape) else 0
+            dims = dims[:k] if 0 < k <= len(dims) else dims
         size = (min(dims) if name == "GATHER_ND" else dims[0]) if dims else -1
         source = carries[ins[where[0]]]
         known = bounds.get(source)
