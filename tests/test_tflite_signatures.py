@@ -126,3 +126,75 @@ def test_input_per_signature(cli, models, tmp_path):
     np.save(tmp_path / "t.npy", token)
     res = cli("verify", src, plain, "--input", f"decode:tokenz={tmp_path / 't.npy'}")
     assert res.returncode == 2 and "decode:tokens" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_int16_op_without_a_kernel_gets_no_random_input_hint(cli, tmp_path):
+    """An int16x8 model whose op has no int16 kernel (SIN): the cause is the model, not the random inputs."""
+    from tflite_fixtures import OP, ModelBuilder
+
+    mb = ModelBuilder()
+    g = mb.subgraph("m")
+    x = g.input("serving_default_x:0", [1, 8], "int16", quant=(0.01, 0))
+    y = g.tensor("StatefulPartitionedCall:0", [1, 8], "int16", quant=(0.01, 0))
+    g.op(OP.SIN, [x], [y])
+    g.outputs = [y]
+    mb.signature("serving_default", g, inputs=["x"], outputs=["output_0"])
+    src = mb.save(tmp_path / "i16.tflite")
+    res = cli("verify", src, src, "--runs", "1")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "no LiteRT kernel for its tensor types" in res.stderr and "random" not in res.stderr, res.stderr
+
+
+def test_prepack_on_weight_only_int8_suggests_unpack_dequantize(tmp_path):
+    from test_tflite_dequantize import fc_model
+
+    src = fc_model(tmp_path / "wo.tflite", "int8 per channel dim 0")
+    notes = convert(src, tmp_path / "a", ConvertOptions(prepack=True)).notes
+    assert any("--unpack dequantize" in n and "per instance" in n for n in notes), notes
+    notes = convert(src, tmp_path / "b", ConvertOptions(prepack=True, unpack=frozenset({"dequantize"}))).notes
+    assert not any("weight-only" in n for n in notes), notes
+
+
+MiB = 1 << 20
+
+
+@pytest.mark.slow
+def test_lm_instances_share_the_weights_through_the_helper(tmp_path):
+    """4 instances of the two-signature LM: through weightshare.litert.interpreter on the --prepack output, each
+    extra instance costs at most its own buffers (the figure bench prints) + 1 MiB; the default Interpreter on the
+    original packs the weights once per signature in every instance, well above that."""
+    from weightshare._runtimes.litert import measure_interpreters, measure_shared
+    from weightshare.formats.onnx.measure import MALLOC_ENV
+
+    src = two_signature_lm(tmp_path / "lm.tflite", vocab=4096, width=256)
+    convert(src, tmp_path / "out", ConvertOptions(prepack=True))
+
+    def per_extra(rows):
+        by = {r["sessions"]: r for r in rows}
+        return (by[4]["data_pss_mib"] - by[1]["data_pss_mib"]) / 3, by[1]["buffers_mib"]
+
+    shared, buffers = per_extra(measure_shared(str(tmp_path / "out" / src.name), [1, 4], env=MALLOC_ENV))
+    default, buffers_default = per_extra(measure_interpreters(str(src), [1, 4], False, env=MALLOC_ENV))
+    assert 0.2 < buffers == buffers_default < 2, buffers  # KV in and out, logits, activations of both signatures
+    assert shared <= buffers + 1, (shared, buffers)
+    assert default > buffers + 4, (default, buffers)  # lm_head alone is 4 MiB, packed per signature
+
+
+@pytest.mark.slow
+def test_check_measures_the_lm_within_125_percent(cli, tmp_path):
+    """check's per-interpreter figure for the LM under the default Interpreter is measured (the child runs both
+    signatures: no fallback to the static estimate) and within 1.25x of an independent 1-vs-4 measurement."""
+    import json
+
+    from weightshare._runtimes.litert import measure_interpreters
+    from weightshare.formats.onnx.measure import MALLOC_ENV
+
+    src = two_signature_lm(tmp_path / "lm.tflite", vocab=4096, width=256)
+    res = cli("check", src, "--target", "litert-xnnpack", "--json")
+    (summary,) = json.loads(res.stdout)["models"]
+    assert summary["copies_source"] == "measured", res.stdout
+    figure = summary["copied_per_session_by_setting"]["litert-xnnpack"]
+    rows = {r["sessions"]: r for r in measure_interpreters(str(src), [1, 4], False, env=MALLOC_ENV)}
+    measured = (rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]) / 3 * MiB
+    assert measured / 1.25 <= figure <= measured * 1.25, (figure, measured)
+    assert res.returncode == 1  # 4 instances cost more than 1.10x one: the gate fails on it

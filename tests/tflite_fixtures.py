@@ -23,6 +23,7 @@ _NP_TYPES = {
     np.dtype("uint8"): TT.UINT8,
     np.dtype("int64"): TT.INT64,
     np.dtype("bool"): TT.BOOL,
+    np.dtype("int16"): TT.INT16,
 }
 _OP_VERSIONS = {OP.DEQUANTIZE: 3}
 

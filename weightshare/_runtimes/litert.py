@@ -478,7 +478,11 @@ def measure_interpreters(
 
 
 def measure_shared(
-    model_path: str, counts: list[int], share: bool = True, inputs: dict[str, str] | None = None
+    model_path: str,
+    counts: list[int],
+    share: bool = True,
+    inputs: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> list[JsonDict]:
     """``measure_interpreters`` through ``weightshare.litert.interpreter`` (``bench``'s ``--prepack`` variant)."""
-    return measure_interpreters(model_path, counts, share, inputs, loader="helper")
+    return measure_interpreters(model_path, counts, share, inputs, env, loader="helper")

@@ -192,6 +192,11 @@ _CAUSES = (  # (words in LiteRT's message, what the user can do about it)
         ("scale", "zero_point", "quantiz"),
         "a kernel rejected the model's quantization parameters (a property of the model, not of the inputs)",
     ),
+    (  # e.g. an int16x8 model with an op whose kernel has no int16 version: "Type INT16 is unsupported by op Sin"
+        ("unsupported by op", "only supports", "->type ==", "type int", "type float", "not supported"),
+        "an op of the model has no LiteRT kernel for its tensor types (such as int16 activations in an int16x8 "
+        "model): a property of the model, not of the inputs; verify cannot run it here",
+    ),
 )
 
 
