@@ -224,9 +224,8 @@ def main() -> None:
         xnn = row["bench"].get("original / XNNPACK", {})
         measured = (xnn.get("4", 0.0) - xnn.get("1", 0.0)) / 3
         ratio = f"{(n / 2**20) / measured:.2f}x of bench" if isinstance(n, int) and measured > 0 else ""
-        print(
-            f"{row['model']:<15} check litert-xnnpack per interpreter: {src} {n if not isinstance(n, int) else f'{n / 2**20:.2f} MiB'} {ratio}"
-        )
+        shown = f"{n / 2**20:.2f} MiB" if isinstance(n, int) else n
+        print(f"{row['model']:<15} check litert-xnnpack per interpreter: {src} {shown} {ratio}")
         for variant, (rc, line) in row["verify"].items():
             print(f"{row['model']:<15} verify {variant}: exit {rc}: {line[:160]}")
     if args.json:
