@@ -197,6 +197,13 @@ def main() -> None:
         except (ValueError, KeyError, IndexError):
             figure = ("error", last_line(check))
         brows = json.loads(bench.stdout)["rows"] if bench.returncode == 0 else []
+        if convert_args:  # bench converts without them: measure this script's own --prepack output too
+            from weightshare._runtimes.litert import measure_shared
+            from weightshare.formats.onnx.measure import MALLOC_ENV
+
+            mode = f"weightshare.litert.interpreter ({' '.join(convert_args)})"
+            for r in measure_shared(str(pre / Path(path).name), [1, 4], env=MALLOC_ENV):
+                brows.append({"variant": "converted --prepack", "mode": mode, **r})
         per: dict[tuple[str, str], dict[str, float]] = {}
         for r in brows:
             per.setdefault((r["variant"], r["mode"]), {})[str(r["sessions"])] = r["pss_mib"]

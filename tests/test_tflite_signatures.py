@@ -175,7 +175,8 @@ def test_lm_instances_share_the_weights_through_the_helper(tmp_path):
 
     shared, buffers = per_extra(measure_shared(str(tmp_path / "out" / src.name), [1, 4], env=MALLOC_ENV))
     default, buffers_default = per_extra(measure_interpreters(str(src), [1, 4], False, env=MALLOC_ENV))
-    assert 0.2 < buffers == buffers_default < 2, buffers  # KV in and out, logits, activations of both signatures
+    # KV in and out, logits, activations of both signatures; the helper also holds its own input/output buffers
+    assert 0.2 < buffers_default < buffers < 2, (buffers_default, buffers)
     assert shared <= buffers + 1, (shared, buffers)
     assert default > buffers + 4, (default, buffers)  # lm_head alone is 4 MiB, packed per signature
 

@@ -355,31 +355,46 @@ def run(interp: Interpreter, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:
     return [interp.get_tensor(d["index"]).copy() for d in interp.get_output_details()]
 
 
-def instance_buffers(model_path: str, interp: Interpreter) -> int:
-    """Bytes of one instance's own buffers after its signatures ran: every tensor of every signature's subgraph
-    that holds no constant data (activations, inputs and outputs, the KV cache fed in and out), at the shapes
-    ``interp`` allocated. An upper bound of LiteRT's arena (which reuses memory between tensors whose lifetimes do
-    not overlap): what an instance costs apart from weight copies."""
+def instance_buffers(model_path: str, interp: Interpreter, io_copies: bool = False) -> int:
+    """Bytes of one instance's own buffers after its signatures ran: every tensor an op of a signature's subgraph
+    reads or writes that is not a weight (activations, inputs and outputs, the KV cache fed in and out), at the
+    shapes ``interp`` allocated. Weights and their per-interpreter copies (the outputs of DEQUANTIZE and DENSIFY
+    of constants) are not buffers. An upper bound of LiteRT's arena, which reuses memory between tensors whose
+    lifetimes do not overlap. ``io_copies``: the instance also holds its own copy of every signature's inputs and
+    outputs (``weightshare.litert.interpreter``'s TensorBuffers)."""
+    from ai_edge_litert import schema_py_generated as schema
+
     from ..formats.tflite.flatbuf import check_header, open_model, read_buffer_refs, read_graph
+    from ..formats.tflite.graph import builtin_code, indices
 
     with open_model(model_path) as (reader, mapping):
         check_header(reader)
         sizes = [r.nbytes for r in read_buffer_refs(reader)]
         graph = read_graph(reader, mapping)
+    codes = [builtin_code(c) for c in graph.operatorCodes or []]
+    unpacking = {schema.BuiltinOperator.DEQUANTIZE, schema.BuiltinOperator.DENSIFY}
     subgraphs = sorted({int(sd.subgraphIndex) for sd in graph.signatureDefs or []}) or [0]
     total = 0
     for si in subgraphs:
         if not 0 <= si < len(graph.subgraphs or []):
             continue
-        for ti, tensor in enumerate(graph.subgraphs[si].tensors or []):
-            if 0 < tensor.buffer < len(sizes) and sizes[tensor.buffer]:
-                continue  # a weight: mapped from the file, or packed (counted as a copy, not here)
+        sg = graph.subgraphs[si]
+        tensors = sg.tensors or []
+        weights = {i for i, x in enumerate(tensors) if 0 < x.buffer < len(sizes) and sizes[x.buffer]}
+        used = set(indices(sg.inputs)) | set(indices(sg.outputs))
+        for op in sg.operators or []:
+            ins, outs = indices(op.inputs), indices(op.outputs)
+            used |= {i for i in ins + outs if i >= 0}
+            if 0 <= op.opcodeIndex < len(codes) and codes[op.opcodeIndex] in unpacking and ins and ins[0] in weights:
+                weights |= set(outs)  # a copy of a weight per interpreter: counted as a copy, not a buffer
+        io = set(indices(sg.inputs)) | set(indices(sg.outputs))
+        for ti in sorted(used - weights):
             try:
                 d = interp._get_tensor_details(ti, si)  # no public API gives another subgraph's tensors
             except (ValueError, RuntimeError, IndexError):
                 continue
-            shape = [max(int(x), 0) for x in d["shape"]]
-            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(d["dtype"]).itemsize
+            nbytes = int(np.prod([max(int(x), 0) for x in d["shape"]], dtype=np.int64)) * np.dtype(d["dtype"]).itemsize
+            total += nbytes * (2 if io_copies and ti in io else 1)
     return total
 
 
@@ -443,7 +458,7 @@ def _probe(
             rows.append(row)
     # after the measurements: reading the graph leaves Python's own memory behind
     interp = runs[0][2].interp if loader == "helper" and runs else instances[0]
-    buffers = instance_buffers(model_path, interp)
+    buffers = instance_buffers(model_path, interp, io_copies=loader == "helper")
     for row in rows:
         row["buffers_mib"] = round(buffers / (1 << 20), 2)
     return rows
