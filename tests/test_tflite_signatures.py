@@ -159,22 +159,25 @@ MiB = 1 << 20
 
 
 @pytest.mark.slow
-def test_lm_instances_share_the_weights_through_the_helper(tmp_path):
-    """4 instances of the two-signature LM: through weightshare.litert.interpreter on the --prepack output, each
-    extra instance costs at most its own buffers (the figure bench prints) + 1 MiB; the default Interpreter on the
-    original packs the weights once per signature in every instance, well above that."""
-    from weightshare._runtimes.litert import measure_interpreters, measure_shared
-    from weightshare.formats.onnx.measure import MALLOC_ENV
+def test_lm_instances_share_the_weights_through_the_helper(cli, tmp_path):
+    """`bench` on the two-signature LM: 4 instances through weightshare.litert.interpreter on the --prepack output
+    cost, each extra one, at most one instance's own buffers (the figure bench prints) + 1 MiB; the default
+    Interpreter packs the weights once per signature in every instance, well above that."""
+    import json
 
     src = two_signature_lm(tmp_path / "lm.tflite", vocab=4096, width=256)
-    convert(src, tmp_path / "out", ConvertOptions(prepack=True))
+    res = cli("bench", src, "--sessions", "1,4", "--json")
+    assert res.returncode == 0, res.stderr
+    rows: dict[tuple[str, str], dict[int, dict]] = {}
+    for r in json.loads(res.stdout)["rows"]:
+        rows.setdefault((r["variant"], r["mode"]), {})[r["sessions"]] = r
 
-    def per_extra(rows):
-        by = {r["sessions"]: r for r in rows}
+    def per_extra(key):
+        by = rows[key]
         return (by[4]["data_pss_mib"] - by[1]["data_pss_mib"]) / 3, by[1]["buffers_mib"]
 
-    shared, buffers = per_extra(measure_shared(str(tmp_path / "out" / src.name), [1, 4], env=MALLOC_ENV))
-    default, buffers_default = per_extra(measure_interpreters(str(src), [1, 4], False, env=MALLOC_ENV))
+    shared, buffers = per_extra(("converted --prepack", "weightshare.litert.interpreter"))
+    default, buffers_default = per_extra(("original", "XNNPACK"))
     # KV in and out, logits, activations of both signatures; the helper also holds its own input/output buffers
     assert 0.2 < buffers_default < buffers < 2, (buffers_default, buffers)
     assert shared <= buffers + 1, (shared, buffers)
