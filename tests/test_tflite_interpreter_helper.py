@@ -113,3 +113,83 @@ def test_weight_only_int8_after_unpack_and_prepack(tmp_path):
     x = np.random.default_rng(0).standard_normal((2, 40)).astype(np.float32)
     a, b = ref(x=x)["y"], it.get_signature_runner("serving_default")(x=x)["y"]
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.fixture(scope="module")
+def converter_style(tmp_path_factory):
+    """Models named as the converters name them: signature inputs are not the tensors' names (``x`` vs
+    ``serving_default_x:0``; litert-torch's ``input_pos`` vs ``decode_input_pos:0``), and two signatures of one LM
+    over one copy of the weights."""
+    from tflite_fixtures import keras_style_model, two_signature_lm
+
+    root = tmp_path_factory.mktemp("converter_style")
+    out = {}
+    for name, build in (("keras", keras_style_model), ("lm", two_signature_lm)):
+        src = build(root / f"{name}.tflite")
+        convert(src, root / "out", ConvertOptions(prepack=True))
+        out[name] = (src, root / "out" / src.name)
+    return out
+
+
+def _in_range_feeds(details: dict, seed: int) -> dict[str, np.ndarray]:
+    """Random values; token ids and positions (int32) inside the tables they index (the fixtures' sizes)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, d in details.items():
+        shape = [int(x) for x in d["shape"]]
+        if np.dtype(d["dtype"]).kind == "i":
+            feeds[name] = rng.integers(0, 32 if name == "input_pos" else 2048, shape).astype(np.int32)
+        else:
+            feeds[name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("name", ["keras", "lm"])
+def test_signature_names_differ_from_tensor_names(converter_style, name):
+    """Every signature of the converter-style models, by the signature's names, through the helper on the
+    converted model: the bytes the default Interpreter gives on the original, at batch 1 and 3 (Keras)."""
+    src, out = converter_style[name]
+    ref = Interpreter(model_path=str(src))
+    it = interpreter(out)
+    assert it.weightshare_cache is not None
+    assert it.get_signature_list() == ref.get_signature_list()
+    for key in ref.get_signature_list():
+        ra, rb = ref.get_signature_runner(key), it.get_signature_runner(key)
+        assert {n: d["name"] for n, d in ra.get_input_details().items()} == {
+            n: d["name"] for n, d in rb.get_input_details().items()
+        }
+        assert any(n != d["name"] for n, d in rb.get_input_details().items())  # the point of the fixture
+        for seed in range(2):
+            feeds = _in_range_feeds(ra.get_input_details(), seed)
+            if name == "keras" and seed:
+                feeds = {"x": np.random.default_rng(seed).standard_normal((3, 64)).astype(np.float32)}
+            oa, ob = ra(**feeds), rb(**feeds)
+            assert oa.keys() == ob.keys() == set(ref.get_signature_list()[key]["outputs"])
+            assert all(oa[n].dtype == ob[n].dtype and np.array_equal(oa[n], ob[n]) for n in oa), key
+
+
+def test_two_signature_lm_prefill_then_decode_chain(converter_style):
+    """prefill, then 3 decode steps feeding the KV outputs back, through the helper and the default Interpreter."""
+    src, out = converter_style["lm"]
+    ref, it = Interpreter(model_path=str(src)), interpreter(out)
+    rng = np.random.default_rng(7)
+    feeds = {
+        "tokens": rng.integers(0, 2048, (1, 8)).astype(np.int32),
+        "input_pos": np.arange(8, dtype=np.int32),
+        "kv_cache_k_0": np.zeros((1, 32, 128), np.float32),
+        "kv_cache_v_0": np.zeros((1, 32, 128), np.float32),
+    }
+    state = {"a": dict(feeds), "b": dict(feeds)}
+    for step, key in enumerate(["prefill", "decode", "decode", "decode"]):
+        outs = {}
+        for side, interp in (("a", ref), ("b", it)):
+            outs[side] = interp.get_signature_runner(key)(**state[side])
+        assert all(np.array_equal(outs["a"][n], outs["b"][n]) for n in outs["a"]), step
+        token = np.argmax(outs["a"]["logits"][0, -1]).astype(np.int32).reshape(1, 1)
+        for side in "ab":
+            state[side] = {
+                "tokens": token,
+                "input_pos": np.array([8 + step], np.int32),
+                "kv_cache_k_0": outs[side]["kv_cache_k_0"],
+                "kv_cache_v_0": outs[side]["kv_cache_v_0"],
+            }

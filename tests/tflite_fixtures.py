@@ -22,6 +22,8 @@ _NP_TYPES = {
     np.dtype("int32"): TT.INT32,
     np.dtype("uint8"): TT.UINT8,
     np.dtype("int64"): TT.INT64,
+    np.dtype("bool"): TT.BOOL,
+    np.dtype("int16"): TT.INT16,
 }
 _OP_VERSIONS = {OP.DEQUANTIZE: 3}
 
@@ -66,10 +68,16 @@ class ModelBuilder:
         self.subgraphs.append(g)
         return g
 
-    def signature(self, key: str, graph: GraphBuilder) -> None:
+    def signature(
+        self, key: str, graph: GraphBuilder, inputs: list[str] | None = None, outputs: list[str] | None = None
+    ) -> None:
+        """A SignatureDef over ``graph``'s inputs and outputs, named ``inputs``/``outputs`` (in the graph's order);
+        by default the tensors' own names. Converters name them otherwise: see ``keras_style_model``."""
         sd = s.SignatureDefT(signatureKey=key, subgraphIndex=self.subgraphs.index(graph))
-        sd.inputs = [s.TensorMapT(name=graph.tensors[i].name, tensorIndex=i) for i in graph.inputs]
-        sd.outputs = [s.TensorMapT(name=graph.tensors[i].name, tensorIndex=i) for i in graph.outputs]
+        in_names = inputs or [graph.tensors[i].name for i in graph.inputs]
+        out_names = outputs or [graph.tensors[i].name for i in graph.outputs]
+        sd.inputs = [s.TensorMapT(name=n, tensorIndex=i) for n, i in zip(in_names, graph.inputs, strict=True)]
+        sd.outputs = [s.TensorMapT(name=n, tensorIndex=i) for n, i in zip(out_names, graph.outputs, strict=True)]
         self.signatures.append(sd)
 
     def add_metadata(self, name: str, data: bytes) -> None:
@@ -103,8 +111,10 @@ class GraphBuilder:
         self.inputs: list[int] = []
         self.outputs: list[int] = []
 
-    def tensor(self, name: str, shape, dtype, buffer: int = 0, quant: tuple | None = None) -> int:
+    def tensor(self, name: str, shape, dtype, buffer: int = 0, quant: tuple | None = None, signature=None) -> int:
         t = s.TensorT(shape=list(shape), type=_NP_TYPES[np.dtype(dtype)], buffer=buffer, name=name)
+        if signature is not None:  # the converters' dynamic dims: -1 here, 1 in ``shape``
+            t.shapeSignature = list(signature)
         if quant is not None:
             scale, zero = quant
             t.quantization = s.QuantizationParametersT(
@@ -117,8 +127,8 @@ class GraphBuilder:
         array = np.ascontiguousarray(array)
         return self.tensor(name, array.shape, array.dtype, self.model.buffer(array.tobytes()), quant)
 
-    def input(self, name: str, shape, dtype="float32", quant=None) -> int:
-        i = self.tensor(name, shape, dtype, quant=quant)
+    def input(self, name: str, shape, dtype="float32", quant=None, signature=None) -> int:
+        i = self.tensor(name, shape, dtype, quant=quant, signature=signature)
         self.inputs.append(i)
         return i
 
@@ -324,4 +334,157 @@ def lm_model(path: Path, vocab: int = 1000, width: int = 64, seq: int = 8, signa
     g.outputs = [logits, picked]
     if signature:
         mb.signature("serving_default", g)
+    return mb.save(path)
+
+
+_FC = (s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
+_FC_KEEP = (s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT(keepNumDims=True))
+
+
+def keras_style_model(path: Path, seed: int = 0, width: int = 256) -> Path:
+    """What the TF Lite converter writes for a Keras ``Sequential([Input((64,), name="x"), Dense(width, relu),
+    Dense(10)])`` (scripts/build_tflite_exporters.py prints the real one): the signature ``serving_default`` names its
+    input ``x`` and its output ``dense_1`` (the Keras names) while the tensors are ``serving_default_x:0`` and
+    ``StatefulPartitionedCall:0``; the batch dim is dynamic (shape_signature -1)."""
+    rng = np.random.default_rng(seed)
+    mb = ModelBuilder()
+    g = mb.subgraph("main")
+    x = g.input("serving_default_x:0", [1, 64], signature=[-1, 64])
+    w1 = g.const("sequential/dense/MatMul", (rng.standard_normal((width, 64)) * 0.1).astype(np.float32))
+    b1 = g.const("sequential/dense/BiasAdd/ReadVariableOp", (rng.standard_normal(width) * 0.1).astype(np.float32))
+    h_name = "sequential/dense/MatMul;sequential/dense/Relu;sequential/dense/BiasAdd"
+    h = g.tensor(h_name, [1, width], "float32", signature=[-1, width])
+    relu = s.FullyConnectedOptionsT(fusedActivationFunction=s.ActivationFunctionType.RELU)
+    g.op(OP.FULLY_CONNECTED, [x, w1, b1], [h], s.BuiltinOptions.FullyConnectedOptions, relu)
+    w2 = g.const("sequential/dense_1/MatMul", (rng.standard_normal((10, width)) * 0.1).astype(np.float32))
+    b2 = g.const("sequential/dense_1/BiasAdd/ReadVariableOp", (rng.standard_normal(10) * 0.1).astype(np.float32))
+    y = g.tensor("StatefulPartitionedCall:0", [1, 10], "float32", signature=[-1, 10])
+    g.op(OP.FULLY_CONNECTED, [h, w2, b2], [y], *_FC)
+    g.outputs = [y]
+    mb.signature("serving_default", g, inputs=["x"], outputs=["dense_1"])
+    return mb.save(path)
+
+
+LM_SIGNATURES = ("prefill", "decode")
+
+
+def two_signature_lm(
+    path: Path,
+    vocab: int = 2048,
+    width: int = 128,
+    cache: int = 32,
+    prefill: int = 8,
+    seed: int = 0,
+    decode_mask_seed: int | None = None,
+) -> Path:
+    """A toy LM as litert-torch 0.10 writes one (``litert_torch.signature("prefill", m, sample_kwargs=...)
+    .signature("decode", m, ...)``; scripts/build_tflite_exporters.py prints the real one's ops): one subgraph per
+    signature over ONE copy of the weights (their tensors point at the same buffers). Inputs ``tokens`` [1, T]
+    int32 (RESHAPE -> EMBEDDING_LOOKUP of a vocab x width table), ``input_pos`` [T] int32 (torch's wrap of negative
+    indices, SELECT(LESS(p, 0), ADD(p, cache), p), then RESHAPE -> GATHER_ND of a position table) and the KV cache
+    ``kv_cache_k_0``/``kv_cache_v_0`` [1, cache, width]; outputs ``logits`` [1, T, vocab] and the updated cache
+    under the inputs' names. The tensors are named ``prefill_tokens``, ``decode_input_pos``,
+    ``decode_kv_cache_k_0_output``, ... (not the signature's names). T is ``prefill`` or 1. litert-torch writes the
+    cache update as STABLEHLO_SCATTER (with a subgraph per scatter); here it is DYNAMIC_UPDATE_SLICE at
+    ``input_pos[0]`` (its generative layers' other update), which this builder can write without subgraphs.
+
+    The decode signature alone reads one constant, its attention mask (``decode_mask_seed`` changes its values:
+    a weight only decode reads)."""
+    rng = np.random.default_rng(seed)
+    mb = ModelBuilder()
+    shared = {
+        "embedding": (rng.standard_normal((vocab, width)) * 0.1).astype(np.float32),
+        "pos_embedding": (rng.standard_normal((cache, width)) * 0.1).astype(np.float32),
+        "q_proj": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+        "k_proj": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+        "v_proj": (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32),
+        "lm_head": (rng.standard_normal((vocab, width)) / np.sqrt(width)).astype(np.float32),
+    }
+    buffers = {name: mb.buffer(a.tobytes()) for name, a in shared.items()}
+    mask_rng = np.random.default_rng(seed + 1 if decode_mask_seed is None else decode_mask_seed)
+    decode_mask = (mask_rng.standard_normal(cache) * 0.5).astype(np.float32)
+    for key in LM_SIGNATURES:
+        t = prefill if key == "prefill" else 1
+        g = mb.subgraph(key)
+
+        def w(name: str, g=g) -> int:
+            return g.tensor(f"model/{name}/weight", shared[name].shape, "float32", buffers[name])
+
+        tokens = g.input(f"{key}_tokens", [1, t], "int32")
+        pos = g.input(f"{key}_input_pos", [t], "int32")
+        kv_k = g.input(f"{key}_kv_cache_k_0", [1, cache, width])
+        kv_v = g.input(f"{key}_kv_cache_v_0", [1, cache, width])
+        flat = g.tensor("model/embedding;1", [t], "int32")
+        g.op(OP.RESHAPE, [tokens, g.const("model/embedding;", np.array([t], np.int32))], [flat])
+        looked = g.tensor("model/embedding;2", [t, width], "float32")
+        g.op(OP.EMBEDDING_LOOKUP, [flat, w("embedding")], [looked])
+        emb = g.tensor("model/embedding;3", [1, t, width], "float32")
+        g.op(OP.RESHAPE, [looked, g.const("model/embedding;4", np.array([1, t, width], np.int32))], [emb])
+        negative = g.tensor("model;5", [t], "bool")
+        g.op(OP.LESS, [pos, g.const("model;3", np.array(0, np.int32))], [negative])
+        wrapped = g.tensor("model;6", [t], "int32")
+        g.op(
+            OP.ADD,
+            [pos, g.const("model;4", np.array(cache, np.int32))],
+            [wrapped],
+            s.BuiltinOptions.AddOptions,
+            s.AddOptionsT(),
+        )
+        index = g.tensor("model;7", [t], "int32")
+        g.op(OP.SELECT, [negative, wrapped, pos], [index])
+        index2 = g.tensor("model;8", [t, 1], "int32")
+        g.op(OP.RESHAPE, [index, g.const("model;2", np.array([t, 1], np.int32))], [index2])
+        pe = g.tensor("model;9", [t, width], "float32")
+        g.op(OP.GATHER_ND, [w("pos_embedding"), index2], [pe])
+        h = g.tensor("model;10", [1, t, width], "float32")
+        g.op(OP.ADD, [emb, pe], [h], s.BuiltinOptions.AddOptions, s.AddOptionsT())
+        q, k, v = (g.tensor(f"model/{n}", [1, t, width], "float32") for n in ("q", "k", "v"))
+        for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            g.op(OP.FULLY_CONNECTED, [h, w(name), -1], [out], *_FC_KEEP)
+        # start index of the cache update: [0, input_pos[0], 0]
+        first = g.tensor("model/pos0", [1], "int32")
+        g.op(
+            OP.SLICE,
+            [pos, g.const("slice_begin", np.array([0], np.int32)), g.const("slice_size", np.array([1], np.int32))],
+            [first],
+        )
+        zero = g.const("zero", np.array([0], np.int32))
+        start = g.tensor("model/start", [3], "int32")
+        g.op(
+            OP.CONCATENATION,
+            [zero, first, zero],
+            [start],
+            s.BuiltinOptions.ConcatenationOptions,
+            s.ConcatenationOptionsT(axis=0),
+        )
+        new_k = g.tensor(f"{key}_kv_cache_k_0_output", [1, cache, width], "float32")
+        new_v = g.tensor(f"{key}_kv_cache_v_0_output", [1, cache, width], "float32")
+        g.op(OP.DYNAMIC_UPDATE_SLICE, [kv_k, k, start], [new_k])
+        g.op(OP.DYNAMIC_UPDATE_SLICE, [kv_v, v, start], [new_v])
+        scores = g.tensor("model/scores", [1, t, cache], "float32")
+        bmm_t = s.BatchMatMulOptionsT(adjX=False, adjY=True)
+        g.op(OP.BATCH_MATMUL, [q, new_k], [scores], s.BuiltinOptions.BatchMatMulOptions, bmm_t)
+        if key == "decode":
+            masked = g.tensor("model/masked_scores", [1, t, cache], "float32")
+            g.op(
+                OP.ADD,
+                [scores, g.const("decode/mask", decode_mask)],
+                [masked],
+                s.BuiltinOptions.AddOptions,
+                s.AddOptionsT(),
+            )
+            scores = masked
+        probs = g.tensor("model/probs", [1, t, cache], "float32")
+        g.op(OP.SOFTMAX, [scores], [probs], s.BuiltinOptions.SoftmaxOptions, s.SoftmaxOptionsT(beta=1.0))
+        att = g.tensor("model/attention", [1, t, width], "float32")
+        g.op(OP.BATCH_MATMUL, [probs, new_v], [att], s.BuiltinOptions.BatchMatMulOptions, s.BatchMatMulOptionsT())
+        logits = g.tensor(f"{key}_logits_output", [1, t, vocab], "float32")
+        g.op(OP.FULLY_CONNECTED, [att, w("lm_head"), -1], [logits], *_FC_KEEP)
+        g.outputs = [logits, new_k, new_v]
+        mb.signature(
+            key,
+            g,
+            inputs=["tokens", "input_pos", "kv_cache_k_0", "kv_cache_v_0"],
+            outputs=["logits", "kv_cache_k_0", "kv_cache_v_0"],
+        )
     return mb.save(path)

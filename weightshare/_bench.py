@@ -55,12 +55,19 @@ def bench(
                 for row in measure(str(path), sessions, share):
                     rows.append({"variant": variant, "mode": mode, **row})
         if runtime.prepacked is not None:
-            rows += _prepacked_rows(model, Path(tmp) / "prepack", sessions, runtime, progress)
+            rows += _prepacked_rows(
+                model, Path(tmp) / "prepack", sessions, runtime, progress, given if inputs else None
+            )
     return {"model": str(model), "format": fmt.name, "sessions": sorted(sessions), "rows": rows}
 
 
 def _prepacked_rows(
-    model: Path, out: Path, sessions: list[int], runtime: BenchRuntime, progress: Callable[[str], object]
+    model: Path,
+    out: Path,
+    sessions: list[int],
+    runtime: BenchRuntime,
+    progress: Callable[[str], object],
+    inputs: dict[str, str] | None = None,
 ) -> list[JsonDict]:
     """``convert --prepack`` measured under the runtime's setting for it, in a fresh process started with the
     runtime's environment for it (ONNX: the malloc setting that returns ORT's freed validation buffers to the
@@ -74,7 +81,8 @@ def _prepacked_rows(
     saved = {k: os.environ.get(k) for k in runtime.prepacked_env}
     os.environ.update(runtime.prepacked_env)  # inherited by the probe process; some only work from its start
     try:
-        rows = runtime.measure(str(prepacked), sessions, share)
+        measure = runtime.prepacked_measure or runtime.measure
+        rows = measure(str(prepacked), sessions, share, *([inputs] if inputs else []))
     finally:
         for k, v in saved.items():
             if v is None:

@@ -34,16 +34,24 @@ def _copy(d: Details) -> Details:
 class _Signature:
     """One signature of the CompiledModel: its buffers, written on set, read once per run."""
 
-    def __init__(self, cm: CompiledModel, key: str, inputs: list[Details], outputs: list[Details]):
+    def __init__(self, cm: CompiledModel, key: str, inputs: dict[str, Details], outputs: dict[str, Details]):
+        """``inputs``/``outputs``: the classic runner's details by the SIGNATURE's names (a model without
+        SignatureDefs: by tensor name, which is what CompiledModel's placeholder signature uses). Converters name
+        signature inputs otherwise than their tensors (``x`` vs ``serving_default_x:0``), so tensors are matched
+        by signature name, never by a tensor's own name."""
         self.cm, self.key = cm, key
         self.index = max(cm.get_signature_index(key), 0)
         sig = cm.get_signature_by_index(self.index)
         self.input_names: list[str] = list(sig["inputs"])
         self.output_names: list[str] = list(sig["outputs"])
-        by_name_in = {d["name"]: d for d in inputs}
-        by_name_out = {d["name"]: d for d in outputs}
-        self.inputs = [by_name_in[n] for n in self.input_names]
-        self.outputs = [by_name_out[n] for n in self.output_names]
+        for what, names, details in (("inputs", self.input_names, inputs), ("outputs", self.output_names, outputs)):
+            if set(names) != set(details):
+                raise UsageError(
+                    f"signature {key!r}: LiteRT's CompiledModel names its {what} {sorted(names)}, its Interpreter "
+                    f"{sorted(details)}"
+                )
+        self.inputs = [inputs[n] for n in self.input_names]
+        self.outputs = [outputs[n] for n in self.output_names]
         self._make_buffers()
 
     def _make_buffers(self) -> None:
@@ -81,8 +89,8 @@ class _Signature:
         self.cm.resize_input_tensor(pos, shape, self.index)
         self.inputs[pos]["shape"] = np.array(shape, np.int32)
         details = self.cm.get_output_tensor_details(self.key)
-        for d in self.outputs:
-            d["shape"] = np.array(details[d["name"]]["shape"], np.int32)
+        for name, d in zip(self.output_names, self.outputs):
+            d["shape"] = np.array(details[name]["shape"], np.int32)
         self._make_buffers()
 
     def run(self) -> None:
@@ -105,10 +113,11 @@ class SignatureRunner:
         self._sig = sig
 
     def get_input_details(self) -> dict[str, Details]:
-        return {d["name"]: _copy(d) for d in self._sig.inputs}
+        """By the signature's input names, as LiteRT's runner (each detail's ``name`` is the tensor's)."""
+        return {n: _copy(d) for n, d in zip(self._sig.input_names, self._sig.inputs)}
 
     def get_output_details(self) -> dict[str, Details]:
-        return {d["name"]: _copy(d) for d in self._sig.outputs}
+        return {n: _copy(d) for n, d in zip(self._sig.output_names, self._sig.outputs)}
 
     def __call__(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
         sig = self._sig
@@ -145,12 +154,12 @@ class SharedInterpreter:
             for key in self._signature_list:
                 runner = classic.get_signature_runner(key)
                 self._subgraph_of[key] = int(runner._subgraph_index)
-                ins = [_copy(d) for d in runner.get_input_details().values()]
-                outs = [_copy(d) for d in runner.get_output_details().values()]
+                ins = {n: _copy(d) for n, d in runner.get_input_details().items()}
+                outs = {n: _copy(d) for n, d in runner.get_output_details().items()}
                 self._signatures[key] = _Signature(cm, key, ins, outs)
         else:  # no SignatureDefs: CompiledModel runs the primary subgraph under a placeholder key
-            ins = [_copy(d) for d in classic.get_input_details()]
-            outs = [_copy(d) for d in classic.get_output_details()]
+            ins = {d["name"]: _copy(d) for d in classic.get_input_details()}
+            outs = {d["name"]: _copy(d) for d in classic.get_output_details()}
             self._signatures[cm_keys[0]] = _Signature(cm, cm_keys[0], ins, outs)
             self._subgraph_of[cm_keys[0]] = 0
         self._primary = next((s for k, s in self._signatures.items() if self._subgraph_of[k] == 0), None)

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import numpy as np
 
@@ -89,48 +89,142 @@ def _random_array(
 
 # op -> (position of the index input, position of the indexed tensor)
 _INDEXING = {"GATHER": (1, 0), "GATHER_ND": (1, 0), "EMBEDDING_LOOKUP": (0, 1)}
+# ops whose output carries an index input's values on to a lookup: litert-torch reshapes token ids before its
+# EMBEDDING_LOOKUP, and wraps positions as torch does for negative indices (SELECT(LESS(p, 0), ADD(p, n), p))
+# before its GATHER_ND and scatter into the KV cache
+_PASS_THROUGH = ("RESHAPE", "SQUEEZE", "EXPAND_DIMS", "CAST", "IDENTITY", "SELECT", "SELECT_V2", "ADD", "SUB")
 
 
-def index_bounds(interp: Interpreter) -> dict[int, int | None]:
-    """Tensor index of a graph input used as indices -> exclusive bound (None when unknown)."""
-    try:
-        ops = interp._get_ops_details()  # no public API lists ops and their tensors
-    except Exception:  # noqa: BLE001 -- an older LiteRT: fall back to the plain integer range
-        return {}
-    inputs = {d["index"] for d in interp.get_input_details()}
-    shapes = {d["index"]: [int(x) for x in d["shape_signature"]] for d in interp.get_tensor_details()}
+def _subgraph_bounds(graph: Any, sg: Any) -> dict[int, int | None]:
+    """Tensor index of a subgraph input whose values index a table -> exclusive bound (None: size unknown)."""
+    from ai_edge_litert import schema_py_generated as schema
+
+    from ..formats.tflite.graph import builtin_code, indices
+
+    names = {v: k for k, v in vars(schema.BuiltinOperator).items() if not k.startswith("_")}
+    codes = [names.get(builtin_code(c), "") for c in graph.operatorCodes or []]
+    tensors = sg.tensors or []
+    carries = {i: i for i in indices(sg.inputs)}  # tensor -> the subgraph input whose values it holds
     bounds: dict[int, int | None] = {}
-    for op in ops:
-        where = _INDEXING.get(op.get("op_name", ""))
-        ins = [int(i) for i in op.get("inputs", [])]
-        if where is None or len(ins) <= max(where) or ins[where[0]] not in inputs:
+    for op in sg.operators or []:
+        name = codes[op.opcodeIndex] if 0 <= op.opcodeIndex < len(codes) else ""
+        ins, outs = indices(op.inputs), indices(op.outputs)
+        carried = next((carries[i] for i in ins if i in carries), None)
+        if name in _PASS_THROUGH and carried is not None:
+            for o in outs:
+                carries[o] = carried
             continue
-        data = shapes.get(ins[where[1]], [])
-        size = (min(data) if op["op_name"] == "GATHER_ND" else data[0]) if data else None
-        bounds[ins[where[0]]] = None if size is None or size < 1 else size
+        where = _INDEXING.get(name)
+        if where is None or len(ins) <= max(where) or ins[where[0]] not in carries:
+            continue
+        table = tensors[ins[where[1]]] if 0 <= ins[where[1]] < len(tensors) else None
+        shape = None if table is None else table.shapeSignature if table.shapeSignature is not None else table.shape
+        dims = [] if shape is None else [int(d) for d in shape]
+        if name == "GATHER":
+            axis = int(getattr(op.builtinOptions, "axis", 0) or 0)
+            dims = dims[axis:] if 0 <= axis < len(dims) else dims[axis:][:1] if -len(dims) <= axis < 0 else []
+        if name == "GATHER_ND":  # the indices' last dim k addresses the table's first k dims
+            index = tensors[ins[where[0]]] if 0 <= ins[where[0]] < len(tensors) else None
+            k = int(index.shape[-1]) if index is not None and index.shape is not None and len(index.shape) else 0
+            dims = dims[:k] if 0 < k <= len(dims) else dims
+        size = (min(dims) if name == "GATHER_ND" else dims[0]) if dims else -1
+        source = carries[ins[where[0]]]
+        known = bounds.get(source)
+        if size < 1:
+            bounds.setdefault(source, None)
+        else:
+            bounds[source] = size if known is None else min(known, size)
     return bounds
 
 
-def _shape(details: TensorDetails, shapes: dict[str, list[int]], dims: dict[str, int], name: str) -> list[int]:
-    if name in shapes:
-        return shapes[name]
+def _text(value: bytes | str | None) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value or "")
+
+
+def signature_bounds(model_path: str) -> dict[str, dict[str, int | None]]:
+    """Signature key -> input name -> exclusive bound of the values it must take, for inputs used as indices
+    (GATHER, GATHER_ND, EMBEDDING_LOOKUP, directly or through a reshape/cast), read from the model's graph: each
+    signature runs its own subgraph, whose ops the Interpreter's ``_get_ops_details`` (primary subgraph only) does
+    not list. Names are the signature's (``tokens``, not ``prefill_tokens:0``); the primary subgraph of a model
+    without SignatureDefs is key "" with tensor names."""
+    from ..formats.tflite.flatbuf import check_header, open_model, read_graph
+    from ..formats.tflite.graph import tensor_name
+
+    with open_model(model_path) as (reader, mapping):
+        check_header(reader)
+        graph = read_graph(reader, mapping)
+    subgraphs = graph.subgraphs or []
+    out: dict[str, dict[str, int | None]] = {}
+    if not graph.signatureDefs:
+        if subgraphs:
+            sg = subgraphs[0]
+            out[""] = {tensor_name(sg.tensors[i]): b for i, b in _subgraph_bounds(graph, sg).items()}
+        return out
+    for sd in graph.signatureDefs:
+        key = _text(sd.signatureKey)
+        if not 0 <= sd.subgraphIndex < len(subgraphs):
+            continue
+        by_tensor = _subgraph_bounds(graph, subgraphs[sd.subgraphIndex])
+        names = {int(m.tensorIndex): _text(m.name) for m in sd.inputs or []}
+        out[key] = {names[i]: b for i, b in by_tensor.items() if i in names}
+    return out
+
+
+def _shape(
+    details: TensorDetails, shapes: dict[str, list[int]], dims: dict[str, int], name: str, plain: str = ""
+) -> list[int]:
+    """``--shape SIGNATURE:NAME=...`` (``name``), else ``--shape NAME=...`` (``plain``), else the declared shape
+    with dynamic dims set by ``--dim '*=N'``."""
+    for n in (name, plain):
+        if n and n in shapes:
+            return shapes[n]
     signature = details.get("shape_signature")
     sig = [int(x) for x in (signature if signature is not None and len(signature) else details["shape"])]
     return [d if d >= 0 else dims.get("*", 1) for d in sig]
 
 
-class EntryPoint:
-    """One signature (or the primary subgraph): seeded random feeds in, outputs by name out."""
+def given_for(given: dict[str, np.ndarray] | None, key: str | None, name: str) -> np.ndarray | None:
+    """The value given for input ``name`` of signature ``key``: ``--input SIGNATURE:NAME=FILE`` first (signatures
+    of one LM take ``tokens`` as [1, 16] and [1, 1]), then ``--input NAME=FILE`` for every signature with it."""
+    if not given:
+        return None
+    if key and f"{key}:{name}" in given:
+        return given[f"{key}:{name}"]
+    return given.get(name)
 
-    def __init__(self, interp: Interpreter, key: str | None):
+
+def unknown_given(entries: list[tuple[str, EntryPoint]], given: dict[str, Any]) -> list[str]:
+    """The ``--input`` names no signature takes (``NAME`` or ``SIGNATURE:NAME``)."""
+    known: set[str] = set()
+    for key, entry in entries:
+        for name in entry.input_details():
+            known.add(name)
+            if key:
+                known.add(f"{key}:{name}")
+    return [n for n in given if n not in known]
+
+
+class EntryPoint:
+    """One signature (or the primary subgraph): seeded random feeds in, outputs by name out.
+
+    ``bounds``: the signature's index inputs -> exclusive bound (``signature_bounds``)."""
+
+    def __init__(self, interp: Interpreter, key: str | None, bounds: dict[str, int | None] | None = None):
         self.interp, self.key = interp, key
         self.runner = interp.get_signature_runner(key) if key else None
+        self.bounds = bounds or {}
 
     def input_details(self) -> dict[str, TensorDetails]:
         if self.runner:
             details: dict[str, TensorDetails] = self.runner.get_input_details()
             return details
         return {d["name"]: d for d in self.interp.get_input_details()}
+
+    def output_details(self) -> dict[str, TensorDetails]:
+        if self.runner:
+            details: dict[str, TensorDetails] = self.runner.get_output_details()
+            return details
+        return {d["name"]: d for d in self.interp.get_output_details()}
 
     def feeds(
         self,
@@ -142,24 +236,25 @@ class EntryPoint:
         from ..errors import UsageError
 
         rng = np.random.default_rng(seed)
-        bounds = index_bounds(self.interp)
         feeds: dict[str, np.ndarray] = {}
         for name, d in self.input_details().items():
-            if given and name in given:
-                feeds[name] = given[name]
+            value = given_for(given, self.key, name)
+            if value is not None:
+                feeds[name] = value
                 continue
-            if d["index"] in bounds and bounds[d["index"]] is None:
+            if name in self.bounds and self.bounds[name] is None:
+                where = f"{self.key}:{name}" if self.key else name
                 raise UsageError(
-                    f"input {name!r} indexes a tensor of unknown size, so random values would be "
-                    f"out of range; give it with --input {name}=FILE.npy"
+                    f"input {where!r} indexes a tensor of unknown size, so random values would be "
+                    f"out of range; give it with --input {where}=FILE.npy"
                 )
-            feeds[name] = _random_array(
-                rng, _shape(d, shapes or {}, dims or {}, name), d["dtype"], bounds.get(d["index"])
-            )
+            shape = _shape(d, shapes or {}, dims or {}, f"{self.key}:{name}" if self.key else name, name)
+            feeds[name] = _random_array(rng, shape, d["dtype"], self.bounds.get(name))
         return feeds
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self.runner:
+            # np.array copies: the runner's outputs view its interpreter's tensors, which the next run overwrites
             return {k: np.array(v) for k, v in self.runner(**feeds).items()}
         details = self.interp.get_input_details()
         for d in details:
@@ -170,11 +265,19 @@ class EntryPoint:
         return {d["name"]: o for d, o in zip(self.interp.get_output_details(), outs)}
 
 
-def entry_points(interp: Interpreter) -> list[tuple[str, EntryPoint]]:
+def entry_points(
+    interp: Interpreter, model_path: str | None = None, bounds: dict[str, dict[str, int | None]] | None = None
+) -> list[tuple[str, EntryPoint]]:
+    """Every signature of ``interp`` (or its primary subgraph, key ""); ``model_path``: the model it opened, read
+    for the inputs used as indices (without it, random index values may be out of range); ``bounds``: those
+    already read (``signature_bounds``: a measuring child gets them from its parent, so that the schema module
+    the graph reader imports is not counted in its memory)."""
+    if bounds is None:
+        bounds = signature_bounds(model_path) if model_path else {}
     keys = list(interp.get_signature_list())
     if not keys:
-        return [("", EntryPoint(interp, None))]
-    return [(k, EntryPoint(interp, k)) for k in keys]
+        return [("", EntryPoint(interp, None, bounds.get("")))]
+    return [(k, EntryPoint(interp, k, bounds.get(k))) for k in keys]
 
 
 def open_mode(model_path: str, mode: str) -> Interpreter:
@@ -229,7 +332,7 @@ def compiled_entry_points(
     from ai_edge_litert.cpu_options import CpuOptions
     from ai_edge_litert.options import Options
 
-    feeders = dict(entry_points(open_mode(inputs_from, MODES[0])))
+    feeders = dict(entry_points(open_mode(inputs_from, MODES[0]), inputs_from))
     if cache_path is None:
         model = CompiledModel.from_file(model_path)
     else:
@@ -252,28 +355,112 @@ def run(interp: Interpreter, feeds: dict[int, np.ndarray]) -> list[np.ndarray]:
     return [interp.get_tensor(d["index"]).copy() for d in interp.get_output_details()]
 
 
-def _probe(model_path: str, counts: list[int], share: bool, inputs: dict[str, str] | None = None) -> list[JsonDict]:
-    """In this process: open interpreters one by one (each signature run once), memory after each count.
+def instance_buffers(model_path: str, interp: Interpreter, io_copies: bool = False) -> int:
+    """Bytes of one instance's own buffers after its signatures ran: every tensor an op of a signature's subgraph
+    reads or writes that is not a weight (activations, inputs and outputs, the KV cache fed in and out), at the
+    shapes ``interp`` allocated. Weights and their per-interpreter copies (the outputs of DEQUANTIZE and DENSIFY
+    of constants) are not buffers. An upper bound of LiteRT's arena, which reuses memory between tensors whose
+    lifetimes do not overlap. ``io_copies``: the instance also holds its own copy of every signature's inputs and
+    outputs (``weightshare.litert.interpreter``'s TensorBuffers)."""
+    from ai_edge_litert import schema_py_generated as schema
 
-    Inputs are ``inputs`` (name -> .npy file) where given, else seeded random values, in range for inputs used
-    as EMBEDDING_LOOKUP/GATHER indices.
+    from ..formats.tflite.flatbuf import check_header, open_model, read_buffer_refs, read_graph
+    from ..formats.tflite.graph import builtin_code, indices
+
+    with open_model(model_path) as (reader, mapping):
+        check_header(reader)
+        sizes = [r.nbytes for r in read_buffer_refs(reader)]
+        graph = read_graph(reader, mapping)
+    codes = [builtin_code(c) for c in graph.operatorCodes or []]
+    unpacking = {schema.BuiltinOperator.DEQUANTIZE, schema.BuiltinOperator.DENSIFY}
+    subgraphs = sorted({int(sd.subgraphIndex) for sd in graph.signatureDefs or []}) or [0]
+    total = 0
+    for si in subgraphs:
+        if not 0 <= si < len(graph.subgraphs or []):
+            continue
+        sg = graph.subgraphs[si]
+        tensors = sg.tensors or []
+        weights = {i for i, x in enumerate(tensors) if 0 < x.buffer < len(sizes) and sizes[x.buffer]}
+        used = set(indices(sg.inputs)) | set(indices(sg.outputs))
+        for op in sg.operators or []:
+            ins, outs = indices(op.inputs), indices(op.outputs)
+            used |= {i for i in ins + outs if i >= 0}
+            if 0 <= op.opcodeIndex < len(codes) and codes[op.opcodeIndex] in unpacking and ins and ins[0] in weights:
+                weights |= set(outs)  # a copy of a weight per interpreter: counted as a copy, not a buffer
+        io = set(indices(sg.inputs)) | set(indices(sg.outputs))
+        for ti in sorted(used - weights):
+            try:
+                d = interp._get_tensor_details(ti, si)  # no public API gives another subgraph's tensors
+            except (ValueError, RuntimeError, IndexError):
+                continue
+            nbytes = int(np.prod([max(int(x), 0) for x in d["shape"]], dtype=np.int64)) * np.dtype(d["dtype"]).itemsize
+            total += nbytes * (2 if io_copies and ti in io else 1)
+    return total
+
+
+def _open_helper(
+    model_path: str, bounds: dict[str, dict[str, int | None]]
+) -> tuple[Any, list[tuple[str, Callable[..., Any], EntryPoint]]]:
+    """``weightshare.litert.interpreter`` and its signature runners, with the classic Interpreter's entry points
+    (details and index bounds only: opened without delegate, never allocated, it holds no weights)."""
+    from ..litert import interpreter
+
+    shared = interpreter(model_path)
+    entries = entry_points(open_mode(model_path, MODES[0]), model_path, bounds)
+    runs: list[tuple[str, Callable[..., Any], EntryPoint]] = []
+    for key, entry in entries:
+        runner = shared.get_signature_runner(key or None)
+        runs.append((key, lambda feeds, runner=runner: runner(**feeds), entry))
+    return shared, runs
+
+
+LOADERS = ("interpreter", "helper")  # the classic Interpreter (share: no default delegates), weightshare.litert
+
+
+def _probe(
+    model_path: str,
+    counts: list[int],
+    share: bool,
+    inputs: dict[str, str] | None = None,
+    loader: str = LOADERS[0],
+    bounds: dict[str, dict[str, int | None]] | None = None,
+) -> list[JsonDict]:
+    """In this process: open instances one by one (each signature run once), memory after each count.
+
+    Inputs are ``inputs`` (name or SIGNATURE:NAME -> .npy file) where given, else seeded random values, in range
+    for inputs used as indices. ``loader``: the classic Interpreter, or ``weightshare.litert.interpreter`` (the
+    XNNPACK weight cache of a ``--prepack`` output). Each row also gives ``buffers_mib``: one instance's own
+    buffers (``instance_buffers``), what a new instance costs when no weight is copied.
     """
     import time
 
     from .memory import data_pss, memory_now
 
     given = {name: np.load(path, allow_pickle=False) for name, path in (inputs or {}).items()}
-    rows, interps = [], []
+    rows, instances = [], []
+    runs: list[tuple[str, Callable[..., Any], EntryPoint]] = []
     t0 = time.perf_counter()
     for n in range(1, max(counts) + 1):
-        interp = new_interpreter(model_path, share, allocate=False)
-        for _key, entry in entry_points(interp):
-            entry(entry.feeds(0, given))
-        interps.append(interp)
+        if loader == "helper":
+            instance, runs = _open_helper(model_path, bounds or {})
+            for _key, call, entry in runs:
+                call(entry.feeds(0, given))
+        else:
+            instance = new_interpreter(model_path, share, allocate=False)
+            entries = entry_points(instance, model_path, bounds or {})
+            for _key, entry in entries:
+                entry(entry.feeds(0, given))
+            del entries  # a signature runner holds the interpreter: LiteRT refuses to reallocate while one lives
+        instances.append(instance)
         if n in counts:
             row = {"sessions": n, **memory_now(), "load_s": round(time.perf_counter() - t0, 3)}
             row["data_pss_mib"] = round(data_pss() / (1 << 20), 2)  # without code: steady on a shared machine
             rows.append(row)
+    # after the measurements: reading the graph leaves Python's own memory behind
+    interp = runs[0][2].interp if loader == "helper" and runs else instances[0]
+    buffers = instance_buffers(model_path, interp, io_copies=loader == "helper")
+    for row in rows:
+        row["buffers_mib"] = round(buffers / (1 << 20), 2)
     return rows
 
 
@@ -283,17 +470,34 @@ def measure_interpreters(
     share: bool = True,
     inputs: dict[str, str] | None = None,
     env: dict[str, str] | None = None,
+    loader: str = LOADERS[0],
 ) -> list[JsonDict]:
     """Memory of 1..N interpreters of ``model_path`` in a fresh process (``inputs``: name -> .npy file; ``env``:
-    variables added to the child's environment)."""
+    variables added to the child's environment; ``loader``: one of ``LOADERS``)."""
     from ..errors import Unsupported
     from .memory import in_child
 
     try:
-        rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share, inputs or {}], env)
+        rows: list[JsonDict] = in_child(
+            __name__,
+            "_probe",
+            [model_path, sorted(counts), share, inputs or {}, loader, signature_bounds(model_path)],
+            env,
+        )
     except RuntimeError as e:  # LiteRT refused the model or the inputs in the probe: the user's to fix, one line
         detail = str(e).split("failed in a child process: ", 1)[-1]
         raise Unsupported(
             f"LiteRT could not run the model: {detail} (give real inputs with --input NAME=FILE.npy)", model_path
         ) from None
     return rows
+
+
+def measure_shared(
+    model_path: str,
+    counts: list[int],
+    share: bool = True,
+    inputs: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+) -> list[JsonDict]:
+    """``measure_interpreters`` through ``weightshare.litert.interpreter`` (``bench``'s ``--prepack`` variant)."""
+    return measure_interpreters(model_path, counts, share, inputs, env, loader="helper")

@@ -246,7 +246,11 @@ def render_bench(result: JsonDict, plot_path: Path | None) -> None:
     """``bench``: PSS after N sessions, one row per variant and runtime setting."""
     counts = result["sessions"]
     t = Table(title=f"{result['model']}: PSS after N sessions in one process", title_justify="left")
-    for col in ["variant", "setting", *[f"{n}" for n in counts], f"{counts[-1]}/1", "private", "shared"]:
+    # LiteRT rows carry one instance's own buffers (activations, KV cache): next to what each extra instance
+    # costs, they tell weight copies (the rest) apart
+    buffers = len(counts) > 1 and all("buffers_mib" in r for r in result["rows"])
+    extra = ["per extra", "buffers"] if buffers else []
+    for col in ["variant", "setting", *[f"{n}" for n in counts], f"{counts[-1]}/1", *extra, "private", "shared"]:
         t.add_column(col, justify="left" if col in ("variant", "setting") else "right")
     groups: dict[tuple[str, str], list[JsonDict]] = {}
     for r in result["rows"]:
@@ -258,6 +262,11 @@ def render_bench(result: JsonDict, plot_path: Path | None) -> None:
             mode,
             *[size_mib(v) for v in pss],
             f"{pss[-1] / pss[0]:.2f}x",
+            *(
+                [size_mib((pss[-1] - pss[0]) / (counts[-1] - counts[0])), size_mib(rows[-1]["buffers_mib"])]
+                if buffers
+                else []
+            ),
             size_mib(rows[-1]["private_mib"]),
             size_mib(rows[-1]["shared_mib"]),
         )

@@ -69,13 +69,15 @@ def verify(
     inputs: list[str] = typer.Option(
         [],
         "--input",
-        help="Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb). Repeatable.",
+        help="Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb); TFLite: "
+        "SIGNATURE:NAME=FILE.npy for one signature only. Repeatable.",
     ),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
     decode_steps: int = typer.Option(
         0,
         "--decode-steps",
-        help="ONNX decoders: a prefill step, then N steps feeding each present* output back as its past* input.",
+        help="ONNX decoders: a prefill step, then N steps feeding each present* output back as its past* input; "
+        "TFLite LMs: the prefill signature, then N runs of the decode signature fed its KV cache outputs.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
@@ -118,8 +120,11 @@ def verify(
         verdict = "ok" if report.passed else "FAILED"
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
         steps = f", prefill + {report.decode_steps} decode steps" if decode_steps else ""
+        # payloads are compared with the original's only where the format's verify does it (ONNX): a 0 there
+        # would read as "nothing was compared" next to the outputs that were
+        compared = f", {report.payloads_compared} compared with the original" if report.payloads_compared else ""
         info(
             f"{verdict}: {report.runs} runs{steps}{ran}, {report.outputs_compared} outputs compared, "
-            f"{report.payloads_hashed} blob payloads re-hashed, {report.payloads_compared} compared with the original"
+            f"{report.payloads_hashed} blob payloads re-hashed{compared}"
         )
     raise typer.Exit(0 if report.passed else 1)

@@ -38,6 +38,7 @@ class TfliteFormat:
     findings = CODES
     settings = ("litert-builtin", "litert-xnnpack", "litert-compiled-cache")  # inventory.NO_DELEGATE, XNNPACK, ...
     options = FormatOptions(unpack=UNPACK, fields=("external",))  # --external: ExternalBuffer groups in a blob
+    decodes = True  # verify --decode-steps: a prefill signature, then decode steps feeding the KV outputs back
 
     @property
     def blob_container(self) -> BlobContainer:
@@ -87,9 +88,17 @@ class TfliteFormat:
         silence_native_stderr_until_exit()
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
-        from ..._runtimes.litert import measure_interpreters
+        from ..._runtimes.litert import measure_interpreters, measure_shared
+        from ..onnx.measure import MALLOC_ENV
 
-        return BenchRuntime(measure_interpreters, (("no delegate", True), ("XNNPACK", False)), takes_inputs=True)
+        return BenchRuntime(
+            measure_interpreters,
+            (("no delegate", True), ("XNNPACK", False)),
+            prepacked=("weightshare.litert.interpreter", True),
+            prepacked_env=MALLOC_ENV,
+            takes_inputs=True,
+            prepacked_measure=measure_shared,
+        )
 
 
 FORMAT = TfliteFormat()

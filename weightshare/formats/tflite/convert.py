@@ -438,6 +438,10 @@ def _xnnpack_accounting(
             f"XNNPACK weight cache {Path(cache).name} ({built.nbytes:,} bytes) built in a child "
             f"process: peak RSS {built.peak_rss_mib:.1f} MiB, {built.wall_s:.2f} s"
         )
+        if "dequantize" not in options.unpack:
+            note = xnnpack_cache.weight_only_note(final, tx)
+            if note:
+                report.notes.append(note)
     else:
         xnnpack_cache.drop_stale_after_commit(final, tx, options.blob_grace_s)
     fp16_in = sum(p.unpacked_from for p in plans if p.unpacked_from)

@@ -75,10 +75,14 @@ def _packing_inputs() -> dict[int, tuple[int, ...]]:
 
 
 def _xnnpack_packs(graph: schema.ModelT, sizes: list[int]) -> dict[int, int]:
-    """buffer -> bytes XNNPACK packs per interpreter (fp16 behind DEQUANTIZE is packed as fp32: twice)."""
+    """buffer -> bytes XNNPACK packs per interpreter (fp16 behind DEQUANTIZE is packed as fp32: twice).
+
+    Once per subgraph that packs it: the default delegate packs each signature's subgraph on its own (a
+    prefill + decode LM over one copy of the weights costs two packed copies per interpreter, measured)."""
     packing, codes = _packing_inputs(), [builtin_code(c) for c in graph.operatorCodes or []]
     packs: dict[int, int] = {}
     for sg in graph.subgraphs:
+        seen: dict[int, int] = {}  # this subgraph's packed buffers
         tensors = sg.tensors or []
         producer = {o: op for op in sg.operators or [] for o in indices(op.outputs)}
         for op in sg.operators or []:
@@ -93,7 +97,9 @@ def _xnnpack_packs(graph: schema.ModelT, sizes: list[int]) -> dict[int, int]:
                     fp32 = 4 * (element_count(tensors[t]) or 0) if 0 <= t < len(tensors) else 0
                 buffer = tensors[t].buffer if t < len(tensors) else 0
                 if buffer and buffer < len(sizes) and sizes[buffer]:
-                    packs[buffer] = sizes[buffer] if fp32 is None else fp32
+                    seen[buffer] = sizes[buffer] if fp32 is None else fp32
+        for buffer, nbytes in seen.items():
+            packs[buffer] = packs.get(buffer, 0) + nbytes
     return packs
 
 

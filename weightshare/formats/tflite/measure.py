@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ...errors import WeightshareError
 from ...report import JsonDict
 from ..onnx.measure import ENV_SKIP, MALLOC_ENV, SESSIONS
 
@@ -24,16 +25,51 @@ SETTINGS = (("litert-builtin", True), ("litert-xnnpack", False))  # (setting id,
 TIMEOUT_S = 600.0
 
 
-def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDict:
+def _run_signatures(model_path: str, interp: Any, bounds: dict[str, dict[str, int | None]]) -> bool:
+    """Run every signature of ``interp`` once (seeded random inputs, index inputs in range); False when the inputs
+    cannot be made up or LiteRT refuses them. The signature runners are dropped before returning: each holds the
+    interpreter, and LiteRT refuses ``allocate_tensors`` ("at least 1 reference to internal data") while one
+    lives."""
+    from ..._runtimes.litert import entry_points
+
+    entries = entry_points(interp, model_path, bounds)
+    try:
+        for _key, entry in entries:
+            entry(entry.feeds(0, {}))
+    except Exception:  # noqa: BLE001 -- inputs it cannot make up: the interpreter is measured unrun
+        return False
+    finally:
+        del entries
+    return True
+
+
+def _allocate_signatures(interp: Any) -> None:
+    """Allocate every signature's subgraph (XNNPACK packs a subgraph's weights when it is allocated, once per
+    signature); the primary subgraph alone for a model without SignatureDefs."""
+    keys = list(interp.get_signature_list())
+    if not keys:
+        interp.allocate_tensors()
+        return
+    for key in keys:
+        runner = interp.get_signature_runner(key)
+        runner._interpreter_wrapper.AllocateTensors(runner._subgraph_index)  # what the runner does before a run
+        del runner
+
+
+def probe(
+    model_path: str, share: bool, interpreters: int = SESSIONS, bounds: dict[str, dict[str, int | None]] | None = None
+) -> JsonDict:
     """In this (child) process: PSS after each of ``interpreters`` interpreters under the setting, or why LiteRT
-    refused the model."""
-    from ..._runtimes.litert import entry_points, native_stderr_silenced, new_interpreter
+    refused the model; ``buffers``: one interpreter's own buffers (``instance_buffers``: activations, inputs and
+    outputs, KV cache), which are not weight copies."""
+    from ..._runtimes.litert import instance_buffers, native_stderr_silenced, new_interpreter
     from ..._runtimes.memory import data_pss, smaps_rollup
 
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
     ran = True
+    buffers = 0
     with native_stderr_silenced():
         for _ in range(interpreters):
             try:
@@ -41,20 +77,31 @@ def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDic
             except Exception as e:  # noqa: BLE001 -- any refusal is the answer
                 return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
             if ran:
-                try:
-                    for _key, entry in entry_points(interp):
-                        entry(entry.feeds(0, {}))
-                except Exception:  # noqa: BLE001 -- inputs it cannot make up: interpreters are measured unrun
-                    ran = False
+                ran = _run_signatures(model_path, interp, bounds or {})
             if not ran:
                 try:
-                    interp.allocate_tensors()  # XNNPACK packs when the delegate is applied, at allocation
+                    _allocate_signatures(interp)
                 except Exception as e:  # noqa: BLE001
                     return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
             opened.append(interp)
             pss.append(smaps_rollup()["Pss"])
             data.append(data_pss())
-    return {"pss": pss, "data_pss": data, "ran": ran}
+        try:  # after the measurements: reading the graph leaves Python's own memory behind
+            buffers = instance_buffers(model_path, opened[0])
+        except Exception:  # noqa: BLE001 -- a figure beside the measurement, never a reason to drop it
+            buffers = 0
+    return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers}
+
+
+def buffers_note(setting: str, res: JsonDict) -> str | None:
+    """The measured figure of ``setting`` includes each interpreter's own buffers: say how much they are."""
+    buffers = int(res.get("buffers", 0) or 0)
+    if buffers < (1 << 20) // 16:
+        return None
+    return (
+        f"{setting}: of what one more interpreter costs, up to {buffers / (1 << 20):.1f} MiB are its own buffers "
+        "(activations, inputs and outputs, KV cache: every non-constant tensor of its signatures), not weight copies"
+    )
 
 
 def available() -> bool:
@@ -70,14 +117,21 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             {},
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
         )
+    from ..._runtimes.litert import signature_bounds
     from ..._runtimes.memory import in_child
 
+    try:
+        bounds = signature_bounds(str(path))  # here: the child's memory must not count the graph reader
+    except WeightshareError:
+        bounds = {}
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
     for setting, share in SETTINGS:
         try:
-            res: JsonDict = in_child(__name__, "probe", [str(path), share], MALLOC_ENV, timeout=TIMEOUT_S)
+            res: JsonDict = in_child(
+                __name__, "probe", [str(path), share, SESSIONS, bounds], MALLOC_ENV, timeout=TIMEOUT_S
+            )
         except RuntimeError as e:
             notes.append(f"could not measure {setting}: {e}")
             continue
@@ -89,5 +143,8 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
         one[setting] = res["pss"][0]
         if not res["ran"]:
             notes.append(f"{setting}: interpreters measured without a run (inputs could not be generated)")
+        note = buffers_note(setting, res)
+        if note:
+            notes.append(note)
     notes.append("litert-compiled-cache is not measured: its figure is the static estimate")
     return out, one, notes

@@ -68,12 +68,38 @@ def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, 
         report.paths.append(path)
         report.mismatches.append(f"the converted model fails to load in {path}: {first_line(e)}")
         return
-    refused = _run_path(report, path, ea, eb, opts, f"CompiledModel + {cache.name}: ")
+    refused = _run_path(report, path, ea, eb, opts, f"CompiledModel + {cache.name}: ", _lm_plan(original, opts))
     if refused:
         report.notes.append(f"the original model does not run with LiteRT CompiledModel: {refused}")
     else:
         report.paths.append(path)
     held.close()
+
+
+def _lm_plan(original: Path, opts: dict[str, Any]) -> Any:
+    """``--decode-steps``: the prefill and decode signatures read from the original (None without the option)."""
+    if not opts.get("decode_steps"):
+        return None
+    from ..._runtimes.litert import MODES, entry_points, open_mode
+    from .decode import plan
+
+    return plan(dict(entry_points(open_mode(str(original), MODES[0]), str(original))), original)
+
+
+def _check_given(original: Path, opts: dict[str, Any]) -> None:
+    """``--input NAME=FILE`` / ``SIGNATURE:NAME=FILE`` must name an input of some signature of the model."""
+    if not opts["inputs"]:
+        return
+    from ..._runtimes.litert import LITERT_ERRORS, MODES, entry_points, open_mode, unknown_given
+
+    try:
+        entries = entry_points(open_mode(str(original), MODES[0]), str(original))
+    except LITERT_ERRORS:
+        return  # reported by the legs
+    unknown = unknown_given(entries, opts["inputs"])
+    if unknown:
+        takes = sorted({f"{k}:{n}" if k else n for k, e in entries for n in e.input_details()})
+        raise UsageError(f"--input {unknown[0]}: the model takes no such input (it takes {', '.join(takes)})")
 
 
 def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[tuple[str, str, Any, Any]], list[str]]:
@@ -94,12 +120,12 @@ def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[t
     refusals: list[str] = []
     for mode in MODES:
         try:
-            ea = entry_points(open_mode(str(original), mode))
+            ea = entry_points(open_mode(str(original), mode), str(original))
         except LITERT_ERRORS as e:
             refusals.append(f"{mode}: {first_line(e)}")
             continue
         try:
-            eb: Any = entry_points(open_mode(str(converted), mode))
+            eb: Any = entry_points(open_mode(str(converted), mode), str(converted))
         except LITERT_ERRORS as e:
             eb = f"the converted model fails to load in LiteRT ({mode}): {first_line(e)}"
         opened.append((mode, f"LiteRT Interpreter, {mode}", ea, eb))
@@ -113,6 +139,7 @@ def _run_path(
     eb: list[tuple[str, Any]],
     opts: dict[str, Any],
     label: str = "",
+    lm: Any = None,
 ) -> str:
     """Compare on one LiteRT path; returns why the original could not run on it in the first run ('' if it ran).
 
@@ -144,6 +171,10 @@ def _run_path(
             compare_names(report, "output", list(outs_a), list(outs_b))
             compare_outputs(report, list(outs_a), outs_a, outs_b, r, label + (f"{key}:" if key else ""))
         report.runs += 1
+    if lm is not None and len(report.mismatches) == before:
+        from .decode import run_chain
+
+        run_chain(report, path, lm, dict(ea), dict(eb), opts, count=report.decode_steps == 0)
     return ""
 
 
@@ -160,6 +191,11 @@ _CAUSES = (  # (words in LiteRT's message, what the user can do about it)
     (
         ("scale", "zero_point", "quantiz"),
         "a kernel rejected the model's quantization parameters (a property of the model, not of the inputs)",
+    ),
+    (  # e.g. an int16x8 model with an op whose kernel has no int16 version: "Type INT16 is unsupported by op Sin"
+        ("unsupported by op", "only supports", "->type ==", "type int", "type float", "not supported"),
+        "an op of the model has no LiteRT kernel for its tensor types (such as int16 activations in an int16x8 "
+        "model): a property of the model, not of the inputs; verify cannot run it here",
     ),
 )
 
@@ -196,6 +232,8 @@ def _first_feeds(opened: list[tuple[str, str, Any, Any]], opts: dict[str, Any]) 
 def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
     """Every signature (or the primary subgraph), on every path the original runs on."""
     external = any(p.location == "external" and p.file != converted.name for p in inventory(converted, False).payloads)
+    lm = _lm_plan(original, opts)  # before anything runs: a model with nothing to decode is a usage error
+    _check_given(original, opts)
     opened, refusals = _open_paths(original, converted, external)
     for mode, path, ea, eb in opened:
         if broken:
@@ -204,7 +242,7 @@ def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: d
             report.paths.append(path)
             report.mismatches.append(eb)
             continue
-        refused = _run_path(report, path, ea, eb, opts)
+        refused = _run_path(report, path, ea, eb, opts, lm=lm)
         if refused:
             refusals.append(f"{mode}: {refused}")
         else:

@@ -429,6 +429,25 @@ def _weight_use(graph: schema.ModelT, sizes: list[int]) -> tuple[int, int, int, 
     return dequantized, packed, packed_from_file, from_int
 
 
+def weight_only_note(final_model: Path, tx: OutputTransaction) -> str | None:
+    """``--prepack`` without ``--unpack dequantize`` on a weight-only int8/int4 model (DEQUANTIZE of integer
+    constants): the weight cache does not stop each instance from unpacking them to fp32; say what does."""
+    from . import flatbuf
+
+    with flatbuf.open_model(str(_staged(tx, final_model))) as (reader, mapping):
+        flatbuf.check_header(reader)
+        refs = flatbuf.read_buffer_refs(reader)
+        graph = flatbuf.read_graph(reader, mapping)
+    from_int = _weight_use(graph, [r.nbytes for r in refs])[3]
+    if not from_int:
+        return None
+    return (
+        f"weight-only integer weights (DEQUANTIZE of int8/int4 constants): every instance still unpacks them to "
+        f"fp32 ({_mib(from_int)} per instance), the XNNPACK weight cache does not cover that; convert with "
+        "--prepack --unpack dequantize to store the fp32 values once and share them"
+    )
+
+
 def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
     """Weight memory per LiteRT setting for ``model``: no delegate, default XNNPACK, CompiledModel + cache.
 
