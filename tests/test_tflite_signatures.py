@@ -169,7 +169,7 @@ def test_lm_instances_share_the_weights_through_the_helper(cli, tmp_path):
     res = cli("bench", src, "--sessions", "1,4", "--json")
     assert res.returncode == 0, res.stderr
     rows: dict[tuple[str, str], dict[int, dict]] = {}
-    for r in json.loads(res.stdout)["rows"]:
+    for r in json.loads(res.stdout)["reports"][0]["rows"]:
         rows.setdefault((r["variant"], r["mode"]), {})[r["sessions"]] = r
 
     def per_extra(key):
