@@ -1,0 +1,119 @@
+"""verify for ExecuTorch: every method of both programs run by ``executorch.runtime``, outputs compared byte for byte.
+
+Each program is loaded as a user loads it (``Runtime.load_program(path, data_path=...)``, the ``.ptd`` beside it
+when it reads external data); inputs are random values of each input's dtype and shape from the method's
+metadata, the same for both programs; outputs compared with ``np.array_equal`` on their raw bytes (``differences``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from ..._verify import OriginalFails, VerifyReport, compare_outputs, first_line
+from ...errors import Unsupported
+from . import flatbuf
+from .inventory import find_data_file
+
+# executorch_flatbuffer.ScalarType -> numpy dtype of random inputs
+_NUMPY = {
+    0: "uint8",
+    1: "int8",
+    2: "int16",
+    3: "int32",
+    4: "int64",
+    5: "float16",
+    6: "float32",
+    7: "float64",
+    11: "bool",
+}
+
+
+def data_path_for(program: Path) -> Path | None:
+    """The ``.ptd`` beside ``program`` holding its external tensors (None when it reads none or when no file
+    beside it holds them: the runtime then says what is missing)."""
+    with open(program, "rb") as fh:
+        prog = flatbuf.read_program(fh.fileno(), str(program))
+    keys = {c.external_key for c in prog.constants if c.external_key}
+    if keys:
+        return find_data_file(program, keys)[0]
+    if prog.delegates and not prog.named_data:  # a delegate's weights by key in a .ptd (external_constants)
+        beside = sorted(program.parent.glob("*.ptd"))
+        return beside[0] if len(beside) == 1 else None
+    return None
+
+
+def _runtime() -> Any:
+    try:
+        runtime = importlib.import_module("executorch.runtime")
+    except ImportError as e:
+        raise Unsupported(f"verify needs ExecuTorch's Python runtime (pip install executorch): {e}") from None
+    return runtime.Runtime.get()
+
+
+def _inputs(meta: Any, seed: int, run: int) -> list[Any]:
+    import numpy as np
+
+    torch = importlib.import_module("torch")  # installed with executorch
+
+    rng = np.random.default_rng(seed + run)
+    out = []
+    for i in range(meta.num_inputs()):
+        info = meta.input_tensor_meta(i)
+        dtype = _NUMPY.get(int(info.dtype()))
+        if dtype is None:
+            raise Unsupported(f"input {i} of {meta.name()!r} has ExecuTorch dtype {info.dtype()}: give no random input")
+        shape = tuple(info.sizes())
+        if dtype == "bool":
+            arr = rng.integers(0, 2, shape).astype(bool)
+        elif dtype.startswith(("int", "uint")):
+            arr = rng.integers(0, 8, shape).astype(dtype)
+        else:
+            arr = rng.standard_normal(shape).astype(dtype)
+        out.append(torch.from_numpy(arr))
+    return out
+
+
+def _run(rt: Any, path: Path, data: Path | None, seed: int, runs: int) -> dict[str, list[dict[str, Any]]]:
+    kwargs = {"data_path": str(data)} if data is not None else {}
+    program = rt.load_program(str(path), **kwargs)
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name in sorted(program.method_names):
+        method = program.load_method(name)
+        meta = method.metadata
+        results[name] = []
+        for run in range(runs):
+            outs = method.execute(_inputs(meta, seed, run))
+            results[name].append({f"output{i}": o.numpy().copy() for i, o in enumerate(outs)})
+    return results
+
+
+def verify_in_runtime(
+    report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool
+) -> None:
+    if flatbuf.kind_of(original.read_bytes()[:8]) == "ptd":
+        raise Unsupported("verify runs programs: give the .pte files that load this .ptd", original)
+    rt = _runtime()
+    seed, runs = int(opts.get("seed", 0)), max(1, int(opts.get("runs", 1)))
+    try:
+        want = _run(rt, original, data_path_for(original), seed, runs)
+    except Exception as e:
+        raise OriginalFails(
+            f"the original program does not run in executorch.runtime: {first_line(e)}", original
+        ) from None
+    report.paths.append("executorch.runtime load_program(path) (MmapDataLoader)")
+    if broken:
+        return
+    try:
+        got = _run(rt, converted, data_path_for(converted), seed, runs)
+    except Exception as e:
+        report.mismatches.append(f"the converted program fails in executorch.runtime: {first_line(e)}")
+        return
+    for name, runs_a in want.items():
+        if name not in got:
+            report.mismatches.append(f"method {name!r} is missing from the converted program")
+            continue
+        for run, (a, b) in enumerate(zip(runs_a, got[name])):
+            compare_outputs(report, sorted(a), a, b, run, f"{name}/")
+        report.runs += len(runs_a)
