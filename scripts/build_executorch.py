@@ -98,16 +98,24 @@ def _export(model, dim: int, out: Path, name: str, delegate: bool, external, tag
     )
 
 
-def build(out: Path, dim: int, layers: int) -> None:
+def build(out: Path, dim: int, layers: int, only_xnnpack: bool = False) -> None:
     out.mkdir(parents=True, exist_ok=True)
     base = _mlp(dim, layers, 0)
+    if only_xnnpack:  # the conversion's peak RSS on a large program
+        _export(base, dim, out, "xnnpack", True, None)
+        return
     if not (out / "xnnpack.pte").exists():
         _export(base, dim, out, "xnnpack", True, None)
     if not (out / "portable.pte").exists():
         _export(base, dim, out, "portable", False, None)
     ext = out / "ext"
     ext.mkdir(exist_ok=True)
-    _export(base, dim, ext, "xnnpack_ext", True, True, tag=lambda node: "xnnpack_ext")
+    if not (ext / "xnnpack_ext.ptd").exists():
+
+        def everything(node) -> str:  # type: ignore[no-untyped-def]
+            return "xnnpack_ext"
+
+        _export(base, dim, ext, "xnnpack_ext", True, everything, tag=everything)
 
     # LoRA-style: the base's weights tagged external, the adapters not (a callable picks the nodes); once with
     # portable kernels (lora/), once XNNPACK-delegated (xlora/).
@@ -144,14 +152,20 @@ def pss():
 
 spec = json.loads(sys.argv[1])
 rt = Runtime.get()
+if spec["loader"]:
+    sys.path.insert(0, spec["repo"])
+    from weightshare.formats.executorch import program
 base = pss()
 held = []
 outs = []
 for k in range(spec["n"]):
-    p = rt.load_program(spec["pte"], **({"data_path": spec["ptd"]} if spec["ptd"] else {}))
+    if spec["loader"]:
+        p = program(spec["pte"], spec["ptd"])
+    else:
+        p = rt.load_program(spec["pte"], **({"data_path": spec["ptd"]} if spec["ptd"] else {}))
     m = p.load_method("forward")
     for b in spec["batches"]:
-        x = torch.from_numpy(np.random.default_rng(b).standard_normal((b, spec["dim"]), np.float32))
+        x = torch.from_numpy(np.random.default_rng(b).standard_normal((1, spec["dim"]), np.float32))
         y = m.execute([x])[0]
         if k == 0:
             outs.append(y.numpy().tobytes().hex() if spec["dump"] else "")
@@ -234,41 +248,37 @@ CASES = [
 ]
 
 
-def measure(out: Path, dim: int, convert: bool) -> None:
-    rows = []
+def measure(out: Path, dim: int, convert: bool, only: list[str]) -> None:
     for label, pte_rel, ptd_rel in CASES:
         pte = out / pte_rel
-        if not pte.exists():
+        if not pte.exists() or (only and label not in only):
             continue
         ptd = out / ptd_rel if ptd_rel else None
-        variants = [("original", pte, ptd)]
+        variants = [("original", pte, ptd, False)]
         if convert:
             conv = out / "converted" / Path(pte_rel).parent
             conv.mkdir(parents=True, exist_ok=True)
             peak, secs = _convert(pte, conv)
+            print(f"{label}: converted in {secs:.1f} s, converter peak RSS {peak:.0f} MiB", flush=True)
             cptd = None
             if ptd is not None:
-                if not (conv / ptd.name).exists():
-                    _convert(ptd, conv)
                 cptd = conv / ptd.name
-            print(f"{label}: converted in {secs:.1f} s, converter peak RSS {peak:.0f} MiB", flush=True)
-            variants.append(("converted", conv / pte.name, cptd))
-        results = {}
-        for name, p, d in variants:
-            one = [_run(p, d, n, dim, [1]) for n in (1, 2, 4)]
+                if not cptd.exists():
+                    _convert(ptd, conv)
+            variants += [("converted", conv / pte.name, cptd, False), ("conv+loader", conv / pte.name, cptd, True)]
+        outs = {}
+        for name, p, d, loader in variants:
+            one = [_run(p, d, n, dim, [1], False, loader) for n in (1, 2, 4)]
             mib = [(r["pss"] - r["base"]) / 2**20 for r in one]
-            two = _two_processes(p, d, dim) / 2**20
-            outs = _run(p, d, 1, dim, [1, 8], dump=True)["outs"]
-            results[name] = outs
-            rows.append((label, name, mib, two))
+            two = _two_processes(p, d, dim, loader) / 2**20
+            outs[name] = _run(p, d, 1, dim, [1, 2, 3], True, loader)["outs"]
             print(
-                f"{label:12s} {name:9s} PSS 1/2/4 programs {mib[0]:7.1f} {mib[1]:7.1f} {mib[2]:7.1f} MiB "
-                f"({mib[2] / mib[0]:.2f}x)  2 processes {two:7.1f} MiB ({two / mib[0]:.2f}x)",
+                f"{label:9s} {name:11s} PSS 1/2/4 programs {mib[0]:6.1f} {mib[1]:6.1f} {mib[2]:6.1f} MiB "
+                f"({mib[2] / mib[0]:.2f}x)  2 processes {two:6.1f} MiB ({two / mib[0]:.2f}x)",
                 flush=True,
             )
-        if convert:
-            same = results["original"] == results["converted"]
-            print(f"{label}: outputs at batch 1 and 8 byte-identical to the original: {same}", flush=True)
+        same = all(o == outs["original"] for o in outs.values())
+        print(f"{label}: outputs of 3 inputs byte-identical across {sorted(outs)}: {same}", flush=True)
 
 
 def main() -> None:
@@ -278,11 +288,13 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--convert", action="store_true")
+    ap.add_argument("--only-xnnpack", action="store_true", help="build: only the XNNPACK program")
+    ap.add_argument("--only", default="", help="measure: these cases (comma-separated labels)")
     a = ap.parse_args()
     if a.what == "build":
-        build(a.out, a.dim, a.layers)
+        build(a.out, a.dim, a.layers, a.only_xnnpack)
     else:
-        measure(a.out, a.dim, a.convert)
+        measure(a.out, a.dim, a.convert, [c for c in a.only.split(",") if c])
 
 
 if __name__ == "__main__":

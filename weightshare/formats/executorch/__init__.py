@@ -8,6 +8,7 @@ loaded programs, for ``bench``).
 
 from __future__ import annotations
 
+from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from ..._inventory import ModelInventory
     from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
+    from .loader import SharedProgram
     from ...options import ConvertOptions
     from ...report import ConversionReport
 
@@ -31,7 +33,7 @@ class ExecutorchFormat:
     maps_in_place = frozenset({"embedded", "external"})
     maps_unaligned = True
     findings = CODES
-    settings = ("executorch-mmap", "executorch-bytes")  # inventory.SETTINGS
+    settings = ("executorch-weightshare", "executorch-mmap", "executorch-bytes")  # inventory.SETTINGS
     options = FormatOptions()
 
     @property
@@ -79,3 +81,15 @@ class ExecutorchFormat:
 
 
 FORMAT = ExecutorchFormat()
+
+
+def program(path: str | PathLike[str], data_path: str | PathLike[str] | None = None) -> SharedProgram:
+    """Load an ExecuTorch program so that its weights are shared: ``loader.program`` (mapped weights; XNNPACK's
+    packed weights once per process, keys bound to content).
+
+    Example:
+        >>> out = program("model.pte").load_method("forward").execute([x])
+    """
+    from .loader import program as load
+
+    return load(path, data_path)

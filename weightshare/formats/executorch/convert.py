@@ -94,7 +94,7 @@ def plan_program(prog: flatbuf.Program, f: InputFile) -> _Plan:
         if seg.index == prog.constant_segment:
             offs = prog.constant_offsets
             for j, start in enumerate(offs):
-                end = min((o for o in offs[j + 1 :] if o > start), default=seg.nbytes)
+                end = offs[j + 1] if j + 1 < len(offs) else seg.nbytes  # ascending (checked by the reader)
                 c = constants.get(j)
                 name = c.name if c is not None else f"constant{j}"
                 n = end - start

@@ -16,16 +16,20 @@ Read in pytorch/executorch (main, Aug 2026) and measured with executorch 1.5.1 (
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from ..._inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
+from ..._placement import AlignPolicy
 from ..._tensors import FileRange, open_input
+from ...errors import WeightshareError
 from . import flatbuf
 from .findings import ExecutorchCode
 
+LOADER = "executorch-weightshare"  # loader.program(path): mapped, XNNPACK's weights cache on (packed once per process)
 MMAP = "executorch-mmap"  # Runtime.load_program(path): MmapDataLoader
 BYTES = "executorch-bytes"  # Runtime.load_program(bytes): BufferDataLoader over a Python bytes per program
-SETTINGS = (MMAP, BYTES)
+SETTINGS = (LOADER, MMAP, BYTES)  # the one that shares most first
 XNNPACK_BACKEND = "XnnpackBackend"
 MAX_DATA_FILES = 32  # .ptd files beside a program searched for its external keys
 
@@ -50,27 +54,54 @@ def _keys(ptd: Path) -> dict[str, tuple[flatbuf.NamedData, flatbuf.Segment]]:
 
 
 def find_data_file(
-    path: Path, keys: set[str]
+    path: Path, reads: Callable[[str], bool]
 ) -> tuple[Path | None, dict[str, tuple[flatbuf.NamedData, flatbuf.Segment]]]:
-    """The .ptd beside ``path`` holding the most of ``keys`` (None when no .ptd holds any)."""
+    """The .ptd beside ``path`` holding the most keys the program reads, with those entries (None when no .ptd
+    holds any)."""
     best: tuple[Path | None, dict[str, tuple[flatbuf.NamedData, flatbuf.Segment]]] = (None, {})
-    if not keys:
-        return best
     for ptd in data_files_beside(path):
         try:
-            found = _keys(ptd)
-        except Exception:  # another .ptd that is damaged is not this program's problem
+            found = {k: v for k, v in _keys(ptd).items() if reads(k)}
+        except WeightshareError:  # another .ptd that is damaged is not this program's problem
             continue
-        hit = len(keys & found.keys())
-        if hit > len(keys & best[1].keys()):
+        if len(found) > len(best[1]):
             best = (ptd, found)
     return best
+
+
+MAX_DELEGATE_BYTES = 64 << 20  # delegate blobs searched for the keys they read (XNNPACK's are a few KiB)
+
+
+def delegate_blob_bytes(prog: flatbuf.Program, fd: int) -> bytes:
+    """The delegate blobs of a program (segments), concatenated, up to ``MAX_DELEGATE_BYTES``: a delegate names the
+    weights it reads by key in its own serialization (XNNPACK: ``ConstantDataOffset.named_key``)."""
+    parts, total = [], 0
+    for d in prog.delegates:
+        if d.inline:
+            blob = prog.delegate_data[d.index]
+            pos, n = blob.file_offset, blob.nbytes
+        else:
+            seg = prog.segments[d.index]
+            pos, n = seg.file_offset, seg.nbytes
+        if total + n > MAX_DELEGATE_BYTES:
+            break
+        parts.append(os.pread(fd, n, pos))
+        total += n
+    return b"".join(parts)
+
+
+def reads_key(prog: flatbuf.Program, blobs: bytes) -> Callable[[str], bool]:
+    """Whether the program reads a .ptd entry of this key: an external constant of a plan, or a key its delegate
+    blobs name (and its own named data does not hold)."""
+    constants = {c.external_key for c in prog.constants if c.external_key}
+    own = {nd.key for nd in prog.named_data}
+    return lambda key: key in constants or (key not in own and key.encode() in blobs)
 
 
 def _payload(
     name: str, dtype: str, shape: tuple[int, ...], nbytes: int, file: str, offset: int, encoding: str
 ) -> PayloadInfo:
-    return PayloadInfo(
+    info = PayloadInfo(
         name,
         dtype,
         shape,
@@ -81,20 +112,24 @@ def _payload(
         offset=offset,
         alignment=alignment_of(offset),
     )
+    # convert re-lays a file's segments at the default policy's alignment
+    info.would_move = (info.alignment or 1) < AlignPolicy().for_size(nbytes)
+    return info
 
 
 def _packed(info: PayloadInfo) -> None:
     info.copy_reason = "packed by ExecuTorch's XNNPACK backend into private memory per loaded program"
     info.copy_code = ExecutorchCode.XNNPACK_PACK_COPY.value
-    info.copied_per_session = info.nbytes
-    info.copies = {MMAP: info.nbytes, BYTES: 2 * info.nbytes}
-    info.copy_bytes = {MMAP: info.nbytes, BYTES: info.nbytes}
+    info.copied_per_session = 0  # under LOADER: packed once per process, reused by every later program
+    info.copies = {LOADER: 0, MMAP: info.nbytes, BYTES: 2 * info.nbytes}
+    info.copy_bytes = {LOADER: 0, MMAP: info.nbytes, BYTES: info.nbytes}
 
 
 def program_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
     f = open_input(path)
     try:
         prog = flatbuf.read_program(f.fd, str(path))
+        blobs = delegate_blob_bytes(prog, f.fd)
     finally:
         f.close()
     inv = ModelInventory(model=str(path), format="executorch", file_bytes=prog.file_size, settings=list(SETTINGS))
@@ -109,7 +144,7 @@ def program_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
         if seg.index == prog.constant_segment:
             offs = prog.constant_offsets
             for j, start in enumerate(offs):
-                end = min((o for o in offs[j + 1 :] if o > start), default=seg.nbytes)
+                end = offs[j + 1] if j + 1 < len(offs) else seg.nbytes  # ascending (checked by the reader)
                 if end <= start:
                     continue
                 c = constants.get(j)
@@ -122,7 +157,7 @@ def program_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
                     seg.file_offset + start,
                     "constant-segment",
                 )
-                info.copies = {MMAP: 0, BYTES: info.nbytes}  # portable kernels read it in the mapping
+                info.copies = {LOADER: 0, MMAP: 0, BYTES: info.nbytes}  # portable kernels read it in the mapping
                 sources.append((info, FileRange(str(path), seg.file_offset + start, end - start)))
             continue
         if seg.index in delegate_segments:
@@ -142,7 +177,7 @@ def program_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
             info = _payload(key, "uint8", (seg.nbytes,), seg.nbytes, path.name, seg.file_offset, "named-data")
             if xnnpack and seg.index in seg_named:
                 _packed(info)
-        info.copies = info.copies or {MMAP: 0, BYTES: info.nbytes}
+        info.copies = info.copies or {LOADER: 0, MMAP: 0, BYTES: info.nbytes}
         sources.append((info, FileRange(str(path), seg.file_offset, seg.nbytes)))
     for blob in prog.constant_buffers + prog.delegate_data:
         if blob.nbytes:
@@ -157,9 +192,9 @@ def program_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
                 alignment=alignment_of(blob.file_offset),
             )
             info.stays_inline_because = "inline in the program flatbuffer (mapped with it; not moved)"
-            info.copies = {MMAP: 0, BYTES: info.nbytes}
+            info.copies = {LOADER: 0, MMAP: 0, BYTES: info.nbytes}
             sources.append((info, FileRange(str(path), blob.file_offset, blob.nbytes)))
-    _external(path, prog, xnnpack, inv, sources)
+    _external(path, prog, blobs, xnnpack, inv, sources)
     if hash_payloads:
         for info, src in sources:
             if not info.problem:
@@ -169,8 +204,9 @@ def program_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
         inv.external_files.append(path.name)
     if xnnpack:
         inv.notes.append(
-            "XNNPACK-delegated: every loaded program packs its weights into private memory (static estimate: "
-            "about their stored size); ExecuTorch's Python runtime cannot turn on the weights cache that shares them"
+            "XNNPACK-delegated: executorch.runtime packs the weights into private memory for every loaded program "
+            "(static estimate: about their stored size); weightshare.formats.executorch.program(path) packs them once "
+            "per process (XNNPACK's weights cache); no Python API shares them across processes"
         )
     return inv
 
@@ -178,17 +214,20 @@ def program_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
 def _external(
     path: Path,
     prog: flatbuf.Program,
+    blobs: bytes,
     xnnpack: bool,
     inv: ModelInventory,
     sources: list[tuple[PayloadInfo, FileRange]],
 ) -> None:
-    """Tensors the program reads from a .ptd (``data_path``): external constants by name; XNNPACK's by key."""
-    wanted = {c.external_key for c in prog.constants if c.external_key}
+    """Tensors the program reads from a .ptd (``data_path``): external constants by name; a delegate's by key."""
+    reads = reads_key(prog, blobs)
+    ptd, found = find_data_file(path, reads)
+    wanted = {c.external_key for c in prog.constants if c.external_key} | set(found)
     if not wanted:
         return
-    ptd, found = find_data_file(path, wanted)
     if ptd is not None and ptd.name not in inv.external_files:
         inv.external_files.append(ptd.name)
+    delegated = {k for k in found if k.encode() in blobs}
     for key in sorted(wanted):
         if key not in found:
             info = PayloadInfo(key, "uint8", (), 0, "external", encoding="named-data")
@@ -199,7 +238,9 @@ def _external(
         nd, seg = found[key]
         assert ptd is not None
         info = _payload(key, nd.dtype, nd.shape, seg.nbytes, ptd.name, seg.file_offset, "ptd")
-        info.copies = {MMAP: 0, BYTES: 0}
+        info.copies = {LOADER: 0, MMAP: 0, BYTES: 0}
+        if xnnpack and key in delegated:
+            _packed(info)
         sources.append((info, FileRange(str(ptd), seg.file_offset, seg.nbytes)))
 
 
@@ -224,7 +265,11 @@ def data_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
             seg.file_offset,
             "ptd",
         )
-        info.copies = {MMAP: 0, BYTES: 0}  # the runtime maps a data_path; what a program copies is the program's
+        info.copies = {
+            LOADER: 0,
+            MMAP: 0,
+            BYTES: 0,
+        }  # the runtime maps a data_path; what a program copies is the program's
         if hash_payloads:
             info.sha256 = payload_digest(FileRange(str(path), seg.file_offset, seg.nbytes))
         inv.payloads.append(info)

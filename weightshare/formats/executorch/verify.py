@@ -14,7 +14,7 @@ from typing import Any
 from ..._verify import OriginalFails, VerifyReport, compare_outputs, first_line
 from ...errors import Unsupported
 from . import flatbuf
-from .inventory import find_data_file
+from .inventory import delegate_blob_bytes, find_data_file, reads_key
 
 # executorch_flatbuffer.ScalarType -> numpy dtype of random inputs
 _NUMPY = {
@@ -35,13 +35,8 @@ def data_path_for(program: Path) -> Path | None:
     beside it holds them: the runtime then says what is missing)."""
     with open(program, "rb") as fh:
         prog = flatbuf.read_program(fh.fileno(), str(program))
-    keys = {c.external_key for c in prog.constants if c.external_key}
-    if keys:
-        return find_data_file(program, keys)[0]
-    if prog.delegates and not prog.named_data:  # a delegate's weights by key in a .ptd (external_constants)
-        beside = sorted(program.parent.glob("*.ptd"))
-        return beside[0] if len(beside) == 1 else None
-    return None
+        blobs = delegate_blob_bytes(prog, fh.fileno())
+    return find_data_file(program, reads_key(prog, blobs))[0]
 
 
 def _runtime() -> Any:
