@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from ..._inventory import ModelInventory
     from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
-    from .loader import SharedProgram
     from ...options import ConvertOptions
     from ...report import ConversionReport
+    from .loader import SharedProgram
 
 
 class ExecutorchFormat:
