@@ -239,7 +239,6 @@ def _convert(src: Path, out_dir: Path) -> tuple[float, float]:
 
 CASES = [
     ("xnnpack", "xnnpack.pte", None),
-    ("xnnpack_ext", "ext/xnnpack_ext.pte", "ext/xnnpack_ext.ptd"),
     ("portable", "portable.pte", None),
     ("lora_a", "lora/lora_a.pte", "lora/foundation.ptd"),
     ("lora_b", "lora/lora_b.pte", "lora/foundation.ptd"),

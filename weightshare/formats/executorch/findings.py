@@ -18,9 +18,9 @@ CODES: dict[TextEnum, CodeInfo] = {
         Severity.WARNING,
         "ExecuTorch's XNNPACK backend packs the weights it reads into a private buffer per loaded program "
         "(XNNCompiler.cpp: xnn_create_runtime_v4 with no weights cache); the pip wheel builds it without "
-        "ENABLE_XNNPACK_WEIGHTS_CACHE and its Python runtime cannot set the weight_cache_enabled backend option.",
-        "load each program once per process and share it, or export without the XNNPACK partitioner "
-        "(portable kernels read the mapped weights in place), or use a C++ runtime built with "
-        "EXECUTORCH_XNNPACK_ENABLE_WEIGHT_CACHE",
+        "ENABLE_XNNPACK_WEIGHTS_CACHE and `executorch.runtime` exposes no backend option.",
+        "load with weightshare.formats.executorch.program(path) (XNNPACK's weights cache: packed once per process, "
+        "keys bound to content), or export without the XNNPACK partitioner (portable kernels read the mapped "
+        "weights in place)",
     ),
 }
