@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -44,30 +43,35 @@ def _mlp(dim: int, layers: int, seed: int):  # type: ignore[no-untyped-def]
     return torch.nn.Sequential(*mods[:-1]).eval()
 
 
-class _Lora(__import__("torch").nn.Module):  # type: ignore[misc]
-    """A frozen base MLP plus a rank-8 adapter per layer (the LoRA shape: x @ A @ B added to each layer's output)."""
+def _lora(base, dim: int, seed: int):  # type: ignore[no-untyped-def]
+    """A frozen base MLP plus a rank-8 adapter per layer (the LoRA shape: x @ A @ B added to each layer's output).
+    Made here, not at import: the measuring parent must not hold torch (a forked child's peak RSS counts it)."""
+    import torch
 
-    def __init__(self, base, dim: int, seed: int) -> None:  # type: ignore[no-untyped-def]
-        import torch
+    class Lora(torch.nn.Module):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.base = base
+            g = torch.Generator().manual_seed(seed)
+            n = sum(isinstance(m, torch.nn.Linear) for m in base)
+            self.a = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.randn(dim, 8, generator=g) * 0.01) for _ in range(n)]
+            )
+            self.b = torch.nn.ParameterList(
+                [torch.nn.Parameter(torch.randn(8, dim, generator=g) * 0.01) for _ in range(n)]
+            )
 
-        super().__init__()
-        self.base = base
-        g = torch.Generator().manual_seed(seed)
-        layers = [m for m in base if isinstance(m, torch.nn.Linear)]
-        self.a = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(dim, 8, generator=g) * 0.01) for _ in layers])
-        self.b = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(8, dim, generator=g) * 0.01) for _ in layers])
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            k = 0
+            for m in self.base:
+                if isinstance(m, torch.nn.Linear):
+                    x = m(x) + (x @ self.a[k]) @ self.b[k]
+                    k += 1
+                else:
+                    x = m(x)
+            return x
 
-    def forward(self, x):  # type: ignore[no-untyped-def]
-        import torch
-
-        k = 0
-        for m in self.base:
-            if isinstance(m, torch.nn.Linear):
-                x = m(x) + (x @ self.a[k]) @ self.b[k]
-                k += 1
-            else:
-                x = m(x)
-        return x
+    return Lora()
 
 
 def _export(model, dim: int, out: Path, name: str, delegate: bool, external, tag=None) -> None:  # type: ignore[no-untyped-def]
@@ -126,7 +130,7 @@ def build(out: Path, dim: int, layers: int, only_xnnpack: bool = False) -> None:
         lora = out / folder
         lora.mkdir(exist_ok=True)
         for name, seed in (("lora_a", 1), ("lora_b", 2)):
-            _export(_Lora(base, dim, seed), dim, lora, name, delegate, base_only, tag=base_only if delegate else None)
+            _export(_lora(base, dim, seed), dim, lora, name, delegate, base_only, tag=base_only if delegate else None)
             (lora / "foundation.ptd").rename(lora / f"foundation.{name}.ptd")
         pair = sorted(lora.glob("foundation.*.ptd"))
         same = pair[0].read_bytes() == pair[1].read_bytes()
@@ -181,35 +185,33 @@ def _env() -> dict[str, str]:
     return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 
-def _run(pte: Path, ptd: Path | None, n: int, dim: int, batches: list[int], dump: bool = False) -> dict:
-    spec = {
-        "pte": str(pte),
-        "ptd": str(ptd) if ptd else None,
-        "n": n,
-        "dim": dim,
-        "batches": batches,
-        "dump": dump,
-        "wait": False,
-    }
-    out = subprocess.run(
-        [sys.executable, "-c", _CHILD, json.dumps(spec)], capture_output=True, text=True, env=_env(), check=True
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def _two_processes(pte: Path, ptd: Path | None, dim: int) -> int:
-    """PSS above each one's idle baseline, summed, while both hold one loaded program."""
-    spec = json.dumps(
+def _spec(
+    pte: Path, ptd: Path | None, n: int, batches: list[int], dump: bool, wait: bool, loader: bool, dim: int
+) -> str:
+    return json.dumps(
         {
             "pte": str(pte),
             "ptd": str(ptd) if ptd else None,
-            "n": 1,
+            "n": n,
             "dim": dim,
-            "batches": [1],
-            "dump": False,
-            "wait": True,
+            "batches": batches,
+            "dump": dump,
+            "wait": wait,
+            "loader": loader,
+            "repo": str(REPO),
         }
     )
+
+
+def _run(pte: Path, ptd: Path | None, n: int, dim: int, batches: list[int], dump: bool, loader: bool) -> dict:
+    spec = _spec(pte, ptd, n, batches, dump, False, loader, dim)
+    out = subprocess.run([sys.executable, "-c", _CHILD, spec], capture_output=True, text=True, env=_env(), check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _two_processes(pte: Path, ptd: Path | None, dim: int, loader: bool) -> int:
+    """PSS above each one's idle baseline, summed, while both hold one loaded program."""
+    spec = _spec(pte, ptd, 1, [1], False, True, loader, dim)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _CHILD, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env()
@@ -227,14 +229,18 @@ def _two_processes(pte: Path, ptd: Path | None, dim: int) -> int:
 
 
 def _convert(src: Path, out_dir: Path) -> tuple[float, float]:
-    """weightshare convert in a child; (peak RSS MiB, seconds)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """weightshare convert in a child; (its peak RSS in MiB, from wait4, and seconds)."""
     t0 = time.perf_counter()
-    subprocess.run(
-        [str(PROJECT_PYTHON), "-m", "weightshare", "convert", str(src), "-o", str(out_dir)], check=True, cwd=REPO
+    child = subprocess.Popen(
+        [str(PROJECT_PYTHON), "-m", "weightshare", "convert", str(src), "-o", str(out_dir)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
     )
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return max(peak, before) / 1024, time.perf_counter() - t0
+    _, status, usage = os.wait4(child.pid, 0)
+    child.returncode = os.waitstatus_to_exitcode(status)
+    if child.returncode:
+        raise SystemExit(f"weightshare convert {src} failed ({child.returncode})")
+    return usage.ru_maxrss / 1024, time.perf_counter() - t0
 
 
 CASES = [
