@@ -25,9 +25,11 @@ from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, scratch_dir
 from weightshare import api, formats
 from weightshare._check import Gate, findings_for
 from weightshare._inventory import inventory
+from weightshare._verify import VerifyReport
 from weightshare.errors import InvalidModel
 from weightshare.formats.executorch import flatbuf
 from weightshare.formats.executorch.loader import bind_keys
+from weightshare.formats.executorch.verify import compare_payloads
 
 MIB = 1 << 20
 
@@ -262,3 +264,20 @@ def test_segment_offset_outside_the_file_is_refused_before_reading(tmp_path):
     with pytest.raises(InvalidModel, match="run past the end"):
         _program(src)
     assert os.path.getsize(src) < 1 << 20
+
+
+@pytest.mark.parametrize("maker", [xnnpack_program, portable_program])
+def test_verify_compares_every_weight_by_key_and_finds_one_flipped_byte(tmp_path, maker):
+    src = maker(tmp_path / "m.pte", dim=128, layers=2)
+    api.convert(src, tmp_path / "out")
+    out = tmp_path / "out" / "m.pte"
+    good = VerifyReport(str(src), str(out), "executorch")
+    compare_payloads(good, src, out)
+    assert good.mismatches == [] and good.payloads_compared == 4
+    seg = _program(out).segments[-1]
+    raw = bytearray(out.read_bytes())
+    raw[seg.file_offset + 100] ^= 0x01
+    out.write_bytes(bytes(raw))
+    bad = VerifyReport(str(src), str(out), "executorch")
+    compare_payloads(bad, src, out)
+    assert len(bad.mismatches) == 1 and "differs from the original at byte" in bad.mismatches[0], bad.mismatches

@@ -11,7 +11,8 @@ import importlib
 from pathlib import Path
 from typing import Any
 
-from ..._verify import OriginalFails, VerifyReport, compare_outputs, first_line
+from ..._tensors import FileRange
+from ..._verify import OriginalFails, VerifyReport, compare_outputs, first_difference, first_line
 from ...errors import Unsupported
 from . import flatbuf
 from .inventory import delegate_blob_bytes, find_data_file, reads_key
@@ -37,6 +38,50 @@ def data_path_for(program: Path) -> Path | None:
         prog = flatbuf.read_program(fh.fileno(), str(program))
         blobs = delegate_blob_bytes(prog, fh.fileno())
     return find_data_file(program, reads_key(prog, blobs))[0]
+
+
+def payloads(program: Path) -> dict[str, FileRange]:
+    """Every weight a program reads, by a name that survives conversion: named data by key (its own and its
+    .ptd's), constant-segment tensors by buffer index."""
+    out: dict[str, FileRange] = {}
+    with open(program, "rb") as fh:
+        prog = flatbuf.read_program(fh.fileno(), str(program))
+        blobs = delegate_blob_bytes(prog, fh.fileno())
+    for nd in prog.named_data:
+        seg = prog.segments[nd.segment]
+        out[nd.key] = FileRange(str(program), seg.file_offset, seg.nbytes)
+    if prog.constant_segment is not None:
+        seg, offs = prog.segments[prog.constant_segment], prog.constant_offsets
+        sizes = {c.buffer_index: c for c in prog.constants if c.buffer_index}
+        for j, start in enumerate(offs):
+            end = offs[j + 1] if j + 1 < len(offs) else seg.nbytes
+            c = sizes.get(j)
+            if c is None or end <= start:
+                continue
+            n = min(end - start, seg.nbytes - start)
+            out[f"constant {j} ({c.name})"] = FileRange(str(program), seg.file_offset + start, n)
+    ptd, found = find_data_file(program, reads_key(prog, blobs))
+    for key, (_nd, dseg) in found.items():
+        assert ptd is not None
+        out[f"{ptd.name}:{key}"] = FileRange(str(ptd), dseg.file_offset, dseg.nbytes)
+    return out
+
+
+def compare_payloads(report: VerifyReport, original: Path, converted: Path) -> None:
+    """Each weight of the converted program byte for byte against the original's of the same name. A constant
+    piece of the converted program may be longer (alignment padding after it): the original's length is compared."""
+    a, b = payloads(original), payloads(converted)
+    for name in sorted(a):
+        if name not in b:
+            report.mismatches.append(f"weight {name!r} is missing from the converted program")
+            continue
+        src, dst = a[name], b[name]
+        if name.startswith("constant "):
+            dst = FileRange(dst.path, dst.offset, min(dst.length, src.length))
+        at = first_difference(src, dst)
+        report.payloads_compared += 1
+        if at is not None:
+            report.mismatches.append(f"weight {name!r} differs from the original at byte {at}")
 
 
 def _runtime() -> Any:
@@ -87,8 +132,11 @@ def _run(rt: Any, path: Path, data: Path | None, seed: int, runs: int) -> dict[s
 def verify_in_runtime(
     report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool
 ) -> None:
-    if flatbuf.kind_of(original.read_bytes()[:8]) == "ptd":
-        raise Unsupported("verify runs programs: give the .pte files that load this .ptd", original)
+    with open(original, "rb") as fh:
+        if flatbuf.kind_of(fh.read(8)) == "ptd":
+            raise Unsupported("verify runs programs: give the .pte files that load this .ptd", original)
+    if not broken:
+        compare_payloads(report, original, converted)
     rt = _runtime()
     seed, runs = int(opts.get("seed", 0)), max(1, int(opts.get("runs", 1)))
     try:
