@@ -116,7 +116,8 @@ class SharedProgram:
 
 
 def program(path: str | os.PathLike[str], data_path: str | os.PathLike[str] | None = None) -> SharedProgram:
-    """Load an ExecuTorch program for sharing: mapped weights, XNNPACK's packed weights once per process.
+    """Load an ExecuTorch program for sharing: mapped weights, XNNPACK's packed weights once per process
+    (``weightshare.executorch.program``).
 
     Args:
         path: the ``.pte``.
