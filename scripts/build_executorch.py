@@ -160,21 +160,21 @@ if spec["loader"]:
     sys.path.insert(0, spec["repo"])
     from weightshare.formats.executorch import program
 base = pss()
-held = []
-outs = []
-for k in range(spec["n"]):
+held, outs, after = [], [], {}
+for k, (pte, ptd) in enumerate(spec["programs"]):
     if spec["loader"]:
-        p = program(spec["pte"], spec["ptd"])
+        p = program(pte, ptd)
     else:
-        p = rt.load_program(spec["pte"], **({"data_path": spec["ptd"]} if spec["ptd"] else {}))
+        p = rt.load_program(pte, **({"data_path": ptd} if ptd else {}))
     m = p.load_method("forward")
-    for b in spec["batches"]:
-        x = torch.from_numpy(np.random.default_rng(b).standard_normal((1, spec["dim"]), np.float32))
+    for seed in (1, 2, 3):
+        x = torch.from_numpy(np.random.default_rng(seed).standard_normal((1, spec["dim"]), np.float32))
         y = m.execute([x])[0]
         if k == 0:
-            outs.append(y.numpy().tobytes().hex() if spec["dump"] else "")
+            outs.append(y.numpy().tobytes().hex())
     held.append((p, m))
-print(json.dumps({"base": base, "pss": pss(), "outs": outs}), flush=True)
+    after[k + 1] = pss() - base
+print(json.dumps({"base": base, "pss": pss(), "after": after, "outs": outs}), flush=True)
 if spec["wait"]:
     sys.stdin.readline()
     print(json.dumps({"pss": pss()}), flush=True)
@@ -185,33 +185,21 @@ def _env() -> dict[str, str]:
     return {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
 
 
-def _spec(
-    pte: Path, ptd: Path | None, n: int, batches: list[int], dump: bool, wait: bool, loader: bool, dim: int
-) -> str:
-    return json.dumps(
-        {
-            "pte": str(pte),
-            "ptd": str(ptd) if ptd else None,
-            "n": n,
-            "dim": dim,
-            "batches": batches,
-            "dump": dump,
-            "wait": wait,
-            "loader": loader,
-            "repo": str(REPO),
-        }
-    )
+def _spec(programs: list[tuple[Path, Path | None]], wait: bool, loader: bool, dim: int) -> str:
+    listed = [(str(p), str(d) if d else None) for p, d in programs]
+    return json.dumps({"programs": listed, "dim": dim, "wait": wait, "loader": loader, "repo": str(REPO)})
 
 
-def _run(pte: Path, ptd: Path | None, n: int, dim: int, batches: list[int], dump: bool, loader: bool) -> dict:
-    spec = _spec(pte, ptd, n, batches, dump, False, loader, dim)
+def _run(programs: list[tuple[Path, Path | None]], dim: int, loader: bool) -> dict:
+    """One child loads ``programs`` in order: PSS above its idle baseline after each, outputs of the first."""
+    spec = _spec(programs, False, loader, dim)
     out = subprocess.run([sys.executable, "-c", _CHILD, spec], capture_output=True, text=True, env=_env(), check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _two_processes(pte: Path, ptd: Path | None, dim: int, loader: bool) -> int:
     """PSS above each one's idle baseline, summed, while both hold one loaded program."""
-    spec = _spec(pte, ptd, 1, [1], False, True, loader, dim)
+    spec = _spec([(pte, ptd)], True, loader, dim)
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _CHILD, spec], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_env()
@@ -273,10 +261,10 @@ def measure(out: Path, dim: int, convert: bool, only: list[str]) -> None:
             variants += [("converted", conv / pte.name, cptd, False), ("conv+loader", conv / pte.name, cptd, True)]
         outs = {}
         for name, p, d, loader in variants:
-            one = [_run(p, d, n, dim, [1], False, loader) for n in (1, 2, 4)]
-            mib = [(r["pss"] - r["base"]) / 2**20 for r in one]
+            run = _run([(p, d)] * 4, dim, loader)
+            mib = [run["after"][str(n)] / 2**20 for n in (1, 2, 4)]
             two = _two_processes(p, d, dim, loader) / 2**20
-            outs[name] = _run(p, d, 1, dim, [1, 2, 3], True, loader)["outs"]
+            outs[name] = run["outs"]
             print(
                 f"{label:9s} {name:11s} PSS 1/2/4 programs {mib[0]:6.1f} {mib[1]:6.1f} {mib[2]:6.1f} MiB "
                 f"({mib[2] / mib[0]:.2f}x)  2 processes {two:6.1f} MiB ({two / mib[0]:.2f}x)",
@@ -284,6 +272,26 @@ def measure(out: Path, dim: int, convert: bool, only: list[str]) -> None:
             )
         same = all(o == outs["original"] for o in outs.values())
         print(f"{label}: outputs of 3 inputs byte-identical across {sorted(outs)}: {same}", flush=True)
+    for folder in ("lora", "xlora"):  # the pair: a, b, a, b over one foundation.ptd in one process
+        if only and folder not in only:
+            continue
+        for name, base, loader in (
+            ("original", out / folder, False),
+            ("conv+loader", out / "converted" / folder, True),
+        ):
+            for f in ("lora_a.pte", "lora_b.pte", "foundation.ptd"):
+                if not (base / f).exists():
+                    base.mkdir(parents=True, exist_ok=True)
+                    _convert(out / folder / f, base)
+            ptd = base / "foundation.ptd"
+            pair = [(base / "lora_a.pte", ptd), (base / "lora_b.pte", ptd)] * 2
+            run = _run(pair, dim, loader)
+            mib = [run["after"][str(n)] / 2**20 for n in (1, 2, 4)]
+            print(
+                f"{folder} pair {name:11s} PSS a / a+b / a+b+a+b {mib[0]:6.1f} {mib[1]:6.1f} {mib[2]:6.1f} MiB "
+                f"({mib[1] / mib[0]:.2f}x, {mib[2] / mib[0]:.2f}x)",
+                flush=True,
+            )
 
 
 def main() -> None:
