@@ -30,6 +30,7 @@ from weightshare.errors import InvalidModel
 from weightshare.formats.executorch import flatbuf
 from weightshare.formats.executorch.loader import bind_keys
 from weightshare.formats.executorch.verify import compare_payloads
+from weightshare.options import ConvertOptions
 
 MIB = 1 << 20
 
@@ -281,3 +282,12 @@ def test_verify_compares_every_weight_by_key_and_finds_one_flipped_byte(tmp_path
     bad = VerifyReport(str(src), str(out), "executorch")
     compare_payloads(bad, src, out)
     assert len(bad.mismatches) == 1 and "differs from the original at byte" in bad.mismatches[0], bad.mismatches
+
+
+def test_prepack_is_refused_and_another_formats_unpack_is_a_note(tmp_path, cli):
+    src = xnnpack_program(tmp_path / "m.pte", dim=64, layers=1)
+    res = cli("convert", src, "-o", tmp_path / "out", "--prepack")
+    assert res.returncode == 2 and "weightshare.executorch.program" in res.stderr
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    report = api.convert(src, tmp_path / "out2", ConvertOptions(unpack=frozenset({"sparse"})))
+    assert report.notes == ["--unpack sparse is not implemented for ExecuTorch"]

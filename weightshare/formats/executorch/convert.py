@@ -27,7 +27,7 @@ from ..._atomic import OutputTransaction
 from ..._placement import BlobEntry, BlobWriter, PlannedTensor, Progress
 from ..._tensors import FileRange, InputFile, open_input
 from ..._write import BlobPayload, write_payloads
-from ...errors import InvalidModel, OutputError, Unsupported
+from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport
 from . import flatbuf
@@ -191,10 +191,18 @@ def _patches(
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     """Convert one ``.pte`` or ``.ptd`` into ``out_dir`` (same name)."""
     path = str(src)
+    if options.prepack:
+        raise UsageError(
+            "--prepack is not supported for ExecuTorch: XNNPACK packs at load; load with "
+            "weightshare.executorch.program(path) to pack each weight once per process",
+            src,
+        )
     f = open_input(src)
     try:
         kind = flatbuf.kind_of(os.pread(f.fd, 8, 0))
         report = ConversionReport(model=path, format="executorch")
+        if options.unpack:  # other formats' values: nothing of ExecuTorch's is unpacked
+            report.notes.append(f"--unpack {','.join(sorted(options.unpack))} is not implemented for ExecuTorch")
         if kind == "pte":
             prog = flatbuf.read_program(f.fd, path)
             plan = plan_program(prog, f)
