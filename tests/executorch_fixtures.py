@@ -101,9 +101,17 @@ def _constant_tensor(b: flatbuffers.Builder, shape: tuple[int, ...], buffer_idx:
     return int(b.EndObject())
 
 
-def _plan(b: flatbuffers.Builder, values: list[int], delegate_segment: int | None) -> int:
+def _plan(
+    b: flatbuffers.Builder, values: list[int], delegate_segment: int | None, planned: tuple[int, ...] | list[int] = ()
+) -> int:
     name = _string(b, "forward")
     vals = _table_vector(b, values)
+    sizes = None
+    if planned:
+        b.StartVector(8, len(planned), 8)
+        for v in reversed(planned):
+            b.PrependInt64(v)
+        sizes = b.EndVector()
     delegates = None
     if delegate_segment is not None:
         did = _string(b, "XnnpackBackend")
@@ -120,6 +128,8 @@ def _plan(b: flatbuffers.Builder, values: list[int], delegate_segment: int | Non
     b.PrependUOffsetTRelativeSlot(2, vals, 0)
     if delegates is not None:
         b.PrependUOffsetTRelativeSlot(7, delegates, 0)
+    if sizes is not None:
+        b.PrependUOffsetTRelativeSlot(8, sizes, 0)
     return int(b.EndObject())
 
 
@@ -200,11 +210,13 @@ def xnnpack_program(path: Path, dim: int = 512, layers: int = 2, seed: int = 0, 
 
 
 def portable_program(path: Path, dim: int = 512, layers: int = 2, seed: int = 0) -> Path:
-    """A non-delegated MLP: every tensor in the constant segment, 128-byte aligned, index 0 reserved."""
+    """A non-delegated MLP: every tensor in the constant segment, 128-byte aligned, index 0 reserved; the plan's
+    memory-planned buffers [0, one transposed weight + activations] (the portable Linear's permute_copy: the real
+    2048-wide export plans [0, 16793600])."""
     arrays = mlp_weights(dim, layers, seed)
     b = flatbuffers.Builder(1024)
     values = [_constant_tensor(b, a.shape, i + 1) for i, a in enumerate(arrays)]
-    plan = _plan(b, values, delegate_segment=None)
+    plan = _plan(b, values, delegate_segment=None, planned=[0, dim * dim * 4 + 2 * dim * 4])
     seg, offsets = bytearray(), [0]
     for a in arrays:
         offsets.append(len(seg))

@@ -124,6 +124,8 @@ def test_portable_program_constant_segment_split_per_tensor(tmp_path):
         assert pos % _expected_alignment(n) == 0, (c.name, pos)
         assert after.constant_offsets[c.buffer_index] + n <= seg_b.nbytes
     assert sizes == [(512, 512), (512,), (512, 512), (512,)]
+    notes = inventory(out).notes  # the arena the runtime allocates per program, apart from the mapped weights
+    assert any(n.startswith("memory-planned buffers") and "1.0 MiB per loaded program" in n for n in notes), notes
 
 
 def test_data_file_segments_aligned_and_found_by_name(tmp_path):

@@ -33,7 +33,7 @@ HEADER_OFFSET = 8  # both extended headers start after the root offset and the f
 # Field slots (the order of the fields in the schemas).
 PROGRAM_VERSION, PROGRAM_PLANS, PROGRAM_CONSTANT_BUFFER, PROGRAM_DELEGATE_DATA = 0, 1, 2, 3
 PROGRAM_SEGMENTS, PROGRAM_CONSTANT_SEGMENT, PROGRAM_MUTABLE_SEGMENTS, PROGRAM_NAMED_DATA = 4, 5, 6, 7
-PLAN_NAME, PLAN_VALUES, PLAN_DELEGATES = 0, 2, 7
+PLAN_NAME, PLAN_VALUES, PLAN_DELEGATES, PLAN_BUFFER_SIZES = 0, 2, 7, 8
 DELEGATE_ID, DELEGATE_PROCESSED = 0, 1
 REF_LOCATION, REF_INDEX = 0, 1
 SEGMENT_OFFSET, SEGMENT_SIZE = 0, 1
@@ -285,6 +285,7 @@ class Program:
     named_data: list[NamedData] = field(default_factory=list)
     mutable_segments: list[int] = field(default_factory=list)
     constants: list[ConstantTensor] = field(default_factory=list)
+    planned_bytes: dict[str, int] = field(default_factory=dict)  # plan -> memory-planned buffers (activations)
 
 
 @dataclass
@@ -414,6 +415,8 @@ def read_program(fd: int, path: str) -> Program:
                 raise InvalidModel(f"a delegate of {name!r} names data {index}, but there are {limit}", path)
             prog.delegates.append(Delegate(name, d.string(DELEGATE_ID, "BackendDelegate.id"), inline, index))
         prog.constants.extend(_constants(plan, name))
+        sizes = plan.scalars(PLAN_BUFFER_SIZES, "q", f"{name}.non_const_buffer_sizes")
+        prog.planned_bytes[name] = sum(max(n, 0) for n in sizes)
     return prog
 
 

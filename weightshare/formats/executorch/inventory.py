@@ -202,6 +202,12 @@ def program_inventory(path: Path, hash_payloads: bool) -> ModelInventory:
     inv.payloads = [info for info, _ in sources]
     if any(p.file == path.name for p in inv.payloads):
         inv.external_files.append(path.name)
+    planned = sum(prog.planned_bytes.values())
+    if planned >= 1 << 20:  # e.g. portable Linear: permute_copy of each weight into the arena (not shared)
+        inv.notes.append(
+            f"memory-planned buffers (activations and copies the graph makes at run time, e.g. a transposed weight): "
+            f"{planned / (1 << 20):.1f} MiB per loaded program, allocated by the runtime, not mapped"
+        )
     if xnnpack:
         inv.notes.append(
             "XNNPACK-delegated: executorch.runtime packs the weights into private memory for every loaded program "
