@@ -166,11 +166,13 @@ def _patches(
         start = min(filled)
         end = max((off + n for off, n in pieces.values()), default=start)
         by_segment[constant.index] = (start, end - start)
-    base = min((s for s, _ in by_segment.values()), default=0)
+    # an empty segment holds no byte: it may sit at the base whatever its field says, so it does not set the base
+    filled = [s for s, n in by_segment.values() if n] or [s for s, _ in by_segment.values()]
+    base = min(filled, default=0)
     fields: list[tuple[int, int]] = []
     for seg in segments:
         start, n = by_segment[seg.index]
-        rel = start - base
+        rel = start - base if n else 0
         if seg.offset_field is not None:
             fields.append((seg.offset_field, rel))
         elif rel:
