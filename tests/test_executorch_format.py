@@ -293,3 +293,22 @@ def test_prepack_is_refused_and_another_formats_unpack_is_a_note(tmp_path, cli):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
     report = api.convert(src, tmp_path / "out2", ConvertOptions(unpack=frozenset({"sparse"})))
     assert report.notes == ["--unpack sparse is not implemented for ExecuTorch"]
+
+
+def test_an_empty_first_segment_does_not_hold_a_large_one_off_its_page(tmp_path):
+    # segments [empty constant segment, a 1 MiB weight], both offset fields omitted (relative 0): the weight must
+    # land at the segment base, 64 KiB-aligned, whatever the empty segment's placement
+    import flatbuffers
+    from executorch_fixtures import _plan, _program_file
+
+    weight = np.random.default_rng(3).standard_normal(1 << 18, np.float32).tobytes()
+    b = flatbuffers.Builder(1024)
+    src = tmp_path / "m.pte"
+    src.write_bytes(_program_file(_plan(b, [], delegate_segment=None), b, [b"", weight], [("w", 1)], [0], 0))
+    before = _program(src)
+    assert before.segments[1].offset_field is None and before.segments[1].file_offset % (64 * 1024)
+    api.convert(src, tmp_path / "out")
+    after = _program(tmp_path / "out" / "m.pte")
+    seg = after.segments[1]
+    assert seg.file_offset % (64 * 1024) == 0 and after.segment_base == seg.file_offset
+    assert _bytes(tmp_path / "out" / "m.pte", seg.file_offset, seg.nbytes) == weight
