@@ -110,6 +110,7 @@ LOADERS = {
     ],
     "weightshare.litert": ["SharedInterpreter", "compiled_model", "find_cache", "interpreter"],
     "weightshare.genai": ["decoder_file", "model"],
+    "weightshare.executorch": ["SharedProgram", "program"],
 }
 
 # The functions users call directly document all four sections (safetensors' style).

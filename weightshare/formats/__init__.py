@@ -33,7 +33,7 @@ __all__ = [
 
 # Asked in this order: a format that recognises its content by a magic number comes before one that
 # also accepts files by suffix.
-_BUILTIN = ("tflite", "coreml", "onnx")
+_BUILTIN = ("tflite", "executorch", "coreml", "onnx")
 _registry: list[Format] = []
 
 
@@ -45,7 +45,7 @@ def registered() -> list[Format]:
 
     Example:
         >>> [f.name for f in registered()]
-        ['tflite', 'coreml', 'onnx']
+        ['tflite', 'executorch', 'coreml', 'onnx']
     """
     if not _registry:
         _registry.extend(_builtin())
