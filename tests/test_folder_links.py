@@ -1,4 +1,4 @@
-"""What a folder conversion reads (issue 33, item 2).
+"""What a folder conversion reads.
 
 Before: a model folder whose side files are symlinks: inside the folder, to a file outside it, to
 ``/proc/self/environ`` (with a marker variable in the converter's environment), to a device; a subdirectory that

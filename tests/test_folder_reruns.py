@@ -1,4 +1,4 @@
-"""Re-runs of a folder conversion (issue 33, item 3).
+"""Re-runs of a folder conversion.
 
 Before: a model folder with side files in subdirectories that hold no model (``tokenizer/``, ``assets/``); a
 converter killed with SIGKILL while it stages those copies; a folder with 1,100 side files.

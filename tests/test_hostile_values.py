@@ -1,4 +1,4 @@
-"""Hostile values get one line and exit 2 (issue 33, item 4).
+"""Hostile values get one line and exit 2.
 
 Before: a small ONNX model; number options given nan, inf or a negative value; a model file whose name is not
 UTF-8 (byte 0xff); commands that fail while --json is given.

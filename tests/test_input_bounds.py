@@ -1,4 +1,4 @@
-"""Every input bounded by what it can justify (issue 33, item 4).
+"""Every input bounded by what it can justify.
 
 Before: a 400-byte ONNX model whose constant part is ConstantOfShape([N, N]) feeding a chain of MatMuls (onnxruntime's
 constant folding evaluates it while optimizing); a model whose input's last dim is named only by a lying

@@ -1,4 +1,4 @@
-"""Re-runs leave OUTDIR as if freshly converted (issue 33, item 3).
+"""Re-runs leave OUTDIR as if freshly converted.
 
 Before: OUT written by an earlier run of the same inputs: ``--prepack`` (a portable twin and its blob), an earlier
 ``--blob`` name, a folder that has since lost a model (in a subfolder) and a side file.

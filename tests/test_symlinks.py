@@ -1,4 +1,4 @@
-"""Paths as the runtime resolves them (issue 33, item 1).
+"""Paths as the runtime resolves them.
 
 Before: a Hugging Face hub snapshot (``snapshots/REV/model.onnx -> ../../blobs/SHA``, its ``model.onnx_data``
 likewise), built in a temp dir; a symlinked model whose target directory holds other weights under the same
