@@ -116,7 +116,7 @@ def test_cuts_keep_every_reader_of_a_shared_tensor_in_one_pair_of_segments():
     g = m.graph
     n = len(g.node)
     heavy = 65536
-    assert "'m' is read in 2 segments" in segs.locality(g, [0, 3, n], heavy)
+    assert "'m' would be read in 2 segments" in segs.locality(g, [0, 3, n], heavy)
     d = g.node[0].output[0]  # MatMul(m, small): derived from the input m, read by layer 0 and layer 7
     first, last = (k for k, node in enumerate(g.node) if d in node.input)
     assert "beyond the segment after" in segs.locality(g, [0, first + 1, last, n], heavy)
@@ -126,3 +126,26 @@ def test_cuts_keep_every_reader_of_a_shared_tensor_in_one_pair_of_segments():
     cse = rl.cse_shared_weight_model().graph
     plan = segs.plan(cse, int(rl.SEGMENT_BUDGET), segs.tensor_types(rl.cse_shared_weight_model()))
     assert len(plan.bounds) > 2 and segs.locality(cse, plan.bounds, plan.heavy) == ""
+
+
+def test_locality_sees_identical_nodes_of_constants_in_two_segments():
+    """Two DequantizeLinear of one small quantized weight (ORT does not constant-fold them; its CSE merges them in
+    the whole graph): in two segments they would stay two."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        numpy_helper.from_array(np.ones((16, 16), np.int8), "wq"),
+        numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+    ]
+    nodes = [
+        helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["a"]),
+        helper.make_node("MatMul", ["x", "a"], ["h"]),
+        helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["b"]),
+        helper.make_node("MatMul", ["h", "b"], ["y"]),
+    ]
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 16]) for n in ("x", "y"))
+    g = helper.make_graph(nodes, "dq", [x], [y], inits)
+    assert "identical DequantizeLinear nodes" in segs.locality(g, [0, 2, 4], 65536)
+    assert segs.locality(g, [0, 4], 65536) == ""

@@ -195,9 +195,9 @@ def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> str:
         made.update({o: segment_of[p] for o in node.output if o})
     for name, where in readers.items():
         if name in shared and len(where) > 1:
-            return f"{name!r} is read in {len(where)} segments"
+            return f"the graph input or weight {name!r} would be read in {len(where)} segments"
         if name in made and not where <= {made[name], made[name] + 1}:
-            return f"{name!r} is read beyond the segment after the one that makes it"
+            return f"{name!r} would be read beyond the segment after the one that makes it"
     # nodes that read only what every segment has (initializers, constants, graph inputs, such nodes' outputs):
     # identical ones in two segments are one node in the whole graph (common-subexpression elimination)
     known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | set(constants(graph)) | {""}
@@ -208,7 +208,7 @@ def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> str:
         known.update(node.output)
         key = (node.op_type, node.domain, sorted(a.SerializeToString() for a in node.attribute), list(node.input))
         if twins.setdefault(repr(key), segment_of[p]) != segment_of[p]:
-            return f"identical {node.op_type} nodes of the graph's inputs and constants in two segments"
+            return f"identical {node.op_type} nodes of the graph's inputs and constants would be in two segments"
     return ""
 
 
