@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import random_layered as rl  # noqa: E402
 
 
-def _forms_differences(tmp: Path, name: str) -> list[str]:
+def _forms_differences(tmp: Path, name: str) -> tuple[list[str], bool]:
     import numpy as np
     import onnxruntime as ort
 
@@ -33,7 +33,7 @@ def _forms_differences(tmp: Path, name: str) -> list[str]:
     from weightshare.formats.onnx import model_forms as mf
 
     src = mf.build(name, tmp / "src" / "model.onnx", mib=1)
-    weightshare.convert(src, tmp / "out", prepack=True)
+    report = weightshare.convert(src, tmp / "out", prepack=True)
     a = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     c = ort.InferenceSession(str(tmp / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
     found = []
@@ -43,7 +43,7 @@ def _forms_differences(tmp: Path, name: str) -> list[str]:
             for want, got in zip(a.run(None, feeds), c.run(None, feeds)):
                 if want.dtype != got.dtype or not np.array_equal(want, got):
                     found.append(f"batch {batch} branch {branch}")
-    return found
+    return found, report.prepack.get("segments", {}).get("segments", 1) > 1
 
 
 def main() -> int:
@@ -69,10 +69,11 @@ def main() -> int:
             if isinstance(what, int):
                 src = rl.save(rl.random_model(what), tmp / "src" / "model.onnx")
                 report = weightshare.convert(src, tmp / "out", prepack=True)
-                segmented += report.prepack.get("segments", {}).get("segments", 1) > 1
+                cut = report.prepack.get("segments", {}).get("segments", 1) > 1
                 found = rl.differences(src, tmp / "out" / "model.onnx")
             else:
-                found = _forms_differences(tmp, str(what))
+                found, cut = _forms_differences(tmp, str(what))
+            segmented += cut
         except weightshare.WeightshareError as e:  # a refusal is allowed (exit 2, nothing written), not a wrong result
             failed += 1
             print(f"{label}: refused: {e}", flush=True)
@@ -83,7 +84,7 @@ def main() -> int:
             differ += 1
             print(f"{label}: DIFFERS: {'; '.join(found)}", flush=True)
     print(
-        f"{len(jobs)} models ({args.seeds} generated, {segmented} of them optimized in segments), batches "
+        f"{len(jobs)} models ({args.seeds} generated; {segmented} optimized in segments), batches "
         f"{'/'.join(map(str, rl.BATCHES))}: {differ} differ from ORT on the original, {failed} refused "
         f"({time.monotonic() - start:.0f} s)"
     )
