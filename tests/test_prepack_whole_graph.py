@@ -46,12 +46,8 @@ def test_random_layered_models_compute_the_originals_bits(tmp_path, monkeypatch,
     assert rl.differences(src, tmp_path / "out" / "model.onnx") == []
 
 
-CHEAP_FORMS = ["fp16", "matmulnbits4", "qdq", "dynamic", "attention", "merged_decoder", "llama"]
-
-
-@pytest.mark.parametrize(
-    "form", [f if f in CHEAP_FORMS else pytest.param(f, marks=pytest.mark.slow) for f in sorted(mf.FORMS)]
-)
+@pytest.mark.slow  # a conversion each (16): the slow tier
+@pytest.mark.parametrize("form", sorted(mf.FORMS))
 def test_corpus_forms_in_small_segments_compute_the_originals_bits(tmp_path, monkeypatch, form):
     """Every corpus form with a segment budget small enough to cut it, at batch 1, 8, 32 and 64."""
     import numpy as np
