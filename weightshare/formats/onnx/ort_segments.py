@@ -6,13 +6,16 @@ transient copies it makes while reordering) until the session ends: a 1 GiB Conv
 node heavier than that is a segment of its own), each optimized in its own session, and the
 optimized segments are stitched into one graph.
 
-Exactness: a cut must not change what ORT builds. Cuts go only before a weight-bearing node where
+Exactness: a cut must not change what ORT builds. ORT's fusions depend on facts about the whole graph
+(how many nodes read a tensor; which nodes read the same inputs, which its common-subexpression
+elimination merges), so a segment must see every reader of what it reads and makes: no graph input
+or weight is read on both sides of a cut, and a tensor made in one segment is read by that segment
+and the next one only (``locality``; a graph where no such cut exists, such as a transformer whose
+layers all read the attention mask or rotary caches computed from the inputs, is optimized in one
+piece: issue 30). Cuts go only before a weight-bearing node where
 exactly one tensor crosses, or a few that the segment before the cut makes (a transformer layer
 boundary: the residual stream and the branch added to it), each of a known element type (``plan``).
-Tensors computed from the graph inputs and small constants alone (attention masks, position ids,
-rotary caches: read by every layer) do not count as crossing: each segment computes them again and
-the stitch keeps one copy, as ORT's common-subexpression elimination does in one graph. A cut whose
-check fails is first moved earlier (up to ``MAX_ALTERNATIVES`` places, back to the weight-bearing node
+A cut whose check fails is first moved earlier (up to ``MAX_ALTERNATIVES`` places, back to the weight-bearing node
 before it: a DynamicQuantizeLinear then stays with the MatMulInteger it fuses into).
 Where a cut runs through an NCHWc region, the two halves
 end in ``ReorderOutput`` and start with ``ReorderInput``; the stitch wires the NCHWc tensor
@@ -75,9 +78,7 @@ class Plan:
     # the weight-bearing node before it (quantized MatMuls: the DynamicQuantizeLinear in front of them fuses
     # with them, so the cut goes before it)
     alternatives: dict[int, list[int]] = field(default_factory=dict)
-    # tensors computed from graph inputs and small constants only (attention masks, position ids, rotary
-    # caches): every segment that reads one computes it again (``extract``), the stitch keeps one copy
-    derived: frozenset[str] = frozenset()
+    heavy: int = 65536  # initializers from this size on are weights (``_spanned``, ``locality``)
 
     def segment_bytes(self, k: int) -> int:
         return sum(self.weights[self.bounds[k] : self.bounds[k + 1]])
@@ -126,23 +127,27 @@ def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoPro
     last_use = {name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts}
     outputs = {o.name for o in graph.output}
     made = {o: k for k, node in enumerate(graph.node) for o in node.output}
-    derived = derived_tensors(graph, heavy)
+    spanned = _spanned(graph, heavy)
     bounds, size, live = [0], 0, set[str]()
     crossings: list[list[str]] = []  # by node: the tensors a cut before it would hand over
     alternatives: dict[int, list[int]] = {}
     last_big = -1
+
+    def cuttable(q: int, start: int) -> bool:
+        return q not in spanned and _cuttable(crossings[q], typed, made, start)
+
     for p, node in enumerate(graph.node):
         big = max((inits.get(i, 0) for i in node.input), default=0) >= heavy
-        crossing = [t for t in live if (last_use.get(t, -1) >= p and t not in derived) or t in outputs]
+        crossing = [t for t in live if last_use.get(t, -1) >= p or t in outputs]
         crossings.append(crossing)
-        if p > bounds[-1] and big and size + weights[p] > budget and _cuttable(crossing, typed, made, bounds[-1]):
+        if p > bounds[-1] and big and size + weights[p] > budget and cuttable(p, bounds[-1]):
             start = bounds[-1]
             # where a failing cut moves: back towards the last weight-bearing node, and past it to a place where
             # only integer tensors cross (a QDQ graph's quantized activations: each DequantizeLinear stays with
             # the nodes it feeds, so ORT fuses them as in the whole graph), those first
             back = range(p - 1, max(start, p - ALTERNATIVE_REACH), -1)
             places = [q for q in back if (q > last_big or _integral(crossings[q], typed))]
-            places = [q for q in places if _cuttable(crossings[q], typed, made, start)]
+            places = [q for q in places if cuttable(q, start)]
             places.sort(key=lambda q: not _integral(crossings[q], typed))
             cut = p
             if places and _integral(crossings[places[0]], typed) and not _integral(crossing, typed):
@@ -156,7 +161,55 @@ def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoPro
         size += weights[p]
         live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts))
     bounds.append(len(graph.node))
-    return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, derived=derived)
+    return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, heavy=heavy)
+
+
+def _spanned(graph: onnx.GraphProto, heavy: int) -> set[int]:
+    """Places a cut must not go (before node p): where a graph input or a weight (an initializer of ``heavy``
+    bytes or more) is read both before and after. ORT sees such a tensor's readers together only in the whole
+    graph: there its common-subexpression elimination merges the identical nodes among them (and a fusion
+    after them then sees other consumer counts), and a tied weight read by MatMul and Gemm is one tensor."""
+    shared = {i.name for i in graph.input} | {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for k, node in enumerate(graph.node):
+        for name in _reads(node) & shared:
+            first.setdefault(name, k)
+            last[name] = k
+    return {p for name, k in first.items() for p in range(k + 1, last[name] + 1)}
+
+
+def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> str:
+    """Why ORT's optimization of these segments may not be its optimization of the whole graph ("" when every
+    fact its decisions read is inside one pair of adjacent segments, which the pair check optimizes together):
+    a graph input or a weight read by two segments, or a tensor read by a segment other than the one that makes
+    it and the next."""
+    shared = {i.name for i in graph.input} | {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
+    segment_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
+    consts = constants(graph)  # each segment has its own copy (``extract``), as of a small initializer
+    made: dict[str, int] = {}
+    readers: dict[str, set[int]] = {}
+    for p, node in enumerate(graph.node):
+        for name in _reads(node) - set(consts):
+            readers.setdefault(name, set()).add(segment_of[p])
+        made.update({o: segment_of[p] for o in node.output if o})
+    for name, where in readers.items():
+        if name in shared and len(where) > 1:
+            return f"the graph input or weight {name!r} would be read in {len(where)} segments"
+        if name in made and not where <= {made[name], made[name] + 1}:
+            return f"{name!r} would be read beyond the segment after the one that makes it"
+    # nodes that read only what every segment has (initializers, constants, graph inputs, such nodes' outputs):
+    # identical ones in two segments are one node in the whole graph (common-subexpression elimination)
+    known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | set(constants(graph)) | {""}
+    twins: dict[Any, int] = {}
+    for p, node in enumerate(graph.node):
+        if node.op_type == "Constant" or not all(i in known for i in _reads(node)):
+            continue
+        known.update(node.output)
+        key = (node.op_type, node.domain, sorted(a.SerializeToString() for a in node.attribute), list(node.input))
+        if twins.setdefault(repr(key), segment_of[p]) != segment_of[p]:
+            return f"identical {node.op_type} nodes of the graph's inputs and constants would be in two segments"
+    return ""
 
 
 def sink_weight_producers(graph: onnx.GraphProto) -> None:
@@ -193,21 +246,6 @@ def sink_weight_producers(graph: onnx.GraphProto) -> None:
     if order != list(range(len(nodes))):
         del graph.node[:]
         graph.node.extend(nodes[k] for k in order)
-
-
-def derived_tensors(graph: onnx.GraphProto, heavy: int) -> frozenset[str]:
-    """Outputs of nodes that read only graph inputs, initializers under ``heavy`` bytes, constants and
-    other such outputs (no graph output among them): what a segment can compute again for itself."""
-    small = {t.name for t in graph.initializer if _tensor_bytes(t) < heavy}
-    known = {i.name for i in graph.input} | small | set(constants(graph)) | {""}
-    outputs = {o.name for o in graph.output}
-    derived: set[str] = set()
-    for node in graph.node:
-        if node.op_type == "Constant" and not node.input:
-            continue
-        if all(i in known or i in derived for i in node.input) and not any(o in outputs for o in node.output):
-            derived.update(o for o in node.output if o)
-    return frozenset(derived)
 
 
 HEAVY_BYTES = 65536  # a window's initializers from this size on are weights: their values shape no decision of ORT
@@ -266,7 +304,6 @@ def extract(
     stop: int,
     types: dict[str, onnx.ValueInfoProto],
     standin: frozenset[str] = frozenset(),
-    derived: frozenset[str] = frozenset(),
 ) -> onnx.ModelProto:
     """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
     (or the graph's outputs) read become outputs. Initializers keep their external data references.
@@ -281,10 +318,6 @@ def extract(
     nodes = list(g.node[start:stop])
     here = {o for n in nodes for o in n.output}
     read = {i for n in nodes for i in n.input if i}
-    if derived & (read - here):  # computed again here, from the graph inputs, as the segment before did
-        nodes = _recomputed(g, start, derived & (read - here)) + nodes
-        here = {o for n in nodes for o in n.output}
-        read = {i for n in nodes for i in n.input if i}
     nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
     produced = {o for n in nodes for o in n.output if o}
     if standin:
@@ -296,7 +329,7 @@ def extract(
             rewired.append(n2)
         nodes = [helper.make_node("MaxPool", [t], [f"{t}{STANDIN}"], kernel_shape=[1, 1]) for t in sorted(standin)]
         nodes += rewired
-    later = {i for n in g.node[stop:] for i in n.input if i not in consts and i not in derived}
+    later = {i for n in g.node[stop:] for i in n.input if i not in consts}
     later |= {o.name for o in g.output}
     inits = [t for t in g.initializer if t.name in read]
     overridable = {i.name for i in g.input}
@@ -308,19 +341,6 @@ def extract(
     m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
     m.functions.extend(model.functions)
     return m
-
-
-def _recomputed(g: onnx.GraphProto, before: int, wanted: frozenset[str]) -> list[onnx.NodeProto]:
-    """The nodes (before node ``before``, in graph order) that compute ``wanted`` and what they read of it."""
-    made = {o: k for k, n in enumerate(g.node[:before]) for o in n.output}
-    need, todo = set(), [made[t] for t in wanted if t in made]
-    while todo:
-        k = todo.pop()
-        if k in need:
-            continue
-        need.add(k)
-        todo += [made[i] for i in g.node[k].input if i in made]
-    return [g.node[k] for k in sorted(need)]
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -406,7 +426,6 @@ def stitch(
     outputs = list(outputs)
     inputs = list(inputs)
     nodes = _splice_reorders(nodes, boundary, {o.name for o in outputs})
-    nodes, inits = _merge_recomputed(nodes, inits, {i.name for i in inputs}, {o.name for o in outputs})
     made = {o for n in nodes for o in n.output}
     value_info = [v for v in value_info if v.name in made]
     graph = helper.make_graph(nodes, name, list(inputs), outputs, inits, value_info=value_info)
@@ -426,50 +445,6 @@ def stitch(
                 seen.add((f.domain, f.name))
                 model.functions.append(f)
     return model
-
-
-def _merge_recomputed(
-    nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], inputs: set[str], outputs: set[str]
-) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
-    """One copy of what several segments computed again from the graph inputs (``extract``): a node that
-    reads only graph inputs, initializers and such nodes' outputs, equal to an earlier one (op, domain,
-    attributes, inputs; initializers by their content and location), is dropped and its outputs read from
-    the earlier one, as ORT's common-subexpression elimination does in one graph."""
-    # Each value's identity is a flat key: ("input", name), ("init", digest of the tensor without its name) or
-    # ("node", number of the first node with that key, output index). Nesting the producers' keys instead made
-    # hashing exponential in the depth of a DAG (a transformer's residual adds read one value twice).
-    ids: dict[str, Any] = {name: ("input", name) for name in inputs}
-    by_name = {t.name: t for t in inits}
-    ids[""] = ""
-
-    def ident(name: str) -> Any:
-        if name not in ids and name in by_name:
-            t2 = onnx.TensorProto()
-            t2.CopyFrom(by_name[name])
-            t2.name = ""
-            ids[name] = ("init", hashlib.blake2b(t2.SerializeToString(), digest_size=16).digest())
-        return ids.get(name)
-
-    seen: dict[Any, tuple[int, onnx.NodeProto]] = {}
-    alias: dict[str, str] = {}
-    kept = []
-    for n in nodes:
-        n.input[:] = [alias.get(i, i) for i in n.input]
-        refs = [ident(i) for i in n.input]
-        if all(r is not None for r in refs) and not any(o in outputs for o in n.output):
-            key = (n.op_type, n.domain, tuple(sorted(a.SerializeToString() for a in n.attribute)), *refs)
-            hit = seen.get(key)
-            if hit is not None and len(hit[1].output) == len(n.output):
-                alias.update({o: f for o, f in zip(n.output, hit[1].output) if o})
-                continue
-            number = len(seen)
-            seen[key] = (number, n)
-            ids.update({o: ("node", number, k) for k, o in enumerate(n.output) if o})
-        kept.append(n)
-    if not alias:
-        return nodes, inits
-    read = {i for n in kept for i in n.input} | inputs | outputs
-    return kept, [t for t in inits if t.name in read]
 
 
 def _standin_aliases(part: onnx.ModelProto, standin: frozenset[str]) -> tuple[set[int], dict[str, str]]:
@@ -560,20 +535,26 @@ def window_shape(
     by type and shape in the order nodes first read them; initializers: integer ones and floats of up to
     ``EXACT_FLOATS`` elements under ``HEAVY_BYTES`` by their bytes, longer float vectors by type, shape and which of
     them are equal to each other (ORT compares scales, it does not read a bias), weights by type and shape; the
-    tensors each side reads in NCHWc (``standin``, ``standin_right``) and the outputs."""
+    tensors each side reads in NCHWc (``standin``, ``standin_right``) and the outputs. Weights are numbered in
+    the order nodes first read them: a window where two nodes read one weight is not one where they read two
+    (ORT's common-subexpression elimination merges identical nodes of one weight; a fusion after them then
+    sees two consumers). What lies outside the window cannot change its answer: ``locality`` holds for the
+    segments (every reader of a tensor a cut hands over is in the window)."""
     g = window.graph
     inits = {t.name: t for t in g.initializer}
     inputs = {i.name: i for i in g.input}
     ids: dict[str, str] = {"": ""}
 
     classes: dict[str, int] = {}  # a float vector's digest -> its class: which ones are equal, not their values
+    weights: list[str] = []
 
     def ident(name: str) -> str:
         if name not in ids:
             if name in inits:
                 t = inits[name]
-                if _tensor_bytes(t) >= HEAVY_BYTES:
-                    ids[name] = f"weight:{t.data_type}:{list(t.dims)}"
+                if _tensor_bytes(t) >= HEAVY_BYTES:  # numbered: which nodes read the SAME weight (CSE merges them)
+                    weights.append(name)
+                    ids[name] = f"weight{len(weights)}:{t.data_type}:{list(t.dims)}"
                 elif t.data_type in FLOATS and math.prod(t.dims) > EXACT_FLOATS:
                     digest = _digest_payload(t, directory)  # a bias, a per-channel scale
                     ids[name] = f"floats:{t.data_type}:{list(t.dims)}:{classes.setdefault(digest, len(classes))}"
@@ -678,7 +659,7 @@ class Segmenter:
 
     def _run(self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False) -> onnx.ModelProto:
         """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
-        part = extract(self.model, start, stop, self.types, standin, self.plan.derived)
+        part = extract(self.model, start, stop, self.types, standin)
         # beside the source model, so that the initializers' relative external data locations resolve
         tmp = self.src.parent / f"{self.stem}.{tag}.in.onnx"
         opt = self.out.parent / f"{self.stem}.{tag}.onnx"
@@ -726,7 +707,7 @@ class Segmenter:
         alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights."""
         left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
-        window = extract(self.model, a, c, self.types, standin, self.plan.derived)
+        window = extract(self.model, a, c, self.types, standin)
         shape = window_shape(window, c - bounds[k + 1], standin, self.standin(bounds, k + 1), self.src.parent)
         if shape in self.answers:
             self.reused += 1
@@ -775,6 +756,8 @@ class Segmenter:
     def _cut(self) -> Report:
         bounds = list(self.plan.bounds)
         report = Report(reason=self.plan.reason)
+        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy)):
+            bounds, report.reason = [bounds[0], bounds[-1]], why
         if len(bounds) > 2:
             k = 0
             while k < len(bounds) - 2:
@@ -802,6 +785,8 @@ class Segmenter:
                 if report.merged > max(8, len(self.plan.bounds) // 2) or failed > max(8, 2 * len(self.plan.bounds)):
                     # re-checking merged (ever larger) pairs would cost
                     bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
+        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy)):
+            bounds, report.reason = [bounds[0], bounds[-1]], why  # a moved cut: as before the checks
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())
             self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")

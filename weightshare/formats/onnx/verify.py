@@ -19,6 +19,7 @@ from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outpu
 from ...errors import UsageError
 from ...options import ConvertOptions
 from . import ORT_CPU
+from .verify_dims import describe, dim_variants, fit
 
 _HINT = "give real inputs with --input NAME=FILE.npy, or symbolic dims with --dim NAME=VALUE"
 
@@ -150,14 +151,29 @@ def _run_both(
     dims, missing = derived_dims(a.get_inputs(), facts, opts["dims"], opts["inputs"])
     merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in a.get_inputs())
     p = plan(a.get_inputs(), names_a)
-    for r in range(opts["runs"]):
+    variants, unit = _variants(a, p, dims, opts), 0
+    if any(variants):
+        report.notes.append(f"{prefix}symbolic dims exercised: {describe(variants[: opts['runs']])} (verify_dims)")
+    for r in range(opts["runs"]):  # the default 3 runs cover every variant
         # use_cache_branch (merged decoders) alternates: run 0 takes the prefill branch (no past: the mask is as
         # long as the new tokens), run 1 the cache branch
         use_cache = r % 2 == 1
-        run_dims = run_lengths(p, dims, past_zero=merged and not use_cache)
+        variant = fit(variants[r % len(variants)], a.get_inputs(), a.get_outputs(), dims, unit)
+        if variant is None:
+            report.notes.append(f"{prefix}run {r} skipped: {variants[r % len(variants)]} over the memory budget")
+            continue
+        grown = _max_rss()
+        run_dims = run_lengths(p, {**dims, **variant}, past_zero=merged and not use_cache)
         past = max((dim_value(d, run_dims) for d in p.past_dims), default=0)
         feeds = make_feeds(a.get_inputs(), facts, run_dims, opts["inputs"], opts["seed"] + r, use_cache, missing, past)
-        outs_a = _run_original(a, feeds, original)
+        try:
+            outs_a = _run_original(a, feeds, original)
+        except OriginalFails as e:
+            if r % len(variants) == 0:  # at the sizes the user asked for (or 1): the inputs are the problem
+                raise
+            # dims verify chose itself: a model whose dims must agree in ways their names do not say
+            report.notes.append(f"{prefix}run {r} skipped: the original does not run with {variant} ({e})")
+            continue
         try:
             outs_b = dict(zip(names_b, b.run(None, feeds)))
         except Exception as e:  # noqa: BLE001
@@ -165,8 +181,25 @@ def _run_both(
             return
         compare_outputs(report, names_a, dict(zip(names_a, outs_a)), outs_b, r, prefix)
         report.runs += 1
+        if r == 0:  # what a run at every free dim 1 grew the process by: the unit the budget scales
+            unit = max(_max_rss() - grown, 0)
     if opts.get("decode_steps", 0) and len(report.mismatches) == before:
         _decode(report, a, b, original, opts, prefix, facts, dims, missing)
+
+
+def _variants(a: Any, p: Any, dims: dict[str, int], opts: dict[str, Any]) -> list[dict[str, int]]:
+    """The free symbolic dims' values run after run (``verify_dims``): those of given inputs and the past / total
+    lengths of a decoder's runs (``run_lengths``) keep theirs."""
+    given = {d for i in a.get_inputs() if i.name in opts["inputs"] for d in i.shape if isinstance(d, str)}
+    return dim_variants(a.get_inputs(), dims, given | p.past_dims | p.total_dims)
+
+
+def _max_rss() -> int:
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # bytes on macOS, KiB on Linux
 
 
 def _run_original(a: Any, feeds: dict[str, Any], original: Path) -> list[Any]:

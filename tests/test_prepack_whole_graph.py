@@ -1,0 +1,147 @@
+"""``convert --prepack`` computes what ONNX Runtime computes on the ORIGINAL at default options, bit for bit, at
+batch 1, 8, 32 and 64, also when the graph is optimized in segments (a small ``WEIGHTSHARE_ORT_SEGMENT_BYTES``):
+ORT's fusions depend on facts about the whole graph (consumer counts, nodes CSE merges, tensors several layers
+read), so a stitch of separately optimized segments must not stand in for the whole graph where those facts
+reach across a cut (issue 30, item 1). Models: ``random_layered``'s two reproductions, random layered models,
+and every corpus form of ``model_forms``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+import random_layered as rl
+
+import weightshare
+from weightshare.formats.onnx import model_forms as mf
+from weightshare.formats.onnx import ort_segments as segs
+
+
+def _convert(model: onnx.ModelProto | Path, tmp: Path, monkeypatch: pytest.MonkeyPatch, budget: str) -> Path:
+    monkeypatch.setenv(segs.BUDGET_ENV, budget)
+    src = model if isinstance(model, Path) else rl.save(model, tmp / "src" / "model.onnx")
+    weightshare.convert(src, tmp / "out", prepack=True)
+    return src
+
+
+@pytest.mark.parametrize(
+    "build",
+    [rl.cse_shared_weight_model, rl.derived_two_segments_model],
+    ids=["cse-merged-shared-weight", "derived-tensor-two-segments"],
+)
+def test_issue_30_reproductions_compute_the_originals_bits(tmp_path, monkeypatch, build):
+    """Before: (1) a cut between two MatMuls of one weight, "checked" by the answer of a window with two weights,
+    kept two Gemms where CSE leaves one MatMul (|diff| ~5e-6); (2) a tensor derived from the inputs and read by two
+    segments was recomputed in each and fused into a Gemm there, not in the whole graph (|diff| ~2e-6)."""
+    src = _convert(build(), tmp_path, monkeypatch, rl.SEGMENT_BUDGET)
+    assert rl.differences(src, tmp_path / "out" / "model.onnx") == []
+    assert _ops(tmp_path / "out" / "model.onnx") == _ops(_ort_whole(src, tmp_path / "whole"))
+
+
+@pytest.mark.parametrize("seed", [9, 16, 27])  # seeds the code before issue 30 got wrong
+def test_random_layered_models_compute_the_originals_bits(tmp_path, monkeypatch, seed):
+    """A few of ``scripts/check_prepack_exact.py``'s generated models (it runs hundreds)."""
+    src = _convert(rl.random_model(seed), tmp_path, monkeypatch, rl.SEGMENT_BUDGET)
+    assert rl.differences(src, tmp_path / "out" / "model.onnx") == []
+
+
+@pytest.mark.slow  # a conversion each (16): the slow tier
+@pytest.mark.parametrize("form", sorted(mf.FORMS))
+def test_corpus_forms_in_small_segments_compute_the_originals_bits(tmp_path, monkeypatch, form):
+    """Every corpus form with a segment budget small enough to cut it, at batch 1, 8, 32 and 64."""
+    import numpy as np
+    import onnxruntime as ort
+
+    src = _convert(mf.build(form, tmp_path / "src" / "model.onnx", mib=1), tmp_path, monkeypatch, "65536")
+    original = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    converted = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    branches = (True, False) if form == "merged_decoder" else (True,)
+    for batch in rl.BATCHES:
+        for branch in branches:
+            feeds = mf.feeds(src, batch=batch, use_cache_branch=branch)
+            for a, b in zip(original.run(None, feeds), converted.run(None, feeds)):
+                assert a.dtype == b.dtype and np.array_equal(a, b), (form, batch, branch)
+
+
+def _ort_whole(src: Path, tmp: Path) -> Path:
+    """ORT's own level-ALL optimization of the whole ``src``, saved (pre-packing off)."""
+    import onnxruntime as ort
+
+    tmp.mkdir()
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp / "ort.onnx")
+    so.add_session_config_entry("session.disable_prepacking", "1")
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "ort.bin")
+    so.log_severity_level = 3
+    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+    return tmp / "ort.onnx"
+
+
+def _ops(path: Path) -> list[str]:
+    return sorted(f"{n.domain}.{n.op_type}" for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def test_window_shape_tells_one_weight_read_twice_from_two_weights(tmp_path):
+    """The key a cut check's answer is reused under: two MatMuls of ONE weight (CSE merges them) are not two
+    MatMuls of two weights of the same type and shape."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    def window(tied: bool) -> onnx.ModelProto:
+        rng = np.random.default_rng(0)
+        w = [numpy_helper.from_array(rng.standard_normal((128, 128)).astype(np.float32), n) for n in ("w1", "w2")]
+        nodes = [
+            helper.make_node("MatMul", ["x", "w1"], ["a"]),
+            helper.make_node("MatMul", ["x", "w1" if tied else "w2"], ["b"]),
+            helper.make_node("Add", ["a", "b"], ["y"]),
+        ]
+        x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 128]) for n in ("x", "y"))
+        return helper.make_model(helper.make_graph(nodes, "w", [x], [y], w if not tied else w[:1]))
+
+    shape = lambda m: segs.window_shape(m, 2, frozenset(), frozenset(), tmp_path)  # noqa: E731
+    assert shape(window(tied=True)) != shape(window(tied=False))
+    assert shape(window(tied=False)) == shape(window(tied=False))
+
+
+def test_cuts_keep_every_reader_of_a_shared_tensor_in_one_pair_of_segments():
+    """``locality``: a graph input or weight read in two segments, a tensor read two segments after the one that
+    makes it, identical nodes of the inputs in two segments: each is named; the plan never cuts across a shared
+    graph input or weight."""
+    m = rl.derived_two_segments_model()
+    g = m.graph
+    n = len(g.node)
+    heavy = 65536
+    assert "'m' would be read in 2 segments" in segs.locality(g, [0, 3, n], heavy)
+    d = g.node[0].output[0]  # MatMul(m, small): derived from the input m, read by layer 0 and layer 7
+    first, last = (k for k, node in enumerate(g.node) if d in node.input)
+    assert "beyond the segment after" in segs.locality(g, [0, first + 1, last, n], heavy)
+    assert segs.locality(g, [0, first + 1, n], heavy) == ""  # made and read in one pair of adjacent segments
+    plan = segs.plan(g, int(rl.SEGMENT_BUDGET), segs.tensor_types(m))
+    assert segs.locality(g, plan.bounds, plan.heavy) == ""
+    cse = rl.cse_shared_weight_model().graph
+    plan = segs.plan(cse, int(rl.SEGMENT_BUDGET), segs.tensor_types(rl.cse_shared_weight_model()))
+    assert len(plan.bounds) > 2 and segs.locality(cse, plan.bounds, plan.heavy) == ""
+
+
+def test_locality_sees_identical_nodes_of_constants_in_two_segments():
+    """Two DequantizeLinear of one small quantized weight (ORT does not constant-fold them; its CSE merges them in
+    the whole graph): in two segments they would stay two."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = [
+        numpy_helper.from_array(np.ones((16, 16), np.int8), "wq"),
+        numpy_helper.from_array(np.array(0.1, np.float32), "s"),
+        numpy_helper.from_array(np.array(0, np.int8), "z"),
+    ]
+    nodes = [
+        helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["a"]),
+        helper.make_node("MatMul", ["x", "a"], ["h"]),
+        helper.make_node("DequantizeLinear", ["wq", "s", "z"], ["b"]),
+        helper.make_node("MatMul", ["h", "b"], ["y"]),
+    ]
+    x, y = (helper.make_tensor_value_info(n, TensorProto.FLOAT, ["batch", 16]) for n in ("x", "y"))
+    g = helper.make_graph(nodes, "dq", [x], [y], inits)
+    assert "identical DequantizeLinear nodes" in segs.locality(g, [0, 2, 4], 65536)
+    assert segs.locality(g, [0, 4], 65536) == ""
