@@ -21,16 +21,17 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [sys.path[0], os.environ.get("PYTHONPATH")]))
 
 import random_layered as rl  # noqa: E402
 
 
 def _forms_differences(tmp: Path, name: str) -> tuple[list[str], bool]:
+    import model_forms as mf
     import numpy as np
     import onnxruntime as ort
 
     import weightshare
-    from weightshare.formats.onnx import model_forms as mf
 
     src = mf.build(name, tmp / "src" / "model.onnx", mib=1)
     report = weightshare.convert(src, tmp / "out", prepack=True)
@@ -58,7 +59,7 @@ def main() -> int:
 
     jobs: list[tuple[str, object]] = [(f"seed {s}", s) for s in range(args.first, args.first + args.seeds)]
     if args.forms:
-        from weightshare.formats.onnx import model_forms as mf
+        import model_forms as mf
 
         jobs += [(f"form {f}", f) for f in sorted(mf.FORMS)]
     differ = failed = segmented = 0

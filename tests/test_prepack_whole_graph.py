@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import model_forms as mf
 import onnx
 import pytest
 import random_layered as rl
 
 import weightshare
-from weightshare.formats.onnx import model_forms as mf
 from weightshare.formats.onnx import ort_segments as segs
 
 
