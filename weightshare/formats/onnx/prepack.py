@@ -53,6 +53,11 @@ PREPACKED_ENTRY = "prepacked_"
 PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
 STAGE_BLOB = "plain"
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
+# ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
+# otherwise it preads the buffer into a private heap copy per session (a genai int4 folder with packed buffers
+# at 64-byte offsets kept 10-12 MiB per session). A mapping starts on a page, so a page-aligned offset gives a
+# page-aligned address, whatever alignment a kernel or a CPU asks for up to the page size.
+PACKED_ALIGN = 4096
 
 
 def portable_name(model_name: str) -> str:
@@ -151,7 +156,8 @@ class Relocator:
             packed.append(ref)
             for i, buf in enumerate(ref.buffers):
                 size = int(buf[1])
-                planned = PlannedTensor(f"{PACKED_PREFIX}{tensor.name}/{ref.key}/{i}", "uint8", (size,), size)
+                name = f"{PACKED_PREFIX}{tensor.name}/{ref.key}/{i}"
+                planned = PlannedTensor(name, "uint8", (size,), size, min_align=PACKED_ALIGN)
                 ranges.append(self.payload(where, int(buf[0]), size, planned))
         self.edits.append(lambda location: self._rewrite(tensor, location, rng, packed, ranges))
 
