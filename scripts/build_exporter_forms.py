@@ -6,9 +6,10 @@ Forms (each in OUTDIR/FORM; a form already built is kept):
   genai-int4   onnxruntime-genai's model builder, ``-p int4 -e cpu`` on a random Llama config with a tokenizer
                trained here: GroupQueryAttention, MatMulNBits (bits 4, block 32, accuracy_level 4)
   genai-fp32   the same builder, ``-p fp32 -e cpu``
-  dynamo-fp32  ``torch.onnx.export(..., dynamo=True)`` of a random Qwen3 decoder (GQA), weights in model.onnx.data
+  dynamo-fp32  ``torch.onnx.export(..., dynamo=True)`` of a random Qwen3 decoder (GQA, 8 layers of 512, vocab
+               4096), weights in model.onnx.data
   dynamo-fp16  the same after ``model.to(torch.float16)``
-  vit-fp16     a random ViT exported with ``torch.onnx.export(dynamo=True)``, then
+  vit-fp16     a random ViT-S/16 (12 layers of 384) exported with ``torch.onnx.export(dynamo=True)``, then
                ``python -m onnxruntime.transformers.optimizer --model_type vit --float16``
 Each form's folder gets ``form.json``: the model file name and its inputs' example shapes (for the benchmark).
 See ../shared/EXPORTERS.md for the venvs. Weights are random (seeded); nothing is downloaded.
@@ -79,7 +80,7 @@ def _qwen3(dtype: str):
 
     torch.manual_seed(0)
     cfg = Qwen3Config(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
         head_dim=64, vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False,
     )  # fmt: skip
     model = Qwen3ForCausalLM(cfg).eval()
@@ -132,7 +133,7 @@ def vit(d: Path) -> dict:
 
     torch.manual_seed(0)
     cfg = ViTConfig(
-        hidden_size=384, num_hidden_layers=6, num_attention_heads=6, intermediate_size=1536, image_size=224,
+        hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, image_size=224,
         patch_size=16,
     )  # fmt: skip
     model = ViTModel(cfg, add_pooling_layer=False).eval()
