@@ -51,11 +51,42 @@ def _probe(model: pb.ModelProto, stage: Path) -> tuple[Path, int]:
         for k, v in keep.items():
             entry = t.external_data.add()
             entry.key, entry.value = k, v
+    _inputs_for_weights(probe.graph)
     with open(stage / ZEROS, "wb") as f:
         f.truncate(longest)  # a hole: no disk, mapped and never read
     path = stage / PROBE
     path.write_bytes(probe.SerializeToString())
     return path, longest
+
+
+def _inputs_for_weights(graph: pb.GraphProto) -> None:
+    """Large stand-ins of the main graph that no Cast reads become graph inputs of their type and shape.
+
+    Saving the optimized graph makes ORT read every initializer it writes, and a read page of the zeros file is
+    resident: the check would cost the model's size. What ORT can fuse on reload that it could not the first time
+    comes from constants it did not have then, the Casts it inserted (``Cast(fp16 constant)`` folds on reload), so
+    the Cast-fed stand-ins stay constants; every other large one was already a constant in the first pass, and as
+    an input it can only make ORT fuse less, never more, so a difference found is one a session makes too."""
+    cast_fed = {n.input[0] for n in graph.node if n.op_type == "Cast" and n.input}
+    keep: list[pb.TensorProto] = []
+    for t in graph.initializer:
+        e = {x.key: x.value for x in t.external_data}
+        if t.data_location != pb.TensorProto.EXTERNAL or e.get("location") != ZEROS or t.name in cast_fed:
+            keep.append(_copy_tensor(t))
+            continue
+        v = graph.input.add()
+        v.name = t.name
+        v.type.tensor_type.elem_type = t.data_type
+        for d in t.dims:
+            v.type.tensor_type.shape.dim.add().dim_value = d
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+
+
+def _copy_tensor(t: pb.TensorProto) -> pb.TensorProto:
+    new = pb.TensorProto()
+    new.CopyFrom(t)
+    return new
 
 
 def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOptions) -> pb.GraphProto:
