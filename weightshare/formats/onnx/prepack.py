@@ -47,6 +47,7 @@ from ._proto import load_model, pb
 from .disk_use import ReleasedRange, mark_overlaps
 from .ort_limits import budget_from_env, limits_for
 from .ort_reload import drop_unused, reload_change, unfuse_scales
+from .ortcpu import PREFIX as INSERTED_CAST
 from .prepack_record import METADATA_KEY, PACKED_PREFIX
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
@@ -343,7 +344,11 @@ def _settle(
     report: ConversionReport,
 ) -> None:
     """Make ``optimized`` a graph ORT runs as written when a session loads it (``ort_reload``): a fusion ORT would
-    apply only to the saved graph is undone in the form that computes the original's bits, or refused."""
+    apply only to the saved graph is undone in the form that computes the original's bits, or refused. Only graphs
+    holding the Casts ORT inserts for fp16/bf16 ops need it (what a reload can fold that the first pass could not):
+    an fp32 graph skips the extra child."""
+    if not any(n.op_type == "Cast" and n.name.startswith(INSERTED_CAST) for n in optimized.graph.node):
+        return
     change = reload_change(optimized, stage, src, options)
     if change is None:
         return
