@@ -1,6 +1,6 @@
 """onnxruntime-genai folders: do `og.Model`s of a converted folder share their weights?
 
-    python scripts/bench_genai.py [--mib 150] [--fp32] [--workdir DIR] [--json]
+    python scripts/bench_genai.py [--mib 150] [--fp32] [--folder GENAI_DIR] [--workdir DIR] [--json]
 
 A genai-builder-like llama decoder (``tests/genai_model.py``: GroupQueryAttention, MatMulNBits int4
 block 32 accuracy 4, or fp32 MatMul with ``--fp32``) is built in code at ``--mib`` of weights, converted plainly and
@@ -11,7 +11,8 @@ in one process (each generated 4 tokens), and summed over 3 processes of one mod
 MALLOC_MMAP_THRESHOLD_=1048576; the baseline imports onnxruntime's Python module too, as the helper
 does); CPU seconds (user + system of the process, all threads) of a 32-token prompt and
 of 32 decode steps, variants interleaved, median of ``--reps``; whether tokens and every step's logits equal the
-original's.
+original's. ``--folder`` measures an existing genai folder instead (the model builder's real output, e.g. from
+``scripts/build_exporter_forms.py``).
 """
 
 from __future__ import annotations
@@ -140,9 +141,9 @@ def convert(src: Path, out: Path, *flags: str) -> dict:
     return report
 
 
-def bench(mib: float, work: Path, int4: bool, reps: int) -> dict:
+def bench(mib: float, work: Path, int4: bool, reps: int, folder: str | None = None) -> dict:
     t0 = time.perf_counter()
-    src = gm.genai_folder(work / "src", mib=mib, int4=int4)
+    src = Path(folder) if folder else gm.genai_folder(work / "src", mib=mib, int4=int4)
     built = time.perf_counter() - t0
     weights = (src / "model.onnx.data").stat().st_size / 2**20
     plain = convert(src, work / "plain")
@@ -150,6 +151,8 @@ def bench(mib: float, work: Path, int4: bool, reps: int) -> dict:
     folders = {"original": str(src), "plain": str(work / "plain"), "--prepack": str(work / "prepack")}
     folders["--prepack helper"] = folders["--prepack"]
     r: dict = {"weights_mib": round(weights, 1), "build_s": round(built, 1), "int4": int4, "pss": {}, "procs": {}}
+    if folder:
+        r["folder"] = str(folder)
     for v, f in folders.items():
         r["pss"][v] = json.loads(_child("models", f, v).communicate()[0].splitlines()[-1])
         r["procs"][v] = processes(f, v)
@@ -172,7 +175,7 @@ def _ratio(value: float, base: float) -> str:
 
 def show(r: dict) -> None:
     variants = list(r["pss"])
-    kind = "MatMulNBits int4" if r["int4"] else "fp32 MatMul"
+    kind = r.get("folder") or ("MatMulNBits int4" if r["int4"] else "fp32 MatMul")
     print(f"\n== genai llama-like decoder, {kind}: {r['weights_mib']} MiB of weights (built in {r['build_s']} s) ==")
     w = 20
     print(f"{'':30}" + "".join(f"{v:>{w}}" for v in variants))
@@ -203,6 +206,7 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=150.0, help="weights of the decoder (>= 100 for the figures)")
     ap.add_argument("--fp32", action="store_true", help="fp32 MatMul projections instead of MatMulNBits int4")
     ap.add_argument("--reps", type=int, default=9, help="interleaved timed generations per variant")
+    ap.add_argument("--folder", default=None, help="an existing genai folder to measure (nothing is built)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--probe", nargs="+", help=argparse.SUPPRESS)
@@ -219,7 +223,7 @@ def main() -> None:
 
     print(f"onnxruntime {ort.__version__}, onnxruntime-genai {og.__version__}, {os.cpu_count()} CPUs (shared)")
     with tempfile.TemporaryDirectory(prefix="bench-genai-", dir=args.workdir) as tmp:
-        r = bench(args.mib, Path(tmp), not args.fp32, args.reps)
+        r = bench(args.mib, Path(tmp), not args.fp32, args.reps, args.folder)
         shutil.rmtree(tmp, ignore_errors=True)
     show(r)
     if args.json:

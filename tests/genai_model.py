@@ -26,10 +26,15 @@ BLOCK = 32
 
 
 def _sizes(mib: float) -> dict[str, int]:
-    """Decoder dimensions whose weights take about ``mib`` MiB (int4): hidden 64 for test folders, 2048 from
-    ~100 MiB on."""
-    if mib < 16:
+    """Decoder dimensions whose weights take about ``mib`` MiB (int4): hidden 64 for test folders below 4 MiB;
+    from 4 to 16 MiB what the model builder writes for a small Llama (hidden 512, fused QKV projection into
+    GroupQueryAttention, 2-D scales: ``fused``), every MatMulNBits buffer below 1 MiB; hidden 2048 from 16 MiB on."""
+    if mib < 4:
         return {"hidden": 64, "heads": 4, "kv_heads": 2, "inter": 128, "vocab": 256, "layers": 2}
+    if mib < 16:
+        # per layer: qkv 512x768, o 512x512, gate/up 512x1536, down 1536x512 at 0.625 bytes a weight; fp32 embedding
+        layers = max(2, round((mib * MiB - 2048 * 512 * (4 + 0.625)) / (4_194_304 * 0.625)))
+        return {"hidden": 512, "heads": 8, "kv_heads": 2, "inter": 1536, "vocab": 2048, "layers": layers, "fused": 1}
     hidden, inter, vocab = 2048, 5632, 4096
     # int4 + an fp32 scale per block of 32: 0.625 bytes a weight; fp32 embedding
     per_layer = (hidden * hidden * 2 + hidden * hidden // 2 + 3 * hidden * inter) * (0.5 + 4 / BLOCK)
@@ -38,8 +43,11 @@ def _sizes(mib: float) -> dict[str, int]:
     return {"hidden": hidden, "heads": 32, "kv_heads": 8, "inter": inter, "vocab": vocab, "layers": layers}
 
 
-def _nbits(rng: np.random.Generator, k: int, n: int, name: str) -> tuple[list[onnx.TensorProto], dict[str, Any]]:
-    """Random int4 weights of a [k, n] MatMulNBits (symmetric: no zero points)."""
+def _nbits(
+    rng: np.random.Generator, k: int, n: int, name: str, scales_2d: bool = False
+) -> tuple[list[onnx.TensorProto], dict[str, Any]]:
+    """Random int4 weights of a [k, n] MatMulNBits (symmetric: no zero points); ``scales_2d``: [n, blocks] scales,
+    as the model builder writes them."""
     import numpy as np
     from onnx import numpy_helper as nh
 
@@ -47,7 +55,8 @@ def _nbits(rng: np.random.Generator, k: int, n: int, name: str) -> tuple[list[on
     qw = rng.integers(0, 256, (n, blocks, BLOCK // 2), dtype=np.uint8)
     scales = (rng.random((n, blocks), dtype=np.float32) * 0.5 + 0.5) * np.float32(0.25 / math.sqrt(k))
     attrs = {"K": k, "N": n, "bits": 4, "block_size": BLOCK, "accuracy_level": 4}
-    return [nh.from_array(qw, f"{name}.qweight"), nh.from_array(scales.reshape(-1), f"{name}.scales")], attrs
+    scales = scales if scales_2d else scales.reshape(-1)
+    return [nh.from_array(qw, f"{name}.qweight"), nh.from_array(scales, f"{name}.scales")], attrs
 
 
 def build_decoder(
@@ -60,6 +69,7 @@ def build_decoder(
 
     s = _sizes(mib)
     hidden, heads, kv, inter, vocab = s["hidden"], s["heads"], s["kv_heads"], s["inter"], s["vocab"]
+    fused = bool(s.get("fused"))
     hd = hidden // heads
     max_len = 256
     rng = np.random.default_rng(seed)
@@ -68,7 +78,7 @@ def build_decoder(
 
     def linear(x: str, name: str, k: int, n: int) -> str:
         if int4:
-            ts, attrs = _nbits(rng, k, n, name)
+            ts, attrs = _nbits(rng, k, n, name, fused)
             inits.extend(ts)
             nodes.append(
                 h.make_node(
@@ -124,9 +134,12 @@ def build_decoder(
                 )
             )  # fmt: skip
             residual = f"{p}.res1"
-        q = linear(f"{p}.ln1", f"{p}.attn.q_proj", hidden, heads * hd)
-        k = linear(f"{p}.ln1", f"{p}.attn.k_proj", hidden, kv * hd)
-        v = linear(f"{p}.ln1", f"{p}.attn.v_proj", hidden, kv * hd)
+        if fused:  # one projection into GroupQueryAttention's packed QKV input, key and value left empty
+            q, k, v = linear(f"{p}.ln1", f"{p}.attn.qkv_proj", hidden, (heads + 2 * kv) * hd), "", ""
+        else:
+            q = linear(f"{p}.ln1", f"{p}.attn.q_proj", hidden, heads * hd)
+            k = linear(f"{p}.ln1", f"{p}.attn.k_proj", hidden, kv * hd)
+            v = linear(f"{p}.ln1", f"{p}.attn.v_proj", hidden, kv * hd)
         gqa_in = [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
                   "total_sequence_length", "cos_cache", "sin_cache"]  # fmt: skip
         nodes.append(

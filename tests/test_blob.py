@@ -82,6 +82,31 @@ def test_duplicate_leaves_no_stale_bytes_in_padding(tmp_path):
     assert gap == bytes(len(gap))
 
 
+def test_min_align_places_a_payload_and_refuses_a_less_aligned_first_copy(tmp_path):
+    # --prepack's packed buffers must start on a page (onnxruntime maps them only at aligned addresses); a copy of
+    # their bytes stored earlier at a 64-byte offset cannot stand in for them.
+    a = np.arange(1000, dtype=np.uint8)
+    path = tmp_path / "m.safetensors"
+    planned = [
+        PlannedTensor("odd", "uint8", (3,), 3),
+        PlannedTensor("plain", "uint8", (1000,), 1000),
+        PlannedTensor("packed", "uint8", (1000,), 1000, min_align=4096),
+        PlannedTensor("packed2", "uint8", (1000,), 1000, min_align=4096),
+    ]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        blob = SafetensorsBlob(fd, planned, AlignPolicy())
+        sources = [np.arange(3, dtype=np.uint8), a, a, a]
+        e = [blob.add(t, BytesSource(x.tobytes())) for t, x in zip(planned, sources, strict=True)]
+        blob.finish()
+    finally:
+        os.close(fd)
+    assert e[1].offset % 4096 and not e[2].duplicate and e[2].offset % 4096 == 0
+    assert e[3].duplicate and e[3].offset == e[2].offset  # an aligned first copy is shared
+    raw = path.read_bytes()
+    assert raw[e[2].offset : e[2].offset + 1000] == a.tobytes()
+
+
 def test_short_payload_is_rejected(tmp_path):
     fd = os.open(tmp_path / "x", os.O_RDWR | os.O_CREAT, 0o644)
     try:

@@ -224,15 +224,18 @@ class BlobWriter:
         prefix_size: int = 0,
         prefix_align: int = 64,
         progress: Progress | None = None,
+        min_align: int = 0,
     ) -> tuple[int, bool]:
-        """Write one payload; return (its row, whether it was a duplicate of that row)."""
+        """Write one payload; return (its row, whether it was a duplicate of that row). ``min_align``: the
+        payload's offset is a multiple of it (and of the policy's alignment), a duplicate's first copy too."""
         nbytes = source.nbytes
+        align = max(self.policy.for_size(nbytes), min_align)
         prefix_offset = None
         if prefix_size:
             prefix_offset = align_up(self.end, prefix_align)
-            offset = align_up(prefix_offset + prefix_size, self.policy.for_size(nbytes))
+            offset = align_up(prefix_offset + prefix_size, align)
         else:
-            offset = align_up(self.end, self.policy.for_size(nbytes))
+            offset = align_up(self.end, align)
         if isinstance(source, FileRange) and nbytes >= KERNEL_COPY_MIN and _kernel_copy_works():
             digest = self._copy_unchanged(source, offset, progress)
         else:
@@ -242,7 +245,9 @@ class BlobWriter:
             raise Unsupported(f"digests of kind {self.digest!r} are not 32 bytes long")
         first = None
         if self.dedupe:
-            first = self._tagged.get((tag, nbytes, digest)) if tag else self._find(digest, nbytes)
+            first = self._tagged.get((tag, nbytes, digest)) if tag else self._find(digest, nbytes, align)
+        if first is not None and self._offsets[first] % align:
+            first = None  # the first copy sits below the alignment this one needs: keep this one too
         if first is not None:
             # Drop the second copy: nothing after self.end has been claimed yet.
             os.ftruncate(self.fd, self.end)
@@ -265,13 +270,17 @@ class BlobWriter:
         self.bytes_written += nbytes
         return row, False
 
-    def _find(self, digest: bytes, nbytes: int) -> int | None:
-        """The row holding these bytes (same digest, same length), if any."""
+    def _find(self, digest: bytes, nbytes: int, align: int = 1) -> int | None:
+        """The row holding these bytes (same digest, same length) at a multiple of ``align``, if any."""
         table, digests = self._table, self._digests
         mask = len(table) - 1
         i = int.from_bytes(digest[:8], "little") & mask
         while (row := table[i]) >= 0:
-            if self._nbytes[row] == nbytes and digests[32 * row : 32 * row + 32] == digest:
+            if (
+                self._nbytes[row] == nbytes
+                and digests[32 * row : 32 * row + 32] == digest
+                and self._offsets[row] % align == 0
+            ):
                 return row
             i = (i + 1) & mask
         return None
@@ -432,3 +441,4 @@ class PlannedTensor:
     st_name: str = ""  # unique name in the safetensors header, filled in by SafetensorsBlob
     st_dtype: str = ""
     st_shape: tuple[int, ...] = ()
+    min_align: int = 0  # at least this alignment, whatever the policy gives its size (0: the policy's)

@@ -189,7 +189,7 @@ class SafetensorsBlob:
         if source.nbytes != tensor.nbytes:
             raise InvalidModel(f"tensor {tensor.name!r}: payload has {source.nbytes} bytes, expected {tensor.nbytes}")
         w = self.writer
-        row, duplicate = w.add_row(source, progress=progress)
+        row, duplicate = w.add_row(source, progress=progress, min_align=tensor.min_align)
         if duplicate:
             self._aliases.setdefault(row, []).append(tensor.st_name)
         else:

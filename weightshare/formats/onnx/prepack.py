@@ -47,6 +47,8 @@ from ._proto import load_model, pb
 from .disk_use import ReleasedRange, mark_overlaps
 from .fold_bound import check_staged
 from .ort_limits import budget_from_env, limits_for
+from .ort_reload import drop_unused, reload_change, unfuse_scales
+from .ortcpu import PREFIX as INSERTED_CAST
 from .prepack_record import METADATA_KEY, PACKED_PREFIX
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
@@ -54,6 +56,11 @@ PREPACKED_ENTRY = "prepacked_"
 PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
 STAGE_BLOB = "plain"
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
+# ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
+# otherwise it preads the buffer into a private heap copy per session (a genai int4 folder with packed buffers
+# at 64-byte offsets kept 10-12 MiB per session). A mapping starts on a page, so a page-aligned offset gives a
+# page-aligned address, whatever alignment a kernel or a CPU asks for up to the page size.
+PACKED_ALIGN = 4096
 
 
 def portable_name(model_name: str) -> str:
@@ -152,7 +159,8 @@ class Relocator:
             packed.append(ref)
             for i, buf in enumerate(ref.buffers):
                 size = int(buf[1])
-                planned = PlannedTensor(f"{PACKED_PREFIX}{tensor.name}/{ref.key}/{i}", "uint8", (size,), size)
+                name = f"{PACKED_PREFIX}{tensor.name}/{ref.key}/{i}"
+                planned = PlannedTensor(name, "uint8", (size,), size, min_align=PACKED_ALIGN)
                 ranges.append(self.payload(where, int(buf[0]), size, planned))
         self.edits.append(lambda location: self._rewrite(tensor, location, rng, packed, ranges))
 
@@ -180,7 +188,7 @@ class Relocator:
             entry.key, entry.value = k, v
 
 
-def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> ConversionReport:
+def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[ConversionReport, dict[str, str]]:
     from .convert import prepare
 
     staged = ConvertOptions(
@@ -192,7 +200,7 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> Conversi
     prepared = prepare(src, stage, staged)
     with OutputTransaction() as tx:
         write_models([prepared], stage, blob_target(None, stage, STAGE_BLOB, CONTAINER), staged, tx)
-    return prepared.report
+    return prepared.report, prepared.extra.get("blob_metadata", {})
 
 
 def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict, float]:
@@ -290,10 +298,11 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     # another directory than the one held here, or the run would wait on its own lock.
     stage = held / "stage"
     stage.mkdir()
-    report = _stage_portable(src, stage, options)
+    report, staged_metadata = _stage_portable(src, stage, options)
     result, child_peak = _run_ort(stage / src.name, src, options)
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
+    _settle(optimized, stage, src, options, binding, report)
     reloc = Relocator()
     for t in external_tensors(portable):
         reloc.add_tensor(t, stage, t.name)
@@ -324,8 +333,44 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
         return written
 
     _report_packing(report, src, binding, packed, child_peak, result)
-    metadata = {METADATA_KEY: json.dumps({**binding, **names})}
+    # what the staged conversion recorded (``--unpack ort-cpu``): verify compares the portable model's payloads
+    # with the original under the unpacking the blob says was used
+    metadata = {**staged_metadata, METADATA_KEY: json.dumps({**binding, **names})}
     return PreparedModel(report, reloc.payloads, emit, extra={"blob_metadata": metadata})
+
+
+def _settle(
+    optimized: pb.ModelProto,
+    stage: Path,
+    src: Path,
+    options: ConvertOptions,
+    binding: JsonDict,
+    report: ConversionReport,
+) -> None:
+    """Make ``optimized`` a graph ORT runs as written when a session loads it (``ort_reload``): a fusion ORT would
+    apply only to the saved graph is undone in the form that computes the original's bits, or refused. Only graphs
+    holding the Casts ORT inserts for fp16/bf16 ops need it (what a reload can fold that the first pass could not):
+    an fp32 graph skips the extra child."""
+    if not any(n.op_type == "Cast" and n.name.startswith(INSERTED_CAST) for n in optimized.graph.node):
+        return
+    change = reload_change(optimized, stage, src, options)
+    if change is None:
+        return
+    unfused = unfuse_scales(optimized)
+    if unfused:
+        drop_unused(optimized)
+        change = reload_change(optimized, stage, src, options)
+    if change is not None:
+        raise Unsupported(
+            f"--prepack: refused: loading the prepacked model, onnxruntime {binding['onnxruntime']} fuses what it "
+            f"did not in the original ({change}), which rounds differently; convert without --prepack",
+            src,
+        )
+    report.notes.append(
+        f"--prepack: {unfused} Mul/Div by a scalar beside a MatMul written as Mul/Div by Expand(scalar, Shape(x)) "
+        "(the same products; onnxruntime would fuse the scalar into FusedMatMul when loading the saved graph, "
+        "which it did not do in the original)"
+    )
 
 
 def share_metadata(prepared: Sequence[PreparedModel]) -> None:
@@ -334,7 +379,7 @@ def share_metadata(prepared: Sequence[PreparedModel]) -> None:
     records = [json.loads(p.extra["blob_metadata"][METADATA_KEY]) for p in prepared]
     merged = {**records[0], "portable_models": {k: v for r in records for k, v in r["portable_models"].items()}}
     for p in prepared:
-        p.extra["blob_metadata"] = {METADATA_KEY: json.dumps(merged)}
+        p.extra["blob_metadata"] = {**p.extra["blob_metadata"], METADATA_KEY: json.dumps(merged)}
 
 
 def _report_packing(

@@ -1,0 +1,195 @@
+"""Build the forms real exporters write, from random configs, offline (run with an exporter venv, not the project's).
+
+    /work/exvenv/torch-genai/bin/python scripts/build_exporter_forms.py OUTDIR [FORM ...]
+
+Forms (each in OUTDIR/FORM; a form already built is kept):
+  genai-int4   onnxruntime-genai's model builder, ``-p int4 -e cpu`` on a random Llama config with a tokenizer
+               trained here: GroupQueryAttention, MatMulNBits (bits 4, block 32, accuracy_level 4)
+  genai-fp32   the same builder, ``-p fp32 -e cpu``
+  dynamo-fp32  ``torch.onnx.export(..., dynamo=True)`` of a random Qwen3 decoder (GQA, 8 layers of 512, vocab
+               4096), weights in model.onnx.data
+  dynamo-fp16  the same after ``model.to(torch.float16)``
+  vit-fp16     a random ViT-S/16 (12 layers of 384) exported with ``torch.onnx.export(dynamo=True)``, then
+               ``python -m onnxruntime.transformers.optimizer --model_type vit --float16``
+Each form's folder gets ``form.json``: the model file name and its inputs' example shapes (for the benchmark).
+See ../shared/EXPORTERS.md for the venvs. Weights are random (seeded); nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+FORMS = ("genai-int4", "genai-fp32", "dynamo-fp32", "dynamo-fp16", "vit-fp16")
+
+# Big enough that per-session copies stand out from a session's own state; every MatMulNBits buffer stays below
+# 1 MiB, so the default layout (64 KiB alignment from 1 MiB on, 64 bytes below) puts them at small alignments.
+LLAMA = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 4096,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
+def _hf_llama(d: Path) -> Path:
+    """A random LlamaForCausalLM in HF layout plus a tokenizer trained on a few lines of text."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    hf = d / "hf"
+    if (hf / "config.json").exists():
+        return hf
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    model.save_pretrained(hf)
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=LLAMA["vocab_size"], special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    corpus = [f"sentence {i} about weights, sessions and shared pages number {i * 7 % 13}" for i in range(2000)]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(hf)
+    return hf
+
+
+def genai(d: Path, precision: str) -> dict:
+    hf = _hf_llama(d.parent / "_llama")
+    out = d / "model"
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
+    cmd += ["-p", precision, "-e", "cpu", "-c", str(d / "cache")]
+    subprocess.run(cmd, check=True)
+    shutil.rmtree(d / "cache", ignore_errors=True)
+    return {"kind": "genai", "folder": "model", "model": "model/model.onnx"}
+
+
+def _qwen3(dtype: str):
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=64, vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(cfg).eval()
+    return model.to(torch.float16) if dtype == "fp16" else model
+
+
+class _Decoder:
+    """Plain-tensor wrapper: the exporter sees input_ids / attention_mask / position_ids only (prefill)."""
+
+    def __new__(cls, model):
+        import torch
+
+        class Wrapped(torch.nn.Module):
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, input_ids, attention_mask, position_ids):
+                out = self.m(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                )
+                return out.logits
+
+        return Wrapped(model)
+
+
+def dynamo(d: Path, dtype: str) -> dict:
+    import torch
+
+    model = _Decoder(_qwen3(dtype))
+    batch, seq = 2, 16
+    args = (
+        torch.randint(3, 4000, (batch, seq)),
+        torch.ones(batch, seq, dtype=torch.int64),
+        torch.arange(seq).expand(batch, seq).contiguous(),
+    )
+    b, s = torch.export.Dim("batch", max=64), torch.export.Dim("seq", max=256)
+    dims = {"input_ids": {0: b, 1: s}, "attention_mask": {0: b, 1: s}, "position_ids": {0: b, 1: s}}
+    d.mkdir(parents=True, exist_ok=True)
+    torch.onnx.export(
+        model, args, str(d / "model.onnx"), dynamo=True, external_data=True, dynamic_shapes=dims,
+        input_names=["input_ids", "attention_mask", "position_ids"], output_names=["logits"],
+    )  # fmt: skip
+    return {"kind": "decoder", "model": "model.onnx"}
+
+
+def vit(d: Path) -> dict:
+    import torch
+    from transformers import ViTConfig, ViTModel
+
+    torch.manual_seed(0)
+    cfg = ViTConfig(
+        hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, image_size=224,
+        patch_size=16,
+    )  # fmt: skip
+    model = ViTModel(cfg, add_pooling_layer=False).eval()
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, pixel_values):
+            return self.m(pixel_values=pixel_values).last_hidden_state
+
+    d.mkdir(parents=True, exist_ok=True)
+    raw = d / "raw.onnx"
+    torch.onnx.export(
+        Wrapped(model), (torch.randn(2, 3, 224, 224),), str(raw), dynamo=True, external_data=True,
+        dynamic_shapes={"pixel_values": {0: torch.export.Dim("batch", max=64)}},
+        input_names=["pixel_values"], output_names=["last_hidden_state"],
+    )  # fmt: skip
+    cmd = [sys.executable, "-m", "onnxruntime.transformers.optimizer", "--input", str(raw), "--output"]
+    cmd += [str(d / "model.onnx"), "--model_type", "vit", "--num_heads", "6", "--hidden_size", "384", "--float16"]
+    cmd += ["--use_external_data_format"]
+    subprocess.run(cmd, check=True)
+    for f in d.glob("raw.onnx*"):
+        f.unlink()
+    for f in d.iterdir():
+        os.chmod(f, 0o644)  # the optimizer writes its .data with mode 0600
+    return {"kind": "vision", "model": "model.onnx"}
+
+
+def build(out: Path, form: str) -> None:
+    d = out / form
+    if (d / "form.json").exists():
+        return
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    if form.startswith("genai-"):
+        info = genai(d, form.split("-")[1])
+    elif form.startswith("dynamo-"):
+        info = dynamo(d, form.split("-")[1])
+    else:
+        info = vit(d)
+    (d / "form.json").write_text(json.dumps(info) + "\n")
+    print(f"built {form}", flush=True)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    forms = sys.argv[2:] or list(FORMS)
+    bad = [f for f in forms if f not in FORMS]
+    if bad:
+        sys.exit(f"unknown form(s) {bad}; known: {', '.join(FORMS)}")
+    for form in forms:
+        build(out, form)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,202 @@
+"""``--prepack``: the graph written must be one ONNX Runtime leaves as it is when it loads it.
+
+The prepacked model is ORT's own optimization of the original, saved. ORT optimizes it again at every load, and
+that second pass can find what the first could not: an fp16 model's Casts are explicit in the saved graph, so
+constant folding turns ``Cast(fp16 scalar)`` into an fp32 scalar and MatMulScaleFusion then folds ``Mul``/``Div``
+by it into ``FusedMatMul(alpha)`` (torch-dynamo fp16 decoders, ORT-optimizer fp16 ViTs: outputs differed by 0.002 to
+0.006). In the original the scale was not a constant when the fusion ran, so ORT multiplied separately.
+
+``reload_change`` lets ORT load the written graph as a session would (default level, in a bounded child, weights
+above 64 KiB replaced by a sparse file of zeros so the check costs the same for any model size) and compares what it
+runs with what was written (``ortcpu.rounding_change``). ``unfuse_scales`` writes the form that computes the
+original's bits where the fusion is MatMulScaleFusion: the scalar becomes a constant of the other operand's last
+dimension, every element the same value (the same products, element by element), which the fusion does not take
+(it wants a one-element constant). Anything else ORT would change is refused by the caller, naming the fusion.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...options import ConvertOptions
+from . import dtypes
+from ._proto import pb
+from .ort_limits import limits_for
+from .ortcpu import _CHECK_CHILD, REAL_BYTES_MAX, _read_saved, _run_child, rounding_change
+
+PROBE = "reload.probe.onnx"
+ZEROS = "reload.zeros.bin"
+OUT = "reload.optimized.onnx"
+OUT_DATA = "optimized.data"  # named by the check child, beside OUT
+
+
+def _probe(model: pb.ModelProto, stage: Path) -> tuple[Path, int]:
+    """A copy of ``model`` whose large external initializers map the zeros file; small ones keep their bytes
+    (scales and shapes the optimizers read). Pre-packed entries are dropped (the child does not pack)."""
+    probe = pb.ModelProto()
+    probe.CopyFrom(model)
+    from .prepack import external_tensors  # prepack imports this module
+
+    longest = 0
+    for t in external_tensors(probe):
+        e = {x.key: x.value for x in t.external_data}
+        length = int(e.get("length", "-1"))
+        if length < 0:
+            length = (stage / e["location"]).stat().st_size - int(e.get("offset", "0"))
+        keep = {"location": e["location"], "offset": e.get("offset", "0"), "length": str(length)}
+        if length > REAL_BYTES_MAX:
+            keep = {"location": ZEROS, "offset": "0", "length": str(length)}
+            longest = max(longest, length)
+        del t.external_data[:]
+        for k, v in keep.items():
+            entry = t.external_data.add()
+            entry.key, entry.value = k, v
+    _inputs_for_weights(probe.graph)
+    with open(stage / ZEROS, "wb") as f:
+        f.truncate(longest)  # a hole: no disk, mapped and never read
+    path = stage / PROBE
+    path.write_bytes(probe.SerializeToString())
+    return path, longest
+
+
+def _inputs_for_weights(graph: pb.GraphProto) -> None:
+    """Large stand-ins of the main graph that no Cast reads become graph inputs of their type and shape.
+
+    Saving the optimized graph makes ORT read every initializer it writes, and a read page of the zeros file is
+    resident: the check would cost the model's size. What ORT can fuse on reload that it could not the first time
+    comes from constants it did not have then, the Casts it inserted (``Cast(fp16 constant)`` folds on reload), so
+    the Cast-fed stand-ins stay constants; every other large one was already a constant in the first pass, and as
+    an input it can only make ORT fuse less, never more, so a difference found is one a session makes too."""
+    cast_fed = {n.input[0] for n in graph.node if n.op_type == "Cast" and n.input}
+    keep: list[pb.TensorProto] = []
+    for t in graph.initializer:
+        e = {x.key: x.value for x in t.external_data}
+        if t.data_location != pb.TensorProto.EXTERNAL or e.get("location") != ZEROS or t.name in cast_fed:
+            keep.append(_copy_tensor(t))
+            continue
+        v = graph.input.add()
+        v.name = t.name
+        v.type.tensor_type.elem_type = t.data_type
+        for d in t.dims:
+            v.type.tensor_type.shape.dim.add().dim_value = d
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+
+
+def _copy_tensor(t: pb.TensorProto) -> pb.TensorProto:
+    new = pb.TensorProto()
+    new.CopyFrom(t)
+    return new
+
+
+def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOptions) -> pb.GraphProto:
+    """The graph ORT runs when a session loads ``model`` (its external data relative to ``stage``)."""
+    probe, _ = _probe(model, stage)
+    out = stage / OUT
+    limits = limits_for(
+        src.stat().st_size + sum(f.stat().st_size for f in stage.iterdir() if f.is_file() and f.name != ZEROS),
+        src,
+        options.ort_child_timeout_s,
+        options.ort_child_memory_mib,
+        options.ort_max_growth,
+    )
+    try:
+        _run_child(_CHECK_CHILD, [str(probe), str(out)], [out], limits, stage, src, "load")
+        return _read_saved(out, src).graph
+    finally:
+        for name in (PROBE, ZEROS, OUT, OUT_DATA):
+            (stage / name).unlink(missing_ok=True)
+
+
+def reload_change(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOptions) -> str | None:
+    """What ORT fuses when it loads ``model`` that ``model`` does not hold (None: it runs ``model`` as written)."""
+    return rounding_change(model.graph, reoptimized(model, stage, src, options))
+
+
+def _scalar(graph: pb.GraphProto) -> set[str]:
+    """One-element fp32/fp16 tensors that are, or ORT's constant folding makes, constants: initializers, and Casts
+    of them (the Casts ORT inserted for an fp16 model's CPU kernels)."""
+    found = {
+        t.name
+        for t in graph.initializer
+        if t.data_type in (dtypes.FLOAT, dtypes.FLOAT16) and dtypes.element_count(tuple(t.dims)) == 1
+    }
+    for n in graph.node:
+        if n.op_type == "Cast" and len(n.input) == 1 and n.input[0] in found:
+            found.add(n.output[0])
+    return found
+
+
+def unfuse_scales(model: pb.ModelProto) -> int:
+    """Feed every ``Mul``/``Div`` by a one-element constant next to a ``MatMul`` (what MatMulScaleFusion folds) the
+    scalar expanded to its other operand's shape, ``Expand(s, Shape(x))``: the same products element by element,
+    and, the shape being known only at run time, no constant for the fusion to take (with a fully static shape
+    ORT folds it into a constant of that shape, which the fusion does not take either). Returns the nodes
+    changed."""
+    g = model.graph
+    scalars = _scalar(g)
+    consumers: dict[str, list[pb.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    producer = {o: n for n in g.node for o in n.output}
+    taken = {n.name for n in g.node} | set(producer) | {t.name for t in g.initializer} | {v.name for v in g.input}
+    nodes: list[pb.NodeProto] = []
+    changed = 0
+    for n in g.node:
+        slots = [k for k in ((1,) if n.op_type == "Div" else (0, 1)) if len(n.input) == 2 and n.input[k] in scalars]
+        near_matmul = any(c.op_type == "MatMul" for c in consumers.get(n.output[0], [])) or any(
+            (p := producer.get(i)) is not None and p.op_type == "MatMul" for i in n.input
+        )
+        if n.op_type in ("Mul", "Div") and slots and near_matmul:
+            k = slots[0]
+            base = f"{n.name or n.output[0]}.weightshare.unfused"
+            shape, expanded = _fresh(f"{base}.shape", taken), _fresh(f"{base}.scale", taken)
+            nodes.append(helper_node("Shape", [n.input[1 - k]], shape, _fresh(f"{base}.Shape", taken)))
+            nodes.append(helper_node("Expand", [n.input[k], shape], expanded, _fresh(f"{base}.Expand", taken)))
+            n.input[k] = expanded
+            changed += 1
+        nodes.append(n)
+    if changed:
+        copies = [_copy(n) for n in nodes]
+        del g.node[:]
+        g.node.extend(copies)
+    return changed
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    out, k = name, 0
+    while out in taken:
+        k += 1
+        out = f"{name}_{k}"
+    taken.add(out)
+    return out
+
+
+def _copy(node: pb.NodeProto) -> pb.NodeProto:
+    new = pb.NodeProto()
+    new.CopyFrom(node)
+    return new
+
+
+def helper_node(op: str, inputs: list[str], output: str, name: str) -> pb.NodeProto:
+    node = pb.NodeProto(op_type=op, name=name)
+    node.input.extend(inputs)
+    node.output.append(output)
+    return node
+
+
+def drop_unused(model: pb.ModelProto) -> None:
+    """Remove nodes and small initializers nothing reads any more (the Casts of scalars ``unfuse_scales``
+    replaced), so the written graph holds no dead branch."""
+    g = model.graph
+    while True:
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        dead = [n for n in g.node if n.op_type == "Cast" and all(o not in used for o in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            g.node.remove(n)
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    for t in [t for t in g.initializer if t.name not in used and t.data_location != pb.TensorProto.EXTERNAL]:
+        g.initializer.remove(t)
