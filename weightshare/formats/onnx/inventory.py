@@ -197,9 +197,64 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         info.sha256 = payload_digest(source, info.recorded_sha256)
     inv.fallback_of, bad_records = _fallback_of(path, inv.external_files)
     inv.findings += bad_records
+    inv.default_setting, inv.default_how = default_setting(path, inv.fallback_of)
+    inv.prepack_output = _is_prepack_output(path, inv.external_files)
     by_index = {ref.index: info for ref, info in zip((p.ref for p in placements), inv.payloads)}
     inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, path.resolve().parent)
     return inv
+
+
+GENAI_CONFIG_MAX = 1 << 20  # bytes of genai_config.json read (the model builder writes a few KiB)
+
+
+def _genai_config_entries(path: Path) -> dict[str, str] | None:
+    """The session config entries ``genai_config.json`` beside ``path`` gives the component that opens it (the one
+    whose ``filename`` is the model's, else the decoder's); None outside a genai folder or when it is unreadable."""
+    import json
+
+    try:
+        with open(path.parent / "genai_config.json", "rb") as f:
+            config = json.loads(f.read(GENAI_CONFIG_MAX + 1)[:GENAI_CONFIG_MAX])
+    except (OSError, ValueError):
+        return None
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        return None
+    parts = [v for v in model.values() if isinstance(v, dict)]
+    part = next((v for v in parts if v.get("filename") == path.name), model.get("decoder"))
+    options = part.get("session_options") if isinstance(part, dict) else None
+    entries = options.get("config_entries") if isinstance(options, dict) else None
+    return {str(k): str(v) for k, v in entries.items()} if isinstance(entries, dict) else {}
+
+
+def default_setting(path: Path, fallback_of: str) -> tuple[str, str]:
+    """(the setting a model is opened with when the user does nothing, how): a plain ``InferenceSession(path)``
+    has default options, pre-packing on (a ``--prepack`` output included: it maps its packed copies there); a
+    genai folder's model is opened by ``og.Model`` with the session options its genai_config.json gives; a
+    ``--prepack`` output's portable twin is what ``weightshare.ort.session`` opens, with pre-packing off."""
+    if fallback_of:
+        return ORT_SHARE, "as weightshare.ort.session opens this portable model (session.disable_prepacking=1)"
+    entries = _genai_config_entries(path)
+    if entries is None:
+        return ORT_DEFAULT, ""
+    if entries.get("session.disable_prepacking") == "1":
+        return ORT_SHARE, "as og.Model opens it (genai_config.json sets session.disable_prepacking=1)"
+    return ORT_DEFAULT, "as og.Model opens it (the session options genai_config.json gives)"
+
+
+def _is_prepack_output(path: Path, files: list[str]) -> bool:
+    """Whether a blob of ``path`` records it as the pre-packed model of a ``convert --prepack`` output."""
+    for name in files:
+        raw = blob_metadata(str(path.resolve().parent / name)).get(PREPACK_KEY)
+        if raw is None:
+            continue
+        try:
+            record = parse_record(raw, name)
+        except WeightshareError:
+            continue  # _fallback_of reports it
+        if path.name == record["prepacked_model"] or path.name in record["portable_models"]:
+            return True
+    return False
 
 
 def _fallback_of(path: Path, files: list[str]) -> tuple[str, list[Finding]]:
