@@ -397,3 +397,36 @@ def check(
         inventories.append(inv)
         findings += findings_for(inv, gate)
     return inventories, findings
+
+
+@dataclass
+class GateResult:
+    """What one run of the gate found: every readable model's inventory, every finding, and the exit code."""
+
+    inventories: list[ModelInventory]
+    findings: list[Finding]
+    exit_code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+def run_gate(models: Sequence[str | os.PathLike[str]], gate: Gate, strict: bool = False) -> GateResult:
+    """The one implementation of `check` behind the CLI and ``weightshare.check``: the gate's options checked,
+    models found, each inventoried and judged (an unreadable one is an ``unreadable-model`` finding and the others
+    are still checked), and the exit code (0 share-ready, 1 a failing finding, 2 an unreadable model). Raises
+    ``UsageError`` for a bad option or no model found; the callers only render."""
+    from ._contract import exit_code, setting_ids
+    from .errors import UsageError
+
+    for t in gate.targets:
+        if t not in setting_ids():
+            raise UsageError(f"--target {t!r} is not a setting id ({', '.join(setting_ids())})")
+    if gate.threshold < 0:
+        raise UsageError("--threshold must not be negative")
+    paths = find_models(models)
+    if not paths:
+        raise UsageError("no models found")
+    inventories, findings = check(paths, gate, keep_going=True)
+    return GateResult(inventories, findings, exit_code(findings, strict))

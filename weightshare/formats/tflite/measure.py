@@ -8,6 +8,15 @@ signature once (seeded random inputs, in range for index inputs), and reads its 
 that of the PSS of everything but program code (``_runtimes.memory.data_pss``), over 3. The child is bounded
 (``TIMEOUT_S``) and started with ``MALLOC_MMAP_THRESHOLD_=1048576`` like the ONNX one. ``litert-compiled-cache``
 (CompiledModel with an XNNPACK weight cache file) is not measured: its figure stays the static one.
+
+Weights, not activations: an interpreter keeps its tensor arena (inputs, intermediate tensors, kernel scratch)
+and, with XNNPACK, the delegate's own workspace and indirection buffers, all sized by the inputs. The arena is
+measured in the child: the resident pages under every tensor that is not in the model file (``arena_bytes``),
+taken off the growth. XNNPACK's workspace has no tensors to point at; what the delegate keeps of the weights is
+what it packs, which XNNPACK itself measures when it writes a weight cache (the matching cache beside a
+``--prepack`` output, else one built in a temporary folder): under ``litert-xnnpack`` the weight figure is at most
+that packed size plus the no-delegate setting's weight copies (DEQUANTIZE outputs it keeps), and the rest of the
+growth is activation memory, reported as its own figure.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDic
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
+    arena: list[int] = []
     ran = True
     with native_stderr_silenced():
         for _ in range(interpreters):
@@ -54,27 +64,66 @@ def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDic
             opened.append(interp)
             pss.append(smaps_rollup()["Pss"])
             data.append(data_pss())
-    return {"pss": pss, "data_pss": data, "ran": ran}
+            arena.append(arena_bytes(interp))
+    return {"pss": pss, "data_pss": data, "ran": ran, "arena": arena}
+
+
+def arena_bytes(interp: Any) -> int:
+    """Resident bytes under the tensors of ``interp`` that are not in the model file: its arena (activations)."""
+    from ..._runtimes.memory import resident_bytes
+
+    spans = []
+    for d in interp.get_tensor_details():
+        try:
+            a = interp.tensor(d["index"])()
+        except Exception:  # noqa: BLE001 -- a tensor without data (not allocated, delegated away) has no pages
+            continue
+        if a.nbytes:
+            spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
+    return resident_bytes(spans)
+
+
+def packed_bytes(path: Path) -> int | None:
+    """Bytes XNNPACK packs of the model's weights, as measured by XNNPACK writing its weight cache: the matching
+    cache beside a ``--prepack`` output, else one built in a temporary folder; None when it cannot be built."""
+    import tempfile
+
+    from ...errors import WeightshareError
+    from . import xnnpack_cache
+
+    for st in xnnpack_cache.cache_status(path):
+        if st.matches:
+            return st.path.stat().st_size
+    with tempfile.TemporaryDirectory(prefix="weightshare-packed-") as tmp:
+        cache = Path(tmp) / "cache"
+        cache.touch()
+        try:
+            return xnnpack_cache.build(path, cache).nbytes
+        except WeightshareError as e:
+            return 0 if "wrote no XNNPACK weight cache" in e.message else None
 
 
 def available() -> bool:
     return importlib.util.find_spec("ai_edge_litert") is not None and os.environ.get(ENV_SKIP, "") != "1"
 
 
-def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
-    """(setting id -> bytes one more interpreter costs, setting id -> PSS of the child with one interpreter,
-    notes); ({}, {}, [why not]) when ai-edge-litert is not installed or measuring is off."""
+def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+    """(setting id -> bytes of weights and copies of them one more interpreter keeps, setting id -> PSS of the child
+    with one interpreter, notes, setting id -> activation memory one more interpreter keeps); ({}, {}, [why not],
+    {}) when ai-edge-litert is not installed or measuring is off."""
     if not available():
         return (
             {},
             {},
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
+            {},
         )
     from ..._runtimes.memory import in_child
 
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
+    activation: dict[str, int] = {}
     for setting, share in SETTINGS:
         try:
             res: JsonDict = in_child(__name__, "probe", [str(path), share], MALLOC_ENV, timeout=TIMEOUT_S)
@@ -85,9 +134,18 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             notes.append(f"LiteRT refuses the model under {setting}: {res['error']}")
             continue
         data = res["data_pss"]
-        out[setting] = max(0, (data[-1] - data[0]) // (len(data) - 1))
+        growth = max(0, (data[-1] - data[0]) // (len(data) - 1))
+        arena = sorted(res["arena"])[len(res["arena"]) // 2]  # each interpreter's own arena
+        out[setting] = max(0, growth - arena)
+        if not share and out[setting] > 0:  # what XNNPACK can keep of the weights: what it packs
+            packed = packed_bytes(path)
+            if packed is None:
+                notes.append(f"{setting}: XNNPACK's packed size not measured; its workspace counts as weights")
+            else:
+                out[setting] = min(out[setting], packed + out.get(SETTINGS[0][0], 0))
+        activation[setting] = growth - out[setting]
         one[setting] = res["pss"][0]
         if not res["ran"]:
             notes.append(f"{setting}: interpreters measured without a run (inputs could not be generated)")
     notes.append("litert-compiled-cache is not measured: its figure is the static estimate")
-    return out, one, notes
+    return out, one, notes, activation
