@@ -11,10 +11,10 @@ Weights, not activations: the sessions that measure weight copies run with ORT's
 (``enable_cpu_mem_arena=False``), so the activations, kernel scratch and outputs of a run are freed after it and
 what a session keeps is its weights and what it made of them (pre-packed, reordered, cast copies). The arena a
 session keeps at default options (measured: 40 MiB per session for a YOLO-like detector with 0.3 MiB of weights)
-is measured apart, in one more child at default options with the arena on: the difference of the two growths is
-the session's activation memory, reported as its own figure, never as a weight copy. What any session costs
-whatever its model (its thread pool, per-session state: 0.3-0.4 MiB measured) is measured in the same child on a
-one-node model and taken off.
+is measured apart, in the same child at default options: as many sessions again with the arena on, and the
+difference of the two growths is the session's activation memory, reported as its own figure, never as a weight
+copy. What any session costs whatever its model (its thread pool, per-session state: 0.1-0.4 MiB measured) is
+measured in the same child on a one-node model and taken off.
 
 The child starts with ``MALLOC_MMAP_THRESHOLD_=1048576`` (``MALLOC_ENV``), as serving processes that share
 weights are told to (``weightshare.ort``): buffers of 1 MiB or more that ORT allocates and frees (the plain weight
@@ -63,9 +63,12 @@ def _growth(data: list[int]) -> int:
     return max(0, (data[-1] - data[0]) // (len(data) - 1))
 
 
-def probe(model_path: str, share: bool, sessions: int = SESSIONS, arena: bool = False) -> JsonDict:
+def probe(
+    model_path: str, share: bool, sessions: int = SESSIONS, arena: bool = False, activations: bool = False
+) -> JsonDict:
     """In this (child) process: PSS after each of ``sessions`` sessions under the setting (with ORT's CPU arena
-    or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused."""
+    or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
+    ``activations``, then as many sessions again with the arena on: ``arena_growth``, what one more of them keeps."""
     import numpy as np
 
     from ..._runtimes.memory import data_pss, smaps_rollup
@@ -102,20 +105,29 @@ def probe(model_path: str, share: bool, sessions: int = SESSIONS, arena: bool = 
         opened.append(s)
         pss.append(smaps_rollup()["Pss"])
         data.append(data_pss())
-    return {"pss": pss, "data_pss": data, "ran": ran, "overhead": _growth(tiny_data)}
+    more: JsonDict = {}
+    if activations and feeds is not None:
+        with_arena: list[int] = []
+        for _ in range(sessions):
+            s = new_session(model_path, share=share, log_level=4, arena=True)
+            s.run(None, feeds)
+            opened.append(s)
+            with_arena.append(data_pss())
+        more["arena_growth"] = _growth(with_arena)
+    return {"pss": pss, "data_pss": data, "ran": ran, "overhead": _growth(tiny_data), **more}
 
 
 def available() -> bool:
     return importlib.util.find_spec("onnxruntime") is not None and os.environ.get(ENV_SKIP, "") != "1"
 
 
-def _measure(path: Path, share: bool, arena: bool) -> tuple[JsonDict, str]:
+def _measure(path: Path, share: bool, arena: bool, activations: bool = False) -> tuple[JsonDict, str]:
     """One child's answer (``cost``: bytes one more session keeps beyond a one-node model's, ``data_growth``: its
     whole growth), or ({}, why not)."""
     from ..._runtimes.memory import in_child
 
     try:
-        res: JsonDict = in_child(__name__, "probe", [str(path), share, SESSIONS, arena], MALLOC_ENV)
+        res: JsonDict = in_child(__name__, "probe", [str(path), share, SESSIONS, arena, activations], MALLOC_ENV)
     except RuntimeError as e:
         return {}, f"could not measure: {e}"
     if "error" in res:
@@ -138,23 +150,16 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
-    growth: dict[str, int] = {}
+    activation: dict[str, int] = {}
     for setting, share in SETTINGS:
-        res, why = _measure(path, share, arena=False)
+        res, why = _measure(path, share, arena=False, activations=setting == ACTIVATION_SETTING)
         if why:
             notes.append(f"{setting}: {why}")
             continue
         out[setting] = res["cost"]
         one[setting] = res["pss"][0]
-        growth[setting] = res["data_growth"]
+        if "arena_growth" in res:  # the same sessions with the arena on: what it keeps beyond the weights
+            activation[setting] = max(0, res["arena_growth"] - res["data_growth"])
         if not res["ran"]:
             notes.append(f"{setting}: sessions measured without a run (inputs could not be generated)")
-    activation: dict[str, int] = {}
-    share = dict(SETTINGS)[ACTIVATION_SETTING]
-    if ACTIVATION_SETTING in growth:
-        res, why = _measure(path, share, arena=True)
-        if why:
-            notes.append(f"activation memory not measured: {why}")
-        else:
-            activation[ACTIVATION_SETTING] = max(0, res["data_growth"] - growth[ACTIVATION_SETTING])
     return out, one, notes, activation
