@@ -80,13 +80,16 @@ def compare_payloads(report: VerifyReport, original: Path, converted: Path, prep
 
 
 def _portable_of(converted: Path) -> Path | None:
-    """The portable model of a ``--prepack`` output (which ``weightshare.ort.session`` falls back to), or None."""
+    """The portable model of a ``--prepack`` output (which ``weightshare.ort.session`` falls back to), or None:
+    in a ``--prepack --shared-blob`` zoo, the model's own twin (the blob's record names one per model)."""
     from ...ort import prepack_info
 
     found = prepack_info(converted)
     if found is None:
         return None
-    name = str(found[0].get("portable_model", ""))
+    twins = found[0].get("portable_models")
+    twin = twins.get(converted.name) if isinstance(twins, dict) else None
+    name = str(twin or found[0].get("portable_model", ""))
     return converted.parent / name if name and "/" not in name and "\\" not in name else None
 
 
