@@ -285,9 +285,26 @@ def packed_entry_findings(
     ``--prepack`` stores each packed buffer under ``ort.prepacked/<tensor>/<kernel key>/<i>`` with its digest;
     an entry pointing elsewhere (another tensor's copy, a plain payload, past the end) maps bytes ORT refuses at
     load ("ValidatePrePackedWeights ... do not match") or, worse, bytes of another weight. Blobs weightshare did
-    not write carry no such records: their entries are left to ORT."""
+    not write carry no such records: their entries are left to ORT.
+
+    Tied weights (two tensors with the same bytes, such as an embedding and its LM head, or two equal initializers)
+    are stored once, and so is their packed copy, recorded under the first tensor's name: an entry of the second
+    pointing at it is right (the bytes ORT validates are the same)."""
     bad: list[str] = []
     records: dict[str, dict[tuple[int, int], str]] = {}
+    # tensors whose plain bytes are one payload (the same place in the blob, or the same digest): tied weights
+    same_bytes: dict[tuple[str, int | None, int] | tuple[str, int], set[str]] = {}
+    for p in by_index.values():
+        if p.file and not p.problem:
+            same_bytes.setdefault((p.file, p.offset, p.nbytes), set()).add(p.name)
+        if p.sha256:
+            same_bytes.setdefault((p.sha256, p.nbytes), set()).add(p.name)
+
+    def tied(info: PayloadInfo) -> set[str]:
+        return same_bytes.get((info.file, info.offset, info.nbytes), set()) | (
+            same_bytes.get((info.sha256, info.nbytes), set()) if info.sha256 else set()
+        )
+
     for index, values in sorted(entries.items()):
         info = by_index.get(index)
         if info is None or info.problem or not info.file:
@@ -306,7 +323,8 @@ def packed_entry_findings(
                     if len(fields) >= 2 and all(f.isdigit() for f in fields[:2])
                     else None
                 )
-                if where is None or recs.get(where) != f"{PACKED_PREFIX}{info.name}/{key}/{i}":
+                names = tied(info) | {info.name}
+                if where is None or recs.get(where) not in {f"{PACKED_PREFIX}{n}/{key}/{i}" for n in names}:
                     bad.append(f"{info.name!r} ({value[:80]})")
     if not bad:
         return []
