@@ -102,10 +102,10 @@ def verify_in_runtime(
         a = new_session(str(original), share=False, log_level=4)
     except Exception as e:  # noqa: BLE001 -- any runtime refusal is reported, not raised as a bug
         raise OriginalFails(f"the original model fails in onnxruntime: {first_line(e)} ({_HINT})", original) from None
-    # names inside expression dims (past_sequence_length + sequence_length) count as names too
-    symbolic = {
-        n for i in a.get_inputs() for d in i.shape if isinstance(d, str) for n in re.findall(r"[A-Za-z_]\w*", d)
-    }
+    # a dim's whole name counts, whatever its characters (paddle's DynamicDimension.0, "batch-size"), and so do
+    # the names inside expression dims (past_sequence_length + sequence_length)
+    named = {d for i in a.get_inputs() for d in i.shape if isinstance(d, str)}
+    symbolic = named | {n for d in named for n in re.findall(r"[A-Za-z_]\w*", d)}
     unknown = sorted(set(opts["dims"]) - symbolic - {"*"})
     if unknown:  # a typo would otherwise be ignored silently and the dim left at 1
         raise UsageError(
