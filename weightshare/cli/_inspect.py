@@ -59,8 +59,9 @@ def check(
         [],
         "--target",
         help="Runtime setting the models will be loaded with: ort-default, ort-disable-prepacking, "
-        "litert-builtin, litert-xnnpack, litert-compiled-cache, coreml. Repeatable; a format none is named "
-        "for is held to its sharing setting (ort-disable-prepacking, litert-builtin).",
+        "litert-builtin, litert-xnnpack, litert-compiled-cache, coreml. Repeatable; a model whose format has "
+        "none named is held to what its runtime does by default (ort-default, or genai_config.json's session "
+        "options; litert-xnnpack; a --prepack output as weightshare's loader opens it).",
     ),
     threshold: int = typer.Option(
         1 << 20, "--threshold", help="Bytes per session a copy may cost before it is an error (default 1 MiB)."
