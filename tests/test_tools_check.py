@@ -131,7 +131,7 @@ def test_check_format_github_prints_workflow_annotations(cli, tmp_path):
     assert line.startswith(f"::error file={model},title=weightshare missing-external-file::"), line
 
 
-def test_genai_like_original_with_small_duplicates_and_unaligned_tensors_passes_with_warnings_when_sharing(cli, tmp_path):
+def test_genai_like_original_with_duplicates_and_unaligned_tensors_passes_with_warnings_when_sharing(cli, tmp_path):
     """Like an onnxruntime-genai export: big MatMul weights page aligned in one external file, six identical
     4 KiB LayerNorm vectors stored six times at odd offsets. 20 KiB mapped twice is no reason to fail a gate."""
     rng = np.random.default_rng(0)

@@ -167,13 +167,16 @@ def settle(inv: ModelInventory, gate: Gate, path: str | os.PathLike[str]) -> Non
     if measure_copies is None or not near:
         return
     samples: dict[str, list[int]] = {s: [inv.measured[s]] for s in near}
+    ones: dict[str, list[int]] = {s: [inv.measured_one_session.get(s, 0)] for s in near}
     for _ in range(REPEATS - 1):
-        again = measure_copies(Path(path))[0]
+        again = measure_copies(Path(path))
         for s, values in samples.items():
-            if s in again:
-                values.append(again[s])
-    for s, values in samples.items():
+            if s in again[0]:
+                values.append(again[0][s])
+                ones[s].append(again[1].get(s, 0))
+    for s, values in samples.items():  # the ratio's line moves with the one-session PSS: its median too
         inv.measured[s] = sorted(values)[len(values) // 2]
+        inv.measured_one_session[s] = sorted(ones[s])[len(ones[s]) // 2]
     inv.measure_notes.append(
         "near the gate, measured "
         + ", ".join(f"{s} {len(v)} times ({', '.join(_mib(x) for x in v)}; median kept)" for s, v in samples.items())
@@ -214,7 +217,7 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
                 f"; no static rule explains {_mib(n - static)} of it: the runtime copies weights this model's "
                 "form does not show"
                 if unexplained
-                else f"; under {sharing} it is {_mib(inv.measured[sharing])} (measured)"
+                else f"; {_mib(inv.measured[sharing])} at the sharing setting (measured)"
                 if gone
                 else ""
             ),

@@ -43,6 +43,7 @@ def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDic
     pss: list[int] = []
     data: list[int] = []
     arena: list[int] = []
+    derived = weight_derived(model_path)  # before the first interpreter: not part of the growth
     ran = True
     with native_stderr_silenced():
         for _ in range(interpreters):
@@ -64,16 +65,47 @@ def probe(model_path: str, share: bool, interpreters: int = SESSIONS) -> JsonDic
             opened.append(interp)
             pss.append(smaps_rollup()["Pss"])
             data.append(data_pss())
-            arena.append(arena_bytes(interp))
+            arena.append(arena_bytes(interp, derived))
     return {"pss": pss, "data_pss": data, "ran": ran, "arena": arena}
 
 
-def arena_bytes(interp: Any) -> int:
-    """Resident bytes under the tensors of ``interp`` that are not in the model file: its arena (activations)."""
+def weight_derived(model_path: str) -> set[int]:
+    """Tensors of the first subgraph computed from constants alone (a DEQUANTIZE of a weight, chains of them):
+    a runtime keeps them per interpreter like a copy of the weights, so they are not activations."""
+    from . import flatbuf
+
+    with flatbuf.open_model(model_path) as (reader, mapping):
+        flatbuf.check_header(reader)
+        graph = flatbuf.read_graph(reader, mapping)
+    if not graph.subgraphs:
+        return set()
+    sub = graph.subgraphs[0]
+    ops = sub.operators or []
+    produced = {int(t) for op in ops for t in (op.outputs if op.outputs is not None else [])}
+    inputs = {int(t) for t in (sub.inputs if sub.inputs is not None else [])}
+    tensors = sub.tensors or []
+    constant = {
+        i
+        for i, t in enumerate(tensors)
+        if i not in produced and i not in inputs and not getattr(t, "isVariable", False)
+    }
+    derived: set[int] = set()
+    for op in ops:  # in execution order: a chain of constant-only ops is found in one pass
+        ins = [int(t) for t in (op.inputs if op.inputs is not None else []) if int(t) >= 0]
+        if ins and all(t in constant or t in derived for t in ins):
+            derived.update(int(t) for t in (op.outputs if op.outputs is not None else []))
+    return derived
+
+
+def arena_bytes(interp: Any, skip: set[int] | None = None) -> int:
+    """Resident bytes under the tensors of ``interp`` that are not in the model file, nor computed from the weights
+    alone (``skip``): its arena (activations)."""
     from ..._runtimes.memory import resident_bytes
 
     spans = []
     for d in interp.get_tensor_details():
+        if skip and d["index"] in skip:
+            continue
         try:
             a = interp.tensor(d["index"])()
         except Exception:  # noqa: BLE001 -- a tensor without data (not allocated, delegated away) has no pages
