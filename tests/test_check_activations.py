@@ -179,3 +179,29 @@ def test_a_figure_near_a_decision_line_is_measured_again_and_one_off_it_is_not()
     # the sharing ratio's line: 4 sessions within 1.10x of one session of 30 MiB is a growth of 1 MiB
     assert near_a_line(_inv(int(1.0 * MiB), one=30 * MiB), Gate(threshold=1 << 30)) == ["ort-default"]
     assert near_a_line(_inv(4 * MiB), Gate(threshold=4 * MiB)) == ["ort-default"]  # follows --threshold
+
+
+def test_a_genai_folder_s_model_is_held_to_the_session_options_its_config_gives(tmp_path):
+    from weightshare._inventory import inventory
+    from weightshare.formats.onnx import genai_model as gm
+
+    src = gm.genai_folder(tmp_path / "g", mib=0.5)
+    inv = inventory(src / "model.onnx", hash_payloads=False)
+    assert inv.default_setting == "ort-default" and "og.Model" in inv.default_how
+    config = json.loads((src / "genai_config.json").read_text())
+    config["model"]["decoder"]["session_options"]["config_entries"] = {"session.disable_prepacking": "1"}
+    (src / "genai_config.json").write_text(json.dumps(config))
+    inv = inventory(src / "model.onnx", hash_payloads=False)
+    assert inv.default_setting == "ort-disable-prepacking" and "genai_config.json" in inv.default_how
+
+
+@pytest.mark.slow
+def test_an_original_genai_folder_fails_and_its_prepack_conversion_passes(cli, tmp_path):
+    from weightshare.formats.onnx import genai_model as gm
+
+    src = gm.genai_folder(tmp_path / "src", mib=8, int4=True)
+    code, summary, findings = _check(cli, src / "model.onnx")
+    assert code == 1 and summary["default_setting"] == "ort-default", findings  # og.Model packs int4 per model
+    assert cli("convert", src, "-o", tmp_path / "out", "-q", "--prepack").returncode == 0
+    code, _, findings = _check(cli, tmp_path / "out" / "model.onnx")
+    assert code == 0, findings
