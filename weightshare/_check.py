@@ -238,11 +238,12 @@ def _measured_fix(inv: ModelInventory, setting: str, unexplained: bool) -> str:
     if inv.prepack_output:
         other = f"; or load with {sharing}" if sharing and sharing != setting else ""
         return (
-            "the packed copies in the blob are not used on this machine or runtime (re-run convert --prepack "
-            f"where the model is served){other}"
+            "the packed copies stored with this --prepack output are not used on this machine or runtime (re-run "
+            f"convert --prepack where the model is served){other}"
         )
     return (
-        f"convert with --prepack (packed copies in the blob), or load with {sharing}; the static findings "
+        f"convert with --prepack (the packed copies stored beside the model, mapped by every session), or load "
+        f"with {sharing}; the static findings "
         "listed with it say which weights and how"
     )
 
