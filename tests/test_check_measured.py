@@ -21,13 +21,14 @@ MiB = 1 << 20
 
 def _independent(path) -> tuple[float, float]:
     """(PSS of 4 sessions / PSS of 1, bytes per extra session), in a fresh process started with
-    MALLOC_MMAP_THRESHOLD_=1048576: the bench's own probe. The growth is that of PSS without program code
-    (shared libraries' PSS moves with every other process on the machine); the ratio puts it on one session's
-    whole PSS."""
+    MALLOC_MMAP_THRESHOLD_=1048576: the bench's own probe, with ORT's CPU arena off, so that what a session keeps
+    is its weights and their copies (check's figure; activations are its own figure). The growth is that of PSS
+    without program code (shared libraries' PSS moves with every other process on the machine); the ratio puts it
+    on one session's whole PSS."""
     from weightshare._runtimes.ort import measure_sessions
     from weightshare.formats.onnx.measure import MALLOC_ENV
 
-    rows = {r["sessions"]: r for r in measure_sessions(str(path), [1, 4], share=False, env=MALLOC_ENV)}
+    rows = {r["sessions"]: r for r in measure_sessions(str(path), [1, 4], share=False, env=MALLOC_ENV, arena=False)}
     growth = rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]
     return (rows[1]["pss_mib"] + growth) / rows[1]["pss_mib"], growth / 3 * MiB
 

@@ -154,3 +154,22 @@ def test_blob_size_is_unique_plain_plus_unique_packed_bytes(family):
     assert packed, "the family's MatMul weights are pre-packed"
     unique = sum(plain.values()) + sum(packed.values())
     assert blob.stat().st_size <= 1.1 * unique, (blob.stat().st_size, sum(plain.values()), sum(packed.values()))
+
+
+def test_verify_runs_each_model_against_its_own_portable_twin(family, tmp_path, cli):
+    """Before: verify took the record's first portable model for every model of the zoo, so a correct zoo failed
+    (the second model's original against the first model's twin) and a tampered twin of the second model went
+    unseen. After: each model's own twin is run, and a twin replaced by another model's fails."""
+    import shutil
+
+    src, out, _ = family
+    for name in NAMES:
+        res = cli("verify", src / name, out / name, "--runs", "1")
+        assert res.returncode == 0, (name, res.stdout, res.stderr)
+        assert portable_name(name) in res.stdout + res.stderr or "portable" in (res.stdout + res.stderr), res.stdout
+    tampered = tmp_path / "out"
+    shutil.copytree(out, tampered)
+    second = NAMES[1]
+    shutil.copyfile(tampered / portable_name(NAMES[0]), tampered / portable_name(second))
+    res = cli("verify", src / second, tampered / second, "--runs", "1")
+    assert res.returncode != 0, res.stdout

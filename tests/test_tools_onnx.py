@@ -20,7 +20,7 @@ def models(tmp_path_factory):
 
 def test_check_fails_on_fp16_model_and_passes_after_convert(models, cli):
     d, fp16 = models
-    res = cli("check", fp16, "--json")
+    res = cli("check", fp16, "--json", "--target", "ort-disable-prepacking")
     assert res.returncode == 1, res.stderr
     report = json.loads(res.stdout)
     errors = {f["code"] for f in report["findings"] if f["severity"] == "error"}
@@ -30,14 +30,18 @@ def test_check_fails_on_fp16_model_and_passes_after_convert(models, cli):
     # the static rules say where the bytes go, as info: the measured figure decides
     infos = {f["code"] for f in report["findings"] if f["severity"] == "info"}
     assert infos == {"embedded-weights", "unpacked-per-session", "ort-prepack-copy-per-session"}
-    res = cli("check", fp16, "--json", "--no-measure")  # the static estimate alone
+    res = cli(
+        "check", fp16, "--json", "--no-measure", "--target", "ort-disable-prepacking"
+    )  # the static estimate alone
     errors = {f["code"] for f in json.loads(res.stdout)["findings"] if f["severity"] == "error"}
     assert res.returncode == 1 and errors == {"embedded-weights", "unpacked-per-session"}
     assert cli("convert", fp16, "-o", d / "out").returncode == 0
-    res = cli("check", d / "out" / "mlp.onnx")
+    res = cli("check", d / "out" / "mlp.onnx", "--target", "ort-disable-prepacking")
     assert res.returncode == 0 and res.stdout.splitlines()[-1].startswith("ok:"), res.stdout
-    assert cli("check", d / "out" / "mlp.onnx", "--strict").returncode == 1  # the default-options copy remains
-    res = cli("check", d / "out", "--json")  # a directory works too
+    # the default-options copy remains: a warning when sharing is targeted, an error at ORT's defaults (no options)
+    assert cli("check", d / "out" / "mlp.onnx", "--strict", "--target", "ort-disable-prepacking").returncode == 1
+    assert cli("check", d / "out" / "mlp.onnx").returncode == 1
+    res = cli("check", d / "out", "--json", "--target", "ort-disable-prepacking")  # a directory works too
     assert res.returncode == 0 and json.loads(res.stdout)["ok"] is True
 
 
@@ -46,11 +50,11 @@ def test_check_reads_the_recorded_alignment_and_fails_on_private_mode(models, cl
     for align in ("64", "4096"):  # the blob records the policy it was written with: what --align asked for
         out = tmp_path / f"align{align}"
         assert cli("convert", fp16, "-o", out, "--align", align).returncode == 0
-        res = cli("check", out / "mlp.onnx", "--json")
+        res = cli("check", "--target", "ort-disable-prepacking", out / "mlp.onnx", "--json")
         assert res.returncode == 0 and "unaligned" not in _codes(res), res.stdout
     blob = next(out.glob("mlp.weights.*.safetensors"))
     os.chmod(blob, 0o600)
-    res = cli("check", out / "mlp.onnx", "--json")
+    res = cli("check", "--target", "ort-disable-prepacking", out / "mlp.onnx", "--json")
     codes = {f["code"] for f in json.loads(res.stdout)["findings"] if f["severity"] == "error"}
     assert res.returncode == 1 and codes == {"blob-not-world-readable"}
 
@@ -65,10 +69,10 @@ def test_unaligned_external_data_from_elsewhere_is_a_warning(models, cli, tmp_pa
     model = onnx.load(str(out / "mlp.onnx"))  # loads the weights from the blob
     onnx.save(model, str(tmp_path / "ext.onnx"), save_as_external_data=True, location="ext.data")
     os.chmod(tmp_path / "ext.data", 0o644)  # onnx writes it 0600
-    res = cli("check", tmp_path / "ext.onnx", "--json")
+    res = cli("check", "--target", "ort-disable-prepacking", tmp_path / "ext.onnx", "--json")
     found = {f["code"]: f["severity"] for f in json.loads(res.stdout)["findings"]}
     assert res.returncode == 0 and found.get("unaligned") == "warning", res.stdout
-    assert cli("check", tmp_path / "ext.onnx", "--strict").returncode == 1
+    assert cli("check", "--target", "ort-disable-prepacking", tmp_path / "ext.onnx", "--strict").returncode == 1
 
 
 def _codes(res):
@@ -80,7 +84,7 @@ def test_check_reports_missing_external_file(models, cli, tmp_path):
     out = tmp_path / "gone"
     assert cli("convert", fp16, "-o", out).returncode == 0
     (next(out.glob("mlp.weights.*.safetensors"))).unlink()
-    res = cli("check", out / "mlp.onnx", "--json")
+    res = cli("check", "--target", "ort-disable-prepacking", out / "mlp.onnx", "--json")
     assert res.returncode == 1
     errors = [f for f in json.loads(res.stdout)["findings"] if f["severity"] == "error"]
     assert [f["code"] for f in errors] == ["missing-external-file"] and errors[0]["tensor"], errors
@@ -106,7 +110,7 @@ def test_verify_passes_then_fails_on_a_flipped_weight_byte(models, cli, tmp_path
     report = json.loads(res.stdout)
     assert res.returncode == 1 and not report["passed"]
     assert report["checksum_mismatches"] and report["mismatches"]
-    assert cli("check", out / "mlp.onnx").returncode == 1
+    assert cli("check", "--target", "ort-disable-prepacking", out / "mlp.onnx").returncode == 1
 
 
 def test_inspect_json_describes_every_payload(models, cli):

@@ -107,6 +107,8 @@ def _model_summary(inv: ModelInventory) -> JsonDict:
         "copied_per_session_by_setting": {s: inv.per_session(s) for s in inv.settings},
         "copies_source": inv.copies_source,
         "fallback_of": inv.fallback_of,
+        "default_setting": inv.default_setting,
+        "activation_per_session_by_setting": dict(inv.measured_activation),
     }
 
 
@@ -142,6 +144,8 @@ def _unreadable(model: str) -> JsonDict:
         "copied_per_session_by_setting": {},
         "copies_source": "",
         "fallback_of": "",
+        "default_setting": "",
+        "activation_per_session_by_setting": {},
     }
 
 

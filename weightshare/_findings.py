@@ -49,6 +49,7 @@ class Code(TextEnum):
     EMBEDDED_WEIGHTS = "embedded-weights"
     UNPACKED_PER_SESSION = "unpacked-per-session"
     MEASURED_COPY = "copied-per-session"
+    ACTIVATION_MEMORY = "activation-per-session"
     INLINE_UNALIGNED = "inline-unaligned"
     UNALIGNED = "unaligned"
     DUPLICATE_PAYLOADS = "duplicate-payloads"
@@ -88,6 +89,14 @@ CODES: dict[TextEnum, CodeInfo] = {
         "a layout transform, casts, a kernel inside a subgraph), each session pays it.",
         "convert with --prepack (packed copies in the blob), or load with the setting that shares; the "
         "static findings listed with it say which weights and how",
+    ),
+    Code.ACTIVATION_MEMORY: CodeInfo(
+        Severity.INFO,
+        "Measured: one more session keeps this much activation memory (the runtime's arena: inputs, intermediate "
+        "tensors, kernel scratch) after a run. It is sized by the inputs, not the weights, and is not a copy of "
+        "them: converting the model does not change it.",
+        "none needed for sharing: it is working memory, not weights (ONNX Runtime: the sessions of one process "
+        "can share one arena, an environment allocator with session.use_env_allocators=1)",
     ),
     Code.INLINE_UNALIGNED: CodeInfo(
         Severity.WARNING,

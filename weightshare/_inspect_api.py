@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError
 from .options import INLINE_THRESHOLD
 
 if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
@@ -27,6 +26,7 @@ class CheckReport:
     ok: bool
     models: list[ModelInventory] = field(default_factory=list)
     findings: list[Finding] = field(default_factory=list)
+    exit_code: int = 0  # what `weightshare check` exits with on the same models and options (0, 1, 2)
 
 
 def inspect(model: str | os.PathLike[str], *, hash_payloads: bool = True) -> ModelInventory:
@@ -68,7 +68,8 @@ def check(
         models: model files, folders (searched recursively) or globs.
         target: runtime setting ids the models will be loaded with (``--target``: ``ort-default``,
             ``ort-disable-prepacking``, ``litert-builtin``, ``litert-xnnpack``, ``litert-compiled-cache``,
-            ``coreml``); a format none is named for is held to its sharing setting.
+            ``coreml``); a model whose format has none named is held to its runtime's default (``default_setting``:
+            ort-default, litert-xnnpack, ...; docs/ci.md).
         threshold: bytes per session a copy may cost before it is an error (``--threshold``, default 1 MiB).
         measure: ONNX: ask onnxruntime, in child processes, what one more session costs (``--no-measure``: False).
         inline_threshold: embedded payloads below this many bytes are fine.
@@ -78,23 +79,19 @@ def check(
         A ``CheckReport``: ``ok``, each model's inventory and every finding (``Finding.line()`` for one line).
 
     Raises:
-        UsageError: no model found.
+        UsageError: no model found, a target that is not a setting id, a negative threshold. A model that cannot
+            be read is an ``unreadable-model`` finding (``exit_code`` 2), and the others are still checked, as
+            with the CLI (one implementation: ``_check.run_gate``).
 
     Example:
         >>> result = weightshare.check(["out/"])
         >>> result.ok, [f.line() for f in result.findings]
         (True, [])
     """
-    from ._check import Gate, find_models
-    from ._check import check as run_check
-    from ._findings import Severity
+    from ._check import Gate, run_gate
 
-    paths = find_models(models)
-    if not paths:
-        raise UsageError("no models found")
-    inventories, findings = run_check(paths, Gate(tuple(target), threshold, inline_threshold, measure=measure))
-    ok = not any(strict or f.severity == Severity.ERROR for f in findings)
-    return CheckReport(ok, inventories, findings)
+    result = run_gate(models, Gate(tuple(target), threshold, inline_threshold, measure=measure), strict)
+    return CheckReport(result.ok, result.inventories, result.findings, result.exit_code)
 
 
 def verify(

@@ -71,6 +71,15 @@ class ModelInventory:
     measured: dict[str, int] = field(default_factory=dict)
     measured_one_session: dict[str, int] = field(default_factory=dict)  # setting -> PSS with one session
     measure_notes: list[str] = field(default_factory=list)
+    # Setting -> activation memory one more session keeps (a runtime's arena, kernel scratch), measured apart from
+    # ``measured`` (formats that can tell them apart): information, never a weight copy.
+    measured_activation: dict[str, int] = field(default_factory=dict)
+    # The setting the runtime uses when the user does nothing (``check``'s target when none is named), and how
+    # the model is opened there when weightshare made it for a loader ("" for a plain runtime default).
+    default_setting: str = ""
+    default_how: str = ""
+    # A ``convert --prepack`` output: the runtime's packed copies are in its blob or cache already.
+    prepack_output: bool = False
 
     @property
     def copies_source(self) -> str:
@@ -153,7 +162,10 @@ def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure:
         _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
     measure_copies = getattr(fmt, "measure_copies", None)
     if measure and measure_copies is not None and not any(p.problem for p in inv.payloads):  # broken: not run
-        inv.measured, inv.measured_one_session, inv.measure_notes = measure_copies(path)
+        measured = measure_copies(path)
+        inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
+        if len(measured) > 3:  # a format that tells activation memory apart from weight copies
+            inv.measured_activation = measured[3]
     return inv
 
 

@@ -26,6 +26,7 @@ import errno
 import logging
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -191,6 +192,8 @@ def session(
     path: str | os.PathLike[str],
     sess_options: ort.SessionOptions | None = None,
     providers: list[str] | None = None,
+    *,
+    share_arena: bool = False,
     **kwargs: Any,
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` of ``path`` that shares its weights with every other one.
@@ -200,6 +203,11 @@ def session(
             model opens as it is.
         sess_options: your options; the sharing settings below are added to them.
         providers: ORT execution providers (default: CPU).
+        share_arena: the sessions of this process that ask for it share one CPU activation arena (ORT's
+            environment allocator, registered once per process, and ``session.use_env_allocators=1``) instead of
+            one arena each: N sessions that run one at a time keep one arena's worth of activations, not N
+            (docs/guide.md has the figures). Sessions running at the same time grow it to their joint peak, and
+            it is never returned to the system while the process lives.
         **kwargs: passed on to ``InferenceSession``.
 
     Returns:
@@ -219,6 +227,10 @@ def session(
     import onnxruntime as ort
 
     providers = providers or ["CPUExecutionProvider"]
+    if share_arena:
+        sess_options = sess_options or ort.SessionOptions()
+        shared_arena()
+        _set_entry(sess_options, "session.use_env_allocators", "1")
     with _OpenedModel.open(Path(path)) as opened:
         found = opened.record()
         if found is None:
@@ -248,6 +260,23 @@ def session(
     _set_entry(sess_options, "session.disable_prepacking", "1")
     with _OpenedModel.open(portable) as opened:
         return opened.session(sess_options, providers, kwargs)
+
+
+_ARENA_LOCK = threading.Lock()
+_ARENA_REGISTERED: list[bool] = []
+
+
+def shared_arena() -> None:
+    """Register, once per process, the CPU arena allocator that sessions with ``session.use_env_allocators=1``
+    share (ORT's environment allocator, default arena settings)."""
+    import onnxruntime as ort
+
+    with _ARENA_LOCK:
+        if _ARENA_REGISTERED:
+            return
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, -1, -1, -1))  # ORT's defaults
+        _ARENA_REGISTERED.append(True)
 
 
 def _set_entry(so: ort.SessionOptions, key: str, value: str) -> None:

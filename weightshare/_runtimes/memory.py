@@ -47,6 +47,36 @@ def data_pss(pid: int | str = "self") -> int:
     return total
 
 
+def resident_bytes(spans: list[tuple[int, int]]) -> int:
+    """Bytes resident in this process of the pages that the address ranges ``spans`` ([start, end)) cover, pages
+    of mapped files left out: what a runtime's tensors outside the model file occupy (an arena whose tensors
+    overlap is counted once per page). Read from ``/proc/self/pagemap``'s present bits (no privilege needed)."""
+    import os
+    import struct
+
+    files: list[tuple[int, int]] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 5 and parts[5].startswith("/"):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                files.append((lo, hi))
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages: set[int] = set()
+    for start, end in spans:
+        if end > start and not any(lo <= start < hi for lo, hi in files):
+            pages.update(range(start // page, (end + page - 1) // page))
+    present = 0
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for p in sorted(pages):
+            (entry,) = struct.unpack("<Q", os.pread(fd, 8, p * 8))
+            present += entry >> 63
+    finally:
+        os.close(fd)
+    return present * page
+
+
 def memory_now(pid: int | str = "self") -> dict[str, float]:
     s = smaps_rollup(pid)
     mib = 1 << 20

@@ -16,21 +16,27 @@ if TYPE_CHECKING:
     import onnxruntime as ort
 
 
-def session_options(share: bool = True, log_level: int = 3) -> ort.SessionOptions:
+def session_options(share: bool = True, log_level: int = 3, arena: bool = True) -> ort.SessionOptions:
+    """``arena``: ORT's CPU memory arena (the default); off, activations are freed after each run, so that what
+    a session keeps is its weights and their copies (``check`` measures weight copies so)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     if share:
         so.add_session_config_entry("session.disable_prepacking", "1")
     so.log_severity_level = log_level
+    so.enable_cpu_mem_arena = arena
     return so
 
 
-def new_session(model_path: str, share: bool = True, log_level: int = 3) -> ort.InferenceSession:
+def new_session(
+    model_path: str | bytes, share: bool = True, log_level: int = 3, arena: bool = True
+) -> ort.InferenceSession:
     import onnxruntime as ort
 
     ort.set_default_logger_severity(max(log_level, 3))  # the process-wide logger also prints load errors
-    return ort.InferenceSession(model_path, session_options(share, log_level), providers=["CPUExecutionProvider"])
+    options = session_options(share, log_level, arena)
+    return ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
 
 
 ORT_TYPES = {
@@ -178,7 +184,7 @@ def random_feeds(
     return feeds
 
 
-def _probe(model_path: str, counts: list[int], share: bool) -> list[JsonDict]:
+def _probe(model_path: str, counts: list[int], share: bool, arena: bool = True) -> list[JsonDict]:
     """In this process: open sessions one by one, record memory after each count in ``counts``."""
     import time
 
@@ -186,7 +192,7 @@ def _probe(model_path: str, counts: list[int], share: bool) -> list[JsonDict]:
     base = memory_now()
     t0 = time.perf_counter()
     for n in range(1, max(counts) + 1):
-        session = new_session(model_path, share)
+        session = new_session(model_path, share, arena=arena)
         session.run(None, random_feeds(session))  # page the weights in, as serving would
         sessions.append(session)
         if n in counts:
@@ -215,8 +221,9 @@ def measure_models(model_paths: list[str], share: bool = True) -> list[JsonDict]
 
 
 def measure_sessions(
-    model_path: str, counts: list[int], share: bool = True, env: dict[str, str] | None = None
+    model_path: str, counts: list[int], share: bool = True, env: dict[str, str] | None = None, arena: bool = True
 ) -> list[JsonDict]:
-    """Memory of 1..N ONNX Runtime sessions of ``model_path``, in a fresh process (started with ``env`` added)."""
-    rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share], env)
+    """Memory of 1..N ONNX Runtime sessions of ``model_path``, in a fresh process (started with ``env`` added;
+    ``arena``: False for sessions without ORT's CPU arena, whose growth is their weights and copies alone)."""
+    rows: list[JsonDict] = in_child(__name__, "_probe", [model_path, sorted(counts), share, arena], env)
     return rows

@@ -65,8 +65,9 @@ def check(
         [],
         "--target",
         help="Runtime setting the models will be loaded with: ort-default, ort-disable-prepacking, "
-        "litert-builtin, litert-xnnpack, litert-compiled-cache, coreml. Repeatable; a format none is named "
-        "for is held to its sharing setting (ort-disable-prepacking, litert-builtin).",
+        "litert-builtin, litert-xnnpack, litert-compiled-cache, coreml. Repeatable; a model whose format has "
+        "none named is held to what its runtime does by default (ort-default, or genai_config.json's session "
+        "options; litert-xnnpack; a --prepack output as weightshare's loader opens it).",
     ),
     threshold: int = typer.Option(
         1 << 20, "--threshold", help="Bytes per session a copy may cost before it is an error (default 1 MiB)."
@@ -92,25 +93,16 @@ def check(
     unreadable-model finding, the rest are still checked, and the exit code is 2.
     docs/ci.md lists every finding code and the JSON schema.
     """
-    from .._check import Gate, find_models
-    from .._check import check as run_check
-    from .._contract import check_document, exit_code, github_annotations, sarif_document, setting_ids
+    from .._check import Gate, run_gate
+    from .._contract import check_document, github_annotations, sarif_document
 
     quiet(quiet_)
     if output_format not in ("text", "json", "github", "sarif"):
         fail(f"--format takes text, json, github or sarif, got {output_format!r}")
-    for t in target:
-        if t not in setting_ids():
-            fail(f"--target {t!r} is not a setting id ({', '.join(setting_ids())})")
-    if threshold < 0:
-        fail("--threshold must not be negative")
     gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)
     with user_errors():
-        paths = find_models(models)
-        if not paths:
-            fail("no models found")
-        inventories, findings = run_check(paths, gate, keep_going=True)
-    code = exit_code(findings, strict)
+        result = run_gate(models, gate, strict)
+    inventories, findings, code = result.inventories, result.findings, result.exit_code
     if as_json or output_format == "json":
         print(json.dumps(check_document(inventories, findings, gate, strict), indent=2))
     elif output_format == "sarif":

@@ -103,8 +103,9 @@ class OnnxFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
-        """Bytes one more ORT session costs per setting, measured in child processes (``measure.py``)."""
+    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+        """Bytes of weight copies one more ORT session costs per setting, and its activation memory, measured in
+        child processes (``measure.py``)."""
         from .measure import measure_copies
 
         return measure_copies(path)

@@ -198,9 +198,64 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
         info.sha256 = payload_digest(source, info.recorded_sha256)
     inv.fallback_of, bad_records = _fallback_of(path, inv.external_files)
     inv.findings += bad_records
+    inv.default_setting, inv.default_how = default_setting(path, inv.fallback_of)
+    inv.prepack_output = _is_prepack_output(path, inv.external_files)
     by_index = {ref.index: info for ref, info in zip((p.ref for p in placements), inv.payloads)}
     inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, model_dir(path))
     return inv
+
+
+GENAI_CONFIG_MAX = 1 << 20  # bytes of genai_config.json read (the model builder writes a few KiB)
+
+
+def _genai_config_entries(path: Path) -> dict[str, str] | None:
+    """The session config entries ``genai_config.json`` beside ``path`` gives the component that opens it (the one
+    whose ``filename`` is the model's, else the decoder's); None outside a genai folder or when it is unreadable."""
+    import json
+
+    try:
+        with open(path.parent / "genai_config.json", "rb") as f:
+            config = json.loads(f.read(GENAI_CONFIG_MAX + 1)[:GENAI_CONFIG_MAX])
+    except (OSError, ValueError):
+        return None
+    model = config.get("model") if isinstance(config, dict) else None
+    if not isinstance(model, dict):
+        return None
+    parts = [v for v in model.values() if isinstance(v, dict)]
+    part = next((v for v in parts if v.get("filename") == path.name), model.get("decoder"))
+    options = part.get("session_options") if isinstance(part, dict) else None
+    entries = options.get("config_entries") if isinstance(options, dict) else None
+    return {str(k): str(v) for k, v in entries.items()} if isinstance(entries, dict) else {}
+
+
+def default_setting(path: Path, fallback_of: str) -> tuple[str, str]:
+    """(the setting a model is opened with when the user does nothing, how): a plain ``InferenceSession(path)``
+    has default options, pre-packing on (a ``--prepack`` output included: it maps its packed copies there); a
+    genai folder's model is opened by ``og.Model`` with the session options its genai_config.json gives; a
+    ``--prepack`` output's portable twin is what ``weightshare.ort.session`` opens, with pre-packing off."""
+    if fallback_of:
+        return ORT_SHARE, "as weightshare.ort.session opens this portable model (session.disable_prepacking=1)"
+    entries = _genai_config_entries(path)
+    if entries is None:
+        return ORT_DEFAULT, ""
+    if entries.get("session.disable_prepacking") == "1":
+        return ORT_SHARE, "as og.Model opens it (genai_config.json sets session.disable_prepacking=1)"
+    return ORT_DEFAULT, "as og.Model opens it (the session options genai_config.json gives)"
+
+
+def _is_prepack_output(path: Path, files: list[str]) -> bool:
+    """Whether a blob of ``path`` records it as the pre-packed model of a ``convert --prepack`` output."""
+    for name in files:
+        raw = blob_metadata(str(path.resolve().parent / name)).get(PREPACK_KEY)
+        if raw is None:
+            continue
+        try:
+            record = parse_record(raw, name)
+        except WeightshareError:
+            continue  # _fallback_of reports it
+        if path.name == record["prepacked_model"] or path.name in record["portable_models"]:
+            return True
+    return False
 
 
 def _fallback_of(path: Path, files: list[str]) -> tuple[str, list[Finding]]:
@@ -231,9 +286,26 @@ def packed_entry_findings(
     ``--prepack`` stores each packed buffer under ``ort.prepacked/<tensor>/<kernel key>/<i>`` with its digest;
     an entry pointing elsewhere (another tensor's copy, a plain payload, past the end) maps bytes ORT refuses at
     load ("ValidatePrePackedWeights ... do not match") or, worse, bytes of another weight. Blobs weightshare did
-    not write carry no such records: their entries are left to ORT."""
+    not write carry no such records: their entries are left to ORT.
+
+    Tied weights (two tensors with the same bytes, such as an embedding and its LM head, or two equal initializers)
+    are stored once, and so is their packed copy, recorded under the first tensor's name: an entry of the second
+    pointing at it is right (the bytes ORT validates are the same)."""
     bad: list[str] = []
     records: dict[str, dict[tuple[int, int], str]] = {}
+    # tensors whose plain bytes are one payload (the same place in the blob, or the same digest): tied weights
+    same_bytes: dict[tuple[str, int | None, int] | tuple[str, int], set[str]] = {}
+    for p in by_index.values():
+        if p.file and not p.problem:
+            same_bytes.setdefault((p.file, p.offset, p.nbytes), set()).add(p.name)
+        if p.sha256:
+            same_bytes.setdefault((p.sha256, p.nbytes), set()).add(p.name)
+
+    def tied(info: PayloadInfo) -> set[str]:
+        return same_bytes.get((info.file, info.offset, info.nbytes), set()) | (
+            same_bytes.get((info.sha256, info.nbytes), set()) if info.sha256 else set()
+        )
+
     for index, values in sorted(entries.items()):
         info = by_index.get(index)
         if info is None or info.problem or not info.file:
@@ -252,7 +324,8 @@ def packed_entry_findings(
                     if len(fields) >= 2 and all(f.isdigit() for f in fields[:2])
                     else None
                 )
-                if where is None or recs.get(where) != f"{PACKED_PREFIX}{info.name}/{key}/{i}":
+                names = tied(info) | {info.name}
+                if where is None or recs.get(where) not in {f"{PACKED_PREFIX}{n}/{key}/{i}" for n in names}:
                     bad.append(f"{info.name!r} ({value[:80]})")
     if not bad:
         return []

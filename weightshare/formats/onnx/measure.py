@@ -6,14 +6,25 @@ transformers optimizer's fp16 graphs cast per session (measured +44 to +344 MiB 
 the rules said cost nothing). ORT itself is the one authority on what it copies, so ``check`` and ``inspect``
 ask it: a fresh child process per setting opens sessions one by one, runs each once (seeded random inputs,
 when the signature allows) so that mapped weights are paged in as in serving, and reads its PSS after each.
+
+Weights, not activations: the sessions that measure weight copies run with ORT's CPU arena off
+(``enable_cpu_mem_arena=False``), so the activations, kernel scratch and outputs of a run are freed after it and
+what a session keeps is its weights and what it made of them (pre-packed, reordered, cast copies). The arena a
+session keeps at default options (measured: 40 MiB per session for a YOLO-like detector with 0.3 MiB of weights)
+is measured apart, in the same child at default options: as many sessions again with the arena on, and the
+difference of the two growths is the session's activation memory, reported as its own figure, never as a weight
+copy. What any session costs whatever its model (its thread pool, per-session state: 0.1-0.4 MiB measured) is
+measured in the same child on a one-node model and taken off.
+
 The child starts with ``MALLOC_MMAP_THRESHOLD_=1048576`` (``MALLOC_ENV``), as serving processes that share
-weights are told to (``weightshare.ort``): buffers of 1 MiB or more that ORT allocates and frees at load (the
-plain weight a pre-pack replaced, validation copies) are then mmapped and returned to the kernel when freed,
-so what remains is what ORT keeps per session. Without it glibc's heap keeps some of them and the figure
-depends on the sizes involved (measured, 4 MiB MatMulNBits int8: 0.5 MiB per session with it, 2.9 MiB
-without; docs/ci.md). The cost of one more session is the growth from the first to the fourth session, over
-3, of the PSS of everything but program code (``data_pss``: code is not per session, and its PSS moves with
-other processes): form-agnostic, subgraphs included, and what a PSS benchmark would show.
+weights are told to (``weightshare.ort``): buffers of 1 MiB or more that ORT allocates and frees (the plain weight
+a pre-pack replaced, validation copies, activations without the arena) are then mmapped and returned to the
+kernel when freed, so what remains is what ORT keeps per session. Without it glibc's heap keeps some of them and
+the figure depends on the sizes involved (measured, 4 MiB MatMulNBits int8: 0.5 MiB per session with it, 2.9 MiB
+without; docs/ci.md). The cost of one more session is the growth from the first to the fourth session, over 3, of
+the PSS of everything but program code (``data_pss``: code is not per session, and its PSS moves with other
+processes): form-agnostic, subgraphs included, and what a PSS benchmark would show. A figure near ``check``'s
+gate is measured again there (``_check.settle``), so that the verdict does not flip between runs.
 """
 
 from __future__ import annotations
@@ -27,15 +38,50 @@ from ...report import JsonDict
 
 SESSIONS = 4  # growth from 1 to 4 sessions, over 3: the sharing criterion of a PSS benchmark (4 vs 1), less noisy
 SETTINGS = (("ort-disable-prepacking", True), ("ort-default", False))
+ACTIVATION_SETTING = "ort-default"  # activations are measured at the runtime's defaults (the arena on)
 ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static estimate only
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glibc setting (see above)
 
 
-def probe(model_path: str, share: bool, sessions: int = SESSIONS) -> JsonDict:
-    """In this (child) process: PSS after each of ``sessions`` sessions under the setting; or why ORT refused."""
+def _one_node_model() -> bytes:
+    """A model of one Identity node: what a session costs whatever its model (thread pool, session state)."""
+    from ._proto import pb
+
+    m = pb.ModelProto(ir_version=8, producer_name="weightshare")
+    m.opset_import.add(domain="", version=13)
+    g = m.graph
+    g.name = "overhead"
+    g.node.add(op_type="Identity", input=["x"], output=["y"])
+    for vi, name in ((g.input.add(), "x"), (g.output.add(), "y")):
+        vi.name = name
+        vi.type.tensor_type.elem_type = 1
+        vi.type.tensor_type.shape.dim.add(dim_value=1)
+    return bytes(m.SerializeToString())
+
+
+def _growth(data: list[int]) -> int:
+    return max(0, (data[-1] - data[0]) // (len(data) - 1))
+
+
+def probe(
+    model_path: str, share: bool, sessions: int = SESSIONS, arena: bool = False, activations: bool = False
+) -> JsonDict:
+    """In this (child) process: PSS after each of ``sessions`` sessions under the setting (with ORT's CPU arena
+    or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
+    ``activations``, then as many sessions again with the arena on: ``arena_growth``, what one more of them keeps."""
+    import numpy as np
+
     from ..._runtimes.memory import data_pss, smaps_rollup
     from ..._runtimes.ort import index_bounds, new_session, random_feeds
 
+    tiny: list[Any] = []
+    tiny_data: list[int] = []
+    model = _one_node_model()
+    for _ in range(sessions):  # first, so that what the first session of a process sets up is not the model's
+        t = new_session(model, share=share, log_level=4, arena=arena)
+        t.run(None, {"x": np.zeros(1, np.float32)})
+        tiny.append(t)
+        tiny_data.append(data_pss())
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
@@ -43,7 +89,7 @@ def probe(model_path: str, share: bool, sessions: int = SESSIONS) -> JsonDict:
     ran = True
     for _ in range(sessions):
         try:
-            s = new_session(model_path, share=share, log_level=4)
+            s = new_session(model_path, share=share, log_level=4, arena=arena)
         except Exception as e:  # noqa: BLE001 -- any refusal is the answer
             return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
         if feeds is None and ran:
@@ -59,40 +105,61 @@ def probe(model_path: str, share: bool, sessions: int = SESSIONS) -> JsonDict:
         opened.append(s)
         pss.append(smaps_rollup()["Pss"])
         data.append(data_pss())
-    return {"pss": pss, "data_pss": data, "ran": ran}
+    more: JsonDict = {}
+    if activations and feeds is not None:
+        with_arena: list[int] = []
+        for _ in range(sessions):
+            s = new_session(model_path, share=share, log_level=4, arena=True)
+            s.run(None, feeds)
+            opened.append(s)
+            with_arena.append(data_pss())
+        more["arena_growth"] = _growth(with_arena)
+    return {"pss": pss, "data_pss": data, "ran": ran, "overhead": _growth(tiny_data), **more}
 
 
 def available() -> bool:
     return importlib.util.find_spec("onnxruntime") is not None and os.environ.get(ENV_SKIP, "") != "1"
 
 
-def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
-    """(setting id -> bytes one more session costs, setting id -> PSS of the child with one session (what
-    `check` weighs the growth against), notes); ({}, {}, [why not]) when ORT is not installed."""
+def _measure(path: Path, share: bool, arena: bool, activations: bool = False) -> tuple[JsonDict, str]:
+    """One child's answer (``cost``: bytes one more session keeps beyond a one-node model's, ``data_growth``: its
+    whole growth), or ({}, why not)."""
+    from ..._runtimes.memory import in_child
+
+    try:
+        res: JsonDict = in_child(__name__, "probe", [str(path), share, SESSIONS, arena, activations], MALLOC_ENV)
+    except RuntimeError as e:
+        return {}, f"could not measure: {e}"
+    if "error" in res:
+        return {}, f"onnxruntime CPU refuses the model: {res['error']}"
+    growth = _growth(res["data_pss"])  # the growth without code's PSS, which other processes move
+    return {**res, "data_growth": growth, "cost": max(0, growth - res["overhead"])}, ""
+
+
+def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+    """(setting id -> bytes of weights and their copies one more session keeps, setting id -> PSS of the child with
+    one session (what `check` weighs the growth against), notes, setting id -> activation memory one more session
+    keeps at default options (its CPU arena)); ({}, {}, [why not], {}) when ORT is not installed."""
     if not available():
         return (
             {},
             {},
             ["per-session copies are the static estimate: onnxruntime is not installed (or measuring is off)"],
+            {},
         )
-    from ..._runtimes.memory import in_child
-
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
+    activation: dict[str, int] = {}
     for setting, share in SETTINGS:
-        try:
-            res: JsonDict = in_child(__name__, "probe", [str(path), share], MALLOC_ENV)
-        except RuntimeError as e:
-            notes.append(f"could not measure {setting}: {e}")
+        res, why = _measure(path, share, arena=False, activations=setting == ACTIVATION_SETTING)
+        if why:
+            notes.append(f"{setting}: {why}")
             continue
-        if "error" in res:
-            notes.append(f"onnxruntime CPU refuses the model under {setting}: {res['error']}")
-            continue
-        pss = res["pss"]
-        data = res["data_pss"]  # the growth without code's PSS, which other processes move
-        out[setting] = max(0, (data[-1] - data[0]) // (len(data) - 1))
-        one[setting] = pss[0]
+        out[setting] = res["cost"]
+        one[setting] = res["pss"][0]
+        if "arena_growth" in res:  # the same sessions with the arena on: what it keeps beyond the weights
+            activation[setting] = max(0, res["arena_growth"] - res["data_growth"])
         if not res["ran"]:
             notes.append(f"{setting}: sessions measured without a run (inputs could not be generated)")
-    return out, one, notes
+    return out, one, notes, activation

@@ -81,13 +81,16 @@ def compare_payloads(report: VerifyReport, original: Path, converted: Path, prep
 
 
 def _portable_of(converted: Path) -> Path | None:
-    """The portable model of a ``--prepack`` output (which ``weightshare.ort.session`` falls back to), or None."""
+    """The portable model of a ``--prepack`` output (which ``weightshare.ort.session`` falls back to), or None:
+    in a ``--prepack --shared-blob`` zoo, the model's own twin (the blob's record names one per model)."""
     from ...ort import prepack_info
 
     found = prepack_info(converted)
     if found is None:
         return None
-    name = str(found[0].get("portable_model", ""))
+    twins = found[0].get("portable_models")
+    twin = twins.get(converted.name) if isinstance(twins, dict) else None
+    name = str(twin or found[0].get("portable_model", ""))
     return converted.parent / name if name and "/" not in name and "\\" not in name else None
 
 
@@ -100,10 +103,10 @@ def verify_in_runtime(
         a = new_session(str(original), share=False, log_level=4)
     except Exception as e:  # noqa: BLE001 -- any runtime refusal is reported, not raised as a bug
         raise OriginalFails(f"the original model fails in onnxruntime: {first_line(e)} ({_HINT})", original) from None
-    # names inside expression dims (past_sequence_length + sequence_length) count as names too
-    symbolic = {
-        n for i in a.get_inputs() for d in i.shape if isinstance(d, str) for n in re.findall(r"[A-Za-z_]\w*", d)
-    }
+    # a dim's whole name counts, whatever its characters (paddle's DynamicDimension.0, "batch-size"), and so do
+    # the names inside expression dims (past_sequence_length + sequence_length)
+    named = {d for i in a.get_inputs() for d in i.shape if isinstance(d, str)}
+    symbolic = named | {n for d in named for n in re.findall(r"[A-Za-z_]\w*", d)}
     unknown = sorted(set(opts["dims"]) - symbolic - {"*"})
     if unknown:  # a typo would otherwise be ignored silently and the dim left at 1
         raise UsageError(

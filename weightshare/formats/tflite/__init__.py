@@ -70,7 +70,7 @@ class TfliteFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
         """Bytes one more LiteRT interpreter costs per setting, measured in child processes (``measure.py``)."""
         from .measure import measure_copies
 

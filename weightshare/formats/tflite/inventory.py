@@ -201,6 +201,17 @@ def _opt_in_findings(inv: ModelInventory, path: Path, opt_in: dict[str, list[tup
         inv.notes.append(f"{message}; convert with --unpack {option} to store them once")
 
 
+def default_setting(path: Path) -> tuple[str, str]:
+    """(the setting a model is opened with when the user does nothing, how): LiteRT's default Interpreter applies
+    XNNPACK; a ``--prepack`` output (an XNNPACK weight cache beside it) is opened by ``weightshare.litert``, a
+    CompiledModel with that cache."""
+    from .xnnpack_cache import candidate_caches
+
+    if candidate_caches(path):
+        return XNNPACK_CACHE, "as weightshare.litert opens it (CompiledModel with its XNNPACK weight cache)"
+    return XNNPACK, ""
+
+
 def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     path = Path(path)
     inv = ModelInventory(model=str(path), format="tflite", file_bytes=path.stat().st_size)
@@ -266,6 +277,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     _external_payloads(graph, path, inv, hash_payloads)
     if any(p.location == "external" and p.file == path.name for p in inv.payloads):
         inv.external_files.append(path.name)
+    inv.default_setting, inv.default_how = default_setting(path)
+    inv.prepack_output = inv.default_setting == XNNPACK_CACHE
     notes, findings = inventory_notes(path)  # per-setting cost and XNNPACK cache status
     inv.notes += notes
     inv.findings += findings

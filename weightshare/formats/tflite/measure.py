@@ -8,6 +8,15 @@ signature once (seeded random inputs, in range for index inputs), and reads its 
 that of the PSS of everything but program code (``_runtimes.memory.data_pss``), over 3. The child is bounded
 (``TIMEOUT_S``) and started with ``MALLOC_MMAP_THRESHOLD_=1048576`` like the ONNX one. ``litert-compiled-cache``
 (CompiledModel with an XNNPACK weight cache file) is not measured: its figure stays the static one.
+
+Weights, not activations: an interpreter keeps its tensor arena (inputs, intermediate tensors, kernel scratch)
+and, with XNNPACK, the delegate's own workspace and indirection buffers, all sized by the inputs. The arena is
+measured in the child: the resident pages under every tensor that is not in the model file (``arena_bytes``),
+taken off the growth. XNNPACK's workspace has no tensors to point at; what the delegate keeps of the weights is
+what it packs, which XNNPACK itself measures when it writes a weight cache (the matching cache beside a
+``--prepack`` output, else one built in a temporary folder): under ``litert-xnnpack`` the weight figure is at most
+that packed size plus the no-delegate setting's weight copies (DEQUANTIZE outputs it keeps), and the rest of the
+growth is activation memory, reported as its own figure.
 """
 
 from __future__ import annotations
@@ -68,6 +77,8 @@ def probe(
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
+    arena: list[int] = []
+    derived = weight_derived(model_path)  # before the first interpreter: not part of the growth
     ran = True
     buffers = 0
     with native_stderr_silenced():
@@ -86,11 +97,12 @@ def probe(
             opened.append(interp)
             pss.append(smaps_rollup()["Pss"])
             data.append(data_pss())
+            arena.append(arena_bytes(interp, derived))
         try:  # after the measurements: reading the graph leaves Python's own memory behind
             buffers = instance_buffers(model_path, opened[0])
         except Exception:  # noqa: BLE001 -- a figure beside the measurement, never a reason to drop it
             buffers = 0
-    return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers}
+    return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers, "arena": arena}
 
 
 def buffers_note(setting: str, res: JsonDict) -> str | None:
@@ -104,18 +116,86 @@ def buffers_note(setting: str, res: JsonDict) -> str | None:
     )
 
 
+def weight_derived(model_path: str) -> set[int]:
+    """Tensors of the first subgraph computed from constants alone (a DEQUANTIZE of a weight, chains of them):
+    a runtime keeps them per interpreter like a copy of the weights, so they are not activations."""
+    from . import flatbuf
+
+    with flatbuf.open_model(model_path) as (reader, mapping):
+        flatbuf.check_header(reader)
+        graph = flatbuf.read_graph(reader, mapping)
+    if not graph.subgraphs:
+        return set()
+    sub = graph.subgraphs[0]
+    ops = sub.operators or []
+    produced = {int(t) for op in ops for t in (op.outputs if op.outputs is not None else [])}
+    inputs = {int(t) for t in (sub.inputs if sub.inputs is not None else [])}
+    tensors = sub.tensors or []
+    constant = {
+        i
+        for i, t in enumerate(tensors)
+        if i not in produced and i not in inputs and not getattr(t, "isVariable", False)
+    }
+    derived: set[int] = set()
+    for op in ops:  # in execution order: a chain of constant-only ops is found in one pass
+        ins = [int(t) for t in (op.inputs if op.inputs is not None else []) if int(t) >= 0]
+        if ins and all(t in constant or t in derived for t in ins):
+            derived.update(int(t) for t in (op.outputs if op.outputs is not None else []))
+    return derived
+
+
+def arena_bytes(interp: Any, skip: set[int] | None = None) -> int:
+    """Resident bytes under the tensors of ``interp`` that are not in the model file, nor computed from the weights
+    alone (``skip``): its arena (activations)."""
+    from ..._runtimes.memory import resident_bytes
+
+    spans = []
+    for d in interp.get_tensor_details():
+        if skip and d["index"] in skip:
+            continue
+        try:
+            a = interp.tensor(d["index"])()
+        except Exception:  # noqa: BLE001 -- a tensor without data (not allocated, delegated away) has no pages
+            continue
+        if a.nbytes:
+            spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
+    return resident_bytes(spans)
+
+
+def packed_bytes(path: Path) -> int | None:
+    """Bytes XNNPACK packs of the model's weights, as measured by XNNPACK writing its weight cache: the matching
+    cache beside a ``--prepack`` output, else one built in a temporary folder; None when it cannot be built."""
+    import tempfile
+
+    from ...errors import WeightshareError
+    from . import xnnpack_cache
+
+    for st in xnnpack_cache.cache_status(path):
+        if st.matches:
+            return st.path.stat().st_size
+    with tempfile.TemporaryDirectory(prefix="weightshare-packed-") as tmp:
+        cache = Path(tmp) / "cache"
+        cache.touch()
+        try:
+            return xnnpack_cache.build(path, cache).nbytes
+        except WeightshareError as e:
+            return 0 if "wrote no XNNPACK weight cache" in e.message else None
+
+
 def available() -> bool:
     return importlib.util.find_spec("ai_edge_litert") is not None and os.environ.get(ENV_SKIP, "") != "1"
 
 
-def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
-    """(setting id -> bytes one more interpreter costs, setting id -> PSS of the child with one interpreter,
-    notes); ({}, {}, [why not]) when ai-edge-litert is not installed or measuring is off."""
+def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+    """(setting id -> bytes of weights and copies of them one more interpreter keeps, setting id -> PSS of the child
+    with one interpreter, notes, setting id -> activation memory one more interpreter keeps); ({}, {}, [why not],
+    {}) when ai-edge-litert is not installed or measuring is off."""
     if not available():
         return (
             {},
             {},
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
+            {},
         )
     from ..._runtimes.litert import signature_bounds
     from ..._runtimes.memory import in_child
@@ -127,6 +207,7 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
+    activation: dict[str, int] = {}
     for setting, share in SETTINGS:
         try:
             res: JsonDict = in_child(
@@ -139,7 +220,16 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             notes.append(f"LiteRT refuses the model under {setting}: {res['error']}")
             continue
         data = res["data_pss"]
-        out[setting] = max(0, (data[-1] - data[0]) // (len(data) - 1))
+        growth = max(0, (data[-1] - data[0]) // (len(data) - 1))
+        arena = sorted(res["arena"])[len(res["arena"]) // 2]  # each interpreter's own arena
+        out[setting] = max(0, growth - arena)
+        if not share and out[setting] > 0:  # what XNNPACK can keep of the weights: what it packs
+            packed = packed_bytes(path)
+            if packed is None:
+                notes.append(f"{setting}: XNNPACK's packed size not measured; its workspace counts as weights")
+            else:
+                out[setting] = min(out[setting], packed + out.get(SETTINGS[0][0], 0))
+        activation[setting] = growth - out[setting]
         one[setting] = res["pss"][0]
         if not res["ran"]:
             notes.append(f"{setting}: interpreters measured without a run (inputs could not be generated)")
@@ -147,4 +237,4 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
         if note:
             notes.append(note)
     notes.append("litert-compiled-cache is not measured: its figure is the static estimate")
-    return out, one, notes
+    return out, one, notes, activation
