@@ -1,4 +1,4 @@
-"""convert --prepack against ONNX Runtime on the ORIGINAL, over many random layered models (issue 30, item 6).
+"""convert --prepack against ONNX Runtime on the ORIGINAL, over many random layered models.
 
     python scripts/check_prepack_exact.py [--seeds 200] [--first 0] [--budget BYTES] [--forms]
 

@@ -1,14 +1,14 @@
 """Random layered ONNX models built in code, for checking ``convert --prepack`` against ONNX Runtime on the original.
 
 Every model has a symbolic batch dim and the structures whose ORT optimization depends on facts about the WHOLE
-graph, not about one neighbourhood (issue 30): one weight read by several nodes (MatMul twice, MatMul and
+graph, not about one neighbourhood: one weight read by several nodes (MatMul twice, MatMul and
 Gemm(transB=1) of a tied weight), identical nodes that common-subexpression elimination merges, tensors computed
 from the graph inputs and read by layers far apart, decomposed Gelu and LayerNorm (fused by ORT only where their
 intermediate tensors have one consumer), MatMul+Add (fused into Gemm only where the MatMul's output has one
 consumer). Weights are 128x128 float32 (64 KiB: what the segmenter counts as a weight), so that a small segment
 budget (``WEIGHTSHARE_ORT_SEGMENT_BYTES``) really cuts the graph.
 
-Also the two reproductions of issue 30's item 1 (``cse_shared_weight_model``, ``derived_two_segments_model``).
+Also the two reproductions of the stitching failures (``cse_shared_weight_model``, ``derived_two_segments_model``).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def _const(b: _Builder, values: list[int]) -> str:
 
 
 def cse_shared_weight_model(layers: int = 8, shared: int = 4) -> onnx.ModelProto:
-    """Issue 30 item 1, failure (1). Each layer: ``x = Relu(x W0)``, then two branches ``x W1 + b1`` and
+    """Stitching failure (1). Each layer: ``x = Relu(x W0)``, then two branches ``x W1 + b1`` and
     ``x W2 + b2`` added together. In layer ``shared`` W2 is W1: ORT's common-subexpression elimination merges
     the two MatMuls, whose output then has two consumers, so MatMul+Add -> Gemm does not happen in the whole
     graph. With two weights per segment a cut falls between the branches; its window "has the same shape"
@@ -184,7 +184,7 @@ def cse_shared_weight_model(layers: int = 8, shared: int = 4) -> onnx.ModelProto
 
 
 def derived_two_segments_model() -> onnx.ModelProto:
-    """Issue 30 item 1, failure (2). ``d`` = MatMul(m, small) is computed from the graph input ``m`` and read by
+    """Stitching failure (2). ``d`` = MatMul(m, small) is computed from the graph input ``m`` and read by
     an early and a late layer (each adds its own bias to it); ``g`` = a decomposed Gelu of ``m``, read likewise.
     In the whole graph ``d`` has two consumers: no MatMul+Add -> Gemm; ``g``'s input has more consumers: no
     Gelu fusion of it. Recomputed in each segment, each copy has one consumer and fuses."""

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from model_forms import build
+from prepack_samples import cnn_onnx
 
 from weightshare._check import MARGIN, Gate, near_a_line
 from weightshare._inventory import ModelInventory
-from weightshare.formats.onnx.model_forms import build
-from weightshare.formats.onnx.prepack_samples import cnn_onnx
 
 ort = pytest.importorskip("onnxruntime")
 MiB = 1 << 20
@@ -182,8 +182,9 @@ def test_a_figure_near_a_decision_line_is_measured_again_and_one_off_it_is_not()
 
 
 def test_a_genai_folder_s_model_is_held_to_the_session_options_its_config_gives(tmp_path):
+    import genai_model as gm
+
     from weightshare._inventory import inventory
-    from weightshare.formats.onnx import genai_model as gm
 
     src = gm.genai_folder(tmp_path / "g", mib=0.5)
     inv = inventory(src / "model.onnx", hash_payloads=False)
@@ -197,7 +198,7 @@ def test_a_genai_folder_s_model_is_held_to_the_session_options_its_config_gives(
 
 @pytest.mark.slow
 def test_an_original_genai_folder_fails_and_its_prepack_conversion_passes(cli, tmp_path):
-    from weightshare.formats.onnx import genai_model as gm
+    import genai_model as gm
 
     src = gm.genai_folder(tmp_path / "src", mib=8, int4=True)
     code, summary, findings = _check(cli, src / "model.onnx")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from model_forms import build
 
 import weightshare
 from weightshare.errors import UsageError
-from weightshare.formats.onnx.model_forms import build
 
 pytest.importorskip("onnxruntime")
 

@@ -88,7 +88,7 @@ def _packs_and_ops(path: Path) -> tuple[set[tuple[str, str]], Counter[str]]:
         ("llama", ()),
         ("matmulnbits4", ()),
         ("dynamic", ()),
-        # ("fp16", ()): its attention mask, derived from the inputs, is read by every layer: one piece (issue 30)
+        # ("fp16", ()): its attention mask, derived from the inputs, is read by every layer: one piece
         ("qdq", ()),  # quantize_static puts every weight's DequantizeLinear first: they move next to their MatMul
         ("qdq_per_channel", ()),
         ("llama_fp16", ("--unpack", "ort-cpu")),  # fp32 copies in the file: ORT inserts no Casts to cut across

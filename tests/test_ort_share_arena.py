@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from weightshare.formats.onnx.model_forms import build, feeds
+from model_forms import build, feeds
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -2,7 +2,7 @@
 batch 1, 8, 32 and 64, also when the graph is optimized in segments (a small ``WEIGHTSHARE_ORT_SEGMENT_BYTES``):
 ORT's fusions depend on facts about the whole graph (consumer counts, nodes CSE merges, tensors several layers
 read), so a stitch of separately optimized segments must not stand in for the whole graph where those facts
-reach across a cut (issue 30, item 1). Models: ``random_layered``'s two reproductions, random layered models,
+reach across a cut. Models: ``random_layered``'s two reproductions, random layered models,
 and every corpus form of ``model_forms``."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_issue_30_reproductions_compute_the_originals_bits(tmp_path, monkeypatch
     assert _ops(tmp_path / "out" / "model.onnx") == _ops(_ort_whole(src, tmp_path / "whole"))
 
 
-@pytest.mark.parametrize("seed", [9, 16, 27])  # seeds the code before issue 30 got wrong
+@pytest.mark.parametrize("seed", [9, 16, 27])  # seeds the stitching code before got wrong
 def test_random_layered_models_compute_the_originals_bits(tmp_path, monkeypatch, seed):
     """A few of ``scripts/check_prepack_exact.py``'s generated models (it runs hundreds)."""
     src = _convert(rl.random_model(seed), tmp_path, monkeypatch, rl.SEGMENT_BUDGET)

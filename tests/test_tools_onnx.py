@@ -29,7 +29,8 @@ def test_check_fails_on_fp16_model_and_passes_after_convert(models, cli):
     assert any("under ort-disable-prepacking" in m for m in measured), measured
     # the static rules say where the bytes go, as info: the measured figure decides
     infos = {f["code"] for f in report["findings"] if f["severity"] == "info"}
-    assert infos == {"embedded-weights", "unpacked-per-session", "ort-prepack-copy-per-session"}
+    static = {"embedded-weights", "unpacked-per-session", "ort-prepack-copy-per-session"}
+    assert static <= infos <= static | {"activation-per-session"}  # activations are their own figure, never copies
     res = cli(
         "check", fp16, "--json", "--no-measure", "--target", "ort-disable-prepacking"
     )  # the static estimate alone

@@ -1,5 +1,5 @@
 """``verify`` runs each free symbolic dim at 1 and at the sizes where kernels switch (batch 1, 8, 64; other dims
-1 and more): a converted model that differs from the original only at batch >= 32 fails it (issue 30, item 4)."""
+1 and more): a converted model that differs from the original only at batch >= 32 fails it."""
 
 from __future__ import annotations
 

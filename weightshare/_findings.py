@@ -95,8 +95,8 @@ CODES: dict[TextEnum, CodeInfo] = {
         "Measured: one more session keeps this much activation memory (the runtime's arena: inputs, intermediate "
         "tensors, kernel scratch) after a run. It is sized by the inputs, not the weights, and is not a copy of "
         "them: converting the model does not change it.",
-        "none needed for sharing: it is working memory, not weights (ONNX Runtime: the sessions of one process "
-        "can share one arena, an environment allocator with session.use_env_allocators=1)",
+        "none needed for sharing: it is working memory, not weights (the sessions of one process can share one "
+        "arena: weightshare.ort.session(..., share_arena=True))",
     ),
     Code.INLINE_UNALIGNED: CodeInfo(
         Severity.WARNING,

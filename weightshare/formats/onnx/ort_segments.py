@@ -12,7 +12,7 @@ elimination merges), so a segment must see every reader of what it reads and mak
 or weight is read on both sides of a cut, and a tensor made in one segment is read by that segment
 and the next one only (``locality``; a graph where no such cut exists, such as a transformer whose
 layers all read the attention mask or rotary caches computed from the inputs, is optimized in one
-piece: issue 30). Cuts go only before a weight-bearing node where
+piece). Cuts go only before a weight-bearing node where
 exactly one tensor crosses, or a few that the segment before the cut makes (a transformer layer
 boundary: the residual stream and the branch added to it), each of a known element type (``plan``).
 A cut whose check fails is first moved earlier (up to ``MAX_ALTERNATIVES`` places, back to the weight-bearing node

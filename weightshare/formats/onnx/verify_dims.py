@@ -1,7 +1,7 @@
 """Which values ``verify`` gives the symbolic dims it is not told (ONNX): the sizes at which kernels switch.
 
 MLAS picks other kernels and blockings as a MatMul's row count grows, so a converted model can equal the
-original at batch 1-16 and differ at 32 or 64 (issue 30: a ``--prepack`` graph that ORT optimized differently
+original at batch 1-16 and differ at 32 or 64 (a ``--prepack`` graph that ORT optimized differently
 did exactly that, and ``verify`` with every symbolic dim at 1 passed it). So the runs cycle through (run r takes
 the (r mod 3)-th; the default 3 runs cover them all):
 

@@ -228,7 +228,9 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             if packed is None:
                 notes.append(f"{setting}: XNNPACK's packed size not measured; its workspace counts as weights")
             else:
-                out[setting] = min(out[setting], packed + out.get(SETTINGS[0][0], 0))
+                # the probe runs every signature, and the default delegate packs once per signature's subgraph
+                signatures = max(1, len(bounds))
+                out[setting] = min(out[setting], packed * signatures + out.get(SETTINGS[0][0], 0))
         activation[setting] = growth - out[setting]
         one[setting] = res["pss"][0]
         if not res["ran"]:
