@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ai_edge_litert import schema_py_generated as schema
 
+from ..._flatbuffers import Reader
 from ..._tensors import FileRange
 from ...errors import InvalidModel
 
@@ -36,102 +37,6 @@ BUFFER_DATA, BUFFER_OFFSET, BUFFER_SIZE = 0, 1, 2
 
 # Buffer.offset 1 is the converter's "not written yet" placeholder; real out-of-line data starts above it.
 OFFSET_PLACEHOLDER = 1
-
-_U16, _U32, _I32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<i"), struct.Struct("<Q")
-
-
-class Reader:
-    """Typed little-endian reads at absolute positions of a file, never past its end.
-
-    Reads go through ``pread``, not the mapping: a data vector's length word sits
-    right before its payload, and touching it through mmap maps the surrounding
-    page-cache folio (up to a few MiB on current kernels) into our RSS.
-    """
-
-    def __init__(self, fd: int, size: int, path: str):
-        self.fd = fd
-        self.size = size
-        self.path = path
-
-    def need(self, pos: int, n: int, what: str) -> None:
-        if pos < 0 or n < 0 or pos + n > self.size:
-            raise InvalidModel(
-                f"truncated or corrupt flatbuffer: {what} at offset {pos} ({n} bytes) runs past the end of the "
-                f"file ({self.size} bytes)",
-                self.path,
-            )
-
-    def read(self, pos: int, n: int, what: str) -> bytes:
-        self.need(pos, n, what)
-        data = os.pread(self.fd, n, pos)
-        if len(data) != n:
-            raise InvalidModel(f"file ended early while reading {what} at offset {pos}", self.path)
-        return data
-
-    def u16(self, pos: int, what: str) -> int:
-        value: int = _U16.unpack(self.read(pos, 2, what))[0]
-        return value
-
-    def u32(self, pos: int, what: str) -> int:
-        value: int = _U32.unpack(self.read(pos, 4, what))[0]
-        return value
-
-    def i32(self, pos: int, what: str) -> int:
-        value: int = _I32.unpack(self.read(pos, 4, what))[0]
-        return value
-
-    def u64(self, pos: int, what: str) -> int:
-        value: int = _U64.unpack(self.read(pos, 8, what))[0]
-        return value
-
-    def indirect(self, pos: int, what: str) -> int:
-        """Follow the uoffset stored at ``pos``."""
-        return pos + self.u32(pos, what)
-
-    def table(self, pos: int, what: str) -> Table:
-        vtable = pos - self.i32(pos, what)
-        vt_size = self.u16(vtable, f"vtable of {what}")
-        obj_size = self.u16(vtable + 2, f"vtable of {what}")
-        if vt_size < 4 or vt_size % 2:
-            raise InvalidModel(f"corrupt flatbuffer: vtable of {what} has impossible size {vt_size}", self.path)
-        self.need(vtable, vt_size, f"vtable of {what}")
-        self.need(pos, max(obj_size, 4), what)
-        return Table(self, pos, vtable, vt_size, obj_size, what)
-
-    def vector(self, pos: int, elem_size: int, what: str) -> tuple[int, int]:
-        """Return (first element position, element count) of the vector referenced at ``pos``."""
-        start = self.indirect(pos, what)
-        count = self.u32(start, f"length of {what}")
-        self.need(start + 4, count * elem_size, what)
-        return start + 4, count
-
-
-@dataclass(frozen=True)
-class Table:
-    reader: Reader
-    pos: int
-    vtable: int
-    vt_size: int
-    obj_size: int
-    what: str
-
-    def field(self, slot: int, width: int) -> int | None:
-        """Absolute position of field ``slot`` (``width`` bytes), or None when absent."""
-        entry = 4 + 2 * slot
-        if entry + 2 > self.vt_size:
-            return None
-        off = self.reader.u16(self.vtable + entry, f"vtable of {self.what}")
-        if off == 0:
-            return None
-        if off + width > self.obj_size:
-            raise InvalidModel(
-                f"corrupt flatbuffer: field {slot} of {self.what} lies outside its table", self.reader.path
-            )
-        return self.pos + off
-
-    def u64(self, slot: int, default: int = 0) -> int:
-        pos = self.field(slot, 8)
-        return default if pos is None else self.reader.u64(pos, self.what)
 
 
 @dataclass(frozen=True)
