@@ -70,7 +70,9 @@ def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form,
     expected = 0 if ratio <= 1.10 else 1
     assert res.returncode == expected, (form, prepack, ratio, figure, per_session, doc["findings"])
     if per_session >= MiB or figure >= MiB:  # below that both are the runtime's per-session state, not weights
-        assert per_session / 2 <= figure <= 2 * per_session, (form, prepack, figure, per_session)
+        # check takes off what a one-node model's session keeps (that state, up to ~1 MiB); the independent probe
+        # does not: within 2x of each other, give or take that state (a --prepack llama measured 0.64 vs 1.34 MiB)
+        assert per_session / 2 - MiB <= figure <= 2 * per_session + MiB, (form, prepack, figure, per_session)
 
 
 @pytest.mark.slow
