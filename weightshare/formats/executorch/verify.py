@@ -15,19 +15,14 @@ from ..._tensors import FileRange
 from ..._verify import OriginalFails, VerifyReport, compare_outputs, first_difference, first_line
 from ...errors import Unsupported
 from . import flatbuf
+from .flatbuf import SCALAR_TYPES
 from .inventory import delegate_blob_bytes, find_data_file, reads_key
 
-# executorch_flatbuffer.ScalarType -> numpy dtype of random inputs
+# executorch_flatbuffer.ScalarType -> numpy dtype of random inputs: the scalar types numpy has as they are
 _NUMPY = {
-    0: "uint8",
-    1: "int8",
-    2: "int16",
-    3: "int32",
-    4: "int64",
-    5: "float16",
-    6: "float32",
-    7: "float64",
-    11: "bool",
+    k: v
+    for k, v in SCALAR_TYPES.items()
+    if v in ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
 }
 
 
