@@ -42,7 +42,7 @@ from prepack_samples import cnn_onnx, mixed_onnx, sample_input
 
 from weightshare._disk import allocated_bytes
 from weightshare._runtimes.memory import memory_now, run_child_peak, smaps_rollup
-from weightshare.formats.onnx.ort_segments import BUDGET_ENV
+from weightshare.formats.onnx.ort.segments import BUDGET_ENV
 
 MODELS = {  # weights: matmul 272 MiB, conv 72 MiB, mixed 276 MiB
     "matmul": dict(conv_layers=0, channels=2048, mm_layers=16, dim=2048),

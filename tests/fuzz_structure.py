@@ -616,7 +616,7 @@ def _comparisons(fmt: str, name: str, mode: str) -> list[tuple[str, dict[str, st
     if fmt != "onnx" or mode == "plain":
         return [(name, None)]
     if mode == "prepack":
-        from weightshare.formats.onnx.prepack import portable_name
+        from weightshare.formats.onnx.ort.prepack import portable_name
 
         return [(name, None), (portable_name(name), OFF)]
     return [(name, None), (name, OFF)]

@@ -22,7 +22,7 @@ import genai_model as gm  # noqa: E402
 
 import weightshare.genai as wgenai  # noqa: E402
 import weightshare.ort as wort  # noqa: E402
-from weightshare.formats.onnx.prepack import portable_name  # noqa: E402
+from weightshare.formats.onnx.ort.prepack import portable_name  # noqa: E402
 
 PROMPTS = ([1, 5, 7, 9, 11], [3, 200, 17])
 

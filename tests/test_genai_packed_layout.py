@@ -17,7 +17,7 @@ import genai_model as gm
 import onnx
 import pytest
 
-from weightshare.formats.onnx.prepack import PACKED_ALIGN
+from weightshare.formats.onnx.ort.prepack import PACKED_ALIGN
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -22,8 +22,8 @@ import time
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
-from weightshare.formats.onnx import ort_verdict
-from weightshare.formats.onnx.ort_limits import limits_for
+from weightshare.formats.onnx.ort import verdict as ort_verdict
+from weightshare.formats.onnx.ort.limits import limits_for
 
 
 def folding_bomb(path, n: int, steps: int):

@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper as nh
 
-from weightshare.formats.onnx.ortcpu import rounding_change
+from weightshare.formats.onnx.ort.cpu import rounding_change
 
 pytestmark = pytest.mark.slow  # an ORT probe child and a check child per conversion, many sessions
 
@@ -89,7 +89,7 @@ def test_a_fusion_that_changes_the_rounding_is_refused_in_one_line(tmp_path, cli
 def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_line(tmp_path, monkeypatch):
     import weightshare
     from weightshare.errors import Unsupported
-    from weightshare.formats.onnx import ort_reload
+    from weightshare.formats.onnx.ort import reload as ort_reload
 
     src = mf.build("fp16", tmp_path / "src" / "model.onnx", mib=2)
     model = onnx.load(str(src))

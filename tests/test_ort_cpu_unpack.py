@@ -22,7 +22,7 @@ from onnxconverter_common import float16
 import weightshare
 from weightshare._inventory import inventory
 from weightshare._runtimes.ort import measure_sessions
-from weightshare.formats.onnx.ortcpu import ort_cpu_cast_bytes
+from weightshare.formats.onnx.ort.cpu import ort_cpu_cast_bytes
 from weightshare.options import ConvertOptions
 
 ORT_CPU = ConvertOptions(unpack=frozenset({"ort-cpu"}))
@@ -315,7 +315,7 @@ def test_inspect_reports_the_per_session_cast_and_suggests_the_flag(tmp_path, cl
 def test_probe_model_holds_no_weight_bytes(tmp_path):
     """The probe stand-in keeps big payloads out: they map a sparse file of zeros, so the probe is flat in size."""
     from weightshare.formats.onnx.convert import load_skeleton
-    from weightshare.formats.onnx.ortcpu import ZEROS, write_probe_model
+    from weightshare.formats.onnx.ort.cpu import ZEROS, write_probe_model
     from weightshare.formats.onnx.scan import scan_model
 
     src = save(to_fp16(mlp_fp32(d=512, layers=2)), tmp_path / "m.onnx")  # 2 x 512 KiB fp16 weights

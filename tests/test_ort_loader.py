@@ -20,8 +20,8 @@ import weightshare.ort as wort
 from weightshare._safetensors import read_safetensors_metadata
 from weightshare.api import convert
 from weightshare.errors import InvalidModel, WeightshareError
-from weightshare.formats.onnx.prepack import OPTIMIZED_PREFIX
-from weightshare.formats.onnx.prepack_record import METADATA_KEY, parse_record
+from weightshare.formats.onnx.ort.prepack import OPTIMIZED_PREFIX
+from weightshare.formats.onnx.ort.prepack_record import METADATA_KEY, parse_record
 from weightshare.options import ConvertOptions
 
 _REAL_SESSION = ort.InferenceSession

@@ -19,9 +19,9 @@ from safetensors import safe_open
 
 import weightshare.ort as wort
 from weightshare._safetensors import read_safetensors_metadata
-from weightshare.formats.onnx import ort_segments as segs
-from weightshare.formats.onnx.ort_child import optimize as ort_optimize
-from weightshare.formats.onnx.prepack import METADATA_KEY, OPTIMIZED_PREFIX, PACKED_PREFIX, portable_name
+from weightshare.formats.onnx.ort import segments as segs
+from weightshare.formats.onnx.ort.child import optimize as ort_optimize
+from weightshare.formats.onnx.ort.prepack import METADATA_KEY, OPTIMIZED_PREFIX, PACKED_PREFIX, portable_name
 
 
 @pytest.fixture(scope="module")

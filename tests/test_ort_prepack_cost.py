@@ -19,10 +19,10 @@ import onnxruntime as ort
 import pytest
 
 from weightshare._disk import allocated_bytes
-from weightshare.formats.onnx import ort_segments as segs
 from weightshare.formats.onnx.disk_use import ReleasedRange, mark_overlaps, punch
-from weightshare.formats.onnx.ort_types import all_nodes
-from weightshare.formats.onnx.prepack import PREPACKED_ENTRY, external_tensors
+from weightshare.formats.onnx.ort import segments as segs
+from weightshare.formats.onnx.ort.prepack import PREPACKED_ENTRY, external_tensors
+from weightshare.formats.onnx.ort.types import all_nodes
 
 BUDGET = {segs.BUDGET_ENV: "65536"}
 

@@ -126,7 +126,7 @@ def test_a_reload_fusion_it_cannot_undo_is_refused_in_one_line(tmp_path, monkeyp
     # The converter's own repair switched off (not onnxruntime's behaviour): what is left must be refused.
     import weightshare
     from weightshare.errors import Unsupported
-    from weightshare.formats.onnx import prepack
+    from weightshare.formats.onnx.ort import prepack
 
     monkeypatch.setattr(prepack, "unfuse_scales", lambda model: 0)
     src = _attention(tmp_path / "m" / "model.onnx", fp32_io=False)

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 import weightshare.ort as wort
 from weightshare._safetensors import read_safetensors_metadata
-from weightshare.formats.onnx.prepack import METADATA_KEY, PREPACKED_ENTRY, external_tensors, portable_name
+from weightshare.formats.onnx.ort.prepack import METADATA_KEY, PREPACKED_ENTRY, external_tensors, portable_name
 
 pytestmark = pytest.mark.slow  # three conversions with an ORT child each
 

@@ -284,7 +284,7 @@ def test_kill_9_during_the_ort_child_leaves_no_process_and_nothing_in_tmpdir(tmp
             p
             for p in _descendants(proc.pid)
             if b"-c" in Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
-            or b"weightshare.formats.onnx.ort_child" in Path(f"/proc/{p}/cmdline").read_bytes()
+            or b"weightshare.formats.onnx.ort.child" in Path(f"/proc/{p}/cmdline").read_bytes()
         ]
         if seen:
             break

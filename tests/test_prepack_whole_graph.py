@@ -15,7 +15,7 @@ import pytest
 import random_layered as rl
 
 import weightshare
-from weightshare.formats.onnx import ort_segments as segs
+from weightshare.formats.onnx.ort import segments as segs
 
 
 def _convert(model: onnx.ModelProto | Path, tmp: Path, monkeypatch: pytest.MonkeyPatch, budget: str) -> Path:

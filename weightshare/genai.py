@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidModel, UsageError
-from .formats.onnx.prepack_record import portable_of
+from .formats.onnx.ort.prepack_record import portable_of
 from .ort import check_packed_payloads, mismatch, prepack_info
 
 log = logging.getLogger("weightshare.genai")

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidModel
-from .formats.onnx.prepack_record import METADATA_KEY, portable_of, read_record_fd
+from .formats.onnx.ort.prepack_record import METADATA_KEY, portable_of, read_record_fd
 from .report import JsonDict
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ def this_machine() -> JsonDict:
 
         import onnxruntime as ort
 
-        from .formats.onnx.ort_probe import cpu_features, nchwc_block_size
+        from .formats.onnx.ort.probe import cpu_features, nchwc_block_size
 
         _machine = {
             "onnxruntime": ort.__version__,
@@ -118,8 +118,8 @@ def check_packed_payloads(blob: str | os.PathLike[str], info: JsonDict) -> str |
     A blob that passed is remembered, in this process and in a per-user cache (``ort_verdict``), keyed by its
     (device, inode, size, mtime_ns, ctime_ns) and the SHA-256 of its header: the next process opening the
     same unchanged blob reads its header only. Any change to the file (ctime moves) hashes it again."""
-    from .formats.onnx import ort_verdict
-    from .formats.onnx.ort_probe import fd_identity
+    from .formats.onnx.ort import verdict as ort_verdict
+    from .formats.onnx.ort.probe import fd_identity
 
     path = os.fspath(blob)
     try:
@@ -326,7 +326,7 @@ class _OpenedModel:
     @classmethod
     def open(cls, path: Path) -> _OpenedModel:
         from ._paths import external_data_roots, resolve_inside
-        from .formats.onnx.ort_probe import WireError, external_locations
+        from .formats.onnx.ort.probe import WireError, external_locations
 
         fd = _open_file(path, path)
         try:
@@ -413,7 +413,7 @@ def _open_plain(
     so = so or ort.SessionOptions()
     _set_entry(so, "session.disable_prepacking", "1")
     chosen = "session.disable_prepacking=1"
-    from .formats.onnx.ort_probe import nchwc_convs
+    from .formats.onnx.ort.probe import nchwc_convs
 
     convs = nchwc_convs(opened.data)
     if (

@@ -60,7 +60,7 @@ class OnnxFormat:
         """The model files a conversion of ``src`` writes (the blob aside): with --prepack, the portable one too."""
         if not options.prepack:
             return [out_dir / src.name]
-        from .prepack import portable_name
+        from .ort.prepack import portable_name
 
         return [out_dir / src.name, out_dir / portable_name(src.name)]
 
@@ -74,20 +74,20 @@ class OnnxFormat:
         ``stages`` removes once the zoo is written."""
         if not options.prepack:
             return self.prepare(src, out_dir, options)
-        from .prepack import prepare_prepacked, staging
+        from .ort.prepack import prepare_prepacked, staging
 
         return prepare_prepacked(src, out_dir, options, stages.enter_context(staging(out_dir)))
 
     def join_shared(self, prepared: list[PreparedModel], options: ConvertOptions) -> None:
         """Zoo mode with --prepack: one blob record naming every model's portable twin."""
         if options.prepack and prepared:
-            from .prepack import share_metadata
+            from .ort.prepack import share_metadata
 
             share_metadata(prepared)
 
     def report_disk(self, report: ConversionReport, peak: int) -> None:
         """Zoo mode with --prepack: the zoo-wide temporary disk peak in each model's report."""
-        from .prepack import report_disk
+        from .ort.prepack import report_disk
 
         report_disk(report, peak)
 

@@ -32,7 +32,7 @@ from . import ORT_CPU, UNPACK, dtypes
 from ._proto import pb
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
-from .prepack_record import refuse_prepacked_model
+from .ort.prepack_record import refuse_prepacked_model
 from .scan import RefTable, TensorRef, place_markers, scan_model
 from .wire import encode_len_field
 
@@ -241,7 +241,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     del skeleton
     blob_metadata = {}
     if ORT_CPU in options.unpack and not options.keep_packed:  # before the fold, which folds ORT's Casts
-        from .ortcpu import unpack_for_cpu  # subprocess, tempfile, importlib.metadata: not on every conversion's path
+        from .ort.cpu import unpack_for_cpu  # subprocess, tempfile, importlib.metadata: not on every conversion's path
 
         blob_metadata = unpack_for_cpu(model, refs, src, report.notes, out_dir, options)
     sites = collect_sites(model)
@@ -321,7 +321,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
 
 def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
     if options.prepack:  # ONNX Runtime's packed weights too: prepack.py
-        from .prepack import convert_prepacked
+        from .ort.prepack import convert_prepacked
 
         return convert_prepacked(src, out_dir, options, tx)
     target = blob_target(src, out_dir, options.blob_name, CONTAINER)

@@ -37,9 +37,9 @@ from .convert import load_skeleton, plan
 from .findings import OnnxCode
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
-from .ortcpu import inventory_notes
-from .prepack_record import METADATA_KEY as PREPACK_KEY
-from .prepack_record import PACKED_PREFIX, parse_record
+from .ort.cpu import inventory_notes
+from .ort.prepack_record import METADATA_KEY as PREPACK_KEY
+from .ort.prepack_record import PACKED_PREFIX, parse_record
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 

@@ -1,6 +1,6 @@
 """Runs in a child process: let ONNX Runtime optimize and pre-pack a converted model and save the result.
 
-    python -m weightshare.formats.onnx.ort_child MODEL OUT_MODEL MIN_EXTERNAL_BYTES SEGMENT_BYTES
+    python -m weightshare.formats.onnx.ort.child MODEL OUT_MODEL MIN_EXTERNAL_BYTES SEGMENT_BYTES
 
 1. ONNX Runtime writes OUT_MODEL, the ORT_ENABLE_ALL optimized graph (NCHWc Conv weights included),
    with its initializers in files next to it, pre-packing off. A graph with more than SEGMENT_BYTES
@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import onnx
 
-from .ort_probe import cpu_features, nchwc_block_size
+from .probe import cpu_features, nchwc_block_size
 
 
 def optimize(model: str, out_model: str, bin_name: str, min_external: str, prepack: bool = False) -> None:
@@ -57,7 +57,7 @@ def _one_node_model(
     types ORT's schemas give them in the graph (``ort_types``); or why it cannot be built."""
     from onnx import helper as h
 
-    from .ort_types import node_types
+    from .types import node_types
 
     opsets = {o.domain or "": o.version for o in graph.opset_import}
     ins, outs = node_types(node, opsets, {**types, **{k: v.data_type for k, v in inits.items()}})
@@ -152,8 +152,8 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     import gc
     import os
 
-    from ...ort import malloc_trim
-    from .ort_types import all_nodes, infer
+    from ....ort import malloc_trim
+    from .types import all_nodes, infer
 
     model = onnx.load(opt_model, load_external_data=False)
     stage = os.path.dirname(opt_model)
@@ -212,7 +212,7 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
 
 def tally_packed(opt_model: str) -> dict[str, OpTally]:
     """Per op type, from the saved graph's ``prepacked_N`` entries: which weight-bearing nodes ORT packed."""
-    from .ort_types import all_nodes
+    from .types import all_nodes
 
     model = onnx.load(opt_model, load_external_data=False)
     tally: dict[str, OpTally] = {}
@@ -245,10 +245,10 @@ def optimize_bounded(
     """Step 1 in memory bounded by ``budget`` weight bytes per segment (``ort_segments``): the
     optimized graph in ``out_model``, its initializers in files named after it (or, with ``sharer``,
     settled segment by segment into the staged payloads and ``ort.rest.bin``)."""
-    from .ort_segments import Segmenter
+    from .segments import Segmenter
 
     def run(src: str, dst: str, bin_name: str, prepack: bool = False) -> None:
-        from ...ort import malloc_trim
+        from ....ort import malloc_trim
 
         optimize(src, dst, bin_name, min_external, prepack)
         malloc_trim()  # the session's heap goes back before the next segment's session
@@ -386,7 +386,7 @@ def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) ->
 
 def main(argv: list[str]) -> int:
     model, out_model, min_external, budget = argv
-    from .ort_limits import die_with_parent
+    from .limits import die_with_parent
 
     die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
     import onnxruntime as ort

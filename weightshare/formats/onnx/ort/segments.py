@@ -45,8 +45,8 @@ from typing import Any
 import onnx
 from onnx import helper
 
-from ..._checksum import new_hasher
-from .ort_limits import BUDGET_ENV as BUDGET_ENV  # the tests and benches set it through this module
+from ...._checksum import new_hasher
+from .limits import BUDGET_ENV as BUDGET_ENV  # the tests and benches set it through this module
 
 NCHWC = "com.microsoft.nchwc"
 

@@ -17,8 +17,8 @@ import math
 import os
 from collections.abc import Iterator
 
-from ...errors import Unsupported
-from ._proto import pb
+from ....errors import Unsupported
+from .._proto import pb
 
 FLOP_FLOOR = 1 << 32  # ~4 GFLOP: about a second of MLAS on one core; ordinary models fold far less
 FLOPS_PER_BYTE = 64  # beyond the floor, arithmetic a model may ask of its constants per byte of input
@@ -166,7 +166,7 @@ def check_constant_folding(
     """Refuse a model whose constant folding would produce more bytes than the ORT child may write for it
     (``ort_limits.limits_for``: ``--ort-max-growth`` x the input, 16 MiB at least) or more arithmetic than
     ``FLOP_FLOOR`` plus ``FLOPS_PER_BYTE`` per input byte (scaled with a larger --ort-max-growth)."""
-    from .ort_limits import DEFAULT_GROWTH, limits_for
+    from .limits import DEFAULT_GROWTH, limits_for
 
     output_bytes = limits_for(input_bytes, where, growth=growth).output_bytes
     produced, flops = folding_work(model)
@@ -186,7 +186,7 @@ def check_staged(model: os.PathLike[str], where: str | os.PathLike[str], growth:
     """``check_constant_folding`` of a staged model file (its directory holds it and its weights)."""
     from pathlib import Path
 
-    from ._proto import load_model
+    from .._proto import load_model
 
     staged = Path(model)
     input_bytes = sum(f.stat().st_size for f in staged.parent.iterdir() if f.is_file())

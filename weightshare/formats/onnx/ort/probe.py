@@ -39,7 +39,7 @@ CPU_FLAGS = (
 
 
 def cpu_features() -> list[str]:
-    from ..._runtimes.cpuinfo import cpu_flags
+    from ...._runtimes.cpuinfo import cpu_flags
 
     flags = cpu_flags()
     return [f for f in CPU_FLAGS if f in flags]

@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..._paths import plain_file_name
-from ...errors import InvalidModel, UsageError
-from ...report import JsonDict
+from ...._paths import plain_file_name
+from ....errors import InvalidModel, UsageError
+from ....report import JsonDict
 
 METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
 PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies

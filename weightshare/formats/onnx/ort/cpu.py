@@ -29,16 +29,16 @@ from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
-from ..._atomic import locked_stage
-from ..._tensors import read_all
-from ...errors import InvalidModel, Unsupported, UsageError
-from ...options import ConvertOptions
-from . import dtypes
-from ._proto import load_model, pb
+from ...._atomic import locked_stage
+from ...._tensors import read_all
+from ....errors import InvalidModel, Unsupported, UsageError
+from ....options import ConvertOptions
+from .. import dtypes
+from .._proto import load_model, pb
+from ..graph import collect_sites, subgraphs
+from ..scan import REF_KEY, TensorRef
 from .fold_bound import check_constant_folding
-from .graph import collect_sites, subgraphs
-from .ort_limits import ChildLimits, limits_for
-from .scan import REF_KEY, TensorRef
+from .limits import ChildLimits, limits_for
 
 PREFIX = "InsertedPrecisionFreeCast_"
 TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's node>"
@@ -484,8 +484,8 @@ def ort_cpu_cast_bytes(model_path: Path) -> tuple[int, int]:
     Runs the probe (onnxruntime in a child process); raises UsageError without onnxruntime, InvalidModel when
     ORT cannot load the model.
     """
-    from .convert import load_skeleton
-    from .scan import scan_model
+    from ..convert import load_skeleton
+    from ..scan import scan_model
 
     skeleton, refs = scan_model(model_path)
     model = load_skeleton(skeleton, model_path)
@@ -524,7 +524,7 @@ def unpack_for_cpu(
     change = check_rounding(original, model, refs, src, out_dir, opts)
     unfused = 0
     if change is not None and change.startswith("MatMulScaleFusion"):
-        from .ort_reload import unfuse_scales
+        from .reload import unfuse_scales
 
         # The scale ORT multiplied separately in the fp16 graph, kept separate (``ort_reload``); checked again.
         unfused = unfuse_scales(model)

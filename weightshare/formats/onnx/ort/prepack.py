@@ -33,23 +33,23 @@ from pathlib import Path
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
-from ..._atomic import OutputTransaction, locked_stage
-from ..._disk import DiskPeak
-from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
-from ..._placement import PlannedTensor
-from ..._runtimes.memory import run_child_peak
-from ..._safetensors import CONTAINER
-from ...errors import InvalidModel, Unsupported, UsageError
-from ...options import ConvertOptions
-from ...report import ConversionReport, JsonDict
-from . import dtypes
-from ._proto import load_model, pb
-from .disk_use import ReleasedRange, mark_overlaps
+from ...._atomic import OutputTransaction, locked_stage
+from ...._disk import DiskPeak
+from ...._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
+from ...._placement import PlannedTensor
+from ...._runtimes.memory import run_child_peak
+from ...._safetensors import CONTAINER
+from ....errors import InvalidModel, Unsupported, UsageError
+from ....options import ConvertOptions
+from ....report import ConversionReport, JsonDict
+from .. import dtypes
+from .._proto import load_model, pb
+from ..disk_use import ReleasedRange, mark_overlaps
+from .cpu import PREFIX as INSERTED_CAST
 from .fold_bound import check_staged
-from .ort_limits import budget_from_env, limits_for
-from .ort_reload import drop_unused, reload_change, unfuse_scales
-from .ortcpu import PREFIX as INSERTED_CAST
+from .limits import budget_from_env, limits_for
 from .prepack_record import METADATA_KEY, PACKED_PREFIX
+from .reload import drop_unused, reload_change, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PREPACKED_ENTRY = "prepacked_"
@@ -189,7 +189,7 @@ class Relocator:
 
 
 def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[ConversionReport, dict[str, str]]:
-    from .convert import prepare
+    from ..convert import prepare
 
     staged = ConvertOptions(
         align=options.align,
@@ -210,7 +210,7 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
     cmd = [
         sys.executable,
         "-m",
-        "weightshare.formats.onnx.ort_child",
+        "weightshare.formats.onnx.ort.child",
         str(model),
         str(model.parent / ORT_MODEL),
         str(options.inline_threshold),

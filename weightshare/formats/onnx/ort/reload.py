@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...options import ConvertOptions
-from . import dtypes
-from ._proto import pb
-from .ort_limits import limits_for
-from .ortcpu import _CHECK_CHILD, REAL_BYTES_MAX, _read_saved, _run_child, rounding_change
+from ....options import ConvertOptions
+from .. import dtypes
+from .._proto import pb
+from .cpu import _CHECK_CHILD, REAL_BYTES_MAX, _read_saved, _run_child, rounding_change
+from .limits import limits_for
 
 PROBE = "reload.probe.onnx"
 ZEROS = "reload.zeros.bin"
