@@ -96,7 +96,8 @@ def generated_cases(work: Path, op_type: str | None = None):
 
 def run_one(name: str, src: Path, model: onnx.ModelProto, inputs, work: Path) -> tuple[str, str]:
     from weightshare import api
-    from weightshare._verify import OriginalFails, verify
+    from weightshare._dispatch import verify
+    from weightshare._verify import OriginalFails
     from weightshare.errors import WeightshareError
 
     if not carries_weights(model):

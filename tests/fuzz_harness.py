@@ -144,7 +144,7 @@ def convert_and_check(
 
 def _assert_rereads(model: Path) -> None:
     """The output's blob records match its bytes, and every payload is where the model says."""
-    from weightshare._inventory import inventory
+    from weightshare._dispatch import inventory
 
     inv = inventory(model, hash_payloads=True)
     problems = [p.problem for p in inv.payloads if p.problem] + inv.record_problems

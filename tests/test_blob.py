@@ -328,7 +328,7 @@ def test_zero_length_payloads_are_listed_and_pass_check_and_verify(tmp_path):
 
     import weightshare
     from weightshare._check import check
-    from weightshare._verify import verify
+    from weightshare._dispatch import verify
     from weightshare.options import ConvertOptions
 
     empty = nh.from_array(np.zeros((0, 4), np.float32), "empty")

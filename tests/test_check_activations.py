@@ -184,7 +184,7 @@ def test_a_figure_near_a_decision_line_is_measured_again_and_one_off_it_is_not()
 def test_a_genai_folder_s_model_is_held_to_the_session_options_its_config_gives(tmp_path):
     import genai_model as gm
 
-    from weightshare._inventory import inventory
+    from weightshare._dispatch import inventory
 
     src = gm.genai_folder(tmp_path / "g", mib=0.5)
     inv = inventory(src / "model.onnx", hash_payloads=False)

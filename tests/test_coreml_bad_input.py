@@ -287,7 +287,7 @@ def test_path_escapes_are_refused(good, tmp_path, case):
     assert message in str(err.value) and "\n" not in str(err.value) and str(src) in str(err.value)
     _nothing_left(tmp_path / "out")
     if case in ESCAPES:  # inspect/check report the same escape as a finding instead of stopping
-        from weightshare._inventory import inventory
+        from weightshare._dispatch import inventory
 
         assert any(message in p.problem for p in inventory(src).payloads)
 
@@ -295,7 +295,7 @@ def test_path_escapes_are_refused(good, tmp_path, case):
 def test_root_model_item_named_like_the_weights_keeps_its_path(good, tmp_path):
     """Found by the fuzz harness's re-read check: a manifest whose root model item is *named* "weights" made the
     converter take it for the weights item and point the root at the weights directory (exit 0, broken output)."""
-    from weightshare._inventory import inventory
+    from weightshare._dispatch import inventory
 
     pkg = tmp_path / "c.mlpackage"
     shutil.copytree(good, pkg)

@@ -24,7 +24,7 @@ from fuzz_harness import MUTATIONS, FuzzStats, check_one, mutate, scratch_dir
 
 from weightshare import api, formats
 from weightshare._check import Gate, findings_for
-from weightshare._inventory import inventory
+from weightshare._dispatch import inventory
 from weightshare._verify import VerifyReport
 from weightshare.errors import InvalidModel
 from weightshare.formats.executorch import flatbuf

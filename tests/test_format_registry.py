@@ -15,7 +15,7 @@ from safetensors import safe_open
 import weightshare.api as api
 from weightshare import formats
 from weightshare._check import check
-from weightshare._inventory import inventory
+from weightshare._dispatch import inventory
 from weightshare._samples import mlp_onnx
 from weightshare.errors import InvalidModel, Unsupported, UsageError
 

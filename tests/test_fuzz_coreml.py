@@ -58,7 +58,7 @@ def test_fuzz_600_packages(seeds, tmp_path):
 def test_fuzz_check_and_verify(seeds, tmp_path):
     """inspect/check and verify read the same untrusted packages: findings, mismatches or a WeightshareError."""
     from weightshare._check import check
-    from weightshare._verify import verify
+    from weightshare._dispatch import verify
     from weightshare.errors import WeightshareError
 
     rng = random.Random(5)

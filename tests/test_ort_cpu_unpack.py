@@ -20,7 +20,7 @@ from onnx import numpy_helper as nh
 from onnxconverter_common import float16
 
 import weightshare
-from weightshare._inventory import inventory
+from weightshare._dispatch import inventory
 from weightshare._runtimes.ort import measure_sessions
 from weightshare.formats.onnx.ort.cpu import ort_cpu_cast_bytes
 from weightshare.options import ConvertOptions

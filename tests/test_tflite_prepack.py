@@ -274,7 +274,7 @@ def test_cli_prepack_with_shared_blob_is_a_usage_error(pair, tmp_path):
 
 
 def test_verify_runs_compiled_model_with_the_cache(pair):
-    from weightshare._verify import verify
+    from weightshare._dispatch import verify
 
     src, out, cache, _report, _ref = pair[0]
     report = verify(src, out, runs=1)

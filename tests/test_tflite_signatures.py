@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from tflite_fixtures import keras_style_model, two_signature_lm
 
-from weightshare._verify import verify
+from weightshare._dispatch import verify
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from tflite_fixtures import OP, ModelBuilder, lm_model, s
 
-from weightshare._verify import verify
+from weightshare._dispatch import verify
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
 

@@ -18,8 +18,7 @@ import pytest
 
 from weightshare import api
 from weightshare._check import check
-from weightshare._inventory import inventory
-from weightshare._verify import verify
+from weightshare._dispatch import inventory, verify
 from weightshare.formats.coreml.milblob import WeightFile
 
 WEIGHTS = "Data/com.apple.CoreML/weights/weight.bin"

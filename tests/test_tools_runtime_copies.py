@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tflite_fixtures import OP, ModelBuilder, s
 
 from weightshare._check import Gate, findings_for
-from weightshare._inventory import inventory
+from weightshare._dispatch import inventory
 from weightshare.api import convert
 
 MIB = 1 << 20

@@ -7,7 +7,7 @@ import json
 import pytest
 from tflite_fixtures import sample_model
 
-from weightshare._inventory import inventory
+from weightshare._dispatch import inventory
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from weightshare._compare import differences, tensor_difference
-from weightshare._inventory import inventory
-from weightshare._verify import verify
+from weightshare._dispatch import inventory, verify
 from weightshare.api import convert
 
 W = np.arange(512, dtype=np.float32).reshape(1, 512) / 7  # 2 KiB: above the inline threshold, moves to the blob

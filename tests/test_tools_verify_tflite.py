@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tflite_fixtures import OP, ModelBuilder, s
 
-from weightshare._inventory import inventory
+from weightshare._dispatch import inventory
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
 

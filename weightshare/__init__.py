@@ -19,6 +19,7 @@ from importlib.util import find_spec as _find_spec
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
+from ._version import __version__
 from .errors import InvalidModel, OutputError, UnsafePath, Unsupported, UsageError, WeightshareError
 
 if _TYPE_CHECKING:
@@ -61,7 +62,6 @@ __all__ = [
     "merge",
     "verify",
 ]
-__version__ = "0.1.0"
 
 # name -> the module that defines it
 _LAZY = {

@@ -12,13 +12,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._dispatch import inventory
 from ._findings import Code, Finding, Severity, TextEnum, code_named
-from ._inventory import ModelInventory, PayloadInfo, inventory
+from ._inventory import ModelInventory, PayloadInfo
 from ._placement import AlignPolicy
 from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
 from .errors import WeightshareError
-from .formats import get, model_suffixes
+from .formats import get, model_suffixes, registered
 from .options import INLINE_THRESHOLD
 
 COPY_THRESHOLD = 1 << 20  # bytes per session a copy may cost before `check` fails on it (--threshold)
@@ -418,12 +419,25 @@ class GateResult:
         return self.exit_code == 0
 
 
+def setting_ids() -> tuple[str, ...]:
+    """Stable ids of the runtime settings an inventory reports copies under (``ModelInventory.settings``) and
+    `check --target` takes: every registered format's ``Format.settings``."""
+    return tuple(s for fmt in registered() for s in fmt.settings)
+
+
+def exit_code(findings: Sequence[Finding], strict: bool) -> int:
+    """2 when a model could not be read, 1 when a finding fails the gate, else 0."""
+    if any(f.code == Code.UNREADABLE_MODEL for f in findings):
+        return 2
+    failing = {Severity.ERROR, Severity.WARNING} if strict else {Severity.ERROR}
+    return 1 if any(f.severity in failing for f in findings) else 0
+
+
 def run_gate(models: Sequence[str | os.PathLike[str]], gate: Gate, strict: bool = False) -> GateResult:
     """The one implementation of `check` behind the CLI and ``weightshare.check``: the gate's options checked,
     models found, each inventoried and judged (an unreadable one is an ``unreadable-model`` finding and the others
     are still checked), and the exit code (0 share-ready, 1 a failing finding, 2 an unreadable model). Raises
     ``UsageError`` for a bad option or no model found; the callers only render."""
-    from ._contract import exit_code, setting_ids
     from .errors import UsageError
 
     for t in gate.targets:

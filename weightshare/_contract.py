@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ._check import exit_code
 from ._checksum import split_digest
 from ._findings import Code, Finding, Severity
 from .report import ConversionReport, JsonDict, ZooReport
@@ -74,14 +75,6 @@ def totals(reports: Sequence[ConversionReport]) -> JsonDict:
     }
 
 
-def setting_ids() -> tuple[str, ...]:
-    """Stable ids of the runtime settings an inventory reports copies under (``ModelInventory.settings``) and
-    `check --target` takes: every registered format's ``Format.settings``."""
-    from .formats import registered
-
-    return tuple(s for fmt in registered() for s in fmt.settings)
-
-
 def tagged_digest(digest: str) -> str:
     """``kind:hex`` for any digest weightshare records ("" stays ""): SHA-256 ones are stored bare."""
     if not digest:
@@ -110,14 +103,6 @@ def _model_summary(inv: ModelInventory) -> JsonDict:
         "default_setting": inv.default_setting,
         "activation_per_session_by_setting": dict(inv.measured_activation),
     }
-
-
-def exit_code(findings: Sequence[Finding], strict: bool) -> int:
-    """2 when a model could not be read, 1 when a finding fails the gate, else 0."""
-    if any(f.code == Code.UNREADABLE_MODEL for f in findings):
-        return 2
-    failing = {Severity.ERROR, Severity.WARNING} if strict else {Severity.ERROR}
-    return 1 if any(f.severity in failing for f in findings) else 0
 
 
 def check_document(
@@ -183,8 +168,8 @@ _SARIF_LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.I
 def sarif_document(findings: Sequence[Finding]) -> JsonDict:
     """``check --format sarif``: the findings as a SARIF 2.1.0 log (GitHub code scanning and other SARIF viewers).
     One rule per finding code that occurs (its meaning and fix from the code table), one result per finding."""
-    from . import __version__
     from ._findings import all_codes
+    from ._version import __version__
 
     table = all_codes()
     codes = sorted({f.code for f in findings}, key=lambda c: c.value)

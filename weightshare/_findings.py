@@ -201,13 +201,24 @@ def problem_code(error: Exception, file_exists: bool) -> Code:
     return Code.BAD_EXTERNAL_DATA if file_exists else Code.MISSING_EXTERNAL_FILE
 
 
-def all_codes() -> Mapping[TextEnum, CodeInfo]:
-    """Every finding code: the format-neutral ``CODES`` and each registered format's ``Format.findings``."""
-    from .formats import registered
+_TABLES: list[Mapping[TextEnum, CodeInfo]] = []
 
+
+def register_codes(table: Mapping[TextEnum, CodeInfo]) -> Mapping[TextEnum, CodeInfo]:
+    """Make a format's own codes known to ``Finding.of`` and ``all_codes``; returns ``table``. Each format's
+    findings module registers its table as it is defined, and the registry every registered ``Format.findings``
+    (so this module never asks the registry: it sits below it)."""
+    if not any(t is table for t in _TABLES):
+        _TABLES.append(table)
+    return table
+
+
+def all_codes() -> Mapping[TextEnum, CodeInfo]:
+    """Every finding code known: the format-neutral ``CODES`` and each registered format's ``Format.findings``
+    (``formats.registered()`` registers every built-in format's)."""
     codes: dict[TextEnum, CodeInfo] = dict(CODES)
-    for fmt in registered():
-        codes.update(fmt.findings)
+    for table in _TABLES:
+        codes.update(table)
     return codes
 
 

@@ -177,7 +177,7 @@ def source_file(path: Path, roots: tuple[Path, ...]) -> os.stat_result:
 
 def _weight_files(folder: Path, models: list[Path]) -> set[Path]:
     """Files that ``models`` reference for their weights (external data), relative to ``folder``."""
-    from ._inventory import inventory
+    from ._dispatch import inventory
 
     found: set[Path] = set()
     for model in models:

@@ -48,7 +48,7 @@ def inspect(model: str | os.PathLike[str], *, hash_payloads: bool = True) -> Mod
         >>> inv.copied_per_session, inv.external_files
         (0, ['model.weights.1f2e3d4c5b6a.safetensors'])
     """
-    from ._inventory import inventory
+    from ._dispatch import inventory
 
     return inventory(model, hash_payloads=hash_payloads)
 
@@ -132,6 +132,6 @@ def verify(
         >>> weightshare.verify("model.onnx", "out/model.onnx", runs=2).passed
         True
     """
-    from ._verify import verify as run_verify
+    from ._dispatch import verify as run_verify
 
     return run_verify(original, converted, runs, dims, seed, inputs, shapes, decode_steps)

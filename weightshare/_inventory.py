@@ -7,16 +7,11 @@ findings, ``verify`` re-hashes what it records.
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from ._checksum import digest_of, split_digest
-from ._findings import Code, Finding
-from ._platform import require_posix
-from ._recorded import blob_name_problem, record_problem, recorded_records
+from ._findings import Finding
 from ._tensors import CHUNK_SIZE, PayloadSource
-from .formats import detect
 from .report import JsonDict
 
 
@@ -147,51 +142,3 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
             p.duplicate_of = first[key]
         else:
             first[key] = p.name
-
-
-def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False) -> ModelInventory:
-    """Inventory of the model at ``path`` (format detected from the file). ``measure``: also measure what one more
-    session costs per setting in the runtime itself, for formats that can (``measure_copies``)."""
-
-    require_posix("reading a model")
-    path = Path(path)
-    fmt = detect(path)
-    inv = fmt.inventory(path, hash_payloads)
-    if hash_payloads:
-        mark_duplicates(inv.payloads)
-        _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
-    measure_copies = getattr(fmt, "measure_copies", None)
-    if measure and measure_copies is not None and not any(p.problem for p in inv.payloads):  # broken: not run
-        measured = measure_copies(path)
-        inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
-        if len(measured) > 3:  # a format that tells activation memory apart from weight copies
-            inv.measured_activation = measured[3]
-    return inv
-
-
-def _check_other_records(inv: ModelInventory, base: Path) -> None:
-    """Re-hash every blob record with a recorded digest that no payload of ``inv`` sits at, so that a flipped
-    byte in a packed copy fails ``check`` and ``verify`` like one in a weight."""
-
-    seen = {(p.file, p.offset, p.nbytes) for p in inv.payloads}
-    bad: list[str] = []
-    for name in inv.external_files:
-        blob = base / name
-        renamed = blob_name_problem(str(blob))
-        if renamed:
-            inv.record_problems.append(f"blob {name}: {renamed}")
-            inv.findings.append(Finding.of(Code.BLOB_DIGEST_MISMATCH, inv.model, f"blob {name}: {renamed}"))
-        for key, begin, length, digest in sorted(recorded_records(str(blob)), key=lambda r: r[1]):
-            if (name, begin, length) in seen:
-                continue
-            seen.add((name, begin, length))
-            inv.records_hashed += 1
-            why = record_problem(str(blob), begin, length, digest, blob.stat().st_size)
-            if why:
-                inv.record_problems.append(f"blob record {key!r} in {name} at offset {begin}: {why}")
-                bad.append(key)
-    if inv.record_problems:
-        more = f" and {len(inv.record_problems) - 1} more" if len(inv.record_problems) > 1 else ""
-        inv.findings.append(
-            Finding.of(Code.CHECKSUM_MISMATCH, inv.model, inv.record_problems[0] + more, bad[0] if bad else "")
-        )

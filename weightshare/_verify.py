@@ -9,16 +9,12 @@ conversion is (a verify failure, exit 1).
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ._compare import differences
-from ._inventory import inventory
 from ._tensors import CHUNK_SIZE, PayloadSource
-from .errors import InvalidModel, UsageError, WeightshareError
-from .formats import detect_format, get
+from .errors import WeightshareError
 from .report import JsonDict
 
 
@@ -100,86 +96,3 @@ def first_difference(a: PayloadSource, b: PayloadSource, chunk_size: int = CHUNK
             at = np.flatnonzero(np.frombuffer(ca[:n], np.uint8) != np.frombuffer(cb[:n], np.uint8))
             return pos + int(at[0])
         ca, cb, pos = ca[n:], cb[n:], pos + n
-
-
-def _check_blob(report: VerifyReport, converted: Path) -> bool:
-    """Re-hash every payload against its recorded checksum; True when an external reference is broken."""
-    inv = inventory(converted, hash_payloads=True)
-    broken = False
-    for p in inv.payloads:
-        if p.problem:
-            broken = True
-            report.checksum_mismatches.append(f"tensor {p.name!r}: {p.problem}")
-        elif p.recorded_sha256:
-            report.payloads_hashed += 1
-            if p.sha256 != p.recorded_sha256:
-                report.checksum_mismatches.append(
-                    f"tensor {p.name!r} in {p.file} at offset {p.offset}: its "
-                    "checksum differs from the one recorded in the blob"
-                )
-    report.payloads_hashed += inv.records_hashed  # blob records no tensor references (ORT packed copies)
-    report.checksum_mismatches += inv.record_problems
-    return broken
-
-
-def verify(
-    original: str | os.PathLike[str],
-    converted: str | os.PathLike[str],
-    runs: int = 3,
-    dims: dict[str, int] | None = None,
-    seed: int = 0,
-    inputs: dict[str, Any] | None = None,
-    shapes: dict[str, list[int]] | None = None,
-    decode_steps: int = 0,
-) -> VerifyReport:
-    """Run ``original`` and ``converted`` on the same inputs and compare; re-hash the blob.
-
-    ``inputs``: name -> value used in every run instead of random values; ``dims``:
-    symbolic dim name (or ``"*"`` for every other dynamic dim) -> value; ``shapes``
-    (TFLite): input name -> full shape for inputs with dynamic dims; ``decode_steps`` (ONNX decoders): after the
-    runs, a prefill step and this many steps feeding each present output back as its past input.
-    """
-    original, converted = Path(original), Path(converted)
-    fmt = detect_format(original)
-    if detect_format(converted) != fmt:
-        raise UsageError(f"{original} and {converted} are not the same format")
-    if runs < 1:
-        raise UsageError("--runs must be at least 1")
-    if not 0 <= seed < 1 << 63:  # numpy's generators take a non-negative seed
-        raise UsageError(f"--seed takes a non-negative integer below 2**63, got {seed}")
-    if decode_steps < 0 or (decode_steps and not getattr(get(fmt), "decodes", False)):
-        raise UsageError(f"--decode-steps takes a non-negative number of steps, for decoders ({fmt} has none)")
-    report = VerifyReport(str(original), str(converted), fmt)
-    opts: dict[str, Any] = {
-        "runs": runs,
-        "dims": dims or {},
-        "seed": seed,
-        "inputs": inputs or {},
-        "shapes": shapes or {},
-        "decode_steps": decode_steps,
-    }
-    try:
-        broken = _check_blob(report, converted)
-    except InvalidModel as e:
-        report.checksum_mismatches.append(f"the converted model cannot be read: {e.message}")
-        return report
-    get(fmt).verify(report, original, converted, opts, broken)
-    return report
-
-
-def load_input(name: str, file: str | os.PathLike[str]) -> Any:
-    """A value for ``--input NAME=FILE``: a .npy array, or a file a format reads (``Format.input_readers``, by
-    suffix: ONNX's serialized TensorProto ``.pb``)."""
-    import numpy as np
-
-    from .formats import registered
-
-    path = Path(file)
-    try:
-        for fmt in registered():
-            read = getattr(fmt, "input_readers", {}).get(path.suffix)
-            if read is not None:
-                return read(path)
-        return np.load(path, allow_pickle=False)
-    except Exception as e:  # noqa: BLE001 -- unreadable input file: the user's problem, one line
-        raise UsageError(f"--input {name}: cannot read {path}: {first_line(e)}") from None

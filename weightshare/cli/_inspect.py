@@ -31,7 +31,7 @@ def inspect(
     """
     from .._check import findings_for
     from .._contract import inspect_document
-    from .._inventory import inventory
+    from .._dispatch import inventory
 
     with user_errors():
         inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)

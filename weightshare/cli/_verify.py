@@ -31,7 +31,7 @@ def _quiet_runtime_exit(model: Path) -> None:
 def _verify_args(
     dim: list[str], shape: list[str], inputs: list[str]
 ) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
-    from .._verify import load_input
+    from .._dispatch import load_input
 
     dims: dict[str, int] = {}
     shapes: dict[str, list[int]] = {}
@@ -93,7 +93,7 @@ def verify(
     runtime on Linux): weights must decode to the same bytes and the programs must match op for op.
     Exit 1 on a difference, 2 when the original itself does not run.
     """
-    from .._verify import verify as run_verify
+    from .._dispatch import verify as run_verify
 
     quiet(quiet_)
     reported = False  # an unexpected exception is reported by main(): stderr must stay open for it

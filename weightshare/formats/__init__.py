@@ -10,6 +10,7 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
+from .._findings import register_codes
 from .._paths import check_utf8_path
 from ..errors import InvalidModel, Unsupported
 from .base import BenchRuntime, BlobContainer, BlobFile, Format, FormatOptions
@@ -49,6 +50,8 @@ def registered() -> list[Format]:
     """
     if not _registry:
         _registry.extend(_builtin())
+        for fmt in _registry:
+            register_codes(fmt.findings)
     return _registry
 
 
@@ -68,6 +71,7 @@ def register(fmt: Format, first: bool = False) -> None:
         >>> register(ToyFormat(), first=True)
     """
     formats = registered()
+    register_codes(fmt.findings)
     formats[:] = [f for f in formats if f.name != fmt.name]
     formats.insert(0 if first else len(formats), fmt)
 

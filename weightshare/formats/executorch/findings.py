@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..._findings import CodeInfo, Severity, TextEnum
+from ..._findings import CodeInfo, Severity, TextEnum, register_codes
 
 __all__ = ["CODES", "ExecutorchCode"]
 
@@ -24,3 +24,5 @@ CODES: dict[TextEnum, CodeInfo] = {
         "weights in place)",
     ),
 }
+
+register_codes(CODES)  # known to Finding.of as soon as the codes exist, whether or not the registry was asked

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..._findings import CodeInfo, Severity, TextEnum
+from ..._findings import CodeInfo, Severity, TextEnum, register_codes
 
 __all__ = ["CODES", "OnnxCode"]
 
@@ -44,3 +44,5 @@ CODES: dict[TextEnum, CodeInfo] = {
         "re-run weightshare convert MODEL -o OUT --prepack from the original model",
     ),
 }
+
+register_codes(CODES)  # known to Finding.of as soon as the codes exist, whether or not the registry was asked

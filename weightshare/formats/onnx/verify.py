@@ -13,12 +13,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..._inventory import inventory
 from ..._tensors import FileRange, PayloadSource
 from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line
 from ...errors import UsageError
 from ...options import ConvertOptions
 from . import ORT_CPU
+from .inventory import inventory_file
 from .verify_dims import describe, dim_variants, fit
 
 _HINT = "give real inputs with --input NAME=FILE.npy, or symbolic dims with --dim NAME=VALUE"
@@ -48,7 +48,7 @@ def _unpacked_for_cpu(converted: Path, files: list[str]) -> bool:
 
 def compare_payloads(report: VerifyReport, original: Path, converted: Path, prepacked: bool) -> None:
     """Every external payload of ``converted`` against the original's payload of the same tensor, byte for byte."""
-    inv = inventory(converted, hash_payloads=False)
+    inv = inventory_file(converted, hash_payloads=False)
     external = [p for p in inv.payloads if p.location == "external" and not p.problem and p.offset is not None]
     if not external:
         return

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..._findings import CodeInfo, Severity, TextEnum
+from ..._findings import CodeInfo, Severity, TextEnum, register_codes
 
 __all__ = ["CODES", "TfliteCode"]
 
@@ -29,3 +29,5 @@ CODES: dict[TextEnum, CodeInfo] = {
         "re-run weightshare convert MODEL -o OUT --prepack (builds the matching cache), or delete the stale cache file",
     ),
 }
+
+register_codes(CODES)  # known to Finding.of as soon as the codes exist, whether or not the registry was asked

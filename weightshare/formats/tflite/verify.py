@@ -12,9 +12,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ..._inventory import inventory
 from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_line
 from ...errors import UsageError, WeightshareError
+from .inventory import inventory_file
 
 _HINT = "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --shape NAME=1,16000 / --dim '*=N'"
 
@@ -231,7 +231,9 @@ def _first_feeds(opened: list[tuple[str, str, Any, Any]], opts: dict[str, Any]) 
 
 def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
     """Every signature (or the primary subgraph), on every path the original runs on."""
-    external = any(p.location == "external" and p.file != converted.name for p in inventory(converted, False).payloads)
+    external = any(
+        p.location == "external" and p.file != converted.name for p in inventory_file(converted, False).payloads
+    )
     lm = _lm_plan(original, opts)  # before anything runs: a model with nothing to decode is a usage error
     _check_given(original, opts)
     opened, refusals = _open_paths(original, converted, external)

@@ -1,0 +1,150 @@
+"""What every command does with a model through its format, found by the registry: the inventory (``inspect``,
+``check``, ``verify``), ``verify`` of an original and its conversion, and ``verify``'s input files.
+
+The report models (``_inventory.ModelInventory``, ``_verify.VerifyReport``) sit below the format protocol, which
+names them; the steps that ask the registry for a model's format sit here, above it, so that neither a report
+model nor a format's own code imports the registry.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ._findings import Code, Finding
+from ._inventory import ModelInventory, mark_duplicates
+from ._platform import require_posix
+from ._recorded import blob_name_problem, record_problem, recorded_records
+from ._verify import VerifyReport, first_line
+from .errors import InvalidModel, UsageError
+from .formats import detect, detect_format, get, registered
+
+
+def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False) -> ModelInventory:
+    """Inventory of the model at ``path`` (format detected from the file). ``measure``: also measure what one more
+    session costs per setting in the runtime itself, for formats that can (``measure_copies``)."""
+
+    require_posix("reading a model")
+    path = Path(path)
+    fmt = detect(path)
+    inv = fmt.inventory(path, hash_payloads)
+    if hash_payloads:
+        mark_duplicates(inv.payloads)
+        _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
+    measure_copies = getattr(fmt, "measure_copies", None)
+    if measure and measure_copies is not None and not any(p.problem for p in inv.payloads):  # broken: not run
+        measured = measure_copies(path)
+        inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
+        if len(measured) > 3:  # a format that tells activation memory apart from weight copies
+            inv.measured_activation = measured[3]
+    return inv
+
+
+def _check_other_records(inv: ModelInventory, base: Path) -> None:
+    """Re-hash every blob record with a recorded digest that no payload of ``inv`` sits at, so that a flipped
+    byte in a packed copy fails ``check`` and ``verify`` like one in a weight."""
+
+    seen = {(p.file, p.offset, p.nbytes) for p in inv.payloads}
+    bad: list[str] = []
+    for name in inv.external_files:
+        blob = base / name
+        renamed = blob_name_problem(str(blob))
+        if renamed:
+            inv.record_problems.append(f"blob {name}: {renamed}")
+            inv.findings.append(Finding.of(Code.BLOB_DIGEST_MISMATCH, inv.model, f"blob {name}: {renamed}"))
+        for key, begin, length, digest in sorted(recorded_records(str(blob)), key=lambda r: r[1]):
+            if (name, begin, length) in seen:
+                continue
+            seen.add((name, begin, length))
+            inv.records_hashed += 1
+            why = record_problem(str(blob), begin, length, digest, blob.stat().st_size)
+            if why:
+                inv.record_problems.append(f"blob record {key!r} in {name} at offset {begin}: {why}")
+                bad.append(key)
+    if inv.record_problems:
+        more = f" and {len(inv.record_problems) - 1} more" if len(inv.record_problems) > 1 else ""
+        inv.findings.append(
+            Finding.of(Code.CHECKSUM_MISMATCH, inv.model, inv.record_problems[0] + more, bad[0] if bad else "")
+        )
+
+
+def _check_blob(report: VerifyReport, converted: Path) -> bool:
+    """Re-hash every payload against its recorded checksum; True when an external reference is broken."""
+    inv = inventory(converted, hash_payloads=True)
+    broken = False
+    for p in inv.payloads:
+        if p.problem:
+            broken = True
+            report.checksum_mismatches.append(f"tensor {p.name!r}: {p.problem}")
+        elif p.recorded_sha256:
+            report.payloads_hashed += 1
+            if p.sha256 != p.recorded_sha256:
+                report.checksum_mismatches.append(
+                    f"tensor {p.name!r} in {p.file} at offset {p.offset}: its "
+                    "checksum differs from the one recorded in the blob"
+                )
+    report.payloads_hashed += inv.records_hashed  # blob records no tensor references (ORT packed copies)
+    report.checksum_mismatches += inv.record_problems
+    return broken
+
+
+def verify(
+    original: str | os.PathLike[str],
+    converted: str | os.PathLike[str],
+    runs: int = 3,
+    dims: dict[str, int] | None = None,
+    seed: int = 0,
+    inputs: dict[str, Any] | None = None,
+    shapes: dict[str, list[int]] | None = None,
+    decode_steps: int = 0,
+) -> VerifyReport:
+    """Run ``original`` and ``converted`` on the same inputs and compare; re-hash the blob.
+
+    ``inputs``: name -> value used in every run instead of random values; ``dims``:
+    symbolic dim name (or ``"*"`` for every other dynamic dim) -> value; ``shapes``
+    (TFLite): input name -> full shape for inputs with dynamic dims; ``decode_steps`` (ONNX decoders): after the
+    runs, a prefill step and this many steps feeding each present output back as its past input.
+    """
+    original, converted = Path(original), Path(converted)
+    fmt = detect_format(original)
+    if detect_format(converted) != fmt:
+        raise UsageError(f"{original} and {converted} are not the same format")
+    if runs < 1:
+        raise UsageError("--runs must be at least 1")
+    if not 0 <= seed < 1 << 63:  # numpy's generators take a non-negative seed
+        raise UsageError(f"--seed takes a non-negative integer below 2**63, got {seed}")
+    if decode_steps < 0 or (decode_steps and not getattr(get(fmt), "decodes", False)):
+        raise UsageError(f"--decode-steps takes a non-negative number of steps, for decoders ({fmt} has none)")
+    report = VerifyReport(str(original), str(converted), fmt)
+    opts: dict[str, Any] = {
+        "runs": runs,
+        "dims": dims or {},
+        "seed": seed,
+        "inputs": inputs or {},
+        "shapes": shapes or {},
+        "decode_steps": decode_steps,
+    }
+    try:
+        broken = _check_blob(report, converted)
+    except InvalidModel as e:
+        report.checksum_mismatches.append(f"the converted model cannot be read: {e.message}")
+        return report
+    get(fmt).verify(report, original, converted, opts, broken)
+    return report
+
+
+def load_input(name: str, file: str | os.PathLike[str]) -> Any:
+    """A value for ``--input NAME=FILE``: a .npy array, or a file a format reads (``Format.input_readers``, by
+    suffix: ONNX's serialized TensorProto ``.pb``)."""
+    import numpy as np
+
+    path = Path(file)
+    try:
+        for fmt in registered():
+            read = getattr(fmt, "input_readers", {}).get(path.suffix)
+            if read is not None:
+                return read(path)
+        return np.load(path, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 -- unreadable input file: the user's problem, one line
+        raise UsageError(f"--input {name}: cannot read {path}: {first_line(e)}") from None
