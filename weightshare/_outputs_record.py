@@ -101,10 +101,10 @@ class _RemoveDue(CommitHook):
         self.inputs = {os.path.realpath(i) for i in inputs}
 
     def after(self) -> None:
+        from ._paths import model_file_suffixes
         from ._pipeline import referenced_names
-        from .formats import model_suffixes
 
-        suffixes = model_suffixes()
+        suffixes = model_file_suffixes() or ()  # none known: nothing is taken for a model, each is checked
         # models first: a blob that only a dropped model referenced is free once that model is gone
         for rel in sorted(self.due, key=lambda r: PurePosixPath(r).suffix not in suffixes):
             path = self.out / rel

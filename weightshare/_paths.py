@@ -9,6 +9,7 @@ before anything is opened: a hostile ``location`` such as ``/etc/shadow`` or
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from .errors import UnsafePath, UsageError
@@ -112,3 +113,20 @@ def check_no_overlap(inputs: list[Path], outputs: list[Path]) -> None:
                 raise UsageError(f"output {o} would be written inside the input; choose an output outside it", i)
             if _inside(ri, ro):
                 raise UsageError(f"output {o} would replace a directory that holds the input", i)
+
+
+# What a directory walk takes as a model file, told by the format registry when it is imported (every format's
+# code imports it first, as its parent package): the shared machinery that looks for models beside a blob
+# (``_pipeline``, ``_outputs_record``) sits below the registry and never imports it.
+_model_suffixes: list[Callable[[], tuple[str, ...]]] = []
+
+
+def provide_model_suffixes(provider: Callable[[], tuple[str, ...]]) -> None:
+    """Called once by ``formats``: ``provider()`` is every registered format's model suffixes."""
+    _model_suffixes[:] = [provider]
+
+
+def model_file_suffixes() -> tuple[str, ...] | None:
+    """Every registered format's model suffixes, or None when no format was ever imported: then every file counts
+    as a model that may reference a blob (the careful side: an old blob is kept, never removed early)."""
+    return _model_suffixes[0]() if _model_suffixes else None

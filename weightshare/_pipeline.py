@@ -20,14 +20,14 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
-from ._paths import resolve_inside
+from ._paths import model_file_suffixes, resolve_inside
 from ._write import BlobPayload, Placements, write_payloads
 from .errors import OutputError, UsageError
 from .options import ConvertOptions
 from .report import ConversionReport
 
 if TYPE_CHECKING:
-    from .formats.base import BlobContainer
+    from ._write import BlobContainer
 
 __all__ = ["BlobPayload", "BlobTarget", "Emit", "Placements", "PreparedModel", "blob_target", "write_models"]
 
@@ -235,16 +235,14 @@ def referenced_names(candidates: list[Path], model_dirs: set[Path]) -> set[str]:
     """The candidate file names that occur in any model file of ``model_dirs``."""
     if not candidates:
         return set()
-    from .formats import model_suffixes
-
     wanted = {c.name: c.name.encode() for c in candidates}
-    suffixes = model_suffixes()
+    suffixes = model_file_suffixes()
     found: set[str] = set()
     for d in model_dirs:
         if not d.is_dir():
             continue
         for f in d.iterdir():
-            if f.suffix not in suffixes or f.name.startswith(TMP_PREFIX) or not f.is_file():
+            if (suffixes is not None and f.suffix not in suffixes) or f.name.startswith(TMP_PREFIX) or not f.is_file():
                 continue
             found |= _names_in(f, wanted)
             if len(found) == len(wanted):

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from ._placement import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress, align_up
 from ._tensors import PayloadSource
+from ._write import BlobContainer
 from .errors import InvalidModel, OutputError
-from .formats.base import BlobContainer
 
 if TYPE_CHECKING:
     from ._write import BlobPayload

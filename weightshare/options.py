@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from enum import Enum, EnumMeta
-from typing import TYPE_CHECKING, cast
+from enum import Enum
+from typing import cast
 
 from ._placement import AlignPolicy
 
@@ -15,32 +15,18 @@ BLOB_GRACE_S = 600.0  # an unreferenced old blob stays this long: readers that o
 INLINE_THRESHOLD = 1024  # payloads below this stay inside the model file: a page of padding would cost more
 
 
-_UNPACK_DOC = """``--unpack`` values: opt-in unpackings a converter does on request. Any other value is a usage error.
+class Unpack(str, Enum):
+    """``--unpack`` values: opt-in unpackings a converter does on request. Any other value is a usage error.
 
-Its members are the values the built-in formats declare (``Format.options.unpack``), named by value
-(``Unpack.SPARSE`` is ``"sparse"``, ``Unpack.ORT_CPU`` is ``"ort-cpu"``); the API takes plain strings too,
-including the values of a format registered at run time.
-"""
+    Its members are the values the built-in formats declare (``Format.options.unpack``; ``tests/test_layout.py``
+    holds the two lists equal), named by value (``Unpack.SPARSE`` is ``"sparse"``, ``Unpack.ORT_CPU`` is
+    ``"ort-cpu"``); the API takes plain strings too, including the values of a format registered at run time.
+    Declared here rather than built from the registry: options sit below the format protocol, which names them.
+    """
 
-
-def _unpack_members() -> dict[str, str]:
-    from . import formats
-    from ._format_options import unpack_values
-
-    return {value.upper().replace("-", "_"): value for value in unpack_values(formats._builtin())}
-
-
-if TYPE_CHECKING:
-
-    class _Declared(EnumMeta):
-        def __getattr__(cls, name: str) -> Unpack: ...  # members are known at run time only
-
-    class Unpack(str, Enum, metaclass=_Declared):
-        _value_: str
-
-else:
-    Unpack = Enum("Unpack", _unpack_members(), type=str, module=__name__, qualname="Unpack")
-    Unpack.__doc__ = _UNPACK_DOC
+    SPARSE = "sparse"
+    DEQUANTIZE = "dequantize"
+    ORT_CPU = "ort-cpu"
 
 
 @dataclass

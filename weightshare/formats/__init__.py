@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._findings import register_codes
-from .._paths import check_utf8_path
+from .._paths import check_utf8_path, provide_model_suffixes
 from ..errors import InvalidModel, Unsupported
 from .base import BenchRuntime, BlobContainer, BlobFile, Format, FormatOptions
 
@@ -110,6 +110,9 @@ def model_suffixes() -> tuple[str, ...]:
         Every registered format's model suffixes, e.g. ``(".tflite", ".mlpackage", ".onnx")``.
     """
     return tuple(s for fmt in registered() for s in fmt.suffixes)
+
+
+provide_model_suffixes(model_suffixes)
 
 
 def safetensors_container() -> BlobContainer:

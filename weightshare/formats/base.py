@@ -15,49 +15,23 @@ detecting a format costs nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from .._write import BlobContainer, BlobFile
 
 if TYPE_CHECKING:
     from .._atomic import OutputTransaction
     from .._findings import CodeInfo, TextEnum
     from .._inventory import ModelInventory
     from .._pipeline import PreparedModel
-    from .._placement import AlignPolicy, BlobEntry, PlannedTensor, Progress
     from .._verify import VerifyReport
-    from .._write import BlobPayload
     from ..options import ConvertOptions
     from ..report import ConversionReport
 
 __all__ = ["BenchRuntime", "BlobContainer", "BlobFile", "Format", "FormatOptions"]
-
-
-class BlobFile(Protocol):
-    """A blob file being written: a ``_write.Container`` that also ends the file and names its content."""
-
-    def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
-        """Write one payload; return where it landed."""
-        ...
-
-    def finish(self) -> int:
-        """Write what goes after the payloads (a header, an index); return the file's size."""
-        ...
-
-    def name_digest(self) -> str:
-        """Hex digest of the content, from which the blob's file name is made (``NAME.<digest12><suffix>``)."""
-        ...
-
-
-@dataclass(frozen=True)
-class BlobContainer:
-    """The container of the blob a format's models reference by name (``--blob``, zoo mode's ``--shared-blob``):
-    its file suffix, and how a writer over an open file is made from the planned payloads
-    (fd, planned, alignment, metadata, per-payload name prefixes)."""
-
-    suffix: str
-    open: Callable[[int, list[PlannedTensor], AlignPolicy, dict[str, str], Sequence[str] | None], BlobFile]
 
 
 @dataclass(frozen=True)
