@@ -13,7 +13,6 @@ come from a classic Interpreter opened once without delegate and without allocat
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -216,36 +215,3 @@ class SharedInterpreter:
 
     def close(self) -> None:
         self._cm.close()
-
-
-def interpreter(model_path: str | os.PathLike[str], num_threads: int | None = None) -> SharedInterpreter:
-    """An ``Interpreter``-like object for ``model_path`` whose instances share the XNNPACK-packed weights.
-
-    Convert with ``weightshare convert MODEL.tflite -o OUT --prepack`` and open ``OUT/MODEL.tflite``. Without a
-    matching cache it still runs (one warning, each instance packing its own weights).
-
-    Args:
-        model_path: a ``.tflite`` model.
-        num_threads: CPU threads of the interpreter (default 1).
-
-    Returns:
-        A SharedInterpreter with the Interpreter API (allocate_tensors, set_tensor, invoke, get_tensor, ...).
-
-    Raises:
-        UsageError: ``num_threads`` is not an int >= 1.
-    """
-    from ai_edge_litert.cpu_options import CpuOptions
-    from ai_edge_litert.interpreter import Interpreter, OpResolverType
-    from ai_edge_litert.options import Options
-
-    from .litert import compiled_model
-
-    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-        raise UsageError(f"num_threads must be an int >= 1, not {num_threads!r}")
-    classic = Interpreter(
-        model_path=str(model_path), experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
-    )
-    cm = compiled_model(model_path, options=Options(cpu_options=CpuOptions(num_threads=num_threads or 1)))
-    shared = SharedInterpreter(cm, classic)
-    del classic  # details copied; it never allocated, so it held no weights
-    return shared

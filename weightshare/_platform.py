@@ -8,6 +8,7 @@ refuses with one line instead of failing half-way.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 
@@ -38,3 +39,15 @@ def require_posix(what: str) -> None:
             f"{what} needs POSIX file APIs this system lacks ({', '.join(missing)}); run it on Linux or macOS "
             "(the converted models load on any system)"
         )
+
+
+def malloc_trim() -> bool:
+    """Hand freed heap pages back to the OS (glibc), e.g. after closing sessions.
+
+    Returns:
+        True when ``malloc_trim`` ran; False where the C library has none.
+    """
+    try:
+        return bool(ctypes.CDLL(None).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -24,9 +24,10 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ._litert_interpreter import SharedInterpreter, interpreter
+from ._litert_interpreter import SharedInterpreter
 from .errors import UsageError
-from .formats.tflite import cache_record, xnnpack_cache
+from .formats.tflite import cache_record
+from .formats.tflite.xnnpack_cache import find_cache, open_cache
 
 if TYPE_CHECKING:
     from ai_edge_litert.compiled_model import CompiledModel
@@ -35,38 +36,6 @@ __all__ = ["SharedInterpreter", "compiled_model", "find_cache", "interpreter"]
 
 log = logging.getLogger("weightshare.litert")
 _RETRIES = 3  # the model replaced between hashing and loading (a re-conversion committing): hash again
-
-
-def find_cache(model: str | os.PathLike[str]) -> tuple[Path | None, str]:
-    """The XNNPACK weight cache that matches ``model``'s current content and its own record.
-
-    Args:
-        model: a ``.tflite`` model written by ``weightshare convert --prepack``.
-
-    Returns:
-        (cache path, "") when one matches; (None, why none is used) otherwise."""
-    cache, fd, why = open_cache(model)
-    if fd is not None:
-        os.close(fd)
-    return cache, why
-
-
-def open_cache(model: str | os.PathLike[str]) -> tuple[Path | None, int | None, str]:
-    """(cache, an fd of it checked against its record, "matches"), or (None, None, why none is used)."""
-    model = Path(model)
-    if not xnnpack_cache.candidate_caches(model):  # nothing to match: spare the hash of the model
-        return None, None, "no XNNPACK weight cache beside the model (`weightshare convert --prepack` writes one)"
-    digest = xnnpack_cache.content_digest(model)
-    expected = model.parent / xnnpack_cache.cache_name(model.name, digest)
-    if os.path.lexists(expected):
-        fd, why = cache_record.open_verified(expected, digest)
-        if fd is None:
-            return None, None, f"{expected.name} is not used: {why}"
-        return expected, fd, "matches"
-    others = [s for s in xnnpack_cache.cache_status(model) if not s.matches]
-    if others:
-        return None, None, f"{others[0].path.name} does not match the model ({others[0].reason})"
-    return None, None, f"no XNNPACK weight cache beside the model (expected {expected.name})"
 
 
 def _with_cache(kwargs: dict[str, Any], cache: str) -> dict[str, Any]:
@@ -141,3 +110,34 @@ def compiled_model(path: str | os.PathLike[str], **kwargs: Any) -> CompiledModel
         cm.close()  # the model was replaced while it loaded (a re-conversion committing): load again
         held.close()
     raise UsageError(f"the model kept changing while it was being loaded ({_RETRIES} attempts)", model)
+
+
+def interpreter(model_path: str | os.PathLike[str], num_threads: int | None = None) -> SharedInterpreter:
+    """An ``Interpreter``-like object for ``model_path`` whose instances share the XNNPACK-packed weights.
+
+    Convert with ``weightshare convert MODEL.tflite -o OUT --prepack`` and open ``OUT/MODEL.tflite``. Without a
+    matching cache it still runs (one warning, each instance packing its own weights).
+
+    Args:
+        model_path: a ``.tflite`` model.
+        num_threads: CPU threads of the interpreter (default 1).
+
+    Returns:
+        A SharedInterpreter with the Interpreter API (allocate_tensors, set_tensor, invoke, get_tensor, ...).
+
+    Raises:
+        UsageError: ``num_threads`` is not an int >= 1.
+    """
+    from ai_edge_litert.cpu_options import CpuOptions
+    from ai_edge_litert.interpreter import Interpreter, OpResolverType
+    from ai_edge_litert.options import Options
+
+    if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+        raise UsageError(f"num_threads must be an int >= 1, not {num_threads!r}")
+    classic = Interpreter(
+        model_path=str(model_path), experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES
+    )
+    cm = compiled_model(model_path, options=Options(cpu_options=CpuOptions(num_threads=num_threads or 1)))
+    shared = SharedInterpreter(cm, classic)
+    del classic  # details copied; it never allocated, so it held no weights
+    return shared

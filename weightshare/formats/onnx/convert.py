@@ -22,11 +22,11 @@ from google.protobuf.message import DecodeError
 from ..._atomic import OutputTransaction
 from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ..._placement import PlannedTensor
+from ..._platform import malloc_trim
 from ..._safetensors import CONTAINER
 from ..._tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from ...errors import InvalidModel
 from ...options import ConvertOptions
-from ...ort import malloc_trim
 from ...report import ConversionReport
 from . import ORT_CPU, UNPACK, dtypes
 from ._proto import pb

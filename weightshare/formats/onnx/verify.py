@@ -83,7 +83,7 @@ def compare_payloads(report: VerifyReport, original: Path, converted: Path, prep
 def _portable_of(converted: Path) -> Path | None:
     """The portable model of a ``--prepack`` output (which ``weightshare.ort.session`` falls back to), or None:
     in a ``--prepack --shared-blob`` zoo, the model's own twin (the blob's record names one per model)."""
-    from ...ort import prepack_info
+    from .ort.opened import prepack_info
 
     found = prepack_info(converted)
     if found is None:

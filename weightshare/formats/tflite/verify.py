@@ -47,8 +47,8 @@ def verify_in_runtime(
 def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any]) -> None:
     """A --prepack XNNPACK weight cache, checked through CompiledModel: original without, converted with it."""
     from ..._runtimes.litert import LITERT_ERRORS, compiled_entry_points
-    from ...litert import open_cache
     from . import cache_record, xnnpack_cache
+    from .xnnpack_cache import open_cache
 
     cache, fd, why = open_cache(converted)
     if cache is None or fd is None:

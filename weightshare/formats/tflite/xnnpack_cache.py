@@ -577,3 +577,35 @@ if __name__ == "__main__":
     except WeightshareError as e:
         print(f"ERROR: {e.line()}")
         sys.exit(3)
+
+
+def find_cache(model: str | os.PathLike[str]) -> tuple[Path | None, str]:
+    """The XNNPACK weight cache that matches ``model``'s current content and its own record.
+
+    Args:
+        model: a ``.tflite`` model written by ``weightshare convert --prepack``.
+
+    Returns:
+        (cache path, "") when one matches; (None, why none is used) otherwise."""
+    cache, fd, why = open_cache(model)
+    if fd is not None:
+        os.close(fd)
+    return cache, why
+
+
+def open_cache(model: str | os.PathLike[str]) -> tuple[Path | None, int | None, str]:
+    """(cache, an fd of it checked against its record, "matches"), or (None, None, why none is used)."""
+    model = Path(model)
+    if not candidate_caches(model):  # nothing to match: spare the hash of the model
+        return None, None, "no XNNPACK weight cache beside the model (`weightshare convert --prepack` writes one)"
+    digest = content_digest(model)
+    expected = model.parent / cache_name(model.name, digest)
+    if os.path.lexists(expected):
+        fd, why = cache_record.open_verified(expected, digest)
+        if fd is None:
+            return None, None, f"{expected.name} is not used: {why}"
+        return expected, fd, "matches"
+    others = [s for s in cache_status(model) if not s.matches]
+    if others:
+        return None, None, f"{others[0].path.name} does not match the model ({others[0].reason})"
+    return None, None, f"no XNNPACK weight cache beside the model (expected {expected.name})"

@@ -152,7 +152,7 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     import gc
     import os
 
-    from ....ort import malloc_trim
+    from ...._platform import malloc_trim
     from .types import all_nodes, infer
 
     model = onnx.load(opt_model, load_external_data=False)
@@ -248,7 +248,7 @@ def optimize_bounded(
     from .segments import Segmenter
 
     def run(src: str, dst: str, bin_name: str, prepack: bool = False) -> None:
-        from ....ort import malloc_trim
+        from ...._platform import malloc_trim
 
         optimize(src, dst, bin_name, min_external, prepack)
         malloc_trim()  # the session's heap goes back before the next segment's session
