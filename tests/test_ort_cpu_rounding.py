@@ -89,7 +89,7 @@ def test_a_fusion_that_changes_the_rounding_is_refused_in_one_line(tmp_path, cli
 def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_line(tmp_path, monkeypatch):
     import weightshare
     from weightshare.errors import Unsupported
-    from weightshare.formats.onnx.ort import reload as ort_reload
+    from weightshare.formats.onnx.ort import unfuse
 
     src = mf.build("fp16", tmp_path / "src" / "model.onnx", mib=2)
     model = onnx.load(str(src))
@@ -97,7 +97,7 @@ def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_
         if t.name == "scale":
             t.CopyFrom(nh.from_array(np.array(7.0, np.float16), "scale"))
     onnx.save(model, str(src))
-    monkeypatch.setattr(ort_reload, "unfuse_scales", lambda model: 0)  # our repair off, not onnxruntime's behaviour
+    monkeypatch.setattr(unfuse, "unfuse_scales", lambda model: 0)  # our repair off, not onnxruntime's behaviour
     with pytest.raises(Unsupported) as e:
         weightshare.convert(src, tmp_path / "out", unpack=["ort-cpu"])
     line = str(e.value)

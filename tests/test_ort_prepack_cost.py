@@ -20,8 +20,9 @@ import pytest
 
 from weightshare._disk import allocated_bytes
 from weightshare.formats.onnx.disk_use import ReleasedRange, mark_overlaps, punch
+from weightshare.formats.onnx.graph import external_tensors
 from weightshare.formats.onnx.ort import segments as segs
-from weightshare.formats.onnx.ort.prepack import PREPACKED_ENTRY, external_tensors
+from weightshare.formats.onnx.ort.prepack import PREPACKED_ENTRY
 from weightshare.formats.onnx.ort.types import all_nodes
 
 BUDGET = {segs.BUDGET_ENV: "65536"}

@@ -16,7 +16,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from weightshare.formats.onnx.ort.prepack import PREPACKED_ENTRY, external_tensors
+from weightshare.formats.onnx.graph import external_tensors
+from weightshare.formats.onnx.ort.prepack import PREPACKED_ENTRY
 from weightshare.formats.onnx.ort.types import all_nodes
 
 # Forms whose weights ORT's CPU kernels pre-pack at default options (on every x86-64/arm64 CPU ORT runs on),

@@ -18,7 +18,8 @@ from safetensors import safe_open
 
 import weightshare.ort as wort
 from weightshare._safetensors import read_safetensors_metadata
-from weightshare.formats.onnx.ort.prepack import METADATA_KEY, PREPACKED_ENTRY, external_tensors, portable_name
+from weightshare.formats.onnx.graph import external_tensors
+from weightshare.formats.onnx.ort.prepack import METADATA_KEY, PREPACKED_ENTRY, portable_name
 
 pytestmark = pytest.mark.slow  # three conversions with an ORT child each
 

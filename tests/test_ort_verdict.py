@@ -23,8 +23,9 @@ import weightshare.ort as wort
 from weightshare._safetensors import read_safetensors_metadata
 from weightshare.api import convert
 from weightshare.errors import InvalidModel, WeightshareError
+from weightshare.formats.onnx.graph import external_tensors
 from weightshare.formats.onnx.ort import verdict as ort_verdict
-from weightshare.formats.onnx.ort.prepack import OPTIMIZED_PREFIX, PACKED_PREFIX, external_tensors
+from weightshare.formats.onnx.ort.prepack import OPTIMIZED_PREFIX, PACKED_PREFIX
 from weightshare.formats.onnx.ort.prepack_record import portable_of
 from weightshare.formats.onnx.ort.probe import WireError, external_locations, fd_identity, nchwc_convs
 from weightshare.options import ConvertOptions

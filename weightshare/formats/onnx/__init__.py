@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..base import BenchRuntime, BlobContainer, FormatOptions
 from .findings import CODES
+from .unpack import ORT_CPU, UNPACK
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
@@ -17,14 +18,6 @@ if TYPE_CHECKING:
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
     from ...report import ConversionReport
-
-
-ORT_CPU = "ort-cpu"  # the --unpack value of ortcpu.py
-# The --unpack values ONNX implements, with their help text (``weightshare convert --help`` shows it).
-UNPACK = {
-    ORT_CPU: "ONNX: store fp16 weights as the fp32 copies ONNX Runtime's CPU provider makes per session; "
-    "CPU-specific, a GPU provider would run fp16",
-}
 
 
 class OnnxFormat:
@@ -52,9 +45,14 @@ class OnnxFormat:
         return bool(head) and (path.suffix == ".onnx" or head[0] == 0x08)
 
     def convert(self, src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
-        from .convert import convert_file
+        if options.prepack:  # ONNX Runtime's packed weights too: ort/prepack.py
+            from .ort.prepack import convert_prepacked
 
-        return convert_file(src, out_dir, options, tx)
+            return convert_prepacked(src, out_dir, options, tx)
+        from .convert import convert_file
+        from .ort import cpu_unpack_step
+
+        return convert_file(src, out_dir, options, tx, cpu_unpack_step(options))
 
     def outputs(self, src: Path, out_dir: Path, options: ConvertOptions) -> list[Path]:
         """The model files a conversion of ``src`` writes (the blob aside): with --prepack, the portable one too."""
@@ -66,8 +64,9 @@ class OnnxFormat:
 
     def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
         from .convert import prepare
+        from .ort import cpu_unpack_step
 
-        return prepare(src, out_dir, options)
+        return prepare(src, out_dir, options, cpu_unpack_step(options))
 
     def prepare_shared(self, src: Path, out_dir: Path, options: ConvertOptions, stages: ExitStack) -> PreparedModel:
         """Zoo mode: ``prepare``, or with --prepack the packed payloads read from a staging directory that

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from array import array
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,15 +25,16 @@ from ..._placement import PlannedTensor
 from ..._platform import malloc_trim
 from ..._safetensors import CONTAINER
 from ..._tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
-from ...errors import InvalidModel
+from ...errors import InvalidModel, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport
-from . import ORT_CPU, UNPACK, dtypes
+from . import dtypes
 from ._proto import pb
 from .fold import fold_fp16_casts, shape_tensor_names
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ort.prepack_record import refuse_prepacked_model
 from .scan import RefTable, TensorRef, place_markers, scan_model
+from .unpack import ORT_CPU, UNPACK
 from .wire import encode_len_field
 
 # A real shape tensor has a handful of elements; a "shape" this large is hostile or a mistake, and keeping
@@ -227,8 +228,15 @@ def _read_wire(ref: TensorRef) -> bytes:
     return b"".join(parts)
 
 
-def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
-    """scan + fold + plan: everything but writing. Holds the skeleton, never a payload."""
+# The ``--unpack ort-cpu`` step (``ort.cpu.unpack_for_cpu``): adopt ONNX Runtime CPU's Casts into the parsed model
+# before the fold; returns metadata for the blob header. ONNX Runtime's room (ort/) sits above this module (it
+# reads its skeletons and plans), so the callers above both hand it in (``ort.cpu_unpack_step``).
+CpuUnpack = Callable[[pb.ModelProto, RefTable, Path, list[str], Path, ConvertOptions], dict[str, str]]
+
+
+def prepare(src: Path, out_dir: Path, options: ConvertOptions, cpu_unpack: CpuUnpack | None = None) -> PreparedModel:
+    """scan + fold + plan: everything but writing. Holds the skeleton, never a payload. ``cpu_unpack``: the
+    ``--unpack ort-cpu`` step, required when the options ask for it."""
     report = ConversionReport(model=str(src), format="onnx")
     other = options.unpack - set(UNPACK)  # another format's values
     if other:
@@ -241,9 +249,9 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     del skeleton
     blob_metadata = {}
     if ORT_CPU in options.unpack and not options.keep_packed:  # before the fold, which folds ORT's Casts
-        from .ort.cpu import unpack_for_cpu  # subprocess, tempfile, importlib.metadata: not on every conversion's path
-
-        blob_metadata = unpack_for_cpu(model, refs, src, report.notes, out_dir, options)
+        if cpu_unpack is None:
+            raise UsageError("--unpack ort-cpu is not available on this path (no ONNX Runtime step given)")
+        blob_metadata = cpu_unpack(model, refs, src, report.notes, out_dir, options)
     sites = collect_sites(model)
     folded: set[int] = set()
     if not options.keep_packed:
@@ -319,12 +327,11 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
     return PreparedModel(report, payloads, emit, extra={"blob_metadata": blob_metadata} if blob_metadata else {})
 
 
-def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
-    if options.prepack:  # ONNX Runtime's packed weights too: prepack.py
-        from .ort.prepack import convert_prepacked
-
-        return convert_prepacked(src, out_dir, options, tx)
+def convert_file(
+    src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction, cpu_unpack: CpuUnpack | None = None
+) -> ConversionReport:
+    """One model without ``--prepack`` (``ort.prepack`` converts those): prepare, write the blob, emit."""
     target = blob_target(src, out_dir, options.blob_name, CONTAINER)
-    prepared = prepare(src, out_dir, options)
+    prepared = prepare(src, out_dir, options, cpu_unpack)
     write_models([prepared], out_dir, target, options, tx)
     return prepared.report

@@ -6,6 +6,9 @@ import os
 from array import array
 from collections.abc import Iterator, Mapping
 
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
 from ...errors import InvalidModel
 from ._proto import pb
 from .scan import REF_KEY
@@ -206,3 +209,22 @@ def check_unique_constants(model: pb.ModelProto, path: str | os.PathLike[str]) -
                     path,
                 )
             seen.add(name)
+
+
+def external_tensors(msg: Message) -> Iterator[pb.TensorProto]:
+    """Every tensor with external data anywhere in ``msg`` (initializers, attributes, subgraphs, functions)."""
+    if isinstance(msg, pb.TensorProto):
+        if msg.data_location == pb.TensorProto.EXTERNAL:
+            yield msg
+        return
+    for field, value in msg.ListFields():
+        if field.message_type is None:
+            continue
+        for item in value if _repeated(field) else [value]:
+            yield from external_tensors(item)
+
+
+def _repeated(field: FieldDescriptor) -> bool:
+    # protobuf >= 5 dropped FieldDescriptor.label for is_repeated; older versions have only label.
+    repeated = getattr(field, "is_repeated", None)
+    return bool(repeated) if repeated is not None else getattr(field, "label", None) == 3  # LABEL_REPEATED

@@ -17,8 +17,8 @@ from ..._tensors import FileRange, PayloadSource
 from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line
 from ...errors import UsageError
 from ...options import ConvertOptions
-from . import ORT_CPU
 from .inventory import inventory_file
+from .unpack import ORT_CPU
 from .verify_dims import describe, dim_variants, fit
 
 _HINT = "give real inputs with --input NAME=FILE.npy, or symbolic dims with --dim NAME=VALUE"
@@ -29,13 +29,14 @@ def _original_payloads(original: Path, converted_unpack: bool) -> dict[str, list
     (default, ``--keep-packed``, and ``--unpack ort-cpu`` when the converted blob says it was used); nothing
     stays inline, so that outputs of any ``--inline-threshold`` find their payloads."""
     from .convert import prepare
+    from .ort import cpu_unpack_step
 
     variants = [ConvertOptions(inline_threshold=0), ConvertOptions(inline_threshold=0, keep_packed=True)]
     if converted_unpack:
         variants.append(ConvertOptions(inline_threshold=0, unpack=frozenset({ORT_CPU})))
     out: dict[str, list[PayloadSource]] = {}
     for options in variants:
-        for p in prepare(original, original.parent, options).payloads:
+        for p in prepare(original, original.parent, options, cpu_unpack_step(options)).payloads:
             out.setdefault(p.tensor.name, []).append(p.source)
     return out
 

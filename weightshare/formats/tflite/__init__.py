@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import InvalidModel, UsageError
 from ..base import BenchRuntime, BlobContainer, FormatOptions
 from .findings import CODES
+from .unpack import UNPACK
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
@@ -20,14 +21,6 @@ if TYPE_CHECKING:
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
     from ...report import ConversionReport
-
-
-# The --unpack values TFLite implements, with their help text (``weightshare convert --help`` shows it).
-UNPACK = {
-    "sparse": "TFLite: DENSIFY of a constant sparse tensor becomes a dense constant",
-    "dequantize": "TFLite: weight-only int8, DEQUANTIZE of an int8 constant, stored once as the fp32 values LiteRT "
-    "computes",
-}
 
 
 class TfliteFormat:

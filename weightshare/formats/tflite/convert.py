@@ -38,7 +38,7 @@ from ..._write import write_payloads
 from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport
-from . import UNPACK, flatbuf
+from . import flatbuf
 from .dequantize import plan_dequantize
 from .graph import (
     NUMPY_DTYPES,
@@ -51,6 +51,7 @@ from .graph import (
     validate,
 )
 from .sparse import apply_densify, plan_densify
+from .unpack import UNPACK
 
 INLINE_DATA_ALIGN = 16  # schema.fbs: Buffer.data has (force_align: 16); the Python builder ignores it
 TRAILING_ZEROS = 16  # after the last appended payload, as the TFLite converter writes it

@@ -311,7 +311,8 @@ class Sharer:
         """Re-point ``opt``'s external initializers (plain payload, or the changed bytes in a file of its
         own) and its packed buffers (``packed.bin``, or one of its own), and remove the files ORT wrote
         them to. ``tag``: a segment's, whose files go when the segment is dropped; the names returned."""
-        from .prepack import PACKED_FILE_KEY, external_tensors
+        from ..graph import external_tensors
+        from .prepack import PACKED_FILE_KEY
 
         rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
         self.kept |= {rest, packed}

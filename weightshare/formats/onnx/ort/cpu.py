@@ -524,7 +524,7 @@ def unpack_for_cpu(
     change = check_rounding(original, model, refs, src, out_dir, opts)
     unfused = 0
     if change is not None and change.startswith("MatMulScaleFusion"):
-        from .reload import unfuse_scales
+        from .unfuse import unfuse_scales
 
         # The scale ORT multiplied separately in the fp16 graph, kept separate (``ort_reload``); checked again.
         unfused = unfuse_scales(model)

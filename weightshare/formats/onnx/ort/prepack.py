@@ -25,13 +25,10 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-
-from google.protobuf.descriptor import FieldDescriptor
-from google.protobuf.message import Message
 
 from ...._atomic import OutputTransaction, locked_stage
 from ...._disk import DiskPeak
@@ -45,11 +42,14 @@ from ....report import ConversionReport, JsonDict
 from .. import dtypes
 from .._proto import load_model, pb
 from ..disk_use import ReleasedRange, mark_overlaps
+from ..graph import external_tensors
 from .cpu import PREFIX as INSERTED_CAST
+from .cpu import unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
 from .prepack_record import METADATA_KEY, PACKED_PREFIX
-from .reload import drop_unused, reload_change, unfuse_scales
+from .reload import reload_change
+from .unfuse import drop_unused, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PREPACKED_ENTRY = "prepacked_"
@@ -67,25 +67,6 @@ def portable_name(model_name: str) -> str:
     """File name of the portable model written next to the prepacked one."""
     stem = model_name[: -len(".onnx")] if model_name.endswith(".onnx") else model_name
     return f"{stem}.portable.onnx"
-
-
-def external_tensors(msg: Message) -> Iterator[pb.TensorProto]:
-    """Every tensor with external data anywhere in ``msg`` (initializers, attributes, subgraphs, functions)."""
-    if isinstance(msg, pb.TensorProto):
-        if msg.data_location == pb.TensorProto.EXTERNAL:
-            yield msg
-        return
-    for field, value in msg.ListFields():
-        if field.message_type is None:
-            continue
-        for item in value if _repeated(field) else [value]:
-            yield from external_tensors(item)
-
-
-def _repeated(field: FieldDescriptor) -> bool:
-    # protobuf >= 5 dropped FieldDescriptor.label for is_repeated; older versions have only label.
-    repeated = getattr(field, "is_repeated", None)
-    return bool(repeated) if repeated is not None else getattr(field, "label", None) == 3  # LABEL_REPEATED
 
 
 def _entries(tensor: pb.TensorProto) -> dict[str, str]:
@@ -197,7 +178,7 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[Co
         keep_packed=options.keep_packed,
         unpack=options.unpack,
     )
-    prepared = prepare(src, stage, staged)
+    prepared = prepare(src, stage, staged, unpack_for_cpu)
     with OutputTransaction() as tx:
         write_models([prepared], stage, blob_target(None, stage, STAGE_BLOB, CONTAINER), staged, tx)
     return prepared.report, prepared.extra.get("blob_metadata", {})
