@@ -2,6 +2,10 @@
 
 A format is a folder here whose ``__init__.py`` defines ``FORMAT`` (see ``base.Format``);
 to add one, add the folder and its name to ``_BUILTIN`` (or call ``register`` at run time).
+
+Public: this module and ``formats.base`` (the extension point). The format folders themselves (the names in
+``_BUILTIN``: ``formats/onnx/``, ``formats/tflite/``, ...) are internal as a whole, whatever their modules are
+called, and may change without notice; ``tests/test_layering.py`` holds every other public module to an ``__all__``.
 """
 
 from __future__ import annotations
