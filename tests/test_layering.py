@@ -76,6 +76,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "weightshare._recorded",
             "weightshare._safetensors",
             "weightshare._write",
+            "weightshare._container",
             "weightshare._atomic",
             "weightshare._placement",
             "weightshare._disk",

@@ -27,7 +27,7 @@ from .options import ConvertOptions
 from .report import ConversionReport
 
 if TYPE_CHECKING:
-    from ._write import BlobContainer
+    from ._container import BlobContainer
 
 __all__ = ["BlobPayload", "BlobTarget", "Emit", "Placements", "PreparedModel", "blob_target", "write_models"]
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ._checksum import digest_of, new_hasher, split_digest, tagged
-from ._safetensors import METADATA_KEY, read_safetensors_metadata
+from ._safetensors import METADATA_KEY, read_header_at, read_safetensors_metadata
 from ._tensors import CHUNK_SIZE, FileRange, PayloadSource
 from .errors import InvalidModel, WeightshareError
 
@@ -51,7 +51,6 @@ def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
 # ``_pipeline.blob_target``: NAME.<digest12>.safetensors, the digest being the first 12 hex digits of the SHA-256
 # of the header text as written (without its length prefix and the spaces that pad it to the data section).
 _DIGEST_NAME = re.compile(r"\.([0-9a-f]{12})\.safetensors$")
-_HEADER_LIMIT = 100 << 20  # read_safetensors_metadata's bound on a header
 
 
 def blob_name_problem(path: str) -> str | None:
@@ -64,14 +63,9 @@ def blob_name_problem(path: str) -> str | None:
     if named is None:
         return None
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or n > min(size - 8, _HEADER_LIMIT):
-                return None  # not a safetensors file: the payload checks report what is wrong with it
-            text = f.read(n).rstrip(b" ")
-    except OSError:
-        return None
+        text = read_header_at(path)[1].rstrip(b" ")
+    except (OSError, InvalidModel):
+        return None  # not a safetensors file: the payload checks report what is wrong with it
     if b'"format":"weightshare"' not in text:
         return None
     actual = hashlib.sha256(text).hexdigest()[:12]
@@ -87,13 +81,8 @@ def blob_metadata(path: str) -> dict[str, str]:
     """The string entries of a safetensors file's ``__metadata__`` (the payload table excluded); {} for any
     other file."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or n > min(size - 8, _HEADER_LIMIT):
-                return {}
-            meta = json.loads(f.read(n)).get("__metadata__")
-    except (OSError, ValueError, AttributeError, RecursionError):
+        meta = json.loads(read_header_at(path)[1]).get("__metadata__")
+    except (OSError, InvalidModel, ValueError, AttributeError, RecursionError):
         return {}
     if not isinstance(meta, dict):
         return {}

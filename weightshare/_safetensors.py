@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ._container import BlobContainer
 from ._placement import AlignPolicy, BlobEntry, BlobWriter, PlannedTensor, Progress, align_up
 from ._tensors import PayloadSource
-from ._write import BlobContainer
 from .errors import InvalidModel, OutputError
 
 if TYPE_CHECKING:
@@ -288,22 +288,46 @@ class SafetensorsBlob:
         return pos + len(data)
 
 
+HEADER_LIMIT = 100 << 20  # the largest safetensors header read (a blob of 200,000 tensors has ~40 MiB)
+
+
+def read_header(fd: int, where: str | os.PathLike[str] | None = None) -> tuple[bytes, bytes]:
+    """The safetensors header of the file open on ``fd``: (its 8-byte length prefix, its JSON text), read with
+    pread (the fd's offset stays put). The one reader of that header: the blob checks, the ``--prepack`` record
+    and the loader's verdict all read it here.
+
+    Raises:
+        InvalidModel: shorter than 8 bytes, or a header length past the end of the file or over ``HEADER_LIMIT``.
+    """
+    size = os.fstat(fd).st_size
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+        raise InvalidModel("not a safetensors file (shorter than 8 bytes)", where)
+    n = int.from_bytes(head, "little")
+    text = os.pread(fd, n, 8) if n <= min(size - 8, HEADER_LIMIT) else b""
+    if len(text) != n:
+        raise InvalidModel(f"safetensors header length {n} runs past the end of the file", where)
+    return head, text
+
+
+def read_header_at(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """``read_header`` of the file at ``path``; OSError when it cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return read_header(fd, path)
+    finally:
+        os.close(fd)
+
+
 def read_safetensors_metadata(path: str) -> tuple[int, dict[str, Any], Any]:
     """Return (data_start, tensors, payload metadata) of a weightshare blob, reading only its header.
 
     Both are JSON as found in the file: ``tensors`` is an object, the payload metadata is not checked."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise InvalidModel("not a safetensors file (shorter than 8 bytes)", path)
-        n = int.from_bytes(head, "little")
-        if n > min(size - 8, 100 << 20):
-            raise InvalidModel(f"safetensors header length {n} runs past the end of the file", path)
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            raise InvalidModel("safetensors header is not valid JSON", path) from None
+    _head, text = read_header_at(path)
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InvalidModel("safetensors header is not valid JSON", path) from None
     if not isinstance(header, dict):
         raise InvalidModel("safetensors header is not a JSON object", path)
     meta = header.pop("__metadata__", {}) or {}
@@ -313,7 +337,7 @@ def read_safetensors_metadata(path: str) -> tuple[int, dict[str, Any], Any]:
             payloads = json.loads(meta[METADATA_KEY])
         except (TypeError, json.JSONDecodeError):
             raise InvalidModel("weightshare payload metadata is not valid JSON", path) from None
-    return 8 + n, header, payloads
+    return 8 + len(text), header, payloads
 
 
 def _open(

@@ -19,11 +19,11 @@ filled here and nowhere else.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ._placement import AlignPolicy, BlobEntry, PlannedTensor, Progress
+from ._placement import BlobEntry, PlannedTensor, Progress
 from ._tensors import PayloadSource
 from .errors import OutputError
 from .report import ConversionReport
@@ -100,29 +100,3 @@ def write_payloads(
         if release is not None:
             release()
     return placements
-
-
-class BlobFile(Protocol):
-    """A blob file being written: a ``_write.Container`` that also ends the file and names its content."""
-
-    def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
-        """Write one payload; return where it landed."""
-        ...
-
-    def finish(self) -> int:
-        """Write what goes after the payloads (a header, an index); return the file's size."""
-        ...
-
-    def name_digest(self) -> str:
-        """Hex digest of the content, from which the blob's file name is made (``NAME.<digest12><suffix>``)."""
-        ...
-
-
-@dataclass(frozen=True)
-class BlobContainer:
-    """The container of the blob a format's models reference by name (``--blob``, zoo mode's ``--shared-blob``):
-    its file suffix, and how a writer over an open file is made from the planned payloads
-    (fd, planned, alignment, metadata, per-payload name prefixes)."""
-
-    suffix: str
-    open: Callable[[int, list[PlannedTensor], AlignPolicy, dict[str, str], Sequence[str] | None], BlobFile]

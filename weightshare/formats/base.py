@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._write import BlobContainer, BlobFile
+from .._container import BlobContainer, BlobFile
 
 if TYPE_CHECKING:
     from .._atomic import OutputTransaction

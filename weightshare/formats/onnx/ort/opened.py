@@ -15,7 +15,6 @@ from ...._platform import malloc_trim
 from ....errors import InvalidModel
 from ....report import JsonDict
 from .prepack_record import read_record_fd
-from .probe import WireError, external_locations
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -62,6 +61,8 @@ class OpenedModel:
 
     @classmethod
     def open(cls, path: Path) -> OpenedModel:
+        from .probe import WireError, external_locations  # tempfile: not on the loader's import path
+
         fd = open_file(path, path)
         try:
             data = read_fd(fd)

@@ -88,16 +88,11 @@ def record_of_header(header: Any, where: str | os.PathLike[str]) -> JsonDict | N
 def read_record_fd(fd: int, where: str | os.PathLike[str]) -> JsonDict | None:
     """The validated record of the safetensors blob open on ``fd`` (read with pread: the offset stays put);
     None when the file is not a safetensors blob or has no record."""
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-        return None
-    n = int.from_bytes(head, "little")
-    if n > min(size - 8, 100 << 20):
-        return None
+    from ...._safetensors import read_header  # here: the loaders import this module, and no blob writer
+
     try:
-        header = json.loads(os.pread(fd, n, 8))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        header = json.loads(read_header(fd)[1])
+    except (InvalidModel, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     return record_of_header(header, where)
 

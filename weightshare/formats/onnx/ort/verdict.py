@@ -33,6 +33,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ...._safetensors import read_header
+from ....errors import InvalidModel
+
 log = logging.getLogger("weightshare.ort")
 
 _FORMAT = "weightshare-ort-verdict/1"
@@ -216,12 +219,8 @@ def _unlink(name: str, dir_fd: int) -> None:
 
 def header_sha256(fd: int) -> str | None:
     """SHA-256 of the safetensors header (length prefix included) of the file open on ``fd``, None if unreadable."""
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
+    try:
+        head, text = read_header(fd)
+    except InvalidModel:
         return None
-    n = int.from_bytes(head, "little")
-    if n > min(size - 8, 100 << 20):
-        return None
-    text = os.pread(fd, n, 8)
-    return hashlib.sha256(head + text).hexdigest() if len(text) == n else None
+    return hashlib.sha256(head + text).hexdigest()
