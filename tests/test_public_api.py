@@ -94,7 +94,19 @@ PUBLIC = {
         "safetensors_container",
         "unregister",
     ],
-    "weightshare.formats.base": ["BenchRuntime", "BlobContainer", "BlobFile", "Format", "FormatOptions"],
+    "weightshare.formats.base": [
+        "BenchRuntime",
+        "BlobContainer",
+        "BlobFile",
+        "Decodes",
+        "Format",
+        "FormatDefaults",
+        "FormatOptions",
+        "MeasuresCopies",
+        "QuietExit",
+        "ReadsInputs",
+        "SharesPrepared",
+    ],
 }
 
 # The loaders: runtime-specific by name, public like the package's own functions; pinned and documented like them.

@@ -20,6 +20,7 @@ from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
 from .errors import WeightshareError
 from .formats import get, model_suffixes, registered
+from .formats.base import MeasuresCopies
 from .options import INLINE_THRESHOLD
 
 COPY_THRESHOLD = 1 << 20  # bytes per session a copy may cost before `check` fails on it (--threshold)
@@ -163,10 +164,11 @@ def settle(inv: ModelInventory, gate: Gate, path: str | os.PathLike[str]) -> Non
     """Measure again, up to REPEATS in all, while a figure is near a decision line, and keep each setting's
     median: one measurement's noise (the runtime's per-session state, other processes) cannot flip the verdict
     of a model whose median is off the line, and the figures repeat themselves within a few percent."""
-    measure_copies = getattr(get(inv.format), "measure_copies", None)
+    fmt = get(inv.format)
     near = near_a_line(inv, gate)
-    if measure_copies is None or not near:
+    if not isinstance(fmt, MeasuresCopies) or not near:
         return
+    measure_copies = fmt.measure_copies
     samples: dict[str, list[int]] = {s: [inv.measured[s]] for s in near}
     ones: dict[str, list[int]] = {s: [inv.measured_one_session.get(s, 0)] for s in near}
     for _ in range(REPEATS - 1):

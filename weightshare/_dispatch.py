@@ -19,6 +19,7 @@ from ._recorded import blob_name_problem, record_problem, recorded_records
 from ._verify import VerifyReport, first_line
 from .errors import InvalidModel, UsageError
 from .formats import detect, detect_format, get, registered
+from .formats.base import Decodes, MeasuresCopies, ReadsInputs
 
 
 def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False) -> ModelInventory:
@@ -32,9 +33,8 @@ def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure:
     if hash_payloads:
         mark_duplicates(inv.payloads)
         _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
-    measure_copies = getattr(fmt, "measure_copies", None)
-    if measure and measure_copies is not None and not any(p.problem for p in inv.payloads):  # broken: not run
-        measured = measure_copies(path)
+    if measure and isinstance(fmt, MeasuresCopies) and not any(p.problem for p in inv.payloads):  # broken: not run
+        measured = fmt.measure_copies(path)
         inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
         if len(measured) > 3:  # a format that tells activation memory apart from weight copies
             inv.measured_activation = measured[3]
@@ -114,7 +114,8 @@ def verify(
         raise UsageError("--runs must be at least 1")
     if not 0 <= seed < 1 << 63:  # numpy's generators take a non-negative seed
         raise UsageError(f"--seed takes a non-negative integer below 2**63, got {seed}")
-    if decode_steps < 0 or (decode_steps and not getattr(get(fmt), "decodes", False)):
+    spec = get(fmt)
+    if decode_steps < 0 or (decode_steps and not (isinstance(spec, Decodes) and spec.decodes)):
         raise UsageError(f"--decode-steps takes a non-negative number of steps, for decoders ({fmt} has none)")
     report = VerifyReport(str(original), str(converted), fmt)
     opts: dict[str, Any] = {
@@ -130,7 +131,7 @@ def verify(
     except InvalidModel as e:
         report.checksum_mismatches.append(f"the converted model cannot be read: {e.message}")
         return report
-    get(fmt).verify(report, original, converted, opts, broken)
+    spec.verify(report, original, converted, opts, broken)
     return report
 
 
@@ -142,7 +143,7 @@ def load_input(name: str, file: str | os.PathLike[str]) -> Any:
     path = Path(file)
     try:
         for fmt in registered():
-            read = getattr(fmt, "input_readers", {}).get(path.suffix)
+            read = fmt.input_readers.get(path.suffix) if isinstance(fmt, ReadsInputs) else None
             if read is not None:
                 return read(path)
         return np.load(path, allow_pickle=False)

@@ -173,12 +173,11 @@ class DroppedCompanions(CommitHook):
 
 
 def dropped_companions(fmt: Any, src: Path, out: Path, options: Any) -> list[Path]:
-    """The companions ``fmt`` writes for ``src`` under other options (``Format.outputs``) that this run does not."""
+    """The companions ``fmt`` (a ``Format``, which this module sits below) writes for ``src`` under other options
+    (``Format.outputs``) that this run does not."""
     import dataclasses
 
-    listed = getattr(fmt, "outputs", None)
-    if listed is None:
-        return []
+    listed = fmt.outputs
     mine = set(listed(src, out, options))
     every = set(listed(src, out, dataclasses.replace(options, prepack=True))) | set(
         listed(src, out, dataclasses.replace(options, prepack=False))

@@ -20,7 +20,7 @@ from weightshare._placement import PlannedTensor
 from weightshare._tensors import BytesSource
 from weightshare.errors import InvalidModel, Unsupported
 from weightshare.formats import safetensors_container
-from weightshare.formats.base import BenchRuntime, BlobContainer, FormatOptions
+from weightshare.formats.base import BenchRuntime, BlobContainer, FormatDefaults, FormatOptions
 from weightshare.report import ConversionReport
 
 
@@ -40,7 +40,7 @@ def _f16_to_f32(data: bytes) -> bytes:
     return np.frombuffer(data, "<f2").astype("<f4").tobytes()
 
 
-class ToyFormat:
+class ToyFormat(FormatDefaults):
     name = "toy"
     suffixes = (".toymodel",)
     maps_in_place = frozenset({"external"})  # the toy runtime decodes embedded base64 per session

@@ -16,11 +16,13 @@ detecting a format costs nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .._container import BlobContainer, BlobFile
+from ..errors import Unsupported
 
 if TYPE_CHECKING:
     from .._atomic import OutputTransaction
@@ -31,7 +33,19 @@ if TYPE_CHECKING:
     from ..options import ConvertOptions
     from ..report import ConversionReport
 
-__all__ = ["BenchRuntime", "BlobContainer", "BlobFile", "Format", "FormatOptions"]
+__all__ = [
+    "BenchRuntime",
+    "BlobContainer",
+    "BlobFile",
+    "Decodes",
+    "Format",
+    "FormatDefaults",
+    "FormatOptions",
+    "MeasuresCopies",
+    "QuietExit",
+    "ReadsInputs",
+    "SharesPrepared",
+]
 
 
 @dataclass(frozen=True)
@@ -122,3 +136,105 @@ class Format(Protocol):
     def bench_runtime(self, path: Path) -> BenchRuntime:
         """The runtime ``bench`` measures; raise ``Unsupported`` when none runs on this platform."""
         ...
+
+    def outputs(self, src: Path, out_dir: Path, options: ConvertOptions) -> list[Path]:
+        """Every model file a conversion of ``src`` writes (the blob aside), named before anything is written so
+        that two inputs never write one path: ``[out_dir / src.name]``, or more (ONNX ``--prepack``: the portable
+        model too)."""
+        ...
+
+    def merge(
+        self,
+        sources: list[Path],
+        function_names: list[str],
+        default_function: str | None,
+        out: Path,
+        options: ConvertOptions,
+        tx: OutputTransaction,
+    ) -> ConversionReport:
+        """``weightshare merge``: one multifunction model from several (Core ML); ``Unsupported`` for a format
+        whose models have one function."""
+        ...
+
+
+class FormatDefaults:
+    """What a format folder's ``FORMAT`` may inherit: the protocol's parts most formats answer alike (one model
+    file written per input, no merge, no shared blob when ``shared_blob_refused`` says why)."""
+
+    name: str
+    # Why ``prepare`` (a blob shared by many models, zoo mode) is refused; a format that references one defines
+    # ``prepare`` itself.
+    shared_blob_refused = "this format cannot reference a shared blob"
+
+    def outputs(self, src: Path, out_dir: Path, options: ConvertOptions) -> list[Path]:
+        return [out_dir / src.name]
+
+    def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
+        raise Unsupported(self.shared_blob_refused, src)
+
+    def merge(
+        self,
+        sources: list[Path],
+        function_names: list[str],
+        default_function: str | None,
+        out: Path,
+        options: ConvertOptions,
+        tx: OutputTransaction,
+    ) -> ConversionReport:
+        raise Unsupported(
+            f"{self.name} models cannot be merged into one multifunction model", sources[0] if sources else None
+        )
+
+
+# The optional parts: a format has each or not, and shared code asks with ``isinstance`` (the type checker follows
+# it), never with ``getattr`` on a name it cannot see.
+
+
+@runtime_checkable
+class MeasuresCopies(Protocol):
+    """``check``/``inspect`` measure what one more session costs in the runtime itself."""
+
+    def measure_copies(self, path: Path) -> tuple[Any, ...]:
+        """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting])."""
+        ...
+
+
+@runtime_checkable
+class SharesPrepared(Protocol):
+    """Zoo mode needs more than ``prepare`` (ONNX ``--prepack``: packed payloads staged until the zoo is written)."""
+
+    def prepare_shared(self, src: Path, out_dir: Path, options: ConvertOptions, stages: ExitStack) -> PreparedModel:
+        """``prepare`` for a zoo; what it stages, ``stages`` removes once the zoo is written."""
+        ...
+
+    def join_shared(self, prepared: list[PreparedModel], options: ConvertOptions) -> None:
+        """Once every model is prepared: what the zoo's models share (one blob record)."""
+        ...
+
+    def report_disk(self, report: ConversionReport, peak: int) -> None:
+        """The zoo-wide temporary disk peak, in each model's report."""
+        ...
+
+
+@runtime_checkable
+class ReadsInputs(Protocol):
+    """``verify --input NAME=FILE`` reads files of this format's own besides ``.npy``."""
+
+    @property
+    def input_readers(self) -> Mapping[str, Callable[[Path], Any]]:
+        """Suffix -> reader (ONNX: a serialized TensorProto ``.pb``)."""
+        ...
+
+
+@runtime_checkable
+class Decodes(Protocol):
+    """``verify --decode-steps``: its models may be decoders (present outputs fed back as past inputs)."""
+
+    decodes: bool
+
+
+@runtime_checkable
+class QuietExit(Protocol):
+    """The runtime logs its teardown: silenced once a command has printed its result (LiteRT)."""
+
+    def quiet_exit(self) -> None: ...

@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..._findings import CodeInfo, TextEnum
 from ...errors import Unsupported
-from ..base import BenchRuntime, FormatOptions
+from ..base import BenchRuntime, FormatDefaults, FormatOptions
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
     from ..._inventory import ModelInventory
-    from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
     from ...report import ConversionReport
@@ -26,7 +25,7 @@ NOT_MEASURED = (
 )
 
 
-class CoremlFormat:
+class CoremlFormat(FormatDefaults):
     name = "coreml"
     suffixes = (".mlpackage",)
     blob_container = None  # the weights stay in the package's own weight.bin
@@ -35,6 +34,10 @@ class CoremlFormat:
     findings: dict[TextEnum, CodeInfo] = {}  # the format-neutral codes cover it
     settings = ("coreml",)
     options = FormatOptions()  # no --unpack of its own (constexpr decompression is not implemented)
+    shared_blob_refused = (  # zoo mode
+        "Core ML models keep their weights in the package's weight.bin; "
+        "use `weightshare merge` to share weights between Core ML models"
+    )
 
     def claims(self, path: Path, head: bytes) -> bool:
         if path.is_dir():
@@ -51,13 +54,6 @@ class CoremlFormat:
         from .convert import convert_file
 
         return convert_file(src, out_dir, options, tx)
-
-    def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
-        raise Unsupported(
-            "Core ML models keep their weights in the package's weight.bin; "
-            "use `weightshare merge` to share weights between Core ML models",
-            src,
-        )
 
     def merge(
         self,

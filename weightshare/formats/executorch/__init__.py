@@ -12,21 +12,20 @@ from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ...errors import InvalidModel, Unsupported
-from ..base import BenchRuntime, BlobContainer, FormatOptions
+from ...errors import InvalidModel
+from ..base import BenchRuntime, BlobContainer, FormatDefaults, FormatOptions
 from .findings import CODES
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
     from ..._inventory import ModelInventory
-    from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
     from ...report import ConversionReport
     from .loader import SharedProgram
 
 
-class ExecutorchFormat:
+class ExecutorchFormat(FormatDefaults):
     name = "executorch"
     suffixes = (".pte", ".ptd")
     # MmapDataLoader maps the flatbuffer and every segment MAP_SHARED, at any offset (the pages around it).
@@ -35,6 +34,10 @@ class ExecutorchFormat:
     findings = CODES
     settings = ("executorch-weightshare", "executorch-mmap", "executorch-bytes")  # inventory.SETTINGS
     options = FormatOptions()
+    shared_blob_refused = (  # zoo mode
+        "ExecuTorch programs keep their weights in their own segments or .ptd; convert them one by one "
+        "(several programs share one .ptd by loading it as data_path)"
+    )
 
     @property
     def blob_container(self) -> BlobContainer | None:
@@ -54,13 +57,6 @@ class ExecutorchFormat:
         from .convert import convert_file
 
         return convert_file(src, out_dir, options, tx)
-
-    def prepare(self, src: Path, out_dir: Path, options: ConvertOptions) -> PreparedModel:
-        raise Unsupported(
-            "ExecuTorch programs keep their weights in their own segments or .ptd; convert them one by one "
-            "(several programs share one .ptd by loading it as data_path)",
-            src,
-        )
 
     def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
         from .inventory import inventory_file

@@ -204,14 +204,21 @@ def _named(table: Table, count: int, what: str, path: str) -> NamedData:
     return NamedData(key, seg, dtype, shape)
 
 
-def read_program(fd: int, path: str) -> Program:
-    """Locate everything a ``.pte`` holds; ``InvalidModel`` for anything out of bounds."""
+def _reader(fd: int, path: str, what: str, minimum: int, identifier: bytes) -> tuple[Reader, int]:
+    """A reader over the whole file and its size, once the size and the file identifier say it is an ExecuTorch
+    ``what`` (a ``.pte`` program or a ``.ptd`` data file): ``InvalidModel`` naming which check failed."""
     size = os.fstat(fd).st_size
     r = Reader(fd, size, path, MAX_ENTRIES)
-    if size < 32:
-        raise InvalidModel(f"truncated ExecuTorch program: the file has only {size} bytes", path)
-    if r.read(4, 4, "file identifier") != PTE_IDENTIFIER:
-        raise InvalidModel("not an ExecuTorch program (no ET12 identifier)", path)
+    if size < minimum:
+        raise InvalidModel(f"truncated ExecuTorch {what}: the file has only {size} bytes", path)
+    if r.read(4, 4, "file identifier") != identifier:
+        raise InvalidModel(f"not an ExecuTorch {what} (no {identifier.decode()} identifier)", path)
+    return r, size
+
+
+def read_program(fd: int, path: str) -> Program:
+    """Locate everything a ``.pte`` holds; ``InvalidModel`` for anything out of bounds."""
+    r, size = _reader(fd, path, "program", 32, PTE_IDENTIFIER)
     program_size, segment_base, data_size_pos = size, size, None
     header_pos = 0
     if r.read(HEADER_OFFSET, 4, "extended header") == PTE_HEADER_MAGIC:
@@ -311,12 +318,7 @@ def _constants(plan: Table, plan_name: str) -> list[ConstantTensor]:
 
 def read_data_file(fd: int, path: str) -> DataFile:
     """Locate everything a ``.ptd`` holds."""
-    size = os.fstat(fd).st_size
-    r = Reader(fd, size, path, MAX_ENTRIES)
-    if size < 48:
-        raise InvalidModel(f"truncated ExecuTorch data file: the file has only {size} bytes", path)
-    if r.read(4, 4, "file identifier") != PTD_IDENTIFIER:
-        raise InvalidModel("not an ExecuTorch data file (no FT01 identifier)", path)
+    r, size = _reader(fd, path, "data file", 48, PTD_IDENTIFIER)
     if r.read(HEADER_OFFSET, 4, "FlatTensor header") != PTD_HEADER_MAGIC:
         raise InvalidModel("not an ExecuTorch data file (no FH01 header)", path)
     length = r.u32(HEADER_OFFSET + 4, "FlatTensor header length")

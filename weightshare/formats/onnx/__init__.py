@@ -7,7 +7,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..base import BenchRuntime, BlobContainer, FormatOptions
+from ..base import BenchRuntime, BlobContainer, FormatDefaults, FormatOptions
 from .findings import CODES
 from .unpack import ORT_CPU, UNPACK
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from ...report import ConversionReport
 
 
-class OnnxFormat:
+class OnnxFormat(FormatDefaults):
     name = "onnx"
     suffixes = (".onnx",)
     maps_in_place = frozenset({"external"})

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ...errors import InvalidModel, UsageError
-from ..base import BenchRuntime, BlobContainer, FormatOptions
+from ..base import BenchRuntime, BlobContainer, FormatDefaults, FormatOptions
 from .findings import CODES
 from .unpack import UNPACK
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ...report import ConversionReport
 
 
-class TfliteFormat:
+class TfliteFormat(FormatDefaults):
     name = "tflite"
     suffixes = (".tflite",)
     maps_in_place = frozenset({"embedded", "external"})  # the flatbuffer is mapped with the file
