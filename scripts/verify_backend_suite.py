@@ -7,7 +7,7 @@ ships them, so they are then generated from the wheel's own case definitions (on
 same code `backend-test-tools generate-data` ran). A model is taken when it has an initializer, a Constant node, a
 subgraph or a model-local function. Its inputs come from test_data_set_0/input_*.pb (TensorProto, SequenceProto,
 OptionalProto or MapProto, chosen by the graph input's type) or the generated data set 0, passed to
-``weightshare._verify.verify(..., inputs=...)`` -- what `verify --input NAME=FILE` does for tensors. Every outcome is
+``weightshare._dispatch.verify(..., inputs=...)`` -- what `verify --input NAME=FILE` does for tensors. Every outcome is
 counted: verified, differs (verify exit 1), original fails in onnxruntime (exit 2), convert refused (a
 WeightshareError, exit 2), and internal errors (anything else: a bug in weightshare). Exits 1 if any internal error.
 """

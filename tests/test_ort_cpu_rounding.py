@@ -79,7 +79,7 @@ def test_a_fusion_that_changes_the_rounding_is_refused_in_one_line(tmp_path, cli
     # without the flag the conversion is exact; with it ORT would fuse the Div and round differently
     assert cli("convert", src, "-o", tmp_path / "plain", "-q").returncode == 0
     _outputs_equal(src, tmp_path / "plain" / "model.onnx")
-    # The Div by the scalar is given Expand(7, Shape(x)) (ort_reload.unfuse_scales): the same quotients, no fusion.
+    # The Div by the scalar is given Expand(7, Shape(x)) (ort/unfuse.unfuse_scales): the same quotients, no fusion.
     res = cli("convert", src, "-o", tmp_path / "out", "--unpack", "ort-cpu")
     assert res.returncode == 0, res.stderr
     assert "Expand(scalar, Shape(x))" in res.stdout

@@ -1,7 +1,7 @@
 """`inspect` / `check` for TFLite: what each interpreter copies, where every buffer lives.
 
 Before: the sample model, its converted form and its --external form (one with a damaged blob).
-Under test: ``weightshare._inventory.inventory`` over the TFLite inventory, and ``_check.findings_for``.
+Under test: ``weightshare._dispatch.inventory`` over the TFLite inventory, and ``_check.findings_for``.
 After: the original reports the fp16 DEQUANTIZE copies; the converted models are share-ready; damage is found.
 """
 

@@ -55,7 +55,7 @@ class ConvertOptions:
         stage: called with a short description when a phase that writes no payload bytes starts (the
             onnxruntime child of ``prepack`` / ``unpack={"ort-cpu"}``), for a progress display to name it.
         ort_child_timeout_s: wall-time limit of the onnxruntime child (``--prepack``, ``--unpack ort-cpu``);
-            None: derived from the model's size (``formats.onnx.ort_limits``). Its CPU-time limit follows.
+            None: derived from the model's size (``formats.onnx.ort.limits``). Its CPU-time limit follows.
         ort_child_memory_mib: address-space limit of that child; None: derived from the model's size.
         ort_max_growth: what the child may write (ORT's optimized and packed copies), as a multiple of the
             model's bytes; None: 4x, at least 16 MiB.

@@ -27,7 +27,7 @@ class OnnxFormat(FormatDefaults):
     findings = CODES
     settings = ("ort-default", "ort-disable-prepacking")  # inventory.ORT_DEFAULT, ORT_SHARE
     maps_unaligned = True  # ONNX Runtime maps external data at any offset (measured, see _check.py)
-    # --unpack ort-cpu adopts the Casts --keep-packed keeps; the onnxruntime child's limits (ort_limits.py)
+    # --unpack ort-cpu adopts the Casts --keep-packed keeps; the onnxruntime child's limits (ort/limits.py)
     options = FormatOptions(
         unpack=UNPACK,
         unpack_excludes_keep_packed=frozenset({ORT_CPU}),

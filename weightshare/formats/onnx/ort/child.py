@@ -4,7 +4,7 @@
 
 1. ONNX Runtime writes OUT_MODEL, the ORT_ENABLE_ALL optimized graph (NCHWc Conv weights included),
    with its initializers in files next to it, pre-packing off. A graph with more than SEGMENT_BYTES
-   of weights is optimized segment by segment and stitched (``ort_segments``), so that memory does
+   of weights is optimized segment by segment and stitched (``segments``), so that memory does
    not grow with the model.
 2. Each weight-bearing node of that graph runs alone in a session that saves its pre-packed copies
    (``session.save_external_prepacked_constant_initializers``) to ``node<i>.packed.bin``.
@@ -54,7 +54,7 @@ def _one_node_model(
     node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto], types: dict[str, int]
 ) -> onnx.ModelProto | str:
     """``node`` alone, its constant inputs as (external) initializers, the others as inputs of the
-    types ORT's schemas give them in the graph (``ort_types``); or why it cannot be built."""
+    types ORT's schemas give them in the graph (``types``); or why it cannot be built."""
     from onnx import helper as h
 
     from .types import node_types
@@ -242,7 +242,7 @@ def tally_packed(opt_model: str) -> dict[str, OpTally]:
 def optimize_bounded(
     model: str, out_model: str, min_external: str, budget: int, sharer: Sharer | None = None
 ) -> dict[str, Any]:
-    """Step 1 in memory bounded by ``budget`` weight bytes per segment (``ort_segments``): the
+    """Step 1 in memory bounded by ``budget`` weight bytes per segment (``segments``): the
     optimized graph in ``out_model``, its initializers in files named after it (or, with ``sharer``,
     settled segment by segment into the staged payloads and ``ort.rest.bin``)."""
     from .segments import Segmenter

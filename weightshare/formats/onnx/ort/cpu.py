@@ -181,7 +181,7 @@ def run_probe(
     stage_in: Path | None = None,
     options: ConvertOptions | None = None,
 ) -> Probe:
-    """ORT's answer for ``skeleton``, from a bounded child (``ort_limits``) working in a locked staging directory
+    """ORT's answer for ``skeleton``, from a bounded child (``limits``) working in a locked staging directory
     inside ``stage_in`` (OUTDIR: never $TMPDIR, so a killed run leaves nothing there that the next run's
     cleanup would not remove), or in a temporary directory when there is no OUTDIR (inspect, check)."""
     import tempfile
@@ -526,7 +526,7 @@ def unpack_for_cpu(
     if change is not None and change.startswith("MatMulScaleFusion"):
         from .unfuse import unfuse_scales
 
-        # The scale ORT multiplied separately in the fp16 graph, kept separate (``ort_reload``); checked again.
+        # The scale ORT multiplied separately in the fp16 graph, kept separate (``unfuse``, ``reload``); checked again.
         unfused = unfuse_scales(model)
         ours = {("ai.onnx", "Shape"): unfused, ("ai.onnx", "Expand"): unfused}
         change = check_rounding(original, model, refs, src, out_dir, opts, ours) if unfused else change

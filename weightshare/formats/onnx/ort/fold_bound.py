@@ -8,7 +8,7 @@ values and dims the model states; nothing is allocated from them) and a model wh
 bytes than the child may write, or more arithmetic than its size justifies, is refused in one line.
 
 The estimate errs on the side of letting a model through: a node whose output shape this walk cannot tell stops
-the walk along that path (what follows is left to the child's derived time limit, ``ort_limits``).
+the walk along that path (what follows is left to the child's derived time limit, ``limits``).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def check_constant_folding(
     model: pb.ModelProto, input_bytes: int, where: str | os.PathLike[str], growth: float | None = None
 ) -> None:
     """Refuse a model whose constant folding would produce more bytes than the ORT child may write for it
-    (``ort_limits.limits_for``: ``--ort-max-growth`` x the input, 16 MiB at least) or more arithmetic than
+    (``limits.limits_for``: ``--ort-max-growth`` x the input, 16 MiB at least) or more arithmetic than
     ``FLOP_FLOOR`` plus ``FLOPS_PER_BYTE`` per input byte (scaled with a larger --ort-max-growth)."""
     from .limits import DEFAULT_GROWTH, limits_for
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ....errors import Unsupported
 
-DEFAULT_BUDGET = 32 << 20  # weight bytes per ORT segment (ort_segments); a window (two segments) is optimized at once
+DEFAULT_BUDGET = 32 << 20  # weight bytes per ORT segment (``segments``); a window (two segments) is optimized at once
 BUDGET_ENV = "WEIGHTSHARE_ORT_SEGMENT_BYTES"  # smaller budgets, to exercise the cuts on small models
 
 

@@ -9,7 +9,7 @@ external-data entry that later sessions map instead of packing.
 Steps:
 1. stage: the ordinary conversion into a staging directory (the portable model and its blob).
 2. ort: a child process lets ORT optimize and pre-pack the staged model and save the result
-   (``ort_child.py``), segment by segment for large graphs (``ort_segments.py``); its output
+   (``child.py``), segment by segment for large graphs (``segments.py``); its output
    references ORT's own external files.
 3. final: every plain payload, every ORT initializer and every packed buffer is streamed into ONE
    safetensors blob. Identical bytes are stored once, so the ORT model's plain initializers land on
@@ -210,7 +210,7 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
 def _run_bounded(
     cmd: list[str], stage: Path, src: Path, options: ConvertOptions
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    """``cmd`` under the limits of ``ort_limits`` for the staged model; a limit hit is one Unsupported line."""
+    """``cmd`` under the limits of ``limits`` for the staged model; a limit hit is one Unsupported line."""
     before = set(stage.iterdir())
     limits = limits_for(
         sum(f.stat().st_size for f in before if f.is_file()),
@@ -328,7 +328,7 @@ def _settle(
     binding: JsonDict,
     report: ConversionReport,
 ) -> None:
-    """Make ``optimized`` a graph ORT runs as written when a session loads it (``ort_reload``): a fusion ORT would
+    """Make ``optimized`` a graph ORT runs as written when a session loads it (``reload``): a fusion ORT would
     apply only to the saved graph is undone in the form that computes the original's bits, or refused. Only graphs
     holding the Casts ORT inserts for fp16/bf16 ops need it (what a reload can fold that the first pass could not):
     an fp32 graph skips the extra child."""
@@ -399,7 +399,7 @@ def _op_note(op: str, tally: JsonDict) -> str:
 
 
 def _segments_note(seg: JsonDict) -> str:
-    """How ORT's optimization was split (``ort_segments``): what bounds the child's memory."""
+    """How ORT's optimization was split (``segments``): what bounds the child's memory."""
     largest = f"{seg.get('largest_segment_bytes', 0) / 2**20:.1f} MiB"
     unsafe = seg.get("unsafe_cuts", 0)
     merged = f"; {unsafe} cut(s) changed ORT's graph and were dropped" if unsafe else ""

@@ -8,7 +8,7 @@ by it into ``FusedMatMul(alpha)`` (torch-dynamo fp16 decoders, ORT-optimizer fp1
 
 ``reload_change`` lets ORT load the written graph as a session would (default level, in a bounded child, weights
 above 64 KiB replaced by a sparse file of zeros so the check costs the same for any model size) and compares what it
-runs with what was written (``ortcpu.rounding_change``). ``unfuse_scales`` writes the form that computes the
+runs with what was written (``cpu.rounding_change``). ``unfuse.unfuse_scales`` writes the form that computes the
 original's bits where the fusion is MatMulScaleFusion: the scalar becomes a constant of the other operand's last
 dimension, every element the same value (the same products, element by element), which the fusion does not take
 (it wants a one-element constant). Anything else ORT would change is refused by the caller, naming the fusion.

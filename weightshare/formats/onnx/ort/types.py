@@ -1,6 +1,6 @@
 """Element types of every tensor of an ORT-optimized graph, inferred from ONNX Runtime's own op schemas.
 
-The node-by-node pre-packing (``ort_child.pack``) runs each weight-bearing node alone, so its
+The node-by-node pre-packing (``child.pack``) runs each weight-bearing node alone, so its
 activation inputs need their real types: MatMulNBits takes float/fp16 activations next to uint8
 weights, QLinearMatMul uint8/int8 next to float scales, and a wrong guess makes ORT refuse the node
 (which then keeps no packed copy). The optimized graph ORT saves carries few ``value_info`` entries,
