@@ -88,7 +88,7 @@ def check_packed_payloads(blob: str | os.PathLike[str], info: JsonDict) -> str |
         Why the packed payloads cannot be trusted (the first mismatch, or such a payload without a digest), or
         None when all match.
 
-    A blob that passed is remembered, in this process and in a per-user cache (``formats/onnx/ort/verdict.py``), keyed by its
+    A blob that passed is remembered, in this process and in a per-user cache (``ort/verdict.py``), keyed by its
     (device, inode, size, mtime_ns, ctime_ns) and the SHA-256 of its header: the next process opening the
     same unchanged blob reads its header only. Any change to the file (ctime moves) hashes it again."""
     from .formats.onnx.ort import verdict as ort_verdict
