@@ -13,6 +13,7 @@ ROOT (default: this checkout).
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import pkgutil
 import sys
@@ -110,6 +111,11 @@ PENDING_DRIVER_CIRCLE = frozenset(
 ENTRY_POINTS = frozenset({"weightshare", "weightshare.__main__", "weightshare.cli"})
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
 def modules(root: Path = ROOT) -> dict[str, tuple[Path, bool]]:
     """Dotted name -> (file, is a package) for every ``.py`` file under ``root/weightshare``."""
     found: dict[str, tuple[Path, bool]] = {}
@@ -142,7 +148,7 @@ def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
     known = modules(root)
     graph: dict[str, dict[str, int]] = {name: {} for name in known}
     for name, (path, package) in known.items():
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(_tree(path)):
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             for target in _targets(node, name, package, known):
@@ -246,8 +252,7 @@ def started_by_name(root: Path = ROOT) -> set[str]:
     names: set[str] = set()
     known = modules(root)
     for name, (path, _package) in known.items():
-        tree = ast.parse(path.read_text(), str(path))
-        for node in ast.walk(tree):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known:
                 names.add(node.value)
             if (
