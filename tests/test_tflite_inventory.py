@@ -11,7 +11,7 @@ import pytest
 from tflite_fixtures import sample_model
 
 import weightshare._check as check_mod
-import weightshare._inventory as inventory_mod
+import weightshare._dispatch as inventory_mod
 from weightshare.api import convert
 from weightshare.options import ConvertOptions
 
