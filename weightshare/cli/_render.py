@@ -345,3 +345,28 @@ def _render_batch(reports: list[ConversionReport]) -> None:
             f"total: {t['models']} models, {t['tensors_moved']} payloads moved, {size(t['bytes_written'])} stored, "
             f"{t['wall_time_s']:.2f} s, peak RSS {size_mib(t['peak_rss_mib'])}"
         )
+
+
+def github(lines: list[str]) -> None:
+    """``--format github``: workflow annotations on stdout, one per line (GitHub Actions shows them on the run)."""
+    for line in lines:
+        print(line)
+
+
+def github_conversion(result: ZooReport | FolderReport | list[ConversionReport], output: Path) -> None:
+    """``convert``/``merge --format github``: a notice per model converted, and one per note a report carries."""
+    from .._contract import annotation
+
+    reports = result if isinstance(result, list) else result.models
+    lines = []
+    for r in reports:
+        lines.append(
+            annotation(
+                "notice",
+                f"{r.tensors_moved} payloads moved, {size(r.bytes_written)} stored -> {r.outputs[0]}",
+                r.model,
+                "weightshare convert",
+            )
+        )
+        lines += [annotation("notice", note, r.model, "weightshare convert") for note in r.notes]
+    github(lines)
