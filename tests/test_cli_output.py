@@ -27,6 +27,10 @@ _PROPERTY = r"(file|title|line|endLine|col|endColumn)=[^,:\r\n]*"
 ANNOTATION = re.compile(rf"^::(error|warning|notice)( {_PROPERTY}(,{_PROPERTY})*)?::[^\r\n]+$")
 
 
+def _run(args: list) -> int:
+    return run([str(a) for a in args])
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("github")
@@ -36,7 +40,7 @@ def models(tmp_path_factory):
 
 
 def _github(capsys, *args) -> tuple[int, list[str]]:
-    code = run([*map(str, args), "--format", "github"])
+    code = _run([*map(str, args), "--format", "github"])
     lines = capsys.readouterr().out.splitlines()
     assert lines, args
     bad = [line for line in lines if not ANNOTATION.match(line)]
@@ -103,3 +107,40 @@ def test_ctrl_c_while_the_commands_are_imported_is_one_line_and_exit_130():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 130, res.stderr
     assert res.stderr == "weightshare: error: interrupted; no output was left behind\n"
+
+
+def test_finding_lines_carry_no_fix_and_each_code_fix_is_printed_once(models, capsys):
+    d, a, big = models
+    assert _run(["check", a, big, "--no-measure"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    findings = [line for line in out if not line.startswith("fix: ")]
+    fixes = [line for line in out if line.startswith("fix: ")]
+    assert findings and all("(fix:" not in line for line in findings)
+    codes = [line.removeprefix(f"{a}: ").removeprefix(f"{big}: ").split(": ")[1] for line in findings]
+    # each code that occurs has one fix line, however many models' lines carry it
+    assert sorted(line.split(": ")[1] for line in fixes) == sorted(set(codes))
+    assert len(fixes) < len(findings)
+
+
+def test_a_missing_path_is_no_such_file(models, capsys):
+    d, a, _ = models
+    missing = d / "missing.onnx"
+    assert _run(["check", missing, a, "--no-measure", "-q"]) == 2  # the other model is still checked
+    err = capsys.readouterr().err
+    assert f"weightshare: error: no such file: {missing}\n" in err and "intact copy" not in err
+    assert _run(["inspect", missing]) == 2
+    assert capsys.readouterr().err == f"weightshare: error: no such file: {missing}\n"
+
+
+def test_check_and_inspect_name_their_measuring_stage_on_stderr_only(tmp_path, capsys):
+    """Not a terminal here: the stage line is shown with -v only, on stderr; stdout's JSON stays one document."""
+    import json
+
+    package = F.mlp(tmp_path / "m.mlpackage", seed=0, hidden=32)  # Core ML: no runtime child on Linux, cheap
+    for command in ("inspect", "check"):
+        assert _run([command, package, "--json"]) in (0, 1)
+        quiet = capsys.readouterr()
+        assert "measuring" not in quiet.err
+        assert _run(["-v", command, package, "--json"]) in (0, 1)
+        loud = capsys.readouterr()
+        assert f"{command}: measuring" in loud.err and json.loads(loud.out)["command"] == command

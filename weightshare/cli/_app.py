@@ -152,13 +152,21 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
+def error_line(e: WeightshareError) -> str:
+    """The one line of an input error; a path with nothing there reads ``no such file: PATH`` (the path last, as
+    the shell says it), not the path's problem."""
+    if e.message == "no such file" and e.path:
+        return f"no such file: {e.path}"
+    return e.line()
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn input problems into one line and exit code 2; never a traceback."""
     try:
         yield
     except WeightshareError as e:
-        fail(e.line())
+        fail(error_line(e))
     except Terminated:
         fail("terminated; no output was left behind", 128 + signal.SIGTERM)
     except KeyboardInterrupt:

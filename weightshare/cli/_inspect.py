@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import typer
 
 from ._app import FORMAT_HELP, app, examples, output_format, user_errors
 from ._options import shared_option
-from ._render import VERBOSITY, err, github, info, quiet, render_inventory
+from ._render import VERBOSITY, err, github, info, measuring, quiet, render_findings, render_inventory
 
 
 @app.command(epilog=examples("weightshare inspect model.onnx", "weightshare inspect out/model.onnx --json"))
@@ -35,7 +34,7 @@ def inspect(
     from .._inventory import inventory
 
     how = output_format(as_json, format_)
-    with user_errors():
+    with user_errors(), measuring(not no_measure, f"inspect: measuring {model.name} in runtime child processes"):
         inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
         findings = findings_for(inv)
     if how == "json":
@@ -103,7 +102,7 @@ def check(
     quiet(quiet_)
     how = output_format(as_json, format_, ("text", "json", "github", "sarif"))
     gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)
-    with user_errors():
+    with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes"):
         result = run_gate(models, gate, strict)
     inventories, findings, code = result.inventories, result.findings, result.exit_code
     if how == "json":
@@ -113,8 +112,7 @@ def check(
     elif how == "github":
         github(github_annotations(findings))
     else:
-        for f in findings:  # an unreadable file is bad input: its line goes where every command's errors go
-            print(f.line(), file=sys.stderr if f.code == "unreadable-model" else sys.stdout)
+        render_findings(findings)
         for inv in inventories:
             for note in inv.measure_notes:  # how the figures were made: on stderr, silenced by -q
                 if VERBOSITY["level"] >= 0:
