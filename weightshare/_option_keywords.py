@@ -14,6 +14,7 @@ __all__ = ["ConvertKeywords", "MergeKeywords", "ZooKeywords"]
 class ConvertKeywords(TypedDict, total=False):
     align: int
     align_threshold: int
+    small_align: int
     inline_threshold: int
     keep_packed: bool
     unpack: str | Iterable[str]
@@ -33,6 +34,7 @@ class ConvertKeywords(TypedDict, total=False):
 class ZooKeywords(TypedDict, total=False):
     align: int
     align_threshold: int
+    small_align: int
     inline_threshold: int
     keep_packed: bool
     unpack: str | Iterable[str]
@@ -51,5 +53,6 @@ class ZooKeywords(TypedDict, total=False):
 class MergeKeywords(TypedDict, total=False):
     align: int
     align_threshold: int
+    small_align: int
     progress: Callable[[int], object] | None
     progress_total: Callable[[int], None] | None
