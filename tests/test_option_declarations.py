@@ -111,3 +111,19 @@ def test_options_are_checked_once_per_cli_batch_and_zoo(tmp_path, counted):
     counted.clear()
     weightshare.convert_zoo([a, b], tmp_path / "zoo2", "z")
     assert len(counted) == 1
+
+
+def test_small_align_from_the_cli_and_the_api(tmp_path):
+    """The option added by its declaration alone: `--small-align` / ``small_align`` reach ``AlignPolicy.small``."""
+    src = mlp_onnx(tmp_path / "m.onnx", layers=2, dim=48)  # 9 KiB weights: w1 lies at 64 + 9 KiB by default
+    res = CliRunner().invoke(app, ["convert", str(src), "-o", str(tmp_path / "cli"), "--small-align", "4096", "-q"])
+    assert res.exit_code == 0, res.output
+    by_api = weightshare.convert(src, tmp_path / "api", small_align=4096)
+    for model in (tmp_path / "cli" / "m.onnx", Path(by_api.outputs[0])):
+        moved = [p for p in weightshare.inspect(model, hash_payloads=False).payloads if p.location != "embedded"]
+        assert len(moved) == 2 and all(p.offset % 4096 == 0 for p in moved), [(p.name, p.offset) for p in moved]
+    default = weightshare.convert(src, tmp_path / "default")
+    assert any(p.offset % 4096 for p in weightshare.inspect(default.outputs[0], hash_payloads=False).payloads)
+    assert ConvertOptions.from_keywords({"small_align": 256}).align.small == 256
+    with pytest.raises(weightshare.UsageError, match="power of two"):
+        weightshare.convert(src, tmp_path / "bad", small_align=96)
