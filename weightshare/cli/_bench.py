@@ -71,12 +71,12 @@ def bench(
 
         print(json.dumps(envelope("bench", 0, reports=[result]), indent=2))
     elif how == "github":
-        github(_bench_notices(result))
+        github(bench_notices(result))
     else:
         render_bench(result, plot_path)
 
 
-def _bench_notices(result: dict[str, Any]) -> list[str]:
+def bench_notices(result: dict[str, Any]) -> list[str]:
     """One notice per variant and setting: PSS of the most sessions against one session."""
     from .._contract import annotation
 
@@ -131,18 +131,17 @@ def demo(
 
         print(json.dumps(envelope("demo", 0, reports=[result]), indent=2))
     elif how == "github":
-        from .._contract import annotation
-
-        github(
-            [
-                annotation(
-                    "notice",
-                    f"{sessions} sessions: original {result['ratio_original']:.2f}x one session, converted "
-                    f"{result['ratio_converted']:.2f}x; outputs equal: {result['outputs_equal']}",
-                    str(result["converted"]),
-                    "weightshare demo",
-                )
-            ]
-        )
+        github(demo_notices(result, sessions))
     else:
         render_demo(result, sessions)
+
+
+def demo_notices(result: dict[str, Any], sessions: int) -> list[str]:
+    """``demo --format github``: one notice with the ratios."""
+    from .._contract import annotation
+
+    message = (
+        f"{sessions} sessions: original {result['ratio_original']:.2f}x one session, converted "
+        f"{result['ratio_converted']:.2f}x; outputs equal: {result['outputs_equal']}"
+    )
+    return [annotation("notice", message, str(result["converted"]), "weightshare demo")]
