@@ -11,48 +11,27 @@ from typing import TypedDict
 __all__ = ["ConvertKeywords", "MergeKeywords", "ZooKeywords"]
 
 
-class ConvertKeywords(TypedDict, total=False):
-    align: int
-    align_threshold: int
-    small_align: int
-    inline_threshold: int
-    keep_packed: bool
-    unpack: str | Iterable[str]
-    blob: str | None
-    blob_grace: float
-    external: bool
-    prepack: bool
-    progress: Callable[[int], object] | None
-    progress_total: Callable[[int], None] | None
-    stage: Callable[[str], None] | None
-    ort_child_timeout: float | None
-    ort_child_memory: int | None
-    ort_max_growth: float | None
-    shared_blob: str | None
-
-
-class ZooKeywords(TypedDict, total=False):
-    align: int
-    align_threshold: int
-    small_align: int
-    inline_threshold: int
-    keep_packed: bool
-    unpack: str | Iterable[str]
-    blob: str | None
-    blob_grace: float
-    external: bool
-    prepack: bool
-    progress: Callable[[int], object] | None
-    progress_total: Callable[[int], None] | None
-    stage: Callable[[str], None] | None
-    ort_child_timeout: float | None
-    ort_child_memory: int | None
-    ort_max_growth: float | None
-
-
 class MergeKeywords(TypedDict, total=False):
     align: int
     align_threshold: int
     small_align: int
     progress: Callable[[int], object] | None
     progress_total: Callable[[int], None] | None
+
+
+class ZooKeywords(MergeKeywords, total=False):
+    inline_threshold: int
+    keep_packed: bool
+    unpack: str | Iterable[str]
+    blob: str | None
+    blob_grace: float
+    external: bool
+    prepack: bool
+    stage: Callable[[str], None] | None
+    ort_child_timeout: float | None
+    ort_child_memory: int | None
+    ort_max_growth: float | None
+
+
+class ConvertKeywords(ZooKeywords, total=False):
+    shared_blob: str | None

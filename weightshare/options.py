@@ -413,7 +413,11 @@ def render_keywords() -> str:
         "",
         '__all__ = ["ConvertKeywords", "MergeKeywords", "ZooKeywords"]',
     ]
-    for name, command in (("ConvertKeywords", "convert"), ("ZooKeywords", "zoo"), ("MergeKeywords", "merge")):
-        lines += ["", "", f"class {name}(TypedDict, total=False):"]
-        lines += [f"    {k.name}: {k.annotation}" for k in keywords_of(command)]
+    # each command's keywords are a superset of the one before: a class adds its own to those it inherits
+    base, seen = "TypedDict", set[str]()
+    for name, command in (("MergeKeywords", "merge"), ("ZooKeywords", "zoo"), ("ConvertKeywords", "convert")):
+        own = [k for k in keywords_of(command) if k.name not in seen]
+        lines += ["", "", f"class {name}({base}, total=False):"]
+        lines += [f"    {k.name}: {k.annotation}" for k in own]
+        base, seen = name, seen | {k.name for k in own}
     return "\n".join(lines) + "\n"
