@@ -60,7 +60,11 @@ def _with_keywords(command: Literal["convert", "zoo", "merge"]) -> Callable[[_F]
         for k in keywords_of(command):
             flag = f" (``{k.opt.flag}``)" if k.opt.flag else ""
             lines += textwrap.wrap(
-                f"{k.name}: {k.opt.help}{flag}", 112, initial_indent=" " * 8, subsequent_indent=" " * 12
+                f"{k.name}: {k.opt.help}{flag}",
+                112,
+                initial_indent=" " * 8,
+                subsequent_indent=" " * 12,
+                break_on_hyphens=False,  # a flag stays whole
             )
         func.__doc__ = (func.__doc__ or "").replace(" " * 8 + "<keywords>", "\n".join(lines))
         return func
