@@ -16,9 +16,11 @@ from pathlib import Path
 import coreml_fixtures as F
 import jsonschema
 import pytest
+from test_cli_output import ANNOTATION
 
 from weightshare._contract import COMMANDS, schema_path
 from weightshare._samples import mlp_onnx
+from weightshare.cli._bench import bench_notices, demo_notices
 
 
 def _valid(res, command: str) -> dict:
@@ -78,6 +80,8 @@ def test_inspect_check_verify_bench(models, cli):
     assert _valid(cli("verify", a, out / a.name, "--json"), "verify")["passed"]
     (bench,) = _valid(cli("bench", a, "--sessions", "1", "--json"), "bench")["reports"]
     assert bench["rows"]
+    notices = bench_notices(bench)  # `bench --format github` renders this same result
+    assert notices and all(ANNOTATION.match(line) for line in notices), notices
 
 
 def test_merge(cli, tmp_path):
@@ -95,6 +99,7 @@ def test_demo(cli, tmp_path):
     res = cli("demo", "--dir", tmp_path / "d", "--layers", "1", "--sessions", "2", "--json")
     (result,) = _valid(res, "demo")["reports"]
     assert result["prepacked_outputs_equal"] is True
+    assert all(ANNOTATION.match(line) for line in demo_notices(result, 2))  # `demo --format github`
 
 
 # What GitHub code scanning reads of a SARIF 2.1.0 upload (its documented required properties), as a schema.

@@ -69,6 +69,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "report models and shared machinery",
         (
             "weightshare.options",
+            "weightshare._option_keywords",
             "weightshare.report",
             "weightshare._inventory",
             "weightshare._verify",
@@ -99,13 +100,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ),
 ]
 MAX_UPWARD = 3
-
-# The conversion driver's four modules import each other; the branch that makes them one driver deletes this
-# constant, its use in test_no_import_circle and test_the_driver_circle_exemption_covers_only_the_driver when it
-# lands (that test fails once the circle is gone). Nothing else is exempt.
-PENDING_DRIVER_CIRCLE = frozenset(
-    {"weightshare._convert_api", "weightshare._folder", "weightshare._run", "weightshare._zoo_api"}
-)
 
 # Modules no other module imports that are still part of the product: entry points, the public surface, and
 # modules started as children by name (found as string literals in the package, see ``started_by_name``).
@@ -160,8 +154,8 @@ def import_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
     return graph
 
 
-def circles(graph: dict[str, dict[str, int]], exempt: frozenset[str] = frozenset()) -> list[list[str]]:
-    """The strongly connected groups of more than one module (Tarjan), edges inside ``exempt`` left out."""
+def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -169,7 +163,7 @@ def circles(graph: dict[str, dict[str, int]], exempt: frozenset[str] = frozenset
     found: list[list[str]] = []
 
     def edges(v: str) -> list[str]:
-        return [w for w in graph[v] if not (v in exempt and w in exempt)]
+        return list(graph[v])
 
     def visit(v: str) -> None:  # iterative: no recursion limit on a long chain
         work = [(v, iter(edges(v)))]
@@ -291,7 +285,7 @@ def test_every_module_has_a_layer(graph):
 
 
 def test_no_import_circle(graph):
-    found = circles(graph, PENDING_DRIVER_CIRCLE)
+    found = circles(graph)
     lines = []
     for c in found:
         members = set(c)
@@ -306,14 +300,6 @@ def test_no_import_circle(graph):
 def test_at_most_three_upward_imports(graph):
     found = upward(graph)
     assert len(found) <= MAX_UPWARD, f"{len(found)} upward imports (at most {MAX_UPWARD}):\n" + "\n".join(found)
-
-
-def test_the_driver_circle_exemption_covers_only_the_driver(graph):
-    """The exemption hides no other circle, and goes once it is not needed: while it stands, its modules form a
-    circle of their own and nothing else joins it."""
-    found = [set(c) for c in circles(graph) if set(c) & PENDING_DRIVER_CIRCLE]
-    assert found, "the driver's modules no longer form a circle: delete PENDING_DRIVER_CIRCLE and its exemption"
-    assert all(c <= PENDING_DRIVER_CIRCLE for c in found), f"a circle reaches past the driver's modules: {found}"
 
 
 def test_public_modules_declare_all_and_format_folders_are_internal():
@@ -338,7 +324,7 @@ def test_public_modules_declare_all_and_format_folders_are_internal():
         if exported is None:
             without_all.append(name)
             continue
-        bad_names += [f"{name}.{n}" for n in exported if n not in dir(module) and n not in getattr(module, "_LAZY", {})]
+        bad_names += [f"{name}.{n}" for n in exported if not hasattr(module, n)]  # lazy names (__getattr__) too
     assert sorted(set(names)) == sorted(set(modules())), "pkgutil and the file walk disagree"
     assert not without_all, f"public modules without __all__: {', '.join(without_all)}"
     assert not bad_names, f"__all__ names nothing: {', '.join(bad_names)}"

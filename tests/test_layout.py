@@ -16,7 +16,6 @@ import pytest
 
 import weightshare
 from weightshare import ConvertOptions, UsageError
-from weightshare._convert_api import convert_inputs
 from weightshare._samples import mlp_onnx
 from weightshare.cli._render import size, size_mib
 
@@ -72,7 +71,7 @@ def test_a_model_folder_beside_other_inputs_is_refused(model, tmp_path):
     mlp_onnx(folder / "model.onnx", layers=1, dim=64)
     (folder / "config.json").write_text("{}")
     with pytest.raises(UsageError, match="a model folder is converted on its own"):
-        convert_inputs([folder, model], tmp_path / "out", ConvertOptions())
+        weightshare.convert([folder, model], tmp_path / "out")
 
 
 @pytest.mark.parametrize(
@@ -124,7 +123,7 @@ def _literals(tree: ast.AST) -> list[tuple[int, str]]:
         ):
             skip.add(id(body[0].value))
         # help texts, a command's examples (epilog) and the help panels' titles are documentation
-        if isinstance(node, ast.keyword) and node.arg in ("help", "epilog", "rich_help_panel"):
+        if isinstance(node, ast.keyword) and node.arg in ("help", "epilog", "rich_help_panel", "panel"):
             skip.update(id(n) for n in ast.walk(node.value))
     found = []
     for node in ast.walk(tree):
@@ -177,9 +176,7 @@ def test_format_only_options_are_declared_by_the_formats_and_read_only_there():
         f"{path.relative_to(PACKAGE)}:{node.lineno}: .{node.attr}"
         for path in _shared_modules()
         for node in ast.walk(ast.parse(path.read_text()))
-        if isinstance(node, ast.Attribute)
-        and node.attr in declared
-        and not (isinstance(node.value, ast.Name) and node.value.id == "self")  # _Keywords' own copies
+        if isinstance(node, ast.Attribute) and node.attr in declared
     ]
     assert not reads, "format-only options read outside their formats:\n" + "\n".join(reads)
     # Unpack's members and the CLI's --unpack help are the built-in formats' declarations

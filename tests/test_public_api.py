@@ -186,20 +186,6 @@ def test_check_and_verify_stay_functions_when_their_modules_are_imported():
     assert weightshare.check.__module__ == "weightshare.api"
 
 
-def test_convert_keywords_mirror_the_cli_options():
-    """Every option of `weightshare convert` that is about the conversion is a keyword of weightshare.convert."""
-    from typer.main import get_command
-
-    from weightshare.cli import app
-
-    cli = get_command(app).commands["convert"]  # type: ignore[attr-defined]
-    not_conversion = {"models", "output", "as_json", "quiet_", "shared_blob"}
-    cli_names = {p.name for p in cli.params} - not_conversion
-    sig = inspect.signature(weightshare.convert).parameters
-    keywords = {n for n, p in sig.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    assert cli_names <= keywords, f"CLI options without a keyword: {cli_names - keywords}"
-
-
 def test_convert_takes_keyword_options(tmp_path):
     src = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=64)
     by_keyword = weightshare.convert(src, tmp_path / "a", keep_packed=True, inline_threshold=64)

@@ -94,8 +94,9 @@ def test_check_output_one_line_per_finding_with_severity_and_fix(cli, tmp_path):
     model = _external_model(tmp_path / "m.onnx", "gone.bin", write_data=False)
     res = cli("check", model)
     lines = res.stdout.strip().splitlines()
-    assert res.returncode == 1 and len(lines) == 1
-    assert lines[0].startswith(f"{model}: error: missing-external-file: ") and "(fix: " in lines[0]
+    assert res.returncode == 1 and len(lines) == 2
+    assert lines[0].startswith(f"{model}: error: missing-external-file: ") and "fix" not in lines[0]
+    assert lines[1].startswith("fix: missing-external-file: ")  # each code's fix once, after its findings
     shutil.rmtree(tmp_path)
 
 

@@ -401,7 +401,10 @@ def check(
         except WeightshareError as e:
             if not keep_going:
                 raise
-            findings.append(Finding.of(Code.UNREADABLE_MODEL, str(path), e.message))
+            finding = Finding.of(Code.UNREADABLE_MODEL, str(path), e.message)
+            if e.message == "no such file":  # nothing to replace: the path is wrong
+                finding.fix = "check the path: no file is there"
+            findings.append(finding)
             continue
         inventories.append(inv)
         findings += findings_for(inv, gate)

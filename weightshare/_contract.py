@@ -152,14 +152,19 @@ def _escape(text: str, property_: bool = False) -> str:
     return text.replace(":", "%3A").replace(",", "%2C") if property_ else text
 
 
+def annotation(level: str, message: str, file: str | None = None, title: str | None = None) -> str:
+    """One GitHub Actions workflow command: ``::error file=PATH,title=TITLE::MESSAGE`` (``level``: error, warning
+    or notice), escaped so that a path or message with ``:``, ``,``, ``%`` or a newline stays one annotation."""
+    props = [f"{key}={_escape(value, property_=True)}" for key, value in (("file", file), ("title", title)) if value]
+    return f"::{level}{' ' + ','.join(props) if props else ''}::{_escape(message)}"
+
+
 def github_annotations(findings: Sequence[Finding]) -> list[str]:
     """One ``::error file=...,title=...::message`` line per finding (GitHub Actions workflow commands)."""
-    lines = []
-    for f in findings:
-        title = _escape(f"weightshare {f.code.value}", property_=True)
-        message = _escape(f"{f.message} (fix: {f.fix})")
-        lines.append(f"::{_LEVEL[f.severity]} file={_escape(f.file, property_=True)},title={title}::{message}")
-    return lines
+    return [
+        annotation(_LEVEL[f.severity], f"{f.message} (fix: {f.fix})", f.file, f"weightshare {f.code.value}")
+        for f in findings
+    ]
 
 
 _SARIF_LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "note"}

@@ -1,135 +1,199 @@
-"""The conversion functions: ``convert``, ``convert_folder``, ``convert_many`` (one transaction per call), the
-keyword options they share, and ``merge`` (models into one multifunction model, through the format's ``merge``).
+"""The conversion driver and the public conversion functions.
+
+Every run goes the same way: its options settled (a ``ConvertOptions``, or the keywords derived from it) and
+checked once (``check_options``); its inputs planned (``plan``: one batch of model files, one model folder, or a
+zoo); the plan run by its runner (``run_batch`` here, ``_folder.run_folder``, ``_zoo_api.run_zoo``), which
+commits everything in one transaction. ``weightshare convert`` calls ``convert`` as any user would.
 
 Re-exported by ``weightshare.api``, their public home (import them from there).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+import textwrap
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
-from ._atomic import TMP_PREFIX, OutputTransaction
+from ._atomic import OutputTransaction
 from ._outputs_record import DroppedCompanions, dropped_companions
 from ._paths import check_no_overlap
-from ._placement import ALIGN_THRESHOLD, LARGE_ALIGN, AlignPolicy, Progress
 from ._run import (
     check_input,
     check_options,
     check_outputs,
+    convert_one,
     expand_inputs,
     finish,
     prepare_out_dir,
     reset_peak_rss,
 )
-from ._zoo_api import convert_zoo
-from .errors import OutputError, Unsupported, UsageError
+from .errors import Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
-from .options import BLOB_GRACE_S, INLINE_THRESHOLD, ConvertOptions
+from .options import ConvertOptions, keywords_of
 from .report import ConversionReport, ZooReport
 
 if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
     from ._folder import FolderReport
+    from ._option_keywords import ConvertKeywords, MergeKeywords, ZooKeywords
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
-def convert(
+def _with_keywords(command: Literal["convert", "zoo", "merge"]) -> Callable[[_F], _F]:
+    """Give ``**keywords`` its keywords at run time too: the signature (``help()``, IDEs, typer) and the Args of
+    the docstring list every option ``ConvertOptions`` declares, its default and its help."""
+
+    def wrap(func: _F) -> _F:
+        sig = inspect.signature(func)
+        fixed = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        derived = [
+            inspect.Parameter(k.name, inspect.Parameter.KEYWORD_ONLY, default=k.default, annotation=k.annotation)
+            for k in keywords_of(command)
+        ]
+        func.__signature__ = sig.replace(parameters=fixed + derived)  # type: ignore[attr-defined]
+        lines = []
+        for k in keywords_of(command):
+            flag = f" (``{k.opt.flag}``)" if k.opt.flag else ""
+            lines += textwrap.wrap(
+                f"{k.name}: {k.opt.help}{flag}",
+                112,
+                initial_indent=" " * 8,
+                subsequent_indent=" " * 12,
+                break_on_hyphens=False,  # a flag stays whole
+            )
+        func.__doc__ = (func.__doc__ or "").replace(" " * 8 + "<keywords>", "\n".join(lines))
+        return func
+
+    return wrap
+
+
+def _settle(
+    options: ConvertOptions | None,
+    keywords: Mapping[str, object],
+    command: Literal["convert", "zoo", "merge"] = "convert",
+) -> ConvertOptions:
+    """The run's options: the ``ConvertOptions`` given, or the one its keywords make (not both)."""
+    if options is None:
+        return ConvertOptions.from_keywords(keywords, command)
+    if keywords:
+        raise UsageError("pass the options either as a ConvertOptions or as keywords, not both")
+    return options
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run converts: a batch of models into OUTDIR, one model folder's tree, or a zoo (one shared blob)."""
+
+    kind: Literal["batch", "folder", "zoo"]
+    sources: list[Path]
+
+
+def plan(inputs: Sequence[str | os.PathLike[str]], options: ConvertOptions) -> Plan:
+    """A zoo with ``options.shared_blob``; else a model folder's tree (given alone); else the models (files,
+    globs) as one batch."""
+    if options.shared_blob is not None:
+        return Plan("zoo", expand_inputs(inputs))
+    from ._folder import is_model_folder
+
+    if any(is_model_folder(Path(i)) for i in inputs):
+        if len(inputs) > 1:
+            raise UsageError("a model folder is converted on its own (its tree is reproduced in OUTDIR): give it alone")
+        return Plan("folder", [Path(inputs[0])])
+    return Plan("batch", expand_inputs(inputs))
+
+
+def run(p: Plan, out: Path, options: ConvertOptions) -> list[ConversionReport] | FolderReport | ZooReport:
+    """Run a plan whose options ``check_options`` accepted; every output is committed, or none."""
+    if p.kind == "zoo":
+        from ._zoo_api import run_zoo
+
+        return run_zoo(p.sources, out, options)
+    if p.kind == "folder":
+        from ._folder import run_folder
+
+        return run_folder(p.sources[0], out, options)
+    return run_batch(p.sources, out, options)
+
+
+@overload
+def convert(  # type: ignore[overload-overlap]  # a str is a Sequence too: this first form wins for it
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
     options: ConvertOptions | None = None,
-    *,
-    prepack: bool = False,
-    unpack: str | Iterable[str] = (),
-    keep_packed: bool = False,
-    external: bool = False,
-    blob: str | None = None,
-    blob_grace: float = BLOB_GRACE_S,
-    align: int = LARGE_ALIGN,
-    align_threshold: int = ALIGN_THRESHOLD,
-    inline_threshold: int = INLINE_THRESHOLD,
-    ort_child_timeout: float | None = None,
-    ort_child_memory: int | None = None,
-    ort_max_growth: float | None = None,
-    progress: Progress | None = None,
-) -> ConversionReport:
-    """Convert one model into the directory ``out``; its outputs appear all together or not at all.
+    **keywords: Unpack[ConvertKeywords],
+) -> ConversionReport: ...
 
-    The keyword options are those of ``weightshare convert``; a ``ConvertOptions`` may be passed instead.
+
+@overload
+def convert(
+    src: Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    options: ConvertOptions | None = None,
+    **keywords: Unpack[ConvertKeywords],
+) -> list[ConversionReport] | FolderReport | ZooReport: ...
+
+
+@_with_keywords("convert")
+def convert(
+    src: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    out: str | os.PathLike[str],
+    options: ConvertOptions | None = None,
+    **keywords: Unpack[ConvertKeywords],
+) -> ConversionReport | list[ConversionReport] | FolderReport | ZooReport:
+    """Convert models into the directory ``out``; the outputs of one call appear all together or not at all.
+
+    One model (a path) gives its ``ConversionReport``. A list of inputs is planned as ``weightshare convert`` plans
+    its arguments: with ``shared_blob`` a zoo (``ZooReport``), else one model folder given alone (its tree kept,
+    ``FolderReport``), else the models and globs as one batch (a list of ``ConversionReport``).
+
+    The options are those of ``weightshare convert``, as keywords or as one ``ConvertOptions``; each is declared
+    once, in ``ConvertOptions``.
 
     Args:
-        src: an ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) model; the format is told from its content.
+        src: an ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) model (the format is told from its
+            content), or a list of models, globs or one model folder.
         out: output directory, created if missing.
-        options: all options as one ``ConvertOptions``; the keywords must then keep their defaults.
-        prepack: also store the runtime's pre-packed weights (``--prepack``; ONNX needs onnxruntime).
-        unpack: opt-in unpackings, ``Unpack`` values: ``"sparse"`` (TFLite), ``"ort-cpu"`` (ONNX).
-        keep_packed: do not unpack fp16 + Cast / DEQUANTIZE or typed protobuf fields (``--keep-packed``).
-        external: TFLite: write an external safetensors blob (``--external``).
-        blob: the blob's NAME, written as ``NAME.<digest12>.safetensors`` (default ``MODEL.weights``).
-        blob_grace: seconds an earlier blob no model references any more is kept for readers (``--blob-grace``).
-        align: alignment in bytes of payloads of at least ``align_threshold`` bytes (``--align``).
-        align_threshold: payload size from which ``align`` applies; smaller payloads are 64-byte aligned.
-        inline_threshold: payloads smaller than this many bytes stay inside the model file.
-        ort_child_timeout: wall-time limit in seconds of the onnxruntime child of ``prepack`` / ``unpack=("ort-cpu",)``
-            (``--ort-child-timeout``); None: derived from the model's size.
-        ort_child_memory: that child's address-space limit in MiB (``--ort-child-memory``); None: derived.
-        ort_max_growth: what that child may write, as a multiple of the model's bytes (``--ort-max-growth``);
-            None: 4x, at least 16 MiB.
-        progress: called with a byte count as payload bytes are written.
+        options: all options as one ``ConvertOptions``; then no keyword may be given.
+        <keywords>
 
     Returns:
-        What was written and moved (``ConversionReport.outputs``, byte counts, time, peak RSS).
+        What was written and moved (``ConversionReport.outputs``, byte counts, time, peak RSS); for a list of
+        inputs, the batch's reports, the folder's or the zoo's report.
 
     Raises:
         InvalidModel: ``src`` is not a well-formed model.
         UnsafePath: a path in the model leads outside its directory.
         Unsupported: the model uses something weightshare does not handle.
-        UsageError: contradicting options, an output onto the input, a folder (see ``convert_folder``).
+        UsageError: contradicting options, an output onto the input, a folder given as one path (see
+            ``convert_folder``).
         OutputError: writing failed (disk full, permissions); nothing was left behind.
 
     Example:
         >>> report = weightshare.convert("model.onnx", "out/", prepack=True)
         >>> report.outputs
         ['out/model.onnx', 'out/model.weights.1f2e3d4c5b6a.safetensors']
+        >>> zoo = weightshare.convert(["a.onnx", "b.onnx"], "zoo/", shared_blob="shared")
     """
-    keywords = _Keywords(
-        prepack,
-        unpack,
-        keep_packed,
-        external,
-        blob,
-        blob_grace,
-        align,
-        align_threshold,
-        inline_threshold,
-        ort_child_timeout,
-        ort_child_memory,
-        ort_max_growth,
-    )
-    opts = _options(options, keywords.options(progress))
-    return convert_many([src], out, opts)[0]
+    opts = _settle(options, keywords)
+    check_options(opts)
+    if isinstance(src, (str, os.PathLike)):
+        if opts.shared_blob is not None:
+            raise UsageError("shared_blob makes a zoo: give the models as a list (or use convert_zoo)")
+        return run_batch([Path(src)], Path(out), opts)[0]
+    return run(plan(src, opts), Path(out), opts)
 
 
+@_with_keywords("convert")
 def convert_folder(
     src: str | os.PathLike[str],
     out: str | os.PathLike[str],
     options: ConvertOptions | None = None,
-    *,
-    prepack: bool = False,
-    unpack: str | Iterable[str] = (),
-    keep_packed: bool = False,
-    external: bool = False,
-    blob: str | None = None,
-    blob_grace: float = BLOB_GRACE_S,
-    align: int = LARGE_ALIGN,
-    align_threshold: int = ALIGN_THRESHOLD,
-    inline_threshold: int = INLINE_THRESHOLD,
-    ort_child_timeout: float | None = None,
-    ort_child_memory: int | None = None,
-    ort_max_growth: float | None = None,
-    progress: Progress | None = None,
+    **keywords: Unpack[ConvertKeywords],
 ) -> FolderReport:
     """Convert a model folder (Hugging Face, optimum, onnxruntime-genai, ...) into ``out``, keeping its tree.
 
@@ -141,27 +205,15 @@ def convert_folder(
     Args:
         src: the folder.
         out: output directory, created if missing; neither inside ``src`` nor containing it.
-        options: all options as one ``ConvertOptions``; the keywords must then keep their defaults.
-        prepack: as in ``convert``.
-        unpack: as in ``convert``.
-        keep_packed: as in ``convert``.
-        external: as in ``convert``.
-        blob: as in ``convert``; only for a folder with one model.
-        blob_grace: as in ``convert``.
-        align: as in ``convert``.
-        align_threshold: as in ``convert``.
-        inline_threshold: as in ``convert``.
-        ort_child_timeout: as in ``convert``.
-        ort_child_memory: as in ``convert``.
-        ort_max_growth: as in ``convert``.
-        progress: as in ``convert``.
+        options: all options as one ``ConvertOptions``; then no keyword may be given.
+        <keywords>
 
     Returns:
         A ``FolderReport``: each model's ``ConversionReport`` and the copied files.
 
     Raises:
         UsageError: ``src`` is not a folder (or is a model package), holds no model, overlaps ``out``, or holds a
-            FIFO or device.
+            FIFO or device; ``blob`` with several models.
         Unsupported: a symlink to a directory in ``src``; a model weightshare cannot convert.
         WeightshareError: any of ``convert``'s errors; nothing is written.
 
@@ -170,92 +222,19 @@ def convert_folder(
         >>> [m.model for m in report.models], report.copied[:2]
         (['phi-3-mini-onnx/model.onnx'], ['out/config.json', 'out/genai_config.json'])
     """
-    keywords = _Keywords(
-        prepack,
-        unpack,
-        keep_packed,
-        external,
-        blob,
-        blob_grace,
-        align,
-        align_threshold,
-        inline_threshold,
-        ort_child_timeout,
-        ort_child_memory,
-        ort_max_growth,
-    )
-    opts = _options(options, keywords.options(progress))
+    opts = _settle(options, keywords)
     check_options(opts)
-    from ._folder import convert_folder as run
+    from ._folder import run_folder
 
-    return run(Path(src), Path(out), opts)
-
-
-@dataclass(frozen=True)
-class _Keywords:
-    """The keyword options of ``convert`` / ``convert_folder`` (the CLI's), in their order there."""
-
-    prepack: bool
-    unpack: str | Iterable[str]
-    keep_packed: bool
-    external: bool
-    blob: str | None
-    blob_grace: float
-    align: int
-    align_threshold: int
-    inline_threshold: int
-    ort_child_timeout: float | None
-    ort_child_memory: int | None
-    ort_max_growth: float | None
-
-    def options(self, progress: Progress | None) -> ConvertOptions:
-        return ConvertOptions(
-            align=AlignPolicy(large=self.align, threshold=self.align_threshold),
-            inline_threshold=self.inline_threshold,
-            keep_packed=self.keep_packed,
-            unpack=frozenset([self.unpack] if isinstance(self.unpack, str) else self.unpack),
-            blob_name=self.blob,
-            blob_grace_s=self.blob_grace,
-            external=self.external,
-            prepack=self.prepack,
-            progress=progress,
-            ort_child_timeout_s=self.ort_child_timeout,
-            ort_child_memory_mib=self.ort_child_memory,
-            ort_max_growth=self.ort_max_growth,
-        )
+    return run_folder(Path(src), Path(out), opts)
 
 
-def _options(options: ConvertOptions | None, from_keywords: ConvertOptions) -> ConvertOptions:
-    if options is None:
-        return from_keywords
-    if from_keywords != ConvertOptions():
-        raise UsageError("pass the options either as a ConvertOptions or as keywords, not both")
-    return options
-
-
-def convert_inputs(
-    inputs: Sequence[str | os.PathLike[str]],
-    out_dir: str | os.PathLike[str],
-    options: ConvertOptions,
-    shared_blob: str | None = None,
-) -> ZooReport | FolderReport | list[ConversionReport]:
-    """What ``weightshare convert INPUTS -o OUT [--shared-blob NAME]`` does: a zoo with ``shared_blob``, else a model
-    folder's tree (given alone), else the models (files, folders' models, globs) as one batch."""
-    check_options(options, shared_blob)
-    if shared_blob is not None:
-        return convert_zoo(inputs, out_dir, shared_blob, options)
-    from ._folder import convert_folder as run_folder
-    from ._folder import is_model_folder
-
-    if any(is_model_folder(Path(i)) for i in inputs):
-        if len(inputs) > 1:
-            raise UsageError("a model folder is converted on its own (its tree is reproduced in OUTDIR): give it alone")
-        return run_folder(Path(inputs[0]), Path(out_dir), options)
-    return convert_many(expand_inputs(inputs), out_dir, options)
-
-
+@_with_keywords("convert")
 def convert_many(
-    models: Sequence[str | os.PathLike[str]], out_dir: str | os.PathLike[str], options: ConvertOptions | None = None
+    models: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    options: ConvertOptions | None = None,
+    **keywords: Unpack[ConvertKeywords],
 ) -> list[ConversionReport]:
     """Convert several models into ``out_dir`` in one transaction: every output is committed, or none.
 
@@ -265,7 +244,8 @@ def convert_many(
     Args:
         models: model files or .mlpackage directories (each as ``convert``'s ``src``).
         out_dir: output directory, created if missing; every model is written into it by its file name.
-        options: the options, as ``convert`` takes them (``ConvertOptions.blob_name`` needs a single model).
+        options: all options as one ``ConvertOptions``; then no keyword may be given.
+        <keywords>
 
     Returns:
         One ``ConversionReport`` per model, in order.
@@ -278,14 +258,63 @@ def convert_many(
         >>> [r.outputs[0] for r in reports]
         ['out/a.onnx', 'out/b.tflite']
     """
-    options = options or ConvertOptions()
-    check_options(options)
-    sources = [Path(m) for m in models]
+    opts = _settle(options, keywords)
+    check_options(opts)
+    if opts.shared_blob is not None:
+        raise UsageError("shared_blob makes a zoo: use convert_zoo (or convert with a list)")
+    return run_batch([Path(m) for m in models], Path(out_dir), opts)
+
+
+@_with_keywords("zoo")
+def convert_zoo(
+    models: Sequence[str | os.PathLike[str]],
+    out_dir: str | os.PathLike[str],
+    shared_blob: str,
+    options: ConvertOptions | None = None,
+    **keywords: Unpack[ZooKeywords],
+) -> ZooReport:
+    """Convert many models into ``out_dir`` so that all of them reference one blob, ``shared_blob``.
+
+    Each distinct payload (same bytes after unpacking) is stored once, in
+    ``<shared_blob>.<digest12>.safetensors`` (``.safetensors`` stripped from the name first). The new blob
+    and every model are committed in one transaction, each model by one rename: a reader opening
+    a model sees the old one with the old blob or the new one with the new blob. Models of the
+    previous zoo that are not in this one are removed; the old blob stays for the grace period.
+
+    Args:
+        models: model files, folders (their models, not their subfolders) or globs; ONNX, or TFLite with
+            ``external=True``.
+        out_dir: the zoo directory: new, empty, or written by an earlier ``convert_zoo``.
+        shared_blob: the blob's NAME (``--shared-blob``).
+        options: all options as one ``ConvertOptions``; then no keyword may be given.
+        <keywords>
+
+    Returns:
+        A ``ZooReport``: the blob, each model's report, and the totals that show the deduplication.
+
+    Raises:
+        UsageError: no models, ``out_dir`` not a zoo, an input inside ``out_dir``, ``blob``, a folder with
+            models in subfolders.
+        WeightshareError: any of ``convert``'s errors; nothing is written.
+
+    Example:
+        >>> zoo = weightshare.convert_zoo(["a.onnx", "b.onnx"], "zoo/", "shared")
+        >>> zoo.blob
+        'zoo/shared.0a1b2c3d4e5f.safetensors'
+    """
+    opts = replace(_settle(options, keywords, "zoo"), shared_blob=shared_blob)
+    check_options(opts)
+    from ._zoo_api import run_zoo
+
+    return run_zoo(expand_inputs(models), Path(out_dir), opts)
+
+
+def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[ConversionReport]:
+    """Models into ``out`` in one transaction (``convert_many``, documented there), options checked."""
     if not sources:
         raise UsageError("no models to convert (none given, or a glob that matched nothing)")
     if options.blob_name is not None and len(sources) > 1:
         raise UsageError("--blob names one model's blob; with several models use --shared-blob or leave it out")
-    out = Path(out_dir)
     check_outputs(sources, [out / s.name for s in sources])
     for s in sources:
         check_input(s)
@@ -310,20 +339,6 @@ def convert_many(
     return reports
 
 
-def convert_one(fmt: Format, src: Path, out: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
-    """One model's conversion; a write error (EFBIG, ENOSPC) names the output it was writing."""
-    try:
-        return fmt.convert(src, out, options, tx)
-    except OutputError as e:
-        if e.path is None or Path(e.path).name.startswith(TMP_PREFIX):
-            raise OutputError(e.message, out / src.name) from None
-        raise
-    except OSError as e:
-        if e.filename is None or Path(str(e.filename)).name.startswith(TMP_PREFIX):
-            raise OutputError(f"cannot write the output: {e.strerror or e}", out / src.name) from None
-        raise
-
-
 def _every_output(
     sources: list[Path], formats: list[Format], out: Path, options: ConvertOptions
 ) -> tuple[list[Path], list[Path]]:
@@ -339,12 +354,14 @@ def _every_output(
     return [s for s, _ in pairs], [o for _, o in pairs]
 
 
+@_with_keywords("merge")
 def merge(
     sources: Sequence[str | os.PathLike[str]],
     out: str | os.PathLike[str],
     function_names: list[str] | None = None,
     default_function: str | None = None,
     options: ConvertOptions | None = None,
+    **keywords: Unpack[MergeKeywords],
 ) -> ConversionReport:
     """Merge Core ML packages into one multifunction .mlpackage, storing each distinct weight once.
 
@@ -353,7 +370,8 @@ def merge(
         out: the output .mlpackage.
         function_names: a function name for each source, in order (default: each source's stem).
         default_function: the function run by default (default: the first).
-        options: ``ConvertOptions``; only ``align`` and the progress callbacks apply.
+        options: ``ConvertOptions``; only ``align`` and the progress callbacks apply; then no keyword may be given.
+        <keywords>
 
     Returns:
         The ``ConversionReport`` of the merged package.
@@ -366,7 +384,7 @@ def merge(
     Example:
         >>> weightshare.merge(["small.mlpackage", "large.mlpackage"], "both.mlpackage", ["small", "large"])
     """
-    options = options or ConvertOptions()
+    options = _settle(options, keywords, "merge")
     out = Path(out)
     paths = [Path(s) for s in sources]
     check_no_overlap(paths, [out])

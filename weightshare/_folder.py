@@ -17,17 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
-from ._convert_api import convert_one
 from ._outputs_record import record_run
 from ._paths import check_utf8_path
-from ._run import finish, prepare_out_dir, reset_peak_rss
+from ._run import convert_one, finish, prepare_out_dir, reset_peak_rss
 from ._tensors import open_input
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import detect, model_suffixes
 from .options import ConvertOptions
 from .report import ConversionReport
 
-__all__ = ["FolderPlan", "FolderReport", "convert_folder", "copy_file", "is_model_folder", "plan_folder"]
+__all__ = ["FolderPlan", "FolderReport", "copy_file", "is_model_folder", "plan_folder", "run_folder"]
 
 
 @dataclass
@@ -52,8 +51,8 @@ class FolderReport:
         }
 
 
-def convert_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderReport:
-    """``weightshare.convert_folder`` (documented there), after its options are settled."""
+def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderReport:
+    """``weightshare.convert_folder`` (documented there), after its options are checked (``check_options``)."""
     if not is_model_folder(folder):
         raise UsageError("is not a folder of models (for one model, use convert)", folder)
     a, b = folder.resolve(), out_dir.resolve()

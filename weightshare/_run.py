@@ -1,4 +1,4 @@
-"""What every public function does around a run: its inputs and outputs checked before anything is read,
+"""What every conversion run does around its work: its inputs and outputs checked before anything is read,
 the option conflicts refused (the one place that checks them), the output directory prepared, time and peak RSS.
 """
 
@@ -9,18 +9,15 @@ import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
 from ._format_options import check_unpack
 from ._paths import check_no_overlap
 from .errors import OutputError, UsageError
-from .formats import model_suffixes, registered
+from .formats import Format, model_suffixes, registered
 from .options import ConvertOptions
-from .report import ConversionReport, ZooReport
-
-if TYPE_CHECKING:  # imported where used: `convert` needs none of them (start-up time)
-    from ._folder import FolderReport
+from .report import ConversionReport
 
 
 def reset_peak_rss() -> None:
@@ -74,7 +71,12 @@ def check_input(src: Path) -> None:
     raise UsageError("is not a regular file (a FIFO, socket or device); refusing to read it", src)
 
 
-_Timed = TypeVar("_Timed", ConversionReport, ZooReport, "FolderReport")  # _folder.py times its report too
+class _Report(Protocol):
+    wall_time_s: float
+    peak_rss_mib: float
+
+
+_Timed = TypeVar("_Timed", bound=_Report)  # a model's, a zoo's, a folder's report
 
 
 def finish(report: _Timed, start: float) -> _Timed:
@@ -93,11 +95,26 @@ def add_child_peak(report: ConversionReport) -> None:
         report.peak_rss_mib = round(report.peak_rss_mib + child, 1)
 
 
-def check_options(options: ConvertOptions, shared_blob: str | None = None) -> None:
-    """Options that exclude each other, refused before anything is read (the one place that checks them)."""
+def check_options(options: ConvertOptions) -> None:
+    """Options that exclude each other, refused before anything is read (the one place that checks them; the
+    public functions call it once per run, the runners they call never again)."""
     check_unpack(options.unpack, options.keep_packed, registered())  # what the formats declare (Format.options)
-    if shared_blob is not None and options.blob_name is not None:
+    if options.shared_blob is not None and options.blob_name is not None:
         raise UsageError("--blob and --shared-blob exclude each other")
+
+
+def convert_one(fmt: Format, src: Path, out: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
+    """One model's conversion; a write error (EFBIG, ENOSPC) names the output it was writing."""
+    try:
+        return fmt.convert(src, out, options, tx)
+    except OutputError as e:
+        if e.path is None or Path(e.path).name.startswith(TMP_PREFIX):
+            raise OutputError(e.message, out / src.name) from None
+        raise
+    except OSError as e:
+        if e.filename is None or Path(str(e.filename)).name.startswith(TMP_PREFIX):
+            raise OutputError(f"cannot write the output: {e.strerror or e}", out / src.name) from None
+        raise
 
 
 def check_outputs(sources: list[Path], outputs: list[Path]) -> None:

@@ -1,14 +1,10 @@
-"""``convert_zoo``: many models into one directory, all of them referencing one shared blob.
-
-Re-exported by ``weightshare.api``, their public home (import them from there).
-"""
+"""A zoo: many models into one directory, all of them referencing one shared blob (``weightshare.convert_zoo``,
+``weightshare.convert(..., shared_blob=NAME)``)."""
 
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,15 +13,7 @@ from ._atomic import CommitHook, OutputTransaction
 from ._disk import DiskPeak
 from ._paths import plain_file_name
 from ._pipeline import PreparedModel, blob_target, write_models
-from ._run import (
-    check_input,
-    check_options,
-    check_outputs,
-    expand_inputs,
-    finish,
-    prepare_out_dir,
-    reset_peak_rss,
-)
+from ._run import check_input, check_outputs, finish, prepare_out_dir, reset_peak_rss
 from .errors import Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
 from .options import ConvertOptions
@@ -63,47 +51,14 @@ class _DropRemovedModels(CommitHook):
                 pass
 
 
-def convert_zoo(
-    models: Sequence[str | os.PathLike[str]],
-    out_dir: str | os.PathLike[str],
-    shared_blob: str,
-    options: ConvertOptions | None = None,
-) -> ZooReport:
-    """Convert many models into ``out_dir`` so that all of them reference one blob, ``shared_blob``.
-
-    Each distinct payload (same bytes after unpacking) is stored once, in
-    ``<shared_blob>.<digest12>.safetensors`` (``.safetensors`` stripped from the name first). The new blob
-    and every model are committed in one transaction, each model by one rename: a reader opening
-    a model sees the old one with the old blob or the new one with the new blob. Models of the
-    previous zoo that are not in this one are removed; the old blob stays for the grace period.
-
-    Args:
-        models: model files, folders (their models, not their subfolders) or globs; ONNX, or TFLite with
-            ``ConvertOptions(external=True)``.
-        out_dir: the zoo directory: new, empty, or written by an earlier ``convert_zoo``.
-        shared_blob: the blob's NAME (``--shared-blob``).
-        options: the options, as ``convert`` takes them; ``prepack`` is refused (a prepacked model needs its
-            own blob).
-
-    Returns:
-        A ``ZooReport``: the blob, each model's report, and the totals that show the deduplication.
-
-    Raises:
-        UsageError: no models, ``out_dir`` not a zoo, an input inside ``out_dir``, ``prepack``, a folder with
-            models in subfolders.
-        WeightshareError: any of ``convert``'s errors; nothing is written.
-
-    Example:
-        >>> zoo = weightshare.convert_zoo(["a.onnx", "b.onnx"], "zoo/", "shared")
-        >>> zoo.blob
-        'zoo/shared.0a1b2c3d4e5f.safetensors'
-    """
-    options = options or ConvertOptions()
-    check_options(options, shared_blob)
-    sources = expand_inputs(models)
+def run_zoo(sources: list[Path], out: Path, options: ConvertOptions) -> ZooReport:
+    """``weightshare.convert_zoo`` (documented there): ``sources`` expanded, options checked (``check_options``),
+    ``options.shared_blob`` set."""
+    shared_blob = options.shared_blob
+    if shared_blob is None:
+        raise UsageError("a zoo needs its blob's name (--shared-blob)")
     if not sources:
         raise UsageError("no models to convert")
-    out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise UsageError("output must be a directory", out)
     if out.exists() and any(out.iterdir()) and not (out / _ZOO_MARKER).exists():

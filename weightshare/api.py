@@ -8,9 +8,8 @@ Example:
 
 from __future__ import annotations
 
-from ._convert_api import convert, convert_folder, convert_many, merge
+from ._convert_api import convert, convert_folder, convert_many, convert_zoo, merge
 from ._inspect_api import CheckReport, check, inspect, verify
-from ._zoo_api import convert_zoo
 
 __all__ = [
     "CheckReport",

@@ -1,23 +1,38 @@
 """The `weightshare` command: a thin Typer layer over ``weightshare.api``.
 
 ``_app``: the app, its global options and the exit mapping (0 ok, 1 a check or verify found a problem, 2 bad
-input or usage); ``_render``: every table and line printed; one module per command group: ``_convert``
-(convert, merge), ``_inspect`` (inspect, check), ``_verify`` (verify), ``_bench`` (bench, demo).
+input or usage); ``_render``: every table and line printed; ``_options``: the conversion options' parameters,
+derived from ``ConvertOptions``; one module per command group: ``_convert`` (convert, merge), ``_inspect``
+(inspect, check), ``_verify`` (verify), ``_bench`` (bench, demo); ``_commands`` registers them.
+
+This module imports nothing heavy: the entry point ``main`` loads the app (typer, rich, every command) inside its
+own Ctrl-C handling, so an interrupt during those imports is one line and exit 130, not a traceback.
 """
 
 from __future__ import annotations
 
-from typer.core import TyperCommand
+import sys
+from typing import TYPE_CHECKING, Any
 
-from . import _bench, _convert, _inspect, _verify  # noqa: F401  (each registers its commands on ``app``)
-from ._app import _Command, app, main
+if TYPE_CHECKING:
+    from ._commands import app
 
 __all__ = ["app", "main"]
 
-# `weightshare --help` lists the commands in the order of the work: convert, then look, gate, verify, measure.
-_WORKFLOW = ("convert", "merge", "inspect", "check", "verify", "bench", "demo")
-app.registered_commands.sort(key=lambda info: _WORKFLOW.index(info.name or info.callback.__name__))  # type: ignore[union-attr]
 
-for _info in app.registered_commands:  # every command renders its help like the group (see _Command)
-    if _info.cls in (None, TyperCommand):
-        _info.cls = _Command
+def main() -> None:
+    """``weightshare``'s entry point."""
+    try:
+        from ._commands import main as run
+    except KeyboardInterrupt:  # Ctrl-C while the commands are imported, before run() has its own handling
+        sys.stderr.write("weightshare: error: interrupted; no output was left behind\n")
+        sys.exit(130)
+    run()
+
+
+def __getattr__(name: str) -> Any:
+    if name == "app":
+        from ._commands import app
+
+        return app
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -97,18 +97,45 @@ def _global(
     VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
 
 
-# Set by main() when the command line asks for --json: a failure is then one JSON document on stdout too (the
-# envelope with the error; the one line stays on stderr), so a script reading stdout never gets an empty document.
-JSON_ERRORS: dict[str, str | None] = {"command": None}
+# Set by main() from the command line's --json / --format: a failure is then one JSON document (or one `::error`
+# annotation) on stdout too, the one line staying on stderr, so a script reading stdout never gets nothing.
+JSON_ERRORS: dict[str, str | None] = {"command": None, "format": None}
+
+FORMAT_HELP = "Output: text, json (same as --json) or github (workflow annotations: ::error, ::warning, ::notice)."
+
+
+def output_format(as_json: bool, given: str, allowed: tuple[str, ...] = ("text", "json", "github")) -> str:
+    """The command's output format: ``--json`` is ``--format json``; any other value is one usage line."""
+    if given not in allowed:
+        fail(f"--format takes {', '.join(allowed[:-1])} or {allowed[-1]}, got {given!r}")
+    return "json" if as_json else given
 
 
 def json_error(message: str, code: int) -> None:
-    command = JSON_ERRORS["command"]
-    if command is not None:
+    command, form = JSON_ERRORS["command"], JSON_ERRORS["format"]
+    if command is not None and form == "json":
         from .._contract import error_document
 
         sys.stdout.write(json.dumps(error_document(command, message, code), ensure_ascii=True) + "\n")
         sys.stdout.flush()
+    elif command is not None and form == "github":
+        from .._contract import annotation
+
+        sys.stdout.write(annotation("error", message, title=f"weightshare {command}".rstrip()) + "\n")
+        sys.stdout.flush()
+
+
+def asked_format(options: list[str]) -> str | None:
+    """The output format the command line asks for: ``--json``, ``--format X`` or ``--format=X`` (None: text)."""
+    form = None
+    for i, a in enumerate(options):
+        if a == "--json":
+            return "json"
+        if a.startswith("--format="):
+            form = a.partition("=")[2]
+        elif a == "--format" and i + 1 < len(options):
+            form = options[i + 1]
+    return "json" if form == "sarif" else form if form in ("json", "github") else None
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -125,13 +152,21 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
+def error_line(e: WeightshareError) -> str:
+    """The one line of an input error; a path with nothing there reads ``no such file: PATH`` (the path last, as
+    the shell says it), not the path's problem."""
+    if e.message == "no such file" and e.path:
+        return f"no such file: {e.path}"
+    return e.line()
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """Turn input problems into one line and exit code 2; never a traceback."""
     try:
         yield
     except WeightshareError as e:
-        fail(e.line())
+        fail(error_line(e))
     except Terminated:
         fail("terminated; no output was left behind", 128 + signal.SIGTERM)
     except KeyboardInterrupt:
@@ -192,6 +227,16 @@ def _run_app(args: list[str]) -> int:
     return code if isinstance(code, int) else 0
 
 
+def run(argv: list[str]) -> int:
+    """One command line, as ``main`` runs it (without its process-wide set-up): its exit code."""
+    args = hoist_global_flags(argv)
+    options = args[: args.index("--")] if "--" in args else args
+    JSON_ERRORS["format"] = asked_format(options)
+    JSON_ERRORS["command"] = _command_name(args) if JSON_ERRORS["format"] else None
+    VERBOSITY["level"] = 0
+    return _run_app(args)
+
+
 def main() -> None:
     # A file size limit (RLIMIT_FSIZE, quota-like) must surface as an EFBIG write error that we clean up
     # after, not as a SIGXFSZ that kills the process and leaves temporaries behind.
@@ -206,14 +251,10 @@ def main() -> None:
     # numpy is imported (fp16 unpacking), about 0.03-0.05 CPU s. The command's own children inherit it; none of
     # them multiplies matrices with numpy either (ONNX Runtime and LiteRT have their own thread pools).
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-    args = hoist_global_flags(sys.argv[1:])
-    options = args[: args.index("--")] if "--" in args else args
-    json_asked = "--json" in options or any(a in ("--format=json", "--format=sarif") for a in options)
-    JSON_ERRORS["command"] = _command_name(args) if json_asked else None
     if os.environ.get("WEIGHTSHARE_DEBUG"):
-        sys.exit(_run_app(args))
+        sys.exit(run(sys.argv[1:]))
     try:
-        sys.exit(_run_app(args))
+        sys.exit(run(sys.argv[1:]))
     except SystemExit:
         raise
     except KeyboardInterrupt as e:  # outside a command's own handling (argument parsing, imports)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
-from ._app import _pairs, app, examples, fail, user_errors
-from ._render import err, info, render_bench, render_demo, size, stage
+from ._app import FORMAT_HELP, _pairs, app, examples, fail, output_format, user_errors
+from ._render import err, github, info, render_bench, render_demo, size, stage
 
 
 @app.command(
@@ -25,6 +26,7 @@ def bench(
     inputs: list[str] = typer.Option(
         [], "--input", help="TFLite: real values for an input, NAME=FILE.npy, instead of random ones. Repeatable."
     ),
+    format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
 ) -> None:
     """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
 
@@ -35,6 +37,8 @@ def bench(
     from .._bench import bench as run_bench
     from .._bench import plot
 
+    how = output_format(as_json, format_)
+    as_json = how != "text"  # no spinner under machine output
     with user_errors():
         try:
             counts = sorted({int(x) for x in sessions.split(",") if x.strip()})
@@ -62,12 +66,33 @@ def bench(
         if plot_path is not None:
             plot(result, plot_path)
             result["plot"] = str(plot_path)
-    if as_json:
+    if how == "json":
         from .._contract import envelope
 
         print(json.dumps(envelope("bench", 0, reports=[result]), indent=2))
-        return
-    render_bench(result, plot_path)
+    elif how == "github":
+        github(bench_notices(result))
+    else:
+        render_bench(result, plot_path)
+
+
+def bench_notices(result: dict[str, Any]) -> list[str]:
+    """One notice per variant and setting: PSS of the most sessions against one session."""
+    from .._contract import annotation
+
+    groups: dict[tuple[str, str], list[float]] = {}
+    for r in result["rows"]:
+        groups.setdefault((r["variant"], r["mode"]), []).append(r["pss_mib"])
+    return [
+        annotation(
+            "notice",
+            f"{variant} {mode}: {pss[-1]:.1f} MiB PSS after {result['sessions'][-1]} sessions, "
+            f"{pss[-1] / pss[0]:.2f}x one session",
+            str(result["model"]),
+            "weightshare bench",
+        )
+        for (variant, mode), pss in groups.items()
+    ]
 
 
 @app.command(epilog=examples("weightshare demo", "weightshare demo --clean"))
@@ -77,14 +102,17 @@ def demo(
         "--dir",
         help="Where to put the sample models (56 MiB per layer: ~675 MiB with the default 12 layers).",
     ),
-    sessions: int = typer.Option(4, "--sessions", help="ONNX Runtime sessions to open per variant."),
-    layers: int = typer.Option(12, "--layers", help="MLP layers of 2048x2048 fp16 weights (8 MiB each)."),
+    sessions: int = typer.Option(4, "--sessions", min=1, help="ONNX Runtime sessions to open per variant."),
+    layers: int = typer.Option(12, "--layers", min=1, help="MLP layers of 2048x2048 fp16 weights (8 MiB each)."),
     clean: bool = typer.Option(False, "--clean", help="Remove the demo directory (--dir) and exit."),
     as_json: bool = typer.Option(False, "--json", help="Print the results as one JSON document."),
+    format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
 ) -> None:
     """Build a sample fp16 ONNX model, convert it, and show the memory of N sessions before and after."""
     from .._demo import clean_demo, run_demo
 
+    how = output_format(as_json, format_)
+    as_json = how != "text"
     with user_errors():
         if clean:
             removed = clean_demo(workdir)
@@ -98,9 +126,22 @@ def demo(
                 f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})"
             )
         result = run_demo(workdir, sessions, layers, progress=stage)
-    if as_json:
+    if how == "json":
         from .._contract import envelope
 
         print(json.dumps(envelope("demo", 0, reports=[result]), indent=2))
-        return
-    render_demo(result, sessions)
+    elif how == "github":
+        github(demo_notices(result, sessions))
+    else:
+        render_demo(result, sessions)
+
+
+def demo_notices(result: dict[str, Any], sessions: int) -> list[str]:
+    """``demo --format github``: one notice with the ratios."""
+    from .._contract import annotation
+
+    message = (
+        f"{sessions} sessions: original {result['ratio_original']:.2f}x one session, converted "
+        f"{result['ratio_converted']:.2f}x; outputs equal: {result['outputs_equal']}"
+    )
+    return [annotation("notice", message, str(result["converted"]), "weightshare demo")]

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import typer
 
-from ..options import INLINE_THRESHOLD
-from ._app import app, examples, fail, user_errors
-from ._render import VERBOSITY, err, info, quiet, render_inventory
+from ._app import FORMAT_HELP, app, examples, output_format, user_errors
+from ._options import shared_option
+from ._render import VERBOSITY, err, github, info, measuring, quiet, render_findings, render_inventory
 
 
 @app.command(epilog=examples("weightshare inspect model.onnx", "weightshare inspect out/model.onnx --json"))
@@ -18,10 +17,11 @@ def inspect(
     model: Path = typer.Argument(..., help="An ONNX, TFLite or Core ML model."),
     as_json: bool = typer.Option(False, "--json", help="Print the inventory and findings as one JSON document."),
     no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
-    limit: int = typer.Option(40, "--limit", help="Payload rows to show (largest first); 0 for all."),
+    limit: int = typer.Option(40, "--limit", min=0, help="Payload rows to show (largest first); 0 for all."),
     no_measure: bool = typer.Option(
         False, "--no-measure", help="Static per-session estimate only (do not ask onnxruntime in child processes)."
     ),
+    format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
 ) -> None:
     """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
 
@@ -30,16 +30,19 @@ def inspect(
     XNNPACK, and CompiledModel with a weight cache), followed by check's findings.
     """
     from .._check import findings_for
-    from .._contract import inspect_document
+    from .._contract import github_annotations, inspect_document
     from .._dispatch import inventory
 
-    with user_errors():
+    how = output_format(as_json, format_)
+    with user_errors(), measuring(not no_measure, f"inspect: measuring {model.name} in runtime child processes"):
         inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
         findings = findings_for(inv)
-    if as_json:
+    if how == "json":
         print(json.dumps(inspect_document(inv, findings), indent=2))
-        return
-    render_inventory(inv, findings, limit)
+    elif how == "github":
+        github(github_annotations(findings))
+    else:
+        render_inventory(inv, findings, limit)
 
 
 @app.command(
@@ -52,8 +55,8 @@ def inspect(
 def check(
     models: list[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),
-    inline_threshold: int = typer.Option(
-        INLINE_THRESHOLD, "--inline-threshold", help="Embedded payloads below this size are fine."
+    inline_threshold: int = shared_option(  # convert's --inline-threshold: its default and range
+        "inline_threshold", help="Embedded payloads below this size are fine.", rich_help_panel=None
     ),
     strict: bool = typer.Option(
         False,
@@ -70,9 +73,9 @@ def check(
         "options; litert-xnnpack; a --prepack output as weightshare's loader opens it).",
     ),
     threshold: int = typer.Option(
-        1 << 20, "--threshold", help="Bytes per session a copy may cost before it is an error (default 1 MiB)."
+        1 << 20, "--threshold", min=0, help="Bytes per session a copy may cost before it is an error (default 1 MiB)."
     ),
-    output_format: str = typer.Option(
+    format_: str = typer.Option(
         "text",
         "--format",
         help="text, json (same as --json), github (workflow annotations) or sarif (SARIF 2.1.0, for code scanning).",
@@ -97,22 +100,19 @@ def check(
     from .._contract import check_document, github_annotations, sarif_document
 
     quiet(quiet_)
-    if output_format not in ("text", "json", "github", "sarif"):
-        fail(f"--format takes text, json, github or sarif, got {output_format!r}")
+    how = output_format(as_json, format_, ("text", "json", "github", "sarif"))
     gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)
-    with user_errors():
+    with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes"):
         result = run_gate(models, gate, strict)
     inventories, findings, code = result.inventories, result.findings, result.exit_code
-    if as_json or output_format == "json":
+    if how == "json":
         print(json.dumps(check_document(inventories, findings, gate, strict), indent=2))
-    elif output_format == "sarif":
+    elif how == "sarif":
         print(json.dumps(sarif_document(findings), indent=2))
-    elif output_format == "github":
-        for line in github_annotations(findings):
-            print(line)
+    elif how == "github":
+        github(github_annotations(findings))
     else:
-        for f in findings:  # an unreadable file is bad input: its line goes where every command's errors go
-            print(f.line(), file=sys.stderr if f.code == "unreadable-model" else sys.stdout)
+        render_findings(findings)
         for inv in inventories:
             for note in inv.measure_notes:  # how the figures were made: on stderr, silenced by -q
                 if VERBOSITY["level"] >= 0:

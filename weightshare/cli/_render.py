@@ -238,8 +238,49 @@ def render_inventory(inv: ModelInventory, findings: list[Finding], limit: int) -
         )
     for note in inv.notes + inv.measure_notes:
         out.print(f"note: {note}")
+    render_findings(findings, with_file=False)
+
+
+def finding_line(f: Finding, with_file: bool = True) -> str:
+    """One finding without its fix (``render_findings`` prints each code's fix once)."""
+    return f"{f.file + ': ' if with_file else ''}{f.severity.value}: {f.code.value}: {f.message}"
+
+
+def render_findings(findings: list[Finding], with_file: bool = True) -> None:
+    """One line per finding, then the fix of each code once (a batch of models repeats a code on many lines).
+
+    A file that could not be read is bad input: its line goes to stderr, where every command's errors go; a path
+    with no file at all is said so (``no such file: PATH``), with no fix to give but the path."""
+    fixes: dict[str, str] = {}
     for f in findings:
-        out.print(f"{f.severity.value}: {f.code.value}: {f.message} (fix: {f.fix})")
+        if f.code.value == "unreadable-model":
+            missing = f.message == "no such file"
+            line = f"weightshare: error: no such file: {f.file}" if missing else finding_line(f, with_file)
+            print(line, file=sys.stderr)
+            if missing:
+                continue
+        else:
+            print(finding_line(f, with_file))
+        fixes.setdefault(f.code.value, f.fix)
+    for code, fix in fixes.items():
+        print(f"fix: {code}: {fix}", file=sys.stderr if code == "unreadable-model" else sys.stdout)
+
+
+@contextmanager
+def measuring(enabled: bool, what: str) -> Iterator[None]:
+    """A stage line on stderr while a command waits for its runtime children (check, inspect): a spinner on a
+    terminal, one plain line with -v elsewhere (a CI log), nothing with -q or when ``enabled`` is false. Never on
+    stdout: JSON there stays clean."""
+    if not enabled or VERBOSITY["level"] < 0:
+        yield
+        return
+    if sys.stderr.isatty():
+        with err.status(f"{what} ..."):
+            yield
+        return
+    if VERBOSITY["level"] > 0:
+        err.print(f"{what} ...", markup=False, highlight=False, soft_wrap=True)
+    yield
 
 
 def render_bench(result: JsonDict, plot_path: Path | None) -> None:
@@ -345,3 +386,28 @@ def _render_batch(reports: list[ConversionReport]) -> None:
             f"total: {t['models']} models, {t['tensors_moved']} payloads moved, {size(t['bytes_written'])} stored, "
             f"{t['wall_time_s']:.2f} s, peak RSS {size_mib(t['peak_rss_mib'])}"
         )
+
+
+def github(lines: list[str]) -> None:
+    """``--format github``: workflow annotations on stdout, one per line (GitHub Actions shows them on the run)."""
+    for line in lines:
+        print(line)
+
+
+def github_conversion(result: ZooReport | FolderReport | list[ConversionReport], output: Path) -> None:
+    """``convert``/``merge --format github``: a notice per model converted, and one per note a report carries."""
+    from .._contract import annotation
+
+    reports = result if isinstance(result, list) else result.models
+    lines = []
+    for r in reports:
+        lines.append(
+            annotation(
+                "notice",
+                f"{r.tensors_moved} payloads moved, {size(r.bytes_written)} stored -> {r.outputs[0]}",
+                r.model,
+                "weightshare convert",
+            )
+        )
+        lines += [annotation("notice", note, r.model, "weightshare convert") for note in r.notes]
+    github(lines)

@@ -10,8 +10,12 @@ from typing import Any
 import typer
 
 from ..errors import WeightshareError
-from ._app import _pairs, app, examples, fail, user_errors
-from ._render import info, quiet
+from ._app import FORMAT_HELP, _pairs, app, examples, fail, output_format, user_errors
+from ._render import github, info, quiet
+
+# Each run is a full inference of both models in every runtime leg; beyond this a typo (--runs 30000) would run
+# for hours rather than check more.
+MAX_RUNS = 1000
 
 
 def _quiet_runtime_exit(model: Path) -> None:
@@ -56,7 +60,7 @@ def _verify_args(
 def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
-    runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
+    runs: int = typer.Option(3, "--runs", min=1, max=MAX_RUNS, help="Runs with different seeded random inputs."),
     dim: list[str] = typer.Option(
         [],
         "--dim",
@@ -76,10 +80,12 @@ def verify(
     decode_steps: int = typer.Option(
         0,
         "--decode-steps",
+        min=0,
         help="ONNX decoders: a prefill step, then N steps feeding each present* output back as its past* input; "
         "TFLite LMs: the prefill signature, then N runs of the decode signature fed its KV cache outputs.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
+    format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
 ) -> None:
     """Run both models in the real runtime on the same inputs: pass only if outputs are byte-identical.
@@ -95,6 +101,7 @@ def verify(
     """
     from .._dispatch import verify as run_verify
 
+    how = output_format(as_json, format_)
     quiet(quiet_)
     reported = False  # an unexpected exception is reported by main(): stderr must stay open for it
     try:
@@ -108,10 +115,26 @@ def verify(
     finally:  # after the one error line, if any: LiteRT logs its teardown at exit
         if reported:
             _quiet_runtime_exit(original)
-    if as_json:
+    if how == "json":
         from .._contract import verify_document
 
         print(json.dumps(verify_document(report), indent=2))
+    elif how == "github":
+        from .._contract import annotation
+
+        title = "weightshare verify"
+        lines = [annotation("error", m, str(converted), title) for m in report.checksum_mismatches + report.mismatches]
+        lines += [annotation("notice", note, str(converted), title) for note in report.notes]
+        verdict = "ok" if report.passed else "FAILED"
+        lines.append(
+            annotation(
+                "notice" if report.passed else "error",
+                f"{verdict}: {report.runs} runs, {report.outputs_compared} outputs compared",
+                str(converted),
+                title,
+            )
+        )
+        github(lines)
     else:
         for line in report.checksum_mismatches + report.mismatches:
             print(f"FAIL: {line}")

@@ -1,0 +1,146 @@
+"""What the commands print for a machine: `--format github` workflow annotations on every command, and the
+refusals of out-of-range numbers, in one line.
+
+Before: small models built in code (an ONNX MLP, its conversion, two Core ML packages), shared by the module.
+Under test: `weightshare CMD ... --format github` run in-process (``cli._app.run``: the command line as ``main`` runs
+it), and the entry point interrupted while it imports its commands (one child process).
+After: every stdout line of a github run is a well-formed workflow command (``::error``/``::warning``/``::notice``,
+properties escaped); a bad number is one `weightshare: error:` line and exit 2; Ctrl-C during start-up is one line
+and exit 130, no traceback.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import coreml_fixtures as F
+import pytest
+
+from weightshare._samples import mlp_onnx
+from weightshare.cli._commands import run
+
+# GitHub Actions workflow commands: ::LEVEL[ key=value[,key=value...]]::message, with `%`, CR and LF escaped in the
+# message and `:` and `,` too in property values.
+_PROPERTY = r"(file|title|line|endLine|col|endColumn)=[^,:\r\n]*"
+ANNOTATION = re.compile(rf"^::(error|warning|notice)( {_PROPERTY}(,{_PROPERTY})*)?::[^\r\n]+$")
+
+
+def _run(args: list) -> int:
+    return run([str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("github")
+    a = mlp_onnx(d / "a.onnx", layers=1, dim=64)
+    big = mlp_onnx(d / "big, with: comma.onnx", layers=1, dim=1024)  # 4 MiB embedded: findings; a hostile name
+    return d, a, big
+
+
+def _github(capsys, *args) -> tuple[int, list[str]]:
+    code = _run([*map(str, args), "--format", "github"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines, args
+    bad = [line for line in lines if not ANNOTATION.match(line)]
+    assert not bad, bad
+    return code, lines
+
+
+def test_every_command_prints_workflow_annotations(models, capsys, tmp_path):
+    d, a, big = models
+    code, lines = _github(capsys, "convert", a, big, "-o", tmp_path / "out")
+    assert code == 0 and len(lines) == 2 and all(line.startswith("::notice file=") for line in lines)
+    code, lines = _github(capsys, "inspect", big, "--no-measure")
+    assert code == 0 and any(line.startswith("::error file=") for line in lines)
+    assert "%2C with%3A comma.onnx" in lines[0]  # the path's `,` and `:` escaped: still one property
+    code, lines = _github(capsys, "check", big, "--no-measure")
+    assert code == 1 and lines[0].startswith("::error file=")
+    code, lines = _github(capsys, "verify", a, tmp_path / "out" / a.name, "--runs", "1")
+    assert code == 0 and lines[-1].startswith("::notice") and "ok: 1 runs" in lines[-1]
+    first, second = (
+        F.mlp(tmp_path / "x.mlpackage", seed=0, hidden=32),
+        F.mlp(tmp_path / "y.mlpackage", seed=1, hidden=32),
+    )
+    code, lines = _github(capsys, "merge", first, second, "-o", tmp_path / "xy.mlpackage")
+    assert code == 0 and lines[0].startswith("::notice")
+    # a failure is an ::error annotation on stdout (the one line stays on stderr): bench and demo fail here early
+    for args in (["bench", d / "missing.onnx"], ["demo", "--sessions", "0"], ["convert", d / "missing.onnx", "-o", d]):
+        code, lines = _github(capsys, *args)
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("::error"), lines
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["verify", "a.onnx", "b.onnx", "--runs", "5000"], "'--runs': 5000 is not in the range 1<=x<=1000"),
+        (["verify", "a.onnx", "b.onnx", "--runs", "0"], "'--runs': 0 is not in the range 1<=x<=1000"),
+        (["inspect", "a.onnx", "--limit", "-5"], "'--limit': -5 is not in the range x>=0"),
+        (["check", "a.onnx", "--inline-threshold", "-1"], "'--inline-threshold': must be a finite number >= 0"),
+        (["convert", "a.onnx", "-o", "o", "--ort-child-timeout", "nan"], "'--ort-child-timeout': must be a finite"),
+        (["check", "a.onnx", "--format", "yaml"], "--format takes text, json, github or sarif, got 'yaml'"),
+    ],
+)
+def test_a_number_out_of_range_is_one_line_and_exit_2(capsys, args, message):
+    assert run(args) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightshare: error: ") and message in lines[0], captured.err
+    assert captured.out == ""
+
+
+def test_ctrl_c_while_the_commands_are_imported_is_one_line_and_exit_130():
+    """SIGINT arrives while `weightshare` imports typer (before the command's own handler exists)."""
+    code = (
+        "import os, signal, sys\n"
+        "class Interrupt:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'typer':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Interrupt())\n"
+        "sys.argv = ['weightshare', '--version']\n"
+        "from weightshare.cli import main\n"
+        "main()\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 130, res.stderr
+    assert res.stderr == "weightshare: error: interrupted; no output was left behind\n"
+
+
+def test_finding_lines_carry_no_fix_and_each_code_fix_is_printed_once(models, capsys):
+    d, a, big = models
+    assert _run(["check", a, big, "--no-measure"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    findings = [line for line in out if not line.startswith("fix: ")]
+    fixes = [line for line in out if line.startswith("fix: ")]
+    assert findings and all("(fix:" not in line for line in findings)
+    codes = [line.removeprefix(f"{a}: ").removeprefix(f"{big}: ").split(": ")[1] for line in findings]
+    # each code that occurs has one fix line, however many models' lines carry it
+    assert sorted(line.split(": ")[1] for line in fixes) == sorted(set(codes))
+    assert len(fixes) < len(findings)
+
+
+def test_a_missing_path_is_no_such_file(models, capsys):
+    d, a, _ = models
+    missing = d / "missing.onnx"
+    assert _run(["check", missing, a, "--no-measure", "-q"]) == 2  # the other model is still checked
+    err = capsys.readouterr().err
+    assert f"weightshare: error: no such file: {missing}\n" in err and "intact copy" not in err
+    assert _run(["inspect", missing]) == 2
+    assert capsys.readouterr().err == f"weightshare: error: no such file: {missing}\n"
+
+
+def test_check_and_inspect_name_their_measuring_stage_on_stderr_only(tmp_path, capsys):
+    """Not a terminal here: the stage line is shown with -v only, on stderr; stdout's JSON stays one document."""
+    import json
+
+    package = F.mlp(tmp_path / "m.mlpackage", seed=0, hidden=32)  # Core ML: no runtime child on Linux, cheap
+    for command in ("inspect", "check"):
+        assert _run([command, package, "--json"]) in (0, 1)
+        quiet = capsys.readouterr()
+        assert "measuring" not in quiet.err
+        assert _run(["-v", command, package, "--json"]) in (0, 1)
+        loud = capsys.readouterr()
+        assert f"{command}: measuring" in loud.err and json.loads(loud.out)["command"] == command
