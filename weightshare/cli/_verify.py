@@ -21,15 +21,15 @@ MAX_RUNS = 1000
 def _quiet_runtime_exit(model: Path) -> None:
     """After verify's result: a format whose runtime logs its teardown at exit silences it (``quiet_exit``)."""
     from ..formats import detect
+    from ..formats.base import QuietExit
 
     try:
         fmt = detect(model)
     except WeightshareError:
         return
-    quiet_exit = getattr(fmt, "quiet_exit", None)
-    if quiet_exit is not None:
+    if isinstance(fmt, QuietExit):
         sys.stdout.flush()
-        quiet_exit()
+        fmt.quiet_exit()
 
 
 def _verify_args(
