@@ -149,9 +149,21 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
             first[key] = p.name
 
 
-def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False) -> ModelInventory:
+@dataclass(frozen=True)
+class MeasureInputs:
+    """What the user told ``check`` about a model's inputs (``--dim NAME=N``, ``--input NAME=FILE``), handed to
+    the measuring child, which makes the rest as ``verify`` does."""
+
+    dims: tuple[tuple[str, int], ...] = ()
+    input_files: tuple[tuple[str, str], ...] = ()
+
+
+def inventory(
+    path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False, feeds: MeasureInputs | None = None
+) -> ModelInventory:
     """Inventory of the model at ``path`` (format detected from the file). ``measure``: also measure what one more
-    session costs per setting in the runtime itself, for formats that can (``measure_copies``)."""
+    session costs per setting in the runtime itself, for formats that can (``measure_copies``), its runs' inputs
+    as ``feeds`` say."""
 
     require_posix("reading a model")
     path = Path(path)
@@ -162,7 +174,7 @@ def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure:
         _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
     measure_copies = getattr(fmt, "measure_copies", None)
     if measure and measure_copies is not None and not any(p.problem for p in inv.payloads):  # broken: not run
-        measured = measure_copies(path)
+        measured = measure_copies(path, feeds or MeasureInputs())
         inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
         if len(measured) > 3:  # a format that tells activation memory apart from weight copies
             inv.measured_activation = measured[3]

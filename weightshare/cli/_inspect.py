@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ..options import INLINE_THRESHOLD
-from ._app import app, examples, fail, user_errors
+from ._app import DIM_HELP, INPUT_HELP, app, dim_args, examples, fail, input_args, user_errors
 from ._render import VERBOSITY, err, info, quiet, render_inventory
 
 
@@ -83,6 +83,8 @@ def check(
         help="Use the static per-session estimate only (default for ONNX: ask onnxruntime, in child processes, "
         "what one more session costs under each setting).",
     ),
+    dim: list[str] = typer.Option([], "--dim", help="For the measuring runs: " + DIM_HELP),
+    inputs: list[str] = typer.Option([], "--input", help="For the measuring runs: " + INPUT_HELP),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
@@ -95,11 +97,14 @@ def check(
     """
     from .._check import Gate, run_gate
     from .._contract import check_document, github_annotations, sarif_document
+    from .._inventory import MeasureInputs
 
     quiet(quiet_)
     if output_format not in ("text", "json", "github", "sarif"):
         fail(f"--format takes text, json, github or sarif, got {output_format!r}")
-    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)
+    with user_errors():
+        feeds = MeasureInputs(tuple(dim_args(dim).items()), tuple(input_args(inputs).items()))
+    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure, feeds=feeds)
     with user_errors():
         result = run_gate(models, gate, strict)
     inventories, findings, code = result.inventories, result.findings, result.exit_code

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from ..errors import WeightshareError
-from ._app import _pairs, app, examples, fail, user_errors
+from ._app import DIM_HELP, INPUT_HELP, _pairs, app, dim_args, examples, fail, input_args, user_errors
 from ._render import info, quiet
 
 
@@ -33,18 +33,14 @@ def _verify_args(
 ) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
     from .._verify import load_input
 
-    dims: dict[str, int] = {}
+    dims = dim_args(dim)
     shapes: dict[str, list[int]] = {}
-    for name, value in _pairs(dim, "--dim", "VALUE"):
-        if not value.isdigit():  # 0 is a valid length: past_sequence_length=0 is a prefill step
-            fail(f"--dim takes NAME=VALUE with a non-negative integer, got {name}={value!r}")
-        dims[name] = int(value)
     for name, value in _pairs(shape, "--shape", "D0,D1,..."):
         parts = [p.strip() for p in value.split(",")]
         if not all(p.isdigit() for p in parts):
             fail(f"--shape takes NAME=D0,D1,... with non-negative integers, got {name}={value!r}")
         shapes[name] = [int(p) for p in parts]
-    given = {name: load_input(name, value) for name, value in _pairs(inputs, "--input", "FILE.npy")}
+    given = {name: load_input(name, value) for name, value in input_args(inputs).items()}
     return dims, shapes, given
 
 
@@ -57,21 +53,11 @@ def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
     runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
-    dim: list[str] = typer.Option(
-        [],
-        "--dim",
-        help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
-        "sets every other dynamic dimension (TFLite dims have no names). Repeatable.",
-    ),
+    dim: list[str] = typer.Option([], "--dim", help=DIM_HELP),
     shape: list[str] = typer.Option(
         [], "--shape", help="TFLite: full shape of an input with dynamic dims, NAME=1,16000. Repeatable."
     ),
-    inputs: list[str] = typer.Option(
-        [],
-        "--input",
-        help="Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb); TFLite: "
-        "SIGNATURE:NAME=FILE.npy for one signature only. Repeatable.",
-    ),
+    inputs: list[str] = typer.Option([], "--input", help=INPUT_HELP),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
     decode_steps: int = typer.Option(
         0,

@@ -11,7 +11,7 @@ from ..base import BenchRuntime, FormatOptions
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
-    from ..._inventory import ModelInventory
+    from ..._inventory import MeasureInputs, ModelInventory
     from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
@@ -78,7 +78,7 @@ class CoremlFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    def measure_copies(self, path: Path, feeds: MeasureInputs) -> tuple[dict[str, int], dict[str, int], list[str]]:
         """Nothing measured: no Core ML runtime runs on Linux (or anywhere but Apple's systems), so ``check``'s
         figure for ``coreml`` stays the static one, and says so."""
         return {}, {}, [NOT_MEASURED]

@@ -12,7 +12,7 @@ from .findings import CODES
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
-    from ..._inventory import ModelInventory
+    from ..._inventory import MeasureInputs, ModelInventory
     from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
@@ -103,12 +103,14 @@ class OnnxFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+    def measure_copies(
+        self, path: Path, feeds: MeasureInputs
+    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
         """Bytes of weight copies one more ORT session costs per setting, and its activation memory, measured in
         child processes (``measure.py``)."""
         from .measure import measure_copies
 
-        return measure_copies(path)
+        return measure_copies(path, feeds)
 
     def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         from .verify import verify_in_runtime
