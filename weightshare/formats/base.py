@@ -70,6 +70,7 @@ class BenchRuntime:
     modes: tuple[tuple[str, bool], ...]
     prepacked: tuple[str, bool] | None = None  # how a ``convert --prepack`` output is measured, if the format has one
     prepacked_env: dict[str, str] = field(default_factory=dict)  # environment of that measuring process
+    env: dict[str, str] = field(default_factory=dict)  # environment of every measuring process (all rows)
     takes_inputs: bool = False  # ``measure`` takes a fourth argument, input name -> .npy file (``bench --input``)
     # how the ``--prepack`` variant is measured when not by ``measure`` (TFLite: through weightshare.litert)
     prepacked_measure: Callable[..., list[dict[str, Any]]] | None = None

@@ -98,6 +98,7 @@ class TfliteFormat:
             (("no delegate", True), ("XNNPACK", False)),
             prepacked=("weightshare.litert.interpreter", True),
             prepacked_env=MALLOC_ENV,
+            env=MALLOC_ENV,  # as check's measuring child: glibc returns freed buffers, so rows compare with check
             takes_inputs=True,
             prepacked_measure=measure_shared,
         )
