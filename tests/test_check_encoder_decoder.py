@@ -3,9 +3,10 @@ an ``If`` on use_cache_branch, config.json), against what onnxruntime really kee
 
 Before: check measured the merged decoder unrun ("inputs could not be generated": no head sizes, no encoder
 states), and nothing tested its figure on this family. Under test: ``weightshare.check`` with no options on the
-plain and the --prepack conversion of the folder (``tests/model_forms.whisper_family``, 17 MiB of decoder weights). After:
-the plain conversion fails at ORT's defaults (the MatMuls inside the If branches are pre-packed per session), with
-a figure within 1.25x of an independent arena-off measurement, and measured with a run; the --prepack one passes.
+plain and the --prepack conversion of the folder (``tests/model_forms.whisper_family``, 17 MiB of decoder
+weights). After: the plain conversion fails at ORT's defaults (the MatMuls inside the If branches are pre-packed
+per session), with a figure within 1.25x of an independent arena-off measurement, measured with a run on the
+encoder's real outputs; the --prepack one passes.
 """
 
 from __future__ import annotations
