@@ -41,6 +41,10 @@ ROUTES = {"plain": [], "--prepack": ["--prepack"], "--prepack --unpack ort-cpu":
 
 
 def feeds(session, kind: str, batch: int, seq: int, seed: int = 0) -> dict:
+    if kind == "seq2seq":  # an optimum encoder-decoder: inputs made as verify makes them (encoder run first)
+        from weightshare.formats.onnx.decode import session_feeds
+
+        return session_feeds(Path(session._model_path), session, {"batch_size": batch}, {}, seed)[0]
     rng = np.random.default_rng(seed)
     if kind == "decoder":
         return {
@@ -182,9 +186,10 @@ def bench_form(forms_dir: Path, form: str, work: Path, reps: int) -> dict:
         row: dict = {"convert": c}
         if c["exit"] == 0:
             conv_model = out / Path(info["model"]).name if kind != "genai" else out
-            conv_file = out / "model.onnx"
+            conv_file = out / "model.onnx" if kind == "genai" else conv_model
+            steps = ["--decode-steps", "4"] if kind == "seq2seq" else []
             v = subprocess.run(
-                [sys.executable, "-m", "weightshare", "verify", str(orig_model), str(conv_file)],
+                [sys.executable, "-m", "weightshare", "verify", str(orig_model), str(conv_file), *steps],
                 capture_output=True, text=True,
             )  # fmt: skip
             row["verify"] = v.returncode
