@@ -198,7 +198,7 @@ def optimum(d: Path, form: str) -> dict:
         )  # fmt: skip
         WhisperForConditionalGeneration(cfg).eval().save_pretrained(hf)
         main_export(str(hf), str(d), task="automatic-speech-recognition-with-past", no_post_process=False)
-        info = {"kind": "seq2seq", "model": "decoder_model_merged.onnx", "encoder": "encoder_model.onnx"}
+        info = {"kind": "seq2seq", "folder": ".", "model": "decoder_model_merged.onnx", "encoder": "encoder_model.onnx"}
     else:
         from transformers import ViTConfig, ViTModel
 
