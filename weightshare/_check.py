@@ -170,7 +170,7 @@ def settle(inv: ModelInventory, gate: Gate, path: str | os.PathLike[str]) -> Non
     samples: dict[str, list[int]] = {s: [inv.measured[s]] for s in near}
     ones: dict[str, list[int]] = {s: [inv.measured_one_session.get(s, 0)] for s in near}
     for _ in range(REPEATS - 1):
-        again = measure_copies(Path(path), gate.feeds)
+        again = measure_copies(Path(path), gate.feeds) if gate.feeds != MeasureInputs() else measure_copies(Path(path))
         for s, values in samples.items():
             if s in again[0]:
                 values.append(again[0][s])

@@ -174,7 +174,8 @@ def inventory(
         _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
     measure_copies = getattr(fmt, "measure_copies", None)
     if measure and measure_copies is not None and not any(p.problem for p in inv.payloads):  # broken: not run
-        measured = measure_copies(path, feeds or MeasureInputs())
+        # what the user said of the inputs, to a format that takes it (a format of its own may not: its inputs)
+        measured = measure_copies(path, feeds) if feeds and (feeds.dims or feeds.input_files) else measure_copies(path)
         inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
         if len(measured) > 3:  # a format that tells activation memory apart from weight copies
             inv.measured_activation = measured[3]

@@ -78,7 +78,9 @@ class CoremlFormat:
 
         return inventory_file(path, hash_payloads)
 
-    def measure_copies(self, path: Path, feeds: MeasureInputs) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    def measure_copies(
+        self, path: Path, feeds: MeasureInputs | None = None
+    ) -> tuple[dict[str, int], dict[str, int], list[str]]:
         """Nothing measured: no Core ML runtime runs on Linux (or anywhere but Apple's systems), so ``check``'s
         figure for ``coreml`` stays the static one, and says so."""
         return {}, {}, [NOT_MEASURED]

@@ -104,7 +104,7 @@ class OnnxFormat:
         return inventory_file(path, hash_payloads)
 
     def measure_copies(
-        self, path: Path, feeds: MeasureInputs
+        self, path: Path, feeds: MeasureInputs | None = None
     ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
         """Bytes of weight copies one more ORT session costs per setting, and its activation memory, measured in
         child processes (``measure.py``)."""

@@ -71,7 +71,7 @@ class TfliteFormat:
         return inventory_file(path, hash_payloads)
 
     def measure_copies(
-        self, path: Path, feeds: MeasureInputs
+        self, path: Path, feeds: MeasureInputs | None = None
     ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
         """Bytes one more LiteRT interpreter costs per setting, measured in child processes (``measure.py``)."""
         from .measure import measure_copies
