@@ -246,11 +246,21 @@ def input_args(inputs: list[str]) -> dict[str, str]:
     return dict(_pairs(inputs, "--input", "FILE.npy"))
 
 
-DIM_HELP = (
-    "Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
-    "sets every other dynamic dimension (TFLite dims have no names). Repeatable."
-)
-INPUT_HELP = (
-    "Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb); TFLite: "
-    "SIGNATURE:NAME=FILE.npy for one signature only. Repeatable."
-)
+def dim_option(lead: str = "") -> Any:
+    """``--dim`` of verify and check (one text: help texts are documentation, format names included)."""
+    return typer.Option(
+        [],
+        "--dim",
+        help=lead + "Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
+        "sets every other dynamic dimension (TFLite dims have no names). Repeatable.",
+    )
+
+
+def input_option(lead: str = "") -> Any:
+    """``--input`` of verify and check."""
+    return typer.Option(
+        [],
+        "--input",
+        help=lead + "Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb); TFLite: "
+        "SIGNATURE:NAME=FILE.npy for one signature only. Repeatable.",
+    )

@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from ..options import INLINE_THRESHOLD
-from ._app import DIM_HELP, INPUT_HELP, app, dim_args, examples, fail, input_args, user_errors
+from ._app import app, dim_args, dim_option, examples, fail, input_args, input_option, user_errors
 from ._render import VERBOSITY, err, info, quiet, render_inventory
 
 
@@ -83,8 +83,8 @@ def check(
         help="Use the static per-session estimate only (default for ONNX: ask onnxruntime, in child processes, "
         "what one more session costs under each setting).",
     ),
-    dim: list[str] = typer.Option([], "--dim", help="For the measuring runs: " + DIM_HELP),
-    inputs: list[str] = typer.Option([], "--input", help="For the measuring runs: " + INPUT_HELP),
+    dim: list[str] = dim_option("For the measuring runs: "),
+    inputs: list[str] = input_option("For the measuring runs: "),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.

@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from ..errors import WeightshareError
-from ._app import DIM_HELP, INPUT_HELP, _pairs, app, dim_args, examples, fail, input_args, user_errors
+from ._app import _pairs, app, dim_args, dim_option, examples, fail, input_args, input_option, user_errors
 from ._render import info, quiet
 
 
@@ -53,11 +53,11 @@ def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
     runs: int = typer.Option(3, "--runs", help="Runs with different seeded random inputs."),
-    dim: list[str] = typer.Option([], "--dim", help=DIM_HELP),
+    dim: list[str] = dim_option(),
     shape: list[str] = typer.Option(
         [], "--shape", help="TFLite: full shape of an input with dynamic dims, NAME=1,16000. Repeatable."
     ),
-    inputs: list[str] = typer.Option([], "--input", help=INPUT_HELP),
+    inputs: list[str] = input_option(),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
     decode_steps: int = typer.Option(
         0,
