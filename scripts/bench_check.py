@@ -11,6 +11,12 @@ both under 1 MiB).
     python scripts/bench_check.py 100                    # every form, ~100 MiB of weights each
     python scripts/bench_check.py 100 fp32 conv qdq      # some of them
     python scripts/bench_check.py --tflite 32            # TFLite FULLY_CONNECTED (fp32, fp16, int8 weight-only)
+    python scripts/bench_check.py --stability 5          # 5 runs of check, vision/audio forms, one verdict?
+
+``--stability N``: `check MODEL --json` with no options, N times, on models with large activations and small
+weights (YOLO-like CNN, ViT-like encoder, Whisper-like encoder (ONNX); a conv TFLite model), each as built and
+converted with --prepack: every run's exit code and weight figure at the model's default setting side by side,
+and whether the N verdicts agree.
 
 ``--tflite``: one FULLY_CONNECTED of ~MIB of fp32 weights, stored fp32, fp16 behind DEQUANTIZE or int8 weight-only
 behind DEQUANTIZE, as given and converted; per setting (litert-builtin, litert-xnnpack) `check --target SETTING
@@ -86,7 +92,67 @@ def tflite(mib: float) -> None:
                     )
 
 
+def _check_default(model: Path) -> tuple[int, float, str]:
+    """(exit code, weight figure MiB per extra session at the model's default setting, that setting), no options."""
+    res = subprocess.run(
+        [sys.executable, "-m", "weightshare", "check", str(model), "--json"], capture_output=True, text=True
+    )
+    doc = json.loads(res.stdout)
+    (summary,) = [m for m in doc["models"] if m["model"] == str(model)]
+    setting = summary["default_setting"]
+    return res.returncode, summary["copied_per_session_by_setting"].get(setting, 0) / MiB, setting
+
+
+def _stability_models(d: Path) -> list[tuple[str, Path, list[str]]]:
+    """(name, model, convert flags) of the vision/audio forms: ONNX YOLO-like, ViT-like, Whisper-like encoder;
+    a conv TFLite model."""
+    from model_forms import whisper_encoder
+    from prepack_samples import cnn_onnx
+    from test_check_activations import vit_like
+    from tflite_fixtures import conv_vision
+
+    built = [
+        ("yolo-like", cnn_onnx(d / "yolo.onnx", channels=32, blocks=6, spatial=256)),
+        ("vit-like", vit_like(d / "vit.onnx")),
+        (
+            "whisper-encoder-like",
+            whisper_encoder(d / "whisper.onnx", 256, 4, mel_bins=80, positions=750, dynamic=False),
+        ),
+        ("conv-tflite", conv_vision(d / "conv.tflite")),
+    ]
+    out = []
+    for name, model in built:
+        out.append((name, model, []))
+        out.append((name + " --prepack", model, ["--prepack"]))
+    return out
+
+
+def stability(runs: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    print(
+        f"{'model':32s} {'setting':22s} "
+        + " ".join(f"{'run ' + str(i + 1):>12s}" for i in range(runs))
+        + "  one verdict"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        for name, src, flags in _stability_models(d):
+            model = src
+            if flags:
+                out = d / (src.stem + "-prepack")
+                cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "-q", *flags]
+                subprocess.run(cmd, check=True, capture_output=True)
+                model = out / src.name
+            got = [_check_default(model) for _ in range(runs)]
+            cells = " ".join(f"{f'exit {c}, {f:.1f}':>12s}" for c, f, _ in got)
+            same = "yes" if len({c for c, _, _ in got}) == 1 else "NO"
+            print(f"{name:32s} {got[0][2]:22s} {cells}  {same}", flush=True)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--stability"]:
+        stability(int(sys.argv[2]) if len(sys.argv) > 2 else 5)
+        return
     if sys.argv[1:2] == ["--tflite"]:
         tflite(float(sys.argv[2]) if len(sys.argv) > 2 else 32.0)
         return

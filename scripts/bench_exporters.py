@@ -13,6 +13,8 @@ FORMS_DIR is what ``scripts/build_exporter_forms.py`` built (run that first with
            (``enable_cpu_mem_arena=False``: activations do not count), above a process that imported onnxruntime;
            genai folders: 1 and 4 ``og.Model``s (scripts/bench_genai.py's probe)
   latency: median ms of one run at batch 1 (decoders: 16 tokens), original and converted interleaved in one process
+  check:   ``weightshare check MODEL --json`` with no options: exit code and its weight figure per extra session at
+           the model's default setting, printed next to the measured PSS per extra session ((4 - 1) / 3)
 The portable route (``session.disable_prepacking=1``) is what plain conversion gives; --prepack is ORT's defaults.
 """
 
@@ -39,6 +41,10 @@ ROUTES = {"plain": [], "--prepack": ["--prepack"], "--prepack --unpack ort-cpu":
 
 
 def feeds(session, kind: str, batch: int, seq: int, seed: int = 0) -> dict:
+    if kind == "seq2seq":  # an optimum encoder-decoder: inputs made as verify makes them (encoder run first)
+        from weightshare.formats.onnx.decode import session_feeds
+
+        return session_feeds(Path(session._model_path), session, {"batch_size": batch}, {}, seed)[0]
     rng = np.random.default_rng(seed)
     if kind == "decoder":
         return {
@@ -122,6 +128,36 @@ def latency(orig: Path, conv: Path, kind: str, reps: int) -> tuple[float, float]
     return round(statistics.median(ta), 2), round(statistics.median(tb), 2)
 
 
+def check(model: Path) -> dict:
+    """`weightshare check MODEL --json`, no options: exit code, and per model its setting held to and its weight
+    figure per extra session there (MiB), beside its activation figure."""
+    cmd = [sys.executable, "-m", "weightshare", "check", str(model), "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        doc = json.loads(res.stdout)
+    except ValueError:
+        return {"exit": res.returncode, "models": []}
+    models = []
+    for m in doc.get("models", []):
+        setting = m.get("default_setting") or ""
+        figure = (m.get("copied_per_session_by_setting") or {}).get(setting)
+        act = (m.get("activation_per_session_by_setting") or {}).get(setting)
+        models.append(
+            {
+                "model": Path(m["model"]).name,
+                "setting": setting,
+                "weights_mib": None if figure is None else round(figure / (1 << 20), 1),
+                "activations_mib": None if act is None else round(act / (1 << 20), 1),
+            }
+        )
+    return {"exit": res.returncode, "models": models}
+
+
+def _check_cell(c: dict) -> str:
+    figures = ", ".join(f"{m['weights_mib']}" for m in c["models"] if m["weights_mib"] is not None)
+    return f"exit {c['exit']}, {figures or '?'} MiB"
+
+
 def convert(src: Path, out: Path, flags: list[str]) -> dict:
     t0 = time.perf_counter()
     res, peak = run_child_peak([sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "-q", *flags])
@@ -142,6 +178,7 @@ def bench_form(forms_dir: Path, form: str, work: Path, reps: int) -> dict:
     if "fp16" not in form:
         routes.pop("--prepack --unpack ort-cpu")
     r: dict = {"form": form, "kind": kind, "original_pss": pss(src if kind == "genai" else orig_model, kind)}
+    r["original_check"] = check(src if kind == "genai" else orig_model)
     r["routes"] = {}
     for name, flags in routes.items():
         out = work / form / name.replace(" ", "_")
@@ -149,15 +186,17 @@ def bench_form(forms_dir: Path, form: str, work: Path, reps: int) -> dict:
         row: dict = {"convert": c}
         if c["exit"] == 0:
             conv_model = out / Path(info["model"]).name if kind != "genai" else out
-            conv_file = out / "model.onnx"
+            conv_file = out / "model.onnx" if kind == "genai" else conv_model
+            steps = ["--decode-steps", "4"] if kind == "seq2seq" else []
             v = subprocess.run(
-                [sys.executable, "-m", "weightshare", "verify", str(orig_model), str(conv_file)],
+                [sys.executable, "-m", "weightshare", "verify", str(orig_model), str(conv_file), *steps],
                 capture_output=True, text=True,
             )  # fmt: skip
             row["verify"] = v.returncode
             row["identical"], row["max_diff"] = bits(src if kind == "genai" else orig_model, conv_model, kind)
             row["pss"] = pss(conv_model, kind)
             row["latency_ms"] = latency(orig_model, conv_file, kind, reps)
+            row["check"] = check(conv_model)
         r["routes"][name] = row
         print(f"  {form} {name}: {json.dumps(row)}", flush=True)
     return r
@@ -165,23 +204,27 @@ def bench_form(forms_dir: Path, form: str, work: Path, reps: int) -> dict:
 
 def show(results: list[dict]) -> None:
     head = f"| {'form':12} | {'route':26} | convert | tree peak | verify | bits (b1/8/64) | PSS 1 -> 4 (x) "
-    head += "| ms orig/conv |"
+    head += "| PSS per extra session | check: exit, weights MiB/session | ms orig/conv |"
     print("\n" + head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in results:
         o = r["original_pss"]
-        print(f"| {r['form']:12} | {'original':26} | - | - | - | - | {o[0]} -> {o[3]} ({o[3] / o[0]:.2f}x) | - |")
+        print(
+            f"| {r['form']:12} | {'original':26} | - | - | - | - | {o[0]} -> {o[3]} ({o[3] / o[0]:.2f}x) "
+            f"| {(o[3] - o[0]) / 3:.1f} MiB | {_check_cell(r['original_check'])} | - |"
+        )
         for name, row in r["routes"].items():
             c = row["convert"]
             if c["exit"]:
-                print(f"| {r['form']:12} | {name:26} | exit {c['exit']} | {c['tree_peak_mib']} MiB | - | - | - | - |")
-                print(f"|   | refused: | {c['error'][:160]} |||||")
+                print(f"| {r['form']:12} | {name:26} | exit {c['exit']} | {c['tree_peak_mib']} MiB " + "| - " * 6 + "|")
+                print(f"|   | refused: | {c['error'][:160]} |||||||")
                 continue
             p, (la, lb) = row["pss"], row["latency_ms"]
             bit = "equal" if row["identical"] else f"differ {row['max_diff']:.2g}"
             print(
                 f"| {r['form']:12} | {name:26} | {c['wall_s']} s | {c['tree_peak_mib']} MiB | {row['verify']} | {bit} "
-                f"| {p[0]} -> {p[3]} ({p[3] / p[0]:.2f}x) | {la}/{lb} |"
+                f"| {p[0]} -> {p[3]} ({p[3] / p[0]:.2f}x) | {(p[3] - p[0]) / 3:.1f} MiB | {_check_cell(row['check'])} "
+                f"| {la}/{lb} |"
             )
 
 

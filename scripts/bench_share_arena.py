@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _builders  # noqa: F401  (tests/ on the path: the model builders)
 import numpy as np
 
 MiB = 1 << 20
@@ -58,23 +59,10 @@ def _save(nodes, inits, inputs, out, path: Path) -> Path:
 
 
 def whisper_encoder_like(path: Path, dim: int = 384, layers: int = 4) -> Path:
-    from onnx import TensorProto, helper, numpy_helper
+    """Whisper-base's encoder shape: 80 mel bins x 3000 frames (the one builder, ``model_forms.whisper_encoder``)."""
+    from model_forms import whisper_encoder
 
-    rng = np.random.default_rng(0)
-    inits = [
-        numpy_helper.from_array((rng.standard_normal((dim, 80, 3)) * 0.05).astype(np.float32), "conv1.w"),
-        numpy_helper.from_array((rng.standard_normal((dim, dim, 3)) * 0.05).astype(np.float32), "conv2.w"),
-    ]
-    nodes = [
-        helper.make_node("Conv", ["mel", "conv1.w"], ["c1"], pads=[1, 1]),
-        helper.make_node("Relu", ["c1"], ["g1"]),
-        helper.make_node("Conv", ["g1", "conv2.w"], ["c2"], pads=[1, 1], strides=[2]),
-        helper.make_node("Relu", ["c2"], ["g2"]),
-        helper.make_node("Transpose", ["g2"], ["x"], perm=[0, 2, 1]),  # [1, 1500, dim]
-    ]
-    x = _mlp(nodes, inits, "x", dim, layers, rng, "enc")
-    mel = helper.make_tensor_value_info("mel", TensorProto.FLOAT, [1, 80, 3000])
-    return _save(nodes, inits, [mel], x, path)
+    return whisper_encoder(path, dim=dim, layers=layers, mel_bins=80, positions=1500, dynamic=False)
 
 
 def vit_like(path: Path, tokens: int = 1024, dim: int = 256, layers: int = 4) -> Path:

@@ -1,6 +1,11 @@
 """Build the forms real exporters write, from random configs, offline (run with an exporter venv, not the project's).
 
     /work/exvenv/torch-genai/bin/python scripts/build_exporter_forms.py OUTDIR [FORM ...]
+    /work/exvenv/optimum/bin/python scripts/build_exporter_forms.py OUTDIR optimum-whisper optimum-vit
+
+Each form needs its exporter's venv (``VENVS``; optimum-onnx pins transformers 4.57, onnxruntime-genai's builder
+needs 5.x): run the script with that venv's python, once per venv; a form asked of the wrong venv is refused
+with the venv it needs.
 
 Forms (each in OUTDIR/FORM; a form already built is kept):
   genai-int4   onnxruntime-genai's model builder, ``-p int4 -e cpu`` on a random Llama config with a tokenizer
@@ -11,6 +16,11 @@ Forms (each in OUTDIR/FORM; a form already built is kept):
   dynamo-fp16  the same after ``model.to(torch.float16)``
   vit-fp16     a random ViT-S/16 (12 layers of 384) exported with ``torch.onnx.export(dynamo=True)``, then
                ``python -m onnxruntime.transformers.optimizer --model_type vit --float16``
+  optimum-whisper  optimum-onnx's ``main_export(task="automatic-speech-recognition-with-past")`` of a random
+               Whisper (d_model 256, 2+2 layers, 80 mel bins, 1500 source positions, vocab 4096):
+               encoder_model.onnx, decoder_model_merged.onnx (If on use_cache_branch), config.json
+  optimum-vit  optimum-onnx's ``main_export(task="feature-extraction")`` of a random ViT (384 wide, 4 layers,
+               224 x 224, patch 16): model.onnx with pixel_values [batch_size, num_channels, height, width]
 Each form's folder gets ``form.json``: the model file name and its inputs' example shapes (for the benchmark).
 See ../shared/EXPORTERS.md for the venvs. Weights are random (seeded); nothing is downloaded.
 """
@@ -24,7 +34,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-FORMS = ("genai-int4", "genai-fp32", "dynamo-fp32", "dynamo-fp16", "vit-fp16")
+FORMS = ("genai-int4", "genai-fp32", "dynamo-fp32", "dynamo-fp16", "vit-fp16", "optimum-whisper", "optimum-vit")
+VENVS = {  # form prefix -> the venv (../shared/EXPORTERS.md) and a module only that venv has
+    "genai-": ("/work/exvenv/torch-genai", "onnxruntime_genai"),
+    "dynamo-": ("/work/exvenv/torch-genai", "torch"),
+    "vit-": ("/work/exvenv/torch-genai", "torch"),
+    "optimum-": ("/work/exvenv/optimum", "optimum.exporters.onnx"),
+}
 
 # Big enough that per-session copies stand out from a session's own state; every MatMulNBits buffer stays below
 # 1 MiB, so the default layout (64 KiB alignment from 1 MiB on, 64 bytes below) puts them at small alignments.
@@ -164,6 +180,43 @@ def vit(d: Path) -> dict:
     return {"kind": "vision", "model": "model.onnx"}
 
 
+def optimum(d: Path, form: str) -> dict:
+    """optimum-onnx's main_export of a random Whisper or ViT saved in HF layout (weights random, seeded)."""
+    import torch
+    from optimum.exporters.onnx import main_export
+
+    torch.manual_seed(0)
+    hf = d / "hf"
+    if form == "optimum-whisper":
+        from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+        cfg = WhisperConfig(
+            d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=1024, decoder_ffn_dim=1024, num_mel_bins=80, max_source_positions=1500,
+            max_target_positions=448, vocab_size=4096, decoder_start_token_id=1, pad_token_id=0, eos_token_id=2,
+            bos_token_id=1,
+        )  # fmt: skip
+        WhisperForConditionalGeneration(cfg).eval().save_pretrained(hf)
+        main_export(str(hf), str(d), task="automatic-speech-recognition-with-past", no_post_process=False)
+        info = {"kind": "seq2seq", "folder": ".", "model": "decoder_model_merged.onnx", "encoder": "encoder_model.onnx"}
+    else:
+        from transformers import ViTConfig, ViTModel
+
+        cfg = ViTConfig(
+            hidden_size=384, num_hidden_layers=4, num_attention_heads=6, intermediate_size=1536, image_size=224,
+            patch_size=16,
+        )  # fmt: skip
+        ViTModel(cfg, add_pooling_layer=False).eval().save_pretrained(hf)
+        main_export(str(hf), str(d), task="feature-extraction")
+        info = {"kind": "vision", "model": "model.onnx", "config_dims": True}
+    shutil.rmtree(hf)
+    return info
+
+
+def _venv_for(form: str) -> tuple[str, str]:
+    return next(v for prefix, v in VENVS.items() if form.startswith(prefix))
+
+
 def build(out: Path, form: str) -> None:
     d = out / form
     if (d / "form.json").exists():
@@ -175,6 +228,8 @@ def build(out: Path, form: str) -> None:
         info = genai(d, form.split("-")[1])
     elif form.startswith("dynamo-"):
         info = dynamo(d, form.split("-")[1])
+    elif form.startswith("optimum-"):
+        info = optimum(d, form)
     else:
         info = vit(d)
     (d / "form.json").write_text(json.dumps(info) + "\n")
@@ -187,6 +242,16 @@ def main() -> None:
     bad = [f for f in forms if f not in FORMS]
     if bad:
         sys.exit(f"unknown form(s) {bad}; known: {', '.join(FORMS)}")
+    import importlib.util
+
+    for form in forms:
+        venv, module = _venv_for(form)
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            sys.exit(f"{form} needs the venv {venv} (no {module} here): run {venv}/bin/python {sys.argv[0]} ...")
     for form in forms:
         build(out, form)
 

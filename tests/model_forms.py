@@ -588,6 +588,238 @@ def decoder_family(directory: str | os.PathLike[str], mib: float = 2.0, seed: in
     ]
 
 
+def whisper_encoder(
+    path: Path,
+    dim: int = 64,
+    layers: int = 2,
+    mel_bins: int = 8,
+    positions: int = 16,
+    seed: int = 0,
+    input_name: str = "input_features",
+    dynamic: bool = True,
+) -> Path:
+    """Whisper's encoder as optimum exports it (``encoder_model.onnx``): ``input_features`` [batch_size,
+    feature_size, encoder_sequence_length], a Conv1d stem (k3, then k3 stride 2), the position embeddings
+    [positions, dim] added (so the frames must be exactly 2 * positions, what ``config.json``'s
+    ``max_source_positions`` says), MLP blocks, ``last_hidden_state`` [batch_size, encoder_sequence_length / 2,
+    dim]; weights embedded. ``dynamic=False``: static [1, mel_bins, 2 * positions] (a bench's fixed input)."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+    inits = [
+        nh.from_array(_arr(rng, (dim, mel_bins, 3), (3 * mel_bins) ** -0.5), "conv1.weight"),
+        nh.from_array(_arr(rng, (dim, dim, 3), (3 * dim) ** -0.5), "conv2.weight"),
+        nh.from_array(_arr(rng, (positions, dim), 0.1), "embed_positions.weight"),
+    ]
+    nodes = [
+        h.make_node("Conv", [input_name, "conv1.weight"], ["c1"], pads=[1, 1]),
+        h.make_node("Relu", ["c1"], ["g1"]),
+        h.make_node("Conv", ["g1", "conv2.weight"], ["c2"], pads=[1, 1], strides=[2]),
+        h.make_node("Relu", ["c2"], ["g2"]),
+        h.make_node("Transpose", ["g2"], ["t"], perm=[0, 2, 1]),
+        h.make_node("Add", ["t", "embed_positions.weight"], ["x"]),
+    ]
+    mlp, mlp_inits = _mlp_nodes(dim, layers, seed, x="x")
+    mlp[-1] = h.make_node("Identity", [mlp[-1].input[0]], ["last_hidden_state"])
+    shape: list[Any] = (
+        ["batch_size", "feature_size", "encoder_sequence_length"] if dynamic else [1, mel_bins, 2 * positions]
+    )
+    out = ["batch_size", "encoder_sequence_length / 2", dim] if dynamic else [1, positions, dim]
+    model = _model(
+        nodes + mlp, inits + mlp_inits, [_io(input_name, T.FLOAT, shape)], [_io("last_hidden_state", T.FLOAT, out)]
+    )
+    return _save(model, Path(path), external=False)
+
+
+def whisper_merged_decoder(
+    path: Path, dim: int = 64, heads: int = 2, vocab: int = 512, seed: int = 0, external: bool = False
+) -> Path:
+    """optimum's ``decoder_model_merged.onnx`` for Whisper (one layer): inputs ``input_ids``,
+    ``encoder_hidden_states``, ``past_key_values.0.{decoder,encoder}.{key,value}``, ``use_cache_branch``; outputs
+    ``logits``, ``present.0.{decoder,encoder}.{key,value}``. An ``If`` on use_cache_branch: the prefill branch
+    projects the encoder's states into the cross-attention K/V and outputs them; the cache branch concatenates the
+    self-attention past, reads cross K/V from ``past_key_values.0.encoder.*`` and outputs optimum's dummy constant
+    ([1, 1, 1, 1] zeros) as ``present.0.encoder.*`` (its with-past model has no such output; the merge pads
+    it). Token embedding [vocab, dim] and LM head [dim, vocab]: ``vocab`` sizes the weights."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+    size = dim // heads
+    weights = {
+        "embed_tokens.weight": _arr(rng, (vocab, dim), 1.0),
+        "proj_out.weight": _arr(rng, (dim, vocab), dim**-0.5),
+        **{f"self.{w}": _arr(rng, (dim, dim), dim**-0.5) for w in ("q", "k", "v")},
+        **{f"cross.{w}": _arr(rng, (dim, dim), dim**-0.5) for w in ("q", "k", "v")},
+        "split_heads": np.array([0, 0, heads, size], np.int64),
+        "merge_heads": np.array([0, 0, dim], np.int64),
+        "scale": np.array(size**-0.5, np.float32),
+    }
+    inits = [nh.from_array(a, n) for n, a in weights.items()]
+
+    def heads_of(x: str, out: str) -> list[onnx.NodeProto]:
+        return [
+            h.make_node("Reshape", [x, "split_heads"], [f"{out}.r"]),
+            h.make_node("Transpose", [f"{out}.r"], [out], perm=[0, 2, 1, 3]),
+        ]
+
+    def attend(q4: str, k4: str, v4: str, out: str) -> list[onnx.NodeProto]:
+        return [
+            h.make_node("Transpose", [k4], [f"{out}.kt"], perm=[0, 1, 3, 2]),
+            h.make_node("MatMul", [q4, f"{out}.kt"], [f"{out}.s"]),
+            h.make_node("Mul", [f"{out}.s", "scale"], [f"{out}.ss"]),
+            h.make_node("Softmax", [f"{out}.ss"], [f"{out}.p"], axis=-1),
+            h.make_node("MatMul", [f"{out}.p", v4], [f"{out}.o"]),
+            h.make_node("Transpose", [f"{out}.o"], [f"{out}.ot"], perm=[0, 2, 1, 3]),
+            h.make_node("Reshape", [f"{out}.ot", "merge_heads"], [out]),
+        ]
+
+    def branch(cache: bool) -> onnx.GraphProto:
+        tag = "c" if cache else "n"
+        nodes = [
+            *heads_of("k", f"{tag}.k_new"),
+            *heads_of("v", f"{tag}.v_new"),
+        ]
+        if cache:
+            nodes += [
+                h.make_node("Concat", ["past_key_values.0.decoder.key", "c.k_new"], ["c.dk"], axis=2),
+                h.make_node("Concat", ["past_key_values.0.decoder.value", "c.v_new"], ["c.dv"], axis=2),
+                h.make_node("Identity", ["past_key_values.0.encoder.key"], ["c.ek"]),
+                h.make_node("Identity", ["past_key_values.0.encoder.value"], ["c.ev"]),
+                h.make_node("Constant", [], ["c.dummy_k"], value=nh.from_array(np.zeros((1, 1, 1, 1), np.float32))),
+                h.make_node("Constant", [], ["c.dummy_v"], value=nh.from_array(np.zeros((1, 1, 1, 1), np.float32))),
+            ]
+            present_enc = ["c.dummy_k", "c.dummy_v"]
+        else:
+            nodes += [
+                h.make_node("Identity", ["n.k_new"], ["n.dk"]),
+                h.make_node("Identity", ["n.v_new"], ["n.dv"]),
+                h.make_node("MatMul", ["encoder_hidden_states", "cross.k"], ["n.ek2"]),
+                h.make_node("MatMul", ["encoder_hidden_states", "cross.v"], ["n.ev2"]),
+                *heads_of("n.ek2", "n.ek"),
+                *heads_of("n.ev2", "n.ev"),
+            ]
+            present_enc = ["n.ek", "n.ev"]
+        nodes += [
+            *attend("q4", f"{tag}.dk", f"{tag}.dv", f"{tag}.sa"),
+            h.make_node("Add", ["x", f"{tag}.sa"], [f"{tag}.x1"]),
+            h.make_node("MatMul", [f"{tag}.x1", "cross.q"], [f"{tag}.cq"]),
+            *heads_of(f"{tag}.cq", f"{tag}.cq4"),
+            *attend(f"{tag}.cq4", f"{tag}.ek", f"{tag}.ev", f"{tag}.ca"),
+            h.make_node("Add", [f"{tag}.x1", f"{tag}.ca"], [f"{tag}.x2"]),
+            h.make_node("MatMul", [f"{tag}.x2", "proj_out.weight"], [f"{tag}.logits"]),
+        ]
+        outs = [f"{tag}.logits", f"{tag}.dk", f"{tag}.dv", *present_enc]
+        return h.make_graph(nodes, "with_past" if cache else "no_past", [], [_io(o, T.FLOAT, None) for o in outs])
+
+    presents = ["present.0.decoder.key", "present.0.decoder.value", "present.0.encoder.key", "present.0.encoder.value"]
+    nodes = [
+        h.make_node("Gather", ["embed_tokens.weight", "input_ids"], ["x"]),
+        h.make_node("MatMul", ["x", "self.q"], ["q"]),
+        h.make_node("MatMul", ["x", "self.k"], ["k"]),
+        h.make_node("MatMul", ["x", "self.v"], ["v"]),
+        *heads_of("q", "q4"),
+        h.make_node(
+            "If", ["use_cache_branch"], ["logits", *presents], then_branch=branch(True), else_branch=branch(False)
+        ),
+    ]
+    self_kv = ["batch_size", heads, "past_decoder_sequence_length", size]
+    cross_kv = ["batch_size", heads, "encoder_sequence_length_out", size]
+    inputs = [
+        _io("input_ids", T.INT64, ["batch_size", "decoder_sequence_length"]),
+        _io("encoder_hidden_states", T.FLOAT, ["batch_size", "encoder_sequence_length / 2", dim]),
+        _io("past_key_values.0.decoder.key", T.FLOAT, self_kv),
+        _io("past_key_values.0.decoder.value", T.FLOAT, self_kv),
+        _io("past_key_values.0.encoder.key", T.FLOAT, cross_kv),
+        _io("past_key_values.0.encoder.value", T.FLOAT, cross_kv),
+        _io("use_cache_branch", T.BOOL, [1]),
+    ]
+    out_self = ["batch_size", heads, "past_decoder_sequence_length + 1", size]
+    outputs = [
+        _io("logits", T.FLOAT, ["batch_size", "decoder_sequence_length", vocab]),
+        _io("present.0.decoder.key", T.FLOAT, out_self),
+        _io("present.0.decoder.value", T.FLOAT, out_self),
+        _io("present.0.encoder.key", T.FLOAT, ["batch_size", heads, "encoder_sequence_length_out", size]),
+        _io("present.0.encoder.value", T.FLOAT, ["batch_size", heads, "encoder_sequence_length_out", size]),
+    ]
+    return _save(_model(nodes, inits, inputs, outputs), Path(path), external=external)
+
+
+def whisper_family(
+    directory: str | os.PathLike[str], dim: int = 64, vocab: int = 512, mel_bins: int = 8, positions: int = 16
+) -> list[Path]:
+    """optimum's ``automatic-speech-recognition-with-past`` Whisper export in miniature: ``encoder_model.onnx``,
+    ``decoder_model_merged.onnx`` and the ``config.json`` beside them (num_mel_bins, max_source_positions, d_model,
+    heads, vocab_size), weights embedded as optimum writes small models."""
+    import json
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    config = {
+        "model_type": "whisper",
+        "d_model": dim,
+        "encoder_attention_heads": 2,
+        "decoder_attention_heads": 2,
+        "num_mel_bins": mel_bins,
+        "max_source_positions": positions,
+        "vocab_size": vocab,
+    }
+    (d / "config.json").write_text(json.dumps(config))
+    return [
+        whisper_encoder(d / "encoder_model.onnx", dim, mel_bins=mel_bins, positions=positions),
+        whisper_merged_decoder(d / "decoder_model_merged.onnx", dim, vocab=vocab),
+    ]
+
+
+def vit_export(
+    path: Path, image: int = 32, patch: int = 8, dim: int = 64, layers: int = 2, config: bool = True, seed: int = 0
+) -> Path:
+    """A ViT as optimum's ``feature-extraction`` export writes it: ``pixel_values`` [batch_size, num_channels,
+    height, width] (every dim symbolic), a patch Conv (stride ``patch``), position embeddings for exactly
+    (image / patch)^2 patches (so only the configured size runs), MLP blocks, ``last_hidden_state``; weights
+    embedded; ``config.json`` beside it (image_size, num_channels, patch_size) unless ``config`` is False."""
+    import json
+
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+    patches = (image // patch) ** 2
+    inits = [
+        nh.from_array(_arr(rng, (dim, 3, patch, patch), (3 * patch * patch) ** -0.5), "patch.weight"),
+        nh.from_array(_arr(rng, (patches, dim), 0.1), "position_embeddings"),
+        nh.from_array(np.array([0, dim, -1], np.int64), "flat"),
+    ]
+    nodes = [
+        h.make_node("Conv", ["pixel_values", "patch.weight"], ["p"], strides=[patch, patch]),
+        h.make_node("Reshape", ["p", "flat"], ["pf"]),
+        h.make_node("Transpose", ["pf"], ["pt"], perm=[0, 2, 1]),
+        h.make_node("Add", ["pt", "position_embeddings"], ["x"]),
+    ]
+    mlp, mlp_inits = _mlp_nodes(dim, layers, seed, x="x")
+    mlp[-1] = h.make_node("Identity", [mlp[-1].input[0]], ["last_hidden_state"])
+    pixels = _io("pixel_values", T.FLOAT, ["batch_size", "num_channels", "height", "width"])
+    out = _io("last_hidden_state", T.FLOAT, ["batch_size", "sequence_length", dim])
+    path = _save(_model(nodes + mlp, inits + mlp_inits, [pixels], [out]), Path(path), external=False)
+    if config:
+        settings = {
+            "model_type": "vit",
+            "image_size": image,
+            "num_channels": 3,
+            "patch_size": patch,
+            "hidden_size": dim,
+        }
+        (path.parent / "config.json").write_text(json.dumps(settings))
+    return path
+
+
 def conv_net(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     """A small ResNet/Inception-like CNN (Conv+BN+Relu, Clip, branches; NCHWc at ORT_ENABLE_ALL), external data."""
     from prepack_samples import cnn_onnx

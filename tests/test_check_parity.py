@@ -57,3 +57,14 @@ def test_an_unreadable_model_is_one_finding_and_the_others_are_checked_by_both(c
     assert report.exit_code == 2 and not report.ok
     assert [f.code.value for f in report.findings if f.file == str(bad)] == ["unreadable-model"]
     assert [i.model for i in report.models] == [str(src)]
+
+
+def test_an_unreadable_input_file_is_refused_by_both(cli, tmp_path):
+    """check --input NAME=FILE / weightshare.check(inputs=): one parser and one reader (``_verify.load_input``),
+    checked before any model is measured."""
+    src = build("fp32", tmp_path / "m.onnx", mib=0.25)
+    missing = tmp_path / "x.npy"
+    res = cli("check", src, "--input", f"x={missing}", "--no-measure")
+    assert res.returncode == 2 and "--input x: cannot read" in res.stderr, res.stderr
+    with pytest.raises(UsageError, match="--input x: cannot read"):
+        weightshare.check([src], inputs={"x": missing}, measure=False)

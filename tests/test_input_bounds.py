@@ -121,3 +121,14 @@ def test_the_verdict_cache_is_pruned(tmp_path, monkeypatch):
     ort_verdict.remember_intact((9, 9, 9, 9, 9), "cd" * 32)
     assert not any(p.exists() for p in entries[:5])
     assert len([p for p in d.iterdir() if p.name != "key"]) == ort_verdict.MAX_ENTRIES - 4
+
+
+def test_check_does_not_hand_a_folding_bomb_to_onnxruntime(tmp_path):
+    """check's measuring child has convert's bounds: the folding bomb is never given to onnxruntime (before: the
+    child had neither the folding bound nor a wall limit and ran for minutes)."""
+    bomb = folding_bomb(tmp_path / "tiny.onnx", n=3072, steps=9)
+    res = subprocess.run(
+        [sys.executable, "-m", "weightshare", "check", str(bomb)], capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "not given to onnxruntime: onnxruntime's constant folding would compute" in res.stderr, res.stderr

@@ -488,3 +488,22 @@ def two_signature_lm(
             outputs=["logits", "kv_cache_k_0", "kv_cache_v_0"],
         )
     return mb.save(path)
+
+
+def conv_vision(path: Path, size: int = 160, layers: int = 4, seed: int = 0) -> Path:
+    """A conv vision model with large activations and small weights: ``layers`` CONV_2D 3x3 of 32 channels on a
+    [1, size, size, 3] input (0.1 MiB of weights, 3 MiB per activation at 160): its interpreter's arena is
+    activation memory, not weight copies (scripts/bench_check.py --stability)."""
+    rng = np.random.default_rng(seed)
+    mb = ModelBuilder()
+    g = mb.subgraph("main")
+    x, cin = g.input("x", [1, size, size, 3]), 3
+    for i in range(layers):
+        w = g.const(f"w{i}", (rng.standard_normal((32, 3, 3, cin)) * 0.1).astype(np.float32))
+        b = g.const(f"b{i}", np.zeros(32, np.float32))
+        y = g.tensor(f"c{i}", [1, size, size, 32], "float32")
+        g.op(OP.CONV_2D, [x, w, b], [y], *_conv_options())
+        x, cin = y, 32
+    g.outputs = [x]
+    mb.signature("serving_default", g)
+    return mb.save(path)

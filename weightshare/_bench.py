@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from . import api
@@ -49,16 +50,32 @@ def bench(
         progress(f"converting {model.name}")
         converted = Path(api.convert(model, tmp).outputs[0])
         rows = []
-        for variant, path in (("original", model), ("converted", converted)):
-            for mode, share in runtime.modes:
-                progress(f"{variant}, {mode}: {max(sessions)} sessions in a fresh process")
-                for row in measure(str(path), sessions, share):
-                    rows.append({"variant": variant, "mode": mode, **row})
+        with _environ(runtime.env):  # inherited by every probe process (check's measuring child sets the same)
+            for variant, path in (("original", model), ("converted", converted)):
+                for mode, share in runtime.modes:
+                    progress(f"{variant}, {mode}: {max(sessions)} sessions in a fresh process")
+                    for row in measure(str(path), sessions, share):
+                        rows.append({"variant": variant, "mode": mode, **row})
         if runtime.prepacked is not None:
             rows += _prepacked_rows(
                 model, Path(tmp) / "prepack", sessions, runtime, progress, given if inputs else None
             )
     return {"model": str(model), "format": fmt.name, "sessions": sorted(sessions), "rows": rows}
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in this process's environment (for the probe processes it starts), then restored."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def _prepacked_rows(
@@ -78,17 +95,9 @@ def _prepacked_rows(
     progress(f"converting {model.name} with --prepack")
     prepacked = api.convert(model, out, ConvertOptions(prepack=True)).outputs[0]
     progress(f"converted --prepack, {mode}: {max(sessions)} sessions in a fresh process")
-    saved = {k: os.environ.get(k) for k in runtime.prepacked_env}
-    os.environ.update(runtime.prepacked_env)  # inherited by the probe process; some only work from its start
-    try:
+    with _environ({**runtime.env, **runtime.prepacked_env}):  # inherited by the probe process, read at its start
         measure = runtime.prepacked_measure or runtime.measure
         rows = measure(str(prepacked), sessions, share, *([inputs] if inputs else []))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                del os.environ[k]
-            else:
-                os.environ[k] = v
     return [{"variant": "converted --prepack", "mode": mode, **row} for row in rows]
 
 

@@ -12,13 +12,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._dispatch import inventory
+from ._dispatch import inventory, load_input
 from ._findings import Code, Finding, Severity, TextEnum, code_named
-from ._inventory import ModelInventory, PayloadInfo
+from ._inventory import MeasureInputs, ModelInventory, PayloadInfo
 from ._placement import AlignPolicy
 from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
-from .errors import WeightshareError
+from .errors import UsageError, WeightshareError
 from .formats import get, model_suffixes, registered
 from .formats.base import MeasuresCopies
 from .options import INLINE_THRESHOLD
@@ -68,6 +68,7 @@ class Gate:
     threshold: int = COPY_THRESHOLD
     inline_threshold: int = INLINE_THRESHOLD
     measure: bool = True  # ask the runtime what one more session costs (ONNX, with onnxruntime installed)
+    feeds: MeasureInputs = MeasureInputs()  # --dim / --input for the measuring runs
 
     def targeted(self, inv: ModelInventory) -> list[str]:
         named = [s for s in inv.settings if s in self.targets]
@@ -172,7 +173,7 @@ def settle(inv: ModelInventory, gate: Gate, path: str | os.PathLike[str]) -> Non
     samples: dict[str, list[int]] = {s: [inv.measured[s]] for s in near}
     ones: dict[str, list[int]] = {s: [inv.measured_one_session.get(s, 0)] for s in near}
     for _ in range(REPEATS - 1):
-        again = measure_copies(Path(path))
+        again = measure_copies(Path(path), gate.feeds) if gate.feeds != MeasureInputs() else measure_copies(Path(path))
         for s, values in samples.items():
             if s in again[0]:
                 values.append(again[0][s])
@@ -394,10 +395,13 @@ def check(
     """Inventory and findings of every model. A model that cannot be read raises its ``WeightshareError``, or with
     ``keep_going`` (the CLI's batch) is one ``unreadable-model`` finding, and the others are still checked."""
     inventories, findings = [], []
+    gate = gate or Gate()
     for path in paths:
         try:
-            inv = inventory(path, hash_payloads=True, measure=(gate or Gate()).measure)
-            settle(inv, gate or Gate(), path)
+            inv = inventory(path, hash_payloads=True, measure=gate.measure, feeds=gate.feeds)
+            settle(inv, gate, path)
+        except UsageError:  # a --dim / --input the model does not have: the user's, not the model's
+            raise
         except WeightshareError as e:
             if not keep_going:
                 raise
@@ -443,13 +447,17 @@ def run_gate(models: Sequence[str | os.PathLike[str]], gate: Gate, strict: bool 
     models found, each inventoried and judged (an unreadable one is an ``unreadable-model`` finding and the others
     are still checked), and the exit code (0 share-ready, 1 a failing finding, 2 an unreadable model). Raises
     ``UsageError`` for a bad option or no model found; the callers only render."""
-    from .errors import UsageError
 
     for t in gate.targets:
         if t not in setting_ids():
             raise UsageError(f"--target {t!r} is not a setting id ({', '.join(setting_ids())})")
     if gate.threshold < 0:
         raise UsageError("--threshold must not be negative")
+    for name, value in gate.feeds.dims:
+        if value < 0:
+            raise UsageError(f"--dim takes NAME=VALUE with a non-negative integer, got {name}={value!r}")
+    for name, file in gate.feeds.input_files:
+        load_input(name, file)  # an unreadable file is a usage error here, before any model is measured
     paths = find_models(models)
     if not paths:
         raise UsageError("no models found")

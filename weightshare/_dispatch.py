@@ -9,22 +9,26 @@ model nor a format's own code imports the registry.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ._findings import Code, Finding
-from ._inventory import ModelInventory, mark_duplicates
+from ._inventory import MeasureInputs, ModelInventory, mark_duplicates
 from ._platform import require_posix
 from ._recorded import blob_name_problem, record_problem, recorded_records
-from ._verify import VerifyReport, first_line
+from ._verify import VerifyReport, read_input
 from .errors import InvalidModel, UsageError
 from .formats import detect, detect_format, get, registered
 from .formats.base import Decodes, MeasuresCopies, ReadsInputs
 
 
-def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False) -> ModelInventory:
+def inventory(
+    path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = False, feeds: MeasureInputs | None = None
+) -> ModelInventory:
     """Inventory of the model at ``path`` (format detected from the file). ``measure``: also measure what one more
-    session costs per setting in the runtime itself, for formats that can (``measure_copies``)."""
+    session costs per setting in the runtime itself, for formats that can (``measure_copies``), its runs' inputs
+    as ``feeds`` say."""
 
     require_posix("reading a model")
     path = Path(path)
@@ -34,7 +38,10 @@ def inventory(path: str | os.PathLike[str], hash_payloads: bool = True, measure:
         mark_duplicates(inv.payloads)
         _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
     if measure and isinstance(fmt, MeasuresCopies) and not any(p.problem for p in inv.payloads):  # broken: not run
-        measured = fmt.measure_copies(path)
+        # what the user said of the inputs, to a format that takes it (a format of its own may not: its inputs)
+        measured = (
+            fmt.measure_copies(path, feeds) if feeds and (feeds.dims or feeds.input_files) else fmt.measure_copies(path)
+        )
         inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
         if len(measured) > 3:  # a format that tells activation memory apart from weight copies
             inv.measured_activation = measured[3]
@@ -138,14 +145,8 @@ def verify(
 def load_input(name: str, file: str | os.PathLike[str]) -> Any:
     """A value for ``--input NAME=FILE``: a .npy array, or a file a format reads (``Format.input_readers``, by
     suffix: ONNX's serialized TensorProto ``.pb``)."""
-    import numpy as np
-
-    path = Path(file)
-    try:
-        for fmt in registered():
-            read = fmt.input_readers.get(path.suffix) if isinstance(fmt, ReadsInputs) else None
-            if read is not None:
-                return read(path)
-        return np.load(path, allow_pickle=False)
-    except Exception as e:  # noqa: BLE001 -- unreadable input file: the user's problem, one line
-        raise UsageError(f"--input {name}: cannot read {path}: {first_line(e)}") from None
+    readers: dict[str, Callable[[Path], Any]] = {}
+    for fmt in reversed(registered()):  # the first registered format that reads a suffix wins
+        if isinstance(fmt, ReadsInputs):
+            readers.update(fmt.input_readers)
+    return read_input(name, file, readers)

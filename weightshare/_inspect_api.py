@@ -61,6 +61,8 @@ def check(
     measure: bool = True,
     inline_threshold: int = INLINE_THRESHOLD,
     strict: bool = False,
+    dims: dict[str, int] | None = None,
+    inputs: dict[str, str | os.PathLike[str]] | None = None,
 ) -> CheckReport:
     """The CI gate: whether every model is share-ready (``weightshare check``).
 
@@ -74,12 +76,15 @@ def check(
         measure: ONNX: ask onnxruntime, in child processes, what one more session costs (``--no-measure``: False).
         inline_threshold: embedded payloads below this many bytes are fine.
         strict: warnings fail the gate too (copies that only a runtime's default setting makes).
+        dims: symbolic dim name (``"*"``: every other) -> value for the measuring runs (``--dim``), as ``verify``.
+        inputs: input name -> a .npy (or ONNX TensorProto .pb) file with its real values (``--input``).
 
     Returns:
         A ``CheckReport``: ``ok``, each model's inventory and every finding (``Finding.line()`` for one line).
 
     Raises:
-        UsageError: no model found, a target that is not a setting id, a negative threshold. A model that cannot
+        UsageError: no model found, a target that is not a setting id, a negative threshold, a dim or input no
+            measured model has, an unreadable input file. A model that cannot
             be read is an ``unreadable-model`` finding (``exit_code`` 2), and the others are still checked, as
             with the CLI (one implementation: ``_check.run_gate``).
 
@@ -89,8 +94,12 @@ def check(
         (True, [])
     """
     from ._check import Gate, run_gate
+    from ._inventory import MeasureInputs
 
-    result = run_gate(models, Gate(tuple(target), threshold, inline_threshold, measure=measure), strict)
+    feeds = MeasureInputs(
+        tuple((dims or {}).items()), tuple((name, os.fspath(file)) for name, file in (inputs or {}).items())
+    )
+    result = run_gate(models, Gate(tuple(target), threshold, inline_threshold, measure=measure, feeds=feeds), strict)
     return CheckReport(result.ok, result.inventories, result.findings, result.exit_code)
 
 

@@ -142,3 +142,12 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
             p.duplicate_of = first[key]
         else:
             first[key] = p.name
+
+
+@dataclass(frozen=True)
+class MeasureInputs:
+    """What the user told ``check`` about a model's inputs (``--dim NAME=N``, ``--input NAME=FILE``), handed to
+    the measuring child, which makes the rest as ``verify`` does."""
+
+    dims: tuple[tuple[str, int], ...] = ()
+    input_files: tuple[tuple[str, str], ...] = ()

@@ -9,12 +9,15 @@ conversion is (a verify failure, exit 1).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ._compare import differences
 from ._tensors import CHUNK_SIZE, PayloadSource
-from .errors import WeightshareError
+from .errors import UsageError, WeightshareError
 from .report import JsonDict
 
 
@@ -50,6 +53,19 @@ class VerifyReport:
 def first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text.splitlines()[0][:300]
+
+
+def read_input(name: str, file: str | os.PathLike[str], readers: Mapping[str, Callable[[Path], Any]]) -> Any:
+    """A value for ``--input NAME=FILE``: read by ``readers[suffix]`` (a format's own files: ONNX's ``.pb``) or as a
+    .npy array; an unreadable file is the user's problem, one line."""
+    import numpy as np
+
+    path = Path(file)
+    try:
+        read = readers.get(path.suffix)
+        return read(path) if read is not None else np.load(path, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 -- unreadable input file: the user's problem, one line
+        raise UsageError(f"--input {name}: cannot read {path}: {first_line(e)}") from None
 
 
 def compare_outputs(

@@ -270,3 +270,38 @@ def main() -> None:
             soft_wrap=True,
         )
         sys.exit(2)
+
+
+def dim_args(dim: list[str]) -> dict[str, int]:
+    """``--dim NAME=VALUE`` options (verify and check)."""
+    dims: dict[str, int] = {}
+    for name, value in _pairs(dim, "--dim", "VALUE"):
+        if not value.isdigit():  # 0 is a valid length: past_sequence_length=0 is a prefill step
+            fail(f"--dim takes NAME=VALUE with a non-negative integer, got {name}={value!r}")
+        dims[name] = int(value)
+    return dims
+
+
+def input_args(inputs: list[str]) -> dict[str, str]:
+    """``--input NAME=FILE`` options (verify and check): name -> file, read by ``_verify.load_input``."""
+    return dict(_pairs(inputs, "--input", "FILE.npy"))
+
+
+def dim_option(lead: str = "") -> Any:
+    """``--dim`` of verify and check (one text: help texts are documentation, format names included)."""
+    return typer.Option(
+        [],
+        "--dim",
+        help=lead + "Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
+        "sets every other dynamic dimension (TFLite dims have no names). Repeatable.",
+    )
+
+
+def input_option(lead: str = "") -> Any:
+    """``--input`` of verify and check."""
+    return typer.Option(
+        [],
+        "--input",
+        help=lead + "Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb); TFLite: "
+        "SIGNATURE:NAME=FILE.npy for one signature only. Repeatable.",
+    )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ._app import FORMAT_HELP, app, examples, output_format, user_errors
+from ._app import FORMAT_HELP, app, dim_args, dim_option, examples, input_args, input_option, output_format, user_errors
 from ._options import shared_option
 from ._render import VERBOSITY, err, github, info, measuring, quiet, render_findings, render_inventory
 
@@ -86,6 +86,8 @@ def check(
         help="Use the static per-session estimate only (default for ONNX: ask onnxruntime, in child processes, "
         "what one more session costs under each setting).",
     ),
+    dim: list[str] = dim_option("For the measuring runs: "),
+    inputs: list[str] = input_option("For the measuring runs: "),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
@@ -98,10 +100,13 @@ def check(
     """
     from .._check import Gate, run_gate
     from .._contract import check_document, github_annotations, sarif_document
+    from .._inventory import MeasureInputs
 
     quiet(quiet_)
     how = output_format(as_json, format_, ("text", "json", "github", "sarif"))
-    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure)
+    with user_errors():
+        feeds = MeasureInputs(tuple(dim_args(dim).items()), tuple(input_args(inputs).items()))
+    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure, feeds=feeds)
     with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes"):
         result = run_gate(models, gate, strict)
     inventories, findings, code = result.inventories, result.findings, result.exit_code

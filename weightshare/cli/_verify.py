@@ -10,7 +10,19 @@ from typing import Any
 import typer
 
 from ..errors import WeightshareError
-from ._app import FORMAT_HELP, _pairs, app, examples, fail, output_format, user_errors
+from ._app import (
+    FORMAT_HELP,
+    _pairs,
+    app,
+    dim_args,
+    dim_option,
+    examples,
+    fail,
+    input_args,
+    input_option,
+    output_format,
+    user_errors,
+)
 from ._render import github, info, quiet
 
 # Each run is a full inference of both models in every runtime leg; beyond this a typo (--runs 30000) would run
@@ -37,18 +49,14 @@ def _verify_args(
 ) -> tuple[dict[str, int], dict[str, list[int]], dict[str, Any]]:
     from .._dispatch import load_input
 
-    dims: dict[str, int] = {}
+    dims = dim_args(dim)
     shapes: dict[str, list[int]] = {}
-    for name, value in _pairs(dim, "--dim", "VALUE"):
-        if not value.isdigit():  # 0 is a valid length: past_sequence_length=0 is a prefill step
-            fail(f"--dim takes NAME=VALUE with a non-negative integer, got {name}={value!r}")
-        dims[name] = int(value)
     for name, value in _pairs(shape, "--shape", "D0,D1,..."):
         parts = [p.strip() for p in value.split(",")]
         if not all(p.isdigit() for p in parts):
             fail(f"--shape takes NAME=D0,D1,... with non-negative integers, got {name}={value!r}")
         shapes[name] = [int(p) for p in parts]
-    given = {name: load_input(name, value) for name, value in _pairs(inputs, "--input", "FILE.npy")}
+    given = {name: load_input(name, value) for name, value in input_args(inputs).items()}
     return dims, shapes, given
 
 
@@ -61,21 +69,11 @@ def verify(
     original: Path = typer.Argument(..., help="The model before conversion."),
     converted: Path = typer.Argument(..., help="The converted model."),
     runs: int = typer.Option(3, "--runs", min=1, max=MAX_RUNS, help="Runs with different seeded random inputs."),
-    dim: list[str] = typer.Option(
-        [],
-        "--dim",
-        help="Value of a symbolic input dimension, NAME=VALUE; '*=VALUE' "
-        "sets every other dynamic dimension (TFLite dims have no names). Repeatable.",
-    ),
+    dim: list[str] = dim_option(),
     shape: list[str] = typer.Option(
         [], "--shape", help="TFLite: full shape of an input with dynamic dims, NAME=1,16000. Repeatable."
     ),
-    inputs: list[str] = typer.Option(
-        [],
-        "--input",
-        help="Use real values for an input in every run: NAME=FILE.npy (or an ONNX TensorProto .pb); TFLite: "
-        "SIGNATURE:NAME=FILE.npy for one signature only. Repeatable.",
-    ),
+    inputs: list[str] = input_option(),
     seed: int = typer.Option(0, "--seed", help="Seed of the random inputs of the first run."),
     decode_steps: int = typer.Option(
         0,

@@ -27,7 +27,7 @@ from ..errors import Unsupported
 if TYPE_CHECKING:
     from .._atomic import OutputTransaction
     from .._findings import CodeInfo, TextEnum
-    from .._inventory import ModelInventory
+    from .._inventory import MeasureInputs, ModelInventory
     from .._pipeline import PreparedModel
     from .._verify import VerifyReport
     from ..options import ConvertOptions
@@ -58,6 +58,7 @@ class BenchRuntime:
     modes: tuple[tuple[str, bool], ...]
     prepacked: tuple[str, bool] | None = None  # how a ``convert --prepack`` output is measured, if the format has one
     prepacked_env: dict[str, str] = field(default_factory=dict)  # environment of that measuring process
+    env: dict[str, str] = field(default_factory=dict)  # environment of every measuring process (all rows)
     takes_inputs: bool = False  # ``measure`` takes a fourth argument, input name -> .npy file (``bench --input``)
     # how the ``--prepack`` variant is measured when not by ``measure`` (TFLite: through weightshare.litert)
     prepacked_measure: Callable[..., list[dict[str, Any]]] | None = None
@@ -194,8 +195,9 @@ class FormatDefaults:
 class MeasuresCopies(Protocol):
     """``check``/``inspect`` measure what one more session costs in the runtime itself."""
 
-    def measure_copies(self, path: Path) -> tuple[Any, ...]:
-        """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting])."""
+    def measure_copies(self, path: Path, feeds: MeasureInputs | None = None) -> tuple[Any, ...]:
+        """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting]);
+        ``feeds``: what the user said of the inputs (``check --dim/--input``)."""
         ...
 
 

@@ -11,7 +11,7 @@ from ..base import BenchRuntime, FormatDefaults, FormatOptions
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
-    from ..._inventory import ModelInventory
+    from ..._inventory import MeasureInputs, ModelInventory
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
     from ...report import ConversionReport
@@ -74,7 +74,9 @@ class CoremlFormat(FormatDefaults):
 
         return inventory_file(path, hash_payloads)
 
-    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str]]:
+    def measure_copies(
+        self, path: Path, feeds: MeasureInputs | None = None
+    ) -> tuple[dict[str, int], dict[str, int], list[str]]:
         """Nothing measured: no Core ML runtime runs on Linux (or anywhere but Apple's systems), so ``check``'s
         figure for ``coreml`` stays the static one, and says so."""
         return {}, {}, [NOT_MEASURED]

@@ -13,7 +13,7 @@ from .unpack import ORT_CPU, UNPACK
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
-    from ..._inventory import ModelInventory
+    from ..._inventory import MeasureInputs, ModelInventory
     from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
@@ -95,19 +95,23 @@ class OnnxFormat(FormatDefaults):
     @property
     def input_readers(self) -> dict[str, Callable[[Path], Any]]:
         """``verify --input NAME=FILE``: files this format reads besides .npy, by suffix."""
-        return {".pb": _read_tensor_proto}
+        from ._proto import read_tensor_proto
+
+        return {".pb": read_tensor_proto}
 
     def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
         from .inventory import inventory_file
 
         return inventory_file(path, hash_payloads)
 
-    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+    def measure_copies(
+        self, path: Path, feeds: MeasureInputs | None = None
+    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
         """Bytes of weight copies one more ORT session costs per setting, and its activation memory, measured in
         child processes (``measure.py``)."""
         from .measure import measure_copies
 
-        return measure_copies(path)
+        return measure_copies(path, feeds)
 
     def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         from .verify import verify_in_runtime
@@ -125,16 +129,6 @@ class OnnxFormat(FormatDefaults):
             prepacked=("default", False),
             prepacked_env={"MALLOC_MMAP_THRESHOLD_": "1048576"},
         )
-
-
-def _read_tensor_proto(path: Path) -> Any:
-    """A serialized ONNX TensorProto as a numpy array."""
-    import onnx
-    from onnx import numpy_helper
-
-    proto = onnx.TensorProto()
-    proto.ParseFromString(path.read_bytes())
-    return numpy_helper.to_array(proto)
 
 
 FORMAT = OnnxFormat()

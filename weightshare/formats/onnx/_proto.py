@@ -13,9 +13,9 @@ import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["load_model", "pb"]
+__all__ = ["load_model", "pb", "read_tensor_proto"]
 
 _PRIVATE_NAME = "weightshare.formats.onnx._onnx_ml_pb2"
 
@@ -53,3 +53,13 @@ def load_model(path: str | Path) -> pb.ModelProto:
     model = pb.ModelProto()
     model.ParseFromString(Path(path).read_bytes())
     return model
+
+
+def read_tensor_proto(path: Path) -> Any:
+    """A serialized ONNX TensorProto (``verify --input NAME=FILE.pb``) as a numpy array."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.TensorProto()
+    proto.ParseFromString(path.read_bytes())
+    return numpy_helper.to_array(proto)

@@ -60,6 +60,12 @@ class ModelFacts:
     bounds: dict[str, int | None] = field(default_factory=dict)  # index input -> exclusive bound
     hidden_of: dict[str, int] = field(default_factory=dict)  # input -> last dim, from the weight consuming it
     sources: list[str] = field(default_factory=list)
+    # from config.json only (what optimum / transformers write beside a vision or audio export)
+    image: tuple[int, int] | None = None  # image_size: (height, width)
+    channels: int | None = None  # num_channels
+    mel_bins: int | None = None  # num_mel_bins (Whisper's input_features [batch, mel bins, frames])
+    frames: int | None = None  # 2 * max_source_positions (Whisper's encoder takes exactly that many frames)
+    capped: list[str] = field(default_factory=list)  # config sizes ignored for being above their cap
 
 
 def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
@@ -92,7 +98,19 @@ def _config(path: Path) -> dict[str, Any]:
 # beside the model is as untrusted as the model, and these sizes become the shapes of generated inputs (a
 # hidden_size of 5e7 made verify allocate 1.7 GB). The largest real models stay well below: hidden 18,432
 # (the largest public dense decoders), 128 heads, head size 256, a vocabulary of 262,144.
-CONFIG_CAPS = {"heads": 1024, "kv_heads": 1024, "head_size": 4096, "hidden": 1 << 16, "vocab": 1 << 22}
+# An image side of 8,192 (real vision encoders: 224-1,024), 64 channels, 1,024 mel bins (80-128), 2 * 16,384 audio
+# frames (Whisper: 2 * 1,500): one generated image of 3 x 8,192 x 8,192 fp32 is 768 MiB, within verify's budget.
+CONFIG_CAPS = {
+    "heads": 1024,
+    "kv_heads": 1024,
+    "head_size": 4096,
+    "hidden": 1 << 16,
+    "vocab": 1 << 22,
+    "image": 8192,
+    "channels": 64,
+    "mel_bins": 1024,
+    "source_positions": 1 << 14,
+}
 
 
 def config_size(fact: str, value: object) -> int | None:
@@ -227,13 +245,48 @@ def _facts_from_configs(facts: ModelFacts, directory: Path) -> None:
             value = next((config_size(fact, data.get(k)) for k in keys if config_size(fact, data.get(k))), None)
             for k in keys:
                 if value is None and _positive(data.get(k)):
-                    facts.sources.append(f"{source} {k}={data[k]} ignored (above {CONFIG_CAPS[fact]})")
+                    facts.capped.append(f"{source} {k}={data[k]} ignored (above the cap of {CONFIG_CAPS[fact]})")
             if value is not None:
                 setattr(facts, fact, value)
                 facts.sources.append(f"{source} ({fact})")
                 break
     if facts.vocab is None:
         facts.vocab = config_size("vocab", model.get("vocab_size")) or config_size("vocab", config.get("vocab_size"))
+    _media_from_config(facts, config)
+
+
+def _claimed(facts: ModelFacts, fact: str, key: str, value: object) -> int | None:
+    """``value`` of ``config.json``'s ``key`` when within ``fact``'s cap; a positive claim above it is recorded in
+    ``facts.capped`` (verify and check say so) and ignored."""
+    size = config_size(fact, value)
+    if size is None and _positive(value):
+        facts.capped.append(f"config.json {key}={value} ignored (above the cap of {CONFIG_CAPS[fact]})")
+    return size
+
+
+def _media_from_config(facts: ModelFacts, config: dict[str, Any]) -> None:
+    """Image and audio input sizes from ``config.json`` (a ViT's ``image_size``, a Whisper's ``num_mel_bins`` and
+    ``max_source_positions``; a CLIP/SigLIP config's ``vision_config``), each within its cap."""
+    vision = config.get("vision_config")
+    for data in (config, vision if isinstance(vision, dict) else {}):
+        side = data.get("image_size")
+        if facts.image is None:
+            if isinstance(side, list) and len(side) == 2:
+                h, w = (_claimed(facts, "image", "image_size", v) for v in side)
+                facts.image = (h, w) if h and w else None
+            elif side is not None:
+                n = _claimed(facts, "image", "image_size", side)
+                facts.image = (n, n) if n else None
+        if facts.channels is None and "num_channels" in data:
+            facts.channels = _claimed(facts, "channels", "num_channels", data["num_channels"])
+    if "num_mel_bins" in config:
+        facts.mel_bins = _claimed(facts, "mel_bins", "num_mel_bins", config["num_mel_bins"])
+    if "max_source_positions" in config:
+        n = _claimed(facts, "source_positions", "max_source_positions", config["max_source_positions"])
+        facts.frames = 2 * n if n else None  # the encoder's stride-2 conv halves the frames into its positions
+    for name, value in (("image", facts.image), ("mel_bins", facts.mel_bins), ("frames", facts.frames)):
+        if value:
+            facts.sources.append(f"config.json ({name})")
 
 
 def past_key(name: str, prefixes: tuple[str, ...]) -> str | None:
@@ -266,7 +319,7 @@ def _is_past(name: str) -> bool:
     return past_key(name, ("past_key_values", "past")) is not None
 
 
-def _is_cross(name: str) -> bool:
+def is_cross(name: str) -> bool:
     return any(w in name.lower() for w in ("encoder", "cross"))
 
 
@@ -296,14 +349,99 @@ def derived_dims(
         shape = list(inp.shape)
         axes = _past_axes(shape) if _is_past(inp.name) else None
         if axes:
-            heads = facts.heads if _is_cross(inp.name) else facts.kv_heads
+            heads = facts.heads if is_cross(inp.name) else facts.kv_heads
             put(shape[axes[0]], heads, f"the head count, axis {axes[0]} of {inp.name!r}")
             put(shape[axes[2]], facts.head_size, f"the head size, axis {axes[2]} of {inp.name!r}")
         elif shape and inp.name in facts.hidden_of:
             put(shape[-1], facts.hidden_of[inp.name], "")
         elif shape and any(w in inp.name.lower() for w in ("hidden_states", "inputs_embeds")):
             put(shape[-1], facts.hidden, f"the hidden size, last axis of {inp.name!r}")
+        elif len(shape) == 4 and any(w in inp.name.lower() for w in ("pixel_values", "image")):
+            # NCHW, as transformers' vision models take them: sizes from config.json (a ViT's position
+            # embeddings fit one image size only)
+            put(shape[1], facts.channels, _unstated(facts, inp.name, 1, "num_channels"))
+            put(shape[2], facts.image[0] if facts.image else None, _unstated(facts, inp.name, 2, "image_size"))
+            put(shape[3], facts.image[1] if facts.image else None, _unstated(facts, inp.name, 3, "image_size"))
+        elif len(shape) == 3 and "input_features" in inp.name.lower():  # [batch, mel bins, frames]
+            put(shape[1], facts.mel_bins, _unstated(facts, inp.name, 1, "num_mel_bins"))
+            put(shape[2], facts.frames, _unstated(facts, inp.name, 2, "max_source_positions"))
     return out, missing
+
+
+def _unstated(facts: ModelFacts, name: str, axis: int, key: str) -> str:
+    """Why axis ``axis`` of input ``name`` has no size from config.json's ``key``: absent, or above its cap."""
+    capped = next((line for line in facts.capped if f" {key}=" in line), None)
+    return f"axis {axis} of {name!r}: " + (capped or f"config.json beside the model gives no {key}")
+
+
+def check_dim_names(inputs: list[Any], dims: dict[str, int], model_name: str) -> None:
+    """A ``--dim`` name no input has is a usage error (a typo would otherwise be ignored silently and the dim left
+    at 1): a dim's whole name counts, whatever its characters (paddle's ``DynamicDimension.0``, ``batch-size``),
+    and so do the names inside expression dims (``past_sequence_length + sequence_length``)."""
+    from ...errors import UsageError
+
+    named = {d for i in inputs for d in i.shape if isinstance(d, str)}
+    symbolic = named | {n for d in named for n in re.findall(r"[A-Za-z_]\w*", d)}
+    unknown = sorted(set(dims) - symbolic - {"*"})
+    if unknown:
+        raise UsageError(
+            f"--dim {unknown[0]}: no input of {model_name} has a dimension of that name "
+            f"(symbolic dims: {', '.join(sorted(symbolic)) or 'none'}; '*' sets every dynamic one)"
+        )
+
+
+def session_feeds(
+    path: Path, session: Any, dims: dict[str, int], given: dict[str, Any], seed: int = 0, check_names: bool = True
+) -> tuple[dict[str, Any], list[str]]:
+    """One run's inputs for ``session`` of the model at ``path``, made as verify makes its first run's (sizes from
+    the model and the configs beside it, a merged decoder's prefill branch, a decoder's ``encoder_hidden_states``
+    from the encoder beside it), and what was taken or ignored (config sizes above their cap). Raises UsageError
+    naming what cannot be made (``--dim`` / ``--input``)."""
+    inputs = session.get_inputs()
+    if check_names:
+        check_dim_names(inputs, dims, path.name)
+    facts = read_facts(path)
+    notes = list(facts.capped)
+    if check_names:  # not for the encoder run here itself
+        states, note = encoder_states(path, inputs, given, dims)
+        given = {**given, **states}
+        notes += [note] if note else []
+    known, missing = derived_dims(inputs, facts, dims, given)
+    merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in inputs)
+    p = plan(inputs, [o.name for o in session.get_outputs()])
+    run_dims = run_lengths(p, known, past_zero=merged)
+    from ..._runtimes.ort import dim_value
+
+    past = max((dim_value(d, run_dims) for d in p.past_dims), default=0)
+    return make_feeds(inputs, facts, run_dims, given, seed, False, missing, past), notes
+
+
+ENCODER_FILE = "encoder_model.onnx"  # what optimum names the encoder of an encoder-decoder export
+
+
+def encoder_states(
+    decoder: Path, inputs: list[Any], given: dict[str, Any], dims: dict[str, int]
+) -> tuple[dict[str, Any], str]:
+    """``{"encoder_hidden_states": ...}`` for a decoder exported beside its encoder (optimum's
+    ``encoder_model.onnx``): the original encoder run on inputs made as for any model (sizes from ``config.json``:
+    Whisper's mel bins and frames, an image size), its ``last_hidden_state`` (else first output) taken; and a note
+    saying so, or why not. ({}, "") for any other model, or when the user gave the states."""
+    name = "encoder_hidden_states"
+    encoder = decoder.parent / ENCODER_FILE
+    if name not in {i.name for i in inputs} or name in given or not encoder.is_file() or encoder == decoder:
+        return {}, ""
+    from ..._runtimes.ort import new_session
+
+    try:
+        session = new_session(str(encoder), share=False, log_level=4)
+        feeds, _ = session_feeds(encoder, session, dims, {}, check_names=False)
+        outs = [o.name for o in session.get_outputs()]
+        values = dict(zip(outs, session.run(None, feeds)))
+    except Exception as e:  # noqa: BLE001 -- without it, the states are random as for any input
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        return {}, f"{name} random: {ENCODER_FILE} beside the model did not run ({why})"
+    out = "last_hidden_state" if "last_hidden_state" in values else outs[0]
+    return {name: values[out]}, f"{name} from {ENCODER_FILE}'s {out} (the original encoder, run first)"
 
 
 def _shape(inp: Any, dims: dict[str, int]) -> list[int]:
@@ -385,7 +523,7 @@ def _total_length(inputs: list[Any], dims: dict[str, int]) -> int:
             return dim_value(inp.shape[-1], dims)
     seq = next((dim_value(i.shape[-1], dims) for i in inputs if "input_ids" in i.name.lower() and i.shape), 1)
     for inp in inputs:
-        axes = _past_axes(list(inp.shape)) if _is_past(inp.name) and not _is_cross(inp.name) else None
+        axes = _past_axes(list(inp.shape)) if _is_past(inp.name) and not is_cross(inp.name) else None
         if axes:
             return seq + dim_value(inp.shape[axes[1]], dims)
     return seq
@@ -411,7 +549,7 @@ def plan(inputs: list[Any], output_names: list[str]) -> DecodePlan:
     seq_dims = {d for d in (ids.shape[-1:] if ids is not None else []) if isinstance(d, str) and _NAME.match(d)}
     past_dims = set()
     for inp in inputs:
-        axes = _past_axes(list(inp.shape)) if inp.name in back and not _is_cross(inp.name) else None
+        axes = _past_axes(list(inp.shape)) if inp.name in back and not is_cross(inp.name) else None
         d = inp.shape[axes[1]] if axes else None
         if isinstance(d, str) and _NAME.match(d):
             past_dims.add(d)

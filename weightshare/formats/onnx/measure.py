@@ -34,9 +34,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..._inventory import MeasureInputs
 from ...report import JsonDict
 
 SESSIONS = 4  # growth from 1 to 4 sessions, over 3: the sharing criterion of a PSS benchmark (4 vs 1), less noisy
+FOLD_CHECK_MAX = 64 << 20  # model files up to this size are parsed for fold_bound (a folding bomb is a small file)
+CHILD_SESSIONS = 3 * SESSIONS  # a child's sessions of the model: arena off, arena on, and room for a slow load
 SETTINGS = (("ort-disable-prepacking", True), ("ort-default", False))
 ACTIVATION_SETTING = "ort-default"  # activations are measured at the runtime's defaults (the arena on)
 ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static estimate only
@@ -64,15 +67,28 @@ def _growth(data: list[int]) -> int:
 
 
 def probe(
-    model_path: str, share: bool, sessions: int = SESSIONS, arena: bool = False, activations: bool = False
+    model_path: str,
+    share: bool,
+    sessions: int = SESSIONS,
+    arena: bool = False,
+    activations: bool = False,
+    dims: dict[str, int] | None = None,
+    input_files: dict[str, str] | None = None,
 ) -> JsonDict:
     """In this (child) process: PSS after each of ``sessions`` sessions under the setting (with ORT's CPU arena
     or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
-    ``activations``, then as many sessions again with the arena on: ``arena_growth``, what one more of them keeps."""
+    ``activations``, then as many sessions again with the arena on: ``arena_growth``, what one more of them keeps.
+    The run's inputs are made as verify makes them (``decode.session_feeds``: ``dims``, the configs beside the
+    model), those in ``input_files`` read from their files (``--input``); ``usage`` is a --dim/--input error,
+    ``no_run`` why the sessions were not run."""
     import numpy as np
 
     from ..._runtimes.memory import data_pss, smaps_rollup
-    from ..._runtimes.ort import index_bounds, new_session, random_feeds
+    from ..._runtimes.ort import new_session
+    from ..._verify import read_input
+    from ...errors import UsageError
+    from ._proto import read_tensor_proto
+    from .decode import session_feeds
 
     tiny: list[Any] = []
     tiny_data: list[int] = []
@@ -87,21 +103,35 @@ def probe(
     data: list[int] = []
     feeds: dict[str, Any] | None = None
     ran = True
+    no_run = ""
+    notes: list[str] = []
+    try:
+        given = {name: read_input(name, file, {".pb": read_tensor_proto}) for name, file in (input_files or {}).items()}
+    except UsageError as e:
+        return {"usage": e.message}
     for _ in range(sessions):
         try:
             s = new_session(model_path, share=share, log_level=4, arena=arena)
         except Exception as e:  # noqa: BLE001 -- any refusal is the answer
             return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
         if feeds is None and ran:
+            unknown = sorted(set(given) - {i.name for i in s.get_inputs()})
+            if unknown:  # what the user gave does not fit the model: a usage error (exit 2), as in verify
+                return {"usage": f"--input {unknown[0]}: {Path(model_path).name} has no input of that name"}
             try:
-                feeds = random_feeds(s, 0, {}, {}, index_bounds(model_path))
-            except Exception:  # noqa: BLE001 -- inputs it cannot make up: sessions are measured unrun
-                ran = False
+                feeds, notes = session_feeds(Path(model_path), s, dims or {}, given)
+            except UsageError as e:
+                if e.message.startswith("--dim"):
+                    return {"usage": e.message}
+                ran, no_run = False, e.message  # inputs it cannot make up: sessions are measured unrun
+            except Exception as e:  # noqa: BLE001
+                ran, no_run = False, (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         if feeds is not None:
             try:
                 s.run(None, feeds)
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001
                 feeds, ran = None, False
+                no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
         pss.append(smaps_rollup()["Pss"])
         data.append(data_pss())
@@ -114,29 +144,70 @@ def probe(
             opened.append(s)
             with_arena.append(data_pss())
         more["arena_growth"] = _growth(with_arena)
-    return {"pss": pss, "data_pss": data, "ran": ran, "overhead": _growth(tiny_data), **more}
+    if not ran:
+        more["no_run"] = no_run
+    return {"pss": pss, "data_pss": data, "ran": ran, "overhead": _growth(tiny_data), "input_notes": notes, **more}
 
 
 def available() -> bool:
     return importlib.util.find_spec("onnxruntime") is not None and os.environ.get(ENV_SKIP, "") != "1"
 
 
-def _measure(path: Path, share: bool, arena: bool, activations: bool = False) -> tuple[JsonDict, str]:
+def _bounds(path: Path) -> tuple[float, str]:
+    """(the measuring child's wall time limit in seconds, "" or why the model is not measured): the bounds of
+    convert's ORT child (``ort_limits``, ``fold_bound``) for a child that creates ``CHILD_SESSIONS`` sessions: a
+    model whose constant folding would compute more than its size justifies is not given to ORT at all."""
+    from ...errors import WeightshareError
+    from ._proto import load_model
+    from .ort.fold_bound import check_constant_folding
+    from .ort.limits import limits_for
+    from .ort.probe import external_locations
+
+    size = path.stat().st_size
+    if size > FOLD_CHECK_MAX:  # its weights embedded: size enough for the bounds, and no second copy in memory
+        return limits_for(size, path).wall_s * CHILD_SESSIONS, ""
+    data = path.read_bytes()
+    try:
+        files = {path.parent / loc for loc in external_locations(data) if "/" not in loc and "\\" not in loc}
+        input_bytes = size + sum(f.stat().st_size for f in files if f.is_file())
+        check_constant_folding(load_model(path), input_bytes, path)
+    except WeightshareError as e:
+        return 0.0, e.message
+    except Exception:  # noqa: BLE001 -- unreadable here: the child says what onnxruntime makes of it
+        input_bytes = size
+    return limits_for(input_bytes, path).wall_s * CHILD_SESSIONS, ""
+
+
+def _measure(
+    path: Path,
+    share: bool,
+    arena: bool,
+    activations: bool = False,
+    feeds: MeasureInputs | None = None,
+    timeout: float | None = None,
+) -> tuple[JsonDict, str]:
     """One child's answer (``cost``: bytes one more session keeps beyond a one-node model's, ``data_growth``: its
     whole growth), or ({}, why not)."""
     from ..._runtimes.memory import in_child
+    from ...errors import UsageError
 
+    given = feeds or MeasureInputs()
+    args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files)]
     try:
-        res: JsonDict = in_child(__name__, "probe", [str(path), share, SESSIONS, arena, activations], MALLOC_ENV)
+        res: JsonDict = in_child(__name__, "probe", args, MALLOC_ENV, timeout=timeout)
     except RuntimeError as e:
         return {}, f"could not measure: {e}"
+    if "usage" in res:
+        raise UsageError(str(res["usage"]))
     if "error" in res:
         return {}, f"onnxruntime CPU refuses the model: {res['error']}"
     growth = _growth(res["data_pss"])  # the growth without code's PSS, which other processes move
     return {**res, "data_growth": growth, "cost": max(0, growth - res["overhead"])}, ""
 
 
-def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+def measure_copies(
+    path: Path, feeds: MeasureInputs | None = None
+) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
     """(setting id -> bytes of weights and their copies one more session keeps, setting id -> PSS of the child with
     one session (what `check` weighs the growth against), notes, setting id -> activation memory one more session
     keeps at default options (its CPU arena)); ({}, {}, [why not], {}) when ORT is not installed."""
@@ -147,12 +218,16 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
             ["per-session copies are the static estimate: onnxruntime is not installed (or measuring is off)"],
             {},
         )
+    timeout, refused = _bounds(path)
+    if refused:
+        return {}, {}, [f"per-session copies are the static estimate: not given to onnxruntime: {refused}"], {}
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
     activation: dict[str, int] = {}
     for setting, share in SETTINGS:
-        res, why = _measure(path, share, arena=False, activations=setting == ACTIVATION_SETTING)
+        activations = setting == ACTIVATION_SETTING
+        res, why = _measure(path, share, arena=False, activations=activations, feeds=feeds, timeout=timeout)
         if why:
             notes.append(f"{setting}: {why}")
             continue
@@ -161,5 +236,9 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
         if "arena_growth" in res:  # the same sessions with the arena on: what it keeps beyond the weights
             activation[setting] = max(0, res["arena_growth"] - res["data_growth"])
         if not res["ran"]:
-            notes.append(f"{setting}: sessions measured without a run (inputs could not be generated)")
+            why = res.get("no_run") or "inputs could not be generated"
+            notes.append(f"{setting}: sessions measured without a run ({why})")
+        for line in res.get("input_notes", []):
+            if line not in notes:
+                notes.append(line)
     return out, one, notes, activation

@@ -9,7 +9,6 @@ payload that is not the original's, after the unpacking ``convert`` does, fails 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -104,16 +103,9 @@ def verify_in_runtime(
         a = new_session(str(original), share=False, log_level=4)
     except Exception as e:  # noqa: BLE001 -- any runtime refusal is reported, not raised as a bug
         raise OriginalFails(f"the original model fails in onnxruntime: {first_line(e)} ({_HINT})", original) from None
-    # a dim's whole name counts, whatever its characters (paddle's DynamicDimension.0, "batch-size"), and so do
-    # the names inside expression dims (past_sequence_length + sequence_length)
-    named = {d for i in a.get_inputs() for d in i.shape if isinstance(d, str)}
-    symbolic = named | {n for d in named for n in re.findall(r"[A-Za-z_]\w*", d)}
-    unknown = sorted(set(opts["dims"]) - symbolic - {"*"})
-    if unknown:  # a typo would otherwise be ignored silently and the dim left at 1
-        raise UsageError(
-            f"--dim {unknown[0]}: no input of {original.name} has a dimension of that name "
-            f"(symbolic dims: {', '.join(sorted(symbolic)) or 'none'}; '*' sets every dynamic one)"
-        )
+    from .decode import check_dim_names
+
+    check_dim_names(a.get_inputs(), opts["dims"], original.name)
     if broken:
         report.paths.append("onnxruntime CPU, default session options")
         report.mismatches.append("the converted model was not run: its external data is broken (see above)")
@@ -138,7 +130,7 @@ def _run_both(
     report: VerifyReport, a: Any, original: Path, converted: Path, opts: dict[str, Any], share: bool, prefix: str
 ) -> None:
     from ..._runtimes.ort import dim_value, new_session
-    from .decode import derived_dims, make_feeds, plan, read_facts, run_lengths
+    from .decode import derived_dims, encoder_states, make_feeds, plan, read_facts, run_lengths
 
     try:
         b = new_session(str(converted), share=share, log_level=4)
@@ -152,6 +144,12 @@ def _run_both(
     if len(report.mismatches) > before:
         return
     facts = read_facts(original)
+    report.notes += [f"{prefix}{line}" for line in facts.capped]
+    states, note = encoder_states(original, a.get_inputs(), opts["inputs"], opts["dims"])
+    if states:  # a decoder beside its encoder: the cross-attention reads what the encoder really outputs
+        opts = {**opts, "inputs": {**opts["inputs"], **states}}
+    if note:
+        report.notes.append(f"{prefix}{note}")
     dims, missing = derived_dims(a.get_inputs(), facts, opts["dims"], opts["inputs"])
     merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in a.get_inputs())
     p = plan(a.get_inputs(), names_a)
@@ -229,7 +227,7 @@ def _decode(
     import numpy as np
 
     from ..._compare import differences
-    from .decode import make_feeds, next_tokens, plan, step_dims
+    from .decode import is_cross, make_feeds, next_tokens, plan, step_dims
 
     inputs = a.get_inputs()
     names_a, names_b = [o.name for o in a.get_outputs()], [o.name for o in b.get_outputs()]
@@ -286,7 +284,9 @@ def _decode(
         fresh = make_feeds(inputs, facts, step_dims(p, dims, past, seq), given, opts["seed"] + step + 1, True)
         for inp in inputs:
             name, old = inp.name, feeds[inp.name]
-            if name in p.feeds_back:
+            if name in p.feeds_back and (step == 0 or not is_cross(name)):
+                # cross-attention K/V come from the prefill step and stay: a merged decoder's cache branch
+                # outputs a dummy in their place (optimum pads the with-past model's missing outputs)
                 feeds[name] = outs_a[p.feeds_back[name]]
             elif name == p.ids and token is not None:
                 feeds[name] = token if p.feeds_back else np.concatenate([old, token], axis=-1)

@@ -16,7 +16,7 @@ from .unpack import UNPACK
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
-    from ..._inventory import ModelInventory
+    from ..._inventory import MeasureInputs, ModelInventory
     from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
     from ...options import ConvertOptions
@@ -63,11 +63,13 @@ class TfliteFormat(FormatDefaults):
 
         return inventory_file(path, hash_payloads)
 
-    def measure_copies(self, path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+    def measure_copies(
+        self, path: Path, feeds: MeasureInputs | None = None
+    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
         """Bytes one more LiteRT interpreter costs per setting, measured in child processes (``measure.py``)."""
         from .measure import measure_copies
 
-        return measure_copies(path)
+        return measure_copies(path, feeds)
 
     def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         from .verify import verify_in_runtime
@@ -89,6 +91,7 @@ class TfliteFormat(FormatDefaults):
             (("no delegate", True), ("XNNPACK", False)),
             prepacked=("weightshare.litert.interpreter", True),
             prepacked_env=MALLOC_ENV,
+            env=MALLOC_ENV,  # as check's measuring child: glibc returns freed buffers, so rows compare with check
             takes_inputs=True,
             prepacked_measure=measure_shared,
         )

@@ -26,7 +26,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ...errors import WeightshareError
+from ..._inventory import MeasureInputs
+from ...errors import UsageError, WeightshareError
 from ...report import JsonDict
 from ..onnx.measure import ENV_SKIP, MALLOC_ENV, SESSIONS
 
@@ -34,7 +35,13 @@ SETTINGS = (("litert-builtin", True), ("litert-xnnpack", False))  # (setting id,
 TIMEOUT_S = 600.0
 
 
-def _run_signatures(model_path: str, interp: Any, bounds: dict[str, dict[str, int | None]]) -> bool:
+def _run_signatures(
+    model_path: str,
+    interp: Any,
+    bounds: dict[str, dict[str, int | None]],
+    given: dict[str, Any] | None = None,
+    dims: dict[str, int] | None = None,
+) -> bool:
     """Run every signature of ``interp`` once (seeded random inputs, index inputs in range); False when the inputs
     cannot be made up or LiteRT refuses them. The signature runners are dropped before returning: each holds the
     interpreter, and LiteRT refuses ``allocate_tensors`` ("at least 1 reference to internal data") while one
@@ -44,7 +51,7 @@ def _run_signatures(model_path: str, interp: Any, bounds: dict[str, dict[str, in
     entries = entry_points(interp, model_path, bounds)
     try:
         for _key, entry in entries:
-            entry(entry.feeds(0, {}))
+            entry(entry.feeds(0, given or {}, None, dims or {}))
     except Exception:  # noqa: BLE001 -- inputs it cannot make up: the interpreter is measured unrun
         return False
     finally:
@@ -66,14 +73,24 @@ def _allocate_signatures(interp: Any) -> None:
 
 
 def probe(
-    model_path: str, share: bool, interpreters: int = SESSIONS, bounds: dict[str, dict[str, int | None]] | None = None
+    model_path: str,
+    share: bool,
+    interpreters: int = SESSIONS,
+    bounds: dict[str, dict[str, int | None]] | None = None,
+    dims: dict[str, int] | None = None,
+    input_files: dict[str, str] | None = None,
 ) -> JsonDict:
     """In this (child) process: PSS after each of ``interpreters`` interpreters under the setting, or why LiteRT
     refused the model; ``buffers``: one interpreter's own buffers (``instance_buffers``: activations, inputs and
     outputs, KV cache), which are not weight copies."""
     from ..._runtimes.litert import instance_buffers, native_stderr_silenced, new_interpreter
     from ..._runtimes.memory import data_pss, smaps_rollup
+    from ..._verify import read_input
 
+    try:  # --input NAME=FILE (SIGNATURE:NAME=FILE for one signature), read as verify reads it
+        given = {name: read_input(name, file, {}) for name, file in (input_files or {}).items()}
+    except UsageError as e:
+        return {"usage": e.message}
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
@@ -88,7 +105,7 @@ def probe(
             except Exception as e:  # noqa: BLE001 -- any refusal is the answer
                 return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
             if ran:
-                ran = _run_signatures(model_path, interp, bounds or {})
+                ran = _run_signatures(model_path, interp, bounds or {}, given, dims)
             if not ran:
                 try:
                     _allocate_signatures(interp)
@@ -186,7 +203,9 @@ def available() -> bool:
     return importlib.util.find_spec("ai_edge_litert") is not None and os.environ.get(ENV_SKIP, "") != "1"
 
 
-def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+def measure_copies(
+    path: Path, feeds: MeasureInputs | None = None
+) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
     """(setting id -> bytes of weights and copies of them one more interpreter keeps, setting id -> PSS of the child
     with one interpreter, notes, setting id -> activation memory one more interpreter keeps); ({}, {}, [why not],
     {}) when ai-edge-litert is not installed or measuring is off."""
@@ -204,6 +223,7 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
         bounds = signature_bounds(str(path))  # here: the child's memory must not count the graph reader
     except WeightshareError:
         bounds = {}
+    given = feeds or MeasureInputs()
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
@@ -211,11 +231,17 @@ def measure_copies(path: Path) -> tuple[dict[str, int], dict[str, int], list[str
     for setting, share in SETTINGS:
         try:
             res: JsonDict = in_child(
-                __name__, "probe", [str(path), share, SESSIONS, bounds], MALLOC_ENV, timeout=TIMEOUT_S
+                __name__,
+                "probe",
+                [str(path), share, SESSIONS, bounds, dict(given.dims), dict(given.input_files)],
+                MALLOC_ENV,
+                timeout=TIMEOUT_S,
             )
         except RuntimeError as e:
             notes.append(f"could not measure {setting}: {e}")
             continue
+        if "usage" in res:
+            raise UsageError(str(res["usage"]))
         if "error" in res:
             notes.append(f"LiteRT refuses the model under {setting}: {res['error']}")
             continue
