@@ -94,6 +94,8 @@ def test_ctrl_c_while_the_commands_are_imported_is_one_line_and_exit_130():
     """SIGINT arrives while `weightshare` imports typer (before the command's own handler exists)."""
     code = (
         "import os, signal, sys\n"
+        # as in a terminal: a worker that inherited SIGINT ignored would hand that on to this child
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "class Interrupt:\n"
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'typer':\n"
