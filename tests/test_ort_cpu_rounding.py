@@ -86,10 +86,21 @@ def test_a_fusion_that_changes_the_rounding_is_refused_in_one_line(tmp_path, cli
     _outputs_equal(src, tmp_path / "out" / "model.onnx")
 
 
-def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("windows", [False, True])
+def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_line(tmp_path, monkeypatch, windows):
+    """Also when the check optimizes the graph window by window (what bounds its child on large models): each
+    window is the whole graph with the other windows' weights as inputs, so the fusion that depends on how many
+    nodes read the shared fp16 scale (none in the original, all once converted) is still found; a graph cut in
+    pieces fused it in the original's pieces too and let it through."""
     import weightshare
     from weightshare.errors import Unsupported
-    from weightshare.formats.onnx import ort_reload
+    from weightshare.formats.onnx import ort_reload, ortcpu
+
+    used: list[int] = []
+    if windows:
+        monkeypatch.setattr(ortcpu, "CHECK_SEGMENT_BYTES", 640 << 10)  # the model's 2 MiB: 3 chunks, 2 windows
+        found = ortcpu._windows
+        monkeypatch.setattr(ortcpu, "_windows", lambda probe: used.append(len(w := found(probe) or [])) or w or None)
 
     src = mf.build("fp16", tmp_path / "src" / "model.onnx", mib=2)
     model = onnx.load(str(src))
@@ -104,6 +115,11 @@ def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_
     assert "\n" not in line
     assert "--unpack ort-cpu: refused" in line and "MatMulScaleFusion" in line and "FusedMatMul" in line
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    if windows:
+        assert used and used[0] >= 2
+        monkeypatch.undo()  # the repair back on, windows kept: no window refuses what the whole graph accepts
+        monkeypatch.setattr(ortcpu, "CHECK_SEGMENT_BYTES", 640 << 10)
+        weightshare.convert(src, tmp_path / "fixed", unpack=["ort-cpu"])
 
 
 def _graph(*ops: tuple[str, str, dict[str, float | int]]) -> onnx.GraphProto:
