@@ -170,6 +170,16 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
             continue
         op = tally.setdefault(f"{node.domain}.{node.op_type}" if node.domain else node.op_type, OpTally())
         op.nodes += 1
+        done = [  # packed by its segment's session (the others of a segmented graph come here)
+            sum(int(b.split(";")[1]) for b in e.value.split("|")[1:])
+            for i in weights
+            for e in inits[i].external_data
+            if e.key.startswith("prepacked_")
+        ]
+        if done:
+            op.packed += 1
+            op.packed_bytes += sum(done)
+            continue
         one = _one_node_model(node, model, inits, types)
         if isinstance(one, str):
             op.skip(one)
@@ -311,6 +321,7 @@ class Sharer:
         """Re-point ``opt``'s external initializers (plain payload, or the changed bytes in a file of its
         own) and its packed buffers (``packed.bin``, or one of its own), and remove the files ORT wrote
         them to. ``tag``: a segment's, whose files go when the segment is dropped; the names returned."""
+        from .disk_use import punch
         from .prepack import PACKED_FILE_KEY, external_tensors
 
         rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
@@ -345,12 +356,23 @@ class Sharer:
                     location, offset, length = rest, out.seek(0, 2), where[2]
                     _append(os.path.join(self.stage, where[0]), where[1], where[2], out)
                 values = [("location", location), ("offset", str(offset)), ("length", str(length))]
-                with open(os.path.join(self.stage, where[0]), "rb") as f:
+                ort_file = os.path.join(self.stage, where[0])
+                with open(ort_file, "rb") as f:
                     moved = [
                         _move_packed(e.value, f, packs_out)[0]
                         for e in t.external_data
                         if e.key.startswith("prepacked_")
                     ]
+                # ORT's file goes once settled; its blocks go as each tensor is: the copies made from it do
+                # not sit beside it (the temporary disk peak stays at the staged model plus ORT's file)
+                packs_out.flush()
+                out.flush()
+                punch(ort_file, where[1], where[2])
+                for e in t.external_data:
+                    if e.key.startswith("prepacked_"):
+                        for buf in e.value.split("|")[1:]:
+                            at, size = buf.split(";")[:2]
+                            punch(ort_file, int(at), int(size))
                 if moved:
                     values += [(PACKED_FILE_KEY, packed), *((f"prepacked_{i}", v) for i, v in enumerate(moved))]
                 del t.external_data[:]
@@ -394,10 +416,10 @@ def main(argv: list[str]) -> int:
     sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)))
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
     share_unchanged(model, out_model, sharer)
-    if segments["segments"] > 1:  # each segment's session saved its packed copies (Sharer moved them)
-        packed: dict[str, list[list[str]]] = {}
+    if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
+        packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
-    else:  # one piece: ORT's session held no packed copies; node by node, in bounded memory
+    else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
         packed, tally = pack(out_model, int(min_external))
     binding = {
         "onnxruntime": ort.__version__,

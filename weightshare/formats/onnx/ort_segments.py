@@ -601,6 +601,9 @@ def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], 
 # ---------------------------------------------------------------- driving ORT
 
 
+PACKED_SHARE = 0.25  # of all weights: a larger segment is packed node by node (``Segmenter.packs_itself``)
+
+
 @dataclass
 class Report:
     segments: int = 1
@@ -611,6 +614,7 @@ class Report:
     checked: int = 0
     reused: int = 0  # of the checked cuts, those answered by an earlier window of the same shape
     details: list[str] = field(default_factory=list)
+    unpacked: int = 0  # segments too large a share of the weights for their session to save packed copies
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -622,6 +626,7 @@ class Report:
             "checks_reused": self.reused,
             "single_reason": self.reason,
             "dropped_cuts": self.details[:10],
+            "segments_packed_node_by_node": self.unpacked,
         }
 
 
@@ -685,10 +690,18 @@ class Segmenter:
             if v.name in made and made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput"
         )
 
+    def packs_itself(self, key: tuple[int, int, frozenset[str]]) -> bool:
+        """Whether the segment's session saves its packed copies. That session writes the segment's weights and
+        their packed copies into ORT's file while the staged model holds them too: for a segment of more than
+        PACKED_SHARE of the weights that would take the temporary disk past 1.5x the outputs (a 2-segment
+        transformer: 1.85x), so such a segment is optimized without packing and packed node by node afterwards
+        (each node's copy written and removed in turn, as for a graph in one piece)."""
+        return sum(self.plan.weights[key[0] : key[1]]) <= PACKED_SHARE * sum(self.plan.weights)
+
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            part = self._run(*key, tag=self._tag(key), prepack=True)
+            part = self._run(*key, tag=self._tag(key), prepack=self.packs_itself(key))
             if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
                 self.files[key] = self.settle(part, self._tag(key))
             self.optimized[key] = part
@@ -804,5 +817,6 @@ class Segmenter:
         )
         self.out.write_bytes(whole.SerializeToString())
         report.segments = len(parts)
+        report.unpacked = sum(not self.packs_itself(key) for key in keys)
         report.largest_bytes = max(sum(self.plan.weights[a:b]) for a, b, _ in keys)
         return report
