@@ -27,7 +27,9 @@ import onnx
 from .ort_probe import cpu_features, nchwc_block_size
 
 
-def optimize(model: str, out_model: str, bin_name: str, min_external: str, prepack: bool = False) -> None:
+def optimize(
+    model: str, out_model: str, bin_name: str, min_external: str, prepack: bool = False, referenced: bool = False
+) -> None:
     """The level-ALL graph (fusions, NCHWc Conv weights) of ``model``, without pre-packing.
 
     With pre-packing off ORT holds only the reordered Conv weights (1x, plus ~3x the Conv weight it
@@ -44,8 +46,9 @@ def optimize(model: str, out_model: str, bin_name: str, min_external: str, prepa
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     else:
         so.add_session_config_entry("session.disable_prepacking", "1")
-    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
-    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", min_external)
+    if not referenced:  # else unchanged external initializers are saved as their references, the rest inline
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", min_external)
     so.log_severity_level = 3  # ORT warns that a level-ALL graph is hardware-specific: we record that instead
     ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
@@ -206,9 +209,14 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
             for t in packed.graph.initializer:
                 for e in t.external_data:
                     if e.key.startswith("prepacked_"):
+                        entries += 1
+                        key = e.value.split("|")[0]
+                        if any(v.split("|")[0] == key for v, _f in found.get(t.name, [])):
+                            # another node, one kernel (the branches of a merged decoder's If): the same packed
+                            # bytes under the same key, which the blob keeps once; not written twice to the staging
+                            continue
                         value, size = _move_packed(e.value, src, dst)
                         found.setdefault(t.name, []).append([value, PACKED_BIN])
-                        entries += 1
                         op.packed_bytes += size
         os.unlink(os.path.join(stage, f"node{n}.packed.bin"))  # its copy of the node's weights goes at once
         if entries:
@@ -266,6 +274,12 @@ def optimize_bounded(
     def run_packed(src: str, dst: str, bin_name: str) -> None:
         run(src, dst, bin_name, True)
 
+    def run_referenced(src: str, dst: str, bin_name: str) -> None:
+        from ...ort import malloc_trim
+
+        optimize(src, dst, bin_name, min_external, referenced=True)
+        malloc_trim()
+
     segmenter = Segmenter(
         model,
         out_model,
@@ -274,6 +288,7 @@ def optimize_bounded(
         settle=sharer.settle if sharer else None,
         reset=sharer.reset if sharer else None,
         optimize_packed=run_packed if sharer else None,
+        optimize_referenced=run_referenced,
     )
     return segmenter.run().as_dict()
 

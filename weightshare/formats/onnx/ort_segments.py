@@ -527,6 +527,18 @@ def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
     return head + h.hexdigest()
 
 
+def window_references(part: onnx.ModelProto) -> bool:
+    """Whether a cut check may save its optimized window without an initializers file: ORT 1.32 then saves each
+    external initializer it did not change as its reference (no copy of the two segments' weights beside the staged
+    model: the temporary disk of a model whose kernels pack nothing was 1.5x its outputs) and writes what it
+    changed inline, in its memory while it serializes. Only where little changes: no Conv (NCHWc reorders every
+    Conv weight) and no fp16/bf16 initializer (constant folding casts each)."""
+    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    return not any(n.op_type == "Conv" for n in part.graph.node) and not any(
+        t.data_type in half for t in part.graph.initializer
+    )
+
+
 def window_shape(
     window: onnx.ModelProto, right: int, standin: frozenset[str], standin_right: frozenset[str], directory: Path
 ) -> str:
@@ -642,8 +654,11 @@ class Segmenter:
         settle: Callable[[onnx.ModelProto, str], list[str]] | None = None,
         reset: Callable[[], None] | None = None,
         optimize_packed: Optimizer | None = None,
+        optimize_referenced: Optimizer | None = None,
     ) -> None:
         self.optimize_packed = optimize_packed  # a segment's session that also saves ORT's packed copies
+        # a cut check's session that saves no initializers file (``window_references``)
+        self.optimize_referenced = optimize_referenced
         self.settle = settle  # re-points a segment's initializers off ORT's file (which it removes), if given
         self.reset = reset  # forgets what ``settle`` kept, when the graph goes back to one piece
         self.src = Path(model_path)
@@ -662,7 +677,9 @@ class Segmenter:
     def _bin(self, tag: str) -> Path:
         return self.out.parent / f"{self.stem}.{tag}.bin"
 
-    def _run(self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False) -> onnx.ModelProto:
+    def _run(
+        self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False, window: bool = False
+    ) -> onnx.ModelProto:
         """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
         part = extract(self.model, start, stop, self.types, standin)
         # beside the source model, so that the initializers' relative external data locations resolve
@@ -671,6 +688,8 @@ class Segmenter:
         tmp.write_bytes(part.SerializeToString())
         try:
             run = self.optimize_packed if prepack and self.optimize_packed is not None else self.optimize
+            if window and self.optimize_referenced is not None and window_references(part):
+                run = self.optimize_referenced
             run(str(tmp), str(opt), self._bin(tag).name)
         finally:
             tmp.unlink()
@@ -725,7 +744,7 @@ class Segmenter:
         if shape in self.answers:
             self.reused += 1
             return self.answers[shape]
-        together = self._run(a, c, standin, f"win{a}-{c}")
+        together = self._run(a, c, standin, f"win{a}-{c}", window=True)
         try:
             pair = stitch(
                 [left, right],
