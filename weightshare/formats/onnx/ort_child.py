@@ -131,7 +131,12 @@ def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
     moved, total = [key], 0
     for buf in buffers:
         offset, size, *rest = buf.split(";")
-        at = dst.seek(0, 2)
+        # at a block boundary (the gap is a hole): once the blob holds the buffer its whole blocks can be freed
+        # (``disk_use.punch`` frees only whole blocks inside a range; unaligned small buffers kept every block)
+        dst.flush()
+        at = -(-dst.seek(0, 2) // 4096) * 4096
+        os.ftruncate(dst.fileno(), at)  # the gap a hole; an append-mode file then writes at ``at`` too
+        dst.seek(at)
         src.seek(int(offset))
         left = int(size)
         while left:
