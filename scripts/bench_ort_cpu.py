@@ -230,7 +230,7 @@ def convert(src: Path, out: Path, *extra: str) -> dict:
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise SystemExit(f"convert failed: {res.stderr}")
-    report = json.loads(res.stdout)
+    report = json.loads(res.stdout)["reports"][0]  # the --json document: one report per model
     probe = next(
         (float(m.group(1)) for n in report["notes"] if (m := re.search(r"probe child peak RSS (\d+)", n))), float("nan")
     )

@@ -148,7 +148,7 @@ def _convert(src: Path, out: Path, *flags: str, env: dict | None = None) -> dict
     )
     if res.returncode != 0:
         raise SystemExit(res.stderr)
-    report = json.loads(res.stdout)
+    report = _report(res.stdout)
     report["process_peak_mib"] = peak
     return report
 
@@ -247,6 +247,12 @@ def load_peak(model: Path, src: Path) -> float:
     return round(_timed([sys.executable, "-c", LOAD_PEAK, str(model), str(src)])["peak_mib"], 1)
 
 
+def _report(stdout: str) -> dict:
+    """The one model's report of ``convert --json`` (the document lists one report per model)."""
+    doc = json.loads(stdout)
+    return doc["reports"][0] if "reports" in doc else doc
+
+
 def _du(path: Path) -> int:
     return allocated_bytes(str(path))  # the converter's own meter (``--json`` temp_disk_peak_bytes)
 
@@ -289,7 +295,7 @@ def cost(src: Path, work: Path, label: str, unpack: tuple[str, ...] = ()) -> dic
     shutil.rmtree(work / "ort")
     (work / "pre").mkdir()
     pre = _timed([*conv, "-o", str(work / "pre"), "--prepack"], work / "pre")
-    report = json.loads(pre["stdout"])
+    report = _report(pre["stdout"])
     final = _du(work / "pre")
     load = {"original": load_peak(src, src), "prepack": load_peak(work / "pre" / src.name, src)}
     shutil.rmtree(work / "pre")

@@ -86,10 +86,22 @@ def test_a_fusion_that_changes_the_rounding_is_refused_in_one_line(tmp_path, cli
     _outputs_equal(src, tmp_path / "out" / "model.onnx")
 
 
-def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("windows", [False, True])
+def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_line(tmp_path, monkeypatch, windows):
+    """Also when the check optimizes the graph window by window (what bounds its child on large models): each
+    window is the whole graph with the other windows' weights as inputs, so the fusion that depends on how many
+    nodes read the shared fp16 scale (none in the original, all once converted) is still found; a graph cut in
+    pieces fused it in the original's pieces too and let it through."""
     import weightshare
     from weightshare.errors import Unsupported
+    from weightshare.formats.onnx.ort import cpu as ortcpu
     from weightshare.formats.onnx.ort import unfuse
+
+    used: list[int] = []
+    if windows:
+        monkeypatch.setattr(ortcpu, "CHECK_SEGMENT_BYTES", 640 << 10)  # the model's 2 MiB: 3 chunks, 2 windows
+        found = ortcpu._windows
+        monkeypatch.setattr(ortcpu, "_windows", lambda probe: used.append(len(w := found(probe) or [])) or w or None)
 
     src = mf.build("fp16", tmp_path / "src" / "model.onnx", mib=2)
     model = onnx.load(str(src))
@@ -104,6 +116,11 @@ def test_a_fusion_that_changes_the_rounding_and_is_not_undone_is_refused_in_one_
     assert "\n" not in line
     assert "--unpack ort-cpu: refused" in line and "MatMulScaleFusion" in line and "FusedMatMul" in line
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+    if windows:
+        assert used and used[0] >= 2
+        monkeypatch.undo()  # the repair back on, windows kept: no window refuses what the whole graph accepts
+        monkeypatch.setattr(ortcpu, "CHECK_SEGMENT_BYTES", 640 << 10)
+        weightshare.convert(src, tmp_path / "fixed", unpack=["ort-cpu"])
 
 
 def _graph(*ops: tuple[str, str, dict[str, float | int]]) -> onnx.GraphProto:
@@ -123,3 +140,52 @@ def test_rounding_change_allows_only_exact_fusions():
     for attrs in ({"alpha": 1 / 7}, {"alpha": 0.125, "transB": 1}):
         said = rounding_change(original, _graph(("com.microsoft", "FusedMatMul", attrs)))
         assert said == "MatMulScaleFusion makes 1 com.microsoft.FusedMatMul of 1 Div, 1 MatMul"
+
+
+def _conv_bn_fp16(path: Path) -> Path:
+    """Conv + BatchNormalization + Relu x 3, converted with convert_float_to_float16(keep_io_types=True)."""
+    import warnings
+
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnxconverter_common import float16
+
+    rng = np.random.default_rng(0)
+    c, nodes, inits, x = 128, [], [], "x"
+    for i in range(3):
+        inits.append(nh.from_array((rng.standard_normal((c, c, 3, 3)) / 32).astype(np.float32), f"w{i}"))
+        inits += [nh.from_array((rng.random(c) + 0.5).astype(np.float32), f"{n}{i}") for n in ("s", "v")]
+        inits += [nh.from_array((rng.standard_normal(c) / 4).astype(np.float32), f"{n}{i}") for n in ("b", "m")]
+        nodes += [
+            h.make_node("Conv", [x, f"w{i}"], [f"c{i}"], pads=[1, 1, 1, 1]),
+            h.make_node("BatchNormalization", [f"c{i}", f"s{i}", f"b{i}", f"m{i}", f"v{i}"], [f"n{i}"]),
+            h.make_node("Relu", [f"n{i}"], [f"r{i}"]),
+        ]
+        x = f"r{i}"
+    io = [h.make_tensor_value_info(n, T.FLOAT, ["N", c, 8, 8]) for n in ("x", x)]
+    model = h.make_model(h.make_graph(nodes, "g", io[:1], io[1:], inits), opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = float16.convert_float_to_float16(model, keep_io_types=True)
+    path.parent.mkdir(parents=True)
+    onnx.save(model, str(path), save_as_external_data=True, location="m.data", size_threshold=1024)
+    return path
+
+
+@pytest.mark.parametrize("windows", [False, True])
+def test_constants_a_fusion_folds_in_fp16_are_refused_once_fp32(tmp_path, monkeypatch, windows):
+    """Conv+BatchNormalization in an fp16 model: ORT fuses it in the original and in the converted graph alike
+    (the same ops), but folds the weight and bias in fp16 in the one and in fp32 in the other (outputs 0.002
+    apart; converted before). Refused in one line, also when the check runs window by window."""
+    import weightshare
+    from weightshare.errors import Unsupported
+    from weightshare.formats.onnx.ort import cpu as ortcpu
+
+    if windows:
+        monkeypatch.setattr(ortcpu, "CHECK_SEGMENT_BYTES", 300 << 10)  # 3 weights of 288 KiB: 2 windows
+    src = _conv_bn_fp16(tmp_path / "src" / "m.onnx")
+    with pytest.raises(Unsupported) as e:
+        weightshare.convert(src, tmp_path / "out", unpack=["ort-cpu"])
+    assert "\n" not in str(e.value) and "ConvBnFusion" in str(e.value) and "fp16" in str(e.value)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

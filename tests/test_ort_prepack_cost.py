@@ -84,25 +84,33 @@ def _packs_and_ops(path: Path) -> tuple[set[tuple[str, str]], Counter[str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "form,unpack",
+    "form,unpack,budget",
     [
-        ("llama", ()),
-        ("matmulnbits4", ()),
-        ("dynamic", ()),
+        ("llama", (), BUDGET),
+        # 3 segments, 2 of them over a quarter of the weights: packed node by node, the other by its session
+        ("llama", (), {segs.BUDGET_ENV: "131072"}),
+        ("matmulnbits4", (), BUDGET),
+        ("dynamic", (), BUDGET),
         # ("fp16", ()): its attention mask, derived from the inputs, is read by every layer: one piece
-        ("qdq", ()),  # quantize_static puts every weight's DequantizeLinear first: they move next to their MatMul
-        ("qdq_per_channel", ()),
-        ("llama_fp16", ("--unpack", "ort-cpu")),  # fp32 copies in the file: ORT inserts no Casts to cut across
+        (
+            "qdq",
+            (),
+            BUDGET,
+        ),  # quantize_static puts every weight's DequantizeLinear first: they move next to their MatMul
+        ("qdq_per_channel", (), BUDGET),
+        ("llama_fp16", ("--unpack", "ort-cpu"), BUDGET),  # fp32 copies in the file: ORT inserts no Casts to cut across
     ],
 )
-def test_llm_forms_are_cut_at_layer_boundaries_and_stay_bit_identical(form, unpack, tmp_path, cli):
+def test_llm_forms_are_cut_at_layer_boundaries_and_stay_bit_identical(form, unpack, budget, tmp_path, cli):
     src = mf.build(form, tmp_path / "src" / "model.onnx", mib=1)
     out = tmp_path / "out"
-    res = cli("convert", src, "-o", out, "--prepack", *unpack, "--json", "-q", env=BUDGET)
+    res = cli("convert", src, "-o", out, "--prepack", *unpack, "--json", "-q", env=budget)
     assert res.returncode == 0, res.stderr
     (report,) = json.loads(res.stdout)["reports"]
     seg = report["prepack"]["segments"]
     assert seg["segments"] > 1, seg  # the child's memory is bounded by a segment, not the model
+    if budget is not BUDGET:
+        assert 0 < seg["segments_packed_node_by_node"] < seg["segments"], seg
     assert seg["checked_cuts"] >= seg["segments"] - 1
     # bit-identical to the original at default options, and the portable twin without pre-packing
     original, prepacked = ort.InferenceSession(str(src)), ort.InferenceSession(report["outputs"][0])

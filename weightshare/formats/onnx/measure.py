@@ -155,7 +155,7 @@ def available() -> bool:
 
 def _bounds(path: Path) -> tuple[float, str]:
     """(the measuring child's wall time limit in seconds, "" or why the model is not measured): the bounds of
-    convert's ORT child (``ort_limits``, ``fold_bound``) for a child that creates ``CHILD_SESSIONS`` sessions: a
+    convert's ORT child (``ort.limits``, ``ort.fold_bound``) for a child that creates ``CHILD_SESSIONS`` sessions: a
     model whose constant folding would compute more than its size justifies is not given to ORT at all."""
     from ...errors import WeightshareError
     from ._proto import load_model

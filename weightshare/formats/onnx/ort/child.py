@@ -27,7 +27,9 @@ import onnx
 from .probe import cpu_features, nchwc_block_size
 
 
-def optimize(model: str, out_model: str, bin_name: str, min_external: str, prepack: bool = False) -> None:
+def optimize(
+    model: str, out_model: str, bin_name: str, min_external: str, prepack: bool = False, referenced: bool = False
+) -> None:
     """The level-ALL graph (fusions, NCHWc Conv weights) of ``model``, without pre-packing.
 
     With pre-packing off ORT holds only the reordered Conv weights (1x, plus ~3x the Conv weight it
@@ -44,8 +46,9 @@ def optimize(model: str, out_model: str, bin_name: str, min_external: str, prepa
         so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     else:
         so.add_session_config_entry("session.disable_prepacking", "1")
-    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
-    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", min_external)
+    if not referenced:  # else unchanged external initializers are saved as their references, the rest inline
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", min_external)
     so.log_severity_level = 3  # ORT warns that a level-ALL graph is hardware-specific: we record that instead
     ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
@@ -128,7 +131,12 @@ def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
     moved, total = [key], 0
     for buf in buffers:
         offset, size, *rest = buf.split(";")
-        at = dst.seek(0, 2)
+        # at a block boundary (the gap is a hole): once the blob holds the buffer its whole blocks can be freed
+        # (``disk_use.punch`` frees only whole blocks inside a range; unaligned small buffers kept every block)
+        dst.flush()
+        at = -(-dst.seek(0, 2) // 4096) * 4096
+        os.ftruncate(dst.fileno(), at)  # the gap a hole; an append-mode file then writes at ``at`` too
+        dst.seek(at)
         src.seek(int(offset))
         left = int(size)
         while left:
@@ -170,6 +178,16 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
             continue
         op = tally.setdefault(f"{node.domain}.{node.op_type}" if node.domain else node.op_type, OpTally())
         op.nodes += 1
+        done = [  # packed by its segment's session (the others of a segmented graph come here)
+            sum(int(b.split(";")[1]) for b in e.value.split("|")[1:])
+            for i in weights
+            for e in inits[i].external_data
+            if e.key.startswith("prepacked_")
+        ]
+        if done:
+            op.packed += 1
+            op.packed_bytes += sum(done)
+            continue
         one = _one_node_model(node, model, inits, types)
         if isinstance(one, str):
             op.skip(one)
@@ -196,9 +214,14 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
             for t in packed.graph.initializer:
                 for e in t.external_data:
                     if e.key.startswith("prepacked_"):
+                        entries += 1
+                        key = e.value.split("|")[0]
+                        if any(v.split("|")[0] == key for v, _f in found.get(t.name, [])):
+                            # another node, one kernel (the branches of a merged decoder's If): the same packed
+                            # bytes under the same key, which the blob keeps once; not written twice to the staging
+                            continue
                         value, size = _move_packed(e.value, src, dst)
                         found.setdefault(t.name, []).append([value, PACKED_BIN])
-                        entries += 1
                         op.packed_bytes += size
         os.unlink(os.path.join(stage, f"node{n}.packed.bin"))  # its copy of the node's weights goes at once
         if entries:
@@ -256,6 +279,12 @@ def optimize_bounded(
     def run_packed(src: str, dst: str, bin_name: str) -> None:
         run(src, dst, bin_name, True)
 
+    def run_referenced(src: str, dst: str, bin_name: str) -> None:
+        from ...._platform import malloc_trim
+
+        optimize(src, dst, bin_name, min_external, referenced=True)
+        malloc_trim()
+
     segmenter = Segmenter(
         model,
         out_model,
@@ -264,6 +293,7 @@ def optimize_bounded(
         settle=sharer.settle if sharer else None,
         reset=sharer.reset if sharer else None,
         optimize_packed=run_packed if sharer else None,
+        optimize_referenced=run_referenced,
     )
     return segmenter.run().as_dict()
 
@@ -311,6 +341,7 @@ class Sharer:
         """Re-point ``opt``'s external initializers (plain payload, or the changed bytes in a file of its
         own) and its packed buffers (``packed.bin``, or one of its own), and remove the files ORT wrote
         them to. ``tag``: a segment's, whose files go when the segment is dropped; the names returned."""
+        from ..disk_use import punch
         from ..graph import external_tensors
         from .prepack import PACKED_FILE_KEY
 
@@ -346,12 +377,23 @@ class Sharer:
                     location, offset, length = rest, out.seek(0, 2), where[2]
                     _append(os.path.join(self.stage, where[0]), where[1], where[2], out)
                 values = [("location", location), ("offset", str(offset)), ("length", str(length))]
-                with open(os.path.join(self.stage, where[0]), "rb") as f:
+                ort_file = os.path.join(self.stage, where[0])
+                with open(ort_file, "rb") as f:
                     moved = [
                         _move_packed(e.value, f, packs_out)[0]
                         for e in t.external_data
                         if e.key.startswith("prepacked_")
                     ]
+                # ORT's file goes once settled; its blocks go as each tensor is: the copies made from it do
+                # not sit beside it (the temporary disk peak stays at the staged model plus ORT's file)
+                packs_out.flush()
+                out.flush()
+                punch(ort_file, where[1], where[2])
+                for e in t.external_data:
+                    if e.key.startswith("prepacked_"):
+                        for buf in e.value.split("|")[1:]:
+                            at, size = buf.split(";")[:2]
+                            punch(ort_file, int(at), int(size))
                 if moved:
                     values += [(PACKED_FILE_KEY, packed), *((f"prepacked_{i}", v) for i, v in enumerate(moved))]
                 del t.external_data[:]
@@ -395,10 +437,10 @@ def main(argv: list[str]) -> int:
     sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)))
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
     share_unchanged(model, out_model, sharer)
-    if segments["segments"] > 1:  # each segment's session saved its packed copies (Sharer moved them)
-        packed: dict[str, list[list[str]]] = {}
+    if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
+        packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
-    else:  # one piece: ORT's session held no packed copies; node by node, in bounded memory
+    else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
         packed, tally = pack(out_model, int(min_external))
     binding = {
         "onnxruntime": ort.__version__,

@@ -72,11 +72,17 @@ print(json.dumps({"version": ort.__version__,
 
 
 # The rounding check: ORT optimizes the original's and the adopted graph's probes at its default level, in one
-# child; the parent compares what it fused. Pre-packing stays off (no weight is read for it).
+# child; the parent compares what it fused. Pre-packing stays off (no weight is read for it). The optimized graph is
+# saved without an external initializers file: ORT 1.32 then saves an external initializer it did not change as its
+# reference (location/offset/length, its bytes never read) and writes inline only what it computed itself (fused or
+# folded tensors). With that file it read every mapped stand-in to copy it there, and each page of the zeros file it
+# read stayed resident in the child: the child grew with the model (250 MiB for 64 MiB of fp16 weights, 650 MiB for
+# 256 MiB). The parent reads the saved graph's skeleton only (``_saved_graph``).
 _CHECK_CHILD = r"""
 import ctypes, signal, sys
 try:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+    ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: a window's freed tensors go back to the system
 except (OSError, AttributeError):
     pass
 import onnxruntime as ort
@@ -84,8 +90,6 @@ for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
     so = ort.SessionOptions()
     so.optimized_model_filepath = dst
     so.add_session_config_entry("session.disable_prepacking", "1")
-    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
-    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
     so.log_severity_level = 3
     try:
         ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
@@ -244,10 +248,27 @@ def _read_saved(out: Path, src: Path) -> pb.ModelProto:
     return model
 
 
-def _prefold(probe_path: Path, zeros: Path) -> None:
+def _saved_graph(out: Path, src: Path) -> pb.GraphProto:
+    """The graph of the model ORT saved at ``out``, its payloads left in the file (a tensor ORT fused or folded
+    is written inline and can be as large as a weight): what the rounding checks compare is nodes."""
+    from ..scan import scan_model
+
+    model = pb.ModelProto()
+    try:
+        skeleton, _refs = scan_model(out)
+        model.ParseFromString(skeleton)
+    except (DecodeError, OSError, InvalidModel) as e:
+        why = e.message if isinstance(e, InvalidModel) else str(e)
+        raise InvalidModel(f"could not read the graph onnxruntime saved ({why})", src) from None
+    return model.graph
+
+
+def _prefold(probe_path: Path, zeros: Path, inserted: set[str]) -> dict[str, str]:
     """In a probe of the adopted graph, do the fold the conversion will do (an fp16 stand-in read only by an
     inserted Cast to float becomes an fp32 stand-in under the Cast's output name), so that ORT's constant folding
-    has no large Cast to compute: the check costs the same for a 64 MiB and a 1 GiB model."""
+    has no large Cast to compute: the check costs the same for a 64 MiB and a 1 GiB model. ``inserted``: the
+    probe's names (``_tag``) of the Casts ORT inserted (the probe renamed every node). Returns the folded
+    stand-ins' new names -> their names in the original."""
     model = load_model(probe_path)
     g = model.graph
     uses: dict[str, int] = {}
@@ -257,12 +278,15 @@ def _prefold(probe_path: Path, zeros: Path) -> None:
     stand_ins = {t.name: t for t in g.initializer if t.data_location == pb.TensorProto.EXTERNAL}
     outputs = {o.name for o in g.output}
     keep: list[pb.NodeProto] = []
+    renamed: dict[str, str] = {}  # a folded stand-in's new name -> its name in the original
     longest = zeros.stat().st_size
     for n in g.node:
-        t = stand_ins.get(n.input[0]) if _is_inserted(n) and _to_float(n) else None
+        cast = n.name in inserted and n.op_type == "Cast" and len(n.input) == 1 and _to_float(n)
+        t = stand_ins.get(n.input[0]) if cast else None
         if t is None or t.data_type != dtypes.FLOAT16 or uses.get(t.name) != 1 or t.name in outputs:
             keep.append(n)
             continue
+        renamed[n.output[0]] = t.name
         t.name, t.data_type = n.output[0], dtypes.FLOAT
         for e in t.external_data:
             if e.key == "length":
@@ -273,6 +297,7 @@ def _prefold(probe_path: Path, zeros: Path) -> None:
     with open(zeros, "r+b") as f:
         f.truncate(longest)
     probe_path.write_bytes(model.SerializeToString())
+    return renamed
 
 
 def _fused(graph: pb.GraphProto) -> dict[tuple[str, str], int]:
@@ -324,6 +349,68 @@ def rounding_change(
     return f"{fusion} makes {made} of {gone}"
 
 
+# The rounding check optimizes the graph once per window, not once, when the original's stand-ins exceed two
+# windows' worth of this many bytes: at ORT's default level the original's session casts every fp16 weight to
+# an fp32 constant (its stand-in's pages read, and the cast: 3x its bytes resident), so one pass over the whole
+# graph made the child grow with the model (250 MiB for 64 MiB of fp16 weights, 650 MiB for 256 MiB). A window
+# is the whole graph in which the stand-ins of two adjacent chunks (weights in the order their first readers
+# come, CHECK_SEGMENT_BYTES a chunk) stay constants and every other stand-in is a graph input of its type and
+# shape. Cutting the graph instead loses what ORT's decisions read from the whole (how many nodes read a shared
+# fp16 scalar decides MatMulScaleFusion: fused in every window of a transformer cut in pieces, in neither graph
+# whole). A weight that is an input can only make ORT fuse less; every fusion that reads weights of at most two
+# adjacent chunks sees them constant in one window, and both graphs' windows are compared op for op.
+CHECK_SEGMENT_BYTES = 16 << 20
+
+
+def _standin_bytes(t: pb.TensorProto) -> int:
+    return next((int(e.value) for e in t.external_data if e.key == "length"), 0)
+
+
+def _windows(probe: pb.ModelProto) -> list[set[str]] | None:
+    """The stand-ins each window keeps constant (names in ``probe``, the original's probe), or None to optimize
+    the graph once with all of them."""
+    g = probe.graph
+    sizes = {t.name: _standin_bytes(t) for t in g.initializer if t.data_location == pb.TensorProto.EXTERNAL}
+    if sum(sizes.values()) <= 2 * CHECK_SEGMENT_BYTES:
+        return None
+    order = list(dict.fromkeys(i for n in g.node for i in n.input if i in sizes))
+    order += [name for name in sizes if name not in set(order)]
+    chunks: list[list[str]] = [[]]
+    size = 0
+    for name in order:
+        if chunks[-1] and size + sizes[name] > CHECK_SEGMENT_BYTES:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(name)
+        size += sizes[name]
+    if len(chunks) <= 2:
+        return None
+    return [set(chunks[k]) | set(chunks[k + 1]) for k in range(len(chunks) - 1)]
+
+
+def _window_model(probe: pb.ModelProto, constant: set[str], renamed: dict[str, str]) -> pb.ModelProto:
+    """``probe`` with every stand-in not in ``constant`` as a graph input (``renamed``: the adopted probe's
+    folded stand-ins, by the original's name)."""
+    w = pb.ModelProto()
+    w.CopyFrom(probe)
+    g = w.graph
+    inputs = {v.name for v in g.input}
+    keep: list[pb.TensorProto] = []
+    for t in g.initializer:
+        if t.data_location != pb.TensorProto.EXTERNAL or renamed.get(t.name, t.name) in constant:
+            keep.append(t)
+            continue
+        if t.name not in inputs:
+            v = g.input.add()
+            v.name = t.name
+            v.type.tensor_type.elem_type = t.data_type
+            for d in t.dims:
+                v.type.tensor_type.shape.dim.add().dim_value = d
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    return w
+
+
 def check_rounding(
     original: pb.ModelProto,
     adopted: pb.ModelProto,
@@ -333,7 +420,8 @@ def check_rounding(
     options: ConvertOptions,
     ours: dict[tuple[str, str], int] | None = None,
 ) -> str | None:
-    """Optimize both probes at ORT's default level in one bounded child; ``rounding_change`` of the results."""
+    """Optimize both probes at ORT's default level in one bounded child; ``rounding_change`` of the results
+    (window by window, ``_windows``, on large models)."""
     import tempfile
 
     input_bytes = src.stat().st_size + sum(r.native_nbytes for r in refs)
@@ -343,20 +431,53 @@ def check_rounding(
     where = locked_stage(stage_in, "ortcpu-check") if stage_in is not None else tempfile.TemporaryDirectory(prefix=TMP)
     with where as tmp_name:
         tmp = Path(tmp_name).absolute()
-        args = []
+        probes: list[pb.ModelProto] = []
+        inserted = {_tag(k) for k, n in enumerate(adopted.graph.node) if _is_inserted(n)}
+        renamed: dict[str, str] = {}
         for name, model in (("original", original), ("adopted", adopted)):
             d = tmp / name
             d.mkdir()
             probe = write_probe_model(model, refs, d)
             if name == "adopted":
-                _prefold(probe, d / ZEROS)
-            args += [str(probe), str(d / "optimized.onnx")]
+                renamed = _prefold(probe, d / ZEROS, inserted)
+            probes.append(load_model(probe))
+        windows = _windows(probes[0])
+        pairs = [(probes[0], probes[1])]
+        if windows is not None:
+            pairs = [(_window_model(probes[0], w, {}), _window_model(probes[1], w, renamed)) for w in windows]
+        args = []
+        for k, pair in enumerate(pairs):
+            for name, model in zip(("original", "adopted"), pair, strict=True):
+                path = tmp / name / f"window{k}.onnx"
+                path.write_bytes(model.SerializeToString())
+                args += [str(path), str(path.with_suffix(".optimized.onnx"))]
+        del probes, pairs
         outs = [Path(a) for a in args[1::2]]
         if options.stage is not None:
-            options.stage("onnxruntime optimizes the original and the adopted graph (child process)")
+            what = f"{len(outs) // 2} windows of " if len(outs) > 2 else ""
+            options.stage(f"onnxruntime optimizes {what}the original and the adopted graph (child process)")
         _run_child(_CHECK_CHILD, args, outs, limits, tmp, src, "optimize")
-        graphs = [_read_saved(out, src).graph for out in outs]
-    return rounding_change(graphs[0], graphs[1], ours)
+        for k in range(0, len(outs), 2):
+            before = _saved_graph(outs[k], src)
+            change = _fp16_folded(before) or rounding_change(before, _saved_graph(outs[k + 1], src), ours)
+            if change is not None:
+                return change
+    return None
+
+
+def _fp16_folded(original: pb.GraphProto) -> str | None:
+    """A fusion that computed new constants from the original's fp16 ones (Conv+BatchNormalization: the folded
+    weight and bias, in fp16, then cast): ORT saves their casts as ``FusedBack_<fusion>_...``. With the Casts in
+    the file the same fusion computes them in fp32, and the op counts are equal while the numbers are not
+    (0.002 on a Conv+BN model), so such a graph is refused too."""
+    for t in original.initializer:
+        if t.name.startswith("FusedBack_") and "Fusion" in t.name:
+            fusion = next((p for p in t.name.split("_") if p.endswith("Fusion")), "a fusion")
+            return (
+                f"{fusion} folds its constants in fp32 where it folded them in fp16 in the original, e.g. "
+                f"{t.name[len('FusedBack_') :][:60]}"
+            )
+    return None
 
 
 def _rename_fresh(fresh: list[pb.NodeProto], taken: set[str]) -> None:

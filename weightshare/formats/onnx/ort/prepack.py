@@ -407,6 +407,12 @@ def _segments_note(seg: JsonDict) -> str:
         return (
             f"--prepack: onnxruntime optimized the graph in {seg['segments']} segments (largest {largest} of "
             f"weights), each cut checked against the two segments optimized together{merged}"
+            + (
+                f"; {n} packed node by node (each over a quarter of the weights: its session would hold its "
+                "packed copies and write them beside the staged model)"
+                if (n := seg.get("segments_packed_node_by_node", 0))
+                else ""
+            )
         )
     return (
         f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: "

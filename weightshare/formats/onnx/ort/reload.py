@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ....options import ConvertOptions
 from .._proto import pb
-from .cpu import _CHECK_CHILD, REAL_BYTES_MAX, _read_saved, _run_child, rounding_change
+from .cpu import _CHECK_CHILD, REAL_BYTES_MAX, _run_child, _saved_graph, rounding_change
 from .limits import limits_for
 
 PROBE = "reload.probe.onnx"
@@ -101,7 +101,7 @@ def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOp
     )
     try:
         _run_child(_CHECK_CHILD, [str(probe), str(out)], [out], limits, stage, src, "load")
-        return _read_saved(out, src).graph
+        return _saved_graph(out, src)
     finally:
         for name in (PROBE, ZEROS, OUT, OUT_DATA):
             (stage / name).unlink(missing_ok=True)

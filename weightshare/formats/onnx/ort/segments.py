@@ -527,6 +527,18 @@ def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
     return head + h.hexdigest()
 
 
+def window_references(part: onnx.ModelProto) -> bool:
+    """Whether a cut check may save its optimized window without an initializers file: ORT 1.32 then saves each
+    external initializer it did not change as its reference (no copy of the two segments' weights beside the staged
+    model: the temporary disk of a model whose kernels pack nothing was 1.5x its outputs) and writes what it
+    changed inline, in its memory while it serializes. Only where little changes: no Conv (NCHWc reorders every
+    Conv weight) and no fp16/bf16 initializer (constant folding casts each)."""
+    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    return not any(n.op_type == "Conv" for n in part.graph.node) and not any(
+        t.data_type in half for t in part.graph.initializer
+    )
+
+
 def window_shape(
     window: onnx.ModelProto, right: int, standin: frozenset[str], standin_right: frozenset[str], directory: Path
 ) -> str:
@@ -601,6 +613,9 @@ def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], 
 # ---------------------------------------------------------------- driving ORT
 
 
+PACKED_SHARE = 0.25  # of all weights: a larger segment is packed node by node (``Segmenter.packs_itself``)
+
+
 @dataclass
 class Report:
     segments: int = 1
@@ -611,6 +626,7 @@ class Report:
     checked: int = 0
     reused: int = 0  # of the checked cuts, those answered by an earlier window of the same shape
     details: list[str] = field(default_factory=list)
+    unpacked: int = 0  # segments too large a share of the weights for their session to save packed copies
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -622,6 +638,7 @@ class Report:
             "checks_reused": self.reused,
             "single_reason": self.reason,
             "dropped_cuts": self.details[:10],
+            "segments_packed_node_by_node": self.unpacked,
         }
 
 
@@ -637,8 +654,11 @@ class Segmenter:
         settle: Callable[[onnx.ModelProto, str], list[str]] | None = None,
         reset: Callable[[], None] | None = None,
         optimize_packed: Optimizer | None = None,
+        optimize_referenced: Optimizer | None = None,
     ) -> None:
         self.optimize_packed = optimize_packed  # a segment's session that also saves ORT's packed copies
+        # a cut check's session that saves no initializers file (``window_references``)
+        self.optimize_referenced = optimize_referenced
         self.settle = settle  # re-points a segment's initializers off ORT's file (which it removes), if given
         self.reset = reset  # forgets what ``settle`` kept, when the graph goes back to one piece
         self.src = Path(model_path)
@@ -657,7 +677,9 @@ class Segmenter:
     def _bin(self, tag: str) -> Path:
         return self.out.parent / f"{self.stem}.{tag}.bin"
 
-    def _run(self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False) -> onnx.ModelProto:
+    def _run(
+        self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False, window: bool = False
+    ) -> onnx.ModelProto:
         """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
         part = extract(self.model, start, stop, self.types, standin)
         # beside the source model, so that the initializers' relative external data locations resolve
@@ -666,6 +688,8 @@ class Segmenter:
         tmp.write_bytes(part.SerializeToString())
         try:
             run = self.optimize_packed if prepack and self.optimize_packed is not None else self.optimize
+            if window and self.optimize_referenced is not None and window_references(part):
+                run = self.optimize_referenced
             run(str(tmp), str(opt), self._bin(tag).name)
         finally:
             tmp.unlink()
@@ -685,10 +709,18 @@ class Segmenter:
             if v.name in made and made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput"
         )
 
+    def packs_itself(self, key: tuple[int, int, frozenset[str]]) -> bool:
+        """Whether the segment's session saves its packed copies. That session writes the segment's weights and
+        their packed copies into ORT's file while the staged model holds them too: for a segment of more than
+        PACKED_SHARE of the weights that would take the temporary disk past 1.5x the outputs (a 2-segment
+        transformer: 1.85x), so such a segment is optimized without packing and packed node by node afterwards
+        (each node's copy written and removed in turn, as for a graph in one piece)."""
+        return sum(self.plan.weights[key[0] : key[1]]) <= PACKED_SHARE * sum(self.plan.weights)
+
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            part = self._run(*key, tag=self._tag(key), prepack=True)
+            part = self._run(*key, tag=self._tag(key), prepack=self.packs_itself(key))
             if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
                 self.files[key] = self.settle(part, self._tag(key))
             self.optimized[key] = part
@@ -712,7 +744,7 @@ class Segmenter:
         if shape in self.answers:
             self.reused += 1
             return self.answers[shape]
-        together = self._run(a, c, standin, f"win{a}-{c}")
+        together = self._run(a, c, standin, f"win{a}-{c}", window=True)
         try:
             pair = stitch(
                 [left, right],
@@ -804,5 +836,6 @@ class Segmenter:
         )
         self.out.write_bytes(whole.SerializeToString())
         report.segments = len(parts)
+        report.unpacked = sum(not self.packs_itself(key) for key in keys)
         report.largest_bytes = max(sum(self.plan.weights[a:b]) for a, b, _ in keys)
         return report
