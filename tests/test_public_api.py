@@ -137,6 +137,23 @@ def test_public_module_all_is_pinned(module):
         assert getattr(mod, name) is not None, f"{module}.{name} does not resolve"
 
 
+def test_what_type_checkers_see_of_the_lazy_names_is_the_lazy_table():
+    """``weightshare`` imports its public names on first use (``_LAZY``); type checkers read the
+    ``if TYPE_CHECKING:`` block instead: the two must name the same things from the same modules."""
+    import ast
+
+    tree = ast.parse(Path(weightshare.__file__).read_text())
+    (block,) = [n for n in tree.body if isinstance(n, ast.If) and getattr(n.test, "id", "") == "_TYPE_CHECKING"]
+    seen = {
+        a.asname or a.name: (n.module or "").split(".")[-1]
+        for n in block.body
+        if isinstance(n, ast.ImportFrom)
+        for a in n.names
+    }
+    assert seen == weightshare._LAZY
+    assert all(a.asname == a.name for n in block.body if isinstance(n, ast.ImportFrom) for a in n.names)
+
+
 def _public_functions():
     for module, names in {**PUBLIC, **LOADERS}.items():
         mod = importlib.import_module(module)

@@ -19,51 +19,40 @@ from importlib.util import find_spec as _find_spec
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 from typing import Any as _Any
 
-from ._version import __version__
-from .errors import InvalidModel, OutputError, UnsafePath, Unsupported, UsageError, WeightshareError
+from . import errors as _errors
+from ._version import __version__ as __version__
+from .errors import InvalidModel as InvalidModel
+from .errors import OutputError as OutputError
+from .errors import UnsafePath as UnsafePath
+from .errors import Unsupported as Unsupported
+from .errors import UsageError as UsageError
+from .errors import WeightshareError as WeightshareError
 
-if _TYPE_CHECKING:
-    from ._findings import Finding, Severity
-    from ._folder import FolderReport
-    from ._inventory import ModelInventory, PayloadInfo
-    from ._placement import AlignPolicy
-    from ._verify import OriginalFails, VerifyReport
-    from .api import CheckReport, check, convert, convert_folder, convert_many, convert_zoo, inspect, merge, verify
-    from .options import ConvertOptions, Unpack
-    from .report import ConversionReport, ZooReport
+if _TYPE_CHECKING:  # what type checkers see of the lazy names below (``as``: an explicit re-export)
+    from ._findings import Finding as Finding
+    from ._findings import Severity as Severity
+    from ._folder import FolderReport as FolderReport
+    from ._inventory import ModelInventory as ModelInventory
+    from ._inventory import PayloadInfo as PayloadInfo
+    from ._placement import AlignPolicy as AlignPolicy
+    from ._verify import OriginalFails as OriginalFails
+    from ._verify import VerifyReport as VerifyReport
+    from .api import CheckReport as CheckReport
+    from .api import check as check
+    from .api import convert as convert
+    from .api import convert_folder as convert_folder
+    from .api import convert_many as convert_many
+    from .api import convert_zoo as convert_zoo
+    from .api import inspect as inspect
+    from .api import merge as merge
+    from .api import verify as verify
+    from .options import ConvertOptions as ConvertOptions
+    from .options import Unpack as Unpack
+    from .report import ConversionReport as ConversionReport
+    from .report import ZooReport as ZooReport
 
-__all__ = [
-    "AlignPolicy",
-    "CheckReport",
-    "ConversionReport",
-    "ConvertOptions",
-    "Finding",
-    "FolderReport",
-    "InvalidModel",
-    "ModelInventory",
-    "OriginalFails",
-    "OutputError",
-    "PayloadInfo",
-    "Severity",
-    "UnsafePath",
-    "Unpack",
-    "Unsupported",
-    "UsageError",
-    "VerifyReport",
-    "WeightshareError",
-    "ZooReport",
-    "__version__",
-    "check",
-    "convert",
-    "convert_folder",
-    "convert_many",
-    "convert_zoo",
-    "inspect",
-    "merge",
-    "verify",
-]
-
-# name -> the module that defines it
+# The public names imported on first use: name -> the module that defines it. With the errors and the version
+# above, these are the public API (``__all__``); tests/test_public_api.py holds the block above equal to them.
 _LAZY = {
     "AlignPolicy": "_placement",
     "CheckReport": "api",
@@ -87,6 +76,8 @@ _LAZY = {
     "merge": "api",
     "verify": "api",
 }
+
+__all__ = sorted(["__version__", *_errors.__all__, *_LAZY])
 
 
 def __getattr__(name: str) -> _Any:
