@@ -137,14 +137,7 @@ def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
         at = -(-dst.seek(0, 2) // 4096) * 4096
         os.ftruncate(dst.fileno(), at)  # the gap a hole; an append-mode file then writes at ``at`` too
         dst.seek(at)
-        src.seek(int(offset))
-        left = int(size)
-        while left:
-            chunk = src.read(min(left, 1 << 20))
-            if not chunk:
-                raise OSError(f"onnxruntime's packed file ends inside {key}")
-            dst.write(chunk)
-            left -= len(chunk)
+        _copy_range(src, int(offset), int(size), dst, f"onnxruntime's packed file ends inside {key}")
         moved.append(";".join([str(at), size, *rest]))
         total += int(size)
     return "|".join(moved), total
@@ -408,13 +401,19 @@ class Sharer:
 
 def _append(path: str, offset: int, length: int, out: BinaryIO) -> None:
     with open(path, "rb") as f:
-        f.seek(offset)
-        while length:
-            chunk = f.read(min(length, 1 << 20))
-            if not chunk:
-                raise OSError(f"onnxruntime's file {os.path.basename(path)} ends early")
-            out.write(chunk)
-            length -= len(chunk)
+        _copy_range(f, offset, length, out, f"onnxruntime's file {os.path.basename(path)} ends early")
+
+
+def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO, short: str) -> None:
+    """``length`` bytes of ``src`` from ``offset`` appended to ``out`` in 1 MiB pieces; ``short``: the error when
+    ``src`` ends first."""
+    src.seek(offset)
+    while length:
+        chunk = src.read(min(length, 1 << 20))
+        if not chunk:
+            raise OSError(short)
+        out.write(chunk)
+        length -= len(chunk)
 
 
 def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) -> None:

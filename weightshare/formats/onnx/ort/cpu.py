@@ -401,14 +401,20 @@ def _window_model(probe: pb.ModelProto, constant: set[str], renamed: dict[str, s
             keep.append(t)
             continue
         if t.name not in inputs:
-            v = g.input.add()
-            v.name = t.name
-            v.type.tensor_type.elem_type = t.data_type
-            for d in t.dims:
-                v.type.tensor_type.shape.dim.add().dim_value = d
+            add_input_like(g, t)
     del g.initializer[:]
     g.initializer.extend(keep)
     return w
+
+
+def add_input_like(graph: pb.GraphProto, t: pb.TensorProto) -> None:
+    """A graph input of ``t``'s name, type and shape: the weight given to ORT as a value it cannot fold (a
+    non-constant weight can only make ORT fuse less, never more)."""
+    v = graph.input.add()
+    v.name = t.name
+    v.type.tensor_type.elem_type = t.data_type
+    for d in t.dims:
+        v.type.tensor_type.shape.dim.add().dim_value = d
 
 
 def check_rounding(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ....options import ConvertOptions
 from .._proto import pb
-from .cpu import _CHECK_CHILD, REAL_BYTES_MAX, _run_child, _saved_graph, rounding_change
+from .cpu import _CHECK_CHILD, REAL_BYTES_MAX, _run_child, _saved_graph, add_input_like, rounding_change
 from .limits import limits_for
 
 PROBE = "reload.probe.onnx"
@@ -73,11 +73,7 @@ def _inputs_for_weights(graph: pb.GraphProto) -> None:
         if t.data_location != pb.TensorProto.EXTERNAL or e.get("location") != ZEROS or t.name in cast_fed:
             keep.append(_copy_tensor(t))
             continue
-        v = graph.input.add()
-        v.name = t.name
-        v.type.tensor_type.elem_type = t.data_type
-        for d in t.dims:
-            v.type.tensor_type.shape.dim.add().dim_value = d
+        add_input_like(graph, t)
     del graph.initializer[:]
     graph.initializer.extend(keep)
 
