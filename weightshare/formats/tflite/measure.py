@@ -323,7 +323,8 @@ def measure_copies(
         if loader == "helper":  # CompiledModel shows no tensors: its own buffers, an upper bound of its arena
             arena = int(res.get("buffers", 0) or 0)
         out[setting] = max(0, growth - arena)
-        if not share and out[setting] > 0:  # what XNNPACK can keep of the weights: what it packs
+        if (not share or loader == "helper") and out[setting] > 0:  # what XNNPACK keeps of the weights: at most
+            # what it packs (all of it when the cache were not used; the rest is its workspace, activation memory)
             packed = packed_bytes(path)
             if packed is None:
                 notes.append(f"{setting}: XNNPACK's packed size not measured; its workspace counts as weights")
