@@ -355,6 +355,6 @@ def _settings(path: Path, notes: list[str]) -> list[tuple[str, bool, str]]:
     settings = [(setting, share, "interpreter") for setting, share in SETTINGS]
     cache, why = find_cache(path)  # hashes the model only when a cache file is beside it
     if cache is None:
-        notes.append(f"{COMPILED_CACHE} is not measured ({why}){_STATIC_KEPT[COMPILED_CACHE]}")
+        notes.append(f"{COMPILED_CACHE} is not measured: {why}{_STATIC_KEPT[COMPILED_CACHE]}")
         return settings
     return [*settings, (COMPILED_CACHE, True, "helper")]
