@@ -187,10 +187,13 @@ def test_lm_instances_share_the_weights_through_the_helper(cli, tmp_path):
 @pytest.mark.slow
 def test_check_measures_the_lm_within_125_percent(cli, tmp_path):
     """check's per-interpreter figure for the LM under the default Interpreter is measured (the child runs both
-    signatures: no fallback to the static estimate) and within 1.25x of an independent 1-vs-4 measurement."""
+    signatures: no fallback to the static estimate) and within 1.25x of an independent 1-vs-4 measurement; its
+    --prepack output is judged as weightshare.litert opens it (litert-compiled-cache), measured too, within 1.25x
+    (or 1 MiB) of bench's helper probe (its growth less one instance's buffers), and check's exit code agrees with
+    that probe."""
     import json
 
-    from weightshare._runtimes.litert import measure_interpreters
+    from weightshare._runtimes.litert import measure_interpreters, measure_shared
     from weightshare.formats.onnx.measure import MALLOC_ENV
 
     src = two_signature_lm(tmp_path / "lm.tflite", vocab=4096, width=256)
@@ -202,3 +205,22 @@ def test_check_measures_the_lm_within_125_percent(cli, tmp_path):
     measured = (rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]) / 3 * MiB
     assert measured / 1.25 <= figure <= measured * 1.25, (figure, measured)
     assert res.returncode == 1  # 4 instances cost more than 1.10x one: the gate fails on it
+
+    assert cli("convert", src, "-o", tmp_path / "prepack", "--prepack", "-q").returncode == 0
+    prepacked = tmp_path / "prepack" / "lm.tflite"
+    res = cli("check", prepacked, "--json")
+    doc = json.loads(res.stdout)
+    (summary,) = doc["models"]
+    setting = "litert-compiled-cache"
+    assert summary["default_setting"] == setting, res.stdout
+    # measured: the activation figure exists only for a measured setting (the static estimate has none)
+    assert summary["copies_source"] == "measured" and setting in summary["activation_per_session_by_setting"]
+    figure = summary["copied_per_session_by_setting"][setting]
+    rows = {r["sessions"]: r for r in measure_shared(str(prepacked), [1, 4], env=MALLOC_ENV)}
+    growth = (rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]) / 3 * MiB
+    # the probe's weight cost: its growth less one instance's own buffers (what check takes off as activations)
+    weights = max(0.0, growth - rows[1]["buffers_mib"] * MiB)
+    assert weights / 1.25 <= figure <= weights * 1.25 or abs(figure - weights) <= MiB, (figure, weights, growth)
+    ratio = (rows[1]["pss_mib"] * MiB + 3 * weights) / (rows[1]["pss_mib"] * MiB)
+    if abs(ratio - 1.10) > 0.03:  # off the band where the two methods differ by construction
+        assert res.returncode == (1 if ratio > 1.10 and weights >= MiB else 0), (ratio, figure, doc["findings"])

@@ -334,7 +334,7 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
     _copies(inv, add, gate)
     if inv.measured and all(s in inv.measured for s in gate.targeted(inv)):
         # the runtime's own figure decides; the rules only say where the bytes go (a targeted setting that
-        # was not measured, such as litert-compiled-cache, keeps its static findings)
+        # was not measured, such as litert-compiled-cache without its cache, keeps its static findings)
         for f in out[static:]:
             f.severity = Severity.INFO
             f.message += " (static rule; the measured figure decides)"

@@ -7,7 +7,9 @@ Runtime (``formats/onnx/measure.py``): a fresh child per setting opens interpret
 signature once (seeded random inputs, in range for index inputs), and reads its PSS after each. The growth is
 that of the PSS of everything but program code (``_runtimes.memory.data_pss``), over 3. The child is bounded
 (``TIMEOUT_S``) and started with ``MALLOC_MMAP_THRESHOLD_=1048576`` like the ONNX one. ``litert-compiled-cache``
-(CompiledModel with an XNNPACK weight cache file) is not measured: its figure stays the static one.
+is measured as ``weightshare.litert`` opens the model (``weightshare.litert.interpreter``: CompiledModel with the
+XNNPACK weight cache ``convert --prepack`` wrote beside it; ``bench``'s ``--prepack`` variant) when that cache
+matches the model; without one (or when LiteRT refuses it) its figure stays the static one and a note says why.
 
 Weights, not activations: an interpreter keeps its tensor arena (inputs, intermediate tensors, kernel scratch)
 and, with XNNPACK, the delegate's own workspace and indirection buffers, all sized by the inputs. The arena is
@@ -16,7 +18,9 @@ taken off the growth. XNNPACK's workspace has no tensors to point at; what the d
 what it packs, which XNNPACK itself measures when it writes a weight cache (the matching cache beside a
 ``--prepack`` output, else one built in a temporary folder): under ``litert-xnnpack`` the weight figure is at most
 that packed size plus the no-delegate setting's weight copies (DEQUANTIZE outputs it keeps), and the rest of the
-growth is activation memory, reported as its own figure.
+growth is activation memory, reported as its own figure. CompiledModel shows no tensor to read pages under: under
+``litert-compiled-cache`` an instance's own buffers (``instance_buffers``, its input and output copies included),
+an upper bound of its arena, are taken off instead.
 """
 
 from __future__ import annotations
@@ -72,6 +76,28 @@ def _allocate_signatures(interp: Any) -> None:
         del runner
 
 
+def _run_helper(
+    model_path: str,
+    bounds: dict[str, dict[str, int | None]],
+    given: dict[str, Any],
+    dims: dict[str, int],
+    ran: bool,
+) -> tuple[Any, Any, bool]:
+    """One ``weightshare.litert.interpreter`` instance (CompiledModel with the model's XNNPACK weight cache), every
+    signature run once when ``ran``: (instance, the classic Interpreter its inputs were made from, ran)."""
+    from ..._runtimes.litert import _open_helper
+
+    instance, runs = _open_helper(model_path, bounds)
+    classic = runs[0][2].interp if runs else None
+    if ran:
+        try:
+            for _key, call, entry in runs:
+                call(entry.feeds(0, given, None, dims))
+        except Exception:  # noqa: BLE001 -- inputs it cannot make up: the instance is measured unrun
+            ran = False
+    return instance, classic, ran
+
+
 def probe(
     model_path: str,
     share: bool,
@@ -79,10 +105,13 @@ def probe(
     bounds: dict[str, dict[str, int | None]] | None = None,
     dims: dict[str, int] | None = None,
     input_files: dict[str, str] | None = None,
+    loader: str = "interpreter",
 ) -> JsonDict:
     """In this (child) process: PSS after each of ``interpreters`` interpreters under the setting, or why LiteRT
     refused the model; ``buffers``: one interpreter's own buffers (``instance_buffers``: activations, inputs and
-    outputs, KV cache), which are not weight copies."""
+    outputs, KV cache), which are not weight copies. ``loader`` "helper": instances of
+    ``weightshare.litert.interpreter`` (``litert-compiled-cache``), whose tensors CompiledModel does not expose:
+    ``arena`` is then 0 and ``buffers`` counts the helper's own input and output buffers too."""
     from ..._runtimes.litert import instance_buffers, native_stderr_silenced, new_interpreter
     from ..._runtimes.memory import data_pss, smaps_rollup
     from ..._verify import read_input
@@ -91,6 +120,8 @@ def probe(
         given = {name: read_input(name, file, {}) for name, file in (input_files or {}).items()}
     except UsageError as e:
         return {"usage": e.message}
+    if loader == "helper":
+        return _probe_helper(model_path, interpreters, bounds or {}, given, dims or {})
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
@@ -122,14 +153,55 @@ def probe(
     return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers, "arena": arena}
 
 
-def buffers_note(setting: str, res: JsonDict) -> str | None:
-    """The measured figure of ``setting`` includes each interpreter's own buffers: say how much they are."""
+def _probe_helper(
+    model_path: str,
+    interpreters: int,
+    bounds: dict[str, dict[str, int | None]],
+    given: dict[str, Any],
+    dims: dict[str, int],
+) -> JsonDict:
+    """``probe`` through ``weightshare.litert.interpreter``, as ``bench`` measures its ``--prepack`` variant."""
+    from ..._runtimes.litert import instance_buffers, native_stderr_silenced
+    from ..._runtimes.memory import data_pss, smaps_rollup
+
+    opened: list[Any] = []
+    pss: list[int] = []
+    data: list[int] = []
+    ran = True
+    classic = None
+    with native_stderr_silenced():
+        for _ in range(interpreters):
+            try:
+                instance, classic, ran = _run_helper(model_path, bounds, given, dims, ran)
+            except Exception as e:  # noqa: BLE001 -- any refusal is the answer
+                return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+            if getattr(instance, "weightshare_cache", None) is None:  # the cache stopped matching meanwhile
+                return {"error": "weightshare.litert found no matching XNNPACK weight cache"}
+            opened.append((instance, classic))
+            pss.append(smaps_rollup()["Pss"])
+            data.append(data_pss())
+        try:  # after the measurements; the helper holds its own copy of every signature's inputs and outputs
+            buffers = instance_buffers(model_path, classic, io_copies=True) if classic is not None else 0
+        except Exception:  # noqa: BLE001 -- a figure beside the measurement, never a reason to drop it
+            buffers = 0
+    return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers, "arena": [0] * len(pss)}
+
+
+def buffers_note(setting: str, res: JsonDict, taken_off: bool = False) -> str | None:
+    """The measured figure of ``setting`` includes each interpreter's own buffers: say how much they are
+    (``taken_off``: they were taken off the weight figure as the bound of an arena the probe cannot read)."""
     buffers = int(res.get("buffers", 0) or 0)
     if buffers < (1 << 20) // 16:
         return None
+    what = "(activations, inputs and outputs, KV cache: every non-constant tensor of its signatures)"
+    if taken_off:
+        return (
+            f"{setting}: its {buffers / (1 << 20):.1f} MiB of own buffers {what} are taken off the growth as "
+            "activation memory (CompiledModel shows no tensor whose pages could be read)"
+        )
     return (
         f"{setting}: of what one more interpreter costs, up to {buffers / (1 << 20):.1f} MiB are its own buffers "
-        "(activations, inputs and outputs, KV cache: every non-constant tensor of its signatures), not weight copies"
+        f"{what}, not weight copies"
     )
 
 
@@ -228,28 +300,31 @@ def measure_copies(
     one: dict[str, int] = {}
     notes: list[str] = []
     activation: dict[str, int] = {}
-    for setting, share in SETTINGS:
+    for setting, share, loader in _settings(path, notes):
         try:
             res: JsonDict = in_child(
                 __name__,
                 "probe",
-                [str(path), share, SESSIONS, bounds, dict(given.dims), dict(given.input_files)],
+                [str(path), share, SESSIONS, bounds, dict(given.dims), dict(given.input_files), loader],
                 MALLOC_ENV,
                 timeout=TIMEOUT_S,
             )
         except RuntimeError as e:
-            notes.append(f"could not measure {setting}: {e}")
+            notes.append(f"could not measure {setting}: {e}" + _STATIC_KEPT.get(setting, ""))
             continue
         if "usage" in res:
             raise UsageError(str(res["usage"]))
         if "error" in res:
-            notes.append(f"LiteRT refuses the model under {setting}: {res['error']}")
+            notes.append(f"LiteRT refuses the model under {setting}: {res['error']}" + _STATIC_KEPT.get(setting, ""))
             continue
         data = res["data_pss"]
         growth = max(0, (data[-1] - data[0]) // (len(data) - 1))
         arena = sorted(res["arena"])[len(res["arena"]) // 2]  # each interpreter's own arena
+        if loader == "helper":  # CompiledModel shows no tensors: its own buffers, an upper bound of its arena
+            arena = int(res.get("buffers", 0) or 0)
         out[setting] = max(0, growth - arena)
-        if not share and out[setting] > 0:  # what XNNPACK can keep of the weights: what it packs
+        if (not share or loader == "helper") and out[setting] > 0:  # what XNNPACK keeps of the weights: at most
+            # what it packs (all of it when the cache were not used; the rest is its workspace, activation memory)
             packed = packed_bytes(path)
             if packed is None:
                 notes.append(f"{setting}: XNNPACK's packed size not measured; its workspace counts as weights")
@@ -261,8 +336,25 @@ def measure_copies(
         one[setting] = res["pss"][0]
         if not res["ran"]:
             notes.append(f"{setting}: interpreters measured without a run (inputs could not be generated)")
-        note = buffers_note(setting, res)
+        note = buffers_note(setting, res, taken_off=loader == "helper")
         if note:
             notes.append(note)
-    notes.append("litert-compiled-cache is not measured: its figure is the static estimate")
     return out, one, notes, activation
+
+
+COMPILED_CACHE = "litert-compiled-cache"  # inventory.XNNPACK_CACHE
+_STATIC_KEPT = {COMPILED_CACHE: "; its figure is the static estimate"}
+
+
+def _settings(path: Path, notes: list[str]) -> list[tuple[str, bool, str]]:
+    """(setting, without default delegates, loader) to measure: both classic Interpreter settings, and
+    ``litert-compiled-cache`` through ``weightshare.litert.interpreter`` when the model has the XNNPACK weight
+    cache that helper would use (else a note: that setting keeps its static figure)."""
+    from .xnnpack_cache import find_cache
+
+    settings = [(setting, share, "interpreter") for setting, share in SETTINGS]
+    cache, why = find_cache(path)  # hashes the model only when a cache file is beside it
+    if cache is None:
+        notes.append(f"{COMPILED_CACHE} is not measured: {why}{_STATIC_KEPT[COMPILED_CACHE]}")
+        return settings
+    return [*settings, (COMPILED_CACHE, True, "helper")]
