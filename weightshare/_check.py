@@ -136,7 +136,8 @@ def _copies(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
             by_code.setdefault(p.copy_code, []).append(p)
     for code, payloads in by_code.items():
         cost = _cost(inv, payloads)
-        where = ", ".join(f"{_mib(n)} under {s}" for s, n in cost.items())
+        # the settings that copy: one that copies nothing is the fix, named in the fix line, not a figure here
+        where = ", ".join(f"{_mib(n)} under {s}" for s, n in cost.items() if n) or "nothing under any setting"
         add(
             code_named(code),
             payloads,
@@ -213,18 +214,16 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
         add(
             Code.MEASURED_COPY,
             copying if not unexplained else [],
-            f"one more session under {setting}{how} keeps {_mib(n)} of weights and copies of them (measured: PSS "
-            f"from 1 to 4 sessions in a child process, activations freed; the static rules account for "
-            f"{_mib(static)}"
-            + (f", largest: {_names(copying)})" if copying else ")")
+            f"one more session under {setting}{how} keeps {_mib(n)} of weights (measured; static rules: {_mib(static)}"
+            + (f"; largest: {_names(copying)}" if copying else "")
             + (
-                f"; no static rule explains {_mib(n - static)} of it: the runtime copies weights this model's "
-                "form does not show"
+                f"; {_mib(n - static)} no static rule explains"
                 if unexplained
-                else f"; {_mib(inv.measured[sharing])} at the sharing setting (measured)"
+                else f"; {_mib(inv.measured[sharing])} at the sharing setting"
                 if gone
                 else ""
-            ),
+            )
+            + ")",
             severity,
             _measured_fix(inv, setting, unexplained),
         )
@@ -337,7 +336,7 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
         # was not measured, such as litert-compiled-cache without its cache, keeps its static findings)
         for f in out[static:]:
             f.severity = Severity.INFO
-            f.message += " (static rule; the measured figure decides)"
+            f.message += " (static estimate)"
     _layout(inv, add, gate, model_dir)
     by_problem: dict[str, list[PayloadInfo]] = {}
     for p in inv.payloads:
