@@ -18,11 +18,12 @@ import weightshare
 from weightshare.formats.onnx.ort import segments as segs
 
 
-def _convert(model: onnx.ModelProto | Path, tmp: Path, monkeypatch: pytest.MonkeyPatch, budget: str) -> Path:
+def _convert(
+    model: onnx.ModelProto | Path, tmp: Path, monkeypatch: pytest.MonkeyPatch, budget: str
+) -> tuple[Path, weightshare.ConversionReport]:
     monkeypatch.setenv(segs.BUDGET_ENV, budget)
     src = model if isinstance(model, Path) else rl.save(model, tmp / "src" / "model.onnx")
-    weightshare.convert(src, tmp / "out", prepack=True)
-    return src
+    return src, weightshare.convert(src, tmp / "out", prepack=True)
 
 
 @pytest.mark.parametrize(
@@ -34,7 +35,7 @@ def test_issue_30_reproductions_compute_the_originals_bits(tmp_path, monkeypatch
     """Before: (1) a cut between two MatMuls of one weight, "checked" by the answer of a window with two weights,
     kept two Gemms where CSE leaves one MatMul (|diff| ~5e-6); (2) a tensor derived from the inputs and read by two
     segments was recomputed in each and fused into a Gemm there, not in the whole graph (|diff| ~2e-6)."""
-    src = _convert(build(), tmp_path, monkeypatch, rl.SEGMENT_BUDGET)
+    src, _ = _convert(build(), tmp_path, monkeypatch, rl.SEGMENT_BUDGET)
     assert rl.differences(src, tmp_path / "out" / "model.onnx") == []
     assert _ops(tmp_path / "out" / "model.onnx") == _ops(_ort_whole(src, tmp_path / "whole"))
 
@@ -42,7 +43,7 @@ def test_issue_30_reproductions_compute_the_originals_bits(tmp_path, monkeypatch
 @pytest.mark.parametrize("seed", [9, 16, 27])  # seeds the stitching code before got wrong
 def test_random_layered_models_compute_the_originals_bits(tmp_path, monkeypatch, seed):
     """A few of ``scripts/check_prepack_exact.py``'s generated models (it runs hundreds)."""
-    src = _convert(rl.random_model(seed), tmp_path, monkeypatch, rl.SEGMENT_BUDGET)
+    src, _ = _convert(rl.random_model(seed), tmp_path, monkeypatch, rl.SEGMENT_BUDGET)
     assert rl.differences(src, tmp_path / "out" / "model.onnx") == []
 
 
@@ -53,7 +54,11 @@ def test_corpus_forms_in_small_segments_compute_the_originals_bits(tmp_path, mon
     import numpy as np
     import onnxruntime as ort
 
-    src = _convert(mf.build(form, tmp_path / "src" / "model.onnx", mib=1), tmp_path, monkeypatch, "65536")
+    src, report = _convert(mf.build(form, tmp_path / "src" / "model.onnx", mib=1), tmp_path, monkeypatch, "65536")
+    # fp16 ops (Casts inserted by ORT, different across every cut) stay in one piece, and only they are told the
+    # route that cuts them (--unpack ort-cpu: the Casts explicit; 7 and 4 segments at this budget)
+    notes = "\n".join(report.notes)
+    assert ("add --unpack ort-cpu" in notes) == (form in {"fp16", "llama_fp16"}), notes
     original = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
     converted = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
     branches = (True, False) if form == "merged_decoder" else (True,)

@@ -313,11 +313,17 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
             report.prepack["model_file_bytes"] = report.prepack.get("model_file_bytes", 0) + len(data)
         return written
 
-    _report_packing(report, src, binding, packed, child_peak, result)
+    _report_packing(report, src, binding, packed, child_peak, result, _inserted_casts(optimized))
     # what the staged conversion recorded (``--unpack ort-cpu``): verify compares the portable model's payloads
     # with the original under the unpacking the blob says was used
     metadata = {**staged_metadata, METADATA_KEY: json.dumps({**binding, **names})}
     return PreparedModel(report, reloc.payloads, emit, extra={"blob_metadata": metadata})
+
+
+def _inserted_casts(optimized: pb.ModelProto) -> bool:
+    """ORT inserted Casts for fp16/bf16 weights its CPU kernels do not take (``--unpack ort-cpu`` makes them
+    explicit beforehand)."""
+    return any(n.op_type == "Cast" and n.name.startswith(INSERTED_CAST) for n in optimized.graph.node)
 
 
 def _settle(
@@ -332,7 +338,7 @@ def _settle(
     apply only to the saved graph is undone in the form that computes the original's bits, or refused. Only graphs
     holding the Casts ORT inserts for fp16/bf16 ops need it (what a reload can fold that the first pass could not):
     an fp32 graph skips the extra child."""
-    if not any(n.op_type == "Cast" and n.name.startswith(INSERTED_CAST) for n in optimized.graph.node):
+    if not _inserted_casts(optimized):
         return
     change = reload_change(optimized, stage, src, options)
     if change is None:
@@ -370,6 +376,7 @@ def _report_packing(
     packed: list[BlobPayload],
     child_peak: float,
     result: JsonDict,
+    casts: bool = False,
 ) -> None:
     report.notes.append(
         f"--prepack: {src.name} holds onnxruntime {binding['onnxruntime']}'s pre-packed weights for this CPU "
@@ -379,7 +386,7 @@ def _report_packing(
     )
     ops = result.get("ops", {})
     report.notes += [_op_note(op, tally) for op, tally in ops.items()]
-    report.notes.append(_segments_note(result.get("segments", {})))
+    report.notes.append(_segments_note(result.get("segments", {}), casts))
     report.prepack = {
         "ops": ops,
         "packed_buffers": len(packed),
@@ -398,8 +405,9 @@ def _op_note(op: str, tally: JsonDict) -> str:
     )
 
 
-def _segments_note(seg: JsonDict) -> str:
-    """How ORT's optimization was split (``segments``): what bounds the child's memory."""
+def _segments_note(seg: JsonDict, casts: bool = False) -> str:
+    """How ORT's optimization was split (``segments``): what bounds the child's memory. ``casts``: ORT inserted
+    Casts for fp16/bf16 weights, which keep a graph in one piece unless they are explicit (``--unpack ort-cpu``)."""
     largest = f"{seg.get('largest_segment_bytes', 0) / 2**20:.1f} MiB"
     unsafe = seg.get("unsafe_cuts", 0)
     merged = f"; {unsafe} cut(s) changed ORT's graph and were dropped" if unsafe else ""
@@ -417,4 +425,10 @@ def _segments_note(seg: JsonDict) -> str:
     return (
         f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: "
         f"{seg.get('single_reason', '')}{merged})"
+        + (
+            "; its child held every fp16 weight cast to fp32: add --unpack ort-cpu to make the Casts explicit, "
+            "which lets the graph be cut and bounds the child (docs/performance.md)"
+            if casts and unsafe  # cuts tried and dropped: the Casts ORT inserts differed across them
+            else ""
+        )
     )
