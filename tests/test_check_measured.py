@@ -85,5 +85,6 @@ def test_without_measuring_check_falls_back_to_the_static_estimate_and_says_so(c
     res = cli("check", src, "--json", env={"WEIGHTSHARE_NO_MEASURE": "1"})
     (summary,) = json.loads(res.stdout)["models"]
     assert summary["copies_source"] == "static" and summary["copied_per_session_by_setting"]["ort-default"] > 0
+    assert any("per-session copies are the static estimate" in n for n in summary["measure_notes"]), summary
     text = cli("check", src, env={"WEIGHTSHARE_NO_MEASURE": "1"})
     assert "per-session copies are the static estimate" in text.stderr, text.stderr

@@ -102,6 +102,7 @@ def _model_summary(inv: ModelInventory) -> JsonDict:
         "fallback_of": inv.fallback_of,
         "default_setting": inv.default_setting,
         "activation_per_session_by_setting": dict(inv.measured_activation),
+        "measure_notes": list(inv.measure_notes),  # how the figures were made (text output: on stderr)
     }
 
 
@@ -131,6 +132,7 @@ def _unreadable(model: str) -> JsonDict:
         "fallback_of": "",
         "default_setting": "",
         "activation_per_session_by_setting": {},
+        "measure_notes": [],
     }
 
 
