@@ -146,3 +146,8 @@ def test_check_and_inspect_name_their_measuring_stage_on_stderr_only(tmp_path, c
         assert _run(["-v", command, package, "--json"]) in (0, 1)
         loud = capsys.readouterr()
         assert f"{command}: measuring" in loud.err and json.loads(loud.out)["command"] == command
+    second = F.mlp(tmp_path / "n.mlpackage", seed=1, hidden=32)
+    assert _run(["-v", "check", package, second, "--json"]) in (0, 1)
+    lines = capsys.readouterr().err.splitlines()
+    for i, model in enumerate((package, second), 1):  # each model named as its turn comes
+        assert any(f"check: measuring {model} ({i}/2)" in line for line in lines), lines

@@ -389,13 +389,19 @@ def find_models(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
 
 
 def check(
-    paths: Sequence[str | os.PathLike[str]], gate: Gate | None = None, keep_going: bool = False
+    paths: Sequence[str | os.PathLike[str]],
+    gate: Gate | None = None,
+    keep_going: bool = False,
+    on_model: Callable[[str, int, int], None] | None = None,
 ) -> tuple[list[ModelInventory], list[Finding]]:
     """Inventory and findings of every model. A model that cannot be read raises its ``WeightshareError``, or with
-    ``keep_going`` (the CLI's batch) is one ``unreadable-model`` finding, and the others are still checked."""
+    ``keep_going`` (the CLI's batch) is one ``unreadable-model`` finding, and the others are still checked.
+    ``on_model(path, i, n)`` is called before the i-th of n models is read and measured (the CLI's stage line)."""
     inventories, findings = [], []
     gate = gate or Gate()
-    for path in paths:
+    for i, path in enumerate(paths, 1):
+        if on_model is not None:
+            on_model(str(path), i, len(paths))
         try:
             inv = inventory(path, hash_payloads=True, measure=gate.measure, feeds=gate.feeds)
             settle(inv, gate, path)
@@ -441,7 +447,12 @@ def exit_code(findings: Sequence[Finding], strict: bool) -> int:
     return 1 if any(f.severity in failing for f in findings) else 0
 
 
-def run_gate(models: Sequence[str | os.PathLike[str]], gate: Gate, strict: bool = False) -> GateResult:
+def run_gate(
+    models: Sequence[str | os.PathLike[str]],
+    gate: Gate,
+    strict: bool = False,
+    on_model: Callable[[str, int, int], None] | None = None,
+) -> GateResult:
     """The one implementation of `check` behind the CLI and ``weightshare.check``: the gate's options checked,
     models found, each inventoried and judged (an unreadable one is an ``unreadable-model`` finding and the others
     are still checked), and the exit code (0 share-ready, 1 a failing finding, 2 an unreadable model). Raises
@@ -460,5 +471,5 @@ def run_gate(models: Sequence[str | os.PathLike[str]], gate: Gate, strict: bool 
     paths = find_models(models)
     if not paths:
         raise UsageError("no models found")
-    inventories, findings = check(paths, gate, keep_going=True)
+    inventories, findings = check(paths, gate, keep_going=True, on_model=on_model)
     return GateResult(inventories, findings, exit_code(findings, strict))

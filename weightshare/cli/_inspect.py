@@ -107,8 +107,10 @@ def check(
     with user_errors():
         feeds = MeasureInputs(tuple(dim_args(dim).items()), tuple(input_args(inputs).items()))
     gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure, feeds=feeds)
-    with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes"):
-        result = run_gate(models, gate, strict)
+    with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes") as stage:
+        result = run_gate(
+            models, gate, strict, lambda path, i, n: stage(f"check: measuring {path} ({i}/{n}) in runtime children")
+        )
     inventories, findings, code = result.inventories, result.findings, result.exit_code
     if how == "json":
         print(json.dumps(check_document(inventories, findings, gate, strict), indent=2))

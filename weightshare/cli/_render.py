@@ -267,20 +267,24 @@ def render_findings(findings: list[Finding], with_file: bool = True) -> None:
 
 
 @contextmanager
-def measuring(enabled: bool, what: str) -> Iterator[None]:
+def measuring(enabled: bool, what: str) -> Iterator[Callable[[str], None]]:
     """A stage line on stderr while a command waits for its runtime children (check, inspect): a spinner on a
     terminal, one plain line with -v elsewhere (a CI log), nothing with -q or when ``enabled`` is false. Never on
-    stdout: JSON there stays clean."""
+    stdout: JSON there stays clean. Yields ``stage(text)``, which names the next stage (check: each model)."""
     if not enabled or VERBOSITY["level"] < 0:
-        yield
+        yield lambda text: None
         return
     if sys.stderr.isatty():
-        with err.status(f"{what} ..."):
-            yield
+        with err.status(f"{what} ...") as status:
+            yield lambda text: status.update(f"{text} ...")
         return
-    if VERBOSITY["level"] > 0:
-        err.print(f"{what} ...", markup=False, highlight=False, soft_wrap=True)
-    yield
+
+    def line(text: str) -> None:
+        if VERBOSITY["level"] > 0:
+            err.print(f"{text} ...", markup=False, highlight=False, soft_wrap=True)
+
+    line(what)
+    yield line
 
 
 def render_bench(result: JsonDict, plot_path: Path | None) -> None:
