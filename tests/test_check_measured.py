@@ -57,7 +57,10 @@ def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form,
     # at 12 MiB of weights it is well below it, as at serving sizes. Attention's state is the largest (1.4-1.8 MiB
     # per session measured at 12 MiB, a ratio of 1.10 in one CI run; 0.3 MiB at 100 MiB): 32 MiB for it.
     prepack = "--prepack" in flags
-    src = build(form, tmp_path / "m.onnx", mib=(32 if form == "attention" else 12) if prepack else 4)
+    # The fp16 llama-like decoder's sessions keep ~3 MiB of ORT's own state each (its graph, not weights: a
+    # twin with 3.6x the weights keeps the same): at 12 MiB that put 4 sessions at 1.13x one, at 48 MiB well below.
+    big = {"attention": 32, "llama_fp16": 48}
+    src = build(form, tmp_path / "m.onnx", mib=big.get(form, 12) if prepack else 4)
     out = tmp_path / "out"
     assert cli("convert", src, "-o", out, "-q", *flags).returncode == 0
     model = out / "m.onnx"
