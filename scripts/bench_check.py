@@ -106,9 +106,8 @@ def _check_default(model: Path) -> tuple[int, float, str]:
 def _stability_models(d: Path) -> list[tuple[str, Path, list[str]]]:
     """(name, model, convert flags) of the vision/audio forms: ONNX YOLO-like, ViT-like, Whisper-like encoder;
     a conv TFLite model."""
-    from model_forms import whisper_encoder
+    from model_forms import vit_like, whisper_encoder
     from prepack_samples import cnn_onnx
-    from test_check_activations import vit_like
     from tflite_fixtures import conv_vision
 
     built = [

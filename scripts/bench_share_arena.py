@@ -17,45 +17,8 @@ import tempfile
 from pathlib import Path
 
 import _builders  # noqa: F401  (tests/ on the path: the model builders)
-import numpy as np
 
 MiB = 1 << 20
-
-
-def _mlp(nodes, inits, x, dim, layers, rng, prefix):
-    from onnx import numpy_helper
-
-    for i in range(layers):
-        p = f"{prefix}{i}"
-        for name, shape in ((f"{p}.w1", (dim, 4 * dim)), (f"{p}.b1", (4 * dim,)), (f"{p}.w2", (4 * dim, dim))):
-            inits.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.05).astype(np.float32), name))
-        inits.append(numpy_helper.from_array(np.zeros(dim, np.float32), f"{p}.b2"))
-        from onnx import helper
-
-        nodes += [
-            helper.make_node("MatMul", [x, f"{p}.w1"], [f"{p}.h"]),
-            helper.make_node("Add", [f"{p}.h", f"{p}.b1"], [f"{p}.hb"]),
-            helper.make_node("Relu", [f"{p}.hb"], [f"{p}.r"]),
-            helper.make_node("MatMul", [f"{p}.r", f"{p}.w2"], [f"{p}.o"]),
-            helper.make_node("Add", [f"{p}.o", f"{p}.b2"], [f"{p}.ob"]),
-            helper.make_node("Add", [x, f"{p}.ob"], [f"{p}.y"]),
-        ]
-        x = f"{p}.y"
-    return x
-
-
-def _save(nodes, inits, inputs, out, path: Path) -> Path:
-    import onnx
-    from onnx import TensorProto, helper
-
-    graph = helper.make_graph(
-        nodes, path.stem, inputs, [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)], inits
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.save(model, str(path), save_as_external_data=True, location=f"{path.stem}.data", size_threshold=1024)
-    (path.parent / f"{path.stem}.data").chmod(0o644)
-    return path
 
 
 def whisper_encoder_like(path: Path, dim: int = 384, layers: int = 4) -> Path:
@@ -66,13 +29,10 @@ def whisper_encoder_like(path: Path, dim: int = 384, layers: int = 4) -> Path:
 
 
 def vit_like(path: Path, tokens: int = 1024, dim: int = 256, layers: int = 4) -> Path:
-    from onnx import TensorProto, helper
+    """A ViT-like encoder (the one builder, ``model_forms.vit_like``)."""
+    from model_forms import vit_like as build
 
-    rng = np.random.default_rng(0)
-    nodes: list = []
-    inits: list = []
-    x = _mlp(nodes, inits, "x", dim, layers, rng, "vit")
-    return _save(nodes, inits, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, tokens, dim])], x, path)
+    return build(path, tokens=tokens, dim=dim, layers=layers)
 
 
 def probe(path: str, sessions: int, share_arena: bool, runs: int) -> dict:

@@ -118,6 +118,21 @@ def _mlp_nodes(dim: int, layers: int, seed: int, x: str = "x") -> tuple[list[onn
     return nodes, inits
 
 
+def vit_like(path: Path, tokens: int = 1024, dim: int = 256, layers: int = 3) -> Path:
+    """A ViT-like encoder as exporters leave it: fixed [1, tokens, dim] patch embeddings, per layer an MLP
+    (``_mlp_nodes``: MatMul dim->4dim + Add, Relu, MatMul 4dim->dim + Add, residual Add), weights in external data:
+    6 MiB of weights at the defaults, 4 MiB per hidden activation (check's and bench_share_arena's model)."""
+    import onnx
+    from onnx import TensorProto as T
+
+    nodes, inits = _mlp_nodes(dim, layers, seed=0)
+    model = _model(nodes, inits, [_io("x", T.FLOAT, [1, tokens, dim])], [_io("y", T.FLOAT, [1, tokens, dim])])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path), save_as_external_data=True, location=f"{path.stem}.data", size_threshold=1024)
+    (path.parent / f"{path.stem}.data").chmod(0o644)  # onnx writes it 0600: not a finding these models are about
+    return path
+
+
 def _mlp(dim: int, layers: int, seed: int) -> onnx.ModelProto:
     from onnx import TensorProto as T
 

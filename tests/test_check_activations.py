@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from model_forms import build
+from model_forms import build, vit_like
 from prepack_samples import cnn_onnx
 
 from weightshare._check import MARGIN, Gate, near_a_line
@@ -43,44 +43,6 @@ def _weights_per_session(path) -> float:
 
     rows = {r["sessions"]: r for r in measure_sessions(str(path), [1, 4], share=False, env=MALLOC_ENV, arena=False)}
     return (rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]) / 3 * MiB
-
-
-def vit_like(path: Path, tokens: int = 1024, dim: int = 256, layers: int = 3) -> Path:
-    """A ViT-like encoder as exporters leave it: fixed [1, tokens, dim] patch embeddings, per layer an MLP
-    (MatMul dim->4dim + Add, Relu, MatMul 4dim->dim + Add, residual Add), weights in external data: 6 MiB of
-    weights, 4 MiB per hidden activation (7.6 MiB of arena per session measured)."""
-    import onnx
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(0)
-    nodes, inits, x = [], [], "x"
-    for i in range(layers):
-        for name, shape in ((f"l{i}.w1", (dim, 4 * dim)), (f"l{i}.b1", (4 * dim,))):
-            inits.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.05).astype(np.float32), name))
-        for name, shape in ((f"l{i}.w2", (4 * dim, dim)), (f"l{i}.b2", (dim,))):
-            inits.append(numpy_helper.from_array((rng.standard_normal(shape) * 0.05).astype(np.float32), name))
-        nodes += [
-            helper.make_node("MatMul", [x, f"l{i}.w1"], [f"l{i}.h"]),
-            helper.make_node("Add", [f"l{i}.h", f"l{i}.b1"], [f"l{i}.hb"]),
-            helper.make_node("Relu", [f"l{i}.hb"], [f"l{i}.r"]),
-            helper.make_node("MatMul", [f"l{i}.r", f"l{i}.w2"], [f"l{i}.o"]),
-            helper.make_node("Add", [f"l{i}.o", f"l{i}.b2"], [f"l{i}.ob"]),
-            helper.make_node("Add", [x, f"l{i}.ob"], [f"l{i}.y"]),
-        ]
-        x = f"l{i}.y"
-    graph = helper.make_graph(
-        nodes,
-        "vit",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, tokens, dim])],
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, tokens, dim])],
-        inits,
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    path.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save(model, str(path), save_as_external_data=True, location=f"{path.stem}.data", size_threshold=1024)
-    (path.parent / f"{path.stem}.data").chmod(0o644)  # onnx writes it 0600: not the finding under test
-    return path
 
 
 @pytest.mark.slow
