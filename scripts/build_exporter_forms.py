@@ -14,8 +14,10 @@ Forms (each in OUTDIR/FORM; a form already built is kept):
   dynamo-fp32  ``torch.onnx.export(..., dynamo=True)`` of a random Qwen3 decoder (GQA, 8 layers of 512, vocab
                4096), weights in model.onnx.data
   dynamo-fp16  the same after ``model.to(torch.float16)``
+  dynamo-fp16-wide  the same at Qwen3-0.6B's widths (hidden 1024, MLP 3072, 16 heads of 128, 8 KV heads), 8 layers
   vit-fp16     a random ViT-S/16 (12 layers of 384) exported with ``torch.onnx.export(dynamo=True)``, then
                ``python -m onnxruntime.transformers.optimizer --model_type vit --float16``
+  vit-fp16-base  the same at ViT-B/16's widths (12 layers of 768, MLP 3072, 12 heads)
   optimum-whisper  optimum-onnx's ``main_export(task="automatic-speech-recognition-with-past")`` of a random
                Whisper (d_model 256, 2+2 layers, 80 mel bins, 1500 source positions, vocab 4096):
                encoder_model.onnx, decoder_model_merged.onnx (If on use_cache_branch), config.json
@@ -34,7 +36,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-FORMS = ("genai-int4", "genai-fp32", "dynamo-fp32", "dynamo-fp16", "vit-fp16", "optimum-whisper", "optimum-vit")
+FORMS = (
+    "genai-int4", "genai-fp32", "dynamo-fp32", "dynamo-fp16", "vit-fp16", "dynamo-fp16-wide", "vit-fp16-base",
+    "optimum-whisper", "optimum-vit",
+)  # fmt: skip
 VENVS = {  # form prefix -> the venv (../shared/EXPORTERS.md) and a module only that venv has
     "genai-": ("/work/exvenv/torch-genai", "onnxruntime_genai"),
     "dynamo-": ("/work/exvenv/torch-genai", "torch"),
@@ -90,14 +95,18 @@ def genai(d: Path, precision: str) -> dict:
     return {"kind": "genai", "folder": "model", "model": "model/model.onnx"}
 
 
-def _qwen3(dtype: str):
+def _qwen3(dtype: str, wide: bool = False):
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
+    widths = (
+        dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+        if wide  # Qwen3-0.6B's
+        else dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2, head_dim=64)
+    )
     cfg = Qwen3Config(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=64, vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False,
+        **widths, num_hidden_layers=8, vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False,
     )  # fmt: skip
     model = Qwen3ForCausalLM(cfg).eval()
     return model.to(torch.float16) if dtype == "fp16" else model
@@ -123,10 +132,10 @@ class _Decoder:
         return Wrapped(model)
 
 
-def dynamo(d: Path, dtype: str) -> dict:
+def dynamo(d: Path, dtype: str, wide: bool = False) -> dict:
     import torch
 
-    model = _Decoder(_qwen3(dtype))
+    model = _Decoder(_qwen3(dtype, wide))
     batch, seq = 2, 16
     args = (
         torch.randint(3, 4000, (batch, seq)),
@@ -143,14 +152,15 @@ def dynamo(d: Path, dtype: str) -> dict:
     return {"kind": "decoder", "model": "model.onnx"}
 
 
-def vit(d: Path) -> dict:
+def vit(d: Path, base: bool = False) -> dict:
     import torch
     from transformers import ViTConfig, ViTModel
 
     torch.manual_seed(0)
+    hidden, heads = (768, 12) if base else (384, 6)  # ViT-B/16's widths, or ViT-S/16's
     cfg = ViTConfig(
-        hidden_size=384, num_hidden_layers=12, num_attention_heads=6, intermediate_size=1536, image_size=224,
-        patch_size=16,
+        hidden_size=hidden, num_hidden_layers=12, num_attention_heads=heads, intermediate_size=4 * hidden,
+        image_size=224, patch_size=16,
     )  # fmt: skip
     model = ViTModel(cfg, add_pooling_layer=False).eval()
 
@@ -170,7 +180,8 @@ def vit(d: Path) -> dict:
         input_names=["pixel_values"], output_names=["last_hidden_state"],
     )  # fmt: skip
     cmd = [sys.executable, "-m", "onnxruntime.transformers.optimizer", "--input", str(raw), "--output"]
-    cmd += [str(d / "model.onnx"), "--model_type", "vit", "--num_heads", "6", "--hidden_size", "384", "--float16"]
+    cmd += [str(d / "model.onnx"), "--model_type", "vit", "--num_heads", str(heads), "--hidden_size", str(hidden)]
+    cmd += ["--float16"]
     cmd += ["--use_external_data_format"]
     subprocess.run(cmd, check=True)
     for f in d.glob("raw.onnx*"):
@@ -227,11 +238,11 @@ def build(out: Path, form: str) -> None:
     if form.startswith("genai-"):
         info = genai(d, form.split("-")[1])
     elif form.startswith("dynamo-"):
-        info = dynamo(d, form.split("-")[1])
+        info = dynamo(d, form.split("-")[1], wide=form.endswith("-wide"))
     elif form.startswith("optimum-"):
         info = optimum(d, form)
     else:
-        info = vit(d)
+        info = vit(d, base=form.endswith("-base"))
     (d / "form.json").write_text(json.dumps(info) + "\n")
     print(f"built {form}", flush=True)
 

@@ -1,12 +1,15 @@
 """convert --prepack against ONNX Runtime on the ORIGINAL, over many random layered models.
 
-    python scripts/check_prepack_exact.py [--seeds 200] [--first 0] [--budget BYTES] [--forms]
+    python scripts/check_prepack_exact.py [--seeds 200] [--first 0] [--budget BYTES] [--forms] [--fp16]
+                                          [--unpack ort-cpu]
 
 Each model of ``tests/random_layered.py`` (one weight read by several nodes, tied MatMul / Gemm(transB=1) weights,
 tensors derived from the inputs read by far-apart layers, decomposed Gelu and LayerNorm, identical nodes CSE
 merges, a symbolic batch) is converted with ``--prepack`` under a segment budget small enough to cut it (two
 weights per segment by default), and a default-option session of the result is compared with one of the original
 at batch 1, 8, 32 and 64 with ``np.array_equal``. ``--forms`` also runs every corpus form of ``model_forms``.
+``--fp16``: the generated models with fp16 weights, inputs and outputs (ORT's CPU provider runs most of their ops
+in fp32 between Casts it inserts; two fp16 weights per segment by default).
 Prints one line per model that differs (or whose conversion failed) and the counts.
 """
 
@@ -51,10 +54,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=200)
     ap.add_argument("--first", type=int, default=0)
-    ap.add_argument("--budget", default=rl.SEGMENT_BUDGET, help="WEIGHTSHARE_ORT_SEGMENT_BYTES for the conversions")
+    ap.add_argument("--budget", help="WEIGHTSHARE_ORT_SEGMENT_BYTES for the conversions (default: two weights)")
     ap.add_argument("--forms", action="store_true", help="also every corpus form (model_forms), at the same budget")
+    ap.add_argument("--fp16", action="store_true", help="the generated models in fp16")
+    ap.add_argument("--unpack", choices=["ort-cpu"], help="convert with --prepack --unpack ort-cpu")
     args = ap.parse_args()
-    os.environ["WEIGHTSHARE_ORT_SEGMENT_BYTES"] = args.budget
+    os.environ["WEIGHTSHARE_ORT_SEGMENT_BYTES"] = args.budget or (
+        rl.SEGMENT_BUDGET_FP16 if args.fp16 else rl.SEGMENT_BUDGET
+    )
     import weightshare
 
     jobs: list[tuple[str, object]] = [(f"seed {s}", s) for s in range(args.first, args.first + args.seeds)]
@@ -68,8 +75,10 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="check_prepack_"))
         try:
             if isinstance(what, int):
-                src = rl.save(rl.random_model(what), tmp / "src" / "model.onnx")
-                report = weightshare.convert(src, tmp / "out", prepack=True)
+                src = rl.save(rl.random_model(what, fp16=args.fp16), tmp / "src" / "model.onnx")
+                report = weightshare.convert(
+                    src, tmp / "out", prepack=True, **({"unpack": args.unpack} if args.unpack else {})
+                )
                 cut = report.prepack.get("segments", {}).get("segments", 1) > 1
                 found = rl.differences(src, tmp / "out" / "model.onnx")
             else:
@@ -85,7 +94,8 @@ def main() -> int:
             differ += 1
             print(f"{label}: DIFFERS: {'; '.join(found)}", flush=True)
     print(
-        f"{len(jobs)} models ({args.seeds} generated; {segmented} optimized in segments), batches "
+        f"{len(jobs)} models ({args.seeds} generated{' in fp16' if args.fp16 else ''}; {segmented} optimized in "
+        "segments), batches "
         f"{'/'.join(map(str, rl.BATCHES))}: {differ} differ from ORT on the original, {failed} refused "
         f"({time.monotonic() - start:.0f} s)"
     )

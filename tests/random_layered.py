@@ -27,6 +27,7 @@ D = 512  # hidden size: K this large makes MLAS accumulate in blocks, so MatMul+
 P = 16  # width of the narrow input p: a P x D float32 weight (32 KiB) is a small constant to the segmenter
 BATCHES = (1, 8, 32, 64)  # MLAS picks other kernels (and blockings) as the row count grows
 SEGMENT_BUDGET = str(2 * D * D * 4 + 65536)  # two weights per segment: cuts between every couple of layers
+SEGMENT_BUDGET_FP16 = str(2 * D * D * 2 + 65536)  # the same for ``random_model(fp16=True)``
 
 
 class _Builder:
@@ -90,9 +91,28 @@ def save(model: onnx.ModelProto, path: Path) -> Path:
     return path
 
 
-def random_model(seed: int) -> onnx.ModelProto:
+def random_model(seed: int, fp16: bool = False) -> onnx.ModelProto:
     """A model of 6-14 random layers on a [batch, 128] stream ``x``, with inputs ``m`` [batch, 128] and ``p``
-    [batch, 16] that derived tensors are computed from."""
+    [batch, 16] that derived tensors are computed from. ``fp16``: the same model with fp16 weights, constants,
+    inputs and outputs (``to_fp16``)."""
+    m = _random_model(seed)
+    return to_fp16(m) if fp16 else m
+
+
+def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every float initializer, input and output as fp16, as a torch ``model.half()`` export has them: ORT's CPU
+    provider has no fp16 kernel for most of these ops and runs them in fp32 between Casts it inserts, so a cut
+    can fall inside such a run."""
+    for i, t in enumerate(model.graph.initializer):
+        if t.data_type == T.FLOAT:
+            model.graph.initializer[i].CopyFrom(nh.from_array(nh.to_array(t).astype(np.float16), t.name))
+    for v in [*model.graph.input, *model.graph.output]:
+        if v.type.tensor_type.elem_type == T.FLOAT:
+            v.type.tensor_type.elem_type = T.FLOAT16
+    return model
+
+
+def _random_model(seed: int) -> onnx.ModelProto:
     rnd = random.Random(seed)
     b = _Builder(seed)
     weights: list[str] = []  # D x D weights, as [in, out]
@@ -201,9 +221,9 @@ def derived_two_segments_model() -> onnx.ModelProto:
     return b.model(["x", "m"], ["y"])
 
 
-def feeds(batch: int, seed: int = 1) -> dict[str, np.ndarray]:
+def feeds(batch: int, seed: int = 1, dtype: type = np.float32) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed + batch)
-    return {n: rng.standard_normal((batch, P if n == "p" else D)).astype(np.float32) for n in ("x", "m", "p")}
+    return {n: rng.standard_normal((batch, P if n == "p" else D)).astype(dtype) for n in ("x", "m", "p")}
 
 
 def differences(original: Path, converted: Path, batches: tuple[int, ...] = BATCHES) -> list[str]:
@@ -214,9 +234,10 @@ def differences(original: Path, converted: Path, batches: tuple[int, ...] = BATC
     a = ort.InferenceSession(str(original), providers=["CPUExecutionProvider"])
     c = ort.InferenceSession(str(converted), providers=["CPUExecutionProvider"])
     names = {i.name for i in a.get_inputs()}
+    dtype = np.float16 if a.get_inputs()[0].type == "tensor(float16)" else np.float32
     found = []
     for batch in batches:
-        f = {k: v for k, v in feeds(batch).items() if k in names}
+        f = {k: v for k, v in feeds(batch, dtype=dtype).items() if k in names}
         for want, got in zip(a.run(None, f), c.run(None, f)):
             if not np.array_equal(want, got):
                 found.append(f"batch {batch}: max |diff| {float(np.max(np.abs(want - got))):.3g}")

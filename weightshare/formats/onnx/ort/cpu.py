@@ -26,6 +26,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -275,7 +276,10 @@ def _prefold(probe_path: Path, zeros: Path, inserted: set[str]) -> dict[str, str
     for n in g.node:
         for i in n.input:
             uses[i] = uses.get(i, 0) + 1
-    stand_ins = {t.name: t for t in g.initializer if t.data_location == pb.TensorProto.EXTERNAL}
+    overridable = {v.name for v in g.input}  # Casts that run every time (``keep_casts_at_run``): not folded
+    stand_ins = {
+        t.name: t for t in g.initializer if t.data_location == pb.TensorProto.EXTERNAL and t.name not in overridable
+    }
     outputs = {o.name for o in g.output}
     keep: list[pb.NodeProto] = []
     renamed: dict[str, str] = {}  # a folded stand-in's new name -> its name in the original
@@ -309,20 +313,48 @@ def _fused(graph: pb.GraphProto) -> dict[tuple[str, str], int]:
     return counts
 
 
-def _power_of_two(x: float) -> bool:
-    m, _ = math.frexp(x)
-    return x > 0 and m == 0.5
+def _elem_types(graph: pb.GraphProto) -> dict[str, int]:
+    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
+    types.update((t.name, t.data_type) for t in graph.initializer)
+    for n in graph.node:  # ORT saves few value_infos; a Cast says what it makes
+        if n.op_type == "Cast" and n.output:
+            types[n.output[0]] = next((a.i for a in n.attribute if a.name == "to"), 0)
+    return types
 
 
-def _exact_fusion(node: pb.NodeProto) -> bool:
-    """A fusion whose arithmetic equals the unfused nodes': FusedMatMul without transposes whose alpha is a
-    power of two (the product scaled by 2^k, as Div/Mul by 2^k would; no rounding of its own)."""
-    if (node.domain, node.op_type) != ("com.microsoft", "FusedMatMul"):
-        return False
-    attrs = {a.name: a for a in node.attribute}
-    if any(attrs[k].i for k in ("transA", "transB", "transBatchA", "transBatchB") if k in attrs):
-        return False
-    return _power_of_two(attrs["alpha"].f if "alpha" in attrs else 1.0)
+def _typed_change(
+    original: pb.GraphProto,
+    adopted: pb.GraphProto,
+    before: dict[tuple[str, str], int],
+    after: dict[tuple[str, str], int],
+) -> str | None:
+    """An op both graphs run equally often, with other element types: ORT chose its fp16 kernel in one graph and
+    its fp32 kernel in the other (a LayerNormalization its fusion made of fp16 or of fp32 nodes), which rounds
+    apart."""
+    same = {k for k, v in before.items() if after.get(k) == v}
+    if not same:
+        return None
+
+    def typed(graph: pb.GraphProto) -> dict[tuple[Any, ...], int]:
+        types = _elem_types(graph)
+        counts: dict[tuple[Any, ...], int] = {}
+        for n in graph.node:
+            key = ((n.domain or "ai.onnx"), n.op_type)
+            if key in same:
+                sig = (*key, tuple(types.get(i, 0) for i in n.input), tuple(types.get(o, 0) for o in n.output))
+                counts[sig] = counts.get(sig, 0) + 1
+        return counts
+
+    a, b = typed(original), typed(adopted)
+    if a == b:
+        return None
+    sig = next(k for k in b if b[k] != a.get(k, 0))
+    return f"{sig[1]} runs on other element types than in the original ({_type_names(sig[2])} -> {_type_names(sig[3])})"
+
+
+def _type_names(types: tuple[int, ...]) -> str:
+    names = {dtypes.FLOAT: "float", dtypes.FLOAT16: "float16", dtypes.BFLOAT16: "bfloat16"}
+    return ", ".join(names.get(t, str(t)) for t in types)
 
 
 def rounding_change(
@@ -330,19 +362,27 @@ def rounding_change(
 ) -> str | None:
     """What ORT fuses in the adopted graph and not in the original (once the Casts are in the file its fp32
     fusions apply where the fp16 graph had none), when that fusion can round differently; None when ORT runs
-    the same ops, or only exact fusions more. ``ours``: nodes the adopted graph holds that the original does not
+    the same ops. ``ours``: nodes the adopted graph holds that the original does not
     (written by us, not fused by ORT)."""
+    at_run, folded = _casts_of_initializers(original), _casts_of_initializers(adopted)
+    if folded < at_run:
+        return (
+            f"ConstantFolding folds {at_run - folded} Cast(s) of a weight that the original casts at every run, "
+            "so its MatMul/Gemm/Conv takes a constant instead (pre-packed: other kernels)"
+        )
     before, after = _fused(original), _fused(adopted)
+    typed = _typed_change(original, adopted, before, after)
+    if typed is not None:
+        return typed
     for key, count in (ours or {}).items():
         before[key] = before.get(key, 0) + count
     more = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
     if not more:
         return None
-    extra = [n for n in adopted.node if ((n.domain or "ai.onnx"), n.op_type) in more]
-    if all(_exact_fusion(n) for n in extra):
-        return None
+    # No fusion counts as exact: FusedMatMul even with a power-of-two alpha (the same products in theory) took
+    # another GEMM path at batch 1 than MatMul and Mul did (1.9e-6 apart, a generated fp16 model).
     fewer = {k: v - after.get(k, 0) for k, v in before.items() if v > after.get(k, 0)}
-    bad = next(n for n in extra if not _exact_fusion(n))
+    bad = next(n for n in adopted.node if ((n.domain or "ai.onnx"), n.op_type) in more)
     fusion = next((p for p in bad.name.split("/") if p.endswith(("Fusion", "Transformer"))), "a fusion")
     made = ", ".join(f"{v} {d}.{o}" if d != "ai.onnx" else f"{v} {o}" for (d, o), v in sorted(more.items()))
     gone = ", ".join(f"{v} {o}" for (_d, o), v in sorted(fewer.items())) or "other nodes"
@@ -415,6 +455,70 @@ def add_input_like(graph: pb.GraphProto, t: pb.TensorProto) -> None:
     v.type.tensor_type.elem_type = t.data_type
     for d in t.dims:
         v.type.tensor_type.shape.dim.add().dim_value = d
+
+
+def _reader_count(graph: pb.GraphProto, name: str) -> int:
+    """Input slots of the graph's nodes that read ``name``, plus one when it is a graph output (ORT's output edges)."""
+    return sum(i == name for n in graph.node for i in n.input) + any(o.name == name for o in graph.output)
+
+
+def _runs_every_time(graph: pb.GraphProto, cast: pb.NodeProto) -> bool:
+    """Whether ORT computes this Cast of a constant at every run rather than folding it into its reader:
+    FuseInitializersTransformer (level ALL) turns ``Cast(fp16 initializer)`` into an fp32 initializer only where the
+    Cast has exactly one reader and is no graph output; a weight or scalar read by several nodes stays fp16 behind
+    a Cast that runs each time, so its readers (MatMul, Gemm) take a computed tensor, not a constant (no
+    pre-packing, other kernels and roundings)."""
+    return _reader_count(graph, cast.output[0]) != 1 or any(o.name == cast.output[0] for o in graph.output)
+
+
+def _shared_scalars(graph: pb.GraphProto) -> set[str]:
+    """One-element fp16/bf16 initializers whose value another one-element initializer of the type has: ORT's
+    ConstantSharing (level 1) makes them one tensor before it inserts Casts, so their Cast has several readers
+    and runs at every run (the 0.5 and sqrt(2) of every decomposed Gelu)."""
+    groups: dict[tuple[int, bytes], list[str]] = {}
+    for t in graph.initializer:
+        if t.data_type in (dtypes.FLOAT16, dtypes.BFLOAT16) and math.prod(t.dims) == 1 and t.raw_data:
+            groups.setdefault((t.data_type, bytes(t.raw_data)), []).append(t.name)
+        elif t.data_type in (dtypes.FLOAT16, dtypes.BFLOAT16) and math.prod(t.dims) == 1 and t.int32_data:
+            groups.setdefault((t.data_type, bytes(str(list(t.int32_data)), "ascii")), []).append(t.name)
+    return {name for names in groups.values() if len(names) > 1 for name in names}
+
+
+def keep_casts_at_run(graph: pb.GraphProto, casts: Sequence[pb.NodeProto] | None = None) -> int:
+    """Make the initializers that ``casts`` (default: every Cast of an initializer) read overridable graph inputs,
+    so that ORT's constant folding leaves those Casts to run at every run, as the original ran them (a constant
+    fed by a Cast in the file would be folded when a session loads it). An overridable initializer is still an
+    initializer: mapped from the blob, shared, and not listed among the session's inputs. Returns how many."""
+    inits = {t.name: t for t in graph.initializer}
+    inputs = {v.name for v in graph.input}
+    chosen = casts if casts is not None else [n for n in graph.node if n.op_type == "Cast" and n.input]
+    made = 0
+    for n in chosen:
+        t = inits.get(n.input[0])
+        if t is not None and t.name not in inputs:
+            add_input_like(graph, t)
+            inputs.add(t.name)
+            made += 1
+    return made
+
+
+# Kernels whose weight input, when it is a constant, ORT pre-packs or reads once at session creation (other
+# code paths, other roundings); an elementwise op computes the same bits from a constant and from a computed input.
+CONSTANT_SENSITIVE = frozenset(
+    {"MatMul", "Gemm", "Conv", "ConvTranspose", "FusedMatMul", "FusedGemm", "FusedConv", "LSTM", "GRU", "RNN",
+     "Attention", "MultiHeadAttention", "DynamicQuantizeMatMul", "MatMulInteger", "MatMulNBits", "QLinearConv",
+     "QLinearMatMul", "MatMulIntegerToFloat", "QAttention", "DynamicQuantizeLSTM", "NhwcFusedConv", "Einsum"}
+)  # fmt: skip
+
+
+def _casts_of_initializers(graph: pb.GraphProto) -> int:
+    """Casts of an initializer that feed a kernel for which a constant input differs (``CONSTANT_SENSITIVE``):
+    ORT runs them at every run, and the kernel takes a computed tensor."""
+    inits = {t.name for t in graph.initializer}
+    sensitive = {i for n in graph.node if n.op_type in CONSTANT_SENSITIVE for i in n.input}
+    return sum(
+        1 for n in graph.node if n.op_type == "Cast" and n.input and n.input[0] in inits and n.output[0] in sensitive
+    )
 
 
 def check_rounding(
@@ -648,6 +752,11 @@ def unpack_for_cpu(
     if not added:
         notes.append(f"--unpack ort-cpu: onnxruntime {probe.version} CPU inserts no Cast in this model")
         return {}
+    g = model.graph
+    shared = _shared_scalars(g)
+    at_run = keep_casts_at_run(
+        g, [n for n in g.node if _is_inserted(n) and (_runs_every_time(g, n) or n.input[0] in shared)]
+    )
     change = check_rounding(original, model, refs, src, out_dir, opts)
     unfused = 0
     if change is not None and change.startswith("MatMulScaleFusion"):
@@ -669,6 +778,12 @@ def unpack_for_cpu(
     notes.append(
         f"--unpack ort-cpu: adopted {added} Cast(s) onnxruntime {probe.version} CPU inserts per session "
         f"({on_weights} on initializers, stored as fp32 where a Cast is their only consumer"
+        + (
+            f"; {at_run} read by several nodes stay fp16 behind a Cast that runs every time, as onnxruntime runs "
+            "them in the original"
+            if at_run
+            else ""
+        )
         + (
             f"; {unfused} Mul/Div by a scalar beside a MatMul fed Expand(scalar, Shape(x)), the same products, "
             "so that onnxruntime does not fuse them as it did not in the fp16 graph"

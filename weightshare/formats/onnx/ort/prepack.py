@@ -44,7 +44,7 @@ from .._proto import load_model, pb
 from ..disk_use import ReleasedRange, mark_overlaps
 from ..graph import external_tensors
 from .cpu import PREFIX as INSERTED_CAST
-from .cpu import unpack_for_cpu
+from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
 from .prepack_record import METADATA_KEY, PACKED_PREFIX
@@ -283,6 +283,15 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     result, child_peak = _run_ort(stage / src.name, src, options)
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
+    # a Cast of a constant left in ORT's graph ran at every run of the original (a shared fp16 weight or scalar):
+    # a session loading the saved graph would fold it, and its readers would take a constant
+    at_run = keep_casts_at_run(optimized.graph)
+    if at_run:
+        report.notes.append(
+            f"--prepack: {at_run} fp16 weight(s) or constant(s) read by several nodes stay behind the Cast "
+            "onnxruntime runs at every run in the original (overridable initializers, so that a session does not "
+            "fold them)"
+        )
     _settle(optimized, stage, src, options, binding, report)
     reloc = Relocator()
     for t in external_tensors(portable):

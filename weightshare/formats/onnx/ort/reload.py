@@ -86,6 +86,7 @@ def _copy_tensor(t: pb.TensorProto) -> pb.TensorProto:
 
 def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOptions) -> pb.GraphProto:
     """The graph ORT runs when a session loads ``model`` (its external data relative to ``stage``)."""
+    stage = stage.absolute()  # the child runs in it: a relative OUTDIR must not be resolved twice
     probe, _ = _probe(model, stage)
     out = stage / OUT
     limits = limits_for(

@@ -369,8 +369,10 @@ def stitch(
     outputs: Iterable[onnx.ValueInfoProto],
     name: str = "stitched",
     standins: list[frozenset[str]] | None = None,
+    directory: Path | None = None,
 ) -> onnx.ModelProto:
-    """Optimized segments, in order, as one graph; names each segment made up are kept apart.
+    """Optimized segments, in order, as one graph; names each segment made up are kept apart. ``directory``: where
+    the parts' external data lies (equal small constants are found by their bytes).
 
     A tensor a segment passes on in NCHW (``ReorderOutput``) that the next one turns back into
     NCHWc (``ReorderInput``) is passed on in NCHWc instead: the whole-graph optimizer leaves no
@@ -426,6 +428,10 @@ def stitch(
     outputs = list(outputs)
     inputs = list(inputs)
     nodes = _splice_reorders(nodes, boundary, {o.name for o in outputs})
+    nodes = _splice_casts(nodes, boundary, {o.name for o in outputs})
+    nodes = _merge_casts(nodes, inits, {o.name for o in outputs}, directory)
+    read = {i for n in nodes for i in n.input}
+    inits = [t for t in inits if t.name in read or t.name in {i.name for i in inputs}]
     made = {o for n in nodes for o in n.output}
     value_info = [v for v in value_info if v.name in made]
     graph = helper.make_graph(nodes, name, list(inputs), outputs, inits, value_info=value_info)
@@ -488,6 +494,102 @@ def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: s
         n.input[:] = [alias.get(i, i) for i in n.input]
     read = {i for n in kept for i in n.input} | outputs
     return [n for n in kept if not (n.domain == NCHWC and n.op_type == "ReorderOutput" and n.output[0] not in read)]
+
+
+INSERTED_CAST = "InsertedPrecisionFreeCast_"  # ORT's name for the Casts its CPU provider puts around fp16/bf16 ops
+
+
+def _inserted_cast(node: onnx.NodeProto, to: int) -> bool:
+    return (
+        node.op_type == "Cast"
+        and node.domain in ("", "ai.onnx")
+        and node.name.startswith(INSERTED_CAST)
+        and len(node.input) == 1
+        and _attr(node, "to", 0) == to
+    )
+
+
+def _splice_casts(nodes: list[onnx.NodeProto], boundary: set[str], outputs: set[str]) -> list[onnx.NodeProto]:
+    """A cut through a run of fp16 ops that ORT computes in fp32 (its CPU provider has no fp16 kernel for them):
+    the segment before ends in an inserted ``Cast(-> fp16)`` of the fp32 tensor, the segment after starts with an
+    inserted ``Cast(-> float)`` of it. The whole graph has neither (the run stays in fp32, no rounding to fp16 in
+    between: ORT's InsertCastTransformer casts only at the run's ends), so the readers get the fp32 tensor and
+    both Casts go, as NCHWc reorders do (``_splice_reorders``). The pair check compares the result with the two
+    segments optimized together, so a splice the whole graph would not make fails that check."""
+    producer = {o: n for n in nodes for o in n.output}
+    alias: dict[str, str] = {}
+    kept = []
+    for n in nodes:
+        src = producer.get(n.input[0]) if n.input else None
+        if (
+            _inserted_cast(n, onnx.TensorProto.FLOAT)
+            and n.input[0] in boundary
+            and n.input[0] not in outputs
+            and src is not None
+            and _inserted_cast(src, onnx.TensorProto.FLOAT16)
+        ):
+            alias[n.output[0]] = src.input[0]
+            continue
+        kept.append(n)
+    if not alias:
+        return nodes
+    for n in kept:
+        n.input[:] = [alias.get(i, i) for i in n.input]
+    read = {i for n in kept for i in n.input} | outputs
+    spliced = {producer[i].name for i in boundary if i in producer}
+    return [
+        n
+        for n in kept
+        if not (n.name in spliced and _inserted_cast(n, onnx.TensorProto.FLOAT16) and n.output[0] not in read)
+    ]
+
+
+def _content_key(t: onnx.TensorProto, directory: Path | None) -> tuple[Any, ...] | None:
+    """What makes two initializers equal: their bytes (inline, or read from the file when small), else the same
+    region of one file."""
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        e = {x.key: x.value for x in t.external_data}
+        where = (e.get("location", ""), int(e.get("offset", "0")), int(e.get("length", "-1")))
+        if directory is not None and 0 <= where[2] <= HEAVY_BYTES:
+            try:
+                with open(directory / where[0], "rb") as f:
+                    f.seek(where[1])
+                    data = f.read(where[2])
+            except OSError:
+                return None
+            if len(data) == where[2]:
+                return ("bytes", t.data_type, tuple(t.dims), data)
+        return ("file", t.data_type, tuple(t.dims), *where)
+    if t.raw_data:
+        return ("bytes", t.data_type, tuple(t.dims), t.raw_data)
+    return None
+
+
+def _merge_casts(
+    nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], outputs: set[str], directory: Path | None
+) -> list[onnx.NodeProto]:
+    """Casts of equal constants in different segments as one: in the whole graph ORT shares equal initializers
+    (an untrained model's LayerNorm weights, all ones, become one tensor read by every layer), so the Cast its CPU
+    provider inserts in front of them is one node, run once; each segment has its own copy. The pair check
+    compares the result with the two segments optimized together."""
+    content = {t.name: k for t in inits if (k := _content_key(t, directory)) is not None}
+    first: dict[tuple[Any, ...], str] = {}
+    alias: dict[str, str] = {}
+    kept = []
+    for n in nodes:
+        key = content.get(n.input[0]) if n.op_type == "Cast" and len(n.input) == 1 else None
+        if key is not None and n.output[0] not in outputs:
+            key = (key, _attr(n, "to", 0))
+            if key in first:
+                alias[n.output[0]] = first[key]
+                continue
+            first[key] = n.output[0]
+        kept.append(n)
+    if not alias:
+        return nodes
+    for n in kept:
+        n.input[:] = [alias.get(i, i) for i in n.input]
+    return kept
 
 
 # ---------------------------------------------------------------- comparing graphs
@@ -597,17 +699,41 @@ def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], 
     domain, attributes and (recursively) its inputs; initializers by their bytes."""
     g = model.graph
     ids = {i.name: f"input:{i.name}" for i in g.input}
+    live = _live(g)
     for t in g.initializer:
-        ids.setdefault(t.name, f"init:{_digest_payload(t, directory)}")
+        if t.name in live.inputs:
+            ids.setdefault(t.name, f"init:{_digest_payload(t, directory)}")
     ids[""] = ""
     nodes: Counter[str] = Counter()
-    for n in g.node:
+    for j, n in enumerate(g.node):
+        if j not in live.nodes:
+            continue
         attrs = sorted(a.SerializeToString() for a in n.attribute)
         h = hashlib.sha256(repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode()).hexdigest()
         nodes[h] += 1
         for k, o in enumerate(n.output):
             ids[o] = f"{h}:{k}"
     return nodes, [ids[o.name] for o in g.output]
+
+
+@dataclass
+class _Live:
+    nodes: set[int]  # indices of the nodes a graph output depends on
+    inputs: set[str]  # the tensors they read
+
+
+def _live(g: onnx.GraphProto) -> _Live:
+    """What the graph's outputs depend on. ORT leaves some nodes nothing reads (a Cast it inserted for a small
+    fp16 constant whose readers it then fused, in one window and not in another): they compute nothing that is
+    used, so the comparison leaves them out."""
+    needed = {o.name for o in g.output}
+    nodes: set[int] = set()
+    for j in range(len(g.node) - 1, -1, -1):
+        n = g.node[j]
+        if any(o in needed for o in n.output if o):
+            nodes.add(j)
+            needed |= _reads(n)
+    return _Live(nodes, needed)
 
 
 # ---------------------------------------------------------------- driving ORT
@@ -751,6 +877,7 @@ class Segmenter:
                 together.graph.input,
                 window.graph.output,
                 standins=[frozenset(), self.standin(bounds, k + 1)],
+                directory=self.out.parent,
             )
             exact = fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
         finally:
@@ -832,7 +959,12 @@ class Segmenter:
         parts = [self.segment(bounds, k) for k in range(len(bounds) - 1)]
         self._clean(set(keys))
         whole = stitch(
-            parts, self.model.graph.input, self.model.graph.output, self.model.graph.name, [key[2] for key in keys]
+            parts,
+            self.model.graph.input,
+            self.model.graph.output,
+            self.model.graph.name,
+            [key[2] for key in keys],
+            self.out.parent,
         )
         self.out.write_bytes(whole.SerializeToString())
         report.segments = len(parts)
