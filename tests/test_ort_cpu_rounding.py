@@ -57,14 +57,17 @@ def test_unfused_and_fused_fp16_transformers_are_bit_identical(tmp_path, cli, fo
     assert _outputs_equal(src, out) == 27
 
 
-def test_unfused_fp16_fuses_once_converted_but_exactly(tmp_path, cli):
-    """The unfused model's attention scale is sqrt(64) = 8: the converted graph gets FusedMatMul(alpha=0.125)
-    the original does not have, and that fusion is exact (outputs compared above and here)."""
+def test_unfused_fp16_scale_is_not_fused_even_by_a_power_of_two(tmp_path, cli):
+    """The unfused model's attention scale is sqrt(64) = 8: with the Casts in the file ORT would make
+    FusedMatMul(alpha=0.125), which the original does not have. Even a power-of-two alpha is not the same
+    arithmetic (FusedMatMul took another GEMM path at batch 1 on a generated fp16 model: 1.9e-6 apart), so the
+    Div gets Expand(scalar, Shape(x)) and no FusedMatMul is left."""
     src = mf.build("fp16", tmp_path / "src" / "model.onnx", mib=2)
-    assert cli("convert", src, "-o", tmp_path / "out", "--unpack", "ort-cpu", "-q").returncode == 0
+    res = cli("convert", src, "-o", tmp_path / "out", "--unpack", "ort-cpu")
+    assert res.returncode == 0, res.stderr
+    assert "Expand(scalar, Shape(x))" in res.stdout
     out = tmp_path / "out" / "model.onnx"
-    fused = [n for n in _optimized_ops(out, tmp_path) if n.op_type == "FusedMatMul"]
-    assert fused and all(a.f == 0.125 for n in fused for a in n.attribute if a.name == "alpha")
+    assert not [n for n in _optimized_ops(out, tmp_path) if n.op_type == "FusedMatMul"]
     assert not [n for n in _optimized_ops(src, tmp_path) if n.op_type == "FusedMatMul"]
     _outputs_equal(src, out)
 
@@ -131,13 +134,12 @@ def _graph(*ops: tuple[str, str, dict[str, float | int]]) -> onnx.GraphProto:
     return g
 
 
-def test_rounding_change_allows_only_exact_fusions():
+def test_rounding_change_allows_no_fusion():
     original = _graph(("", "MatMul", {}), ("", "Div", {}), ("", "Cast", {"to": 1}))
     same = _graph(("", "MatMul", {}), ("", "Div", {}))  # Casts do not count
     assert rounding_change(original, same) is None
-    pow2 = _graph(("com.microsoft", "FusedMatMul", {"alpha": 0.125}))
-    assert rounding_change(original, pow2) is None
-    for attrs in ({"alpha": 1 / 7}, {"alpha": 0.125, "transB": 1}):
+    # not even a power-of-two alpha: FusedMatMul took another GEMM path at batch 1 (a generated fp16 model)
+    for attrs in ({"alpha": 0.125}, {"alpha": 1 / 7}, {"alpha": 0.125, "transB": 1}):
         said = rounding_change(original, _graph(("com.microsoft", "FusedMatMul", attrs)))
         assert said == "MatMulScaleFusion makes 1 com.microsoft.FusedMatMul of 1 Div, 1 MatMul"
 

@@ -47,6 +47,27 @@ def test_random_layered_models_compute_the_originals_bits(tmp_path, monkeypatch,
     assert rl.differences(src, tmp_path / "out" / "model.onnx") == []
 
 
+@pytest.mark.parametrize("seed", [5, 9])
+def test_generated_fp16_models_compute_the_originals_bits(tmp_path, monkeypatch, seed):
+    """fp16 weights read by several nodes (seed 9: ORT casts them at every run; a session loading the saved graph
+    folded those Casts, and its MatMuls took packed constants: 0.002 apart at batch 8) and decomposed Gelus whose
+    scalars ORT shares (seed 5: with the Casts in the file a FusedMatMul with alpha 0.5, 1.9e-6 apart at batch 1).
+    --prepack is exact; --prepack --unpack ort-cpu is exact or refused."""
+    import weightshare
+
+    monkeypatch.setenv(segs.BUDGET_ENV, rl.SEGMENT_BUDGET_FP16)
+    src = rl.save(rl.random_model(seed, fp16=True), tmp_path / "src" / "model.onnx")
+    weightshare.convert(src, tmp_path / "out", prepack=True)
+    assert rl.differences(src, tmp_path / "out" / "model.onnx") == []
+    try:
+        weightshare.convert(src, tmp_path / "cpu", prepack=True, unpack="ort-cpu")
+    except weightshare.WeightshareError as e:
+        assert "--unpack ort-cpu: refused" in str(e)
+        assert not (tmp_path / "cpu" / "model.onnx").exists()
+    else:
+        assert rl.differences(src, tmp_path / "cpu" / "model.onnx") == []
+
+
 @pytest.mark.slow  # a conversion each (16): the slow tier
 @pytest.mark.parametrize("form", sorted(mf.FORMS))
 def test_corpus_forms_in_small_segments_compute_the_originals_bits(tmp_path, monkeypatch, form):

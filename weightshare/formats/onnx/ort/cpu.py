@@ -20,13 +20,11 @@ The result is CPU-specific: a GPU provider would have run the fp16 graph nativel
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from google.protobuf.message import DecodeError
 
@@ -313,48 +311,23 @@ def _fused(graph: pb.GraphProto) -> dict[tuple[str, str], int]:
     return counts
 
 
-def _elem_types(graph: pb.GraphProto) -> dict[str, int]:
-    types = {v.name: v.type.tensor_type.elem_type for v in [*graph.input, *graph.output, *graph.value_info]}
-    types.update((t.name, t.data_type) for t in graph.initializer)
-    for n in graph.node:  # ORT saves few value_infos; a Cast says what it makes
-        if n.op_type == "Cast" and n.output:
-            types[n.output[0]] = next((a.i for a in n.attribute if a.name == "to"), 0)
-    return types
+# Ops whose CPU kernel ORT picks by the type of their weights (fp16 or fp32), which round apart.
+TYPED_KERNELS = frozenset(
+    {"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
+     "SkipSimplifiedLayerNormalization", "Gemm"}
+)  # fmt: skip
 
 
-def _typed_change(
-    original: pb.GraphProto,
-    adopted: pb.GraphProto,
-    before: dict[tuple[str, str], int],
-    after: dict[tuple[str, str], int],
-) -> str | None:
-    """An op both graphs run equally often, with other element types: ORT chose its fp16 kernel in one graph and
-    its fp32 kernel in the other (a LayerNormalization its fusion made of fp16 or of fp32 nodes), which rounds
-    apart."""
-    same = {k for k, v in before.items() if after.get(k) == v}
-    if not same:
-        return None
-
-    def typed(graph: pb.GraphProto) -> dict[tuple[Any, ...], int]:
-        types = _elem_types(graph)
-        counts: dict[tuple[Any, ...], int] = {}
-        for n in graph.node:
-            key = ((n.domain or "ai.onnx"), n.op_type)
-            if key in same:
-                sig = (*key, tuple(types.get(i, 0) for i in n.input), tuple(types.get(o, 0) for o in n.output))
-                counts[sig] = counts.get(sig, 0) + 1
-        return counts
-
-    a, b = typed(original), typed(adopted)
-    if a == b:
-        return None
-    sig = next(k for k in b if b[k] != a.get(k, 0))
-    return f"{sig[1]} runs on other element types than in the original ({_type_names(sig[2])} -> {_type_names(sig[3])})"
-
-
-def _type_names(types: tuple[int, ...]) -> str:
-    names = {dtypes.FLOAT: "float", dtypes.FLOAT16: "float16", dtypes.BFLOAT16: "bfloat16"}
-    return ", ".join(names.get(t, str(t)) for t in types)
+def _kernel_types(graph: pb.GraphProto) -> dict[tuple[str, tuple[int, ...]], int]:
+    """``TYPED_KERNELS`` nodes by the element types of the initializers they read (what ORT's choice of kernel
+    follows; activations' types are not saved alike in both graphs)."""
+    inits = {t.name: t.data_type for t in graph.initializer}
+    counts: dict[tuple[str, tuple[int, ...]], int] = {}
+    for n in graph.node:
+        if n.op_type in TYPED_KERNELS:
+            key = (n.op_type, tuple(inits[i] for i in n.input if i in inits))
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def rounding_change(
@@ -371,9 +344,10 @@ def rounding_change(
             "so its MatMul/Gemm/Conv takes a constant instead (pre-packed: other kernels)"
         )
     before, after = _fused(original), _fused(adopted)
-    typed = _typed_change(original, adopted, before, after)
-    if typed is not None:
-        return typed
+    kernels = _kernel_types(original), _kernel_types(adopted)
+    if kernels[0] != kernels[1]:
+        op = next(k for k in kernels[1] if kernels[1][k] != kernels[0].get(k, 0))[0]
+        return f"{op} runs on fp32 weights where the original ran it on fp16 ones (another kernel)"
     for key, count in (ours or {}).items():
         before[key] = before.get(key, 0) + count
     more = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
@@ -469,19 +443,6 @@ def _runs_every_time(graph: pb.GraphProto, cast: pb.NodeProto) -> bool:
     a Cast that runs each time, so its readers (MatMul, Gemm) take a computed tensor, not a constant (no
     pre-packing, other kernels and roundings)."""
     return _reader_count(graph, cast.output[0]) != 1 or any(o.name == cast.output[0] for o in graph.output)
-
-
-def _shared_scalars(graph: pb.GraphProto) -> set[str]:
-    """One-element fp16/bf16 initializers whose value another one-element initializer of the type has: ORT's
-    ConstantSharing (level 1) makes them one tensor before it inserts Casts, so their Cast has several readers
-    and runs at every run (the 0.5 and sqrt(2) of every decomposed Gelu)."""
-    groups: dict[tuple[int, bytes], list[str]] = {}
-    for t in graph.initializer:
-        if t.data_type in (dtypes.FLOAT16, dtypes.BFLOAT16) and math.prod(t.dims) == 1 and t.raw_data:
-            groups.setdefault((t.data_type, bytes(t.raw_data)), []).append(t.name)
-        elif t.data_type in (dtypes.FLOAT16, dtypes.BFLOAT16) and math.prod(t.dims) == 1 and t.int32_data:
-            groups.setdefault((t.data_type, bytes(str(list(t.int32_data)), "ascii")), []).append(t.name)
-    return {name for names in groups.values() if len(names) > 1 for name in names}
 
 
 def keep_casts_at_run(graph: pb.GraphProto, casts: Sequence[pb.NodeProto] | None = None) -> int:
@@ -753,9 +714,11 @@ def unpack_for_cpu(
         notes.append(f"--unpack ort-cpu: onnxruntime {probe.version} CPU inserts no Cast in this model")
         return {}
     g = model.graph
-    shared = _shared_scalars(g)
+    # a weight read by several MatMul/Gemm/Conv stays behind its Cast (a constant there is pre-packed: other
+    # kernels); a scalar's Cast folds as before (ORT fused its readers in the fp16 graph: SimplifiedLayerNorm's eps)
+    sensitive = {i for n in g.node if n.op_type in CONSTANT_SENSITIVE for i in n.input}
     at_run = keep_casts_at_run(
-        g, [n for n in g.node if _is_inserted(n) and (_runs_every_time(g, n) or n.input[0] in shared)]
+        g, [n for n in g.node if _is_inserted(n) and _runs_every_time(g, n) and n.output[0] in sensitive]
     )
     change = check_rounding(original, model, refs, src, out_dir, opts)
     unfused = 0
