@@ -319,9 +319,10 @@ TYPED_KERNELS = frozenset(
 
 
 def _kernel_types(graph: pb.GraphProto) -> dict[tuple[str, tuple[int, ...]], int]:
-    """``TYPED_KERNELS`` nodes by the element types of the initializers they read (what ORT's choice of kernel
-    follows; activations' types are not saved alike in both graphs)."""
-    inits = {t.name: t.data_type for t in graph.initializer}
+    """``TYPED_KERNELS`` nodes by the element types of the initializers and graph inputs they read (what ORT's choice
+    of kernel follows; activations' types are not saved alike in both graphs; a check may give weights as inputs)."""
+    inits = {v.name: v.type.tensor_type.elem_type for v in graph.input}  # weights given as inputs (windows)
+    inits.update((t.name, t.data_type) for t in graph.initializer)
     counts: dict[tuple[str, tuple[int, ...]], int] = {}
     for n in graph.node:
         if n.op_type in TYPED_KERNELS:

@@ -420,6 +420,12 @@ def _segments_note(seg: JsonDict, casts: bool = False) -> str:
     largest = f"{seg.get('largest_segment_bytes', 0) / 2**20:.1f} MiB"
     unsafe = seg.get("unsafe_cuts", 0)
     merged = f"; {unsafe} cut(s) changed ORT's graph and were dropped" if unsafe else ""
+    # a piece over the budget whose fp16 weights ORT cast: its child held their fp32 casts
+    held = casts and seg.get("largest_segment_bytes", 0) > budget_from_env()
+    hint = (
+        "; its child held every fp16 weight of its largest piece cast to fp32: add --unpack ort-cpu to make the "
+        "Casts explicit, which bounds the child (docs/performance.md)"
+    )
     if seg.get("segments", 1) > 1:
         return (
             f"--prepack: onnxruntime optimized the graph in {seg['segments']} segments (largest {largest} of "
@@ -430,14 +436,9 @@ def _segments_note(seg: JsonDict, casts: bool = False) -> str:
                 if (n := seg.get("segments_packed_node_by_node", 0))
                 else ""
             )
+            + (hint if held else "")
         )
     return (
         f"--prepack: onnxruntime optimized the graph in one piece ({largest} of weights: "
-        f"{seg.get('single_reason', '')}{merged})"
-        + (
-            "; its child held every fp16 weight cast to fp32: add --unpack ort-cpu to make the Casts explicit, "
-            "which lets the graph be cut and bounds the child (docs/performance.md)"
-            if casts and unsafe  # cuts tried and dropped: the Casts ORT inserts differed across them
-            else ""
-        )
+        f"{seg.get('single_reason', '')}{merged})" + (hint if held or (casts and unsafe) else "")
     )
