@@ -409,12 +409,14 @@ def fp16_fused_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     return _save(_model(nodes, inits, *io, ms_domain=True), Path(path), external=False)
 
 
-def _llama(fp16: bool) -> Callable[[Path, float, int], Path]:
-    def build(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+def _llama(fp16: bool) -> Callable[..., Path]:
+    def build(path: Path, mib: float = 2.0, seed: int = 0, shared_norm: bool = False) -> Path:
         """A llama-like decoder as exporters leave it, unfused: RMSNorm from Pow/ReduceMean/Sqrt/Div, Q/K/V
         MatMuls, rotary embedding from cos/sin caches gathered by ``position_ids``, an additive mask from
         ``attention_mask``, Softmax attention, output projection, SiLU-gated MLP, residual Adds; the mask and
-        the rotary tensors are computed once from the graph inputs and read by every layer."""
+        the rotary tensors are computed once from the graph inputs and read by every layer. ``shared_norm``: every
+        RMSNorm reads one all-ones weight, as torch dynamo's export of an untrained model writes it (its optimizer
+        makes equal initializers one)."""
         import numpy as np
         from onnx import TensorProto as T
         from onnx import helper as h
@@ -450,10 +452,13 @@ def _llama(fp16: bool) -> Callable[[Path, float, int], Path]:
             return op("MatMul", [x, f"{name}.w"], name)
 
         def rms(x: str, name: str) -> str:
-            inits.append(nh.from_array((1 + _arr(rng, (dim,), 0.05)).astype(ft), f"{name}.g"))
+            g = "norm.g" if shared_norm else f"{name}.g"
+            if g not in {t.name for t in inits}:
+                value = np.ones(dim) if shared_norm else 1 + _arr(rng, (dim,), 0.05)
+                inits.append(nh.from_array(value.astype(ft), g))
             var = op("ReduceMean", [op("Pow", [x, "two"], f"{name}.sq")], f"{name}.var", axes=[-1], keepdims=1)
             den = op("Sqrt", [op("Add", [var, "eps"], f"{name}.ve")], f"{name}.den")
-            return op("Mul", [op("Div", [x, den], f"{name}.n"), f"{name}.g"], name)
+            return op("Mul", [op("Div", [x, den], f"{name}.n"), g], name)
 
         # from the graph inputs, once: the additive mask [b, 1, 1, s] and cos/sin [b, 1, s, hd]
         m = op("Cast", ["attention_mask"], "mask.f", to=elem)

@@ -68,6 +68,30 @@ def test_generated_fp16_models_compute_the_originals_bits(tmp_path, monkeypatch,
         assert rl.differences(src, tmp_path / "cpu" / "model.onnx") == []
 
 
+def test_fp16_decoder_with_one_norm_weight_is_exact(tmp_path, monkeypatch):
+    """torch dynamo's fp16 export of an untrained decoder: every RMSNorm reads one all-ones fp16 weight, so in the
+    whole graph ORT casts it once, at every run, for all layers (a segment with one norm would make it an fp32
+    constant instead: its cuts fail their check). The Cast stays in the written graph, unfolded, and the outputs
+    are bit-identical at batch 1, 8, 32 and 64."""
+    import numpy as np
+    import onnxruntime as ort
+
+    import weightshare
+
+    monkeypatch.setenv(segs.BUDGET_ENV, "65536")
+    src = mf.FORMS["llama_fp16"].build(tmp_path / "src" / "model.onnx", mib=1, shared_norm=True)
+    report = weightshare.convert(src, tmp_path / "out", prepack=True)
+    assert any(" stay behind the Cast onnxruntime runs at every run" in n for n in report.notes), report.notes
+    written = onnx.load(str(tmp_path / "out" / "model.onnx"), load_external_data=False).graph
+    assert "norm.g" in {i.name for i in written.input} & {t.name for t in written.initializer}
+    original = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    converted = ort.InferenceSession(str(tmp_path / "out" / "model.onnx"), providers=["CPUExecutionProvider"])
+    for batch in rl.BATCHES:
+        feeds = mf.feeds(src, batch=batch)
+        for a, b in zip(original.run(None, feeds), converted.run(None, feeds)):
+            assert a.dtype == b.dtype and np.array_equal(a, b), batch
+
+
 @pytest.mark.slow  # a conversion each (16): the slow tier
 @pytest.mark.parametrize("form", sorted(mf.FORMS))
 def test_corpus_forms_in_small_segments_compute_the_originals_bits(tmp_path, monkeypatch, form):
