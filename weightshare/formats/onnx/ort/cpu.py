@@ -319,14 +319,18 @@ TYPED_KERNELS = frozenset(
 
 
 def _kernel_types(graph: pb.GraphProto) -> dict[tuple[str, tuple[int, ...]], int]:
-    """``TYPED_KERNELS`` nodes by the element types of the initializers and graph inputs they read (what ORT's choice
-    of kernel follows; activations' types are not saved alike in both graphs; a check may give weights as inputs)."""
+    """``TYPED_KERNELS`` nodes by the element types of the weights they read: initializers, graph inputs (a check may
+    give weights as inputs) and Casts of initializers, by what they make (ORT picks the fp16 or the fp32 kernel by
+    them; activations' types are not saved alike in both graphs)."""
     inits = {v.name: v.type.tensor_type.elem_type for v in graph.input}  # weights given as inputs (windows)
     inits.update((t.name, t.data_type) for t in graph.initializer)
+    for n in graph.node:  # a weight ORT casts at every run reaches its reader as the Cast's type
+        if n.op_type == "Cast" and n.input and n.input[0] in inits:
+            inits[n.output[0]] = next((a.i for a in n.attribute if a.name == "to"), 0)
     counts: dict[tuple[str, tuple[int, ...]], int] = {}
     for n in graph.node:
         if n.op_type in TYPED_KERNELS:
-            key = (n.op_type, tuple(inits[i] for i in n.input if i in inits))
+            key = (n.op_type, tuple(inits[i] for i in n.input[1:] if i in inits))  # the weights, not the input
             counts[key] = counts.get(key, 0) + 1
     return counts
 
@@ -347,7 +351,7 @@ def rounding_change(
     before, after = _fused(original), _fused(adopted)
     kernels = _kernel_types(original), _kernel_types(adopted)
     if kernels[0] != kernels[1]:
-        op = next(k for k in kernels[1] if kernels[1][k] != kernels[0].get(k, 0))[0]
+        op = next(k for k in {**kernels[0], **kernels[1]} if kernels[1].get(k, 0) != kernels[0].get(k, 0))[0]
         return f"{op} runs on fp32 weights where the original ran it on fp16 ones (another kernel)"
     for key, count in (ours or {}).items():
         before[key] = before.get(key, 0) + count
