@@ -199,3 +199,57 @@ def test_locality_sees_identical_nodes_of_constants_in_two_segments():
     g = helper.make_graph(nodes, "dq", [x], [y], inits)
     assert "identical DequantizeLinear nodes" in segs.locality(g, [0, 2, 4], 65536)
     assert segs.locality(g, [0, 4], 65536) == ""
+
+
+def _part(nodes, inputs, outputs, inits=()):
+    from onnx import helper as h
+
+    io = (
+        [h.make_tensor_value_info(n, t, [4]) for n, t in inputs],
+        [h.make_tensor_value_info(n, t, [4]) for n, t in outputs],
+    )
+    return h.make_model(h.make_graph(nodes, "part", *io, list(inits)), opset_imports=[h.make_opsetid("", 17)])
+
+
+def test_stitch_splices_the_casts_a_cut_through_an_fp32_run_adds_and_merges_casts_of_equal_constants():
+    """What the whole graph holds at such a cut: the fp32 tensor read directly (ORT casts only at a run's ends),
+    and one Cast of a constant that every segment reads (ORT shares equal constants)."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    cast = "InsertedPrecisionFreeCast_"
+    g = [nh.from_array(np.ones(4, np.float16), "g"), nh.from_array(np.ones(4, np.float16), "g2")]
+    left = _part(
+        [
+            h.make_node("Cast", ["x"], ["xf"], name=f"{cast}x", to=T.FLOAT),
+            h.make_node("Cast", ["g"], ["gf"], name=f"{cast}g", to=T.FLOAT),
+            h.make_node("Mul", ["xf", "gf"], ["m"]),
+            h.make_node("Cast", ["m"], ["t"], name=f"{cast}t", to=T.FLOAT16),
+        ],
+        [("x", T.FLOAT16)],
+        [("t", T.FLOAT16)],
+        g[:1],
+    )
+    right = _part(
+        [
+            h.make_node("Cast", ["t"], ["tf"], name=f"{cast}tf", to=T.FLOAT),
+            h.make_node("Cast", ["g2"], ["g2f"], name=f"{cast}g2", to=T.FLOAT),
+            h.make_node("Mul", ["tf", "g2f"], ["yf"]),
+            h.make_node("Cast", ["yf"], ["y"], name=f"{cast}y", to=T.FLOAT16),
+        ],
+        [("t", T.FLOAT16)],
+        [("y", T.FLOAT16)],
+        g[1:],
+    )
+    whole = segs.stitch([left, right], left.graph.input, right.graph.output)
+    ops = [(n.op_type, list(n.input)) for n in whole.graph.node]
+    assert ("Mul", ["m", "gf"]) in ops, ops  # the fp32 tensor, and the first Cast of the equal constant
+    assert [n for n in whole.graph.node if n.op_type == "Cast"] == [
+        whole.graph.node[0],
+        whole.graph.node[1],
+        whole.graph.node[-1],
+    ]
+    assert {t.name for t in whole.graph.initializer} == {"g"}
+    onnx.checker.check_model(whole)
