@@ -348,6 +348,11 @@ def rounding_change(
             f"ConstantFolding folds {at_run - folded} Cast(s) of a weight that the original casts at every run, "
             "so its MatMul/Gemm/Conv takes a constant instead (pre-packed: other kernels)"
         )
+    if folded > at_run:  # a weight the original's readers took as a constant (after CSE merged them) runs cast
+        return (
+            f"{folded - at_run} weight(s) reach a MatMul/Gemm/Conv through a Cast at every run where the original "
+            "gave it a constant (pre-packed: other kernels)"
+        )
     before, after = _fused(original), _fused(adopted)
     kernels = _kernel_types(original), _kernel_types(adopted)
     if kernels[0] != kernels[1]:
