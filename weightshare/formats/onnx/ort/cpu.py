@@ -311,6 +311,8 @@ def _fused(graph: pb.GraphProto) -> dict[tuple[str, str], int]:
     return counts
 
 
+_TYPE_NAMES = {dtypes.FLOAT: "float", dtypes.FLOAT16: "float16", dtypes.BFLOAT16: "bfloat16"}
+
 # Ops whose CPU kernel ORT picks by the type of their weights (fp16 or fp32), which round apart.
 TYPED_KERNELS = frozenset(
     {"LayerNormalization", "SimplifiedLayerNormalization", "SkipLayerNormalization",
@@ -318,30 +320,38 @@ TYPED_KERNELS = frozenset(
 )  # fmt: skip
 
 
-def _kernel_types(graph: pb.GraphProto) -> dict[tuple[str, tuple[int, ...]], int]:
-    """``TYPED_KERNELS`` nodes by the element types of the weights they read: initializers, graph inputs (a check may
-    give weights as inputs) and Casts of initializers, by what they make (ORT picks the fp16 or the fp32 kernel by
-    them; activations' types are not saved alike in both graphs)."""
-    inits = {v.name: v.type.tensor_type.elem_type for v in graph.input}  # weights given as inputs (windows)
-    inits.update((t.name, t.data_type) for t in graph.initializer)
+def _kernel_types(graph: pb.GraphProto) -> dict[tuple[str, tuple[tuple[str, int], ...]], int]:
+    """``TYPED_KERNELS`` and ``CONSTANT_SENSITIVE`` nodes by the weights they read: each as a constant or as a Cast
+    of an initializer that runs every time, and by its type
+    (ORT picks the fp16 or the fp32 kernel by them, and pre-packs only a constant). Activations' types are left out:
+    ORT does not save them alike in both graphs."""
+    # a check gives some weights as graph inputs, in both graphs alike (a window) or in one only (the reload probe's
+    # large weights): an input counts as a constant; what tells the graphs apart is a Cast of an initializer that
+    # runs every time, against a constant
+    inputs = {v.name for v in graph.input}
+    weights = {v.name: ("constant", v.type.tensor_type.elem_type) for v in graph.input}
+    weights.update((t.name, ("constant", t.data_type)) for t in graph.initializer)
     for n in graph.node:  # a weight ORT casts at every run reaches its reader as the Cast's type
-        if n.op_type == "Cast" and n.input and n.input[0] in inits:
-            inits[n.output[0]] = next((a.i for a in n.attribute if a.name == "to"), 0)
-    counts: dict[tuple[str, tuple[int, ...]], int] = {}
+        if n.op_type == "Cast" and n.input and n.input[0] in weights:
+            kind = "constant" if n.input[0] in inputs else "cast"
+            weights[n.output[0]] = (kind, next((a.i for a in n.attribute if a.name == "to"), 0))
+    counts: dict[tuple[str, tuple[tuple[str, int], ...]], int] = {}
     for n in graph.node:
-        if n.op_type in TYPED_KERNELS:
-            key = (n.op_type, tuple(inits[i] for i in n.input[1:] if i in inits))  # the weights, not the input
+        if n.op_type in TYPED_KERNELS or n.op_type in CONSTANT_SENSITIVE:
+            # not the input; constant or cast only where ORT pre-packs (B of a MatMul/Gemm, a Conv's W): a bias or
+            # a norm's scale is the same numbers either way
+            packs = n.op_type in CONSTANT_SENSITIVE
+            read = [
+                (w[0] if packs and k == 1 else "", w[1]) for k, i in enumerate(n.input) if k and (w := weights.get(i))
+            ]
+            key = (n.op_type, tuple(read))
             counts[key] = counts.get(key, 0) + 1
     return counts
 
 
-def rounding_change(
-    original: pb.GraphProto, adopted: pb.GraphProto, ours: dict[tuple[str, str], int] | None = None
-) -> str | None:
-    """What ORT fuses in the adopted graph and not in the original (once the Casts are in the file its fp32
-    fusions apply where the fp16 graph had none), when that fusion can round differently; None when ORT runs
-    the same ops. ``ours``: nodes the adopted graph holds that the original does not
-    (written by us, not fused by ORT)."""
+def _reads_change(original: pb.GraphProto, adopted: pb.GraphProto) -> str | None:
+    """With the same ops in both graphs: a MatMul/Gemm/Conv or norm that reads its weights otherwise (a constant
+    against a Cast that runs every time, fp32 against fp16), which takes another kernel."""
     at_run, folded = _casts_of_initializers(original), _casts_of_initializers(adopted)
     if folded < at_run:
         return (
@@ -353,16 +363,30 @@ def rounding_change(
             f"{folded - at_run} weight(s) reach a MatMul/Gemm/Conv through a Cast at every run where the original "
             "gave it a constant (pre-packed: other kernels)"
         )
-    before, after = _fused(original), _fused(adopted)
     kernels = _kernel_types(original), _kernel_types(adopted)
     if kernels[0] != kernels[1]:
-        op = next(k for k in {**kernels[0], **kernels[1]} if kernels[1].get(k, 0) != kernels[0].get(k, 0))[0]
-        return f"{op} runs on fp32 weights where the original ran it on fp16 ones (another kernel)"
+        op, read = next(k for k in {**kernels[0], **kernels[1]} if kernels[1].get(k, 0) != kernels[0].get(k, 0))
+        what = ", ".join(f"{kind} {_TYPE_NAMES.get(t, t)}".strip() for kind, t in read) or "no weight"
+        return (
+            f"{op} reads its weights otherwise than in the original ({what} in one graph, not the other: another "
+            "kernel, or a constant pre-packed)"
+        )
+    return None
+
+
+def rounding_change(
+    original: pb.GraphProto, adopted: pb.GraphProto, ours: dict[tuple[str, str], int] | None = None
+) -> str | None:
+    """What ORT fuses in the adopted graph and not in the original (once the Casts are in the file its fp32
+    fusions apply where the fp16 graph had none), when that fusion can round differently; None when ORT runs
+    the same ops. ``ours``: nodes the adopted graph holds that the original does not
+    (written by us, not fused by ORT)."""
+    before, after = _fused(original), _fused(adopted)
     for key, count in (ours or {}).items():
         before[key] = before.get(key, 0) + count
     more = {k: v - before.get(k, 0) for k, v in after.items() if v > before.get(k, 0)}
     if not more:
-        return None
+        return _reads_change(original, adopted)
     # No fusion counts as exact: FusedMatMul even with a power-of-two alpha (the same products in theory) took
     # another GEMM path at batch 1 than MatMul and Mul did (1.9e-6 apart, a generated fp16 model).
     fewer = {k: v - after.get(k, 0) for k, v in before.items() if v > after.get(k, 0)}
