@@ -472,28 +472,40 @@ def _standin_aliases(part: onnx.ModelProto, standin: frozenset[str]) -> tuple[se
 
 
 def _splice_reorders(nodes: list[onnx.NodeProto], boundary: set[str], outputs: set[str]) -> list[onnx.NodeProto]:
+    def reorder(node: onnx.NodeProto, op: str) -> bool:
+        return node.domain == NCHWC and node.op_type == op and _attr(node, "channels_last", 0) == 0
+
+    return _splice(
+        nodes, boundary, outputs, lambda n: reorder(n, "ReorderInput"), lambda n: reorder(n, "ReorderOutput")
+    )
+
+
+def _splice(
+    nodes: list[onnx.NodeProto],
+    boundary: set[str],
+    outputs: set[str],
+    undo: Callable[[onnx.NodeProto], bool],
+    do: Callable[[onnx.NodeProto], bool],
+) -> list[onnx.NodeProto]:
+    """Where a segment ends in a node ``do`` accepts and the next starts with one ``undo`` accepts on the tensor
+    handed over, the readers of the ``undo`` node read what the ``do`` node read; the ``undo`` node goes, and the
+    ``do`` node too once nothing reads it (``outputs``: the graph's, always read)."""
     producer = {o: n for n in nodes for o in n.output}
     alias: dict[str, str] = {}
     kept = []
     for n in nodes:
         src = producer.get(n.input[0]) if n.input else None
-        if (
-            n.domain == NCHWC
-            and n.op_type == "ReorderInput"
-            and n.input[0] in boundary
-            and src is not None
-            and src.domain == NCHWC
-            and src.op_type == "ReorderOutput"
-            and _attr(n, "channels_last", 0) == 0
-            and _attr(src, "channels_last", 0) == 0
-        ):
+        if undo(n) and n.input[0] in boundary and src is not None and do(src):
             alias[n.output[0]] = src.input[0]
             continue
         kept.append(n)
+    if not alias:
+        return nodes
     for n in kept:
         n.input[:] = [alias.get(i, i) for i in n.input]
     read = {i for n in kept for i in n.input} | outputs
-    return [n for n in kept if not (n.domain == NCHWC and n.op_type == "ReorderOutput" and n.output[0] not in read)]
+    done = {id(producer[i]) for i in boundary if i in producer}
+    return [n for n in kept if not (id(n) in done and do(n) and n.output[0] not in read)]
 
 
 INSERTED_CAST = "InsertedPrecisionFreeCast_"  # ORT's name for the Casts its CPU provider puts around fp16/bf16 ops
@@ -516,32 +528,13 @@ def _splice_casts(nodes: list[onnx.NodeProto], boundary: set[str], outputs: set[
     between: ORT's InsertCastTransformer casts only at the run's ends), so the readers get the fp32 tensor and
     both Casts go, as NCHWc reorders do (``_splice_reorders``). The pair check compares the result with the two
     segments optimized together, so a splice the whole graph would not make fails that check."""
-    producer = {o: n for n in nodes for o in n.output}
-    alias: dict[str, str] = {}
-    kept = []
-    for n in nodes:
-        src = producer.get(n.input[0]) if n.input else None
-        if (
-            _inserted_cast(n, onnx.TensorProto.FLOAT)
-            and n.input[0] in boundary
-            and n.input[0] not in outputs
-            and src is not None
-            and _inserted_cast(src, onnx.TensorProto.FLOAT16)
-        ):
-            alias[n.output[0]] = src.input[0]
-            continue
-        kept.append(n)
-    if not alias:
-        return nodes
-    for n in kept:
-        n.input[:] = [alias.get(i, i) for i in n.input]
-    read = {i for n in kept for i in n.input} | outputs
-    spliced = {producer[i].name for i in boundary if i in producer}
-    return [
-        n
-        for n in kept
-        if not (n.name in spliced and _inserted_cast(n, onnx.TensorProto.FLOAT16) and n.output[0] not in read)
-    ]
+    return _splice(
+        nodes,
+        boundary,
+        outputs,
+        lambda n: _inserted_cast(n, onnx.TensorProto.FLOAT),
+        lambda n: _inserted_cast(n, onnx.TensorProto.FLOAT16),
+    )
 
 
 def _content_key(t: onnx.TensorProto, directory: Path | None) -> tuple[Any, ...] | None:
