@@ -92,8 +92,9 @@ for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
     so.log_severity_level = 3
     try:
         ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
-    except Exception as e:
-        print(" ".join(str(e).split())[:300], file=sys.stderr)
+    except Exception as e:  # which graph failed (the directory: original / adopted), then ORT's words
+        role = src.replace("\\", "/").split("/")[-2] if "/" in src.replace("\\", "/") else ""
+        print(role + ": " + " ".join(str(e).split())[:300], file=sys.stderr)
         sys.exit(3)
 print("{}")
 """
@@ -561,7 +562,13 @@ def check_rounding(
         if options.stage is not None:
             what = f"{len(outs) // 2} windows of " if len(outs) > 2 else ""
             options.stage(f"onnxruntime optimizes {what}the original and the adopted graph (child process)")
-        _run_child(_CHECK_CHILD, args, outs, limits, tmp, src, "optimize")
+        try:
+            _run_child(_CHECK_CHILD, args, outs, limits, tmp, src, "optimize")
+        except InvalidModel as e:
+            if "adopted: " not in e.message:
+                raise
+            why = e.message.split("adopted: ", 1)[1]
+            return f"onnxruntime cannot optimize the graph with the Casts in the file: {why}"
         for k in range(0, len(outs), 2):
             before = _saved_graph(outs[k], src)
             change = _fp16_folded(before) or rounding_change(before, _saved_graph(outs[k + 1], src), ours)
@@ -765,9 +772,9 @@ def unpack_for_cpu(
         change = check_rounding(original, model, refs, src, out_dir, opts, ours) if unfused else change
     if change is not None:
         raise Unsupported(
-            f"--unpack ort-cpu: refused: with the Casts in the file onnxruntime {probe.version} CPU fuses what it "
-            f"did not in the fp16 graph ({change}), which rounds differently from the original; "
-            "convert without --unpack ort-cpu",
+            f"--unpack ort-cpu: refused: with the Casts in the file onnxruntime {probe.version} CPU would not compute "
+            f"what it computes on the fp16 graph ({change}); convert without --unpack ort-cpu (--prepack alone is "
+            "exact)",
             src,
         )
     del original

@@ -358,8 +358,8 @@ def _settle(
         change = reload_change(optimized, stage, src, options)
     if change is not None:
         raise Unsupported(
-            f"--prepack: refused: loading the prepacked model, onnxruntime {binding['onnxruntime']} fuses what it "
-            f"did not in the original ({change}), which rounds differently; convert without --prepack",
+            f"--prepack: refused: loading the prepacked model, onnxruntime {binding['onnxruntime']} would not "
+            f"compute what it computes on the original ({change}); convert without --prepack",
             src,
         )
     report.notes.append(
