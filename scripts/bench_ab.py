@@ -51,7 +51,7 @@ def main() -> None:
         res = subprocess.run([*cmd, "--prepack"], capture_output=True, text=True)
         if res.returncode != 0:
             raise SystemExit(res.stderr)
-        out = json.loads(res.stdout)["outputs"][0]
+        out = json.loads(res.stdout)["reports"][0]["outputs"][0]  # the --json document: one report per model
         so = ort.SessionOptions()
         so.log_severity_level = 3
         if args.threads:

@@ -108,8 +108,7 @@ def main() -> None:
         res = subprocess.run([*cmd, "--prepack", "--shared-blob", "family"], capture_output=True, text=True)
         if res.returncode != 0:
             raise SystemExit(res.stderr)
-        report = json.loads(res.stdout)
-        blob = Path(report["blob"])
+        blob = Path(json.loads(res.stdout)["zoo"]["blob"])  # the --json document: the zoo's one blob
         plain, packed = unique_bytes(src, blob)
         weights = sum(f.stat().st_size for f in src.glob("*.data")) / 2**20
         print(f"\n== decoder family, {weights / 3:.1f} MiB of fp32 weights per model, 3 models ==")

@@ -136,7 +136,7 @@ def convert(src: Path, out: Path, *flags: str) -> dict:
     )
     if res.returncode != 0:
         raise SystemExit(res.stderr)
-    report = json.loads(res.stdout)["models"][0]  # a folder's report: its one model
+    report = json.loads(res.stdout)["reports"][0]  # a folder: one report per model, here its one model
     report["tree_peak_mib"] = peak
     return report
 

@@ -156,7 +156,7 @@ def convert(src: Path, out: Path, *flags: str) -> dict:
         t.join()
     if res.returncode != 0:
         raise SystemExit(res.stderr)
-    report = json.loads(res.stdout)
+    report = json.loads(res.stdout)["reports"][0]  # the --json document: one report per model
     report["tree_peak_mib"] = peak
     report["disk_peak_mib"] = round(max(peak_disk[0], _du(out)) / 2**20, 1)
     report["final_mib"] = round(_du(out) / 2**20, 1)
