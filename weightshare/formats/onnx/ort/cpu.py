@@ -507,11 +507,16 @@ CONSTANT_SENSITIVE = frozenset(
 )  # fmt: skip
 
 
+def _sensitive_inputs(graph: pb.GraphProto) -> set[str]:
+    """What the graph's ``CONSTANT_SENSITIVE`` nodes read."""
+    return {i for n in graph.node if n.op_type in CONSTANT_SENSITIVE for i in n.input}
+
+
 def _casts_of_initializers(graph: pb.GraphProto) -> int:
     """Casts of an initializer that feed a kernel for which a constant input differs (``CONSTANT_SENSITIVE``):
     ORT runs them at every run, and the kernel takes a computed tensor."""
     inits = {t.name for t in graph.initializer}
-    sensitive = {i for n in graph.node if n.op_type in CONSTANT_SENSITIVE for i in n.input}
+    sensitive = _sensitive_inputs(graph)
     return sum(
         1 for n in graph.node if n.op_type == "Cast" and n.input and n.input[0] in inits and n.output[0] in sensitive
     )
@@ -757,7 +762,7 @@ def unpack_for_cpu(
     g = model.graph
     # a weight read by several MatMul/Gemm/Conv stays behind its Cast (a constant there is pre-packed: other
     # kernels); a scalar's Cast folds as before (ORT fused its readers in the fp16 graph: SimplifiedLayerNorm's eps)
-    sensitive = {i for n in g.node if n.op_type in CONSTANT_SENSITIVE for i in n.input}
+    sensitive = _sensitive_inputs(g)
     at_run = keep_casts_at_run(
         g, [n for n in g.node if _is_inserted(n) and _runs_every_time(g, n) and n.output[0] in sensitive]
     )

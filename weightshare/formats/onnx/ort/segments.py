@@ -46,6 +46,7 @@ import onnx
 from onnx import helper
 
 from ...._checksum import new_hasher
+from .cpu import PREFIX as INSERTED_CAST  # ORT's name for the Casts its CPU provider puts around fp16/bf16 ops
 from .limits import BUDGET_ENV as BUDGET_ENV  # the tests and benches set it through this module
 
 NCHWC = "com.microsoft.nchwc"
@@ -506,9 +507,6 @@ def _splice(
     read = {i for n in kept for i in n.input} | outputs
     done = {id(producer[i]) for i in boundary if i in producer}
     return [n for n in kept if not (id(n) in done and do(n) and n.output[0] not in read)]
-
-
-INSERTED_CAST = "InsertedPrecisionFreeCast_"  # ORT's name for the Casts its CPU provider puts around fp16/bf16 ops
 
 
 def _inserted_cast(node: onnx.NodeProto, to: int) -> bool:
