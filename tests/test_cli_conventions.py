@@ -89,3 +89,40 @@ def test_commands_are_listed_in_workflow_order(cli):
     text = cli("--help", env=WIDE).stdout
     listed = [line.split()[1] for line in text.splitlines() if line.startswith("│ ") and line.split()[1] in COMMANDS]
     assert listed == COMMANDS
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--json", "inspect", "{m}", "--no-measure"],
+        ["inspect", "{m}", "--no-measure", "--json"],
+        ["--format", "json", "inspect", "{m}", "--no-measure"],
+        ["--format=json", "-q", "inspect", "{m}", "--no-measure"],
+        ["-v", "--json", "check", "{m}", "--no-measure"],
+        ["check", "{m}", "--no-measure", "--format", "json", "-v"],
+        ["--json", "convert", "{m}", "-o", "{out}"],
+        ["-q", "--format", "json", "convert", "{m}", "-o", "{out}", "-v"],
+    ],
+)
+def test_global_options_go_before_or_after_the_command(tmp_path, capsys, args):
+    """`weightshare --json convert ...` was "No such option: --json", exit 2: -q, -v, --json and --format are
+    accepted on either side of the command, and mean the same there."""
+    import json
+
+    from weightshare._samples import mlp_onnx
+    from weightshare.cli._commands import run
+
+    model = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=64)
+    line = [a.format(m=model, out=tmp_path / "out") for a in args]
+    code = run(line)
+    captured = capsys.readouterr()
+    assert code in (0, 1), captured.err
+    document = json.loads(captured.out)
+    assert document["command"] == next(a for a in line if a in COMMANDS)
+
+
+def test_an_output_option_with_no_command_is_still_a_usage_error(capsys):
+    from weightshare.cli._commands import run
+
+    assert run(["--json"]) == 2
+    assert "No such option: --json" in capsys.readouterr().err

@@ -201,9 +201,40 @@ def hoist_global_flags(args: list[str]) -> list[str]:
     return flags + [a for a in args[:end] if a not in _GLOBAL_FLAGS] + args[end:]
 
 
+# The output options every command has: given before the command (`weightshare --json convert ...`), they are
+# moved after it, where the command parses them.
+_OUTPUT_FLAGS = frozenset({"--json"})
+_OUTPUT_OPTIONS = frozenset({"--format"})
+
+
+def sink_output_options(args: list[str]) -> list[str]:
+    """Move --json / --format X given before the command to just after it (``--`` ends options)."""
+    names = _command_names()
+    moved: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(args) and args[i] != "--":
+        a = args[i]
+        if a in names:
+            return rest + [a] + moved + args[i + 1 :]
+        if a in _OUTPUT_FLAGS or ("=" in a and a.partition("=")[0] in _OUTPUT_OPTIONS):
+            moved.append(a)
+        elif a in _OUTPUT_OPTIONS and i + 1 < len(args):
+            moved += args[i : i + 2]
+            i += 1
+        else:
+            rest.append(a)
+        i += 1
+    return args  # no command: click says what is wrong with the line as given
+
+
+def _command_names() -> set[str]:
+    return {info.name or (info.callback.__name__ if info.callback else "") for info in app.registered_commands}
+
+
 def _command_name(args: list[str]) -> str:
     """The first argument that names a command, or "" (click leaves some errors without a context)."""
-    names = {info.name or (info.callback.__name__ if info.callback else "") for info in app.registered_commands}
+    names = _command_names()
     return next((a for a in args if a in names), "")
 
 
@@ -229,7 +260,7 @@ def _run_app(args: list[str]) -> int:
 
 def run(argv: list[str]) -> int:
     """One command line, as ``main`` runs it (without its process-wide set-up): its exit code."""
-    args = hoist_global_flags(argv)
+    args = sink_output_options(hoist_global_flags(argv))
     options = args[: args.index("--")] if "--" in args else args
     JSON_ERRORS["format"] = asked_format(options)
     JSON_ERRORS["command"] = _command_name(args) if JSON_ERRORS["format"] else None
