@@ -9,6 +9,7 @@ After: the blob name reads NAME.<digest12>.safetensors, no flag shows a `<bool>`
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,3 +127,55 @@ def test_an_output_option_with_no_command_is_still_a_usage_error(capsys):
 
     assert run(["--json"]) == 2
     assert "No such option: --json" in capsys.readouterr().err
+
+
+def _flat(help_text: str) -> str:
+    """The help's words in order, without the boxes rich draws (a name wrapped over two lines reads as one)."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", help_text).split())
+
+
+@pytest.mark.parametrize("command", [None, "convert", "inspect", "check", "bench"])
+def test_help_names_every_registered_format(cli, command):
+    """The help texts named ONNX, TFLite and Core ML, written by hand beside the registry; ExecuTorch nowhere."""
+    from weightshare.formats import registered
+
+    text = _flat(cli(*([command] if command else []), "--help", env=WIDE).stdout)
+    missing = [fmt.title for fmt in registered() if fmt.title not in text]
+    assert missing == [], (command, text)
+    if command in ("convert", "inspect", "bench"):  # the ones that take one model name its suffixes too
+        assert all(s in text for fmt in registered() for s in fmt.suffixes), text
+
+
+def test_check_target_lists_every_setting_id_it_accepts(cli):
+    from weightshare._check import setting_ids
+
+    text = _flat(cli("check", "--help", env=WIDE).stdout)
+    target = text.split("--target", 1)[1]
+    assert len(setting_ids()) == 9
+    assert [s for s in setting_ids() if s not in target] == []
+
+
+REGISTERED_FIRST = """
+import sys
+import toyformat
+from weightshare import formats
+formats.register(toyformat.FORMAT)
+from weightshare.cli._commands import main
+sys.argv = ["weightshare", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_format_registered_before_the_cli_loads_is_in_every_help(tmp_path):
+    """A fifth format (here the tests' toy format) appears in the help by registering it, no help text edited."""
+    for command in ([], ["convert"], ["inspect"], ["check"], ["bench"]):
+        res = subprocess.run(
+            [sys.executable, "-c", REGISTERED_FIRST, *command, "--help"],
+            capture_output=True,
+            text=True,
+            env={**os.environ, **WIDE},
+        )
+        assert res.returncode == 0, res.stderr
+        assert "Toy" in _flat(res.stdout), (command, res.stdout)
+        if command in (["convert"], ["inspect"]):
+            assert "Toy (.toymodel)" in _flat(res.stdout)

@@ -42,6 +42,7 @@ def _f16_to_f32(data: bytes) -> bytes:
 
 class ToyFormat(FormatDefaults):
     name = "toy"
+    title = "Toy"
     suffixes = (".toymodel",)
     maps_in_place = frozenset({"external"})  # the toy runtime decodes embedded base64 per session
     maps_unaligned = False

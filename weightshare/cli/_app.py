@@ -22,6 +22,7 @@ from typer import Abort
 from typer.core import TyperCommand, TyperGroup
 
 from ..errors import WeightshareError
+from ._help import tagline
 from ._render import VERBOSITY, err
 
 
@@ -64,8 +65,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
     context_settings={"help_option_names": ["-h", "--help"]},
-    help="Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and "
-    "shared by every session, interpreter, function and process.",
+    help=tagline() + " The options -q, -v, --json and --format go before or after the command.",
 )
 
 
@@ -92,8 +92,7 @@ def _global(
     ),
     verbose: bool = typer.Option(False, "-v", "--verbose", help="Print more detail (per-model tables, notes)."),
 ) -> None:
-    """Rewrite ONNX, TFLite and Core ML models so that their weights are memory-mapped once and shared by every
-    session, interpreter, function and process."""
+    """The group's own options (its help is the app's: the formats named from the registry)."""
     VERBOSITY["level"] = -1 if quiet_all else 1 if verbose else 0
 
 

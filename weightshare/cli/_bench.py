@@ -10,6 +10,7 @@ from typing import Any
 import typer
 
 from ._app import FORMAT_HELP, _pairs, app, examples, fail, output_format, user_errors
+from ._help import model_kinds
 from ._render import err, github, info, render_bench, render_demo, size, stage
 
 
@@ -17,7 +18,11 @@ from ._render import err, github, info, render_bench, render_demo, size, stage
     epilog=examples("weightshare bench model.onnx --sessions 1,2,4,8", "weightshare bench model.onnx --plot mem.png")
 )
 def bench(
-    model: Path = typer.Argument(..., help="An ONNX or TFLite model (it is converted into a temporary directory)."),
+    model: Path = typer.Argument(
+        ...,
+        help=f"A model: {model_kinds()}, whose runtime runs on this machine (it is converted into a temporary "
+        "directory).",
+    ),
     sessions: str = typer.Option("1,2,4,8", "--sessions", help="Session counts to measure, comma separated."),
     plot_path: Path | None = typer.Option(
         None, "--plot", help='Write a PNG chart of PSS vs sessions (needs matplotlib: pip install "weightshare[plot]").'
@@ -30,9 +35,10 @@ def bench(
 ) -> None:
     """Memory (PSS) of 1..N sessions of the original and the converted model, side by side.
 
-    Each model and runtime setting runs in a fresh process; ONNX Runtime with and without
-    session.disable_prepacking, plus the `convert --prepack` result at default options;
-    LiteRT without delegate and with the default XNNPACK one.
+    Each model and runtime setting its format measures runs in a fresh process (ONNX Runtime
+    with and without session.disable_prepacking, plus the `convert --prepack` result at
+    default options; LiteRT without delegate and with the default XNNPACK one; ExecuTorch's
+    runtime and weightshare's loader).
     """
     from .._bench import bench as run_bench
     from .._bench import plot

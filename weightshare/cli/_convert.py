@@ -10,13 +10,14 @@ import typer
 
 from .. import api
 from ._app import FORMAT_HELP, app, examples, output_format, user_errors
+from ._help import model_kinds
 from ._options import with_options
 from ._render import github_conversion, progress_bar, quiet, render_conversion, render_report
 
 _MODELS = typer.Argument(
     ...,
-    help="ONNX (.onnx), TFLite (.tflite) or Core ML (.mlpackage) models, or one model folder: its tree is "
-    "reproduced in OUTDIR, models converted, every other file copied.",
+    help=f"{model_kinds()} models, or one model folder: its tree is reproduced in OUTDIR, models converted, "
+    "every other file copied.",
 )
 
 _OUTPUT = typer.Option(..., "-o", "--output", help="Output directory (created if missing).")

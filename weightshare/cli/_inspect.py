@@ -8,27 +8,28 @@ from pathlib import Path
 import typer
 
 from ._app import FORMAT_HELP, app, dim_args, dim_option, examples, input_args, input_option, output_format, user_errors
+from ._help import format_titles, model_kinds, setting_ids
 from ._options import shared_option
 from ._render import VERBOSITY, err, github, info, measuring, quiet, render_findings, render_inventory
 
 
-@app.command(epilog=examples("weightshare inspect model.onnx", "weightshare inspect out/model.onnx --json"))
+@app.command(
+    epilog=examples("weightshare inspect model.onnx", "weightshare inspect out/model.onnx --json"),
+    help="Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.\n\n"
+    "Per-session copies are shown under each runtime setting of the model's format side by side "
+    f"({setting_ids()}), followed by check's findings.",
+)
 def inspect(
-    model: Path = typer.Argument(..., help="An ONNX, TFLite or Core ML model."),
+    model: Path = typer.Argument(..., help=f"A model: {model_kinds()}."),
     as_json: bool = typer.Option(False, "--json", help="Print the inventory and findings as one JSON document."),
     no_hash: bool = typer.Option(False, "--no-hash", help="Skip hashing payloads (no duplicate or checksum info)."),
     limit: int = typer.Option(40, "--limit", min=0, help="Payload rows to show (largest first); 0 for all."),
     no_measure: bool = typer.Option(
-        False, "--no-measure", help="Static per-session estimate only (do not ask onnxruntime in child processes)."
+        False, "--no-measure", help="Static per-session estimate only (do not ask the runtime, in child processes)."
     ),
     format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
 ) -> None:
-    """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
-
-    Per-session copies are shown per runtime setting side by side (ONNX Runtime with
-    session.disable_prepacking=1 and with default options; LiteRT without delegate, with
-    XNNPACK, and CompiledModel with a weight cache), followed by check's findings.
-    """
+    """``weightshare inspect`` (its help is built from the registered formats, above)."""
     from .._check import findings_for
     from .._contract import github_annotations, inspect_document
     from .._dispatch import inventory
@@ -53,7 +54,10 @@ def inspect(
     )
 )
 def check(
-    models: list[Path] = typer.Argument(..., help="Models, directories (searched recursively) or globs."),
+    models: list[Path] = typer.Argument(
+        ...,
+        help=f"Models ({format_titles('or')}), directories (searched recursively for their suffixes) or globs.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the verdict and findings as one JSON document."),
     inline_threshold: int = shared_option(  # convert's --inline-threshold: its default and range
         "inline_threshold", help="Embedded payloads below this size are fine.", rich_help_panel=None
@@ -67,8 +71,7 @@ def check(
     target: list[str] = typer.Option(
         [],
         "--target",
-        help="Runtime setting the models will be loaded with: ort-default, ort-disable-prepacking, "
-        "litert-builtin, litert-xnnpack, litert-compiled-cache, coreml. Repeatable; a model whose format has "
+        help=f"Runtime setting the models will be loaded with: {setting_ids()}. Repeatable; a model whose format has "
         "none named is held to what its runtime does by default (ort-default, or genai_config.json's session "
         "options; litert-xnnpack; a --prepack output as weightshare's loader opens it).",
     ),

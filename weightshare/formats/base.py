@@ -90,6 +90,7 @@ class Format(Protocol):
     """What a format folder's ``FORMAT`` provides; ``tests/toyformat`` is a complete worked example."""
 
     name: str  # "onnx", "tflite", "coreml": in reports and --json
+    title: str  # "ONNX", "TFLite", "Core ML": how help texts name it
     suffixes: tuple[str, ...]  # what a directory walk picks up as models of this format
     # The container of the blob its models reference by name; None when its models keep their weights elsewhere
     # (a Core ML package's own weight.bin). Models of a zoo share one blob, so their formats' containers agree.

@@ -27,6 +27,7 @@ NOT_MEASURED = (
 
 class CoremlFormat(FormatDefaults):
     name = "coreml"
+    title = "Core ML"
     suffixes = (".mlpackage",)
     blob_container = None  # the weights stay in the package's own weight.bin
     maps_in_place = frozenset({"external"})

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 class ExecutorchFormat(FormatDefaults):
     name = "executorch"
+    title = "ExecuTorch"
     suffixes = (".pte", ".ptd")
     # MmapDataLoader maps the flatbuffer and every segment MAP_SHARED, at any offset (the pages around it).
     maps_in_place = frozenset({"embedded", "external"})

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 class OnnxFormat(FormatDefaults):
     name = "onnx"
+    title = "ONNX"
     suffixes = (".onnx",)
     maps_in_place = frozenset({"external"})
     findings = CODES

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 class TfliteFormat(FormatDefaults):
     name = "tflite"
+    title = "TFLite"
     suffixes = (".tflite",)
     maps_in_place = frozenset({"embedded", "external"})  # the flatbuffer is mapped with the file
     maps_unaligned = False
