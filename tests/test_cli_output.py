@@ -151,3 +151,56 @@ def test_check_and_inspect_name_their_measuring_stage_on_stderr_only(tmp_path, c
     lines = capsys.readouterr().err.splitlines()
     for i, model in enumerate((package, second), 1):  # each model named as its turn comes
         assert any(f"check: measuring {model} ({i}/2)" in line for line in lines), lines
+
+
+@pytest.fixture(scope="module")
+def three_formats(tmp_path_factory):
+    """An fp16 ONNX MLP, a TFLite model with fp16 DEQUANTIZE, an XNNPACK ExecuTorch program (64-character names)."""
+    import executorch_fixtures as E
+    from tflite_fixtures import sample_model
+
+    d = tmp_path_factory.mktemp("narrow")
+    return [
+        mlp_onnx(d / "fp16.onnx", layers=2, dim=128),
+        sample_model(d / "s.tflite"),
+        E.xnnpack_program(d / "x.pte", dim=64),
+    ]
+
+
+def _readable_at_80(text: str, model) -> None:
+    from weightshare._check import findings_for
+    from weightshare._dispatch import inventory
+
+    lines = text.splitlines()
+    assert lines and "…" not in text
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    # every note, name and finding is there whole: wrapped at spaces as full lines, never cut
+    words = " ".join(text.split())
+    inv = inventory(model, hash_payloads=True)
+    for p in inv.payloads:
+        assert p.name in words
+    for note in inv.notes:
+        assert " ".join(note.split()) in words
+    for f in findings_for(inv):
+        assert " ".join(f.message.split()) in words
+
+
+def test_inspect_fits_80_columns_in_a_pipe(three_formats, capsys, monkeypatch):
+    """At 80 columns the payload table had 27 cells cut to `copie…`/`tiny.…` and notes one word per line."""
+    monkeypatch.setenv("COLUMNS", "80")
+    for model in three_formats:
+        assert _run(["inspect", model, "--no-measure"]) == 0
+        _readable_at_80(capsys.readouterr().out, model)
+
+
+def test_inspect_fits_an_80_column_terminal(three_formats):
+    from terminal import ESCAPES, run_in_terminal
+
+    model = three_formats[0]
+    code, shown = run_in_terminal(["inspect", str(model), "--no-measure"], {"NO_COLOR": "1"}, columns=80)
+    assert code == 0, shown
+    _readable_at_80(ESCAPES.sub("", shown), model)
+    # wide enough, the table is back: one row per payload, each note once under it
+    code, wide = run_in_terminal(["inspect", str(model), "--no-measure"], {"NO_COLOR": "1"}, columns=160)
+    assert code == 0 and "┃ payload" in wide and "[1] Cast float16->float" in wide, wide
+    assert max(len(line) for line in ESCAPES.sub("", wide).splitlines()) <= 160

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from .._findings import Finding
     from .._folder import FolderReport
-    from .._inventory import ModelInventory
+    from .._inventory import ModelInventory, PayloadInfo
 
 
 # Not a terminal (a pipe, a CI log): no width to fit, so tables are never cut at rich's default 80 columns.
@@ -185,60 +185,134 @@ def render_zoo(z: ZooReport) -> None:
     )
 
 
-def render_inventory(inv: ModelInventory, findings: list[Finding], limit: int) -> None:
-    """``inspect``: the payload table (largest first, ``limit`` rows; 0 for all), the totals and the findings."""
-    rows = sorted(inv.payloads, key=lambda p: -p.nbytes)
-    t = Table(title=f"{inv.model} ({inv.format}, {size(inv.file_bytes)})", title_justify="left")
-    settings = inv.settings[:3] if len(inv.settings) > 1 else []
+def text_width() -> int | None:
+    """The columns ``inspect``'s text must fit: the terminal's; in a pipe, COLUMNS when it is set (None: no limit,
+    every table as wide as it needs)."""
+    if sys.stdout.isatty():
+        return int(out.width)
+    columns = os.environ.get("COLUMNS", "")
+    return int(columns) if columns.isdigit() and int(columns) > 0 else None
+
+
+def wrap(text: str, width: int | None, indent: str = "  ") -> str:
+    """``text`` as whole lines of at most ``width`` columns (continuations indented), unchanged without a width."""
+    if width is None:
+        return text
+    import textwrap
+
+    return textwrap.fill(text, width, subsequent_indent=indent, break_long_words=True, break_on_hyphens=False) or text
+
+
+def _plain(text: str, width: int | None = None, indent: str = "  ") -> None:
+    """A line of ours, wrapped by us: rich neither re-wraps it nor reads markup in it."""
+    out.print(wrap(text, width, indent), markup=False, highlight=False, soft_wrap=True)
+
+
+def _payload_note(p: PayloadInfo) -> str:
+    reasons = (
+        p.unpacked_at_load,
+        p.copy_reason,
+        f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
+        p.problem,
+        p.stays_inline_because,
+    )
+    return "; ".join(x for x in reasons if x)
+
+
+def _payload_table(inv: ModelInventory, rows: list[PayloadInfo], settings: list[str], keys: dict[str, int]) -> Any:
+    """One row per payload; its note as the number of a line printed under the table (notes repeat, and a note
+    column would be wider than the rest together)."""
+    from rich.text import Text
+
+    t = Table(title=Text(f"{inv.model} ({inv.format}, {size(inv.file_bytes)})"), title_justify="left")
     for col in ("payload", "dtype", "size", "where", "encoding", "align"):
         t.add_column(col, justify="right" if col in ("size", "align") else "left")
     for setting in settings or ["per session"]:
-        t.add_column(f"copied/session: {setting}" if settings else setting, justify="right")
-    t.add_column("note")
-    for p in rows[: limit or None]:
-        where = "embedded" if p.location == "embedded" else f"{p.file}@{p.offset}"
-        note = "; ".join(
-            x
-            for x in (
-                p.unpacked_at_load,
-                p.copy_reason,
-                f"duplicate of {p.duplicate_of}" if p.duplicate_of else "",
-                p.problem,
-                p.stays_inline_because,
-            )
-            if x
-        )
+        t.add_column(f"copied/session\n{setting}" if settings else "copied/session", justify="right")
+    t.add_column("note", justify="right")
+    for p in rows:
         copies = [p.copies.get(s, p.copied_per_session) for s in settings] if settings else [p.copied_per_session]
-        t.add_row(
-            p.name,
-            p.dtype,
-            size(p.nbytes),
-            where,
-            p.encoding,
-            str(p.alignment or ""),
-            *[size(c) if c else "0" for c in copies],
-            note,
-        )
-    out.print(t)
+        note = _payload_note(p)
+        cells = [p.name, p.dtype, size(p.nbytes), _where(p), p.encoding, str(p.alignment or "")]
+        cells += [size(c) if c else "0" for c in copies]
+        t.add_row(*map(Text, cells), Text(f"[{keys[note]}]" if note else ""))
+    return t
+
+
+def _where(p: PayloadInfo) -> str:
+    return "embedded" if p.location == "embedded" else f"{p.file}@{p.offset}"
+
+
+def _fits(table: Any, width: int | None) -> bool:
+    if width is None:
+        return True
+    from rich.measure import Measurement
+
+    options = out.options.update_width(1 << 16)
+    return bool(Measurement.get(out, options, table).maximum <= width)
+
+
+def _stacked(inv: ModelInventory, rows: list[PayloadInfo], settings: list[str], width: int) -> None:
+    """The payloads as records of whole lines, for a terminal too narrow for the table: nothing cut, nothing
+    wrapped one word per line."""
+    _plain(f"{inv.model} ({inv.format}, {size(inv.file_bytes)})", width)
+    for p in rows:
+        _plain(p.name, width)
+        align = f", aligned to {p.alignment}" if p.alignment else ""
+        _plain(f"  {p.dtype}, {size(p.nbytes)}, {_where(p)}, {p.encoding}{align}", width, "    ")
+        if settings:
+            copies = "; ".join(f"{s} {size(p.copies.get(s, p.copied_per_session))}" for s in settings)
+        else:
+            copies = size(p.copied_per_session)
+        _plain(f"  copied per session: {copies}", width, "    ")
+        note = _payload_note(p)
+        if note:
+            _plain(f"  note: {note}", width, "    ")
+
+
+def render_inventory(inv: ModelInventory, findings: list[Finding], limit: int) -> None:
+    """``inspect``: the payload table (largest first, ``limit`` rows; 0 for all), the totals and the findings.
+
+    The table when it fits the terminal (or COLUMNS in a pipe), each payload as a few whole lines when it does
+    not; every other line wrapped to the width as whole lines."""
+    width = text_width()
+    rows = sorted(inv.payloads, key=lambda p: -p.nbytes)
+    shown = rows[: limit or None]
+    settings = inv.settings[:3] if len(inv.settings) > 1 else []
+    keys: dict[str, int] = {}
+    for note in filter(None, map(_payload_note, shown)):
+        keys.setdefault(note, len(keys) + 1)
+    table = _payload_table(inv, shown, settings, keys)
+    if _fits(table, width):
+        out.print(table)
+        for note, key in keys.items():
+            _plain(f"[{key}] {note}", width, "    ")
+    else:
+        assert width is not None
+        _stacked(inv, shown, settings, width)
     if limit and len(rows) > limit:
-        out.print(f"... {len(rows) - limit} smaller payloads not shown (--limit 0 shows all)")
+        _plain(f"... {len(rows) - limit} smaller payloads not shown (--limit 0 shows all)", width)
     moves = sum(1 for p in inv.payloads if p.would_move)
     per_setting = "; ".join(f"{s}: {size(inv.copied_under(s))}" for s in settings) or size(inv.copied_per_session)
-    out.print(
+    _plain(
         f"{len(inv.payloads)} payloads: {size(inv.embedded_bytes)} embedded, {size(inv.external_bytes)} "
         f"external, {size(inv.duplicate_bytes)} duplicated. Copied per session: {per_setting}. "
         f"`convert` would move {moves} payloads and unpack "
-        f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}."
+        f"{sum(1 for p in inv.payloads if p.unpacked_at_load)}.",
+        width,
+        "",
     )
     if inv.measured:
         measured = "; ".join(f"{s}: {size(n)}" for s, n in inv.measured.items())
-        out.print(
+        _plain(
             f"Measured, one more session costs: {measured} (the runtime asked in child processes, PSS from 1 to 4 "
-            "sessions)."
+            "sessions).",
+            width,
+            "",
         )
     for note in inv.notes + inv.measure_notes:
-        out.print(f"note: {note}")
-    render_findings(findings, with_file=False)
+        _plain(f"note: {note}", width)
+    render_findings(findings, with_file=False, width=width)
 
 
 def finding_line(f: Finding, with_file: bool = True) -> str:
@@ -246,11 +320,12 @@ def finding_line(f: Finding, with_file: bool = True) -> str:
     return f"{f.file + ': ' if with_file else ''}{f.severity.value}: {f.code.value}: {f.message}"
 
 
-def render_findings(findings: list[Finding], with_file: bool = True) -> None:
+def render_findings(findings: list[Finding], with_file: bool = True, width: int | None = None) -> None:
     """One line per finding, then the fix of each code once (a batch of models repeats a code on many lines).
 
     A file that could not be read is bad input: its line goes to stderr, where every command's errors go; a path
-    with no file at all is said so (``no such file: PATH``), with no fix to give but the path."""
+    with no file at all is said so (``no such file: PATH``), with no fix to give but the path. ``width``: each
+    line wrapped to it (inspect, for a reader; check keeps one line per finding, for grep)."""
     fixes: dict[str, str] = {}
     for f in findings:
         if f.code.value == "unreadable-model":
@@ -260,10 +335,10 @@ def render_findings(findings: list[Finding], with_file: bool = True) -> None:
             if missing:
                 continue
         else:
-            print(finding_line(f, with_file))
+            print(wrap(finding_line(f, with_file), width))
         fixes.setdefault(f.code.value, f.fix)
     for code, fix in fixes.items():
-        print(f"fix: {code}: {fix}", file=sys.stderr if code == "unreadable-model" else sys.stdout)
+        print(wrap(f"fix: {code}: {fix}", width), file=sys.stderr if code == "unreadable-model" else sys.stdout)
 
 
 @contextmanager
