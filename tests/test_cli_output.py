@@ -11,6 +11,7 @@ and exit 130, no traceback.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -204,3 +205,73 @@ def test_inspect_fits_an_80_column_terminal(three_formats):
     code, wide = run_in_terminal(["inspect", str(model), "--no-measure"], {"NO_COLOR": "1"}, columns=160)
     assert code == 0 and "┃ payload" in wide and "[1] Cast float16->float" in wide, wide
     assert max(len(line) for line in ESCAPES.sub("", wide).splitlines()) <= 160
+
+
+def test_each_child_stage_is_named_with_a_clock_on_a_terminal(tmp_path):
+    """`convert --prepack` showed a frozen `(child process): 0.00B [00:00, ?B/s]` for most of its run."""
+    from terminal import ESCAPES, run_in_terminal
+
+    src = mlp_onnx(tmp_path / "m.onnx", layers=2, dim=256, weights="float32")
+    code, shown = run_in_terminal(["convert", str(src), "-o", str(tmp_path / "out"), "--prepack"], {}, columns=120)
+    assert code == 0, shown
+    frames = [ESCAPES.sub("", f).strip() for f in shown.split("\r")]
+    assert any(
+        re.fullmatch(r"m\.onnx: onnxruntime optimizes and packs the weights \(child process\) \[00:\d\d\]", f)
+        for f in frames
+    ), frames
+    assert not any("0.00B [00:00, ?B/s]" in f for f in frames), frames  # the frozen byte count of a child phase
+    assert not any(f.endswith(" ...") for f in frames)  # the lines are -v's
+
+
+def test_the_stage_clock_counts_while_no_bytes_are_written(monkeypatch):
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    from weightshare.cli._render import _StageClock
+
+    screen = io.StringIO()
+    bar = tqdm(desc="m.onnx", bar_format="{desc}", file=screen)
+    clock = _StageClock(bar)
+    try:
+        clock.name("m.onnx: onnxruntime optimizes (child process)")
+        assert screen.getvalue().endswith("m.onnx: onnxruntime optimizes (child process) [00:00]")
+        start = time.monotonic()
+        monkeypatch.setattr(time, "monotonic", lambda: start + 65)  # what the ticking thread reads next
+        waited = time.perf_counter()
+        while "[01:05]" not in screen.getvalue() and time.perf_counter() - waited < 10:
+            time.sleep(0.05)  # the clock redraws twice a second, on its own thread
+        assert screen.getvalue().endswith("m.onnx: onnxruntime optimizes (child process) [01:05]")
+        clock.bytes_follow()
+        assert bar.bar_format is None  # the byte bar again
+    finally:
+        clock.close()
+        bar.close()
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_stage_lines_with_v_only_on_stderr_and_json_stays_clean(tmp_path, capsys, verbose):
+    """Not a terminal: nothing on stderr without -v; with -v one line per stage (each child process named, then
+    the payloads written), stderr only, so stdout is still one JSON document."""
+    from tflite_fixtures import sample_model
+
+    onnx_model = mlp_onnx(tmp_path / "m.onnx", layers=2, dim=128, weights="float32")
+    tflite_model = sample_model(tmp_path / "s.tflite")
+    for model, child in (
+        (onnx_model, "m.onnx: onnxruntime optimizes and packs the weights (child process) ..."),
+        (tflite_model, "s.tflite: LiteRT builds the XNNPACK weight cache (child process) ..."),
+    ):
+        args = ["convert", model, "-o", tmp_path / f"out-{model.suffix[1:]}", "--prepack", "--json"]
+        assert _run(["-v", *args] if verbose else args) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["command"] == "convert"
+        if not verbose:
+            assert captured.err == ""
+            continue
+        lines = captured.err.splitlines()
+        assert child in lines, lines
+        assert any(
+            re.fullmatch(rf"{re.escape(model.name)}: writing [\d.]+ [KM]iB of payloads \.\.\.", x) for x in lines
+        )
+        assert all(x.startswith(f"{model.name}: ") and x.endswith(" ...") for x in lines), lines

@@ -78,7 +78,9 @@ def test_inspect_check_verify_bench(models, cli):
     assert cli("convert", a, "-o", out, "-q").returncode == 0
     assert _valid(cli("check", out, "--json", "--no-measure"), "check")["ok"]
     assert _valid(cli("verify", a, out / a.name, "--json"), "verify")["passed"]
-    (bench,) = _valid(cli("bench", a, "--sessions", "1", "--json"), "bench")["reports"]
+    measured = cli("-v", "bench", a, "--sessions", "1", "--json")
+    (bench,) = _valid(measured, "bench")["reports"]
+    assert f"converting {a.name} ..." in measured.stderr.splitlines()  # -v: each stage on stderr, stdout JSON only
     assert bench["rows"]
     notices = bench_notices(bench)  # `bench --format github` renders this same result
     assert notices and all(ANNOTATION.match(line) for line in notices), notices

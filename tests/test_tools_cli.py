@@ -178,13 +178,13 @@ def test_demo_clean_removes_only_what_the_demo_wrote(cli, tmp_path):
 @pytest.mark.slow
 def test_demo_says_where_it_writes_and_how_much(cli, tmp_path):
     demo = tmp_path / "d"
-    res = cli("demo", "--dir", demo, "--layers", "1", "--sessions", "2")
+    res = cli("-v", "demo", "--dir", demo, "--layers", "1", "--sessions", "2")
     assert res.returncode == 0, res.stderr
     first = res.stdout.splitlines()[0]
     assert first.startswith("writing about 56.0 MiB to ") and str(demo) in first and "--clean" in first
     written = sum(p.stat().st_size for p in demo.rglob("*") if p.is_file())
     assert 55 << 20 < written < 57 << 20, written
-    # in a pipe too, the stages of its half minute of work are named on stderr (stdout stays the report)
+    # in a pipe with -v, the stages of its half minute of work are named on stderr (stdout stays the report)
     stages = [line for line in res.stderr.splitlines() if line.endswith(" ...")]
     assert stages[0].startswith("building ") and any(s.startswith("converting with --prepack") for s in stages)
     assert cli("demo", "--clean", "--dir", demo).returncode == 0 and not demo.exists()

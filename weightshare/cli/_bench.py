@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import typer
 
 from ._app import FORMAT_HELP, _pairs, app, examples, fail, output_format, user_errors
 from ._help import model_kinds
-from ._render import err, github, info, render_bench, render_demo, size, stage
+from ._render import github, info, render_bench, render_demo, size, stages
 
 
 @app.command(
@@ -56,19 +55,9 @@ def bench(
                 import matplotlib  # noqa: F401
             except ImportError:
                 fail('--plot needs matplotlib: pip install "weightshare[plot]"')
-        status = err.status("measuring") if sys.stderr.isatty() and not as_json else None
-        if status:
-            status.start()
-        try:
-            result = run_bench(
-                model,
-                counts,
-                progress=(lambda m: status.update(m)) if status else (lambda m: None),
-                inputs=dict(_pairs(inputs, "--input", "FILE.npy")),
-            )
-        finally:
-            if status:
-                status.stop()
+        given = dict(_pairs(inputs, "--input", "FILE.npy"))
+        with stages(live=not as_json) as stage:
+            result = run_bench(model, counts, progress=stage, inputs=given)
         if plot_path is not None:
             plot(result, plot_path)
             result["plot"] = str(plot_path)
@@ -131,7 +120,8 @@ def demo(
                 f"writing about {size(nbytes)} to {workdir.resolve()} (remove it with: weightshare demo --clean"
                 f"{'' if workdir == Path('weightshare-demo') else f' --dir {workdir}'})"
             )
-        result = run_demo(workdir, sessions, layers, progress=stage)
+        with stages(live=not as_json) as stage:
+            result = run_demo(workdir, sessions, layers, progress=stage)
     if how == "json":
         from .._contract import envelope
 

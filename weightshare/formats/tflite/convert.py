@@ -433,6 +433,8 @@ def _xnnpack_accounting(
     from . import xnnpack_cache
 
     if options.prepack:
+        if options.stage is not None:
+            options.stage("LiteRT builds the XNNPACK weight cache (child process)")
         built, cache = xnnpack_cache.prepack(final, blob_name, tx, options.blob_grace_s)
         report.outputs.append(cache)
         report.notes.append(

@@ -97,6 +97,8 @@ def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOp
         options.ort_max_growth,
     )
     try:
+        if options.stage is not None:
+            options.stage("onnxruntime loads the written graph as a session would (child process)")
         _run_child(_CHECK_CHILD, [str(probe), str(out)], [out], limits, stage, src, "load")
         return _saved_graph(out, src)
     finally:
