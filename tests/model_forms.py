@@ -71,11 +71,31 @@ def _save(model: onnx.ModelProto, path: Path, external: bool) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if external:
         # onnx appends to an existing data file: a rebuilt form must not carry the last one's bytes.
-        (path.parent / f"{path.stem}.data").unlink(missing_ok=True)
-        onnx.save_model(model, str(path), save_as_external_data=True, location=f"{path.stem}.data", size_threshold=1024)
+        data = path.parent / f"{path.stem}.data"
+        data.unlink(missing_ok=True)
+        onnx.save_model(model, str(path), save_as_external_data=True, location=data.name, size_threshold=1024)
+        _assert_data_is_its_own(path, data)
     else:
         onnx.save_model(model, str(path))
     return path
+
+
+def _assert_data_is_its_own(path: Path, data: Path) -> None:
+    """The data file holds this build's tensors only, from its first byte to its last: onnx appends to a file
+    already there, so a leftover of an earlier build (a bench rebuilding a form in place) would sit in front."""
+    import onnx
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    model = onnx.load(str(path), load_external_data=False)
+    spans = [
+        (info.offset or 0, (info.offset or 0) + (info.length or 0))
+        for t in _get_all_tensors(model)
+        if uses_external_data(t)
+        for info in [ExternalDataInfo(t)]
+    ]
+    held = (min(s for s, _ in spans), max(e for _, e in spans)) if spans else (0, 0)
+    if held != (0, data.stat().st_size):
+        raise AssertionError(f"{data} holds {data.stat().st_size} bytes, its model references bytes {held}")
 
 
 def _io(name: str, elem: int, shape: list[Any] | None) -> onnx.ValueInfoProto:

@@ -41,6 +41,48 @@ PACKING_OP = {
 }
 
 
+# The op each form must contain once written: what makes it that form (else the tests below convert something
+# else than what they name).
+FORM_OP = {
+    "fp32": "MatMul",
+    "fp16": "LayerNormalization",
+    "fp16_cast": "Cast",
+    "llama": "Sigmoid",
+    "llama_fp16": "Sigmoid",
+    "matmulnbits4": "MatMulNBits",
+    "matmulnbits4_sym_b128_acc4": "MatMulNBits",
+    "matmulnbits8": "MatMulNBits",
+    "matmulnbits8_sym_b64_acc4": "MatMulNBits",
+    "matmulnbits4_gidx_bias": "MatMulNBits",
+    "qdq": "DequantizeLinear",
+    "qdq_per_channel": "DequantizeLinear",
+    "dynamic": "MatMulInteger",
+    "attention": "Attention",
+    "merged_decoder": "If",
+    "conv": "Conv",
+}
+
+
+def test_every_form_of_the_corpus_is_named_by_its_op():
+    assert set(FORM_OP) == set(mf.FORMS)
+
+
+def _assert_is_the_form(name: str, src: Path) -> None:
+    """What the corpus promises of a form, checked where it is converted: its op, its size (``mib=1``), and for
+    the merged decoder optimum's layout (both branches' MatMuls read the main graph's weights)."""
+    model = onnx.load(str(src), load_external_data=False)
+    assert FORM_OP[name] in {n.op_type for n in model.graph.node}
+    weights = sum(f.stat().st_size for f in src.parent.iterdir())
+    assert 0.5 * 2**20 < weights < 4 * 2**20
+    if name == "merged_decoder":
+        outer = {t.name for t in model.graph.initializer}
+        branches = [a.g for n in model.graph.node if n.op_type == "If" for a in n.attribute]
+        assert len(branches) == 2
+        for g in branches:
+            assert not g.initializer
+            assert all(n.input[1] in outer for n in g.node if n.op_type == "MatMul")
+
+
 # Variants of a form another parameter already covers run in the slow tier only (each costs a conversion).
 VARIANTS = {
     "matmulnbits4_sym_b128_acc4",
@@ -62,6 +104,7 @@ def converted(request, tmp_path_factory):
 
     d = tmp_path_factory.mktemp(request.param)
     src = mf.build(request.param, d / "src" / "model.onnx", mib=1)
+    _assert_is_the_form(request.param, src)
     res = run_cli("convert", src, "-o", d / "out", "--prepack", "--json", "-q")
     assert res.returncode == 0, res.stderr
     return request.param, src, json.loads(res.stdout)["reports"][0]
@@ -95,17 +138,25 @@ def _packed(path: Path) -> set[tuple[str, str]]:
     }
 
 
-def _runs(src: Path) -> list[dict[str, np.ndarray]]:
+def _runs(src: Path) -> list[tuple[int, dict[str, np.ndarray]]]:
+    """(batch, feeds) at batch 1 and 8, both branches of a merged decoder."""
     branches = (True, False) if src.parent.parent.name.startswith("merged_decoder") else (True,)
-    return [mf.feeds(src, batch=b, use_cache_branch=c) for b in (1, 8) for c in branches]
+    return [(b, mf.feeds(src, batch=b, use_cache_branch=c)) for b in (1, 8) for c in branches]
 
 
 def test_prepacked_model_is_bit_identical_at_default_options(converted):
     _, src, report = converted
     original, prepacked = ort.InferenceSession(str(src)), ort.InferenceSession(report["outputs"][0])
-    for feeds in _runs(src):
+    seen = []
+    for batch, feeds in _runs(src):
         a, b = original.run(None, feeds)[0], prepacked.run(None, feeds)[0]
         assert a.dtype == b.dtype and np.array_equal(a, b)
+        # outputs worth comparing: one row per input row, finite, not all zero
+        assert a.shape[0] == batch
+        assert np.isfinite(a.astype(np.float32)).all() and np.abs(a).max() > 0
+        seen.append(a)
+    if src.parent.parent.name.startswith("merged_decoder"):  # each branch computes its own (batch 1: runs 0, 1)
+        assert not np.array_equal(seen[0], seen[1])
 
 
 def test_portable_model_is_bit_identical_without_prepacking(converted):
@@ -113,7 +164,7 @@ def test_portable_model_is_bit_identical_without_prepacking(converted):
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_prepacking", "1")
     original, portable = (ort.InferenceSession(str(p), so) for p in (src, report["outputs"][1]))
-    for feeds in _runs(src):
+    for _, feeds in _runs(src):
         assert np.array_equal(original.run(None, feeds)[0], portable.run(None, feeds)[0])
 
 
