@@ -7,7 +7,6 @@ After: a ``WeightshareError`` (``InvalidModel``/``Unsupported``) and an empty ou
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -142,7 +141,6 @@ def test_non_constant_fp16_dequantize_is_kept_with_a_note(tmp_path):
     assert report.ops_removed == 0 and any("not a constant" in n for n in report.notes)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("weightshare.cli") is None, reason="CLI not merged yet")
 def test_cli_bad_input_exit_code_2(tmp_path):
     mb = _small_model()
     mb.subgraphs[0].tensors[0].buffer = 999
