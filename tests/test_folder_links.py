@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import weightshare
 from weightshare._samples import mlp_onnx
 
 MARKER = "ws-i33-marker-7f3a91"
@@ -74,6 +75,14 @@ def test_an_unlistable_directory_is_exit_2_naming_it(cli):
         (repo / "sub").mkdir()
         (repo / "sub" / "special_tokens_map.json").write_text("{}")
         (base / "cache").mkdir()
+        # the child imports this package from a copy it can read, wherever the checkout lives (a clone under a
+        # 0700 home is out of nobody's reach; the interpreter and its site-packages must be readable, as
+        # they are wherever the suite runs as root)
+        shutil.copytree(
+            Path(weightshare.__file__).parent,
+            base / "pkg" / "weightshare",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
         nobody = 65534
         as_root = os.geteuid() == 0
         if as_root:  # root lists a mode-000 directory anyway: the child runs as nobody
@@ -83,7 +92,7 @@ def test_an_unlistable_directory_is_exit_2_naming_it(cli):
         # as root, the child runs as nobody (setpriv: util-linux, present wherever root runs the suite)
         drop = ["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups"] if as_root else []
 
-        env = {**os.environ, "XDG_CACHE_HOME": str(base / "cache"), "HOME": str(base)}
+        env = {**os.environ, "XDG_CACHE_HOME": str(base / "cache"), "HOME": str(base), "PYTHONPATH": str(base / "pkg")}
         env.pop("WEIGHTSHARE_DEBUG", None)
         out = base / "out"
         res = subprocess.run(
