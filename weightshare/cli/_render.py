@@ -113,6 +113,11 @@ class _StageClock:
             self._bar.bar_format = "{desc}"
             self._draw()
 
+    @property
+    def showing(self) -> bool:
+        """A phase is named (no bytes counted since)."""
+        return bool(self._label)
+
     def bytes_follow(self) -> None:
         """Payload bytes are written now: the bar shows them again."""
         with self._lock:
@@ -177,9 +182,15 @@ def progress_bar(enabled: bool, desc: str) -> Iterator[ProgressHooks]:
         if lines:
             tqdm.write(f"{desc}: writing {size(n)} of payloads ...", file=sys.stderr)
 
+    def update(n: int) -> None:
+        if clock.showing:  # bytes written with no total announced first (Core ML): count them from here
+            clock.bytes_follow()
+            bar.set_description_str(desc, refresh=False)
+        bar.update(n)
+
     clock.name(f"{desc}: reading")
     try:
-        yield ProgressHooks(bar.update, total, stage)
+        yield ProgressHooks(update, total, stage)
     finally:
         clock.close()
         bar.close()
