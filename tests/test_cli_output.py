@@ -229,7 +229,7 @@ def test_the_stage_clock_counts_while_no_bytes_are_written(monkeypatch):
 
     from tqdm import tqdm
 
-    from weightshare.cli._render import _StageClock
+    from weightshare.cli._progress import _StageClock
 
     screen = io.StringIO()
     bar = tqdm(desc="m.onnx", bar_format="{desc}", file=screen)

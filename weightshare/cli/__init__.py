@@ -1,10 +1,10 @@
 """The `weightshare` command: a thin Typer layer over ``weightshare.api``.
 
 ``_app``: the app, its global options and the exit mapping (0 ok, 1 a check or verify found a problem, 2 bad
-input or usage); ``_render``: every table and line printed; ``_options``: the conversion options' parameters,
-derived from ``ConvertOptions``; ``_help``: the help texts that name formats and settings, built from the
-registry; one module per command group: ``_convert`` (convert, merge), ``_inspect`` (inspect, check), ``_verify``
-(verify), ``_bench`` (bench, demo); ``_commands`` registers them.
+input or usage); ``_render``: every table and line printed; ``_progress``: what stderr shows while work runs;
+``_options``: the conversion options' parameters, derived from ``ConvertOptions``; ``_help``: the help texts that
+name formats and settings, built from the registry; one module per command group: ``_convert`` (convert, merge),
+``_inspect`` (inspect, check), ``_verify`` (verify), ``_bench`` (bench, demo); ``_commands`` registers them.
 
 This module imports nothing heavy: the entry point ``main`` loads the app (typer, rich, every command) inside its
 own Ctrl-C handling, so an interrupt during those imports is one line and exit 130, not a traceback.

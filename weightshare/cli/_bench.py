@@ -10,7 +10,8 @@ import typer
 
 from ._app import FORMAT_HELP, _pairs, app, examples, fail, output_format, user_errors
 from ._help import model_kinds
-from ._render import github, info, render_bench, render_demo, size, stages
+from ._progress import stages
+from ._render import github, info, render_bench, render_demo, size
 
 
 @app.command(

@@ -12,7 +12,8 @@ from .. import api
 from ._app import FORMAT_HELP, app, examples, output_format, user_errors
 from ._help import model_kinds
 from ._options import with_options
-from ._render import github_conversion, progress_bar, quiet, render_conversion, render_report
+from ._progress import progress_bar
+from ._render import github_conversion, quiet, render_conversion, render_report
 
 _MODELS = typer.Argument(
     ...,

@@ -10,7 +10,8 @@ import typer
 from ._app import FORMAT_HELP, app, dim_args, dim_option, examples, input_args, input_option, output_format, user_errors
 from ._help import format_titles, model_kinds, setting_ids
 from ._options import shared_option
-from ._render import VERBOSITY, err, github, info, measuring, quiet, render_findings, render_inventory
+from ._progress import measuring
+from ._render import VERBOSITY, err, github, info, quiet, render_findings, render_inventory
 
 
 @app.command(
