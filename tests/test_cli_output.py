@@ -275,3 +275,32 @@ def test_stage_lines_with_v_only_on_stderr_and_json_stays_clean(tmp_path, capsys
             re.fullmatch(rf"{re.escape(model.name)}: writing [\d.]+ [KM]iB of payloads \.\.\.", x) for x in lines
         )
         assert all(x.startswith(f"{model.name}: ") and x.endswith(" ...") for x in lines), lines
+
+
+def test_bytes_with_no_total_announced_end_the_phase_clock(monkeypatch):
+    """Core ML announces no total before writing: the first bytes switch the bar from `reading [mm:ss]` to them."""
+    import io
+
+    import tqdm
+
+    from weightshare.cli._progress import progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    bars = []
+
+    class Recorded(tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append(self)
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    monkeypatch.setattr(tqdm, "tqdm", Recorded)
+    with progress_bar(True, "c.mlpackage") as hooks:
+        (bar,) = bars
+        assert bar.bar_format == "{desc}" and bar.desc.startswith("c.mlpackage: reading [00:0")
+        assert hooks.update is not None
+        hooks.update(512 << 10)
+        assert bar.bar_format is None and bar.desc == "c.mlpackage" and bar.n == 512 << 10
