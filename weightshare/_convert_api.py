@@ -29,8 +29,8 @@ from ._run import (
     convert_one,
     expand_inputs,
     finish,
+    peak_window,
     prepare_out_dir,
-    reset_peak_rss,
 )
 from .errors import Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
@@ -323,9 +323,8 @@ def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[C
     formats = [detect(s) for s in sources]
     check_outputs(*_every_output(sources, formats, out, options))  # companions too (--prepack: .portable.onnx)
     start = time.perf_counter()
-    reset_peak_rss()
     reports = []
-    with OutputTransaction() as tx:
+    with peak_window(), OutputTransaction() as tx:
         prepare_out_dir(out, tx)
         for src, fmt in zip(sources, formats):  # before the blob collectors (hooks run in order)
             dropped = dropped_companions(fmt, src, out, options)
@@ -397,8 +396,7 @@ def merge(
     if merge_models is None:
         raise Unsupported(f"{fmt.name} models cannot be merged into one multifunction model", paths[0])
     start = time.perf_counter()
-    reset_peak_rss()
-    with OutputTransaction() as tx:
+    with peak_window(), OutputTransaction() as tx:
         prepare_out_dir(out.parent if str(out.parent) else Path("."), tx)
         report: ConversionReport = merge_models(paths, list(function_names or []), default_function, out, options, tx)
     return finish(report, start)

@@ -19,7 +19,7 @@ from typing import Any
 from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
 from ._outputs_record import record_run
 from ._paths import check_utf8_path
-from ._run import convert_one, finish, prepare_out_dir, reset_peak_rss
+from ._run import convert_one, finish, peak_window, prepare_out_dir
 from ._tensors import open_input
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import detect, model_suffixes
@@ -65,8 +65,7 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
         raise UsageError("--blob names one model's blob; this folder has several models", folder)
     report = FolderReport(str(folder))
     start = time.perf_counter()
-    reset_peak_rss()
-    with OutputTransaction() as tx:
+    with peak_window(), OutputTransaction() as tx:
         prepare_out_dir(out_dir, tx)
         sweep_temporaries(out_dir)  # a killed run's, in any subdirectory (side-file-only ones too)
         tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few

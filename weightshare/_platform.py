@@ -14,7 +14,7 @@ import os
 
 from .errors import Unsupported
 
-__all__ = ["require_posix"]
+__all__ = ["TreePeak", "require_posix", "tree_rss_bytes"]
 
 
 def _missing() -> list[str]:
@@ -51,3 +51,92 @@ def malloc_trim() -> bool:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of ``pid``, from every one of its threads (a child forked by a worker thread is that
+    thread's: ``/proc/PID/task/TID/children``, Linux >= 3.5)."""
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return kids
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(k) for k in f.read().split()]
+        except (OSError, ValueError):
+            continue
+    return kids
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0  # exited between the listing and the read
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def tree_rss_bytes(root: int | None = None) -> int:
+    """The RSS of ``root`` (this process) and every live descendant, summed: what the machine holds for a run
+    at this instant. 0 where there is no ``/proc``."""
+    pids, seen, total = [root if root is not None else os.getpid()], set(), 0
+    while pids:
+        pid = pids.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += _rss_bytes(pid)
+        pids += _children(pid)
+    return total
+
+
+class TreePeak:
+    """The process tree's peak memory over a run: the highest sum, sampled every ``interval`` seconds, of the RSS
+    of this process and all its live descendants (one ORT child at a time, or several, plus the converter).
+
+    One child's ``ru_maxrss`` is not it: it misses the parent beside the child and every other child; a sum of
+    per-process peaks overstates what was ever held at once. ``peak_since(t)`` answers for any window that ends
+    now (a batch's models and the whole run from one sampler): the samples are kept as a decreasing run of
+    maxima, so the answer is the first kept sample at or after ``t``.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        import collections
+        import threading
+        import time
+
+        self._clock = time.perf_counter
+        self._maxima: collections.deque[tuple[float, int]] = collections.deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._interval = interval
+        self.sample()
+        self._thread = threading.Thread(target=self._run, name="weightshare-tree-peak", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.sample()
+
+    def sample(self) -> int:
+        now, rss = self._clock(), tree_rss_bytes()
+        with self._lock:
+            while self._maxima and self._maxima[-1][1] <= rss:
+                self._maxima.pop()
+            self._maxima.append((now, rss))
+        return rss
+
+    def peak_since(self, t: float) -> int:
+        """The highest sample taken at ``time.perf_counter()`` >= ``t`` (one taken now included)."""
+        self.sample()
+        with self._lock:
+            return next((rss for when, rss in self._maxima if when >= t), 0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

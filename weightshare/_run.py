@@ -7,21 +7,30 @@ from __future__ import annotations
 import os
 import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, TypeVar
 
 from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
 from ._format_options import check_unpack
 from ._paths import check_no_overlap
+from ._platform import TreePeak
 from .errors import OutputError, UsageError
 from .formats import Format, model_suffixes, registered
 from .options import ConvertOptions
 from .report import ConversionReport
 
+_tree: TreePeak | None = None  # the running conversion's process-tree sampler (one run at a time per process)
+
 
 def reset_peak_rss() -> None:
-    """Start a new high-water mark, so that a report's peak is this conversion's (Linux >= 4.0; else a no-op)."""
+    """Start a new high-water mark, so that a report's peak is this conversion's: this process's VmHWM (Linux >=
+    4.0; else a no-op) and the process tree's sampled peak (``TreePeak``; stopped by ``finish_run``)."""
+    global _tree
+    if _tree is not None:
+        _tree.close()
+    _tree = TreePeak()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
@@ -80,19 +89,36 @@ _Timed = TypeVar("_Timed", bound=_Report)  # a model's, a zoo's, a folder's repo
 
 
 def finish(report: _Timed, start: float) -> _Timed:
+    """Time and peak since ``start``: the process tree's (the converter and every child it ran, summed at each
+    sample), never below this process's own high-water mark or a child's own peak."""
     report.wall_time_s = round(time.perf_counter() - start, 3)
-    report.peak_rss_mib = round(_peak_rss_mib(), 1)
+    own = _peak_rss_mib()
+    tree = _tree.peak_since(start) / 2**20 if _tree is not None else 0.0
+    report.peak_rss_mib = round(max(own, tree), 1)
     if isinstance(report, ConversionReport):
-        add_child_peak(report)
+        add_child_peak(report, own)
     return report
 
 
-def add_child_peak(report: ConversionReport) -> None:
-    """--prepack's ORT child runs while the converter waits for it: both count, each also named on its own."""
+@contextmanager
+def peak_window() -> Iterator[None]:
+    """A run's memory window: ``reset_peak_rss`` on entry; on exit the tree sampler's thread stops, its samples
+    stay for the ``finish`` that follows."""
+    reset_peak_rss()
+    try:
+        yield
+    finally:
+        if _tree is not None:
+            _tree.close()
+
+
+def add_child_peak(report: ConversionReport, own_mib: float) -> None:
+    """--prepack's ORT child runs while the converter waits for it: the tree's peak counts both; each is also
+    named on its own (the child's from its own ``ru_maxrss``, which a 50 ms sample can miss)."""
     child = report.prepack.get("ort_child_peak_rss_mib")
     if isinstance(child, (int, float)):
-        report.prepack["converter_peak_rss_mib"] = report.peak_rss_mib
-        report.peak_rss_mib = round(report.peak_rss_mib + child, 1)
+        report.prepack["converter_peak_rss_mib"] = round(own_mib, 1)
+        report.peak_rss_mib = round(max(report.peak_rss_mib, child), 1)
 
 
 def check_options(options: ConvertOptions) -> None:

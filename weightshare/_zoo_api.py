@@ -13,7 +13,7 @@ from ._atomic import CommitHook, OutputTransaction
 from ._disk import DiskPeak
 from ._paths import plain_file_name
 from ._pipeline import PreparedModel, blob_target, write_models
-from ._run import check_input, check_outputs, finish, prepare_out_dir, reset_peak_rss
+from ._run import check_input, check_outputs, finish, peak_window, prepare_out_dir
 from .errors import Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
 from .options import ConvertOptions
@@ -74,8 +74,7 @@ def run_zoo(sources: list[Path], out: Path, options: ConvertOptions) -> ZooRepor
     formats = [detect(s) for s in sources]
     target = blob_target(None, out, shared_blob, _shared_container(sources, formats))
     start = time.perf_counter()
-    reset_peak_rss()
-    with OutputTransaction() as tx, ExitStack() as stages:
+    with peak_window(), OutputTransaction() as tx, ExitStack() as stages:
         prepare_out_dir(out, tx)
         disk = stages.enter_context(DiskPeak(out)) if options.prepack else None  # zoo-wide; entered first: exits last
         prepared = [_prepare_zoo_model(fmt, src, out, options, stages) for fmt, src in zip(formats, sources)]
@@ -98,9 +97,7 @@ def run_zoo(sources: list[Path], out: Path, options: ConvertOptions) -> ZooRepor
             note = getattr(fmt, "report_disk", None)  # the format says what its temporary disk was for
             if note is not None and m.prepack:
                 note(m, disk.peak)
-    finish(report, start)
-    children = [m.prepack.get("ort_child_peak_rss_mib", 0.0) for m in report.models]
-    report.peak_rss_mib = round(report.peak_rss_mib + max(children, default=0.0), 1)  # one ORT child at a time
+    finish(report, start)  # the process tree's peak: the converter and the ORT children it ran
     for m in report.models:
         m.wall_time_s, m.peak_rss_mib = report.wall_time_s, report.peak_rss_mib
     return report
