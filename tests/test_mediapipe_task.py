@@ -294,3 +294,18 @@ def test_fuzzed_bundles_fail_cleanly(tmp_path, data):
         api.inspect(src)
     except WeightshareError as e:
         assert "\n" not in e.message
+
+
+def test_verify_compares_the_members_byte_for_byte(tmp_path, cli):
+    task = single_model_task(tmp_path / "classifier.task", residue=2)
+    out = tmp_path / "out"
+    assert cli("convert", task, "-o", out).returncode == 0
+    res = cli("verify", task, out / task.name, "--json")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads(res.stdout)
+    assert doc["passed"] and doc["payloads_compared"] == 2
+    # a member changed after the conversion: verify says which, exit 1
+    changed = tmp_path / "changed.task"
+    zip_bundle(changed, [("model.tflite", fp32_member(8)), ("labels.txt", zipfile.ZipFile(task).read("labels.txt"))])
+    res = cli("verify", task, changed)
+    assert res.returncode == 1 and "member 'model.tflite': its bytes differ" in res.stdout + res.stderr
