@@ -5,6 +5,7 @@ metadata member, each member's data 4-byte aligned), or any FaceLandmarker bundl
 
   original          as shipped                                      convert refuses it (nothing to save)
   odd               the same members at odd offsets (stdlib zipfile) MediaPipe copies the fp16 constants per task
+  2mod4             the same members at offsets 2 mod 4              fp16 needs 2-byte alignment: convert refuses it
   odd, converted    `weightshare convert` of "odd"                  same members, 64 KiB-aligned
   fp32 2mod4        the members converted to fp32 (`weightshare convert MEMBER.tflite`) at offsets 2 mod 4
   fp32, converted   `weightshare convert` of "fp32 2mod4"
@@ -150,6 +151,8 @@ def main() -> None:
 
     (work / "odd").mkdir(exist_ok=True)
     odd = rezip(original, work / "odd" / original.name, 1, 4)
+    (work / "two").mkdir(exist_ok=True)
+    two = rezip(original, work / "two" / original.name, 2, 4)
     members = work / "members"
     members.mkdir(exist_ok=True)
     converted_members: dict[str, bytes] = {}
@@ -163,7 +166,7 @@ def main() -> None:
     (work / "fp32").mkdir(exist_ok=True)
     fp32 = rezip(original, work / "fp32" / original.name, 2, 4, converted_members)
 
-    bundles: list[tuple[str, Path]] = [("original", original), ("odd", odd), ("fp32 2mod4", fp32)]
+    bundles: list[tuple[str, Path]] = [("original", original), ("odd", odd), ("2mod4", two), ("fp32 2mod4", fp32)]
     print("\nweightshare convert:")
     for label, src in list(bundles):
         out = work / f"converted-{label.replace(' ', '_')}"

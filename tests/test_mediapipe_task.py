@@ -309,3 +309,18 @@ def test_verify_compares_the_members_byte_for_byte(tmp_path, cli):
     zip_bundle(changed, [("model.tflite", fp32_member(8)), ("labels.txt", zipfile.ZipFile(task).read("labels.txt"))])
     res = cli("verify", task, changed)
     assert res.returncode == 1 and "member 'model.tflite': its bytes differ" in res.stdout + res.stderr
+
+
+def test_converted_members_inside_a_bundle_are_judged_as_members(tmp_path, cli):
+    """A member written by `weightshare convert` (buffers appended after its flatbuffer) stays a member of the
+    bundle: its buffers are read in place from the bundle, not an external blob held to the blob's alignment."""
+    from weightshare.api import convert
+
+    single = tmp_path / "m" / "model.tflite"
+    single.parent.mkdir()
+    single.write_bytes(fp32_member(9))
+    convert(single, tmp_path / "conv")
+    member = (tmp_path / "conv" / "model.tflite").read_bytes()
+    task = zip_bundle(tmp_path / "b.task", [("model.tflite", member), ("labels.txt", b"a\nb")], residue=2)
+    doc = _json(cli("check", task, "--json"))
+    assert [f["code"] for f in doc["findings"]] == ["mediapipe-unaligned-copy-per-task"]

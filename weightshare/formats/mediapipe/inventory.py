@@ -134,6 +134,8 @@ def _per_task(p: PayloadInfo, member: str) -> None:
     p.copies = {TASKS: packed + misaligned}
     p.copied_per_session = packed + misaligned
     p.unpacked_at_load, p.would_move = "", False
+    p.location, p.file = "embedded", ""  # appended after its flatbuffer or not, a member's buffer is in the bundle
+    p.encoding = "stored" if p.encoding in ("inline", "appended") else p.encoding
     p.stays_inline_because = "read in place from the bundle by MediaPipe"
     if misaligned:
         p.copy_code, p.copy_bytes = MediapipeCode.UNALIGNED_COPY.value, {TASKS: misaligned}
