@@ -324,3 +324,29 @@ def test_converted_members_inside_a_bundle_are_judged_as_members(tmp_path, cli):
     task = zip_bundle(tmp_path / "b.task", [("model.tflite", member), ("labels.txt", b"a\nb")], residue=2)
     doc = _json(cli("check", task, "--json"))
     assert [f["code"] for f in doc["findings"]] == ["mediapipe-unaligned-copy-per-task"]
+
+
+def test_the_written_layout_byte_for_byte(tmp_path):
+    """write_bundle: each local header padded by one zipalign record (id 0xD935, its alignment, zeros) so that the
+    member's first byte is on the boundary; sizes and CRC in the local header (no data descriptor); the central
+    directory without extra fields, its offsets pointing at the local headers."""
+    from weightshare.formats.mediapipe.bundle import read_bundle, write_bundle
+
+    src = zip_bundle(tmp_path / "s.task", [("a.tflite", b"A" * 100), ("meta/b.txt", b"B" * 7)], residue=1)
+    out = tmp_path / "o.task"
+    write_bundle(read_bundle(src), out, 4096)
+    data = out.read_bytes()
+    # first member: header at 0, name 8 bytes, data at 4096 -> extra = 4096 - 30 - 8 bytes
+    assert data[:4] == b"PK\x03\x04"
+    sig, ver, flags, method, _, _, crc, csize, usize, nlen, xlen = struct.unpack_from("<IHHHHHIIIHH", data, 0)
+    assert (method, csize, usize, nlen, xlen, flags & 0x8) == (0, 100, 100, 8, 4096 - 38, 0)
+    assert crc == zlib.crc32(b"A" * 100)
+    assert struct.unpack_from("<HHH", data, 38) == (0xD935, 4096 - 38 - 4, 4096)
+    assert data[44:4096] == bytes(4096 - 44) and data[4096:4196] == b"A" * 100
+    # second member: header right after the first's data, its data at 8192
+    assert data[4196:4200] == b"PK\x03\x04" and data[8192:8199] == b"B" * 7
+    offsets = [p for p in _central_entries(data)]
+    assert [struct.unpack_from("<I", data, p + 42)[0] for p in offsets] == [0, 4196]
+    assert all(struct.unpack_from("<H", data, p + 30)[0] == 0 for p in offsets)  # no central extra fields
+    with zipfile.ZipFile(out) as z:
+        assert z.testzip() is None and z.namelist() == ["a.tflite", "meta/b.txt"]
