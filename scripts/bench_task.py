@@ -59,6 +59,8 @@ for _ in range(n):
 landmarks = np.array([[l.x, l.y, l.z] for face in result.face_landmarks for l in face], np.float32)
 shapes = np.array([c.score for face in result.face_blendshapes for c in face], np.float32)
 np.savez(out, landmarks=landmarks, blendshapes=shapes)
+print("ready", flush=True)
+sys.stdin.readline()  # measured once every process is loaded: shared pages are split between all of them
 print(json.dumps({"pss_mib": pss_mib(), "faces": len(result.face_landmarks)}), flush=True)
 sys.stdin.readline()  # stay alive until the parent has every process's figure
 """
@@ -118,13 +120,16 @@ def measure(python: str, bundle: Path, tasks_per_process: int, processes: int, o
         )
         for i in range(processes)
     ]
-    figures = []
     for child in children:
         assert child.stdout is not None
-        line = child.stdout.readline()
-        if not line:
+        if child.stdout.readline().strip() != "ready":
             raise SystemExit(f"the MediaPipe child failed on {bundle}")
-        figures.append(json.loads(line))
+    figures = []
+    for child in children:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("\n")
+        child.stdin.flush()
+        figures.append(json.loads(child.stdout.readline()))
     for child in children:
         child.communicate("\n")
     if any(f["faces"] != 1 for f in figures):
