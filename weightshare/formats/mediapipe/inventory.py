@@ -1,11 +1,11 @@
 """What a MediaPipe ``.task`` bundle costs per task: its members read in place, through offsets into the bundle.
 
-MediaPipe's Tasks API (1.2.2, measured with scripts/bench_task.py) maps the bundle and hands each .tflite member to
-LiteRT as the byte range it is, with the default XNNPACK delegate and no weight cache: every task packs each member's
-weights (fp16 behind DEQUANTIZE packed as fp32) into private memory. A constant whose absolute file offset is not a
-multiple of its element size (capped at 4) is copied per task besides (face_landmarker's fp16 members at odd
-offsets: +3.8 MiB per task; its members converted to fp32 at offsets 2 mod 4: +8 MiB per task; at 2 mod 4 the fp16
-members cost nothing more). Metadata members (``.binarypb``, ``.txt``) are read once per task and are small.
+MediaPipe's Tasks API (1.2.2, measured with scripts/bench_task.py) reads each .tflite member in place (a task costs
+no copy of the bundle) and runs it with the default XNNPACK delegate and no weight cache: every task packs each
+member's weights (fp16 behind DEQUANTIZE packed as fp32) into private memory. A constant whose absolute file offset
+is not a multiple of its element size (capped at 4) is copied per task besides (face_landmarker's fp16 members at
+odd offsets: +3.4 MiB per task; its members converted to fp32 at offsets 2 mod 4: +6.4 MiB per task; at 2 mod 4
+the fp16 members cost nothing more; scripts/bench_task.txt). Metadata members (``.binarypb``, ``.txt``) are small.
 """
 
 from __future__ import annotations
