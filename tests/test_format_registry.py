@@ -40,8 +40,8 @@ def _toy_model(path: Path, arrays: dict[str, np.ndarray]) -> Path:
 
 
 def test_builtin_formats_are_registered_in_detection_order():
-    assert [f.name for f in formats.registered()] == ["tflite", "executorch", "coreml", "onnx"]
-    assert formats.model_suffixes() == (".tflite", ".pte", ".ptd", ".mlpackage", ".onnx")
+    assert [f.name for f in formats.registered()] == ["tflite", "executorch", "coreml", "mediapipe", "onnx"]
+    assert formats.model_suffixes() == (".tflite", ".pte", ".ptd", ".mlpackage", ".task", ".onnx")
 
 
 def test_unknown_files_are_refused_not_guessed(tmp_path):

@@ -102,6 +102,7 @@ PUBLIC = {
         "Format",
         "FormatDefaults",
         "FormatOptions",
+        "KeepsAsIs",
         "MeasuresCopies",
         "QuietExit",
         "ReadsInputs",

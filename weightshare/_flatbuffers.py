@@ -24,9 +24,10 @@ _U8, _U16, _U32, _I32, _U64 = (struct.Struct(f) for f in ("<B", "<H", "<I", "<i"
 class Reader:
     """Typed little-endian reads at absolute positions of a file, never past ``size``."""
 
-    def __init__(self, fd: int, size: int, path: str, max_entries: int | None = None):
+    def __init__(self, fd: int, size: int, path: str, max_entries: int | None = None, base: int = 0):
         self.fd = fd
         self.size = size
+        self.base = base  # where position 0 is in the file: a flatbuffer stored inside another file (a zip member)
         self.path = path
         self.max_entries = max_entries  # a vector claiming more entries is refused before it is walked
 
@@ -40,7 +41,7 @@ class Reader:
 
     def read(self, pos: int, n: int, what: str) -> bytes:
         self.need(pos, n, what)
-        data = os.pread(self.fd, n, pos)
+        data = os.pread(self.fd, n, self.base + pos)
         if len(data) != n:
             raise InvalidModel(f"file ended early while reading {what} at offset {pos}", self.path)
         return data

@@ -23,6 +23,7 @@ from ._run import convert_one, finish, peak_window, prepare_out_dir
 from ._tensors import open_input
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import detect, model_suffixes
+from .formats.base import KeepsAsIs
 from .options import ConvertOptions
 from .report import ConversionReport
 
@@ -37,6 +38,7 @@ class FolderReport:
     models: list[ConversionReport] = field(default_factory=list)
     copied: list[str] = field(default_factory=list)
     copied_bytes: int = 0
+    notes: list[str] = field(default_factory=list)  # models copied as they were (``KeepsAsIs``), and why
     wall_time_s: float = 0.0
     peak_rss_mib: float = 0.0
 
@@ -46,6 +48,7 @@ class FolderReport:
             "models": [m.to_dict() for m in self.models],
             "copied": self.copied,
             "copied_bytes": self.copied_bytes,
+            "notes": self.notes,
             "wall_time_s": self.wall_time_s,
             "peak_rss_mib": self.peak_rss_mib,
         }
@@ -69,12 +72,19 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
         prepare_out_dir(out_dir, tx)
         sweep_temporaries(out_dir)  # a killed run's, in any subdirectory (side-file-only ones too)
         tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few
+        roots = source_roots(folder)
         for rel in plan.models:
             model, where = folder / rel, out_dir / rel.parent
             tx.make_dirs(where)
             t0 = time.perf_counter()
-            report.models.append(finish(convert_one(detect(model), model, where, opts, tx), t0))
-        roots = source_roots(folder)
+            fmt = detect(model)
+            why = fmt.kept_as_is(model, opts) if isinstance(fmt, KeepsAsIs) else ""
+            if why:  # converting would refuse it: copied as it is, and said so
+                report.copied_bytes += copy_file(model, out_dir / rel, tx, roots)
+                report.copied.append(str(out_dir / rel))
+                report.notes.append(f"{rel}: copied as it was: {why}")
+                continue
+            report.models.append(finish(convert_one(fmt, model, where, opts, tx), t0))
         for rel in plan.copies:
             tx.make_dirs(out_dir / rel.parent)
             report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx, roots)

@@ -374,6 +374,8 @@ def render_conversion(result: ZooReport | FolderReport | list[ConversionReport],
             render_report(r)
         for r in result.models:
             info(f"{r.model}: {r.tensors_moved} payloads moved, {size(r.bytes_written)} stored -> {r.outputs[0]}")
+        for note in result.notes:
+            info(f"note: {note}")
         info(
             f"total: {len(result.models)} models converted, {len(result.copied)} other files copied "
             f"({size(result.copied_bytes)}), {result.wall_time_s:.2f} s, peak RSS {size_mib(result.peak_rss_mib)} "

@@ -38,7 +38,7 @@ __all__ = [
 
 # Asked in this order: a format that recognises its content by a magic number comes before one that
 # also accepts files by suffix.
-_BUILTIN = ("tflite", "executorch", "coreml", "onnx")
+_BUILTIN = ("tflite", "executorch", "coreml", "mediapipe", "onnx")
 _registry: list[Format] = []
 
 
@@ -50,7 +50,7 @@ def registered() -> list[Format]:
 
     Example:
         >>> [f.name for f in registered()]
-        ['tflite', 'executorch', 'coreml', 'onnx']
+        ['tflite', 'executorch', 'coreml', 'mediapipe', 'onnx']
     """
     if not _registry:
         _registry.extend(_builtin())

@@ -41,6 +41,7 @@ __all__ = [
     "Format",
     "FormatDefaults",
     "FormatOptions",
+    "KeepsAsIs",
     "MeasuresCopies",
     "QuietExit",
     "ReadsInputs",
@@ -199,6 +200,16 @@ class MeasuresCopies(Protocol):
     def measure_copies(self, path: Path, feeds: MeasureInputs | None = None) -> tuple[Any, ...]:
         """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting]);
         ``feeds``: what the user said of the inputs (``check --dim/--input``)."""
+        ...
+
+
+@runtime_checkable
+class KeepsAsIs(Protocol):
+    """Some of its models are best used as they are (``convert`` refuses them, saying why): a folder run copies
+    those unchanged and says so (a MediaPipe bundle whose rebuilt layout would save nothing)."""
+
+    def kept_as_is(self, src: Path, options: ConvertOptions) -> str:
+        """Why ``src`` is copied as it is; "" when ``convert`` rewrites it."""
         ...
 
 

@@ -113,7 +113,7 @@ def check_header(r: Reader) -> None:
         raise InvalidModel("not a TFLite flatbuffer (no TFL3 identifier)", r.path)
 
 
-def read_graph(r: Reader, mapping: mmap.mmap) -> schema.ModelT:
+def read_graph(r: Reader, mapping: mmap.mmap | memoryview) -> schema.ModelT:
     """The model without its buffers: the schema object API over the mapped file."""
     try:
         model = schema.Model.GetRootAs(mapping, 0)
@@ -128,20 +128,26 @@ def read_graph(r: Reader, mapping: mmap.mmap) -> schema.ModelT:
 
 
 @contextmanager
-def open_model(path: str) -> Iterator[tuple[Reader, mmap.mmap]]:
+def open_model(path: str, window: tuple[int, int] | None = None) -> Iterator[tuple[Reader, mmap.mmap | memoryview]]:
     """Open ``path`` for bounds-checked preads and map it read-only for the object API.
 
     Only the pages of the tables the object API reads are touched; payload bytes
     are never read through the mapping (``BufferRef.source`` preads them in chunks).
+    ``window`` (offset, size): the flatbuffer is that byte range of the file (a stored zip member, read in place);
+    the reader's positions, and ``BufferRef.file_offset``, are then relative to its start.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        if size < 8:
-            raise InvalidModel(f"truncated flatbuffer: the file has only {size} bytes", path)
+        base, length = window if window is not None else (0, size)
+        if base < 0 or length < 0 or base + length > size:
+            raise InvalidModel(f"a flatbuffer at offset {base} ({length} bytes) runs past the end of the file", path)
+        if length < 8:
+            raise InvalidModel(f"truncated flatbuffer: the file has only {length} bytes", path)
         mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         if hasattr(mapping, "madvise"):
             mapping.madvise(mmap.MADV_RANDOM)  # no read-ahead into weights next to the tables
-        yield Reader(fd, size, str(path)), mapping
+        view = mapping if window is None else memoryview(mapping)[base : base + length]
+        yield Reader(fd, length, str(path), base=base), view
     finally:
         os.close(fd)

@@ -212,10 +212,14 @@ def default_setting(path: Path) -> tuple[str, str]:
     return XNNPACK, ""
 
 
-def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
+def inventory_file(path: Path, hash_payloads: bool = True, window: tuple[int, int] | None = None) -> ModelInventory:
+    """``window`` (offset, size): the model is that byte range of ``path`` (a member of a stored zip, read in
+    place); payload offsets are then absolute in ``path``, and what lies beside a model file (ExternalBuffer
+    groups, an XNNPACK cache) is not looked for."""
     path = Path(path)
-    inv = ModelInventory(model=str(path), format="tflite", file_bytes=path.stat().st_size)
-    with flatbuf.open_model(str(path)) as (reader, mapping):
+    base = window[0] if window is not None else 0
+    inv = ModelInventory(model=str(path), format="tflite", file_bytes=window[1] if window else path.stat().st_size)
+    with flatbuf.open_model(str(path), window) as (reader, mapping):
         flatbuf.check_header(reader)
         refs = flatbuf.read_buffer_refs(reader)
         graph = flatbuf.read_graph(reader, mapping)
@@ -237,8 +241,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             shape=tuple(int(d) for d in (t.shape if t is not None and t.shape is not None else ())),
             nbytes=ref.nbytes,
             location="embedded",
-            offset=ref.file_offset,
-            alignment=alignment_of(ref.file_offset),
+            offset=base + ref.file_offset,
+            alignment=alignment_of(base + ref.file_offset),
             encoding="inline",
         )
         if ref.out_of_line:  # after the flatbuffer, addressed by Buffer.offset: mapped like an external blob
@@ -271,9 +275,11 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.copy_code = TfliteCode.XNNPACK_PACK_COPY.value
             info.copy_bytes = {NO_DELEGATE: 0, XNNPACK: packed, XNNPACK_CACHE: 0}
         if hash_payloads:
-            info.sha256 = payload_digest(ref.source(str(path)))
+            info.sha256 = payload_digest(FileRange(str(path), base + ref.file_offset, ref.nbytes))
         inv.payloads.append(info)
     _opt_in_findings(inv, path, opt_in)
+    if window is not None:
+        return inv
     _external_payloads(graph, path, inv, hash_payloads)
     if any(p.location == "external" and p.file == path.name for p in inv.payloads):
         inv.external_files.append(path.name)
