@@ -1,5 +1,5 @@
 """The report's peak is the process tree's: the converter and every child it runs, summed at each sample
-(issue 43: a --prepack report said 47.7 MiB, the parent's, while the tree peaked at 641 MiB)."""
+(a --prepack report said 47.7 MiB, the parent's, while the tree peaked at 641 MiB)."""
 
 import json
 import subprocess

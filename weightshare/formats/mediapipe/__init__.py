@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 class MediapipeFormat(FormatDefaults):
     name = "mediapipe"
+    title = "MediaPipe task"
     suffixes = (".task",)
     blob_container = None  # the members stay in the bundle
     maps_in_place = frozenset({"embedded"})  # MediaPipe reads each member where it is stored
