@@ -232,9 +232,24 @@ class OutputTransaction:
         self._done = False
         self._token = secrets.token_hex(6)
         self._guards: dict[Path, tuple[Path, int]] = {}  # guarded directory -> (guard file, fd holding its flock)
+        self._record: tuple[Path, CommitHook] | None = None  # OUTDIR and its outputs record, updated last
 
     def _tmp_name(self, final: Path) -> Path:
         return final.parent / f"{TMP_PREFIX}{os.getpid()}-{self._token}-{secrets.token_hex(4)}-{final.name}"[:255]
+
+    def temp_name(self, final: Path) -> Path:
+        """A temporary name for ``final`` that this transaction's guard protects (for a file created at commit)."""
+        return self._tmp_name(Path(final))
+
+    @property
+    def records_outputs(self) -> bool:
+        """An outputs record decides what this run removes (``set_record``): no other hook removes anything."""
+        return self._record is not None
+
+    def set_record(self, out_dir: Path, record: CommitHook) -> None:
+        """``record.after()`` runs last at commit, after every hook and action, under the lock of ``out_dir``
+        (locked even when nothing is staged there): the outputs' identities are final then (a rename changes ctime)."""
+        self._record = (Path(out_dir), record)
 
     def guard(self, directory: Path) -> None:
         """Protect every temporary file this transaction creates in ``directory`` or below with one lock (a
@@ -253,7 +268,10 @@ class OutputTransaction:
                 raise OutputError(f"cannot create output file: {e.strerror}", directory) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                try:
+                    same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:  # a concurrent run's cleanup took it before the lock: a retry, not an error
+                    same = False
             except BaseException:  # Ctrl-C between creating and locking: nothing stays behind
                 os.close(fd)
                 path.unlink(missing_ok=True)
@@ -285,9 +303,14 @@ class OutputTransaction:
                 os.mkdir(t.tmp, 0o777)
                 t.fd = os.open(t.tmp, os.O_RDONLY | os.O_DIRECTORY)
                 fcntl.flock(t.fd, fcntl.LOCK_EX)
-                if os.stat(t.tmp, follow_symlinks=False).st_ino == os.fstat(t.fd).st_ino:
-                    return t.tmp
+                try:
+                    if os.stat(t.tmp, follow_symlinks=False).st_ino == os.fstat(t.fd).st_ino:
+                        return t.tmp
+                except FileNotFoundError:
+                    pass
                 # another run's stale cleanup removed it between creation and lock: try a new name
+                self._pending.pop()
+                os.close(t.fd)
             except OSError as e:
                 what = "directory" if is_dir else "file"
                 raise OutputError(f"cannot create output {what}: {e.strerror}", final) from None
@@ -364,7 +387,8 @@ class OutputTransaction:
                         os.close(fd)
             files = [t for t in self._pending if not t.is_dir]
             dirs = [t for t in reversed(self._pending) if t.is_dir]
-            with locked_dirs({t.final.parent for t in self._pending}):
+            locked = {t.final.parent for t in self._pending} | ({self._record[0]} if self._record else set())
+            with locked_dirs(locked):
                 for hook in self._hooks:
                     hook.before()
                 self._rename_all(files + dirs)
@@ -372,6 +396,8 @@ class OutputTransaction:
                     hook.after()
                 for action in self._after:
                     action()
+                if self._record is not None:
+                    self._record[1].after()
         except OSError as e:
             self.abort()
             raise OutputError(f"cannot move output into place: {e.strerror}", e.filename) from None

@@ -304,14 +304,15 @@ def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction, gra
             cache_record.write_record(cache_tmp, tx.new_file(cache_record.record_path(final_cache)), digest)
     except OSError as e:
         raise OutputError(f"cannot stage the model for the XNNPACK weight cache: {e.strerror}", out_dir) from None
-    tx.add_hook(SupersededCaches(final_model, final_cache, grace_s))
+    if not tx.records_outputs:  # else the outputs record removes an old cache, only on proof
+        tx.add_hook(SupersededCaches(final_model, final_cache, grace_s))
     return result, str(final_cache)
 
 
 def drop_stale_after_commit(final_model: Path, tx: OutputTransaction, grace_s: float) -> None:
     """Without --prepack: caches an earlier --prepack run left beside ``final_model`` that no longer match the
     new model go after the grace period (one that still matches, from identical output, stays)."""
-    if candidate_caches(final_model):
+    if not tx.records_outputs and candidate_caches(final_model):
         tx.add_hook(SupersededCaches(final_model, None, grace_s))
 
 
