@@ -45,6 +45,10 @@ _DIGEST_NAMED = re.compile(r".+\.[0-9a-f]{12}\.[A-Za-z0-9]+")  # a blob's name (
 Identity = list[int]  # [st_dev, st_ino, st_size, st_ctime_ns]
 
 
+# What a format still needs although no model names it (a TFLite XNNPACK cache that matches its model): kept.
+NEEDED: list[Callable[[Path], bool]] = []
+
+
 def before_record_write() -> None:
     """Called under the commit's locks between reading the record and writing it back (tests replace it)."""
 
@@ -243,8 +247,13 @@ class OutputsRecord(CommitHook):
 
     def _note_old(self, runs: object) -> None:
         listed = sorted(
-            {r for e in (runs.values() if isinstance(runs, dict) else []) if isinstance(e, dict)
-             for r in (e.get("outputs") or []) if _valid(r)}
+            {
+                r
+                for e in (runs.values() if isinstance(runs, dict) else [])
+                if isinstance(e, dict)
+                for r in (e.get("outputs") or [])
+                if _valid(r)
+            }
         )
         if listed:
             shown = ", ".join(listed[:8]) + (f" and {len(listed) - 8} more" if len(listed) > 8 else "")
@@ -286,11 +295,12 @@ class OutputsRecord(CommitHook):
                 os.close(fd)
 
     def _named(self, rel: str) -> bool:
-        """A model in the file's directory or in OUTDIR names it (a blob some model still references)."""
+        """A model in the file's directory or in OUTDIR names it (a blob some model still references), or a format
+        still needs it (``NEEDED``)."""
         from ._pipeline import referenced_names
 
         path = self.out / rel
-        return bool(referenced_names([path], {path.parent, self.out}))
+        return bool(referenced_names([path], {path.parent, self.out})) or any(still(path) for still in NEEDED)
 
     def _note_unrecorded(self, out_fd: int, written: set[str], runs: dict[str, dict[str, Any]]) -> None:
         """Blobs beside this run's that no record names and no model references: kept, and said so once per run."""
@@ -360,5 +370,6 @@ def attach(tx: OutputTransaction, out: Path, grace_s: float, notes: list[str]) -
     record = OutputsRecord(out, grace_s, notes)
     tx.guard(out)  # the record's temporary is this transaction's: a concurrent run's cleanup leaves it alone
     record.tmp_name = tx.temp_name(Path(out) / RECORD).name
-    tx.set_record(Path(out), record)
+    tx.record_dir = Path(out)
+    tx.after_commit(record.after)  # after every hook: nothing else touches the outputs once they are recorded
     return record
