@@ -53,9 +53,6 @@ def before_record_write() -> None:
     """Called under the commit's locks between reading the record and writing it back (tests replace it)."""
 
 
-HOOK: list[Callable[[], None]] = [before_record_write]
-
-
 def run_key(kind: str, inputs: list[Path]) -> str:
     """The record's key of a run's inputs: not the paths themselves, which would publish the converting
     machine's directories with OUTDIR; not resolved (a hub snapshot's link path stays one key across revisions)."""
@@ -207,7 +204,7 @@ class OutputsRecord(CommitHook):
                 self.notes.append(f"kept {r}: {kept}")
         self._note_unrecorded(out_fd, written, runs)
         runs = dict(sorted(runs.items(), key=lambda kv: kv[1]["at"])[-MAX_RUNS:])
-        HOOK[0]()
+        before_record_write()
         self._write(out_fd, runs)
 
     def _read(self, out_fd: int) -> dict[str, dict[str, Any]]:
