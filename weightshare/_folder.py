@@ -18,7 +18,7 @@ from typing import Any
 
 from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
 from ._outputs_record import RECORD, attach, run_key
-from ._paths import check_utf8_path
+from ._paths import check_no_overlap, check_utf8_path
 from ._run import convert_one, finish, prepare_out_dir, reset_peak_rss
 from ._tensors import open_input
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
@@ -63,6 +63,8 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
         raise UsageError("no models in this folder", folder)
     if opts.blob_name is not None and len(plan.models) > 1:
         raise UsageError("--blob names one model's blob; this folder has several models", folder)
+    # a directory of OUT swapped for a link into the folder would have its outputs written over the inputs
+    check_no_overlap([folder], [out_dir / rel for rel in plan.models + plan.copies])
     report = FolderReport(str(folder))
     start = time.perf_counter()
     reset_peak_rss()
