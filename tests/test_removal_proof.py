@@ -1,4 +1,4 @@
-"""weightshare removes a file only when it wrote it and it is still what it wrote (issue 40, cases 1-4 and 6).
+"""weightshare removes a file only when it wrote it and it is still what it wrote: each case a user met, one test.
 
 Before: OUT written by a folder or model run; then what a user or a second run does to OUT or the inputs (a
 directory of OUT replaced by a link, a record edited or forged, a user's file named like an output, two runs at

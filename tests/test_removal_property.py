@@ -1,5 +1,5 @@
 """Property: whatever a user does to OUT, its record and the inputs between folder runs, weightshare removes only
-what it wrote (issue 40).
+what it wrote.
 
 Before: a model folder (models, side files, a subfolder), a directory outside it, and OUT after a first run.
 Under test: random sequences of folder runs at ``--blob-grace 0`` (in-process, the CLI's code path) interleaved
