@@ -325,3 +325,24 @@ def test_cleanup_of_a_model_run_drops_the_twin_and_old_blobs(tmp_path):
     alone = tmp_path / "alone"
     weightshare.convert(src, alone)
     assert {p.name for p in out.iterdir()} == {p.name for p in alone.iterdir()}
+
+
+def test_out_named_through_a_link_is_followed_once(tmp_path):
+    """``-o out`` with ``out -> /mnt/big/out``: cleanup works there; a link below it is still never entered."""
+    repo, real, out = tmp_path / "repo", tmp_path / "big" / "out", tmp_path / "out"
+    model(repo / "model.onnx", 40)
+    (repo / "side.txt").write_text("side")
+    (repo / "sub").mkdir()
+    (repo / "sub" / "a.txt").write_text("a")
+    real.mkdir(parents=True)
+    out.symlink_to(real)
+    weightshare.convert_folder(repo, out)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(real / "sub", elsewhere)
+    (real / "sub").symlink_to(elsewhere)
+    os.unlink(repo / "side.txt")
+    shutil.rmtree(repo / "sub")
+    before = digest(elsewhere / "a.txt")
+    weightshare.convert_folder(repo, out, blob_grace=0)
+    assert not (real / "side.txt").exists()  # written by weightshare, unchanged, dropped: gone
+    assert digest(elsewhere / "a.txt") == before
