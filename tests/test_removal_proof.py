@@ -346,3 +346,17 @@ def test_out_named_through_a_link_is_followed_once(tmp_path):
     weightshare.convert_folder(repo, out, blob_grace=0)
     assert not (real / "side.txt").exists()  # written by weightshare, unchanged, dropped: gone
     assert digest(elsewhere / "a.txt") == before
+
+
+def test_a_run_never_forgets_its_own_entries(tmp_path, monkeypatch):
+    """The record remembers a bounded number of input sets; a batch with more models than that keeps all of its own
+    (a forgotten entry's files could never be removed again)."""
+    monkeypatch.setattr(outputs_record, "MAX_RUNS", 1)
+    srcs = [model(tmp_path / "m" / f"m{i}.onnx", 50 + i) for i in range(3)]
+    out = tmp_path / "out"
+    weightshare.convert(srcs, out)
+    assert len(json.loads((out / RECORD).read_text())["runs"]) == 3
+    model(srcs[0], 60)
+    weightshare.convert(srcs[0], out, blob_grace=0)
+    assert len(json.loads((out / RECORD).read_text())["runs"]) == 1
+    assert len(list(out.glob("m0.weights.*"))) == 1  # its old blob went, by its own entry

@@ -37,8 +37,8 @@ from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction
 RECORD = ".weightshare-folder.json"  # at OUTDIR's root; also skipped when a converted folder is converted again
 FORMAT = "weightshare-outputs/2"
 OLD_FORMAT = "weightshare-outputs/1"  # before identities: its outputs are kept and named once
-MAX_RUNS = 64  # input sets remembered per OUTDIR (the least recently run are forgotten)
-MAX_RECORD = 4 << 20
+MAX_RUNS = 1024  # input sets (a batch: each model) remembered per OUTDIR; the least recently run are forgotten
+MAX_RECORD = 64 << 20  # ~150 bytes a file: a folder of 100,000 files
 _KEY = re.compile(r"[0-9a-f]{32}")
 _DIGEST_NAMED = re.compile(r".+\.[0-9a-f]{12}\.[A-Za-z0-9]+")  # a blob's name (<base>.<digest12><suffix>)
 
@@ -203,7 +203,9 @@ class OutputsRecord(CommitHook):
             if kept is not None:
                 self.notes.append(f"kept {r}: {kept}")
         self._note_unrecorded(out_fd, written, runs)
-        runs = dict(sorted(runs.items(), key=lambda kv: kv[1]["at"])[-MAX_RUNS:])
+        others = sorted((kv for kv in runs.items() if kv[0] not in mine), key=lambda kv: kv[1]["at"])
+        keep = max(0, MAX_RUNS - len(mine))  # this run's entries always stay: forgetting them would keep their files
+        runs = dict(others[len(others) - keep :] if keep else []) | {k: runs[k] for k in mine}
         before_record_write()
         self._write(out_fd, runs)
 
