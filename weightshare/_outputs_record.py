@@ -131,7 +131,7 @@ def _ident(st: os.stat_result) -> Identity:
 
 
 class OutputsRecord(CommitHook):
-    """The record's update, run last at commit (``OutputTransaction.set_record``), under the OUTDIR lock."""
+    """The record's update, run last at commit (``attach``), under the OUTDIR lock."""
 
     def __init__(self, out: Path, grace_s: float, notes: list[str]) -> None:
         self.out, self.grace_s, self.notes = Path(out), grace_s, notes
@@ -280,6 +280,8 @@ class OutputsRecord(CommitHook):
                 return "not a regular file (a link or a directory)"
             if not any(_ident(st) == i[:4] for i in recorded):
                 return "changed or replaced since weightshare wrote it"
+            if (st.st_dev, st.st_ino) in self._input_ids():
+                return "an input of this run"
             if not _is_model(rel) and self._named(rel):
                 return "named"
             os.unlink(parts[-1], dir_fd=fds[-1])
@@ -292,6 +294,16 @@ class OutputsRecord(CommitHook):
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def _input_ids(self) -> set[tuple[int, int]]:
+        ids = set()
+        for i in self.inputs:
+            try:
+                st = os.stat(i)
+            except OSError:
+                continue
+            ids.add((st.st_dev, st.st_ino))
+        return ids
 
     def _named(self, rel: str) -> bool:
         """A model in the file's directory or in OUTDIR names it (a blob some model still references), or a format
