@@ -15,6 +15,7 @@ from onnx_fixtures import D, N, kitchen_sink, sparse_model
 from safetensors import safe_open
 
 import weightshare
+from weightshare._outputs_record import RECORD
 from weightshare._safetensors import read_safetensors_metadata
 from weightshare.formats.onnx.fold import shape_tensor_names
 from weightshare.formats.onnx.graph import iter_scopes
@@ -169,7 +170,7 @@ def test_conversion_is_deterministic(tmp_path):
     weightshare.convert(src, tmp_path / "a")
     weightshare.convert(src, tmp_path / "b")
     assert sorted(os.listdir(tmp_path / "a")) == sorted(os.listdir(tmp_path / "b"))  # same digest, same blob name
-    for name in os.listdir(tmp_path / "a"):
+    for name in set(os.listdir(tmp_path / "a")) - {RECORD}:  # the record holds each file's inode and time
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
@@ -182,7 +183,7 @@ def test_cli_convert_json_and_blob_name(tmp_path, cli):
     assert report["outputs"] == [str(tmp_path / "out" / "sink.onnx"), str(blob)]
     assert blob.parent == tmp_path / "out" and re.fullmatch(r"shared\.[0-9a-f]{12}\.safetensors", blob.name)
     assert report["tensors_moved"] > 0 and report["peak_rss_mib"] > 0 and report["wall_time_s"] > 0
-    assert sorted(os.listdir(tmp_path / "out")) == [blob.name, "sink.onnx"]
+    assert sorted(os.listdir(tmp_path / "out")) == [RECORD, blob.name, "sink.onnx"]
 
 
 def test_align_options(tmp_path):

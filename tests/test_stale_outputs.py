@@ -15,12 +15,14 @@ import json
 import os
 import shutil
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 import weightshare
+from weightshare import _outputs_record as outputs_record
 from weightshare._samples import mlp_onnx
 
 
@@ -63,7 +65,7 @@ def test_a_blob_of_an_earlier_blob_name_is_removed(tmp_path):
     assert np.array_equal(run(src), run(out / "head.onnx"))
 
 
-def test_a_folder_rerun_drops_what_the_folder_no_longer_has_after_the_grace_period(tmp_path):
+def test_a_folder_rerun_drops_what_the_folder_no_longer_has_after_the_grace_period(tmp_path, monkeypatch):
     repo = tmp_path / "repo"
     (repo / "onnx").mkdir(parents=True)
     mlp_onnx(repo / "model.onnx", layers=1, dim=32, weights="float32", seed=7)
@@ -79,11 +81,8 @@ def test_a_folder_rerun_drops_what_the_folder_no_longer_has_after_the_grace_peri
     weightshare.convert_folder(repo, out)  # default grace: still there
     assert {"onnx/decoder_model.onnx", "merges.txt"} <= files(out)
 
-    record = out / ".weightshare-folder.json"  # stand for the grace period passing
-    data = json.loads(record.read_text())
-    for entry in data["runs"].values():
-        entry["dropped"] = {k: time.time() - 601 for k in entry["dropped"]}
-    record.write_text(json.dumps(data))
+    later = time.time() + 601  # stand for the grace period passing (the record is sealed: editing it removes nothing)
+    monkeypatch.setattr(outputs_record, "time", types.SimpleNamespace(time=lambda: later))
     weightshare.convert_folder(repo, out)
     assert files(out) == fresh(weightshare.convert_folder, repo, tmp_path)
     assert not (out / "onnx").exists()

@@ -28,9 +28,8 @@ def test_tree_peak_counts_a_childs_memory_beside_its_parents():
 
 
 def test_the_sampler_stops_with_the_run(tmp_path):
-    from weightshare._samples import mlp_onnx
-
     import weightshare
+    from weightshare._samples import mlp_onnx
 
     src = mlp_onnx(tmp_path / "m.onnx", dim=64, layers=2)
     report = weightshare.convert(src, tmp_path / "out")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from ._platform import require_posix
+from ._platform import require_posix, same_file
 from .errors import OutputError, UsageError
 
 try:
@@ -92,9 +92,7 @@ def clean_stale_temporaries(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return removed
     for entry in directory.iterdir():
-        if not entry.name.startswith(TMP_PREFIX) or entry.is_symlink():
-            continue
-        if _guarded(entry):
+        if not entry.name.startswith(TMP_PREFIX) or entry.is_symlink() or _guarded(entry):
             continue
         fd = _try_lock(entry)
         if fd is None:  # a live writer holds it, whatever its PID looks like from here
@@ -142,7 +140,7 @@ def locked_stage(directory: Path, label: str) -> Iterator[Path]:
             raise OutputError(f"cannot create a staging directory: {e.strerror}", directory) from None
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         fcntl.flock(fd, fcntl.LOCK_EX)
-        if os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
+        if same_file(path, fd):
             break
         os.close(fd)  # a concurrent cleanup removed it between mkdir and flock: take another name
     else:
@@ -232,8 +230,9 @@ class OutputTransaction:
         self._done = False
         self._token = secrets.token_hex(6)
         self._guards: dict[Path, tuple[Path, int]] = {}  # guarded directory -> (guard file, fd holding its flock)
+        self.record_dir: Path | None = None  # OUTDIR, locked at commit, whose outputs record decides every removal
 
-    def _tmp_name(self, final: Path) -> Path:
+    def temp_name(self, final: Path) -> Path:
         return final.parent / f"{TMP_PREFIX}{os.getpid()}-{self._token}-{secrets.token_hex(4)}-{final.name}"[:255]
 
     def guard(self, directory: Path) -> None:
@@ -253,7 +252,7 @@ class OutputTransaction:
                 raise OutputError(f"cannot create output file: {e.strerror}", directory) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                same = os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+                same = same_file(path, fd)
             except BaseException:  # Ctrl-C between creating and locking: nothing stays behind
                 os.close(fd)
                 path.unlink(missing_ok=True)
@@ -276,7 +275,7 @@ class OutputTransaction:
         if not is_dir and not self._guarded_dir(final.parent):
             self.guard(final.parent)
         for _attempt in range(10):
-            t = _Temp(self._tmp_name(final), final, is_dir)
+            t = _Temp(self.temp_name(final), final, is_dir)
             self._pending.append(t)
             try:
                 if not is_dir:
@@ -285,7 +284,7 @@ class OutputTransaction:
                 os.mkdir(t.tmp, 0o777)
                 t.fd = os.open(t.tmp, os.O_RDONLY | os.O_DIRECTORY)
                 fcntl.flock(t.fd, fcntl.LOCK_EX)
-                if os.stat(t.tmp, follow_symlinks=False).st_ino == os.fstat(t.fd).st_ino:
+                if same_file(t.tmp, t.fd):
                     return t.tmp
                 # another run's stale cleanup removed it between creation and lock: try a new name
             except OSError as e:
@@ -364,7 +363,7 @@ class OutputTransaction:
                         os.close(fd)
             files = [t for t in self._pending if not t.is_dir]
             dirs = [t for t in reversed(self._pending) if t.is_dir]
-            with locked_dirs({t.final.parent for t in self._pending}):
+            with locked_dirs({t.final.parent for t in self._pending} | {d for d in [self.record_dir] if d}):
                 for hook in self._hooks:
                     hook.before()
                 self._rename_all(files + dirs)
@@ -411,13 +410,13 @@ class OutputTransaction:
         if t.is_dir and final.is_dir() and not final.is_symlink():
             if _exchange(t.tmp, final):  # one atomic step: readers see the old or the new tree
                 return _Done(final, t.tmp, exchanged=True)
-            trash = self._tmp_name(final)
+            trash = self.temp_name(final)
             os.replace(final, trash)
             os.replace(t.tmp, final)
             return _Done(final, trash)
         backup = None
         if not t.is_dir and final.is_file() and not final.is_symlink():
-            backup = self._tmp_name(final)
+            backup = self.temp_name(final)
             try:
                 os.link(final, backup)  # kept until every rename of the run succeeded, to undo this one
             except OSError:

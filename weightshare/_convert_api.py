@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
 from ._atomic import OutputTransaction
-from ._outputs_record import DroppedCompanions, dropped_companions
+from ._outputs_record import attach, run_key
 from ._paths import check_no_overlap
 from ._run import (
     check_input,
@@ -324,15 +324,17 @@ def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[C
     check_outputs(*_every_output(sources, formats, out, options))  # companions too (--prepack: .portable.onnx)
     start = time.perf_counter()
     reports = []
+    notes: list[str] = []  # what the outputs record kept, and why
     with peak_window(), OutputTransaction() as tx:
         prepare_out_dir(out, tx)
-        for src, fmt in zip(sources, formats):  # before the blob collectors (hooks run in order)
-            dropped = dropped_companions(fmt, src, out, options)
-            if dropped:
-                tx.add_hook(DroppedCompanions(out / src.name, dropped, options.blob_grace_s))
+        record = attach(tx, out, options.blob_grace_s, notes)
         for src, fmt in zip(sources, formats):
             t0 = time.perf_counter()
+            staged = len(tx.finals())
             reports.append(finish(convert_one(fmt, src, out, options, tx), t0))
+            # one key per model: its companions (a --prepack twin) go when a later run of it no longer writes them
+            record.add(run_key("model", [src]), tx.finals()[staged:], [src])
+    reports[-1].notes += notes
     if len(reports) == 1:  # the commit is part of the one model's time
         finish(reports[0], start)
     return reports

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
-from ._outputs_record import record_run
-from ._paths import check_utf8_path
+from ._outputs_record import RECORD, attach, run_key
+from ._paths import check_no_overlap, check_utf8_path
 from ._run import convert_one, finish, peak_window, prepare_out_dir
 from ._tensors import open_input
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
@@ -66,12 +66,16 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
         raise UsageError("no models in this folder", folder)
     if opts.blob_name is not None and len(plan.models) > 1:
         raise UsageError("--blob names one model's blob; this folder has several models", folder)
+    # a directory of OUT swapped for a link into the folder would have its outputs written over the inputs
+    check_no_overlap([folder], [out_dir / rel for rel in plan.models + plan.copies])
     report = FolderReport(str(folder))
     start = time.perf_counter()
+    notes: list[str] = []  # what the outputs record kept, and why
     with peak_window(), OutputTransaction() as tx:
         prepare_out_dir(out_dir, tx)
         sweep_temporaries(out_dir)  # a killed run's, in any subdirectory (side-file-only ones too)
         tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few
+        record = attach(tx, out_dir, opts.blob_grace_s, notes)
         roots = source_roots(folder)
         for rel in plan.models:
             model, where = folder / rel, out_dir / rel.parent
@@ -89,7 +93,8 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
             tx.make_dirs(out_dir / rel.parent)
             report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx, roots)
             report.copied.append(str(out_dir / rel))
-        record_run(tx, out_dir, [folder], opts.blob_grace_s)  # what an earlier run wrote and this one does not
+        record.add(run_key("folder", [folder]), tx.finals(), [folder])  # what a later run may drop
+    (report.models[-1].notes if report.models else report.notes).extend(notes)
     return finish(report, start)
 
 
@@ -141,8 +146,8 @@ def plan_folder(folder: Path) -> FolderPlan:
                 plan.models.append(rel / d)  # a model package: converted, not walked
         dirs[:] = sorted(d for d in dirs if Path(d).suffix not in suffixes and not d.startswith(TMP_PREFIX))
         for name in sorted(names):
-            if name.startswith(TMP_PREFIX):
-                continue  # another run's temporary: never an input
+            if name.startswith(TMP_PREFIX) or name == RECORD:
+                continue  # another run's temporary; a converted folder's record (it speaks of that folder only)
             source_file(here / name, roots)
             (plan.models if Path(name).suffix in suffixes else files).append(rel / name)
     plan.models.sort()

@@ -1,30 +1,63 @@
-"""What a run wrote into OUTDIR, so that a re-run of the same inputs leaves OUTDIR as if freshly converted.
+"""What weightshare wrote into OUTDIR, so that a re-run removes what it no longer writes, and nothing else.
 
-A folder conversion records, in ``OUTDIR/.weightshare-folder.json`` (committed with its outputs), the files it
-wrote, keyed by its inputs (their absolute paths, not resolved: a hub snapshot's link path stays one key across
-revisions). The next run of the same inputs compares: an output of the earlier run that this run did not write (a
-model or side file gone from the folder, its blob) is dropped from that commit on and removed once it has been
-dropped for ``--blob-grace`` seconds (readers that opened the old model still find it meanwhile), under the
-commit's directory locks.
+Every batch and folder run records, in ``OUTDIR/.weightshare-folder.json``, each file it wrote: its path relative
+to OUTDIR and its identity right after the commit (device, inode, size, ctime in ns), keyed by its inputs (a hash
+of their absolute paths, not the paths: users publish OUTDIR). A later run of the same inputs that no longer writes
+a recorded file drops it; a run whose models all went to other runs drops what it wrote; a dropped file is removed
+once dropped for ``--blob-grace`` seconds, only if it is still the file weightshare wrote:
 
-The record is a file anyone can edit: only plain relative paths inside OUTDIR are ever removed, never a symlink,
-a directory, a temporary, an input, a file another recorded run still lists, or a file a model in its directory
-still names (a blob some other model references).
+- its directory is opened from a descriptor of OUTDIR one component at a time, never following a link (OUTDIR
+  itself, as named, is followed once), and the file is stat'ed and unlinked relative to that descriptor;
+- its identity equals the recorded one. ctime cannot be set by a user and changes on every write, chmod, rename
+  and link, so an edited, replaced or re-linked file no longer matches. A content hash would prove the same at the
+  cost of reading every byte of a multi-GiB blob (BLAKE3 ~1 GiB/s here) on every commit;
+- no model beside it (or in OUTDIR) still names it, no recorded run still lists it, this run did not write it.
+
+Anything else is kept, and a note names it. A file no record names (a user's file, an earlier version's output,
+a blob of unknown origin) is never a candidate. The record is read, merged and written under the commit's OUTDIR
+lock, after the renames, so concurrent runs keep each other's entries. It carries a seal (SHA-256 of its runs):
+a record that is malformed, of another format, or edited by hand removes nothing (one warning note) and is
+replaced by this run's entry alone.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
+import stat
 import time
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction
 
-RECORD = ".weightshare-folder.json"  # written by folder conversions (a zoo has its own)
-MAX_RUNS = 64  # input sets remembered per OUTDIR (the least recently run are forgotten)
-MAX_RECORD = 4 << 20
+RECORD = ".weightshare-folder.json"  # at OUTDIR's root; also skipped when a converted folder is converted again
+FORMAT = "weightshare-outputs/2"
+OLD_FORMAT = "weightshare-outputs/1"  # before identities: its outputs are kept and named once
+MAX_RUNS = 1024  # input sets (a batch: each model) remembered per OUTDIR; the least recently run are forgotten
+MAX_RECORD = 64 << 20  # ~150 bytes a file: a folder of 100,000 files
+_KEY = re.compile(r"[0-9a-f]{32}")
+_DIGEST_NAMED = re.compile(r".+\.[0-9a-f]{12}\.[A-Za-z0-9]+")  # a blob's name (<base>.<digest12><suffix>)
+
+Identity = list[int]  # [st_dev, st_ino, st_size, st_ctime_ns]
+
+
+# What a format still needs although no model names it (a TFLite XNNPACK cache that matches its model): kept.
+NEEDED: list[Callable[[Path], bool]] = []
+
+
+def before_record_write() -> None:
+    """Called under the commit's locks between reading the record and writing it back (tests replace it)."""
+
+
+def run_key(kind: str, inputs: list[Path]) -> str:
+    """The record's key of a run's inputs: not the paths themselves, which would publish the converting
+    machine's directories with OUTDIR; not resolved (a hub snapshot's link path stays one key across revisions)."""
+    text = kind + "\n" + "\n".join(sorted(os.path.abspath(i) for i in inputs))
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 def _valid(rel: object) -> bool:
@@ -35,151 +68,319 @@ def _valid(rel: object) -> bool:
         not p.is_absolute()
         and ".." not in p.parts
         and p.name != RECORD
+        and str(p) == rel
         and not any(part.startswith(TMP_PREFIX) or part in ("", ".") for part in p.parts)
     )
 
 
-def _read(out: Path) -> dict[str, dict[str, Any]]:
-    path = out / RECORD
+def _identity(x: object, extra: int = 0) -> bool:
+    return isinstance(x, list) and len(x) == 4 + extra and all(type(v) is int for v in x[:4])
+
+
+def _seal(runs: object) -> str:
+    return hashlib.sha256(json.dumps(runs, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _well_formed(runs: object) -> bool:
+    if not isinstance(runs, dict):
+        return False
+    for key, entry in runs.items():
+        if not (isinstance(key, str) and _KEY.fullmatch(key) and isinstance(entry, dict)):
+            return False
+        outputs, dropped, at = entry.get("outputs"), entry.get("dropped"), entry.get("at")
+        if not (isinstance(outputs, dict) and isinstance(dropped, dict) and isinstance(at, (int, float))):
+            return False
+        if not all(_valid(r) and _identity(i) for r, i in outputs.items()):
+            return False
+        if not all(_valid(r) and _identity(i, 1) and isinstance(i[4], (int, float)) for r, i in dropped.items()):
+            return False
+    return True
+
+
+def _open_dir(out_fd: int, parts: tuple[str, ...]) -> list[int]:
+    """Descriptors of each directory from OUTDIR down to ``parts``, none reached through a link (the caller
+    closes them). Raises OSError (ELOOP, ENOTDIR) at a link or a file in the way."""
+    fds = [os.dup(out_fd)]
     try:
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_RECORD:
-            return {}
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    runs = data.get("runs") if isinstance(data, dict) else None
-    return (
-        {k: v for k, v in runs.items() if isinstance(k, str) and isinstance(v, dict)} if isinstance(runs, dict) else {}
-    )
+        for part in parts:
+            fds.append(os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1]))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
 
 
-def record_run(tx: OutputTransaction, out_dir: Path, inputs: list[Path], grace_s: float) -> None:
-    """At the end of a run's transaction body: stage the new record, and remove at commit what is due."""
-    out = Path(out_dir)
-    key = "\n".join(sorted(os.path.abspath(i) for i in inputs))
-    base = os.path.abspath(out)
-    written: set[str] = set()
-    for final in tx.finals():
-        rel = os.path.relpath(os.path.abspath(final), base)
-        if _valid(rel.replace(os.sep, "/")):
-            written.add(rel.replace(os.sep, "/"))
-    runs = _read(out)
-    previous = runs.get(key, {})
-    now = time.time()
-    old_dropped = previous.get("dropped", {})
-    dropped: dict[str, float] = {
-        r: float(t)
-        for r, t in (old_dropped.items() if isinstance(old_dropped, dict) else [])
-        if _valid(r) and isinstance(t, (int, float)) and r not in written and t == t
-    }
-    old_outputs = previous.get("outputs", [])
-    for r in old_outputs if isinstance(old_outputs, list) else []:
-        if _valid(r) and r not in written and r not in dropped:
-            dropped[r] = now  # no longer written: its grace period starts with this commit
-    due = sorted(r for r, t in dropped.items() if now - t >= grace_s)
-    for r in due:
-        del dropped[r]
-    runs[key] = {"outputs": sorted(written), "dropped": dropped, "at": now}
-    kept = sorted(runs.items(), key=lambda kv: kv[1].get("at", 0) if isinstance(kv[1].get("at"), (int, float)) else 0)
-    runs = dict(kept[-MAX_RUNS:])
-    others = (
-        {r for k, v in runs.items() if k != key for r in (v.get("outputs") or []) if isinstance(r, str)}
-        | set(dropped)
-        | written
-    )
-    tmp = tx.new_file(out / RECORD)
-    tmp.write_text(json.dumps({"format": "weightshare-outputs/1", "runs": runs}, indent=1) + "\n", encoding="utf-8")
-    if due:
-        tx.add_hook(_RemoveDue(out, [r for r in due if r not in others], inputs))
+def _stat(out_fd: int, rel: str) -> os.stat_result | None:
+    parts = PurePosixPath(rel).parts
+    try:
+        fds = _open_dir(out_fd, parts[:-1])
+    except OSError:
+        return None
+    try:
+        return os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+    except OSError:
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
-class _RemoveDue(CommitHook):
-    """After the renames, under the OUTDIR locks: remove the outputs whose grace period is over."""
+def _ident(st: os.stat_result) -> Identity:
+    return [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns]
 
-    def __init__(self, out: Path, due: list[str], inputs: list[Path]) -> None:
-        self.out, self.due = out, due
-        self.inputs = {os.path.realpath(i) for i in inputs}
+
+class OutputsRecord(CommitHook):
+    """The record's update, run last at commit (``attach``), under the OUTDIR lock."""
+
+    def __init__(self, out: Path, grace_s: float, notes: list[str]) -> None:
+        self.out, self.grace_s, self.notes = Path(out), grace_s, notes
+        self.runs: dict[str, list[Path]] = {}  # key -> this run's files for it
+        self.inputs: list[Path] = []
+
+    def add(self, key: str, finals: list[Path], inputs: list[Path]) -> None:
+        self.runs.setdefault(key, []).extend(finals)
+        self.inputs += inputs
+
+    def _rel(self, final: Path) -> str | None:
+        rel = os.path.relpath(os.path.abspath(final), os.path.abspath(self.out)).replace(os.sep, "/")
+        return rel if _valid(rel) else None
 
     def after(self) -> None:
-        from ._paths import model_file_suffixes
-        from ._pipeline import referenced_names
-
-        suffixes = model_file_suffixes() or ()  # none known: nothing is taken for a model, each is checked
-        # models first: a blob that only a dropped model referenced is free once that model is gone
-        for rel in sorted(self.due, key=lambda r: PurePosixPath(r).suffix not in suffixes):
-            path = self.out / rel
-            try:
-                if path.is_symlink() or not path.is_file() or os.path.realpath(path) in self.inputs:
-                    continue
-                if path.suffix not in suffixes and referenced_names([path], {path.parent, self.out}):
-                    continue  # still named by a model beside it: not stale
-                path.unlink()
-            except OSError:
-                continue
-            parent = path.parent
-            while parent != self.out and self.out in parent.parents:
-                try:
-                    parent.rmdir()  # only if now empty (a subfolder the folder no longer has)
-                except OSError:
-                    break
-                parent = parent.parent
-
-
-class DroppedCompanions(CommitHook):
-    """A model's companions that an earlier run with other options wrote and this run does not (``--prepack``'s
-    portable twin after a plain re-conversion): removed once dropped for ``grace_s`` seconds.
-
-    Registered before the blob collector, so that a blob only the dropped twin referenced is seen unreferenced
-    in the same commit. The grace period starts at the commit that replaced the model the companion belonged to
-    (its mtime is set then, as for blobs): a reader that opened the old model still finds its companion."""
-
-    def __init__(self, model: Path, companions: list[Path], grace_s: float) -> None:
-        self.model, self.companions, self.grace_s = model, companions, grace_s
-        self.was_live: set[Path] = set()
-
-    def before(self) -> None:
-        import re
-
-        self.was_live = set()
         try:
-            old = self.model.read_bytes() if self.model.is_file() and not self.model.is_symlink() else b""
+            out_fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # OUTDIR as named: followed once
         except OSError:
             return
-        for c in self.companions:
-            try:
-                if c.is_symlink() or not c.is_file():
-                    continue
-                names = set(re.findall(rb"[\w.+-]+\.[0-9a-f]{12}\.safetensors", c.read_bytes()))
-            except OSError:
-                continue
-            if any(n in old for n in names):  # the model being replaced shares the companion's blob: a pair
-                self.was_live.add(c)
+        try:
+            self._update(out_fd)
+        except OSError as e:  # housekeeping: the outputs are committed; an unwritten record only keeps more
+            self.notes.append(f"warning: {RECORD} not updated ({e.strerror or e}); nothing was removed")
+        finally:
+            os.close(out_fd)
 
-    def after(self) -> None:
+    def _update(self, out_fd: int) -> None:
         now = time.time()
-        for c in self.companions:
+        runs = self._read(out_fd)
+        mine: dict[str, dict[str, Identity]] = {}
+        written: set[str] = set()
+        for key, finals in self.runs.items():
+            mine[key] = {}
+            for final in finals:
+                rel = self._rel(final)
+                if rel is None:
+                    continue
+                written.add(rel)
+                st = _stat(out_fd, rel)
+                if st is not None:  # else written through a link below OUTDIR: never ours to remove
+                    mine[key][rel] = _ident(st)
+        for key, entry in runs.items():  # what this run wrote is its own now: the old identities are stale
+            if key in mine:
+                continue
+            entry["outputs"] = {r: i for r, i in entry["outputs"].items() if r not in written}
+            entry["dropped"] = {r: i for r, i in entry["dropped"].items() if r not in written}
+            if entry["outputs"] and not any(_is_model(r) for r in entry["outputs"]):
+                # every model it wrote was replaced by another run's: nothing it wrote is needed for them
+                entry["dropped"].update({r: [*i, now] for r, i in entry["outputs"].items()})
+                entry["outputs"] = {}
+        for key, files in mine.items():
+            previous = runs.get(key, {"outputs": {}, "dropped": {}})
+            dropped = {r: i for r, i in previous["dropped"].items() if r not in written}
+            for r, i in previous["outputs"].items():
+                if r not in written and r not in dropped:
+                    dropped[r] = [*i, now]  # no longer written: its grace period starts with this commit
+            runs[key] = {"outputs": files, "dropped": dropped, "at": now}
+        live = written | {r for e in runs.values() for r in e["outputs"]}
+        due = sorted(
+            {r for e in runs.values() for r, i in e["dropped"].items() if now - i[4] >= self.grace_s},
+            key=lambda r: (not _is_model(r), r),  # models first: a blob only they named is free once they are gone
+        )
+        for r in due:
+            kept = None if r in live else self._remove(out_fd, r, [i for e in runs.values() for i in _at(e, r)])
+            if kept == "named":
+                continue  # a model still names it: dropped still, tried again by a later run
+            for e in runs.values():
+                e["dropped"].pop(r, None)
+            if kept is not None:
+                self.notes.append(f"kept {r}: {kept}")
+        self._note_unrecorded(out_fd, written, runs)
+        others = sorted((kv for kv in runs.items() if kv[0] not in mine), key=lambda kv: kv[1]["at"])
+        keep = max(0, MAX_RUNS - len(mine))  # this run's entries always stay: forgetting them would keep their files
+        runs = dict(others[len(others) - keep :] if keep else []) | {k: runs[k] for k in mine}
+        before_record_write()
+        self._write(out_fd, runs)
+
+    def _read(self, out_fd: int) -> dict[str, dict[str, Any]]:
+        try:
+            fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=out_fd)
+        except FileNotFoundError:
+            return {}
+        except OSError:
+            return self._foreign("is not a regular file")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD:
+                return self._foreign("is not a regular file of a plausible size")
+            raw = os.read(fd, MAX_RECORD + 1)
+        finally:
+            os.close(fd)
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            return self._foreign("is not JSON")
+        if isinstance(data, dict) and data.get("format") == OLD_FORMAT:
+            self._note_old(data.get("runs"))
+            return {}
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            return self._foreign("is not a record of this weightshare version")
+        runs = data.get("runs")
+        if not _well_formed(runs) or data.get("seal") != _seal(runs):
+            return self._foreign("was edited or is damaged (its seal does not match)")
+        assert isinstance(runs, dict)
+        return runs
+
+    def _foreign(self, why: str) -> dict[str, dict[str, Any]]:
+        self.notes.append(
+            f"warning: {self.out / RECORD} {why}: nothing was removed; it is replaced by this run's record"
+        )
+        return {}
+
+    def _note_old(self, runs: object) -> None:
+        listed = sorted(
+            {
+                r
+                for e in (runs.values() if isinstance(runs, dict) else [])
+                if isinstance(e, dict)
+                for r in (e.get("outputs") or [])
+                if _valid(r)
+            }
+        )
+        if listed:
+            shown = ", ".join(listed[:8]) + (f" and {len(listed) - 8} more" if len(listed) > 8 else "")
+            self.notes.append(
+                f"{len(listed)} files an earlier weightshare version recorded in {RECORD} carry no identity and are "
+                f"kept from now on: {shown} (remove by hand those no model needs)"
+            )
+
+    def _remove(self, out_fd: int, rel: str, recorded: list[Identity]) -> str | None:
+        """Unlink OUTDIR/``rel`` if it is still the file recorded; else why it is kept ("named": a model beside
+        it names it). None when removed or already gone."""
+        parts = PurePosixPath(rel).parts
+        try:
+            fds = _open_dir(out_fd, parts[:-1])
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return "its directory is a link or not a directory (nothing below OUTDIR is followed)"
+        try:
             try:
-                if c.is_symlink() or not c.is_file():
-                    continue
-                if c in self.was_live:
-                    os.utime(c, follow_symlinks=False)  # dropped from now on: the grace period starts here
-                    if self.grace_s > 0:
-                        continue
-                elif now - c.stat(follow_symlinks=False).st_mtime < self.grace_s:
-                    continue
-                c.unlink()
+                st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+            if not stat.S_ISREG(st.st_mode):
+                return "not a regular file (a link or a directory)"
+            if not any(_ident(st) == i[:4] for i in recorded):
+                return "changed or replaced since weightshare wrote it"
+            if (st.st_dev, st.st_ino) in self._input_ids():
+                return "an input of this run"
+            if not _is_model(rel) and self._named(rel):
+                return "named"
+            os.unlink(parts[-1], dir_fd=fds[-1])
+            for level in range(len(parts) - 1, 0, -1):  # a subfolder the folder no longer has, if now empty
+                try:
+                    os.rmdir(parts[level - 1], dir_fd=fds[level - 1])
+                except OSError:
+                    break
+            return None
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _input_ids(self) -> set[tuple[int, int]]:
+        ids = set()
+        for i in self.inputs:
+            try:
+                st = os.stat(i)
             except OSError:
                 continue
+            ids.add((st.st_dev, st.st_ino))
+        return ids
+
+    def _named(self, rel: str) -> bool:
+        """A model in the file's directory or in OUTDIR names it (a blob some model still references), or a format
+        still needs it (``NEEDED``)."""
+        from ._pipeline import referenced_names
+
+        path = self.out / rel
+        return bool(referenced_names([path], {path.parent, self.out})) or any(still(path) for still in NEEDED)
+
+    def _note_unrecorded(self, out_fd: int, written: set[str], runs: dict[str, dict[str, Any]]) -> None:
+        """Blobs beside this run's that no record names and no model references: kept, and said so once per run."""
+        known = written | {r for e in runs.values() for r in (*e["outputs"], *e["dropped"])}
+        dirs = {str(PurePosixPath(r).parent) for r in written if _DIGEST_NAMED.fullmatch(PurePosixPath(r).name)}
+        found = []
+        for d in sorted(dirs):
+            parts = () if d == "." else PurePosixPath(d).parts
+            try:
+                fds = _open_dir(out_fd, parts)
+            except OSError:
+                continue
+            try:
+                names = os.listdir(fds[-1])
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            for name in sorted(names):
+                rel = name if d == "." else f"{d}/{name}"
+                if rel in known or not _DIGEST_NAMED.fullmatch(name) or name.startswith(TMP_PREFIX):
+                    continue
+                st = _stat(out_fd, rel)
+                if st is not None and stat.S_ISREG(st.st_mode) and not self._named(rel):
+                    found.append(rel)
+        if found:
+            shown = ", ".join(found[:8]) + (f" and {len(found) - 8} more" if len(found) > 8 else "")
+            self.notes.append(
+                f"kept {shown}: no record of weightshare names {'it' if len(found) == 1 else 'them'} (written by an "
+                "earlier version, or not by weightshare) and no model references it; remove by hand if not needed"
+            )
+
+    def _write(self, out_fd: int, runs: dict[str, dict[str, Any]]) -> None:
+        text = json.dumps({"format": FORMAT, "runs": runs, "seal": _seal(runs)}, indent=1, sort_keys=True) + "\n"
+        tmp = self.tmp_name
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=out_fd)
+        try:
+            os.write(fd, text.encode())
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            os.unlink(tmp, dir_fd=out_fd)
+            raise
+        os.close(fd)
+        try:
+            os.replace(tmp, RECORD, src_dir_fd=out_fd, dst_dir_fd=out_fd)
+        except BaseException:
+            os.unlink(tmp, dir_fd=out_fd)
+            raise
+
+    tmp_name = ""  # set by ``attach``: a name this transaction's guard protects
 
 
-def dropped_companions(fmt: Any, src: Path, out: Path, options: Any) -> list[Path]:
-    """The companions ``fmt`` (a ``Format``, which this module sits below) writes for ``src`` under other options
-    (``Format.outputs``) that this run does not."""
-    import dataclasses
+def _at(entry: dict[str, Any], rel: str) -> list[Identity]:
+    i = entry["dropped"].get(rel)
+    return [i] if i is not None else []
 
-    listed = fmt.outputs
-    mine = set(listed(src, out, options))
-    every = set(listed(src, out, dataclasses.replace(options, prepack=True))) | set(
-        listed(src, out, dataclasses.replace(options, prepack=False))
-    )
-    return sorted(every - mine)
+
+def _is_model(rel: str) -> bool:
+    from ._paths import model_file_suffixes
+
+    suffixes = model_file_suffixes()
+    return suffixes is None or PurePosixPath(rel).suffix in suffixes
+
+
+def attach(tx: OutputTransaction, out: Path, grace_s: float, notes: list[str]) -> OutputsRecord:
+    """The run's record update, run last at ``tx``'s commit under the OUTDIR lock; the caller ``add``s its files."""
+    record = OutputsRecord(out, grace_s, notes)
+    tx.guard(out)  # the record's temporary is this transaction's: a concurrent run's cleanup leaves it alone
+    record.tmp_name = tx.temp_name(Path(out) / RECORD).name
+    tx.record_dir = Path(out)
+    tx.after_commit(record.after)  # after every hook: nothing else touches the outputs once they are recorded
+    return record

@@ -117,7 +117,8 @@ def write_models(
         )
         location, blob_path = target.named(digest)
         tx.retarget(tmp, blob_path)
-        tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
+        if tx.record_dir is None:  # a zoo; a batch or folder run removes only what its record proves
+            tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
         for m in models:  # placed: what emit needs is recorded; 100,000s of payload objects go before it runs
             m.payloads = []
     for m, had_payloads, placed in zip(models, moved, placements):

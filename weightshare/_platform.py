@@ -11,10 +11,11 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+from pathlib import Path
 
 from .errors import Unsupported
 
-__all__ = ["TreePeak", "require_posix", "tree_rss_bytes"]
+__all__ = ["TreePeak", "require_posix", "same_file", "tree_rss_bytes"]
 
 
 def _missing() -> list[str]:
@@ -50,6 +51,15 @@ def malloc_trim() -> bool:
     try:
         return bool(ctypes.CDLL(None).malloc_trim(0))
     except (OSError, AttributeError):
+        return False
+
+
+def same_file(path: Path, fd: int) -> bool:
+    """``fd`` (just locked) is still the file at ``path``. A concurrent run's cleanup may have removed it before the
+    lock: then False, and the caller retries (raising there ended runs with exit 2 "No such file or directory")."""
+    try:
+        return os.stat(path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
         return False
 
 

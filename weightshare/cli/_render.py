@@ -374,8 +374,10 @@ def render_conversion(result: ZooReport | FolderReport | list[ConversionReport],
             render_report(r)
         for r in result.models:
             info(f"{r.model}: {r.tensors_moved} payloads moved, {size(r.bytes_written)} stored -> {r.outputs[0]}")
+            for note in r.notes if VERBOSITY["level"] <= 0 else []:  # verbose: in the model's table above
+                info(note if note.startswith("warning:") else f"note: {note}")
         for note in result.notes:
-            info(f"note: {note}")
+            info(note if note.startswith("warning:") else f"note: {note}")
         info(
             f"total: {len(result.models)} models converted, {len(result.copied)} other files copied "
             f"({size(result.copied_bytes)}), {result.wall_time_s:.2f} s, peak RSS {size_mib(result.peak_rss_mib)} "
@@ -395,6 +397,8 @@ def _render_batch(reports: list[ConversionReport]) -> None:
                 f"{r.model}: {r.tensors_moved} payloads moved, {size(r.bytes_written)} stored, "
                 f"{r.unpacked} unpacked, {r.wall_time_s:.2f} s, peak RSS {size_mib(r.peak_rss_mib)} -> {r.outputs[0]}"
             )
+            for note in r.notes if VERBOSITY["level"] <= 0 else []:
+                info(note if note.startswith("warning:") else f"note: {note}")
         from .._contract import totals
 
         t = totals(reports)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 from ..._atomic import CommitHook, OutputTransaction, locked_stage
 from ..._checksum import Hasher
 from ..._findings import Finding
+from ..._outputs_record import NEEDED
 from ..._paths import resolve_inside
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
 from . import cache_record
@@ -186,6 +187,23 @@ def expected_cache(model: str | os.PathLike[str]) -> Path:
     return model.parent / cache_name(model.name, content_digest(model))
 
 
+def _matches_its_model(path: Path) -> bool:
+    """A cache (or its record) that still matches the model beside it: the outputs record keeps it."""
+    cache = path.with_name(path.name.removesuffix(cache_record.RECORD_SUFFIX))
+    m = _NAME.match(cache.name)
+    try:
+        return (
+            m is not None
+            and (cache.parent / m["model"]).is_file()
+            and expected_cache(cache.parent / m["model"]) == cache
+        )
+    except (OSError, WeightshareError):
+        return False
+
+
+NEEDED.append(_matches_its_model)
+
+
 def candidate_caches(model: str | os.PathLike[str]) -> list[Path]:
     """Every file beside ``model`` named like one of its caches, matching or not."""
     model = Path(model)
@@ -304,14 +322,15 @@ def prepack(final_model: Path, blob_name: str | None, tx: OutputTransaction, gra
             cache_record.write_record(cache_tmp, tx.new_file(cache_record.record_path(final_cache)), digest)
     except OSError as e:
         raise OutputError(f"cannot stage the model for the XNNPACK weight cache: {e.strerror}", out_dir) from None
-    tx.add_hook(SupersededCaches(final_model, final_cache, grace_s))
+    if tx.record_dir is None:  # else the outputs record removes an old cache, only on proof
+        tx.add_hook(SupersededCaches(final_model, final_cache, grace_s))
     return result, str(final_cache)
 
 
 def drop_stale_after_commit(final_model: Path, tx: OutputTransaction, grace_s: float) -> None:
     """Without --prepack: caches an earlier --prepack run left beside ``final_model`` that no longer match the
     new model go after the grace period (one that still matches, from identical output, stays)."""
-    if candidate_caches(final_model):
+    if tx.record_dir is None and candidate_caches(final_model):
         tx.add_hook(SupersededCaches(final_model, None, grace_s))
 
 
