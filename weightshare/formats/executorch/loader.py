@@ -63,7 +63,7 @@ def _file_keys(path: Path) -> list[tuple[str, FileRange, tuple[int, ...]]]:
     else:
         f.close()
         raise InvalidModel("not an ExecuTorch program or data file", path)
-    out = []
+    out: list[tuple[str, FileRange, tuple[int, ...]]] = []
     for nd in named:
         seg = segments[nd.segment]
         out.append((nd.key, FileRange(str(path), seg.file_offset, seg.nbytes, f), ident))
