@@ -11,6 +11,13 @@ chunk i+1 is produced, without copying it.
 Input files are opened once (``open_input``) and read through the kept
 descriptor, never reopened by name: a name checked to lie inside the model
 directory cannot be swapped for a symlink between the check and the read.
+
+A run's inputs are checked against its plan (``planned_inputs``): each input's identity (device, inode) is taken
+when the run plans it, a link's by its resolved target (a Hugging Face hub snapshot links every file into the
+cache's ``blobs/``). Every later open of a planned input opens that target without following a link and compares
+the descriptor's identity with the plan, so a model swapped (for a link to a file outside the folder, or another
+file) between planning and conversion is refused, never read. While a driver converts one model it ``hold``s it:
+that model is opened once and every read of it, by any reader, goes through that descriptor (``open_fd``).
 """
 
 from __future__ import annotations
@@ -18,8 +25,10 @@ from __future__ import annotations
 import os
 import stat
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
@@ -102,6 +111,150 @@ def _fd_real_path(fd: int) -> str | None:
         return None  # no /proc (macOS, some sandboxes): the O_NOFOLLOW and dev/ino checks remain
 
 
+@dataclass(frozen=True, slots=True)
+class PlannedInput:
+    """An input as its run planned it: the path named, the file it was then (a link's resolved target), and that
+    file's identity."""
+
+    path: str  # absolute, as named (may be a link)
+    target: str  # its real path when planned
+    dev: int
+    ino: int
+    is_dir: bool
+
+
+def plan_input(path: str | os.PathLike[str]) -> PlannedInput | None:
+    """The identity of ``path`` now (links followed); None when it cannot be read (its reader says why)."""
+    name = os.path.abspath(os.fspath(path))
+    try:
+        st = os.stat(name)
+    except OSError:
+        return None
+    return PlannedInput(name, os.path.realpath(name), st.st_dev, st.st_ino, stat.S_ISDIR(st.st_mode))
+
+
+def plan_inputs(paths: Iterable[str | os.PathLike[str]]) -> list[PlannedInput]:
+    return [p for p in map(plan_input, paths) if p is not None]
+
+
+@dataclass
+class _RunInputs:
+    by_name: dict[str, PlannedInput] = field(default_factory=dict)  # by the path named and by its target
+    held: dict[str, InputFile] = field(default_factory=dict)  # by PlannedInput.path
+
+
+_run: ContextVar[_RunInputs | None] = ContextVar("weightshare_run_inputs", default=None)
+
+
+def _no_hook(planned: Sequence[PlannedInput]) -> None:
+    return None
+
+
+# Called by a driver between planning its run and opening any planned input for conversion (tests put a barrier
+# there; nothing else sets it).
+after_plan: Callable[[Sequence[PlannedInput]], None] = _no_hook
+
+
+@contextmanager
+def planned_inputs(planned: Iterable[PlannedInput]) -> Iterator[list[PlannedInput]]:
+    """Check every open of these inputs against their planned identity while the context lasts (nested: the
+    outer run's inputs stay planned too)."""
+    outer = _run.get()
+    run = _RunInputs(dict(outer.by_name) if outer is not None else {})
+    items = list(planned)
+    for p in items:
+        run.by_name[p.path] = run.by_name[p.target] = p
+    token = _run.set(run)
+    try:
+        yield items
+    finally:
+        _run.reset(token)
+        for f in run.held.values():
+            f.close()
+
+
+def run_input_paths() -> list[str]:
+    """The paths the current run planned (as named): the files given on the command line, a folder's models."""
+    run = _run.get()
+    return sorted({p.path for p in run.by_name.values()}) if run is not None else []
+
+
+def is_planned(path: str | os.PathLike[str]) -> bool:
+    """Whether the current run planned ``path`` (then ``open_input(path)`` opens what was planned)."""
+    return _planned(path) is not None
+
+
+def _planned(path: str | os.PathLike[str]) -> tuple[_RunInputs, PlannedInput] | None:
+    run = _run.get()
+    if run is None or not run.by_name:
+        return None
+    p = run.by_name.get(os.path.abspath(os.fspath(path)))
+    return (run, p) if p is not None else None
+
+
+def _open_planned(p: PlannedInput, where: str | os.PathLike[str]) -> int:
+    """Open ``p``'s planned target (no link followed there) and check the descriptor is the planned file."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    if p.is_dir:
+        flags |= getattr(os, "O_DIRECTORY", 0)
+    try:
+        fd = os.open(p.target, flags)
+    except OSError as e:
+        raise UnsafePath(f"is no longer the file that was checked ({e.strerror}); refusing to read it", where) from None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (p.dev, p.ino):
+        os.close(fd)
+        now = os.path.realpath(p.path)
+        what = f"now resolves to {now[:200]}" if now != p.target else "was replaced by another file"
+        raise UnsafePath(f"changed after it was checked ({what}); refusing to read it", where)
+    return fd
+
+
+@contextmanager
+def hold(path: str | os.PathLike[str]) -> Iterator[None]:
+    """Open a planned input once, checked against the plan; every read of it in the context goes through that
+    descriptor (``open_input``, ``open_fd``). A path the run did not plan is left as it is."""
+    found = _planned(path)
+    if found is None or found[1].is_dir:
+        if found is not None:  # a package directory: its identity checked now; its files are opened inside it
+            os.close(_open_planned(found[1], path))
+        yield
+        return
+    run, p = found
+    if p.path in run.held:
+        yield
+        return
+    fd = _open_planned(p, path)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidModel(f"{os.path.basename(p.path)!r} is not a regular file", path)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    run.held[p.path] = InputFile(fd, p.path, st.st_size)
+    try:
+        yield
+    finally:
+        run.held.pop(p.path).close()
+
+
+def open_fd(path: str | os.PathLike[str]) -> int:
+    """A read-only descriptor of ``path`` the caller closes: a duplicate of the held one for an input being
+    converted, a checked open for another planned input, else ``os.open``."""
+    found = _planned(path)
+    if found is None:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    run, p = found
+    held = run.held.get(p.path)
+    if held is not None:
+        return os.dup(held.fd)
+    fd = _open_planned(p, path)
+    os.set_blocking(fd, True)
+    return fd
+
+
 def open_input(
     path: str | os.PathLike[str],
     inside: str | os.PathLike[str] | tuple[Path, ...] | None = None,
@@ -114,9 +267,14 @@ def open_input(
     descriptor's real path must lie inside ``inside`` (or one of them, ``external_data_roots``): a file swapped
     for a symlink, or a directory on the way swapped, after the check is refused, never read.
     The open is non-blocking so that a FIFO is refused instead of waiting for a writer.
+    An input the run planned is opened at its planned target and checked against the plan (``planned_inputs``); one
+    being converted is not opened again (``hold``).
     """
     path = os.fspath(path)
     where = origin if origin is not None else path
+    found = _planned(path)
+    if found is not None and not found[1].is_dir:
+        return _open_planned_input(found[0], found[1], path, inside, where)
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     if inside is not None:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -139,6 +297,35 @@ def open_input(
     return InputFile(fd, path, st.st_size)
 
 
+def _open_planned_input(
+    run: _RunInputs,
+    p: PlannedInput,
+    path: str,
+    inside: str | os.PathLike[str] | tuple[Path, ...] | None,
+    where: str | os.PathLike[str],
+) -> InputFile:
+    held = run.held.get(p.path)
+    fd = os.dup(held.fd) if held is not None else _open_planned(p, where)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidModel(f"{os.path.basename(path)!r} is not a regular file", where)
+        if inside is not None:
+            _check_opened_inside(fd, st, p.target, inside, where)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return InputFile(fd, path, st.st_size)
+
+
+def _planned_real(base: str | os.PathLike[str]) -> str:
+    """A directory's real path as the run planned it (a package swapped for a link afterwards does not move the
+    bound), else as it is now."""
+    found = _planned(base)
+    return found[1].target if found is not None else os.path.realpath(base)
+
+
 def _check_opened_inside(
     fd: int,
     st: os.stat_result,
@@ -146,7 +333,7 @@ def _check_opened_inside(
     inside: str | os.PathLike[str] | tuple[Path, ...],
     where: str | os.PathLike[str],
 ) -> None:
-    bases = [os.path.realpath(b) for b in inside] if isinstance(inside, tuple) else [os.path.realpath(inside)]
+    bases = [_planned_real(b) for b in inside] if isinstance(inside, tuple) else [_planned_real(inside)]
     real = _fd_real_path(fd)
     if real is None:  # fall back to: the name now resolves to the very file we hold, and inside base
         real = os.path.realpath(path)

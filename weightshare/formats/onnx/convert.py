@@ -24,7 +24,7 @@ from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, wr
 from ..._placement import PlannedTensor
 from ..._platform import malloc_trim
 from ..._safetensors import CONTAINER
-from ..._tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
+from ..._tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, open_fd, read_all
 from ...errors import InvalidModel, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport
@@ -145,7 +145,7 @@ class _SignallingNanProbe:
         for part in parts:
             fd = self._fds.get(part.path)
             if fd is None:
-                fd = self._fds[part.path] = os.open(part.path, os.O_RDONLY)
+                fd = self._fds[part.path] = open_fd(part.path)
             pos, end = part.offset, part.offset + part.length
             while pos < end:
                 got = os.preadv(fd, [view[: min(len(view), end - pos)]], pos)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ai_edge_litert import schema_py_generated as schema
 
 from ..._flatbuffers import Reader
-from ..._tensors import FileRange
+from ..._tensors import FileRange, open_fd
 from ...errors import InvalidModel
 
 FILE_IDENTIFIER = b"TFL3"
@@ -134,7 +134,7 @@ def open_model(path: str) -> Iterator[tuple[Reader, mmap.mmap]]:
     Only the pages of the tables the object API reads are touched; payload bytes
     are never read through the mapping (``BufferRef.source`` preads them in chunks).
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_fd(path)  # a model being converted: its held descriptor
     try:
         size = os.fstat(fd).st_size
         if size < 8:
