@@ -197,16 +197,17 @@ def _open_planned(p: PlannedInput, where: str | os.PathLike[str]) -> int:
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     if p.is_dir:
         flags |= getattr(os, "O_DIRECTORY", 0)
+    now = os.path.realpath(p.path)
+    if now != p.target:  # re-pointed: the planned target is still safe to read, but it is no longer the input
+        raise UnsafePath(f"changed after it was checked (now resolves to {now[:200]}); refusing to read it", where)
     try:
         fd = os.open(p.target, flags)
     except OSError as e:
-        raise UnsafePath(f"is no longer the file that was checked ({e.strerror}); refusing to read it", where) from None
+        raise UnsafePath(f"changed after it was checked ({e.strerror}); refusing to read it", where) from None
     st = os.fstat(fd)
     if (st.st_dev, st.st_ino) != (p.dev, p.ino):
         os.close(fd)
-        now = os.path.realpath(p.path)
-        what = f"now resolves to {now[:200]}" if now != p.target else "was replaced by another file"
-        raise UnsafePath(f"changed after it was checked ({what}); refusing to read it", where)
+        raise UnsafePath("changed after it was checked (replaced by another file); refusing to read it", where)
     return fd
 
 
