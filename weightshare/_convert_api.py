@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
-from . import _tensors
+from . import _inputs
 from ._atomic import OutputTransaction
 from ._outputs_record import DroppedCompanions, dropped_companions
 from ._paths import check_no_overlap
@@ -322,10 +322,10 @@ def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[C
         if s.is_dir() and s.suffix not in model_suffixes():
             raise UsageError("is a folder of models, not a model: convert it with convert_folder (tree kept)", s)
     # every later open of a source is checked against its identity now (a link: its target's)
-    with _tensors.planned_inputs(_tensors.plan_inputs(sources)) as planned:
+    with _inputs.planned_inputs(_inputs.plan_inputs(sources)) as planned:
         formats = [detect(s) for s in sources]
         check_outputs(*_every_output(sources, formats, out, options))  # companions too (--prepack: .portable.onnx)
-        _tensors.after_plan(planned)
+        _inputs.after_plan(planned)
         return _run_planned(sources, formats, out, options)
 
 
@@ -343,7 +343,7 @@ def _run_planned(
                 tx.add_hook(DroppedCompanions(out / src.name, dropped, options.blob_grace_s))
         for src, fmt in zip(sources, formats):
             t0 = time.perf_counter()
-            with _tensors.hold(src):  # opened once, checked against the plan; every read of it goes through that
+            with _inputs.hold(src):  # opened once, checked against the plan; every read of it goes through that
                 reports.append(finish(convert_one(fmt, src, out, options, tx), t0))
     if len(reports) == 1:  # the commit is part of the one model's time
         finish(reports[0], start)

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _tensors
+from . import _inputs
 from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
+from ._inputs import PlannedInput, hold, open_input, plan_input, planned_inputs
 from ._outputs_record import record_run
 from ._paths import check_utf8_path
 from ._run import convert_one, finish, prepare_out_dir, reset_peak_rss
-from ._tensors import PlannedInput, hold, open_input, plan_input, planned_inputs
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import detect, model_suffixes
 from .options import ConvertOptions
@@ -68,7 +68,7 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
     start = time.perf_counter()
     reset_peak_rss()
     with planned_inputs(plan.inputs), OutputTransaction() as tx:
-        _tensors.after_plan(plan.inputs)
+        _inputs.after_plan(plan.inputs)
         prepare_out_dir(out_dir, tx)
         sweep_temporaries(out_dir)  # a killed run's, in any subdirectory (side-file-only ones too)
         tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few
@@ -214,7 +214,7 @@ def copy_file(src: Path, final: Path, tx: OutputTransaction, roots: tuple[Path, 
     roots = roots if roots is not None else (src.parent.resolve(),)
     source_file(src, roots)
     # planned: the file the walk checked (its recorded target, same identity); else wherever it resolves now
-    f = open_input(src if _tensors.is_planned(src) else src.resolve(), roots, src)
+    f = open_input(src if _inputs.is_planned(src) else src.resolve(), roots, src)
     try:
         tmp = tx.new_file(final, stat.S_IMODE(os.fstat(f.fd).st_mode))
         try:

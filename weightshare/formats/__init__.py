@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._findings import register_codes
+from .._inputs import open_fd
 from .._paths import check_utf8_path, provide_model_suffixes
-from .._tensors import open_fd
 from ..errors import InvalidModel, Unsupported
 from .base import BenchRuntime, BlobContainer, BlobFile, Format, FormatOptions
 

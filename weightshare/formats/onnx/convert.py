@@ -20,11 +20,12 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from ..._atomic import OutputTransaction
+from ..._inputs import open_fd
 from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ..._placement import PlannedTensor
 from ..._platform import malloc_trim
 from ..._safetensors import CONTAINER
-from ..._tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, open_fd, read_all
+from ..._tensors import ElementwiseSource, FileRange, PayloadSource, bf16_to_fp32, fp16_to_fp32, read_all
 from ...errors import InvalidModel, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..._tensors import CHUNK_SIZE, PayloadSource, open_fd
+from ..._inputs import open_fd
+from ..._tensors import CHUNK_SIZE, PayloadSource
 from ...errors import InvalidModel
 
 if TYPE_CHECKING:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from ai_edge_litert import schema_py_generated as schema
 
 from ..._flatbuffers import Reader
-from ..._tensors import FileRange, open_fd
+from ..._inputs import open_fd
+from ..._tensors import FileRange
 from ...errors import InvalidModel
 
 FILE_IDENTIFIER = b"TFL3"
