@@ -79,6 +79,7 @@ def plan_inputs(paths: Iterable[str | os.PathLike[str]]) -> list[PlannedInput]:
 class _RunInputs:
     by_name: dict[str, PlannedInput] = field(default_factory=dict)  # by the path named and by its target
     held: dict[str, InputFile] = field(default_factory=dict)  # by PlannedInput.path
+    named: list[str] = field(default_factory=list)  # the paths the user named (a batch's files)
 
 
 _run: ContextVar[_RunInputs | None] = ContextVar("weightshare_run_inputs", default=None)
@@ -94,12 +95,13 @@ after_plan: Callable[[Sequence[PlannedInput]], None] = _no_hook
 
 
 @contextmanager
-def planned_inputs(planned: Iterable[PlannedInput]) -> Iterator[list[PlannedInput]]:
+def planned_inputs(planned: Iterable[PlannedInput], named: bool = False) -> Iterator[list[PlannedInput]]:
     """Check every open of these inputs against their planned identity while the context lasts (nested: the
-    outer run's inputs stay planned too)."""
+    outer run's inputs stay planned too). ``named``: the user named each of them (``named_inputs``)."""
     outer = _run.get()
     run = _RunInputs(dict(outer.by_name) if outer is not None else {})
     items = list(planned)
+    run.named = [p.path for p in items] if named else list(outer.named if outer is not None else [])
     for p in items:
         run.by_name[p.path] = run.by_name[p.target] = p
     token = _run.set(run)
@@ -111,10 +113,10 @@ def planned_inputs(planned: Iterable[PlannedInput]) -> Iterator[list[PlannedInpu
             f.close()
 
 
-def run_input_paths() -> list[str]:
-    """The paths the current run planned (as named): the files given on the command line, a folder's models."""
+def named_inputs() -> list[Path]:
+    """The files the user named for the current run (a batch's files, as given on the command line)."""
     run = _run.get()
-    return sorted({p.path for p in run.by_name.values()}) if run is not None else []
+    return [Path(p) for p in run.named] if run is not None else []
 
 
 def is_planned(path: str | os.PathLike[str]) -> bool:

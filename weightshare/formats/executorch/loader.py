@@ -33,7 +33,7 @@ from typing import Any
 from ..._tensors import FileRange, open_input
 from ...errors import InvalidModel, Unsupported
 from . import backend_options, flatbuf
-from .verify import data_path_for
+from .inventory import locate_data_files
 
 _lock = threading.Lock()
 _bound: dict[str, str] = {}  # named-data key -> SHA-256 of the bytes first loaded under it
@@ -129,6 +129,27 @@ class SharedProgram:
                 backend_options.set_bool(backend_options.XNNPACK, backend_options.WEIGHT_CACHE, False)
 
 
+def data_file_for(path: Path, given: Path | None) -> Path | None:
+    """The ``.ptd`` to load ``path`` with (``given``, else the one beside it holding the keys it reads), once every
+    named-data key the program reads is known to be there: ExecuTorch fails to load a method whose data is missing
+    (executorch 1.5.1: ``RuntimeError ... error 0x2``/``0x14``; the issue measured a SIGSEGV), so this is said first.
+
+    Raises:
+        InvalidModel: a key is in no data file (or in two beside it); the program is damaged.
+        Unsupported: its keys are in two data files (the runtime takes one ``data_path``).
+    """
+    f = open_input(path)
+    try:
+        prog = flatbuf.read_program(f.fd, str(path))
+        found = locate_data_files(path, prog, f.fd, [given] if given is not None else None)
+    finally:
+        f.close()
+    if len(found) > 1:
+        names = ", ".join(str(p) for p in found)
+        raise Unsupported(f"reads named data from {len(found)} data files ({names}); the runtime takes one", path)
+    return given if given is not None else next(iter(found), None)
+
+
 def program(path: str | os.PathLike[str], data_path: str | os.PathLike[str] | None = None) -> SharedProgram:
     """Load an ExecuTorch program for sharing: mapped weights, XNNPACK's packed weights once per process
     (``weightshare.executorch.program``).
@@ -140,16 +161,19 @@ def program(path: str | os.PathLike[str], data_path: str | os.PathLike[str] | No
     Returns:
         A ``SharedProgram``: ``load_method(name)`` returns the runtime's ``Method`` (``execute(inputs)``).
 
+    Raises:
+        InvalidModel: the program reads a named-data key no data file holds (checked before ExecuTorch runs it).
+
     Example:
         >>> m = program("model.pte").load_method("forward")
         >>> out = m.execute([torch.randn(1, 2048)])
     """
+    path = Path(path)
+    data = data_file_for(path, Path(data_path) if data_path is not None else None)  # before the runtime sees it
     try:
         runtime = importlib.import_module("executorch.runtime")
     except ImportError as e:
         raise Unsupported(f"ExecuTorch's Python runtime is not installed ({e})") from None
-    path = Path(path)
-    data = Path(data_path) if data_path is not None else data_path_for(path)
     files = [path] + ([data] if data is not None else [])
     conflicts = bind_keys(files)
     kwargs = {"data_path": str(data)} if data is not None else {}
