@@ -15,7 +15,9 @@ import os
 import time
 from pathlib import Path
 
-from executorch_fixtures import xnnpack_program
+import numpy as np
+import pytest
+from executorch_fixtures import data_file, external_program, xnnpack_program
 
 from weightshare.formats.executorch import flatbuf, loader
 
@@ -98,3 +100,113 @@ def test_a_file_changed_within_the_racy_window_is_not_remembered(tmp_path):
     a = xnnpack_program(tmp_path / "a.pte", dim=32, layers=1, seed=5)
     assert loader.bind_keys([a]) == []
     assert not any(k[1] == os.stat(a).st_ino for k in loader._digests)  # ctime too recent: hashed at every load
+
+
+# ---------------------------------------------------------------- a .pte and the .ptd files it reads
+
+
+def _ptd_bytes(path: Path) -> dict[str, tuple[int, str]]:
+    """key -> (offset, SHA-256 of its bytes) of a data file."""
+    with open(path, "rb") as f:
+        data = flatbuf.read_data_file(f.fileno(), str(path))
+    raw = path.read_bytes()
+    out = {}
+    for nd in data.named_data:
+        seg = data.segments[nd.segment]
+        out[nd.key] = (seg.file_offset, hashlib.sha256(raw[seg.file_offset : seg.file_offset + seg.nbytes]).hexdigest())
+    return out
+
+
+def _digests(tensors: dict[str, np.ndarray]) -> dict[str, str]:
+    return {k: hashlib.sha256(a.tobytes()).hexdigest() for k, a in tensors.items()}
+
+
+def _one_line_refusal(res, out: Path) -> str:  # type: ignore[no-untyped-def]
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not out.exists() or not any(out.iterdir())  # nothing written
+    return str(res.stderr)
+
+
+def test_convert_pte_carries_the_ptd_its_external_constants_are_in(tmp_path, cli):
+    rng = np.random.default_rng(2)
+    tensors = {"0.weight": rng.standard_normal((256, 256), np.float32), "0.bias": rng.standard_normal(256, np.float32)}
+    data_file(tmp_path / "_default_external_constant.ptd", tensors)  # the exporter's name for it
+    data_file(tmp_path / "unrelated.ptd", {"x": np.ones(8, np.float32)})
+    prog = external_program(tmp_path / "model.pte", list(tensors), [t.shape for t in tensors.values()])
+    assert _program(prog).segment_base == prog.stat().st_size  # no extended header, as the exporter writes it
+    res = cli("convert", prog, "-o", tmp_path / "out")
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["_default_external_constant.ptd", "model.pte"]
+    got = _ptd_bytes(tmp_path / "out" / "_default_external_constant.ptd")
+    assert {k: d for k, (_, d) in got.items()} == _digests(tensors)
+    assert got["0.weight"][0] % 64 == 0 and got["0.bias"][0] % 64 == 0
+    assert (tmp_path / "out" / "model.pte").read_bytes()[: prog.stat().st_size] == prog.read_bytes()
+
+
+def test_one_ptd_read_by_several_programs_is_written_once(tmp_path, monkeypatch):
+    from weightshare import _atomic, api
+
+    a = xnnpack_program(tmp_path / "a.pte", dim=64, layers=2, seed=1, external=tmp_path / "foundation.ptd")
+    b = xnnpack_program(tmp_path / "b.pte", dim=64, layers=2, seed=1, external=tmp_path / "foundation.ptd")
+    assert _program(a).named_data == [] and loader.data_file_for(a, None) == tmp_path / "foundation.ptd"
+    want = {k: d for k, (_, d) in _ptd_bytes(tmp_path / "foundation.ptd").items()}
+    staged: list[str] = []
+    new_file = _atomic.OutputTransaction.new_file
+
+    def counting(self, final, *args, **kwargs):  # type: ignore[no-untyped-def]
+        staged.append(Path(final).name)
+        return new_file(self, final, *args, **kwargs)
+
+    monkeypatch.setattr(_atomic.OutputTransaction, "new_file", counting)
+    for i, inputs in enumerate(([a, b], [a, tmp_path / "foundation.ptd", b], [tmp_path / "foundation.ptd", a, b])):
+        staged.clear()
+        out = tmp_path / f"out{i}"
+        api.convert_many(inputs, out)
+        assert sorted(staged) == ["a.pte", "b.pte", "foundation.ptd"], (inputs, staged)
+        assert sorted(p.name for p in out.iterdir()) == ["a.pte", "b.pte", "foundation.ptd"]
+        assert {k: d for k, (_, d) in _ptd_bytes(out / "foundation.ptd").items()} == want
+
+
+def test_a_ptd_named_on_the_command_line_is_searched_too(tmp_path, cli):
+    (tmp_path / "programs").mkdir()
+    (tmp_path / "data").mkdir()
+    a = xnnpack_program(tmp_path / "programs" / "a.pte", dim=32, layers=1, external=tmp_path / "data" / "w.ptd")
+    want = {k: d for k, (_, d) in _ptd_bytes(tmp_path / "data" / "w.ptd").items()}
+    alone = cli("convert", a, "-o", tmp_path / "out1")
+    line = _one_line_refusal(alone, tmp_path / "out1")
+    first = next(iter(want))
+    assert "a.pte" in line and first in line and "and 1 more" in line, line
+    res = cli("convert", a, tmp_path / "data" / "w.ptd", "-o", tmp_path / "out2")
+    assert res.returncode == 0, res.stderr
+    assert {k: d for k, (_, d) in _ptd_bytes(tmp_path / "out2" / "w.ptd").items()} == want
+
+
+def test_a_key_found_nowhere_or_in_two_ptd_files_is_one_line(tmp_path, cli):
+    a = xnnpack_program(tmp_path / "a.pte", dim=32, layers=1, external=tmp_path / "w.ptd", missing=1)
+    last = [nd.key for nd in _program(xnnpack_program(tmp_path / "ref.pte", dim=32, layers=1)).named_data][-1]
+    (tmp_path / "ref.pte").unlink()
+    line = _one_line_refusal(cli("convert", a, "-o", tmp_path / "out"), tmp_path / "out")
+    assert f"'{last}'" in line and "more" not in line, line
+    (tmp_path / "b").mkdir()
+    b = xnnpack_program(tmp_path / "b" / "b.pte", dim=32, layers=1, external=tmp_path / "b" / "w.ptd")
+    (tmp_path / "b" / "copy.ptd").write_bytes((tmp_path / "b" / "w.ptd").read_bytes())
+    before = hashlib.sha256((tmp_path / "b" / "w.ptd").read_bytes()).hexdigest()
+    line = _one_line_refusal(cli("convert", b, "-o", tmp_path / "out2"), tmp_path / "out2")
+    assert "copy.ptd" in line and "w.ptd" in line and "both" in line, line
+    assert hashlib.sha256((tmp_path / "b" / "copy.ptd").read_bytes()).hexdigest() == before
+
+
+def test_the_loader_refuses_a_program_whose_named_data_is_missing_before_executorch_runs_it(tmp_path):
+    import weightshare.executorch as we
+    from weightshare.errors import InvalidModel
+
+    a = xnnpack_program(tmp_path / "a.pte", dim=32, layers=1, external=tmp_path / "w.ptd")
+    keys = list(_ptd_bytes(tmp_path / "w.ptd"))
+    (tmp_path / "w.ptd").unlink()
+    with pytest.raises(InvalidModel) as e:  # said before the runtime is imported (it is not a test dependency)
+        we.program(a)
+    assert keys[0] in e.value.line() and "\n" not in e.value.line()
+    other = data_file(tmp_path / "other.ptd", {"x": np.ones(8, np.float32)})
+    with pytest.raises(InvalidModel):
+        we.program(a, other)
