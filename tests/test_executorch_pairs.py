@@ -149,7 +149,7 @@ def test_one_ptd_read_by_several_programs_is_written_once(tmp_path, monkeypatch)
 
     a = xnnpack_program(tmp_path / "a.pte", dim=64, layers=2, seed=1, external=tmp_path / "foundation.ptd")
     b = xnnpack_program(tmp_path / "b.pte", dim=64, layers=2, seed=1, external=tmp_path / "foundation.ptd")
-    assert _program(a).named_data == [] and loader.data_file_for(a, None) == tmp_path / "foundation.ptd"
+    assert _program(a).named_data == []
     want = {k: d for k, (_, d) in _ptd_bytes(tmp_path / "foundation.ptd").items()}
     staged: list[str] = []
     new_file = _atomic.OutputTransaction.new_file
@@ -166,6 +166,7 @@ def test_one_ptd_read_by_several_programs_is_written_once(tmp_path, monkeypatch)
         assert sorted(staged) == ["a.pte", "b.pte", "foundation.ptd"], (inputs, staged)
         assert sorted(p.name for p in out.iterdir()) == ["a.pte", "b.pte", "foundation.ptd"]
         assert {k: d for k, (_, d) in _ptd_bytes(out / "foundation.ptd").items()} == want
+    assert loader.data_file_for(a, None) == tmp_path / "foundation.ptd"  # where the loader finds it
 
 
 def test_a_ptd_named_on_the_command_line_is_searched_too(tmp_path, cli):
