@@ -207,3 +207,37 @@ def test_every_model_is_opened_once_and_read_through_that_descriptor(tmp_path, m
     for m in models:  # converted from those bytes
         assert (tmp_path / "out" / m.name).stat().st_size >= 1
     assert np.array_equal(np.frombuffer((repo / "config.json").read_bytes(), np.uint8), np.frombuffer(b"{}", np.uint8))
+
+
+def test_a_core_ml_package_swapped_for_an_outside_link_after_planning_is_refused(tmp_path, monkeypatch):
+    global _OPENS
+    from coreml_fixtures import mlp
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    mlp(repo / "m.mlpackage", hidden=64, seed=0)
+    outsider = mlp(tmp_path / "elsewhere" / "m.mlpackage", hidden=64, seed=1)
+    files = sorted(p for p in outsider.rglob("*") if p.is_file())
+    before = {p: _sha(p) for p in files}
+    real_plan = _folder.plan_folder
+
+    def plan_then_swap(folder: Path) -> _folder.FolderPlan:
+        import shutil
+
+        plan = real_plan(folder)
+        shutil.rmtree(repo / "m.mlpackage")
+        os.symlink(outsider, repo / "m.mlpackage")
+        return plan
+
+    monkeypatch.setattr(_folder, "plan_folder", plan_then_swap)
+    _OPENS = []
+    try:
+        with pytest.raises(UnsafePath) as e:
+            api.convert_folder(repo, tmp_path / "out")
+        opens = _OPENS
+    finally:
+        _OPENS = None
+    assert "\n" not in e.value.line() and "m.mlpackage" in e.value.line()
+    assert not {_ident(p) for p in files} & set(opens)
+    assert {p: _sha(p) for p in files} == before
+    assert not (tmp_path / "out" / "m.mlpackage").exists()

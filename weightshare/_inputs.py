@@ -264,7 +264,13 @@ def _planned_real(base: str | os.PathLike[str]) -> str:
     """A directory's real path as the run planned it (a package swapped for a link afterwards does not move the
     bound), else as it is now."""
     found = _planned(base)
-    return found[1].target if found is not None else os.path.realpath(base)
+    if found is not None:
+        return found[1].target
+    run, name = _run.get(), os.path.abspath(os.fspath(base))
+    for p in run.by_name.values() if run is not None else ():
+        if p.is_dir and name.startswith(p.path + os.sep):  # inside a planned package: below its planned target
+            return os.path.realpath(p.target + name[len(p.path) :])
+    return os.path.realpath(base)
 
 
 def _check_opened_inside(
