@@ -241,3 +241,23 @@ def test_a_core_ml_package_swapped_for_an_outside_link_after_planning_is_refused
     assert not {_ident(p) for p in files} & set(opens)
     assert {p: _sha(p) for p in files} == before
     assert not (tmp_path / "out" / "m.mlpackage").exists()
+
+
+def test_a_zoo_model_swapped_before_it_is_read_is_refused(tmp_path, monkeypatch):
+    from weightshare import _zoo_api
+
+    a, b = _onnx(tmp_path / "in" / "a.onnx", 0), _onnx(tmp_path / "in" / "b.onnx", 2)
+    outsider = _onnx(tmp_path / "elsewhere" / "model.onnx", 1)
+    before = _sha(outsider)
+    real_detect = _zoo_api.detect
+
+    def swap_then_detect(path: Path):  # type: ignore[no-untyped-def]
+        if not b.is_symlink():
+            _swap_for_link(b, outsider)
+        return real_detect(path)
+
+    monkeypatch.setattr(_zoo_api, "detect", swap_then_detect)
+    with pytest.raises(UnsafePath) as e:
+        api.convert_zoo([a, b], tmp_path / "zoo", "shared")
+    assert "\n" not in e.value.line() and "b.onnx" in e.value.line()
+    assert _sha(outsider) == before and not (tmp_path / "zoo" / "b.onnx").exists()
