@@ -132,7 +132,8 @@ class SharedProgram:
 def data_file_for(path: Path, given: Path | None) -> Path | None:
     """The ``.ptd`` to load ``path`` with (``given``, else the one beside it holding the keys it reads), once every
     named-data key the program reads is known to be there: ExecuTorch fails to load a method whose data is missing
-    (executorch 1.5.1: ``RuntimeError ... error 0x2``/``0x14``; the issue measured a SIGSEGV), so this is said first.
+    (executorch 1.5.1: ``RuntimeError: Failed to load method``, error 0x:2, 0x:20 or 0x:24; a SIGSEGV was
+    reported), so this is said first.
 
     Raises:
         InvalidModel: a key is in no data file (or in two beside it); the program is damaged.
