@@ -322,10 +322,9 @@ def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[C
         if s.is_dir() and s.suffix not in model_suffixes():
             raise UsageError("is a folder of models, not a model: convert it with convert_folder (tree kept)", s)
     # every later open of a source is checked against its identity now (a link: its target's)
-    with _inputs.planned_inputs(_inputs.plan_inputs(sources), named=True) as planned:
+    with _inputs.planned_inputs(_inputs.plan_inputs(sources), named=True):
         formats = [detect(s) for s in sources]
         check_outputs(*_every_output(sources, formats, out, options))  # companions too (--prepack: .portable.onnx)
-        _inputs.after_plan(planned)
         return _run_planned(sources, formats, out, options)
 
 

@@ -68,7 +68,6 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
     start = time.perf_counter()
     reset_peak_rss()
     with planned_inputs(plan.inputs), OutputTransaction() as tx:
-        _inputs.after_plan(plan.inputs)
         prepare_out_dir(out_dir, tx)
         sweep_temporaries(out_dir)  # a killed run's, in any subdirectory (side-file-only ones too)
         tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import stat
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -83,15 +83,6 @@ class _RunInputs:
 
 
 _run: ContextVar[_RunInputs | None] = ContextVar("weightshare_run_inputs", default=None)
-
-
-def _no_hook(planned: Sequence[PlannedInput]) -> None:
-    return None
-
-
-# Called by a driver between planning its run and opening any planned input for conversion (tests put a barrier
-# there; nothing else sets it).
-after_plan: Callable[[Sequence[PlannedInput]], None] = _no_hook
 
 
 @contextmanager

@@ -9,7 +9,6 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _inputs
 from ._atomic import CommitHook, OutputTransaction
 from ._disk import DiskPeak
 from ._inputs import hold, plan_inputs, planned_inputs
@@ -74,9 +73,8 @@ def run_zoo(sources: list[Path], out: Path, options: ConvertOptions) -> ZooRepor
     for s in sources:
         check_input(s)
     # every later open of a source is checked against its identity now (a link: its target's)
-    with planned_inputs(plan_inputs(sources), named=True) as planned:
+    with planned_inputs(plan_inputs(sources), named=True):
         formats = [detect(s) for s in sources]
-        _inputs.after_plan(planned)
         target = blob_target(None, out, shared_blob, _shared_container(sources, formats))
         start = time.perf_counter()
         reset_peak_rss()
