@@ -10,7 +10,16 @@ Copied from real exports (scripts/build_executorch.py, read back with ``weightsh
   (``constant_segment.offsets`` = [0, 0, w0, b0, ...]: index 0 is the reserved empty buffer), and plan values
   that are constant Tensors (no allocation_info, ``data_buffer_idx`` 1..n).
 - ``.ptd`` (``data_file``): "FT01", a "FH01" header at byte 8 (length 40, flatbuffer_offset 48), segments after
-  the flatbuffer 128-byte aligned, the first segment's offset field omitted; ``NamedData`` with a TensorLayout.
+  the flatbuffer 128-byte aligned, the first segment's offset field omitted; ``NamedData`` with a TensorLayout
+  (external constants) or without (a delegate's weights tagged external: uint8, no shape).
+- The XNNPACK delegate blob (``xnnpack_blob``): 4 zero bytes, "XH00", u16 header length 30, u32 flatbuffer offset
+  32, u32 flatbuffer size, u32 constant data offset, u64 constant data size; then the ``XNNGraph`` flatbuffer
+  ("XN01") whose ``constant_data`` names each weight by key (offset UINT64_MAX: the bytes are named data).
+- Weights in a .ptd (``xnnpack_program(external=...)``, ``external_program``): ``to_executorch(ExecutorchBackend
+  Config(external_constants=True))`` + ``write_tensor_data_to_file`` (constants: ``ExtraTensorInfo`` EXTERNAL with
+  the key as fully_qualified_name; the program's only segment, the constant segment, empty, and then no extended
+  header) or XNNPACK weights tagged external (``delegate_external_constants_pass_unlifted``: the delegate names
+  keys the program's own named data does not hold).
 """
 
 from __future__ import annotations
@@ -140,6 +149,29 @@ def _with_header(fb: bytes, header: bytes) -> bytes:
     return struct.pack("<I", root) + fb[4:8] + header + fb[8:]
 
 
+def xnnpack_blob(keys: list[str], sizes: list[int]) -> bytes:
+    """An XNNPACK delegate blob naming ``keys`` in ``XNNGraph.constant_data`` (no nodes: only the keys matter to
+    the readers under test)."""
+    b = flatbuffers.Builder(256)
+    entries = []
+    for k, n in zip(keys, sizes):
+        name = _string(b, k)
+        b.StartObject(3)
+        b.PrependUint64Slot(0, (1 << 64) - 1, 0)
+        b.PrependUint64Slot(1, n, 0)
+        b.PrependUOffsetTRelativeSlot(2, name, 0)
+        entries.append(b.EndObject())
+    constant_data = _table_vector(b, entries)
+    version = _string(b, "1")
+    b.StartObject(9)
+    b.PrependUOffsetTRelativeSlot(0, version, 0)
+    b.PrependUOffsetTRelativeSlot(8, constant_data, 0)
+    b.Finish(b.EndObject(), file_identifier=b"XN01")
+    fb = bytes(b.Output())
+    header = b"\x00\x00\x00\x00XH00" + struct.pack("<HIIIQ", 30, 32, len(fb), 32 + _align(len(fb), 16), 0)
+    return header + bytes(32 - len(header)) + fb + bytes(_align(len(fb), 16) - len(fb))
+
+
 def _program_file(
     plan: int,
     b: flatbuffers.Builder,
@@ -169,6 +201,8 @@ def _program_file(
     b.PrependUOffsetTRelativeSlot(7, named_vec, 0)
     b.Finish(b.EndObject(), file_identifier=b"ET12")
     fb = bytes(b.Output())
+    if not any(segments):  # nothing after the flatbuffer: the exporter writes no extended header
+        return fb
     program_size = len(fb) + 32
     base = _align(program_size, SEGMENT_ALIGN)
     data_size = pos
@@ -189,9 +223,19 @@ def mlp_weights(dim: int, layers: int, seed: int = 0) -> list[np.ndarray]:
     return out
 
 
-def xnnpack_program(path: Path, dim: int = 512, layers: int = 2, seed: int = 0, duplicate: bool = False) -> Path:
+def xnnpack_program(
+    path: Path,
+    dim: int = 512,
+    layers: int = 2,
+    seed: int = 0,
+    duplicate: bool = False,
+    external: Path | None = None,
+    missing: int = 0,
+) -> Path:
     """An XNNPACK-delegated MLP as executorch 1.5.1 writes it (weights as named data keyed by their SHA-256).
-    ``duplicate``: the last two weights hold the same bytes under two keys (two segments)."""
+    ``duplicate``: the last two weights hold the same bytes under two keys (two segments). ``external``: the
+    weights go to that .ptd instead (the program holds none of them); ``missing``: its last ``missing`` weights are
+    left out of it (a .ptd of another export)."""
     arrays = mlp_weights(dim, layers, seed)
     if duplicate:
         arrays.append(arrays[0].copy())
@@ -199,10 +243,14 @@ def xnnpack_program(path: Path, dim: int = 512, layers: int = 2, seed: int = 0, 
     keys = [hashlib.sha256(d).hexdigest() for d in blobs]
     if duplicate:
         keys[-1] = "duplicate-of-" + keys[0][:20]
-    # the delegate blob: an "XN01" header and the keys it reads (the real one is an XNNGraph flatbuffer naming them)
-    delegate = b"\x00\x00\x00\x00XN01" + b"".join(k.encode() + b"\x00" for k in keys) + bytes(64)
+    delegate = xnnpack_blob(keys, [len(d) for d in blobs])
     b = flatbuffers.Builder(1024)
     plan = _plan(b, [], delegate_segment=1)
+    if external is not None:
+        kept = len(keys) - missing
+        data_file(external, dict(zip(keys[:kept], arrays[:kept])), layout=False)
+        path.write_bytes(_program_file(plan, b, [b"", delegate], [], [0], 0))
+        return path
     segments = [b"", delegate, *blobs]
     named = [(k, 2 + i) for i, k in enumerate(keys)]
     path.write_bytes(_program_file(plan, b, segments, named, [0], 0))
@@ -235,8 +283,9 @@ def external_program(path: Path, names: list[str], shapes: list[tuple[int, ...]]
     return path
 
 
-def data_file(path: Path, tensors: dict[str, np.ndarray]) -> Path:
-    """A .ptd holding ``tensors`` (float32), each in its own segment, 128 apart."""
+def data_file(path: Path, tensors: dict[str, np.ndarray], layout: bool = True) -> Path:
+    """A .ptd holding ``tensors`` (float32), each in its own segment, 128 apart; ``layout``: each with its
+    TensorLayout (external constants), else none (a delegate's weights: raw bytes)."""
     b = flatbuffers.Builder(1024)
     blobs = [a.tobytes() for a in tensors.values()]
     offsets, pos = [], 0
@@ -244,7 +293,9 @@ def data_file(path: Path, tensors: dict[str, np.ndarray]) -> Path:
         offsets.append(pos)
         pos = _align(pos + len(d), SEGMENT_ALIGN)
     segs = _table_vector(b, [_segment(b, o, len(d)) for o, d in zip(offsets, blobs)])
-    named = _table_vector(b, [_named(b, k, i, (6, a.shape)) for i, (k, a) in enumerate(tensors.items())])
+    named = _table_vector(
+        b, [_named(b, k, i, (6, a.shape) if layout else None) for i, (k, a) in enumerate(tensors.items())]
+    )
     b.StartObject(3)
     b.PrependUint32Slot(0, 0, 0)
     b.PrependUOffsetTRelativeSlot(1, segs, 0)

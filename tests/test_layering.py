@@ -90,6 +90,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         "ground floor",
         (
             "weightshare._tensors",
+            "weightshare._inputs",
             "weightshare._checksum",
             "weightshare._paths",
             "weightshare._platform",

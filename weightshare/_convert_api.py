@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
+from . import _inputs
 from ._atomic import OutputTransaction
 from ._outputs_record import attach, run_key
 from ._paths import check_no_overlap
@@ -320,8 +321,16 @@ def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[C
         check_input(s)
         if s.is_dir() and s.suffix not in model_suffixes():
             raise UsageError("is a folder of models, not a model: convert it with convert_folder (tree kept)", s)
-    formats = [detect(s) for s in sources]
-    check_outputs(*_every_output(sources, formats, out, options))  # companions too (--prepack: .portable.onnx)
+    # every later open of a source is checked against its identity now (a link: its target's)
+    with _inputs.planned_inputs(_inputs.plan_inputs(sources), named=True):
+        formats = [detect(s) for s in sources]
+        check_outputs(*_every_output(sources, formats, out, options))  # companions too (--prepack: .portable.onnx)
+        return _run_planned(sources, formats, out, options)
+
+
+def _run_planned(
+    sources: list[Path], formats: list[Format], out: Path, options: ConvertOptions
+) -> list[ConversionReport]:
     start = time.perf_counter()
     reports = []
     notes: list[str] = []  # what the outputs record kept, and why
@@ -331,7 +340,8 @@ def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[C
         for src, fmt in zip(sources, formats):
             t0 = time.perf_counter()
             staged = len(tx.finals())
-            reports.append(finish(convert_one(fmt, src, out, options, tx), t0))
+            with _inputs.hold(src):  # opened once, checked against the plan; every read of it goes through that
+                reports.append(finish(convert_one(fmt, src, out, options, tx), t0))
             # one key per model: its companions (a --prepack twin) go when a later run of it no longer writes them
             record.add(run_key("model", [src]), tx.finals()[staged:], [src])
     reports[-1].notes += notes

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import _inputs
 from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
+from ._inputs import PlannedInput, hold, open_input, plan_input, planned_inputs
 from ._outputs_record import RECORD, attach, run_key
 from ._paths import check_no_overlap, check_utf8_path
 from ._run import convert_one, finish, peak_window, prepare_out_dir
-from ._tensors import open_input
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import detect, model_suffixes
 from .formats.base import KeepsAsIs
@@ -71,7 +72,7 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
     report = FolderReport(str(folder))
     start = time.perf_counter()
     notes: list[str] = []  # what the outputs record kept, and why
-    with peak_window(), OutputTransaction() as tx:
+    with peak_window(), planned_inputs(plan.inputs), OutputTransaction() as tx:
         prepare_out_dir(out_dir, tx)
         sweep_temporaries(out_dir)  # a killed run's, in any subdirectory (side-file-only ones too)
         tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few
@@ -81,14 +82,15 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
             model, where = folder / rel, out_dir / rel.parent
             tx.make_dirs(where)
             t0 = time.perf_counter()
-            fmt = detect(model)
-            why = fmt.kept_as_is(model, opts) if isinstance(fmt, KeepsAsIs) else ""
-            if why:  # converting would refuse it: copied as it is, and said so
-                report.copied_bytes += copy_file(model, out_dir / rel, tx, roots)
-                report.copied.append(str(out_dir / rel))
-                report.notes.append(f"{rel}: copied as it was: {why}")
-                continue
-            report.models.append(finish(convert_one(fmt, model, where, opts, tx), t0))
+            with hold(model):  # opened once, checked against the plan; every read of it goes through that
+                fmt = detect(model)
+                why = fmt.kept_as_is(model, opts) if isinstance(fmt, KeepsAsIs) else ""
+                if why:  # converting would refuse it: copied as it is, and said so
+                    report.copied_bytes += copy_file(model, out_dir / rel, tx, roots)
+                    report.copied.append(str(out_dir / rel))
+                    report.notes.append(f"{rel}: copied as it was: {why}")
+                    continue
+                report.models.append(finish(convert_one(fmt, model, where, opts, tx), t0))
         for rel in plan.copies:
             tx.make_dirs(out_dir / rel.parent)
             report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx, roots)
@@ -110,6 +112,7 @@ class FolderPlan:
     models: list[Path] = field(default_factory=list)
     copies: list[Path] = field(default_factory=list)
     weight_files: list[Path] = field(default_factory=list)  # referenced by a model: converted, not copied
+    inputs: list[PlannedInput] = field(default_factory=list)  # every model and file as planned: their identities
 
 
 def plan_folder(folder: Path) -> FolderPlan:
@@ -144,17 +147,32 @@ def plan_folder(folder: Path) -> FolderPlan:
                 raise Unsupported("is a symlink to a directory inside a model folder; copy or remove it", here / d)
             if Path(d).suffix in suffixes:
                 plan.models.append(rel / d)  # a model package: converted, not walked
+                _plan_one(plan, here / d, roots)
         dirs[:] = sorted(d for d in dirs if Path(d).suffix not in suffixes and not d.startswith(TMP_PREFIX))
         for name in sorted(names):
             if name.startswith(TMP_PREFIX) or name == RECORD:
                 continue  # another run's temporary; a converted folder's record (it speaks of that folder only)
             source_file(here / name, roots)
+            _plan_one(plan, here / name, roots)
             (plan.models if Path(name).suffix in suffixes else files).append(rel / name)
     plan.models.sort()
-    referenced = _weight_files(folder, plan.models)
+    with planned_inputs(plan.inputs):  # the models read for their weight files are the files planned
+        referenced = _weight_files(folder, plan.models)
     plan.weight_files = [f for f in files if f in referenced]
     plan.copies = [f for f in files if f not in referenced]
     return plan
+
+
+def _plan_one(plan: FolderPlan, path: Path, roots: tuple[Path, ...]) -> None:
+    """Record ``path``'s identity; its real path as recorded (what every later open must be) must lie in
+    ``roots``, whatever the path showed when it was checked a moment before."""
+    p = plan_input(path)
+    if p is None:
+        raise UsageError("cannot read: it disappeared while the folder was walked", path)
+    target = Path(p.target)
+    if not any(target == r or r in target.parents for r in roots):
+        raise UnsafePath(f"resolves to {p.target[:200]}, outside the model folder; refusing to read it", path)
+    plan.inputs.append(p)
 
 
 def source_roots(folder: Path) -> tuple[Path, ...]:
@@ -208,7 +226,8 @@ def copy_file(src: Path, final: Path, tx: OutputTransaction, roots: tuple[Path, 
     still lie inside ``roots`` (``source_roots``): a link swapped after the walk is refused, never copied."""
     roots = roots if roots is not None else (src.parent.resolve(),)
     source_file(src, roots)
-    f = open_input(src.resolve(), roots, src)
+    # planned: the file the walk checked (its recorded target, same identity); else wherever it resolves now
+    f = open_input(src if _inputs.is_planned(src) else src.resolve(), roots, src)
     try:
         tmp = tx.new_file(final, stat.S_IMODE(os.fstat(f.fd).st_mode))
         try:

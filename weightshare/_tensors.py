@@ -8,25 +8,23 @@ those rotate two buffers, so a chunk stays valid until two more have been
 requested, which lets the blob writer hash and write chunk i on its thread while
 chunk i+1 is produced, without copying it.
 
-Input files are opened once (``open_input``) and read through the kept
-descriptor, never reopened by name: a name checked to lie inside the model
-directory cannot be swapped for a symlink between the check and the read.
+Input files are opened once (``open_input``, ``_inputs``) and read through the
+kept descriptor, never reopened by name.
 """
 
 from __future__ import annotations
 
 import os
-import stat
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import numpy as np  # imported where used: `weightshare --help` and `check` need no numpy
 
-from .errors import InvalidModel, UnsafePath
+from ._inputs import InputFile as InputFile  # re-exported: the readers of payloads import them from here
+from ._inputs import open_input as open_input
+from .errors import InvalidModel
 
 CHUNK_SIZE = 4 << 20  # 4 MiB: large enough for full disk speed, small enough to be invisible in RSS
 
@@ -76,85 +74,6 @@ def chunks_of(source: PayloadSource, chunk_size: int, ring: BufferRing | None) -
     if ring is not None and getattr(source, "takes_ring", False):
         return source.chunks(chunk_size, ring=ring)  # type: ignore[call-arg]
     return source.chunks(chunk_size)
-
-
-class InputFile:
-    """A regular input file opened once; every payload read goes through ``fd``.
-
-    Closed by ``close()`` or when the last reference goes away (sources of many
-    tensors share one ``InputFile``, so none of them owns it).
-    """
-
-    __slots__ = ("__weakref__", "_closer", "fd", "path", "size")
-
-    def __init__(self, fd: int, path: str, size: int):
-        self.fd, self.path, self.size = fd, path, size
-        self._closer = weakref.finalize(self, os.close, fd)
-
-    def close(self) -> None:
-        self._closer()
-
-
-def _fd_real_path(fd: int) -> str | None:
-    try:
-        return os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return None  # no /proc (macOS, some sandboxes): the O_NOFOLLOW and dev/ino checks remain
-
-
-def open_input(
-    path: str | os.PathLike[str],
-    inside: str | os.PathLike[str] | tuple[Path, ...] | None = None,
-    origin: str | os.PathLike[str] | None = None,
-) -> InputFile:
-    """Open ``path`` for reading, once, refusing anything but a regular file.
-
-    With ``inside`` (the model directory; ``path`` must already have passed
-    ``resolve_inside``), the last component must not be a symlink and the opened
-    descriptor's real path must lie inside ``inside`` (or one of them, ``external_data_roots``): a file swapped
-    for a symlink, or a directory on the way swapped, after the check is refused, never read.
-    The open is non-blocking so that a FIFO is refused instead of waiting for a writer.
-    """
-    path = os.fspath(path)
-    where = origin if origin is not None else path
-    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
-    if inside is not None:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as e:
-        if inside is not None and os.path.islink(path):
-            raise UnsafePath(f"{os.path.basename(path)!r} became a symlink while being opened", where) from None
-        raise InvalidModel(f"cannot open {os.path.basename(path)!r}: {e.strerror}", where) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidModel(f"{os.path.basename(path)!r} is not a regular file", where)
-        if inside is not None:
-            _check_opened_inside(fd, st, path, inside, where)
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return InputFile(fd, path, st.st_size)
-
-
-def _check_opened_inside(
-    fd: int,
-    st: os.stat_result,
-    path: str,
-    inside: str | os.PathLike[str] | tuple[Path, ...],
-    where: str | os.PathLike[str],
-) -> None:
-    bases = [os.path.realpath(b) for b in inside] if isinstance(inside, tuple) else [os.path.realpath(inside)]
-    real = _fd_real_path(fd)
-    if real is None:  # fall back to: the name now resolves to the very file we hold, and inside base
-        real = os.path.realpath(path)
-        now = os.stat(real)
-        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
-            raise UnsafePath(f"{os.path.basename(path)!r} changed while being opened", where)
-    if not any(os.path.commonpath([base, real]) == base for base in bases):
-        raise UnsafePath(f"{os.path.basename(path)!r} resolves outside the model directory once opened", where)
 
 
 def _pread_into(fd: int, view: memoryview, pos: int, path: str, end: int) -> int:

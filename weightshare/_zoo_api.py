@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ._atomic import CommitHook, OutputTransaction
 from ._disk import DiskPeak
+from ._inputs import hold, plan_inputs, planned_inputs
 from ._paths import plain_file_name
 from ._pipeline import PreparedModel, blob_target, write_models
 from ._run import check_input, check_outputs, finish, peak_window, prepare_out_dir
@@ -71,27 +72,34 @@ def run_zoo(sources: list[Path], out: Path, options: ConvertOptions) -> ZooRepor
     check_outputs(sources, [out / s.name for s in sources])
     for s in sources:
         check_input(s)
-    formats = [detect(s) for s in sources]
-    target = blob_target(None, out, shared_blob, _shared_container(sources, formats))
-    start = time.perf_counter()
-    with peak_window(), OutputTransaction() as tx, ExitStack() as stages:
-        prepare_out_dir(out, tx)
-        disk = stages.enter_context(DiskPeak(out)) if options.prepack else None  # zoo-wide; entered first: exits last
-        prepared = [_prepare_zoo_model(fmt, src, out, options, stages) for fmt, src in zip(formats, sources)]
-        for p, src in zip(prepared, sources):
-            p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
-        for fmt in {id(f): f for f in formats}.values():  # what models sharing one blob record together
-            join = getattr(fmt, "join_shared", None)
-            if join is not None:
-                join([p for p, f in zip(prepared, formats) if f is fmt], options)
-        write_models(prepared, out, target, options, tx)
-        blob = next((o for p in prepared for o in p.report.outputs if o.endswith(".safetensors")), "")
-        report = ZooReport(blob=blob, models=[p.report for p in prepared], blob_bytes=prepared[0].report.blob_bytes)
-        names = [s.name for s in sources]
-        written = [Path(o).name for p in prepared for o in p.report.outputs if not o.endswith(".safetensors")]
-        marker = tx.new_file(out / _ZOO_MARKER)
-        marker.write_text(json.dumps({"blob": Path(blob).name, "models": names}, indent=1) + "\n")
-        tx.add_hook(_DropRemovedModels(out, list(dict.fromkeys(names + written))))
+    # every later open of a source is checked against its identity now (a link: its target's)
+    with planned_inputs(plan_inputs(sources), named=True):
+        formats = [detect(s) for s in sources]
+        target = blob_target(None, out, shared_blob, _shared_container(sources, formats))
+        start = time.perf_counter()
+        with peak_window(), OutputTransaction() as tx, ExitStack() as stages:
+            prepare_out_dir(out, tx)
+            disk = (
+                stages.enter_context(DiskPeak(out)) if options.prepack else None
+            )  # zoo-wide; entered first: exits last
+            prepared = []
+            for fmt, src in zip(formats, sources):
+                with hold(src):  # opened once, checked against the plan; its payload sources keep that descriptor
+                    prepared.append(_prepare_zoo_model(fmt, src, out, options, stages))
+            for p, src in zip(prepared, sources):
+                p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
+            for fmt in {id(f): f for f in formats}.values():  # what models sharing one blob record together
+                join = getattr(fmt, "join_shared", None)
+                if join is not None:
+                    join([p for p, f in zip(prepared, formats) if f is fmt], options)
+            write_models(prepared, out, target, options, tx)
+            blob = next((o for p in prepared for o in p.report.outputs if o.endswith(".safetensors")), "")
+            report = ZooReport(blob=blob, models=[p.report for p in prepared], blob_bytes=prepared[0].report.blob_bytes)
+            names = [s.name for s in sources]
+            written = [Path(o).name for p in prepared for o in p.report.outputs if not o.endswith(".safetensors")]
+            marker = tx.new_file(out / _ZOO_MARKER)
+            marker.write_text(json.dumps({"blob": Path(blob).name, "models": names}, indent=1) + "\n")
+            tx.add_hook(_DropRemovedModels(out, list(dict.fromkeys(names + written))))
     if disk is not None:
         for fmt, m in zip(formats, report.models):
             note = getattr(fmt, "report_disk", None)  # the format says what its temporary disk was for

@@ -29,7 +29,8 @@ def program(path: str | os.PathLike[str], data_path: str | os.PathLike[str] | No
 
     Raises:
         Unsupported: ExecuTorch's Python runtime is not installed.
-        InvalidModel: the program or its data file is damaged.
+        InvalidModel: the program or its data file is damaged; a named-data key it reads is in no data file
+            (checked before ExecuTorch loads it: the runtime fails or crashes on a missing key).
 
     Example:
         >>> method = program("model.pte").load_method("forward")

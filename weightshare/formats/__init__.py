@@ -11,10 +11,12 @@ called, and may change without notice; ``tests/test_layering.py`` holds every ot
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 from .._findings import register_codes
+from .._inputs import open_fd
 from .._paths import check_utf8_path, provide_model_suffixes
 from ..errors import InvalidModel, Unsupported
 from .base import BenchRuntime, BlobContainer, BlobFile, Format, FormatOptions
@@ -142,8 +144,11 @@ def _head(path: Path) -> bytes:
         raise InvalidModel("no such file", path)
     if not path.is_file():
         raise InvalidModel("not a regular file", path)
-    with open(path, "rb") as f:
-        return f.read(8)
+    fd = open_fd(path)  # a planned input: checked against the plan, or the held descriptor
+    try:
+        return os.pread(fd, 8, 0)
+    finally:
+        os.close(fd)
 
 
 def detect(path: Path) -> Format:

@@ -14,16 +14,22 @@ segment_data_size, each ``DataSegment``'s offset (and the constant segment's siz
 ``constant_segment.offsets``. A field the input omitted (flatbuffers leave out a default 0) cannot be written in
 place: the payload it locates then stays at that value (relative 0 is the segment base, where the first
 segment is placed), and anything else is refused before a byte is written.
+
+A program converts with the ``.ptd`` files it reads (``inventory.locate_data_files``: by named-data key, as the
+loader finds them, among the ``.ptd`` beside it and those named on the command line), each converted beside the
+converted program, where the loader looks for it; a data file read by several programs of one run is written once.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..._atomic import OutputTransaction
+from ..._inputs import named_inputs
 from ..._placement import BlobEntry, BlobWriter, PlannedTensor, Progress
 from ..._tensors import FileRange, InputFile, open_input
 from ..._write import BlobPayload, write_payloads
@@ -31,9 +37,14 @@ from ...errors import InvalidModel, OutputError, Unsupported, UsageError
 from ...options import ConvertOptions
 from ...report import ConversionReport
 from . import flatbuf
+from .inventory import data_files_beside, locate_data_files
 
 _U64 = struct.Struct("<Q")
 COPY_CHUNK = 1 << 20
+# per run: each data file written, by output path -> (device, inode, source path): written once, never two onto one
+_DATA_WRITTEN: weakref.WeakKeyDictionary[OutputTransaction, dict[str, tuple[int, int, str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 @dataclass(slots=True)
@@ -223,9 +234,17 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
             header_pos, size_pos = data.header_pos, data.header_pos + 8
         else:
             raise InvalidModel("not an ExecuTorch program or data file (no ET12/FT01 identifier)", path)
+        final = out_dir / src.name
+        carried: dict[Path, list[str]] = {}
+        if kind == "pte":
+            candidates = data_files_beside(src) + [p for p in named_inputs() if p.suffix == ".ptd"]
+            carried = locate_data_files(src, prog, f.fd, candidates)
+        elif _written_before(tx, final, src, os.fstat(f.fd)):
+            report.notes.append(f"{src.name} is written once, with the program that reads it")
+            report.outputs.append(str(final))
+            return report
         if options.progress_total is not None:
             options.progress_total(sum(p.source.nbytes for p in plan.payloads))
-        final = out_dir / src.name
         tmp = tx.new_file(final, os.fstat(f.fd).st_mode & 0o777)
         try:
             fd = os.open(tmp, os.O_WRONLY)
@@ -238,7 +257,7 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
             offsets = [placements.offset(i) for i in range(len(plan.payloads))]
             sizes = [placements.nbytes(i) for i in range(len(plan.payloads))]
             size = container.writer.finish()
-            if segments:
+            if segments and header_pos:  # no header: every segment is empty (read_program), nothing moved
                 base, fields = _patches(plan, offsets, sizes, segments, constant, constant_pos, path)
                 fields.append((header_pos, base))
                 if size_pos is not None:
@@ -249,6 +268,22 @@ def convert_file(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTr
         finally:
             os.close(fd)
         report.outputs.append(str(final))
+        for ptd, keys in carried.items():
+            report.outputs += convert_file(ptd, out_dir, options, tx).outputs
+            report.notes.append(f"{ptd.name}: the data file it reads ({len(keys)} keys), converted beside it")
         return report
     finally:
         f.close()
+
+
+def _written_before(tx: OutputTransaction, final: Path, src: Path, st: os.stat_result) -> bool:
+    """Whether this run already wrote this data file to ``final`` (carried by a program, or named twice); a
+    different file for the same output is refused, naming both."""
+    written = _DATA_WRITTEN.setdefault(tx, {})
+    before = written.get(str(final))
+    if before is None:
+        written[str(final)] = (st.st_dev, st.st_ino, str(src))
+        return False
+    if before[:2] == (st.st_dev, st.st_ino):
+        return True
+    raise UsageError(f"{before[2]} and {src} would both be written to {final}; convert them separately", src)

@@ -241,7 +241,8 @@ def read_program(fd: int, path: str) -> Program:
     root = fr.table(fr.indirect(0, "root table offset"), "Program")
     prog = Program(path, size, program_size, segment_base, header_pos, data_size_pos, root.u32(PROGRAM_VERSION))
     prog.segments = _segments(r, root, PROGRAM_SEGMENTS, segment_base, size, "Program.segments")
-    if prog.segments and not header_pos:
+    if any(s.nbytes for s in prog.segments) and not header_pos:
+        # the exporter omits the header when every segment is empty (external_constants=True, all in a .ptd)
         raise InvalidModel("the program has segments but no extended header locating them", path)
     for i, buf in enumerate(root.tables(PROGRAM_CONSTANT_BUFFER, "Program.constant_buffer")):
         pos = buf.field(0, 4)
@@ -344,3 +345,33 @@ def read_data_file(fd: int, path: str) -> DataFile:
         for t in root.tables(FLAT_NAMED_DATA, "FlatTensor.named_data")
     ]
     return data
+
+
+XNNPACK_HEADER_MAGIC = b"XH00"  # XNNPACKHeader at byte 4 of an XNNPACK delegate blob (xnnpack_graph_serialize.py)
+XNN_GRAPH_CONSTANT_DATA = 8  # XNNGraph.constant_data: [ConstantDataOffset] (backends/xnnpack/serialization/schema.fbs)
+CONSTANT_DATA_NAMED_KEY = 2  # ConstantDataOffset.named_key
+
+
+def xnnpack_keys(fd: int, pos: int, nbytes: int, path: str) -> list[str] | None:
+    """The named-data keys an XNNPACK delegate blob at ``pos`` reads (``ConstantDataOffset.named_key``); None when
+    the blob has no XNNPACK header (another backend, or a layout this reader does not know).
+
+    The blob: 4 bytes, ``XH00``, u16 header length, u32 flatbuffer offset, u32 flatbuffer size, u32 constant data
+    offset, u64 constant data size; the ``XNNGraph`` flatbuffer at that offset, inside the blob."""
+    if nbytes < 22:
+        return None
+    r = Reader(fd, pos + nbytes, path, MAX_ENTRIES)
+    if r.read(pos + 4, 4, "XNNPACK header") != XNNPACK_HEADER_MAGIC:
+        return None
+    fb_offset = r.u32(pos + 10, "XNNPACK flatbuffer offset")
+    fb_size = r.u32(pos + 14, "XNNPACK flatbuffer size")
+    if fb_offset > nbytes or fb_size > nbytes - fb_offset:
+        raise InvalidModel(f"XNNPACK delegate blob: flatbuffer of {fb_size} bytes at {fb_offset} runs past it", path)
+    fr = Reader(fd, pos + fb_offset + fb_size, path, MAX_ENTRIES)
+    root = fr.table(fr.indirect(pos + fb_offset, "XNNGraph root offset"), "XNNGraph")
+    keys = []
+    for t in root.tables(XNN_GRAPH_CONSTANT_DATA, "XNNGraph.constant_data"):
+        key = t.string(CONSTANT_DATA_NAMED_KEY, "ConstantDataOffset.named_key")
+        if key:
+            keys.append(key)
+    return keys

@@ -16,13 +16,13 @@ Read in pytorch/executorch (main, Aug 2026) and measured with executorch 1.5.1 (
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..._inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ..._placement import AlignPolicy
 from ..._tensors import FileRange, open_input
-from ...errors import WeightshareError
+from ...errors import InvalidModel, WeightshareError
 from . import flatbuf
 from .findings import ExecutorchCode
 
@@ -42,6 +42,70 @@ def data_files_beside(path: Path) -> list[Path]:
     except OSError:
         return []
     return found[:MAX_DATA_FILES]
+
+
+def needed_keys(prog: flatbuf.Program, fd: int, path: str) -> list[str]:
+    """The named-data keys a program reads and does not hold itself: its external constants'
+    (``ExtraTensorInfo``) and those its XNNPACK delegates name (``ConstantDataOffset.named_key``)."""
+    own = {nd.key for nd in prog.named_data}
+    keys = [c.external_key for c in prog.constants if c.external_key]
+    for d in prog.delegates:
+        if d.backend != XNNPACK_BACKEND:
+            continue
+        blob = prog.delegate_data[d.index] if d.inline else prog.segments[d.index]
+        keys += flatbuf.xnnpack_keys(fd, blob.file_offset, blob.nbytes, path) or []
+    return list(dict.fromkeys(k for k in keys if k not in own))
+
+
+def locate_data_files(
+    program: Path, prog: flatbuf.Program, fd: int, candidates: Sequence[Path] | None = None
+) -> dict[Path, list[str]]:
+    """Each data file holding keys the program reads, with those keys: searched among ``candidates`` (by default
+    the ``.ptd`` files beside it), each file once however it is named.
+
+    Raises:
+        InvalidModel: a key the program reads is in no candidate, or in two of them (which one the runtime
+            would read is then a guess).
+    """
+    needed = needed_keys(prog, fd, str(program))
+    reads = reads_key(prog, delegate_blob_bytes(prog, fd))
+    files: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+    for ptd in candidates if candidates is not None else data_files_beside(program):
+        try:
+            st = os.stat(ptd)
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            files.append(ptd)
+    holders: dict[str, list[Path]] = {}
+    found: dict[Path, list[str]] = {}
+    for ptd in files:
+        try:
+            keys = _keys(ptd)
+        except WeightshareError:  # another .ptd that is damaged is not this program's problem
+            continue
+        for key in keys:
+            if key in needed or reads(key):
+                holders.setdefault(key, []).append(ptd)
+                found.setdefault(ptd, []).append(key)
+    for key, where in holders.items():
+        if len(where) > 1:
+            raise InvalidModel(
+                f"reads named data {key!r}, which is in both {where[0]} and {where[1]}: keep the one it was "
+                "exported with",
+                program,
+            )
+    missing = [k for k in needed if k not in holders]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise InvalidModel(
+            f"reads named data {missing[0]!r}{more}, which no .ptd beside it or given with it holds: add the .ptd it "
+            "was exported with",
+            program,
+        )
+    return found
 
 
 def _keys(ptd: Path) -> dict[str, tuple[flatbuf.NamedData, flatbuf.Segment]]:

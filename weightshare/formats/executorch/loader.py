@@ -25,51 +25,65 @@ import hashlib
 import importlib
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..._tensors import FileRange
+from ..._tensors import FileRange, open_input
 from ...errors import InvalidModel, Unsupported
 from . import backend_options, flatbuf
-from .verify import data_path_for
+from .inventory import locate_data_files
 
 _lock = threading.Lock()
 _bound: dict[str, str] = {}  # named-data key -> SHA-256 of the bytes first loaded under it
-_digests: dict[tuple[int, int, int, int, int, int], str] = {}  # (dev, ino, size, mtime_ns, offset, n) -> digest
+# (dev, ino, size, mtime_ns, ctime_ns, offset, n) -> digest. ctime, because a rewrite in place can keep size and
+# mtime (os.utime sets them; a program rewritten with its mtime restored ran with the earlier version's packed
+# weights) but never ctime, which the kernel sets on every write and utime alone.
+_digests: dict[tuple[int, ...], str] = {}
+# ctime has the kernel's coarse-clock granularity (a jiffy, 1-10 ms): two writes within one tick can share it. So a
+# digest is remembered only for a file whose ctime is this much older than the hashing (git's racy-clean rule); a
+# file changed more recently is hashed at every load.
+RACY_NS = 2_000_000_000
 
 
-def _file_keys(path: Path) -> list[tuple[str, FileRange, tuple[int, int, int, int]]]:
-    """(key, bytes, file identity) of every named data entry of a program or data file."""
-    with open(path, "rb") as fh:
-        st = os.fstat(fh.fileno())
-        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        kind = flatbuf.kind_of(os.pread(fh.fileno(), 8, 0))
-        if kind == "pte":
-            prog = flatbuf.read_program(fh.fileno(), str(path))
-            named, segments = prog.named_data, prog.segments
-        elif kind == "ptd":
-            data = flatbuf.read_data_file(fh.fileno(), str(path))
-            named, segments = data.named_data, data.segments
-        else:
-            raise InvalidModel("not an ExecuTorch program or data file", path)
-    out = []
+def _file_keys(path: Path) -> list[tuple[str, FileRange, tuple[int, ...]]]:
+    """(key, bytes, file identity) of every named data entry of a program or data file; the bytes are read through
+    the descriptor the identity was taken from (closed when the last range goes)."""
+    f = open_input(path)
+    st = os.fstat(f.fd)
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    kind = flatbuf.kind_of(os.pread(f.fd, 8, 0))
+    if kind == "pte":
+        prog = flatbuf.read_program(f.fd, str(path))
+        named, segments = prog.named_data, prog.segments
+    elif kind == "ptd":
+        data = flatbuf.read_data_file(f.fd, str(path))
+        named, segments = data.named_data, data.segments
+    else:
+        f.close()
+        raise InvalidModel("not an ExecuTorch program or data file", path)
+    out: list[tuple[str, FileRange, tuple[int, ...]]] = []
     for nd in named:
         seg = segments[nd.segment]
-        out.append((nd.key, FileRange(str(path), seg.file_offset, seg.nbytes), ident))
+        out.append((nd.key, FileRange(str(path), seg.file_offset, seg.nbytes, f), ident))
     return out
 
 
-def _digest(source: FileRange, ident: tuple[int, int, int, int]) -> str:
+def _digest(source: FileRange, ident: tuple[int, ...]) -> str:
+    """SHA-256 of ``source``'s bytes; remembered by the file's identity when its ctime is not racy."""
     key = (*ident, source.offset, source.length)
     cached = _digests.get(key)
     if cached is not None:
         return cached
+    started = time.time_ns()
     h = hashlib.sha256()
     for chunk in source.chunks():
         h.update(chunk)
-    _digests[key] = h.hexdigest()
-    return _digests[key]
+    digest = h.hexdigest()
+    if ident[4] < started - RACY_NS:
+        _digests[key] = digest
+    return digest
 
 
 def bind_keys(files: list[Path]) -> list[str]:
@@ -115,6 +129,28 @@ class SharedProgram:
                 backend_options.set_bool(backend_options.XNNPACK, backend_options.WEIGHT_CACHE, False)
 
 
+def data_file_for(path: Path, given: Path | None) -> Path | None:
+    """The ``.ptd`` to load ``path`` with (``given``, else the one beside it holding the keys it reads), once every
+    named-data key the program reads is known to be there: ExecuTorch fails to load a method whose data is missing
+    (executorch 1.5.1: ``RuntimeError: Failed to load method``, error 0x:2, 0x:20 or 0x:24; a SIGSEGV was
+    reported), so this is said first.
+
+    Raises:
+        InvalidModel: a key is in no data file (or in two beside it); the program is damaged.
+        Unsupported: its keys are in two data files (the runtime takes one ``data_path``).
+    """
+    f = open_input(path)
+    try:
+        prog = flatbuf.read_program(f.fd, str(path))
+        found = locate_data_files(path, prog, f.fd, [given] if given is not None else None)
+    finally:
+        f.close()
+    if len(found) > 1:
+        names = ", ".join(str(p) for p in found)
+        raise Unsupported(f"reads named data from {len(found)} data files ({names}); the runtime takes one", path)
+    return given if given is not None else next(iter(found), None)
+
+
 def program(path: str | os.PathLike[str], data_path: str | os.PathLike[str] | None = None) -> SharedProgram:
     """Load an ExecuTorch program for sharing: mapped weights, XNNPACK's packed weights once per process
     (``weightshare.executorch.program``).
@@ -126,16 +162,19 @@ def program(path: str | os.PathLike[str], data_path: str | os.PathLike[str] | No
     Returns:
         A ``SharedProgram``: ``load_method(name)`` returns the runtime's ``Method`` (``execute(inputs)``).
 
+    Raises:
+        InvalidModel: the program reads a named-data key no data file holds (checked before ExecuTorch runs it).
+
     Example:
         >>> m = program("model.pte").load_method("forward")
         >>> out = m.execute([torch.randn(1, 2048)])
     """
+    path = Path(path)
+    data = data_file_for(path, Path(data_path) if data_path is not None else None)  # before the runtime sees it
     try:
         runtime = importlib.import_module("executorch.runtime")
     except ImportError as e:
         raise Unsupported(f"ExecuTorch's Python runtime is not installed ({e})") from None
-    path = Path(path)
-    data = Path(data_path) if data_path is not None else data_path_for(path)
     files = [path] + ([data] if data is not None else [])
     conflicts = bind_keys(files)
     kwargs = {"data_path": str(data)} if data is not None else {}

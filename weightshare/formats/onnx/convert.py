@@ -20,6 +20,7 @@ from pathlib import Path
 from google.protobuf.message import DecodeError
 
 from ..._atomic import OutputTransaction
+from ..._inputs import open_fd
 from ..._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ..._placement import PlannedTensor
 from ..._platform import malloc_trim
@@ -145,7 +146,7 @@ class _SignallingNanProbe:
         for part in parts:
             fd = self._fds.get(part.path)
             if fd is None:
-                fd = self._fds[part.path] = os.open(part.path, os.O_RDONLY)
+                fd = self._fds[part.path] = open_fd(part.path)
             pos, end = part.offset, part.offset + part.length
             while pos < end:
                 got = os.preadv(fd, [view[: min(len(view), end - pos)]], pos)

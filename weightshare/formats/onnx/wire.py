@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..._inputs import open_fd
 from ..._tensors import CHUNK_SIZE, PayloadSource
 from ...errors import InvalidModel
 
@@ -39,7 +40,7 @@ class WireFile:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
-        self.fd = os.open(self.path, os.O_RDONLY)
+        self.fd = open_fd(self.path)  # a model being converted: its held descriptor
         self.size = os.fstat(self.fd).st_size
         self._win = b""
         self._win_start = 0

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from ai_edge_litert import schema_py_generated as schema
 
 from ..._flatbuffers import Reader
+from ..._inputs import open_fd
 from ..._tensors import FileRange
 from ...errors import InvalidModel
 
@@ -136,7 +137,7 @@ def open_model(path: str, window: tuple[int, int] | None = None) -> Iterator[tup
     ``window`` (offset, size): the flatbuffer is that byte range of the file (a stored zip member, read in place);
     the reader's positions, and ``BufferRef.file_offset``, are then relative to its start.
     """
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_fd(path)  # a model being converted: its held descriptor
     try:
         size = os.fstat(fd).st_size
         base, length = window if window is not None else (0, size)
