@@ -138,7 +138,10 @@ def test_convert_pte_carries_the_ptd_its_external_constants_are_in(tmp_path, cli
     assert _program(prog).segment_base == prog.stat().st_size  # no extended header, as the exporter writes it
     res = cli("convert", prog, "-o", tmp_path / "out")
     assert res.returncode == 0, res.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name != RECORD) == ["_default_external_constant.ptd", "model.pte"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir() if p.name != RECORD) == [
+        "_default_external_constant.ptd",
+        "model.pte",
+    ]
     got = _ptd_bytes(tmp_path / "out" / "_default_external_constant.ptd")
     assert {k: d for k, (_, d) in got.items()} == _digests(tensors)
     assert got["0.weight"][0] % 64 == 0 and got["0.bias"][0] % 64 == 0
