@@ -47,7 +47,7 @@ from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
-from .prepack_record import METADATA_KEY, PACKED_PREFIX
+from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
 from .reload import reload_change
 from .unfuse import drop_unused, unfuse_scales
 
@@ -314,6 +314,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     def emit(location: str, placements: Placements, tx: OutputTransaction) -> list[Path]:
         reloc.rewrite(location, placements)
         written = []
+        pair_id(optimized, portable)
         for model, name in ((optimized, src.name), (portable, portable_name(src.name))):
             tmp = tx.new_file(out_dir / name)
             data = model.SerializeToString()
@@ -327,6 +328,22 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     # with the original under the unpacking the blob says was used
     metadata = {**staged_metadata, METADATA_KEY: json.dumps({**binding, **names})}
     return PreparedModel(report, reloc.payloads, emit, extra={"blob_metadata": metadata})
+
+
+def pair_id(optimized: pb.ModelProto, portable: pb.ModelProto) -> str:
+    """Record in both models the digest of the two as converted (``PAIR_KEY``): ``weightshare.ort.session``
+    refuses a portable twin of another conversion (stale, or copied from elsewhere)."""
+    import hashlib
+
+    for m in (optimized, portable):
+        keep = [p for p in m.metadata_props if p.key != PAIR_KEY]
+        del m.metadata_props[:]
+        m.metadata_props.extend(keep)
+    digest = hashlib.sha256(optimized.SerializeToString() + portable.SerializeToString()).hexdigest()[:32]
+    for m in (optimized, portable):
+        entry = m.metadata_props.add()
+        entry.key, entry.value = PAIR_KEY, digest
+    return digest
 
 
 def _inserted_casts(optimized: pb.ModelProto) -> bool:
