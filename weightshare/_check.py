@@ -69,6 +69,8 @@ class Gate:
     inline_threshold: int = INLINE_THRESHOLD
     measure: bool = True  # ask the runtime what one more session costs (ONNX, with onnxruntime installed)
     feeds: MeasureInputs = MeasureInputs()  # --dim / --input for the measuring runs
+    # --runtime VERSION[/CPU_KIND]: the serving machine's runtime, when it is not the one check runs under
+    runtime: str = ""
 
     def targeted(self, inv: ModelInventory) -> list[str]:
         named = [s for s in inv.settings if s in self.targets]
@@ -306,6 +308,35 @@ def _layout(inv: ModelInventory, add: Callable[..., None], gate: Gate, model_dir
         )
 
 
+def _envelope(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
+    """A packed model judged for the runtime it will be served by: this machine's, or ``--runtime``'s."""
+    made = inv.packed_for
+    if not made:
+        return
+    if gate.runtime:
+        version, _, kind = gate.runtime.partition("/")
+        judged, where = {"version": version, "cpu_kind": kind}, "--runtime"
+    else:
+        judged, where = inv.runtime_here, "this machine"
+    if not judged:
+        inv.notes.append(f"not judged for a runtime: {made['runtime']} is not installed here (--runtime names one)")
+        return
+    rt = made["runtime"]
+    keys = [k for k in ("version", "cpu_kind") if judged.get(k)]
+    runs = " on ".join(judged[k] for k in keys)
+    if all(judged[k] == made[k] for k in keys):
+        inv.notes.append(f"judged for {rt} {runs} ({where}), the runtime it was packed for")
+        return
+    add(
+        Code.PACKED_FOR_OTHER_RUNTIME,
+        [],
+        f"packed for {rt} {made['version']} on {made['cpu_kind']}; {where} runs {rt} {runs}: weightshare's loader "
+        f"opens the portable model there (+{_mib(int(made.get('packed_bytes', '0')))} per session, pre-packed by "
+        "each), and a plain session of this file computes what was never verified",
+        Severity.ERROR,
+    )
+
+
 def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]:
     gate = gate or Gate()
     out: list[Finding] = []
@@ -327,6 +358,7 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
         out.append(finding)
 
     out += inv.findings
+    _envelope(inv, add, gate)
     _measured(inv, add, gate)
     _activations(inv, add, gate)
     static = len(out)
@@ -461,6 +493,9 @@ def run_gate(
     for t in gate.targets:
         if t not in setting_ids():
             raise UsageError(f"--target {t!r} is not a setting id ({', '.join(setting_ids())})")
+    version, _, _kind = gate.runtime.partition("/")
+    if gate.runtime and not all(part.isdigit() for part in version.split(".")):
+        raise UsageError(f"--runtime takes VERSION[/CPU_KIND] (1.32.0/avx512), got {gate.runtime!r}")
     if gate.threshold < 0:
         raise UsageError("--threshold must not be negative")
     for name, value in gate.feeds.dims:

@@ -75,6 +75,10 @@ class ModelInventory:
     default_how: str = ""
     # A ``convert --prepack`` output: the runtime's packed copies are in its blob or cache already.
     prepack_output: bool = False
+    # The envelope a packed model is exact in ("runtime", "version", "cpu_kind", "packed_bytes": what each session
+    # pre-packs for itself outside it), and the same facts of the runtime installed here (empty: none).
+    packed_for: dict[str, str] = field(default_factory=dict)
+    runtime_here: dict[str, str] = field(default_factory=dict)
 
     @property
     def copies_source(self) -> str:

@@ -227,6 +227,9 @@ def envelope_problem(
         sess_options: the caller's options (None: ORT's defaults).
         providers: the execution providers asked for (anything but the CPU provider alone is outside).
         **kwargs: the other ``InferenceSession`` keywords (``disabled_optimizers`` is outside).
+
+    Returns:
+        The first option outside the allow-list, in one phrase; None inside it.
     """
     import onnxruntime as ort
 
