@@ -1,4 +1,4 @@
-"""The envelope a ``--prepack`` output is exact in (issue 41): the onnxruntime version, CPU kind and session-option
+"""The envelope a ``--prepack`` output is exact in: the onnxruntime version, CPU kind and session-option
 class recorded at conversion. ``weightshare.ort.session`` keeps the packed graph only inside it; outside it opens the
 portable model at the caller's options (the original's outputs there), never ``disable_prepacking`` unless the
 caller asks (``share_with_other_numerics``); it refuses a portable twin of another conversion."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ._dispatch import inventory, load_input
 from ._findings import Code, Finding, Severity, TextEnum, code_named
-from ._inventory import MeasureInputs, ModelInventory, PayloadInfo
+from ._inventory import MeasureInputs, ModelInventory, PayloadInfo, judge_envelope
 from ._placement import AlignPolicy
 from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
@@ -310,31 +310,11 @@ def _layout(inv: ModelInventory, add: Callable[..., None], gate: Gate, model_dir
 
 def _envelope(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
     """A packed model judged for the runtime it will be served by: this machine's, or ``--runtime``'s."""
-    made = inv.packed_for
-    if not made:
-        return
-    if gate.runtime:
-        version, _, kind = gate.runtime.partition("/")
-        judged, where = {"version": version, "cpu_kind": kind}, "--runtime"
-    else:
-        judged, where = inv.runtime_here, "this machine"
-    if not judged:
-        inv.notes.append(f"not judged for a runtime: {made['runtime']} is not installed here (--runtime names one)")
-        return
-    rt = made["runtime"]
-    keys = [k for k in ("version", "cpu_kind") if judged.get(k)]
-    runs = " on ".join(judged[k] for k in keys)
-    if all(judged[k] == made[k] for k in keys):
-        inv.notes.append(f"judged for {rt} {runs} ({where}), the runtime it was packed for")
-        return
-    add(
-        Code.PACKED_FOR_OTHER_RUNTIME,
-        [],
-        f"packed for {rt} {made['version']} on {made['cpu_kind']}; {where} runs {rt} {runs}: weightshare's loader "
-        f"opens the portable model there (+{_mib(int(made.get('packed_bytes', '0')))} per session, pre-packed by "
-        "each), and a plain session of this file computes what was never verified",
-        Severity.ERROR,
-    )
+    problem, note = judge_envelope(inv, gate.runtime)
+    if problem:
+        add(Code.PACKED_FOR_OTHER_RUNTIME, [], problem, Severity.ERROR)
+    elif note:
+        inv.notes.append(note)
 
 
 def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]:
