@@ -211,3 +211,33 @@ def test_the_fp16_forms_overridable_initializers_are_explained_first(fp16, caplo
         wort.session(packed)
     said = _said(caplog)
     assert any("graph inputs on purpose" in s and "remove_initializer_from_input" in s for s in said), said
+
+
+def test_check_judges_a_packed_output_for_the_runtime_it_will_run_under(mixed):
+    from conftest import run_cli
+
+    _src, packed = mixed
+    here = wort.this_machine()
+    kind = cpu_kind(here["cpu_features"], here["machine"])
+    same = run_cli("check", packed, "--no-measure", "--json")
+    assert same.returncode == 0, same.stdout + same.stderr
+    (inv,) = json.loads(same.stdout)["models"]
+    assert inv["judged_for"].startswith(f"judged for onnxruntime {ort.__version__} on {kind} (this machine)")
+    assert inv["packed_for"]["version"] == ort.__version__
+    other = run_cli("check", packed, "--no-measure", "--runtime", "1.22.1/avx2")
+    assert other.returncode == 1
+    assert "packed-for-other-runtime" in other.stdout
+    assert f"packed for onnxruntime {ort.__version__} on {kind}" in other.stdout and "1.22.1 on avx2" in other.stdout
+    assert run_cli("check", packed, "--no-measure", "--runtime", f"{ort.__version__}/{kind}").returncode == 0
+    bad = run_cli("check", packed, "--no-measure", "--runtime", "latest")
+    assert bad.returncode == 2 and "--runtime takes VERSION" in bad.stderr
+
+
+def test_verify_names_the_version_mismatch(mixed, monkeypatch):
+    import weightshare
+
+    src, packed = mixed
+    monkeypatch.setattr(ort, "__version__", "1.99.0")  # what verify reads of the runtime it runs under
+    report = weightshare.verify(src, packed)
+    said = " ".join(report.notes + report.mismatches)
+    assert "was packed for onnxruntime" in said and "this machine runs onnxruntime 1.99.0" in said
