@@ -47,6 +47,7 @@ from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
+from .opened import require_floor
 from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
 from .reload import reload_change
 from .unfuse import drop_unused, unfuse_scales
@@ -188,6 +189,7 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
     """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
+    require_floor(src)
     cmd = [
         sys.executable,
         "-m",
