@@ -241,3 +241,29 @@ def test_verify_names_the_version_mismatch(mixed, monkeypatch):
     report = weightshare.verify(src, packed)
     said = " ".join(report.notes + report.mismatches)
     assert "was packed for onnxruntime" in said and "this machine runs onnxruntime 1.99.0" in said
+
+
+def test_a_raw_load_under_an_older_onnxruntime_fails_instead_of_computing_otherwise(mixed, tmp_path):
+    """The prepacked model imports ORT's internal NHWC domain at the converting release's newest opset: the
+    release that converted loads it (exact: the other tests), an older one, knowing fewer opsets, refuses it.
+    Shown here by stamping one opset past what this release knows (what an older release sees)."""
+    from weightshare.formats.onnx.ort.probe import STAMP_DOMAIN, opset_stamp
+
+    src, packed = mixed
+    m = onnx.load(str(packed), load_external_data=False)
+    (stamp,) = [o.version for o in m.opset_import if o.domain == STAMP_DOMAIN]
+    assert stamp == opset_stamp() > 0
+    assert _equal(
+        ort.InferenceSession(str(packed)).run(None, sample_input(src, 4)),
+        ort.InferenceSession(str(src)).run(None, sample_input(src, 4)),
+    )
+    for o in m.opset_import:
+        if o.domain == STAMP_DOMAIN:
+            o.version = stamp + 1
+    newer = packed.parent / "as_an_older_release_sees_it.onnx"
+    onnx.save(m, str(newer))
+    try:
+        with pytest.raises(Exception, match=f"Opset {stamp + 1}"):
+            ort.InferenceSession(str(newer))
+    finally:
+        newer.unlink()

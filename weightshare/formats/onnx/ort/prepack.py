@@ -49,6 +49,7 @@ from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
 from .opened import require_floor
 from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
+from .probe import STAMP_DOMAIN
 from .reload import reload_change
 from .unfuse import drop_unused, unfuse_scales
 
@@ -325,11 +326,27 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
             report.prepack["model_file_bytes"] = report.prepack.get("model_file_bytes", 0) + len(data)
         return written
 
+    _stamp(optimized, binding)
     _report_packing(report, src, binding, packed, child_peak, result, _inserted_casts(optimized))
     # what the staged conversion recorded (``--unpack ort-cpu``): verify compares the portable model's payloads
     # with the original under the unpacking the blob says was used
     metadata = {**staged_metadata, METADATA_KEY: json.dumps({**binding, **names})}
     return PreparedModel(report, reloc.payloads, emit, extra={"blob_metadata": metadata})
+
+
+def _stamp(optimized: pb.ModelProto, binding: JsonDict) -> None:
+    """Import ``STAMP_DOMAIN`` at the converting onnxruntime's newest opset: a plain ``InferenceSession`` of the
+    prepacked model under an older release (whose kernels and fusions compute otherwise) fails to load instead of
+    computing other outputs. No node is in that domain: the release that converted runs the graph as verified."""
+    version = binding.get("opset_stamp")
+    if not isinstance(version, int) or version <= 0:
+        return
+    for o in optimized.opset_import:
+        if o.domain == STAMP_DOMAIN:
+            o.version = max(o.version, version)
+            return
+    stamp = optimized.opset_import.add()
+    stamp.domain, stamp.version = STAMP_DOMAIN, version
 
 
 def pair_id(optimized: pb.ModelProto, portable: pb.ModelProto) -> str:

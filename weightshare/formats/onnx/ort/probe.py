@@ -90,6 +90,51 @@ def _probe_model() -> bytes:
     return _int(1, 8) + _msg(7, graph) + _msg(8, _str(1, ""), _int(2, 17))
 
 
+# A domain every onnxruntime registers (its internal NHWC ops) whose newest opset follows ONNX's: a model that
+# imports it at the converting release's newest version is refused at load by every release that knows fewer
+# opsets ("Opset N is under development ... will not guarantee backward compatibility"): ``opset_stamp``.
+STAMP_DOMAIN = "com.ms.internal.nhwc"
+
+
+def _stamp_probe(version: int) -> bytes:
+    """A Relu model (opset 17, IR 8) that also imports ``STAMP_DOMAIN`` at ``version``."""
+
+    def value_info(name: str) -> bytes:
+        return _str(1, name) + _msg(2, _msg(1, _int(1, 1)))
+
+    graph = _msg(1, _str(1, "x"), _str(2, "y"), _str(4, "Relu")) + _str(2, "stamp")
+    graph += _msg(11, value_info("x")) + _msg(12, value_info("y"))
+    return (
+        _int(1, 8)
+        + _msg(7, graph)
+        + _msg(8, _str(1, ""), _int(2, 17))
+        + _msg(8, _str(1, STAMP_DOMAIN), _int(2, version))
+    )
+
+
+def opset_stamp() -> int:
+    """The newest ``STAMP_DOMAIN`` opset this onnxruntime loads (0: none found), measured by loading probes."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+
+    def loads(version: int) -> bool:
+        try:
+            ort.InferenceSession(_stamp_probe(version), so, providers=["CPUExecutionProvider"])
+            return True
+        except Exception:  # noqa: BLE001 - ORT's refusal of an opset it does not know is what is measured
+            return False
+
+    low, high = 0, 1
+    while loads(high) and high < 1 << 10:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if loads(mid) else (low, mid)
+    return low
+
+
 def nchwc_block_size(directory: str | None = None) -> int:
     """Measured, not guessed: ORT pads the output channels of an NCHWc Conv weight to its block size,
     so an 8-channel 1x1 Conv's reordered weight has block-size rows (0: no NCHWc on this CPU).
