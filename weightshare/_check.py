@@ -331,7 +331,7 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
         if inv.fallback_of and severity is not None and severity is Severity.ERROR:
             # a --prepack output's portable model is the fallback where its packed weights cannot be used
             severity = Severity.WARNING
-            message += f" (fallback model of {inv.fallback_of}, opened with session.disable_prepacking=1)"
+            message += f" (fallback model of {inv.fallback_of}: each session costs this where that one cannot run)"
         finding = Finding.of(code, inv.model, message, payloads[0].name if payloads else "", severity)
         if fix:
             finding.fix = fix

@@ -234,9 +234,13 @@ def default_setting(path: Path, fallback_of: str) -> tuple[str, str]:
     """(the setting a model is opened with when the user does nothing, how): a plain ``InferenceSession(path)``
     has default options, pre-packing on (a ``--prepack`` output included: it maps its packed copies there); a
     genai folder's model is opened by ``og.Model`` with the session options its genai_config.json gives; a
-    ``--prepack`` output's portable twin is what ``weightshare.ort.session`` opens, with pre-packing off."""
+    ``--prepack`` output's portable twin is what ``weightshare.ort.session`` opens outside the packed model's
+    envelope, at the caller's options (pre-packing on: the original's outputs)."""
     if fallback_of:
-        return ORT_SHARE, "as weightshare.ort.session opens this portable model (session.disable_prepacking=1)"
+        return (
+            ORT_DEFAULT,
+            "as weightshare.ort.session opens this portable model (the caller's options, pre-packing on)",
+        )
     entries = _genai_config_entries(path)
     if entries is None:
         return ORT_DEFAULT, ""
