@@ -293,7 +293,8 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
         report.notes.append(
             f"--prepack: {at_run} fp16 weight(s) or constant(s) read by several nodes stay behind the Cast "
             "onnxruntime runs at every run in the original (overridable initializers, so that a session does not "
-            "fold them)"
+            "fold them; onnxruntime advises removing them from the graph inputs: do not, that folds the Cast and "
+            "changes the outputs)"
         )
     _settle(optimized, stage, src, options, binding, report)
     reloc = Relocator()
