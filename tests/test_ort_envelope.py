@@ -267,3 +267,18 @@ def test_a_raw_load_under_an_older_onnxruntime_fails_instead_of_computing_otherw
             ort.InferenceSession(str(newer))
     finally:
         newer.unlink()
+
+
+def test_check_judges_the_runtime_installed_here_by_default(mixed, monkeypatch):
+    """Without --runtime, check judges for the onnxruntime installed where it runs (read from its metadata)."""
+    import importlib.metadata
+
+    import weightshare
+
+    _src, packed = mixed
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda n: "1.22.1" if n == "onnxruntime" else real(n))
+    result = weightshare.check([packed], measure=False)
+    (finding,) = [f for f in result.findings if f.code.value == "packed-for-other-runtime"]
+    assert result.exit_code == 1 and "this machine runs onnxruntime 1.22.1" in finding.message
+    assert f"packed for onnxruntime {ort.__version__}" in finding.message
