@@ -113,8 +113,10 @@ PUBLIC = {
 # The loaders: runtime-specific by name, public like the package's own functions; pinned and documented like them.
 LOADERS = {
     "weightshare.ort": [
+        "KEEPS_PACKED",
         "METADATA_KEY",
         "check_packed_payloads",
+        "envelope_problem",
         "malloc_trim",
         "mismatch",
         "prepack_info",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ._dispatch import inventory, load_input
 from ._findings import Code, Finding, Severity, TextEnum, code_named
-from ._inventory import MeasureInputs, ModelInventory, PayloadInfo
+from ._inventory import MeasureInputs, ModelInventory, PayloadInfo, judge_envelope
 from ._placement import AlignPolicy
 from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
@@ -69,6 +69,8 @@ class Gate:
     inline_threshold: int = INLINE_THRESHOLD
     measure: bool = True  # ask the runtime what one more session costs (ONNX, with onnxruntime installed)
     feeds: MeasureInputs = MeasureInputs()  # --dim / --input for the measuring runs
+    # --runtime VERSION[/CPU_KIND]: the serving machine's runtime, when it is not the one check runs under
+    runtime: str = ""
 
     def targeted(self, inv: ModelInventory) -> list[str]:
         named = [s for s in inv.settings if s in self.targets]
@@ -306,6 +308,15 @@ def _layout(inv: ModelInventory, add: Callable[..., None], gate: Gate, model_dir
         )
 
 
+def _envelope(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
+    """A packed model judged for the runtime it will be served by: this machine's, or ``--runtime``'s."""
+    problem, note = judge_envelope(inv, gate.runtime)
+    if problem:
+        add(Code.PACKED_FOR_OTHER_RUNTIME, [], problem, Severity.ERROR)
+    elif note:
+        inv.notes.append(note)
+
+
 def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]:
     gate = gate or Gate()
     out: list[Finding] = []
@@ -320,13 +331,14 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
         if inv.fallback_of and severity is not None and severity is Severity.ERROR:
             # a --prepack output's portable model is the fallback where its packed weights cannot be used
             severity = Severity.WARNING
-            message += f" (fallback model of {inv.fallback_of}, opened with session.disable_prepacking=1)"
+            message += f" (fallback model of {inv.fallback_of}: each session costs this where that one cannot run)"
         finding = Finding.of(code, inv.model, message, payloads[0].name if payloads else "", severity)
         if fix:
             finding.fix = fix
         out.append(finding)
 
     out += inv.findings
+    _envelope(inv, add, gate)
     _measured(inv, add, gate)
     _activations(inv, add, gate)
     static = len(out)
@@ -461,6 +473,9 @@ def run_gate(
     for t in gate.targets:
         if t not in setting_ids():
             raise UsageError(f"--target {t!r} is not a setting id ({', '.join(setting_ids())})")
+    version, _, _kind = gate.runtime.partition("/")
+    if gate.runtime and not all(part.isdigit() for part in version.split(".")):
+        raise UsageError(f"--runtime takes VERSION[/CPU_KIND] (1.32.0/avx512), got {gate.runtime!r}")
     if gate.threshold < 0:
         raise UsageError("--threshold must not be negative")
     for name, value in gate.feeds.dims:

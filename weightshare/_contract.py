@@ -103,6 +103,8 @@ def _model_summary(inv: ModelInventory) -> JsonDict:
         "default_setting": inv.default_setting,
         "activation_per_session_by_setting": dict(inv.measured_activation),
         "measure_notes": list(inv.measure_notes),  # how the figures were made (text output: on stderr)
+        "packed_for": dict(inv.packed_for),  # a --prepack output's envelope (version, CPU kind); {} for others
+        "judged_for": next((n for n in inv.notes if n.startswith(("judged for", "not judged for"))), ""),
     }
 
 
@@ -115,7 +117,7 @@ def check_document(
     return envelope(
         "check",
         code,
-        gate={"targets": list(gate.targets), "threshold": gate.threshold, "strict": strict},
+        gate={"targets": list(gate.targets), "threshold": gate.threshold, "strict": strict, "runtime": gate.runtime},
         models=[_model_summary(i) for i in inventories] + [_unreadable(f) for f in unreadable],
         findings=[f.to_dict() for f in findings],
         summary={"models": len(inventories) + len(unreadable), **count},
@@ -133,6 +135,8 @@ def _unreadable(model: str) -> JsonDict:
         "default_setting": "",
         "activation_per_session_by_setting": {},
         "measure_notes": [],
+        "packed_for": {},
+        "judged_for": "",
     }
 
 

@@ -60,6 +60,7 @@ class Code(TextEnum):
     CHECKSUM_MISMATCH = "checksum-mismatch"
     BLOB_DIGEST_MISMATCH = "blob-digest-mismatch"
     UNREADABLE_MODEL = "unreadable-model"
+    PACKED_FOR_OTHER_RUNTIME = "packed-for-other-runtime"
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,15 @@ CODES: dict[TextEnum, CodeInfo] = {
         "which lists every payload's checksum: the blob was rewritten after conversion (a payload overwritten "
         "and its checksum re-recorded) or another blob was renamed to this name.",
         "re-run weightshare convert from the original model",
+    ),
+    Code.PACKED_FOR_OTHER_RUNTIME: CodeInfo(
+        Severity.ERROR,
+        "A --prepack output was packed for another runtime version or CPU kind than the one it is judged for "
+        "(this machine, or --runtime): its packed graph is exact only where it was made. weightshare's loader "
+        "opens its portable model there (exact, each session pre-packing its own copy); a plain session of the "
+        "packed file is outside what was verified.",
+        "re-run convert --prepack on the serving machine's runtime, or pass --runtime VERSION/CPU_KIND when the "
+        "machine running check is not the serving one",
     ),
     Code.UNREADABLE_MODEL: CodeInfo(
         Severity.ERROR,

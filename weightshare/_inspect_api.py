@@ -63,6 +63,7 @@ def check(
     strict: bool = False,
     dims: dict[str, int] | None = None,
     inputs: dict[str, str | os.PathLike[str]] | None = None,
+    runtime: str = "",
 ) -> CheckReport:
     """The CI gate: whether every model is share-ready (``weightshare check``).
 
@@ -78,6 +79,8 @@ def check(
         strict: warnings fail the gate too (copies that only a runtime's default setting makes).
         dims: symbolic dim name (``"*"``: every other) -> value for the measuring runs (``--dim``), as ``verify``.
         inputs: input name -> a .npy (or ONNX TensorProto .pb) file with its real values (``--input``).
+        runtime: the serving machine's runtime as ``VERSION[/CPU_KIND]`` (``--runtime``, e.g. ``1.32.0/avx512``):
+            a ``--prepack`` output is judged for it instead of for the runtime installed here.
 
     Returns:
         A ``CheckReport``: ``ok``, each model's inventory and every finding (``Finding.line()`` for one line).
@@ -99,7 +102,8 @@ def check(
     feeds = MeasureInputs(
         tuple((dims or {}).items()), tuple((name, os.fspath(file)) for name, file in (inputs or {}).items())
     )
-    result = run_gate(models, Gate(tuple(target), threshold, inline_threshold, measure=measure, feeds=feeds), strict)
+    gate = Gate(tuple(target), threshold, inline_threshold, measure=measure, feeds=feeds, runtime=runtime)
+    result = run_gate(models, gate, strict)
     return CheckReport(result.ok, result.inventories, result.findings, result.exit_code)
 
 

@@ -75,6 +75,10 @@ class ModelInventory:
     default_how: str = ""
     # A ``convert --prepack`` output: the runtime's packed copies are in its blob or cache already.
     prepack_output: bool = False
+    # The envelope a packed model is exact in ("runtime", "version", "cpu_kind", "packed_bytes": what each session
+    # pre-packs for itself outside it), and the same facts of the runtime installed here (empty: none).
+    packed_for: dict[str, str] = field(default_factory=dict)
+    runtime_here: dict[str, str] = field(default_factory=dict)
 
     @property
     def copies_source(self) -> str:
@@ -151,3 +155,29 @@ class MeasureInputs:
 
     dims: tuple[tuple[str, int], ...] = ()
     input_files: tuple[tuple[str, str], ...] = ()
+
+
+def judge_envelope(inv: ModelInventory, runtime: str = "") -> tuple[str | None, str]:
+    """(the problem, or None; a note) of a packed model judged for ``runtime`` (``VERSION[/CPU_KIND]``, check's
+    ``--runtime``) or, without it, for the runtime installed here (``inv.runtime_here``)."""
+    made = inv.packed_for
+    if not made:
+        return None, ""
+    if runtime:
+        version, _, kind = runtime.partition("/")
+        judged, where = {"version": version, "cpu_kind": kind}, "--runtime"
+    else:
+        judged, where = inv.runtime_here, "this machine"
+    rt = made["runtime"]
+    if not judged:
+        return None, f"not judged for a runtime: {rt} is not installed here (--runtime names one)"
+    keys = [k for k in ("version", "cpu_kind") if judged.get(k)]
+    runs = " on ".join(judged[k] for k in keys)
+    if all(judged[k] == made[k] for k in keys):
+        return None, f"judged for {rt} {runs} ({where}), the runtime it was packed for"
+    cost = int(made.get("packed_bytes", "0")) / 2**20
+    return (
+        f"packed for {rt} {made['version']} on {made['cpu_kind']}; {where} runs {rt} {runs}: weightshare's loader "
+        f"opens the portable model there (+{cost:.1f} MiB per session, pre-packed by each), and a plain session "
+        "of this file computes what was never verified"
+    ), ""

@@ -4,10 +4,14 @@
     sess = weightshare.ort.session("out/model.onnx")   # an onnxruntime.InferenceSession
 
 ``convert --prepack`` writes MODEL.onnx, whose pre-packed MatMul/Gemm weights and NCHWc Conv
-weights are valid only for the CPU kind and onnxruntime version that produced them, and
-MODEL.portable.onnx, which references only the plain payloads. ``session`` opens the prepacked
-model when it matches this machine and its packed payloads pass their recorded checksums, and the
-portable one (with ``session.disable_prepacking=1``) otherwise, saying why once through logging.
+weights are exact only inside the envelope they were made in: the onnxruntime version, the CPU kind
+(the ISA level MLAS dispatches on) and the session-option class (ORT_ENABLE_ALL, CPU provider, no option
+that changes kernels: ``KEEPS_PACKED``), all recorded in the blob. It also writes MODEL.portable.onnx,
+which references only the plain payloads. ``session`` opens the prepacked model inside the envelope when
+its packed payloads pass their recorded checksums, and otherwise the portable one at the caller's own
+options (the original's outputs at those options; each session then pre-packs its own copy, a cost the
+one logged line states). ``share_with_other_numerics=True`` opens the portable model with
+``session.disable_prepacking=1`` instead: shared, but MLAS's unpacked kernels round otherwise (docs/guide.md).
 
 Why the checks happen here and not only in ORT: ORT re-packs MatMul/Gemm weights at load and
 refuses a mismatch, but it never validates NCHWc-reordered Conv weights, so a blob built on an
@@ -32,7 +36,7 @@ from .errors import InvalidModel
 from .formats.onnx.ort.opened import OpenedModel as _OpenedModel
 from .formats.onnx.ort.opened import prepack_info
 from .formats.onnx.ort.opened import set_entry as _set_entry
-from .formats.onnx.ort.prepack_record import METADATA_KEY, portable_of
+from .formats.onnx.ort.prepack_record import METADATA_KEY, PAIR_KEY, portable_of
 from .report import JsonDict
 
 if TYPE_CHECKING:
@@ -41,8 +45,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("weightshare.ort")
 
 __all__ = [
+    "KEEPS_PACKED",
     "METADATA_KEY",
     "check_packed_payloads",
+    "envelope_problem",
     "malloc_trim",
     "mismatch",
     "prepack_info",
@@ -146,13 +152,134 @@ def mismatch(info: JsonDict) -> str | None:
         info: the record ``prepack_info`` returned for the model.
 
     Returns:
-        Why it cannot (the first CPU feature or kernel fact that differs), or None when it can.
+        Why it cannot (naming the onnxruntime version and CPU kind it was packed for and this machine's), or
+        None when it can.
     """
+    from .formats.onnx.ort.probe import cpu_kind
+
     here = this_machine()
     for key in ("onnxruntime", "machine", "nchwc_block", "cpu_features"):
         if info.get(key) != here[key]:
-            return f"it was packed for {key} {info.get(key)!r}, this machine has {here[key]!r}"
+            kind = cpu_kind(info.get("cpu_features", []), str(info.get("machine")))
+            made = f"onnxruntime {info.get('onnxruntime')} on {kind}"
+            runs = f"onnxruntime {here['onnxruntime']} on {cpu_kind(here['cpu_features'], str(here['machine']))}"
+            detail = "" if key == "onnxruntime" else f"; {key} {info.get(key)!r} here {here[key]!r}"
+            return f"it was packed for {made}, this machine runs {runs}{detail}"
     return None
+
+
+# SessionOptions attributes any value of which keeps the packed graph exact (each tested in
+# tests/test_ort_envelope.py): memory planning, threads, logging, profiling. Every other attribute must keep
+# its default, graph_optimization_level must be ORT_ENABLE_ALL (what --prepack optimized at).
+KEEPS_PACKED = (
+    "enable_cpu_mem_arena",
+    "enable_mem_pattern",
+    "enable_mem_reuse",
+    "enable_profiling",
+    "execution_mode",
+    "inter_op_num_threads",
+    "intra_op_num_threads",
+    "log_severity_level",
+    "log_verbosity_level",
+    "logid",
+    "profile_file_prefix",
+    "use_per_session_threads",
+)
+# config entries that change no kernel (any value), and those known to change kernels or the graph (their
+# default, or unset, keeps the packed graph). ORT's Python API cannot list the entries a SessionOptions holds,
+# so an entry named in neither list cannot be seen here (docs/guide.md says so).
+_CONFIG_KEEPS = (
+    "session.use_env_allocators",
+    "session.intra_op.allow_spinning",
+    "session.inter_op.allow_spinning",
+    "session.model_external_initializers_file_folder_path",
+)
+_CONFIG_CHANGES = {
+    "session.disable_prepacking": "0",
+    "session.set_denormal_as_zero": "0",
+    "optimization.enable_gelu_approximation": "0",
+    "optimization.enable_cast_chain_elimination": "0",
+    "optimization.disable_specified_optimizers": "",
+    "optimization.minimal_build_optimizations": "",
+    "session.enable_quant_qdq": "1",
+    "session.disable_quant_qdq": "0",
+    "session.enable_quant_qdq_cleanup": "0",
+    "session.disable_double_qdq_remover": "0",
+    "session.qdqisint8allowed": "",
+    "session.x64quantprecision": "0",
+    "session.qdq_matmulnbits_accuracy_level": "",
+    "session.disable_aot_function_inlining": "0",
+    "mlas.enable_gemm_fastmath_arm64_bfloat16": "0",
+    "mlas.disable_kleidiai": "0",
+    "mlas.use_lut_gemm": "0",
+    "session.load_model_format": "",
+    "session.use_ort_model_bytes_directly": "0",
+}
+
+
+def envelope_problem(
+    sess_options: ort.SessionOptions | None, providers: list[str] | None = None, **kwargs: Any
+) -> str | None:
+    """Why a ``--prepack`` model's packed graph would compute otherwise than the original at these options
+    (the option outside the allow-list), or None when they keep it (``KEEPS_PACKED``, docs/guide.md).
+
+    Args:
+        sess_options: the caller's options (None: ORT's defaults).
+        providers: the execution providers asked for (anything but the CPU provider alone is outside).
+        **kwargs: the other ``InferenceSession`` keywords (``disabled_optimizers`` is outside).
+
+    Returns:
+        The first option outside the allow-list, in one phrase; None inside it.
+    """
+    import onnxruntime as ort
+
+    if providers and list(providers) != ["CPUExecutionProvider"]:
+        return f"providers {list(providers)} (the packed graph is ORT's CPU graph)"
+    if kwargs.get("disabled_optimizers"):
+        return "disabled_optimizers (the packed graph is ORT_ENABLE_ALL's)"
+    if sess_options is None:
+        return None
+    if sess_options.graph_optimization_level != ort.GraphOptimizationLevel.ORT_ENABLE_ALL:
+        return (
+            f"graph_optimization_level {sess_options.graph_optimization_level.name} (the packed graph is "
+            "ORT_ENABLE_ALL's; below it the original runs other kernels)"
+        )
+    default = ort.SessionOptions()
+    for name in dir(sess_options):
+        if name.startswith("_") or name in KEEPS_PACKED or name == "graph_optimization_level":
+            continue
+        value = getattr(sess_options, name)
+        if callable(value):
+            continue
+        if value != getattr(default, name):
+            return f"{name}={value!r} (not in the options that keep the packed graph)"
+    for key, dflt in _CONFIG_CHANGES.items():
+        try:
+            value = sess_options.get_session_config_entry(key)
+        except Exception:  # noqa: BLE001 - ORT raises a plain RuntimeError for a key that is not set
+            continue
+        if value != dflt:
+            return f"{key}={value} (changes the kernels or the graph ORT runs)"
+    return None
+
+
+def _packed_bytes(blob_fd: int, info: JsonDict) -> int:
+    """Bytes of the packed copies in the blob: what each session of the portable model pre-packs for itself."""
+    import json
+
+    from ._safetensors import read_header
+
+    try:
+        header = json.loads(read_header(blob_fd)[1])
+    except (InvalidModel, ValueError, RecursionError):
+        return 0
+    total = 0
+    for name, entry in header.items():
+        if isinstance(name, str) and name.startswith(str(info["packed_prefix"])) and isinstance(entry, dict):
+            offsets = entry.get("data_offsets")
+            if isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets):
+                total += offsets[1] - offsets[0]
+    return total
 
 
 def _say_once(path: Path, message: str, level: int = logging.WARNING) -> None:
@@ -167,6 +294,7 @@ def session(
     providers: list[str] | None = None,
     *,
     share_arena: bool = False,
+    share_with_other_numerics: bool = False,
     **kwargs: Any,
 ) -> ort.InferenceSession:
     """An ``onnxruntime.InferenceSession`` of ``path`` that shares its weights with every other one.
@@ -181,17 +309,22 @@ def session(
             one arena each: N sessions that run one at a time keep one arena's worth of activations, not N
             (docs/guide.md has the figures). Sessions running at the same time grow it to their joint peak, and
             it is never returned to the system while the process lives.
+        share_with_other_numerics: where a ``--prepack`` model falls back to its portable model, open it with
+            ``session.disable_prepacking=1`` (weights shared, MLAS's unpacked kernels: other roundings, up to
+            ~2x slower at batch > 1; docs/guide.md) instead of the default (the original's outputs at your
+            options, each session pre-packing its own copy).
         **kwargs: passed on to ``InferenceSession``.
 
     Returns:
-        The session. For a ``--prepack`` model: the prepacked graph at your options when this machine
-        matches and its packed payloads are intact, else the portable model with
-        ``session.disable_prepacking=1``. For a plain conversion: ``session.disable_prepacking=1`` and, when
-        the graph has Conv weights ORT would reorder into a private NCHWc copy, ``ORT_ENABLE_EXTENDED``
-        (outputs are those of the original model under the same settings). The choice is logged once.
+        The session. For a ``--prepack`` model: the prepacked graph when this machine runs the onnxruntime
+        version and CPU kind it was packed for, your options keep the packed graph (``envelope_problem``) and
+        its packed payloads are intact; else its portable model at your options (the original's outputs). For
+        a plain conversion: ``session.disable_prepacking=1`` and, when the graph has Conv weights ORT would
+        reorder into a private NCHWc copy, ``ORT_ENABLE_EXTENDED``. The choice is logged once.
 
     Raises:
-        InvalidModel: the model, its blob or the blob's ``--prepack`` record cannot be trusted or read.
+        InvalidModel: the model, its blob, the blob's ``--prepack`` record or the portable twin (not the one
+            converted with this model) cannot be trusted or read.
 
     The model and its external-data files are opened once, without following a final symlink, checked
     on those descriptors, and ORT is given the model's bytes from that descriptor: a commit renaming a new
@@ -199,6 +332,7 @@ def session(
     """
     import onnxruntime as ort
 
+    outside = envelope_problem(sess_options, providers, **kwargs)
     providers = providers or ["CPUExecutionProvider"]
     if share_arena:
         sess_options = sess_options or ort.SessionOptions()
@@ -209,8 +343,11 @@ def session(
         if found is None:
             return _open_plain(opened, sess_options, providers, kwargs)
         info, location = found
-        why = mismatch(info) or check_packed_payloads(fd_path(opened.blobs[location]), info)
+        cost = _packed_bytes(opened.blobs[location], info)
+        pair = _metadata_props(opened.data).get(PAIR_KEY)
+        why = outside or mismatch(info) or check_packed_payloads(fd_path(opened.blobs[location]), info)
         if why is None:
+            _advise_inputs(opened)
             try:
                 sess = opened.session(sess_options, providers, kwargs)
                 _say_once(
@@ -224,15 +361,61 @@ def session(
             except Exception as e:  # ORT's ValidatePrePackedWeights and friends: fall back, not fail
                 why = f"onnxruntime refused it ({str(e).splitlines()[0][:200]})"
     portable = Path(path).parent / portable_of(info, Path(path).name)
+    if share_with_other_numerics:
+        how = (
+            "with session.disable_prepacking=1 (share_with_other_numerics: weights shared, outputs rounded by "
+            "MLAS's unpacked kernels, not the original's)"
+        )
+    else:
+        how = (
+            "at your options (the original's outputs; each session pre-packs its own copy of the weights, "
+            f"+{cost / 2**20:.1f} MiB per session)"
+        )
     _say_once(
         Path(path),
-        f"weightshare: {Path(path).name}: not using its pre-packed weights: {why}; "
-        f"opening {portable.name} with session.disable_prepacking=1 instead",
+        f"weightshare: {Path(path).name}: not using its pre-packed weights: {why}; opening {portable.name} {how}",
     )
-    sess_options = sess_options or ort.SessionOptions()
-    _set_entry(sess_options, "session.disable_prepacking", "1")
-    with _OpenedModel.open(portable) as opened:
-        return opened.session(sess_options, providers, kwargs)
+    if share_with_other_numerics:
+        sess_options = sess_options or ort.SessionOptions()
+        _set_entry(sess_options, "session.disable_prepacking", "1")
+    with _OpenedModel.open(portable) as twin:
+        theirs = _metadata_props(twin.data).get(PAIR_KEY)
+        if pair is not None and theirs != pair:
+            raise InvalidModel(
+                f"its portable model {portable.name} was not converted with it ("
+                + ("it carries no pair id" if theirs is None else "another conversion's pair id")
+                + "): re-run weightshare convert --prepack from the original model",
+                Path(path),
+            )
+        return twin.session(sess_options, providers, kwargs)
+
+
+def _metadata_props(data: bytes) -> dict[str, str]:
+    from .formats.onnx.ort.probe import WireError, metadata_props
+
+    try:
+        return metadata_props(data)
+    except WireError:
+        return {}
+
+
+def _advise_inputs(opened: _OpenedModel) -> None:
+    """Say, before ORT advises removing them, why the prepacked model's overridable initializers must stay."""
+    from .formats.onnx.ort.probe import WireError, overridable_initializers
+
+    try:
+        n = overridable_initializers(opened.data)
+    except WireError:
+        return
+    if n and f"inputs:{opened.path}" not in _warned:
+        _warned.add(f"inputs:{opened.path}")
+        log.warning(
+            "weightshare: %s: %d initializer(s) are graph inputs on purpose: they keep the Cast the original runs "
+            "at every run; onnxruntime's advice to remove them from the inputs (remove_initializer_from_input.py) "
+            "would let it fold that Cast and change the outputs (docs/guide.md)",
+            opened.path.name,
+            n,
+        )
 
 
 _ARENA_LOCK = threading.Lock()

@@ -92,6 +92,12 @@ def check(
     ),
     dim: list[str] = dim_option("For the measuring runs: "),
     inputs: list[str] = input_option("For the measuring runs: "),
+    runtime: str = typer.Option(
+        "",
+        "--runtime",
+        help="The serving machine's runtime, VERSION[/CPU_KIND] (1.32.0/avx512): a --prepack output is judged for "
+        "it (default: the onnxruntime and CPU kind of the machine running check).",
+    ),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
@@ -110,7 +116,7 @@ def check(
     how = output_format(as_json, format_, ("text", "json", "github", "sarif"))
     with user_errors():
         feeds = MeasureInputs(tuple(dim_args(dim).items()), tuple(input_args(inputs).items()))
-    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure, feeds=feeds)
+    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure, feeds=feeds, runtime=runtime)
     with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes") as stage:
         result = run_gate(
             models, gate, strict, lambda path, i, n: stage(f"check: measuring {path} ({i}/{n}) in runtime children")

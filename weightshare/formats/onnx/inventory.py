@@ -200,6 +200,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     inv.findings += bad_records
     inv.default_setting, inv.default_how = default_setting(path, inv.fallback_of)
     inv.prepack_output = _is_prepack_output(path, inv.external_files)
+    if inv.prepack_output and not inv.fallback_of:
+        inv.packed_for, inv.runtime_here = _envelope(path, inv.external_files)
     by_index = {ref.index: info for ref, info in zip((p.ref for p in placements), inv.payloads)}
     inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, model_dir(path))
     return inv
@@ -232,9 +234,13 @@ def default_setting(path: Path, fallback_of: str) -> tuple[str, str]:
     """(the setting a model is opened with when the user does nothing, how): a plain ``InferenceSession(path)``
     has default options, pre-packing on (a ``--prepack`` output included: it maps its packed copies there); a
     genai folder's model is opened by ``og.Model`` with the session options its genai_config.json gives; a
-    ``--prepack`` output's portable twin is what ``weightshare.ort.session`` opens, with pre-packing off."""
+    ``--prepack`` output's portable twin is what ``weightshare.ort.session`` opens outside the packed model's
+    envelope, at the caller's options (pre-packing on: the original's outputs)."""
     if fallback_of:
-        return ORT_SHARE, "as weightshare.ort.session opens this portable model (session.disable_prepacking=1)"
+        return (
+            ORT_DEFAULT,
+            "as weightshare.ort.session opens this portable model (the caller's options, pre-packing on)",
+        )
     entries = _genai_config_entries(path)
     if entries is None:
         return ORT_DEFAULT, ""
@@ -256,6 +262,42 @@ def _is_prepack_output(path: Path, files: list[str]) -> bool:
         if path.name == record["prepacked_model"] or path.name in record["portable_models"]:
             return True
     return False
+
+
+def _envelope(path: Path, files: list[str]) -> tuple[dict[str, str], dict[str, str]]:
+    """The onnxruntime version and CPU kind the packed model was made for (its blob's record), and this
+    machine's (the onnxruntime installed, read from its metadata: no import)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .ort.probe import cpu_features, cpu_kind
+
+    for name in files:
+        blob = str(model_dir(path) / name)
+        raw = blob_metadata(blob).get(PREPACK_KEY)
+        if raw is None:
+            continue
+        try:
+            record = parse_record(raw, name)
+        except WeightshareError:
+            continue
+        packed = sum(n for rec, _o, n, _d in recorded_records(blob) if rec.startswith(str(record["packed_prefix"])))
+        made = {
+            "runtime": "onnxruntime",
+            "version": str(record["onnxruntime"]),
+            "cpu_kind": str(record.get("cpu_kind") or cpu_kind(record["cpu_features"], record["machine"])),
+            "packed_bytes": str(packed),
+        }
+        try:
+            here = {
+                "runtime": "onnxruntime",
+                "version": version("onnxruntime"),
+                "cpu_kind": cpu_kind(cpu_features(), platform.machine()),
+            }
+        except PackageNotFoundError:
+            here = {}
+        return made, here
+    return {}, {}
 
 
 def _fallback_of(path: Path, files: list[str]) -> tuple[str, list[Finding]]:

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import onnx
 
-from .probe import cpu_features, nchwc_block_size
+from .probe import cpu_features, cpu_kind, nchwc_block_size, opset_stamp
 
 
 def optimize(
@@ -446,6 +446,10 @@ def main(argv: list[str]) -> int:
         "optimization_level": "ORT_ENABLE_ALL",
         "machine": platform.machine(),
         "cpu_features": cpu_features(),
+        "cpu_kind": cpu_kind(cpu_features(), platform.machine()),
+        # the session-option class the packed graph is exact in (weightshare.ort.envelope_problem checks it)
+        "session_options": "ORT_ENABLE_ALL, CPUExecutionProvider, kernel options at their defaults",
+        "opset_stamp": opset_stamp(),
         "nchwc_block": nchwc_block_size(os.path.dirname(os.path.abspath(out_model))),  # in the staging, not $TMPDIR
     }
     ops = {k: asdict(v) for k, v in sorted(tally.items())}

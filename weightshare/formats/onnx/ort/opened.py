@@ -12,12 +12,35 @@ from typing import TYPE_CHECKING, Any
 
 from ...._paths import external_data_roots, resolve_inside
 from ...._platform import malloc_trim
-from ....errors import InvalidModel
+from ....errors import InvalidModel, Unsupported
 from ....report import JsonDict
 from .prepack_record import read_record_fd
 
 if TYPE_CHECKING:
     import onnxruntime as ort
+
+
+# The oldest onnxruntime weightshare supports (pyproject's floor, run by .ci/run): older ones neither map external
+# data for a model given as bytes (1.17-1.20: "Invalid fd", "cannot get file size") nor save pre-packed weights.
+ORT_FLOOR = (1, 21)
+
+
+def require_floor(where: str | os.PathLike[str] | None = None) -> None:
+    """Refuse, in one line naming the fix, an onnxruntime older than ``ORT_FLOOR``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("onnxruntime")
+    except PackageNotFoundError:
+        return  # the import that follows says it is missing
+    parts = tuple(int(p) if p.isdigit() else 0 for p in found.split(".")[:2])
+    if parts < ORT_FLOOR:
+        floor = ".".join(map(str, ORT_FLOOR))
+        raise Unsupported(
+            f"onnxruntime {found} is older than weightshare supports ({floor}: older releases cannot map external "
+            f"data of a model given as bytes nor save pre-packed weights); pip install 'onnxruntime>={floor}'",
+            where,
+        )
 
 
 def set_entry(so: ort.SessionOptions, key: str, value: str) -> None:
@@ -114,6 +137,7 @@ class OpenedModel:
         that names the same inode before and after session creation gave ORT the bytes checked here."""
         import onnxruntime as ort
 
+        require_floor(self.path)
         so = so or ort.SessionOptions()
         set_entry(so, "session.model_external_initializers_file_folder_path", str(self.path.parent.resolve()))
         for _attempt in range(3):

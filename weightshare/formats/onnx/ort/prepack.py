@@ -47,7 +47,9 @@ from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
-from .prepack_record import METADATA_KEY, PACKED_PREFIX
+from .opened import require_floor
+from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
+from .probe import STAMP_DOMAIN
 from .reload import reload_change
 from .unfuse import drop_unused, unfuse_scales
 
@@ -188,6 +190,7 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
     """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
+    require_floor(src)
     cmd = [
         sys.executable,
         "-m",
@@ -290,7 +293,8 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
         report.notes.append(
             f"--prepack: {at_run} fp16 weight(s) or constant(s) read by several nodes stay behind the Cast "
             "onnxruntime runs at every run in the original (overridable initializers, so that a session does not "
-            "fold them)"
+            "fold them; onnxruntime advises removing them from the graph inputs: do not, that folds the Cast and "
+            "changes the outputs)"
         )
     _settle(optimized, stage, src, options, binding, report)
     reloc = Relocator()
@@ -314,6 +318,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     def emit(location: str, placements: Placements, tx: OutputTransaction) -> list[Path]:
         reloc.rewrite(location, placements)
         written = []
+        pair_id(optimized, portable)
         for model, name in ((optimized, src.name), (portable, portable_name(src.name))):
             tmp = tx.new_file(out_dir / name)
             data = model.SerializeToString()
@@ -322,11 +327,43 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
             report.prepack["model_file_bytes"] = report.prepack.get("model_file_bytes", 0) + len(data)
         return written
 
+    _stamp(optimized, binding)
     _report_packing(report, src, binding, packed, child_peak, result, _inserted_casts(optimized))
     # what the staged conversion recorded (``--unpack ort-cpu``): verify compares the portable model's payloads
     # with the original under the unpacking the blob says was used
     metadata = {**staged_metadata, METADATA_KEY: json.dumps({**binding, **names})}
     return PreparedModel(report, reloc.payloads, emit, extra={"blob_metadata": metadata})
+
+
+def _stamp(optimized: pb.ModelProto, binding: JsonDict) -> None:
+    """Import ``STAMP_DOMAIN`` at the converting onnxruntime's newest opset: a plain ``InferenceSession`` of the
+    prepacked model under an older release (whose kernels and fusions compute otherwise) fails to load instead of
+    computing other outputs. No node is in that domain: the release that converted runs the graph as verified."""
+    version = binding.get("opset_stamp")
+    if not isinstance(version, int) or version <= 0:
+        return
+    for o in optimized.opset_import:
+        if o.domain == STAMP_DOMAIN:
+            o.version = max(o.version, version)
+            return
+    stamp = optimized.opset_import.add()
+    stamp.domain, stamp.version = STAMP_DOMAIN, version
+
+
+def pair_id(optimized: pb.ModelProto, portable: pb.ModelProto) -> str:
+    """Record in both models the digest of the two as converted (``PAIR_KEY``): ``weightshare.ort.session``
+    refuses a portable twin of another conversion (stale, or copied from elsewhere)."""
+    import hashlib
+
+    for m in (optimized, portable):
+        keep = [p for p in m.metadata_props if p.key != PAIR_KEY]
+        del m.metadata_props[:]
+        m.metadata_props.extend(keep)
+    digest = hashlib.sha256(optimized.SerializeToString() + portable.SerializeToString()).hexdigest()[:32]
+    for m in (optimized, portable):
+        entry = m.metadata_props.add()
+        entry.key, entry.value = PAIR_KEY, digest
+    return digest
 
 
 def _inserted_casts(optimized: pb.ModelProto) -> bool:

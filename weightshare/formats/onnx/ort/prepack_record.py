@@ -20,9 +20,11 @@ from ....errors import InvalidModel, UsageError
 from ....report import JsonDict
 
 METADATA_KEY = "weightshare.ort_prepack"  # in the blob's __metadata__: what the packed data is bound to
+# in both models' metadata_props: the digest of the pair as converted, so a stale or foreign twin is refused
+PAIR_KEY = "weightshare.prepack_pair"
 PACKED_PREFIX = "ort.prepacked/"  # safetensors names of pre-packed MatMul/Gemm copies
 _STRINGS = ("onnxruntime", "machine", "prepacked_model", "portable_model")
-_OPTIONAL_STRINGS = ("optimization_level", "packed_prefix", "optimized_prefix")
+_OPTIONAL_STRINGS = ("optimization_level", "packed_prefix", "optimized_prefix", "cpu_kind", "session_options")
 _DEFAULTS = {"packed_prefix": "ort.prepacked/", "optimized_prefix": "ort.optimized/"}
 
 

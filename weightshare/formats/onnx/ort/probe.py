@@ -90,6 +90,51 @@ def _probe_model() -> bytes:
     return _int(1, 8) + _msg(7, graph) + _msg(8, _str(1, ""), _int(2, 17))
 
 
+# A domain every onnxruntime registers (its internal NHWC ops) whose newest opset follows ONNX's: a model that
+# imports it at the converting release's newest version is refused at load by every release that knows fewer
+# opsets ("Opset N is under development ... will not guarantee backward compatibility"): ``opset_stamp``.
+STAMP_DOMAIN = "com.ms.internal.nhwc"
+
+
+def _stamp_probe(version: int) -> bytes:
+    """A Relu model (opset 17, IR 8) that also imports ``STAMP_DOMAIN`` at ``version``."""
+
+    def value_info(name: str) -> bytes:
+        return _str(1, name) + _msg(2, _msg(1, _int(1, 1)))
+
+    graph = _msg(1, _str(1, "x"), _str(2, "y"), _str(4, "Relu")) + _str(2, "stamp")
+    graph += _msg(11, value_info("x")) + _msg(12, value_info("y"))
+    return (
+        _int(1, 8)
+        + _msg(7, graph)
+        + _msg(8, _str(1, ""), _int(2, 17))
+        + _msg(8, _str(1, STAMP_DOMAIN), _int(2, version))
+    )
+
+
+def opset_stamp() -> int:
+    """The newest ``STAMP_DOMAIN`` opset this onnxruntime loads (0: none found), measured by loading probes."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+
+    def loads(version: int) -> bool:
+        try:
+            ort.InferenceSession(_stamp_probe(version), so, providers=["CPUExecutionProvider"])
+            return True
+        except Exception:  # noqa: BLE001 - ORT's refusal of an opset it does not know is what is measured
+            return False
+
+    low, high = 0, 1
+    while loads(high) and high < 1 << 10:
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if loads(mid) else (low, mid)
+    return low
+
+
 def nchwc_block_size(directory: str | None = None) -> int:
     """Measured, not guessed: ORT pads the output channels of an NCHWc Conv weight to its block size,
     so an 8-channel 1x1 Conv's reordered weight has block-size rows (0: no NCHWc on this CPU).
@@ -271,3 +316,59 @@ def fd_identity(fd: int) -> tuple[int, int, int, int, int]:
     """(dev, inode, size, mtime_ns, ctime_ns) of the file open on ``fd``: ctime cannot be set back by a writer."""
     st = os.fstat(fd)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def cpu_kind(features: list[str] | tuple[str, ...], machine: str = "") -> str:
+    """The ISA level MLAS dispatches its kernels on, named from ``cpu_features`` (the blob's record or this
+    machine): what "another CPU kind" means to a packed blob (AVX-512 and AVX2 pack with other block sizes)."""
+    have = set(features)
+    if {"asimd", "sve", "sme", "i8mm", "asimddp"} & have or machine in ("aarch64", "arm64"):
+        return "arm64-" + "+".join(f for f in ("asimd", "asimddp", "i8mm", "bf16", "sve", "sme") if f in have)
+    for kind, needs in (
+        ("amx", {"amx_tile"}),
+        ("avx512-vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+        ("avx512", {"avx512f", "avx512bw", "avx512vl"}),
+        ("avx2-vnni", {"avx2", "fma", "avx_vnni"}),
+        ("avx2", {"avx2", "fma"}),
+        ("avx", {"avx"}),
+        ("sse4.1", {"sse4_1"}),
+    ):
+        if needs <= have:
+            return kind
+    return machine or "unknown"
+
+
+def _graph_fields(data: bytes) -> Iterator[tuple[int, int, int, int]]:
+    for number, wire, a, b in _fields(data, 0, len(data)):
+        if number == 7 and wire == 2:
+            yield from _fields(data, a, b)
+
+
+def metadata_props(data: bytes) -> dict[str, str]:
+    """The ``metadata_props`` (ModelProto field 14) of the serialized model ``data``, read from the wire."""
+    props: dict[str, str] = {}
+    for number, wire, a, b in _fields(data, 0, len(data)):
+        if number != 14 or wire != 2:
+            continue
+        key = value = b""
+        for n2, w2, a2, b2 in _fields(data, a, b):
+            if w2 == 2 and n2 == 1:
+                key = data[a2:b2]
+            elif w2 == 2 and n2 == 2:
+                value = data[a2:b2]
+        props[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return props
+
+
+def overridable_initializers(data: bytes) -> int:
+    """Initializers of the main graph that are also graph inputs (a caller may feed them): ORT advises removing
+    them from the inputs (``remove_initializer_from_input.py``), which would let it fold what reads them."""
+    inits: set[bytes] = set()
+    inputs: set[bytes] = set()
+    for n2, w2, a2, b2 in _graph_fields(data):
+        if w2 != 2 or n2 not in (5, 11):
+            continue
+        for n3, w3, a3, b3 in _fields(data, a2, b2):
+            if w3 == 2 and ((n2 == 5 and n3 == 8) or (n2 == 11 and n3 == 1)):
+                (inits if n2 == 5 else inputs).add(data[a3:b3])
+    return len(inits & inputs)
