@@ -66,6 +66,9 @@ class ModelFacts:
     mel_bins: int | None = None  # num_mel_bins (Whisper's input_features [batch, mel bins, frames])
     frames: int | None = None  # 2 * max_source_positions (Whisper's encoder takes exactly that many frames)
     capped: list[str] = field(default_factory=list)  # config sizes ignored for being above their cap
+    # GroupQueryAttention's local_window_size (sliding-window attention): a window-sized KV cache
+    # (``sliding_window_cache``, genai's Gemma2) refuses a past shorter than the window
+    window: int = 0
 
 
 def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
@@ -180,6 +183,8 @@ def read_facts(path: Path) -> ModelFacts:
         for node in g.node:
             if node.domain not in ("", "ai.onnx", "com.microsoft") or node.op_type not in _ATTENTION:
                 continue
+            if node.op_type == "GroupQueryAttention":
+                facts.window = max(facts.window, _attr(node, "local_window_size") or 0)
             heads = _attr(node, "num_heads")
             if not heads:
                 continue
@@ -409,6 +414,8 @@ def session_feeds(
     known, missing = derived_dims(inputs, facts, dims, given)
     merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in inputs)
     p = plan(inputs, [o.name for o in session.get_outputs()])
+    window = window_pasts(p, facts, known, dims)
+    notes += [window] if window else []
     run_dims = run_lengths(p, known, past_zero=merged)
     from ..._runtimes.ort import dim_value
 
@@ -561,6 +568,24 @@ def plan(inputs: list[Any], output_names: list[str]) -> DecodePlan:
             if isinstance(d, str) and _NAME.match(d) and d not in seq_dims | past_dims:
                 total_dims.add(d)
     return DecodePlan(ids.name if ids is not None else None, logits, back, past_dims, seq_dims, total_dims)
+
+
+def window_pasts(p: DecodePlan, facts: ModelFacts, dims: dict[str, int], given: dict[str, int]) -> str:
+    """Past lengths of at least the sliding window in ``dims`` (those the user did not give, ``given``): ORT's
+    GroupQueryAttention with a window-sized cache refuses a shorter past ("KV cache capacity (1) must be at least
+    local_window_size (512)", onnxruntime 1.32), and a past as long as the window is what exercises it. A note
+    saying so, or ""."""
+    from ..._runtimes.ort import dim_value
+
+    raised = [d for d in sorted(p.past_dims) if d not in given and dim_value(d, dims) < facts.window]
+    for d in raised:
+        dims[d] = facts.window
+    if not raised:
+        return ""
+    return (
+        f"past lengths {', '.join(raised)} at {facts.window}: GroupQueryAttention's local_window_size "
+        "(sliding-window attention needs a past of at least its window)"
+    )
 
 
 def run_lengths(p: DecodePlan, dims: dict[str, int], past_zero: bool) -> dict[str, int]:

@@ -130,7 +130,7 @@ def _run_both(
     report: VerifyReport, a: Any, original: Path, converted: Path, opts: dict[str, Any], share: bool, prefix: str
 ) -> None:
     from ..._runtimes.ort import dim_value, new_session
-    from .decode import derived_dims, encoder_states, make_feeds, plan, read_facts, run_lengths
+    from .decode import derived_dims, encoder_states, make_feeds, plan, read_facts, run_lengths, window_pasts
 
     try:
         b = new_session(str(converted), share=share, log_level=4)
@@ -153,16 +153,20 @@ def _run_both(
     dims, missing = derived_dims(a.get_inputs(), facts, opts["dims"], opts["inputs"])
     merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in a.get_inputs())
     p = plan(a.get_inputs(), names_a)
+    window = window_pasts(p, facts, dims, opts["dims"])
+    if window:
+        report.notes.append(f"{prefix}{window}")
     variants, unit = _variants(a, p, dims, opts), 0
     if any(variants):
         report.notes.append(f"{prefix}symbolic dims exercised: {describe(variants[: opts['runs']])} (verify_dims)")
+    report.planned_runs += opts["runs"]
     for r in range(opts["runs"]):  # the default 3 runs cover every variant
         # use_cache_branch (merged decoders) alternates: run 0 takes the prefill branch (no past: the mask is as
         # long as the new tokens), run 1 the cache branch
         use_cache = r % 2 == 1
         variant = fit(variants[r % len(variants)], a.get_inputs(), a.get_outputs(), dims, unit)
         if variant is None:
-            report.notes.append(f"{prefix}run {r} skipped: {variants[r % len(variants)]} over the memory budget")
+            report.skipped.append(f"{prefix}run {r}{_at(variants[r % len(variants)])} not run: over the memory budget")
             continue
         grown = _max_rss()
         run_dims = run_lengths(p, {**dims, **variant}, past_zero=merged and not use_cache)
@@ -174,7 +178,7 @@ def _run_both(
             if r % len(variants) == 0:  # at the sizes the user asked for (or 1): the inputs are the problem
                 raise
             # dims verify chose itself: a model whose dims must agree in ways their names do not say
-            report.notes.append(f"{prefix}run {r} skipped: the original does not run with {variant} ({e})")
+            report.skipped.append(f"{prefix}run {r}{_at(variant)} not run: {_runtime_refusal(e.message)}")
             continue
         try:
             outs_b = dict(zip(names_b, b.run(None, feeds)))
@@ -187,6 +191,23 @@ def _run_both(
             unit = max(_max_rss() - grown, 0)
     if opts.get("decode_steps", 0) and len(report.mismatches) == before:
         _decode(report, a, b, original, opts, prefix, facts, dims, missing)
+
+
+def _at(variant: dict[str, int]) -> str:
+    """' at batch_size=8, sequence_length=8': the dims a skipped run would have had."""
+    return " at " + ", ".join(f"{d}={n}" for d, n in variant.items()) if variant else ""
+
+
+def _runtime_refusal(message: str) -> str:
+    """What onnxruntime said, without its status codes and verify's hint: "the original fails in
+    GroupQueryAttention 'layers.0.attn.gqa': batch_size must be 1 when ..."."""
+    import re
+
+    text = message.removesuffix(f" ({_HINT})")
+    found = re.search(r"running (\S+) node\. Name:'([^']*)' Status Message: (.*)", text)
+    if found:
+        return f"the original fails in {found[1]} {found[2]!r}: {found[3].rstrip('. ')}"
+    return re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
 
 
 def _variants(a: Any, p: Any, dims: dict[str, int], opts: dict[str, Any]) -> list[dict[str, int]]:
@@ -251,7 +272,7 @@ def _decode(
             f"fixed length ({static[0]}), so there is nothing to decode (verify it without --decode-steps)"
         )
     seq = static[0] if static else seq
-    past = next((opts["dims"][d] for d in p.past_dims if d in opts["dims"]), 0)
+    past = next((opts["dims"][d] for d in p.past_dims if d in opts["dims"]), facts.window)
     rng = np.random.default_rng(opts["seed"])
     feeds = make_feeds(inputs, facts, step_dims(p, dims, past, seq), given, opts["seed"], False, missing, past)
     grown = ("attention_mask", "position", "seqlens_k", "total_sequence_length", "use_cache")
