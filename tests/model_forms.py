@@ -854,6 +854,106 @@ def conv_net(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     return cnn_onnx(Path(path), channels=channels, blocks=blocks, spatial=8)
 
 
+# --- index paths as exporters write them (verify's generated inputs must stay inside every table) ---------------
+
+
+def ort_optimizer_bert(path: Path, vocab: int = 30, hidden: int = 16, positions: int = 32, fp16: bool = False) -> Path:
+    """BERT's embeddings as onnxruntime's transformer optimizer fuses them (``fusion_embedlayer.py``): int64 graph
+    inputs, each cast to int32 by a ``Cast`` named ``<input>_casted`` before ``EmbedLayerNormalization``
+    (com.microsoft: word / position / 2-row segment tables); ``fp16`` (``float16=True``): fp16 tables and output.
+    No logits: nothing but the tables says how large the ids may be."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    dtype, elem = (np.float16, T.FLOAT16) if fp16 else (np.float32, T.FLOAT)
+    inits = [
+        nh.from_array(_arr(rng, (vocab, hidden), 1.0, dtype), "word_embeddings"),
+        nh.from_array(_arr(rng, (positions, hidden), 1.0, dtype), "position_embeddings"),
+        nh.from_array(_arr(rng, (2, hidden), 1.0, dtype), "token_type_embeddings"),
+        nh.from_array(np.ones(hidden, dtype), "ln.gamma"),
+        nh.from_array(np.zeros(hidden, dtype), "ln.beta"),
+        nh.from_array(_arr(rng, (hidden, 8), hidden**-0.5, dtype), "W"),
+    ]
+    names = ("input_ids", "token_type_ids", "attention_mask")
+    nodes = [h.make_node("Cast", [n], [f"{n}_int32"], name=f"{n}_casted", to=T.INT32) for n in names]
+    nodes += [
+        h.make_node(
+            "EmbedLayerNormalization",
+            ["input_ids_int32", "token_type_ids_int32", "word_embeddings", "position_embeddings",
+             "token_type_embeddings", "ln.gamma", "ln.beta", "attention_mask_int32"],
+            ["embed_output", "mask_index"], name="EmbedLayerNormalization_0", domain="com.microsoft", epsilon=1e-12,
+        ),
+        h.make_node("MatMul", ["embed_output", "W"], ["last_hidden_state"]),
+    ]  # fmt: skip
+    seq = ["batch_size", "sequence_length"]
+    inputs = [_io(n, T.INT64, seq) for n in names]
+    outputs = [_io("last_hidden_state", elem, [*seq, 8]), _io("mask_index", T.INT32, ["batch_size"])]
+    return _save(_model(nodes, inits, inputs, outputs, ms_domain=True), path, external=False)
+
+
+def indirect_tables(path: Path, vocab: int = 40, hidden: int = 32) -> Path:
+    """Tables reached indirectly, as exporters write them: token ids cast to int32 into a ``Gather`` of a
+    ``DequantizeLinear`` table (a QDQ embedding); type ids through ``Unsqueeze``/``Squeeze``/``Reshape`` into a
+    2-row table; bucket ids plus a constant offset (OPT adds 2 to its positions) into ``GatherBlockQuantized``
+    (com.microsoft, genai's int4 embeddings: 4-bit pairs in uint8, block 16) of 8 rows; every id ``Concat``ed into
+    a ``GatherElements`` of a 40-wide table. No logits, no config: only the tables bound the ids."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    rows = 8
+    block = 16
+    inits = [
+        nh.from_array(rng.integers(-127, 128, (vocab, hidden), dtype=np.int8), "word_q"),
+        nh.from_array(np.float32(0.02), "word_scale"),
+        nh.from_array(np.int8(0), "word_zero"),
+        nh.from_array(_arr(rng, (2, hidden), 1.0), "type_table"),
+        nh.from_array(rng.integers(0, 256, (rows, hidden // 2), dtype=np.uint8), "bucket_q"),
+        nh.from_array((rng.random((rows, hidden // block), dtype=np.float32) + 0.5) * 0.1, "bucket_scales"),
+        nh.from_array(np.array([3], np.int64), "bucket_offset"),
+        nh.from_array(np.array([-1], np.int64), "flat"),
+        nh.from_array(_arr(rng, (1, vocab), 1.0), "wide"),
+    ]
+    nodes = [
+        h.make_node("Cast", ["input_ids"], ["ids32"], to=T.INT32),
+        h.make_node("DequantizeLinear", ["word_q", "word_scale", "word_zero"], ["word_table"]),
+        h.make_node("Gather", ["word_table", "ids32"], ["e_word"], axis=0),
+        h.make_node("Unsqueeze", ["token_type_ids", "zero_axis"], ["tt_u"]),
+        h.make_node("Squeeze", ["tt_u", "zero_axis"], ["tt_s"]),
+        h.make_node("Shape", ["token_type_ids"], ["tt_shape"]),
+        h.make_node("Reshape", ["tt_s", "flat"], ["tt_flat"]),
+        h.make_node("Gather", ["type_table", "tt_flat"], ["e_type_flat"], axis=0),
+        h.make_node("Concat", ["tt_shape", "hidden_dim"], ["e_shape"], axis=0),
+        h.make_node("Reshape", ["e_type_flat", "e_shape"], ["e_type"]),
+        h.make_node("Add", ["bucket_ids", "bucket_offset"], ["buckets"]),
+        h.make_node(
+            "GatherBlockQuantized", ["bucket_q", "buckets", "bucket_scales"], ["e_bucket"], domain="com.microsoft",
+            gather_axis=0, quantize_axis=1, block_size=block, bits=4,
+        ),
+        h.make_node("Add", ["e_word", "e_type"], ["e_sum"]),
+        h.make_node("Add", ["e_sum", "e_bucket"], ["embeddings"]),
+        h.make_node("Concat", ["input_ids", "bucket_ids"], ["all_ids"], axis=1),
+        h.make_node("Reshape", ["all_ids", "one_row"], ["all_row"]),
+        h.make_node("GatherElements", ["wide", "all_row"], ["picked"], axis=1),
+    ]  # fmt: skip
+    inits += [
+        nh.from_array(np.array([0], np.int64), "zero_axis"),
+        nh.from_array(np.array([hidden], np.int64), "hidden_dim"),
+        nh.from_array(np.array([1, -1], np.int64), "one_row"),
+    ]
+    seq = ["batch_size", "sequence_length"]
+    inputs = [_io(n, T.INT64, seq) for n in ("input_ids", "token_type_ids", "bucket_ids")]
+    outputs = [_io("embeddings", T.FLOAT, [*seq, hidden]), _io("picked", T.FLOAT, [1, None])]
+    model = _model(nodes, inits, inputs, outputs, ms_domain=True)
+    model.opset_import[0].version = 21  # DequantizeLinear with int8 zero points and scalar scales
+    return _save(model, path, external=False)
+
+
 FORMS: dict[str, Form] = {
     "fp32": Form(fp32_mlp, "fp32 MatMul+Add MLP"),
     "fp16": Form(fp16_transformer, "unfused fp16 BERT-like encoder, embedded"),
