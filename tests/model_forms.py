@@ -954,6 +954,118 @@ def indirect_tables(path: Path, vocab: int = 40, hidden: int = 32) -> Path:
     return _save(model, path, external=False)
 
 
+def voice_activity(path: Path, seed: int = 0) -> Path:
+    """A Silero-VAD-like model: ``input`` [batch, samples] audio, ``sr`` an int64 scalar sample rate, ``state``
+    [2, batch, 128]; an ``If`` on ``sr == 16000`` picks a branch, each an STFT done as ``Pad`` (reflect, 64 samples
+    each side) + a strided ``Conv`` over a basis, then two Conv + Relu encoder layers with biases and a state
+    update. Random inputs run neither branch: a short audio axis cannot be reflect-padded, so a check or verify
+    needs ``--input`` / ``--dim``. Weights embedded (about 1.3 MiB), as the exporter writes them."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+
+    def branch(tag: str, bins: int, window: int) -> onnx.GraphProto:
+        inits = [
+            nh.from_array(np.array([0, 0, window // 4, 0, 0, window // 4], np.int64), f"{tag}.pads"),
+            nh.from_array(_arr(rng, (bins, 1, window), 0.05), f"{tag}.stft_basis"),
+            nh.from_array(_arr(rng, (128, bins, 3), 0.05), f"{tag}.enc0.weight"),
+            nh.from_array(_arr(rng, (128,), 0.01), f"{tag}.enc0.bias"),
+            nh.from_array(_arr(rng, (128, 128, 3), 0.05), f"{tag}.enc1.weight"),
+            nh.from_array(_arr(rng, (128,), 0.01), f"{tag}.enc1.bias"),
+            nh.from_array(_arr(rng, (128, 1), 0.05), f"{tag}.out.weight"),
+            nh.from_array(np.array([1], np.int64), f"{tag}.axis1"),
+        ]
+        nodes = [
+            h.make_node("Unsqueeze", ["input", f"{tag}.axis1"], [f"{tag}.x"]),
+            h.make_node("Pad", [f"{tag}.x", f"{tag}.pads"], [f"{tag}.padded"], mode="reflect"),
+            h.make_node("Conv", [f"{tag}.padded", f"{tag}.stft_basis"], [f"{tag}.spec"], strides=[window // 2]),
+            h.make_node("Abs", [f"{tag}.spec"], [f"{tag}.mag"]),
+            h.make_node("Conv", [f"{tag}.mag", f"{tag}.enc0.weight", f"{tag}.enc0.bias"], [f"{tag}.c0"], pads=[1, 1]),
+            h.make_node("Relu", [f"{tag}.c0"], [f"{tag}.r0"]),
+            h.make_node("Conv", [f"{tag}.r0", f"{tag}.enc1.weight", f"{tag}.enc1.bias"], [f"{tag}.c1"], pads=[1, 1]),
+            h.make_node("Relu", [f"{tag}.c1"], [f"{tag}.r1"]),
+            h.make_node("ReduceMean", [f"{tag}.r1"], [f"{tag}.pooled"], axes=[2], keepdims=0),
+            h.make_node("MatMul", [f"{tag}.pooled", f"{tag}.out.weight"], [f"{tag}.logit"]),
+            h.make_node("Sigmoid", [f"{tag}.logit"], [f"{tag}.output"]),
+            h.make_node("Unsqueeze", [f"{tag}.pooled", f"{tag}.axis0"], [f"{tag}.p3"]),
+            h.make_node("Add", ["state", f"{tag}.p3"], [f"{tag}.state"]),
+        ]
+        inits.append(nh.from_array(np.array([0], np.int64), f"{tag}.axis0"))
+        outs = [_io(f"{tag}.output", T.FLOAT, None), _io(f"{tag}.state", T.FLOAT, None)]
+        return h.make_graph(nodes, tag, [], outs, inits)
+
+    nodes = [
+        h.make_node("Equal", ["sr", "sr16k"], ["is16k"]),
+        h.make_node(
+            "If",
+            ["is16k"],
+            ["output", "stateN"],
+            then_branch=branch("b16k", 130, 256),
+            else_branch=branch("b8k", 66, 128),
+        ),
+    ]
+    inits = [nh.from_array(np.array(16000, np.int64), "sr16k")]
+    inputs = [
+        _io("input", T.FLOAT, ["batch", "samples"]),
+        _io("sr", T.INT64, []),
+        _io("state", T.FLOAT, [2, "batch", 128]),
+    ]
+    outputs = [_io("output", T.FLOAT, ["batch", 1]), _io("stateN", T.FLOAT, [2, "batch", 128])]
+    return _save(_model(nodes, inits, inputs, outputs), path, external=False)
+
+
+def tied_head(path: Path, vocab: int = 4096, hidden: int = 256, seed: int = 0, reshaped: bool = False) -> Path:
+    """onnxruntime-genai's model builder for a float model with tied embeddings (Gemma2 fp32): one
+    ``lm_head.MatMul.weight`` [hidden, vocab] read by the lm_head MatMul and, through ``/model/embed_tokens/
+    Transpose`` (perm 1, 0), by the embedding Gather (``make_embedding_lookup``'s "Tied float" path). ONNX Runtime
+    constant-folds that Transpose into a [vocab, hidden] heap tensor in every session. Shape constants as the
+    exporters name them (``onnx::Reshape_288``, ``/model/constants/INT64/[-1]``); ``reshaped``: a projection
+    weight stored [1, hidden, hidden] and read through a constant ``Reshape`` (another shape-only op of a
+    weight). External data beside the model, as the builder writes it."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+    inits = [
+        nh.from_array(_arr(rng, (hidden, vocab), hidden**-0.5), "lm_head.MatMul.weight"),
+        nh.from_array(np.array([-1, hidden], np.int64), "onnx::Reshape_288"),
+        nh.from_array(np.array([-1], np.int64), "/model/constants/INT64/[-1]"),
+        nh.from_array(_arr(rng, (hidden,), 0.1), "proj.bias"),
+    ]
+    nodes = [
+        h.make_node("Transpose", ["lm_head.MatMul.weight"], ["/model/embed_tokens/Transpose/output_0"],
+                    name="/model/embed_tokens/Transpose", perm=[1, 0]),
+        h.make_node("Gather", ["/model/embed_tokens/Transpose/output_0", "input_ids"],
+                    ["/model/embed_tokens/Gather/output_0"], name="/model/embed_tokens/Gather"),
+        h.make_node("Reshape", ["/model/embed_tokens/Gather/output_0", "onnx::Reshape_288"], ["x2d"]),
+    ]  # fmt: skip
+    if reshaped:
+        inits += [
+            nh.from_array(_arr(rng, (1, hidden, hidden), hidden**-0.5), "proj.weight3d"),
+            nh.from_array(np.array([hidden, hidden], np.int64), "proj.shape"),
+        ]
+        nodes.append(h.make_node("Reshape", ["proj.weight3d", "proj.shape"], ["proj.weight"]))
+    else:
+        inits.append(nh.from_array(_arr(rng, (hidden, hidden), hidden**-0.5), "proj.weight"))
+    nodes += [
+        h.make_node("MatMul", ["x2d", "proj.weight"], ["proj"]),
+        h.make_node("Add", ["proj", "proj.bias"], ["proj_b"]),
+        h.make_node("Relu", ["proj_b"], ["act"]),
+        h.make_node("MatMul", ["act", "lm_head.MatMul.weight"], ["logits2d"], name="/lm_head/MatMul"),
+        h.make_node("Unsqueeze", ["logits2d", "/model/constants/INT64/[-1]"], ["logits"]),
+    ]
+    inputs = [_io("input_ids", T.INT64, ["batch_size", "sequence_length"])]
+    outputs = [_io("logits", T.FLOAT, ["tokens", vocab, 1])]
+    model = _model(nodes, inits, inputs, outputs)
+    model.graph.value_info.append(_io("/model/embed_tokens/Transpose/output_0", T.FLOAT, [vocab, hidden]))
+    return _save(model, path, external=True)
+
+
 FORMS: dict[str, Form] = {
     "fp32": Form(fp32_mlp, "fp32 MatMul+Add MLP"),
     "fp16": Form(fp16_transformer, "unfused fp16 BERT-like encoder, embedded"),
