@@ -37,6 +37,8 @@ __all__ = ["SHAPE_ONLY", "Layout", "ShapeFolds", "TransposedSource", "fold_shape
 
 SHAPE_ONLY = ("Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten")
 SLAB_BYTES = 16 << 20  # what one slab of a transposed payload may hold in memory
+# below this a constant is shape arithmetic (whatever --inline-threshold says: verify re-plans originals at 0)
+FOLD_MIN_BYTES = 1024
 _MAX_SHAPE_VALUES = 64  # a shape input with more values than a tensor has dims is not a shape
 
 
@@ -174,20 +176,25 @@ class _Scope:
 
 
 def fold_shape_ops(
-    model: pb.ModelProto, refs: RefTable, folded: set[int], protected: frozenset[str] | set[str] = frozenset()
+    model: pb.ModelProto,
+    refs: RefTable,
+    folded: set[int],
+    protected: frozenset[str] | set[str] = frozenset(),
+    min_bytes: int = FOLD_MIN_BYTES,
 ) -> ShapeFolds:
-    """Fold every shape-only op of a weight in every graph (see the module doc); ``folded``: the ref indices the
-    fp16 fold converted (a new payload made from one is converted too: added to ``folded``). Rewrites ``model``
-    and appends a row to ``refs`` for each new payload."""
+    """Fold every shape-only op of a weight of ``min_bytes`` or more in every graph (see the module doc; smaller
+    constants are the graph's shape arithmetic, inline and never copied to speak of); ``folded``: the ref indices
+    the fp16 fold converted (a new payload made from one is converted too: added to ``folded``). Rewrites
+    ``model`` and appends a row to ``refs`` for each new payload."""
     out = ShapeFolds()
     for scope in list(iter_scopes(model)):
         if isinstance(scope, pb.GraphProto) and scope.initializer:
-            _fold_scope(_Scope(scope), refs, folded, protected, out)
+            _fold_scope(_Scope(scope), refs, folded, protected, out, min_bytes)
     return out
 
 
 def _fold_scope(
-    s: _Scope, refs: RefTable, folded: set[int], protected: frozenset[str] | set[str], out: ShapeFolds
+    s: _Scope, refs: RefTable, folded: set[int], protected: frozenset[str] | set[str], out: ShapeFolds, min_bytes: int
 ) -> None:
     graph = s.graph
     doomed: list[int] = []
@@ -205,6 +212,8 @@ def _fold_scope(
         ref = refs[index]
         bits = dtypes.BITS.get(ref.data_type)
         if bits is None or bits % 8 or ref.typed or len(ref.parts) != 1:  # sub-byte, strings, typed fields
+            continue
+        if ref.nbytes_in < min_bytes:
             continue
         shape: list[int] | None = None
         if len(node.input) > 1 and node.input[1]:
