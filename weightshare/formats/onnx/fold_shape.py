@@ -213,8 +213,8 @@ def _fold_scope(
         bits = dtypes.BITS.get(ref.data_type)
         if bits is None or bits % 8 or ref.typed or len(ref.parts) != 1:  # sub-byte, strings, typed fields
             continue
-        if ref.nbytes_in < min_bytes:
-            continue
+        if ref.nbytes_in < min_bytes or ref.recorded_digest is not None:
+            continue  # small: shape arithmetic; a digest weightshare recorded: checked as stored, left as stored
         shape: list[int] | None = None
         if len(node.input) > 1 and node.input[1]:
             shape_t = s.inits.get(node.input[1])
