@@ -5,8 +5,9 @@ Before: an ORT-optimizer BERT (its ids cast to int32 before EmbedLayerNormalizat
 beyond its 2-row table at batch 8 and 64, both runs were skipped and the verdict was "ok: 1 runs"; a genai decoder
 (GroupQueryAttention refuses batch > 1 with a sequence and a past) said "ok: 2 runs"; a Gemma2-like decoder
 (window-sized KV cache) exited 2 blaming the original.
-After: every planned run of the BERT and of the indirect tables runs; a skipped run makes the verdict
-"ok (partial: 2 of 3 runs; ... not run: why)", a warning in --format github, exit 1 with --strict.
+After: every planned run of the BERT and of the indirect tables runs; the genai decoder's batch-8 run is made one
+token per row; a run that cannot be made makes the verdict "ok (partial: 1 of 3 runs; ... not run: why)", a
+warning in --format github, exit 1 with --strict.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import weightshare
 from weightshare._contract import schema_path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import decoder_fixtures as fx  # noqa: E402
 import genai_model as gm  # noqa: E402
 import model_forms as mf  # noqa: E402
 
@@ -66,27 +68,44 @@ def test_sliding_window_attention_gets_a_past_of_its_window(cli, tmp_path):
     assert "prefill + 2 decode steps" in res.stdout + res.stderr
 
 
+def test_a_gqa_decoder_runs_batch_8_at_the_sequence_the_runtime_takes(tmp_path):
+    """GroupQueryAttention refuses batch > 1 with a sequence and a past: the batch-8 run is made with one new token
+    per row instead of being skipped, and the report says so."""
+    folder = gm.genai_folder(tmp_path / "g", mib=0.5, int4=False)
+    src = folder / "model.onnx"
+    report = weightshare.verify(src, _converted(src, tmp_path / "out"))
+    assert report.passed and report.runs == 3, (report.notes, report.mismatches)
+    assert not report.skipped
+    note = next(n for n in report.notes if n.startswith("run 1 at"))
+    expected = (
+        "run 1 at batch_size=8, sequence_length=1 instead (at batch_size=8, sequence_length=8: the original fails in "
+        "GroupQueryAttention 'layers.0.attn.gqa': batch_size must be 1"
+    )
+    assert note.startswith(expected), note
+
+
 @pytest.mark.slow
 def test_a_skipped_run_makes_the_verdict_partial(cli, tmp_path):
-    """A genai decoder: GroupQueryAttention refuses the batch-8 run (a sequence and a past at batch > 1)."""
-    folder = gm.genai_folder(tmp_path / "g", mib=0.5, int4=False)
-    src, converted = folder / "model.onnx", _converted(folder / "model.onnx", tmp_path / "out")
+    """A decoder whose graph runs at batch 1 only (seqlens_k reshaped to [1]): the batch-8 and batch-64 runs
+    cannot be made at any sequence length."""
+    src = fx.llama_like(tmp_path / "model.onnx", lengths_as_inputs=True)
+    converted = _converted(src, tmp_path / "out")
     res = cli("verify", src, converted)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
-    assert "ok (partial: 2 of 3 runs; run 1 at batch_size=8, sequence_length=8 not run: the original fails in " \
-        "GroupQueryAttention 'layers.0.attn.gqa': batch_size must be 1" in out  # fmt: skip
+    assert "ok (partial: 1 of 3 runs; run 1 at batch_size=8, sequence_length=8 not run: the original fails in " \
+        "Reshape" in out and "run 2 at batch_size=64, sequence_length=1 not run: " in out  # fmt: skip
     assert "\nok:" not in "\n" + out
     strict = cli("verify", src, converted, "--strict")
-    assert strict.returncode == 1 and "FAILED (--strict; partial: 2 of 3 runs" in strict.stdout + strict.stderr
+    assert strict.returncode == 1 and "FAILED (--strict; partial: 1 of 3 runs" in strict.stdout + strict.stderr
     gh = cli("verify", src, converted, "--format", "github")
     assert gh.returncode == 0
-    assert any(line.startswith("::warning ") and "ok (partial: 2 of 3 runs" in line for line in gh.stdout.splitlines())
+    assert any(line.startswith("::warning ") and "ok (partial: 1 of 3 runs" in line for line in gh.stdout.splitlines())
     schema = json.loads(schema_path("verify").read_text())
     for args, code in (((), 0), (("--strict",), 1)):
         res = cli("verify", src, converted, "--json", *args)
         doc = json.loads(res.stdout)
         jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
         assert res.returncode == doc["exit_code"] == code
-        assert doc["partial"] and doc["passed"] and doc["runs"] == 2 and doc["planned_runs"] == 3
-        assert len(doc["skipped"]) == 1 and "batch_size=8" in doc["skipped"][0]
+        assert doc["partial"] and doc["passed"] and doc["runs"] == 1 and doc["planned_runs"] == 3
+        assert len(doc["skipped"]) == 2 and "batch_size=8" in doc["skipped"][0]
