@@ -60,8 +60,12 @@ def _nbits(
 
 
 def build_decoder(
-    path: Path, mib: float = 2.0, seed: int = 0, int4: bool = True
+    path: Path, mib: float = 2.0, seed: int = 0, int4: bool = True, window: int = 0
 ) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """``window``: sliding-window attention on every other layer from the first, as the model builder writes
+    Gemma2 for ``-e cpu`` (``window_kv_cache``): GroupQueryAttention with ``local_window_size`` and
+    ``sliding_window_cache=1``, its past / present a window-sized buffer named ``past_sliding_length`` /
+    ``total_sliding_length`` (the builder's ``make_key_value_cache_shape``)."""
     import numpy as np
     from onnx import TensorProto as T
     from onnx import helper as h
@@ -142,11 +146,12 @@ def build_decoder(
             v = linear(f"{p}.ln1", f"{p}.attn.v_proj", hidden, kv * hd)
         gqa_in = [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k",
                   "total_sequence_length", "cos_cache", "sin_cache"]  # fmt: skip
+        local = {"local_window_size": window, "sliding_window_cache": 1} if window and i % 2 == 0 else {}
         nodes.append(
             h.make_node(
                 "GroupQueryAttention", gqa_in, [f"{p}.attn", f"present.{i}.key", f"present.{i}.value"],
                 name=f"{p}.attn.gqa", domain="com.microsoft", num_heads=heads, kv_num_heads=kv,
-                do_rotary=1, rotary_interleaved=0, scale=float(hd**-0.5),
+                do_rotary=1, rotary_interleaved=0, scale=float(hd**-0.5), **local,
             )
         )  # fmt: skip
         o = linear(f"{p}.attn", f"{p}.attn.o_proj", heads * hd, hidden)
@@ -180,8 +185,11 @@ def build_decoder(
     ]
     outputs = [h.make_tensor_value_info("logits", T.FLOAT, ["batch_size", "sequence_length", vocab])]
     for i in range(s["layers"]):
-        inputs += [h.make_tensor_value_info(f"past_key_values.{i}.{t}", T.FLOAT, past) for t in ("key", "value")]
-        outputs += [h.make_tensor_value_info(f"present.{i}.{t}", T.FLOAT, present) for t in ("key", "value")]
+        sliding = bool(window) and i % 2 == 0
+        p_i = [d.replace("sequence", "sliding") if sliding and isinstance(d, str) else d for d in past]
+        q_i = [d.replace("sequence", "sliding") if sliding and isinstance(d, str) else d for d in present]
+        inputs += [h.make_tensor_value_info(f"past_key_values.{i}.{t}", T.FLOAT, p_i) for t in ("key", "value")]
+        outputs += [h.make_tensor_value_info(f"present.{i}.{t}", T.FLOAT, q_i) for t in ("key", "value")]
     graph = h.make_graph(nodes, "main_graph", inputs, outputs, inits)
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("com.microsoft", 1)])
     model.ir_version = 10
@@ -239,13 +247,16 @@ def genai_config(s: dict[str, int], filename: str = "model.onnx") -> dict[str, A
     }
 
 
-def genai_folder(directory: str | os.PathLike[str], mib: float = 2.0, seed: int = 0, int4: bool = True) -> Path:
-    """Write a genai folder (``genai_config.json``, ``model.onnx``, ``model.onnx.data``) to ``directory``."""
+def genai_folder(
+    directory: str | os.PathLike[str], mib: float = 2.0, seed: int = 0, int4: bool = True, window: int = 0
+) -> Path:
+    """Write a genai folder (``genai_config.json``, ``model.onnx``, ``model.onnx.data``) to ``directory``
+    (``window``: sliding-window layers, see ``build_decoder``)."""
     import onnx
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    model, sizes = build_decoder(d / "model.onnx", mib, seed, int4)
+    model, sizes = build_decoder(d / "model.onnx", mib, seed, int4, window)
     (d / "model.onnx.data").unlink(missing_ok=True)  # onnx appends to an existing data file
     onnx.save_model(model, str(d / "model.onnx"), save_as_external_data=True, location="model.onnx.data",
                     size_threshold=1024)  # fmt: skip

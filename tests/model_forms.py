@@ -874,6 +874,218 @@ def conv_net(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     return cnn_onnx(Path(path), channels=channels, blocks=blocks, spatial=8)
 
 
+# --- index paths as exporters write them (verify's generated inputs must stay inside every table) ---------------
+
+
+def ort_optimizer_bert(path: Path, vocab: int = 30, hidden: int = 16, positions: int = 32, fp16: bool = False) -> Path:
+    """BERT's embeddings as onnxruntime's transformer optimizer fuses them (``fusion_embedlayer.py``): int64 graph
+    inputs, each cast to int32 by a ``Cast`` named ``<input>_casted`` before ``EmbedLayerNormalization``
+    (com.microsoft: word / position / 2-row segment tables); ``fp16`` (``float16=True``): fp16 tables and output.
+    No logits: nothing but the tables says how large the ids may be."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    dtype, elem = (np.float16, T.FLOAT16) if fp16 else (np.float32, T.FLOAT)
+    inits = [
+        nh.from_array(_arr(rng, (vocab, hidden), 1.0, dtype), "word_embeddings"),
+        nh.from_array(_arr(rng, (positions, hidden), 1.0, dtype), "position_embeddings"),
+        nh.from_array(_arr(rng, (2, hidden), 1.0, dtype), "token_type_embeddings"),
+        nh.from_array(np.ones(hidden, dtype), "ln.gamma"),
+        nh.from_array(np.zeros(hidden, dtype), "ln.beta"),
+        nh.from_array(_arr(rng, (hidden, 8), hidden**-0.5, dtype), "W"),
+    ]
+    names = ("input_ids", "token_type_ids", "attention_mask")
+    nodes = [h.make_node("Cast", [n], [f"{n}_int32"], name=f"{n}_casted", to=T.INT32) for n in names]
+    nodes += [
+        h.make_node(
+            "EmbedLayerNormalization",
+            ["input_ids_int32", "token_type_ids_int32", "word_embeddings", "position_embeddings",
+             "token_type_embeddings", "ln.gamma", "ln.beta", "attention_mask_int32"],
+            ["embed_output", "mask_index"], name="EmbedLayerNormalization_0", domain="com.microsoft", epsilon=1e-12,
+        ),
+        h.make_node("MatMul", ["embed_output", "W"], ["last_hidden_state"]),
+    ]  # fmt: skip
+    seq = ["batch_size", "sequence_length"]
+    inputs = [_io(n, T.INT64, seq) for n in names]
+    outputs = [_io("last_hidden_state", elem, [*seq, 8]), _io("mask_index", T.INT32, ["batch_size"])]
+    return _save(_model(nodes, inits, inputs, outputs, ms_domain=True), path, external=False)
+
+
+def indirect_tables(path: Path, vocab: int = 40, hidden: int = 32) -> Path:
+    """Tables reached indirectly, as exporters write them: token ids cast to int32 into a ``Gather`` of a
+    ``DequantizeLinear`` table (a QDQ embedding); type ids through ``Unsqueeze``/``Squeeze``/``Reshape`` into a
+    2-row table; bucket ids plus a constant offset (OPT adds 2 to its positions) into ``GatherBlockQuantized``
+    (com.microsoft, genai's int4 embeddings: 4-bit pairs in uint8, block 16) of 8 rows; every id ``Concat``ed into
+    a ``GatherElements`` of a 40-wide table. No logits, no config: only the tables bound the ids."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(0)
+    rows = 8
+    block = 16
+    inits = [
+        nh.from_array(rng.integers(-127, 128, (vocab, hidden), dtype=np.int8), "word_q"),
+        nh.from_array(np.float32(0.02), "word_scale"),
+        nh.from_array(np.int8(0), "word_zero"),
+        nh.from_array(_arr(rng, (2, hidden), 1.0), "type_table"),
+        nh.from_array(rng.integers(0, 256, (rows, hidden // 2), dtype=np.uint8), "bucket_q"),
+        nh.from_array((rng.random((rows, hidden // block), dtype=np.float32) + 0.5) * 0.1, "bucket_scales"),
+        nh.from_array(np.array([3], np.int64), "bucket_offset"),
+        nh.from_array(np.array([-1], np.int64), "flat"),
+        nh.from_array(_arr(rng, (1, vocab), 1.0), "wide"),
+    ]
+    nodes = [
+        h.make_node("Cast", ["input_ids"], ["ids32"], to=T.INT32),
+        h.make_node("DequantizeLinear", ["word_q", "word_scale", "word_zero"], ["word_table"]),
+        h.make_node("Gather", ["word_table", "ids32"], ["e_word"], axis=0),
+        h.make_node("Unsqueeze", ["token_type_ids", "zero_axis"], ["tt_u"]),
+        h.make_node("Squeeze", ["tt_u", "zero_axis"], ["tt_s"]),
+        h.make_node("Shape", ["token_type_ids"], ["tt_shape"]),
+        h.make_node("Reshape", ["tt_s", "flat"], ["tt_flat"]),
+        h.make_node("Gather", ["type_table", "tt_flat"], ["e_type_flat"], axis=0),
+        h.make_node("Concat", ["tt_shape", "hidden_dim"], ["e_shape"], axis=0),
+        h.make_node("Reshape", ["e_type_flat", "e_shape"], ["e_type"]),
+        h.make_node("Add", ["bucket_ids", "bucket_offset"], ["buckets"]),
+        h.make_node(
+            "GatherBlockQuantized", ["bucket_q", "buckets", "bucket_scales"], ["e_bucket"], domain="com.microsoft",
+            gather_axis=0, quantize_axis=1, block_size=block, bits=4,
+        ),
+        h.make_node("Add", ["e_word", "e_type"], ["e_sum"]),
+        h.make_node("Add", ["e_sum", "e_bucket"], ["embeddings"]),
+        h.make_node("Concat", ["input_ids", "bucket_ids"], ["all_ids"], axis=1),
+        h.make_node("Reshape", ["all_ids", "one_row"], ["all_row"]),
+        h.make_node("GatherElements", ["wide", "all_row"], ["picked"], axis=1),
+    ]  # fmt: skip
+    inits += [
+        nh.from_array(np.array([0], np.int64), "zero_axis"),
+        nh.from_array(np.array([hidden], np.int64), "hidden_dim"),
+        nh.from_array(np.array([1, -1], np.int64), "one_row"),
+    ]
+    seq = ["batch_size", "sequence_length"]
+    inputs = [_io(n, T.INT64, seq) for n in ("input_ids", "token_type_ids", "bucket_ids")]
+    outputs = [_io("embeddings", T.FLOAT, [*seq, hidden]), _io("picked", T.FLOAT, [1, None])]
+    model = _model(nodes, inits, inputs, outputs, ms_domain=True)
+    model.opset_import[0].version = 21  # DequantizeLinear with int8 zero points and scalar scales
+    return _save(model, path, external=False)
+
+
+def voice_activity(path: Path, seed: int = 0) -> Path:
+    """A Silero-VAD-like model: ``input`` [batch, samples] audio, ``sr`` an int64 scalar sample rate, ``state``
+    [2, batch, 128]; an ``If`` on ``sr == 16000`` picks a branch, each an STFT done as ``Pad`` (reflect, 64 samples
+    each side) + a strided ``Conv`` over a basis, then two Conv + Relu encoder layers with biases and a state
+    update. Random inputs run neither branch: a short audio axis cannot be reflect-padded, so a check or verify
+    needs ``--input`` / ``--dim``. Weights embedded (about 1.3 MiB), as the exporter writes them."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+
+    def branch(tag: str, bins: int, window: int) -> onnx.GraphProto:
+        inits = [
+            nh.from_array(np.array([0, 0, window // 4, 0, 0, window // 4], np.int64), f"{tag}.pads"),
+            nh.from_array(_arr(rng, (bins, 1, window), 0.05), f"{tag}.stft_basis"),
+            nh.from_array(_arr(rng, (128, bins, 3), 0.05), f"{tag}.enc0.weight"),
+            nh.from_array(_arr(rng, (128,), 0.01), f"{tag}.enc0.bias"),
+            nh.from_array(_arr(rng, (128, 128, 3), 0.05), f"{tag}.enc1.weight"),
+            nh.from_array(_arr(rng, (128,), 0.01), f"{tag}.enc1.bias"),
+            nh.from_array(_arr(rng, (128, 1), 0.05), f"{tag}.out.weight"),
+            nh.from_array(np.array([1], np.int64), f"{tag}.axis1"),
+        ]
+        nodes = [
+            h.make_node("Unsqueeze", ["input", f"{tag}.axis1"], [f"{tag}.x"]),
+            h.make_node("Pad", [f"{tag}.x", f"{tag}.pads"], [f"{tag}.padded"], mode="reflect"),
+            h.make_node("Conv", [f"{tag}.padded", f"{tag}.stft_basis"], [f"{tag}.spec"], strides=[window // 2]),
+            h.make_node("Abs", [f"{tag}.spec"], [f"{tag}.mag"]),
+            h.make_node("Conv", [f"{tag}.mag", f"{tag}.enc0.weight", f"{tag}.enc0.bias"], [f"{tag}.c0"], pads=[1, 1]),
+            h.make_node("Relu", [f"{tag}.c0"], [f"{tag}.r0"]),
+            h.make_node("Conv", [f"{tag}.r0", f"{tag}.enc1.weight", f"{tag}.enc1.bias"], [f"{tag}.c1"], pads=[1, 1]),
+            h.make_node("Relu", [f"{tag}.c1"], [f"{tag}.r1"]),
+            h.make_node("ReduceMean", [f"{tag}.r1"], [f"{tag}.pooled"], axes=[2], keepdims=0),
+            h.make_node("MatMul", [f"{tag}.pooled", f"{tag}.out.weight"], [f"{tag}.logit"]),
+            h.make_node("Sigmoid", [f"{tag}.logit"], [f"{tag}.output"]),
+            h.make_node("Unsqueeze", [f"{tag}.pooled", f"{tag}.axis0"], [f"{tag}.p3"]),
+            h.make_node("Add", ["state", f"{tag}.p3"], [f"{tag}.state"]),
+        ]
+        inits.append(nh.from_array(np.array([0], np.int64), f"{tag}.axis0"))
+        outs = [_io(f"{tag}.output", T.FLOAT, None), _io(f"{tag}.state", T.FLOAT, None)]
+        return h.make_graph(nodes, tag, [], outs, inits)
+
+    nodes = [
+        h.make_node("Equal", ["sr", "sr16k"], ["is16k"]),
+        h.make_node(
+            "If",
+            ["is16k"],
+            ["output", "stateN"],
+            then_branch=branch("b16k", 130, 256),
+            else_branch=branch("b8k", 66, 128),
+        ),
+    ]
+    inits = [nh.from_array(np.array(16000, np.int64), "sr16k")]
+    inputs = [
+        _io("input", T.FLOAT, ["batch", "samples"]),
+        _io("sr", T.INT64, []),
+        _io("state", T.FLOAT, [2, "batch", 128]),
+    ]
+    outputs = [_io("output", T.FLOAT, ["batch", 1]), _io("stateN", T.FLOAT, [2, "batch", 128])]
+    return _save(_model(nodes, inits, inputs, outputs), path, external=False)
+
+
+def tied_head(path: Path, vocab: int = 4096, hidden: int = 256, seed: int = 0, reshaped: bool = False) -> Path:
+    """onnxruntime-genai's model builder for a float model with tied embeddings (Gemma2 fp32): one
+    ``lm_head.MatMul.weight`` [hidden, vocab] read by the lm_head MatMul and, through ``/model/embed_tokens/
+    Transpose`` (perm 1, 0), by the embedding Gather (``make_embedding_lookup``'s "Tied float" path). ONNX Runtime
+    constant-folds that Transpose into a [vocab, hidden] heap tensor in every session. Shape constants as the
+    exporters name them (``onnx::Reshape_288``, ``/model/constants/INT64/[-1]``); ``reshaped``: a projection
+    weight stored [1, hidden, hidden] and read through a constant ``Reshape`` (another shape-only op of a
+    weight). External data beside the model, as the builder writes it."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    rng = np.random.default_rng(seed)
+    inits = [
+        nh.from_array(_arr(rng, (hidden, vocab), hidden**-0.5), "lm_head.MatMul.weight"),
+        nh.from_array(np.array([-1, hidden], np.int64), "onnx::Reshape_288"),
+        nh.from_array(np.array([-1], np.int64), "/model/constants/INT64/[-1]"),
+        nh.from_array(_arr(rng, (hidden,), 0.1), "proj.bias"),
+    ]
+    nodes = [
+        h.make_node("Transpose", ["lm_head.MatMul.weight"], ["/model/embed_tokens/Transpose/output_0"],
+                    name="/model/embed_tokens/Transpose", perm=[1, 0]),
+        h.make_node("Gather", ["/model/embed_tokens/Transpose/output_0", "input_ids"],
+                    ["/model/embed_tokens/Gather/output_0"], name="/model/embed_tokens/Gather"),
+        h.make_node("Reshape", ["/model/embed_tokens/Gather/output_0", "onnx::Reshape_288"], ["x2d"]),
+    ]  # fmt: skip
+    if reshaped:
+        inits += [
+            nh.from_array(_arr(rng, (1, hidden, hidden), hidden**-0.5), "proj.weight3d"),
+            nh.from_array(np.array([hidden, hidden], np.int64), "proj.shape"),
+        ]
+        nodes.append(h.make_node("Reshape", ["proj.weight3d", "proj.shape"], ["proj.weight"]))
+    else:
+        inits.append(nh.from_array(_arr(rng, (hidden, hidden), hidden**-0.5), "proj.weight"))
+    nodes += [
+        h.make_node("MatMul", ["x2d", "proj.weight"], ["proj"]),
+        h.make_node("Add", ["proj", "proj.bias"], ["proj_b"]),
+        h.make_node("Relu", ["proj_b"], ["act"]),
+        h.make_node("MatMul", ["act", "lm_head.MatMul.weight"], ["logits2d"], name="/lm_head/MatMul"),
+        h.make_node("Unsqueeze", ["logits2d", "/model/constants/INT64/[-1]"], ["logits"]),
+    ]
+    inputs = [_io("input_ids", T.INT64, ["batch_size", "sequence_length"])]
+    outputs = [_io("logits", T.FLOAT, ["tokens", vocab, 1])]
+    model = _model(nodes, inits, inputs, outputs)
+    model.graph.value_info.append(_io("/model/embed_tokens/Transpose/output_0", T.FLOAT, [vocab, hidden]))
+    return _save(model, path, external=True)
+
+
 FORMS: dict[str, Form] = {
     "fp32": Form(fp32_mlp, "fp32 MatMul+Add MLP"),
     "fp16": Form(fp16_transformer, "unfused fp16 BERT-like encoder, embedded"),

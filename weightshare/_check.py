@@ -205,8 +205,16 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
         if severity is Severity.INFO:
             continue
         static = inv.copied_under(setting)
+        # the weights the figure names: never a shape constant or a few bytes kept inline (a Reshape's
+        # ``onnx::Reshape_288`` was named the "largest" of a 60 MiB figure it had no part in)
         copying = sorted(
-            (p for p in inv.payloads if p.copies.get(setting, p.copied_per_session)),
+            (
+                p
+                for p in inv.payloads
+                if p.copies.get(setting, p.copied_per_session)
+                and not p.used_as_shape
+                and p.nbytes >= gate.inline_threshold
+            ),
             key=lambda p: -p.copies.get(setting, p.copied_per_session),
         )
         how = f", {inv.default_how}" if inv.default_how and setting in targeted and not gate.targets else ""

@@ -145,8 +145,9 @@ def inspect_document(inv: ModelInventory, findings: Sequence[Finding]) -> JsonDi
     return envelope("inspect", 0, **{**inventory_dict(inv), "findings": [f.to_dict() for f in findings]})
 
 
-def verify_document(report: VerifyReport) -> JsonDict:
-    return envelope("verify", 0 if report.passed else 1, **report.to_dict())
+def verify_document(report: VerifyReport, strict: bool = False) -> JsonDict:
+    """``strict`` (``verify --strict``): a partial comparison (``skipped`` runs) exits 1."""
+    return envelope("verify", report.exit_code(strict), **report.to_dict())
 
 
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "notice"}

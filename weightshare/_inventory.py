@@ -39,6 +39,7 @@ class PayloadInfo:
     problem_code: str = ""  # findings.Code value of ``problem``, set where it was detected
     would_move: bool = False  # `convert` would move it to the blob
     stays_inline_because: str = ""
+    used_as_shape: bool = False  # an integer tensor the graph reads as a shape or axes: a constant, never a weight
 
 
 @dataclass

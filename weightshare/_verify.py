@@ -33,6 +33,8 @@ class VerifyReport:
     converted: str
     format: str
     runs: int = 0
+    planned_runs: int = 0  # runs the format planned (ONNX: --runs per runtime leg); 0 where it does not count
+    skipped: list[str] = field(default_factory=list)  # one line per planned run that did not run, saying why
     decode_steps: int = 0  # steps fed back from the previous step's present outputs, after a prefill (ONNX)
     outputs_compared: int = 0
     mismatches: list[str] = field(default_factory=list)
@@ -46,8 +48,28 @@ class VerifyReport:
     def passed(self) -> bool:
         return not self.mismatches and not self.checksum_mismatches
 
+    @property
+    def partial(self) -> bool:
+        """Some planned runs did not run: the comparison that passed covers less than was planned."""
+        return bool(self.skipped)
+
+    def exit_code(self, strict: bool = False) -> int:
+        """1 on a difference; with ``strict`` (``verify --strict``) also when a planned run did not run."""
+        return 1 if not self.passed or (strict and self.partial) else 0
+
+    def verdict(self, strict: bool = False) -> str:
+        """ "ok", "FAILED", or "ok (partial: 2 of 3 runs; run 1 at ... not run: ...)": never a bare "ok" after a
+        skip."""
+        if not self.passed:
+            return "FAILED"
+        if not self.partial:
+            return "ok"
+        planned = self.planned_runs or self.runs + len(self.skipped)
+        head = "FAILED (--strict; " if strict else "ok ("
+        return f"{head}partial: {self.runs} of {planned} runs; {'; '.join(self.skipped)})"
+
     def to_dict(self) -> JsonDict:
-        return {**asdict(self), "passed": self.passed}
+        return {**asdict(self), "passed": self.passed, "partial": self.partial}
 
 
 def first_line(e: BaseException) -> str:

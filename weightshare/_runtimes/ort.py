@@ -12,7 +12,6 @@ from ..report import JsonDict
 from .memory import data_pss, in_child, memory_now
 
 if TYPE_CHECKING:
-    import onnx
     import onnxruntime as ort
 
 
@@ -54,53 +53,18 @@ ORT_TYPES = {
     "tensor(uint64)": "uint64",
 }
 
-# op type -> (position of its index input, position of the tensor it indexes)
-_INDEXING = {
-    "Gather": (1, 0),
-    "GatherElements": (1, 0),
-    "GatherND": (1, 0),
-    "ScatterElements": (1, 0),
-    "ScatterND": (1, 0),
-    "Scatter": (1, 0),
-}
-
-
-def _known_shapes(graph: onnx.GraphProto) -> dict[str, list[int | None]]:
-    shapes: dict[str, list[int | None]] = {t.name: list(t.dims) for t in graph.initializer}
-    for vi in list(graph.input) + list(graph.value_info):
-        if vi.name not in shapes and vi.type.HasField("tensor_type"):
-            dims = vi.type.tensor_type.shape.dim
-            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
-    return shapes
-
 
 def index_bounds(model_path: str) -> dict[str, int | None]:
-    """Graph inputs used directly as indices: name -> exclusive upper bound (None when the indexed size is unknown).
+    """Integer graph inputs whose values reach an index (``formats/onnx/indices.py``): name -> exclusive upper
+    bound, None when a direct use indexes a tensor of unknown size.
 
-    Random indices outside the indexed axis make the original model fail (ORT checks
-    Gather indices), so they are drawn from [0, bound). Only direct uses are seen.
+    Random indices outside the indexed axis make the original model fail (ORT checks Gather indices), so they are
+    drawn from [0, bound).
     """
     from ..formats.onnx._proto import load_model  # the message classes only: `import onnx` costs ~1 CPU s
+    from ..formats.onnx.indices import index_bounds as traced
 
-    graph = load_model(model_path).graph
-    inputs = {i.name for i in graph.input} - {t.name for t in graph.initializer}
-    shapes = _known_shapes(graph)
-    bounds: dict[str, int | None] = {}
-    for node in graph.node:
-        where = _INDEXING.get(node.op_type)
-        if where is None or len(node.input) <= max(where) or node.input[where[0]] not in inputs:
-            continue
-        name, data = node.input[where[0]], shapes.get(node.input[where[1]])
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        size: int | None
-        if node.op_type.endswith("ND"):
-            known = [d for d in data or [] if d]
-            size = min(known) if data and len(known) == len(data) else None
-        else:
-            size = data[axis] if data and -len(data) <= axis < len(data) and data[axis] else None
-        old = bounds.get(name, size)
-        bounds[name] = None if old is None or size is None else min(old, size)
-    return bounds
+    return traced(load_model(model_path).graph)
 
 
 def dim_value(d: object, dims: dict[str, int]) -> int:

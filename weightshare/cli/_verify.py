@@ -82,6 +82,11 @@ def verify(
         help="ONNX decoders: a prefill step, then N steps feeding each present* output back as its past* input; "
         "TFLite LMs: the prefill signature, then N runs of the decode signature fed its KV cache outputs.",
     ),
+    strict: bool = typer.Option(
+        False,
+        "--strict",
+        help="Exit 1 when a planned run did not run (a partial comparison), not only on a difference.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
     format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
@@ -95,6 +100,8 @@ def verify(
     recorded checksum and the blob's name against its header; ONNX: every payload is compared byte
     for byte with the original's, and a --prepack output's portable model is run too. Core ML (no
     runtime on Linux): weights must decode to the same bytes and the programs must match op for op.
+    A run verify planned but could not make (the original refuses the sizes it chose, or the run is over its
+    memory budget) makes the verdict "ok (partial: 2 of 3 runs; ...)", saying why; --strict makes it exit 1.
     Exit 1 on a difference, 2 when the original itself does not run.
     """
     from .._dispatch import verify as run_verify
@@ -116,18 +123,18 @@ def verify(
     if how == "json":
         from .._contract import verify_document
 
-        print(json.dumps(verify_document(report), indent=2))
+        print(json.dumps(verify_document(report, strict), indent=2))
     elif how == "github":
         from .._contract import annotation
 
         title = "weightshare verify"
         lines = [annotation("error", m, str(converted), title) for m in report.checksum_mismatches + report.mismatches]
         lines += [annotation("notice", note, str(converted), title) for note in report.notes]
-        verdict = "ok" if report.passed else "FAILED"
+        level = "error" if report.exit_code(strict) else "warning" if report.partial else "notice"
         lines.append(
             annotation(
-                "notice" if report.passed else "error",
-                f"{verdict}: {report.runs} runs, {report.outputs_compared} outputs compared",
+                level,
+                f"{report.verdict(strict)}: {report.runs} runs, {report.outputs_compared} outputs compared",
                 str(converted),
                 title,
             )
@@ -138,7 +145,7 @@ def verify(
             print(f"FAIL: {line}")
         for note in report.notes:
             info(f"note: {note}")
-        verdict = "ok" if report.passed else "FAILED"
+        verdict = report.verdict(strict)
         ran = f" ({'; '.join(report.paths)})" if report.paths else ""
         steps = f", prefill + {report.decode_steps} decode steps" if decode_steps else ""
         # payloads are compared with the original's only where the format's verify does it (ONNX): a 0 there
@@ -148,4 +155,4 @@ def verify(
             f"{verdict}: {report.runs} runs{steps}{ran}, {report.outputs_compared} outputs compared, "
             f"{report.payloads_hashed} blob payloads re-hashed{compared}"
         )
-    raise typer.Exit(0 if report.passed else 1)
+    raise typer.Exit(report.exit_code(strict))

@@ -31,7 +31,8 @@ from ...options import ConvertOptions
 from ...report import ConversionReport
 from . import dtypes
 from ._proto import pb
-from .fold import fold_fp16_casts, shape_tensor_names
+from .fold import fold_fp16_casts, protected_names, shape_tensor_names
+from .fold_shape import Layout, TransposedSource, fold_shape_ops
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ort.prepack_record import refuse_prepacked_model
 from .scan import RefTable, TensorRef, place_markers, scan_model
@@ -51,16 +52,20 @@ class Placement:
     fold: bool  # fp16/bf16 -> fp32
     reason: str = ""  # why it stays inline
     out_nbytes: int = 0
+    layout: Layout | None = None  # a folded Transpose's (fold_shape.py)
 
     @property
     def source(self) -> PayloadSource:
-        return _source(self.ref, self.fold)
+        return _source(self.ref, self.fold, self.layout)
 
 
-def _source(ref: TensorRef, fold: bool) -> PayloadSource:
+def _source(ref: TensorRef, fold: bool, layout: Layout | None = None) -> PayloadSource:
+    convert = (fp16_to_fp32 if ref.data_type == dtypes.FLOAT16 else bf16_to_fp32) if fold else None
+    if layout is not None:  # a folded Transpose: one file range (fold_shape only folds those), rearranged
+        size = dtypes.BITS[ref.data_type] // 8
+        return TransposedSource(ref.parts[0], layout, size, 4 if convert else size, convert)
     src = ref.native_source()
-    if fold:
-        convert = fp16_to_fp32 if ref.data_type == dtypes.FLOAT16 else bf16_to_fp32
+    if convert is not None:
         src = ElementwiseSource(src, 2, 4, convert)
     return src
 
@@ -68,14 +73,14 @@ def _source(ref: TensorRef, fold: bool) -> PayloadSource:
 class _Payload(BlobPayload):
     """A ``BlobPayload`` that makes its source only when the blob asks for it: one small object per payload."""
 
-    __slots__ = ("fold", "index", "refs")
+    __slots__ = ("fold", "index", "layout", "refs")
 
-    def __init__(self, tensor: PlannedTensor, refs: RefTable, index: int, fold: bool):
-        self.tensor, self.refs, self.index, self.fold = tensor, refs, index, fold
+    def __init__(self, tensor: PlannedTensor, refs: RefTable, index: int, fold: bool, layout: Layout | None = None):
+        self.tensor, self.refs, self.index, self.fold, self.layout = tensor, refs, index, fold, layout
 
     @property
     def source(self) -> PayloadSource:  # type: ignore[override]  # a read-only view where the base stores a field
-        return _source(self.refs[self.index], self.fold)
+        return _source(self.refs[self.index], self.fold, self.layout)
 
     @property
     def nbytes_in(self) -> int:  # type: ignore[override]  # likewise
@@ -180,6 +185,7 @@ def iter_plan(
     folded: set[int],
     shape_names: set[str],
     options: ConvertOptions,
+    layouts: Mapping[int, Layout] | None = None,
 ) -> Iterator[Placement]:
     """``plan``, one placement at a time: ``prepare`` keeps only what the blob needs of each."""
     for ref in refs:
@@ -187,7 +193,7 @@ def iter_plan(
         if site is None:
             raise InvalidModel(f"tensor {ref.name!r} sits where weightshare cannot place it", ref.path)
         fold = ref.index in folded
-        p = Placement(ref, site, external=False, fold=fold)
+        p = Placement(ref, site, external=False, fold=fold, layout=(layouts or {}).get(ref.index))
         p.out_nbytes = ref.native_nbytes * (2 if fold else 1)
         if ref.typed and options.keep_packed:
             p.reason = "typed field kept packed"
@@ -261,12 +267,18 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions, cpu_unpack: CpuUn
             folded, report.ops_removed = fold_fp16_casts(model, sites, lambda site: probe.keeps_bits(refs[site.index]))
         finally:
             probe.close()
+    # after the Cast fold, which renames what it folds: a shape-only op of a weight ORT would fold per session
+    folds = fold_shape_ops(model, refs, folded, protected_names(model))
+    if folds.removed:
+        report.ops_removed += folds.removed
+        report.notes.append(folds.note())
+        sites = collect_sites(model)  # the folded tensors' own sites
     # What the blob needs of each external payload (ref index, fold, name), then the parsed model goes: while
     # the blob is written this model is its serialized skeleton, the ref table and one small object per
     # payload (200,000 tensors). The names go into one buffer while the model lives (the conversion's
     # peak): a str object each only once the model is gone.
     ext_index, ext_fold, ext_names, name_ends = array("q"), bytearray(), bytearray(), array("q")
-    for p in iter_plan(refs, sites, folded, shape_tensor_names(model), options):
+    for p in iter_plan(refs, sites, folded, shape_tensor_names(model), options, folds.layouts):
         if p.fold or (p.ref.typed and not options.keep_packed):
             report.unpacked += 1
             report.unpacked_bytes_in += p.ref.nbytes_in
@@ -292,7 +304,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions, cpu_unpack: CpuUn
     for i, (index, fold) in enumerate(zip(ext_index, ext_fold)):
         name = ext_names[name_ends[i - 1] if i else 0 : name_ends[i]].decode()
         data_type = refs.data_types[index]
-        dims = refs.dims(index)
+        dims = folds.dims.get(index) or refs.dims(index)
         key = (data_type, fold, dims)
         facts = shared.get(key)
         if facts is None:  # payloads of one type and shape share their dtype, shape and size objects
@@ -300,7 +312,8 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions, cpu_unpack: CpuUn
             facts = shared[key] = (dtypes.NAMES.get(dtypes.FLOAT if fold else data_type, "uint8"), dims, nbytes)
         dtype, dims, nbytes = facts
         position[index] = i
-        payloads.append(_Payload(PlannedTensor(name, dtype, dims, nbytes), refs, index, bool(fold)))
+        tensor = PlannedTensor(name, dtype, dims, nbytes)
+        payloads.append(_Payload(tensor, refs, index, bool(fold), folds.layouts.get(index)))
     del shared
     del ext_index, ext_fold, ext_names, name_ends
 

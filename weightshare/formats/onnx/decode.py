@@ -8,8 +8,10 @@ What a decoder needs is read from the model itself, then from the configs export
   hidden_size) or optimum's / transformers' ``config.json`` (num_attention_heads / n_head / num_heads,
   num_key_value_heads, head_dim / d_kv, hidden_size / n_embd / d_model);
 - the hidden size of an input such as ``encoder_hidden_states`` from the weight of the MatMul that consumes it;
-- the exclusive bound of every index input: token ids below the embedding's rows (Gather, EmbedLayerNormalization,
-  else the logits' width), segment ids below the segment embedding's rows, position ids below the rotary cache's.
+- the exclusive bound of every integer input that reaches an index (``indices.py``: through casts, reshapes and
+  offsets): token ids below the embedding's rows (Gather, GatherBlockQuantized, EmbedLayerNormalization, a
+  DequantizeLinear's rows; else the logits' width), segment ids below the segment embedding's rows, position ids
+  below the rotary cache's.
 
 A decode loop runs a prefill step (self-attention past length 0, ``use_cache_branch`` false) and then feeds every
 ``present*`` output back as the matching ``past*`` input, one token at a time, the next token being the argmax of
@@ -30,13 +32,6 @@ from ..._runtimes.ort import ORT_TYPES
 if TYPE_CHECKING:
     import onnx
 
-# op type -> [(position of an index input, position of the tensor it indexes, axis)]
-_INDEXING: dict[str, list[tuple[int, int, int]]] = {
-    "Gather": [(1, 0, -1)],  # -1: the node's own axis attribute
-    "GatherElements": [(1, 0, -1)],
-    "EmbedLayerNormalization": [(0, 2, 0), (1, 4, 0), (8, 3, 0)],  # input_ids, segment_ids, position_ids
-    "RotaryEmbedding": [(1, 2, 0)],  # position_ids index cos_cache's rows
-}
 _ATTENTION = {"GroupQueryAttention", "MultiHeadAttention", "Attention", "DecoderMaskedMultiHeadAttention"}
 # ops whose output has the last dim of their first input (what a projection's width passes through)
 _SAME_WIDTH = {"Add", "Mul", "RotaryEmbedding", "Cast", "Identity", "Relu", "Gelu", "FastGelu", "Sub", "Div"}
@@ -66,6 +61,9 @@ class ModelFacts:
     mel_bins: int | None = None  # num_mel_bins (Whisper's input_features [batch, mel bins, frames])
     frames: int | None = None  # 2 * max_source_positions (Whisper's encoder takes exactly that many frames)
     capped: list[str] = field(default_factory=list)  # config sizes ignored for being above their cap
+    # GroupQueryAttention's local_window_size (sliding-window attention): a window-sized KV cache
+    # (``sliding_window_cache``, genai's Gemma2) refuses a past shorter than the window
+    window: int = 0
 
 
 def _graphs(graph: onnx.GraphProto) -> list[onnx.GraphProto]:
@@ -180,6 +178,8 @@ def read_facts(path: Path) -> ModelFacts:
         for node in g.node:
             if node.domain not in ("", "ai.onnx", "com.microsoft") or node.op_type not in _ATTENTION:
                 continue
+            if node.op_type == "GroupQueryAttention":
+                facts.window = max(facts.window, _attr(node, "local_window_size") or 0)
             heads = _attr(node, "num_heads")
             if not heads:
                 continue
@@ -204,19 +204,10 @@ def read_facts(path: Path) -> ModelFacts:
                 w = shapes[node.input[1]]
                 if w and len(w) == 2 and w[0]:
                     facts.hidden_of[name] = w[0]
-            for index, data, axis in _INDEXING.get(node.op_type, []):
-                if i != index or len(node.input) <= data or not node.input[data]:
-                    continue
-                table = shapes.get(node.input[data])
-                ax = (_attr(node, "axis") or 0) if axis < 0 else axis
-                size = table[ax] if table and -len(table) <= ax < len(table) else None
-                old = facts.bounds.get(name, size)
-                facts.bounds[name] = None if old is None or size is None else min(old, size)
-    from ..._runtimes.ort import index_bounds
+    from .indices import index_bounds
 
-    for name, size in index_bounds(str(path)).items():  # GatherND, Scatter*: the main graph's direct uses
-        old = facts.bounds.get(name, size)
-        facts.bounds[name] = None if old is None or size is None else min(old, size)
+    # every integer input that reaches an index, directly or through casts, reshapes, offsets (indices.py)
+    facts.bounds = index_bounds(inferred)
     for name, bound in facts.bounds.items():
         if "input_ids" in name.lower() and bound:
             facts.vocab = bound
@@ -409,6 +400,8 @@ def session_feeds(
     known, missing = derived_dims(inputs, facts, dims, given)
     merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in inputs)
     p = plan(inputs, [o.name for o in session.get_outputs()])
+    window = window_pasts(p, facts, known, dims)
+    notes += [window] if window else []
     run_dims = run_lengths(p, known, past_zero=merged)
     from ..._runtimes.ort import dim_value
 
@@ -561,6 +554,24 @@ def plan(inputs: list[Any], output_names: list[str]) -> DecodePlan:
             if isinstance(d, str) and _NAME.match(d) and d not in seq_dims | past_dims:
                 total_dims.add(d)
     return DecodePlan(ids.name if ids is not None else None, logits, back, past_dims, seq_dims, total_dims)
+
+
+def window_pasts(p: DecodePlan, facts: ModelFacts, dims: dict[str, int], given: dict[str, int]) -> str:
+    """Past lengths of at least the sliding window in ``dims`` (those the user did not give, ``given``): ORT's
+    GroupQueryAttention with a window-sized cache refuses a shorter past ("KV cache capacity (1) must be at least
+    local_window_size (512)", onnxruntime 1.32), and a past as long as the window is what exercises it. A note
+    saying so, or ""."""
+    from ..._runtimes.ort import dim_value
+
+    raised = [d for d in sorted(p.past_dims) if d not in given and dim_value(d, dims) < facts.window]
+    for d in raised:
+        dims[d] = facts.window
+    if not raised:
+        return ""
+    return (
+        f"past lengths {', '.join(raised)} at {facts.window}: GroupQueryAttention's local_window_size "
+        "(sliding-window attention needs a past of at least its window)"
+    )
 
 
 def run_lengths(p: DecodePlan, dims: dict[str, int], past_zero: bool) -> dict[str, int]:

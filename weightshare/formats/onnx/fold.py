@@ -132,7 +132,7 @@ class _ScopeIndex:
         return casts
 
 
-def _protected_names(model: pb.ModelProto) -> set[str]:
+def protected_names(model: pb.ModelProto) -> set[str]:
     """Names a fold must not rename or retype: training bindings and what training graphs read from the model
     graph (they refer to its initializers by name), and quantization annotations."""
     names: set[str] = set()
@@ -164,7 +164,7 @@ def fold_fp16_casts(
     ``keeps_bits(site)`` says whether converting the payload gives the bits ORT's own Cast gives
     (False for an fp16 payload holding a signalling NaN); asked only for sites that could fold.
     """
-    protected = _protected_names(model)
+    protected = protected_names(model)
     by_scope: dict[int, list[Site]] = {}
     scopes: dict[int, pb.GraphProto | pb.FunctionProto] = {}
     # A SiteMap iterates in index order and makes an initializer's Site only when asked: one at a time here

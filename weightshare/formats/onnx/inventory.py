@@ -137,7 +137,8 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     pristine.CopyFrom(model)  # the probe needs the graph before the fold below rewrites it
     folded, _ = fold_fp16_casts(model, sites)  # on this private copy: tells which Casts ORT would fold per session
     inv.notes += inventory_notes(pristine, refs, folded, path)
-    placements = plan(refs, sites, folded, shape_tensor_names(model), ConvertOptions())
+    shapes = shape_tensor_names(model)
+    placements = plan(refs, sites, folded, shapes, ConvertOptions())
     external_files = set()
     inv.settings = [ORT_SHARE, ORT_DEFAULT]
     uses_by_scope: dict[int, dict[str, list[tuple[pb.NodeProto, int]]]] = {}
@@ -186,6 +187,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
             info.copies = {ORT_SHARE: info.copied_per_session, ORT_DEFAULT: info.copied_per_session + default_only}
         info.would_move = p.external and (ref.field != 0 or p.fold)
         info.stays_inline_because = p.reason
+        info.used_as_shape = info.name in shapes
         if hash_payloads and not info.problem:
             to_hash.append((info, ref.parts[0] if len(ref.parts) == 1 else ref.native_source()))
         inv.payloads.append(info)

@@ -160,7 +160,7 @@ def _run_both(
     report: VerifyReport, a: Any, original: Path, converted: Path, opts: dict[str, Any], share: bool, prefix: str
 ) -> None:
     from ..._runtimes.ort import dim_value, new_session
-    from .decode import derived_dims, encoder_states, make_feeds, plan, read_facts, run_lengths
+    from .decode import derived_dims, encoder_states, make_feeds, plan, read_facts, run_lengths, window_pasts
 
     try:
         b = new_session(str(converted), share=share, log_level=4)
@@ -183,29 +183,44 @@ def _run_both(
     dims, missing = derived_dims(a.get_inputs(), facts, opts["dims"], opts["inputs"])
     merged = any("use_cache" in i.name.lower() and i.type == "tensor(bool)" for i in a.get_inputs())
     p = plan(a.get_inputs(), names_a)
+    window = window_pasts(p, facts, dims, opts["dims"])
+    if window:
+        report.notes.append(f"{prefix}{window}")
     variants, unit = _variants(a, p, dims, opts), 0
     if any(variants):
         report.notes.append(f"{prefix}symbolic dims exercised: {describe(variants[: opts['runs']])} (verify_dims)")
+    report.planned_runs += opts["runs"]
     for r in range(opts["runs"]):  # the default 3 runs cover every variant
         # use_cache_branch (merged decoders) alternates: run 0 takes the prefill branch (no past: the mask is as
         # long as the new tokens), run 1 the cache branch
         use_cache = r % 2 == 1
         variant = fit(variants[r % len(variants)], a.get_inputs(), a.get_outputs(), dims, unit)
         if variant is None:
-            report.notes.append(f"{prefix}run {r} skipped: {variants[r % len(variants)]} over the memory budget")
+            report.skipped.append(f"{prefix}run {r}{_at(variants[r % len(variants)])} not run: over the memory budget")
             continue
         grown = _max_rss()
-        run_dims = run_lengths(p, {**dims, **variant}, past_zero=merged and not use_cache)
-        past = max((dim_value(d, run_dims) for d in p.past_dims), default=0)
-        feeds = make_feeds(a.get_inputs(), facts, run_dims, opts["inputs"], opts["seed"] + r, use_cache, missing, past)
-        try:
-            outs_a = _run_original(a, feeds, original)
-        except OriginalFails as e:
-            if r % len(variants) == 0:  # at the sizes the user asked for (or 1): the inputs are the problem
-                raise
-            # dims verify chose itself: a model whose dims must agree in ways their names do not say
-            report.notes.append(f"{prefix}run {r} skipped: the original does not run with {variant} ({e})")
+        # dims verify chose itself may disagree in ways their names do not say: the original refusing them, the
+        # run is tried once more with only the batch dims grown (GroupQueryAttention takes no batch > 1 with a
+        # sequence and a past: batch 8 runs as 8 decode steps' rows), else it is skipped, and the verdict says so
+        outs_a, refused = None, ""
+        for tried in dict.fromkeys((tuple(variant.items()), _batch_only(variant, a.get_inputs()))):
+            run_dims = run_lengths(p, {**dims, **dict(tried)}, past_zero=merged and not use_cache)
+            past = max((dim_value(d, run_dims) for d in p.past_dims), default=0)
+            feeds = make_feeds(
+                a.get_inputs(), facts, run_dims, opts["inputs"], opts["seed"] + r, use_cache, missing, past
+            )
+            try:
+                outs_a = _run_original(a, feeds, original)
+                break
+            except OriginalFails as e:
+                if r % len(variants) == 0:  # at the sizes the user asked for (or 1): the inputs are the problem
+                    raise
+                refused = refused or _runtime_refusal(e.message)
+        if outs_a is None:
+            report.skipped.append(f"{prefix}run {r}{_at(variant)} not run: {refused}")
             continue
+        if dict(tried) != variant:
+            report.notes.append(f"{prefix}run {r}{_at(dict(tried))} instead ({_at(variant).strip()}: {refused})")
         try:
             outs_b = dict(zip(names_b, b.run(None, feeds)))
         except Exception as e:  # noqa: BLE001
@@ -217,6 +232,29 @@ def _run_both(
             unit = max(_max_rss() - grown, 0)
     if opts.get("decode_steps", 0) and len(report.mismatches) == before:
         _decode(report, a, b, original, opts, prefix, facts, dims, missing)
+
+
+def _batch_only(variant: dict[str, int], inputs: list[Any]) -> tuple[tuple[str, int], ...]:
+    """``variant`` with every dim but the batch dims (first axes of inputs) back at 1."""
+    batch = {i.shape[0] for i in inputs if i.shape and isinstance(i.shape[0], str)}
+    return tuple((d, n if d in batch else 1) for d, n in variant.items())
+
+
+def _at(variant: dict[str, int]) -> str:
+    """' at batch_size=8, sequence_length=8': the dims a skipped run would have had."""
+    return " at " + ", ".join(f"{d}={n}" for d, n in variant.items()) if variant else ""
+
+
+def _runtime_refusal(message: str) -> str:
+    """What onnxruntime said, without its status codes and verify's hint: "the original fails in
+    GroupQueryAttention 'layers.0.attn.gqa': batch_size must be 1 when ..."."""
+    import re
+
+    text = message.removesuffix(f" ({_HINT})")
+    found = re.search(r"running (\S+) node\. Name:'([^']*)' Status Message: (.*)", text)
+    if found:
+        return f"the original fails in {found[1]} {found[2]!r}: {found[3].rstrip('. ')}"
+    return re.sub(r"\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
 
 
 def _variants(a: Any, p: Any, dims: dict[str, int], opts: dict[str, Any]) -> list[dict[str, int]]:
@@ -235,10 +273,15 @@ def _max_rss() -> int:
 
 
 def _run_original(a: Any, feeds: dict[str, Any], original: Path) -> list[Any]:
+    import re
+
     try:
         return list(a.run(None, feeds))
     except Exception as e:  # noqa: BLE001
-        raise OriginalFails(f"the original model fails in onnxruntime: {first_line(e)} ({_HINT})", original) from None
+        # ORT's source location and C++ signature come before what it says: keep what it says
+        said = re.sub(r"/onnxruntime_src/\S+:\d+ [^(]*\([^)]*\)[^ ]* ", "", str(e))
+        why = first_line(RuntimeError(said))
+        raise OriginalFails(f"the original model fails in onnxruntime: {why} ({_HINT})", original) from None
 
 
 def _decode(
@@ -281,7 +324,7 @@ def _decode(
             f"fixed length ({static[0]}), so there is nothing to decode (verify it without --decode-steps)"
         )
     seq = static[0] if static else seq
-    past = next((opts["dims"][d] for d in p.past_dims if d in opts["dims"]), 0)
+    past = next((opts["dims"][d] for d in p.past_dims if d in opts["dims"]), facts.window)
     rng = np.random.default_rng(opts["seed"])
     feeds = make_feeds(inputs, facts, step_dims(p, dims, past, seq), given, opts["seed"], False, missing, past)
     grown = ("attention_mask", "position", "seqlens_k", "total_sequence_length", "use_cache")
