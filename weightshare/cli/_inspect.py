@@ -7,7 +7,19 @@ from pathlib import Path
 
 import typer
 
-from ._app import FORMAT_HELP, app, dim_args, dim_option, examples, input_args, input_option, output_format, user_errors
+from ._app import (
+    FORMAT_HELP,
+    app,
+    child_memory_option,
+    dim_args,
+    dim_option,
+    examples,
+    input_args,
+    input_option,
+    output_format,
+    set_child_memory,
+    user_errors,
+)
 from ._options import shared_option
 from ._render import VERBOSITY, err, github, info, measuring, quiet, render_findings, render_inventory
 
@@ -22,6 +34,7 @@ def inspect(
         False, "--no-measure", help="Static per-session estimate only (do not ask onnxruntime in child processes)."
     ),
     format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
+    child_memory: int | None = child_memory_option(),
 ) -> None:
     """Show every weight payload: where it lives, encoding, alignment, duplicates, per-session copies.
 
@@ -34,6 +47,7 @@ def inspect(
     from .._dispatch import inventory
 
     how = output_format(as_json, format_)
+    set_child_memory(child_memory)
     with user_errors(), measuring(not no_measure, f"inspect: measuring {model.name} in runtime child processes"):
         inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
         findings = findings_for(inv)
@@ -89,6 +103,7 @@ def check(
     dim: list[str] = dim_option("For the measuring runs: "),
     inputs: list[str] = input_option("For the measuring runs: "),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
+    child_memory: int | None = child_memory_option(),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
 
@@ -103,6 +118,7 @@ def check(
     from .._inventory import MeasureInputs
 
     quiet(quiet_)
+    set_child_memory(child_memory)
     how = output_format(as_json, format_, ("text", "json", "github", "sarif"))
     with user_errors():
         feeds = MeasureInputs(tuple(dim_args(dim).items()), tuple(input_args(inputs).items()))

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..._tensors import FileRange, PayloadSource
 from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line
-from ...errors import UsageError
+from ...errors import UsageError, WeightshareError
 from ...options import ConvertOptions
 from .inventory import inventory_file
 from .unpack import ORT_CPU
@@ -92,6 +92,17 @@ def _portable_of(converted: Path) -> Path | None:
     twin = twins.get(converted.name) if isinstance(twins, dict) else None
     name = str(twin or found[0].get("portable_model", ""))
     return converted.parent / name if name and "/" not in name and "\\" not in name else None
+
+
+def mapped(path: Path) -> int:
+    """Bytes the runtime maps of the model at ``path``: its file and the data files it references."""
+    from ..._runtimes.bound import mapped_bytes
+
+    try:
+        files = inventory_file(path, hash_payloads=False).external_files
+    except (WeightshareError, OSError):
+        files = []
+    return mapped_bytes(path, files)
 
 
 def verify_in_runtime(
