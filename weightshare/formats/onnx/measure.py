@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,8 +119,8 @@ def probe(
         try:
             s = new_session(model_path, share=share, log_level=4, arena=arena)
         except Exception as e:  # noqa: BLE001 -- any refusal is the answer
-            text = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            return {"oom": text} if is_oom(str(e)) else {"error": text}
+            text = " ".join(str(e).split())[:1000] or type(e).__name__
+            return {"oom": text[:300]} if is_oom(text) else {"error": text}
         if feeds is None and ran:
             unknown = sorted(set(given) - {i.name for i in s.get_inputs()})
             if unknown:  # what the user gave does not fit the model: a usage error (exit 2), as in verify
@@ -277,11 +278,23 @@ def measure_copies(
         Finding.of(
             Code.RUNTIME_REFUSES_MODEL,
             str(path),
-            f"onnxruntime {_ort_version()} (CPU) refuses to load the model under {', '.join(settings)}: {why}",
+            f"onnxruntime {_ort_version()} (CPU) refuses to load the model under {', '.join(settings)}: {_reason(why)}",
         )
         for why, settings in refusals.items()
     ]
     return out, one, notes, activation, findings
+
+
+# What onnxruntime wraps a load error in: its status prefix, "Load model from PATH failed:", a C++ source location
+# with the function's signature. The reason follows.
+_ORT_WRAPPING = re.compile(
+    r"^\[ONNXRuntimeError\] : \d+ : \w+ : (?:Load model from .*? failed:)?(?:\s*/\S+:\d+ [^()]*\([^)]*\)(?: const)? )?"
+)
+
+
+def _reason(error: str) -> str:
+    """onnxruntime's load error without its wrapping, at most 300 characters."""
+    return _ORT_WRAPPING.sub("", error).strip()[:300] or error[:300]
 
 
 def _ort_version() -> str:
