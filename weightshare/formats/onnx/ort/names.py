@@ -1,0 +1,59 @@
+"""What weightshare assumes of the names ONNX Runtime gives what it makes: one place, each with the version it was
+checked on, and how a rule keyed on it fails closed when an ORT release names things otherwise.
+
+ORT's transformers name the nodes and initializers they add; those names are ORT's private business and may change
+in any release. Where a rule can decide by the graph's structure it does (op types, domains, wiring: the pair check's
+node-for-node fingerprints in ``segments``, the fusion deltas of ``cpu.rounding_change``); where it reads a name, the
+name is here and the rule refuses what it does not recognise rather than decide otherwise.
+
+Each name: what ORT emits it for; which rule reads it; the ORT release it was checked on; what happens when an
+ORT names it otherwise.
+
+- ``INSERTED_CAST`` (``InsertedPrecisionFreeCast_``): the ``Cast`` nodes InsertCastTransformer puts around
+  fp16/bf16 ops without a CPU kernel. Read by ``cpu`` (which Casts ORT inserts per session: ``--unpack ort-cpu``,
+  inspect's note), ``segments`` (a cut through an fp32 run) and ``prepack`` (a report line). Checked on 1.32.0.
+  Otherwise: a named Cast ORT added under another name refuses ``--unpack ort-cpu`` and the probe
+  (``cpu.unrecognised_casts``: exit 2, one line); in ``segments`` the splice is not made, the pair check fails and
+  the graph is optimized in one piece (the same model, more memory; not covered by a rename test).
+- (no name): the nodes of a function body ORT expands for want of a kernel are unnamed. Read by
+  ``cpu.adopt_inserted_casts`` (copied in as ORT's nodes). Checked on 1.32.0. Otherwise: a named Cast among them is
+  an unrecognised Cast (above); other ops are adopted as they are.
+- ``FUSED_BACK`` (``FusedBack_<Fusion>_``): the fp16 constants a fusion computed (Conv+BatchNormalization folded in
+  fp16, then cast). Read by ``cpu.fp16_folded``, for the message only. Checked on 1.32.0. The rule is structural:
+  any fp16/bf16 initializer of the optimized graph under a name the graph given to ORT does not have (ORT
+  computed it) refuses ``--unpack ort-cpu``, whatever ORT calls it.
+- ``.../MatMulScaleFusion/...`` in a node's name: the node a fusion made. Read by ``cpu.rounding_change`` for the
+  message. Checked on 1.32.0. Which repair ``unfuse`` tries is structural (``cpu._scale_fusion``: a
+  ``com.microsoft.FusedMatMul`` where the original has a ``MatMul`` and a ``Mul``/``Div``, nothing else changed);
+  another name changes the message only, and any other fusion is refused.
+- ``PREPACKED_ENTRY`` (``prepacked_``): the external-data keys of the packed copies
+  ``session.save_external_prepacked_constant_initializers`` writes. Read by ``child`` (its own literal: it runs
+  in the optimizer child) and ``prepack``. Checked on 1.32.0. Not covered by a rename test yet (read in the
+  optimizer child, past ``saved_hook``); the loader's probe re-checks a packed blob against the ORT that opens it
+  (``probe``, ``verdict``).
+
+``saved_hook``: applied to every model ORT saved before the ``cpu`` rules read it (the probe, the rounding check's
+optimized graphs). Tests set it to rename what ORT emits and show the rules refuse; it is None otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .._proto import pb
+
+__all__ = ["CHECKED_ON", "FUSED_BACK", "INSERTED_CAST", "PREPACKED_ENTRY", "saved_hook"]
+
+CHECKED_ON = "1.32.0"  # the onnxruntime release every name below was read from (its saved graphs)
+INSERTED_CAST = "InsertedPrecisionFreeCast_"
+FUSED_BACK = "FusedBack_"
+PREPACKED_ENTRY = "prepacked_"
+
+saved_hook: Callable[[pb.ModelProto], None] | None = None
+
+
+def apply_saved_hook(model: pb.ModelProto) -> None:
+    if saved_hook is not None:
+        saved_hook(model)
