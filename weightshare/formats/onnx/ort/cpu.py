@@ -38,7 +38,7 @@ from ..graph import collect_sites, subgraphs
 from ..scan import REF_KEY, TensorRef
 from .fold_bound import check_constant_folding
 from .limits import ChildLimits, limits_for
-from .names import CHECKED_ON, FUSED_BACK, INSERTED_CAST, apply_saved_hook
+from .names import CHECKED_ON, FUSED_BACK, INLINED_FUNCTION, INSERTED_CAST, KNOWN_COMPUTED, apply_saved_hook
 
 PREFIX = INSERTED_CAST  # the names ORT gives what it makes, with the version they were checked on: ``names``
 TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's node>"
@@ -624,18 +624,30 @@ def fp16_folded(original: pb.GraphProto, given: set[str]) -> str | None:
     """A fusion that computed new constants from the original's fp16 ones (Conv+BatchNormalization: the folded
     weight and bias, in fp16, then cast). With the Casts in the file the same fusion computes them in fp32, and the
     op counts are equal while the numbers are not (0.002 on a Conv+BN model), so such a graph is refused too.
-    Told by structure: an fp16/bf16 initializer of the optimized graph under a name the graph ORT was given
-    (``given``: its inputs, initializers and node outputs) does not have, which ORT computed; ORT 1.32 names
-    them ``FusedBack_<fusion>_...`` (``names.FUSED_BACK``), which only names the fusion in the message."""
-    half = (dtypes.FLOAT16, dtypes.BFLOAT16)
+
+    Which initializers of the optimized graph ORT computed is structural: those under a name the graph ORT was
+    given (``given``: its inputs, initializers and node outputs) does not have. What ORT computed them from is
+    only in their names (``names``): ``FusedBack_X`` is the Cast of X folded, harmless where X is a tensor of the
+    given graph (or of a function body ORT inlined), a fusion's fp16 product otherwise (``FusedBack_ConvBnFusion_...``);
+    NCHWc reorders and inlined functions' constants keep their own prefixes. A floating-point tensor ORT computed
+    under any other name is refused: an ORT that names them otherwise cannot be told apart from a fusion."""
+    floating = (dtypes.FLOAT, dtypes.FLOAT16, dtypes.BFLOAT16, dtypes.DOUBLE)
     for t in original.initializer:
-        if t.data_type in half and t.name not in given:
-            named = t.name.startswith(FUSED_BACK) and "Fusion" in t.name
-            fusion = next((p for p in t.name.split("_") if p.endswith("Fusion")), "a fusion") if named else "a fusion"
+        if t.name in given or t.data_type not in floating or t.name.startswith(KNOWN_COMPUTED):
+            continue
+        rest = t.name.removeprefix(FUSED_BACK) if t.name.startswith(FUSED_BACK) else None
+        if rest is not None and (rest in given or rest.startswith(INLINED_FUNCTION)):
+            continue  # a Cast of a constant the graph had, folded
+        if rest is not None and "Fusion" in rest:
+            fusion = next((p for p in rest.split("_") if p.endswith("Fusion")), "a fusion")
             return (
-                f"{fusion} folds its constants in fp32 where it folded them in fp16 in the original, e.g. "
-                f"{t.name.removeprefix(FUSED_BACK)[:60]}"
+                f"{fusion} folds its constants in fp32 where it folded them in fp16 in the original, e.g. {rest[:60]}"
             )
+        return (
+            f"onnxruntime computed a constant of the original under a name weightshare does not know ({t.name[:60]!r};"
+            f" names checked on onnxruntime {CHECKED_ON}, ort/names.py), so whether a fusion folded it in fp16 cannot "
+            "be told"
+        )
     return None
 
 

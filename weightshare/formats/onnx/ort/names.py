@@ -18,10 +18,14 @@ ORT names it otherwise.
 - (no name): the nodes of a function body ORT expands for want of a kernel are unnamed. Read by
   ``cpu.adopt_inserted_casts`` (copied in as ORT's nodes). Checked on 1.32.0. Otherwise: a named Cast among them is
   an unrecognised Cast (above); other ops are adopted as they are.
-- ``FUSED_BACK`` (``FusedBack_<Fusion>_``): the fp16 constants a fusion computed (Conv+BatchNormalization folded in
-  fp16, then cast). Read by ``cpu.fp16_folded``, for the message only. Checked on 1.32.0. The rule is structural:
-  any fp16/bf16 initializer of the optimized graph under a name the graph given to ORT does not have (ORT
-  computed it) refuses ``--unpack ort-cpu``, whatever ORT calls it.
+- ``FUSED_BACK`` (``FusedBack_``): FuseInitializersTransformer's fp32 initializers: ``FusedBack_X`` is
+  ``Cast(X)`` folded, X a constant of the graph ORT was given (or of a function body it inlined:
+  ``INLINED_FUNCTION``, ``_inlfunc_``), or a fusion's product computed in fp16 and cast back
+  (``FusedBack_ConvBnFusion_BN_B_b0``). ``KNOWN_COMPUTED``: the other prefixes of floating-point tensors ORT
+  computes in the fp16 forms tested (NCHWc's ``reorder``, ``_inlfunc_``). Read by ``cpu.fp16_folded``. Checked on
+  1.32.0. Which initializers ORT computed is structural (a name the given graph does not have); what from, only
+  the name says, so a floating-point tensor ORT computed under a name matching none of these refuses
+  ``--unpack ort-cpu`` (exit 2, one line): a renamed ``FusedBack_`` cannot pass as a harmless one.
 - ``.../MatMulScaleFusion/...`` in a node's name: the node a fusion made. Read by ``cpu.rounding_change`` for the
   message. Checked on 1.32.0. Which repair ``unfuse`` tries is structural (``cpu._scale_fusion``: a
   ``com.microsoft.FusedMatMul`` where the original has a ``MatMul`` and a ``Mul``/``Div``, nothing else changed);
@@ -44,11 +48,21 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .._proto import pb
 
-__all__ = ["CHECKED_ON", "FUSED_BACK", "INSERTED_CAST", "PREPACKED_ENTRY", "saved_hook"]
+__all__ = [
+    "CHECKED_ON",
+    "FUSED_BACK",
+    "INLINED_FUNCTION",
+    "INSERTED_CAST",
+    "KNOWN_COMPUTED",
+    "PREPACKED_ENTRY",
+    "saved_hook",
+]
 
 CHECKED_ON = "1.32.0"  # the onnxruntime release every name below was read from (its saved graphs)
 INSERTED_CAST = "InsertedPrecisionFreeCast_"
 FUSED_BACK = "FusedBack_"
+INLINED_FUNCTION = "_inlfunc_"
+KNOWN_COMPUTED = ("reorder", INLINED_FUNCTION)
 PREPACKED_ENTRY = "prepacked_"
 
 saved_hook: Callable[[pb.ModelProto], None] | None = None

@@ -1,0 +1,116 @@
+"""The rules keyed on names ONNX Runtime emits fail closed when an ORT release names things otherwise.
+
+Before: fp16 models built here (an fp16 transformer whose attention scale ORT would fuse, an fp16
+Conv+BatchNormalization chain), converted with ``--unpack ort-cpu``, whose rules read ORT's saved graphs.
+Under test: ``ort/names.py``'s list of assumed names and its ``saved_hook``, the seam where every graph ORT saved
+is read back: the tests rename there what ORT 1.32 emits (``InsertedPrecisionFreeCast_*`` Casts,
+``FusedBack_*`` initializers, ``.../MatMulScaleFusion/...`` nodes), as a release that renamed them would.
+After: a renamed inserted Cast refuses the conversion in one line, nothing written; the fusion rules, now
+structural, decide as they do with ORT's own names (the Conv+BN model refused, the scale fusion repaired and
+bit-exact).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import model_forms as mf
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper as nh
+from test_ort_cpu_rounding import _conv_bn_fp16, _outputs_equal
+
+import weightshare
+from weightshare.errors import Unsupported
+from weightshare.formats.onnx.ort import names
+
+pytestmark = pytest.mark.slow  # ORT children per conversion
+
+
+def _renaming(match: str, new: str, nodes: bool = True, initializers: bool = False):
+    """A ``saved_hook`` renaming every node (and/or initializer, with its readers) whose name contains ``match``."""
+    seen: list[int] = []
+
+    def hook(model) -> None:
+        g = model.graph
+        renamed: dict[str, str] = {}
+        if initializers:
+            for t in g.initializer:
+                if match in t.name:
+                    renamed[t.name] = t.name.replace(match, new)
+                    t.name = renamed[t.name]
+            for n in g.node:
+                n.input[:] = [renamed.get(i, i) for i in n.input]
+        if nodes:
+            for n in g.node:
+                if match in n.name:
+                    n.name = n.name.replace(match, new)
+                    renamed[n.name] = n.name
+        seen.append(len(renamed))
+
+    hook.seen = seen  # type: ignore[attr-defined]
+    return hook
+
+
+def _nothing_written(out: Path) -> bool:
+    return not out.exists() or not any(out.iterdir())
+
+
+def test_names_are_listed_with_the_version_checked():
+    import onnxruntime
+
+    assert names.CHECKED_ON == "1.32.0"
+    assert names.INSERTED_CAST == "InsertedPrecisionFreeCast_" and names.FUSED_BACK == "FusedBack_"
+    assert onnxruntime.__version__ == names.CHECKED_ON  # the suite runs the release the names were read from
+
+
+def test_inserted_casts_named_otherwise_refuse_the_conversion(tmp_path, monkeypatch):
+    src = mf.fp16_transformer(tmp_path / "src" / "model.onnx", mib=1)
+    weightshare.convert(src, tmp_path / "as_is", unpack=["ort-cpu"])  # with ORT's own names: converted
+    hook = _renaming(names.INSERTED_CAST, "PrecisionCast_")
+    monkeypatch.setattr(names, "saved_hook", hook)
+    with pytest.raises(Unsupported) as e:
+        weightshare.convert(src, tmp_path / "out", unpack=["ort-cpu"])
+    assert hook.seen and hook.seen[0] > 0  # the probe's Casts were renamed
+    line = e.value.line()
+    assert "\n" not in line and "PrecisionCast_" in line and names.CHECKED_ON in line
+    assert _nothing_written(tmp_path / "out")
+
+
+def test_inserted_casts_named_otherwise_are_a_note_in_inspect(tmp_path, monkeypatch):
+    from weightshare._dispatch import inventory
+
+    src = mf.fp16_transformer(tmp_path / "src" / "model.onnx", mib=1)
+    monkeypatch.setattr(names, "saved_hook", _renaming(names.INSERTED_CAST, "PrecisionCast_"))
+    inv = inventory(src, hash_payloads=False)
+    assert any("PrecisionCast_" in n for n in inv.notes), inv.notes
+
+
+def test_fp16_constants_of_a_fusion_refused_under_any_name(tmp_path, monkeypatch):
+    """Conv+BatchNormalization folded in fp16: refused whether ORT names the folded constants FusedBack_* or not."""
+    src = _conv_bn_fp16(tmp_path / "src" / "m.onnx")
+    hook = _renaming(names.FUSED_BACK, "Folded_", nodes=False, initializers=True)
+    monkeypatch.setattr(names, "saved_hook", hook)
+    with pytest.raises(Unsupported) as e:
+        weightshare.convert(src, tmp_path / "out", unpack=["ort-cpu"])
+    assert any(hook.seen)  # ORT's FusedBack_ initializers were renamed before the rule read them
+    assert "\n" not in str(e.value) and "folds its constants in fp32" in str(e.value)
+    assert _nothing_written(tmp_path / "out")
+
+
+def test_scale_fusion_under_another_name_is_still_repaired(tmp_path, monkeypatch, cli):
+    """x / 7 fused by ORT into FusedMatMul(alpha=1/7) once the Casts are in the file: the repair (``unfuse``)
+    is chosen by what the fusion made, not by ORT's node name, so a renamed fusion is repaired alike."""
+    src = mf.build("fp16", tmp_path / "src" / "model.onnx", mib=2)
+    model = onnx.load(str(src))
+    for t in model.graph.initializer:
+        if t.name == "scale":
+            t.CopyFrom(nh.from_array(np.array(7.0, np.float16), "scale"))
+    onnx.save(model, str(src))
+    hook = _renaming("MatMulScaleFusion", "ScaleIntoMatMul")
+    monkeypatch.setattr(names, "saved_hook", hook)
+    report = weightshare.convert(src, tmp_path / "out", unpack=["ort-cpu"])
+    assert any(hook.seen)  # the fusion's nodes were renamed in the check's graphs
+    assert any("Expand(scalar, Shape(x))" in n for n in report.notes), report.notes
+    _outputs_equal(src, tmp_path / "out" / "model.onnx")
