@@ -88,6 +88,7 @@ def test_check_measures_the_expand_model_within_the_bound(tmp_path):
     assert peak <= limit, f"peak {peak >> 20} MiB over the bound {limit >> 20} MiB"
 
 
+@pytest.mark.slow
 def test_inspect_over_a_given_bound_is_one_line(tmp_path):
     model = _expand_bomb(tmp_path / "expand.onnx")
     code, out, peak = _run_tree("inspect", model, "--child-memory", "1024")
@@ -99,6 +100,7 @@ def test_inspect_over_a_given_bound_is_one_line(tmp_path):
     assert peak <= 1024 << 20
 
 
+@pytest.mark.slow
 def test_verify_over_the_bound_is_not_verified(tmp_path):
     model = _expand_bomb(tmp_path / "expand.onnx")
     limit = bound.child_memory_bytes(model.stat().st_size)

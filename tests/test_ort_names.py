@@ -88,14 +88,30 @@ def test_inserted_casts_named_otherwise_are_a_note_in_inspect(tmp_path, monkeypa
 
 
 def test_fp16_constants_of_a_fusion_refused_under_any_name(tmp_path, monkeypatch):
-    """Conv+BatchNormalization folded in fp16: refused whether ORT names the folded constants FusedBack_* or not."""
+    """Conv+BatchNormalization folded in fp16: refused whether ORT names the folded constants FusedBack_* or not
+    (renamed, neither the fusion's constants nor the harmless folded Casts can be told apart: all refuse)."""
     src = _conv_bn_fp16(tmp_path / "src" / "m.onnx")
     hook = _renaming(names.FUSED_BACK, "Folded_", nodes=False, initializers=True)
     monkeypatch.setattr(names, "saved_hook", hook)
     with pytest.raises(Unsupported) as e:
         weightshare.convert(src, tmp_path / "out", unpack=["ort-cpu"])
     assert any(hook.seen)  # ORT's FusedBack_ initializers were renamed before the rule read them
-    assert "\n" not in str(e.value) and "folds its constants in fp32" in str(e.value)
+    line = str(e.value)  # the first tensor ORT computed under a name it does not know: refused, not guessed
+    assert "\n" not in line and "--unpack ort-cpu: refused" in line and "'Folded_" in line and "does not know" in line
+    assert _nothing_written(tmp_path / "out")
+
+
+def test_folded_casts_named_otherwise_refuse_a_model_that_converts(tmp_path, monkeypatch):
+    """The fp16 transformer converts with ORT's own names; with ``FusedBack_`` renamed, its folded Casts are
+    tensors ORT computed under names weightshare does not know: refused, nothing written."""
+    src = mf.fp16_transformer(tmp_path / "src" / "model.onnx", mib=1)
+    weightshare.convert(src, tmp_path / "as_is", unpack=["ort-cpu"])
+    hook = _renaming(names.FUSED_BACK, "Folded_", nodes=False, initializers=True)
+    monkeypatch.setattr(names, "saved_hook", hook)
+    with pytest.raises(Unsupported) as e:
+        weightshare.convert(src, tmp_path / "out", unpack=["ort-cpu"])
+    assert any(hook.seen)
+    assert "\n" not in str(e.value) and "'Folded_" in str(e.value)
     assert _nothing_written(tmp_path / "out")
 
 

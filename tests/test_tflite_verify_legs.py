@@ -50,6 +50,19 @@ def test_verify_passes_on_an_lm_without_inputs(lms, sig, conversion):
         assert any("XNNPACK weight cache" in p for p in report.paths)
 
 
+def _runtime_half_here(monkeypatch):
+    """verify runs its runtime half in a bounded child (``_runtimes/memory.verify_bounded``); in this process
+    instead, unbounded, so that what the test patches here is what runs."""
+    import importlib
+
+    import weightshare._runtimes.memory as M
+
+    def here(module, func, report, original, converted, opts, broken, largest):
+        getattr(importlib.import_module(module), func)(report, original, converted, opts, broken)
+
+    monkeypatch.setattr(M, "verify_bounded", here)
+
+
 def test_given_input_is_used_on_every_leg(lms, monkeypatch):
     """--input reaches every leg, the CompiledModel + cache leg included (it used to feed random ints)."""
     import weightshare._runtimes.litert as L
@@ -70,6 +83,7 @@ def test_given_input_is_used_on_every_leg(lms, monkeypatch):
 
     monkeypatch.setattr(L.EntryPoint, "__call__", entry)
     monkeypatch.setattr(L.CompiledEntry, "__call__", compiled)
+    _runtime_half_here(monkeypatch)  # the spies are in this process: verify's runtime half runs here too
     assert verify(src, out, runs=1, inputs={"token_ids": given}).passed
     assert {k for k, _ in seen} == {"Interpreter", "CompiledModel"} and len(seen) == 6  # 3 legs x (A, B)
     assert all(np.array_equal(v, given) for _, v in seen)
