@@ -256,8 +256,10 @@ def packed_bytes(path: Path) -> int | None:
     cache beside a ``--prepack`` output, else one built in a temporary folder; None when it cannot be built."""
     import tempfile
 
+    from ..._runtimes.bound import child_memory
     from ...errors import WeightshareError
     from . import xnnpack_cache
+    from .verify import mapped
 
     for st in xnnpack_cache.cache_status(path):
         if st.matches:
@@ -266,7 +268,7 @@ def packed_bytes(path: Path) -> int | None:
         cache = Path(tmp) / "cache"
         cache.touch()
         try:
-            return xnnpack_cache.build(path, cache).nbytes
+            return xnnpack_cache.build(path, cache, child_memory(mapped(path))).nbytes
         except WeightshareError as e:
             return 0 if "wrote no XNNPACK weight cache" in e.message else None
 
