@@ -170,10 +170,17 @@ with open(sys.argv[1], "rb") as f:
 try:
     result = ("return", getattr(import_module(module), func)(*args))
 except Exception as e:
+    import traceback
     from weightshare.errors import WeightshareError
-    if not isinstance(e, WeightshareError):
-        raise
-    result = ("raise", (type(e), e.message, e.path))
+    if isinstance(e, WeightshareError):
+        result = ("raise", (type(e), e.message, e.path))
+    else:  # a bug: raised again in the parent as itself, this traceback attached
+        try:
+            pickle.loads(pickle.dumps(e))
+            error = e
+        except Exception:
+            error = RuntimeError(f"{type(e).__name__}: {e}")
+        result = ("bug", (error, traceback.format_exc()))
 with open(sys.argv[2], "wb") as f:
     pickle.dump(result, f)
 """
@@ -181,9 +188,10 @@ with open(sys.argv[2], "wb") as f:
 
 def call_in_child(module: str, func: str, args: list[object], memory: ChildMemory, what: str) -> Any:
     """``module.func(*args)`` in a fresh Python process under ``memory``; its return value (pickled: arguments
-    and result may be any picklable value, numpy arrays included). A ``WeightshareError`` it raises is raised here;
-    running into the bound raises ``OverBound`` (``memory.message(what)``), any other failure ``RuntimeError``
-    with the child's last line of error output."""
+    and result may be any picklable value, numpy arrays included). An exception it raises is raised here (a
+    ``WeightshareError`` as itself; another, a bug, with the child's traceback as a note); running into the bound
+    raises ``OverBound`` (``memory.message(what)``); a child that dies otherwise, ``RuntimeError`` with its last
+    line of error output."""
     import os
     import pickle
     import tempfile
@@ -208,6 +216,10 @@ def call_in_child(module: str, func: str, args: list[object], memory: ChildMemor
     if kind == "raise":
         cls, message, path = value
         raise cls(message, path)
+    if kind == "bug":
+        error, trace = value
+        error.add_note(f"raised in a child process ({module}.{func}):\n{trace}")
+        raise error
     return value
 
 
