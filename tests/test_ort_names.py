@@ -130,3 +130,50 @@ def test_scale_fusion_under_another_name_is_still_repaired(tmp_path, monkeypatch
     assert any(hook.seen)  # the fusion's nodes were renamed in the check's graphs
     assert any("Expand(scalar, Shape(x))" in n for n in report.notes), report.notes
     _outputs_equal(src, tmp_path / "out" / "model.onnx")
+
+
+def _fp16_chain(path: Path, n: int = 64) -> Path:
+    """MatMul + Sin, 4 times, in fp16: ORT's CPU provider runs it in fp32 between an inserted Cast at each end."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    rng = np.random.default_rng(0)
+    nodes, inits, x = [], [], "x"
+    for i in range(4):
+        inits.append(nh.from_array((rng.standard_normal((n, n)) / 8).astype(np.float16), f"w{i}"))
+        nodes += [h.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]), h.make_node("Sin", [f"m{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    io = [h.make_tensor_value_info("x", T.FLOAT16, ["N", n]), h.make_tensor_value_info(x, T.FLOAT16, ["N", n])]
+    model = h.make_model(h.make_graph(nodes, "g", io[:1], io[1:], inits), opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path), save_as_external_data=True, location="m.data", size_threshold=0)
+    return path
+
+
+def test_a_cut_through_renamed_inserted_casts_is_not_made(tmp_path, monkeypatch):
+    """``--prepack``'s segments: a cut inside an fp32 run is exact only once the inserted Cast pair at it is
+    spliced (``segments._splice_casts``, keyed on ORT's name). Renamed, the pair is not spliced, the pair check
+    (node-for-node fingerprints against the two segments optimized together) fails every such cut, and the graph
+    is optimized in one piece: the same graph as ORT's whole-graph optimization, never another."""
+    from weightshare.formats.onnx.ort import segments as segs
+    from weightshare.formats.onnx.ort.child import optimize as ort_optimize
+
+    src = _fp16_chain(tmp_path / "src" / "m.onnx")
+    optimize = lambda a, b, c: ort_optimize(a, b, c, "1024")  # noqa: E731
+
+    def level_all(out: Path, budget: int) -> dict:
+        out.parent.mkdir(parents=True)
+        return segs.Segmenter(str(src), str(out), optimize, budget).run().as_dict()
+
+    def fingerprint(out: Path):
+        return segs.fingerprint(onnx.load(str(out), load_external_data=False), out.parent)
+
+    assert level_all(tmp_path / "named" / "ort.onnx", 9000)["segments"] > 2  # with ORT's names: cut, spliced
+    hook = _renaming(names.INSERTED_CAST, "PrecisionCast_")
+    monkeypatch.setattr(names, "saved_hook", hook)
+    renamed = level_all(tmp_path / "renamed" / "ort.onnx", 9000)
+    assert any(hook.seen) and renamed["segments"] == 1 and renamed["unsafe_cuts"] >= 1, renamed
+    monkeypatch.setattr(names, "saved_hook", None)
+    level_all(tmp_path / "whole" / "ort.onnx", 1 << 40)
+    assert fingerprint(tmp_path / "renamed" / "ort.onnx") == fingerprint(tmp_path / "whole" / "ort.onnx")

@@ -14,7 +14,7 @@ ORT names it otherwise.
   inspect's note), ``segments`` (a cut through an fp32 run) and ``prepack`` (a report line). Checked on 1.32.0.
   Otherwise: a named Cast ORT added under another name refuses ``--unpack ort-cpu`` and the probe
   (``cpu.unrecognised_casts``: exit 2, one line); in ``segments`` the splice is not made, the pair check fails and
-  the graph is optimized in one piece (the same model, more memory; not covered by a rename test).
+  the graph is optimized in one piece (ORT's graph of the whole model, in more memory; never another graph).
 - (no name): the nodes of a function body ORT expands for want of a kernel are unnamed. Read by
   ``cpu.adopt_inserted_casts`` (copied in as ORT's nodes). Checked on 1.32.0. Otherwise: a named Cast among them is
   an unrecognised Cast (above); other ops are adopted as they are.
@@ -36,8 +36,9 @@ ORT names it otherwise.
   optimizer child, past ``saved_hook``); the loader's probe re-checks a packed blob against the ORT that opens it
   (``probe``, ``verdict``).
 
-``saved_hook``: applied to every model ORT saved before the ``cpu`` rules read it (the probe, the rounding check's
-optimized graphs). Tests set it to rename what ORT emits and show the rules refuse; it is None otherwise.
+``saved_hook``: applied to every model ORT saved before these rules read it (``cpu``: the probe, the rounding
+check's optimized graphs; ``segments``: each segment and window, when the segmenter runs in this process). Tests set
+it to rename what ORT emits and show the rules refuse (tests/test_ort_names.py); it is None otherwise.
 """
 
 from __future__ import annotations
