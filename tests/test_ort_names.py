@@ -12,6 +12,7 @@ bit-exact).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import model_forms as mf
@@ -28,13 +29,19 @@ from weightshare.formats.onnx.ort import names
 pytestmark = pytest.mark.slow  # ORT children per conversion
 
 
-def _renaming(match: str, new: str, nodes: bool = True, initializers: bool = False):
-    """A ``saved_hook`` renaming every node (and/or initializer, with its readers) whose name contains ``match``."""
+def _renaming(match: str, new: str, nodes: bool = True, initializers: bool = False, entries: bool = False):
+    """A ``saved_hook`` renaming every node (and/or initializer, with its readers; and/or external-data key)
+    whose name contains ``match``."""
     seen: list[int] = []
 
     def hook(model) -> None:
         g = model.graph
         renamed: dict[str, str] = {}
+        if entries:
+            for t in g.initializer:
+                for e in t.external_data:
+                    if match in e.key:
+                        renamed[e.key] = e.key = e.key.replace(match, new)
         if initializers:
             for t in g.initializer:
                 if match in t.name:
@@ -177,3 +184,36 @@ def test_a_cut_through_renamed_inserted_casts_is_not_made(tmp_path, monkeypatch)
     monkeypatch.setattr(names, "saved_hook", None)
     level_all(tmp_path / "whole" / "ort.onnx", 1 << 40)
     assert fingerprint(tmp_path / "renamed" / "ort.onnx") == fingerprint(tmp_path / "whole" / "ort.onnx")
+
+
+# Started with every Python process of the conversion, --prepack's optimizer child included, where ORT's packed
+# copies are read: their prepacked_N entries get another key, as an ORT release that renamed them would write.
+_RENAME_ENTRIES = """
+import os
+if os.environ.get("RENAME_PREPACKED"):
+    from weightshare.formats.onnx.ort import names
+
+    def hook(model):
+        for t in model.graph.initializer:
+            for e in t.external_data:
+                if e.key.startswith(names.PREPACKED_ENTRY):
+                    e.key = "packed_copy_" + e.key[len(names.PREPACKED_ENTRY):]
+
+    names.saved_hook = hook
+"""
+
+
+def test_packed_entries_under_another_key_refuse_prepack(tmp_path, monkeypatch):
+    """ORT 1.32 records each packed copy as a ``prepacked_N`` external-data entry; under another key the child
+    would find nothing packed and the model would pack per session again: refused in one line, nothing written."""
+    src = mf.build("fp32", tmp_path / "src" / "model.onnx", mib=1)
+    weightshare.convert(src, tmp_path / "as_is", prepack=True)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(_RENAME_ENTRIES)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("RENAME_PREPACKED", "1")
+    with pytest.raises(Unsupported) as e:
+        weightshare.convert(src, tmp_path / "out", prepack=True)
+    line = e.value.line()
+    assert "\n" not in line and "'packed_copy_0'" in line and names.CHECKED_ON in line, line
+    assert _nothing_written(tmp_path / "out")

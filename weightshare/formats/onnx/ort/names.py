@@ -31,10 +31,10 @@ ORT names it otherwise.
   ``com.microsoft.FusedMatMul`` where the original has a ``MatMul`` and a ``Mul``/``Div``, nothing else changed);
   another name changes the message only, and any other fusion is refused.
 - ``PREPACKED_ENTRY`` (``prepacked_``): the external-data keys of the packed copies
-  ``session.save_external_prepacked_constant_initializers`` writes. Read by ``child`` (its own literal: it runs
-  in the optimizer child) and ``prepack``. Checked on 1.32.0. Not covered by a rename test yet (read in the
-  optimizer child, past ``saved_hook``); the loader's probe re-checks a packed blob against the ORT that opens it
-  (``probe``, ``verdict``).
+  ``session.save_external_prepacked_constant_initializers`` writes. Read by ``child`` (node by node, and the
+  segments' ``Sharer``) and ``prepack`` (``Relocator.add_tensor``). Checked on 1.32.0. Otherwise: an external-data
+  key that is neither ONNX's nor this one (``unknown_entries``) refuses ``--prepack`` (exit 2, one line), where the
+  child reads a packed node's model and where the parent relocates the optimized model.
 
 ``saved_hook``: applied to every model ORT saved before these rules read it (``cpu``: the probe, the rounding
 check's optimized graphs; ``segments``: each segment and window, when the segmenter runs in this process). Tests set
@@ -43,7 +43,7 @@ it to rename what ORT emits and show the rules refuse (tests/test_ort_names.py);
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -66,9 +66,28 @@ INLINED_FUNCTION = "_inlfunc_"
 KNOWN_COMPUTED = ("reorder", INLINED_FUNCTION)
 PREPACKED_ENTRY = "prepacked_"
 
+EXTERNAL_DATA_KEYS = frozenset({"location", "offset", "length", "checksum"})  # ONNX's own
+
 saved_hook: Callable[[pb.ModelProto], None] | None = None
 
 
 def apply_saved_hook(model: pb.ModelProto) -> None:
     if saved_hook is not None:
         saved_hook(model)
+
+
+def unknown_keys(keys: Iterable[str], also: frozenset[str] = frozenset()) -> list[str]:
+    """External-data keys that are neither ONNX's, nor ORT's ``PREPACKED_ENTRY``, nor in ``also``: a packed copy an
+    ORT release records under another key, which the relocation would otherwise drop."""
+    return sorted({k for k in keys if k not in EXTERNAL_DATA_KEYS | also and not k.startswith(PREPACKED_ENTRY)})
+
+
+def unknown_entries(model: pb.ModelProto) -> list[str]:
+    return unknown_keys(e.key for t in model.graph.initializer for e in t.external_data)
+
+
+def unknown_entry_message(key: str) -> str:
+    return (
+        f"onnxruntime wrote an external-data entry weightshare does not know ({key!r}; onnxruntime {CHECKED_ON} "
+        f"writes {PREPACKED_ENTRY}N, ort/names.py): refused rather than drop what it packed"
+    )
