@@ -230,7 +230,7 @@ def verify_bounded(
     fills ``report``) in a child under the memory bound of the larger of the two models (``largest``: its mapped
     bytes, ``bound.py``); the report comes back filled. Over the bound: a ``UsageError``, one line naming the
     option that raises it."""
-    from ..errors import UsageError, WeightshareError
+    from ..errors import UsageError
     from .bound import child_memory
 
     memory = child_memory(largest)
@@ -239,8 +239,6 @@ def verify_bounded(
         done = call_in_child(__name__, "_verify_child", args, memory, "not verified")
     except OverBound as e:
         raise UsageError(str(e), converted) from None
-    except WeightshareError:
-        raise
     if isinstance(done, str):  # the runtime ran out of memory and said so in an error it reported
         raise UsageError(memory.message("not verified"), converted)
     report.__dict__.update(done.__dict__)
