@@ -50,6 +50,19 @@ def test_verify_passes_on_an_lm_without_inputs(lms, sig, conversion):
         assert any("XNNPACK weight cache" in p for p in report.paths)
 
 
+def _runtime_half_here(monkeypatch):
+    """verify runs its runtime half in a bounded child (``_runtimes/memory.verify_bounded``); in this process
+    instead, unbounded, so that what the test patches here is what runs."""
+    import importlib
+
+    import weightshare._runtimes.memory as M
+
+    def here(module, func, report, original, converted, opts, broken, largest):
+        getattr(importlib.import_module(module), func)(report, original, converted, opts, broken)
+
+    monkeypatch.setattr(M, "verify_bounded", here)
+
+
 def test_given_input_is_used_on_every_leg(lms, monkeypatch):
     """--input reaches every leg, the CompiledModel + cache leg included (it used to feed random ints)."""
     import weightshare._runtimes.litert as L
@@ -70,6 +83,7 @@ def test_given_input_is_used_on_every_leg(lms, monkeypatch):
 
     monkeypatch.setattr(L.EntryPoint, "__call__", entry)
     monkeypatch.setattr(L.CompiledEntry, "__call__", compiled)
+    _runtime_half_here(monkeypatch)  # the spies are in this process: verify's runtime half runs here too
     assert verify(src, out, runs=1, inputs={"token_ids": given}).passed
     assert {k for k, _ in seen} == {"Interpreter", "CompiledModel"} and len(seen) == 6  # 3 legs x (A, B)
     assert all(np.array_equal(v, given) for _, v in seen)
@@ -103,26 +117,25 @@ def test_hint_names_the_real_cause(tmp_path, custom, cause):
     assert cause in str(e.value) and "--input" not in str(e.value)
 
 
-_HARNESS = """
-import sys
-import weightshare._runtimes.litert as L
+# Started with every Python process of the run (the CLI and verify's runtime child, ``verify_bounded``): the leg
+# named by INJECT_LEG raises, wherever LiteRT runs.
+_INJECTION = """
+import os
+leg = os.environ.get("INJECT_LEG")
+if leg:
+    import weightshare._runtimes.litert as L
 
-leg = sys.argv[1]
+    def boom(*a, **k):
+        raise ZeroDivisionError("injected into " + leg)
 
-def boom(*a, **k):
-    raise ZeroDivisionError("injected into " + leg)
-
-if leg in L.MODES:  # one Interpreter mode
-    real_open = L.open_mode
-    L.open_mode = lambda path, mode: boom() if mode == leg else real_open(path, mode)
-elif leg == "CompiledModel":
-    L.CompiledEntry.__call__ = boom
-elif leg == "cache":
-    real_cep = L.compiled_entry_points
-    L.compiled_entry_points = lambda m, i, c=None: boom() if c else real_cep(m, i, c)
-from weightshare.cli import main
-sys.argv = ["weightshare", "verify", sys.argv[2], sys.argv[3], "--runs", "1"]
-main()
+    if leg in L.MODES:  # one Interpreter mode
+        real_open = L.open_mode
+        L.open_mode = lambda path, mode: boom() if mode == leg else real_open(path, mode)
+    elif leg == "CompiledModel":
+        L.CompiledEntry.__call__ = boom
+    elif leg == "cache":
+        real_cep = L.compiled_entry_points
+        L.compiled_entry_points = lambda m, i, c=None: boom() if c else real_cep(m, i, c)
 """
 
 
@@ -131,22 +144,18 @@ main()
     ("leg", "conversion"),
     [("no delegate", "plain"), ("XNNPACK", "plain"), ("CompiledModel", "external"), ("cache", "prepack")],
 )
-def test_injected_exception_in_a_leg_is_an_internal_error(lms, leg, conversion):
+def test_injected_exception_in_a_leg_is_an_internal_error(lms, leg, conversion, tmp_path):
     src, out = lms[(True, conversion)]
-    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSHARE_DEBUG"}
-    r = subprocess.run(
-        [sys.executable, "-c", _HARNESS, leg, str(src), str(out)], capture_output=True, text=True, env=env
-    )
+    (tmp_path / "sitecustomize.py").write_text(_INJECTION)
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    env = {k: v for k, v in os.environ.items() if k != "WEIGHTSHARE_DEBUG"} | {"INJECT_LEG": leg, "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "weightshare", "verify", str(src), str(out), "--runs", "1"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]  # nothing else: no LiteRT teardown logs either
     assert r.returncode == 2, r.stdout + r.stderr
     assert len(lines) == 1 and "internal error: ZeroDivisionError: injected into " + leg in lines[0], r.stderr
     if leg == "cache":
-        debug = subprocess.run(
-            [sys.executable, "-c", _HARNESS, leg, str(src), str(out)],
-            capture_output=True,
-            text=True,
-            env={**env, "WEIGHTSHARE_DEBUG": "1"},
-        )
+        debug = subprocess.run(cmd, capture_output=True, text=True, env={**env, "WEIGHTSHARE_DEBUG": "1"})
         assert debug.returncode != 0 and "Traceback" in debug.stderr and "injected into cache" in debug.stderr
 
 

@@ -45,6 +45,8 @@ def inventory(
         inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
         if len(measured) > 3:  # a format that tells activation memory apart from weight copies
             inv.measured_activation = measured[3]
+        if len(measured) > 4:  # what measuring found of the model itself (the runtime refuses to load it)
+            inv.findings += measured[4]
     return inv
 
 

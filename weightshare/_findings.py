@@ -61,6 +61,7 @@ class Code(TextEnum):
     BLOB_DIGEST_MISMATCH = "blob-digest-mismatch"
     UNREADABLE_MODEL = "unreadable-model"
     PACKED_FOR_OTHER_RUNTIME = "packed-for-other-runtime"
+    RUNTIME_REFUSES_MODEL = "runtime-refuses-model"
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,12 @@ CODES: dict[TextEnum, CodeInfo] = {
         "The file cannot be read as a model (truncated, corrupt, not a model): nothing in it was checked. "
         "The other models of the batch still are; `check` exits 2.",
         "replace the file with an intact copy",
+    ),
+    Code.RUNTIME_REFUSES_MODEL: CodeInfo(
+        Severity.ERROR,
+        "The runtime check ran under refuses to load the model (an operator or domain it does not implement, an "
+        "opset it does not know, a file made for another version): a server with this runtime cannot open it.",
+        "convert from a model this runtime loads (or check under the runtime version that will serve it)",
     ),
 }
 

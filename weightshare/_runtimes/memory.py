@@ -13,6 +13,8 @@ import subprocess
 import sys
 from typing import Any
 
+from .bound import ChildMemory, OverBound
+
 
 def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
     """Fields of /proc/<pid>/smaps_rollup in bytes (Rss, Pss, Shared_Clean, Private_Dirty, ...)."""
@@ -122,11 +124,17 @@ def run_child_peak(cmd: list[str], **kwargs: Any) -> tuple[subprocess.CompletedP
 
 
 def in_child(
-    module: str, func: str, args: list[object], env: dict[str, str] | None = None, timeout: float | None = None
+    module: str,
+    func: str,
+    args: list[object],
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    memory: ChildMemory | None = None,
 ) -> Any:
     """Call ``module.func(*args)`` in a fresh Python process and return its JSON result (as ``json.loads`` does).
     ``env``: variables set for the child on top of this process's environment (read at the child's start, such
-    as glibc's ``MALLOC_MMAP_THRESHOLD_``); ``timeout``: seconds before the child is killed (a RuntimeError).
+    as glibc's ``MALLOC_MMAP_THRESHOLD_``); ``timeout``: seconds before the child is killed (a RuntimeError);
+    ``memory``: its bound (``bound.py``; a child that runs into it raises ``OverBound``).
 
     Memory probes run in their own process so that nothing loaded before (another
     model, another runtime) is counted, and so that PSS is per process.
@@ -142,10 +150,113 @@ def in_child(
             text=True,
             env={**os.environ, **env} if env else None,
             timeout=timeout,
+            preexec_fn=memory.preexec() if memory else None,
         )
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"{module}.{func} did not finish within {timeout:.0f} s in a child process") from None
     if res.returncode != 0:
+        if memory is not None and memory.ran_into(res.returncode, res.stderr):
+            raise OverBound(memory.message("not measured"))
         tail = res.stderr.strip().splitlines()[-1:] or ["(no output)"]
         raise RuntimeError(f"{module}.{func} failed in a child process: {tail[0]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+_CALL = """
+import pickle, sys
+from importlib import import_module
+with open(sys.argv[1], "rb") as f:
+    module, func, args = pickle.load(f)
+try:
+    result = ("return", getattr(import_module(module), func)(*args))
+except Exception as e:
+    import traceback
+    from weightshare.errors import WeightshareError
+    if isinstance(e, WeightshareError):
+        result = ("raise", (type(e), e.message, e.path))
+    else:  # a bug: raised again in the parent as itself, this traceback attached
+        try:
+            pickle.loads(pickle.dumps(e))
+            error = e
+        except Exception:
+            error = RuntimeError(f"{type(e).__name__}: {e}")
+        result = ("bug", (error, traceback.format_exc()))
+with open(sys.argv[2], "wb") as f:
+    pickle.dump(result, f)
+"""
+
+
+def call_in_child(module: str, func: str, args: list[object], memory: ChildMemory, what: str) -> Any:
+    """``module.func(*args)`` in a fresh Python process under ``memory``; its return value (pickled: arguments
+    and result may be any picklable value, numpy arrays included). An exception it raises is raised here (a
+    ``WeightshareError`` as itself; another, a bug, with the child's traceback as a note); running into the bound
+    raises ``OverBound`` (``memory.message(what)``); a child that dies otherwise, ``RuntimeError`` with its last
+    line of error output."""
+    import os
+    import pickle
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="weightshare-call-") as tmp:
+        given, answer = os.path.join(tmp, "args"), os.path.join(tmp, "result")
+        with open(given, "wb") as f:
+            pickle.dump((module, func, args), f)
+        res = subprocess.run(
+            [sys.executable, "-c", _CALL, given, answer],
+            capture_output=True,
+            text=True,
+            preexec_fn=memory.preexec(),
+        )
+        if res.returncode != 0 or not os.path.exists(answer):
+            if memory.ran_into(res.returncode, res.stderr):
+                raise OverBound(memory.message(what))
+            tail = res.stderr.strip().splitlines()[-1:] or [f"exit status {res.returncode}"]
+            raise RuntimeError(f"{module}.{func} failed in a child process: {tail[0]}")
+        with open(answer, "rb") as f:
+            kind, value = pickle.load(f)  # noqa: S301 -- written by the child this call started, in its own directory
+    if kind == "raise":
+        cls, message, path = value
+        raise cls(message, path)
+    if kind == "bug":
+        error, trace = value
+        error.add_note(f"raised in a child process ({module}.{func}):\n{trace}")
+        raise error
+    return value
+
+
+def verify_bounded(
+    module: str, func: str, report: Any, original: Any, converted: Any, opts: Any, broken: bool, largest: int
+) -> None:
+    """A format's runtime half of ``verify`` (``module.func(report, original, converted, opts, broken)``, which
+    fills ``report``) in a child under the memory bound of the larger of the two models (``largest``: its mapped
+    bytes, ``bound.py``); the report comes back filled. Over the bound: a ``UsageError``, one line naming the
+    option that raises it."""
+    from ..errors import UsageError
+    from .bound import child_memory
+
+    memory = child_memory(largest)
+    try:
+        args = [module, func, report, original, converted, opts, broken]
+        done = call_in_child(__name__, "_verify_child", args, memory, "not verified")
+    except OverBound as e:
+        raise UsageError(str(e), converted) from None
+    if isinstance(done, str):  # the runtime ran out of memory and said so in an error it reported
+        raise UsageError(memory.message("not verified"), converted)
+    report.__dict__.update(done.__dict__)
+
+
+def _verify_child(module: str, func: str, report: Any, original: Any, converted: Any, opts: Any, broken: bool) -> Any:
+    """In the child: the verify, and whether an error it turned into a line was the bound ("oom")."""
+    from importlib import import_module
+
+    from ..errors import WeightshareError
+    from .bound import is_oom
+
+    try:
+        getattr(import_module(module), func)(report, original, converted, opts, broken)
+    except WeightshareError as e:
+        if is_oom(e.message):
+            return "oom"
+        raise
+    if any(is_oom(line) for line in report.mismatches):
+        return "oom"
+    return report

@@ -317,6 +317,29 @@ def input_args(inputs: list[str]) -> dict[str, str]:
     return dict(_pairs(inputs, "--input", "FILE.npy"))
 
 
+def child_memory_option() -> Any:
+    """``--child-memory`` of inspect, check and verify: the runtime children's memory bound (``_runtimes/bound.py``)."""
+    return typer.Option(
+        None,
+        "--child-memory",
+        min=1,
+        metavar="MIB",
+        help="Memory bound of the runtime child processes, in MiB (default: 2 x the largest model's mapped size "
+        "+ 2 GiB + 128 MiB per CPU; docs/ci.md). A model over it is not measured (not verified), one line.",
+    )
+
+
+def set_child_memory(mib: int | None) -> None:
+    """The children read their bound from the environment they inherit: the one place every command's children,
+    and the Python API's, look (``WEIGHTSHARE_CHILD_MEMORY_MIB``)."""
+    import os
+
+    from .._runtimes.bound import ENV
+
+    if mib is not None:
+        os.environ[ENV] = str(mib)
+
+
 def dim_option(lead: str = "") -> Any:
     """``--dim`` of verify and check (one text: help texts are documentation, format names included)."""
     return typer.Option(

@@ -7,7 +7,19 @@ from pathlib import Path
 
 import typer
 
-from ._app import FORMAT_HELP, app, dim_args, dim_option, examples, input_args, input_option, output_format, user_errors
+from ._app import (
+    FORMAT_HELP,
+    app,
+    child_memory_option,
+    dim_args,
+    dim_option,
+    examples,
+    input_args,
+    input_option,
+    output_format,
+    set_child_memory,
+    user_errors,
+)
 from ._help import format_titles, model_kinds, setting_ids
 from ._options import shared_option
 from ._progress import measuring
@@ -29,6 +41,7 @@ def inspect(
         False, "--no-measure", help="Static per-session estimate only (do not ask the runtime, in child processes)."
     ),
     format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
+    child_memory: int | None = child_memory_option(),
 ) -> None:
     """``weightshare inspect`` (its help is built from the registered formats, above)."""
     from .._check import findings_for
@@ -36,6 +49,7 @@ def inspect(
     from .._dispatch import inventory
 
     how = output_format(as_json, format_)
+    set_child_memory(child_memory)
     with user_errors(), measuring(not no_measure, f"inspect: measuring {model.name} in runtime child processes"):
         inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
         findings = findings_for(inv)
@@ -99,6 +113,7 @@ def check(
         "it (default: the onnxruntime and CPU kind of the machine running check).",
     ),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
+    child_memory: int | None = child_memory_option(),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
 
@@ -113,6 +128,7 @@ def check(
     from .._inventory import MeasureInputs
 
     quiet(quiet_)
+    set_child_memory(child_memory)
     how = output_format(as_json, format_, ("text", "json", "github", "sarif"))
     with user_errors():
         feeds = MeasureInputs(tuple(dim_args(dim).items()), tuple(input_args(inputs).items()))

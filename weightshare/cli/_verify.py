@@ -14,6 +14,7 @@ from ._app import (
     FORMAT_HELP,
     _pairs,
     app,
+    child_memory_option,
     dim_args,
     dim_option,
     examples,
@@ -21,6 +22,7 @@ from ._app import (
     input_args,
     input_option,
     output_format,
+    set_child_memory,
     user_errors,
 )
 from ._render import github, info, quiet
@@ -90,6 +92,7 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Print the verify report as one JSON document."),
     format_: str = typer.Option("text", "--format", help=FORMAT_HELP),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the FAIL lines."),
+    child_memory: int | None = child_memory_option(),
 ) -> None:
     """Run both models in the real runtime on the same inputs: pass only if outputs are byte-identical.
 
@@ -108,6 +111,7 @@ def verify(
 
     how = output_format(as_json, format_)
     quiet(quiet_)
+    set_child_memory(child_memory)
     reported = False  # an unexpected exception is reported by main(): stderr must stay open for it
     try:
         with user_errors():

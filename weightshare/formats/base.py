@@ -198,8 +198,9 @@ class MeasuresCopies(Protocol):
     """``check``/``inspect`` measure what one more session costs in the runtime itself."""
 
     def measure_copies(self, path: Path, feeds: MeasureInputs | None = None) -> tuple[Any, ...]:
-        """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting]);
-        ``feeds``: what the user said of the inputs (``check --dim/--input``)."""
+        """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting[,
+        findings about the model itself: the runtime refuses it]]); ``feeds``: what the user said of the inputs
+        (``check --dim/--input``)."""
         ...
 
 

@@ -13,6 +13,7 @@ from .unpack import ORT_CPU, UNPACK
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
+    from ..._findings import Finding
     from ..._inventory import MeasureInputs, ModelInventory
     from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
@@ -107,17 +108,20 @@ class OnnxFormat(FormatDefaults):
 
     def measure_copies(
         self, path: Path, feeds: MeasureInputs | None = None
-    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
-        """Bytes of weight copies one more ORT session costs per setting, and its activation memory, measured in
-        child processes (``measure.py``)."""
+    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding]]:
+        """Bytes of weight copies one more ORT session costs per setting, its activation memory, and a finding when
+        onnxruntime refuses the model, measured in child processes (``measure.py``)."""
         from .measure import measure_copies
 
         return measure_copies(path, feeds)
 
     def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
-        from .verify import verify_in_runtime
+        from ..._runtimes.memory import verify_bounded
+        from .verify import mapped
 
-        verify_in_runtime(report, original, converted, opts, broken)
+        # in a child under the memory bound of the larger model (``_runtimes/bound.py``)
+        largest = max(mapped(original), mapped(converted))
+        verify_bounded(f"{__name__}.verify", "verify_in_runtime", report, original, converted, opts, broken, largest)
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
         from ..._runtimes.ort import measure_sessions

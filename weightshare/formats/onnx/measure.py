@@ -31,11 +31,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..._inventory import MeasureInputs
 from ...report import JsonDict
+
+if TYPE_CHECKING:
+    from ..._findings import Finding
+    from ..._runtimes.bound import ChildMemory
 
 SESSIONS = 4  # growth from 1 to 4 sessions, over 3: the sharing criterion of a PSS benchmark (4 vs 1), less noisy
 FOLD_CHECK_MAX = 64 << 20  # model files up to this size are parsed for fold_bound (a folding bomb is a small file)
@@ -84,6 +89,7 @@ def probe(
     A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions."""
     import numpy as np
 
+    from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
     from ..._runtimes.ort import new_session
     from ..._verify import read_input
@@ -114,7 +120,8 @@ def probe(
         try:
             s = new_session(model_path, share=share, log_level=4, arena=arena)
         except Exception as e:  # noqa: BLE001 -- any refusal is the answer
-            return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+            text = " ".join(str(e).split())[:1000] or type(e).__name__
+            return {"oom": text[:300]} if is_oom(text) else {"error": text}
         if feeds is None and ran:
             unknown = sorted(set(given) - {i.name for i in s.get_inputs()})
             if unknown:  # what the user gave does not fit the model: a usage error (exit 2), as in verify
@@ -131,6 +138,8 @@ def probe(
             try:
                 s.run(None, feeds)
             except Exception as e:  # noqa: BLE001
+                if is_oom(str(e)):  # the memory bound, not the model: not measured
+                    return {"oom": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
                 feeds, ran = None, False
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
@@ -140,8 +149,13 @@ def probe(
     if activations and feeds is not None:
         with_arena: list[int] = []
         for _ in range(sessions):
-            s = new_session(model_path, share=share, log_level=4, arena=True)
-            s.run(None, feeds)
+            try:
+                s = new_session(model_path, share=share, log_level=4, arena=True)
+                s.run(None, feeds)
+            except Exception as e:  # noqa: BLE001
+                if is_oom(str(e)):  # arenas of large activations, kept per session: over the bound
+                    return {"oom": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+                raise
             opened.append(s)
             with_arena.append(data_pss())
         more["arena_growth"] = _growth(with_arena)
@@ -154,10 +168,11 @@ def available() -> bool:
     return importlib.util.find_spec("onnxruntime") is not None and os.environ.get(ENV_SKIP, "") != "1"
 
 
-def _bounds(path: Path) -> tuple[float, str]:
-    """(the measuring child's wall time limit in seconds, "" or why the model is not measured): the bounds of
-    convert's ORT child (``ort.limits``, ``ort.fold_bound``) for a child that creates ``CHILD_SESSIONS`` sessions: a
-    model whose constant folding would compute more than its size justifies is not given to ORT at all."""
+def _bounds(path: Path) -> tuple[float, int, str]:
+    """(the measuring child's wall time limit in seconds, the bytes the runtime maps of the model (its memory bound's
+    input, ``_runtimes/bound.py``), "" or why the model is not measured): the bounds of convert's ORT child
+    (``ort.limits``, ``ort.fold_bound``) for a child that creates ``CHILD_SESSIONS`` sessions: a model whose constant
+    folding would compute more than its size justifies is not given to ORT at all."""
     from ...errors import WeightshareError
     from ._proto import load_model
     from .ort.fold_bound import check_constant_folding
@@ -166,17 +181,17 @@ def _bounds(path: Path) -> tuple[float, str]:
 
     size = path.stat().st_size
     if size > FOLD_CHECK_MAX:  # its weights embedded: size enough for the bounds, and no second copy in memory
-        return limits_for(size, path).wall_s * CHILD_SESSIONS, ""
+        return limits_for(size, path).wall_s * CHILD_SESSIONS, size, ""
     data = path.read_bytes()
     try:
         files = {path.parent / loc for loc in external_locations(data) if "/" not in loc and "\\" not in loc}
         input_bytes = size + sum(f.stat().st_size for f in files if f.is_file())
         check_constant_folding(load_model(path), input_bytes, path)
     except WeightshareError as e:
-        return 0.0, e.message
+        return 0.0, size, e.message
     except Exception:  # noqa: BLE001 -- unreadable here: the child says what onnxruntime makes of it
         input_bytes = size
-    return limits_for(input_bytes, path).wall_s * CHILD_SESSIONS, ""
+    return limits_for(input_bytes, path).wall_s * CHILD_SESSIONS, input_bytes, ""
 
 
 def _measure(
@@ -186,51 +201,69 @@ def _measure(
     activations: bool = False,
     feeds: MeasureInputs | None = None,
     timeout: float | None = None,
+    memory: ChildMemory | None = None,
 ) -> tuple[JsonDict, str]:
     """One child's answer (``cost``: bytes one more session keeps beyond a one-node model's, ``data_growth``: its
-    whole growth), or ({}, why not)."""
+    whole growth), or ({"refused": why}, "") when onnxruntime refuses the model, or ({}, why not measured)."""
+    from ..._runtimes.bound import OverBound
     from ..._runtimes.memory import in_child
     from ...errors import UsageError
 
     given = feeds or MeasureInputs()
     args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files)]
     try:
-        res: JsonDict = in_child(__name__, "probe", args, MALLOC_ENV, timeout=timeout)
+        res: JsonDict = in_child(__name__, "probe", args, MALLOC_ENV, timeout=timeout, memory=memory)
+    except OverBound as e:
+        return {}, str(e)
     except RuntimeError as e:
         return {}, f"could not measure: {e}"
     if "usage" in res:
         raise UsageError(str(res["usage"]))
+    if "oom" in res and memory is not None:
+        return {}, memory.message("not measured")
     if "error" in res:
-        return {}, f"onnxruntime CPU refuses the model: {res['error']}"
+        return {"refused": str(res["error"])}, ""
     growth = _growth(res["data_pss"])  # the growth without code's PSS, which other processes move
     return {**res, "data_growth": growth, "cost": max(0, growth - res["overhead"])}, ""
 
 
 def measure_copies(
     path: Path, feeds: MeasureInputs | None = None
-) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding]]:
     """(setting id -> bytes of weights and their copies one more session keeps, setting id -> PSS of the child with
     one session (what `check` weighs the growth against), notes, setting id -> activation memory one more session
-    keeps at default options (its CPU arena)); ({}, {}, [why not], {}) when ORT is not installed."""
+    keeps at default options (its CPU arena), findings: ``runtime-refuses-model`` when onnxruntime refuses to
+    load the model); ({}, {}, [why not], {}, []) when ORT is not installed. Each child runs under the memory bound
+    of ``_runtimes/bound.py``; one that runs into it leaves its setting "not measured" (a note naming the option
+    that raises the bound), never a finding."""
+    from ..._findings import Code, Finding
+    from ..._runtimes.bound import child_memory
+
     if not available():
         return (
             {},
             {},
             ["per-session copies are the static estimate: onnxruntime is not installed (or measuring is off)"],
             {},
+            [],
         )
-    timeout, refused = _bounds(path)
+    timeout, mapped, refused = _bounds(path)
     if refused:
-        return {}, {}, [f"per-session copies are the static estimate: not given to onnxruntime: {refused}"], {}
+        return {}, {}, [f"per-session copies are the static estimate: not given to onnxruntime: {refused}"], {}, []
+    memory = child_memory(mapped)
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []
     activation: dict[str, int] = {}
+    refusals: dict[str, list[str]] = {}  # why -> the settings under which onnxruntime refuses the model
     for setting, share in SETTINGS:
         activations = setting == ACTIVATION_SETTING
-        res, why = _measure(path, share, arena=False, activations=activations, feeds=feeds, timeout=timeout)
+        res, why = _measure(path, share, False, activations, feeds, timeout, memory)
         if why:
             notes.append(f"{setting}: {why}")
+            continue
+        if "refused" in res:
+            refusals.setdefault(res["refused"], []).append(setting)
             continue
         if not res["ran"]:
             # sessions that never ran hold what a load leaves (lazily paged weights, kernels not yet set up) and
@@ -250,4 +283,33 @@ def measure_copies(
         for line in res.get("input_notes", []):
             if line not in notes:
                 notes.append(line)
-    return out, one, notes, activation
+    findings = [
+        Finding.of(
+            Code.RUNTIME_REFUSES_MODEL,
+            str(path),
+            f"onnxruntime {_ort_version()} (CPU) refuses to load the model under {', '.join(settings)}: {_reason(why)}",
+        )
+        for why, settings in refusals.items()
+    ]
+    return out, one, notes, activation, findings
+
+
+# What onnxruntime wraps a load error in: its status prefix, "Load model from PATH failed:", a C++ source location
+# with the function's signature. The reason follows.
+_ORT_WRAPPING = re.compile(
+    r"^\[ONNXRuntimeError\] : \d+ : \w+ : (?:Load model from .*? failed:)?(?:\s*/\S+:\d+ [^()]*\([^)]*\)(?: const)? )?"
+)
+
+
+def _reason(error: str) -> str:
+    """onnxruntime's load error without its wrapping, at most 300 characters."""
+    return _ORT_WRAPPING.sub("", error).strip()[:300] or error[:300]
+
+
+def _ort_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("onnxruntime")
+    except PackageNotFoundError:
+        return "(version unknown)"

@@ -73,9 +73,12 @@ class TfliteFormat(FormatDefaults):
         return measure_copies(path, feeds)
 
     def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
-        from .verify import verify_in_runtime
+        from ..._runtimes.memory import verify_bounded
+        from .verify import mapped
 
-        verify_in_runtime(report, original, converted, opts, broken)
+        # in a child under the memory bound of the larger model (``_runtimes/bound.py``)
+        largest = max(mapped(original), mapped(converted))
+        verify_bounded(f"{__name__}.verify", "verify_in_runtime", report, original, converted, opts, broken, largest)
 
     def quiet_exit(self) -> None:
         """LiteRT logs its teardown on native stderr at exit: silence it once a command has printed its result."""

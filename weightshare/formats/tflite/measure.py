@@ -256,8 +256,10 @@ def packed_bytes(path: Path) -> int | None:
     cache beside a ``--prepack`` output, else one built in a temporary folder; None when it cannot be built."""
     import tempfile
 
+    from ..._runtimes.bound import child_memory
     from ...errors import WeightshareError
     from . import xnnpack_cache
+    from .verify import mapped
 
     for st in xnnpack_cache.cache_status(path):
         if st.matches:
@@ -266,7 +268,7 @@ def packed_bytes(path: Path) -> int | None:
         cache = Path(tmp) / "cache"
         cache.touch()
         try:
-            return xnnpack_cache.build(path, cache).nbytes
+            return xnnpack_cache.build(path, cache, child_memory(mapped(path))).nbytes
         except WeightshareError as e:
             return 0 if "wrote no XNNPACK weight cache" in e.message else None
 
@@ -288,8 +290,10 @@ def measure_copies(
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
             {},
         )
+    from ..._runtimes.bound import OverBound, child_memory, is_oom
     from ..._runtimes.litert import signature_bounds
     from ..._runtimes.memory import in_child
+    from .verify import mapped
 
     try:
         bounds = signature_bounds(str(path))  # here: the child's memory must not count the graph reader
@@ -300,6 +304,7 @@ def measure_copies(
     one: dict[str, int] = {}
     notes: list[str] = []
     activation: dict[str, int] = {}
+    memory = child_memory(mapped(path))  # every child's bound (``_runtimes/bound.py``)
     for setting, share, loader in _settings(path, notes):
         try:
             res: JsonDict = in_child(
@@ -308,12 +313,19 @@ def measure_copies(
                 [str(path), share, SESSIONS, bounds, dict(given.dims), dict(given.input_files), loader],
                 MALLOC_ENV,
                 timeout=TIMEOUT_S,
+                memory=memory,
             )
+        except OverBound as e:
+            notes.append(f"{setting}: {e}" + _STATIC_KEPT.get(setting, ""))
+            continue
         except RuntimeError as e:
             notes.append(f"could not measure {setting}: {e}" + _STATIC_KEPT.get(setting, ""))
             continue
         if "usage" in res:
             raise UsageError(str(res["usage"]))
+        if "error" in res and is_oom(str(res["error"])):
+            notes.append(f"{setting}: {memory.message('not measured')}" + _STATIC_KEPT.get(setting, ""))
+            continue
         if "error" in res:
             notes.append(f"LiteRT refuses the model under {setting}: {res['error']}" + _STATIC_KEPT.get(setting, ""))
             continue

@@ -19,6 +19,17 @@ from .inventory import inventory_file
 _HINT = "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --shape NAME=1,16000 / --dim '*=N'"
 
 
+def mapped(path: Path) -> int:
+    """Bytes the runtime maps of the model at ``path``: its file and the data files it references."""
+    from ..._runtimes.bound import mapped_bytes
+
+    try:
+        files = inventory_file(path, hash_payloads=False).external_files
+    except (WeightshareError, OSError):
+        files = []
+    return mapped_bytes(path, files)
+
+
 def verify_in_runtime(
     report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool
 ) -> None:

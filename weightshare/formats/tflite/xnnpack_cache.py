@@ -45,6 +45,8 @@ from .findings import TfliteCode
 if TYPE_CHECKING:
     from ai_edge_litert import schema_py_generated as schema
 
+    from ..._runtimes.bound import ChildMemory
+
 CACHE_SUFFIX = ".xnnpack-cache"
 DIGEST_HEX = 32  # 128 bits of SHA-256 in the name: collisions are not a practical concern
 _HASH_CHUNK = 4 << 20
@@ -262,12 +264,13 @@ class BuildResult:
     wall_s: float
 
 
-def build(model: Path, cache: Path) -> BuildResult:
+def build(model: Path, cache: Path, memory: ChildMemory | None = None) -> BuildResult:
     """Build the cache of ``model`` into the existing file ``cache`` in a child process.
 
     LiteRT loads the whole model to pack it, so this runs in a child: the converter's own peak RSS stays
     flat, and the child's peak is reported. The child opens the model twice; the second open must leave
-    the cache untouched, which shows the cache is complete.
+    the cache untouched, which shows the cache is complete. ``memory``: the child's bound (``check`` measuring
+    what XNNPACK packs: ``_runtimes/bound.py``).
     """
     start = time.perf_counter()
     proc = subprocess.run(
@@ -275,6 +278,7 @@ def build(model: Path, cache: Path) -> BuildResult:
         capture_output=True,
         text=True,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        preexec_fn=memory.preexec() if memory is not None else None,
     )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:

@@ -38,8 +38,9 @@ from ..graph import collect_sites, subgraphs
 from ..scan import REF_KEY, TensorRef
 from .fold_bound import check_constant_folding
 from .limits import ChildLimits, limits_for
+from .names import CHECKED_ON, FUSED_BACK, INLINED_FUNCTION, INSERTED_CAST, KNOWN_COMPUTED, apply_saved_hook
 
-PREFIX = "InsertedPrecisionFreeCast_"
+PREFIX = INSERTED_CAST  # the names ORT gives what it makes, with the version they were checked on: ``names``
 TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's node>"
 # Payloads up to this size keep their real bytes in the probe (shape tensors, pads, scales that kernels or shape
 # inference read); larger ones are stand-ins mapped from the zeros file, never read at ORT_DISABLE_ALL.
@@ -206,8 +207,28 @@ def run_probe(
         stdout = _run_child(_CHILD, [str(probe_path), str(out)], [out], limits, tmp, src, "load")
         answer = json.loads(stdout.strip().splitlines()[-1])
         optimized = _read_saved(out, src)
+    unknown = unrecognised_casts(optimized.graph)
+    if unknown:
+        raise Unsupported(
+            f"onnxruntime {answer['version']} adds Cast nodes under a name weightshare does not know ({unknown[0]!r}; "
+            f"onnxruntime {CHECKED_ON} names them {PREFIX}*): refused rather than guess which Casts it inserts per "
+            "session (ort/names.py)",
+            src,
+        )
     opsets = {o.domain: o.version for o in optimized.opset_import}
     return Probe(optimized.graph, opsets, answer["version"], answer["peak_rss_mib"])
+
+
+def unrecognised_casts(graph: pb.GraphProto) -> list[str]:
+    """Names of the Casts ORT added to the probe (none of its nodes is one of ours, ``_tag``) under a name that is
+    neither InsertCastTransformer's (``names.INSERTED_CAST``) nor empty (a function body ORT expanded): an ORT that
+    names its inserted Casts otherwise. The probe renamed every node of the model, so no name of the user's is
+    involved."""
+    return [
+        n.name
+        for n in graph.node
+        if n.op_type == "Cast" and n.name and not n.name.startswith(TAG) and not n.name.startswith(PREFIX)
+    ]
 
 
 def _run_child(
@@ -245,6 +266,7 @@ def _read_saved(out: Path, src: Path) -> pb.ModelProto:
         model.ParseFromString(out.read_bytes())
     except (DecodeError, OSError) as e:
         raise InvalidModel(f"could not read the graph onnxruntime saved ({e})", src) from None
+    apply_saved_hook(model)
     return model
 
 
@@ -260,6 +282,7 @@ def _saved_graph(out: Path, src: Path) -> pb.GraphProto:
     except (DecodeError, OSError, InvalidModel) as e:
         why = e.message if isinstance(e, InvalidModel) else str(e)
         raise InvalidModel(f"could not read the graph onnxruntime saved ({why})", src) from None
+    apply_saved_hook(model)
     return model.graph
 
 
@@ -392,10 +415,24 @@ def rounding_change(
     # another GEMM path at batch 1 than MatMul and Mul did (1.9e-6 apart, a generated fp16 model).
     fewer = {k: v - after.get(k, 0) for k, v in before.items() if v > after.get(k, 0)}
     bad = next(n for n in adopted.node if ((n.domain or "ai.onnx"), n.op_type) in more)
-    fusion = next((p for p in bad.name.split("/") if p.endswith(("Fusion", "Transformer"))), "a fusion")
+    if _scale_fusion(more, fewer):  # by structure: ``unpack_for_cpu`` repairs this one (``unfuse``)
+        fusion = SCALE_FUSION
+    else:  # ORT's name for it, for the message only (``names``): the change is refused whatever it is called
+        fusion = next((p for p in bad.name.split("/") if p.endswith(("Fusion", "Transformer"))), "a fusion")
     made = ", ".join(f"{v} {d}.{o}" if d != "ai.onnx" else f"{v} {o}" for (d, o), v in sorted(more.items()))
     gone = ", ".join(f"{v} {o}" for (_d, o), v in sorted(fewer.items())) or "other nodes"
     return f"{fusion} makes {made} of {gone}"
+
+
+SCALE_FUSION = "MatMulScaleFusion"  # ORT's transformer of that name: what ``unfuse`` undoes
+
+
+def _scale_fusion(more: dict[tuple[str, str], int], fewer: dict[tuple[str, str], int]) -> bool:
+    """ORT's MatMulScaleFusion, told by what it made of what (not by the name ORT gives the node): FusedMatMul
+    nodes where the original had MatMuls and Mul/Div (by a scalar) nodes, and nothing else changed."""
+    made = set(more) == {("com.microsoft", "FusedMatMul")}
+    gone = set(fewer) <= {("ai.onnx", "MatMul"), ("ai.onnx", "Mul"), ("ai.onnx", "Div")}
+    return made and gone and bool(set(fewer) & {("ai.onnx", "Mul"), ("ai.onnx", "Div")})
 
 
 # The rounding check optimizes the graph once per window, not once, when the original's stand-ins exceed two
@@ -556,6 +593,7 @@ def check_rounding(
         pairs = [(probes[0], probes[1])]
         if windows is not None:
             pairs = [(_window_model(probes[0], w, {}), _window_model(probes[1], w, renamed)) for w in windows]
+        given = [_defined(pair[0].graph) for pair in pairs]  # what ORT computes itself is named otherwise
         args = []
         for k, pair in enumerate(pairs):
             for name, model in zip(("original", "adopted"), pair, strict=True):
@@ -576,24 +614,40 @@ def check_rounding(
             return f"onnxruntime cannot optimize the graph with the Casts in the file: {why}"
         for k in range(0, len(outs), 2):
             before = _saved_graph(outs[k], src)
-            change = _fp16_folded(before) or rounding_change(before, _saved_graph(outs[k + 1], src), ours)
+            change = fp16_folded(before, given[k // 2]) or rounding_change(before, _saved_graph(outs[k + 1], src), ours)
             if change is not None:
                 return change
     return None
 
 
-def _fp16_folded(original: pb.GraphProto) -> str | None:
+def fp16_folded(original: pb.GraphProto, given: set[str]) -> str | None:
     """A fusion that computed new constants from the original's fp16 ones (Conv+BatchNormalization: the folded
-    weight and bias, in fp16, then cast): ORT saves their casts as ``FusedBack_<fusion>_...``. With the Casts in
-    the file the same fusion computes them in fp32, and the op counts are equal while the numbers are not
-    (0.002 on a Conv+BN model), so such a graph is refused too."""
+    weight and bias, in fp16, then cast). With the Casts in the file the same fusion computes them in fp32, and the
+    op counts are equal while the numbers are not (0.002 on a Conv+BN model), so such a graph is refused too.
+
+    Which initializers of the optimized graph ORT computed is structural: those under a name the graph ORT was
+    given (``given``: its inputs, initializers and node outputs) does not have. What ORT computed them from is
+    only in their names (``names``): ``FusedBack_X`` is the Cast of X folded, harmless where X is a tensor of the
+    given graph (or of a function body ORT inlined), a fusion's fp16 product otherwise (``FusedBack_ConvBnFusion_...``);
+    NCHWc reorders and inlined functions' constants keep their own prefixes. A floating-point tensor ORT computed
+    under any other name is refused: an ORT that names them otherwise cannot be told apart from a fusion."""
+    floating = (dtypes.FLOAT, dtypes.FLOAT16, dtypes.BFLOAT16, dtypes.DOUBLE)
     for t in original.initializer:
-        if t.name.startswith("FusedBack_") and "Fusion" in t.name:
-            fusion = next((p for p in t.name.split("_") if p.endswith("Fusion")), "a fusion")
+        if t.name in given or t.data_type not in floating or t.name.startswith(KNOWN_COMPUTED):
+            continue
+        rest = t.name.removeprefix(FUSED_BACK) if t.name.startswith(FUSED_BACK) else None
+        if rest is not None and (rest in given or rest.startswith(INLINED_FUNCTION)):
+            continue  # a Cast of a constant the graph had, folded
+        if rest is not None and "Fusion" in rest:
+            fusion = next((p for p in rest.split("_") if p.endswith("Fusion")), "a fusion")
             return (
-                f"{fusion} folds its constants in fp32 where it folded them in fp16 in the original, e.g. "
-                f"{t.name[len('FusedBack_') :][:60]}"
+                f"{fusion} folds its constants in fp32 where it folded them in fp16 in the original, e.g. {rest[:60]}"
             )
+        return (
+            f"onnxruntime computed a constant of the original under a name weightshare does not know ({t.name[:60]!r};"
+            f" names checked on onnxruntime {CHECKED_ON}, ort/names.py), so whether a fusion folded it in fp16 cannot "
+            "be told"
+        )
     return None
 
 
@@ -768,7 +822,7 @@ def unpack_for_cpu(
     )
     change = check_rounding(original, model, refs, src, out_dir, opts)
     unfused = 0
-    if change is not None and change.startswith("MatMulScaleFusion"):
+    if change is not None and change.startswith(SCALE_FUSION):
         from .unfuse import unfuse_scales
 
         # The scale ORT multiplied separately in the fp16 graph, kept separate (``unfuse``, ``reload``); checked again.
@@ -817,7 +871,7 @@ def inventory_notes(model: pb.ModelProto, refs: Sequence[TensorRef], folded: set
         return []
     try:
         probe = run_probe(model, refs, src)
-    except InvalidModel as e:
+    except (InvalidModel, Unsupported) as e:
         return [f"could not ask onnxruntime which Casts its CPU provider inserts: {e.message}"]
     n, nbytes = _cast_bytes(model, refs, probe)
     if not n:

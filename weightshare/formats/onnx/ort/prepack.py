@@ -47,6 +47,8 @@ from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
+from .names import PREPACKED_ENTRY as PREPACKED_ENTRY  # the tests read it here
+from .names import apply_saved_hook, unknown_entry_message, unknown_keys
 from .opened import require_floor
 from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
 from .probe import STAMP_DOMAIN
@@ -54,7 +56,6 @@ from .reload import reload_change
 from .unfuse import drop_unused, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
-PREPACKED_ENTRY = "prepacked_"
 PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
 STAGE_BLOB = "plain"
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
@@ -124,6 +125,9 @@ class Relocator:
         """Place ``tensor``'s payload and its pre-packed buffers: its own ``prepacked_N`` entries (in its
         file) and ``packed_elsewhere`` ([entry value, file name in ``directory``], from node-by-node packing)."""
         e = _entries(tensor)
+        unknown = unknown_keys(e, frozenset({PACKED_FILE_KEY}))
+        if unknown:  # a packed copy under another ORT release's key would be dropped here, silently
+            raise Unsupported(f"--prepack: {unknown_entry_message(unknown[0])}")
         path = directory / e["location"]
         offset, length = int(e.get("offset", "0")), int(e.get("length", "-1"))
         if length < 0:
@@ -286,6 +290,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     result, child_peak = _run_ort(stage / src.name, src, options)
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
+    apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
     # a Cast of a constant left in ORT's graph ran at every run of the original (a shared fp16 weight or scalar):
     # a session loading the saved graph would fold it, and its readers would take a constant
     at_run = keep_casts_at_run(optimized.graph)
