@@ -376,6 +376,7 @@ def two_signature_lm(
     prefill: int = 8,
     seed: int = 0,
     decode_mask_seed: int | None = None,
+    scalar: bool = False,
 ) -> Path:
     """A toy LM as litert-torch 0.10 writes one (``litert_torch.signature("prefill", m, sample_kwargs=...)
     .signature("decode", m, ...)``; scripts/build_tflite_exporters.py prints the real one's ops): one subgraph per
@@ -389,7 +390,8 @@ def two_signature_lm(
     ``input_pos[0]`` (its generative layers' other update), which this builder can write without subgraphs.
 
     The decode signature alone reads one constant, its attention mask (``decode_mask_seed`` changes its values:
-    a weight only decode reads)."""
+    a weight only decode reads). ``scalar``: each signature also holds a 0-d intermediate tensor, as every
+    litert-torch LM does (LiteRT's Python API returns a numpy scalar, not an array, for one)."""
     rng = np.random.default_rng(seed)
     mb = ModelBuilder()
     shared = {
@@ -448,6 +450,11 @@ def two_signature_lm(
             [pos, g.const("slice_begin", np.array([0], np.int32)), g.const("slice_size", np.array([1], np.int32))],
             [first],
         )
+        if scalar:  # litert-torch's 0-d intermediates (a position as a scalar, reshaped back to [1])
+            step = g.tensor("model/pos0_scalar", [], "int32")
+            g.op(OP.RESHAPE, [first, g.const("model/scalar_shape", np.zeros(0, np.int32))], [step])
+            first = g.tensor("model/pos0_1", [1], "int32")
+            g.op(OP.RESHAPE, [step, g.const("model/one_shape", np.array([1], np.int32))], [first])
         zero = g.const("zero", np.array([0], np.int32))
         start = g.tensor("model/start", [3], "int32")
         g.op(
@@ -506,4 +513,37 @@ def conv_vision(path: Path, size: int = 160, layers: int = 4, seed: int = 0) -> 
         x, cin = y, 32
     g.outputs = [x]
     mb.signature("serving_default", g)
+    return mb.save(path)
+
+
+def mediapipe_member(path: Path, width: int = 256, layers: int = 2, seed: int = 0) -> Path:
+    """A model laid out as the members of MediaPipe's ``.task`` bundles are (face_blendshapes, face_detector, ...):
+    no SignatureDef (LiteRT's CompiledModel then has one ``<placeholder signature>``), tensors named by the
+    TF graph, and 0-d tensors among the activations. Landmarks ``input_points`` [1, 146, 2] -> centred by their
+    mean (MEAN over every axis: a 0-d tensor) -> RESHAPE [1, 292] -> ``layers`` x FULLY_CONNECTED(width, relu)
+    -> FULLY_CONNECTED(52) -> ``output`` [1, 52] (the 52 blendshape scores). ``width`` sets the size: 256 is
+    about 0.4 MiB of weights, 2048 with 2 layers about 19 MiB."""
+    rng = np.random.default_rng(seed)
+    mb = ModelBuilder()
+    g = mb.subgraph("main")
+    x = g.input("input_points", [1, 146, 2])
+    mean = g.tensor("model/mean", [], "float32")
+    axes = g.const("model/mean/reduction_indices", np.array([0, 1, 2], np.int32))
+    g.op(OP.MEAN, [x, axes], [mean], s.BuiltinOptions.ReducerOptions, s.ReducerOptionsT(keepDims=False))
+    centred = g.tensor("model/sub", [1, 146, 2], "float32")
+    g.op(OP.SUB, [x, mean], [centred], s.BuiltinOptions.SubOptions, s.SubOptionsT())
+    h = g.tensor("model/reshape", [1, 292], "float32")
+    g.op(OP.RESHAPE, [centred, g.const("model/reshape/shape", np.array([1, 292], np.int32))], [h])
+    cin = 292
+    relu = s.FullyConnectedOptionsT(fusedActivationFunction=s.ActivationFunctionType.RELU)
+    for i in range(layers):
+        w = g.const(f"model/dense_{i}/MatMul", (rng.standard_normal((width, cin)) / np.sqrt(cin)).astype(np.float32))
+        b = g.const(f"model/dense_{i}/BiasAdd", np.zeros(width, np.float32))
+        y = g.tensor(f"model/dense_{i}/Relu", [1, width], "float32")
+        g.op(OP.FULLY_CONNECTED, [h, w, b], [y], s.BuiltinOptions.FullyConnectedOptions, relu)
+        h, cin = y, width
+    w = g.const("model/output/MatMul", (rng.standard_normal((52, cin)) / np.sqrt(cin)).astype(np.float32))
+    out = g.tensor("output", [1, 52], "float32")
+    g.op(OP.FULLY_CONNECTED, [h, w, -1], [out], *_FC)
+    g.outputs = [out]
     return mb.save(path)

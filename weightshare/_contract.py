@@ -92,13 +92,15 @@ def inventory_dict(inv: ModelInventory) -> JsonDict:
     return d
 
 
-def _model_summary(inv: ModelInventory) -> JsonDict:
+def _model_summary(inv: ModelInventory, gate: Gate) -> JsonDict:
     return {
         "model": inv.model,
         "format": inv.format,
         "settings": list(inv.settings),
         "copied_per_session_by_setting": {s: inv.per_session(s) for s in inv.settings},
-        "copies_source": inv.copies_source,
+        # what the verdict was made of: the settings the gate held the model to
+        "copies_source": inv.source_of(gate.targeted(inv)),
+        "copies_source_by_setting": {s: inv.source_of([s]) for s in inv.settings},
         "fallback_of": inv.fallback_of,
         "default_setting": inv.default_setting,
         "activation_per_session_by_setting": dict(inv.measured_activation),
@@ -116,7 +118,7 @@ def check_document(
         "check",
         code,
         gate={"targets": list(gate.targets), "threshold": gate.threshold, "strict": strict},
-        models=[_model_summary(i) for i in inventories] + [_unreadable(f) for f in unreadable],
+        models=[_model_summary(i, gate) for i in inventories] + [_unreadable(f) for f in unreadable],
         findings=[f.to_dict() for f in findings],
         summary={"models": len(inventories) + len(unreadable), **count},
     )
@@ -129,6 +131,7 @@ def _unreadable(model: str) -> JsonDict:
         "settings": [],
         "copied_per_session_by_setting": {},
         "copies_source": "",
+        "copies_source_by_setting": {},
         "fallback_of": "",
         "default_setting": "",
         "activation_per_session_by_setting": {},

@@ -78,7 +78,16 @@ class ModelInventory:
 
     @property
     def copies_source(self) -> str:
-        return "measured" if self.measured else "static"
+        """How the figure of the setting the model is held to by default was made (``source_of``)."""
+        return self.source_of([self.default_setting] if self.default_setting else self.settings[:1])
+
+    def source_of(self, settings: list[str]) -> str:
+        """ "measured" when the runtime measured every one of ``settings``, "static" when none (the static rules'
+        estimate), "partly measured" between: a figure is called measured only when it was."""
+        done = [s for s in settings if s in self.measured]
+        if not settings:
+            return "measured" if self.measured else "static"
+        return "measured" if len(done) == len(settings) else "partly measured" if done else "static"
 
     def per_session(self, setting: str) -> int:
         """Bytes one more session costs under ``setting``: measured when it was, else the static estimate."""
@@ -113,6 +122,7 @@ class ModelInventory:
             copied_per_session_by_setting={s: self.per_session(s) for s in self.settings},
             static_copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings},
             copies_source=self.copies_source,
+            copies_source_by_setting={s: self.source_of([s]) for s in self.settings},
         )
         return d
 

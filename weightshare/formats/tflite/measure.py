@@ -30,6 +30,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..._inventory import MeasureInputs
 from ...errors import UsageError, WeightshareError
 from ...report import JsonDict
@@ -246,7 +248,9 @@ def arena_bytes(interp: Any, skip: set[int] | None = None) -> int:
             a = interp.tensor(d["index"])()
         except Exception:  # noqa: BLE001 -- a tensor without data (not allocated, delegated away) has no pages
             continue
-        if a.nbytes:
+        # a 0-d tensor comes back as a numpy scalar (a copy, no address): its few bytes share a page with the
+        # arena's other tensors, whose spans count that page
+        if isinstance(a, np.ndarray) and a.nbytes:
             spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
     return resident_bytes(spans)
 
@@ -310,12 +314,12 @@ def measure_copies(
                 timeout=TIMEOUT_S,
             )
         except RuntimeError as e:
-            notes.append(f"could not measure {setting}: {e}" + _STATIC_KEPT.get(setting, ""))
+            notes.append(f"could not measure {setting}: {e}{_STATIC_KEPT}")
             continue
         if "usage" in res:
             raise UsageError(str(res["usage"]))
         if "error" in res:
-            notes.append(f"LiteRT refuses the model under {setting}: {res['error']}" + _STATIC_KEPT.get(setting, ""))
+            notes.append(f"LiteRT refuses the model under {setting}: {res['error']}{_STATIC_KEPT}")
             continue
         data = res["data_pss"]
         growth = max(0, (data[-1] - data[0]) // (len(data) - 1))
@@ -343,7 +347,7 @@ def measure_copies(
 
 
 COMPILED_CACHE = "litert-compiled-cache"  # inventory.XNNPACK_CACHE
-_STATIC_KEPT = {COMPILED_CACHE: "; its figure is the static estimate"}
+_STATIC_KEPT = "; its figure is the static estimate"  # every setting not measured keeps the rules' figure
 
 
 def _settings(path: Path, notes: list[str]) -> list[tuple[str, bool, str]]:
@@ -355,6 +359,6 @@ def _settings(path: Path, notes: list[str]) -> list[tuple[str, bool, str]]:
     settings = [(setting, share, "interpreter") for setting, share in SETTINGS]
     cache, why = find_cache(path)  # hashes the model only when a cache file is beside it
     if cache is None:
-        notes.append(f"{COMPILED_CACHE} is not measured: {why}{_STATIC_KEPT[COMPILED_CACHE]}")
+        notes.append(f"{COMPILED_CACHE} is not measured: {why}{_STATIC_KEPT}")
         return settings
     return [*settings, (COMPILED_CACHE, True, "helper")]

@@ -1,0 +1,72 @@
+"""check and bench on the layouts real TFLite exporters write (issue 42, items 1 and 2).
+
+Before: models built as MediaPipe's ``.task`` members are (no SignatureDef, 0-d activations:
+``tflite_fixtures.mediapipe_member``) and as litert-torch writes an LM (two signatures, a 0-d intermediate:
+``two_signature_lm(scalar=True)``), as given and converted with ``--prepack``. Under test: `check --json`
+(LiteRT in measuring children) and `bench`. After: every setting is measured (no child crash on a 0-d tensor; a
+model without SignatureDef measured through ``weightshare.litert``), the JSON labels a figure "measured" only when
+it was, bench runs the helper on a model without signatures, and a copy under a loader that does not read the
+cache names that loader's fix, not another conversion.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tflite_fixtures import mediapipe_member, two_signature_lm
+
+pytest.importorskip("ai_edge_litert")
+
+
+def _summary(cli, *args) -> tuple[dict, dict]:
+    res = cli("check", *args, "--json")
+    doc = json.loads(res.stdout)
+    return doc["models"][0], doc
+
+
+@pytest.mark.parametrize("layout", ["mediapipe-member", "litert-torch-lm"])
+def test_check_measures_models_with_0d_tensors(cli, tmp_path, layout):
+    if layout == "mediapipe-member":
+        model = mediapipe_member(tmp_path / "face_blendshapes.tflite")
+    else:
+        model = two_signature_lm(tmp_path / "lm.tflite", vocab=512, width=64, scalar=True)
+    summary, _doc = _summary(cli, model)
+    assert not [n for n in summary["measure_notes"] if "could not measure" in n], summary["measure_notes"]
+    by = summary["copies_source_by_setting"]
+    assert by["litert-builtin"] == by["litert-xnnpack"] == "measured", summary
+    assert summary["copies_source"] == "measured"  # the default setting (litert-xnnpack) was measured
+
+
+def test_a_figure_is_measured_only_when_it_was(cli, tmp_path):
+    """A plain model has no cache: litert-compiled-cache keeps its static figure, and a gate held to it says so."""
+    model = mediapipe_member(tmp_path / "m.tflite")
+    summary, doc = _summary(cli, model, "--target", "litert-compiled-cache")
+    assert summary["copies_source_by_setting"]["litert-compiled-cache"] == "static"
+    assert summary["copies_source"] == "static", summary
+    summary, doc = _summary(cli, model, "--target", "litert-compiled-cache", "--target", "litert-xnnpack")
+    assert summary["copies_source"] == "partly measured", summary
+
+
+def test_check_measures_a_prepack_output_without_signatures_through_the_helper(cli, tmp_path):
+    """MediaPipe's members have no SignatureDef: the helper runs them through the Interpreter calls (CompiledModel's
+    placeholder signature), and a copy under the classic Interpreter's XNNPACK names the helper as the fix."""
+    model = mediapipe_member(tmp_path / "face_blendshapes.tflite", width=1024)
+    assert cli("convert", model, "-o", tmp_path / "out", "--prepack", "-q").returncode == 0
+    out = tmp_path / "out" / model.name
+    summary, doc = _summary(cli, out)
+    assert summary["default_setting"] == "litert-compiled-cache"
+    assert not [n for n in summary["measure_notes"] if "refuses" in n or "could not" in n], summary["measure_notes"]
+    assert summary["copies_source_by_setting"]["litert-compiled-cache"] == "measured", summary
+    assert summary["copied_per_session_by_setting"]["litert-compiled-cache"] < 1 << 20
+    (xnnpack,) = [f for f in doc["findings"] if f["code"] == "copied-per-session"]
+    assert "litert-xnnpack" in xnnpack["message"]
+    assert "re-run convert --prepack" not in xnnpack["fix"] and "weightshare.litert" in xnnpack["fix"], xnnpack
+
+
+def test_bench_runs_the_helper_on_a_model_without_signatures(cli, tmp_path):
+    model = mediapipe_member(tmp_path / "face_detector.tflite")
+    res = cli("bench", model, "--sessions", "1,2", "--json")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)["reports"][0]["rows"]
+    assert any(r["variant"] == "converted --prepack" for r in rows), rows
