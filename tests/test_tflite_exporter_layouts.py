@@ -70,3 +70,53 @@ def test_bench_runs_the_helper_on_a_model_without_signatures(cli, tmp_path):
     assert res.returncode == 0, res.stderr
     rows = json.loads(res.stdout)["reports"][0]["rows"]
     assert any(r["variant"] == "converted --prepack" for r in rows), rows
+
+
+def _same(a, b) -> bool:
+    """Details equal in every field (numpy arrays element for element, dicts recursively)."""
+    import numpy as np
+
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def test_helper_lists_details_exactly_as_litert(tmp_path):
+    """The helper's get_input_details()/get_output_details(), per signature and for the primary subgraph, equal
+    LiteRT's Interpreter's in order and in every field (index, name, dtype, shape, shape_signature, quantization
+    and its parameters, sparsity): code that fills inputs by position gets the same tensors. Models: the
+    litert-torch LM layout (two signatures; SignatureDef order tokens, input_pos, kv_cache_k_0, kv_cache_v_0, which
+    LiteRT lists sorted), the sample model (an int8 signature with quantized inputs) and a MediaPipe member
+    (no SignatureDef)."""
+    from ai_edge_litert.interpreter import Interpreter
+    from tflite_fixtures import sample_model
+
+    from weightshare.api import convert
+    from weightshare.litert import interpreter
+    from weightshare.options import ConvertOptions
+
+    models = [
+        two_signature_lm(tmp_path / "lm.tflite", vocab=256, width=32, scalar=True),
+        sample_model(tmp_path / "sample.tflite"),
+        mediapipe_member(tmp_path / "member.tflite"),
+    ]
+    for src in models:
+        convert(src, tmp_path / "out", ConvertOptions(prepack=True))
+        out = tmp_path / "out" / src.name
+        ref, it = Interpreter(model_path=str(out)), interpreter(out)
+        assert it.weightshare_cache is not None
+        assert _same(it.get_signature_list(), ref.get_signature_list())
+        for key in ref.get_signature_list():
+            ra, rb = ref.get_signature_runner(key), it.get_signature_runner(key)
+            assert _same(rb.get_input_details(), ra.get_input_details()), (src.name, key)
+            assert _same(rb.get_output_details(), ra.get_output_details()), (src.name, key)
+        if not ref.get_signature_list() or any(
+            ref.get_signature_runner(k)._subgraph_index == 0 for k in ref.get_signature_list()
+        ):
+            assert _same(it.get_input_details(), ref.get_input_details()), src.name
+            assert _same(it.get_output_details(), ref.get_output_details()), src.name
+        it.close()
