@@ -288,26 +288,34 @@ def sparse_encode(dense: np.ndarray, block: int = 1, index_kind: str = "i32"):
     return np.concatenate(values).astype(dense.dtype) if values else dense[:0, 0], sparsity
 
 
-def sparse_model(path: Path, dtype=np.float32, block: int = 1, seed: int = 5, index_kind: str = "i32") -> Path:
-    """DENSIFY(constant sparse weights) [-> DEQUANTIZE for fp16] -> FULLY_CONNECTED."""
+def sparse_model(
+    path: Path,
+    dtype=np.float32,
+    block: int = 1,
+    seed: int = 5,
+    index_kind: str = "i32",
+    rows: int = 64,
+    cols: int = 128,
+) -> Path:
+    """DENSIFY(constant sparse weights [rows, cols]) [-> DEQUANTIZE for fp16] -> FULLY_CONNECTED."""
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((64, 128)).astype(np.float32)
-    w[rng.random((64, 128 // 4)).repeat(4, axis=1) < 0.7] = 0  # 70% of 1x4 blocks are zero
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[rng.random((rows, cols // 4)).repeat(4, axis=1) < 0.7] = 0  # 70% of 1x4 blocks are zero
     w = w.astype(dtype)
     values, sparsity = sparse_encode(w, block, index_kind)
     mb = ModelBuilder()
     g = mb.subgraph("sparse")
-    x = g.input("x", [1, 128])
+    x = g.input("x", [1, cols])
     sp = g.const("w_sparse", values)
-    g.tensors[sp].shape = [64, 128]
+    g.tensors[sp].shape = [rows, cols]
     g.tensors[sp].sparsity = sparsity
-    dense = g.tensor("w_dense", [64, 128], dtype)
+    dense = g.tensor("w_dense", [rows, cols], dtype)
     g.op(OP.DENSIFY, [sp], [dense])
     if np.dtype(dtype) == np.float16:
-        w32 = g.tensor("w", [64, 128], "float32")
+        w32 = g.tensor("w", [rows, cols], "float32")
         g.op(OP.DEQUANTIZE, [dense], [w32])
         dense = w32
-    y = g.tensor("y", [1, 64], "float32")
+    y = g.tensor("y", [1, rows], "float32")
     g.op(OP.FULLY_CONNECTED, [x, dense, -1], [y], s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
     g.outputs = [y]
     mb.signature("sparse", g)

@@ -144,6 +144,7 @@ def _copies(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
             f"{len(payloads)} payloads ({_mib(sum(p.nbytes for p in payloads))}): "
             f"{payloads[0].copy_reason}; copied per session: {where}: {_names(payloads)}",
             gate.severity(inv, cost),
+            "; ".join(sorted({p.copy_fix for p in payloads if p.copy_fix})),
         )
 
 
@@ -211,6 +212,7 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
         sharing = inv.settings[0] if inv.settings else setting
         gone = setting != sharing and inv.measured.get(sharing, n) < min(gate.threshold, n / 2)
         unexplained = 2 * static < n and not gone  # neither the rules nor the sharing setting's figure explain it
+        fixes = sorted({p.copy_fix for p in copying if p.copy_fix})  # the static rules' own fixes for these copies
         add(
             Code.MEASURED_COPY,
             copying if not unexplained else [],
@@ -225,7 +227,7 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
             )
             + ")",
             severity,
-            _measured_fix(inv, setting, unexplained),
+            "; ".join(fixes) if fixes and not unexplained else _measured_fix(inv, setting, unexplained),
         )
 
 

@@ -32,6 +32,7 @@ class PayloadInfo:
     copy_reason: str = ""  # why a setting copies it, e.g. "MLAS pre-packs MatMul B at default options"
     copy_code: str = ""  # findings.Code value of that copy, set by the rule that found it
     copy_bytes: dict[str, int] = field(default_factory=dict)  # runtime setting -> bytes that copy alone costs
+    copy_fix: str = ""  # what removes that copy, when it is not the code's own fix (an opt-in --unpack)
     sha256: str = ""
     recorded_sha256: str = ""  # from the blob's metadata, when it has one
     duplicate_of: str = ""
