@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._check import exit_code
+from ._check import exit_code, paid_scenarios
 from ._checksum import split_digest
 from ._findings import Code, Finding, Severity
 from .report import ConversionReport, JsonDict, ZooReport
@@ -105,6 +105,7 @@ def _model_summary(inv: ModelInventory, gate: Gate) -> JsonDict:
         "default_setting": inv.default_setting,
         "activation_per_session_by_setting": dict(inv.measured_activation),
         "measure_notes": list(inv.measure_notes),  # how the figures were made (text output: on stderr)
+        "paid": [p.to_dict() for p in paid_scenarios(inv, gate)],  # what a user pays, converted vs original
     }
 
 
@@ -136,6 +137,7 @@ def _unreadable(model: str) -> JsonDict:
         "default_setting": "",
         "activation_per_session_by_setting": {},
         "measure_notes": [],
+        "paid": [],
     }
 
 

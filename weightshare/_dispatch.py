@@ -45,6 +45,8 @@ def inventory(
         inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
         if len(measured) > 3:  # a format that tells activation memory apart from weight copies
             inv.measured_activation = measured[3]
+        if len(measured) > 4:  # a format whose loader has a cost of its own: what the user pays, both ways
+            inv.paid = measured[4]
     return inv
 
 

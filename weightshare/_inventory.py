@@ -76,6 +76,11 @@ class ModelInventory:
     default_how: str = ""
     # A ``convert --prepack`` output: the runtime's packed copies are in its blob or cache already.
     prepack_output: bool = False
+    # What a user pays, measured (formats whose loader has a cost of its own: TFLite's ``weightshare.litert``):
+    # role ("converted": through the loader; "original": the same weights at the runtime's default) -> {"setting",
+    # "one_process": PSS bytes of one process with 1, 2, ... instances, "two_processes": PSS bytes of two processes
+    # with one instance each, alive at once}; empty when not measured.
+    paid: JsonDict = field(default_factory=dict)
 
     @property
     def copies_source(self) -> str:

@@ -422,6 +422,39 @@ def _run_primary(interp: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndar
     return {d["name"]: o for d, o in zip(interp.get_output_details(), outs)}
 
 
+def hold(
+    model_path: str,
+    share: bool,
+    loader: str,
+    bounds: dict[str, dict[str, int | None]],
+    dims: dict[str, int],
+    input_files: dict[str, str],
+    instances: int = 1,
+) -> list[Any]:
+    """In this (child) process: ``instances`` instances as a user opens them (the classic Interpreter, or
+    ``weightshare.litert.interpreter``), every signature run once, returned to be kept alive while
+    ``memory.in_children`` reads the PSS of every process holding them. Nothing else is imported: what the
+    process pays is what a user's would."""
+    given = {name: np.load(file, allow_pickle=False) for name, file in input_files.items()}
+    held: list[Any] = []
+    with native_stderr_silenced():
+        for _ in range(instances):
+            if loader == "helper":
+                shared, runs = _open_helper(model_path, bounds)
+                for _key, call, entry in runs:
+                    call(entry.feeds(0, given, None, dims))
+                held.append(shared)
+                del runs  # the classic Interpreter that made the inputs: the measurement's, not the user's
+                continue
+            interp = new_interpreter(model_path, share, allocate=False)
+            entries = entry_points(interp, model_path, bounds)
+            for _key, entry in entries:
+                entry(entry.feeds(0, given, None, dims))
+            del entries  # a signature runner holds the interpreter
+            held.append(interp)
+    return held
+
+
 LOADERS = ("interpreter", "helper")  # the classic Interpreter (share: no default delegates), weightshare.litert
 
 

@@ -88,6 +88,12 @@ def check(
     ),
     dim: list[str] = dim_option("For the measuring runs: "),
     inputs: list[str] = input_option("For the measuring runs: "),
+    instances: int = typer.Option(
+        4, "--instances", min=1, help="What a user pays: this many instances in one process (default 4)."
+    ),
+    processes: int = typer.Option(
+        2, "--processes", min=1, help="What a user pays: this many processes, one instance each (default 2)."
+    ),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
 ) -> None:
     """CI gate: exit 0 when every model is share-ready, 1 with one line per finding otherwise.
@@ -106,7 +112,7 @@ def check(
     how = output_format(as_json, format_, ("text", "json", "github", "sarif"))
     with user_errors():
         feeds = MeasureInputs(tuple(dim_args(dim).items()), tuple(input_args(inputs).items()))
-    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure, feeds=feeds)
+    gate = Gate(tuple(target), threshold, inline_threshold, not no_measure, feeds, instances, processes)
     with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes") as stage:
         result = run_gate(
             models, gate, strict, lambda path, i, n: stage(f"check: measuring {path} ({i}/{n}) in runtime children")

@@ -196,8 +196,9 @@ class MeasuresCopies(Protocol):
     """``check``/``inspect`` measure what one more session costs in the runtime itself."""
 
     def measure_copies(self, path: Path, feeds: MeasureInputs | None = None) -> tuple[Any, ...]:
-        """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting]);
-        ``feeds``: what the user said of the inputs (``check --dim/--input``)."""
+        """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting[, what
+        a user pays converted and original: ``ModelInventory.paid``]]); ``feeds``: what the user said of the inputs
+        (``check --dim/--input``)."""
         ...
 
 

@@ -65,7 +65,7 @@ class TfliteFormat(FormatDefaults):
 
     def measure_copies(
         self, path: Path, feeds: MeasureInputs | None = None
-    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], dict[str, Any]]:
         """Bytes one more LiteRT interpreter costs per setting, measured in child processes (``measure.py``)."""
         from .measure import measure_copies
 

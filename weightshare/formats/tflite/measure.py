@@ -189,6 +189,47 @@ def _probe_helper(
     return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers, "arena": [0] * len(pss)}
 
 
+PAID_COUNTS = ((1, 1), (1, SESSIONS), (2, 1))  # (processes, instances in each) measured for ``paid``
+
+
+def paid(
+    path: Path,
+    bounds: dict[str, dict[str, int | None]],
+    given: MeasureInputs,
+    measured: dict[str, int],
+    notes: list[str],
+) -> JsonDict:
+    """What a user pays for a ``--prepack`` output opened as ``weightshare.litert`` opens it ("converted": the
+    helper, its CompiledModel and the cache) against the same weights under LiteRT's default Interpreter
+    ("original": XNNPACK packing a private copy per interpreter): the PSS the model and its loader add to
+    fresh processes (``in_children``) with 1 and 4 instances in one process, and of two processes with one instance
+    each, alive at once. {} when either setting was not measured (no matching cache, LiteRT refused it)."""
+    from ..._runtimes.litert import hold
+    from ..._runtimes.memory import in_children
+
+    roles = (("converted", COMPILED_CACHE, True, "helper"), ("original", SETTINGS[1][0], False, "interpreter"))
+    if any(setting not in measured for _role, setting, _share, _loader in roles):
+        return {}
+    out: JsonDict = {}
+    for role, setting, share, loader in roles:
+        figures: JsonDict = {"setting": setting, "one_process": {}}
+        for processes, instances in PAID_COUNTS:
+            args: list[object] = [str(path), share, loader, bounds, dict(given.dims), dict(given.input_files)]
+            try:
+                pss = in_children(
+                    hold.__module__, "hold", [*args, instances], processes, MALLOC_ENV, TIMEOUT_S, loader == "helper"
+                )
+            except RuntimeError as e:
+                notes.append(f"what a user pays is not measured ({setting}: {e})")
+                return {}
+            if processes == 1:
+                figures["one_process"][str(instances)] = pss[0]
+            else:
+                figures["two_processes"] = sum(pss)
+        out[role] = figures
+    return out
+
+
 def buffers_note(setting: str, res: JsonDict, taken_off: bool = False) -> str | None:
     """The measured figure of ``setting`` includes each interpreter's own buffers: say how much they are
     (``taken_off``: they were taken off the weight figure as the bound of an arena the probe cannot read)."""
@@ -281,15 +322,17 @@ def available() -> bool:
 
 def measure_copies(
     path: Path, feeds: MeasureInputs | None = None
-) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], JsonDict]:
     """(setting id -> bytes of weights and copies of them one more interpreter keeps, setting id -> PSS of the child
-    with one interpreter, notes, setting id -> activation memory one more interpreter keeps); ({}, {}, [why not],
-    {}) when ai-edge-litert is not installed or measuring is off."""
+    with one interpreter, notes, setting id -> activation memory one more interpreter keeps, what a user pays in
+    PSS converted and original (``paid``)); ({}, {}, [why not], {}, {}) when ai-edge-litert is not installed or
+    measuring is off."""
     if not available():
         return (
             {},
             {},
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
+            {},
             {},
         )
     from ..._runtimes.litert import signature_bounds
@@ -343,7 +386,7 @@ def measure_copies(
         note = buffers_note(setting, res, taken_off=loader == "helper")
         if note:
             notes.append(note)
-    return out, one, notes, activation
+    return out, one, notes, activation, paid(path, bounds, given, out, notes)
 
 
 COMPILED_CACHE = "litert-compiled-cache"  # inventory.XNNPACK_CACHE
