@@ -1,4 +1,4 @@
-"""check and bench on the layouts real TFLite exporters write (issue 42, items 1 and 2).
+"""check and bench on the layouts real TFLite exporters write.
 
 Before: models built as MediaPipe's ``.task`` members are (no SignatureDef, 0-d activations:
 ``tflite_fixtures.mediapipe_member``) and as litert-torch writes an LM (two signatures, a 0-d intermediate:

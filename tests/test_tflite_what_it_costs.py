@@ -1,4 +1,4 @@
-"""What a user pays for a TFLite `--prepack` output, converted + loader against the original (issue 42, item 3).
+"""What a user pays for a TFLite `--prepack` output, converted + loader against the original.
 
 Before: a model laid out as MediaPipe's members are (``tflite_fixtures.mediapipe_member``), small (0.6 MiB) and
 larger (19 MiB), converted with `--prepack`. Under test: `check --json` (and `--strict`), whose figures are the PSS

@@ -15,6 +15,7 @@ from pathlib import Path
 from ._dispatch import inventory, load_input
 from ._findings import Code, Finding, Severity, TextEnum, code_named
 from ._inventory import MeasureInputs, ModelInventory, PayloadInfo
+from ._paid import paid_verdict
 from ._placement import AlignPolicy
 from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
@@ -22,7 +23,6 @@ from .errors import UsageError, WeightshareError
 from .formats import get, model_suffixes, registered
 from .formats.base import MeasuresCopies
 from .options import INLINE_THRESHOLD
-from .report import JsonDict
 
 COPY_THRESHOLD = 1 << 20  # bytes per session a copy may cost before `check` fails on it (--threshold)
 MAX_RATIO = 1.10  # a measured growth counts when 4 sessions cost more than this times one session's PSS
@@ -260,101 +260,12 @@ def _measured_fix(inv: ModelInventory, setting: str, unexplained: bool) -> str:
     )
 
 
-@dataclass(frozen=True)
-class Paid:
-    """PSS of ``processes`` processes running ``instances`` instances (spread evenly), through the loader the
-    conversion was made for ("converted") and at the runtime's default ("original"); ``extrapolated``: not a
-    measured configuration (measured: 1 to 4 instances in one process, and 2 processes with one each)."""
-
-    instances: int
-    processes: int
-    converted: int
-    original: int
-    extrapolated: bool
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "instances": self.instances,
-            "processes": self.processes,
-            "converted": self.converted,
-            "original": self.original,
-            "extrapolated": self.extrapolated,
-        }
-
-
-def _pss(figures: JsonDict, instances: int, processes: int) -> tuple[int, bool]:
-    """PSS of ``processes`` processes with ``instances`` instances in all, from the measured ones: the figure itself
-    where it was measured, else shared pages once plus each process's own (what the second process added) plus
-    each further instance's growth."""
-    one = {int(k): int(v) for k, v in figures["one_process"].items()}
-    two = int(figures["two_processes"])
-    if processes == 1 and instances in one:
-        return one[instances], False
-    if processes == 2 and instances == 2:
-        return two, False
-    first, last = min(one), max(one)
-    growth = (one[last] - one[first]) / (last - first) if last > first else 0.0
-    single = one[first] - (first - 1) * growth  # one process with one instance
-    own = two - single  # a process's own pages: the second process's PSS less what it shares with the first
-    shared = single - own
-    return int(shared + processes * own + (instances - processes) * growth), True
-
-
-def paid_scenarios(inv: ModelInventory, gate: Gate) -> list[Paid]:
-    """What a user pays under the gate's two configurations: ``instances`` in one process, ``processes`` processes
-    with one instance each; [] when the format measured no loader of its own."""
-    if not {"converted", "original"} <= inv.paid.keys():
-        return []
-    out = []
-    for instances, processes in ((gate.instances, 1), (gate.processes, gate.processes)):
-        conv, guessed = _pss(inv.paid["converted"], instances, processes)
-        orig, guessed_too = _pss(inv.paid["original"], instances, processes)
-        out.append(Paid(instances, processes, conv, orig, guessed or guessed_too))
-    return out
-
-
-def _break_even(inv: ModelInventory, per_process: bool, limit: int = 4096) -> int | None:
-    """The fewest instances in one process (or processes with one instance each) at which the conversion costs
-    no more than the original; None within ``limit``."""
-    for n in range(1, limit + 1):
-        shape = (n, n) if per_process else (n, 1)
-        if _pss(inv.paid["converted"], *shape)[0] <= _pss(inv.paid["original"], *shape)[0]:
-            return n
-    return None
-
-
 def _what_it_costs(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
     """What a user pays converted (through its loader, fixed cost per process included) against the original:
     a warning where the conversion costs more, with the break-even; else the figures, as information."""
-    scenarios = paid_scenarios(inv, gate)
-    if not scenarios:
-        return
-    conv_setting, orig_setting = inv.paid["converted"]["setting"], inv.paid["original"]["setting"]
-
-    def where(p: Paid) -> str:
-        what = f"{p.instances} instances in one process" if p.processes == 1 else f"{p.processes} processes"
-        label = " (extrapolated from 1 and 4 instances and 2 processes)" if p.extrapolated else ""
-        return f"{what}: {_mib(p.converted)} converted vs {_mib(p.original)} original{label}"
-
-    figures = "; ".join(where(p) for p in scenarios)
-    head = (
-        f"what a user pays (PSS the model and its runtime add to the processes, measured; converted: as "
-        f"{conv_setting} opens it, its fixed cost per process included; original: the same weights under "
-        f"{orig_setting}): {figures}"
-    )
-    if not any(p.converted > p.original for p in scenarios):
-        add(Code.WHAT_IT_COSTS, [], head, Severity.INFO)
-        return
-    even = []
-    for per_process, what in ((False, "instances in one process"), (True, "processes")):
-        n = _break_even(inv, per_process)
-        even.append(f"from {n} {what}" if n else f"not within 4096 {what}")
-    add(
-        Code.COSTS_MORE,
-        [],
-        f"{head}: the conversion costs more; break-even: {' or '.join(even)} (extrapolated beyond the measured)",
-        Severity.WARNING,
-    )
+    verdict = paid_verdict(inv, gate.instances, gate.processes)
+    if verdict is not None:
+        add(verdict[0], [], verdict[1], verdict[2])
 
 
 def _activations(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:

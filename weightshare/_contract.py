@@ -15,9 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._check import exit_code, paid_scenarios
+from ._check import exit_code
 from ._checksum import split_digest
 from ._findings import Code, Finding, Severity
+from ._paid import paid_scenarios
 from .report import ConversionReport, JsonDict, ZooReport
 
 if TYPE_CHECKING:
@@ -105,7 +106,8 @@ def _model_summary(inv: ModelInventory, gate: Gate) -> JsonDict:
         "default_setting": inv.default_setting,
         "activation_per_session_by_setting": dict(inv.measured_activation),
         "measure_notes": list(inv.measure_notes),  # how the figures were made (text output: on stderr)
-        "paid": [p.to_dict() for p in paid_scenarios(inv, gate)],  # what a user pays, converted vs original
+        # what a user pays, converted vs original (check --instances / --processes)
+        "paid": [p.to_dict() for p in paid_scenarios(inv, gate.instances, gate.processes)],
     }
 
 
