@@ -92,6 +92,7 @@ def test_helper_lists_details_exactly_as_litert(tmp_path):
     litert-torch LM layout (two signatures; SignatureDef order tokens, input_pos, kv_cache_k_0, kv_cache_v_0, which
     LiteRT lists sorted), the sample model (an int8 signature with quantized inputs) and a MediaPipe member
     (no SignatureDef)."""
+    import numpy as np
     from ai_edge_litert.interpreter import Interpreter
     from tflite_fixtures import sample_model
 
@@ -114,6 +115,8 @@ def test_helper_lists_details_exactly_as_litert(tmp_path):
             ra, rb = ref.get_signature_runner(key), it.get_signature_runner(key)
             assert _same(rb.get_input_details(), ra.get_input_details()), (src.name, key)
             assert _same(rb.get_output_details(), ra.get_output_details()), (src.name, key)
+            feeds = {n: np.zeros(d["shape"], d["dtype"]) for n, d in ra.get_input_details().items()}
+            assert list(rb(**feeds)) == list(ra(**feeds)), (src.name, key)  # results in LiteRT's order too
         if not ref.get_signature_list() or any(
             ref.get_signature_runner(k)._subgraph_index == 0 for k in ref.get_signature_list()
         ):
