@@ -246,7 +246,7 @@ def _measured_fix(inv: ModelInventory, setting: str, unexplained: bool) -> str:
     if inv.prepack_output and inv.default_how and setting != inv.default_setting:
         # the copies are this setting's own (a loader that does not read what --prepack stored): the fix is the
         # loader the output was made for, not another conversion
-        return f"load it {inv.default_how}, which maps the packed copies stored with it; or load with {sharing}"
+        return f"load it {inv.default_how}, the loader it was made for; or load with {sharing}"
     if inv.prepack_output:
         other = f"; or load with {sharing}" if sharing and sharing != setting else ""
         return (
