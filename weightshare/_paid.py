@@ -17,6 +17,8 @@ from .report import JsonDict
 
 __all__ = ["Paid", "paid_scenarios", "paid_verdict"]
 
+ROLES = ("converted", "original")
+
 
 def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
@@ -110,7 +112,11 @@ def paid_verdict(inv: ModelInventory, instances: int, processes: int) -> tuple[C
     even = []
     for per_process, what in ((False, "instances in one process"), (True, "processes")):
         n = _break_even(inv, per_process)
-        even.append(f"from {n} {what}" if n else f"not within 4096 {what}")
+        if n:
+            even.append(f"from {n} {what}")
+            continue
+        extra = [_pss(inv.paid[r], *((2, 2) if per_process else (2, 1)))[0] - _pss(inv.paid[r], 1, 1)[0] for r in ROLES]
+        even.append(f"never by adding {what} (each adds {_mib(extra[0])} converted vs {_mib(extra[1])} original)")
     return (
         Code.COSTS_MORE,
         f"{head}: the conversion costs more; break-even: {' or '.join(even)} (extrapolated beyond the measured)",
