@@ -25,6 +25,7 @@ def _summary(cli, *args) -> tuple[dict, dict]:
     return doc["models"][0], doc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["mediapipe-member", "litert-torch-lm"])
 def test_check_measures_models_with_0d_tensors(cli, tmp_path, layout):
     if layout == "mediapipe-member":
@@ -38,6 +39,7 @@ def test_check_measures_models_with_0d_tensors(cli, tmp_path, layout):
     assert summary["copies_source"] == "measured"  # the default setting (litert-xnnpack) was measured
 
 
+@pytest.mark.slow
 def test_a_figure_is_measured_only_when_it_was(cli, tmp_path):
     """A plain model has no cache: litert-compiled-cache keeps its static figure, and a gate held to it says so."""
     model = mediapipe_member(tmp_path / "m.tflite")
@@ -48,6 +50,7 @@ def test_a_figure_is_measured_only_when_it_was(cli, tmp_path):
     assert summary["copies_source"] == "partly measured", summary
 
 
+@pytest.mark.slow
 def test_check_measures_a_prepack_output_without_signatures_through_the_helper(cli, tmp_path):
     """MediaPipe's members have no SignatureDef: the helper runs them through the Interpreter calls (CompiledModel's
     placeholder signature), and a copy under the classic Interpreter's XNNPACK names the helper as the fix."""
@@ -125,6 +128,7 @@ def test_helper_lists_details_exactly_as_litert(tmp_path):
         it.close()
 
 
+@pytest.mark.slow
 def test_sparse_rule_matches_what_litert_copies(cli, tmp_path):
     """A sparse (DENSIFY) --prepack output, 2 MiB dense: the static per-setting figures are within 2x of LiteRT's
     measured ones (the rule said 2 MiB under the default XNNPACK delegate, which keeps 4.7: its dense copy beside
