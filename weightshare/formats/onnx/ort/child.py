@@ -123,7 +123,7 @@ def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -
     return ""
 
 
-PACKED_BIN = "packed.bin"  # every node's packed buffers, appended as each node is packed
+PACKED_BIN = "packed.bin"  # packed buffers moved out of ORT's files (segments'; nodes' where no holes are made)
 
 
 def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
@@ -162,6 +162,7 @@ def pack(
     import os
 
     from ...._platform import malloc_trim
+    from ..disk_use import can_punch
     from .types import all_nodes, infer
 
     model = onnx.load(opt_model, load_external_data=False)
@@ -219,8 +220,11 @@ def pack(
             continue
         packed = onnx.load(packed_model, load_external_data=False)
         os.unlink(packed_model)
-        packing = Packing()
-        with open(os.path.join(stage, f"node{n}.packed.bin"), "rb") as src, open(packed_bin, "ab") as dst:
+        packing, node_bin = Packing(), f"node{n}.packed.bin"
+        # ORT's file holds the node's weights, then their packed copies: where blocks can be freed, the packed
+        # bytes stay where ORT wrote them (written once) and the weights' blocks go; else they are moved out
+        in_place, kept = can_punch(), []
+        with open(os.path.join(stage, node_bin), "rb") as src, open(packed_bin, "ab") as dst:
             for t in packed.graph.initializer:
                 for e in t.external_data:
                     if e.key.startswith("prepacked_"):
@@ -231,16 +235,36 @@ def pack(
                             # bytes under the same key, which the blob keeps once; not written twice to the staging
                             packing.add(list(node.input).index(t.name), *same[0])
                             continue
-                        value, size = _move_packed(e.value, src, dst)
-                        found.setdefault(t.name, []).append([value, PACKED_BIN])
-                        packing.add(list(node.input).index(t.name), value, PACKED_BIN)
+                        if in_place:
+                            value, file = e.value, node_bin
+                            size = sum(int(b.split(";")[1]) for b in value.split("|")[1:])
+                            kept.append(value)
+                        else:
+                            (value, size), file = _move_packed(e.value, src, dst), PACKED_BIN
+                        found.setdefault(t.name, []).append([value, file])
+                        packing.add(list(node.input).index(t.name), value, file)
                         op.packed_bytes += size
-        os.unlink(os.path.join(stage, f"node{n}.packed.bin"))  # its copy of the node's weights goes at once
+        if kept:
+            _free_all_but(os.path.join(stage, node_bin), kept)
+        else:
+            os.unlink(os.path.join(stage, node_bin))  # its copy of the node's weights goes at once
         if not packing.entries:
             packing.skip = _packs_nothing(node)
         made[key] = packing
         _tally(op, packing, node)
     return found, tally, (made if known is not None else {})
+
+
+def _free_all_but(path: str, values: list[str]) -> None:
+    """Free the blocks of ``path`` outside the packed buffers of ``values`` (``prepacked_N`` entries into it)."""
+    from ..disk_use import punch
+
+    spans = sorted((int(b.split(";")[0]), int(b.split(";")[1])) for v in values for b in v.split("|")[1:])
+    at = 0
+    for offset, size in [*spans, (os.path.getsize(path), 0)]:
+        if offset > at:
+            punch(path, at, offset - at)
+        at = max(at, offset + size)
 
 
 def _packs_nothing(node: onnx.NodeProto) -> str:
