@@ -53,11 +53,13 @@ for name in sorted(os.listdir(src)):
 """
 
 
-def measured(cmd: list[str], env: dict[str, str] | None = None) -> tuple[dict[str, float], str]:
+def measured(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[dict[str, float], str]:
     """Run ``cmd``; its wall, the tree's CPU, peak RSS and bytes written (wait4), and its stdout."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         start = time.perf_counter()
-        p = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})})
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, env={**os.environ, **(env or {})}, cwd=cwd)
         _pid, status, ru = os.wait4(p.pid, 0)  # the tree's usage: every descendant was waited for
         wall = time.perf_counter() - start
         p.returncode = os.waitstatus_to_exitcode(status)
@@ -88,9 +90,12 @@ def checkout(rev: str, where: Path) -> Path:
     return where
 
 
-def convert(src: Path, out: Path, *flags: str, env: dict[str, str] | None = None) -> dict[str, float]:
+def convert(
+    src: Path, out: Path, *flags: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> dict[str, float]:
+    """``python -m weightshare convert`` (from ``cwd``, which ``-m`` puts first on the path)."""
     cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "-q", "--json", *flags]
-    figures, stdout = measured(cmd, env)
+    figures, stdout = measured(cmd, env, cwd)
     doc = json.loads(stdout)
     reports = doc["reports"]
     figures["peak_mib"] = max([r["peak_rss_mib"] for r in reports] + [(doc.get("folder") or {}).get("peak_rss_mib", 0)])
@@ -148,7 +153,8 @@ def main() -> None:
         if args.base:
             old = checkout(args.base, t / "base")
             path = os.pathsep.join([str(old), os.environ.get("PYTHONPATH", "")])
-            routes[f"--prepack at {args.base}"] = convert(src, t / "base_out", "--prepack", env={"PYTHONPATH": path})
+            base_env = {"PYTHONPATH": path}
+            routes[f"--prepack at {args.base}"] = convert(src, t / "base_out", "--prepack", env=base_env, cwd=old)
         routes["--prepack, reuse off (before)"] = convert(src, t / "before", "--prepack", env={REUSE_ENV: "0"})
         routes["--prepack (after)"] = convert(src, t / "after", "--prepack")
         (t / "anchor").mkdir()
