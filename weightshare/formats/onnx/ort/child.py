@@ -208,7 +208,9 @@ def pack(
             refused = _pack_node(name, packed_model, f"node{n}.packed.bin", min_external)
         finally:
             os.unlink(name)
-            gc.collect()
+            # the session went with _pack_node's frame (refcount); a full collection per node cost 24 ms (a
+            # merged decoder's 24 nodes: 0.57 of its child's 1.96 s CPU), the young generation catches the rest
+            gc.collect(0)
             malloc_trim()
         op.sessions += 1
         if refused:
