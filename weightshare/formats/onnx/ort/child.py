@@ -438,6 +438,7 @@ def optimize_bounded(
         reset=sharer.reset if sharer else None,
         optimize_packed=run_packed if sharer else None,
         optimize_referenced=run_referenced,
+        optimize_whole=run_referenced if sharer else None,  # ``share_unchanged`` moves its inline tensors out
     )
     return segmenter.run().as_dict()
 
@@ -480,6 +481,27 @@ class Sharer:
         """Nothing settled so far is kept (the graph is optimized in one piece after all)."""
         open(os.path.join(self.stage, self.REST), "wb").close()
         open(os.path.join(self.stage, PACKED_BIN), "wb").close()
+
+    def externalize(self, opt: onnx.ModelProto, min_external: int) -> None:
+        """Move ``opt``'s inline initializers of ``min_external`` bytes or more (raw data), subgraphs' included,
+        to ``ort.rest.bin``."""
+        graphs = [opt.graph]
+        with open(os.path.join(self.stage, self.REST), "ab") as out:
+            while graphs:
+                g = graphs.pop()
+                for n in g.node:
+                    for a in n.attribute:
+                        graphs += [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+                for t in g.initializer:
+                    if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) < max(min_external, 1):
+                        continue
+                    offset, length = out.seek(0, 2), len(t.raw_data)
+                    out.write(t.raw_data)
+                    t.ClearField("raw_data")
+                    t.data_location = onnx.TensorProto.EXTERNAL
+                    for k, v in (("location", self.REST), ("offset", str(offset)), ("length", str(length))):
+                        entry = t.external_data.add()
+                        entry.key, entry.value = k, v
 
     def settle(self, opt: onnx.ModelProto, tag: str = "") -> list[str]:
         """Re-point ``opt``'s external initializers (plain payload, or the changed bytes in a file of its
@@ -567,11 +589,15 @@ def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO, short: s
         length -= len(chunk)
 
 
-def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) -> None:
+def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None, min_external: int = 0) -> None:
     """``Sharer.settle`` of the saved optimized model ``out_model`` (what segments left unsettled:
-    the whole-graph session's file)."""
+    the whole-graph session's file). ``min_external``: an initializer ORT wrote inline from this size on (a
+    session saving references writes what it changed inline) goes to the changed tensors' file, as ORT would
+    have written it to its own."""
     sharer = sharer or Sharer(model, os.path.dirname(out_model))
     opt = onnx.load(out_model, load_external_data=False)
+    if min_external:
+        sharer.externalize(opt, min_external)
     sharer.settle(opt)
     with open(out_model, "wb") as f:
         f.write(opt.SerializeToString())
@@ -594,7 +620,7 @@ def main(argv: list[str]) -> int:
 
     sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)))
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
-    share_unchanged(model, out_model, sharer)
+    share_unchanged(model, out_model, sharer, int(min_external))
     made: dict[str, Packing] = {}
     if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
