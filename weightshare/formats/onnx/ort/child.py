@@ -438,7 +438,7 @@ def optimize_bounded(
         reset=sharer.reset if sharer else None,
         optimize_packed=run_packed if sharer else None,
         optimize_referenced=run_referenced,
-        optimize_whole=run_referenced if sharer else None,  # ``share_unchanged`` moves its inline tensors out
+        settles_inline=sharer is not None and sharer.min_external > 0,
     )
     return segmenter.run().as_dict()
 
@@ -470,8 +470,11 @@ class Sharer:
 
     REST = "ort.rest.bin"
 
-    def __init__(self, model: str, stage: str) -> None:
+    def __init__(self, model: str, stage: str, min_external: int = 0) -> None:
         self.stage = stage
+        # > 0: what a session wrote inline from this size on is moved out (``externalize``), so the sessions that
+        # pack nothing may save references instead of writing every weight again (``Segmenter.settles_inline``)
+        self.min_external = min_external
         src = onnx.load(model, load_external_data=False)
         self.plain = {t.name: t for t in src.graph.initializer if _external(t)}
         self.kept = {self.REST} | {w[0] for t in self.plain.values() if (w := _external(t)) is not None}
@@ -482,11 +485,13 @@ class Sharer:
         open(os.path.join(self.stage, self.REST), "wb").close()
         open(os.path.join(self.stage, PACKED_BIN), "wb").close()
 
-    def externalize(self, opt: onnx.ModelProto, min_external: int) -> None:
+    def externalize(self, opt: onnx.ModelProto, rest: str) -> None:
         """Move ``opt``'s inline initializers of ``min_external`` bytes or more (raw data), subgraphs' included,
-        to ``ort.rest.bin``."""
+        to ``rest``: a session that saved references wrote what it changed inline, where ORT's own file would have
+        held it."""
+        min_external = self.min_external
         graphs = [opt.graph]
-        with open(os.path.join(self.stage, self.REST), "ab") as out:
+        with open(os.path.join(self.stage, rest), "ab") as out:
             while graphs:
                 g = graphs.pop()
                 for n in g.node:
@@ -499,7 +504,7 @@ class Sharer:
                     out.write(t.raw_data)
                     t.ClearField("raw_data")
                     t.data_location = onnx.TensorProto.EXTERNAL
-                    for k, v in (("location", self.REST), ("offset", str(offset)), ("length", str(length))):
+                    for k, v in (("location", rest), ("offset", str(offset)), ("length", str(length))):
                         entry = t.external_data.add()
                         entry.key, entry.value = k, v
 
@@ -513,6 +518,8 @@ class Sharer:
 
         rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
         self.kept |= {rest, packed}
+        if self.min_external:
+            self.externalize(opt, rest)
         old_files: set[str] = set()
         with (
             open(os.path.join(self.stage, rest), "ab") as out,
@@ -589,15 +596,11 @@ def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO, short: s
         length -= len(chunk)
 
 
-def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None, min_external: int = 0) -> None:
+def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) -> None:
     """``Sharer.settle`` of the saved optimized model ``out_model`` (what segments left unsettled:
-    the whole-graph session's file). ``min_external``: an initializer ORT wrote inline from this size on (a
-    session saving references writes what it changed inline) goes to the changed tensors' file, as ORT would
-    have written it to its own."""
+    the whole-graph session's file)."""
     sharer = sharer or Sharer(model, os.path.dirname(out_model))
     opt = onnx.load(out_model, load_external_data=False)
-    if min_external:
-        sharer.externalize(opt, min_external)
     sharer.settle(opt)
     with open(out_model, "wb") as f:
         f.write(opt.SerializeToString())
@@ -618,9 +621,9 @@ def main(argv: list[str]) -> int:
     die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
     import onnxruntime as ort
 
-    sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)))
+    sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)), int(min_external))
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
-    share_unchanged(model, out_model, sharer, int(min_external))
+    share_unchanged(model, out_model, sharer)
     made: dict[str, Packing] = {}
     if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
