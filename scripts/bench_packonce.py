@@ -174,17 +174,19 @@ def main() -> None:
         )
         print(f"reuse changed no byte (reuse off and on compared): {same_files(t / 'before', t / 'after')}")
         print(f"outputs bit-identical to the originals (batch 1 and 8, both branches): {identical(src, t / 'after')}")
-        one = t / "one"
-        one.mkdir()
-        for f in src.iterdir():
-            if f.name.startswith("decoder_model."):
-                os.link(f, one / f.name)
-        single = convert(one / "decoder_model.onnx", t / "one_out", "--prepack")
-        print(
-            f"\n--prepack of decoder_model.onnx alone: {single['written_mib']:.0f} MiB written for "
-            f"{single['outputs_mib']:.0f} MiB of outputs ({single['written_mib'] / single['outputs_mib']:.2f}x); "
-            f"CPU {single['cpu_s']:.1f} s"
-        )
+        print()
+        for stem, what in (("decoder_model", "cut in segments"), ("decoder_model_merged", "one piece: an If")):
+            one = t / stem
+            one.mkdir()
+            for f in src.iterdir():
+                if f.name.startswith(f"{stem}."):
+                    os.link(f, one / f.name)
+            single = convert(one / f"{stem}.onnx", t / f"{stem}_out", "--prepack")
+            print(
+                f"--prepack of {stem}.onnx alone ({what}): {single['written_mib']:.0f} MiB written for "
+                f"{single['outputs_mib']:.0f} MiB of outputs ({single['written_mib'] / single['outputs_mib']:.2f}x); "
+                f"CPU {single['cpu_s']:.1f} s"
+            )
 
 
 if __name__ == "__main__":
