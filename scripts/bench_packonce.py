@@ -100,8 +100,9 @@ def convert(
     reports = doc["reports"]
     figures["peak_mib"] = max([r["peak_rss_mib"] for r in reports] + [(doc.get("folder") or {}).get("peak_rss_mib", 0)])
     figures["outputs_mib"] = size_mib(out)
-    figures["sessions"] = sum(r.get("prepack", {}).get("node_sessions", 0) for r in reports)
-    figures["reused"] = sum(r.get("prepack", {}).get("nodes_reused", 0) for r in reports)
+    if any("node_sessions" in r.get("prepack", {}) for r in reports):  # counted since the reuse
+        figures["sessions"] = sum(r["prepack"].get("node_sessions", 0) for r in reports if r.get("prepack"))
+        figures["reused"] = sum(r["prepack"].get("nodes_reused", 0) for r in reports if r.get("prepack"))
     return figures
 
 
