@@ -866,9 +866,10 @@ class Segmenter:
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            # a segment's session saves its weights again even where it packs nothing: saved as references, the
-            # pair check of the attention form failed one more cut (not understood yet), so only the one-piece
-            # session saves references (``_whole``)
+            # a segment's session saves its weights again even where it packs nothing. Not as references: ORT 1.32
+            # then leaves out attributes at their defaults that its file route writes (com.microsoft Attention's
+            # ``unidirectional``), and ``fingerprint`` compares attributes as written, so a referenced segment
+            # beside a packing one (file route) fails its pair check (the attention form: one more cut dropped)
             part = self._run(*key, tag=self._tag(key), prepack=self.packs_itself(key))
             if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
                 self.files[key] = self.settle(part, self._tag(key))
