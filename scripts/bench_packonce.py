@@ -3,8 +3,9 @@
     python scripts/bench_packonce.py [--mib 48] [--workdir DIR]
 
 optimum's decoder export (``model_forms.decoder_family``: decoder_model.onnx, decoder_with_past_model.onnx,
-decoder_model_merged.onnx, the same fp32 weights in three data files) at ``--mib`` per model, converted as a folder,
-side by side in one run:
+decoder_model_merged.onnx, the same fp32 weights in three data files) at ``--mib`` per model, and a T5-like folder
+(``decoder_fixtures.t5_like``, hidden 1280: encoder, decoder and decoder_with_past, the decoders sharing their
+weights), each converted as a folder, side by side in one run:
 - plain ``convert``;
 - ``--prepack`` as of ``--base`` (89e1c40: before this work), with the run's packing reuse off
   (``WEIGHTSHARE_PREPACK_REUSE=0``: every model packs its own) and on;
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import _builders  # noqa: F401  (tests/ on the path: the model builders)
@@ -135,46 +137,97 @@ def row(label: str, f: dict[str, float], base: dict[str, float]) -> str:
     )
 
 
+T5_HEADS, T5_SIZE = 20, 64  # hidden 1280: decoder 39 MiB, decoder_with_past 26 MiB, encoder 6.6 MiB
+
+
+def t5_feeds(path: Path, batch: int) -> dict[str, np.ndarray]:
+    """Inputs for ``decoder_fixtures.t5_like``'s models: token ids, masks of ones, random past."""
+    import decoder_fixtures as fx
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    rng = np.random.default_rng(batch)
+    named = {"num_heads": T5_HEADS, "d_kv": T5_SIZE, "d_model": T5_HEADS * T5_SIZE, "batch_size": batch}
+    named |= {"past_decoder_sequence_length": 5, "encoder_sequence_length": 6, "encoder_sequence_length_out": 6}
+    named["decoder_sequence_length"] = 1 if "with_past" in path.name else 3
+    feeds = {}
+    for vi in model.graph.input:
+        tt = vi.type.tensor_type
+        shape = [named[d.dim_param] if d.dim_param else d.dim_value for d in tt.shape.dim]
+        if vi.name == "input_ids":
+            feeds[vi.name] = rng.integers(0, fx.VOCAB, shape, dtype=np.int64)
+        elif tt.elem_type == onnx.TensorProto.INT64:
+            feeds[vi.name] = np.ones(shape, np.int64)
+        else:
+            feeds[vi.name] = rng.standard_normal(shape, dtype=np.float32)
+    return feeds
+
+
+def t5_identical(src: Path, out: Path) -> bool:
+    import onnxruntime as ort
+
+    ok = True
+    for m in sorted(src.glob("*.onnx")):
+        a, b = ort.InferenceSession(str(m)), ort.InferenceSession(str(out / m.name))
+        for batch in (1, 8):
+            feeds = t5_feeds(m, batch)
+            ok = ok and all(np.array_equal(x, y) for x, y in zip(a.run(None, feeds), b.run(None, feeds)))
+    return ok
+
+
+def family(t: Path, title: str, src: Path, check: Callable[[Path, Path], bool], base_rev: str) -> None:
+    """Every route on the folder ``src``, side by side."""
+    print(f"\n== {title}: {size_mib(src):.0f} MiB ==")
+    routes: dict[str, dict[str, float]] = {}
+    routes["convert (plain)"] = convert(src, t / "plain")
+    if base_rev:
+        old = checkout(base_rev, t / "base")
+        path = os.pathsep.join([str(old), os.environ.get("PYTHONPATH", "")])
+        routes[f"--prepack at {base_rev}"] = convert(
+            src, t / "base_out", "--prepack", env={"PYTHONPATH": path}, cwd=old
+        )
+    routes["--prepack, reuse off (before)"] = convert(src, t / "before", "--prepack", env={REUSE_ENV: "0"})
+    routes["--prepack (after)"] = convert(src, t / "after", "--prepack")
+    (t / "anchor").mkdir()
+    anchor, _ = measured([sys.executable, "-c", ANCHOR, str(src), str(t / "anchor")])
+    anchor["outputs_mib"] = size_mib(t / "anchor")
+    routes["ORT save-prepacked, 1 session/model"] = anchor
+    base = routes["convert (plain)"]
+    head = f"{'':34}{'wall s':>8}{'CPU s':>8}{'/plain':>8}{'peak MiB':>9}{'written':>10}{'outputs':>9}{'w/out':>8}"
+    print(head + f"{'sessions/reused':>16}")
+    for label, f in routes.items():
+        print(row(label, f, base))
+    after = routes["--prepack (after)"]
+    target = anchor["cpu_s"] + base["cpu_s"]
+    print(
+        f"target: --prepack CPU <= ORT's save-prepacked + plain = {target:.1f} s: "
+        f"{after['cpu_s']:.1f} s ({after['cpu_s'] / target:.2f}x)"
+    )
+    print(f"reuse changed no byte (reuse off and on compared): {same_files(t / 'before', t / 'after')}")
+    print(f"outputs bit-identical to the originals (batch 1 and 8): {check(src, t / 'after')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--mib", type=float, default=48.0, help="weights per model")
+    ap.add_argument("--mib", type=float, default=48.0, help="weights per model of the decoder family")
     ap.add_argument("--workdir", default=None, help="where the models are built (a disk, not tmpfs: bytes written)")
     ap.add_argument("--base", default="89e1c40", help="also run --prepack as of this commit ('' to skip)")
     args = ap.parse_args()
+    import decoder_fixtures as fx
     import onnxruntime as ort
 
     print(f"onnxruntime {ort.__version__}, {os.cpu_count()} CPUs (shared: wall is noisy, CPU is the figure)")
     with tempfile.TemporaryDirectory(prefix="bench-packonce-", dir=args.workdir) as tmp:
         t = Path(tmp)
-        src = t / "src"
+        (t / "decoders").mkdir()
+        src = t / "decoders" / "src"
         mf.decoder_family(src, mib=args.mib)
-        print(f"\n== decoder family: {size_mib(src):.0f} MiB (3 models, the same fp32 weights in each) ==")
-        routes: dict[str, dict[str, float]] = {}
-        routes["convert (plain)"] = convert(src, t / "plain")
-        if args.base:
-            old = checkout(args.base, t / "base")
-            path = os.pathsep.join([str(old), os.environ.get("PYTHONPATH", "")])
-            base_env = {"PYTHONPATH": path}
-            routes[f"--prepack at {args.base}"] = convert(src, t / "base_out", "--prepack", env=base_env, cwd=old)
-        routes["--prepack, reuse off (before)"] = convert(src, t / "before", "--prepack", env={REUSE_ENV: "0"})
-        routes["--prepack (after)"] = convert(src, t / "after", "--prepack")
-        (t / "anchor").mkdir()
-        anchor, _ = measured([sys.executable, "-c", ANCHOR, str(src), str(t / "anchor")])
-        anchor["outputs_mib"] = size_mib(t / "anchor")
-        routes["ORT save-prepacked, 1 session/model"] = anchor
-        base = routes["convert (plain)"]
-        head = f"{'':34}{'wall s':>8}{'CPU s':>8}{'/plain':>8}{'peak MiB':>9}{'written':>10}{'outputs':>9}{'w/out':>8}"
-        print(head + f"{'sessions/reused':>16}")
-        for label, f in routes.items():
-            print(row(label, f, base))
-        after, anchor = routes["--prepack (after)"], routes["ORT save-prepacked, 1 session/model"]
-        target = anchor["cpu_s"] + base["cpu_s"]
-        print(
-            f"target: --prepack CPU <= ORT's save-prepacked + plain = {target:.1f} s: "
-            f"{after['cpu_s']:.1f} s ({after['cpu_s'] / target:.2f}x)"
-        )
-        print(f"reuse changed no byte (reuse off and on compared): {same_files(t / 'before', t / 'after')}")
-        print(f"outputs bit-identical to the originals (batch 1 and 8, both branches): {identical(src, t / 'after')}")
+        title = "optimum decoder family (decoder, decoder_with_past, merged; the same fp32 weights in each)"
+        family(t / "decoders", title, src, identical, args.base)
+        (t / "t5").mkdir()
+        fx.t5_like(t / "t5" / "src", heads=T5_HEADS, size=T5_SIZE)
+        title = "T5-like folder (encoder, decoder, decoder_with_past; the decoders share their weights)"
+        family(t / "t5", title, t / "t5" / "src", t5_identical, args.base)
         print()
         for stem, what in (("decoder_model", "cut in segments"), ("decoder_model_merged", "one piece: an If")):
             one = t / stem
