@@ -97,9 +97,10 @@ class Plan:
 def plan(inputs: Sequence[str | os.PathLike[str]], options: ConvertOptions) -> Plan:
     """A zoo with ``options.shared_blob``; else a model folder's tree (given alone); else the models (files,
     globs) as one batch."""
-    if options.shared_blob is not None:
-        return Plan("zoo", expand_inputs(inputs))
     from ._folder import is_model_folder
+
+    if options.shared_blob is not None:
+        return Plan("zoo", _zoo_sources(inputs))
 
     if any(is_model_folder(Path(i)) for i in inputs):
         if len(inputs) > 1:
@@ -307,7 +308,16 @@ def convert_zoo(
     check_options(opts)
     from ._zoo_api import run_zoo
 
-    return run_zoo(expand_inputs(models), Path(out_dir), opts)
+    return run_zoo(_zoo_sources(models), Path(out_dir), opts)
+
+
+def _zoo_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """A zoo's models; one model folder given alone stays a folder (its tree is kept, ``run_family_folder``)."""
+    from ._folder import is_model_folder
+
+    if len(inputs) == 1 and is_model_folder(Path(inputs[0])):
+        return [Path(inputs[0])]
+    return expand_inputs(inputs)
 
 
 def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[ConversionReport]:

@@ -60,6 +60,11 @@ def run_key(kind: str, inputs: list[Path]) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
+def named_key(kind: str, name: str) -> str:
+    """The record's key of a run known by a name within OUTDIR (a zoo: its blob's NAME), whatever its inputs."""
+    return hashlib.sha256(f"{kind}\n{name}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
 def _valid(rel: object) -> bool:
     if not isinstance(rel, str) or not rel or "\x00" in rel or "\\" in rel:
         return False
