@@ -95,8 +95,8 @@ class Plan:
 
 
 def plan(inputs: Sequence[str | os.PathLike[str]], options: ConvertOptions) -> Plan:
-    """A zoo with ``options.shared_blob``; else a model folder's tree (given alone); else the models (files,
-    globs) as one batch."""
+    """A zoo with ``options.shared_blob`` (a model folder given alone: its tree kept, one blob per directory of
+    models); else a model folder's tree (given alone); else the models (files, globs) as one batch."""
     from ._folder import is_model_folder
 
     if options.shared_blob is not None:
@@ -281,11 +281,13 @@ def convert_zoo(
     ``<shared_blob>.<digest12>.safetensors`` (``.safetensors`` stripped from the name first). The new blob
     and every model are committed in one transaction, each model by one rename: a reader opening
     a model sees the old one with the old blob or the new one with the new blob. Models of the
-    previous zoo that are not in this one are removed; the old blob stays for the grace period.
+    previous zoo that are not in this one, and the old blob, go after the grace period if still as written
+    (the removal rule, docs/reliability.md). One model folder given alone keeps its tree and side files, one blob
+    in each directory holding models (ONNX Runtime reads external data only from the model's directory or below).
 
     Args:
         models: model files, folders (their models, not their subfolders) or globs; ONNX, or TFLite with
-            ``external=True``.
+            ``external=True``; or one model folder alone (its tree kept).
         out_dir: the zoo directory: new, empty, or written by an earlier ``convert_zoo``.
         shared_blob: the blob's NAME (``--shared-blob``).
         options: all options as one ``ConvertOptions``; then no keyword may be given.
@@ -296,7 +298,7 @@ def convert_zoo(
 
     Raises:
         UsageError: no models, ``out_dir`` not a zoo, an input inside ``out_dir``, ``blob``, a folder with
-            models in subfolders.
+            models in subfolders among other inputs.
         WeightshareError: any of ``convert``'s errors; nothing is written.
 
     Example:
