@@ -129,3 +129,26 @@ def test_zoo_cleanup_still_works_and_out_does_not_grow(tmp_path):
         for m in models:
             m.unlink()
     assert max(sizes) <= max(sizes[:3]) + 1024
+
+
+def test_a_shared_ptd_goes_only_when_no_program_beside_it_reads_it(tmp_path):
+    """Two programs read one .ptd; the run that wrote it drops it (its program no longer reads it): it stays while
+    the other program reads it, and goes with the last reader."""
+    from executorch_fixtures import xnnpack_program
+
+    from weightshare.formats.executorch import loader
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    a = xnnpack_program(src / "a.pte", dim=64, layers=2, seed=1, external=src / "foundation.ptd")
+    b = xnnpack_program(src / "b.pte", dim=64, layers=2, seed=1, external=src / "foundation.ptd")
+    weightshare.convert_many([a, b], out)
+    shared = out / "foundation.ptd"
+    before = digest(shared)
+    xnnpack_program(a, dim=64, layers=2, seed=2)  # re-exported with its weights inside
+    weightshare.convert(a, out, blob_grace=0)
+    assert digest(shared) == before and loader.data_file_for(out / "b.pte", None) == shared
+    xnnpack_program(b, dim=64, layers=2, seed=3)
+    weightshare.convert(b, out, blob_grace=0)
+    assert not shared.exists()  # no program beside it reads it any more: cleanup still works
+    assert files(out) == {"a.pte", "b.pte"}
