@@ -102,7 +102,7 @@ class World:
             if self.zoo:
                 models = sorted(p for p in self.repo.glob("*.onnx") if p.is_file())
                 zoo = weightshare.convert_zoo(models, self.out, "blobs/zoo", blob_grace=0)
-                outputs = [o for m in zoo.models for o in m.outputs]
+                outputs = [o for m in zoo.models for o in m.outputs] + [str(self.out / ".weightshare-zoo.json")]
             else:
                 report = weightshare.convert_folder(self.repo, self.out, blob_grace=0)
                 outputs = [o for m in report.models for o in m.outputs] + report.copied
@@ -183,6 +183,8 @@ class World:
         if not record.is_file():
             return
         raw = record.read_bytes()
+        if not raw:  # truncated to nothing by an earlier edit
+            return
         if mode == 0:
             record.write_bytes(raw[: pos % len(raw)] + bytes([raw[pos % len(raw)] ^ 0x21]) + raw[pos % len(raw) + 1 :])
         elif mode == 1:
