@@ -108,3 +108,19 @@ def test_each_directory_holding_models_gets_its_own_blob(tmp_path, cli):
     a, b = ort.InferenceSession(str(src / "encoder_model.onnx")), ort.InferenceSession(str(out / "encoder_model.onnx"))
     feeds = mf.feeds(src / "encoder_model.onnx", batch=2)
     assert np.array_equal(a.run(None, feeds)[0], b.run(None, feeds)[0])
+
+
+def test_a_model_that_keeps_its_weights_in_its_own_file_is_converted_on_its_own(tmp_path, cli):
+    """An ExecuTorch program beside the family (its weights stay in its own segments, no blob to share): converted as
+    a plain folder run converts it, and the ONNX family still gets its one blob."""
+    from executorch_fixtures import xnnpack_program
+
+    import weightshare
+
+    src, out = optimum_folder(tmp_path / "repo"), tmp_path / "out"
+    pte = xnnpack_program(src / "model.pte", dim=64, layers=2, seed=1)
+    convert(cli, src, out)
+    weightshare.convert(pte, tmp_path / "alone")
+    assert (out / "model.pte").read_bytes() == (tmp_path / "alone" / "model.pte").read_bytes()
+    assert len(list((out / "onnx").glob("t5.*.safetensors"))) == 1 and not list(out.glob("*.safetensors"))
+    assert_same_outputs(src, out)

@@ -15,7 +15,7 @@ from ._folder import FolderReport, copied_as_is, is_model_folder, run_folder
 from ._inputs import hold, plan_inputs, planned_inputs
 from ._outputs_record import RECORD, attach, named_key
 from ._pipeline import PreparedModel, blob_target, write_models
-from ._run import check_input, check_outputs, finish, peak_window, prepare_out_dir
+from ._run import check_input, check_outputs, convert_one, finish, peak_window, prepare_out_dir
 from .errors import Unsupported, UsageError
 from .formats import Format, detect
 from .options import ConvertOptions
@@ -122,6 +122,10 @@ def run_family_folder(folder: Path, out: Path, options: ConvertOptions) -> ZooRe
                 with hold(folder / rel):
                     fmt = detect(folder / rel)
                     if copied_as_is(folder, rel, fmt, out_dir, opts, tx, fr):
+                        continue
+                    if fmt.blob_container is None:  # its weights stay in its own files: converted as a folder run does
+                        t0 = time.perf_counter()
+                        fr.models.append(finish(convert_one(fmt, folder / rel, out_dir / where, opts, tx), t0))
                         continue
                 sources.append(folder / rel)
                 formats.append(fmt)
