@@ -124,3 +124,16 @@ def test_a_model_that_keeps_its_weights_in_its_own_file_is_converted_on_its_own(
     assert (out / "model.pte").read_bytes() == (tmp_path / "alone" / "model.pte").read_bytes()
     assert len(list((out / "onnx").glob("t5.*.safetensors"))) == 1 and not list(out.glob("*.safetensors"))
     assert_same_outputs(src, out)
+
+
+def test_convert_folder_says_where_shared_blob_applies(tmp_path):
+    """convert_folder used to ignore shared_blob (one blob per model, silently)."""
+    import weightshare
+    from weightshare.errors import UsageError
+
+    src = optimum_folder(tmp_path / "repo")
+    with pytest.raises(UsageError, match="convert_zoo"):
+        weightshare.convert_folder(src, tmp_path / "out", shared_blob="t5")
+    assert not (tmp_path / "out").exists()
+    report = weightshare.convert_zoo([src], tmp_path / "out", "t5")
+    assert report.folder == str(src) and len(report.blobs) == 1

@@ -226,6 +226,11 @@ def convert_folder(
     """
     opts = _settle(options, keywords)
     check_options(opts)
+    if opts.shared_blob is not None:  # it would be ignored here: say where it applies
+        raise UsageError(
+            "shared_blob makes a zoo: use convert_zoo([folder], ...) or convert([folder], ...), which keep the "
+            "folder's tree with one blob per directory of models"
+        )
     from ._folder import run_folder
 
     return run_folder(Path(src), Path(out), opts)
