@@ -5,7 +5,7 @@ file, model.onnx + model.onnx_data (external data) and onnx/decoder_model.onnx (
 Under test: `weightshare convert DIR -o OUT` (CLI) and ``weightshare.convert_folder``.
 After: OUT has the same tree; every side file is byte-identical with its mode; both models are converted in place
 (outputs bit-identical in onnxruntime, share-ready for `check`); model.onnx_data is replaced by the blob; a broken
-model anywhere leaves no OUT at all; --shared-blob refuses a folder whose models are in subfolders.
+model anywhere leaves no OUT at all; --shared-blob refuses a folder with models in subfolders among other inputs.
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def test_folder_refusals(tmp_path):
     repo = make_repo(tmp_path)
     with pytest.raises(UsageError, match="overlaps"):
         weightshare.convert_folder(repo, repo / "converted")
-    with pytest.raises(UsageError, match="subfolder"):
-        weightshare.convert_zoo([repo], tmp_path / "zoo", "shared")
+    with pytest.raises(UsageError, match="subfolder"):  # given alone, its tree would be kept
+        weightshare.convert_zoo([repo, tmp_path / "other.onnx"], tmp_path / "zoo", "shared")
     os.mkfifo(repo / "onnx" / "pipe")  # reading it would block forever
     with pytest.raises(UsageError, match="not a regular file"):
         weightshare.convert_folder(repo, tmp_path / "fifo")

@@ -1,8 +1,9 @@
-"""Property: whatever a user does to OUT, its record and the inputs between folder runs, weightshare removes only
-what it wrote.
+"""Property: whatever a user does to OUT, its record and the inputs between folder or zoo runs, weightshare removes
+only what it wrote.
 
 Before: a model folder (models, side files, a subfolder), a directory outside it, and OUT after a first run.
-Under test: random sequences of folder runs at ``--blob-grace 0`` (in-process, the CLI's code path) interleaved
+Under test: random sequences of folder runs, or of zoo runs (the folder's top-level models, ``--shared-blob
+blobs/zoo``), at ``--blob-grace 0`` (in-process, the CLI's code path) interleaved
 with: input files deleted, added or changed; the user's own files placed in OUT (at an output's name too, edited
 in place); directories of OUT swapped for links to a directory inside OUT, outside it, or into the input; the
 record flipped, truncated, deleted, or forged (resealed) to name files through links or with a wrong identity.
@@ -54,8 +55,16 @@ def _regular_files(root: Path) -> dict[Path, str]:
     return found
 
 
-USER_NAMES = ["m0.portable.onnx", "m0.weights.0123456789ab.safetensors", "sub/x.txt", "notes.txt", "lnk/y.txt"]
-LINK_NAMES = ["sub", "lnk", "onnx"]
+USER_NAMES = [
+    "m0.portable.onnx",
+    "m0.weights.0123456789ab.safetensors",
+    "sub/x.txt",
+    "notes.txt",
+    "lnk/y.txt",
+    "zoo.0123456789ab.safetensors",
+    "blobs/zoo.0123456789ab.safetensors",
+]
+LINK_NAMES = ["sub", "lnk", "onnx", "blobs"]
 STEP = st.one_of(
     st.tuples(st.just("run")),
     st.tuples(st.just("drop_input"), st.integers(0, 20)),
@@ -68,7 +77,8 @@ STEP = st.one_of(
 
 
 class World:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, zoo: bool = False) -> None:
+        self.zoo = zoo  # zoo runs: the folder's top-level models into OUT, one blob in OUT/blobs/
         self.root, self.repo, self.outside, self.out = root, root / "repo", root / "outside", root / "out"
         for d in (self.repo / "sub", self.outside / "d"):
             d.mkdir(parents=True)
@@ -87,12 +97,18 @@ class World:
     def run(self) -> None:
         protected = {**_regular_files(self.repo), **_regular_files(self.outside)}
         user = {p: d for p, d in self.user.items() if p.is_file()}
+        written: set[str] = set()
         try:
-            report = weightshare.convert_folder(self.repo, self.out, blob_grace=0)
+            if self.zoo:
+                models = sorted(p for p in self.repo.glob("*.onnx") if p.is_file())
+                zoo = weightshare.convert_zoo(models, self.out, "blobs/zoo", blob_grace=0)
+                outputs = [o for m in zoo.models for o in m.outputs] + [str(self.out / ".weightshare-zoo.json")]
+            else:
+                report = weightshare.convert_folder(self.repo, self.out, blob_grace=0)
+                outputs = [o for m in report.models for o in m.outputs] + report.copied
         except WeightshareError:
-            written: set[str] = set()
+            pass
         else:
-            outputs = [o for m in report.models for o in m.outputs] + report.copied
             written = {os.path.realpath(o) for o in outputs}
         for p, d in {**protected, **user}.items():
             if os.path.realpath(p) in written:
@@ -138,8 +154,9 @@ class World:
         if not self.out.is_dir() or not path.parent.is_dir():
             return
         path.write_bytes(b"user:" + data)
-        if not path.parent.is_symlink() and os.path.realpath(path).startswith(str(self.out) + os.sep):
-            self.user[path] = _digest(path)  # outside OUT (through a link) it is protected as an outside file
+        real = Path(os.path.realpath(path))
+        if str(real).startswith(str(self.out) + os.sep):
+            self.user[real] = _digest(path)  # outside OUT (through a link) it is protected as an outside file
 
     def _link(self, name: str, target: str) -> None:
         if not self.out.is_dir():
@@ -166,6 +183,8 @@ class World:
         if not record.is_file():
             return
         raw = record.read_bytes()
+        if not raw:  # truncated to nothing by an earlier edit
+            return
         if mode == 0:
             record.write_bytes(raw[: pos % len(raw)] + bytes([raw[pos % len(raw)] ^ 0x21]) + raw[pos % len(raw) + 1 :])
         elif mode == 1:
@@ -207,6 +226,21 @@ class World:
 def test_nothing_weightshare_did_not_write_is_ever_lost(steps):
     with tempfile.TemporaryDirectory() as d:
         world = World(Path(d).resolve())
+        world.run()
+        for op in steps:
+            world.step(op)
+        world.run()
+
+
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None)
+@given(st.lists(STEP, min_size=1, max_size=10))
+@example([("user_file", 6, b"x"), ("change_model", 0, 1)])  # a user's file named like an old blob
+@example([("link", "blobs", "x"), ("link", "blobs", "inner"), ("user_file", 6, b"y")])  # blobs/ -> OUT/inner
+@example([("add_input", "", 0), ("run",), ("user_file", 10, b"z"), ("drop_input", 2)])  # a dropped model, edited
+def test_nothing_a_zoo_did_not_write_is_ever_lost(steps):
+    with tempfile.TemporaryDirectory() as d:
+        world = World(Path(d).resolve(), zoo=True)
         world.run()
         for op in steps:
             world.step(op)

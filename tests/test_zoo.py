@@ -113,13 +113,15 @@ def test_rerun_with_a_model_added_rebuilds_a_complete_outdir(tmp_path, cli):
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     report = doc["zoo"]
-    assert len(doc["reports"]) == 3 and report["dedupe_ratio"] == 2.5 and doc["folder"] is None
+    # a folder given alone keeps its tree: here only models, so nothing else is copied
+    assert len(doc["reports"]) == 3 and report["dedupe_ratio"] == 2.5 and doc["folder"]["copied"] == []
     blob = Path(report["blob"]).name
     # the first run's blob stays for the grace period: readers that opened an old model still find it
     blobs = sorted(p.name for p in out.glob("zoo.*.safetensors"))
     assert len(blobs) == 2 and blob in blobs
     assert sorted(p.name for p in out.iterdir() if p.name not in blobs) == [
-        ".weightshare-zoo.json",
+        ".weightshare-folder.json",
+        ".weightshare-zoo.json",  # the first run's: dropped with its blob, kept for the grace period too
         "a_fp16_b1.onnx",
         "b_fp32_b4.onnx",
         "c_extra_b8.onnx",
@@ -135,8 +137,11 @@ def test_zoo_refuses_a_foreign_nonempty_outdir(tmp_path, cli):
     out = tmp_path / "out"
     out.mkdir()
     (out / "precious.txt").write_text("keep me")
-    res = cli("convert", src, "-o", out, "--shared-blob", "zoo.safetensors")
+    res = cli("convert", *sorted(src.glob("*.onnx")), "-o", out, "--shared-blob", "zoo.safetensors")
     assert res.returncode == 2 and "not empty" in res.stderr
+    assert (out / "precious.txt").read_text() == "keep me"
+    # a model folder given alone keeps its tree beside what OUT holds, as a plain folder run does
+    assert cli("convert", src, "-o", out, "--shared-blob", "zoo.safetensors", "--blob-grace", "0").returncode == 0
     assert (out / "precious.txt").read_text() == "keep me"
 
 

@@ -57,6 +57,13 @@ def convert_document(result: ZooReport | FolderReport | list[ConversionReport]) 
     elif isinstance(result, ZooReport):
         reports = result.models
         zoo = {k: v for k, v in result.to_dict().items() if k != "models"}
+        if result.folder:  # a model folder with one blob per directory: its tree and side files kept too
+            folder = {
+                "folder": result.folder,
+                "copied": result.copied,
+                "copied_bytes": result.copied_bytes,
+                "notes": result.notes,
+            }
     else:
         reports = result.models
         folder = {k: v for k, v in result.to_dict().items() if k != "models"}

@@ -95,11 +95,12 @@ class Plan:
 
 
 def plan(inputs: Sequence[str | os.PathLike[str]], options: ConvertOptions) -> Plan:
-    """A zoo with ``options.shared_blob``; else a model folder's tree (given alone); else the models (files,
-    globs) as one batch."""
-    if options.shared_blob is not None:
-        return Plan("zoo", expand_inputs(inputs))
+    """A zoo with ``options.shared_blob`` (a model folder given alone: its tree kept, one blob per directory of
+    models); else a model folder's tree (given alone); else the models (files, globs) as one batch."""
     from ._folder import is_model_folder
+
+    if options.shared_blob is not None:
+        return Plan("zoo", _zoo_sources(inputs))
 
     if any(is_model_folder(Path(i)) for i in inputs):
         if len(inputs) > 1:
@@ -225,6 +226,11 @@ def convert_folder(
     """
     opts = _settle(options, keywords)
     check_options(opts)
+    if opts.shared_blob is not None:  # it would be ignored here: say where it applies
+        raise UsageError(
+            "shared_blob makes a zoo: use convert_zoo([folder], ...) or convert([folder], ...), which keep the "
+            "folder's tree with one blob per directory of models"
+        )
     from ._folder import run_folder
 
     return run_folder(Path(src), Path(out), opts)
@@ -280,11 +286,13 @@ def convert_zoo(
     ``<shared_blob>.<digest12>.safetensors`` (``.safetensors`` stripped from the name first). The new blob
     and every model are committed in one transaction, each model by one rename: a reader opening
     a model sees the old one with the old blob or the new one with the new blob. Models of the
-    previous zoo that are not in this one are removed; the old blob stays for the grace period.
+    previous zoo that are not in this one, and the old blob, go after the grace period if still as written
+    (the removal rule, docs/reliability.md). One model folder given alone keeps its tree and side files, one blob
+    in each directory holding models (ONNX Runtime reads external data only from the model's directory or below).
 
     Args:
         models: model files, folders (their models, not their subfolders) or globs; ONNX, or TFLite with
-            ``external=True``.
+            ``external=True``; or one model folder alone (its tree kept).
         out_dir: the zoo directory: new, empty, or written by an earlier ``convert_zoo``.
         shared_blob: the blob's NAME (``--shared-blob``).
         options: all options as one ``ConvertOptions``; then no keyword may be given.
@@ -295,7 +303,7 @@ def convert_zoo(
 
     Raises:
         UsageError: no models, ``out_dir`` not a zoo, an input inside ``out_dir``, ``blob``, a folder with
-            models in subfolders.
+            models in subfolders among other inputs.
         WeightshareError: any of ``convert``'s errors; nothing is written.
 
     Example:
@@ -307,7 +315,16 @@ def convert_zoo(
     check_options(opts)
     from ._zoo_api import run_zoo
 
-    return run_zoo(expand_inputs(models), Path(out_dir), opts)
+    return run_zoo(_zoo_sources(models), Path(out_dir), opts)
+
+
+def _zoo_sources(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """A zoo's models; one model folder given alone stays a folder (its tree is kept, ``run_family_folder``)."""
+    from ._folder import is_model_folder
+
+    if len(inputs) == 1 and is_model_folder(Path(inputs[0])):
+        return [Path(inputs[0])]
+    return expand_inputs(inputs)
 
 
 def run_batch(sources: list[Path], out: Path, options: ConvertOptions) -> list[ConversionReport]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,21 @@ from ._outputs_record import RECORD, attach, run_key
 from ._paths import check_no_overlap, check_utf8_path
 from ._run import convert_one, finish, peak_window, prepare_out_dir
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
-from .formats import detect, model_suffixes
+from .formats import Format, detect, model_suffixes
 from .formats.base import KeepsAsIs
 from .options import ConvertOptions
 from .report import ConversionReport
 
-__all__ = ["FolderPlan", "FolderReport", "copy_file", "is_model_folder", "plan_folder", "run_folder"]
+__all__ = [
+    "FolderPlan",
+    "FolderReport",
+    "ModelsStep",
+    "copied_as_is",
+    "copy_file",
+    "is_model_folder",
+    "plan_folder",
+    "run_folder",
+]
 
 
 @dataclass
@@ -55,8 +65,16 @@ class FolderReport:
         }
 
 
-def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderReport:
-    """``weightshare.convert_folder`` (documented there), after its options are checked (``check_options``)."""
+# Converts a folder's models (paths relative to the folder) into the transaction, adding to the report
+ModelsStep = Callable[[Path, list[Path], Path, ConvertOptions, OutputTransaction, FolderReport], None]
+
+
+def run_folder(
+    folder: Path, out_dir: Path, opts: ConvertOptions, models_step: ModelsStep | None = None
+) -> FolderReport:
+    """``weightshare.convert_folder`` (documented there), after its options are checked (``check_options``).
+    ``models_step`` converts the models (default: each on its own, ``_convert_each``); the walk, the copies, the
+    record and the commit stay this function's."""
     if not is_model_folder(folder):
         raise UsageError("is not a folder of models (for one model, use convert)", folder)
     a, b = folder.resolve(), out_dir.resolve()
@@ -78,19 +96,7 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
         tx.guard(out_dir)  # one lock protects every temporary of the tree: open files stay few
         record = attach(tx, out_dir, opts.blob_grace_s, notes)
         roots = source_roots(folder)
-        for rel in plan.models:
-            model, where = folder / rel, out_dir / rel.parent
-            tx.make_dirs(where)
-            t0 = time.perf_counter()
-            with hold(model):  # opened once, checked against the plan; every read of it goes through that
-                fmt = detect(model)
-                why = fmt.kept_as_is(model, opts) if isinstance(fmt, KeepsAsIs) else ""
-                if why:  # converting would refuse it: copied as it is, and said so
-                    report.copied_bytes += copy_file(model, out_dir / rel, tx, roots)
-                    report.copied.append(str(out_dir / rel))
-                    report.notes.append(f"{rel}: copied as it was: {why}")
-                    continue
-                report.models.append(finish(convert_one(fmt, model, where, opts, tx), t0))
+        (models_step or _convert_each)(folder, plan.models, out_dir, opts, tx, report)
         for rel in plan.copies:
             tx.make_dirs(out_dir / rel.parent)
             report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx, roots)
@@ -98,6 +104,32 @@ def run_folder(folder: Path, out_dir: Path, opts: ConvertOptions) -> FolderRepor
         record.add(run_key("folder", [folder]), tx.finals(), [folder])  # what a later run may drop
     (report.models[-1].notes if report.models else report.notes).extend(notes)
     return finish(report, start)
+
+
+def _convert_each(
+    folder: Path, models: list[Path], out_dir: Path, opts: ConvertOptions, tx: OutputTransaction, report: FolderReport
+) -> None:
+    """Each model at its relative path, with its own blob beside it."""
+    for rel in models:
+        model, where = folder / rel, out_dir / rel.parent
+        tx.make_dirs(where)
+        t0 = time.perf_counter()
+        with hold(model):  # opened once, checked against the plan; every read of it goes through that
+            fmt = detect(model)
+            if not copied_as_is(folder, rel, fmt, out_dir, opts, tx, report):
+                report.models.append(finish(convert_one(fmt, model, where, opts, tx), t0))
+
+
+def copied_as_is(
+    folder: Path, rel: Path, fmt: Format, out: Path, opts: ConvertOptions, tx: OutputTransaction, report: FolderReport
+) -> bool:
+    """A model converting would refuse (``KeepsAsIs``): copied as it is, and said so."""
+    why = fmt.kept_as_is(folder / rel, opts) if isinstance(fmt, KeepsAsIs) else ""
+    if why:
+        report.copied_bytes += copy_file(folder / rel, out / rel, tx, source_roots(folder))
+        report.copied.append(str(out / rel))
+        report.notes.append(f"{rel}: copied as it was: {why}")
+    return bool(why)
 
 
 def is_model_folder(path: Path) -> bool:

@@ -11,7 +11,8 @@ once dropped for ``--blob-grace`` seconds, only if it is still the file weightsh
 - its identity equals the recorded one. ctime cannot be set by a user and changes on every write, chmod, rename
   and link, so an edited, replaced or re-linked file no longer matches. A content hash would prove the same at the
   cost of reading every byte of a multi-GiB blob (BLAKE3 ~1 GiB/s here) on every commit;
-- no model beside it (or in OUTDIR) still names it, no recorded run still lists it, this run did not write it.
+- no model beside it (or in OUTDIR) still names it, no format still needs it (``NEEDED``: an ExecuTorch .ptd
+  that a program beside it reads), no recorded run still lists it, this run did not write it.
 
 Anything else is kept, and a note names it. A file no record names (a user's file, an earlier version's output,
 a blob of unknown origin) is never a candidate. The record is read, merged and written under the commit's OUTDIR
@@ -45,8 +46,12 @@ _DIGEST_NAMED = re.compile(r".+\.[0-9a-f]{12}\.[A-Za-z0-9]+")  # a blob's name (
 Identity = list[int]  # [st_dev, st_ino, st_size, st_ctime_ns]
 
 
-# What a format still needs although no model names it (a TFLite XNNPACK cache that matches its model): kept.
+# What a format still needs although no model names it (a TFLite XNNPACK cache that matches its model, an
+# ExecuTorch .ptd a program beside it reads): kept.
 NEEDED: list[Callable[[Path], bool]] = []
+# Suffixes of files a format reads as a model's data although they carry a model suffix (ExecuTorch's .ptd): such a
+# file is removed, like a blob, only when nothing still needs it, and it never keeps its run's other files.
+DATA_SUFFIXES: set[str] = set()
 
 
 def before_record_write() -> None:
@@ -58,6 +63,11 @@ def run_key(kind: str, inputs: list[Path]) -> str:
     machine's directories with OUTDIR; not resolved (a hub snapshot's link path stays one key across revisions)."""
     text = kind + "\n" + "\n".join(sorted(os.path.abspath(i) for i in inputs))
     return hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
+def named_key(kind: str, name: str) -> str:
+    """The record's key of a run known by a name within OUTDIR (a zoo: its blob's NAME), whatever its inputs."""
+    return hashlib.sha256(f"{kind}\n{name}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
 
 
 def _valid(rel: object) -> bool:
@@ -372,8 +382,9 @@ def _at(entry: dict[str, Any], rel: str) -> list[Identity]:
 def _is_model(rel: str) -> bool:
     from ._paths import model_file_suffixes
 
-    suffixes = model_file_suffixes()
-    return suffixes is None or PurePosixPath(rel).suffix in suffixes
+    suffixes = model_file_suffixes()  # first: it imports the formats, which declare their DATA_SUFFIXES
+    suffix = PurePosixPath(rel).suffix
+    return (suffixes is None or suffix in suffixes) and suffix not in DATA_SUFFIXES
 
 
 def attach(tx: OutputTransaction, out: Path, grace_s: float, notes: list[str]) -> OutputsRecord:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import re
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction, clean_stale_temporaries
+from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
 from ._paths import model_file_suffixes, resolve_inside
 from ._write import BlobPayload, Placements, write_payloads
 from .errors import OutputError, UsageError
@@ -116,9 +114,7 @@ def write_models(
             shown=target.directory / f"{target.base}.<digest>{target.container.suffix}",
         )
         location, blob_path = target.named(digest)
-        tx.retarget(tmp, blob_path)
-        if tx.record_dir is None:  # a zoo; a batch or folder run removes only what its record proves
-            tx.add_hook(OldBlobCollector(target, out_dir, blob_path.name, options.blob_grace_s))
+        tx.retarget(tmp, blob_path)  # an earlier blob goes only as the outputs record proves (_outputs_record)
         for m in models:  # placed: what emit needs is recorded; 100,000s of payload objects go before it runs
             m.payloads = []
     for m, had_payloads, placed in zip(models, moved, placements):
@@ -171,65 +167,6 @@ def blob_target(src: Path | None, out_dir: Path, blob_name: str | None, containe
     parent = rel.parent
     prefix = "" if str(parent) == "." else f"{parent.as_posix()}/"
     return BlobTarget(Path(out_dir) / parent, base, prefix, container)
-
-
-class OldBlobCollector(CommitHook):
-    """Removes earlier blobs of the same name once nothing references them for ``grace_s`` seconds.
-
-    Candidates are only files named ``<base>.<12 hex digits><suffix>`` beside the new blob. A
-    candidate is referenced when its file name occurs in a model file (any registered format's) in OUTDIR or
-    in the blob's directory: a byte search, so it can only err on the side of keeping a blob. A blob
-    that a model referenced until this commit gets its mtime set to now; the grace period counts from
-    there, so a reader that opened the old model just before the swap still finds its blob.
-    """
-
-    def __init__(self, target: BlobTarget, out_dir: Path, keep: str, grace_s: float) -> None:
-        self.pattern = re.compile(
-            re.escape(target.base) + rf"\.[0-9a-f]{{{DIGEST_CHARS}}}" + re.escape(target.container.suffix) + "$"
-        )
-        # a blob of an earlier --blob name: any digest-named file that weightshare wrote (its align record)
-        self.any_name = re.compile(rf".+\.[0-9a-f]{{{DIGEST_CHARS}}}" + re.escape(target.container.suffix) + "$")
-        self.blob_dir, self.keep, self.grace_s = target.directory, keep, grace_s
-        self.model_dirs = {out_dir, target.directory}
-        self.was_referenced: set[str] = set()
-
-    def _candidates(self) -> list[Path]:
-        from ._recorded import blob_metadata
-        from ._safetensors import ALIGN_KEY
-
-        return [
-            p
-            for p in self.blob_dir.iterdir()
-            if p.name != self.keep
-            and p.is_file()
-            and not p.is_symlink()
-            and (self.pattern.match(p.name) or (self.any_name.match(p.name) and ALIGN_KEY in blob_metadata(str(p))))
-        ]
-
-    def before(self) -> None:
-        try:
-            self.was_referenced = referenced_names(self._candidates(), self.model_dirs)
-        except OSError:
-            self.was_referenced = {"*"}  # cannot tell: keep everything this time
-
-    def after(self) -> None:
-        if "*" in self.was_referenced:
-            return
-        try:
-            candidates = self._candidates()
-            live = referenced_names(candidates, self.model_dirs)
-            now = time.time()
-            for c in candidates:
-                if c.name in live:
-                    continue
-                if c.name in self.was_referenced:
-                    os.utime(c)  # unreferenced from now on: the grace period starts here
-                    if self.grace_s <= 0:
-                        c.unlink(missing_ok=True)
-                elif now - c.stat().st_mtime >= self.grace_s:
-                    c.unlink(missing_ok=True)
-        except OSError:
-            pass  # collecting old blobs is housekeeping; the conversion itself has committed
 
 
 def referenced_names(candidates: list[Path], model_dirs: set[Path]) -> set[str]:

@@ -54,9 +54,14 @@ class ZooReport:
 
     blob: str
     models: list[ConversionReport] = field(default_factory=list)
-    blob_bytes: int = 0
+    blob_bytes: int = 0  # every blob's size (a model folder: one blob per directory holding models)
     wall_time_s: float = 0.0
     peak_rss_mib: float = 0.0
+    blobs: list[str] = field(default_factory=list)  # ``blob`` and, for a model folder, each directory's
+    folder: str = ""  # a model folder given alone: its tree was kept; what was copied unchanged
+    copied: list[str] = field(default_factory=list)
+    copied_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
 
     @property
     def bytes_in(self) -> int:
@@ -85,5 +90,6 @@ class ZooReport:
             "dedupe_ratio": round(self.dedupe_ratio, 4),
             "wall_time_s": self.wall_time_s,
             "peak_rss_mib": self.peak_rss_mib,
+            "blobs": self.blobs,
             "models": [m.to_dict() for m in self.models],
         }

@@ -113,7 +113,7 @@ def render_report(r: ConversionReport) -> None:
 
 
 def render_zoo(z: ZooReport) -> None:
-    t = Table(title=f"{len(z.models)} models -> {z.blob}", title_justify="left")
+    t = Table(title=f"{len(z.models)} models -> {', '.join(z.blobs or [z.blob])}", title_justify="left")
     for col in ("model", "payloads", "bytes in", "after unpacking", "new unique bytes", "deduplicated"):
         t.add_column(col, justify="left" if col == "model" else "right")
     for m in z.models:
@@ -139,6 +139,10 @@ def render_zoo(z: ZooReport) -> None:
         f"blob {size(z.blob_bytes)}; dedupe ratio {z.dedupe_ratio:.2f}x; "
         f"{z.wall_time_s:.2f} s, peak RSS {size_mib(z.peak_rss_mib)}"
     )
+    if z.folder:
+        out.print(f"{len(z.copied)} other files copied ({size(z.copied_bytes)}): the folder's tree is kept")
+    for note in [n for m in z.models for n in m.notes] + z.notes:
+        info(note if note.startswith("warning:") else f"note: {note}")
 
 
 def text_width() -> int | None:

@@ -12,6 +12,7 @@ from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..._outputs_record import DATA_SUFFIXES, NEEDED
 from ...errors import InvalidModel
 from ..base import BenchRuntime, BlobContainer, FormatDefaults, FormatOptions
 from .findings import CODES
@@ -23,6 +24,19 @@ if TYPE_CHECKING:
     from ...options import ConvertOptions
     from ...report import ConversionReport
     from .loader import SharedProgram
+
+
+def _read_by_a_program(path: Path) -> bool:
+    """A dropped ``.ptd`` a program beside it still reads is kept (``inventory.read_by_a_program``)."""
+    if path.suffix != ".ptd":
+        return False
+    from .inventory import read_by_a_program
+
+    return read_by_a_program(path)
+
+
+DATA_SUFFIXES.add(".ptd")
+NEEDED.append(_read_by_a_program)
 
 
 class ExecutorchFormat(FormatDefaults):

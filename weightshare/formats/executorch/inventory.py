@@ -108,6 +108,36 @@ def locate_data_files(
     return found
 
 
+def read_by_a_program(path: Path) -> bool:
+    """Whether a program beside the ``.ptd`` ``path`` reads a key it holds (the loader finds a program's ``.ptd``
+    beside it): the outputs record removes a dropped ``.ptd`` only when none does. True when it cannot be told (a
+    file unreadable or damaged): kept, never removed early."""
+    if path.suffix != ".ptd":
+        return False
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            keys = {nd.key for nd in flatbuf.read_data_file(fd, str(path)).named_data}
+        finally:
+            os.close(fd)
+        programs = sorted(p for p in path.parent.iterdir() if p.suffix == ".pte" and not p.name.startswith("."))
+    except (OSError, WeightshareError):
+        return True
+    for program in programs:
+        try:
+            fd = os.open(program, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # a link or a directory: not a program the record wrote beside it
+        try:
+            if not keys.isdisjoint(needed_keys(flatbuf.read_program(fd, str(program)), fd, str(program))):
+                return True
+        except (OSError, WeightshareError):
+            return True
+        finally:
+            os.close(fd)
+    return False
+
+
 def _keys(ptd: Path) -> dict[str, tuple[flatbuf.NamedData, flatbuf.Segment]]:
     f = open_input(ptd)
     try:
