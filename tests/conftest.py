@@ -23,6 +23,12 @@ settings.register_profile(
 settings.register_profile("explore", max_examples=500, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
+# pytest-xdist's workers run with COLUMNS=80 and LINES=24 in their environment; a user's pipe has none (the CLI
+# honours COLUMNS where it is set): the children tests start see what a user's would, and a test that wants a width
+# sets it.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 # weightshare.ort remembers verified --prepack blobs in $XDG_CACHE_HOME: the suite (and every child it starts)
 # keeps its verdicts in a private directory per run instead of the user's cache.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="weightshare-tests-cache-")

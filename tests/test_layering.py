@@ -72,6 +72,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "weightshare._option_keywords",
             "weightshare.report",
             "weightshare._inventory",
+            "weightshare._paid",
             "weightshare._verify",
             "weightshare._pipeline",
             "weightshare._outputs_record",

@@ -288,26 +288,34 @@ def sparse_encode(dense: np.ndarray, block: int = 1, index_kind: str = "i32"):
     return np.concatenate(values).astype(dense.dtype) if values else dense[:0, 0], sparsity
 
 
-def sparse_model(path: Path, dtype=np.float32, block: int = 1, seed: int = 5, index_kind: str = "i32") -> Path:
-    """DENSIFY(constant sparse weights) [-> DEQUANTIZE for fp16] -> FULLY_CONNECTED."""
+def sparse_model(
+    path: Path,
+    dtype=np.float32,
+    block: int = 1,
+    seed: int = 5,
+    index_kind: str = "i32",
+    rows: int = 64,
+    cols: int = 128,
+) -> Path:
+    """DENSIFY(constant sparse weights [rows, cols]) [-> DEQUANTIZE for fp16] -> FULLY_CONNECTED."""
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((64, 128)).astype(np.float32)
-    w[rng.random((64, 128 // 4)).repeat(4, axis=1) < 0.7] = 0  # 70% of 1x4 blocks are zero
+    w = rng.standard_normal((rows, cols)).astype(np.float32)
+    w[rng.random((rows, cols // 4)).repeat(4, axis=1) < 0.7] = 0  # 70% of 1x4 blocks are zero
     w = w.astype(dtype)
     values, sparsity = sparse_encode(w, block, index_kind)
     mb = ModelBuilder()
     g = mb.subgraph("sparse")
-    x = g.input("x", [1, 128])
+    x = g.input("x", [1, cols])
     sp = g.const("w_sparse", values)
-    g.tensors[sp].shape = [64, 128]
+    g.tensors[sp].shape = [rows, cols]
     g.tensors[sp].sparsity = sparsity
-    dense = g.tensor("w_dense", [64, 128], dtype)
+    dense = g.tensor("w_dense", [rows, cols], dtype)
     g.op(OP.DENSIFY, [sp], [dense])
     if np.dtype(dtype) == np.float16:
-        w32 = g.tensor("w", [64, 128], "float32")
+        w32 = g.tensor("w", [rows, cols], "float32")
         g.op(OP.DEQUANTIZE, [dense], [w32])
         dense = w32
-    y = g.tensor("y", [1, 64], "float32")
+    y = g.tensor("y", [1, rows], "float32")
     g.op(OP.FULLY_CONNECTED, [x, dense, -1], [y], s.BuiltinOptions.FullyConnectedOptions, s.FullyConnectedOptionsT())
     g.outputs = [y]
     mb.signature("sparse", g)
@@ -376,6 +384,7 @@ def two_signature_lm(
     prefill: int = 8,
     seed: int = 0,
     decode_mask_seed: int | None = None,
+    scalar: bool = False,
 ) -> Path:
     """A toy LM as litert-torch 0.10 writes one (``litert_torch.signature("prefill", m, sample_kwargs=...)
     .signature("decode", m, ...)``; scripts/build_tflite_exporters.py prints the real one's ops): one subgraph per
@@ -389,7 +398,8 @@ def two_signature_lm(
     ``input_pos[0]`` (its generative layers' other update), which this builder can write without subgraphs.
 
     The decode signature alone reads one constant, its attention mask (``decode_mask_seed`` changes its values:
-    a weight only decode reads)."""
+    a weight only decode reads). ``scalar``: each signature also holds a 0-d intermediate tensor, as every
+    litert-torch LM does (LiteRT's Python API returns a numpy scalar, not an array, for one)."""
     rng = np.random.default_rng(seed)
     mb = ModelBuilder()
     shared = {
@@ -448,6 +458,11 @@ def two_signature_lm(
             [pos, g.const("slice_begin", np.array([0], np.int32)), g.const("slice_size", np.array([1], np.int32))],
             [first],
         )
+        if scalar:  # litert-torch's 0-d intermediates (a position as a scalar, reshaped back to [1])
+            step = g.tensor("model/pos0_scalar", [], "int32")
+            g.op(OP.RESHAPE, [first, g.const("model/scalar_shape", np.zeros(0, np.int32))], [step])
+            first = g.tensor("model/pos0_1", [1], "int32")
+            g.op(OP.RESHAPE, [step, g.const("model/one_shape", np.array([1], np.int32))], [first])
         zero = g.const("zero", np.array([0], np.int32))
         start = g.tensor("model/start", [3], "int32")
         g.op(
@@ -506,4 +521,37 @@ def conv_vision(path: Path, size: int = 160, layers: int = 4, seed: int = 0) -> 
         x, cin = y, 32
     g.outputs = [x]
     mb.signature("serving_default", g)
+    return mb.save(path)
+
+
+def mediapipe_member(path: Path, width: int = 256, layers: int = 2, seed: int = 0) -> Path:
+    """A model laid out as the members of MediaPipe's ``.task`` bundles are (face_blendshapes, face_detector, ...):
+    no SignatureDef (LiteRT's CompiledModel then has one ``<placeholder signature>``), tensors named by the
+    TF graph, and 0-d tensors among the activations. Landmarks ``input_points`` [1, 146, 2] -> centred by their
+    mean (MEAN over every axis: a 0-d tensor) -> RESHAPE [1, 292] -> ``layers`` x FULLY_CONNECTED(width, relu)
+    -> FULLY_CONNECTED(52) -> ``output`` [1, 52] (the 52 blendshape scores). ``width`` sets the size: 256 is
+    about 0.4 MiB of weights, 2048 with 2 layers about 19 MiB."""
+    rng = np.random.default_rng(seed)
+    mb = ModelBuilder()
+    g = mb.subgraph("main")
+    x = g.input("input_points", [1, 146, 2])
+    mean = g.tensor("model/mean", [], "float32")
+    axes = g.const("model/mean/reduction_indices", np.array([0, 1, 2], np.int32))
+    g.op(OP.MEAN, [x, axes], [mean], s.BuiltinOptions.ReducerOptions, s.ReducerOptionsT(keepDims=False))
+    centred = g.tensor("model/sub", [1, 146, 2], "float32")
+    g.op(OP.SUB, [x, mean], [centred], s.BuiltinOptions.SubOptions, s.SubOptionsT())
+    h = g.tensor("model/reshape", [1, 292], "float32")
+    g.op(OP.RESHAPE, [centred, g.const("model/reshape/shape", np.array([1, 292], np.int32))], [h])
+    cin = 292
+    relu = s.FullyConnectedOptionsT(fusedActivationFunction=s.ActivationFunctionType.RELU)
+    for i in range(layers):
+        w = g.const(f"model/dense_{i}/MatMul", (rng.standard_normal((width, cin)) / np.sqrt(cin)).astype(np.float32))
+        b = g.const(f"model/dense_{i}/BiasAdd", np.zeros(width, np.float32))
+        y = g.tensor(f"model/dense_{i}/Relu", [1, width], "float32")
+        g.op(OP.FULLY_CONNECTED, [h, w, b], [y], s.BuiltinOptions.FullyConnectedOptions, relu)
+        h, cin = y, width
+    w = g.const("model/output/MatMul", (rng.standard_normal((52, cin)) / np.sqrt(cin)).astype(np.float32))
+    out = g.tensor("output", [1, 52], "float32")
+    g.op(OP.FULLY_CONNECTED, [h, w, -1], [out], *_FC)
+    g.outputs = [out]
     return mb.save(path)

@@ -12,14 +12,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._dispatch import inventory, load_input
+from ._dispatch import find_models, inventory, load_input
 from ._findings import Code, Finding, Severity, TextEnum, code_named
 from ._inventory import MeasureInputs, ModelInventory, PayloadInfo, judge_envelope
+from ._paid import paid_verdict
 from ._placement import AlignPolicy
 from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
 from .errors import UsageError, WeightshareError
-from .formats import get, model_suffixes, registered
+from .formats import get, registered
 from .formats.base import MeasuresCopies
 from .options import INLINE_THRESHOLD
 
@@ -71,6 +72,8 @@ class Gate:
     feeds: MeasureInputs = MeasureInputs()  # --dim / --input for the measuring runs
     # --runtime VERSION[/CPU_KIND]: the serving machine's runtime, when it is not the one check runs under
     runtime: str = ""
+    instances: int = 4  # what a user pays: this many instances in one process (--instances) ...
+    processes: int = 2  # ... and this many processes with one instance each (--processes)
 
     def targeted(self, inv: ModelInventory) -> list[str]:
         named = [s for s in inv.settings if s in self.targets]
@@ -146,6 +149,7 @@ def _copies(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
             f"{len(payloads)} payloads ({_mib(sum(p.nbytes for p in payloads))}): "
             f"{payloads[0].copy_reason}; copied per session: {where}: {_names(payloads)}",
             gate.severity(inv, cost),
+            "; ".join(sorted({p.copy_fix for p in payloads if p.copy_fix})),
         )
 
 
@@ -221,6 +225,7 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
         sharing = inv.settings[0] if inv.settings else setting
         gone = setting != sharing and inv.measured.get(sharing, n) < min(gate.threshold, n / 2)
         unexplained = 2 * static < n and not gone  # neither the rules nor the sharing setting's figure explain it
+        fixes = sorted({p.copy_fix for p in copying if p.copy_fix})  # the static rules' own fixes for these copies
         add(
             Code.MEASURED_COPY,
             copying if not unexplained else [],
@@ -235,7 +240,7 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
             )
             + ")",
             severity,
-            _measured_fix(inv, setting, unexplained),
+            "; ".join(fixes) if fixes and not unexplained else _measured_fix(inv, setting, unexplained),
         )
 
 
@@ -248,6 +253,10 @@ def _measured_fix(inv: ModelInventory, setting: str, unexplained: bool) -> str:
             "no known fix: no static rule explains this copy; `weightshare inspect --json MODEL` shows the "
             "measured and static figures per setting (please report it)"
         )
+    if inv.prepack_output and inv.default_how and setting != inv.default_setting:
+        # the copies are this setting's own (a loader that does not read what --prepack stored): the fix is the
+        # loader the output was made for, not another conversion
+        return f"load it {inv.default_how}, the loader it was made for; or load with {sharing}"
     if inv.prepack_output:
         other = f"; or load with {sharing}" if sharing and sharing != setting else ""
         return (
@@ -259,6 +268,14 @@ def _measured_fix(inv: ModelInventory, setting: str, unexplained: bool) -> str:
         f"with {sharing}; the static findings "
         "listed with it say which weights and how"
     )
+
+
+def _what_it_costs(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
+    """What a user pays converted (through its loader, fixed cost per process included) against the original:
+    a warning where the conversion costs more, with the break-even; else the figures, as information."""
+    verdict = paid_verdict(inv, gate.instances, gate.processes)
+    if verdict is not None:
+        add(verdict[0], [], verdict[1], verdict[2])
 
 
 def _activations(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None:
@@ -349,6 +366,7 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
     _envelope(inv, add, gate)
     _measured(inv, add, gate)
     _activations(inv, add, gate)
+    _what_it_costs(inv, add, gate)
     static = len(out)
     _copies(inv, add, gate)
     if inv.measured and all(s in inv.measured for s in gate.targeted(inv)):
@@ -384,28 +402,6 @@ def findings_for(inv: ModelInventory, gate: Gate | None = None) -> list[Finding]
             f"{len(bad)} payloads differ from the checksum recorded in the blob: {_names(bad)}",
         )
     return out
-
-
-def find_models(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
-    """Files as given; directories searched recursively (sorted), an ``.mlpackage`` being a model, not a folder;
-    unexpanded globs expanded."""
-    import glob
-
-    suffixes = model_suffixes()
-    found: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir() and path.suffix not in suffixes:
-            for root, dirs, files in os.walk(path):
-                packages = sorted(d for d in dirs if Path(d).suffix in suffixes)  # a model package, not a folder
-                dirs[:] = sorted(d for d in dirs if Path(d).suffix not in suffixes)  # walk the rest, in order
-                here = Path(root)
-                found += sorted([here / f for f in files if Path(f).suffix in suffixes] + [here / d for d in packages])
-        elif not path.exists() and glob.has_magic(str(item)):
-            found += sorted(Path(p) for p in glob.glob(str(item)))
-        else:
-            found.append(path)
-    return found
 
 
 def check(
@@ -486,6 +482,8 @@ def run_gate(
         raise UsageError(f"--runtime takes VERSION[/CPU_KIND] (1.32.0/avx512), got {gate.runtime!r}")
     if gate.threshold < 0:
         raise UsageError("--threshold must not be negative")
+    if gate.instances < 1 or gate.processes < 1:
+        raise UsageError("--instances and --processes take a count of 1 or more")
     for name, value in gate.feeds.dims:
         if value < 0:
             raise UsageError(f"--dim takes NAME=VALUE with a non-negative integer, got {name}={value!r}")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from ._check import exit_code
 from ._checksum import split_digest
 from ._findings import Code, Finding, Severity
+from ._paid import paid_scenarios
 from .report import ConversionReport, JsonDict, ZooReport
 
 if TYPE_CHECKING:
@@ -124,19 +125,23 @@ def inventory_dict(inv: ModelInventory) -> JsonDict:
     return d
 
 
-def _model_summary(inv: ModelInventory) -> JsonDict:
+def _model_summary(inv: ModelInventory, gate: Gate) -> JsonDict:
     return {
         "model": inv.model,
         "format": inv.format,
         "settings": list(inv.settings),
         "copied_per_session_by_setting": {s: inv.per_session(s) for s in inv.settings},
-        "copies_source": inv.copies_source,
+        # what the verdict was made of: the settings the gate held the model to
+        "copies_source": inv.source_of(gate.targeted(inv)),
+        "copies_source_by_setting": {s: inv.source_of([s]) for s in inv.settings},
         "fallback_of": inv.fallback_of,
         "default_setting": inv.default_setting,
         "activation_per_session_by_setting": dict(inv.measured_activation),
         "measure_notes": list(inv.measure_notes),  # how the figures were made (text output: on stderr)
         "packed_for": dict(inv.packed_for),  # a --prepack output's envelope (version, CPU kind); {} for others
         "judged_for": next((n for n in inv.notes if n.startswith(("judged for", "not judged for"))), ""),
+        # what a user pays, converted vs original (check --instances / --processes)
+        "paid": [p.to_dict() for p in paid_scenarios(inv, gate.instances, gate.processes)],
     }
 
 
@@ -149,7 +154,7 @@ def check_document(
     return document(
         "check",
         code,
-        [_model_summary(i) for i in inventories] + [_unreadable(f) for f in unreadable],
+        [_model_summary(i, gate) for i in inventories] + [_unreadable(f) for f in unreadable],
         findings,
         error=unreadable_line(findings) or None,
         gate={"targets": list(gate.targets), "threshold": gate.threshold, "strict": strict, "runtime": gate.runtime},
@@ -179,12 +184,14 @@ def _unreadable(model: str) -> JsonDict:
         "settings": [],
         "copied_per_session_by_setting": {},
         "copies_source": "",
+        "copies_source_by_setting": {},
         "fallback_of": "",
         "default_setting": "",
         "activation_per_session_by_setting": {},
         "measure_notes": [],
         "packed_for": {},
         "judged_for": "",
+        "paid": [],
     }
 
 

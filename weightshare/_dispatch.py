@@ -9,7 +9,7 @@ model nor a format's own code imports the registry.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from ._platform import require_posix
 from ._recorded import blob_name_problem, record_problem, recorded_records
 from ._verify import VerifyReport, read_input
 from .errors import InvalidModel, UsageError
-from .formats import detect, detect_format, get, registered
+from .formats import detect, detect_format, get, model_suffixes, registered
 from .formats.base import Decodes, MeasuresCopies, ReadsInputs
 
 
@@ -47,6 +47,8 @@ def inventory(
             inv.measured_activation = measured[3]
         if len(measured) > 4:  # what measuring found of the model itself (the runtime refuses to load it)
             inv.findings += measured[4]
+        if len(measured) > 5:  # a format whose loader has a cost of its own: what the user pays, both ways
+            inv.paid = measured[5]
     return inv
 
 
@@ -152,3 +154,25 @@ def load_input(name: str, file: str | os.PathLike[str]) -> Any:
         if isinstance(fmt, ReadsInputs):
             readers.update(fmt.input_readers)
     return read_input(name, file, readers)
+
+
+def find_models(inputs: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """Files as given; directories searched recursively (sorted), an ``.mlpackage`` being a model, not a folder;
+    unexpanded globs expanded."""
+    import glob
+
+    suffixes = model_suffixes()
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir() and path.suffix not in suffixes:
+            for root, dirs, files in os.walk(path):
+                packages = sorted(d for d in dirs if Path(d).suffix in suffixes)  # a model package, not a folder
+                dirs[:] = sorted(d for d in dirs if Path(d).suffix not in suffixes)  # walk the rest, in order
+                here = Path(root)
+                found += sorted([here / f for f in files if Path(f).suffix in suffixes] + [here / d for d in packages])
+        elif not path.exists() and glob.has_magic(str(item)):
+            found += sorted(Path(p) for p in glob.glob(str(item)))
+        else:
+            found.append(path)
+    return found

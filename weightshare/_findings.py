@@ -50,6 +50,8 @@ class Code(TextEnum):
     UNPACKED_PER_SESSION = "unpacked-per-session"
     MEASURED_COPY = "copied-per-session"
     ACTIVATION_MEMORY = "activation-per-session"
+    COSTS_MORE = "costs-more-than-original"
+    WHAT_IT_COSTS = "what-it-costs"
     INLINE_UNALIGNED = "inline-unaligned"
     UNALIGNED = "unaligned"
     DUPLICATE_PAYLOADS = "duplicate-payloads"
@@ -91,6 +93,20 @@ CODES: dict[TextEnum, CodeInfo] = {
         "a layout transform, casts, a kernel inside a subgraph), each session pays it.",
         "convert with --prepack (packed copies in the blob), or load with the setting that shares; the "
         "static findings listed with it say which weights and how",
+    ),
+    Code.COSTS_MORE: CodeInfo(
+        Severity.WARNING,
+        "Measured: N instances in one process, or M processes, cost more PSS through the loader the conversion "
+        "was made for (its fixed cost per process: runtime state, mapped libraries and the file pages it reads) "
+        "than the same weights at the runtime's default, which copies them per instance. Small models pay the "
+        "fixed cost before sharing saves anything; the finding gives the break-even.",
+        "below the break-even, serve the original at the runtime's default; above it the conversion pays",
+    ),
+    Code.WHAT_IT_COSTS: CodeInfo(
+        Severity.INFO,
+        "Measured: what N instances in one process and M processes cost (PSS of the processes) through the loader "
+        "the conversion was made for, against the same weights at the runtime's default.",
+        "none needed: the conversion costs less",
     ),
     Code.ACTIVATION_MEMORY: CodeInfo(
         Severity.INFO,

@@ -32,6 +32,7 @@ class PayloadInfo:
     copy_reason: str = ""  # why a setting copies it, e.g. "MLAS pre-packs MatMul B at default options"
     copy_code: str = ""  # findings.Code value of that copy, set by the rule that found it
     copy_bytes: dict[str, int] = field(default_factory=dict)  # runtime setting -> bytes that copy alone costs
+    copy_fix: str = ""  # what removes that copy, when it is not the code's own fix (an opt-in --unpack)
     sha256: str = ""
     recorded_sha256: str = ""  # from the blob's metadata, when it has one
     duplicate_of: str = ""
@@ -80,10 +81,24 @@ class ModelInventory:
     # pre-packs for itself outside it), and the same facts of the runtime installed here (empty: none).
     packed_for: dict[str, str] = field(default_factory=dict)
     runtime_here: dict[str, str] = field(default_factory=dict)
+    # What a user pays, measured (formats whose loader has a cost of its own: TFLite's ``weightshare.litert``):
+    # role ("converted": through the loader; "original": the same weights at the runtime's default) -> {"setting",
+    # "one_process": PSS bytes of one process with 1, 2, ... instances, "two_processes": PSS bytes of two processes
+    # with one instance each, alive at once}; empty when not measured.
+    paid: JsonDict = field(default_factory=dict)
 
     @property
     def copies_source(self) -> str:
-        return "measured" if self.measured else "static"
+        """How the figure of the setting the model is held to by default was made (``source_of``)."""
+        return self.source_of([self.default_setting] if self.default_setting else self.settings[:1])
+
+    def source_of(self, settings: list[str]) -> str:
+        """ "measured" when the runtime measured every one of ``settings``, "static" when none (the static rules'
+        estimate), "partly measured" between: a figure is called measured only when it was."""
+        done = [s for s in settings if s in self.measured]
+        if not settings:
+            return "measured" if self.measured else "static"
+        return "measured" if len(done) == len(settings) else "partly measured" if done else "static"
 
     def per_session(self, setting: str) -> int:
         """Bytes one more session costs under ``setting``: measured when it was, else the static estimate."""
@@ -118,6 +133,7 @@ class ModelInventory:
             copied_per_session_by_setting={s: self.per_session(s) for s in self.settings},
             static_copied_per_session_by_setting={s: self.copied_under(s) for s in self.settings},
             copies_source=self.copies_source,
+            copies_source_by_setting={s: self.source_of([s]) for s in self.settings},
         )
         return d
 

@@ -51,6 +51,10 @@ class _Signature:
                 )
         self.inputs = [inputs[n] for n in self.input_names]
         self.outputs = [outputs[n] for n in self.output_names]
+        # LiteRT's runner lists its details in its own order (the signature's names sorted: ``input_pos``,
+        # ``kv_cache_k_0``, ..., ``tokens``), CompiledModel its buffers in the SignatureDef's: code that fills
+        # inputs by position reads the listing, so the listing keeps LiteRT's order and the buffers CompiledModel's
+        self.listed_inputs, self.listed_outputs = list(inputs), list(outputs)
         self._make_buffers()
 
     def _make_buffers(self) -> None:
@@ -112,11 +116,16 @@ class SignatureRunner:
         self._sig = sig
 
     def get_input_details(self) -> dict[str, Details]:
-        """By the signature's input names, as LiteRT's runner (each detail's ``name`` is the tensor's)."""
-        return {n: _copy(d) for n, d in zip(self._sig.input_names, self._sig.inputs)}
+        """By the signature's input names, in the order and with the fields of LiteRT's runner (each detail's
+        ``name`` is the tensor's)."""
+        sig = self._sig
+        by_name = dict(zip(sig.input_names, sig.inputs))
+        return {n: _copy(by_name[n]) for n in sig.listed_inputs}
 
     def get_output_details(self) -> dict[str, Details]:
-        return {n: _copy(d) for n, d in zip(self._sig.output_names, self._sig.outputs)}
+        sig = self._sig
+        by_name = dict(zip(sig.output_names, sig.outputs))
+        return {n: _copy(by_name[n]) for n in sig.listed_outputs}
 
     def __call__(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
         sig = self._sig
@@ -131,7 +140,8 @@ class SignatureRunner:
         for pos, name in enumerate(sig.input_names):
             sig.set(pos, inputs[name])
         sig.run()
-        return {name: sig.get(pos).copy() for pos, name in enumerate(sig.output_names)}
+        results = {name: sig.get(pos).copy() for pos, name in enumerate(sig.output_names)}
+        return {name: results[name] for name in sig.listed_outputs}  # in LiteRT's runner's order
 
 
 class SharedInterpreter:
@@ -162,6 +172,11 @@ class SharedInterpreter:
             self._signatures[cm_keys[0]] = _Signature(cm, cm_keys[0], ins, outs)
             self._subgraph_of[cm_keys[0]] = 0
         self._primary = next((s for k, s in self._signatures.items() if self._subgraph_of[k] == 0), None)
+        # the primary subgraph's inputs and outputs as LiteRT's Interpreter lists them (the subgraph's order)
+        self._listed = (
+            [int(d["index"]) for d in classic.get_input_details()],
+            [int(d["index"]) for d in classic.get_output_details()],
+        )
 
     def _main(self) -> _Signature:
         if self._primary is None:
@@ -172,10 +187,12 @@ class SharedInterpreter:
         """Buffers exist from the start (and are remade on resize): nothing to do, as after a first allocation."""
 
     def get_input_details(self) -> list[Details]:
-        return [_copy(d) for d in self._main().inputs]
+        by_index = {int(d["index"]): d for d in self._main().inputs}
+        return [_copy(by_index[i]) for i in self._listed[0] if i in by_index]
 
     def get_output_details(self) -> list[Details]:
-        return [_copy(d) for d in self._main().outputs]
+        by_index = {int(d["index"]): d for d in self._main().outputs}
+        return [_copy(by_index[i]) for i in self._listed[1] if i in by_index]
 
     def get_signature_list(self) -> dict[str, dict[str, list[str]]]:
         return dict(self._signature_list)

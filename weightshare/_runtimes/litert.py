@@ -256,13 +256,7 @@ class EntryPoint:
         if self.runner:
             # np.array copies: the runner's outputs view its interpreter's tensors, which the next run overwrites
             return {k: np.array(v) for k, v in self.runner(**feeds).items()}
-        details = self.interp.get_input_details()
-        for d in details:
-            if list(feeds[d["name"]].shape) != [int(x) for x in d["shape"]]:
-                self.interp.resize_tensor_input(d["index"], list(feeds[d["name"]].shape))
-        self.interp.allocate_tensors()
-        outs = run(self.interp, {d["index"]: feeds[d["name"]] for d in details})
-        return {d["name"]: o for d, o in zip(self.interp.get_output_details(), outs)}
+        return _run_primary(self.interp, feeds)
 
 
 def entry_points(
@@ -409,9 +403,56 @@ def _open_helper(
     entries = entry_points(open_mode(model_path, MODES[0]), model_path, bounds)
     runs: list[tuple[str, Callable[..., Any], EntryPoint]] = []
     for key, entry in entries:
-        runner = shared.get_signature_runner(key or None)
+        if not key:  # no SignatureDef (MediaPipe's models): no runner, as LiteRT's Interpreter has none either
+            runs.append((key, lambda feeds: _run_primary(shared, feeds), entry))
+            continue
+        runner = shared.get_signature_runner(key)
         runs.append((key, lambda feeds, runner=runner: runner(**feeds), entry))
     return shared, runs
+
+
+def _run_primary(interp: Any, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The primary subgraph through the Interpreter calls (resize, set_tensor, invoke, get_tensor)."""
+    details = interp.get_input_details()
+    for d in details:
+        if list(feeds[d["name"]].shape) != [int(x) for x in d["shape"]]:
+            interp.resize_tensor_input(d["index"], list(feeds[d["name"]].shape))
+    interp.allocate_tensors()
+    outs = run(interp, {d["index"]: feeds[d["name"]] for d in details})
+    return {d["name"]: o for d, o in zip(interp.get_output_details(), outs)}
+
+
+def hold(
+    model_path: str,
+    share: bool,
+    loader: str,
+    bounds: dict[str, dict[str, int | None]],
+    dims: dict[str, int],
+    input_files: dict[str, str],
+    instances: int = 1,
+) -> list[Any]:
+    """In this (child) process: ``instances`` instances as a user opens them (the classic Interpreter, or
+    ``weightshare.litert.interpreter``), every signature run once, returned to be kept alive while
+    ``memory.in_children`` reads the PSS of every process holding them. Nothing else is imported: what the
+    process pays is what a user's would."""
+    given = {name: np.load(file, allow_pickle=False) for name, file in input_files.items()}
+    held: list[Any] = []
+    with native_stderr_silenced():
+        for _ in range(instances):
+            if loader == "helper":
+                shared, runs = _open_helper(model_path, bounds)
+                for _key, call, entry in runs:
+                    call(entry.feeds(0, given, None, dims))
+                held.append(shared)
+                del runs  # the classic Interpreter that made the inputs: the measurement's, not the user's
+                continue
+            interp = new_interpreter(model_path, share, allocate=False)
+            entries = entry_points(interp, model_path, bounds)
+            for _key, entry in entries:
+                entry(entry.feeds(0, given, None, dims))
+            del entries  # a signature runner holds the interpreter
+            held.append(interp)
+    return held
 
 
 LOADERS = ("interpreter", "helper")  # the classic Interpreter (share: no default delegates), weightshare.litert

@@ -49,6 +49,25 @@ def data_pss(pid: int | str = "self") -> int:
     return total
 
 
+def paid_pss(pid: int | str = "self") -> int:
+    """What a process pays, in bytes: the PSS of every mapping but program code, whose clean pages any process on
+    the machine that loads the same library shares (their PSS moves with processes that are not the user's:
+    +-5 MiB for LiteRT's 10 MiB library on a shared machine), plus the pages of code mappings this process
+    dirtied (relocations, a library's data: 3.8 MiB for LiteRT's WebGPU accelerator, which CompiledModel loads)."""
+    total, code = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if not parts:
+                continue
+            if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):  # a mapping's header line
+                path = parts[5] if len(parts) > 5 else ""
+                code = bool(path) and not path.startswith("[") and ("x" in parts[1] or bool(_CODE.search(path)))
+            elif (parts[0] == "Pss:" and not code) or (parts[0] == "Private_Dirty:" and code):
+                total += int(parts[1]) * 1024
+    return total
+
+
 def resident_bytes(spans: list[tuple[int, int]]) -> int:
     """Bytes resident in this process of the pages that the address ranges ``spans`` ([start, end)) cover, pages
     of mapped files left out: what a runtime's tensors outside the model file occupy (an arena whose tensors
@@ -260,3 +279,91 @@ def _verify_child(module: str, func: str, report: Any, original: Any, converted:
     if any(is_oom(line) for line in report.mismatches):
         return "oom"
     return report
+
+
+def in_children(
+    module: str,
+    func: str,
+    args: list[object],
+    n: int,
+    env: dict[str, str] | None = None,
+    timeout: float = 600.0,
+    count_import: bool = False,
+) -> list[int]:
+    """What ``module.func(*args)`` (which opens what is measured and returns it, kept alive) costs in each of ``n``
+    fresh Python processes, all alive at once: the ``paid_pss`` in bytes each reads once every one is ready (so
+    pages they map in common are split among all ``n``, as they are for a user's ``n`` processes) less its figure
+    before the call, when it had imported numpy and ``module`` but nothing of the runtime (what any Python process
+    pays anyway; ``func`` imports what it opens with). ``count_import``: importing ``module`` counts too (a loader
+    of weightshare's own: its user imports weightshare; a runtime's own loader: its user does not). A child that
+    fails, or a barrier not reached within ``timeout`` seconds, is a RuntimeError."""
+    import json
+    import os
+    import threading
+
+    code = (
+        "import json, sys\n"
+        "import numpy\n"
+        "from weightshare._runtimes.memory import paid_pss\n"
+        "base = paid_pss()\n"
+        f"from {module} import {func}\n"
+        f"base = {'base' if count_import else 'paid_pss()'}\n"
+        f"held = {func}(*json.loads(sys.argv[1]))\n"
+        "print('ready', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print(json.dumps(paid_pss() - base), flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **env} if env else None,
+        )
+        for _ in range(n)
+    ]
+
+    def kill_all() -> None:
+        for c in children:
+            c.kill()
+
+    timer = threading.Timer(timeout, kill_all)
+    timer.start()
+    try:
+        for c in children:  # the barrier: every process has opened its instance
+            if c.stdout is None or c.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"{module}.{func} failed in a child process: {_tail(c)}")
+        for c in children:
+            if c.stdin is not None:
+                c.stdin.write("go\n")
+                c.stdin.flush()
+        figures = []
+        for c in children:
+            line = c.stdout.readline() if c.stdout is not None else ""
+            if not line.strip():
+                raise RuntimeError(f"{module}.{func} failed in a child process: {_tail(c)}")
+            figures.append(int(json.loads(line)))
+        return figures
+    finally:
+        timer.cancel()
+        for c in children:
+            if c.stdin is not None:
+                c.stdin.close()
+            try:
+                c.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                c.kill()
+                c.wait()
+            for stream in (c.stdout, c.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+def _tail(child: subprocess.Popen[str]) -> str:
+    child.kill()  # a child stuck past its failure: its stderr is read to the end
+    child.wait()
+    err = child.stderr.read() if child.stderr is not None else ""
+    return (err.strip().splitlines()[-1:] or ["(no output)"])[0]

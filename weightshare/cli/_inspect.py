@@ -112,6 +112,12 @@ def check(
         help="The serving machine's runtime, VERSION[/CPU_KIND] (1.32.0/avx512): a --prepack output is judged for "
         "it (default: the onnxruntime and CPU kind of the machine running check).",
     ),
+    instances: int = typer.Option(
+        4, "--instances", min=1, help="What a user pays: this many instances in one process (default 4)."
+    ),
+    processes: int = typer.Option(
+        2, "--processes", min=1, help="What a user pays: this many processes, one instance each (default 2)."
+    ),
     quiet_: bool = typer.Option(False, "-q", "--quiet", help="Only the finding lines (no 'ok' line)."),
     child_memory: int | None = child_memory_option(),
 ) -> None:
@@ -132,7 +138,16 @@ def check(
     how = output_format(as_json, format_, ("text", "json", "github", "sarif"))
     with user_errors():
         feeds = MeasureInputs(tuple(dim_args(dim).items()), tuple(input_args(inputs).items()))
-    gate = Gate(tuple(target), threshold, inline_threshold, measure=not no_measure, feeds=feeds, runtime=runtime)
+    gate = Gate(
+        tuple(target),
+        threshold,
+        inline_threshold,
+        measure=not no_measure,
+        feeds=feeds,
+        runtime=runtime,
+        instances=instances,
+        processes=processes,
+    )
     with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes") as stage:
         result = run_gate(
             models, gate, strict, lambda path, i, n: stage(f"check: measuring {path} ({i}/{n}) in runtime children")

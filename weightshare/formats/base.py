@@ -199,7 +199,8 @@ class MeasuresCopies(Protocol):
 
     def measure_copies(self, path: Path, feeds: MeasureInputs | None = None) -> tuple[Any, ...]:
         """(bytes copied per setting, one session's bytes per setting, notes[, activation bytes per setting[,
-        findings about the model itself: the runtime refuses it]]); ``feeds``: what the user said of the inputs
+        findings about the model itself: the runtime refuses it[, what a user pays converted and original:
+        ``ModelInventory.paid``]]]); ``feeds``: what the user said of the inputs
         (``check --dim/--input``)."""
         ...
 

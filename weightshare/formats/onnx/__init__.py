@@ -75,9 +75,10 @@ class OnnxFormat(FormatDefaults):
         ``stages`` removes once the zoo is written."""
         if not options.prepack:
             return self.prepare(src, out_dir, options)
-        from .ort.prepack import prepare_prepacked, staging
+        from .ort.prepack import prepare_prepacked, run_cache, staging
 
-        return prepare_prepacked(src, out_dir, options, stages.enter_context(staging(out_dir)))
+        # the zoo's packings are reused across its models (``stages`` spans the run)
+        return prepare_prepacked(src, out_dir, options, stages.enter_context(staging(out_dir)), run_cache(stages))
 
     def join_shared(self, prepared: list[PreparedModel], options: ConvertOptions) -> None:
         """Zoo mode with --prepack: one blob record naming every model's portable twin."""

@@ -50,6 +50,11 @@ def punch(path: str, offset: int, length: int) -> bool:
     return True
 
 
+def can_punch() -> bool:
+    """Whether blocks are freed here (False off Linux, or once a file system refused)."""
+    return _fallocate is not None and _punch_works
+
+
 @dataclass(slots=True)
 class ReleasedRange(FileRange):
     """A staged ``FileRange`` whose blocks are freed once its payload is placed (``_write.write_payloads``)."""

@@ -16,6 +16,7 @@ from .unpack import UNPACK
 
 if TYPE_CHECKING:
     from ..._atomic import OutputTransaction
+    from ..._findings import Finding
     from ..._inventory import MeasureInputs, ModelInventory
     from ..._pipeline import PreparedModel
     from ..._verify import VerifyReport
@@ -66,7 +67,7 @@ class TfliteFormat(FormatDefaults):
 
     def measure_copies(
         self, path: Path, feeds: MeasureInputs | None = None
-    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding], dict[str, Any]]:
         """Bytes one more LiteRT interpreter costs per setting, measured in child processes (``measure.py``)."""
         from .measure import measure_copies
 

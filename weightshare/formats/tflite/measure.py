@@ -21,6 +21,11 @@ that packed size plus the no-delegate setting's weight copies (DEQUANTIZE output
 growth is activation memory, reported as its own figure. CompiledModel shows no tensor to read pages under: under
 ``litert-compiled-cache`` an instance's own buffers (``instance_buffers``, its input and output copies included),
 an upper bound of its arena, are taken off instead.
+
+What a user pays (``paid``): for a model measured through the helper, what the model and its runtime add to whole
+processes (``_runtimes.memory.in_children``), through the helper and under LiteRT's default Interpreter, with 1
+and 4 instances in one process and in 2 processes alive at once; ``check`` turns it into its
+``costs-more-than-original`` finding (``weightshare._paid``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from ..._findings import Finding
 from ..._inventory import MeasureInputs
 from ...errors import UsageError, WeightshareError
 from ...report import JsonDict
@@ -187,6 +195,55 @@ def _probe_helper(
     return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers, "arena": [0] * len(pss)}
 
 
+PAID_COUNTS = ((1, 1), (1, SESSIONS), (2, 1))  # (processes, instances in each) measured for ``paid``
+
+
+def paid(
+    path: Path,
+    bounds: dict[str, dict[str, int | None]],
+    given: MeasureInputs,
+    measured: dict[str, int],
+    notes: list[str],
+) -> JsonDict:
+    """What a user pays for a ``--prepack`` output opened as ``weightshare.litert`` opens it ("converted": the
+    helper, its CompiledModel and the cache) against the same weights under LiteRT's default Interpreter
+    ("original": XNNPACK packing a private copy per interpreter): the PSS the model and its loader add to
+    fresh processes (``in_children``) with 1 and 4 instances in one process, and of two processes with one instance
+    each, alive at once. {} when either setting was not measured (no matching cache, LiteRT refused it)."""
+    from ..._runtimes.litert import hold
+    from ..._runtimes.memory import in_children
+
+    st = path.stat()
+    key = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, given.dims, given.input_files)
+    if key in _PAID:  # check measures again near its gate: these figures do not decide it, once is enough
+        return _PAID[key]
+    roles = (("converted", COMPILED_CACHE, True, "helper"), ("original", SETTINGS[1][0], False, "interpreter"))
+    if any(setting not in measured for _role, setting, _share, _loader in roles):
+        return {}
+    out: JsonDict = {}
+    for role, setting, share, loader in roles:
+        figures: JsonDict = {"setting": setting, "one_process": {}}
+        for processes, instances in PAID_COUNTS:
+            args: list[object] = [str(path), share, loader, bounds, dict(given.dims), dict(given.input_files)]
+            try:
+                pss = in_children(
+                    hold.__module__, "hold", [*args, instances], processes, MALLOC_ENV, TIMEOUT_S, loader == "helper"
+                )
+            except RuntimeError as e:
+                notes.append(f"what a user pays is not measured ({setting}: {e})")
+                return {}
+            if processes == 1:
+                figures["one_process"][str(instances)] = pss[0]
+            else:
+                figures["two_processes"] = sum(pss)
+        out[role] = figures
+    _PAID[key] = out
+    return out
+
+
+_PAID: dict[tuple[object, ...], JsonDict] = {}
+
+
 def buffers_note(setting: str, res: JsonDict, taken_off: bool = False) -> str | None:
     """The measured figure of ``setting`` includes each interpreter's own buffers: say how much they are
     (``taken_off``: they were taken off the weight figure as the bound of an arena the probe cannot read)."""
@@ -246,7 +303,9 @@ def arena_bytes(interp: Any, skip: set[int] | None = None) -> int:
             a = interp.tensor(d["index"])()
         except Exception:  # noqa: BLE001 -- a tensor without data (not allocated, delegated away) has no pages
             continue
-        if a.nbytes:
+        # a 0-d tensor comes back as a numpy scalar (a copy, no address): its few bytes share a page with the
+        # arena's other tensors, whose spans count that page
+        if isinstance(a, np.ndarray) and a.nbytes:
             spans.append((a.ctypes.data, a.ctypes.data + a.nbytes))
     return resident_bytes(spans)
 
@@ -279,15 +338,18 @@ def available() -> bool:
 
 def measure_copies(
     path: Path, feeds: MeasureInputs | None = None
-) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int]]:
+) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding], JsonDict]:
     """(setting id -> bytes of weights and copies of them one more interpreter keeps, setting id -> PSS of the child
-    with one interpreter, notes, setting id -> activation memory one more interpreter keeps); ({}, {}, [why not],
-    {}) when ai-edge-litert is not installed or measuring is off."""
+    with one interpreter, notes, setting id -> activation memory one more interpreter keeps, findings of the model
+    itself (none yet: a model LiteRT refuses is a note), what a user pays in PSS converted and original
+    (``paid``)); ({}, {}, [why not], {}, [], {}) when ai-edge-litert is not installed or measuring is off."""
     if not available():
         return (
             {},
             {},
             ["per-interpreter copies are the static estimate: ai-edge-litert is not installed (or measuring is off)"],
+            {},
+            [],
             {},
         )
     from ..._runtimes.bound import OverBound, child_memory, is_oom
@@ -316,18 +378,18 @@ def measure_copies(
                 memory=memory,
             )
         except OverBound as e:
-            notes.append(f"{setting}: {e}" + _STATIC_KEPT.get(setting, ""))
+            notes.append(f"{setting}: {e}" + _STATIC_KEPT)
             continue
         except RuntimeError as e:
-            notes.append(f"could not measure {setting}: {e}" + _STATIC_KEPT.get(setting, ""))
+            notes.append(f"could not measure {setting}: {e}{_STATIC_KEPT}")
             continue
         if "usage" in res:
             raise UsageError(str(res["usage"]))
         if "error" in res and is_oom(str(res["error"])):
-            notes.append(f"{setting}: {memory.message('not measured')}" + _STATIC_KEPT.get(setting, ""))
+            notes.append(f"{setting}: {memory.message('not measured')}" + _STATIC_KEPT)
             continue
         if "error" in res:
-            notes.append(f"LiteRT refuses the model under {setting}: {res['error']}" + _STATIC_KEPT.get(setting, ""))
+            notes.append(f"LiteRT refuses the model under {setting}: {res['error']}{_STATIC_KEPT}")
             continue
         data = res["data_pss"]
         growth = max(0, (data[-1] - data[0]) // (len(data) - 1))
@@ -351,11 +413,11 @@ def measure_copies(
         note = buffers_note(setting, res, taken_off=loader == "helper")
         if note:
             notes.append(note)
-    return out, one, notes, activation
+    return out, one, notes, activation, [], paid(path, bounds, given, out, notes)  # no findings of its own
 
 
 COMPILED_CACHE = "litert-compiled-cache"  # inventory.XNNPACK_CACHE
-_STATIC_KEPT = {COMPILED_CACHE: "; its figure is the static estimate"}
+_STATIC_KEPT = "; its figure is the static estimate"  # every setting not measured keeps the rules' figure
 
 
 def _settings(path: Path, notes: list[str]) -> list[tuple[str, bool, str]]:
@@ -367,6 +429,6 @@ def _settings(path: Path, notes: list[str]) -> list[tuple[str, bool, str]]:
     settings = [(setting, share, "interpreter") for setting, share in SETTINGS]
     cache, why = find_cache(path)  # hashes the model only when a cache file is beside it
     if cache is None:
-        notes.append(f"{COMPILED_CACHE} is not measured: {why}{_STATIC_KEPT[COMPILED_CACHE]}")
+        notes.append(f"{COMPILED_CACHE} is not measured: {why}{_STATIC_KEPT}")
         return settings
     return [*settings, (COMPILED_CACHE, True, "helper")]

@@ -15,6 +15,7 @@ that its peak RSS can be measured on its own.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -89,6 +90,8 @@ class OpTally:
     nodes: int = 0
     packed: int = 0
     packed_bytes: int = 0
+    sessions: int = 0  # one-node sessions run (``pack``)
+    reused: int = 0  # nodes whose one-node model was packed before in this run (``packing_key``): no session
     not_packed: dict[str, int] = field(default_factory=dict)
 
     def skip(self, why: str) -> None:
@@ -121,7 +124,7 @@ def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -
     return ""
 
 
-PACKED_BIN = "packed.bin"  # every node's packed buffers, appended as each node is packed
+PACKED_BIN = "packed.bin"  # packed buffers moved out of ORT's files (segments'; nodes' where no holes are made)
 
 
 def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
@@ -144,17 +147,23 @@ def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
     return "|".join(moved), total
 
 
-def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]], dict[str, OpTally]]:
+def pack(
+    opt_model: str, min_external: int, known: dict[str, Packing] | None = None
+) -> tuple[dict[str, list[list[str]]], dict[str, OpTally], dict[str, Packing]]:
     """Pre-pack node by node: each weight-bearing node of the optimized graph (subgraph bodies
     included, their outer-scope weights as the node's own) alone in a session.
 
-    Returns (initializer name -> [[prepacked entry value, file], ...], per op type what was packed).
+    ``known``: packings of one-node models this run already made (``packing_key`` -> ``Packing``, files
+    absolute), reused without a session; None: none reused, not even between this graph's own nodes (the
+    bench's "before"). Returns (initializer name -> [[prepacked entry value, file], ...], per op type what was
+    packed, the packings made here by a session, files relative to the staging).
     Peak memory is one node's weights and packed copies, whatever the model's size.
     """
     import gc
     import os
 
     from ...._platform import malloc_trim
+    from ..disk_use import can_punch
     from .types import all_nodes, infer
 
     model = onnx.load(opt_model, load_external_data=False)
@@ -162,6 +171,8 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
     types = infer(model)
     found: dict[str, list[list[str]]] = {}
     tally: dict[str, OpTally] = {}
+    made: dict[str, Packing] = {}
+    digests: dict[tuple[str, int, int], str] = {}
     packed_bin = os.path.join(stage, PACKED_BIN)
     if not os.path.exists(packed_bin):
         open(packed_bin, "wb").close()
@@ -186,6 +197,11 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
         if isinstance(one, str):
             op.skip(one)
             continue
+        key = packing_key(one, stage, digests) if known is not None else ""
+        earlier = (made.get(key) or known.get(key)) if known is not None else None
+        if earlier is not None:  # the same one-node model packed before in this run: its session's result
+            _reuse(earlier, node, found, op)
+            continue
         name, packed_model = os.path.join(stage, f"node{n}.onnx"), os.path.join(stage, f"node{n}.packed.onnx")
         with open(name, "wb") as f:
             f.write(one.SerializeToString())
@@ -193,10 +209,14 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
             refused = _pack_node(name, packed_model, f"node{n}.packed.bin", min_external)
         finally:
             os.unlink(name)
-            gc.collect()
+            # the session went with _pack_node's frame (refcount); a full collection per node cost 24 ms (a
+            # merged decoder's 24 nodes: 0.57 of its child's 1.96 s CPU), the young generation catches the rest
+            gc.collect(0)
             malloc_trim()
+        op.sessions += 1
         if refused:
             op.skip(refused)
+            made[key] = Packing(skip=refused)
             for left in (packed_model, os.path.join(stage, f"node{n}.packed.bin")):
                 if os.path.exists(left):
                     os.unlink(left)
@@ -207,28 +227,159 @@ def pack(opt_model: str, min_external: int) -> tuple[dict[str, list[list[str]]],
         unknown = unknown_entries(packed)
         if unknown:  # what ORT packed under a key we do not read would be dropped: the parent's one line
             raise ValueError(unknown_entry_message(unknown[0]))
-        entries = 0
-        with open(os.path.join(stage, f"node{n}.packed.bin"), "rb") as src, open(packed_bin, "ab") as dst:
+        packing, node_bin = Packing(), f"node{n}.packed.bin"
+        # ORT's file holds the node's weights, then their packed copies: where blocks can be freed, the packed
+        # bytes stay where ORT wrote them (written once) and the weights' blocks go; else they are moved out
+        in_place, kept = can_punch(), []
+        with open(os.path.join(stage, node_bin), "rb") as src, open(packed_bin, "ab") as dst:
             for t in packed.graph.initializer:
                 for e in t.external_data:
                     if e.key.startswith("prepacked_"):
-                        entries += 1
-                        key = e.value.split("|")[0]
-                        if any(v.split("|")[0] == key for v, _f in found.get(t.name, [])):
+                        kernel = e.value.split("|")[0]
+                        same = [(v, f) for v, f in found.get(t.name, []) if v.split("|")[0] == kernel]
+                        if same:
                             # another node, one kernel (the branches of a merged decoder's If): the same packed
                             # bytes under the same key, which the blob keeps once; not written twice to the staging
+                            packing.add(list(node.input).index(t.name), *same[0])
                             continue
-                        value, size = _move_packed(e.value, src, dst)
-                        found.setdefault(t.name, []).append([value, PACKED_BIN])
+                        if in_place:
+                            value, file = e.value, node_bin
+                            size = sum(int(b.split(";")[1]) for b in value.split("|")[1:])
+                            kept.append(value)
+                        else:
+                            (value, size), file = _move_packed(e.value, src, dst), PACKED_BIN
+                        found.setdefault(t.name, []).append([value, file])
+                        packing.add(list(node.input).index(t.name), value, file)
                         op.packed_bytes += size
-        os.unlink(os.path.join(stage, f"node{n}.packed.bin"))  # its copy of the node's weights goes at once
-        if entries:
-            op.packed += 1
-        elif node.domain == "com.microsoft.nchwc":
-            op.skip("its kernel pre-packs nothing: the optimizer reordered its weights (stored as optimized tensors)")
+        if kept:
+            _free_all_but(os.path.join(stage, node_bin), kept)
         else:
-            op.skip("its kernel pre-packs nothing here")
-    return found, tally
+            os.unlink(os.path.join(stage, node_bin))  # its copy of the node's weights goes at once
+        if not packing.entries:
+            packing.skip = _packs_nothing(node)
+        made[key] = packing
+        _tally(op, packing, node)
+    return found, tally, (made if known is not None else {})
+
+
+def _free_all_but(path: str, values: list[str]) -> None:
+    """Free the blocks of ``path`` outside the packed buffers of ``values`` (``prepacked_N`` entries into it)."""
+    from ..disk_use import punch
+
+    spans = sorted((int(b.split(";")[0]), int(b.split(";")[1])) for v in values for b in v.split("|")[1:])
+    at = 0
+    for offset, size in [*spans, (os.path.getsize(path), 0)]:
+        if offset > at:
+            punch(path, at, offset - at)
+        at = max(at, offset + size)
+
+
+def _packs_nothing(node: onnx.NodeProto) -> str:
+    if node.domain == "com.microsoft.nchwc":
+        return "its kernel pre-packs nothing: the optimizer reordered its weights (stored as optimized tensors)"
+    return "its kernel pre-packs nothing here"
+
+
+def _tally(op: OpTally, packing: Packing, node: onnx.NodeProto) -> None:
+    if packing.entries:
+        op.packed += 1
+    else:
+        op.skip(packing.skip or _packs_nothing(node))
+
+
+@dataclass
+class Packing:
+    """What a one-node model's session packed: per input position of its node, the ``prepacked_N`` entry
+    values and the file they point into; or why nothing (``skip``)."""
+
+    entries: list[tuple[int, str, str]] = field(default_factory=list)  # (input position, entry value, file)
+    skip: str = ""
+
+    def add(self, position: int, value: str, file: str) -> None:
+        self.entries.append((position, value, file))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"entries": [list(e) for e in self.entries], "skip": self.skip}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Packing:
+        return cls([(int(p), str(v), str(f)) for p, v, f in doc["entries"]], str(doc["skip"]))
+
+
+def _reuse(earlier: Packing, node: onnx.NodeProto, found: dict[str, list[list[str]]], op: OpTally) -> None:
+    """``earlier``'s entries for ``node``'s own initializer names (an earlier model's files by absolute path)."""
+    op.reused += 1
+    for position, value, file in earlier.entries:
+        name = node.input[position]
+        kernel = value.split("|")[0]
+        if any(v.split("|")[0] == kernel for v, _f in found.get(name, [])):
+            continue
+        found.setdefault(name, []).append([value, file])
+        op.packed_bytes += sum(int(b.split(";")[1]) for b in value.split("|")[1:])
+    _tally(op, earlier, node)
+
+
+def packing_key(one: onnx.ModelProto, directory: str, digests: dict[tuple[str, int, int], str]) -> str:
+    """What a one-node model's session can pack from, independent of tensor and node names: the node's op,
+    domain and attributes; per input position an initializer's element type, dims and bytes (their digest), a
+    loose input's type, or which earlier position it repeats; the outputs' types; the opsets and IR version.
+    That is the whole model ``_pack_node`` gives ORT but for names (a kernel's PrePack sees the tensor, its
+    shape and type, and the node's attributes: a MatMul of other dims or a Gemm with transB is another key).
+    Two nodes with one key get the same session, hence the same packed bytes (same run: same onnxruntime, CPU
+    and options)."""
+    g = one.graph
+    node = g.node[0]
+    inits = {t.name: t for t in g.initializer}
+    loose = {v.name: v.type.SerializeToString().hex() for v in g.input}
+    seen: dict[str, int] = {}
+    ins: list[tuple[Any, ...]] = []
+    for position, name in enumerate(node.input):
+        if name in seen:
+            ins.append(("repeats", seen[name]))
+            continue
+        seen[name] = position
+        if not name:
+            ins.append(("absent",))
+        elif name in inits:
+            t = inits[name]
+            ins.append(("init", t.data_type, tuple(t.dims), _content_digest(t, directory, digests)))
+        else:
+            ins.append(("input", loose.get(name, "")))
+    outs = [v.type.SerializeToString().hex() for v in g.output]
+    attrs = sorted(a.SerializeToString().hex() for a in node.attribute)
+    opsets = sorted((o.domain, o.version) for o in one.opset_import)
+    doc = (one.ir_version, opsets, node.op_type, node.domain, attrs, ins, outs)
+    return hashlib.sha256(repr(doc).encode()).hexdigest()
+
+
+def _content_digest(t: onnx.TensorProto, directory: str, digests: dict[tuple[str, int, int], str]) -> str:
+    """The bytes of ``t``, streamed from its external file (each range read once per child) or, inline, its
+    serialized form without its name."""
+    from ...._checksum import new_hasher
+
+    where = _external(t)
+    if t.data_location != onnx.TensorProto.EXTERNAL:
+        inline = onnx.TensorProto()
+        inline.CopyFrom(t)
+        inline.name = ""
+        h = new_hasher()
+        h.update(inline.SerializeToString())
+        return "inline:" + h.hexdigest()
+    if where is None:  # no length recorded: never equal to another tensor
+        return f"unsized:{id(t)}"
+    if where not in digests:
+        h = new_hasher()
+        with open(os.path.join(directory, where[0]), "rb") as f:
+            f.seek(where[1])
+            remaining = where[2]
+            while remaining:
+                chunk = f.read(min(remaining, 1 << 20))
+                if not chunk:
+                    raise OSError(f"{where[0]} ends inside an initializer")
+                h.update(chunk)
+                remaining -= len(chunk)
+        digests[where] = h.hexdigest()
+    return "bytes:" + digests[where]
 
 
 def tally_packed(opt_model: str) -> dict[str, OpTally]:
@@ -292,6 +443,7 @@ def optimize_bounded(
         reset=sharer.reset if sharer else None,
         optimize_packed=run_packed if sharer else None,
         optimize_referenced=run_referenced,
+        settles_inline=sharer is not None and sharer.min_external > 0,
     )
     return segmenter.run().as_dict()
 
@@ -323,8 +475,11 @@ class Sharer:
 
     REST = "ort.rest.bin"
 
-    def __init__(self, model: str, stage: str) -> None:
+    def __init__(self, model: str, stage: str, min_external: int = 0) -> None:
         self.stage = stage
+        # > 0: what a session wrote inline from this size on is moved out (``externalize``), so the sessions that
+        # pack nothing may save references instead of writing every weight again (``Segmenter.settles_inline``)
+        self.min_external = min_external
         src = onnx.load(model, load_external_data=False)
         self.plain = {t.name: t for t in src.graph.initializer if _external(t)}
         self.kept = {self.REST} | {w[0] for t in self.plain.values() if (w := _external(t)) is not None}
@@ -334,6 +489,29 @@ class Sharer:
         """Nothing settled so far is kept (the graph is optimized in one piece after all)."""
         open(os.path.join(self.stage, self.REST), "wb").close()
         open(os.path.join(self.stage, PACKED_BIN), "wb").close()
+
+    def externalize(self, opt: onnx.ModelProto, rest: str) -> None:
+        """Move ``opt``'s inline initializers of ``min_external`` bytes or more (raw data), subgraphs' included,
+        to ``rest``: a session that saved references wrote what it changed inline, where ORT's own file would have
+        held it."""
+        min_external = self.min_external
+        graphs = [opt.graph]
+        with open(os.path.join(self.stage, rest), "ab") as out:
+            while graphs:
+                g = graphs.pop()
+                for n in g.node:
+                    for a in n.attribute:
+                        graphs += [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+                for t in g.initializer:
+                    if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) < max(min_external, 1):
+                        continue
+                    offset, length = out.seek(0, 2), len(t.raw_data)
+                    out.write(t.raw_data)
+                    t.ClearField("raw_data")
+                    t.data_location = onnx.TensorProto.EXTERNAL
+                    for k, v in (("location", rest), ("offset", str(offset)), ("length", str(length))):
+                        entry = t.external_data.add()
+                        entry.key, entry.value = k, v
 
     def settle(self, opt: onnx.ModelProto, tag: str = "") -> list[str]:
         """Re-point ``opt``'s external initializers (plain payload, or the changed bytes in a file of its
@@ -345,6 +523,8 @@ class Sharer:
 
         rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
         self.kept |= {rest, packed}
+        if self.min_external:
+            self.externalize(opt, rest)
         old_files: set[str] = set()
         with (
             open(os.path.join(self.stage, rest), "ab") as out,
@@ -432,20 +612,29 @@ def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) ->
 
 
 def main(argv: list[str]) -> int:
-    model, out_model, min_external, budget = argv
+    """MODEL OUT_MODEL MIN_EXTERNAL_BYTES SEGMENT_BYTES [KNOWN]: KNOWN, a JSON file of the packings this run
+    made before (``packing_key`` -> ``Packing``), or "-" to reuse none."""
+    model, out_model, min_external, budget, *rest = argv
+    known: dict[str, Packing] | None = {}
+    if rest and rest[0] == "-":
+        known = None
+    elif rest:
+        with open(rest[0]) as f:
+            known = {k: Packing.from_json(v) for k, v in json.load(f).items()}
     from .limits import die_with_parent
 
     die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
     import onnxruntime as ort
 
-    sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)))
+    sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)), int(min_external))
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
     share_unchanged(model, out_model, sharer)
+    made: dict[str, Packing] = {}
     if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
     else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
-        packed, tally = pack(out_model, int(min_external))
+        packed, tally, made = pack(out_model, int(min_external), known)
     binding = {
         "onnxruntime": ort.__version__,
         "optimization_level": "ORT_ENABLE_ALL",
@@ -458,7 +647,8 @@ def main(argv: list[str]) -> int:
         "nchwc_block": nchwc_block_size(os.path.dirname(os.path.abspath(out_model))),  # in the staging, not $TMPDIR
     }
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
-    print(json.dumps({"binding": binding, "packed": packed, "segments": segments, "ops": ops}))
+    packings = {k: v.to_json() for k, v in made.items()}
+    print(json.dumps({"binding": binding, "packed": packed, "segments": segments, "ops": ops, "packings": packings}))
     return 0
 
 

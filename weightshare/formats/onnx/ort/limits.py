@@ -106,8 +106,9 @@ class ChildLimits:
         )
 
     def check_output(self, files: list[Path]) -> None:
-        """Everything the child wrote, against the bound (RLIMIT_FSIZE bounds each file, not their sum)."""
-        total = sum(f.stat().st_size for f in files if f.is_file())
+        """Everything the child wrote, against the bound (RLIMIT_FSIZE bounds each file, not their sum): the blocks
+        each file holds, not its length (a node's packed file keeps its packed copies, its weights are holes)."""
+        total = sum(min(st.st_size, st.st_blocks * 512) for f in files if f.is_file() and (st := f.stat()))
         if total > self.output_bytes:
             raise Unsupported(self.output_message(), self.where)
 

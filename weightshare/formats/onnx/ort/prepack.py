@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from weakref import WeakKeyDictionary
 
 from ...._atomic import OutputTransaction, locked_stage
 from ...._disk import DiskPeak
@@ -36,6 +37,7 @@ from ...._pipeline import BlobPayload, Placements, PreparedModel, blob_target, w
 from ...._placement import PlannedTensor
 from ...._runtimes.memory import run_child_peak
 from ...._safetensors import CONTAINER
+from ...._tensors import FileRange
 from ....errors import InvalidModel, Unsupported, UsageError
 from ....options import ConvertOptions
 from ....report import ConversionReport, JsonDict
@@ -96,9 +98,13 @@ class PackedRef:
 
 
 class Relocator:
-    """Distinct byte ranges of the staged files -> blob payloads, and the model edits that follow."""
+    """Distinct byte ranges of the staged files -> blob payloads, and the model edits that follow. ``stage``: the
+    staging whose blocks are freed as the blob takes them; ranges elsewhere (a packing an earlier model of the run
+    made, in its staging or its blob) are only read."""
 
-    def __init__(self) -> None:
+    def __init__(self, stage: Path | None = None, cache: PackCache | None = None) -> None:
+        self.stage = stage
+        self.cache = cache
         self.payloads: list[BlobPayload] = []
         self.order: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> its payload's position
         self.where: dict[tuple[str, int, int], int] = {}  # (file, offset, length) -> offset in the blob, once placed
@@ -108,7 +114,13 @@ class Relocator:
         rng = (str(path), offset, length)
         if rng not in self.order:
             self.order[rng] = len(self.payloads)
-            source = ReleasedRange(str(path), offset, length)  # its blocks are freed once the blob holds them
+            source: FileRange
+            if self.stage is None or path.is_relative_to(self.stage):
+                source = ReleasedRange(str(path), offset, length)  # its blocks are freed once the blob holds them
+            else:
+                source = FileRange(str(path), offset, length)
+                if self.cache is not None:
+                    self.cache.keep(rng)
             source.check_within(path.stat().st_size)
             self.payloads.append(BlobPayload(planned, source, length))
         return rng
@@ -175,6 +187,79 @@ class Relocator:
             entry.key, entry.value = k, v
 
 
+REUSE_ENV = "WEIGHTSHARE_PREPACK_REUSE"  # "0": no packing reused, every model packs its own (the bench's "before")
+
+
+class PackCache:
+    """The node packings one run made (``child.packing_key`` -> ``child.Packing`` as JSON, files absolute), so
+    that a later model of the run (a folder's decoder, decoder_with_past and merged decoder hold the same
+    weights) takes them instead of running ORT's sessions again.
+
+    A packing points into the staging of the model that made it until that model's blob is written (a zoo's
+    one blob is written last: its ranges then keep their blocks, ``keep``), then into that blob, which stays
+    until the run commits (``rehome``)."""
+
+    def __init__(self) -> None:
+        self.packings: dict[str, JsonDict] = {}
+        self.staged: dict[tuple[str, int, int], ReleasedRange] = {}  # ranges of a staging that packings read
+        self.pending: list[tuple[str, Relocator]] = []  # packings still in a staging, and its model's relocator
+
+    def keep(self, rng: tuple[str, int, int]) -> None:
+        """A later model reads ``rng`` from an earlier model's staging: its blocks stay until the staging goes."""
+        if rng in self.staged:
+            self.staged[rng].releasable = False
+
+    def add(self, made: dict[str, JsonDict], stage: Path, reloc: Relocator) -> None:
+        """Record the packings a model's child made (files relative to ``stage``) and the ranges they read."""
+        for key, packing in made.items():
+            entries = [[p, v, str(stage / f)] for p, v, f in packing["entries"]]
+            self.packings[key] = {"entries": entries, "skip": packing["skip"]}
+            self.pending.append((key, reloc))
+            for _p, value, file in entries:
+                for buf in PackedRef.parse(value, stage).buffers:
+                    rng = (file, int(buf[0]), int(buf[1]))
+                    source = reloc.payloads[reloc.order[rng]].source if rng in reloc.order else None
+                    if isinstance(source, ReleasedRange):
+                        self.staged[rng] = source
+
+    def rehome(self, blob: Path | None) -> None:
+        """The blob holding the pending packings is written (at ``blob``, until the run commits): they point
+        there now; None: it is not to be read (the packings are forgotten)."""
+        for key, reloc in self.pending:
+            entries: list[list[object]] | None = []
+            for p, value, file in self.packings[key]["entries"]:
+                ref = PackedRef.parse(value, Path(file))
+                places = [reloc.where.get((file, int(b[0]), int(b[1]))) for b in ref.buffers]
+                if blob is None or entries is None or None in places:
+                    entries = None
+                    continue
+                for b, at in zip(ref.buffers, places):
+                    b[0] = str(at)
+                entries.append([p, ref.render(), str(blob)])
+            if entries is None:
+                self.packings.pop(key, None)
+            else:
+                self.packings[key]["entries"] = entries
+        self.pending.clear()
+        self.staged.clear()
+
+    def known_file(self, path: Path) -> str:
+        """The child's argument: ``path`` with the packings made so far written to it."""
+        path.write_text(json.dumps(self.packings))
+        return str(path)
+
+
+_caches: WeakKeyDictionary[object, PackCache] = WeakKeyDictionary()
+
+
+def run_cache(run: object) -> PackCache | None:
+    """The packing cache of the run ``run`` stands for (its transaction, or a zoo's staging stack): kept while
+    ``run`` lives. None when ``REUSE_ENV`` is "0"."""
+    if os.environ.get(REUSE_ENV, "1") == "0":
+        return None
+    return _caches.setdefault(run, PackCache())
+
+
 def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[ConversionReport, dict[str, str]]:
     from ..convert import prepare
 
@@ -190,8 +275,9 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[Co
     return prepared.report, prepared.extra.get("blob_metadata", {})
 
 
-def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict, float]:
-    """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS)."""
+def _run_ort(model: Path, src: Path, options: ConvertOptions, cache: PackCache | None = None) -> tuple[JsonDict, float]:
+    """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS).
+    ``cache``: the run's packings, which the child reuses (None: it reuses none)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
     require_floor(src)
@@ -203,6 +289,7 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions) -> tuple[JsonDict,
         str(model.parent / ORT_MODEL),
         str(options.inline_threshold),
         str(budget_from_env()),
+        cache.known_file(model.parent.parent / "packings.json") if cache is not None else "-",
     ]
     check_staged(model, src, options.ort_max_growth)  # a folding bomb is refused before the child starts
     if options.stage is not None:
@@ -239,13 +326,20 @@ def _run_bounded(
 
 
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
-    """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads."""
+    """Write OUT/MODEL.onnx (prepacked), OUT/MODEL.portable.onnx and one blob holding both models' payloads.
+    The packings it makes are reused by the later models of the run (``tx``'s): read from this blob."""
     target = blob_target(src, out_dir, options.blob_name, CONTAINER)
+    cache = run_cache(tx)
     with DiskPeak(out_dir) as disk:
         with staging(out_dir) as held:
-            prepared = prepare_prepacked(src, out_dir, options, held)
+            prepared = prepare_prepacked(src, out_dir, options, held, cache)
             disk.sample()
-            write_models([prepared], out_dir, target, options, tx)
+            try:
+                write_models([prepared], out_dir, target, options, tx)
+            finally:
+                if cache is not None:  # the staging goes now: what it held is in the blob (or forgotten)
+                    blob = next((Path(o) for o in prepared.report.outputs if o.endswith(CONTAINER.suffix)), None)
+                    cache.rehome(tx.staged(blob) if blob is not None else None)
             disk.sample()
     report_disk(prepared.report, disk.peak)
     return prepared.report
@@ -270,11 +364,14 @@ def staging(out_dir: Path) -> AbstractContextManager[Path]:
     return locked_stage(out_dir, "prepack")
 
 
-def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: Path) -> PreparedModel:
+def prepare_prepacked(
+    src: Path, out_dir: Path, options: ConvertOptions, held: Path, cache: PackCache | None = None
+) -> PreparedModel:
     """Stage, let ORT optimize and pre-pack, and plan both models' payloads (read from ``held`` until written).
 
     The returned model emits MODEL.onnx and MODEL.portable.onnx into ``out_dir``; its payloads go into
-    whatever blob ``write_models`` is given, one model's own or a ``--shared-blob`` zoo's.
+    whatever blob ``write_models`` is given, one model's own or a ``--shared-blob`` zoo's. ``cache``: the run's
+    packings (``PackCache``), reused where a node's one-node model is one packed before, and added to.
     """
     if portable_name(src.name) == src.name:
         raise UsageError(
@@ -287,7 +384,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
     stage = held / "stage"
     stage.mkdir()
     report, staged_metadata = _stage_portable(src, stage, options)
-    result, child_peak = _run_ort(stage / src.name, src, options)
+    result, child_peak = _run_ort(stage / src.name, src, options, cache)
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
@@ -302,7 +399,7 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
             "changes the outputs)"
         )
     _settle(optimized, stage, src, options, binding, report)
-    reloc = Relocator()
+    reloc = Relocator(stage, cache)
     for t in external_tensors(portable):
         reloc.add_tensor(t, stage, t.name)
     plain = len(reloc.payloads)
@@ -310,6 +407,8 @@ def prepare_prepacked(src: Path, out_dir: Path, options: ConvertOptions, held: P
         reloc.add_tensor(t, stage, f"{OPTIMIZED_PREFIX}{t.name}", result["packed"].get(t.name, []))
     packed = [p for p in reloc.payloads[plain:] if p.tensor.name.startswith(PACKED_PREFIX)]
     mark_overlaps([p.source for p in reloc.payloads if isinstance(p.source, ReleasedRange)])
+    if cache is not None:
+        cache.add(result.get("packings", {}), stage, reloc)
     names = {
         "prepacked_model": src.name,
         "portable_model": portable_name(src.name),
@@ -438,7 +537,15 @@ def _report_packing(
     ops = result.get("ops", {})
     report.notes += [_op_note(op, tally) for op, tally in ops.items()]
     report.notes.append(_segments_note(result.get("segments", {}), casts))
+    sessions, reused = (sum(t.get(k, 0) for t in ops.values()) for k in ("sessions", "reused"))
+    if reused:
+        report.notes.append(
+            f"--prepack: {reused} node(s) took the packing of a node packed before in this run (the same op, "
+            f"attributes, weight bytes, types and dims: the same one-node session); {sessions} packed by a session"
+        )
     report.prepack = {
+        "node_sessions": sessions,
+        "nodes_reused": reused,
         "ops": ops,
         "packed_buffers": len(packed),
         "packed_bytes": sum(p.tensor.nbytes for p in packed),

@@ -632,6 +632,30 @@ def window_references(part: onnx.ModelProto) -> bool:
     )
 
 
+WHOLE_REFERENCES_BYTES = 1 << 30  # weights up to which a one-piece session saves references (``whole_references``)
+
+
+def whole_references(model: onnx.ModelProto) -> bool:
+    """``window_references`` for the whole graph's one session, subgraphs included: its output then references
+    the staged payloads instead of writing every weight again (a second copy of the weights written per model).
+    Up to ``WHOLE_REFERENCES_BYTES`` of weights: what ORT changes is serialized inline, in its memory (an fp32
+    BERT's Attention fusion concatenates every Q, K and V weight)."""
+    graphs, nodes, inits = [model.graph], list[onnx.NodeProto](), list[onnx.TensorProto]()
+    while graphs:
+        g = graphs.pop()
+        nodes += g.node
+        inits += g.initializer
+        for n in g.node:
+            for a in n.attribute:
+                graphs += [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    return (
+        not any(n.op_type == "Conv" for n in nodes)
+        and not any(t.data_type in half for t in inits)
+        and sum(_tensor_bytes(t) for t in inits) <= WHOLE_REFERENCES_BYTES
+    )
+
+
 def window_shape(
     window: onnx.ModelProto, right: int, standin: frozenset[str], standin_right: frozenset[str], directory: Path
 ) -> str:
@@ -772,7 +796,12 @@ class Segmenter:
         reset: Callable[[], None] | None = None,
         optimize_packed: Optimizer | None = None,
         optimize_referenced: Optimizer | None = None,
+        settles_inline: bool = False,
     ) -> None:
+        # ``settle`` moves what ORT wrote inline out of the graph: the one-piece session may then save references
+        # (``optimize_referenced``) to the staged payloads instead of a second copy of every weight, where
+        # ``whole_references`` holds
+        self.settles_inline = settles_inline
         self.optimize_packed = optimize_packed  # a segment's session that also saves ORT's packed copies
         # a cut check's session that saves no initializers file (``window_references``)
         self.optimize_referenced = optimize_referenced
@@ -838,6 +867,10 @@ class Segmenter:
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
+            # a segment's session saves its weights again even where it packs nothing. Not as references: ORT 1.32
+            # then leaves out attributes at their defaults that its file route writes (com.microsoft Attention's
+            # ``unidirectional``), and ``fingerprint`` compares attributes as written, so a referenced segment
+            # beside a packing one (file route) fails its pair check (the attention form: one more cut dropped)
             part = self._run(*key, tag=self._tag(key), prepack=self.packs_itself(key))
             if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
                 self.files[key] = self.settle(part, self._tag(key))
@@ -899,6 +932,15 @@ class Segmenter:
             self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
             return Report(reason=f"cutting failed: {type(e).__name__}", largest_bytes=sum(self.plan.weights))
 
+    def _whole(self) -> None:
+        if self.settles_inline and self.optimize_referenced is not None and whole_references(self.model):
+            try:
+                self.optimize_referenced(str(self.src), str(self.out), f"{self.stem}.bin")
+                return
+            except Exception:  # noqa: BLE001 - e.g. more changed bytes than one protobuf holds: the file route
+                self.out.unlink(missing_ok=True)
+        self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
+
     def _segmented(self) -> Report:
         report = self._cut()
         report.reused = self.reused
@@ -940,7 +982,7 @@ class Segmenter:
             bounds, report.reason = [bounds[0], bounds[-1]], why  # a moved cut: as before the checks
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())
-            self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
+            self._whole()
             if report.merged:
                 report.reason = "the cuts changed ORT's graph"
             elif len(self.plan.bounds) == 2 and not report.reason:
