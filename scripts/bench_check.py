@@ -47,7 +47,7 @@ def _check(model: Path, setting: str = "ort-default") -> tuple[int, int]:
         text=True,
     )
     doc = json.loads(res.stdout)
-    (summary,) = [m for m in doc["models"] if m["model"] == str(model)]
+    (summary,) = [m for m in doc["reports"] if m["model"] == str(model)]
     return res.returncode, summary["copied_per_session_by_setting"].get(setting, 0)
 
 
@@ -98,7 +98,7 @@ def _check_default(model: Path) -> tuple[int, float, str]:
         [sys.executable, "-m", "weightshare", "check", str(model), "--json"], capture_output=True, text=True
     )
     doc = json.loads(res.stdout)
-    (summary,) = [m for m in doc["models"] if m["model"] == str(model)]
+    (summary,) = [m for m in doc["reports"] if m["model"] == str(model)]
     setting = summary["default_setting"]
     return res.returncode, summary["copied_per_session_by_setting"].get(setting, 0) / MiB, setting
 

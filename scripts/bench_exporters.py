@@ -138,7 +138,7 @@ def check(model: Path) -> dict:
     except ValueError:
         return {"exit": res.returncode, "models": []}
     models = []
-    for m in doc.get("models", []):
+    for m in doc.get("reports", []):  # the --json document: one record per model
         setting = m.get("default_setting") or ""
         figure = (m.get("copied_per_session_by_setting") or {}).get(setting)
         act = (m.get("activation_per_session_by_setting") or {}).get(setting)

@@ -108,7 +108,7 @@ def main() -> None:
         res = subprocess.run([*cmd, "--prepack", "--shared-blob", "family"], capture_output=True, text=True)
         if res.returncode != 0:
             raise SystemExit(res.stderr)
-        blob = Path(json.loads(res.stdout)["zoo"]["blob"])  # the --json document: the zoo's one blob
+        blob = Path(json.loads(res.stdout)["reports"][0]["zoo"]["blob"])  # the zoo's one blob, in every record
         plain, packed = unique_bytes(src, blob)
         weights = sum(f.stat().st_size for f in src.glob("*.data")) / 2**20
         print(f"\n== decoder family, {weights / 3:.1f} MiB of fp32 weights per model, 3 models ==")

@@ -98,9 +98,8 @@ def convert(
     """``python -m weightshare convert`` (from ``cwd``, which ``-m`` puts first on the path)."""
     cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "-q", "--json", *flags]
     figures, stdout = measured(cmd, env, cwd)
-    doc = json.loads(stdout)
-    reports = doc["reports"]
-    figures["peak_mib"] = max([r["peak_rss_mib"] for r in reports] + [(doc.get("folder") or {}).get("peak_rss_mib", 0)])
+    reports = json.loads(stdout)["reports"]  # a folder run: the folder's figures in each record
+    figures["peak_mib"] = max(max(r["peak_rss_mib"], (r.get("folder") or {}).get("peak_rss_mib", 0)) for r in reports)
     figures["outputs_mib"] = size_mib(out)
     if any("node_sessions" in r.get("prepack", {}) for r in reports):  # counted since the reuse
         figures["sessions"] = sum(r["prepack"].get("node_sessions", 0) for r in reports if r.get("prepack"))

@@ -249,8 +249,7 @@ def load_peak(model: Path, src: Path) -> float:
 
 def _report(stdout: str) -> dict:
     """The one model's report of ``convert --json`` (the document lists one report per model)."""
-    doc = json.loads(stdout)
-    return doc["reports"][0] if "reports" in doc else doc
+    return json.loads(stdout)["reports"][0]
 
 
 def _du(path: Path) -> int:

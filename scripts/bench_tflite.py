@@ -259,7 +259,7 @@ def convert_prepack(src: Path, out: Path) -> dict:
         text=True,
     )
     wall = time.perf_counter() - t
-    report = json.loads(r.stdout)
+    (report,) = json.loads(r.stdout)["reports"]  # the --json document: one record per model
     note = next(n for n in report["notes"] if "built in a child process" in n)
     child = float(note.split("peak RSS ")[1].split(" MiB")[0])
     return {"peak_rss": report["peak_rss_mib"], "child_rss": child, "wall": wall, "cache": report["outputs"][-1]}

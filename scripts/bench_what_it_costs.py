@@ -66,7 +66,7 @@ def check(path: Path) -> tuple[dict, list[dict], int]:
         [sys.executable, "-m", "weightshare", "check", str(path), "--json"], capture_output=True, text=True
     )
     doc = json.loads(res.stdout)
-    paid = {(p["instances"], p["processes"]): p for p in doc["models"][0]["paid"]}
+    paid = {(p["instances"], p["processes"]): p for p in doc["reports"][0]["paid"]}
     found = [f for f in doc["findings"] if f["code"] in ("costs-more-than-original", "what-it-costs")]
     return paid, found, res.returncode
 

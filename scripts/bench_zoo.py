@@ -64,7 +64,7 @@ def main() -> None:
             raise SystemExit(res.stderr)
         import json
 
-        rep = json.loads(res.stdout)
+        rep = json.loads(res.stdout)["reports"][0]["zoo"]  # the --json document: the run's one blob, per record
         peaks[k] = peak
         input_mib = sum(m.stat().st_size for m in models[:k]) / (1 << 20)
         print(

@@ -192,11 +192,11 @@ def main() -> None:
         figure = None
         try:
             doc = json.loads(check.stdout)
-            summary = doc["models"][0]
+            summary = doc["reports"][0]
             figure = (summary["copies_source"], summary["copied_per_session_by_setting"].get("litert-xnnpack"))
         except (ValueError, KeyError, IndexError):
             figure = ("error", last_line(check))
-        brows = json.loads(bench.stdout)["rows"] if bench.returncode == 0 else []
+        brows = json.loads(bench.stdout)["reports"][0]["rows"] if bench.returncode == 0 else []
         if convert_args:  # bench converts without them: measure this script's own --prepack output too
             from weightshare._runtimes.litert import measure_shared
             from weightshare.formats.onnx.measure import MALLOC_ENV

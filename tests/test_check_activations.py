@@ -31,7 +31,7 @@ MiB = 1 << 20
 def _check(cli, model, *flags):
     res = cli("check", model, "--json", *flags)
     doc = json.loads(res.stdout)
-    (summary,) = [m for m in doc["models"] if m["model"] == str(model)]
+    (summary,) = [m for m in doc["reports"] if m["model"] == str(model)]
     return res.returncode, summary, doc["findings"]
 
 

@@ -66,7 +66,7 @@ def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form,
     model = out / "m.onnx"
     res = cli("check", model, "--target", "ort-default", "--json")
     doc = json.loads(res.stdout)
-    (summary,) = [m for m in doc["models"] if m["model"] == str(model)]
+    (summary,) = [m for m in doc["reports"] if m["model"] == str(model)]
     assert summary["copies_source"] == "measured", res.stdout
     figure = summary["copied_per_session_by_setting"]["ort-default"]
     ratio, per_session = _independent(model)
@@ -86,7 +86,7 @@ def test_check_agrees_with_measured_sharing_at_ort_defaults(cli, tmp_path, form,
 def test_without_measuring_check_falls_back_to_the_static_estimate_and_says_so(cli, tmp_path):
     src = build("fp32", tmp_path / "m.onnx", mib=1)
     res = cli("check", src, "--json", env={"WEIGHTSHARE_NO_MEASURE": "1"})
-    (summary,) = json.loads(res.stdout)["models"]
+    (summary,) = json.loads(res.stdout)["reports"]
     assert summary["copies_source"] == "static" and summary["copied_per_session_by_setting"]["ort-default"] > 0
     assert any("per-session copies are the static estimate" in n for n in summary["measure_notes"]), summary
     text = cli("check", src, env={"WEIGHTSHARE_NO_MEASURE": "1"})

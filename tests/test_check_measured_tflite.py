@@ -73,7 +73,7 @@ def test_check_agrees_with_measured_litert_interpreters(cli, tmp_path, kind, con
     for setting, share in (("litert-builtin", True), ("litert-xnnpack", False)):
         res = cli("check", model, "--target", setting, "--json")
         doc = json.loads(res.stdout)
-        (summary,) = doc["models"]
+        (summary,) = doc["reports"]
         assert summary["copies_source"] == "measured", res.stdout
         figure = summary["copied_per_session_by_setting"][setting]
         ratio, per = _independent(model, share)
@@ -91,7 +91,7 @@ def test_check_agrees_with_measured_litert_interpreters(cli, tmp_path, kind, con
 def test_without_measuring_tflite_figures_are_the_static_estimate(cli, tmp_path):
     model = fc(tmp_path / "fc.tflite", "fp32")
     res = cli("check", model, "--json", "--target", "litert-xnnpack", env={"WEIGHTSHARE_NO_MEASURE": "1"})
-    (summary,) = json.loads(res.stdout)["models"]
+    (summary,) = json.loads(res.stdout)["reports"]
     assert summary["copies_source"] == "static"
     assert summary["copied_per_session_by_setting"]["litert-xnnpack"] == N * K * 4
     assert res.returncode == 1  # the static XNNPACK rule still gates a targeted setting

@@ -49,7 +49,7 @@ def test_a_model_its_inputs_cannot_run_is_judged_by_static_rules_the_same_every_
     codes = {code for code, _ in runs}
     findings = {json.dumps([(f["code"], f["severity"], f["message"]) for f in doc["findings"]]) for _, doc in runs}
     assert len(codes) == 1 and len(findings) == 1, (codes, findings)
-    (model,) = runs[0][1]["models"]
+    (model,) = runs[0][1]["reports"]
     assert model["copies_source"] == "static", model
     note = next(n for n in model["measure_notes"] if "not measured" in n)
     assert "check's generated inputs do not run the model" in note and "Pad reflect" in note, note
@@ -64,4 +64,4 @@ def test_a_model_its_inputs_cannot_run_is_judged_by_static_rules_the_same_every_
     _, doc = _check(
         cli, tmp_path / "out" / "vad.onnx", "--input", f"input={audio}", "--input", f"sr={tmp_path / 'sr.npy'}"
     )
-    assert doc["models"][0]["copies_source"] == "measured", doc["models"][0]["measure_notes"]
+    assert doc["reports"][0]["copies_source"] == "measured", doc["reports"][0]["measure_notes"]

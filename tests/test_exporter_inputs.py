@@ -40,7 +40,7 @@ def test_a_merged_whisper_decoder_verifies_four_decode_steps_from_the_real_encod
         "verify", src / "decoder_model_merged.onnx", out / "decoder_model_merged.onnx", "--decode-steps", "4", "--json"
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    doc = json.loads(res.stdout)
+    (doc,) = json.loads(res.stdout)["reports"]
     assert doc["decode_steps"] == 4
     assert any("encoder_hidden_states from encoder_model.onnx" in n for n in doc["notes"]), doc["notes"]
     # the encoder itself: mel bins and frames from config.json, no --dim

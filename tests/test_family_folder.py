@@ -75,8 +75,8 @@ def test_a_family_folder_keeps_its_tree_with_one_blob(tmp_path, cli, prepack):
     for name, text in SIDE.items():
         assert (out / name).read_text() == text
     (blob,) = (out / "onnx").glob("t5.*.safetensors")
-    assert not list(out.glob("*.safetensors")) and doc["zoo"]["blobs"] == [str(blob)]
-    assert sorted(Path(p).name for p in doc["folder"]["copied"]) == sorted(SIDE)
+    assert not list(out.glob("*.safetensors")) and doc["reports"][0]["zoo"]["blobs"] == [str(blob)]
+    assert sorted(Path(p).name for p in doc["reports"][0]["folder"]["copied"]) == sorted(SIDE)
     for name in MODELS:
         assert locations(out / "onnx" / name) == {blob.name}
     twins = {f"onnx/{n.replace('.onnx', '.portable.onnx')}" for n in MODELS} if prepack else set()
@@ -102,7 +102,9 @@ def test_each_directory_holding_models_gets_its_own_blob(tmp_path, cli):
     mf.fp32_mlp(src / "encoder_model.onnx", mib=0.25, seed=1)  # a model at the root too
     doc = convert(cli, src, out)
     root, sub = list(out.glob("t5.*.safetensors")), list((out / "onnx").glob("t5.*.safetensors"))
-    assert len(root) == 1 and len(sub) == 1 and sorted(doc["zoo"]["blobs"]) == sorted(map(str, root + sub))
+    assert (
+        len(root) == 1 and len(sub) == 1 and sorted(doc["reports"][0]["zoo"]["blobs"]) == sorted(map(str, root + sub))
+    )
     assert locations(out / "encoder_model.onnx") == {root[0].name}
     assert_same_outputs(src, out)
     a, b = ort.InferenceSession(str(src / "encoder_model.onnx")), ort.InferenceSession(str(out / "encoder_model.onnx"))

@@ -95,5 +95,5 @@ def test_json_failures_are_json(tmp_path, cli, model, args):
 
     from weightshare._contract import schema_path
 
-    assert doc["command"] == args[0] and doc["schema"] == 1
+    assert doc["command"] == args[0] and doc["schema"] == 2
     jsonschema.validate(doc, json.loads(schema_path(args[0]).read_text()), cls=jsonschema.Draft202012Validator)

@@ -46,7 +46,7 @@ def test_inspect_reads_every_member_in_place(tmp_path, cli):
     task = face_landmarker(tmp_path / "face_landmarker.task")
     res = cli("inspect", task, "--json")
     assert res.returncode == 0, res.stderr
-    inv = _json(res)
+    (inv,) = _json(res)["reports"]
     assert inv["format"] == "mediapipe"
     names = [p["name"] for p in inv["payloads"]]
     for member in FACE_LANDMARKER[:2] + FACE_LANDMARKER[3:]:
@@ -148,7 +148,7 @@ def test_folder_run_copies_bundles_as_they_were_with_a_note(tmp_path, cli):
     assert res.returncode == 0, res.stderr
     doc = json.loads(res.stdout)
     assert (out / "face_landmarker.task").read_bytes() == task.read_bytes()
-    notes = doc["folder"]["notes"]
+    notes = doc["reports"][0]["folder"]["notes"]
     assert len(notes) == 1 and notes[0].startswith("face_landmarker.task: copied as it was")
     assert "weightshare.litert" in notes[0]
     assert [Path(r["model"]).name for r in doc["reports"]] == ["model.tflite"]
@@ -302,7 +302,7 @@ def test_verify_compares_the_members_byte_for_byte(tmp_path, cli):
     assert cli("convert", task, "-o", out).returncode == 0
     res = cli("verify", task, out / task.name, "--json")
     assert res.returncode == 0, res.stderr
-    doc = json.loads(res.stdout)
+    (doc,) = json.loads(res.stdout)["reports"]
     assert doc["passed"] and doc["payloads_compared"] == 2
     # a member changed after the conversion: verify says which, exit 1
     changed = tmp_path / "changed.task"

@@ -63,9 +63,9 @@ def test_cli_convert_folder_reproduces_the_tree(tmp_path, cli):
     out = tmp_path / "out"
     res = cli("convert", repo, "-o", out, "--json")
     assert res.returncode == 0, res.stderr
-    report = json.loads(res.stdout)
-    assert sorted(Path(m["model"]).name for m in report["reports"]) == ["decoder_model.onnx", "model.onnx"]
-    assert report["folder"]["folder"] == str(repo) and report["zoo"] is None
+    reports = json.loads(res.stdout)["reports"]
+    assert sorted(Path(m["model"]).name for m in reports) == ["decoder_model.onnx", "model.onnx"]
+    assert all(r["folder"]["folder"] == str(repo) and r["zoo"] is None for r in reports)
 
     blobs = {p for p in tree(out) if p.endswith(".safetensors")}
     assert {Path(b).parent.as_posix() for b in blobs} == {".", "onnx"}  # each model's blob beside it

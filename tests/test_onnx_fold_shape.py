@@ -70,7 +70,7 @@ def test_the_sharing_setting_keeps_nothing_of_a_folded_transpose(cli, tmp_path):
     res = cli("check", tmp_path / "out" / "model.onnx", "--target", "ort-disable-prepacking", "--json")
     doc = json.loads(res.stdout)
     assert res.returncode == 0, doc["findings"]
-    (inv,) = doc["models"]
+    (inv,) = doc["reports"]
     assert inv["copies_source"] == "measured"
     assert inv["copied_per_session_by_setting"]["ort-disable-prepacking"] < VOCAB * HIDDEN * 4 // 4
 

@@ -221,7 +221,7 @@ def test_check_judges_a_packed_output_for_the_runtime_it_will_run_under(mixed):
     kind = cpu_kind(here["cpu_features"], here["machine"])
     same = run_cli("check", packed, "--no-measure", "--json")
     assert same.returncode == 0, same.stdout + same.stderr
-    (inv,) = json.loads(same.stdout)["models"]
+    (inv,) = json.loads(same.stdout)["reports"]
     assert inv["judged_for"].startswith(f"judged for onnxruntime {ort.__version__} on {kind} (this machine)")
     assert inv["packed_for"]["version"] == ort.__version__
     other = run_cli("check", packed, "--no-measure", "--runtime", "1.22.1/avx2")

@@ -78,6 +78,6 @@ def test_a_prepack_conversion_packs_loads_checks_and_verifies(src, tmp_path, cap
     assert _equal(sess, _original(src), src)
     res = run_cli("check", out, "--no-measure", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout)["models"][0]["judged_for"].startswith(f"judged for onnxruntime {ort.__version__}")
+    assert json.loads(res.stdout)["reports"][0]["judged_for"].startswith(f"judged for onnxruntime {ort.__version__}")
     res = run_cli("verify", src, out)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -116,7 +116,7 @@ def test_external_data_is_read_beside_the_path_given_not_the_links_target(tmp_pa
             assert np.array_equal(a, b)
     res = cli("inspect", view / "model.onnx", "--json")
     assert res.returncode == 0, res.stderr
-    files = {p.get("file") for p in json.loads(res.stdout)["payloads"] if p.get("file")}
+    files = {p.get("file") for p in json.loads(res.stdout)["reports"][0]["payloads"] if p.get("file")}
     assert files == {"model.onnx_data"}
 
 

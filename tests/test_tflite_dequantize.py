@@ -166,7 +166,7 @@ def test_check_counts_the_copies_and_passes_after_unpack(tmp_path, cli):
     found = [f for f in json.loads(before.stdout)["findings"] if f["code"] == "unpacked-per-session"]
     assert len(found) == 1 and "--unpack dequantize" in found[0]["fix"] and "DEQUANTIZE INT8" in found[0]["message"]
     inspected = cli("inspect", src, "--json")
-    payloads = json.loads(inspected.stdout)["payloads"]
+    payloads = json.loads(inspected.stdout)["reports"][0]["payloads"]
     assert [p["copied_per_session"] for p in payloads if p["name"] == "w_q"] == [4 * N * K]
     plain = cli("convert", src, "-o", tmp_path / "plain", "-q")
     assert plain.returncode == 0 and cli("check", tmp_path / "plain" / src.name).returncode == 1  # still copies

@@ -22,7 +22,7 @@ pytest.importorskip("ai_edge_litert")
 def _summary(cli, *args) -> tuple[dict, dict]:
     res = cli("check", *args, "--json")
     doc = json.loads(res.stdout)
-    return doc["models"][0], doc
+    return doc["reports"][0], doc
 
 
 @pytest.mark.slow
@@ -139,7 +139,7 @@ def test_sparse_rule_matches_what_litert_copies(cli, tmp_path):
     src = sparse_model(tmp_path / "sparse.tflite", rows=1024, cols=512)
     assert cli("convert", src, "-o", tmp_path / "out", "--prepack", "-q").returncode == 0
     out = tmp_path / "out" / src.name
-    doc = json.loads(cli("inspect", out, "--json").stdout)
+    (doc,) = json.loads(cli("inspect", out, "--json").stdout)["reports"]
     for setting, measured in doc["measured"].items():
         static = doc["static_copied_per_session_by_setting"][setting]
         assert measured / 2 <= static <= measured * 2, (setting, static, measured)

@@ -198,7 +198,7 @@ def test_check_measures_the_lm_within_125_percent(cli, tmp_path):
 
     src = two_signature_lm(tmp_path / "lm.tflite", vocab=4096, width=256)
     res = cli("check", src, "--target", "litert-xnnpack", "--json")
-    (summary,) = json.loads(res.stdout)["models"]
+    (summary,) = json.loads(res.stdout)["reports"]
     assert summary["copies_source"] == "measured", res.stdout
     figure = summary["copied_per_session_by_setting"]["litert-xnnpack"]
     rows = {r["sessions"]: r for r in measure_interpreters(str(src), [1, 4], False, env=MALLOC_ENV)}
@@ -210,7 +210,7 @@ def test_check_measures_the_lm_within_125_percent(cli, tmp_path):
     prepacked = tmp_path / "prepack" / "lm.tflite"
     res = cli("check", prepacked, "--json")
     doc = json.loads(res.stdout)
-    (summary,) = doc["models"]
+    (summary,) = doc["reports"]
     setting = "litert-compiled-cache"
     assert summary["default_setting"] == setting, res.stdout
     # measured: the activation figure exists only for a measured setting (the static estimate has none)

@@ -92,7 +92,7 @@ def _pss(loader: str, path, processes: int, instances: int) -> int:
 def _check(cli, model, *args):
     res = cli("check", model, "--json", *args)
     doc = json.loads(res.stdout)
-    return res, doc["models"][0], doc["findings"]
+    return res, doc["reports"][0], doc["findings"]
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def test_check_recurses_into_subfolders_and_treats_mlpackages_as_models(cli, tmp
     F.mlp(tree / "a" / "net.mlpackage", hidden=64)
     res = cli("check", tree, "--json")
     assert res.returncode in (0, 1), res.stderr
-    models = [Path(m["model"]).relative_to(tree).as_posix() for m in json.loads(res.stdout)["models"]]
+    models = [Path(m["model"]).relative_to(tree).as_posix() for m in json.loads(res.stdout)["reports"]]
     assert models == ["top.onnx", "a/net.mlpackage", "a/b/deep.onnx"], models
     empty = tmp_path / "empty" / "sub"
     empty.mkdir(parents=True)
@@ -118,9 +118,9 @@ def test_check_json_has_one_shape_and_a_schema_and_a_corrupt_file_is_one_finding
     assert both.returncode == 2, both.stderr
     doc = json.loads(both.stdout)
     assert doc == _documented_example()
-    assert [m["model"] for m in doc["models"]] == ["models/good.onnx", "models/truncated.onnx"]
+    assert [m["model"] for m in doc["reports"]] == ["models/good.onnx", "models/truncated.onnx"]
     one = cli("check", "models/good.onnx", "--json", cwd=tmp_path)
-    assert one.returncode == 0 and json.loads(one.stdout).keys() == doc.keys() and doc["schema"] == 1
+    assert one.returncode == 0 and json.loads(one.stdout).keys() == doc.keys() and doc["schema"] == 2
     text = cli("check", "models/truncated.onnx", "models/good.onnx", cwd=tmp_path)  # order does not matter
     assert text.returncode == 2 and "unreadable-model" in text.stderr and not text.stdout.strip()
 

@@ -54,8 +54,8 @@ def test_quiet_convert_prints_nothing_and_batch_prints_one_line_per_model(two, c
     assert lines[0].startswith(f"{a}: ") and lines[1].startswith(f"{b}: ") and lines[2].startswith("total: 2 models")
     res = cli("convert", a, b, "-o", tmp_path / "json", "--json")
     doc = json.loads(res.stdout)  # one document
-    assert [Path(m["model"]).name for m in doc["reports"]] == ["a.onnx", "b.onnx"] and doc["total"]["models"] == 2
-    assert doc["total"]["tensors_moved"] == sum(m["tensors_moved"] for m in doc["reports"])
+    assert [Path(m["model"]).name for m in doc["reports"]] == ["a.onnx", "b.onnx"]
+    assert all(m["tensors_moved"] > 0 and m["folder"] is None for m in doc["reports"])
     res = cli("-v", "convert", a, b, "-o", tmp_path / "verbose")
     assert res.stdout.count("payloads moved") >= 4  # a table per model, then the lines
 

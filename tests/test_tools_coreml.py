@@ -53,7 +53,7 @@ def test_inspect_json(pkgs, cli):
     _, big, lut = pkgs
     res = cli("inspect", big, "--json")
     assert res.returncode == 0, res.stderr
-    inv = json.loads(res.stdout)
+    (inv,) = json.loads(res.stdout)["reports"]
     assert inv["format"] == "coreml" and inv["copied_per_session"] == 0 and inv["embedded_bytes"] == 0
     assert len(inv["payloads"]) == 4  # two linear weights, two biases
     for p in inv["payloads"]:
@@ -66,7 +66,7 @@ def test_inspect_json(pkgs, cli):
     assert any("save_multifunction" in n for n in inv["notes"])
 
     res = cli("inspect", lut, "--json")
-    encodings = {p["encoding"] for p in json.loads(res.stdout)["payloads"]}
+    encodings = {p["encoding"] for p in json.loads(res.stdout)["reports"][0]["payloads"]}
     assert encodings == {"raw", "palettized indices"}
 
 
@@ -82,7 +82,7 @@ def test_check_fails_before_convert_and_passes_after(pkgs, converted, cli):
     res = cli("check", converted, "--json")
     assert res.returncode == 0, res.stdout
     doc = json.loads(res.stdout)
-    assert doc["ok"] is True and [m["model"] for m in doc["models"]] == [str(converted)] and doc["findings"] == []
+    assert doc["ok"] is True and [m["model"] for m in doc["reports"]] == [str(converted)] and doc["findings"] == []
     inv = inventory(converted)
     assert all(not p.would_move for p in inv.payloads)
     assert min(p.alignment for p in inv.payloads if p.nbytes >= 1 << 20) >= 64 << 10
@@ -119,7 +119,7 @@ def test_check_duplicate_payloads(tmp_path, cli):
 def test_verify_passes_then_fails_on_a_flipped_weight_byte(pkgs, converted, cli, tmp_path):
     _, big, _ = pkgs
     res = cli("verify", big, converted, "--json")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 0 and report["passed"], report
     assert report["runs"] == 0 and report["format"] == "coreml"
     assert any("Core ML cannot run on Linux" in n for n in report["notes"])
@@ -134,7 +134,7 @@ def test_verify_passes_then_fails_on_a_flipped_weight_byte(pkgs, converted, cli,
         f.write(bytes([byte[0] ^ 0x01]))
     res = cli("verify", big, damaged, "--json")
     assert res.returncode == 1, res.stdout
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert report["passed"] is False
     assert len(report["mismatches"]) == 1 and biggest.name in report["mismatches"][0]
     assert "decoded values differ" in report["mismatches"][0]

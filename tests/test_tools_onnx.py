@@ -96,7 +96,7 @@ def test_verify_passes_then_fails_on_a_flipped_weight_byte(models, cli, tmp_path
     out = tmp_path / "v"
     assert cli("convert", fp16, "-o", out).returncode == 0
     res = cli("verify", fp16, out / "mlp.onnx", "--json", "--runs", "2")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 0 and report["passed"] and report["outputs_compared"] == 2
     assert report["payloads_hashed"] == 4
     blob = next(out.glob("mlp.weights.*.safetensors"))
@@ -108,7 +108,7 @@ def test_verify_passes_then_fails_on_a_flipped_weight_byte(models, cli, tmp_path
         f.seek(w0)
         f.write(bytes([byte[0] ^ 0x40]))
     res = cli("verify", fp16, out / "mlp.onnx", "--json")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 1 and not report["passed"]
     assert report["checksum_mismatches"] and report["mismatches"]
     assert cli("check", "--target", "ort-disable-prepacking", out / "mlp.onnx").returncode == 1
@@ -118,7 +118,7 @@ def test_inspect_json_describes_every_payload(models, cli):
     _, fp16 = models
     res = cli("inspect", fp16, "--json")
     assert res.returncode == 0
-    inv = json.loads(res.stdout)
+    (inv,) = json.loads(res.stdout)["reports"]
     assert len(inv["payloads"]) == 4
     w0 = next(p for p in inv["payloads"] if p["name"] == "w0")
     assert w0["dtype"] == "FLOAT16" and w0["location"] == "embedded" and w0["encoding"] == "raw_data"

@@ -27,7 +27,7 @@ def test_check_fails_on_fp16_tflite_and_passes_after_convert(cli, tmp_path):
     res = cli("check", tmp_path / "m.tflite", "--target", "litert-builtin")
     assert res.returncode == 0, res.stdout
     # with no target: LiteRT's default Interpreter, whose XNNPACK packs 1 MiB of weights per interpreter
-    (summary,) = json.loads(cli("check", tmp_path / "m.tflite", "--json").stdout)["models"]
+    (summary,) = json.loads(cli("check", tmp_path / "m.tflite", "--json").stdout)["reports"]
     assert summary["default_setting"] == "litert-xnnpack"
     assert summary["copied_per_session_by_setting"]["litert-xnnpack"] >= 1 << 20, summary
 
@@ -36,7 +36,7 @@ def test_verify_every_signature_then_a_flipped_weight(model, cli, tmp_path):
     assert cli("convert", model, "-o", tmp_path).returncode == 0
     out = tmp_path / "m.tflite"
     res = cli("verify", model, out, "--json", "--runs", "2")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 0 and report["passed"], report
     assert report["outputs_compared"] >= 4  # two signatures, two runs
     biggest = max((p for p in inventory(out).payloads if p.location == "external"), key=lambda p: p.nbytes)
@@ -44,11 +44,11 @@ def test_verify_every_signature_then_a_flipped_weight(model, cli, tmp_path):
     data[biggest.offset + 8] ^= 0x40
     out.write_bytes(bytes(data))
     res = cli("verify", model, out, "--json")
-    assert res.returncode == 1 and json.loads(res.stdout)["mismatches"]
+    assert res.returncode == 1 and json.loads(res.stdout)["reports"][0]["mismatches"]
 
 
 def test_inspect_tflite(model, cli):
     res = cli("inspect", model, "--json")
     assert res.returncode == 0
-    inv = json.loads(res.stdout)
+    (inv,) = json.loads(res.stdout)["reports"]
     assert inv["format"] == "tflite" and inv["copied_per_session"] > 0

@@ -153,11 +153,11 @@ def test_sequence_map_and_optional_outputs_pass_then_fail_on_a_flipped_byte(buil
     out = _convert(cli, src, tmp_path)
     res = cli("verify", src, out, "--json", "--runs", "4")
     assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert report["passed"] and report["runs"] == 4 and report["outputs_compared"] >= 4
     _flip(out)
     res = cli("verify", src, out, "--json", "--runs", "4")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 1 and report["checksum_mismatches"], res.stdout
     if name != "if_opt":  # the optional is empty in half of the runs, full in the others: still differs somewhere
         assert any("elements differ, first at" in m for m in report["mismatches"]), report["mismatches"]
@@ -322,7 +322,7 @@ def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
     blob, _, _ = _blob_of(out)
     _edit(out, lambda m: m.graph.initializer[1].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(b), "B")))
     res = cli("verify", src, out, "--json", "--runs", "1")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 0 and report["payloads_hashed"] == 2, report  # A as a tensor, B as a bare record
     data_start, header, _ = read_safetensors_metadata(blob)
     at = data_start + header["B"]["data_offsets"][0] + 8
@@ -332,7 +332,7 @@ def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
         f.seek(at)
         f.write(bytes([byte[0] ^ 1]))
     res = cli("verify", src, out, "--json", "--runs", "1")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 1 and not report["mismatches"], report  # outputs still equal: B is inline now
     assert report["checksum_mismatches"] == [
         f"blob record 'B' in {Path(blob).name} at offset "

@@ -104,12 +104,12 @@ def test_a_model_only_xnnpack_runs_is_verified_on_that_path(models, cli, tmp_pat
     out = _convert(cli, deconv, tmp_path)
     res = cli("verify", deconv, out, "--json")
     assert res.returncode == 0, res.stdout + res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert report["paths"] == ["LiteRT Interpreter, XNNPACK"] and res.stderr == ""
     assert any("does not run with LiteRT no delegate" in n for n in report["notes"])
     _flip_largest(out)
     res = cli("verify", deconv, out, "--json")
-    assert res.returncode == 1 and json.loads(res.stdout)["mismatches"]
+    assert res.returncode == 1 and json.loads(res.stdout)["reports"][0]["mismatches"]
 
 
 def test_dynamic_length_needs_a_shape_and_runs_both_paths_with_it(models, cli, tmp_path):
@@ -120,7 +120,8 @@ def test_dynamic_length_needs_a_shape_and_runs_both_paths_with_it(models, cli, t
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     res = cli("verify", dynamic, out, "--shape", "x=1,256", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert json.loads(res.stdout)["paths"] == ["LiteRT Interpreter, no delegate", "LiteRT Interpreter, XNNPACK"]
+    (report,) = json.loads(res.stdout)["reports"]
+    assert report["paths"] == ["LiteRT Interpreter, no delegate", "LiteRT Interpreter, XNNPACK"]
     assert cli("verify", dynamic, out, "--dim", "*=128").returncode == 0
     res = cli("verify", dynamic, out, "--dim", "length=128")
     assert res.returncode == 2 and "TFLite dimensions have no names" in res.stderr
@@ -131,7 +132,7 @@ def test_dynamic_length_needs_a_shape_and_runs_both_paths_with_it(models, cli, t
     assert res.returncode == 2 and "--shape takes NAME=D0,D1" in res.stderr
     _flip_largest(out)
     res = cli("verify", dynamic, out, "--shape", "x=1,256", "--json")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 1 and any("elements differ" in m for m in report["mismatches"]), report
 
 
@@ -139,13 +140,13 @@ def test_external_buffers_are_verified_through_compiled_model(models, cli, tmp_p
     _, dynamic = models
     out = _convert(cli, dynamic, tmp_path, external=True)
     res = cli("verify", dynamic, out, "--shape", "x=1,128", "--json", "--runs", "2")
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert res.returncode == 0, res.stdout + res.stderr
     assert report["paths"] == ["LiteRT CompiledModel"] and report["outputs_compared"] == 2
     assert res.stderr == ""  # no LiteRT INFO lines (environment setup, accelerators destroyed at exit)
     _flip_largest(out)
     res = cli("verify", dynamic, out, "--shape", "x=1,128", "--json")
-    assert res.returncode == 1 and json.loads(res.stdout)["checksum_mismatches"]
+    assert res.returncode == 1 and json.loads(res.stdout)["reports"][0]["checksum_mismatches"]
     p = max((p for p in inventory(out).payloads if p.location == "external"), key=lambda p: p.nbytes)
     with open(out.parent / p.file, "r+b") as f:
         f.truncate(p.offset + p.nbytes // 2)

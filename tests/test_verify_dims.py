@@ -64,7 +64,7 @@ def test_verify_fails_a_model_that_differs_only_at_batch_64(tmp_path, cli):
     assert weightshare.verify(src, converted, dims={"batch": 1, "seq": 1}).passed
     res = cli("verify", src, converted, "--json")
     assert res.returncode == 1, res.stdout + res.stderr
-    report = json.loads(res.stdout)
+    (report,) = json.loads(res.stdout)["reports"]
     assert any("batch at 1, 8, 64" in n and "seq at 1, 8" in n for n in report["notes"]), report["notes"]
     assert report["mismatches"] and report["runs"] >= 3
 

@@ -107,5 +107,6 @@ def test_a_skipped_run_makes_the_verdict_partial(cli, tmp_path):
         doc = json.loads(res.stdout)
         jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
         assert res.returncode == doc["exit_code"] == code
-        assert doc["partial"] and doc["passed"] and doc["runs"] == 1 and doc["planned_runs"] == 3
-        assert len(doc["skipped"]) == 2 and "batch_size=8" in doc["skipped"][0]
+        (rec,) = doc["reports"]
+        assert rec["partial"] and rec["passed"] and rec["runs"] == 1 and rec["planned_runs"] == 3
+        assert len(rec["skipped"]) == 2 and "batch_size=8" in rec["skipped"][0]

@@ -1,12 +1,14 @@
 """The machine contract: the JSON document every command prints with ``--json``, and `check --format github`'s
 workflow annotations.
 
-Every document is one envelope (``envelope``): ``"schema": SCHEMA``, ``"command"``, ``"ok"``, ``"exit_code"``, then
-the command's own keys, the same top-level keys whatever the number of models (``convert``: ``reports``, one per
-model, with ``folder`` and ``zoo`` null unless the run was one; a failure: ``error``). A key is never renamed or
-given another meaning within a schema version; new keys may appear. The JSON Schema of each command's document
-ships in ``weightshare/schemas/`` (``schema_path``); docs/ci.md shows them, and tests validate every command's
-output against them.
+Every document (schema 2) has one body whatever the command (``document``): the envelope (``"schema": SCHEMA``,
+``"command"``, ``"ok"``, ``"exit_code"``, ``"error"``), then ``reports`` (one record per model, whatever the command)
+and ``findings``; ``check`` adds its ``gate`` and ``summary`` beside them (``TOP_LEVEL``). A failure before any
+result (a usage error, a missing file) is the same document for every command: ``error`` the one line stderr shows,
+``reports`` and ``findings`` empty. A key is never renamed or given another meaning within a schema version; new
+keys may appear inside the records. The JSON Schema of each command's document ships in ``weightshare/schemas/``
+(``schema_path``); docs/ci.md shows them and how schema 1 maps to 2, and tests validate every command's output
+against them.
 """
 
 from __future__ import annotations
@@ -27,18 +29,47 @@ if TYPE_CHECKING:
     from ._inventory import ModelInventory
     from ._verify import VerifyReport
 
-SCHEMA = 1
+SCHEMA = 2
 COMMANDS = ("convert", "merge", "inspect", "check", "verify", "bench", "demo")
+ENVELOPE = ("schema", "command", "ok", "exit_code", "error")
+BODY = ("reports", "findings")
+# The only keys beside the envelope and the body: check's verdict over all its models.
+EXTRA = {"check": ("gate", "summary")}
 
 
-def envelope(command: str, exit_code: int, **body: object) -> JsonDict:
-    """The keys every ``--json`` document starts with, then the command's own (``reports``, ``findings``, ...)."""
-    return {"schema": SCHEMA, "command": command, "ok": exit_code == 0, "exit_code": exit_code, **body}
+def top_level(command: str) -> tuple[str, ...]:
+    """Every top-level key of ``command``'s document, in order (a usage error's document: ``ENVELOPE + BODY``)."""
+    return ENVELOPE + BODY + EXTRA.get(command, ())
+
+
+def document(
+    command: str,
+    exit_code: int,
+    reports: Sequence[JsonDict],
+    findings: Sequence[Finding] = (),
+    error: str | None = None,
+    **extra: object,
+) -> JsonDict:
+    """The one body every ``--json`` document has: the envelope, ``reports`` (one record per model), ``findings``,
+    and only the command's own extra keys (``EXTRA``)."""
+    if set(extra) - set(EXTRA.get(command, ())):
+        raise ValueError(f"{command} documents have no {sorted(set(extra) - set(EXTRA.get(command, ())))}")
+    return {
+        "schema": SCHEMA,
+        "command": command,
+        "ok": exit_code == 0,
+        "exit_code": exit_code,
+        "error": error,
+        "reports": list(reports),
+        "findings": [f.to_dict() for f in findings],
+        **extra,
+    }
 
 
 def error_document(command: str, message: str, exit_code: int) -> JsonDict:
-    """What ``--json`` prints when the command fails before it has a result: the one error line, as JSON."""
-    return envelope(command, exit_code, error=message)
+    """What ``--json`` prints when the command fails before it has a result: the one error line, as JSON, the
+    same for every command."""
+    return document(command, exit_code, [], error=message)
 
 
 def schema_path(command: str) -> Path:
@@ -47,8 +78,9 @@ def schema_path(command: str) -> Path:
 
 
 def convert_document(result: ZooReport | FolderReport | list[ConversionReport]) -> JsonDict:
-    """``convert --json``: every model's report under ``reports`` and their totals, whether the run converted one
-    model, a batch, a model folder (``folder``: what was copied) or a zoo (``zoo``: the shared blob, the dedupe)."""
+    """``convert --json``: every model's report under ``reports``, whether the run converted one model, a batch, a
+    model folder or a zoo. Each record names the run it was part of: ``folder`` (what was copied beside the
+    models) and ``zoo`` (the shared blob, the dedupe), the same object in every record of that run, else null."""
     from .report import ZooReport
 
     folder = zoo = None
@@ -67,7 +99,7 @@ def convert_document(result: ZooReport | FolderReport | list[ConversionReport]) 
     else:
         reports = result.models
         folder = {k: v for k, v in result.to_dict().items() if k != "models"}
-    return envelope("convert", 0, reports=[r.to_dict() for r in reports], total=totals(reports), folder=folder, zoo=zoo)
+    return document("convert", 0, [{**r.to_dict(), "folder": folder, "zoo": zoo} for r in reports])
 
 
 def totals(reports: Sequence[ConversionReport]) -> JsonDict:
@@ -126,14 +158,30 @@ def check_document(
     code = exit_code(findings, strict)
     count = {s.value: sum(1 for f in findings if f.severity == s) for s in Severity}
     unreadable = [f.file for f in findings if f.code == Code.UNREADABLE_MODEL]
-    return envelope(
+    return document(
         "check",
         code,
+        [_model_summary(i, gate) for i in inventories] + [_unreadable(f) for f in unreadable],
+        findings,
+        error=unreadable_line(findings) or None,
         gate={"targets": list(gate.targets), "threshold": gate.threshold, "strict": strict, "runtime": gate.runtime},
-        models=[_model_summary(i, gate) for i in inventories] + [_unreadable(f) for f in unreadable],
-        findings=[f.to_dict() for f in findings],
         summary={"models": len(inventories) + len(unreadable), **count},
     )
+
+
+def unreadable_lines(findings: Sequence[Finding]) -> list[str]:
+    """check's error lines (stderr, after ``weightshare: error: ``): one per model it could not read, the others
+    checked all the same."""
+    return [
+        f"no such file: {f.file}" if f.message == "no such file" else f"{f.file}: {f.message}"
+        for f in findings
+        if f.code == Code.UNREADABLE_MODEL
+    ]
+
+
+def unreadable_line(findings: Sequence[Finding]) -> str:
+    """check's ``error``: its error lines as one ("" when every model was read)."""
+    return "; ".join(unreadable_lines(findings))
 
 
 def _unreadable(model: str) -> JsonDict:
@@ -155,13 +203,14 @@ def _unreadable(model: str) -> JsonDict:
 
 
 def inspect_document(inv: ModelInventory, findings: Sequence[Finding]) -> JsonDict:
-    """One model's inventory, its keys at the top level next to the schema, and check's findings for it."""
-    return envelope("inspect", 0, **{**inventory_dict(inv), "findings": [f.to_dict() for f in findings]})
+    """One model's inventory as its one record, and check's findings for it."""
+    return document("inspect", 0, [inventory_dict(inv)], findings)
 
 
 def verify_document(report: VerifyReport, strict: bool = False) -> JsonDict:
-    """``strict`` (``verify --strict``): a partial comparison (``skipped`` runs) exits 1."""
-    return envelope("verify", report.exit_code(strict), **report.to_dict())
+    """The comparison as one record (``model``: the converted model it verified). ``strict`` (``verify
+    --strict``): a partial comparison (``skipped`` runs) exits 1."""
+    return document("verify", report.exit_code(strict), [{"model": report.converted, **report.to_dict()}])
 
 
 _LEVEL = {Severity.ERROR: "error", Severity.WARNING: "warning", Severity.INFO: "notice"}

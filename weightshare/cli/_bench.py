@@ -63,9 +63,9 @@ def bench(
             plot(result, plot_path)
             result["plot"] = str(plot_path)
     if how == "json":
-        from .._contract import envelope
+        from .._contract import document
 
-        print(json.dumps(envelope("bench", 0, reports=[result]), indent=2))
+        print(json.dumps(document("bench", 0, [result]), indent=2))
     elif how == "github":
         github(bench_notices(result))
     else:
@@ -124,9 +124,9 @@ def demo(
         with stages(live=not as_json) as stage:
             result = run_demo(workdir, sessions, layers, progress=stage)
     if how == "json":
-        from .._contract import envelope
+        from .._contract import document
 
-        print(json.dumps(envelope("demo", 0, reports=[result]), indent=2))
+        print(json.dumps(document("demo", 0, [{"model": result["report"]["model"], **result}]), indent=2))
     elif how == "github":
         github(demo_notices(result, sessions))
     else:

@@ -102,9 +102,9 @@ def merge(
             progress_total=hooks.total,
         )
     if how == "json":
-        from .._contract import envelope
+        from .._contract import document
 
-        print(json.dumps(envelope("merge", 0, reports=[report.to_dict()]), indent=2))
+        print(json.dumps(document("merge", 0, [report.to_dict()]), indent=2))
     elif how == "github":
         github_conversion([report], output)
     elif not quiet_:

@@ -130,7 +130,7 @@ def check(
     docs/ci.md lists every finding code and the JSON schema.
     """
     from .._check import Gate, run_gate
-    from .._contract import check_document, github_annotations, sarif_document
+    from .._contract import check_document, github_annotations, sarif_document, unreadable_lines
     from .._inventory import MeasureInputs
 
     quiet(quiet_)
@@ -153,6 +153,9 @@ def check(
             models, gate, strict, lambda path, i, n: stage(f"check: measuring {path} ({i}/{n}) in runtime children")
         )
     inventories, findings, code = result.inventories, result.findings, result.exit_code
+    if how != "text":  # exit 2 says why on stderr in every format (text: render_findings, in finding order)
+        for line in unreadable_lines(findings):
+            err.print(f"weightshare: error: {line}", markup=False, highlight=False, soft_wrap=True)
     if how == "json":
         print(json.dumps(check_document(inventories, findings, gate, strict), indent=2))
     elif how == "sarif":
