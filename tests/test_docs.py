@@ -102,7 +102,7 @@ ALLOWED = {
 MEASURED = re.compile(
     r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?:"
     r"\s?(?:B|KiB|MiB|GiB|TiB|KB|MB|GB|bytes)\b"
-    r"|\s?(?:ms|s|min|seconds|minutes|hours)\b"
+    r"|\s?(?:CPU |wall |system )?(?:ms|s|min|seconds|minutes|hours)\b"
     r"|x\b"
     r"|\s?%"
     r"|\s(?:tests|passed)\b"
