@@ -317,6 +317,7 @@ def _has_examples(text: str) -> bool:
     return bool(re.search(r"^```(python)?\n(\$ )?weightshare |^```python\n|run: weightshare ", text, re.M))
 
 
+@pytest.mark.slow  # 1-15 s per document: each command is a fresh process, as a reader runs it
 @pytest.mark.parametrize("doc", [d for d in DOCS if _has_examples(d.read_text())], ids=_rel)
 def test_every_example_of_the_document_runs_and_does_its_job(doc, tmp_path):
     _run_examples(doc, tmp_path)
