@@ -307,8 +307,8 @@ def session(
         share_arena: the sessions of this process that ask for it share one CPU activation arena (ORT's
             environment allocator, registered once per process, and ``session.use_env_allocators=1``) instead of
             one arena each: N sessions that run one at a time keep one arena's worth of activations, not N
-            (docs/guide.md has the figures). Sessions running at the same time grow it to their joint peak, and
-            it is never returned to the system while the process lives.
+            (scripts/bench_share_arena.py measures it). Sessions running at the same time grow it to their joint
+            peak, and it is never returned to the system while the process lives.
         share_with_other_numerics: where a ``--prepack`` model falls back to its portable model, open it with
             ``session.disable_prepacking=1`` (weights shared, MLAS's unpacked kernels: other roundings, up to
             ~2x slower at batch > 1; docs/guide.md) instead of the default (the original's outputs at your

@@ -475,7 +475,7 @@ def interpreter_costs(model: str | os.PathLike[str]) -> list[SettingCost]:
     """Weight memory per LiteRT setting for ``model``: no delegate, default XNNPACK, CompiledModel + cache.
 
     An estimate from the graph (XNNPACK packs FULLY_CONNECTED/CONV/DEPTHWISE/TRANSPOSE_CONV/BATCH_MATMUL
-    weights to about their fp32 size); the figures it models are measured in docs/tflite.md.
+    weights to about their fp32 size); scripts/bench_tflite.py measures what it models.
     """
     from . import flatbuf
     from .graph import validate
