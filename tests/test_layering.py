@@ -85,6 +85,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "weightshare._disk",
             "weightshare._compare",
             "weightshare._flatbuffers",
+            "weightshare._measure_cache",
         ),
     ),
     (

@@ -104,6 +104,7 @@ PUBLIC = {
         "FormatOptions",
         "KeepsAsIs",
         "MeasuresCopies",
+        "MeasurementKey",
         "QuietExit",
         "ReadsInputs",
         "SharesPrepared",

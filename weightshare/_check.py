@@ -10,9 +10,10 @@ import os
 import stat
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from ._dispatch import find_models, inventory, load_input
+from ._dispatch import find_models, inventory, load_input, measure_or_reuse
 from ._findings import Code, Finding, Severity, TextEnum, code_named
 from ._inventory import MeasureInputs, ModelInventory, PayloadInfo, judge_envelope
 from ._paid import paid_verdict
@@ -74,6 +75,7 @@ class Gate:
     runtime: str = ""
     instances: int = 4  # what a user pays: this many instances in one process (--instances) ...
     processes: int = 2  # ... and this many processes with one instance each (--processes)
+    cache: bool = True  # reuse a measured verdict while its key is unchanged (``_measure_cache``; --no-cache: False)
 
     def targeted(self, inv: ModelInventory) -> list[str]:
         named = [s for s in inv.settings if s in self.targets]
@@ -419,8 +421,10 @@ def check(
         if on_model is not None:
             on_model(str(path), i, len(paths))
         try:
-            inv = inventory(path, hash_payloads=True, measure=gate.measure, feeds=gate.feeds)
-            settle(inv, gate, path)
+            inv = inventory(path, hash_payloads=True)
+            if gate.measure:  # or the verdict measured for the same model and options (``_measure_cache``)
+                reuse = {"targets": sorted(gate.targets), "threshold": gate.threshold} if gate.cache else None
+                measure_or_reuse(inv, path, gate.feeds, reuse, partial(settle, inv, gate, path))
         except UsageError:  # a --dim / --input the model does not have: the user's, not the model's
             raise
         except WeightshareError as e:

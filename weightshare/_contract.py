@@ -145,6 +145,7 @@ def _model_summary(inv: ModelInventory, gate: Gate) -> JsonDict:
         "default_setting": inv.default_setting,
         "activation_per_session_by_setting": dict(inv.measured_activation),
         "measure_notes": list(inv.measure_notes),  # how the figures were made (text output: on stderr)
+        "measured_cached": inv.measured_cached,  # a reused verdict's measuring time, "" when measured now or not
         "packed_for": dict(inv.packed_for),  # a --prepack output's envelope (version, CPU kind); {} for others
         "judged_for": next((n for n in inv.notes if n.startswith(("judged for", "not judged for"))), ""),
         # what a user pays, converted vs original (check --instances / --processes)
@@ -196,6 +197,7 @@ def _unreadable(model: str) -> JsonDict:
         "default_setting": "",
         "activation_per_session_by_setting": {},
         "measure_notes": [],
+        "measured_cached": "",
         "packed_for": {},
         "judged_for": "",
         "paid": [],

@@ -20,7 +20,7 @@ from ._recorded import blob_name_problem, record_problem, recorded_records
 from ._verify import VerifyReport, read_input
 from .errors import InvalidModel, UsageError
 from .formats import detect, detect_format, get, model_suffixes, registered
-from .formats.base import Decodes, MeasuresCopies, ReadsInputs
+from .formats.base import Decodes, MeasurementKey, MeasuresCopies, ReadsInputs
 
 
 def inventory(
@@ -37,19 +37,57 @@ def inventory(
     if hash_payloads:
         mark_duplicates(inv.payloads)
         _check_other_records(inv, path.resolve() if path.is_dir() else path.resolve().parent)
-    if measure and isinstance(fmt, MeasuresCopies) and not any(p.problem for p in inv.payloads):  # broken: not run
-        # what the user said of the inputs, to a format that takes it (a format of its own may not: its inputs)
-        measured = (
-            fmt.measure_copies(path, feeds) if feeds and (feeds.dims or feeds.input_files) else fmt.measure_copies(path)
-        )
-        inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
-        if len(measured) > 3:  # a format that tells activation memory apart from weight copies
-            inv.measured_activation = measured[3]
-        if len(measured) > 4:  # what measuring found of the model itself (the runtime refuses to load it)
-            inv.findings += measured[4]
-        if len(measured) > 5:  # a format whose loader has a cost of its own: what the user pays, both ways
-            inv.paid = measured[5]
+    if measure:
+        measure_model(inv, path, feeds)
     return inv
+
+
+def measure_model(
+    inv: ModelInventory, path: str | os.PathLike[str], feeds: MeasureInputs | None = None
+) -> list[Finding]:
+    """What one more session of the model costs, measured in its runtime (formats that can: ``measure_copies``),
+    into ``inv``; the findings measuring made of the model itself (also added to ``inv.findings``)."""
+    path = Path(path)
+    fmt = get(inv.format)
+    if not isinstance(fmt, MeasuresCopies) or any(p.problem for p in inv.payloads):  # broken: not run
+        return []
+    # what the user said of the inputs, to a format that takes it (a format of its own may not: its inputs)
+    measured = (
+        fmt.measure_copies(path, feeds) if feeds and (feeds.dims or feeds.input_files) else fmt.measure_copies(path)
+    )
+    inv.measured, inv.measured_one_session, inv.measure_notes = measured[:3]
+    if len(measured) > 3:  # a format that tells activation memory apart from weight copies
+        inv.measured_activation = measured[3]
+    found: list[Finding] = list(measured[4]) if len(measured) > 4 else []
+    inv.findings += found  # what measuring found of the model itself (the runtime refuses to load it)
+    if len(measured) > 5:  # a format whose loader has a cost of its own: what the user pays, both ways
+        inv.paid = measured[5]
+    return found
+
+
+def measure_or_reuse(
+    inv: ModelInventory,
+    path: str | os.PathLike[str],
+    feeds: MeasureInputs,
+    reuse: dict[str, object] | None,
+    settle: Callable[[], None],
+) -> None:
+    """``check``'s measurement of a model: ``measure_model`` then ``settle`` (its repeats near a decision line), or
+    the verdict measured earlier for the same key (``_measure_cache``: the model's content, the runtime's version
+    and CPU kind, the children's bound, ``feeds`` and the options in ``reuse``; None: measure, store nothing)."""
+    from . import _measure_cache as cache
+    from ._runtimes.bound import child_memory_bytes
+
+    path = Path(path)
+    fmt = detect(path)
+    context = fmt.measurement_key(path) if reuse is not None and isinstance(fmt, MeasurementKey) else None
+    key = cache.key_for(inv, path, context, feeds, {**(reuse or {}), "bound": child_memory_bytes(0)})
+    if key and cache.reuse(inv, key, path):
+        return
+    found = measure_model(inv, path, feeds)
+    settle()
+    if key:
+        cache.remember(key, inv, found)
 
 
 def _check_other_records(inv: ModelInventory, base: Path) -> None:

@@ -64,6 +64,7 @@ def check(
     dims: dict[str, int] | None = None,
     inputs: dict[str, str | os.PathLike[str]] | None = None,
     runtime: str = "",
+    cache: bool = True,
 ) -> CheckReport:
     """The CI gate: whether every model is share-ready (``weightshare check``).
 
@@ -81,6 +82,8 @@ def check(
         inputs: input name -> a .npy (or ONNX TensorProto .pb) file with its real values (``--input``).
         runtime: the serving machine's runtime as ``VERSION[/CPU_KIND]`` (``--runtime``, e.g. ``1.32.0/avx512``):
             a ``--prepack`` output is judged for it instead of for the runtime installed here.
+        cache: reuse a verdict measured earlier while the model's content, the runtime's version and CPU kind and
+            these options are unchanged (``$XDG_CACHE_HOME/weightshare/measured``; ``--no-cache``: False).
 
     Returns:
         A ``CheckReport``: ``ok``, each model's inventory and every finding (``Finding.line()`` for one line).
@@ -102,7 +105,7 @@ def check(
     feeds = MeasureInputs(
         tuple((dims or {}).items()), tuple((name, os.fspath(file)) for name, file in (inputs or {}).items())
     )
-    gate = Gate(tuple(target), threshold, inline_threshold, measure=measure, feeds=feeds, runtime=runtime)
+    gate = Gate(tuple(target), threshold, inline_threshold, measure=measure, feeds=feeds, runtime=runtime, cache=cache)
     result = run_gate(models, gate, strict)
     return CheckReport(result.ok, result.inventories, result.findings, result.exit_code)
 

@@ -68,6 +68,9 @@ class ModelInventory:
     measured: dict[str, int] = field(default_factory=dict)
     measured_one_session: dict[str, int] = field(default_factory=dict)  # setting -> PSS with one session
     measure_notes: list[str] = field(default_factory=list)
+    # When the figures are a verdict measured earlier and reused (``check``'s cache): that measurement's UTC time
+    # (ISO 8601); "" when measured in this run or not at all.
+    measured_cached: str = ""
     # Setting -> activation memory one more session keeps (a runtime's arena, kernel scratch), measured apart from
     # ``measured`` (formats that can tell them apart): information, never a weight copy.
     measured_activation: dict[str, int] = field(default_factory=dict)

@@ -104,6 +104,12 @@ def check(
         help="Use the static per-session estimate only (default for ONNX: ask onnxruntime, in child processes, "
         "what one more session costs under each setting).",
     ),
+    no_cache: bool = typer.Option(
+        False,
+        "--no-cache",
+        help="Measure every model again (default: a verdict measured earlier is reused while the model's content, "
+        "the runtime's version, the CPU kind and these options are unchanged; cached in $XDG_CACHE_HOME/weightshare).",
+    ),
     dim: list[str] = dim_option("For the measuring runs: "),
     inputs: list[str] = input_option("For the measuring runs: "),
     runtime: str = typer.Option(
@@ -147,6 +153,7 @@ def check(
         runtime=runtime,
         instances=instances,
         processes=processes,
+        cache=not no_cache,
     )
     with user_errors(), measuring(not no_measure, "check: measuring each model in runtime child processes") as stage:
         result = run_gate(

@@ -43,6 +43,7 @@ __all__ = [
     "FormatOptions",
     "KeepsAsIs",
     "MeasuresCopies",
+    "MeasurementKey",
     "QuietExit",
     "ReadsInputs",
     "SharesPrepared",
@@ -202,6 +203,17 @@ class MeasuresCopies(Protocol):
         findings about the model itself: the runtime refuses it[, what a user pays converted and original:
         ``ModelInventory.paid``]]]); ``feeds``: what the user said of the inputs
         (``check --dim/--input``)."""
+        ...
+
+
+@runtime_checkable
+class MeasurementKey(Protocol):
+    """``check`` reuses a model's measured figures while what they depend on is unchanged (``_measure_cache``)."""
+
+    def measurement_key(self, path: Path) -> tuple[dict[str, str], list[Path]] | None:
+        """(the runtime that would measure ``path``: its name, version and the CPU kind it dispatches on; the
+        files besides the model and the data files it maps whose bytes the measuring run reads: configs, an
+        encoder, a cache), or None when nothing would be measured (the runtime missing, measuring switched off)."""
         ...
 
 

@@ -313,3 +313,29 @@ def _ort_version() -> str:
         return version("onnxruntime")
     except PackageNotFoundError:
         return "(version unknown)"
+
+
+def runtime_facts(name: str) -> dict[str, str]:
+    """``name``'s installed version and the CPU kind its kernels dispatch on ({} when it is not installed)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .ort.probe import cpu_features, cpu_kind
+
+    try:
+        installed = version(name)
+    except PackageNotFoundError:
+        return {}
+    return {"runtime": name, "version": installed, "cpu_kind": cpu_kind(cpu_features(), platform.machine())}
+
+
+def measurement_key(path: Path) -> tuple[dict[str, str], list[Path]] | None:
+    """(onnxruntime's version and CPU kind, the files beside the model the measuring run reads: the configs its
+    inputs are sized from and the encoder whose output a decoder is fed, ``decode.session_feeds``), or None when
+    nothing would be measured."""
+    from .decode import ENCODER_FILE
+
+    facts = runtime_facts("onnxruntime") if available() else {}
+    if not facts:
+        return None
+    return facts, [path.parent / n for n in ("config.json", "genai_config.json", ENCODER_FILE)]

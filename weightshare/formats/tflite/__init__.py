@@ -73,6 +73,12 @@ class TfliteFormat(FormatDefaults):
 
         return measure_copies(path, feeds)
 
+    def measurement_key(self, path: Path) -> tuple[dict[str, str], list[Path]] | None:
+        """What ``measure_copies`` depends on besides the model's bytes (``measure.measurement_key``)."""
+        from .measure import measurement_key
+
+        return measurement_key(path)
+
     def verify(self, report: VerifyReport, original: Path, converted: Path, opts: dict[str, Any], broken: bool) -> None:
         from ..._runtimes.memory import verify_bounded
         from .verify import mapped

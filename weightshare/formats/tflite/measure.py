@@ -432,3 +432,15 @@ def _settings(path: Path, notes: list[str]) -> list[tuple[str, bool, str]]:
         notes.append(f"{COMPILED_CACHE} is not measured: {why}{_STATIC_KEPT}")
         return settings
     return [*settings, (COMPILED_CACHE, True, "helper")]
+
+
+def measurement_key(path: Path) -> tuple[dict[str, str], list[Path]] | None:
+    """(ai-edge-litert's version and the CPU kind XNNPACK dispatches on, the XNNPACK weight caches beside the
+    model, which ``litert-compiled-cache`` is measured with), or None when nothing would be measured."""
+    from ..onnx.measure import runtime_facts
+    from .xnnpack_cache import candidate_caches
+
+    facts = runtime_facts("ai-edge-litert") if available() else {}
+    if not facts:
+        return None
+    return facts, candidate_caches(path)

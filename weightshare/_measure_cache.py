@@ -1,0 +1,419 @@
+"""``check``'s measured verdicts, reused while what they depend on is unchanged.
+
+Measuring a model starts runtime children that open a dozen sessions (seconds to minutes per model, the bulk of
+`check`'s time), and the figure depends only on: the bytes the runtime reads (the model file, every data file it
+maps, the side files the measuring run reads: configs, an encoder beside a decoder, an XNNPACK cache), the
+runtime's version and the CPU kind it dispatches on, how weightshare measures (its version, ``SCHEMA``, the
+children's memory bound) and what `check` was told (``--target``, ``--threshold``: the repeats near a line;
+``--dim``, ``--input`` and those files' bytes). An entry is keyed by a digest of all of that, so any change is a
+miss and the model is measured again.
+
+The content digest is the cheapest sound one: `check` hashes every payload already (to find duplicates and
+compare them with the digests a weightshare blob records), so a data file contributes its size and each payload's
+(offset, length, digest) as hashed in this run, plus each blob record's recorded digest once `check` re-hashed
+it without a problem (a packed copy ORT maps); a data file with a payload not hashed is hashed whole. The model
+file (a converted model's graph: small) and the side files are hashed whole with BLAKE3 (0.12 CPU s per GiB).
+A model with a payload problem or a failed record is never looked up nor stored.
+
+The cache is untrusted input: ``$XDG_CACHE_HOME/weightshare/measured`` (default ``~/.cache``), a directory that
+must be ours and private (0700, not a symlink); entries are regular 0600 files of ours of at most ``MAX_ENTRY``
+bytes, sealed with an HMAC-SHA256 under a per-user random key kept beside them, and their fields are type-checked
+before use. An entry that was edited, truncated or copied from elsewhere is ignored (measured again and
+overwritten), never trusted and never a crash. At most ``MAX_ENTRIES`` are kept (the least recently written go).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import stat
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._checksum import new_hasher
+from ._findings import Finding, code_named
+from ._inventory import MeasureInputs, ModelInventory
+from ._recorded import recorded_records
+from ._version import __version__
+
+__all__ = [
+    "key_for",
+    "remember",
+    "reuse",
+    "MeasuredEntry",
+    "cache_dir",
+    "content_digest",
+    "entry_key",
+    "file_digest",
+    "load",
+    "now_utc",
+    "store",
+]
+
+SCHEMA = "weightshare-measured/1"  # bump when what a measurement means changes
+MAX_ENTRY = 256 << 10
+MAX_ENTRIES = 512
+_KEY_NAME = "key"
+_KEY_BYTES = 32
+_TMP_AGE_S = 3600
+_CHUNK = 4 << 20
+
+
+@dataclass
+class MeasuredEntry:
+    """What one model's measurement left in its inventory (``measure_copies`` and ``_check.settle``)."""
+
+    measured: dict[str, int]
+    one_session: dict[str, int]
+    notes: list[str]
+    activation: dict[str, int]
+    findings: list[tuple[str, str, str]] = field(default_factory=list)  # (code, tensor, message)
+    measured_at: str = ""  # UTC, ISO 8601 to the second
+    paid: dict[str, object] = field(default_factory=dict)  # ``ModelInventory.paid``
+
+
+def cache_dir() -> Path | None:
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not base or not os.path.isabs(base):
+        home = os.environ.get("HOME", "")
+        if not home or not os.path.isabs(home):
+            return None
+        base = os.path.join(home, ".cache")
+    return Path(base) / "weightshare" / "measured"
+
+
+def _hash_file(h: object, path: Path) -> bool:
+    """Feed ``path``'s bytes to ``h``; False when it cannot be read."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            buf = bytearray(_CHUNK)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])  # type: ignore[attr-defined]
+    except OSError:
+        return False
+    return True
+
+
+def content_digest(inv: ModelInventory, path: Path, side_files: Sequence[Path] = ()) -> str | None:
+    """The digest of every byte the measurement of ``inv``'s model can depend on (module docstring), or None when
+    the model is not cacheable (a package directory, a payload or record problem, a file that cannot be read)."""
+    if path.is_dir() or inv.record_problems or any(p.problem for p in inv.payloads):
+        return None
+    h = new_hasher()
+    h.update(b"model\0")
+    if not _hash_file(h, path):
+        return None
+    base = path.parent
+    for name in sorted(set(inv.external_files)):
+        f = base / name
+        try:
+            size = f.stat().st_size
+        except OSError:
+            return None
+        h.update(f"\0data\0{name}\0{size}\0".encode())
+        here = [p for p in inv.payloads if p.location == "external" and p.file == name]
+        if any(not p.sha256 or p.offset is None for p in here):
+            if not _hash_file(h, f):
+                return None
+            continue
+        spans = sorted((p.offset or 0, p.nbytes, p.sha256) for p in here)
+        spans += sorted((begin, length, digest) for _key, begin, length, digest in recorded_records(str(f)))
+        h.update(json.dumps(spans).encode())
+    for f in side_files:
+        h.update(f"\0side\0{f.name}\0".encode())
+        if f.is_file() and not _hash_file(h, f):
+            return None
+        h.update(b"present" if f.is_file() else b"absent")
+    return h.hexdigest()
+
+
+def file_digest(path: Path) -> str | None:
+    """The digest of ``path``'s bytes (a ``--input`` file), None when it cannot be read."""
+    h = new_hasher()
+    return h.hexdigest() if _hash_file(h, path) else None
+
+
+def entry_key(parts: dict[str, object]) -> str:
+    """The entry's name: a digest of every part of the key (``SCHEMA`` and weightshare's version included)."""
+    body = json.dumps({"schema": SCHEMA, "weightshare": __version__, **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:48]
+
+
+def _ours(st: os.stat_result, mode: int) -> bool:
+    return st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0 and stat.S_IFMT(st.st_mode) == mode
+
+
+@contextmanager
+def _open_dir(create: bool) -> Iterator[int | None]:
+    """A descriptor on the cache directory if it is ours and private (created 0700 when ``create``)."""
+    path = cache_dir()
+    if path is None:
+        yield None
+        return
+    if create:
+        try:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            yield None
+            return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        yield None
+        return
+    try:
+        yield fd if _ours(os.fstat(fd), stat.S_IFDIR) else None
+    finally:
+        os.close(fd)
+
+
+def _read_small(name: str, dir_fd: int, limit: int) -> bytes | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not _ours(st, stat.S_IFREG) or st.st_size > limit:
+            return None
+        return os.pread(fd, limit + 1, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(name: str, data: bytes, dir_fd: int, replace: bool = True) -> bool:
+    tmp = f".tmp-{secrets.token_hex(8)}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    except OSError:
+        return False
+    try:
+        try:
+            os.fchmod(fd, 0o600)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
+        if replace:
+            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        else:
+            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+            os.unlink(tmp, dir_fd=dir_fd)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        return False
+
+
+def _seal_key(dir_fd: int, create: bool) -> bytes | None:
+    key = _read_small(_KEY_NAME, dir_fd, _KEY_BYTES)
+    if key is None and create:
+        _write_atomic(_KEY_NAME, secrets.token_bytes(_KEY_BYTES), dir_fd, replace=False)  # a racing writer may win
+        key = _read_small(_KEY_NAME, dir_fd, _KEY_BYTES)
+    return key if key is not None and len(key) == _KEY_BYTES else None
+
+
+def _ints(value: object) -> dict[str, int] | None:
+    if not isinstance(value, dict):
+        return None
+    ok = all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in value.items())
+    return dict(value) if ok else None
+
+
+def _paid(value: object) -> dict[str, object] | None:
+    """``ModelInventory.paid`` as measured: role -> {"setting": str, "one_process": {count: int}, "two_processes":
+    int}; None for anything else."""
+    if not isinstance(value, dict):
+        return None
+    for role, figures in value.items():
+        if not isinstance(role, str) or not isinstance(figures, dict) or not isinstance(figures.get("setting"), str):
+            return None
+        one = _ints(figures.get("one_process"))
+        if not one or not all(k.isdigit() and 0 < int(k) < 1 << 20 for k in one):
+            return None
+        if type(figures.get("two_processes")) is not int or figures["two_processes"] < 0:
+            return None
+    return dict(value)
+
+
+def _parse(key: str, body: bytes) -> MeasuredEntry | None:
+    """The entry in ``body`` when every field has its type (the seal said who wrote it, not that it is sane)."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or doc.get("key") != key:
+        return None
+    measured, one, activation = _ints(doc.get("measured")), _ints(doc.get("one_session")), _ints(doc.get("activation"))
+    notes, findings, at, paid = doc.get("notes"), doc.get("findings"), doc.get("measured_at"), _paid(doc.get("paid"))
+    if measured is None or one is None or activation is None or not isinstance(at, str) or len(at) > 40:
+        return None
+    if paid is None:
+        return None
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        return None
+    if not isinstance(findings, list) or not all(
+        isinstance(f, list) and len(f) == 3 and all(isinstance(x, str) for x in f) for f in findings
+    ):
+        return None
+    return MeasuredEntry(measured, one, list(notes), activation, [(c, t, m) for c, t, m in findings], at, paid)
+
+
+def load(key: str) -> MeasuredEntry | None:
+    """The entry stored under ``key`` if it is authentic and well-formed, else None (a miss)."""
+    with _open_dir(create=False) as dir_fd:
+        if dir_fd is None:
+            return None
+        seal = _seal_key(dir_fd, create=False)
+        data = _read_small(key, dir_fd, MAX_ENTRY)
+    if seal is None or data is None:
+        return None
+    body, _, mac = data.rpartition(b"\n")
+    if not hmac.compare_digest(mac, hmac.new(seal, body, hashlib.sha256).hexdigest().encode()):
+        return None
+    return _parse(key, body)
+
+
+def store(key: str, entry: MeasuredEntry) -> bool:
+    """Write ``entry`` under ``key`` (best effort: a cache that cannot be written is only slower)."""
+    body = json.dumps(
+        {
+            "schema": SCHEMA,
+            "key": key,
+            "measured_at": entry.measured_at,
+            "measured": entry.measured,
+            "one_session": entry.one_session,
+            "notes": entry.notes,
+            "activation": entry.activation,
+            "findings": [list(f) for f in entry.findings],
+            "paid": entry.paid,
+        },
+        sort_keys=True,
+    ).encode()
+    if len(body) > MAX_ENTRY - 100:
+        return False
+    with _open_dir(create=True) as dir_fd:
+        seal = None if dir_fd is None else _seal_key(dir_fd, create=True)
+        if dir_fd is None or seal is None:
+            return False
+        done = _write_atomic(key, body + b"\n" + hmac.new(seal, body, hashlib.sha256).hexdigest().encode(), dir_fd)
+        _prune(dir_fd, key)
+    return done
+
+
+def _prune(dir_fd: int, keep: str) -> None:
+    """At most ``MAX_ENTRIES`` entries (the least recently written go); a killed writer's temporary after an hour."""
+    now = time.time()
+    entries: list[tuple[float, str]] = []
+    try:
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for n in names:
+        is_entry = len(n) == 48 and all(c in "0123456789abcdef" for c in n)
+        if not is_entry and not n.startswith(".tmp-"):
+            continue
+        try:
+            st = os.stat(n, dir_fd=dir_fd, follow_symlinks=False)
+        except OSError:
+            continue
+        if is_entry:
+            entries.append((now if n == keep else st.st_mtime, n))
+        elif now - st.st_mtime > _TMP_AGE_S:
+            _unlink(n, dir_fd)
+    for _mtime, n in sorted(entries, reverse=True)[MAX_ENTRIES:]:
+        _unlink(n, dir_fd)
+
+
+def _unlink(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def key_for(
+    inv: ModelInventory,
+    path: Path,
+    context: tuple[dict[str, str], list[Path]] | None,
+    feeds: MeasureInputs,
+    options: dict[str, object],
+) -> str | None:
+    """The key of ``inv``'s measured verdict, or None when it is not to be reused: ``context`` is the format's
+    ``measurement_key`` (the runtime, the side files), ``feeds`` check's --dim/--input (the input files' bytes
+    count, not their names), ``options`` what else the verdict depends on (the children's bound, --target,
+    --threshold)."""
+    if context is None:
+        return None
+    runtime, side_files = context
+    content = content_digest(inv, path, side_files)
+    if content is None:
+        return None
+    inputs = []
+    for name, file in feeds.input_files:
+        digest = file_digest(Path(file))
+        if digest is None:
+            return None
+        inputs.append((name, digest))
+    parts = {"format": inv.format, "content": content, "runtime": runtime, "dims": sorted(feeds.dims)}
+    return entry_key({**parts, "inputs": sorted(inputs), **options})
+
+
+def reuse(inv: ModelInventory, key: str, path: Path) -> bool:
+    """Fill ``inv`` with the verdict stored under ``key`` and say so (``measure_notes``, ``measured_cached``);
+    False when there is none to trust."""
+    entry = load(key)
+    if entry is None:
+        return False
+    try:
+        found = [Finding.of(code_named(c), str(path), m, t) for c, t, m in entry.findings]
+    except KeyError:  # a code this version does not know: measured again
+        return False
+    inv.measured, inv.measured_one_session = entry.measured, entry.one_session
+    inv.measured_activation = entry.activation
+    inv.paid = dict(entry.paid)
+    inv.measured_cached = entry.measured_at
+    inv.measure_notes = [
+        f"measured (cached, {entry.measured_at}): the verdict measured then, reused while the model's content, the "
+        "runtime's version, the CPU kind and the options are unchanged (--no-cache measures again)",
+        *entry.notes,
+    ]
+    inv.findings += found
+    return True
+
+
+def remember(key: str, inv: ModelInventory, found: Sequence[Finding]) -> None:
+    """Store ``inv``'s measured verdict (``found``: the findings measuring made) unless a child did not finish
+    (a time limit on a loaded machine is not the model's verdict)."""
+    if any("did not finish" in n or "could not measure" in n for n in inv.measure_notes):
+        return
+    entry = MeasuredEntry(
+        dict(inv.measured),
+        dict(inv.measured_one_session),
+        list(inv.measure_notes),
+        dict(inv.measured_activation),
+        [(f.code.value, f.tensor, f.message) for f in found],
+        now_utc(),
+        dict(inv.paid),
+    )
+    store(key, entry)
