@@ -167,7 +167,9 @@ def test_an_edited_cache_entry_is_ignored_and_rewritten(tmp_path, cache_home, st
     for content in (
         json.dumps(forged).encode() + b"\n" + seal,
         b"\x00\xff not json" + entry.read_bytes()[:40],  # damaged
-        sealed_garbage + b"\n" + hmac.new(key, sealed_garbage, hashlib.sha256).hexdigest().encode(),  # sealed, ill-typed
+        sealed_garbage
+        + b"\n"
+        + hmac.new(key, sealed_garbage, hashlib.sha256).hexdigest().encode(),  # sealed, ill-typed
     ):
         entry.write_bytes(content)
         started.argvs.clear()
