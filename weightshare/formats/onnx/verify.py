@@ -173,6 +173,9 @@ def _run_both(
     from ..._runtimes.ort import dim_value, new_session
     from .decode import derived_dims, encoder_states, make_feeds, plan, read_facts, run_lengths, window_pasts
 
+    # the encoder beside a decoder runs (and is freed) before the converted model opens: one original and one
+    # converted runtime in memory at a time, never a third
+    states, note = encoder_states(original, a.get_inputs(), opts["inputs"], opts["dims"])
     try:
         b = new_session(str(converted), share=share, log_level=4)
     except Exception as e:  # noqa: BLE001
@@ -186,7 +189,6 @@ def _run_both(
         return
     facts = read_facts(original)
     report.notes += [f"{prefix}{line}" for line in facts.capped]
-    states, note = encoder_states(original, a.get_inputs(), opts["inputs"], opts["dims"])
     if states:  # a decoder beside its encoder: the cross-attention reads what the encoder really outputs
         opts = {**opts, "inputs": {**opts["inputs"], **states}}
     if note:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,22 +114,27 @@ def _check_given(original: Path, opts: dict[str, Any]) -> None:
         raise UsageError(f"--input {unknown[0]}: the model takes no such input (it takes {', '.join(takes)})")
 
 
-def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[tuple[str, str, Any, Any]], list[str]]:
-    """(path name, original entry points, converted entry points or an error line), one per LiteRT mode."""
+def _open_paths(
+    original: Path, converted: Path, external: bool, refusals: list[str]
+) -> Iterator[tuple[str, str, Any, Any]]:
+    """(path name, original entry points, converted entry points or an error line), one LiteRT mode at a time: the
+    next mode's pair is opened only once the caller dropped the last (one original and one converted runtime in
+    memory, not one per mode: a 409 MiB LM's verify --decode-steps held four). A mode the original does not open
+    is a line in ``refusals``."""
     from ..._runtimes.litert import LITERT_ERRORS, MODES, compiled_entry_points, entry_points, open_mode
 
     if external:  # only CompiledModel loads ExternalBuffer groups: run both models through it, same kernels
         try:
             ca: Any = compiled_entry_points(str(original), str(original))
         except LITERT_ERRORS as e:
-            return [], [f"CompiledModel: {first_line(e)}"]
+            refusals.append(f"CompiledModel: {first_line(e)}")
+            return
         try:
             cb: Any = compiled_entry_points(str(converted), str(original))
         except LITERT_ERRORS as e:
             cb = f"the converted model fails to load in LiteRT CompiledModel: {first_line(e)}"
-        return [("CompiledModel", "LiteRT CompiledModel", ca, cb)], []
-    opened: list[tuple[str, str, Any, Any]] = []
-    refusals: list[str] = []
+        yield "CompiledModel", "LiteRT CompiledModel", ca, cb
+        return
     for mode in MODES:
         try:
             ea = entry_points(open_mode(str(original), mode), str(original))
@@ -139,8 +145,9 @@ def _open_paths(original: Path, converted: Path, external: bool) -> tuple[list[t
             eb: Any = entry_points(open_mode(str(converted), mode), str(converted))
         except LITERT_ERRORS as e:
             eb = f"the converted model fails to load in LiteRT ({mode}): {first_line(e)}"
-        opened.append((mode, f"LiteRT Interpreter, {mode}", ea, eb))
-    return opened, refusals
+        yield mode, f"LiteRT Interpreter, {mode}", ea, eb
+        del ea, eb
+        gc.collect()  # LiteRT's interpreters hold cycles: freed now, before the next mode's pair is opened
 
 
 def _run_path(
@@ -229,14 +236,13 @@ def tflite_hint(e: BaseException, feeds: dict[str, Any], opts: dict[str, Any]) -
     return _HINT
 
 
-def _first_feeds(opened: list[tuple[str, str, Any, Any]], opts: dict[str, Any]) -> dict[str, Any]:
-    """The inputs the first run fed (for naming them in a hint); empty when no path opened."""
-    for _mode, _path, ea, _eb in opened:
-        for _key, entry in ea:
-            try:
-                return dict(entry.feeds(opts["seed"], opts["inputs"], opts["shapes"], opts["dims"]))
-            except WeightshareError:
-                return {}
+def _first_feeds(ea: list[tuple[str, Any]], opts: dict[str, Any]) -> dict[str, Any]:
+    """The inputs the first run feeds (for naming them in a hint); empty when they cannot be made."""
+    for _key, entry in ea:
+        try:
+            return dict(entry.feeds(opts["seed"], opts["inputs"], opts["shapes"], opts["dims"]))
+        except WeightshareError:
+            return {}
     return {}
 
 
@@ -247,8 +253,9 @@ def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: d
     )
     lm = _lm_plan(original, opts)  # before anything runs: a model with nothing to decode is a usage error
     _check_given(original, opts)
-    opened, refusals = _open_paths(original, converted, external)
-    for mode, path, ea, eb in opened:
+    refusals: list[str] = []
+    first: dict[str, Any] | None = None  # the inputs of the first path's first run, for a hint
+    for mode, path, ea, eb in _open_paths(original, converted, external, refusals):
         if broken:
             break
         if isinstance(eb, str):
@@ -256,12 +263,15 @@ def _verify_paths(report: VerifyReport, original: Path, converted: Path, opts: d
             report.mismatches.append(eb)
             continue
         refused = _run_path(report, path, ea, eb, opts, lm=lm)
+        if refused and first is None and not report.paths:
+            first = _first_feeds(ea, opts)
+        del ea, eb  # before the next mode's pair opens
         if refused:
             refusals.append(f"{mode}: {refused}")
         else:
             report.paths.append(path)
     if not report.paths and not broken:
-        cause = tflite_hint(RuntimeError("; ".join(refusals)), _first_feeds(opened, opts), opts)
+        cause = tflite_hint(RuntimeError("; ".join(refusals)), first or {}, opts)
         raise OriginalFails(f"the original model fails in LiteRT: {'; '.join(refusals)} ({cause})", original)
     for line in refusals:
         report.notes.append(f"the original model does not run with LiteRT {line}; that path was skipped")
