@@ -18,6 +18,17 @@ weights (YOLO-like CNN, ViT-like encoder, Whisper-like encoder (ONNX); a conv TF
 converted with --prepack: every run's exit code and weight figure at the model's default setting side by side,
 and whether the N verdicts agree.
 
+``--cost``: what `check` and `verify` cost against the conversion they judge (issue 43's targets), in one run on a
+generated model folder (an fp32 MLP, a Conv net and a merged decoder, ~MIB MiB in all, default 128) converted with
+`convert DIR -o OUT --prepack`: the conversion's CPU time; `check OUT`'s CPU time cold (an empty cache) and warm
+(its measured verdicts reused) and its largest process (peak RSS of the biggest process of the run: ``ru_maxrss``
+of ``RUSAGE_CHILDREN`` in a wrapper process started for each run); `verify` of the largest model and `verify
+--decode-steps 4` of a t5-like ONNX decoder (its encoder beside it) and of a litert-torch-style two-signature
+TFLite LM, each run's largest process against "2 x the larger model's mapped size + 300 MiB". ``--baseline DIR``:
+the verify rows once more with the weightshare of another checkout (before/after side by side).
+
+    python scripts/bench_check.py --cost 128 [--baseline /path/to/old/checkout]
+
 ``--tflite``: one FULLY_CONNECTED of ~MIB of fp32 weights, stored fp32, fp16 behind DEQUANTIZE or int8 weight-only
 behind DEQUANTIZE, as given and converted; per setting (litert-builtin, litert-xnnpack) `check --target SETTING
 --json` against 1 and 4 interpreters in a fresh process (``weightshare._runtimes.litert.measure_interpreters``).
@@ -148,7 +159,113 @@ def stability(runs: int) -> None:
             print(f"{name:32s} {got[0][2]:22s} {cells}  {same}", flush=True)
 
 
+_WRAP = (  # one run's CPU time (its whole tree, every descendant waited for) and its largest process
+    "import json, resource, subprocess, sys\n"
+    "r = subprocess.run(sys.argv[1:], capture_output=True)\n"
+    "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
+    "sys.stderr.buffer.write(r.stderr[-4000:])\n"
+    "print(json.dumps({'rc': r.returncode, 'cpu': u.ru_utime + u.ru_stime, 'largest': u.ru_maxrss * 1024}))\n"
+)
+
+
+def _costed(args: list[str], env: dict[str, str] | None = None) -> tuple[int, float, int, str]:
+    """(exit code, CPU seconds of the run's process tree, peak RSS bytes of its largest process, stderr's tail)."""
+    import os
+
+    cmd = [sys.executable, "-c", _WRAP, sys.executable, "-m", "weightshare", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    doc = json.loads(res.stdout.strip().splitlines()[-1])
+    return doc["rc"], doc["cpu"], doc["largest"], res.stderr.strip()[-300:]
+
+
+def _cost_models(src: Path, mib: float) -> None:
+    build("fp32", src / "mlp.onnx", mib / 2)
+    build("conv", src / "cnn.onnx", mib / 4)
+    build("merged_decoder", src / "decoder_model_merged.onnx", mib / 4)
+
+
+def cost(mib: float, baseline: str = "") -> None:
+    """Issue 43's targets for check and verify, side by side in one run (module docstring)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from decoder_fixtures import t5_like
+    from tflite_fixtures import two_signature_lm
+
+    from weightshare._runtimes.bound import mapped_bytes
+    from weightshare.formats.onnx.verify import mapped as onnx_mapped
+    from weightshare.formats.tflite.verify import mapped as tflite_mapped
+
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        src, out = d / "src", d / "out"
+        src.mkdir()
+        _cost_models(src, mib)
+        size = sum(mapped_bytes(m, [m.stem + ".data"]) for m in src.glob("*.onnx"))
+        rc, convert_cpu, convert_largest, err = _costed(["convert", str(src), "-o", str(out), "--prepack", "-q"])
+        assert rc == 0, err
+        models = sorted(out.rglob("*.onnx"))
+        print(
+            f"folder: {len(list(src.glob('*.onnx')))} ONNX models, {size / MiB:.0f} MiB; --prepack output: "
+            f"{len(models)} models (portable twins included), "
+            f"{sum(f.stat().st_size for f in out.rglob('*') if f.is_file()) / MiB:.0f} MiB"
+        )
+        print(f"{'run':44s} {'exit':>4s} {'CPU s':>7s} {'largest process MiB':>20s}  target")
+        print(f"{'convert DIR --prepack':44s} {rc:4d} {convert_cpu:7.1f} {convert_largest / MiB:20.0f}")
+        cache = {"XDG_CACHE_HOME": str(d / "cache")}
+        for label in ("check OUT (cold: empty cache)", "check OUT (warm: verdicts cached)"):
+            rc, cpu, largest, err = _costed(["check", str(out), "-q"], cache)
+            ok = cpu <= convert_cpu and largest <= 1 << 30
+            print(
+                f"{label:44s} {rc:4d} {cpu:7.1f} {largest / MiB:20.0f}  CPU <= convert's {convert_cpu:.1f} s, "
+                f"largest <= 1024 MiB: {'met' if ok else 'NOT met'}",
+                flush=True,
+            )
+        (d / "lm").mkdir()
+        lm = two_signature_lm(d / "lm" / "lm.tflite", vocab=32768, width=512)
+        rc, _, _, err = _costed(["convert", str(lm), "-o", str(d / "lm_out"), "-q"])
+        assert rc == 0, err
+        t5 = t5_like(d / "t5", heads=16, size=128)  # encoder 16 MiB, decoder 97 MiB, with past 65 MiB
+        rc, _, _, err = _costed(["convert", str(d / "t5"), "-o", str(d / "t5_out"), "-q"])
+        assert rc == 0, err
+        decoder = t5[1]
+        largest_src = max(src.glob("*.onnx"), key=onnx_mapped)
+        runs = [
+            (f"verify {largest_src.name} (--prepack)", largest_src, out / largest_src.name, [], onnx_mapped),
+            (
+                "verify --decode-steps 4, ONNX t5-like decoder",
+                decoder,
+                d / "t5_out" / decoder.name,
+                ["--decode-steps", "4"],
+                onnx_mapped,
+            ),
+            (
+                "verify --decode-steps 4, TFLite 2-signature LM",
+                lm,
+                d / "lm_out" / lm.name,
+                ["--decode-steps", "4"],
+                tflite_mapped,
+            ),
+        ]
+        trees = [("", "")] + ([(" (baseline)", baseline)] if baseline else [])
+        for label, original, converted, extra, mapped in runs:
+            larger = max(mapped(original), mapped(converted))
+            target = 2 * larger + 300 * MiB
+            for tag, tree in trees:
+                env = {"PYTHONPATH": tree} if tree else None
+                rc, cpu, largest, err = _costed(["verify", str(original), str(converted), "-q", *extra], env)
+                print(
+                    f"{label + tag:44s} {rc:4d} {cpu:7.1f} {largest / MiB:20.0f}  <= 2 x {larger / MiB:.0f} + 300 = "
+                    f"{target / MiB:.0f} MiB: {'met' if largest <= target else 'NOT met'}",
+                    flush=True,
+                )
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--cost"]:
+        rest = sys.argv[2:]
+        baseline = rest[rest.index("--baseline") + 1] if "--baseline" in rest else ""
+        numbers = [a for a in rest if a.replace(".", "").isdigit()]
+        cost(float(numbers[0]) if numbers else 128.0, baseline)
+        return
     if sys.argv[1:2] == ["--stability"]:
         stability(int(sys.argv[2]) if len(sys.argv) > 2 else 5)
         return
