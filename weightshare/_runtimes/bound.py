@@ -84,7 +84,8 @@ def mapped_bytes(model: Path, data_files: Iterable[str] = ()) -> int:
     total = model.stat().st_size if model.is_file() else 0
     for name in set(data_files):
         f = model.parent / name
-        if f.is_file():
+        # a TFLite model's buffers appended to itself are listed as its data file: mapped once, counted once
+        if f.is_file() and not (model.is_file() and os.path.samefile(f, model)):
             total += f.stat().st_size
     return total
 
