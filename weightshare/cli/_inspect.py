@@ -108,7 +108,7 @@ def check(
         False,
         "--no-cache",
         help="Measure every model again (default: a verdict measured earlier is reused while the model's content, "
-        "the runtime's version, the CPU kind and these options are unchanged; cached in $XDG_CACHE_HOME/weightshare).",
+        "the runtime's version, the CPU kind and these options are unchanged; kept in the user's cache directory).",
     ),
     dim: list[str] = dim_option("For the measuring runs: "),
     inputs: list[str] = input_option("For the measuring runs: "),
