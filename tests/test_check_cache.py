@@ -94,8 +94,8 @@ def test_a_second_check_of_an_unchanged_model_reuses_the_verdict(tmp_path, cache
     text = cli("check", model)
     assert f"note: {model}: measured (cached, {cached})" in text.stderr, text.stderr
     doc = json.loads(cli("check", model, "--json").stdout)
-    assert doc["models"][0]["measured_cached"] == cached and doc["models"][0]["copies_source"] == "measured"
-    assert doc["models"][0]["measure_notes"][0].startswith("measured (cached,")
+    assert doc["reports"][0]["measured_cached"] == cached and doc["reports"][0]["copies_source"] == "measured"
+    assert doc["reports"][0]["measure_notes"][0].startswith("measured (cached,")
     # --no-cache measures again
     started.argvs.clear()
     fresh = weightshare.check([model], cache=False)
