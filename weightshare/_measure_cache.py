@@ -3,8 +3,8 @@
 Measuring a model starts runtime children that open a dozen sessions (seconds to minutes per model, the bulk of
 `check`'s time), and the figure depends only on: the bytes the runtime reads (the model file, every data file it
 maps, the side files the measuring run reads: configs, an encoder beside a decoder, an XNNPACK cache), the
-runtime's version and the CPU kind it dispatches on, how weightshare measures (its version, ``SCHEMA``, the
-children's memory bound) and what `check` was told (``--target``, ``--threshold``: the repeats near a line;
+runtime's version and the CPU kind it dispatches on, how weightshare measures (its version and source, ``SCHEMA``,
+the children's memory bound) and what `check` was told (``--target``, ``--threshold``: the repeats near a line;
 ``--dim``, ``--input`` and those files' bytes). An entry is keyed by a digest of all of that, so any change is a
 miss and the model is measured again.
 
@@ -24,6 +24,7 @@ overwritten), never trusted and never a crash. At most ``MAX_ENTRIES`` are kept 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -140,9 +141,23 @@ def file_digest(path: Path) -> str | None:
     return h.hexdigest() if _hash_file(h, path) else None
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of weightshare's own source: how it measures (sessions, settings, options, the repeats near a line)
+    is its code, and a version string does not change with every edit of it (a development install)."""
+    h = new_hasher()
+    package = Path(__file__).resolve().parent
+    for f in sorted(package.rglob("*.py")):
+        h.update(f"{f.relative_to(package)}\0".encode())
+        _hash_file(h, f)
+    return h.hexdigest()
+
+
 def entry_key(parts: dict[str, object]) -> str:
-    """The entry's name: a digest of every part of the key (``SCHEMA`` and weightshare's version included)."""
-    body = json.dumps({"schema": SCHEMA, "weightshare": __version__, **parts}, sort_keys=True, default=str)
+    """The entry's name: a digest of every part of the key (``SCHEMA``, weightshare's version and source included)."""
+    body = json.dumps(
+        {"schema": SCHEMA, "weightshare": __version__, "code": code_digest(), **parts}, sort_keys=True, default=str
+    )
     return hashlib.sha256(body.encode()).hexdigest()[:48]
 
 
