@@ -119,8 +119,9 @@ def _open_paths(
 ) -> Iterator[tuple[str, str, Any, Any]]:
     """(path name, original entry points, converted entry points or an error line), one LiteRT mode at a time: the
     next mode's pair is opened only once the caller dropped the last (one original and one converted runtime in
-    memory, not one per mode: a 409 MiB LM's verify --decode-steps held four). A mode the original does not open
-    is a line in ``refusals``."""
+    memory, not a pair per mode: a 128 MiB two-signature LM's verify --decode-steps peaked at 682 MiB with both
+    modes' pairs open, 503 MiB one pair at a time; scripts/bench_check.py --cost). A mode the original does not
+    open is a line in ``refusals``."""
     from ..._runtimes.litert import LITERT_ERRORS, MODES, compiled_entry_points, entry_points, open_mode
 
     if external:  # only CompiledModel loads ExternalBuffer groups: run both models through it, same kernels
