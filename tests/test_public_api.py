@@ -271,7 +271,9 @@ def test_import_and_convert_load_only_what_they_need(tmp_path):
         )
         assert "onnx" not in gate and "ml_dtypes" not in gate, (command, gate)
     # the measuring child's own reading of the model
-    child = _imported_by(f"from weightshare._runtimes.ort import index_bounds\nindex_bounds({str(src)!r})")
+    child = _imported_by(
+        f"from weightshare.formats.onnx.indices import model_index_bounds\nmodel_index_bounds({str(src)!r})"
+    )
     assert "onnx" not in child and "ml_dtypes" not in child
 
 

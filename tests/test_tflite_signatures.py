@@ -39,7 +39,7 @@ def models(tmp_path_factory):
 
 
 def test_signature_bounds_of_each_signature(models):
-    from weightshare._runtimes.litert import signature_bounds
+    from weightshare.formats.tflite.signatures import signature_bounds
 
     src = models["lm"][0]
     assert signature_bounds(str(src)) == {
@@ -82,10 +82,11 @@ def test_decode_steps_chain_catches_the_decode_weight(models):
     from weightshare._runtimes.litert import MODES, entry_points, open_mode
     from weightshare._verify import VerifyReport
     from weightshare.formats.tflite.decode import plan, run_chain
+    from weightshare.formats.tflite.signatures import signature_bounds
 
     src, changed, _ = models["changed"]
-    ea = dict(entry_points(open_mode(str(src), MODES[0]), str(src)))
-    eb = dict(entry_points(open_mode(str(changed), MODES[0]), str(changed)))
+    ea = dict(entry_points(open_mode(str(src), MODES[0]), signature_bounds(str(src))))
+    eb = dict(entry_points(open_mode(str(changed), MODES[0]), signature_bounds(str(changed))))
     lm = plan(ea, src)
     assert (lm.prefill, lm.decode, lm.kv, lm.positions, lm.tokens, lm.logits) == (
         "prefill",
@@ -114,11 +115,12 @@ def test_decode_steps_refusals(cli, models):
 def test_input_per_signature(cli, models, tmp_path):
     """--input SIGNATURE:NAME=FILE reaches that signature only; an input no signature takes is refused."""
     import weightshare._runtimes.litert as L
+    from weightshare.formats.tflite.signatures import signature_bounds
 
     src, plain, _ = models["lm"]
     prompt, token = np.arange(8, dtype=np.int32).reshape(1, 8) + 100, np.array([[7]], np.int32)
     given = {"prefill:tokens": prompt, "decode:tokens": token}
-    entries = dict(L.entry_points(L.open_mode(str(src), L.MODES[0]), str(src)))
+    entries = dict(L.entry_points(L.open_mode(str(src), L.MODES[0]), signature_bounds(str(src))))
     assert np.array_equal(entries["prefill"].feeds(0, given)["tokens"], prompt)
     assert np.array_equal(entries["decode"].feeds(0, given)["tokens"], token)
     assert entries["decode"].feeds(0, {"tokens": token})["tokens"] is token  # NAME alone: every signature
@@ -193,8 +195,8 @@ def test_check_measures_the_lm_within_125_percent(cli, tmp_path):
     that probe."""
     import json
 
-    from weightshare._runtimes.litert import measure_interpreters, measure_shared
     from weightshare.formats.onnx.measure import MALLOC_ENV
+    from weightshare.formats.tflite.measure import measure_interpreters, measure_shared
 
     src = two_signature_lm(tmp_path / "lm.tflite", vocab=4096, width=256)
     res = cli("check", src, "--target", "litert-xnnpack", "--json")
