@@ -103,4 +103,4 @@ def test_a_slow_mark_takes_a_test_out_of_the_fast_tier(tmp_path):
 
 @pytest.mark.parametrize("marker", ["slow", "covers"])
 def test_the_markers_are_registered(pytestconfig, marker):
-    assert any(line.startswith(f"{marker}:") for line in pytestconfig.getini("markers"))
+    assert any(line.split(":")[0].split("(")[0] == marker for line in pytestconfig.getini("markers"))

@@ -38,6 +38,7 @@ def models(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_signature_bounds_of_each_signature(models):
     from weightshare.formats.tflite.signatures import signature_bounds
 
@@ -48,6 +49,7 @@ def test_signature_bounds_of_each_signature(models):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["keras", "lm"])
 @pytest.mark.parametrize("variant", [1, 2], ids=["plain", "prepack"])
 def test_verify_passes_without_hand_inputs(cli, models, name, variant):
@@ -59,6 +61,7 @@ def test_verify_passes_without_hand_inputs(cli, models, name, variant):
     assert res.stdout.count("LiteRT") == expected_paths, res.stdout
 
 
+@pytest.mark.slow
 def test_decode_steps_on_the_lm(models):
     src, plain, prepack = models["lm"]
     for converted, paths in ((plain, 2), (prepack, 3)):
@@ -69,6 +72,7 @@ def test_decode_steps_on_the_lm(models):
         assert report.outputs_compared == paths * (6 + 5 * 3)
 
 
+@pytest.mark.slow
 def test_a_weight_only_decode_reads_fails_verify(cli, models):
     src, changed, _ = models["changed"]
     res = cli("verify", src, changed, "--runs", "1", "--decode-steps", "4")
@@ -103,6 +107,7 @@ def test_decode_steps_chain_catches_the_decode_weight(models):
     assert report.decode_steps == 0  # the prefill matched, the first decode step did not
 
 
+@pytest.mark.slow
 def test_decode_steps_refusals(cli, models):
     src, plain, _ = models["keras"]
     res = cli("verify", src, plain, "--decode-steps", "2")
@@ -112,6 +117,7 @@ def test_decode_steps_refusals(cli, models):
     assert res.returncode == 2 and "at most 24 steps" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_input_per_signature(cli, models, tmp_path):
     """--input SIGNATURE:NAME=FILE reaches that signature only; an input no signature takes is refused."""
     import weightshare._runtimes.litert as L
@@ -130,6 +136,7 @@ def test_input_per_signature(cli, models, tmp_path):
     assert res.returncode == 2 and "decode:tokens" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_int16_op_without_a_kernel_gets_no_random_input_hint(cli, tmp_path):
     """An int16x8 model whose op has no int16 kernel (SIN): the cause is the model, not the random inputs."""
     from tflite_fixtures import OP, ModelBuilder

@@ -38,6 +38,7 @@ def lms(tmp_path_factory):
     return made
 
 
+@pytest.mark.covers("tflite", "verify")
 @pytest.mark.parametrize("sig", [True, False], ids=["signature", "no-signature-defs"])
 @pytest.mark.parametrize("conversion", list(CONVERSIONS))
 def test_verify_passes_on_an_lm_without_inputs(lms, sig, conversion):

@@ -33,6 +33,7 @@ def _converted(src: Path, out: Path) -> Path:
     return out / src.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp16", [False, True])
 def test_ort_optimizer_bert_ids_stay_inside_its_tables(tmp_path, fp16):
     src = mf.ort_optimizer_bert(tmp_path / "bert.onnx", fp16=fp16)
