@@ -32,7 +32,7 @@ the verify rows once more with the weightshare of another checkout (before/after
 
 ``--tflite``: one FULLY_CONNECTED of ~MIB of fp32 weights, stored fp32, fp16 behind DEQUANTIZE or int8 weight-only
 behind DEQUANTIZE, as given and converted; per setting (litert-builtin, litert-xnnpack) `check --target SETTING
---json` against 1 and 4 interpreters in a fresh process (``weightshare._runtimes.litert.measure_interpreters``).
+--json` against 1 and 4 interpreters in a fresh process (``weightshare.formats.tflite.measure.measure_interpreters``).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def tflite(mib: float) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from test_check_measured_tflite import fc
 
-    from weightshare._runtimes.litert import measure_interpreters
+    from weightshare.formats.tflite.measure import measure_interpreters
 
     k = 1024
     n = max(64, int(mib * MiB / (4 * k)))

@@ -41,15 +41,16 @@ def models(root: Path) -> dict[str, Path]:
 
 def measure(path: Path, loader: str, share: bool) -> dict[str, float]:
     """MiB the model and its runtime add: 1/2/4 instances in one process, 2/4 processes with one each (in all)."""
-    from weightshare._runtimes.litert import hold, signature_bounds
     from weightshare._runtimes.memory import in_children
     from weightshare.formats.onnx.measure import MALLOC_ENV
+    from weightshare.formats.tflite.measure import LOADER_PROBES
+    from weightshare.formats.tflite.signatures import signature_bounds
 
     bounds = signature_bounds(str(path))
     out = {}
     for processes, instances in ((1, 1), (1, 2), (1, 4), (2, 1), (4, 1)):
         pss = in_children(
-            hold.__module__,
+            LOADER_PROBES,
             "hold",
             [str(path), share, loader, bounds, {}, {}, instances],
             processes,

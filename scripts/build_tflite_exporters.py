@@ -198,8 +198,8 @@ def main() -> None:
             figure = ("error", last_line(check))
         brows = json.loads(bench.stdout)["reports"][0]["rows"] if bench.returncode == 0 else []
         if convert_args:  # bench converts without them: measure this script's own --prepack output too
-            from weightshare._runtimes.litert import measure_shared
             from weightshare.formats.onnx.measure import MALLOC_ENV
+            from weightshare.formats.tflite.measure import measure_shared
 
             mode = f"weightshare.litert.interpreter ({' '.join(convert_args)})"
             for r in measure_shared(str(pre / Path(path).name), [1, 4], env=MALLOC_ENV):

@@ -244,6 +244,7 @@ _names = st.text(st.characters(codec="utf-8"), max_size=12) | st.sampled_from(['
         max_size=8,
     )
 )
+@pytest.mark.slow
 def test_header_text_equals_json_dumps_of_the_dict(tmp_path_factory, specs):
     from weightshare._safetensors import SafetensorsBlob
 
@@ -283,6 +284,7 @@ def test_recorded_digests_read_both_kinds(tmp_path, kind, monkeypatch):
     assert recorded_payloads(str(path)) == {(entries[0].offset, entries[0].nbytes): tagged}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sha256", "blake3"])
 @pytest.mark.parametrize("fmt", ["onnx", "tflite"])
 def test_check_verifies_blobs_of_either_kind(tmp_path, kind, fmt, monkeypatch):
@@ -316,6 +318,7 @@ def test_check_verifies_blobs_of_either_kind(tmp_path, kind, fmt, monkeypatch):
     assert [f for f in check([model])[1] if f.code == "checksum-mismatch"]
 
 
+@pytest.mark.slow
 def test_zero_length_payloads_are_listed_and_pass_check_and_verify(tmp_path):
     # A zero-length payload sits at the offset the next payload starts at. The header used to leave it out (the
     # next one took its place), so safetensors readers did not list it and check/verify, which found no digest

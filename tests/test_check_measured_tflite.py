@@ -53,8 +53,8 @@ def fc(path, kind: str, n: int = N, k: int = K):
 def _independent(path, share: bool) -> tuple[float, float]:
     """(PSS of 4 interpreters / PSS of 1, bytes per extra interpreter): the bench probe, in a fresh process; the
     growth is PSS without program code, put on one interpreter's whole PSS for the ratio."""
-    from weightshare._runtimes.litert import measure_interpreters
     from weightshare.formats.onnx.measure import MALLOC_ENV
+    from weightshare.formats.tflite.measure import measure_interpreters
 
     rows = {r["sessions"]: r for r in measure_interpreters(str(path), [1, 4], share=share, env=MALLOC_ENV)}
     growth = rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]

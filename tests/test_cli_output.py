@@ -49,6 +49,7 @@ def _github(capsys, *args) -> tuple[int, list[str]]:
     return code, lines
 
 
+@pytest.mark.covers("onnx", "convert", "inspect", "verify")
 def test_every_command_prints_workflow_annotations(models, capsys, tmp_path):
     d, a, big = models
     code, lines = _github(capsys, "convert", a, big, "-o", tmp_path / "out")
@@ -135,6 +136,7 @@ def test_a_missing_path_is_no_such_file(models, capsys):
     assert capsys.readouterr().err == f"weightshare: error: no such file: {missing}\n"
 
 
+@pytest.mark.covers("coreml", "inspect", "check")
 def test_check_and_inspect_name_their_measuring_stage_on_stderr_only(tmp_path, capsys):
     """Not a terminal here: the stage line is shown with -v only, on stderr; stdout's JSON stays one document."""
     import json
@@ -186,6 +188,9 @@ def _readable_at_80(text: str, model) -> None:
         assert " ".join(f.message.split()) in words
 
 
+@pytest.mark.covers("onnx", "inspect")
+@pytest.mark.covers("tflite", "inspect")
+@pytest.mark.covers("executorch", "inspect")
 def test_inspect_fits_80_columns_in_a_pipe(three_formats, capsys, monkeypatch):
     """At 80 columns the payload table had 27 cells cut to `copie…`/`tiny.…` and notes one word per line."""
     monkeypatch.setenv("COLUMNS", "80")

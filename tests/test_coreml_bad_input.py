@@ -181,6 +181,7 @@ def test_inputs_are_never_touched(good, tmp_path):
         max_leaves=12,
     )
 )
+@pytest.mark.slow
 def test_any_manifest_gives_a_clear_error(good, tmp_path_factory, manifest):
     """Arbitrary JSON in Manifest.json: a WeightshareError (or, by chance, a valid package); never a crash."""
     from weightshare.errors import WeightshareError
@@ -201,6 +202,7 @@ def _cli(*args) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["manifest not json", "bad sentinel", "blob file outside"])
 def test_cli_convert_bad_input_exit_2(good, tmp_path, case):
     src = _damaged(good, tmp_path, case)
@@ -212,6 +214,7 @@ def test_cli_convert_bad_input_exit_2(good, tmp_path, case):
     _nothing_left(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_cli_merge_duplicate_function_names_exit_2(good, tmp_path):
     result = _cli(
         "merge", good, good, "--function-name", "f", "--function-name", "f", "-o", tmp_path / "o" / "m.mlpackage"
@@ -222,6 +225,7 @@ def test_cli_merge_duplicate_function_names_exit_2(good, tmp_path):
     _nothing_left(tmp_path / "o")
 
 
+@pytest.mark.slow
 def test_cli_merge_json_report(good, tmp_path):
     out = tmp_path / "m.mlpackage"
     copy = tmp_path / "copy.mlpackage"

@@ -69,6 +69,7 @@ def _load_program(pkg: Path):
     return milproto_load(spec, spec.specificationVersion, str(pkg / "Data/com.apple.CoreML/weights"))
 
 
+@pytest.mark.covers("coreml", "convert")
 @pytest.mark.parametrize("kind", KINDS)
 def test_convert_keeps_program_and_weight_bytes(packages, kind, tmp_path):
     import coremltools as ct

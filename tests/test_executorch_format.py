@@ -81,6 +81,7 @@ def test_detected_by_content_and_a_pte_without_its_identifier_is_one_line(tmp_pa
     assert not (tmp_path / "out" / "bad.pte").exists()
 
 
+@pytest.mark.covers("executorch", "convert")
 def test_xnnpack_program_every_weight_page_aligned_same_bytes_same_key(tmp_path):
     src = xnnpack_program(tmp_path / "m.pte", dim=512, layers=2)
     before = _program(src)
@@ -160,6 +161,7 @@ def _codes(path: Path, *targets: str) -> dict[str, str]:
     return {f.code.value: f.severity.value for f in findings_for(inv, Gate(targets=targets, measure=False))}
 
 
+@pytest.mark.covers("executorch", "check")
 def test_check_names_xnnpack_packing_under_the_plain_runtime_and_alignment(tmp_path, cli):
     src = xnnpack_program(tmp_path / "m.pte", dim=512, layers=2)
     plain = cli("check", src, "--target", "executorch-mmap", "--json")
@@ -269,6 +271,7 @@ def test_segment_offset_outside_the_file_is_refused_before_reading(tmp_path):
     assert os.path.getsize(src) < 1 << 20
 
 
+@pytest.mark.covers("executorch", "verify")
 @pytest.mark.parametrize("maker", [xnnpack_program, portable_program])
 def test_verify_compares_every_weight_by_key_and_finds_one_flipped_byte(tmp_path, maker):
     src = maker(tmp_path / "m.pte", dim=128, layers=2)

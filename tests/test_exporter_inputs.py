@@ -34,6 +34,7 @@ def whisper(tmp_path_factory):
     return src, out
 
 
+@pytest.mark.slow
 def test_a_merged_whisper_decoder_verifies_four_decode_steps_from_the_real_encoder(cli, whisper):
     src, out = whisper
     res = cli(
@@ -48,6 +49,7 @@ def test_a_merged_whisper_decoder_verifies_four_decode_steps_from_the_real_encod
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_a_vit_export_verifies_and_is_measured_run_with_no_hand_dims(cli, tmp_path):
     src = vit_export(tmp_path / "vit" / "model.onnx")
     out = tmp_path / "out"
@@ -59,6 +61,7 @@ def test_a_vit_export_verifies_and_is_measured_run_with_no_hand_dims(cli, tmp_pa
     assert "without a run" not in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_check_takes_dim_and_input_as_verify_does(cli, tmp_path):
     src = vit_export(tmp_path / "model.onnx", config=False)  # nothing says the image size
     pixels = tmp_path / "pixels.npy"

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from weightshare._atomic import TMP_PREFIX
 from weightshare._samples import mlp_onnx
 
@@ -73,6 +75,7 @@ def test_temporaries_of_a_killed_run_are_swept_from_every_subdirectory(tmp_path,
     assert (out / "tokenizer" / "file00000.txt").read_bytes() == (repo / "tokenizer" / "file00000.txt").read_bytes()
 
 
+@pytest.mark.slow
 def test_1100_side_files_convert_under_ulimit_n_1024(tmp_path):
     repo = make_folder(tmp_path, side_files=1100)
     out = tmp_path / "out"

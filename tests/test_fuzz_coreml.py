@@ -55,6 +55,7 @@ def test_fuzz_600_packages(seeds, tmp_path):
     assert len(structured) == 4, stats.by_kind
 
 
+@pytest.mark.slow
 def test_fuzz_check_and_verify(seeds, tmp_path):
     """inspect/check and verify read the same untrusted packages: findings, mismatches or a WeightshareError."""
     from weightshare._check import check
@@ -87,6 +88,7 @@ def test_fuzz_check_and_verify(seeds, tmp_path):
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+@pytest.mark.slow
 @given(st.binary(max_size=300))
 def test_fuzz_random_spec_bytes(seeds, tmp_path, data):
     seed = seeds[0]

@@ -54,6 +54,7 @@ def test_fuzz_600_mutations(seed, tmp_path):
     database=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
+@pytest.mark.slow
 @given(st.binary(min_size=0, max_size=400))
 def test_fuzz_random_bytes(tmp_path, data):
     check_one(data, "r.onnx", tmp_path / "w", FuzzStats())

@@ -63,6 +63,7 @@ def test_structure_mutations_of_the_onnx_runtime_modes(tmp_path, runner, mode):
     assert stats.converted and stats.compared, stats
 
 
+@pytest.mark.slow
 def test_structure_mutations_of_tflite_prepack(tmp_path, runner):
     """``convert --prepack`` of TFLite: the converted model with its XNNPACK cache (weightshare.litert) gives the
     original's XNNPACK outputs (the long runs: scripts/fuzz.py --convert prepack --format tflite)."""

@@ -20,6 +20,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from weightshare.formats.onnx.ort import verdict as ort_verdict
@@ -68,6 +69,7 @@ def test_a_tiny_model_gets_seconds_not_minutes():
     assert limits_for(1 << 30, "big.onnx").wall_s >= 600  # a real model still gets what its size justifies
 
 
+@pytest.mark.slow
 def test_verify_with_a_lying_config_stays_small(tmp_path, cli):
     src = tmp_path / "src"
     src.mkdir()

@@ -91,6 +91,7 @@ USAGE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_usage_error_is_the_same_document_for_every_command(command, cli, tmp_path):
     """`--json` after or before the command: the same document, its one line on stderr, exit 2."""
@@ -108,6 +109,7 @@ def test_a_missing_model_is_the_usage_error_document(command, cli, tmp_path):
     assert doc["error"] == "no such file: missing.onnx"
 
 
+@pytest.mark.slow
 def test_check_says_a_missing_model_on_stderr_too_and_checks_the_rest(models, cli, tmp_path):
     """check goes on past a model it cannot read (its record, its unreadable-model finding): exit 2, `error` the
     line stderr shows, in every output format."""
@@ -136,6 +138,7 @@ def models(tmp_path_factory):
     return d, a, b, folder
 
 
+@pytest.mark.slow
 def test_convert_has_one_shape_for_one_model_a_batch_a_folder_and_a_zoo(models, cli):
     d, a, b, folder = models
     runs = {
@@ -154,6 +157,7 @@ def test_convert_has_one_shape_for_one_model_a_batch_a_folder_and_a_zoo(models, 
     assert all(r["folder"] is None and r["zoo"] is None for r in docs["one"]["reports"] + docs["batch"]["reports"])
 
 
+@pytest.mark.slow
 def test_inspect_check_verify_bench(models, cli):
     d, a, _, _ = models
     (inv,) = _valid(cli("inspect", a, "--json", "--no-measure"), "inspect")["reports"]
@@ -175,6 +179,7 @@ def test_inspect_check_verify_bench(models, cli):
     assert notices and all(ANNOTATION.match(line) for line in notices), notices
 
 
+@pytest.mark.slow
 def test_merge(cli, tmp_path):
     first, second = (
         F.mlp(tmp_path / "a.mlpackage", seed=0, hidden=64),
@@ -247,6 +252,7 @@ SARIF_SUBSET = {
 }
 
 
+@pytest.mark.slow
 def test_check_format_sarif_is_a_sarif_log_with_one_result_per_finding(models, cli):
     d, a, _, _ = models
     big = mlp_onnx(d / "sarif.onnx", layers=1, dim=1024)

@@ -44,6 +44,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("over the registry", ("weightshare._check", "weightshare._dispatch", "weightshare._format_options")),
+    # children started by name from a format's measuring code (never imported by it): they open a model through a
+    # loader, so they sit above the loaders and the formats
+    ("measuring through the loaders", ("weightshare._loader_probes",)),
     (
         "loaders",
         (
@@ -55,16 +58,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         ),
     ),
     ("registry", ("weightshare.formats",)),
-    (
-        "format folders and the runtimes they drive",  # _runtimes reads format facts; formats measure through it
-        (
-            "weightshare.formats.*.*",
-            *(f"weightshare.formats.{f}" for f in FORMAT_FOLDERS),
-            "weightshare._runtimes",
-            "weightshare._runtimes.*",
-        ),
-    ),
+    ("format folders", ("weightshare.formats.*.*", *(f"weightshare.formats.{f}" for f in FORMAT_FOLDERS))),
     ("format protocol", ("weightshare.formats.base",)),
+    # sessions, interpreters and process memory: told the format's facts (index bounds) by their callers
+    ("the runtimes the formats drive", ("weightshare._runtimes", "weightshare._runtimes.*")),
     (
         "report models and shared machinery",
         (
@@ -104,9 +101,51 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ]
 MAX_UPWARD = 3
 
+# The rooms: each top-level module or package under weightshare/ (``_runtimes``, ``cli``, ``_check``, ...), and
+# each format's folder on its own (``formats.onnx``, ``formats.tflite``, ...; ``formats`` itself is the registry
+# and the protocol, ``formats/__init__`` and ``formats/base``). Modules of one room may import each other in any
+# order; between rooms the drawing has no circle at all (not even through an upward import), and the runtimes'
+# room imports no format and no loader.
+RUNTIMES_ROOM = "weightshare._runtimes"
+
 # Modules no other module imports that are still part of the product: entry points, the public surface, and
 # modules started as children by name (found as string literals in the package, see ``started_by_name``).
 ENTRY_POINTS = frozenset({"weightshare", "weightshare.__main__", "weightshare.cli"})
+
+
+def room_of(name: str) -> str:
+    """The room of a module: ``weightshare.X`` for a top-level module or package X, ``weightshare.formats.F`` for a
+    module of a format's folder F."""
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[1] == "formats" and parts[2] in FORMAT_FOLDERS:
+        return ".".join(parts[:3])
+    return ".".join(parts[:2])
+
+
+def room_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]:
+    """room -> {room it imports: the first such import, ``importer:line -> imported``}."""
+    rooms: dict[str, dict[str, str]] = {room_of(m): {} for m in graph}
+    for a in sorted(graph):
+        for b, line in sorted(graph[a].items()):
+            if room_of(a) != room_of(b):
+                rooms[room_of(a)].setdefault(room_of(b), f"{a}:{line} -> {b}")
+    return rooms
+
+
+def loaders() -> tuple[str, ...]:
+    return next(patterns for title, patterns in LAYERS if title == "loaders")
+
+
+def runtimes_reaching_up(graph: dict[str, dict[str, int]]) -> list[str]:
+    """Every import by a module of the runtimes' room of a format (the registry, the protocol, a format's folder)
+    or of a loader, as ``importer:line -> imported``."""
+    return [
+        f"{a}:{line} -> {b}"
+        for a in sorted(graph)
+        if room_of(a) == RUNTIMES_ROOM
+        for b, line in sorted(graph[a].items())
+        if b.split(".")[:2] == ["weightshare", "formats"] or any(fnmatchcase(b, p) for p in loaders())
+    ]
 
 
 @functools.cache
@@ -300,6 +339,26 @@ def test_no_import_circle(graph):
     assert not found, "import circles:\n" + "\n".join(lines)
 
 
+def test_no_circle_between_rooms(graph):
+    """No room imports, even through other rooms, a room that imports it (``room_of``): the import circles
+    inside one room are left to ``test_no_import_circle``."""
+    rooms = room_graph(graph)
+    found = circles({r: dict.fromkeys(bs, 0) for r, bs in rooms.items()})
+    lines = [
+        " <-> ".join(c) + ": " + "; ".join(rooms[a][b] for a in c for b in sorted(rooms[a]) if b in c) for c in found
+    ]
+    assert not found, "circles between rooms:\n" + "\n".join(lines)
+
+
+def test_the_runtimes_import_no_format_and_no_loader(graph):
+    """``_runtimes/`` drives ONNX Runtime and LiteRT with what its callers tell it of the model (index bounds, the
+    buffers an instance owns): the format's reading lives in the format's folder, measuring through a loader above
+    the loaders (``_loader_probes``)."""
+    assert RUNTIMES_ROOM in {room_of(m) for m in graph}
+    found = runtimes_reaching_up(graph)
+    assert not found, "the runtimes import a format or a loader:\n" + "\n".join(found)
+
+
 def test_at_most_three_upward_imports(graph):
     found = upward(graph)
     assert len(found) <= MAX_UPWARD, f"{len(found)} upward imports (at most {MAX_UPWARD}):\n" + "\n".join(found)
@@ -352,12 +411,18 @@ def _drawing(root: Path) -> str:
     g = import_graph(root)
     up = upward(g)
     found = circles(g)
+    rooms = room_graph(g)
+    between = circles({r: dict.fromkeys(bs, 0) for r, bs in rooms.items()})
+    reaching = runtimes_reaching_up(g)
     lines = [
         f"{root}: {len(g)} modules, {sum(map(len, g.values()))} imports, {floors(g)} floors, "
-        f"{len(LAYERS)} layers, {len(up)} upward imports, {len(found)} circles"
+        f"{len(LAYERS)} layers, {len(up)} upward imports, {len(found)} circles; {len(rooms)} rooms, "
+        f"{len(between)} circles between rooms, {len(reaching)} imports of a format or a loader by the runtimes"
     ]
     lines += [f"  upward: {u}" for u in up]
     lines += [f"  circle: {' <-> '.join(c)}" for c in found]
+    lines += [f"  circle between rooms: {' <-> '.join(c)}" for c in between]
+    lines += [f"  runtimes reach up: {u}" for u in reaching]
     lines += [f"  no layer: {m}" for m in sorted(g) if layer_of(m) is None]
     return "\n".join(lines)
 

@@ -84,11 +84,13 @@ def test_one_byte_formatter(nbytes, text):
 
 # Shared code: everything in weightshare/ but the formats' folders and the modules runtime- or format-specific by
 # name: the public loaders (ort.py, litert.py, _litert_interpreter.py, genai.py, executorch.py), the runtimes'
-# measuring code (_runtimes/), the ONNX Runtime demo and the sample-model builders (_demo.py, _samples.py).
+# measuring code (_runtimes/, _loader_probes.py), the ONNX Runtime demo and the sample-model builders (_demo.py,
+# _samples.py).
 PACKAGE = Path(weightshare.__file__).parent
 NOT_SHARED = (
     "formats/",
     "_runtimes/",
+    "_loader_probes.py",
     "ort.py",
     "litert.py",
     "_litert_interpreter.py",

@@ -42,6 +42,7 @@ def _json(res) -> dict:
     return json.loads(res.stdout)
 
 
+@pytest.mark.covers("mediapipe", "inspect")
 def test_inspect_reads_every_member_in_place(tmp_path, cli):
     task = face_landmarker(tmp_path / "face_landmarker.task")
     res = cli("inspect", task, "--json")
@@ -64,6 +65,7 @@ def test_inspect_reads_every_member_in_place(tmp_path, cli):
     assert any("MediaPipe packs" in n and "face_blendshapes.tflite" in n for n in inv["notes"])
 
 
+@pytest.mark.covers("mediapipe", "check")
 def test_check_reports_what_each_task_copies(tmp_path, cli):
     task = face_landmarker(tmp_path / "face_landmarker.task")
     doc = _json(cli("check", task, "--json", "--threshold", "1"))
@@ -94,6 +96,7 @@ def test_convert_refuses_a_bundle_a_rebuild_cannot_improve(tmp_path, cli):
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow
 def test_convert_writes_an_aligned_bundle_that_runs_the_same(tmp_path, cli):
     from ai_edge_litert.interpreter import Interpreter
 
@@ -128,6 +131,7 @@ def test_convert_writes_an_aligned_bundle_that_runs_the_same(tmp_path, cli):
     assert not [f for f in after_check["findings"] if f["code"] == "mediapipe-unaligned-copy-per-task"]
 
 
+@pytest.mark.covers("mediapipe", "convert")
 def test_convert_is_deterministic_and_keeps_member_order(tmp_path):
     task = zip_bundle(tmp_path / "b.task", [("z_first.tflite", fp32_member(11)), ("a.txt", b"x")], residue=1)
     from weightshare.formats.mediapipe.bundle import read_bundle
@@ -235,6 +239,7 @@ def test_hostile_bundles_one_line_exit_2(tmp_path, kind):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.slow
 def test_hostile_bundle_on_the_command_line(tmp_path, cli):
     data, _ = _hostile("compressed", tmp_path)
     src = tmp_path / "hostile.task"
@@ -296,6 +301,7 @@ def test_fuzzed_bundles_fail_cleanly(tmp_path, data):
         assert "\n" not in e.message
 
 
+@pytest.mark.covers("mediapipe", "verify")
 def test_verify_compares_the_members_byte_for_byte(tmp_path, cli):
     task = single_model_task(tmp_path / "classifier.task", residue=2)
     out = tmp_path / "out"

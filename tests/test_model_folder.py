@@ -58,6 +58,7 @@ def tree(d: Path) -> set[str]:
     return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 def test_cli_convert_folder_reproduces_the_tree(tmp_path, cli):
     repo = make_repo(tmp_path)
     out = tmp_path / "out"

@@ -142,6 +142,7 @@ def test_external_range_past_end_of_data_file(tmp_path, cli):
     assert_clean_failure(cli("convert", model, "-o", out), model, out, "past the end")
 
 
+@pytest.mark.slow
 def test_existing_outputs_survive_a_failed_conversion(tmp_path, cli):
     good = kitchen_sink(tmp_path)
     out = tmp_path / "out"

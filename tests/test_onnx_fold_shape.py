@@ -32,6 +32,7 @@ def _initializers(path: Path) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
+@pytest.mark.slow
 def test_a_tied_heads_transpose_is_folded_into_the_blob_bit_exact(tmp_path):
     src = mf.tied_head(tmp_path / "src" / "model.onnx", vocab=VOCAB, hidden=HIDDEN)
     report = weightshare.convert(src, tmp_path / "out")
@@ -49,6 +50,7 @@ def test_a_tied_heads_transpose_is_folded_into_the_blob_bit_exact(tmp_path):
     assert res.passed and res.runs == 3, res.mismatches
 
 
+@pytest.mark.slow
 def test_a_weight_read_only_through_a_reshape_is_stored_reshaped(tmp_path):
     src = mf.tied_head(tmp_path / "src" / "model.onnx", vocab=512, hidden=HIDDEN, reshaped=True)
     weightshare.convert(src, tmp_path / "out")

@@ -54,6 +54,7 @@ def _many(path: Path, count: int) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc (VmHWM)")
 def test_peak_rss_small_in_the_number_of_tensors(tmp_path):
     model = _many(tmp_path / "many.onnx", COUNT)

@@ -9,11 +9,14 @@ each session (the measurement can tell the difference).
 
 from __future__ import annotations
 
+import pytest
+
 from weightshare._runtimes.ort import measure_sessions
 from weightshare._samples import mlp_onnx
 from weightshare.api import convert
 
 
+@pytest.mark.slow
 def test_eight_sessions_of_a_converted_model_cost_one(tmp_path):
     src = mlp_onnx(tmp_path / "mlp.onnx", layers=4, dim=1024)
     converted = convert(src, tmp_path / "out").outputs[0]

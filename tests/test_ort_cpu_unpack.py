@@ -147,6 +147,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_outputs_bit_identical_and_no_cast_left(tmp_path, name):
     build, x_shape = CASES[name]
@@ -253,6 +254,7 @@ def test_model_without_fp16_is_left_as_it_is(tmp_path):
     assert any("inserts no Cast" in n for n in flagged.notes)
 
 
+@pytest.mark.slow
 def test_weight_with_signalling_nans_stays_fp16_and_outputs_match(tmp_path):
     """ORT's own Cast quiets a signalling NaN in SIMD blocks and keeps it in the scalar tail, so no fixed fp32
     payload matches it everywhere: such a weight keeps ORT's Cast (it stays fp16) and the outputs stay exact."""
@@ -269,6 +271,7 @@ def test_weight_with_signalling_nans_stays_fp16_and_outputs_match(tmp_path):
     assert outputs(model_out(report), x).tobytes() == outputs(src, x).tobytes()
 
 
+@pytest.mark.slow
 def test_unloadable_model_fails_in_one_line(tmp_path, cli):
     m = handmade_fp16()
     m.graph.node[1].domain = "no.such.domain"
@@ -304,6 +307,7 @@ def test_subgraph_model_is_left_as_it_is_with_a_note(tmp_path):
     assert report.unpacked == 0
 
 
+@pytest.mark.slow
 def test_inspect_reports_the_per_session_cast_and_suggests_the_flag(tmp_path, cli):
     src = save(to_fp16(mlp_fp32(d=64, layers=2)), tmp_path / "m.onnx")
     notes = inventory(src).notes
@@ -327,6 +331,7 @@ def test_probe_model_holds_no_weight_bytes(tmp_path):
     assert zeros.stat().st_size == 512 * 512 * 2 and zeros.stat().st_blocks * 512 < zeros.stat().st_size  # a hole
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_ort_cpu_with_prepack_shares_at_default_options(tmp_path, cli, name):
     """--unpack ort-cpu --prepack: ORT's inserted Casts done once, then its packed copies stored: plain default

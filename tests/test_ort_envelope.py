@@ -183,6 +183,7 @@ def test_both_models_carry_one_pair_id(mixed):
     assert ids[0] and ids[0] == ids[1]
 
 
+@pytest.mark.slow
 def test_a_foreign_portable_twin_is_refused(mixed, tmp_path, monkeypatch):
     """A portable model of another conversion left beside the packed one (a stale twin, a copy): refused, not
     opened, when the loader falls back."""
@@ -213,6 +214,7 @@ def test_the_fp16_forms_overridable_initializers_are_explained_first(fp16, caplo
     assert any("graph inputs on purpose" in s and "remove_initializer_from_input" in s for s in said), said
 
 
+@pytest.mark.slow
 def test_check_judges_a_packed_output_for_the_runtime_it_will_run_under(mixed):
     from conftest import run_cli
 

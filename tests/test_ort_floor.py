@@ -56,6 +56,7 @@ def test_pyproject_declares_the_floor_the_loader_holds():
     assert here >= ORT_FLOOR, f"onnxruntime {ort.__version__} is below the declared floor {floor}"
 
 
+@pytest.mark.slow
 def test_a_plain_conversion_loads_checks_and_verifies(src, tmp_path):
     out = Path(_convert(src, tmp_path / "plain")["outputs"][0])
     sess = wort.session(out)  # the loader gives ORT the model's bytes: what 1.17-1.20 failed on
@@ -67,6 +68,7 @@ def test_a_plain_conversion_loads_checks_and_verifies(src, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_a_prepack_conversion_packs_loads_checks_and_verifies(src, tmp_path, caplog, monkeypatch):
     report = _convert(src, tmp_path / "pp", "--prepack")
     assert report["prepack"]["packed_buffers"] > 0  # 1.17-1.20 "converted" and packed nothing

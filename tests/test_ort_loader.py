@@ -84,6 +84,7 @@ def _fresh(pair, tmp_path):
     return a, out, staged
 
 
+@pytest.mark.slow
 def test_a_model_renamed_over_between_check_and_load_does_not_change_what_runs(pair, tmp_path, monkeypatch):
     """The hook renames B over the model exactly when ORT is asked to load (after every check of A): the
     session computes A, as the model the helper checked; before, ORT opened B with its flipped weight."""

@@ -59,6 +59,7 @@ def _plain(path, **config):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
+@pytest.mark.slow
 def test_outputs_and_files(converted):
     src, report = converted
     model, portable = Path(report["outputs"][0]), Path(report["outputs"][1])
@@ -227,6 +228,7 @@ def test_default_option_sessions_share_packed_weights(tmp_path):
     assert pre[3] <= 1.2 * pre[0], pre
 
 
+@pytest.mark.slow
 def test_a_model_onnxruntime_cannot_load_fails_cleanly(tmp_path, cli):
     """exit 2, one line naming the file, nothing left in OUTDIR (no model, no blob, no staging directory)."""
     from onnx import TensorProto as T
@@ -251,6 +253,7 @@ def test_a_model_onnxruntime_cannot_load_fails_cleanly(tmp_path, cli):
     assert "Traceback" not in res.stderr and (not out.exists() or list(out.iterdir()) == [])
 
 
+@pytest.mark.slow
 def test_verify_passes_the_prepacked_model_and_fails_a_flipped_packed_copy(converted, tmp_path, cli):
     src, report = converted
     ok = cli("verify", src, report["outputs"][0], "--runs", "1")
@@ -261,6 +264,7 @@ def test_verify_passes_the_prepacked_model_and_fails_a_flipped_packed_copy(conve
     assert "internal error" not in bad.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prefix", [PACKED_PREFIX, OPTIMIZED_PREFIX])
 def test_check_refuses_a_flipped_packed_or_reordered_copy(converted, tmp_path, prefix, cli):
     """Packed copies and NCHWc weights are payloads no portable tensor references: check re-hashes them too."""
@@ -388,6 +392,7 @@ def test_graphs_that_are_not_cut(tmp_path):
     assert len(p.bounds) == 2 and "subgraph" in p.reason
 
 
+@pytest.mark.slow
 def test_prepack_cli_reports_segments_and_stays_bit_identical(tmp_path):
     from conftest import run_cli
 

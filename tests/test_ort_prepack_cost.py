@@ -56,6 +56,7 @@ def test_ranges_sharing_a_block_are_not_released(tmp_path):
     assert (a.releasable, b.releasable, c.releasable, other.releasable) == (False, False, True, True)
 
 
+@pytest.mark.slow
 def test_a_failed_run_leaves_nothing_in_outdir(tmp_path, cli):
     src = mf.build("fp32", tmp_path / "src" / "model.onnx", mib=1)
     out = tmp_path / "out"

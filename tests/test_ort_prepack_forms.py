@@ -144,6 +144,7 @@ def _runs(src: Path) -> list[tuple[int, dict[str, np.ndarray]]]:
     return [(b, mf.feeds(src, batch=b, use_cache_branch=c)) for b in (1, 8) for c in branches]
 
 
+@pytest.mark.slow
 def test_prepacked_model_is_bit_identical_at_default_options(converted):
     _, src, report = converted
     original, prepacked = ort.InferenceSession(str(src)), ort.InferenceSession(report["outputs"][0])

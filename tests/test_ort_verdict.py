@@ -92,6 +92,7 @@ def _entries(tmp_path: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.name != "key")
 
 
+@pytest.mark.slow
 def test_a_verified_blob_is_hashed_once_then_read_from_the_cache(fresh, tmp_path):
     _src, model, hashed = fresh
     assert _check(model) is None and len(hashed) == 1
@@ -158,6 +159,7 @@ def test_a_tampered_cache_is_ignored_and_the_blob_verified_again(fresh, tmp_path
     assert _check(model) is None and len(hashed) == 2
 
 
+@pytest.mark.slow
 def test_a_forged_entry_for_a_modified_blob_does_not_make_it_pass(fresh, tmp_path):
     """An entry written without the key, claiming the flipped blob is intact, is ignored."""
     _src, model, hashed = fresh

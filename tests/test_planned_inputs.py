@@ -209,6 +209,7 @@ def test_every_model_is_opened_once_and_read_through_that_descriptor(tmp_path, m
     assert np.array_equal(np.frombuffer((repo / "config.json").read_bytes(), np.uint8), np.frombuffer(b"{}", np.uint8))
 
 
+@pytest.mark.slow
 def test_a_core_ml_package_swapped_for_an_outside_link_after_planning_is_refused(tmp_path, monkeypatch):
     global _OPENS
     from coreml_fixtures import mlp

@@ -44,6 +44,7 @@ def test_a_transaction_refuses_two_outputs_on_one_path(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_reconverting_a_prepack_output_is_refused_in_one_line(tmp_path, cli):
     """Before: exit 0 with ORT's CPU-specific NCHWc graph written as a "portable" model."""
     from weightshare.api import convert
@@ -110,6 +111,7 @@ def _holder(directory: Path) -> subprocess.Popen[str]:
     return proc
 
 
+@pytest.mark.slow
 def test_a_stage_under_this_pid_held_by_another_namespace_survives(tmp_path):
     """Two containers sharing OUTDIR, the other run's PID equal to ours: its staging directory (old-style,
     PID-derived name) is held by its writer. Before: ``rmtree``d without its lock, so the other run failed."""
@@ -200,6 +202,7 @@ def test_constant_folding_beyond_the_default_bound_is_refused_in_one_line(tmp_pa
     assert _nothing_left(tmp_path / "out")
 
 
+@pytest.mark.slow
 def test_constant_folding_beyond_the_given_bound_is_refused_and_the_users_say_so_allows_it(tmp_path):
     from weightshare.api import convert
     from weightshare.errors import Unsupported

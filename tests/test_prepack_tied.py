@@ -46,6 +46,7 @@ def tied_model(path, d: int = 256, vocab: int = 500):
     return path
 
 
+@pytest.mark.slow
 def test_a_tied_weight_prepack_output_passes_check_and_matches_the_original(cli, tmp_path):
     src = tied_model(tmp_path / "tied.onnx")
     assert cli("convert", src, "-o", tmp_path / "out", "-q", "--prepack").returncode == 0

@@ -31,6 +31,7 @@ def _convert(
     [rl.cse_shared_weight_model, rl.derived_two_segments_model],
     ids=["cse-merged-shared-weight", "derived-tensor-two-segments"],
 )
+@pytest.mark.slow
 def test_issue_30_reproductions_compute_the_originals_bits(tmp_path, monkeypatch, build):
     """Before: (1) a cut between two MatMuls of one weight, "checked" by the answer of a window with two weights,
     kept two Gemms where CSE leaves one MatMul (|diff| ~5e-6); (2) a tensor derived from the inputs and read by two
@@ -40,6 +41,7 @@ def test_issue_30_reproductions_compute_the_originals_bits(tmp_path, monkeypatch
     assert _ops(tmp_path / "out" / "model.onnx") == _ops(_ort_whole(src, tmp_path / "whole"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [9, 16, 27])  # seeds the stitching code before got wrong
 def test_random_layered_models_compute_the_originals_bits(tmp_path, monkeypatch, seed):
     """A few of ``scripts/check_prepack_exact.py``'s generated models (it runs hundreds)."""
@@ -47,6 +49,7 @@ def test_random_layered_models_compute_the_originals_bits(tmp_path, monkeypatch,
     assert rl.differences(src, tmp_path / "out" / "model.onnx") == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [1, 5, 9, 18, 153])
 def test_generated_fp16_models_compute_the_originals_bits(tmp_path, monkeypatch, seed):
     """fp16 weights read by several nodes (seed 9: ORT casts them at every run; a session loading the saved graph
@@ -71,6 +74,7 @@ def test_generated_fp16_models_compute_the_originals_bits(tmp_path, monkeypatch,
         assert rl.differences(src, tmp_path / "cpu" / "model.onnx") == []
 
 
+@pytest.mark.slow
 def test_fp16_decoder_with_one_norm_weight_is_exact(tmp_path, monkeypatch):
     """torch dynamo's fp16 export of an untrained decoder: every RMSNorm reads one all-ones fp16 weight, so in the
     whole graph ORT casts it once, at every run, for all layers (a segment with one norm would make it an fp32

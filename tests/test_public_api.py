@@ -230,6 +230,7 @@ def test_one_unpack_value_is_a_value_not_its_characters(tmp_path):
     assert [Path(o).read_bytes() for o in by_string.outputs] == [Path(o).read_bytes() for o in by_list.outputs]
 
 
+@pytest.mark.slow
 def test_convert_prepack_keyword(tmp_path):
     src = mlp_onnx(tmp_path / "m.onnx", layers=1, dim=64, weights="float32")
     report = weightshare.convert(src, tmp_path / "out", prepack=True)
@@ -250,6 +251,7 @@ def _imported_by(code: str) -> list[str]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_import_and_convert_load_only_what_they_need(tmp_path):
     """Start-up time: `import onnx` alone costs ~0.6 CPU s (ml_dtypes, through onnx.helper)."""
     assert _imported_by("import weightshare") == []
@@ -272,7 +274,9 @@ def test_import_and_convert_load_only_what_they_need(tmp_path):
         )
         assert "onnx" not in gate and "ml_dtypes" not in gate, (command, gate)
     # the measuring child's own reading of the model
-    child = _imported_by(f"from weightshare._runtimes.ort import index_bounds\nindex_bounds({str(src)!r})")
+    child = _imported_by(
+        f"from weightshare.formats.onnx.indices import model_index_bounds\nmodel_index_bounds({str(src)!r})"
+    )
     assert "onnx" not in child and "ml_dtypes" not in child
 
 

@@ -65,6 +65,7 @@ def links_in(d: Path) -> list[str]:
     return [str(p) for p in d.rglob("*") if p.is_symlink()]
 
 
+@pytest.mark.slow
 def test_hub_snapshot_converts_bit_exact_on_the_link_path(tmp_path, cli):
     link = hub_snapshot(tmp_path / "hub", seed=7)
     out = tmp_path / "out"
@@ -94,6 +95,7 @@ def test_hub_snapshot_folder_converts_and_copies_its_side_files(tmp_path, cli):
         assert np.array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_external_data_is_read_beside_the_path_given_not_the_links_target(tmp_path, cli):
     # real/model.onnx with its own data; view/model.onnx -> ../real/model.onnx with OTHER weights of the same
     # layout beside the link: onnxruntime on view/model.onnx computes with view's weights
@@ -120,6 +122,7 @@ def test_external_data_is_read_beside_the_path_given_not_the_links_target(tmp_pa
     assert files == {"model.onnx_data"}
 
 
+@pytest.mark.slow
 def test_a_converted_model_through_a_link_onnxruntime_refuses_does_not_pass_check(tmp_path, cli):
     src = external_model(tmp_path / "src" / "model.onnx", seed=5) if (tmp_path / "src").mkdir() is None else None
     out = tmp_path / "out"

@@ -206,6 +206,7 @@ _FUZZ = settings(
 )
 
 
+@pytest.mark.slow
 @_FUZZ
 @given(cut=st.integers(0, len(_SEED_MODEL)), flips=_FLIPS)
 def test_damaged_models_fail_cleanly_or_convert_exactly(runner, cut, flips):
@@ -239,6 +240,7 @@ def test_external_buffer_group_through_symlink_outside(tmp_path):
     _expect_error(src, tmp_path / "out", UnsafePath, "symlink", src)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [0, 1], ids=["dequantize", "add"])
 def test_operator_without_index_vectors_is_read_as_empty(tmp_path, cli, which):
     # A flatbuffer may leave an operator's inputs/outputs out (the object API reads None). Found by fuzzing:

@@ -64,6 +64,7 @@ def _not_used(model: Path, caplog) -> tuple[CompiledModel, str]:
     return cm, lines[0]
 
 
+@pytest.mark.slow
 def test_flipped_cache_bytes_are_not_used(built, tmp_path, caplog, cli):
     model, cache, reference = _copy_a(built, tmp_path)
     data = bytearray(cache.read_bytes())

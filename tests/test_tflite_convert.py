@@ -57,6 +57,7 @@ def converted(tmp_path_factory):
     return src, d / "out" / "sample.tflite", report
 
 
+@pytest.mark.covers("tflite", "convert")
 @pytest.mark.parametrize("resolver", RESOLVERS, ids=["xnnpack", "builtin"])
 def test_outputs_bit_identical(converted, resolver):
     src, out, _ = converted

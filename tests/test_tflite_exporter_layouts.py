@@ -67,6 +67,7 @@ def test_check_measures_a_prepack_output_without_signatures_through_the_helper(c
     assert "re-run convert --prepack" not in xnnpack["fix"] and "weightshare.litert" in xnnpack["fix"], xnnpack
 
 
+@pytest.mark.slow
 def test_bench_runs_the_helper_on_a_model_without_signatures(cli, tmp_path):
     model = mediapipe_member(tmp_path / "face_detector.tflite")
     res = cli("bench", model, "--sessions", "1,2", "--json")
@@ -88,6 +89,7 @@ def _same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+@pytest.mark.slow
 def test_helper_lists_details_exactly_as_litert(tmp_path):
     """The helper's get_input_details()/get_output_details(), per signature and for the primary subgraph, equal
     LiteRT's Interpreter's in order and in every field (index, name, dtype, shape, shape_signature, quantization

@@ -14,6 +14,7 @@ from tflite_fixtures import ModelBuilder, float_graph, int8_graph, lm_model, sam
 from weightshare._runtimes.litert import compiled_entry_points
 from weightshare.api import convert
 from weightshare.errors import UsageError
+from weightshare.formats.tflite.signatures import signature_bounds
 from weightshare.options import ConvertOptions
 
 
@@ -50,8 +51,8 @@ def test_external_output_loads_and_matches_in_compiled_model(tmp_path, case):
     report = convert(src, tmp_path / "out", ConvertOptions(external=True, **opts))
     out = tmp_path / "out" / src.name
     assert any(o.endswith(".safetensors") for o in report.outputs) == (report.tensors_moved > 0)
-    original = dict(compiled_entry_points(str(src), str(src)))
-    converted = dict(compiled_entry_points(str(out), str(src)))
+    original = dict(compiled_entry_points(str(src), str(src), bounds_of=signature_bounds))
+    converted = dict(compiled_entry_points(str(out), str(src), bounds_of=signature_bounds))
     assert original.keys() == converted.keys()
     for key, entry in original.items():
         feeds = entry.feeds(0)

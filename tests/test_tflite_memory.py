@@ -85,6 +85,7 @@ def _pss_growth_mib(path, n: int) -> float:
     return float(out.split()[-1])
 
 
+@pytest.mark.slow
 def test_eight_interpreters_share_the_converted_weights(tmp_path):
     """16 MiB of fp32 weights (8 MiB fp16 + DEQUANTIZE): 8 interpreters of the converted model cost about one."""
     src = _fc_model(tmp_path / "fc.tflite")

@@ -123,6 +123,7 @@ def test_foreign_cache_is_never_used(pair, tmp_path, caplog):
     assert "built for other content" in statuses[0].reason
 
 
+@pytest.mark.slow
 def test_check_flags_a_foreign_cache_and_passes_a_matching_one(pair, tmp_path, cli):
     """`check` exits 1 with xnnpack-cache-mismatch when a cache beside the model was built for other content."""
     (_sa, _oa, cache_a, _ra, _ref_a), (_sb, out_b, cache_b, _rb, _ref_b) = pair
@@ -194,6 +195,7 @@ def _with_records(*caches: Path) -> list[str]:
     return [n for c in caches for n in (c.name, record_path(c).name)]
 
 
+@pytest.mark.slow
 def test_reconvert_replaces_the_cache(pair, tmp_path):
     """With no grace period (--blob-grace 0) a cache goes as soon as a re-conversion no longer matches it."""
     src, _out, _cache, _report, _ref = pair[0]
@@ -210,6 +212,7 @@ def test_reconvert_replaces_the_cache(pair, tmp_path):
     assert _names(tmp_path) == [src.name]
 
 
+@pytest.mark.slow
 def test_superseded_cache_stays_for_the_grace_period(pair, tmp_path):
     """A re-conversion removed the old cache at once, so a reader that had opened the old
     model hit a raw FileNotFoundError. The old cache now stays until --blob-grace has passed since the commit that
@@ -273,6 +276,7 @@ def test_cli_prepack_with_shared_blob_is_a_usage_error(pair, tmp_path):
     assert not (tmp_path / "z").exists() or not any((tmp_path / "z").iterdir())
 
 
+@pytest.mark.slow
 def test_verify_runs_compiled_model_with_the_cache(pair):
     from weightshare._dispatch import verify
 
@@ -356,6 +360,7 @@ print(json.dumps(pss() - base))
 """
 
 
+@pytest.mark.slow
 def test_compiled_models_share_the_cache(tmp_path):
     """PSS of 4 CompiledModels through the helper stays near one; without the cache each packs its own 32 MiB."""
     src = sample_model(tmp_path / "wide.tflite", fc_out=8192)  # FULLY_CONNECTED 8192 x 1024: 32 MiB as fp32

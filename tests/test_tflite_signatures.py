@@ -38,8 +38,9 @@ def models(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_signature_bounds_of_each_signature(models):
-    from weightshare._runtimes.litert import signature_bounds
+    from weightshare.formats.tflite.signatures import signature_bounds
 
     src = models["lm"][0]
     assert signature_bounds(str(src)) == {
@@ -48,6 +49,7 @@ def test_signature_bounds_of_each_signature(models):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["keras", "lm"])
 @pytest.mark.parametrize("variant", [1, 2], ids=["plain", "prepack"])
 def test_verify_passes_without_hand_inputs(cli, models, name, variant):
@@ -59,6 +61,7 @@ def test_verify_passes_without_hand_inputs(cli, models, name, variant):
     assert res.stdout.count("LiteRT") == expected_paths, res.stdout
 
 
+@pytest.mark.slow
 def test_decode_steps_on_the_lm(models):
     src, plain, prepack = models["lm"]
     for converted, paths in ((plain, 2), (prepack, 3)):
@@ -69,6 +72,7 @@ def test_decode_steps_on_the_lm(models):
         assert report.outputs_compared == paths * (6 + 5 * 3)
 
 
+@pytest.mark.slow
 def test_a_weight_only_decode_reads_fails_verify(cli, models):
     src, changed, _ = models["changed"]
     res = cli("verify", src, changed, "--runs", "1", "--decode-steps", "4")
@@ -82,10 +86,11 @@ def test_decode_steps_chain_catches_the_decode_weight(models):
     from weightshare._runtimes.litert import MODES, entry_points, open_mode
     from weightshare._verify import VerifyReport
     from weightshare.formats.tflite.decode import plan, run_chain
+    from weightshare.formats.tflite.signatures import signature_bounds
 
     src, changed, _ = models["changed"]
-    ea = dict(entry_points(open_mode(str(src), MODES[0]), str(src)))
-    eb = dict(entry_points(open_mode(str(changed), MODES[0]), str(changed)))
+    ea = dict(entry_points(open_mode(str(src), MODES[0]), signature_bounds(str(src))))
+    eb = dict(entry_points(open_mode(str(changed), MODES[0]), signature_bounds(str(changed))))
     lm = plan(ea, src)
     assert (lm.prefill, lm.decode, lm.kv, lm.positions, lm.tokens, lm.logits) == (
         "prefill",
@@ -102,6 +107,7 @@ def test_decode_steps_chain_catches_the_decode_weight(models):
     assert report.decode_steps == 0  # the prefill matched, the first decode step did not
 
 
+@pytest.mark.slow
 def test_decode_steps_refusals(cli, models):
     src, plain, _ = models["keras"]
     res = cli("verify", src, plain, "--decode-steps", "2")
@@ -111,14 +117,16 @@ def test_decode_steps_refusals(cli, models):
     assert res.returncode == 2 and "at most 24 steps" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_input_per_signature(cli, models, tmp_path):
     """--input SIGNATURE:NAME=FILE reaches that signature only; an input no signature takes is refused."""
     import weightshare._runtimes.litert as L
+    from weightshare.formats.tflite.signatures import signature_bounds
 
     src, plain, _ = models["lm"]
     prompt, token = np.arange(8, dtype=np.int32).reshape(1, 8) + 100, np.array([[7]], np.int32)
     given = {"prefill:tokens": prompt, "decode:tokens": token}
-    entries = dict(L.entry_points(L.open_mode(str(src), L.MODES[0]), str(src)))
+    entries = dict(L.entry_points(L.open_mode(str(src), L.MODES[0]), signature_bounds(str(src))))
     assert np.array_equal(entries["prefill"].feeds(0, given)["tokens"], prompt)
     assert np.array_equal(entries["decode"].feeds(0, given)["tokens"], token)
     assert entries["decode"].feeds(0, {"tokens": token})["tokens"] is token  # NAME alone: every signature
@@ -128,6 +136,7 @@ def test_input_per_signature(cli, models, tmp_path):
     assert res.returncode == 2 and "decode:tokens" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_int16_op_without_a_kernel_gets_no_random_input_hint(cli, tmp_path):
     """An int16x8 model whose op has no int16 kernel (SIN): the cause is the model, not the random inputs."""
     from tflite_fixtures import OP, ModelBuilder
@@ -193,8 +202,8 @@ def test_check_measures_the_lm_within_125_percent(cli, tmp_path):
     that probe."""
     import json
 
-    from weightshare._runtimes.litert import measure_interpreters, measure_shared
     from weightshare.formats.onnx.measure import MALLOC_ENV
+    from weightshare.formats.tflite.measure import measure_interpreters, measure_shared
 
     src = two_signature_lm(tmp_path / "lm.tflite", vocab=4096, width=256)
     res = cli("check", src, "--target", "litert-xnnpack", "--json")

@@ -38,6 +38,7 @@ def lms(tmp_path_factory):
     return made
 
 
+@pytest.mark.covers("tflite", "verify")
 @pytest.mark.parametrize("sig", [True, False], ids=["signature", "no-signature-defs"])
 @pytest.mark.parametrize("conversion", list(CONVERSIONS))
 def test_verify_passes_on_an_lm_without_inputs(lms, sig, conversion):
@@ -135,7 +136,7 @@ if leg:
         L.CompiledEntry.__call__ = boom
     elif leg == "cache":
         real_cep = L.compiled_entry_points
-        L.compiled_entry_points = lambda m, i, c=None: boom() if c else real_cep(m, i, c)
+        L.compiled_entry_points = lambda m, i, c=None, **k: boom() if c else real_cep(m, i, c, **k)
 """
 
 
@@ -163,8 +164,8 @@ def test_injected_exception_in_a_leg_is_an_internal_error(lms, leg, conversion, 
 def test_bench_feeds_in_range_ids_and_given_inputs(lms, tmp_path):
     """bench used to feed random ints to EMBEDDING_LOOKUP and call LiteRT's refusal an internal error."""
     from weightshare._bench import bench
-    from weightshare._runtimes.litert import measure_interpreters
     from weightshare.errors import Unsupported
+    from weightshare.formats.tflite.measure import measure_interpreters
 
     src, _out = lms[(True, "plain")]
     result = bench(src, [1], workdir=tmp_path)

@@ -15,6 +15,7 @@ from pathlib import Path
 import coreml_fixtures as F
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from weightshare._findings import all_codes
@@ -46,6 +47,7 @@ def _external_model(path: Path, location: str, write_data: bool = True) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_check_recurses_into_subfolders_and_treats_mlpackages_as_models(cli, tmp_path):
     tree = tmp_path / "modules"
     (tree / "a" / "b").mkdir(parents=True)
@@ -62,6 +64,7 @@ def test_check_recurses_into_subfolders_and_treats_mlpackages_as_models(cli, tmp
     assert res.returncode == 2 and "no models found" in res.stderr
 
 
+@pytest.mark.slow
 def test_missing_file_with_dots_in_its_name_is_missing_not_outside(cli, tmp_path):
     model = _external_model(tmp_path / "m.onnx", "weights..bin", write_data=False)
     res = cli("check", model, "--json")
@@ -106,6 +109,7 @@ def _documented_example() -> dict:
     return json.loads(text.split("```json", 1)[1].split("```", 1)[0])
 
 
+@pytest.mark.slow
 def test_check_json_has_one_shape_and_a_schema_and_a_corrupt_file_is_one_finding(cli, tmp_path):
     """`check good.onnx truncated.onnx`: both reported, exit 2; the document is docs/ci.md's example, and has the
     same top-level keys as the document of one model."""
@@ -133,6 +137,7 @@ def test_check_format_github_prints_workflow_annotations(cli, tmp_path):
     assert line.startswith(f"::error file={model},title=weightshare missing-external-file::"), line
 
 
+@pytest.mark.slow
 def test_genai_like_original_with_duplicates_and_unaligned_tensors_passes_with_warnings_when_sharing(cli, tmp_path):
     """Like an onnxruntime-genai export: big MatMul weights page aligned in one external file, six identical
     4 KiB LayerNorm vectors stored six times at odd offsets. 20 KiB mapped twice is no reason to fail a gate."""

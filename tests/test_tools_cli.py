@@ -42,6 +42,7 @@ def test_version(cli):
     assert res.returncode == 0 and res.stdout.strip() == f"weightshare {__version__}"
 
 
+@pytest.mark.slow
 def test_quiet_convert_prints_nothing_and_batch_prints_one_line_per_model(two, cli, tmp_path):
     a, b = two
     res = cli("convert", a, "-o", tmp_path / "q", "-q")
@@ -81,6 +82,7 @@ def test_unpack_accepts_only_implemented_values(two, cli, tmp_path):
     ), res.stderr
 
 
+@pytest.mark.slow
 def test_help_paragraphs_wrap_cleanly(cli):
     """Docstring paragraphs are reflowed: no ragged lines holding one word of a sentence that goes on."""
     for command in ["", "convert", "merge", "inspect", "check", "verify", "bench", "demo"]:
@@ -93,6 +95,7 @@ def test_help_paragraphs_wrap_cleanly(cli):
         assert ragged == [], (command, ragged)
 
 
+@pytest.mark.slow
 def test_tables_are_not_cut_at_80_columns_in_a_pipe(cli, tmp_path):
     name = "encoder.layers.11.self_attention.query_key_value.weight_with_a_long_exporter_generated_suffix_0123456789"
     w = numpy_helper.from_array(np.ones((64, 64), np.float32), name)
@@ -138,6 +141,7 @@ def _in_terminal(args: list[str], env: dict) -> str:
     return b"".join(chunks).decode("utf-8", "replace")
 
 
+@pytest.mark.slow
 def test_colour_only_on_a_terminal_and_never_with_no_color(two):
     a, _ = two
     env = {k: v for k, v in os.environ.items() if k != "NO_COLOR"}
@@ -200,6 +204,7 @@ print(res.stdout)
 """
 
 
+@pytest.mark.slow
 def test_report_peak_rss_is_the_converters_own_not_its_parents(two, tmp_path):
     a, _ = two
     res = subprocess.run([sys.executable, "-c", PARENT, str(a), str(tmp_path / "o")], capture_output=True, text=True)
@@ -208,6 +213,7 @@ def test_report_peak_rss_is_the_converters_own_not_its_parents(two, tmp_path):
     assert 10 < peak < 250, peak  # ru_maxrss would report the parent's 300+ MiB
 
 
+@pytest.mark.slow
 def test_global_flags_work_after_the_command_too(two, cli, tmp_path):
     """`-v`/`-q` go before or after the command (`weightshare convert -v ...` was "No such option: -v")."""
     after = cli("convert", two[0], "-o", tmp_path / "a", "-v")
@@ -225,6 +231,7 @@ def test_global_flags_work_after_the_command_too(two, cli, tmp_path):
     assert res.returncode == 2 and "-v" in res.stderr and "no such file" in res.stderr
 
 
+@pytest.mark.slow
 def test_prepack_on_a_terminal_names_its_onnxruntime_phase(tmp_path):
     """The bar sat at 0.00B through the onnxruntime child (most of a --prepack run): its phase is named now."""
     from weightshare._samples import mlp_onnx

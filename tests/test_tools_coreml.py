@@ -49,6 +49,7 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_inspect_json(pkgs, cli):
     _, big, lut = pkgs
     res = cli("inspect", big, "--json")
@@ -70,6 +71,7 @@ def test_inspect_json(pkgs, cli):
     assert encodings == {"raw", "palettized indices"}
 
 
+@pytest.mark.slow
 def test_check_fails_before_convert_and_passes_after(pkgs, converted, cli):
     _, big, _ = pkgs
     res = cli("check", big, "--json")
@@ -88,6 +90,7 @@ def test_check_fails_before_convert_and_passes_after(pkgs, converted, cli):
     assert min(p.alignment for p in inv.payloads if p.nbytes >= 1 << 20) >= 64 << 10
 
 
+@pytest.mark.slow
 def test_check_duplicate_payloads(tmp_path, cli):
     """Two records holding the same bytes: `check` flags them; `convert` stores them once and then passes."""
     src = F.nested(tmp_path / "dup.mlpackage")  # wa and wb: two 64 x 64 fp32 weights in two records
@@ -116,6 +119,7 @@ def test_check_duplicate_payloads(tmp_path, cli):
     assert verify(src, out).passed
 
 
+@pytest.mark.slow
 def test_verify_passes_then_fails_on_a_flipped_weight_byte(pkgs, converted, cli, tmp_path):
     _, big, _ = pkgs
     res = cli("verify", big, converted, "--json")
@@ -140,6 +144,7 @@ def test_verify_passes_then_fails_on_a_flipped_weight_byte(pkgs, converted, cli,
     assert "decoded values differ" in report["mismatches"][0]
 
 
+@pytest.mark.covers("coreml", "verify")
 def test_verify_reports_a_changed_op(pkgs, converted, tmp_path):
     _, big, _ = pkgs
     changed = _copy(converted, tmp_path / "changed.mlpackage")

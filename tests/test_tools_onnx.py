@@ -18,6 +18,21 @@ def models(tmp_path_factory):
     return d, fp16
 
 
+@pytest.mark.covers("onnx", "check")
+def test_check_measures_the_copy_one_more_session_keeps(models, cli):
+    """The fast tier's measured ONNX check (the test below goes on to convert and check the output, slowly): the
+    fp16 weights' Cast output, measured by onnxruntime in its child, fails the gate under the sharing setting."""
+    _, fp16 = models
+    res = cli("check", fp16, "--json", "--target", "ort-disable-prepacking")
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout)
+    (summary,) = doc["reports"]
+    assert summary["copies_source_by_setting"]["ort-disable-prepacking"] == "measured", summary
+    measured = [f["message"] for f in doc["findings"] if f["code"] == "copied-per-session" and f["severity"] == "error"]
+    assert any("under ort-disable-prepacking" in m and "(measured" in m for m in measured), doc["findings"]
+
+
+@pytest.mark.slow
 def test_check_fails_on_fp16_model_and_passes_after_convert(models, cli):
     d, fp16 = models
     res = cli("check", fp16, "--json", "--target", "ort-disable-prepacking")
@@ -46,6 +61,7 @@ def test_check_fails_on_fp16_model_and_passes_after_convert(models, cli):
     assert res.returncode == 0 and json.loads(res.stdout)["ok"] is True
 
 
+@pytest.mark.slow
 def test_check_reads_the_recorded_alignment_and_fails_on_private_mode(models, cli, tmp_path):
     _, fp16 = models
     for align in ("64", "4096"):  # the blob records the policy it was written with: what --align asked for
@@ -60,6 +76,7 @@ def test_check_reads_the_recorded_alignment_and_fails_on_private_mode(models, cl
     assert res.returncode == 1 and codes == {"blob-not-world-readable"}
 
 
+@pytest.mark.slow
 def test_unaligned_external_data_from_elsewhere_is_a_warning(models, cli, tmp_path):
     """An external data file weightshare did not write: held to 64 KiB / 64 B; ORT maps it anyway, so a warning."""
     import onnx
@@ -80,6 +97,7 @@ def _codes(res):
     return [f["code"] for f in json.loads(res.stdout)["findings"]]
 
 
+@pytest.mark.slow
 def test_check_reports_missing_external_file(models, cli, tmp_path):
     _, fp16 = models
     out = tmp_path / "gone"
@@ -91,6 +109,7 @@ def test_check_reports_missing_external_file(models, cli, tmp_path):
     assert [f["code"] for f in errors] == ["missing-external-file"] and errors[0]["tensor"], errors
 
 
+@pytest.mark.slow
 def test_verify_passes_then_fails_on_a_flipped_weight_byte(models, cli, tmp_path):
     _, fp16 = models
     out = tmp_path / "v"
@@ -114,6 +133,7 @@ def test_verify_passes_then_fails_on_a_flipped_weight_byte(models, cli, tmp_path
     assert cli("check", "--target", "ort-disable-prepacking", out / "mlp.onnx").returncode == 1
 
 
+@pytest.mark.slow
 def test_inspect_json_describes_every_payload(models, cli):
     _, fp16 = models
     res = cli("inspect", fp16, "--json")
@@ -128,6 +148,7 @@ def test_inspect_json_describes_every_payload(models, cli):
     assert cli("inspect", fp16).returncode == 0
 
 
+@pytest.mark.slow
 def test_bench_measures_original_and_converted(models, cli, tmp_path):
     _, fp16 = models
     res = cli("bench", fp16, "--sessions", "1,2", "--json")

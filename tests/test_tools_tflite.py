@@ -16,6 +16,22 @@ def model(tmp_path_factory):
     return sample_model(d / "m.tflite", fc_out=256)
 
 
+@pytest.mark.covers("tflite", "check")
+def test_check_measures_the_dequantize_copy_one_more_interpreter_keeps(cli, tmp_path):
+    """The fast tier's measured TFLite check (the test below goes on to convert and check the output, slowly): 4 MiB
+    of fp32 DEQUANTIZE output per interpreter, measured by LiteRT in its child, fails the gate without delegate."""
+    model = sample_model(tmp_path / "m.tflite", fc_out=1024)
+    res = cli("check", model, "--json", "--target", "litert-builtin")
+    assert res.returncode == 1, res.stderr
+    doc = json.loads(res.stdout)
+    (summary,) = doc["reports"]
+    assert summary["copies_source_by_setting"]["litert-builtin"] == "measured", summary
+    assert summary["copied_per_session_by_setting"]["litert-builtin"] >= 3 << 20, summary  # of 4 MiB
+    errors = [f["message"] for f in doc["findings"] if f["code"] == "copied-per-session" and f["severity"] == "error"]
+    assert any("under litert-builtin" in m and "(measured" in m for m in errors), doc["findings"]
+
+
+@pytest.mark.slow
 def test_check_fails_on_fp16_tflite_and_passes_after_convert(cli, tmp_path):
     # 4 MiB of fp32 DEQUANTIZE output per interpreter: clear of the 1.10x sharing line (1 MiB of it is on it)
     (tmp_path / "src").mkdir()
@@ -32,6 +48,7 @@ def test_check_fails_on_fp16_tflite_and_passes_after_convert(cli, tmp_path):
     assert summary["copied_per_session_by_setting"]["litert-xnnpack"] >= 1 << 20, summary
 
 
+@pytest.mark.slow
 def test_verify_every_signature_then_a_flipped_weight(model, cli, tmp_path):
     assert cli("convert", model, "-o", tmp_path).returncode == 0
     out = tmp_path / "m.tflite"
@@ -47,6 +64,7 @@ def test_verify_every_signature_then_a_flipped_weight(model, cli, tmp_path):
     assert res.returncode == 1 and json.loads(res.stdout)["reports"][0]["mismatches"]
 
 
+@pytest.mark.slow
 def test_inspect_tflite(model, cli):
     res = cli("inspect", model, "--json")
     assert res.returncode == 0

@@ -146,6 +146,7 @@ def _convert(cli, src, out):
     return Path(convert(src, out).outputs[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zipmap", "if_seq", "if_opt"])
 def test_sequence_map_and_optional_outputs_pass_then_fail_on_a_flipped_byte(built, cli, tmp_path, name):
     d, models = built
@@ -165,6 +166,7 @@ def test_sequence_map_and_optional_outputs_pass_then_fail_on_a_flipped_byte(buil
     assert "internal error" not in res.stderr
 
 
+@pytest.mark.slow
 def test_zipmap_difference_names_the_map_entry(built, cli, tmp_path):
     _, models = built
     out = _convert(cli, models["zipmap"], tmp_path)
@@ -183,6 +185,7 @@ def _edit(converted, change) -> None:
     onnx.save(model, str(converted))
 
 
+@pytest.mark.slow
 def test_missing_output_and_changed_dtype_fail_one_line_each(built, cli, tmp_path):
     _, models = built
     out = _convert(cli, models["zipmap"], tmp_path / "a")
@@ -221,6 +224,7 @@ def _reshape(path):
     )
 
 
+@pytest.mark.slow
 def test_original_that_fails_is_exit_2_with_a_hint_only_converted_failing_is_exit_1(cli, tmp_path):
     src = _reshape(tmp_path / "reshape.onnx")
     out = _convert(cli, src, tmp_path / "out")
@@ -239,6 +243,7 @@ def test_original_that_fails_is_exit_2_with_a_hint_only_converted_failing_is_exi
     assert "internal error" not in res.stderr
 
 
+@pytest.mark.slow
 def test_truncated_blob_names_the_tensor_without_runtime_log_spam(built, cli, tmp_path):
     _, models = built
     out = _convert(cli, models["if_seq"], tmp_path)
@@ -274,6 +279,7 @@ def _gather(path, data_known: bool):
     )
 
 
+@pytest.mark.slow
 def test_integer_indices_stay_in_range_or_require_input(cli, tmp_path):
     known = _gather(tmp_path / "known.onnx", True)
     out = _convert(cli, known, tmp_path / "k")
@@ -306,6 +312,7 @@ def test_tensor_difference_says_where_and_how_much():
     assert differences([a], [a, a], "o") == ["o: sequence of 1 vs 2 elements"]
 
 
+@pytest.mark.slow
 def test_unreferenced_blob_records_are_rehashed_too(cli, tmp_path):
     """A record no tensor points at (as --prepack's packed copies are) is still checked against its SHA-256."""
     from weightshare._safetensors import read_safetensors_metadata

@@ -99,6 +99,7 @@ def _flip_largest(model):
     blob.write_bytes(bytes(data))
 
 
+@pytest.mark.slow
 def test_a_model_only_xnnpack_runs_is_verified_on_that_path(models, cli, tmp_path):
     deconv, _ = models
     out = _convert(cli, deconv, tmp_path)
@@ -112,6 +113,7 @@ def test_a_model_only_xnnpack_runs_is_verified_on_that_path(models, cli, tmp_pat
     assert res.returncode == 1 and json.loads(res.stdout)["reports"][0]["mismatches"]
 
 
+@pytest.mark.slow
 def test_dynamic_length_needs_a_shape_and_runs_both_paths_with_it(models, cli, tmp_path):
     _, dynamic = models
     out = _convert(cli, dynamic, tmp_path)
@@ -136,6 +138,7 @@ def test_dynamic_length_needs_a_shape_and_runs_both_paths_with_it(models, cli, t
     assert res.returncode == 1 and any("elements differ" in m for m in report["mismatches"]), report
 
 
+@pytest.mark.slow
 def test_external_buffers_are_verified_through_compiled_model(models, cli, tmp_path):
     _, dynamic = models
     out = _convert(cli, dynamic, tmp_path, external=True)

@@ -7,11 +7,14 @@ import sys
 import threading
 import time
 
+import pytest
+
 from weightshare._platform import TreePeak, tree_rss_bytes
 
 CHILD = "import numpy as np, time; a = np.ones(200 << 18, np.float32); print('ready', flush=True); time.sleep(0.6)"
 
 
+@pytest.mark.slow
 def test_tree_peak_counts_a_childs_memory_beside_its_parents():
     own = tree_rss_bytes()
     peak = TreePeak(interval=0.02)
@@ -37,6 +40,7 @@ def test_the_sampler_stops_with_the_run(tmp_path):
     assert not [t for t in threading.enumerate() if t.name == "weightshare-tree-peak"]
 
 
+@pytest.mark.slow
 def test_a_prepack_reports_peak_counts_its_onnxruntime_child(tmp_path, cli):
     from weightshare._samples import mlp_onnx
 

@@ -141,6 +141,7 @@ def test_t5_like_encoder_decoder_pair(cli, tmp_path):
         _decodes(src, tmp_path / "out" / src.name)
 
 
+@pytest.mark.slow
 def test_embed_layer_normalization_inputs_generated_validly(tmp_path):
     """Random ids in [0, 3) were out of the 2-row segment table: ORT's "input index out of range"."""
     src = fx.bert_embed_layernorm(tmp_path / "model.onnx")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
@@ -56,6 +57,7 @@ def _decoder_with_past(path):
     return path
 
 
+@pytest.mark.slow
 def test_expression_dims_computed_and_past_length_zero_accepted(cli, tmp_path):
     src = _decoder_with_past(tmp_path / "decoder_with_past_model.onnx")
     assert cli("convert", src, "-o", tmp_path / "out", "-q").returncode == 0
@@ -66,6 +68,7 @@ def test_expression_dims_computed_and_past_length_zero_accepted(cli, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_every_missing_input_is_named_at_once(cli, tmp_path):
     graph = helper.make_graph(
         [helper.make_node("Identity", ["a"], ["x"]), helper.make_node("Identity", ["b"], ["y"])],
@@ -80,6 +83,7 @@ def test_every_missing_input_is_named_at_once(cli, tmp_path):
     assert res.returncode == 2 and "--input a=a.npy --input b=b.npy" in res.stderr, res.stderr
 
 
+@pytest.mark.slow
 def test_merged_decoder_verifies_with_no_options(cli, tmp_path):
     import model_forms
 
@@ -89,6 +93,7 @@ def test_merged_decoder_verifies_with_no_options(cli, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_decoder_without_past_verifies_with_no_options(cli, tmp_path):
     rng = np.random.default_rng(1)
     nodes = [
@@ -129,6 +134,7 @@ def test_decoder_without_past_verifies_with_no_options(cli, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_gqa_decoder_verifies_with_no_options(cli, tmp_path):
     """onnxruntime-genai's layout: seqlens_k / total_sequence_length derived in-graph from attention_mask
     (ReduceSum - 1, Shape[1]); past_key_values.0.key [batch, kv_num_heads, past_sequence_length, head_size]."""

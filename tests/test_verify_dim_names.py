@@ -36,6 +36,7 @@ def dotted(path):
     return path
 
 
+@pytest.mark.slow
 def test_a_dotted_dim_name_is_one_name(cli, tmp_path):
     src = dotted(tmp_path / "m.onnx")
     assert cli("convert", src, "-o", tmp_path / "out", "-q").returncode == 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import weightshare
@@ -55,6 +56,7 @@ def _differ_from_batch_32(converted: Path) -> None:
     onnx.save(model, str(converted))
 
 
+@pytest.mark.slow
 def test_verify_fails_a_model_that_differs_only_at_batch_64(tmp_path, cli):
     src = _mlp(tmp_path / "mlp.onnx")
     converted = Path(weightshare.convert(src, tmp_path / "out").outputs[0])

@@ -110,6 +110,7 @@ def test_payload_overwritten_and_checksum_rerecorded_fails_check_and_verify(cli,
     assert f"at byte {999 * 256}" in res.stdout, res.stdout
 
 
+@pytest.mark.slow
 def test_foreign_blob_under_this_blobs_name_fails_check_and_verify(cli, plain, tmp_path):
     src, out = plain
     other = _model(tmp_path / "other" / "m.onnx", row999=1.0)  # same structure, one row differs

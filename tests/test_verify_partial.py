@@ -33,6 +33,7 @@ def _converted(src: Path, out: Path) -> Path:
     return out / src.name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fp16", [False, True])
 def test_ort_optimizer_bert_ids_stay_inside_its_tables(tmp_path, fp16):
     src = mf.ort_optimizer_bert(tmp_path / "bert.onnx", fp16=fp16)
@@ -45,13 +46,13 @@ def test_an_index_reaching_its_table_indirectly_is_bounded_by_the_table(tmp_path
     """Cast into a DequantizeLinear table, Unsqueeze/Squeeze/Reshape into a 2-row table, an offset added before
     GatherBlockQuantized (which does not check its indices: out of range it reads past the table), a Concat
     into GatherElements: each input is bounded by the axis it reaches, in verify and in check's child alike."""
-    from weightshare._runtimes.ort import index_bounds
     from weightshare.formats.onnx.decode import read_facts
+    from weightshare.formats.onnx.indices import model_index_bounds
 
     src = mf.indirect_tables(tmp_path / "tables.onnx")
     expected = {"input_ids": 40, "token_type_ids": 2, "bucket_ids": 8 - 3}
     assert read_facts(src).bounds == expected
-    assert index_bounds(str(src)) == expected
+    assert model_index_bounds(str(src)) == expected
     report = weightshare.verify(src, _converted(src, tmp_path / "out"))
     assert report.passed and report.runs == 3, (report.notes, report.mismatches)
     assert not report.skipped

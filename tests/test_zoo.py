@@ -9,6 +9,7 @@ import blake3
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
@@ -102,6 +103,7 @@ def test_three_models_share_one_blob(tmp_path):
     assert [m.deduplicated for m in report.models] == [0, 3, 3]
 
 
+@pytest.mark.slow
 def test_rerun_with_a_model_added_rebuilds_a_complete_outdir(tmp_path, cli):
     src = tmp_path / "src"
     src.mkdir()

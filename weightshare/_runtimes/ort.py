@@ -54,19 +54,6 @@ ORT_TYPES = {
 }
 
 
-def index_bounds(model_path: str) -> dict[str, int | None]:
-    """Integer graph inputs whose values reach an index (``formats/onnx/indices.py``): name -> exclusive upper
-    bound, None when a direct use indexes a tensor of unknown size.
-
-    Random indices outside the indexed axis make the original model fail (ORT checks Gather indices), so they are
-    drawn from [0, bound).
-    """
-    from ..formats.onnx._proto import load_model  # the message classes only: `import onnx` costs ~1 CPU s
-    from ..formats.onnx.indices import index_bounds as traced
-
-    return traced(load_model(model_path).graph)
-
-
 def dim_value(d: object, dims: dict[str, int]) -> int:
     """A dimension of an input's shape: a number as it is; a name from ``dims`` (else ``dims["*"]``, else 1); an
     expression of names, such as exporters write (``past_sequence_length + sequence_length``), computed from them."""

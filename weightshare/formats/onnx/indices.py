@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import onnx
 
-__all__ = ["INDEXING", "index_bounds"]
+__all__ = ["INDEXING", "index_bounds", "model_index_bounds"]
 
 # op type -> [(position of an index input, position of the tensor it indexes, axis)]; axis None: the node's own
 # ``axis`` attribute (``gather_axis`` for GatherBlockQuantized), default 0
@@ -218,3 +218,15 @@ def _elem_type(graphs: Iterable[onnx.GraphProto], name: str) -> int | None:
             if t.name == name:
                 return int(t.data_type)
     return None
+
+
+def model_index_bounds(model_path: str) -> dict[str, int | None]:
+    """``index_bounds`` of the model file at ``model_path``: integer graph inputs whose values reach an index,
+    name -> exclusive upper bound, None when a direct use indexes a tensor of unknown size.
+
+    Random indices outside the indexed axis make the original model fail (ORT checks Gather indices), so they are
+    drawn from [0, bound) (``_runtimes.ort.random_feeds``'s ``bounds``).
+    """
+    from ._proto import load_model  # the message classes only: `import onnx` costs ~1 CPU s
+
+    return index_bounds(load_model(model_path).graph)

@@ -94,8 +94,8 @@ class TfliteFormat(FormatDefaults):
         silence_native_stderr_until_exit()
 
     def bench_runtime(self, path: Path) -> BenchRuntime:
-        from ..._runtimes.litert import measure_interpreters, measure_shared
         from ..onnx.measure import MALLOC_ENV
+        from .measure import measure_interpreters, measure_shared
 
         return BenchRuntime(
             measure_interpreters,

@@ -44,6 +44,10 @@ from ...report import JsonDict
 from ..onnx.measure import ENV_SKIP, MALLOC_ENV, SESSIONS
 
 SETTINGS = (("litert-builtin", True), ("litert-xnnpack", False))  # (setting id, without default delegates)
+LOADERS = ("interpreter", "helper")  # the classic Interpreter (share: no default delegates), weightshare.litert
+# The children that open a model through weightshare.litert (the helper; ``hold`` for both loaders): above the
+# loaders and this folder, so started by module name, never imported from here.
+LOADER_PROBES = "weightshare._loader_probes"
 TIMEOUT_S = 600.0
 
 
@@ -60,7 +64,7 @@ def _run_signatures(
     lives."""
     from ..._runtimes.litert import entry_points
 
-    entries = entry_points(interp, model_path, bounds)
+    entries = entry_points(interp, bounds)
     try:
         for _key, entry in entries:
             entry(entry.feeds(0, given or {}, None, dims or {}))
@@ -84,26 +88,15 @@ def _allocate_signatures(interp: Any) -> None:
         del runner
 
 
-def _run_helper(
-    model_path: str,
-    bounds: dict[str, dict[str, int | None]],
-    given: dict[str, Any],
-    dims: dict[str, int],
-    ran: bool,
-) -> tuple[Any, Any, bool]:
-    """One ``weightshare.litert.interpreter`` instance (CompiledModel with the model's XNNPACK weight cache), every
-    signature run once when ``ran``: (instance, the classic Interpreter its inputs were made from, ran)."""
-    from ..._runtimes.litert import _open_helper
+def read_given(input_files: dict[str, str] | None) -> JsonDict:
+    """``--input NAME=FILE`` (SIGNATURE:NAME=FILE for one signature), read in a probe as verify reads it:
+    {"given": name -> array}, or {"usage": why not} (the parent raises it as a usage error)."""
+    from ..._verify import read_input
 
-    instance, runs = _open_helper(model_path, bounds)
-    classic = runs[0][2].interp if runs else None
-    if ran:
-        try:
-            for _key, call, entry in runs:
-                call(entry.feeds(0, given, None, dims))
-        except Exception:  # noqa: BLE001 -- inputs it cannot make up: the instance is measured unrun
-            ran = False
-    return instance, classic, ran
+    try:
+        return {"given": {name: read_input(name, file, {}) for name, file in (input_files or {}).items()}}
+    except UsageError as e:
+        return {"usage": e.message}
 
 
 def probe(
@@ -117,19 +110,18 @@ def probe(
 ) -> JsonDict:
     """In this (child) process: PSS after each of ``interpreters`` interpreters under the setting, or why LiteRT
     refused the model; ``buffers``: one interpreter's own buffers (``instance_buffers``: activations, inputs and
-    outputs, KV cache), which are not weight copies. ``loader`` "helper": instances of
-    ``weightshare.litert.interpreter`` (``litert-compiled-cache``), whose tensors CompiledModel does not expose:
-    ``arena`` is then 0 and ``buffers`` counts the helper's own input and output buffers too."""
-    from ..._runtimes.litert import instance_buffers, native_stderr_silenced, new_interpreter
+    outputs, KV cache), which are not weight copies. ``loader``: "interpreter" only; the helper's probe, through
+    ``weightshare.litert``, is ``LOADER_PROBES``'s (``_loader_probes.probe``)."""
+    from ..._runtimes.litert import native_stderr_silenced, new_interpreter
     from ..._runtimes.memory import data_pss, smaps_rollup
-    from ..._verify import read_input
+    from .signatures import instance_buffers
 
-    try:  # --input NAME=FILE (SIGNATURE:NAME=FILE for one signature), read as verify reads it
-        given = {name: read_input(name, file, {}) for name, file in (input_files or {}).items()}
-    except UsageError as e:
-        return {"usage": e.message}
-    if loader == "helper":
-        return _probe_helper(model_path, interpreters, bounds or {}, given, dims or {})
+    if loader != LOADERS[0]:
+        raise ValueError(f"loader {loader!r}: probed by {LOADER_PROBES}")
+    read = read_given(input_files)
+    if "usage" in read:
+        return read
+    given: dict[str, Any] = read["given"]
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
@@ -161,40 +153,6 @@ def probe(
     return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers, "arena": arena}
 
 
-def _probe_helper(
-    model_path: str,
-    interpreters: int,
-    bounds: dict[str, dict[str, int | None]],
-    given: dict[str, Any],
-    dims: dict[str, int],
-) -> JsonDict:
-    """``probe`` through ``weightshare.litert.interpreter``, as ``bench`` measures its ``--prepack`` variant."""
-    from ..._runtimes.litert import instance_buffers, native_stderr_silenced
-    from ..._runtimes.memory import data_pss, smaps_rollup
-
-    opened: list[Any] = []
-    pss: list[int] = []
-    data: list[int] = []
-    ran = True
-    classic = None
-    with native_stderr_silenced():
-        for _ in range(interpreters):
-            try:
-                instance, classic, ran = _run_helper(model_path, bounds, given, dims, ran)
-            except Exception as e:  # noqa: BLE001 -- any refusal is the answer
-                return {"error": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
-            if getattr(instance, "weightshare_cache", None) is None:  # the cache stopped matching meanwhile
-                return {"error": "weightshare.litert found no matching XNNPACK weight cache"}
-            opened.append((instance, classic))
-            pss.append(smaps_rollup()["Pss"])
-            data.append(data_pss())
-        try:  # after the measurements; the helper holds its own copy of every signature's inputs and outputs
-            buffers = instance_buffers(model_path, classic, io_copies=True) if classic is not None else 0
-        except Exception:  # noqa: BLE001 -- a figure beside the measurement, never a reason to drop it
-            buffers = 0
-    return {"pss": pss, "data_pss": data, "ran": ran, "buffers": buffers, "arena": [0] * len(pss)}
-
-
 PAID_COUNTS = ((1, 1), (1, SESSIONS), (2, 1))  # (processes, instances in each) measured for ``paid``
 
 
@@ -210,7 +168,6 @@ def paid(
     ("original": XNNPACK packing a private copy per interpreter): the PSS the model and its loader add to
     fresh processes (``in_children``) with 1 and 4 instances in one process, and of two processes with one instance
     each, alive at once. {} when either setting was not measured (no matching cache, LiteRT refused it)."""
-    from ..._runtimes.litert import hold
     from ..._runtimes.memory import in_children
 
     st = path.stat()
@@ -227,7 +184,7 @@ def paid(
             args: list[object] = [str(path), share, loader, bounds, dict(given.dims), dict(given.input_files)]
             try:
                 pss = in_children(
-                    hold.__module__, "hold", [*args, instances], processes, MALLOC_ENV, TIMEOUT_S, loader == "helper"
+                    LOADER_PROBES, "hold", [*args, instances], processes, MALLOC_ENV, TIMEOUT_S, loader == "helper"
                 )
             except RuntimeError as e:
                 notes.append(f"what a user pays is not measured ({setting}: {e})")
@@ -353,8 +310,8 @@ def measure_copies(
             {},
         )
     from ..._runtimes.bound import OverBound, child_memory, is_oom
-    from ..._runtimes.litert import signature_bounds
     from ..._runtimes.memory import in_child
+    from .signatures import signature_bounds
     from .verify import mapped
 
     try:
@@ -370,7 +327,7 @@ def measure_copies(
     for setting, share, loader in _settings(path, notes):
         try:
             res: JsonDict = in_child(
-                __name__,
+                LOADER_PROBES if loader == LOADERS[1] else __name__,
                 "probe",
                 [str(path), share, SESSIONS, bounds, dict(given.dims), dict(given.input_files), loader],
                 MALLOC_ENV,
@@ -444,3 +401,43 @@ def measurement_key(path: Path) -> tuple[dict[str, str], list[Path]] | None:
     if not facts:
         return None
     return facts, candidate_caches(path)
+
+
+def measure_interpreters(
+    model_path: str,
+    counts: list[int],
+    share: bool = True,
+    inputs: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+    loader: str = LOADERS[0],
+) -> list[JsonDict]:
+    """Memory of 1..N interpreters of ``model_path`` in a fresh process (``inputs``: name -> .npy file; ``env``:
+    variables added to the child's environment; ``loader``: one of ``LOADERS``): ``bench``'s rows."""
+    from ..._runtimes.memory import in_child
+    from ...errors import Unsupported
+    from .signatures import signature_bounds
+
+    try:
+        rows: list[JsonDict] = in_child(
+            LOADER_PROBES,
+            "bench_probe",
+            [model_path, sorted(counts), share, inputs or {}, loader, signature_bounds(model_path)],
+            env,
+        )
+    except RuntimeError as e:  # LiteRT refused the model or the inputs in the probe: the user's to fix, one line
+        detail = str(e).split("failed in a child process: ", 1)[-1]
+        raise Unsupported(
+            f"LiteRT could not run the model: {detail} (give real inputs with --input NAME=FILE.npy)", model_path
+        ) from None
+    return rows
+
+
+def measure_shared(
+    model_path: str,
+    counts: list[int],
+    share: bool = True,
+    inputs: dict[str, str] | None = None,
+    env: dict[str, str] | None = None,
+) -> list[JsonDict]:
+    """``measure_interpreters`` through ``weightshare.litert.interpreter`` (``bench``'s ``--prepack`` variant)."""
+    return measure_interpreters(model_path, counts, share, inputs, env, loader=LOADERS[1])

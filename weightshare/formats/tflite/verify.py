@@ -60,6 +60,7 @@ def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, 
     """A --prepack XNNPACK weight cache, checked through CompiledModel: original without, converted with it."""
     from ..._runtimes.litert import LITERT_ERRORS, compiled_entry_points
     from . import cache_record, xnnpack_cache
+    from .signatures import signature_bounds
     from .xnnpack_cache import open_cache
 
     cache, fd, why = open_cache(converted)
@@ -70,12 +71,14 @@ def _verify_weight_cache(report: VerifyReport, original: Path, converted: Path, 
     held = cache_record.HeldFd(fd)  # the cache LiteRT maps is the one that was checked
     path = f"LiteRT CompiledModel + XNNPACK weight cache {cache.name}"
     try:
-        ea = compiled_entry_points(str(original), str(original))
+        ea = compiled_entry_points(str(original), str(original), bounds_of=signature_bounds)
     except LITERT_ERRORS as e:
         report.notes.append(f"the original model does not run with LiteRT CompiledModel: {first_line(e)}")
         return
     try:
-        eb: Any = compiled_entry_points(str(converted), str(original), cache_record.fd_path(fd, cache))
+        eb: Any = compiled_entry_points(
+            str(converted), str(original), cache_record.fd_path(fd, cache), bounds_of=signature_bounds
+        )
     except LITERT_ERRORS as e:
         report.paths.append(path)
         report.mismatches.append(f"the converted model fails to load in {path}: {first_line(e)}")
@@ -92,20 +95,30 @@ def _lm_plan(original: Path, opts: dict[str, Any]) -> Any:
     """``--decode-steps``: the prefill and decode signatures read from the original (None without the option)."""
     if not opts.get("decode_steps"):
         return None
-    from ..._runtimes.litert import MODES, entry_points, open_mode
+    from ..._runtimes.litert import MODES
     from .decode import plan
 
-    return plan(dict(entry_points(open_mode(str(original), MODES[0]), str(original))), original)
+    return plan(dict(_entry_points(original, MODES[0])), original)
+
+
+def _entry_points(path: Path, mode: str) -> list[tuple[str, Any]]:
+    """The entry points of ``path`` in LiteRT ``mode``: opened first (a model LiteRT refuses is refused before its
+    graph is read), then its inputs used as indices read from the graph."""
+    from ..._runtimes.litert import entry_points, open_mode
+    from .signatures import signature_bounds
+
+    interp = open_mode(str(path), mode)
+    return list(entry_points(interp, signature_bounds(str(path))))
 
 
 def _check_given(original: Path, opts: dict[str, Any]) -> None:
     """``--input NAME=FILE`` / ``SIGNATURE:NAME=FILE`` must name an input of some signature of the model."""
     if not opts["inputs"]:
         return
-    from ..._runtimes.litert import LITERT_ERRORS, MODES, entry_points, open_mode, unknown_given
+    from ..._runtimes.litert import LITERT_ERRORS, MODES, unknown_given
 
     try:
-        entries = entry_points(open_mode(str(original), MODES[0]), str(original))
+        entries = _entry_points(original, MODES[0])
     except LITERT_ERRORS:
         return  # reported by the legs
     unknown = unknown_given(entries, opts["inputs"])
@@ -122,28 +135,29 @@ def _open_paths(
     memory, not a pair per mode: a 128 MiB two-signature LM's verify --decode-steps peaked at 682 MiB with both
     modes' pairs open, 503 MiB one pair at a time; scripts/bench_check.py --cost). A mode the original does not
     open is a line in ``refusals``."""
-    from ..._runtimes.litert import LITERT_ERRORS, MODES, compiled_entry_points, entry_points, open_mode
+    from ..._runtimes.litert import LITERT_ERRORS, MODES, compiled_entry_points
+    from .signatures import signature_bounds
 
     if external:  # only CompiledModel loads ExternalBuffer groups: run both models through it, same kernels
         try:
-            ca: Any = compiled_entry_points(str(original), str(original))
+            ca: Any = compiled_entry_points(str(original), str(original), bounds_of=signature_bounds)
         except LITERT_ERRORS as e:
             refusals.append(f"CompiledModel: {first_line(e)}")
             return
         try:
-            cb: Any = compiled_entry_points(str(converted), str(original))
+            cb: Any = compiled_entry_points(str(converted), str(original), bounds_of=signature_bounds)
         except LITERT_ERRORS as e:
             cb = f"the converted model fails to load in LiteRT CompiledModel: {first_line(e)}"
         yield "CompiledModel", "LiteRT CompiledModel", ca, cb
         return
     for mode in MODES:
         try:
-            ea = entry_points(open_mode(str(original), mode), str(original))
+            ea = _entry_points(original, mode)
         except LITERT_ERRORS as e:
             refusals.append(f"{mode}: {first_line(e)}")
             continue
         try:
-            eb: Any = entry_points(open_mode(str(converted), mode), str(converted))
+            eb: Any = _entry_points(converted, mode)
         except LITERT_ERRORS as e:
             eb = f"the converted model fails to load in LiteRT ({mode}): {first_line(e)}"
         yield mode, f"LiteRT Interpreter, {mode}", ea, eb
