@@ -93,6 +93,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "weightshare._checksum",
             "weightshare._paths",
             "weightshare._platform",
+            "weightshare._private_cache",
             "weightshare._findings",
             "weightshare.errors",
             "weightshare._version",

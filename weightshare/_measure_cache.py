@@ -29,17 +29,15 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
-import stat
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ._checksum import new_hasher
 from ._findings import Finding, code_named
 from ._inventory import MeasureInputs, ModelInventory
+from ._private_cache import open_private_dir, read_small, seal_key, write_atomic
 from ._recorded import recorded_records
 from ._version import __version__
 
@@ -60,8 +58,6 @@ __all__ = [
 SCHEMA = "weightshare-measured/1"  # bump when what a measurement means changes
 MAX_ENTRY = 256 << 10
 MAX_ENTRIES = 512
-_KEY_NAME = "key"
-_KEY_BYTES = 32
 _TMP_AGE_S = 3600
 _CHUNK = 4 << 20
 
@@ -161,89 +157,6 @@ def entry_key(parts: dict[str, object]) -> str:
     return hashlib.sha256(body.encode()).hexdigest()[:48]
 
 
-def _ours(st: os.stat_result, mode: int) -> bool:
-    return st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0 and stat.S_IFMT(st.st_mode) == mode
-
-
-@contextmanager
-def _open_dir(create: bool) -> Iterator[int | None]:
-    """A descriptor on the cache directory if it is ours and private (created 0700 when ``create``)."""
-    path = cache_dir()
-    if path is None:
-        yield None
-        return
-    if create:
-        try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError:
-            yield None
-            return
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        yield None
-        return
-    try:
-        yield fd if _ours(os.fstat(fd), stat.S_IFDIR) else None
-    finally:
-        os.close(fd)
-
-
-def _read_small(name: str, dir_fd: int, limit: int) -> bytes | None:
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not _ours(st, stat.S_IFREG) or st.st_size > limit:
-            return None
-        return os.pread(fd, limit + 1, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(name: str, data: bytes, dir_fd: int, replace: bool = True) -> bool:
-    tmp = f".tmp-{secrets.token_hex(8)}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    except OSError:
-        return False
-    try:
-        try:
-            os.fchmod(fd, 0o600)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        if replace:
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        else:
-            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            os.unlink(tmp, dir_fd=dir_fd)
-        return True
-    except OSError:
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
-        return False
-
-
-def _seal_key(dir_fd: int, create: bool) -> bytes | None:
-    key = _read_small(_KEY_NAME, dir_fd, _KEY_BYTES)
-    if key is None and create:
-        _write_atomic(_KEY_NAME, secrets.token_bytes(_KEY_BYTES), dir_fd, replace=False)  # a racing writer may win
-        key = _read_small(_KEY_NAME, dir_fd, _KEY_BYTES)
-    return key if key is not None and len(key) == _KEY_BYTES else None
-
-
 def _ints(value: object) -> dict[str, int] | None:
     if not isinstance(value, dict):
         return None
@@ -292,11 +205,11 @@ def _parse(key: str, body: bytes) -> MeasuredEntry | None:
 
 def load(key: str) -> MeasuredEntry | None:
     """The entry stored under ``key`` if it is authentic and well-formed, else None (a miss)."""
-    with _open_dir(create=False) as dir_fd:
+    with open_private_dir(cache_dir(), create=False) as dir_fd:
         if dir_fd is None:
             return None
-        seal = _seal_key(dir_fd, create=False)
-        data = _read_small(key, dir_fd, MAX_ENTRY)
+        seal = seal_key(dir_fd, create=False)
+        data = read_small(key, dir_fd, MAX_ENTRY)
     if seal is None or data is None:
         return None
     body, _, mac = data.rpartition(b"\n")
@@ -323,11 +236,11 @@ def store(key: str, entry: MeasuredEntry) -> bool:
     ).encode()
     if len(body) > MAX_ENTRY - 100:
         return False
-    with _open_dir(create=True) as dir_fd:
-        seal = None if dir_fd is None else _seal_key(dir_fd, create=True)
+    with open_private_dir(cache_dir(), create=True) as dir_fd:
+        seal = None if dir_fd is None else seal_key(dir_fd, create=True)
         if dir_fd is None or seal is None:
             return False
-        done = _write_atomic(key, body + b"\n" + hmac.new(seal, body, hashlib.sha256).hexdigest().encode(), dir_fd)
+        done = write_atomic(key, body + b"\n" + hmac.new(seal, body, hashlib.sha256).hexdigest().encode(), dir_fd)
         _prune(dir_fd, key)
     return done
 

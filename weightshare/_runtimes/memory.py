@@ -30,11 +30,9 @@ def smaps_rollup(pid: int | str = "self") -> dict[str, int]:
 _CODE = re.compile(r"\.so(\.[0-9.]+)?$")
 
 
-def data_pss(pid: int | str = "self") -> int:
-    """PSS in bytes of every mapping but program code: anonymous memory (heap, arenas, copies) and mapped data
-    files (weights), without shared libraries and executables (``/proc/<pid>/smaps``). Code is not per session,
-    but its PSS moves whenever another process maps or unmaps the same library (measured: +-1.5 MiB between two
-    reads of an onnxruntime process on a shared machine), which would drown a few MiB of per-session copies."""
+def _smaps_sum(pid: int | str, dirty_code: bool) -> int:
+    """Bytes of ``Pss`` over every mapping of ``/proc/<pid>/smaps`` but program code (libraries, executables),
+    plus, with ``dirty_code``, the ``Private_Dirty`` pages of the code mappings."""
     total, code = 0, False
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
@@ -44,9 +42,17 @@ def data_pss(pid: int | str = "self") -> int:
             if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):  # a mapping's header line
                 path = parts[5] if len(parts) > 5 else ""
                 code = bool(path) and not path.startswith("[") and ("x" in parts[1] or bool(_CODE.search(path)))
-            elif parts[0] == "Pss:" and not code:
+            elif (parts[0] == "Pss:" and not code) or (dirty_code and parts[0] == "Private_Dirty:" and code):
                 total += int(parts[1]) * 1024
     return total
+
+
+def data_pss(pid: int | str = "self") -> int:
+    """PSS in bytes of every mapping but program code: anonymous memory (heap, arenas, copies) and mapped data
+    files (weights), without shared libraries and executables (``/proc/<pid>/smaps``). Code is not per session,
+    but its PSS moves whenever another process maps or unmaps the same library (measured: +-1.5 MiB between two
+    reads of an onnxruntime process on a shared machine), which would drown a few MiB of per-session copies."""
+    return _smaps_sum(pid, dirty_code=False)
 
 
 def paid_pss(pid: int | str = "self") -> int:
@@ -54,18 +60,7 @@ def paid_pss(pid: int | str = "self") -> int:
     the machine that loads the same library shares (their PSS moves with processes that are not the user's:
     +-5 MiB for LiteRT's 10 MiB library on a shared machine), plus the pages of code mappings this process
     dirtied (relocations, a library's data: 3.8 MiB for LiteRT's WebGPU accelerator, which CompiledModel loads)."""
-    total, code = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if not parts:
-                continue
-            if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):  # a mapping's header line
-                path = parts[5] if len(parts) > 5 else ""
-                code = bool(path) and not path.startswith("[") and ("x" in parts[1] or bool(_CODE.search(path)))
-            elif (parts[0] == "Pss:" and not code) or (parts[0] == "Private_Dirty:" and code):
-                total += int(parts[1]) * 1024
-    return total
+    return _smaps_sum(pid, dirty_code=True)
 
 
 def resident_bytes(spans: list[tuple[int, int]]) -> int:

@@ -27,20 +27,15 @@ import hmac
 import json
 import logging
 import os
-import secrets
-import stat
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
+from ...._private_cache import open_private_dir, read_small, seal_key, write_atomic
 from ...._safetensors import read_header
 from ....errors import InvalidModel
 
 log = logging.getLogger("weightshare.ort")
 
 _FORMAT = "weightshare-ort-verdict/1"
-_KEY_NAME = "key"
-_KEY_BYTES = 32
 _MAX_ENTRY = 4096
 MAX_ENTRIES = 128
 MAX_AGE_S = 30 * 86400
@@ -59,95 +54,6 @@ def cache_dir() -> Path | None:
     return Path(base) / "weightshare" / "ort-verified"
 
 
-def _ours(st: os.stat_result, mode: int) -> bool:
-    return st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) & 0o077 == 0 and stat.S_IFMT(st.st_mode) == mode
-
-
-@contextmanager
-def _open_dir(create: bool) -> Iterator[int | None]:
-    """A descriptor on the cache directory if it is ours and private (created 0700 when ``create``)."""
-    path = cache_dir()
-    if path is None:
-        yield None
-        return
-    if create:
-        try:
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError:
-            yield None
-            return
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        yield None
-        return
-    try:
-        yield fd if _ours(os.fstat(fd), stat.S_IFDIR) else None
-    finally:
-        os.close(fd)
-
-
-def _read_small(name: str, dir_fd: int, limit: int) -> bytes | None:
-    """The bytes of ``name`` in ``dir_fd`` if it is a regular 0600 file of ours no larger than ``limit``."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not _ours(st, stat.S_IFREG) or st.st_size > limit:
-            return None
-        return os.pread(fd, limit + 1, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
-def _write_atomic(name: str, data: bytes, dir_fd: int, replace: bool = True) -> bool:
-    """Write ``data`` to a private temporary in ``dir_fd`` and rename it to ``name`` (not over one if not
-    ``replace``); False on any failure, leaving nothing behind."""
-    tmp = f".tmp-{secrets.token_hex(8)}"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    except OSError:
-        return False
-    try:
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        finally:
-            os.close(fd)
-        if replace:
-            os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-        else:
-            os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-            os.unlink(tmp, dir_fd=dir_fd)
-        return True
-    except OSError:
-        try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
-        return False
-
-
-def _key(dir_fd: int, create: bool) -> bytes | None:
-    key = _read_small(_KEY_NAME, dir_fd, _KEY_BYTES)
-    if key is not None:
-        return key if len(key) == _KEY_BYTES else None
-    if not create:
-        return None
-    _write_atomic(_KEY_NAME, secrets.token_bytes(_KEY_BYTES), dir_fd, replace=False)  # a racing writer may win
-    key = _read_small(_KEY_NAME, dir_fd, _KEY_BYTES)
-    return key if key is not None and len(key) == _KEY_BYTES else None
-
-
 def _entry(identity: Identity, header_sha256: str) -> tuple[str, bytes]:
     body = json.dumps({"format": _FORMAT, "identity": list(identity), "header_sha256": header_sha256}).encode()
     return hashlib.sha256(body).hexdigest()[:40], body
@@ -156,11 +62,11 @@ def _entry(identity: Identity, header_sha256: str) -> tuple[str, bytes]:
 def is_intact(identity: Identity, header_sha256: str) -> bool:
     """True when an authentic entry says the blob with this identity and header was verified intact."""
     name, body = _entry(identity, header_sha256)
-    with _open_dir(create=False) as dir_fd:
+    with open_private_dir(cache_dir(), create=False) as dir_fd:
         if dir_fd is None:
             return False
-        key = _key(dir_fd, create=False)
-        data = _read_small(name, dir_fd, _MAX_ENTRY)
+        key = seal_key(dir_fd, create=False)
+        data = read_small(name, dir_fd, _MAX_ENTRY)
     if key is None or data is None:
         return False
     body_read, _, mac = data.rpartition(b"\n")
@@ -171,12 +77,12 @@ def is_intact(identity: Identity, header_sha256: str) -> bool:
 def remember_intact(identity: Identity, header_sha256: str) -> None:
     """Record that this blob passed (best effort: a cache that cannot be written is only slower)."""
     name, body = _entry(identity, header_sha256)
-    with _open_dir(create=True) as dir_fd:
-        key = None if dir_fd is None else _key(dir_fd, create=True)
+    with open_private_dir(cache_dir(), create=True) as dir_fd:
+        key = None if dir_fd is None else seal_key(dir_fd, create=True)
         if dir_fd is None or key is None:
             log.debug("weightshare: the verdict cache %s is not usable; not remembering the check", cache_dir())
             return
-        _write_atomic(name, body + b"\n" + hmac.new(key, body, hashlib.sha256).hexdigest().encode(), dir_fd)
+        write_atomic(name, body + b"\n" + hmac.new(key, body, hashlib.sha256).hexdigest().encode(), dir_fd)
         prune(dir_fd, keep=name)
 
 
