@@ -37,7 +37,7 @@ from pathlib import Path
 from ._checksum import new_hasher
 from ._findings import Finding, code_named
 from ._inventory import MeasureInputs, ModelInventory
-from ._private_cache import open_private_dir, read_small, seal_key, write_atomic
+from ._private_cache import cache_path, open_private_dir, read_small, seal_key, write_atomic
 from ._recorded import recorded_records
 from ._version import __version__
 
@@ -76,13 +76,8 @@ class MeasuredEntry:
 
 
 def cache_dir() -> Path | None:
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not base or not os.path.isabs(base):
-        home = os.environ.get("HOME", "")
-        if not home or not os.path.isabs(home):
-            return None
-        base = os.path.join(home, ".cache")
-    return Path(base) / "weightshare" / "measured"
+    """Where the measured verdicts live, or None when there is no usable base directory."""
+    return cache_path("measured")
 
 
 def _hash_file(h: object, path: Path) -> bool:

@@ -15,10 +15,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["open_private_dir", "read_small", "seal_key", "write_atomic"]
+__all__ = ["cache_path", "open_private_dir", "read_small", "seal_key", "write_atomic"]
 
 KEY_NAME = "key"
 KEY_BYTES = 32
+
+
+def cache_path(name: str) -> Path | None:
+    """``$XDG_CACHE_HOME/weightshare/NAME`` (else ``~/.cache/...``); None when neither base is an absolute path."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not base or not os.path.isabs(base):
+        home = os.environ.get("HOME", "")
+        if not home or not os.path.isabs(home):
+            return None
+        base = os.path.join(home, ".cache")
+    return Path(base) / "weightshare" / name
 
 
 def _ours(st: os.stat_result, mode: int) -> bool:

@@ -29,7 +29,7 @@ import logging
 import os
 from pathlib import Path
 
-from ...._private_cache import open_private_dir, read_small, seal_key, write_atomic
+from ...._private_cache import cache_path, open_private_dir, read_small, seal_key, write_atomic
 from ...._safetensors import read_header
 from ....errors import InvalidModel
 
@@ -45,13 +45,7 @@ Identity = tuple[int, int, int, int, int]
 
 def cache_dir() -> Path | None:
     """Where the verdicts live, or None when there is no usable base directory."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    if not base or not os.path.isabs(base):
-        home = os.environ.get("HOME", "")
-        if not home or not os.path.isabs(home):
-            return None
-        base = os.path.join(home, ".cache")
-    return Path(base) / "weightshare" / "ort-verified"
+    return cache_path("ort-verified")
 
 
 def _entry(identity: Identity, header_sha256: str) -> tuple[str, bytes]:
