@@ -9,9 +9,10 @@ FORMS_DIR is what ``scripts/build_exporter_forms.py`` built (run that first with
   verify:  ``weightshare verify ORIGINAL CONVERTED`` exit code
   bits:    outputs of the converted model against ORT on the original, both at default options, np.array_equal at
            batch 1, 8 and 64 (decoders: sequence 1 and 16)
-  PSS:     1 and 4 sessions in one fresh process started with MALLOC_MMAP_THRESHOLD_=1048576, CPU arena off
-           (``enable_cpu_mem_arena=False``: activations do not count), above a process that imported onnxruntime;
-           genai folders: 1 and 4 ``og.Model``s (scripts/bench_genai.py's probe)
+  PSS:     1 and 4 sessions in one fresh process started with MALLOC_MMAP_THRESHOLD_=1048576, above a process
+           that imported onnxruntime, twice: CPU arena off (``enable_cpu_mem_arena=False``: activations do not
+           count) and at the default arena (what a user's session holds); genai folders: 1 and 4 ``og.Model``s at
+           the session options of their genai_config.json (scripts/bench_genai.py's probe), one figure
   latency: median ms of one run at batch 1 (decoders: 16 tokens), original and converted interleaved in one process
   check:   ``weightshare check MODEL --json`` with no options: exit code and its weight figure per extra session at
            the model's default setting, printed next to the measured PSS per extra session ((4 - 1) / 3)
@@ -66,15 +67,15 @@ def _session(path: str, arena: bool = True):
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
 
 
-def probe_pss(path: str, kind: str) -> list[float]:
-    """Child: PSS above an onnxruntime-importing baseline after 1..4 default-option sessions, arena off."""
+def probe_pss(path: str, kind: str, arena: str = "off") -> list[float]:
+    """Child: PSS above an onnxruntime-importing baseline after 1..4 default-option sessions, arena off or on."""
     import onnxruntime  # noqa: F401
 
     from weightshare.ort import malloc_trim
 
     base, rows, held = memory_now()["pss_mib"], [], []
     for _ in range(4):
-        s = _session(path, arena=False)
+        s = _session(path, arena=arena == "on")
         s.run(None, feeds(s, kind, 1, 16 if kind == "decoder" else 0))
         malloc_trim()
         held.append(s)
@@ -82,12 +83,12 @@ def probe_pss(path: str, kind: str) -> list[float]:
     return rows
 
 
-def pss(path: Path, kind: str) -> list[float]:
+def pss(path: Path, kind: str, arena: str = "off") -> list[float]:
     if kind == "genai":
         cmd = [sys.executable, str(Path(__file__).with_name("bench_genai.py")), "--probe", "models", str(path), "1"]
         out = subprocess.run(cmd, env={**os.environ, **MALLOC}, capture_output=True, text=True, check=True)
     else:
-        cmd = [sys.executable, __file__, "--probe", str(path), kind]
+        cmd = [sys.executable, __file__, "--probe", str(path), kind, arena]
         out = subprocess.run(cmd, env={**os.environ, **MALLOC}, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -178,6 +179,7 @@ def bench_form(forms_dir: Path, form: str, work: Path, reps: int) -> dict:
     if "fp16" not in form:
         routes.pop("--prepack --unpack ort-cpu")
     r: dict = {"form": form, "kind": kind, "original_pss": pss(src if kind == "genai" else orig_model, kind)}
+    r["original_pss_arena"] = None if kind == "genai" else pss(orig_model, kind, "on")
     r["original_check"] = check(src if kind == "genai" else orig_model)
     r["routes"] = {}
     for name, flags in routes.items():
@@ -195,6 +197,7 @@ def bench_form(forms_dir: Path, form: str, work: Path, reps: int) -> dict:
             row["verify"] = v.returncode
             row["identical"], row["max_diff"] = bits(src if kind == "genai" else orig_model, conv_model, kind)
             row["pss"] = pss(conv_model, kind)
+            row["pss_arena"] = None if kind == "genai" else pss(conv_model, kind, "on")
             row["latency_ms"] = latency(orig_model, conv_file, kind, reps)
             row["check"] = check(conv_model)
         r["routes"][name] = row
@@ -202,28 +205,39 @@ def bench_form(forms_dir: Path, form: str, work: Path, reps: int) -> dict:
     return r
 
 
+def _ratio(p: list[float]) -> str:
+    return f"{p[0]} -> {p[3]} ({p[3] / p[0]:.2f}x)"
+
+
+def _pss_cells(off: list[float], on: list[float] | None, kind: str) -> str:
+    """Arena off | default arena; a genai folder has one figure, at its genai_config.json's session options."""
+    return f"- | {_ratio(off)} (genai_config)" if kind == "genai" else f"{_ratio(off)} | {_ratio(on or off)}"
+
+
 def show(results: list[dict]) -> None:
-    head = f"| {'form':12} | {'route':26} | convert | tree peak | verify | bits (b1/8/64) | PSS 1 -> 4 (x) "
+    head = f"| {'form':12} | {'route':26} | convert | tree peak | verify | bits (b1/8/64) | PSS 1 -> 4 (x), arena off "
+    head += "| PSS 1 -> 4 (x), default arena "
     head += "| PSS per extra session | check: exit, weights MiB/session | ms orig/conv |"
     print("\n" + head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in results:
         o = r["original_pss"]
         print(
-            f"| {r['form']:12} | {'original':26} | - | - | - | - | {o[0]} -> {o[3]} ({o[3] / o[0]:.2f}x) "
+            f"| {r['form']:12} | {'original':26} | - | - | - | - | {_pss_cells(o, r['original_pss_arena'], r['kind'])} "
             f"| {(o[3] - o[0]) / 3:.1f} MiB | {_check_cell(r['original_check'])} | - |"
         )
         for name, row in r["routes"].items():
             c = row["convert"]
             if c["exit"]:
-                print(f"| {r['form']:12} | {name:26} | exit {c['exit']} | {c['tree_peak_mib']} MiB " + "| - " * 6 + "|")
+                print(f"| {r['form']:12} | {name:26} | exit {c['exit']} | {c['tree_peak_mib']} MiB " + "| - " * 7 + "|")
                 print(f"|   | refused: | {c['error'][:160]} |||||||")
                 continue
             p, (la, lb) = row["pss"], row["latency_ms"]
             bit = "equal" if row["identical"] else f"differ {row['max_diff']:.2g}"
             print(
                 f"| {r['form']:12} | {name:26} | {c['wall_s']} s | {c['tree_peak_mib']} MiB | {row['verify']} | {bit} "
-                f"| {p[0]} -> {p[3]} ({p[3] / p[0]:.2f}x) | {(p[3] - p[0]) / 3:.1f} MiB | {_check_cell(row['check'])} "
+                f"| {_pss_cells(p, row['pss_arena'], r['kind'])} | {(p[3] - p[0]) / 3:.1f} MiB "
+                f"| {_check_cell(row['check'])} "
                 f"| {la}/{lb} |"
             )
 
@@ -235,7 +249,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--probe", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--probe", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.probe:
         print(json.dumps(probe_pss(*args.probe)))

@@ -40,11 +40,15 @@ FORMS = (
     "genai-int4", "genai-fp32", "dynamo-fp32", "dynamo-fp16", "vit-fp16", "dynamo-fp16-wide", "vit-fp16-base",
     "optimum-whisper", "optimum-vit",
 )  # fmt: skip
+# Where the venvs live differs between machines: WS_EXVENV_TORCH_GENAI / WS_EXVENV_OPTIMUM name them (only the
+# refusal line prints them; the check is that this python imports the module).
+_TORCH_GENAI = os.environ.get("WS_EXVENV_TORCH_GENAI", "/work/exvenv/torch-genai")
+_OPTIMUM = os.environ.get("WS_EXVENV_OPTIMUM", "/work/exvenv/optimum")
 VENVS = {  # form prefix -> the venv (../shared/EXPORTERS.md) and a module only that venv has
-    "genai-": ("/work/exvenv/torch-genai", "onnxruntime_genai"),
-    "dynamo-": ("/work/exvenv/torch-genai", "torch"),
-    "vit-": ("/work/exvenv/torch-genai", "torch"),
-    "optimum-": ("/work/exvenv/optimum", "optimum.exporters.onnx"),
+    "genai-": (_TORCH_GENAI, "onnxruntime_genai"),
+    "dynamo-": (_TORCH_GENAI, "torch"),
+    "vit-": (_TORCH_GENAI, "torch"),
+    "optimum-": (_OPTIMUM, "optimum.exporters.onnx"),
 }
 
 # Big enough that per-session copies stand out from a session's own state; every MatMulNBits buffer stays below
