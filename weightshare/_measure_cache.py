@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import hmac
 import json
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -37,7 +35,7 @@ from pathlib import Path
 from ._checksum import new_hasher
 from ._findings import Finding, code_named
 from ._inventory import MeasureInputs, ModelInventory
-from ._private_cache import cache_path, open_private_dir, read_small, seal_key, write_atomic
+from ._private_cache import Bound, cache_path, read_sealed, write_sealed
 from ._recorded import recorded_records
 from ._version import __version__
 
@@ -58,7 +56,7 @@ __all__ = [
 SCHEMA = "weightshare-measured/1"  # bump when what a measurement means changes
 MAX_ENTRY = 256 << 10
 MAX_ENTRIES = 512
-_TMP_AGE_S = 3600
+_BOUND = Bound(name_len=48, max_entries=MAX_ENTRIES)
 _CHUNK = 4 << 20
 
 
@@ -200,17 +198,8 @@ def _parse(key: str, body: bytes) -> MeasuredEntry | None:
 
 def load(key: str) -> MeasuredEntry | None:
     """The entry stored under ``key`` if it is authentic and well-formed, else None (a miss)."""
-    with open_private_dir(cache_dir(), create=False) as dir_fd:
-        if dir_fd is None:
-            return None
-        seal = seal_key(dir_fd, create=False)
-        data = read_small(key, dir_fd, MAX_ENTRY)
-    if seal is None or data is None:
-        return None
-    body, _, mac = data.rpartition(b"\n")
-    if not hmac.compare_digest(mac, hmac.new(seal, body, hashlib.sha256).hexdigest().encode()):
-        return None
-    return _parse(key, body)
+    body = read_sealed(cache_dir(), key, MAX_ENTRY)
+    return None if body is None else _parse(key, body)
 
 
 def store(key: str, entry: MeasuredEntry) -> bool:
@@ -231,44 +220,7 @@ def store(key: str, entry: MeasuredEntry) -> bool:
     ).encode()
     if len(body) > MAX_ENTRY - 100:
         return False
-    with open_private_dir(cache_dir(), create=True) as dir_fd:
-        seal = None if dir_fd is None else seal_key(dir_fd, create=True)
-        if dir_fd is None or seal is None:
-            return False
-        done = write_atomic(key, body + b"\n" + hmac.new(seal, body, hashlib.sha256).hexdigest().encode(), dir_fd)
-        _prune(dir_fd, key)
-    return done
-
-
-def _prune(dir_fd: int, keep: str) -> None:
-    """At most ``MAX_ENTRIES`` entries (the least recently written go); a killed writer's temporary after an hour."""
-    now = time.time()
-    entries: list[tuple[float, str]] = []
-    try:
-        names = os.listdir(dir_fd)
-    except OSError:
-        return
-    for n in names:
-        is_entry = len(n) == 48 and all(c in "0123456789abcdef" for c in n)
-        if not is_entry and not n.startswith(".tmp-"):
-            continue
-        try:
-            st = os.stat(n, dir_fd=dir_fd, follow_symlinks=False)
-        except OSError:
-            continue
-        if is_entry:
-            entries.append((now if n == keep else st.st_mtime, n))
-        elif now - st.st_mtime > _TMP_AGE_S:
-            _unlink(n, dir_fd)
-    for _mtime, n in sorted(entries, reverse=True)[MAX_ENTRIES:]:
-        _unlink(n, dir_fd)
-
-
-def _unlink(name: str, dir_fd: int) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
+    return write_sealed(cache_dir(), key, body, _BOUND)
 
 
 def now_utc() -> str:

@@ -23,13 +23,11 @@ re-conversion makes a new blob (a new inode), so without this the entries of blo
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import logging
-import os
 from pathlib import Path
 
-from ...._private_cache import cache_path, open_private_dir, read_small, seal_key, write_atomic
+from ...._private_cache import Bound, cache_path, read_sealed, write_sealed
 from ...._safetensors import read_header
 from ....errors import InvalidModel
 
@@ -39,7 +37,7 @@ _FORMAT = "weightshare-ort-verdict/1"
 _MAX_ENTRY = 4096
 MAX_ENTRIES = 128
 MAX_AGE_S = 30 * 86400
-_TMP_AGE_S = 3600
+_BOUND = Bound(name_len=40, max_entries=MAX_ENTRIES, max_age_s=MAX_AGE_S)
 Identity = tuple[int, int, int, int, int]
 
 
@@ -56,65 +54,14 @@ def _entry(identity: Identity, header_sha256: str) -> tuple[str, bytes]:
 def is_intact(identity: Identity, header_sha256: str) -> bool:
     """True when an authentic entry says the blob with this identity and header was verified intact."""
     name, body = _entry(identity, header_sha256)
-    with open_private_dir(cache_dir(), create=False) as dir_fd:
-        if dir_fd is None:
-            return False
-        key = seal_key(dir_fd, create=False)
-        data = read_small(name, dir_fd, _MAX_ENTRY)
-    if key is None or data is None:
-        return False
-    body_read, _, mac = data.rpartition(b"\n")
-    expected = hmac.new(key, body, hashlib.sha256).hexdigest().encode()
-    return body_read == body and hmac.compare_digest(mac, expected)
+    return read_sealed(cache_dir(), name, _MAX_ENTRY) == body
 
 
 def remember_intact(identity: Identity, header_sha256: str) -> None:
     """Record that this blob passed (best effort: a cache that cannot be written is only slower)."""
     name, body = _entry(identity, header_sha256)
-    with open_private_dir(cache_dir(), create=True) as dir_fd:
-        key = None if dir_fd is None else seal_key(dir_fd, create=True)
-        if dir_fd is None or key is None:
-            log.debug("weightshare: the verdict cache %s is not usable; not remembering the check", cache_dir())
-            return
-        write_atomic(name, body + b"\n" + hmac.new(key, body, hashlib.sha256).hexdigest().encode(), dir_fd)
-        prune(dir_fd, keep=name)
-
-
-def prune(dir_fd: int, keep: str = "", now: float | None = None) -> None:
-    """Bound the cache (``MAX_ENTRIES``, ``MAX_AGE_S``); best effort, concurrent writers may prune the same."""
-    import time
-
-    now = time.time() if now is None else now
-    entries: list[tuple[float, str]] = []
-    try:
-        names = os.listdir(dir_fd)
-    except OSError:
-        return
-    for n in names:
-        is_entry = len(n) == 40 and all(c in "0123456789abcdef" for c in n)
-        if not is_entry and not n.startswith(".tmp-"):
-            continue  # the key, or nothing of ours
-        try:
-            st = os.stat(n, dir_fd=dir_fd, follow_symlinks=False)
-        except OSError:
-            continue
-        if not is_entry:
-            if now - st.st_mtime > _TMP_AGE_S:
-                _unlink(n, dir_fd)
-        elif n != keep and now - st.st_mtime > MAX_AGE_S:
-            _unlink(n, dir_fd)
-        else:
-            entries.append((st.st_mtime if n != keep else now, n))
-    entries.sort(reverse=True)
-    for _mtime, n in entries[MAX_ENTRIES:]:
-        _unlink(n, dir_fd)
-
-
-def _unlink(name: str, dir_fd: int) -> None:
-    try:
-        os.unlink(name, dir_fd=dir_fd)
-    except OSError:
-        pass
+    if not write_sealed(cache_dir(), name, body, _BOUND):
+        log.debug("weightshare: the verdict cache %s is not usable; not remembering the check", cache_dir())
 
 
 def header_sha256(fd: int) -> str | None:
