@@ -111,7 +111,8 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 # Writes go to the kernel in pieces of this size. On this Linux (6.18, ext4) a pwrite of 1 MiB or more costs
-# 0.9-1.4 system CPU s per GiB against 0.17 in 256 KiB pieces, from the same buffer (docs/performance.md).
+# 0.9-1.4 system CPU s per GiB against 0.17 in 256 KiB pieces, from the same buffer (scripts/bench_convert.py
+# prints both loops).
 PWRITE_PIECE = 256 << 10
 KERNEL_COPY_MIN = 1 << 20  # below this a copy_file_range + hand-over to the hashing thread costs more than it saves
 KERNEL_COPY_STEP = 64 << 20  # per copy_file_range call: few syscalls, writeback started often enough
