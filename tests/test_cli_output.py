@@ -282,6 +282,25 @@ def test_stage_lines_with_v_only_on_stderr_and_json_stays_clean(tmp_path, capsys
         assert all(x.startswith(f"{model.name}: ") and x.endswith(" ...") for x in lines), lines
 
 
+def test_a_batch_names_the_model_each_child_stage_works_on(tmp_path, capsys):
+    """A batch's stage lines were labelled with the run only (`2 models: onnxruntime optimizes ...`), which does not
+    say which model the child is packing; a folder's name each model by its path in the folder."""
+    a = mlp_onnx(tmp_path / "a.onnx", layers=2, dim=64, weights="float32")
+    b = mlp_onnx(tmp_path / "b.onnx", layers=2, dim=96, weights="float32")
+    assert _run(["-v", "convert", a, b, "-o", tmp_path / "out", "--prepack"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    for name in ("a.onnx", "b.onnx"):
+        assert f"2 models: {name}: onnxruntime optimizes and packs the weights (child process) ..." in lines, lines
+    folder = tmp_path / "repo"
+    (folder / "onnx").mkdir(parents=True)
+    for m in (a, b):
+        (folder / "onnx" / m.name).write_bytes(m.read_bytes())
+    assert _run(["-v", "convert", folder, "-o", tmp_path / "out-repo", "--prepack"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    packs = "onnx/b.onnx: onnxruntime optimizes and packs the weights (child process) ..."
+    assert any(x.endswith(packs) for x in lines), lines
+
+
 def test_bytes_with_no_total_announced_end_the_phase_clock(monkeypatch):
     """Core ML announces no total before writing: the first bytes switch the bar from `reading [mm:ss]` to them."""
     import io

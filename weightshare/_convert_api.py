@@ -32,6 +32,7 @@ from ._run import (
     finish,
     peak_window,
     prepare_out_dir,
+    stages_named,
 )
 from .errors import Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
@@ -357,7 +358,8 @@ def _run_planned(
         for src, fmt in zip(sources, formats):
             t0 = time.perf_counter()
             staged = len(tx.finals())
-            with _inputs.hold(src):  # opened once, checked against the plan; every read of it goes through that
+            # opened once, checked against the plan; every read of it goes through that
+            with _inputs.hold(src), stages_named(options, src.name, len(sources) > 1):
                 reports.append(finish(convert_one(fmt, src, out, options, tx), t0))
             # one key per model: its companions (a --prepack twin) go when a later run of it no longer writes them
             record.add(run_key("model", [src]), tx.finals()[staged:], [src])

@@ -22,7 +22,7 @@ from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
 from ._inputs import PlannedInput, hold, open_input, plan_input, planned_inputs
 from ._outputs_record import RECORD, attach, run_key
 from ._paths import check_no_overlap, check_utf8_path
-from ._run import convert_one, finish, peak_window, prepare_out_dir
+from ._run import convert_one, finish, peak_window, prepare_out_dir, stages_named
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
 from .formats.base import KeepsAsIs
@@ -114,7 +114,8 @@ def _convert_each(
         model, where = folder / rel, out_dir / rel.parent
         tx.make_dirs(where)
         t0 = time.perf_counter()
-        with hold(model):  # opened once, checked against the plan; every read of it goes through that
+        # opened once, checked against the plan; every read of it goes through that
+        with hold(model), stages_named(opts, rel, len(models) > 1):
             fmt = detect(model)
             if not copied_as_is(folder, rel, fmt, out_dir, opts, tx, report):
                 report.models.append(finish(convert_one(fmt, model, where, opts, tx), t0))

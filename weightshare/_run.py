@@ -112,6 +112,21 @@ def peak_window() -> Iterator[None]:
             _tree.close()
 
 
+@contextmanager
+def stages_named(options: ConvertOptions, label: str | os.PathLike[str], several: bool) -> Iterator[None]:
+    """While one model of several is worked on, each stage line names it: a batch's or zoo's line is labelled with
+    the run ("3 models", "zoo"), which does not say which model the runtime's child is working on."""
+    stage = options.stage
+    if stage is None or not several:
+        yield
+        return
+    options.stage = lambda message: stage(f"{os.fspath(label)}: {message}")
+    try:
+        yield
+    finally:
+        options.stage = stage
+
+
 def add_child_peak(report: ConversionReport, own_mib: float) -> None:
     """--prepack's ORT child runs while the converter waits for it: the tree's peak counts both; each is also
     named on its own (the child's from its own ``ru_maxrss``, which a 50 ms sample can miss)."""

@@ -15,7 +15,7 @@ from ._folder import FolderReport, copied_as_is, is_model_folder, run_folder
 from ._inputs import hold, plan_inputs, planned_inputs
 from ._outputs_record import RECORD, attach, named_key
 from ._pipeline import PreparedModel, blob_target, write_models
-from ._run import check_input, check_outputs, convert_one, finish, peak_window, prepare_out_dir
+from ._run import check_input, check_outputs, convert_one, finish, peak_window, prepare_out_dir, stages_named
 from .errors import Unsupported, UsageError
 from .formats import Format, detect
 from .options import ConvertOptions
@@ -82,7 +82,8 @@ def write_zoo(
         disk = stages.enter_context(DiskPeak(out)) if options.prepack else None  # entered first: exits last
         prepared = []
         for fmt, src in zip(formats, sources):
-            with hold(src):  # opened once, checked against the plan; its payload sources keep that descriptor
+            # opened once, checked against the plan; its payload sources keep that descriptor
+            with hold(src), stages_named(options, src.name, len(sources) > 1):
                 prepared.append(_prepare_zoo_model(fmt, src, out, options, stages))
         for p, src in zip(prepared, sources):
             p.name_prefix = f"{src.stem}/" if len(prepared) > 1 else ""
