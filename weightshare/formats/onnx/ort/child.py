@@ -531,7 +531,7 @@ class Sharer:
         them to. ``tag``: a segment's, whose files go when the segment is dropped; the names returned."""
         from ..disk_use import punch
         from ..graph import external_tensors
-        from .prepack import PACKED_FILE_KEY
+        from .names import PACKED_FILE_KEY
 
         rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
         self.kept |= {rest, packed}

@@ -47,6 +47,7 @@ from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
+from .names import PACKED_FILE_KEY as PACKED_FILE_KEY  # the child's: the file its prepacked_N entries point into
 from .names import PREPACKED_ENTRY as PREPACKED_ENTRY  # the tests read it here
 from .names import apply_saved_hook, unknown_entry_message, unknown_keys
 from .opened import require_floor
@@ -57,7 +58,6 @@ from .server import OrtChild, run_child
 from .unfuse import drop_unused, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
-PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
 STAGE_BLOB = "plain"
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 # ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
