@@ -105,6 +105,16 @@ def test_a_three_model_folder_starts_one_onnxruntime_child(tmp_path, counted):
             assert all(np.array_equal(x, y) for x, y in zip(a.run(None, feeds), b.run(None, feeds))), (name, batch)
 
 
+def test_a_zoo_starts_one_child_and_ends_it_with_the_run(tmp_path, counted):
+    src = tmp_path / "src"
+    fx.t5_like(src, heads=HEADS, size=SIZE)
+    models = [src / "decoder_model.onnx", src / "decoder_with_past_model.onnx"]
+    zoo = weightshare.convert(models, tmp_path / "zoo", prepack=True, shared_blob="t5")
+    assert len(counted) == 1
+    assert [m.prepack["ort_child_started"] for m in zoo.models] == [True, False]
+    assert _children_alive() == []
+
+
 def test_one_child_writes_what_a_child_per_model_writes(tmp_path, counted):
     """The same three models converted one run each (a child each) and as one folder (one child): every output
     byte-identical; the second run's child is a new one (the first ended with its run)."""

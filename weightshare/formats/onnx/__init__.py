@@ -80,10 +80,8 @@ class OnnxFormat(FormatDefaults):
 
         # the zoo's packings are reused across its models, and one onnxruntime child serves them (``stages`` spans
         # the run: the child ends with it)
-        child = run_child(stages)
-        stages.callback(child.close)
         held = stages.enter_context(staging(out_dir))
-        return prepare_prepacked(src, out_dir, options, held, run_cache(stages), child)
+        return prepare_prepacked(src, out_dir, options, held, run_cache(stages), run_child(stages))
 
     def join_shared(self, prepared: list[PreparedModel], options: ConvertOptions) -> None:
         """Zoo mode with --prepack: one blob record naming every model's portable twin."""

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import weakref
+from contextlib import ExitStack
 from typing import IO
 from weakref import WeakKeyDictionary
 
@@ -129,9 +130,11 @@ _children: WeakKeyDictionary[object, OrtChild] = WeakKeyDictionary()
 
 def run_child(run: object) -> OrtChild:
     """The child serving the run ``run`` stands for (its transaction, or a zoo's staging stack), ended when
-    ``run`` is."""
+    ``run`` is: as a zoo's stack closes, or when the transaction goes."""
     child = _children.get(run)
     if child is None:
         child = _children[run] = OrtChild()
+        if isinstance(run, ExitStack):
+            run.callback(child.close)
         weakref.finalize(run, child.close)
     return child
