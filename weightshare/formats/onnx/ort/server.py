@@ -61,7 +61,7 @@ class OrtChild:
             answer = self._answer(limits.wall_s)
         except BrokenPipeError:  # it died before reading the request: its exit status and stderr say why
             answer = None
-        except subprocess.TimeoutExpired:
+        except BaseException:  # past the wall time, or Ctrl-C: the model's work stops with the caller
             self.close(kill=True)
             raise
         if answer is not None:
