@@ -76,9 +76,12 @@ class OnnxFormat(FormatDefaults):
         if not options.prepack:
             return self.prepare(src, out_dir, options)
         from .ort.prepack import prepare_prepacked, run_cache, staging
+        from .ort.server import run_child
 
-        # the zoo's packings are reused across its models (``stages`` spans the run)
-        return prepare_prepacked(src, out_dir, options, stages.enter_context(staging(out_dir)), run_cache(stages))
+        # the zoo's packings are reused across its models, and one onnxruntime child serves them (``stages`` spans
+        # the run: the child ends with it)
+        held = stages.enter_context(staging(out_dir))
+        return prepare_prepacked(src, out_dir, options, held, run_cache(stages), run_child(stages))
 
     def join_shared(self, prepared: list[PreparedModel], options: ConvertOptions) -> None:
         """Zoo mode with --prepack: one blob record naming every model's portable twin."""

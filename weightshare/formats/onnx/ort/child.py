@@ -29,6 +29,16 @@ from .names import apply_saved_hook, unknown_entries, unknown_entry_message
 from .probe import cpu_features, cpu_kind, nchwc_block_size, opset_stamp
 
 
+@dataclass
+class SessionCount:
+    """The ORT sessions this process created to optimize and pack (``optimize``, ``_pack_node``)."""
+
+    count: int = 0
+
+
+SESSIONS = SessionCount()
+
+
 def optimize(
     model: str, out_model: str, bin_name: str, min_external: str, prepack: bool = False, referenced: bool = False
 ) -> None:
@@ -41,6 +51,9 @@ def optimize(
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    # one thread: a session that only optimizes and saves runs no kernel on its pool (constant folding runs without
+    # one), and a pool of idle spinning threads cost more CPU than the saving (measured: 0.1-0.3 s per decoder family)
+    so.intra_op_num_threads = 1
     # The default level: what a user's plain InferenceSession(path) runs, NCHWc included.
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.optimized_model_filepath = out_model
@@ -52,6 +65,7 @@ def optimize(
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", min_external)
     so.log_severity_level = 3  # ORT warns that a level-ALL graph is hardware-specific: we record that instead
+    SESSIONS.count += 1
     ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
@@ -111,12 +125,14 @@ def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    so.intra_op_num_threads = 1  # as ``optimize``'s: a kernel packs its weight the same with or without a pool
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the node, as the graph has it
     so.optimized_model_filepath = packed_model
     so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     so.add_session_config_entry("session.optimized_model_external_initializers_file_name", bin_name)
     so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", str(min_external))
     so.log_severity_level = 3
+    SESSIONS.count += 1
     try:
         ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - a node ORT cannot run alone keeps no packed copy; its session packs it
@@ -519,7 +535,7 @@ class Sharer:
         them to. ``tag``: a segment's, whose files go when the segment is dropped; the names returned."""
         from ..disk_use import punch
         from ..graph import external_tensors
-        from .prepack import PACKED_FILE_KEY
+        from .names import PACKED_FILE_KEY
 
         rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
         self.kept |= {rest, packed}
@@ -611,9 +627,10 @@ def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) ->
         f.write(opt.SerializeToString())
 
 
-def main(argv: list[str]) -> int:
+def run(argv: list[str]) -> dict[str, Any]:
     """MODEL OUT_MODEL MIN_EXTERNAL_BYTES SEGMENT_BYTES [KNOWN]: KNOWN, a JSON file of the packings this run
-    made before (``packing_key`` -> ``Packing``), or "-" to reuse none."""
+    made before (``packing_key`` -> ``Packing``), or "-" to reuse none. The result ``main`` prints: what the
+    packed data is bound to, the packed entries, the segments, per op type what was packed, the packings made."""
     model, out_model, min_external, budget, *rest = argv
     known: dict[str, Packing] | None = {}
     if rest and rest[0] == "-":
@@ -621,11 +638,6 @@ def main(argv: list[str]) -> int:
     elif rest:
         with open(rest[0]) as f:
             known = {k: Packing.from_json(v) for k, v in json.load(f).items()}
-    from .limits import die_with_parent
-
-    die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
-    import onnxruntime as ort
-
     sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)), int(min_external))
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
     share_unchanged(model, out_model, sharer)
@@ -635,26 +647,104 @@ def main(argv: list[str]) -> int:
         tally = tally_packed(out_model)
     else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
         packed, tally, made = pack(out_model, int(min_external), known)
-    binding = {
-        "onnxruntime": ort.__version__,
-        "optimization_level": "ORT_ENABLE_ALL",
-        "machine": platform.machine(),
-        "cpu_features": cpu_features(),
-        "cpu_kind": cpu_kind(cpu_features(), platform.machine()),
-        # the session-option class the packed graph is exact in (weightshare.ort.envelope_problem checks it)
-        "session_options": "ORT_ENABLE_ALL, CPUExecutionProvider, kernel options at their defaults",
-        "opset_stamp": opset_stamp(),
-        "nchwc_block": nchwc_block_size(os.path.dirname(os.path.abspath(out_model))),  # in the staging, not $TMPDIR
-    }
+    binding = _binding(os.path.dirname(os.path.abspath(out_model)))  # in the staging, not $TMPDIR
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
     packings = {k: v.to_json() for k, v in made.items()}
-    print(json.dumps({"binding": binding, "packed": packed, "segments": segments, "ops": ops, "packings": packings}))
+    return {"binding": binding, "packed": packed, "segments": segments, "ops": ops, "packings": packings}
+
+
+_bindings: list[dict[str, Any]] = []  # this process's: measured once, whatever number of models it packs
+
+
+def _binding(scratch: str) -> dict[str, Any]:
+    """What the packed data is bound to: the runtime, the CPU and the options (the probes run once per process;
+    ``scratch``: where the NCHWc probe writes its file)."""
+    if not _bindings:
+        import onnxruntime as ort
+
+        _bindings.append(
+            {
+                "onnxruntime": ort.__version__,
+                "optimization_level": "ORT_ENABLE_ALL",
+                "machine": platform.machine(),
+                "cpu_features": cpu_features(),
+                "cpu_kind": cpu_kind(cpu_features(), platform.machine()),
+                # the session-option class the packed graph is exact in (weightshare.ort.envelope_problem checks it)
+                "session_options": "ORT_ENABLE_ALL, CPUExecutionProvider, kernel options at their defaults",
+                "opset_stamp": opset_stamp(),
+                "nchwc_block": nchwc_block_size(scratch),
+            }
+        )
+    return dict(_bindings[0])
+
+
+def main(argv: list[str]) -> int:
+    """One model (``run``'s arguments), its result printed as the last stdout line."""
+    from .limits import die_with_parent
+
+    die_with_parent()  # its parent (run_child_peak's wrapper) dies with the converter: so does this child
+    print(json.dumps(run(argv)))
     return 0
+
+
+def serve() -> int:
+    """Every model of a run, one request per stdin line (``server.OrtChild``): the interpreter, onnx and
+    onnxruntime start once per run, not once per model.
+
+    A request is ``{"argv": run's arguments, "limits": limits.ChildLimits.to_json()}``; the limits are this
+    model's, set before its work (``limits.apply_limits``), and the peak RSS is this model's (``_reset_peak``).
+    The answer is one line on the original stdout: ``run``'s result with ``"child"``: {peak_rss_mib, sessions}.
+    Anything else written to stdout goes to stderr. A request that fails ends the process (one line on stderr,
+    exit 1, as ``main``): the next model gets a new child, never one whose heap a failure left behind."""
+    import gc
+
+    from ...._platform import malloc_trim
+    from .limits import apply_limits, die_with_parent
+
+    die_with_parent()
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    for line in sys.stdin:
+        request = json.loads(line)
+        apply_limits(request["limits"])
+        _reset_peak()
+        before = SESSIONS.count
+        result = run([str(a) for a in request["argv"]])
+        result["child"] = {"peak_rss_mib": _peak_mib(), "sessions": SESSIONS.count - before}
+        answers.write(json.dumps(result) + "\n")
+        answers.flush()
+        gc.collect()
+        malloc_trim()  # the model's heap goes back before the next one
+    return 0
+
+
+def _reset_peak() -> None:
+    """Start this process's RSS high-water mark afresh (Linux ``clear_refs`` 5): the peak is the next model's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # the peak then spans the earlier models too: an upper bound
+
+
+def _peak_mib() -> float:
+    """This process's RSS high-water mark (``VmHWM``; elsewhere ``ru_maxrss``), in MiB."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(peak / 1024 if sys.platform != "darwin" else peak / 2**20)
 
 
 if __name__ == "__main__":
     try:
-        sys.exit(main(sys.argv[1:]))
+        sys.exit(serve() if sys.argv[1:] == ["--serve"] else main(sys.argv[1:]))
     except Exception as e:  # the parent turns this one line into its own error
         print(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", file=sys.stderr)
         sys.exit(1)

@@ -12,7 +12,9 @@ under limits derived from the model's own size, each with a floor that every ord
   the input, by default at least ``OUTPUT_FLOOR`` (16 MiB; 1 MiB with a factor given): the packed and
   reordered copies of a real model are about 1-2x it.
 
-Children also die with their parent (PR_SET_PDEATHSIG): a converter killed with -9 leaves no ORT behind.
+Children also die with their parent (PR_SET_PDEATHSIG): a converter killed with -9 leaves no ORT behind. The
+``--prepack`` child serves every model of a run (``server.OrtChild``): it sets each model's limits on itself before
+that model's work (``apply_limits``), CPU time counted from what it had used before.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ class ChildLimits:
 
         return apply
 
+    def to_json(self) -> dict[str, int]:
+        """What a long-lived child applies to itself before each model (``apply_limits``)."""
+        return {"cpu_s": self.cpu_s, "memory_bytes": self.memory_bytes, "output_bytes": self.output_bytes}
+
     def failure(self, returncode: int, stderr: str, written: Sequence[Path] = ()) -> str | None:
         """Which limit a failed child ran into (one line), or None when it failed for another reason.
         ``written``: the files it wrote (one at the file-size limit: it ran into that limit)."""
@@ -111,6 +117,21 @@ class ChildLimits:
         total = sum(min(st.st_size, st.st_blocks * 512) for f in files if f.is_file() and (st := f.stat()))
         if total > self.output_bytes:
             raise Unsupported(self.output_message(), self.where)
+
+
+def apply_limits(doc: dict[str, int]) -> None:
+    """In a child that serves several models (``child.serve``): one model's limits (``ChildLimits.to_json``) as
+    this process's soft limits, the hard ones left as they are so that the next model's can be set. The CPU limit
+    counts from what the process has used so far; past it the kernel sends SIGXCPU, which ends the process."""
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = math.ceil(used.ru_utime + used.ru_stime) + int(doc["cpu_s"])
+    for kind, value in (
+        (resource.RLIMIT_CPU, cpu),
+        (resource.RLIMIT_AS, int(doc["memory_bytes"])),
+        (resource.RLIMIT_FSIZE, int(doc["output_bytes"])),
+    ):
+        _, hard = resource.getrlimit(kind)
+        resource.setrlimit(kind, (value if hard == resource.RLIM_INFINITY else min(value, hard), hard))
 
 
 def die_with_parent(parent: int | None = None) -> None:

@@ -55,6 +55,7 @@ __all__ = [
     "INLINED_FUNCTION",
     "INSERTED_CAST",
     "KNOWN_COMPUTED",
+    "PACKED_FILE_KEY",
     "PREPACKED_ENTRY",
     "saved_hook",
 ]
@@ -65,6 +66,9 @@ FUSED_BACK = "FusedBack_"
 INLINED_FUNCTION = "_inlfunc_"
 KNOWN_COMPUTED = ("reorder", INLINED_FUNCTION)
 PREPACKED_ENTRY = "prepacked_"
+# weightshare's own external-data key, not ORT's: the child's file its moved prepacked_N entries point into (here,
+# not in ``prepack``, so that the child reads it without importing the converter)
+PACKED_FILE_KEY = "weightshare.packed_location"
 
 EXTERNAL_DATA_KEYS = frozenset({"location", "offset", "length", "checksum"})  # ONNX's own
 

@@ -24,7 +24,6 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -35,7 +34,6 @@ from ...._atomic import OutputTransaction, locked_stage
 from ...._disk import DiskPeak
 from ...._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
 from ...._placement import PlannedTensor
-from ...._runtimes.memory import run_child_peak
 from ...._safetensors import CONTAINER
 from ...._tensors import FileRange
 from ....errors import InvalidModel, Unsupported, UsageError
@@ -49,16 +47,17 @@ from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
+from .names import PACKED_FILE_KEY as PACKED_FILE_KEY  # the child's: the file its prepacked_N entries point into
 from .names import PREPACKED_ENTRY as PREPACKED_ENTRY  # the tests read it here
 from .names import apply_saved_hook, unknown_entry_message, unknown_keys
 from .opened import require_floor
 from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
 from .probe import STAMP_DOMAIN
 from .reload import reload_change
+from .server import OrtChild, run_child
 from .unfuse import drop_unused, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
-PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
 STAGE_BLOB = "plain"
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 # ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
@@ -275,16 +274,16 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[Co
     return prepared.report, prepared.extra.get("blob_metadata", {})
 
 
-def _run_ort(model: Path, src: Path, options: ConvertOptions, cache: PackCache | None = None) -> tuple[JsonDict, float]:
-    """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS).
-    ``cache``: the run's packings, which the child reuses (None: it reuses none)."""
+def _run_ort(
+    model: Path, src: Path, options: ConvertOptions, cache: PackCache | None = None, child: OrtChild | None = None
+) -> tuple[JsonDict, float]:
+    """ORT's optimized graph and node-by-node packed copies, in the run's child process (``child``; None: one
+    for this model alone); (its result, its peak RSS). ``cache``: the run's packings, which the child reuses
+    (None: it reuses none)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
     require_floor(src)
-    cmd = [
-        sys.executable,
-        "-m",
-        "weightshare.formats.onnx.ort.child",
+    argv = [
         str(model),
         str(model.parent / ORT_MODEL),
         str(options.inline_threshold),
@@ -294,17 +293,26 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions, cache: PackCache |
     check_staged(model, src, options.ort_max_growth)  # a folding bomb is refused before the child starts
     if options.stage is not None:
         options.stage("onnxruntime optimizes and packs the weights (child process)")
-    res, peak = _run_bounded(cmd, model.parent, src, options)
+    runner = child if child is not None else OrtChild()
+    try:
+        res, fresh = _run_bounded(argv, model.parent, src, options, runner)
+    finally:
+        if child is None:
+            runner.close()
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
         raise Unsupported(f"onnxruntime could not optimize and pre-pack the model ({why})", src)
-    return json.loads(res.stdout.strip().splitlines()[-1]), peak  # {"binding": ..., "packed": ...}
+    result: JsonDict = json.loads(res.stdout.strip().splitlines()[-1])  # {"binding": ..., "packed": ...}
+    served = result.pop("child")
+    result["child"] = {"started": fresh, "sessions": served["sessions"]}
+    return result, float(served["peak_rss_mib"])
 
 
 def _run_bounded(
-    cmd: list[str], stage: Path, src: Path, options: ConvertOptions
-) -> tuple[subprocess.CompletedProcess[str], float]:
-    """``cmd`` under the limits of ``limits`` for the staged model; a limit hit is one Unsupported line."""
+    argv: list[str], stage: Path, src: Path, options: ConvertOptions, child: OrtChild
+) -> tuple[subprocess.CompletedProcess[str], bool]:
+    """``argv`` (one model) by ``child`` under the limits of ``limits`` for the staged model; a limit hit is one
+    Unsupported line. The result, and whether the child was started for it."""
     before = set(stage.iterdir())
     limits = limits_for(
         sum(f.stat().st_size for f in before if f.is_file()),
@@ -315,14 +323,14 @@ def _run_bounded(
     )
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
     try:
-        res, peak = run_child_peak(cmd, env=env, timeout=limits.wall_s, preexec_fn=limits.preexec())
+        res, fresh = child.request(argv, limits, env)
     except subprocess.TimeoutExpired:
         raise Unsupported(limits.timeout_message(), src) from None
     written = [f for f in stage.iterdir() if f not in before]
     if res.returncode != 0 and (hit := limits.failure(res.returncode, res.stderr, written)) is not None:
         raise Unsupported(hit, src)
     limits.check_output(written)
-    return res, peak
+    return res, fresh
 
 
 def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: OutputTransaction) -> ConversionReport:
@@ -332,7 +340,7 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
     cache = run_cache(tx)
     with DiskPeak(out_dir) as disk:
         with staging(out_dir) as held:
-            prepared = prepare_prepacked(src, out_dir, options, held, cache)
+            prepared = prepare_prepacked(src, out_dir, options, held, cache, run_child(tx))
             disk.sample()
             try:
                 write_models([prepared], out_dir, target, options, tx)
@@ -365,13 +373,20 @@ def staging(out_dir: Path) -> AbstractContextManager[Path]:
 
 
 def prepare_prepacked(
-    src: Path, out_dir: Path, options: ConvertOptions, held: Path, cache: PackCache | None = None
+    src: Path,
+    out_dir: Path,
+    options: ConvertOptions,
+    held: Path,
+    cache: PackCache | None = None,
+    child: OrtChild | None = None,
 ) -> PreparedModel:
     """Stage, let ORT optimize and pre-pack, and plan both models' payloads (read from ``held`` until written).
 
     The returned model emits MODEL.onnx and MODEL.portable.onnx into ``out_dir``; its payloads go into
     whatever blob ``write_models`` is given, one model's own or a ``--shared-blob`` zoo's. ``cache``: the run's
-    packings (``PackCache``), reused where a node's one-node model is one packed before, and added to.
+    packings (``PackCache``), reused where a node's one-node model is one packed before, and added to. ``child``:
+    the run's onnxruntime child (``server.run_child``), which serves every model of the run; None: one for this
+    model alone.
     """
     if portable_name(src.name) == src.name:
         raise UsageError(
@@ -384,7 +399,7 @@ def prepare_prepacked(
     stage = held / "stage"
     stage.mkdir()
     report, staged_metadata = _stage_portable(src, stage, options)
-    result, child_peak = _run_ort(stage / src.name, src, options, cache)
+    result, child_peak = _run_ort(stage / src.name, src, options, cache, child)
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
@@ -550,6 +565,10 @@ def _report_packing(
         "packed_buffers": len(packed),
         "packed_bytes": sum(p.tensor.nbytes for p in packed),
         "ort_child_peak_rss_mib": round(child_peak, 1),
+        # the cost drivers: whether this model started the run's onnxruntime child (the run's first model, or the
+        # first after a failed one), and every ORT session it ran to optimize and pack (node sessions included)
+        "ort_child_started": bool(result.get("child", {}).get("started", True)),
+        "ort_sessions": int(result.get("child", {}).get("sessions", 0)),
         "segments": result.get("segments", {}),
     }
 
