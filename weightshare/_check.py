@@ -415,8 +415,19 @@ def check(
     """Inventory and findings of every model. A model that cannot be read raises its ``WeightshareError``, or with
     ``keep_going`` (the CLI's batch) is one ``unreadable-model`` finding, and the others are still checked.
     ``on_model(path, i, n)`` is called before the i-th of n models is read and measured (the CLI's stage line)."""
+    from ._runtimes.memory import reused_children
+
+    with reused_children():  # one runtime child measures the models one after another (``in_worker``)
+        return _check_each(paths, gate or Gate(), keep_going, on_model)
+
+
+def _check_each(
+    paths: Sequence[str | os.PathLike[str]],
+    gate: Gate,
+    keep_going: bool,
+    on_model: Callable[[str, int, int], None] | None,
+) -> tuple[list[ModelInventory], list[Finding]]:
     inventories, findings = [], []
-    gate = gate or Gate()
     for i, path in enumerate(paths, 1):
         if on_model is not None:
             on_model(str(path), i, len(paths))
