@@ -171,11 +171,14 @@ _WRAP = (  # one run's CPU time (its whole tree, every descendant waited for) an
 
 
 def _costed(args: list[str], env: dict[str, str] | None = None) -> tuple[int, float, int, str]:
-    """(exit code, CPU seconds of the run's process tree, peak RSS bytes of its largest process, stderr's tail)."""
+    """(exit code, CPU seconds of the run's process tree, peak RSS bytes of its largest process, stderr's tail).
+    A PYTHONPATH in ``env`` (another checkout) is also the run's working directory: ``python -m`` puts the working
+    directory before PYTHONPATH, so run from this checkout it would import this checkout's weightshare."""
     import os
 
     cmd = [sys.executable, "-c", _WRAP, sys.executable, "-m", "weightshare", *args]
-    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    cwd = (env or {}).get("PYTHONPATH") or None
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})}, cwd=cwd)
     doc = json.loads(res.stdout.strip().splitlines()[-1])
     return doc["rc"], doc["cpu"], doc["largest"], res.stderr.strip()[-300:]
 

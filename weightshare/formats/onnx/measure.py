@@ -89,8 +89,8 @@ def probe(
     dims: dict[str, int] | None = None,
     input_files: dict[str, str] | None = None,
 ) -> JsonDict:
-    """In this (child) process: PSS after each of ``sessions`` sessions under the setting (with ORT's CPU arena
-    or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
+    """In this (child) process: PSS after the first and the last of ``sessions`` sessions under the setting (with
+    ORT's CPU arena or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
     ``activations``, then ``sessions`` - 1 more with the arena on: ``arena_growth``, what one more of them keeps.
     The run's inputs are made as verify makes them (``decode.session_feeds``: ``dims``, the configs beside the
     model), those in ``input_files`` read from their files (``--input``); ``usage`` is a --dim/--input error,
@@ -182,7 +182,7 @@ def probe(
 
 # The sessions of a one-node model a measuring child opens once per setting, kept open while it lives, and what one
 # more of them costs; the child's PSS once the first of them were open (what a fresh child's first model session
-# adds to); the model sessions this child opened in all.
+# adds to).
 _TINY: dict[tuple[bool, bool], tuple[list[Any], int]] = {}
 _START: list[int] = []
 
