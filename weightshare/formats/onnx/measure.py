@@ -104,8 +104,12 @@ def probe(
     from ._proto import read_tensor_proto
     from .decode import session_feeds
 
-    overhead, start = _overhead(share, arena)
-    before = smaps_rollup()["Pss"]
+    overhead = _overhead(share, arena)
+    # what calls after this child's first left of data (freed, trimmed, but a heap keeps some) is not this model's;
+    # what its first call left stays counted: the runtime's set-up a fresh child's first model session makes too
+    # (11-14 MiB measured: a warm child's first session of a model costs that much less than a fresh child's)
+    _CALLS.append(data_pss())
+    left = _CALLS[-1] - _CALLS[1] if len(_CALLS) > 1 else 0
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
@@ -145,8 +149,7 @@ def probe(
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
         if i in (0, sessions - 1):  # the growth is from the first to the last (a walk of smaps: 5-40 ms each)
-            # as in a fresh child: what earlier calls of this child left (freed, trimmed) is not this model's
-            pss.append(smaps_rollup()["Pss"] - before + start)
+            pss.append(smaps_rollup()["Pss"] - left)  # as in a fresh child
             data.append(data_pss())
     more: JsonDict = {}
     if activations and feeds is not None:
@@ -181,19 +184,17 @@ def probe(
 
 
 # The sessions of a one-node model a measuring child opens once per setting, kept open while it lives, and what one
-# more of them costs; the child's PSS once the first of them were open (what a fresh child's first model session
-# adds to).
+# more of them costs; the child's data PSS at the start of each call of ``probe``.
 _TINY: dict[tuple[bool, bool], tuple[list[Any], int]] = {}
-_START: list[int] = []
+_CALLS: list[int] = []
 
 
-def _overhead(share: bool, arena: bool) -> tuple[int, int]:
-    """(what one more session of a one-node model costs under the setting, this child's PSS before its first model
-    session): measured at the setting's first call in this child, first, so that what the first session of a
-    process sets up is not the model's."""
+def _overhead(share: bool, arena: bool) -> int:
+    """What one more session of a one-node model costs under the setting: measured at the setting's first call in
+    this child, first, so that what the first session of a process sets up is not the model's."""
     import numpy as np
 
-    from ..._runtimes.memory import data_pss, smaps_rollup
+    from ..._runtimes.memory import data_pss
     from ..._runtimes.ort import new_session
 
     if (share, arena) not in _TINY:
@@ -207,9 +208,7 @@ def _overhead(share: bool, arena: bool) -> tuple[int, int]:
             if i in (0, SESSIONS - 1):
                 tiny_data.append(data_pss())
         _TINY[share, arena] = (tiny, _growth(tiny_data, SESSIONS))
-        if not _START:
-            _START.append(smaps_rollup()["Pss"])
-    return _TINY[share, arena][1], _START[0]
+    return _TINY[share, arena][1]
 
 
 def _trace(model_path: str, share: bool, sessions: int) -> None:
