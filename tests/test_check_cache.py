@@ -1,7 +1,8 @@
 """check measures one model at a time and reuses a measured verdict while nothing it depends on changed.
 
 Before: every `check` started its measuring children again for every model (2 children per ONNX model, a dozen
-sessions each, seconds to minutes per model), on every CI run of an unchanged folder.
+sessions each, seconds to minutes per model), on every CI run of an unchanged folder. (Now one child measures a
+folder's models one after another: tests/test_check_cost.py.)
 Under test: `weightshare.check` in this process (``subprocess.Popen`` wrapped to count the runtime children it
 starts, calling through to the real one; the children run the real onnxruntime) and the CLI.
 After: a second check of an unchanged model starts no runtime child and says "measured (cached, DATE)" in text and
@@ -187,14 +188,18 @@ def test_an_edited_cache_entry_is_ignored_and_rewritten(tmp_path, cache_home, st
 
 
 @pytest.mark.slow
-def test_a_folder_is_measured_one_model_at_a_time(tmp_path, cache_home, started):
+def test_a_folder_is_measured_one_model_at_a_time(tmp_path, cache_home, started, monkeypatch):
     a, b = _converted(tmp_path, "a", 0), _converted(tmp_path, "b", 1)
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("WEIGHTSHARE_MEASURE_TRACE", str(trace))
+    started.argvs.clear()
     report = weightshare.check([tmp_path / "out"])
     assert [Path(m.model).name for m in report.models] == ["a.onnx", "b.onnx"]
-    assert started.live and max(started.live) == 0, started.live  # no child alive when the next one starts
-    order = [("a" if str(a) in " ".join(v) else "b" if str(b) in " ".join(v) else "") for v in started.argvs]
-    measuring = [m for m in order if m]
-    assert measuring == sorted(measuring) and set(measuring) == {"a", "b"}, order  # every child of a, then b's
+    assert len(started.argvs) == 1 and started.live == [0]  # one measuring child for the folder
+    calls = [json.loads(line) for line in trace.read_text().splitlines()]
+    order = [Path(c["model"]).name for c in calls]
+    assert order == sorted(order) and set(order) == {a.name, b.name}, order  # every call of a, then b's
+    assert all(c["earlier_alive"] == 0 for c in calls), calls  # no session of an earlier call still open
 
 
 def test_the_content_digest_covers_every_data_file_byte_a_payload_holds(tmp_path):

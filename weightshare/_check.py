@@ -415,15 +415,26 @@ def check(
     """Inventory and findings of every model. A model that cannot be read raises its ``WeightshareError``, or with
     ``keep_going`` (the CLI's batch) is one ``unreadable-model`` finding, and the others are still checked.
     ``on_model(path, i, n)`` is called before the i-th of n models is read and measured (the CLI's stage line)."""
+    from ._runtimes.memory import reused_children
+
+    with reused_children():  # one runtime child measures the models one after another (``in_worker``)
+        return _check_each(paths, gate or Gate(), keep_going, on_model)
+
+
+def _check_each(
+    paths: Sequence[str | os.PathLike[str]],
+    gate: Gate,
+    keep_going: bool,
+    on_model: Callable[[str, int, int], None] | None,
+) -> tuple[list[ModelInventory], list[Finding]]:
     inventories, findings = [], []
-    gate = gate or Gate()
     for i, path in enumerate(paths, 1):
         if on_model is not None:
             on_model(str(path), i, len(paths))
         try:
             inv = inventory(path, hash_payloads=True)
             if gate.measure:  # or the verdict measured for the same model and options (``_measure_cache``)
-                reuse = {"targets": sorted(gate.targets), "threshold": gate.threshold} if gate.cache else None
+                reuse = _reuse_key(gate) if gate.cache else None
                 measure_or_reuse(inv, path, gate.feeds, reuse, partial(settle, inv, gate, path))
         except UsageError:  # a --dim / --input the model does not have: the user's, not the model's
             raise
@@ -438,6 +449,24 @@ def check(
         inventories.append(inv)
         findings += findings_for(inv, gate)
     return inventories, findings
+
+
+def _reuse_key(gate: Gate) -> dict[str, object]:
+    """What a measured verdict depends on of the gate: the repeats near a line follow the targets and threshold."""
+    return {"targets": sorted(gate.targets), "threshold": gate.threshold}
+
+
+def inspected(path: str | os.PathLike[str], hash_payloads: bool = True, measure: bool = True) -> ModelInventory:
+    """`inspect`'s inventory, measured as `check` measures the model under its default gate (the repeats near a
+    line included) and through the same cache: a model checked or inspected before is not measured again."""
+    from ._runtimes.memory import reused_children
+
+    inv = inventory(path, hash_payloads=hash_payloads)
+    if measure:
+        gate = Gate()
+        with reused_children():
+            measure_or_reuse(inv, path, gate.feeds, _reuse_key(gate), partial(settle, inv, gate, path))
+    return inv
 
 
 @dataclass

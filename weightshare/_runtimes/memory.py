@@ -11,6 +11,10 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from .bound import ChildMemory, OverBound
@@ -135,6 +139,172 @@ def run_child_peak(cmd: list[str], **kwargs: Any) -> tuple[subprocess.CompletedP
     peak = float(lines[-1].split()[1]) if lines and lines[-1].startswith("__peak_mib__") else float("nan")
     res.stdout = "\n".join(lines[:-2]) if len(lines) >= 2 else ""
     return res, peak
+
+
+_Pool = dict[tuple[tuple[str, str], ...], "_Worker"]  # a worker per environment
+_WORKERS: ContextVar[_Pool | None] = ContextVar("weightshare_workers", default=None)
+_ANSWER = "\x1eweightshare-answer "  # marks the worker's answer lines: a runtime may print to stdout too
+
+_SERVE = """
+import gc, json, os, resource, sys
+from importlib import import_module
+from weightshare._platform import malloc_trim
+answers = os.fdopen(os.dup(1), "w")
+os.dup2(2, 1)  # what the runtime prints goes with its errors, never into an answer
+for line in sys.stdin:
+    module, func, args, limit = json.loads(line)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+    answer = json.dumps(getattr(import_module(module), func)(*args))
+    gc.collect()  # what the call opened is closed before the next call measures anything
+    malloc_trim()
+    answers.write(sys.argv[1] + answer + "\\n")
+    answers.flush()
+"""
+
+
+@dataclass
+class _Worker:
+    """One runtime child that answers calls one after another (``in_worker``)."""
+
+    process: subprocess.Popen[str]
+    stderr: Any  # a temporary file: what it printed, read when it fails
+    calls: int = 0
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self.stderr.close()
+
+    def failure(self) -> tuple[int, str]:
+        """(its exit status, the tail of what it printed) once it stopped answering: killed when still alive."""
+        if self.process.poll() is None:
+            self.process.kill()
+        code = self.process.wait()
+        self.stderr.seek(0, 2)
+        self.stderr.seek(max(0, self.stderr.tell() - 8192))
+        return code, self.stderr.read().decode(errors="replace")
+
+
+@contextmanager
+def reused_children() -> Iterator[None]:
+    """Within this block, ``in_worker`` calls reuse one runtime child per environment instead of starting one per
+    call: a folder's models are measured one after another in one process (python, numpy and the runtime imported
+    once). Nested blocks share the outermost one's children; every child is closed when it ends."""
+    if _WORKERS.get() is not None:
+        yield
+        return
+    workers: _Pool = {}
+    token = _WORKERS.set(workers)
+    try:
+        yield
+    finally:
+        _WORKERS.reset(token)
+        for w in workers.values():
+            w.close()
+
+
+def _start_worker(env: dict[str, str] | None, memory: ChildMemory) -> _Worker:
+    import os
+    import tempfile
+
+    err = tempfile.TemporaryFile()
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVE, _ANSWER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+        env={**os.environ, **env} if env else None,
+        preexec_fn=memory.preexec(),
+    )
+    return _Worker(process, err)
+
+
+def _answer(worker: _Worker, timeout: float | None) -> tuple[str | None, bool]:
+    """(the worker's next answer line, or None when it died or ``timeout`` seconds passed (it is then killed);
+    whether the time ran out)."""
+    import selectors
+    import time
+
+    out = worker.process.stdout
+    assert out is not None
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(out, selectors.EVENT_READ)
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                worker.process.kill()
+                return None, True
+            if not sel.select(left):
+                continue
+            line = out.readline()
+            if not line:
+                return None, False
+            if line.startswith(_ANSWER):
+                return line[len(_ANSWER) :], False
+
+
+def in_worker(
+    module: str,
+    func: str,
+    args: list[object],
+    env: dict[str, str] | None,
+    timeout: float | None,
+    memory: ChildMemory,
+    again_fresh: Callable[[Any], bool] = lambda answer: False,
+) -> Any:
+    """``in_child`` (the same arguments, answer and errors), answered by the runtime child of ``reused_children``
+    for ``env`` when such a block is open: started at its first call, each call under its own ``memory`` bound
+    (``RLIMIT_DATA`` set again before the call). A call that runs into the bound in a child that answered earlier
+    calls, or whose answer ``again_fresh`` says so of (a runtime's own out-of-memory answer), is made once more in
+    a fresh child: what earlier calls left behind never costs a model its measurement."""
+    import json
+
+    workers = _WORKERS.get()
+    if workers is None:
+        return in_child(module, func, args, env, timeout, memory)
+    key = tuple(sorted((env or {}).items()))
+    worker = workers.get(key)
+    if worker is None:
+        worker = workers[key] = _start_worker(env, memory)
+    used = worker.calls > 0
+    worker.calls += 1
+    stdin = worker.process.stdin
+    line, late = None, False
+    try:
+        assert stdin is not None
+        stdin.write(json.dumps([module, func, args, memory.limit]) + "\n")
+        stdin.flush()
+        line, late = _answer(worker, timeout)
+    except OSError:  # it died before reading the call
+        pass
+    if line is not None:
+        answer = json.loads(line)
+        if used and again_fresh(answer):
+            del workers[key]
+            worker.close()
+            return in_worker(module, func, args, env, timeout, memory, again_fresh)
+        return answer
+    del workers[key]
+    code, text = worker.failure()
+    worker.close()
+    if late and timeout is not None:
+        raise RuntimeError(f"{module}.{func} did not finish within {timeout:.0f} s in a child process")
+    if memory.ran_into(code, text):
+        if used:
+            return in_worker(module, func, args, env, timeout, memory, again_fresh)
+        raise OverBound(memory.message("not measured"))
+    tail = text.strip().splitlines()[-1:] or ["(no output)"]
+    raise RuntimeError(f"{module}.{func} failed in a child process: {tail[0]}")
 
 
 def in_child(

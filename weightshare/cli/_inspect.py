@@ -44,14 +44,13 @@ def inspect(
     child_memory: int | None = child_memory_option(),
 ) -> None:
     """``weightshare inspect`` (its help is built from the registered formats, above)."""
-    from .._check import findings_for
+    from .._check import findings_for, inspected
     from .._contract import github_annotations, inspect_document
-    from .._dispatch import inventory
 
     how = output_format(as_json, format_)
     set_child_memory(child_memory)
     with user_errors(), measuring(not no_measure, f"inspect: measuring {model.name} in runtime child processes"):
-        inv = inventory(model, hash_payloads=not no_hash, measure=not no_measure)
+        inv = inspected(model, hash_payloads=not no_hash, measure=not no_measure)  # check's cached verdict reused
         findings = findings_for(inv)
     if how == "json":
         print(json.dumps(inspect_document(inv, findings), indent=2))

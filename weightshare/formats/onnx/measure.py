@@ -4,17 +4,23 @@ Static rules cannot keep up with ORT: MatMulNBits, DynamicQuantizeMatMul, the QD
 ORT_ENABLE_ALL, Attention and every kernel inside an ``If`` branch pre-pack their weights per session, and the
 transformers optimizer's fp16 graphs cast per session (measured +44 to +344 MiB per session on forms
 the rules said cost nothing). ORT itself is the one authority on what it copies, so ``check`` and ``inspect``
-ask it: a fresh child process per setting opens sessions one by one, runs each once (seeded random inputs,
-when the signature allows) so that mapped weights are paged in as in serving, and reads its PSS after each.
+ask it: a child process opens sessions one by one under each setting in turn, runs each once (seeded random
+inputs, when the signature allows) so that mapped weights are paged in as in serving, and reads its PSS after the
+first and the last. The sessions of one setting are closed (and the heap trimmed) before the next setting's open;
+within ``check`` one child measures a folder's models one after another (``_runtimes.memory.in_worker``: python,
+numpy and onnxruntime imported once, not once per setting and model, which was two thirds of a cold `check`), its
+memory bound set for each model as a fresh child's would be, and a model over it there measured again in a fresh
+child. Its sessions do not spin waiting for work after a run (half of the CPU time a measuring child spent).
 
 Weights, not activations: the sessions that measure weight copies run with ORT's CPU arena off
 (``enable_cpu_mem_arena=False``), so the activations, kernel scratch and outputs of a run are freed after it and
 what a session keeps is its weights and what it made of them (pre-packed, reordered, cast copies). The arena a
 session keeps at default options (measured: 40 MiB per session for a YOLO-like detector with 0.3 MiB of weights)
-is measured apart, in the same child at default options: as many sessions again with the arena on, and the
-difference of the two growths is the session's activation memory, reported as its own figure, never as a weight
-copy. What any session costs whatever its model (its thread pool, per-session state: 0.1-0.4 MiB measured) is
-measured in the same child on a one-node model and taken off.
+is measured apart, in the same child at default options: three sessions more with the arena on, their growth
+from the last session without it over three, and the difference of the two growths is the session's activation
+memory, reported as its own figure, never as a weight copy. What any session costs whatever its model (its
+thread pool, per-session state: 0.1-0.4 MiB measured) is measured in the same child on a one-node model, once
+per setting, and taken off.
 
 The child starts with ``MALLOC_MMAP_THRESHOLD_=1048576`` (``MALLOC_ENV``), as serving processes that share
 weights are told to (``weightshare.ort``): buffers of 1 MiB or more that ORT allocates and frees (the plain weight
@@ -48,6 +54,7 @@ CHILD_SESSIONS = 3 * SESSIONS  # a child's sessions of the model: arena off, are
 SETTINGS = (("ort-disable-prepacking", True), ("ort-default", False))
 ACTIVATION_SETTING = "ort-default"  # activations are measured at the runtime's defaults (the arena on)
 ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static estimate only
+TRACE_ENV = "WEIGHTSHARE_MEASURE_TRACE"  # a file: each measuring call appends one line (``_trace``)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glibc setting (see above)
 
 
@@ -67,8 +74,10 @@ def _one_node_model() -> bytes:
     return bytes(m.SerializeToString())
 
 
-def _growth(data: list[int]) -> int:
-    return max(0, (data[-1] - data[0]) // (len(data) - 1))
+def _growth(data: list[int], sessions: int) -> int:
+    """What one more session costs: the growth from the first of ``sessions`` to the last (``data``: the figures
+    read after each of the two), over the sessions between."""
+    return max(0, (data[-1] - data[0]) // (sessions - 1))
 
 
 def probe(
@@ -80,15 +89,13 @@ def probe(
     dims: dict[str, int] | None = None,
     input_files: dict[str, str] | None = None,
 ) -> JsonDict:
-    """In this (child) process: PSS after each of ``sessions`` sessions under the setting (with ORT's CPU arena
-    or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
-    ``activations``, then as many sessions again with the arena on: ``arena_growth``, what one more of them keeps.
+    """In this (child) process: PSS after the first and the last of ``sessions`` sessions under the setting (with
+    ORT's CPU arena or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
+    ``activations``, then ``sessions`` - 1 more with the arena on: ``arena_growth``, what one more of them keeps.
     The run's inputs are made as verify makes them (``decode.session_feeds``: ``dims``, the configs beside the
     model), those in ``input_files`` read from their files (``--input``); ``usage`` is a --dim/--input error,
     ``no_run`` why the sessions were not run (``measure_copies`` then reports no figure: the static rules judge).
     A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions."""
-    import numpy as np
-
     from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
     from ..._runtimes.ort import new_session
@@ -97,14 +104,12 @@ def probe(
     from ._proto import read_tensor_proto
     from .decode import session_feeds
 
-    tiny: list[Any] = []
-    tiny_data: list[int] = []
-    model = _one_node_model()
-    for _ in range(sessions):  # first, so that what the first session of a process sets up is not the model's
-        t = new_session(model, share=share, log_level=4, arena=arena)
-        t.run(None, {"x": np.zeros(1, np.float32)})
-        tiny.append(t)
-        tiny_data.append(data_pss())
+    overhead = _overhead(share, arena)
+    # what calls after this child's first left of data (freed, trimmed, but a heap keeps some) is not this model's;
+    # what its first call left stays counted: the runtime's set-up a fresh child's first model session makes too
+    # (11-14 MiB measured: a warm child's first session of a model costs that much less than a fresh child's)
+    _CALLS.append(data_pss())
+    left = _CALLS[-1] - _CALLS[1] if len(_CALLS) > 1 else 0
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
@@ -116,9 +121,9 @@ def probe(
         given = {name: read_input(name, file, {".pb": read_tensor_proto}) for name, file in (input_files or {}).items()}
     except UsageError as e:
         return {"usage": e.message}
-    for _ in range(sessions):
+    for i in range(sessions):
         try:
-            s = new_session(model_path, share=share, log_level=4, arena=arena)
+            s = new_session(model_path, share=share, log_level=4, arena=arena, spinning=False)
         except Exception as e:  # noqa: BLE001 -- any refusal is the answer
             text = " ".join(str(e).split())[:1000] or type(e).__name__
             return {"oom": text[:300]} if is_oom(text) else {"error": text}
@@ -143,25 +148,86 @@ def probe(
                 feeds, ran = None, False
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
-        pss.append(smaps_rollup()["Pss"])
-        data.append(data_pss())
+        if i in (0, sessions - 1):  # the growth is from the first to the last (a walk of smaps: 5-40 ms each)
+            pss.append(smaps_rollup()["Pss"] - left)  # as in a fresh child
+            data.append(data_pss())
     more: JsonDict = {}
     if activations and feeds is not None:
-        with_arena: list[int] = []
-        for _ in range(sessions):
+        # sessions - 1 more with the arena on, each run once: their growth from the last session without it, over
+        # as many steps as the weights' figure has (the first arena session of a child sets up nothing the others
+        # do not: measured, its step within the others' spread), one packing session fewer per model
+        with_arena: list[int] = [data[-1]]
+        for i in range(1, sessions):
             try:
-                s = new_session(model_path, share=share, log_level=4, arena=True)
+                s = new_session(model_path, share=share, log_level=4, arena=True, spinning=False)
                 s.run(None, feeds)
             except Exception as e:  # noqa: BLE001
                 if is_oom(str(e)):  # arenas of large activations, kept per session: over the bound
                     return {"oom": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
                 raise
             opened.append(s)
-            with_arena.append(data_pss())
-        more["arena_growth"] = _growth(with_arena)
+            if i == sessions - 1:
+                with_arena.append(data_pss())
+        more["arena_growth"] = _growth(with_arena, sessions)
     if not ran:
         more["no_run"] = no_run
-    return {"pss": pss, "data_pss": data, "ran": ran, "overhead": _growth(tiny_data), "input_notes": notes, **more}
+    _trace(model_path, share, len(opened))
+    return {
+        "pss": pss,
+        "data_pss": data,
+        "sessions": sessions,
+        "ran": ran,
+        "overhead": overhead,
+        "input_notes": notes,
+        **more,
+    }
+
+
+# The sessions of a one-node model a measuring child opens once per setting, kept open while it lives, and what one
+# more of them costs; the child's data PSS at the start of each call of ``probe``.
+_TINY: dict[tuple[bool, bool], tuple[list[Any], int]] = {}
+_CALLS: list[int] = []
+
+
+def _overhead(share: bool, arena: bool) -> int:
+    """What one more session of a one-node model costs under the setting: measured at the setting's first call in
+    this child, first, so that what the first session of a process sets up is not the model's."""
+    import numpy as np
+
+    from ..._runtimes.memory import data_pss
+    from ..._runtimes.ort import new_session
+
+    if (share, arena) not in _TINY:
+        tiny: list[Any] = []
+        tiny_data: list[int] = []
+        model = _one_node_model()
+        for i in range(SESSIONS):
+            t = new_session(model, share=share, log_level=4, arena=arena, spinning=False)
+            t.run(None, {"x": np.zeros(1, np.float32)})
+            tiny.append(t)
+            if i in (0, SESSIONS - 1):
+                tiny_data.append(data_pss())
+        _TINY[share, arena] = (tiny, _growth(tiny_data, SESSIONS))
+    return _TINY[share, arena][1]
+
+
+def _trace(model_path: str, share: bool, sessions: int) -> None:
+    """With ``TRACE_ENV`` set to a file: one line per call of ``probe`` (this child's pid, the model, the setting,
+    the model sessions it opened and those still open from earlier calls, which must be none): how many children
+    and sessions `check` spends, counted without timing (tests/test_check_cost.py)."""
+    import gc
+    import json
+
+    trace = os.environ.get(TRACE_ENV, "")
+    if not trace:
+        return
+    import onnxruntime as ort
+
+    # the sessions of earlier calls that are still alive: this call's are in ``opened`` (one per session opened)
+    alive = sum(1 for o in gc.get_objects() if isinstance(o, ort.InferenceSession)) - sessions - SESSIONS * len(_TINY)
+    line = {"pid": os.getpid(), "model": model_path, "share": share, "sessions": sessions, "earlier_alive": alive}
+    with open(trace, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def available() -> bool:
@@ -205,14 +271,18 @@ def _measure(
 ) -> tuple[JsonDict, str]:
     """One child's answer (``cost``: bytes one more session keeps beyond a one-node model's, ``data_growth``: its
     whole growth), or ({"refused": why}, "") when onnxruntime refuses the model, or ({}, why not measured)."""
-    from ..._runtimes.bound import OverBound
-    from ..._runtimes.memory import in_child
+    from ..._runtimes.bound import OverBound, child_memory
+    from ..._runtimes.memory import in_worker
     from ...errors import UsageError
 
     given = feeds or MeasureInputs()
     args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files)]
     try:
-        res: JsonDict = in_child(__name__, "probe", args, MALLOC_ENV, timeout=timeout, memory=memory)
+        # one child measures every setting and, within check's ``reused_children``, every model in turn; a model
+        # over the bound there is measured again in a fresh child (``in_worker``)
+        res: JsonDict = in_worker(
+            __name__, "probe", args, MALLOC_ENV, timeout, memory or child_memory(0), lambda a: "oom" in a
+        )
     except OverBound as e:
         return {}, str(e)
     except RuntimeError as e:
@@ -223,7 +293,7 @@ def _measure(
         return {}, memory.message("not measured")
     if "error" in res:
         return {"refused": str(res["error"])}, ""
-    growth = _growth(res["data_pss"])  # the growth without code's PSS, which other processes move
+    growth = _growth(res["data_pss"], res["sessions"])  # the growth without code's PSS, which other processes move
     return {**res, "data_growth": growth, "cost": max(0, growth - res["overhead"])}, ""
 
 
@@ -236,8 +306,8 @@ def measure_copies(
     load the model); ({}, {}, [why not], {}, []) when ORT is not installed. Each child runs under the memory bound
     of ``_runtimes/bound.py``; one that runs into it leaves its setting "not measured" (a note naming the option
     that raises the bound), never a finding."""
-    from ..._findings import Code, Finding
     from ..._runtimes.bound import child_memory
+    from ..._runtimes.memory import reused_children
 
     if not available():
         return (
@@ -250,7 +320,16 @@ def measure_copies(
     timeout, mapped, refused = _bounds(path)
     if refused:
         return {}, {}, [f"per-session copies are the static estimate: not given to onnxruntime: {refused}"], {}, []
-    memory = child_memory(mapped)
+    with reused_children():
+        return _measure_settings(path, feeds, timeout, child_memory(mapped))
+
+
+def _measure_settings(
+    path: Path, feeds: MeasureInputs | None, timeout: float, memory: ChildMemory
+) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding]]:
+    """``measure_copies`` once the model's bounds are known: each setting in turn, in one child."""
+    from ..._findings import Code, Finding
+
     out: dict[str, int] = {}
     one: dict[str, int] = {}
     notes: list[str] = []

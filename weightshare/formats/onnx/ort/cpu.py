@@ -860,25 +860,47 @@ def unpack_for_cpu(
     return {"weightshare.unpack": "ort-cpu", "weightshare.onnxruntime": probe.version}
 
 
+def _probe_key(model: pb.ModelProto, refs: Sequence[TensorRef], version: str) -> str | None:
+    """``casts_cache``'s key of the probe ``run_probe`` would give ORT, or None when it cannot be written (the probe
+    then says why)."""
+    import tempfile
+
+    from . import casts_cache
+
+    try:
+        with tempfile.TemporaryDirectory(prefix=TMP) as tmp:
+            probe = write_probe_model(model, refs, Path(tmp))
+            return casts_cache.key_of(probe.read_bytes(), (Path(tmp) / ZEROS).stat().st_size, version)
+    except (InvalidModel, OSError):
+        return None
+
+
 def inventory_notes(model: pb.ModelProto, refs: Sequence[TensorRef], folded: set[int], src: Path) -> list[str]:
     """For ``inspect``/``check``: what ORT's CPU provider casts per session, and the flag that makes it once.
 
     Runs the probe only for models with fp16/bf16 payloads that no explicit Cast fold covers, and only when
     onnxruntime is installed; ``model`` must be the skeleton before any fold.
     """
+    from . import casts_cache
+
     half = [r for r in refs if r.data_type in (dtypes.FLOAT16, dtypes.BFLOAT16) and r.index not in folded]
-    if not half or onnxruntime_version() is None:
+    version = onnxruntime_version()
+    if not half or version is None:
         return []
+    key = _probe_key(model, refs, version)  # ORT's answer for this very probe, kept from an earlier run
+    kept = casts_cache.recall(key) if key else None
+    if kept is not None:
+        return kept
     try:
         probe = run_probe(model, refs, src)
     except (InvalidModel, Unsupported) as e:
         return [f"could not ask onnxruntime which Casts its CPU provider inserts: {e.message}"]
     n, nbytes = _cast_bytes(model, refs, probe)
-    if not n:
-        return []
-    note = (
+    notes = [
         f"onnxruntime {probe.version} (CPU provider) casts {n} fp16 initializers to a private fp32 copy "
         f"per session ({nbytes / (1 << 20):.1f} MiB); `weightshare convert --unpack ort-cpu` makes that copy "
         "once, in the blob (CPU-specific)"
-    )
-    return [note]
+    ][: 1 if n else 0]
+    if key and probe.version == version:
+        casts_cache.remember(key, notes)
+    return notes
