@@ -270,6 +270,34 @@ class BlobWriter:
         self.bytes_written += nbytes
         return row, False
 
+    def adopt_row(self, offset: int, nbytes: int, align: int) -> tuple[int, bool]:
+        """Record ``nbytes`` the file already holds at ``offset`` (at or past ``end``, a multiple of ``align``),
+        hashed by reading them back; (its row, whether it duplicates that row) as ``add_row``."""
+        h = new_hasher(self.digest)
+        pos, stop = offset, offset + nbytes
+        while pos < stop:
+            chunk = os.pread(self.fd, min(self.chunk_size, stop - pos), pos)
+            if not chunk:
+                raise OutputError(f"the blob ends at {pos}, inside a payload adopted up to {stop}")
+            h.update(chunk)
+            pos += len(chunk)
+        digest = h.digest()
+        self.bytes_in += nbytes
+        first = self._find(digest, nbytes, align) if self.dedupe else None
+        if first is not None:
+            return first, True
+        row = len(self._offsets)
+        self._offsets.append(offset)
+        self._nbytes.append(nbytes)
+        self._digests += digest
+        if self._prefixes is not None:
+            self._prefixes.append(-1)
+        if self.dedupe:
+            self._insert(row)
+        self.end = offset + nbytes
+        self.bytes_written += nbytes
+        return row, False
+
     def _find(self, digest: bytes, nbytes: int, align: int = 1) -> int | None:
         """The row holding these bytes (same digest, same length) at a multiple of ``align``, if any."""
         table, digests = self._table, self._digests

@@ -7,13 +7,16 @@ graph with reordered Conv weights as initializers, and each pre-packed copy as a
 external-data entry that later sessions map instead of packing.
 
 Steps:
-1. stage: the ordinary conversion into a staging directory (the portable model and its blob).
+1. stage: the ordinary conversion into a staging directory (the portable model and its blob, whose header
+   room is reserved for the final blob's: ``StagedBlob``).
 2. ort: a child process lets ORT optimize and pre-pack the staged model and save the result
-   (``child.py``), segment by segment for large graphs (``segments.py``); its output
-   references ORT's own external files.
-3. final: every plain payload, every ORT initializer and every packed buffer is streamed into ONE
-   safetensors blob. Identical bytes are stored once, so the ORT model's plain initializers land on
-   the portable model's payloads; only packed and reordered copies add bytes.
+   (``child.py``), segment by segment for large graphs (``segments.py``). It appends the packed buffers and
+   the initializers ORT changed to the staged blob, each where the final blob keeps it; ORT's own files (a copy
+   of every weight a session saves) go to a memory-backed scratch, one segment's or node's at a time.
+3. final: the staged blob becomes the final one in place (``StagedBlob.write``): the plain payloads and the
+   child's appended bytes are hashed where they are, never copied; only packings an earlier model of the run
+   made are copied in. Identical bytes are stored once. Where that cannot be (a header outgrowing its room,
+   a ``--shared-blob`` zoo), every payload is streamed into a new blob, as before.
 4. emit: MODEL.onnx (prepacked, default options) and MODEL.portable.onnx (any CPU, with
    ``session.disable_prepacking=1``), both pointing into the blob.
 """
@@ -23,22 +26,26 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, replace
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
 from ...._atomic import OutputTransaction, locked_stage
+from ...._container import BlobContainer
 from ...._disk import DiskPeak
-from ...._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
-from ...._placement import PlannedTensor
+from ...._pipeline import DIGEST_CHARS, BlobPayload, Placements, PreparedModel, blob_target, write_blob, write_models
+from ...._placement import BlobEntry, PlannedTensor
 from ...._runtimes.memory import run_child_peak
-from ...._safetensors import CONTAINER
+from ...._safetensors import CONTAINER, SafetensorsBlob
 from ...._tensors import FileRange
-from ....errors import InvalidModel, Unsupported, UsageError
+from ...._write import account, write_payloads
+from ....errors import InvalidModel, OutputError, Unsupported, UsageError
 from ....options import ConvertOptions
 from ....report import ConversionReport, JsonDict
 from .. import dtypes
@@ -59,7 +66,11 @@ from .unfuse import drop_unused, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
-STAGE_BLOB = "plain"
+STAGE_FILE = "plain.safetensors"  # the staged blob, which becomes the final one
+SCRATCH = "scratch"  # in the staging: a link to the ORT child's memory-backed directory
+TARGET_ENV = "WEIGHTSHARE_PREPACK_TARGET"  # the child's ``Target``: JSON {"blob", "align", "scratch"}
+SCRATCH_ENV = "WEIGHTSHARE_ORT_SCRATCH"  # where that directory is made ("0": none, ORT's files on disk)
+HEADER_SPARE = 3.0  # header room reserved in the staged blob for the packed and optimized entries
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 # ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
 # otherwise it preads the buffer into a private heap copy per session (a genai int4 folder with packed buffers
@@ -260,7 +271,76 @@ def run_cache(run: object) -> PackCache | None:
     return _caches.setdefault(run, PackCache())
 
 
-def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[ConversionReport, dict[str, str]]:
+class StagedBlob:
+    """The staged conversion's blob, kept open so that the final blob is written in its place: its header room
+    reserved for the final header (``HEADER_SPARE``), its payloads already where the final blob keeps them,
+    and the ORT child's packed and changed bytes appended after them (``child.Target``)."""
+
+    def __init__(self, path: Path, fd: int, blob: SafetensorsBlob) -> None:
+        self.path, self.fd, self.blob = path, fd, blob
+        self.plain_end = blob.writer.end
+        w = blob.writer
+        self.largest = max((w.nbytes(r) for r in range(w.rows)), default=0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def write(
+        self,
+        payloads: list[BlobPayload],
+        metadata: dict[str, str],
+        blob_path: Path,
+        tx: OutputTransaction,
+        report: ConversionReport,
+    ) -> tuple[Path, int, str, Placements] | None:
+        """The final blob in place: ``payloads`` (``Relocator``'s) found where they are in the staged blob,
+        the child's appended ones adopted in offset order (hashed, not copied), the rest (an earlier model's
+        packings) copied in; renamed to a temporary of ``tx`` for ``blob_path``. None when the header would not
+        fit its room: the caller streams a new blob from the staged one, which is left as it was but for
+        bytes appended at its end."""
+        blob, w = self.blob, self.blob.writer
+        staged = {w.offset(r): r for r in range(w.rows) if w.offset(r) < self.plain_end}
+        entries: list[BlobEntry | None] = [None] * len(payloads)
+        adopt, copy = [], []
+        for i, p in enumerate(payloads):
+            src = p.source
+            if isinstance(src, FileRange) and Path(src.path) == self.path:
+                row = staged.get(src.offset)
+                if row is not None and w.nbytes(row) == src.length:
+                    entries[i] = w.entry(row)
+                    continue
+                if src.offset >= self.plain_end:
+                    adopt.append((src.offset, i))
+                    continue
+            copy.append(i)
+        for offset, i in sorted(adopt):
+            entries[i] = blob.adopt(payloads[i].tensor, offset)
+            if entries[i] is None:  # off the writer's alignment: copied as any other
+                copy.append(i)
+        w.end = max(w.end, os.fstat(self.fd).st_size)  # past whatever else the child appended
+        for i in sorted(copy):
+            entries[i] = blob.place(payloads[i])
+        blob.metadata.update(metadata)
+        if not blob.header_fits():
+            return None
+        placements = Placements()
+        for p, e in zip(payloads, entries):
+            assert e is not None
+            placements.append(e)
+            account(report, p.nbytes_in, e)
+        tmp = tx.new_file(blob_path)
+        os.replace(self.path, tmp)  # the same file system (OUTDIR): the staged blob is the temporary now
+        size = blob.finish()
+        return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements
+
+
+def _stage_portable(
+    src: Path, stage: Path, options: ConvertOptions
+) -> tuple[ConversionReport, dict[str, str], StagedBlob]:
+    """The ordinary conversion into ``stage``: the portable model and its blob (``StagedBlob``, left open and
+    without its header: the final blob is written in its place)."""
     from ..convert import prepare
 
     staged = ConvertOptions(
@@ -270,14 +350,28 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[Co
         unpack=options.unpack,
     )
     prepared = prepare(src, stage, staged, unpack_for_cpu)
-    with OutputTransaction() as tx:
-        write_models([prepared], stage, blob_target(None, stage, STAGE_BLOB, CONTAINER), staged, tx)
-    return prepared.report, prepared.extra.get("blob_metadata", {})
+    metadata = prepared.extra.get("blob_metadata", {})
+    path = stage / STAGE_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        planned = [p.tensor for p in prepared.payloads]
+        blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata, spare=HEADER_SPARE)
+        placements = write_payloads(blob, prepared.payloads, prepared.report)
+        prepared.payloads = []
+        with OutputTransaction() as tx:
+            prepared.emit(STAGE_FILE, placements, tx)
+    except BaseException:
+        os.close(fd)
+        raise
+    return prepared.report, metadata, StagedBlob(path, fd, blob)
 
 
-def _run_ort(model: Path, src: Path, options: ConvertOptions, cache: PackCache | None = None) -> tuple[JsonDict, float]:
+def _run_ort(
+    model: Path, src: Path, options: ConvertOptions, cache: PackCache | None = None, staged: StagedBlob | None = None
+) -> tuple[JsonDict, float]:
     """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS).
-    ``cache``: the run's packings, which the child reuses (None: it reuses none)."""
+    ``cache``: the run's packings, which the child reuses (None: it reuses none). ``staged``: the child appends
+    what it keeps to that blob (``child.Target``)."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
     require_floor(src)
@@ -294,18 +388,58 @@ def _run_ort(model: Path, src: Path, options: ConvertOptions, cache: PackCache |
     check_staged(model, src, options.ort_max_growth)  # a folding bomb is refused before the child starts
     if options.stage is not None:
         options.stage("onnxruntime optimizes and packs the weights (child process)")
-    res, peak = _run_bounded(cmd, model.parent, src, options)
+    if staged is None:
+        res, peak = _run_bounded(cmd, model.parent, src, options)
+    else:
+        with _scratch(model.parent, SCRATCH_HOLD * max(budget_from_env(), staged.largest)) as scratch:
+            doc = {"blob": STAGE_FILE, "align": options.align.render(), "scratch": scratch}
+            res, peak = _run_bounded(cmd, model.parent, src, options, {TARGET_ENV: json.dumps(doc)}, staged.path)
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
         raise Unsupported(f"onnxruntime could not optimize and pre-pack the model ({why})", src)
     return json.loads(res.stdout.strip().splitlines()[-1]), peak  # {"binding": ..., "packed": ...}
 
 
+SCRATCH_HOLD = 4  # a session's file in the scratch: its weights and packed copies (x 2), a window's two segments
+
+
+@contextmanager
+def _scratch(stage: Path, need: int) -> Iterator[str]:
+    """A private directory on a memory-backed file system (``SCRATCH_ENV``, /dev/shm by default), linked from
+    ``stage`` as ``SCRATCH``, for the ORT child's own files: their bytes are read back and dropped, never kept,
+    so writing them to disk would only be bytes written. It holds one segment's, window's or node's file at a
+    time (``child.Target``: at most ``need`` bytes), and is removed with everything in it once the child is done.
+    "" when there is none with ``need`` bytes free: the files stay in the staging."""
+    root = os.environ.get(SCRATCH_ENV, "/dev/shm")
+    try:
+        st = os.statvfs(root)
+        ok = root not in ("", "0") and os.path.isdir(root) and st.f_bavail * st.f_frsize >= need
+    except OSError:
+        ok = False
+    if not ok:
+        yield ""
+        return
+    where = tempfile.mkdtemp(prefix="weightshare-ort-", dir=root)
+    try:
+        os.symlink(where, stage / SCRATCH)
+        yield SCRATCH
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+        (stage / SCRATCH).unlink(missing_ok=True)
+
+
 def _run_bounded(
-    cmd: list[str], stage: Path, src: Path, options: ConvertOptions
+    cmd: list[str],
+    stage: Path,
+    src: Path,
+    options: ConvertOptions,
+    env_extra: dict[str, str] | None = None,
+    grows: Path | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], float]:
-    """``cmd`` under the limits of ``limits`` for the staged model; a limit hit is one Unsupported line."""
+    """``cmd`` under the limits of ``limits`` for the staged model; a limit hit is one Unsupported line.
+    ``grows``: a file of the staging the child appends to (the staged blob), whose growth counts as written."""
     before = set(stage.iterdir())
+    base = grows.stat().st_size if grows is not None else 0
     limits = limits_for(
         sum(f.stat().st_size for f in before if f.is_file()),
         src,
@@ -313,15 +447,18 @@ def _run_bounded(
         options.ort_child_memory_mib,
         options.ort_max_growth,
     )
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576", **(env_extra or {})}
+    # the file-size limit is per file: the staged blob may grow by what any one file may hold
+    bounds = replace(limits, output_bytes=limits.output_bytes + base)
     try:
-        res, peak = run_child_peak(cmd, env=env, timeout=limits.wall_s, preexec_fn=limits.preexec())
+        res, peak = run_child_peak(cmd, env=env, timeout=limits.wall_s, preexec_fn=bounds.preexec())
     except subprocess.TimeoutExpired:
         raise Unsupported(limits.timeout_message(), src) from None
     written = [f for f in stage.iterdir() if f not in before]
-    if res.returncode != 0 and (hit := limits.failure(res.returncode, res.stderr, written)) is not None:
+    grown = grows.stat().st_size - base if grows is not None and grows.exists() else 0
+    if res.returncode != 0 and (hit := bounds.failure(res.returncode, res.stderr, written)) is not None:
         raise Unsupported(hit, src)
-    limits.check_output(written)
+    limits.check_output(written, grown)
     return res, peak
 
 
@@ -332,11 +469,12 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
     cache = run_cache(tx)
     with DiskPeak(out_dir) as disk:
         with staging(out_dir) as held:
-            prepared = prepare_prepacked(src, out_dir, options, held, cache)
+            prepared, staged = _prepare(src, out_dir, options, held, cache)
             disk.sample()
             try:
-                write_models([prepared], out_dir, target, options, tx)
+                write_models([prepared], out_dir, target, options, tx, _in_place(staged))
             finally:
+                staged.close()
                 if cache is not None:  # the staging goes now: what it held is in the blob (or forgotten)
                     blob = next((Path(o) for o in prepared.report.outputs if o.endswith(CONTAINER.suffix)), None)
                     cache.rehome(tx.staged(blob) if blob is not None else None)
@@ -364,6 +502,32 @@ def staging(out_dir: Path) -> AbstractContextManager[Path]:
     return locked_stage(out_dir, "prepack")
 
 
+def _in_place(staged: StagedBlob) -> Callable[..., tuple[Path, int, str, list[Placements]]]:
+    """``write_models``' blob writer for one model: the staged blob made the final one (``StagedBlob.write``),
+    or, where its header would not fit, every payload streamed into a new blob (``write_blob``)."""
+
+    def write(
+        models: list[PreparedModel],
+        blob_path: Path,
+        options: ConvertOptions,
+        tx: OutputTransaction,
+        container: BlobContainer,
+        shown: Path | None = None,
+    ) -> tuple[Path, int, str, list[Placements]]:
+        (model,) = models
+        metadata = model.extra.get("blob_metadata", {})
+        try:
+            done = staged.write(model.payloads, metadata, blob_path, tx, model.report)
+        except OSError as e:
+            raise OutputError(f"cannot write the blob: {e.strerror or e}", shown or blob_path) from None
+        if done is None:
+            return write_blob(models, blob_path, options, tx, container, shown)
+        tmp, size, digest, placements = done
+        return tmp, size, digest, [placements]
+
+    return write
+
+
 def prepare_prepacked(
     src: Path, out_dir: Path, options: ConvertOptions, held: Path, cache: PackCache | None = None
 ) -> PreparedModel:
@@ -373,6 +537,15 @@ def prepare_prepacked(
     whatever blob ``write_models`` is given, one model's own or a ``--shared-blob`` zoo's. ``cache``: the run's
     packings (``PackCache``), reused where a node's one-node model is one packed before, and added to.
     """
+    prepared, staged = _prepare(src, out_dir, options, held, cache)
+    staged.close()  # read by its ranges from here on
+    return prepared
+
+
+def _prepare(
+    src: Path, out_dir: Path, options: ConvertOptions, held: Path, cache: PackCache | None = None
+) -> tuple[PreparedModel, StagedBlob]:
+    """``prepare_prepacked``, and the staged blob, still open, that the final blob may be written in place of."""
     if portable_name(src.name) == src.name:
         raise UsageError(
             f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
@@ -383,8 +556,26 @@ def prepare_prepacked(
     # another directory than the one held here, or the run would wait on its own lock.
     stage = held / "stage"
     stage.mkdir()
-    report, staged_metadata = _stage_portable(src, stage, options)
-    result, child_peak = _run_ort(stage / src.name, src, options, cache)
+    report, staged_metadata, staged = _stage_portable(src, stage, options)
+    try:
+        prepared = _plan(src, out_dir, options, stage, staged, report, staged_metadata, cache)
+    except BaseException:
+        staged.close()
+        raise
+    return prepared, staged
+
+
+def _plan(
+    src: Path,
+    out_dir: Path,
+    options: ConvertOptions,
+    stage: Path,
+    staged: StagedBlob,
+    report: ConversionReport,
+    staged_metadata: dict[str, str],
+    cache: PackCache | None,
+) -> PreparedModel:
+    result, child_peak = _run_ort(stage / src.name, src, options, cache, staged)
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
