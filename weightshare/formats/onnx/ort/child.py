@@ -44,6 +44,7 @@ class Target:
     policy: AlignPolicy
     scratch: str = ""  # the scratch link's name in the staging ("": none, ORT's files stay in the staging)
     stage: str = ""
+    copy_reused: bool = False  # a packing an earlier model made is copied in too (the final blob is this one)
     scratch_peak: int = 0  # the most bytes the scratch held after a session
 
     @classmethod
@@ -56,7 +57,7 @@ class Target:
         policy = AlignPolicy.parse(doc.get("align"))
         if policy is None or not isinstance(doc.get("blob"), str):
             return None
-        return cls(doc["blob"], policy, str(doc.get("scratch") or ""), stage)
+        return cls(doc["blob"], policy, str(doc.get("scratch") or ""), stage, bool(doc.get("copy_reused")))
 
     def scratch_name(self, bin_name: str) -> str:
         return f"{self.scratch}/{bin_name}" if self.scratch else bin_name
@@ -267,7 +268,7 @@ def pack(
         key = packing_key(one, stage, digests) if known is not None else ""
         earlier = (made.get(key) or known.get(key)) if known is not None else None
         if earlier is not None:  # the same one-node model packed before in this run: its session's result
-            _reuse(earlier, node, found, op)
+            _reuse(earlier, node, found, op, target)
             continue
         name, packed_model = os.path.join(stage, f"node{n}.onnx"), os.path.join(stage, f"node{n}.packed.onnx")
         node_bin = target.scratch_name(f"node{n}.packed.bin") if target is not None else f"node{n}.packed.bin"
@@ -377,14 +378,25 @@ class Packing:
         return cls([(int(p), str(v), str(f)) for p, v, f in doc["entries"]], str(doc["skip"]))
 
 
-def _reuse(earlier: Packing, node: onnx.NodeProto, found: dict[str, list[list[str]]], op: OpTally) -> None:
-    """``earlier``'s entries for ``node``'s own initializer names (an earlier model's files by absolute path)."""
+def _reuse(
+    earlier: Packing,
+    node: onnx.NodeProto,
+    found: dict[str, list[list[str]]],
+    op: OpTally,
+    target: Target | None = None,
+) -> None:
+    """``earlier``'s entries for ``node``'s own initializer names (an earlier model's files by absolute path).
+    ``target`` that copies reused packings: copied into the staged blob where this node's own session's would
+    go, so that the blob is the same whether the packing was reused or made."""
     op.reused += 1
     for position, value, file in earlier.entries:
         name = node.input[position]
         kernel = value.split("|")[0]
         if any(v.split("|")[0] == kernel for v, _f in found.get(name, [])):
             continue
+        if target is not None and target.copy_reused and file != target.blob:
+            with open(file, "rb") as src, open(os.path.join(target.stage, target.blob), "ab") as dst:
+                value, file = _move_packed(value, src, dst, target)[0], target.blob
         found.setdefault(name, []).append([value, file])
         op.packed_bytes += sum(int(b.split(";")[1]) for b in value.split("|")[1:])
     _tally(op, earlier, node)

@@ -367,11 +367,17 @@ def _stage_portable(
 
 
 def _run_ort(
-    model: Path, src: Path, options: ConvertOptions, cache: PackCache | None = None, staged: StagedBlob | None = None
+    model: Path,
+    src: Path,
+    options: ConvertOptions,
+    cache: PackCache | None = None,
+    staged: StagedBlob | None = None,
+    in_place: bool = False,
 ) -> tuple[JsonDict, float]:
     """ORT's optimized graph and node-by-node packed copies, in a child process; (its result, its peak RSS).
     ``cache``: the run's packings, which the child reuses (None: it reuses none). ``staged``: the child appends
-    what it keeps to that blob (``child.Target``)."""
+    what it keeps to that blob (``child.Target``); ``in_place``: that blob becomes the final one, so a reused
+    packing is copied into it as well, where the child's own would go."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
     require_floor(src)
@@ -392,7 +398,7 @@ def _run_ort(
         res, peak = _run_bounded(cmd, model.parent, src, options)
     else:
         with _scratch(model.parent, SCRATCH_HOLD * max(budget_from_env(), staged.largest)) as scratch:
-            doc = {"blob": STAGE_FILE, "align": options.align.render(), "scratch": scratch}
+            doc = {"blob": STAGE_FILE, "align": options.align.render(), "scratch": scratch, "copy_reused": in_place}
             res, peak = _run_bounded(cmd, model.parent, src, options, {TARGET_ENV: json.dumps(doc)}, staged.path)
     if res.returncode != 0:
         why = (res.stderr.strip().splitlines() or ["no output"])[-1].replace(str(model.parent) + os.sep, "")
@@ -537,15 +543,21 @@ def prepare_prepacked(
     whatever blob ``write_models`` is given, one model's own or a ``--shared-blob`` zoo's. ``cache``: the run's
     packings (``PackCache``), reused where a node's one-node model is one packed before, and added to.
     """
-    prepared, staged = _prepare(src, out_dir, options, held, cache)
+    prepared, staged = _prepare(src, out_dir, options, held, cache, in_place=False)
     staged.close()  # read by its ranges from here on
     return prepared
 
 
 def _prepare(
-    src: Path, out_dir: Path, options: ConvertOptions, held: Path, cache: PackCache | None = None
+    src: Path,
+    out_dir: Path,
+    options: ConvertOptions,
+    held: Path,
+    cache: PackCache | None = None,
+    in_place: bool = True,
 ) -> tuple[PreparedModel, StagedBlob]:
-    """``prepare_prepacked``, and the staged blob, still open, that the final blob may be written in place of."""
+    """``prepare_prepacked``, and the staged blob, still open, that the final blob may be written in place of
+    (``in_place``: it will be)."""
     if portable_name(src.name) == src.name:
         raise UsageError(
             f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
@@ -558,7 +570,7 @@ def _prepare(
     stage.mkdir()
     report, staged_metadata, staged = _stage_portable(src, stage, options)
     try:
-        prepared = _plan(src, out_dir, options, stage, staged, report, staged_metadata, cache)
+        prepared = _plan(src, out_dir, options, stage, staged, report, staged_metadata, cache, in_place)
     except BaseException:
         staged.close()
         raise
@@ -574,8 +586,9 @@ def _plan(
     report: ConversionReport,
     staged_metadata: dict[str, str],
     cache: PackCache | None,
+    in_place: bool,
 ) -> PreparedModel:
-    result, child_peak = _run_ort(stage / src.name, src, options, cache, staged)
+    result, child_peak = _run_ort(stage / src.name, src, options, cache, staged, in_place)
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
