@@ -504,11 +504,13 @@ def optimize_bounded(
 
     target = sharer.target if sharer is not None else None
     whole = f"{os.path.basename(out_model).removesuffix('.onnx')}.bin"
+    weights = sum(w[2] for t in sharer.plain.values() if (w := _external(t))) if sharer is not None else 0
 
     def place(bin_name: str) -> str:
         """A segment's or a window's file in the scratch (one at a time: a window's goes before the next
-        session); the whole graph's stays in the staging (the whole model's weights)."""
-        if target is None or bin_name == whole:
+        session); the whole graph's too when its weights are within one segment's, else it stays in the staging
+        (the whole model's weights)."""
+        if target is None or (bin_name == whole and weights > budget):
             return bin_name
         target.sample(drop=".win")
         return target.scratch_name(bin_name)
@@ -787,8 +789,9 @@ def main(argv: list[str]) -> int:
     }
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
     packings = {k: v.to_json() for k, v in made.items()}
-    result = {"binding": binding, "packed": packed, "segments": segments, "ops": ops, "packings": packings}
-    if target is not None:
+    result: dict[str, Any] = {"binding": binding, "packed": packed, "segments": segments, "ops": ops}
+    result["packings"] = packings
+    if target is not None and target.scratch:
         target.sample(drop=".win")
         result["scratch_peak_bytes"] = target.scratch_peak
     print(json.dumps(result))

@@ -756,6 +756,14 @@ def _report_packing(
         "ort_child_peak_rss_mib": round(child_peak, 1),
         "segments": result.get("segments", {}),
     }
+    if "scratch_peak_bytes" in result:
+        # memory the peak RSS does not show: ORT's files in the memory-backed scratch (``_scratch``)
+        scratch = result["scratch_peak_bytes"] / 2**20
+        report.prepack["ort_scratch_peak_mib"] = round(scratch, 1)
+        report.notes.append(
+            f"--prepack: onnxruntime's own files (a copy of the weights each session saves, then its packed "
+            f"copies) held in memory, not written: at most {scratch:.1f} MiB at a time (one segment's or node's)"
+        )
 
 
 def _op_note(op: str, tally: JsonDict) -> str:
