@@ -1,12 +1,14 @@
 """``convert --prepack`` writes each byte once: the bytes a conversion writes (its process tree's ``ru_oublock``,
 read with ``os.wait4``) stay within 1.3x of its outputs' size, for a model ORT optimizes in one piece and packs
-node by node, and for one it optimizes segment by segment.
+node by node, for one it optimizes segment by segment, and for a MatMul+Conv model (NCHWc-reordered Conv weights
+beside packed MatMul weights).
 
 Before, the staged blob was copied into the final one and every ORT session wrote every weight it saved to a
 file of its own: 2.5-3x. A byte count, not a timing: the same on a loaded machine."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import model_forms as mf
 import pytest
+from prepack_samples import mixed_onnx
 
 from weightshare.formats.onnx.ort.segments import BUDGET_ENV
 
@@ -25,15 +28,16 @@ CHILD_ENV = {
 }
 
 
-def written_by(cmd: list[str], env: dict[str, str] | None = None) -> int:
-    """Bytes the process tree of ``cmd`` wrote (its ``ru_oublock`` x 512: every descendant was waited for)."""
+def written_by(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """Bytes the process tree of ``cmd`` wrote (its ``ru_oublock`` x 512: every descendant was waited for), and
+    its stdout (small: read once it exited)."""
     p = subprocess.Popen(
         cmd, env={**os.environ, **CHILD_ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     _pid, status, usage = os.wait4(p.pid, 0)
-    assert p.stderr is not None
+    assert p.stderr is not None and p.stdout is not None
     assert os.waitstatus_to_exitcode(status) == 0, p.stderr.read().decode()[-2000:]
-    return usage.ru_oublock * 512
+    return usage.ru_oublock * 512, p.stdout.read()
 
 
 def outputs(out: Path) -> int:
@@ -45,7 +49,7 @@ def counted(tmp_path: Path) -> Path:
     """``tmp_path``, where writes are counted (not a memory-backed file system, which counts none)."""
     probe = tmp_path / "probe"
     code = f"import os; f = open({str(probe)!r}, 'wb'); f.write(os.urandom(1 << 20)); f.flush(); os.fsync(f.fileno())"
-    if written_by([sys.executable, "-c", code]) < 1 << 20:
+    if written_by([sys.executable, "-c", code])[0] < 1 << 20:
         pytest.skip("the temporary directory's file system does not count bytes written")
     probe.unlink()
     return tmp_path
@@ -53,18 +57,25 @@ def counted(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("form", "budget"),
+    ("form", "budget", "segments"),
     [
-        ("merged_decoder", None),  # an If: one piece, packed node by node
-        ("fp32_mlp", 1 << 20),  # cut in segments, each segment's session saving its packed copies
+        ("merged_decoder", None, 1),  # an If: one piece, packed node by node
+        ("fp32", 1 << 20, 2),  # cut in segments, each segment's session saving its packed copies
+        ("mixed", 3 << 20, 2),  # Conv chain then MatMul/Gemm layers, in segments
     ],
 )
-def test_prepack_writes_each_byte_once(counted: Path, form: str, budget: int | None) -> None:
-    src = mf.build(form, counted / "src" / "model.onnx", mib=8)
+def test_prepack_writes_each_byte_once(counted: Path, form: str, budget: int | None, segments: int) -> None:
+    if form == "mixed":
+        (counted / "src").mkdir()
+        src = mixed_onnx(counted / "src" / "model.onnx", conv_layers=3, channels=256, mm_layers=4, dim=768)
+    else:
+        src = mf.build(form, counted / "src" / "model.onnx", mib=8)
     out = counted / "out"
     env = {BUDGET_ENV: str(budget)} if budget else {}
-    cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "--prepack", "-q"]
-    written = written_by(cmd, env)
+    cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "--prepack", "-q", "--json"]
+    written, stdout = written_by(cmd, env)
+    (report,) = json.loads(stdout)["reports"]
+    assert report["prepack"]["segments"]["segments"] >= segments  # the route this case is for
     size = outputs(out)
-    assert size > 8 << 20  # the plain weights and their packed copies
+    assert size > 8 << 20  # the plain weights and their packed (or reordered) copies
     assert written <= LIMIT * size, f"{written / 2**20:.1f} MiB written for {size / 2**20:.1f} MiB of outputs"
