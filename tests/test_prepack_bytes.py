@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import model_forms as mf
 import pytest
 from prepack_samples import mixed_onnx
 
+from weightshare.formats.onnx.ort.prepack import SCRATCH_ENV, SCRATCH_PREFIX, _sweep_scratch
 from weightshare.formats.onnx.ort.segments import BUDGET_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,10 +75,35 @@ def test_prepack_writes_each_byte_once(counted: Path, form: str, budget: int | N
         src = mf.build(form, counted / "src" / "model.onnx", mib=8)
     out = counted / "out"
     env = {BUDGET_ENV: str(budget)} if budget else {}
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm")) if os.path.isdir("/dev/shm") else None
+    if shm is not None:  # a private root for the run's scratch: what it leaves behind is seen
+        env[SCRATCH_ENV] = str(shm)
     cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "--prepack", "-q", "--json"]
-    written, stdout = written_by(cmd, env)
+    try:
+        written, stdout = written_by(cmd, env)
+        assert shm is None or not list(shm.iterdir())  # the scratch went with the run
+    finally:
+        if shm is not None:
+            shutil.rmtree(shm)
     (report,) = json.loads(stdout)["reports"]
     assert report["prepack"]["segments"]["segments"] >= segments  # the route this case is for
     size = outputs(out)
     assert size > 8 << 20  # the plain weights and their packed (or reordered) copies
     assert written <= LIMIT * size, f"{written / 2**20:.1f} MiB written for {size / 2**20:.1f} MiB of outputs"
+
+
+def test_a_dead_runs_scratch_is_swept_a_live_ones_kept(tmp_path: Path) -> None:
+    """A run killed with -9 leaves its scratch in memory: the next run removes it, never one a live run holds."""
+    import fcntl
+
+    dead, live, other = tmp_path / f"{SCRATCH_PREFIX}dead", tmp_path / f"{SCRATCH_PREFIX}live", tmp_path / "other"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "ort.seg0-4.bin").write_bytes(b"x" * 4096)
+    held = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        _sweep_scratch(str(tmp_path))
+        assert not dead.exists() and live.exists() and other.exists()
+    finally:
+        os.close(held)

@@ -425,13 +425,49 @@ def _scratch(stage: Path, need: int) -> Iterator[str]:
     if not ok:
         yield ""
         return
-    where = tempfile.mkdtemp(prefix="weightshare-ort-", dir=root)
+    import fcntl  # here: a memory-backed scratch exists on POSIX systems only
+
+    _sweep_scratch(root)
+    where = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=root)
+    held = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # alive while this run is: a later run's sweep leaves it alone
         os.symlink(where, stage / SCRATCH)
         yield SCRATCH
     finally:
         shutil.rmtree(where, ignore_errors=True)
+        os.close(held)
         (stage / SCRATCH).unlink(missing_ok=True)
+
+
+SCRATCH_PREFIX = "weightshare-ort-"
+
+
+def _sweep_scratch(root: str) -> None:
+    """Remove the scratch directories of runs that died before removing theirs (killed with -9): memory the
+    system would otherwise hold until a reboot. A live run holds its directory's flock; any process namespace."""
+    import fcntl
+
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(SCRATCH_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live run's
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)
 
 
 def _run_bounded(
