@@ -270,6 +270,11 @@ class BlobWriter:
         self.bytes_written += nbytes
         return row, False
 
+    def drop_buffers(self) -> None:
+        """Give back the reused read buffers (a few chunks) while the writer waits to go on (``--prepack``'s
+        staged blob waits for the ORT child: the converter's buffers would add to the process tree's peak)."""
+        self._ring, self._hash_ring = BufferRing(), BufferRing()
+
     def adopt_row(self, offset: int, nbytes: int, align: int) -> tuple[int, bool]:
         """Record ``nbytes`` the file already holds at ``offset`` (at or past ``end``, a multiple of ``align``),
         hashed by reading them back; (its row, whether it duplicates that row) as ``add_row``."""

@@ -357,6 +357,7 @@ def _stage_portable(
         planned = [p.tensor for p in prepared.payloads]
         blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata, spare=HEADER_SPARE)
         placements = write_payloads(blob, prepared.payloads, prepared.report)
+        blob.writer.drop_buffers()
         prepared.payloads = []
         with OutputTransaction() as tx:
             prepared.emit(STAGE_FILE, placements, tx)
