@@ -107,3 +107,28 @@ def test_a_dead_runs_scratch_is_swept_a_live_ones_kept(tmp_path: Path) -> None:
         assert not dead.exists() and live.exists() and other.exists()
     finally:
         os.close(held)
+
+
+@pytest.mark.slow
+def test_a_header_outgrowing_its_room_streams_a_new_blob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the final header would not fit the room the staged blob reserved, every payload is streamed into a new
+    blob, as before: the same outputs as the blob written in place."""
+    import numpy as np
+    import onnxruntime as ort
+
+    import weightshare
+    from weightshare._safetensors import SafetensorsBlob, read_safetensors_metadata
+
+    src = mf.build("fp32", tmp_path / "src" / "model.onnx", mib=1)
+    weightshare.convert(src, tmp_path / "in_place", prepack=True)
+    monkeypatch.setattr(SafetensorsBlob, "header_fits", lambda self: False)
+    streamed = weightshare.convert(src, tmp_path / "streamed", prepack=True)
+    (blob,) = [o for o in streamed.outputs if o.endswith(".safetensors")]
+    _start, tensors, _payloads = read_safetensors_metadata(blob)
+    assert any(name.startswith("ort.prepacked/") for name in tensors)
+    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    for out in ("in_place", "streamed"):
+        got = ort.InferenceSession(str(tmp_path / out / "model.onnx"), providers=["CPUExecutionProvider"])
+        for batch in (1, 8):
+            feeds = mf.feeds(src, batch=batch)
+            assert all(np.array_equal(a, b) for a, b in zip(want.run(None, feeds), got.run(None, feeds))), out

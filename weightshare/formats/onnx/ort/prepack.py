@@ -330,8 +330,10 @@ class StagedBlob:
             assert e is not None
             placements.append(e)
             account(report, p.nbytes_in, e)
+        if os.stat(self.path).st_dev != os.stat(blob_path.parent).st_dev:
+            return None  # the blob's directory is another file system (a mount below OUTDIR): streamed anew
         tmp = tx.new_file(blob_path)
-        os.replace(self.path, tmp)  # the same file system (OUTDIR): the staged blob is the temporary now
+        os.replace(self.path, tmp)  # the staged blob is the temporary now
         size = blob.finish()
         return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements
 
