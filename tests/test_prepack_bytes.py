@@ -20,7 +20,7 @@ import model_forms as mf
 import pytest
 from prepack_samples import mixed_onnx
 
-from weightshare.formats.onnx.ort.prepack import SCRATCH_ENV, SCRATCH_PREFIX, _sweep_scratch
+from weightshare.formats.onnx.disk_use import SCRATCH_ENV, SCRATCH_PREFIX, sweep_scratch
 from weightshare.formats.onnx.ort.segments import BUDGET_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_a_dead_runs_scratch_is_swept_a_live_ones_kept(tmp_path: Path) -> None:
     held = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
-        _sweep_scratch(str(tmp_path))
+        sweep_scratch(str(tmp_path))
         assert not dead.exists() and live.exists() and other.exists()
     finally:
         os.close(held)

@@ -26,12 +26,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from weakref import WeakKeyDictionary
@@ -50,7 +48,7 @@ from ....options import ConvertOptions
 from ....report import ConversionReport, JsonDict
 from .. import dtypes
 from .._proto import load_model, pb
-from ..disk_use import ReleasedRange, mark_overlaps
+from ..disk_use import ReleasedRange, mark_overlaps, memory_scratch
 from ..graph import external_tensors
 from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
@@ -67,9 +65,7 @@ from .unfuse import drop_unused, unfuse_scales
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 PACKED_FILE_KEY = "weightshare.packed_location"  # the child's: the file its prepacked_N entries point into
 STAGE_FILE = "plain.safetensors"  # the staged blob, which becomes the final one
-SCRATCH = "scratch"  # in the staging: a link to the ORT child's memory-backed directory
 TARGET_ENV = "WEIGHTSHARE_PREPACK_TARGET"  # the child's ``Target``: JSON {"blob", "align", "scratch"}
-SCRATCH_ENV = "WEIGHTSHARE_ORT_SCRATCH"  # where that directory is made ("0": none, ORT's files on disk)
 HEADER_SPARE = 3.0  # header room reserved in the staged blob for the packed and optimized entries
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 # ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
@@ -400,7 +396,7 @@ def _run_ort(
     if staged is None:
         res, peak = _run_bounded(cmd, model.parent, src, options)
     else:
-        with _scratch(model.parent, SCRATCH_HOLD * max(budget_from_env(), staged.largest)) as scratch:
+        with memory_scratch(model.parent, SCRATCH_HOLD * max(budget_from_env(), staged.largest)) as scratch:
             doc = {"blob": STAGE_FILE, "align": options.align.render(), "scratch": scratch, "copy_reused": in_place}
             res, peak = _run_bounded(cmd, model.parent, src, options, {TARGET_ENV: json.dumps(doc)}, staged.path)
     if res.returncode != 0:
@@ -410,67 +406,6 @@ def _run_ort(
 
 
 SCRATCH_HOLD = 4  # a session's file in the scratch: its weights and packed copies (x 2), a window's two segments
-
-
-@contextmanager
-def _scratch(stage: Path, need: int) -> Iterator[str]:
-    """A private directory on a memory-backed file system (``SCRATCH_ENV``, /dev/shm by default), linked from
-    ``stage`` as ``SCRATCH``, for the ORT child's own files: their bytes are read back and dropped, never kept,
-    so writing them to disk would only be bytes written. It holds one segment's, window's or node's file at a
-    time (``child.Target``: at most ``need`` bytes), and is removed with everything in it once the child is done.
-    "" when there is none with ``need`` bytes free: the files stay in the staging."""
-    root = os.environ.get(SCRATCH_ENV, "/dev/shm")
-    try:
-        st = os.statvfs(root)
-        ok = root not in ("", "0") and os.path.isdir(root) and st.f_bavail * st.f_frsize >= need
-    except OSError:
-        ok = False
-    if not ok:
-        yield ""
-        return
-    import fcntl  # here: a memory-backed scratch exists on POSIX systems only
-
-    _sweep_scratch(root)
-    where = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=root)
-    held = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(held, fcntl.LOCK_EX)  # alive while this run is: a later run's sweep leaves it alone
-        os.symlink(where, stage / SCRATCH)
-        yield SCRATCH
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
-        os.close(held)
-        (stage / SCRATCH).unlink(missing_ok=True)
-
-
-SCRATCH_PREFIX = "weightshare-ort-"
-
-
-def _sweep_scratch(root: str) -> None:
-    """Remove the scratch directories of runs that died before removing theirs (killed with -9): memory the
-    system would otherwise hold until a reboot. A live run holds its directory's flock; any process namespace."""
-    import fcntl
-
-    try:
-        names = [n for n in os.listdir(root) if n.startswith(SCRATCH_PREFIX)]
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(root, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            continue  # a live run's
-        try:
-            if os.stat(path, follow_symlinks=False).st_uid == os.getuid():
-                shutil.rmtree(path, ignore_errors=True)
-        finally:
-            os.close(fd)
 
 
 def _run_bounded(
