@@ -1,7 +1,8 @@
 """``convert --prepack`` writes each byte once: the bytes a conversion writes (its process tree's ``ru_oublock``,
 read with ``os.wait4``) stay within 1.3x of its outputs' size, for a model ORT optimizes in one piece and packs
-node by node, for one it optimizes segment by segment, and for a MatMul+Conv model (NCHWc-reordered Conv weights
-beside packed MatMul weights).
+node by node, for one it optimizes segment by segment, for a MatMul+Conv model (NCHWc-reordered Conv weights
+beside packed MatMul weights), and with ``--unpack ort-cpu`` (an fp16 decoder, whose rounding check saves the
+original's weights folded to fp32).
 
 Before, the staged blob was copied into the final one and every ORT session wrote every weight it saved to a
 file of its own: 2.5-3x. A byte count, not a timing: the same on a loaded machine."""
@@ -65,6 +66,7 @@ def counted(tmp_path: Path) -> Path:
         ("merged_decoder", None, 1),  # an If: one piece, packed node by node
         ("fp32", 1 << 20, 2),  # cut in segments, each segment's session saving its packed copies
         ("mixed", 3 << 20, 2),  # Conv chain then MatMul/Gemm layers, in segments
+        ("llama_fp16", None, 1),  # --unpack ort-cpu: its rounding check's saved windows are never written
     ],
 )
 def test_prepack_writes_each_byte_once(counted: Path, form: str, budget: int | None, segments: int) -> None:
@@ -79,6 +81,8 @@ def test_prepack_writes_each_byte_once(counted: Path, form: str, budget: int | N
     if shm is not None:  # a private root for the run's scratch: what it leaves behind is seen
         env[SCRATCH_ENV] = str(shm)
     cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "--prepack", "-q", "--json"]
+    if form == "llama_fp16":
+        cmd += ["--unpack", "ort-cpu"]
     try:
         written, stdout = written_by(cmd, env)
         assert shm is None or not list(shm.iterdir())  # the scratch went with the run
