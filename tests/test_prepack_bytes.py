@@ -136,3 +136,32 @@ def test_a_header_outgrowing_its_room_streams_a_new_blob(tmp_path: Path, monkeyp
         for batch in (1, 8):
             feeds = mf.feeds(src, batch=batch)
             assert all(np.array_equal(a, b) for a, b in zip(want.run(None, feeds), got.run(None, feeds))), out
+
+
+def _io_written() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
+
+
+def test_a_staged_duplicate_is_hashed_before_it_is_written(counted: Path) -> None:
+    """A zoo's models are staged alike: a staged range whose bytes the blob already holds is recognised before it is
+    copied, not written and truncated away (the zoo's blob then writes its shared weights once)."""
+    from weightshare._placement import BlobWriter
+    from weightshare.formats.onnx.disk_use import ReleasedRange
+
+    if not os.path.exists("/proc/self/io"):
+        pytest.skip("no per-process I/O accounting here")
+    data = os.urandom(2 << 20)
+    staged = counted / "staged"
+    staged.write_bytes(data + data)  # model 1's weight and model 2's copy of it
+    fd = os.open(counted / "blob", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        w = BlobWriter(fd)
+        first = w.add(ReleasedRange(str(staged), 0, len(data), releasable=False))
+        before = _io_written()
+        again = w.add(ReleasedRange(str(staged), len(data), len(data), releasable=False))
+        written = _io_written() - before
+    finally:
+        os.close(fd)
+    assert again.duplicate and again.offset == first.offset
+    assert written < len(data) // 2, f"{written} bytes written for a duplicate of {len(data)}"

@@ -65,6 +65,9 @@ class ReleasedRange(FileRange):
     """A staged ``FileRange`` whose blocks are freed once its payload is placed (``_write.write_payloads``)."""
 
     releasable: bool = True  # False when another payload's range overlaps it
+    # a zoo's models are staged alike: the blob writer hashes such a range before copying it, and a duplicate of a
+    # stored payload is never written (``_placement.BlobWriter.add_row``)
+    likely_duplicate: bool = True
 
     def release(self) -> None:
         if self.releasable:

@@ -124,8 +124,8 @@ class Relocator:
             source: FileRange
             if self.stage is None or path.is_relative_to(self.stage):
                 source = ReleasedRange(str(path), offset, length)  # its blocks are freed once the blob holds them
-            else:
-                source = FileRange(str(path), offset, length)
+            else:  # read only, never freed: an earlier model's, most likely already in a zoo's blob
+                source = ReleasedRange(str(path), offset, length, releasable=False)
                 if self.cache is not None:
                     self.cache.keep(rng)
             source.check_within(path.stat().st_size)
@@ -226,7 +226,7 @@ class PackCache:
                 for buf in PackedRef.parse(value, stage).buffers:
                     rng = (file, int(buf[0]), int(buf[1]))
                     source = reloc.payloads[reloc.order[rng]].source if rng in reloc.order else None
-                    if isinstance(source, ReleasedRange):
+                    if isinstance(source, ReleasedRange) and source.releasable:
                         self.staged[rng] = source
 
     def rehome(self, blob: Path | None) -> None:
