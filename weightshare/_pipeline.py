@@ -94,10 +94,23 @@ def write_blob(
         os.close(fd)
 
 
+# write_blob's signature: a writer that finds most payloads already in a file of its own (``--prepack``'s staged blob)
+WriteBlob = Callable[
+    [list[PreparedModel], Path, ConvertOptions, OutputTransaction, "BlobContainer", "Path | None"],
+    tuple[Path, int, str, list[Placements]],
+]
+
+
 def write_models(
-    models: list[PreparedModel], out_dir: Path, target: BlobTarget, options: ConvertOptions, tx: OutputTransaction
+    models: list[PreparedModel],
+    out_dir: Path,
+    target: BlobTarget,
+    options: ConvertOptions,
+    tx: OutputTransaction,
+    write: WriteBlob | None = None,
 ) -> None:
-    """Write the blob (when any model has payloads) under its content-derived name, then every model file."""
+    """Write the blob (when any model has payloads) under its content-derived name, then every model file.
+    ``write``: what writes the blob instead of ``write_blob`` (same arguments and result)."""
     size, blob_path, location = 0, None, ""
     moved = [bool(m.payloads) for m in models]
     placements = [Placements() for _ in models]
@@ -105,13 +118,13 @@ def write_models(
         tx.make_dirs(target.directory)
         if target.prefix:  # OUTDIR itself was cleaned by prepare_out_dir
             clean_stale_temporaries(target.directory)
-        tmp, size, digest, placements = write_blob(
+        tmp, size, digest, placements = (write or write_blob)(
             models,
             target.directory / f"{target.base}{target.container.suffix}",
             options,
             tx,
             target.container,
-            shown=target.directory / f"{target.base}.<digest>{target.container.suffix}",
+            target.directory / f"{target.base}.<digest>{target.container.suffix}",
         )
         location, blob_path = target.named(digest)
         tx.retarget(tmp, blob_path)  # an earlier blob goes only as the outputs record proves (_outputs_record)

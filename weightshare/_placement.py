@@ -177,6 +177,7 @@ class BlobWriter:
         # thousand): (tag, size, digest) -> row.
         self._table = array("q", [-1]) * 1024
         self._tagged: dict[tuple[str, int, bytes], int] = {}
+        self._sizes: set[int] = set()  # the stored payloads' lengths (``likely_duplicate`` sources)
         self.bytes_in = 0
         self.bytes_written = 0
         self._wb_start = start  # first byte whose writeback has not been started
@@ -237,7 +238,28 @@ class BlobWriter:
             offset = align_up(prefix_offset + prefix_size, align)
         else:
             offset = align_up(self.end, align)
-        if isinstance(source, FileRange) and nbytes >= KERNEL_COPY_MIN and _kernel_copy_works():
+        copied = isinstance(source, FileRange) and nbytes >= KERNEL_COPY_MIN and _kernel_copy_works()
+        if copied and self.dedupe and getattr(source, "likely_duplicate", False) and nbytes in self._sizes:
+            # hashed where it is first: a duplicate is then never written (a zoo's models staged alike)
+            assert isinstance(source, FileRange)
+            f = source.opened()
+            try:
+                digest = _hash_range(f, source.offset, source.length, self.chunk_size, self.digest, self._hash_ring)
+            finally:
+                if f is not source.file:
+                    f.close()
+            first = self._find(digest, nbytes, align) if not tag else None
+            if first is not None:
+                self.bytes_in += nbytes
+                return first, True
+            f = source.opened()
+            try:
+                self._copy_rest(f, source, offset, self._kernel_copy(f, source, offset, progress), progress)
+            finally:
+                if f is not source.file:
+                    f.close()
+        elif copied:
+            assert isinstance(source, FileRange)
             digest = self._copy_unchanged(source, offset, progress)
         else:
             digest = self._stream(source, offset, nbytes, progress)
@@ -269,6 +291,41 @@ class BlobWriter:
                 self._insert(row)
         self.end = offset + nbytes
         self.bytes_written += nbytes
+        self._sizes.add(nbytes)
+        return row, False
+
+    def drop_buffers(self) -> None:
+        """Give back the reused read buffers (a few chunks) while the writer waits to go on (``--prepack``'s
+        staged blob waits for the ORT child: the converter's buffers would add to the process tree's peak)."""
+        self._ring, self._hash_ring = BufferRing(), BufferRing()
+
+    def adopt_row(self, offset: int, nbytes: int, align: int) -> tuple[int, bool]:
+        """Record ``nbytes`` the file already holds at ``offset`` (at or past ``end``, a multiple of ``align``),
+        hashed by reading them back; (its row, whether it duplicates that row) as ``add_row``."""
+        h = new_hasher(self.digest)
+        pos, stop = offset, offset + nbytes
+        while pos < stop:
+            chunk = os.pread(self.fd, min(self.chunk_size, stop - pos), pos)
+            if not chunk:
+                raise OutputError(f"the blob ends at {pos}, inside a payload adopted up to {stop}")
+            h.update(chunk)
+            pos += len(chunk)
+        digest = h.digest()
+        self.bytes_in += nbytes
+        first = self._find(digest, nbytes, align) if self.dedupe else None
+        if first is not None:
+            return first, True
+        row = len(self._offsets)
+        self._offsets.append(offset)
+        self._nbytes.append(nbytes)
+        self._digests += digest
+        if self._prefixes is not None:
+            self._prefixes.append(-1)
+        if self.dedupe:
+            self._insert(row)
+        self.end = offset + nbytes
+        self.bytes_written += nbytes
+        self._sizes.add(nbytes)
         return row, False
 
     def _find(self, digest: bytes, nbytes: int, align: int = 1) -> int | None:
@@ -352,18 +409,22 @@ class BlobWriter:
                 hashing.exception()  # wait: the hashing thread must not read a file we may close next
                 raise
             result: bytes = hashing.result()
-            if done < source.length:  # the kernel refused (another filesystem, old kernel): copy the rest here
-                rest = FileRange(source.path, source.offset + done, source.length - done, f)
-                for chunk in rest.chunks(self.chunk_size, ring=self._ring):
-                    self._pwrite_all(chunk, offset + done)
-                    done += len(chunk)
-                    self._wrote(offset + done)
-                    if progress is not None:
-                        progress(len(chunk))
+            self._copy_rest(f, source, offset, done, progress)
         finally:
             if f is not source.file:
                 f.close()
         return result
+
+    def _copy_rest(self, f: InputFile, source: FileRange, offset: int, done: int, progress: Progress | None) -> None:
+        """What the kernel did not copy of ``source`` (another filesystem, an old kernel), copied here."""
+        if done < source.length:
+            rest = FileRange(source.path, source.offset + done, source.length - done, f)
+            for chunk in rest.chunks(self.chunk_size, ring=self._ring):
+                self._pwrite_all(chunk, offset + done)
+                done += len(chunk)
+                self._wrote(offset + done)
+                if progress is not None:
+                    progress(len(chunk))
 
     def _kernel_copy(self, f: InputFile, source: FileRange, offset: int, progress: Progress | None) -> int:
         """Copy as much of ``source`` as the kernel will; return how many bytes it copied."""

@@ -71,6 +71,7 @@ _ITEMSIZE = {
     "F8_E5M2": 1,
 }
 _OFFSET_DIGITS = 20  # enough for any uint64 offset
+SPARE_FLOOR = 16 << 10  # header room reserved for adopted payloads beyond the spare factor
 METADATA_KEY = "weightshare.payloads"
 
 
@@ -137,6 +138,7 @@ class SafetensorsBlob:
         dedupe: bool = True,
         metadata: dict[str, str] | None = None,
         prefixes: Sequence[str] | None = None,
+        spare: float = 0.0,
     ):
         self.metadata = dict(metadata or {})  # extra string entries for __metadata__ (e.g. the ORT version used)
         self.metadata[ALIGN_KEY] = policy.render()  # `check` reads the alignment asked for instead of assuming it
@@ -144,7 +146,12 @@ class SafetensorsBlob:
         for t in planned:
             t.st_dtype, t.st_shape = _safetensors_view(t)
         self.fd = fd
-        self.data_start = align_up(8 + self._header_bound(planned, self.metadata), max(policy.large, policy.small))
+        bound = self._header_bound(planned, self.metadata)
+        # ``spare``: room for a header that many times longer again (payloads ``adopt``-ed later: ``--prepack``'s
+        # packed copies), up to 1/32 of the payload bytes plus SPARE_FLOOR: a header is padded with spaces
+        room = min(int(bound * spare), sum(t.nbytes for t in planned) // 32) + SPARE_FLOOR if spare > 0 else 0
+        self.data_start = align_up(8 + bound + room, max(policy.large, policy.small))
+        self._names = {t.st_name for t in planned}
         self.writer = BlobWriter(fd, self.data_start, policy, dedupe)
         # By writer row (offset order): the tensor first stored there; by row, the names of later copies, for the
         # few payloads that have any. A list of references, no object per payload. A zero-length
@@ -195,6 +202,34 @@ class SafetensorsBlob:
         else:
             self._planned.append(tensor)
         return w.entry(row, duplicate)
+
+    def adopt(self, tensor: PlannedTensor, offset: int) -> BlobEntry | None:
+        """A payload the file already holds at ``offset`` (appended by another process: ``--prepack``'s ORT child):
+        hashed where it is, not written. None when it cannot stay there (below a stored payload's end, or off its
+        alignment): the caller places it as any other. Bytes equal to a stored payload's become that one's
+        alias; theirs stay in the file, under a padding entry."""
+        w = self.writer
+        align = max(w.policy.for_size(tensor.nbytes), tensor.min_align)
+        if offset < w.end or offset % align:
+            return None
+        row, duplicate = w.adopt_row(offset, tensor.nbytes, align)
+        name, n = tensor.name if tensor.name and not tensor.name.startswith("__") else f"tensor{tensor.name}", 1
+        base = name
+        while name in self._names:
+            n += 1
+            name = f"{base}#{n}"
+        self._names.add(name)
+        tensor.st_name = name
+        tensor.st_dtype, tensor.st_shape = _safetensors_view(tensor)
+        if duplicate:
+            self._aliases.setdefault(row, []).append(tensor.st_name)
+        else:
+            self._planned.append(tensor)
+        return w.entry(row, duplicate)
+
+    def header_fits(self) -> bool:
+        """Whether the header of what is stored now fits the room reserved before the data."""
+        return sum(len(piece.encode()) for piece in self._header_pieces()) <= self.data_start - 8
 
     def place(self, payload: BlobPayload, progress: Progress | None = None) -> BlobEntry:
         """``_write.Container``: the payload under its planned tensor's name."""

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..._tensors import FileRange
 
@@ -60,6 +65,9 @@ class ReleasedRange(FileRange):
     """A staged ``FileRange`` whose blocks are freed once its payload is placed (``_write.write_payloads``)."""
 
     releasable: bool = True  # False when another payload's range overlaps it
+    # a zoo's models are staged alike: the blob writer hashes such a range before copying it, and a duplicate of a
+    # stored payload is never written (``_placement.BlobWriter.add_row``)
+    likely_duplicate: bool = True
 
     def release(self) -> None:
         if self.releasable:
@@ -81,3 +89,67 @@ def mark_overlaps(ranges: list[ReleasedRange]) -> None:
                 r.releasable = last.releasable = False
             if hi > reach:
                 reach, last = hi, r
+
+
+SCRATCH = "scratch"  # in a staging: a link to an ORT child's memory-backed directory
+SCRATCH_ENV = "WEIGHTSHARE_ORT_SCRATCH"  # where that directory is made ("0": none, the files stay on disk)
+SCRATCH_PREFIX = "weightshare-ort-"
+
+
+@contextmanager
+def memory_scratch(stage: Path, need: int) -> Iterator[str]:
+    """A private directory on a memory-backed file system (``SCRATCH_ENV``, /dev/shm by default), linked from
+    ``stage`` as ``SCRATCH`` (yielded), for an ORT child's own files: their bytes are read back and dropped,
+    never kept, so writing them to disk would only be bytes written. Its user keeps one segment's, window's
+    or node's file there at a time (at most ``need`` bytes: ``child.Target``, ``cpu.check_rounding``), and it is
+    removed with everything in it once the child is done. "" when there is none with ``need`` bytes free: the
+    files stay in ``stage``."""
+    root = os.environ.get(SCRATCH_ENV, "/dev/shm")
+    try:
+        st = os.statvfs(root)
+        ok = root not in ("", "0") and os.path.isdir(root) and st.f_bavail * st.f_frsize >= need
+    except OSError:
+        ok = False
+    if not ok:
+        yield ""
+        return
+    import fcntl  # here: a memory-backed scratch exists on POSIX systems only
+
+    sweep_scratch(root)
+    where = tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=root)
+    held = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)  # alive while this run is: a later run's sweep leaves it alone
+        os.symlink(where, stage / SCRATCH)
+        yield SCRATCH
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+        os.close(held)
+        (stage / SCRATCH).unlink(missing_ok=True)
+
+
+def sweep_scratch(root: str) -> None:
+    """Remove the scratch directories of runs that died before removing theirs (killed with -9): memory the
+    system would otherwise hold until a reboot. A live run holds its directory's flock; any process namespace."""
+    import fcntl
+
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(SCRATCH_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a live run's
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+        finally:
+            os.close(fd)

@@ -20,11 +20,13 @@ import json
 import os
 import platform
 import sys
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
 import onnx
 
+from ...._placement import AlignPolicy, align_up
 from .names import apply_saved_hook, unknown_entries, unknown_entry_message
 from .probe import cpu_features, cpu_kind, nchwc_block_size, opset_stamp
 
@@ -37,6 +39,62 @@ class SessionCount:
 
 
 SESSIONS = SessionCount()
+
+
+@dataclass
+class Target:
+    """Where the child puts the bytes it keeps when the parent writes the final blob in place of the staged one
+    (``prepack``): ORT's packed copies and the initializers it changed are appended to the staged blob itself,
+    each at the offset the blob's writer would give it (``policy``), so that they are written once; ORT's own
+    files (a session's copy of every weight it saves, then its packed copies) go to ``scratch``, a directory of
+    the staging linked to a memory-backed file system, and each is removed once settled: one segment's, one
+    window's or one node's at a time, never the model's (the whole graph's one session keeps the disk)."""
+
+    blob: str  # the staged blob's name in the staging
+    policy: AlignPolicy
+    scratch: str = ""  # the scratch link's name in the staging ("": none, ORT's files stay in the staging)
+    stage: str = ""
+    copy_reused: bool = False  # a packing an earlier model made is copied in too (the final blob is this one)
+    scratch_peak: int = 0  # the most bytes the scratch held after a session
+
+    @classmethod
+    def from_env(cls, stage: str) -> Target | None:
+        from .prepack import TARGET_ENV
+
+        doc = json.loads(os.environ.get(TARGET_ENV, "") or "null")
+        if not isinstance(doc, dict):
+            return None
+        policy = AlignPolicy.parse(doc.get("align"))
+        if policy is None or not isinstance(doc.get("blob"), str):
+            return None
+        return cls(doc["blob"], policy, str(doc.get("scratch") or ""), stage, bool(doc.get("copy_reused")))
+
+    def scratch_name(self, bin_name: str) -> str:
+        return f"{self.scratch}/{bin_name}" if self.scratch else bin_name
+
+    def append_at(self, out: BinaryIO, nbytes: int, min_align: int = 0) -> int:
+        """Move ``out`` (the staged blob, opened to append) to where the next payload of ``nbytes`` goes."""
+        out.flush()
+        end = out.seek(0, 2)
+        at = align_up(end, max(self.policy.for_size(nbytes), min_align))
+        if at > end:
+            os.ftruncate(out.fileno(), at)  # the gap a hole: the final blob's padding entry covers it
+            out.seek(at)
+        return at
+
+    def sample(self, drop: str = "") -> None:
+        """Record what the scratch holds now; then remove its files whose names contain ``drop`` (a window's)."""
+        if not self.scratch:
+            return
+        where = os.path.join(self.stage, self.scratch)
+        held = 0
+        for entry in os.scandir(where):
+            held += entry.stat().st_blocks * 512
+        self.scratch_peak = max(self.scratch_peak, held)
+        if drop:
+            for entry in os.scandir(where):
+                if drop in entry.name:
+                    os.unlink(entry.path)
 
 
 def optimize(
@@ -141,16 +199,24 @@ def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -
 
 
 PACKED_BIN = "packed.bin"  # packed buffers moved out of ORT's files (segments'; nodes' where no holes are made)
+PACKED_ALIGN = 4096  # the final blob's alignment of a packed buffer (``prepack.PACKED_ALIGN``)
 
 
-def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
+def _move_packed(value: str, src: BinaryIO, dst: BinaryIO, target: Target | None = None) -> tuple[str, int]:
     """Append the buffers of one ``prepacked_N`` entry (``key|offset;size;...|...``, offsets into ``src``)
     to ``dst``; the entry re-pointed at ``dst`` and the bytes moved. ORT's per-node file also holds the
-    node's plain weights: only the packed bytes are kept."""
+    node's plain weights: only the packed bytes are kept. ``target``: ``dst`` is the staged blob, each buffer
+    placed where the final blob keeps it."""
     key, *buffers = value.split("|")
     moved, total = [key], 0
     for buf in buffers:
         offset, size, *rest = buf.split(";")
+        if target is not None:
+            at = target.append_at(dst, int(size), PACKED_ALIGN)
+            _copy_range(src, int(offset), int(size), dst, f"onnxruntime's packed file ends inside {key}")
+            moved.append(";".join([str(at), size, *rest]))
+            total += int(size)
+            continue
         # at a block boundary (the gap is a hole): once the blob holds the buffer its whole blocks can be freed
         # (``disk_use.punch`` frees only whole blocks inside a range; unaligned small buffers kept every block)
         dst.flush()
@@ -164,7 +230,7 @@ def _move_packed(value: str, src: BinaryIO, dst: BinaryIO) -> tuple[str, int]:
 
 
 def pack(
-    opt_model: str, min_external: int, known: dict[str, Packing] | None = None
+    opt_model: str, min_external: int, known: dict[str, Packing] | None = None, target: Target | None = None
 ) -> tuple[dict[str, list[list[str]]], dict[str, OpTally], dict[str, Packing]]:
     """Pre-pack node by node: each weight-bearing node of the optimized graph (subgraph bodies
     included, their outer-scope weights as the node's own) alone in a session.
@@ -173,7 +239,8 @@ def pack(
     absolute), reused without a session; None: none reused, not even between this graph's own nodes (the
     bench's "before"). Returns (initializer name -> [[prepacked entry value, file], ...], per op type what was
     packed, the packings made here by a session, files relative to the staging).
-    Peak memory is one node's weights and packed copies, whatever the model's size.
+    Peak memory is one node's weights and packed copies, whatever the model's size. ``target``: the packed
+    copies go straight to the staged blob, ORT's per-node files to its scratch.
     """
     import gc
     import os
@@ -189,7 +256,8 @@ def pack(
     tally: dict[str, OpTally] = {}
     made: dict[str, Packing] = {}
     digests: dict[tuple[str, int, int], str] = {}
-    packed_bin = os.path.join(stage, PACKED_BIN)
+    packed_name = target.blob if target is not None else PACKED_BIN
+    packed_bin = os.path.join(stage, packed_name)
     if not os.path.exists(packed_bin):
         open(packed_bin, "wb").close()
     for n, (node, scope) in enumerate(all_nodes(model.graph)):
@@ -216,13 +284,16 @@ def pack(
         key = packing_key(one, stage, digests) if known is not None else ""
         earlier = (made.get(key) or known.get(key)) if known is not None else None
         if earlier is not None:  # the same one-node model packed before in this run: its session's result
-            _reuse(earlier, node, found, op)
+            _reuse(earlier, node, found, op, target)
             continue
         name, packed_model = os.path.join(stage, f"node{n}.onnx"), os.path.join(stage, f"node{n}.packed.onnx")
+        node_bin = target.scratch_name(f"node{n}.packed.bin") if target is not None else f"node{n}.packed.bin"
         with open(name, "wb") as f:
             f.write(one.SerializeToString())
         try:
-            refused = _pack_node(name, packed_model, f"node{n}.packed.bin", min_external)
+            refused = _pack_node(name, packed_model, node_bin, min_external)
+            if target is not None:
+                target.sample()
         finally:
             os.unlink(name)
             # the session went with _pack_node's frame (refcount); a full collection per node cost 24 ms (a
@@ -233,7 +304,7 @@ def pack(
         if refused:
             op.skip(refused)
             made[key] = Packing(skip=refused)
-            for left in (packed_model, os.path.join(stage, f"node{n}.packed.bin")):
+            for left in (packed_model, os.path.join(stage, node_bin)):
                 if os.path.exists(left):
                     os.unlink(left)
             continue
@@ -243,10 +314,11 @@ def pack(
         unknown = unknown_entries(packed)
         if unknown:  # what ORT packed under a key we do not read would be dropped: the parent's one line
             raise ValueError(unknown_entry_message(unknown[0]))
-        packing, node_bin = Packing(), f"node{n}.packed.bin"
+        packing = Packing()
         # ORT's file holds the node's weights, then their packed copies: where blocks can be freed, the packed
         # bytes stay where ORT wrote them (written once) and the weights' blocks go; else they are moved out
-        in_place, kept = can_punch(), []
+        # (into the staged blob with a ``target``: written there once, ORT's file in memory)
+        in_place, kept = can_punch() and target is None, []
         with open(os.path.join(stage, node_bin), "rb") as src, open(packed_bin, "ab") as dst:
             for t in packed.graph.initializer:
                 for e in t.external_data:
@@ -263,7 +335,7 @@ def pack(
                             size = sum(int(b.split(";")[1]) for b in value.split("|")[1:])
                             kept.append(value)
                         else:
-                            (value, size), file = _move_packed(e.value, src, dst), PACKED_BIN
+                            (value, size), file = _move_packed(e.value, src, dst, target), packed_name
                         found.setdefault(t.name, []).append([value, file])
                         packing.add(list(node.input).index(t.name), value, file)
                         op.packed_bytes += size
@@ -322,14 +394,25 @@ class Packing:
         return cls([(int(p), str(v), str(f)) for p, v, f in doc["entries"]], str(doc["skip"]))
 
 
-def _reuse(earlier: Packing, node: onnx.NodeProto, found: dict[str, list[list[str]]], op: OpTally) -> None:
-    """``earlier``'s entries for ``node``'s own initializer names (an earlier model's files by absolute path)."""
+def _reuse(
+    earlier: Packing,
+    node: onnx.NodeProto,
+    found: dict[str, list[list[str]]],
+    op: OpTally,
+    target: Target | None = None,
+) -> None:
+    """``earlier``'s entries for ``node``'s own initializer names (an earlier model's files by absolute path).
+    ``target`` that copies reused packings: copied into the staged blob where this node's own session's would
+    go, so that the blob is the same whether the packing was reused or made."""
     op.reused += 1
     for position, value, file in earlier.entries:
         name = node.input[position]
         kernel = value.split("|")[0]
         if any(v.split("|")[0] == kernel for v, _f in found.get(name, [])):
             continue
+        if target is not None and target.copy_reused and file != target.blob:
+            with open(file, "rb") as src, open(os.path.join(target.stage, target.blob), "ab") as dst:
+                value, file = _move_packed(value, src, dst, target)[0], target.blob
         found.setdefault(name, []).append([value, file])
         op.packed_bytes += sum(int(b.split(";")[1]) for b in value.split("|")[1:])
     _tally(op, earlier, node)
@@ -435,10 +518,25 @@ def optimize_bounded(
     settled segment by segment into the staged payloads and ``ort.rest.bin``)."""
     from .segments import Segmenter
 
+    target = sharer.target if sharer is not None else None
+    whole = f"{os.path.basename(out_model).removesuffix('.onnx')}.bin"
+    weights = sum(w[2] for t in sharer.plain.values() if (w := _external(t))) if sharer is not None else 0
+
+    def place(bin_name: str) -> str:
+        """A segment's or a window's file in the scratch (one at a time: a window's goes before the next
+        session); the whole graph's too when its weights are within one segment's, else it stays in the staging
+        (the whole model's weights)."""
+        if target is None or (bin_name == whole and weights > budget):
+            return bin_name
+        target.sample(drop=".win")
+        return target.scratch_name(bin_name)
+
     def run(src: str, dst: str, bin_name: str, prepack: bool = False) -> None:
         from ...._platform import malloc_trim
 
-        optimize(src, dst, bin_name, min_external, prepack)
+        optimize(src, dst, place(bin_name), min_external, prepack)
+        if target is not None:
+            target.sample()
         malloc_trim()  # the session's heap goes back before the next segment's session
 
     def run_packed(src: str, dst: str, bin_name: str) -> None:
@@ -491,8 +589,13 @@ class Sharer:
 
     REST = "ort.rest.bin"
 
-    def __init__(self, model: str, stage: str, min_external: int = 0) -> None:
+    def __init__(self, model: str, stage: str, min_external: int = 0, target: Target | None = None) -> None:
         self.stage = stage
+        # the staged blob takes what is kept (``Target``); its size before each segment's bytes, by tag, so that a
+        # dropped segment's are cut off again (``drop_settled``)
+        self.target = target
+        self.marks: dict[str, int] = {}
+        self.start = os.path.getsize(os.path.join(stage, target.blob)) if target is not None else 0
         # > 0: what a session wrote inline from this size on is moved out (``externalize``), so the sessions that
         # pack nothing may save references instead of writing every weight again (``Segmenter.settles_inline``)
         self.min_external = min_external
@@ -503,8 +606,35 @@ class Sharer:
 
     def reset(self) -> None:
         """Nothing settled so far is kept (the graph is optimized in one piece after all)."""
+        if self.target is not None:
+            os.truncate(os.path.join(self.stage, self.target.blob), self.start)
+            for tag in self.marks:
+                if os.path.exists(self._mark(tag)):
+                    os.unlink(self._mark(tag))
+            self.marks.clear()
+            return
         open(os.path.join(self.stage, self.REST), "wb").close()
         open(os.path.join(self.stage, PACKED_BIN), "wb").close()
+
+    def _mark(self, tag: str) -> str:
+        return os.path.join(self.stage, f"ort.{tag}.kept")
+
+    def drop_settled(self) -> None:
+        """Cut off the staged blob's bytes of the segments the segmenter dropped (it removed their marks): they
+        were appended last (segments are optimized in order, a dropped one with every one after it)."""
+        dropped = [tag for tag in self.marks if not os.path.exists(self._mark(tag))]
+        if not dropped or self.target is None:
+            return
+        cut = min(self.marks[tag] for tag in dropped)
+        if all(self.marks[tag] < cut for tag in self.marks if tag not in dropped):
+            os.truncate(os.path.join(self.stage, self.target.blob), cut)
+        for tag in dropped:  # else their bytes stay, unreferenced: the final blob's padding
+            del self.marks[tag]
+
+    def _append_at(self, out: BinaryIO, nbytes: int) -> int:
+        if self.target is not None:
+            return self.target.append_at(out, nbytes)
+        return out.seek(0, 2)
 
     def externalize(self, opt: onnx.ModelProto, rest: str) -> None:
         """Move ``opt``'s inline initializers of ``min_external`` bytes or more (raw data), subgraphs' included,
@@ -521,7 +651,7 @@ class Sharer:
                 for t in g.initializer:
                     if t.data_location == onnx.TensorProto.EXTERNAL or len(t.raw_data) < max(min_external, 1):
                         continue
-                    offset, length = out.seek(0, 2), len(t.raw_data)
+                    offset, length = self._append_at(out, len(t.raw_data)), len(t.raw_data)
                     out.write(t.raw_data)
                     t.ClearField("raw_data")
                     t.data_location = onnx.TensorProto.EXTERNAL
@@ -538,13 +668,19 @@ class Sharer:
         from .names import PACKED_FILE_KEY
 
         rest, packed = (f"ort.rest.{tag}.bin", f"packed.{tag}.bin") if tag else (self.REST, PACKED_BIN)
+        if self.target is not None:  # one file, appended through one handle
+            self.drop_settled()
+            rest = packed = self.target.blob
+            if tag:
+                self.marks[tag] = os.path.getsize(os.path.join(self.stage, rest))
+                open(self._mark(tag), "wb").close()
         self.kept |= {rest, packed}
         if self.min_external:
             self.externalize(opt, rest)
         old_files: set[str] = set()
         with (
             open(os.path.join(self.stage, rest), "ab") as out,
-            open(os.path.join(self.stage, packed), "ab") as packs_out,
+            nullcontext(out) if packed == rest else open(os.path.join(self.stage, packed), "ab") as packs_out,
         ):
             for t in external_tensors(opt):
                 where = _external(t)
@@ -568,13 +704,13 @@ class Sharer:
                 ):
                     location, offset, length = mine
                 else:
-                    location, offset, length = rest, out.seek(0, 2), where[2]
+                    location, offset, length = rest, self._append_at(out, where[2]), where[2]
                     _append(os.path.join(self.stage, where[0]), where[1], where[2], out)
                 values = [("location", location), ("offset", str(offset)), ("length", str(length))]
                 ort_file = os.path.join(self.stage, where[0])
                 with open(ort_file, "rb") as f:
                     moved = [
-                        _move_packed(e.value, f, packs_out)[0]
+                        _move_packed(e.value, f, packs_out, self.target)[0]
                         for e in t.external_data
                         if e.key.startswith("prepacked_")
                     ]
@@ -597,6 +733,8 @@ class Sharer:
         for name in old_files:
             if os.path.exists(os.path.join(self.stage, name)):
                 os.unlink(os.path.join(self.stage, name))
+        if self.target is not None:  # the segmenter removes the mark of a segment it drops
+            return [os.path.basename(self._mark(tag))] if tag else []
         return [rest, packed] if tag else []
 
 
@@ -638,19 +776,27 @@ def run(argv: list[str]) -> dict[str, Any]:
     elif rest:
         with open(rest[0]) as f:
             known = {k: Packing.from_json(v) for k, v in json.load(f).items()}
-    sharer = Sharer(model, os.path.dirname(os.path.abspath(out_model)), int(min_external))
+    stage = os.path.dirname(os.path.abspath(out_model))
+    target = Target.from_env(stage)  # the request's environment (``serve``) or the process's (``main``)
+    sharer = Sharer(model, stage, int(min_external), target)
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
+    sharer.drop_settled()
     share_unchanged(model, out_model, sharer)
     made: dict[str, Packing] = {}
     if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
     else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
-        packed, tally, made = pack(out_model, int(min_external), known)
+        packed, tally, made = pack(out_model, int(min_external), known, target)
     binding = _binding(os.path.dirname(os.path.abspath(out_model)))  # in the staging, not $TMPDIR
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
     packings = {k: v.to_json() for k, v in made.items()}
-    return {"binding": binding, "packed": packed, "segments": segments, "ops": ops, "packings": packings}
+    result: dict[str, Any] = {"binding": binding, "packed": packed, "segments": segments, "ops": ops}
+    result["packings"] = packings
+    if target is not None and target.scratch:
+        target.sample(drop=".win")
+        result["scratch_peak_bytes"] = target.scratch_peak
+    return result
 
 
 _bindings: list[dict[str, Any]] = []  # this process's: measured once, whatever number of models it packs
@@ -691,7 +837,8 @@ def serve() -> int:
     """Every model of a run, one request per stdin line (``server.OrtChild``): the interpreter, onnx and
     onnxruntime start once per run, not once per model.
 
-    A request is ``{"argv": run's arguments, "limits": limits.ChildLimits.to_json()}``; the limits are this
+    A request is ``{"argv": run's arguments, "limits": limits.ChildLimits.to_json(), "env": {...}}`` (``env``:
+    variables set for this model alone, e.g. its ``Target``); the limits are this
     model's, set before its work (``limits.apply_limits``), and the peak RSS is this model's (``_reset_peak``).
     The answer is one line on the original stdout: ``run``'s result with ``"child"``: {peak_rss_mib, sessions}.
     Anything else written to stdout goes to stderr. A request that fails ends the process (one line on stderr,
@@ -709,7 +856,13 @@ def serve() -> int:
         apply_limits(request["limits"])
         _reset_peak()
         before = SESSIONS.count
-        result = run([str(a) for a in request["argv"]])
+        scoped = {str(k): str(v) for k, v in (request.get("env") or {}).items()}  # this model's alone
+        os.environ.update(scoped)
+        try:
+            result = run([str(a) for a in request["argv"]])
+        finally:
+            for key in scoped:
+                os.environ.pop(key, None)
         result["child"] = {"peak_rss_mib": _peak_mib(), "sessions": SESSIONS.count - before}
         answers.write(json.dumps(result) + "\n")
         answers.flush()

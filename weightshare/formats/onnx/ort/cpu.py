@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from ....errors import InvalidModel, Unsupported, UsageError
 from ....options import ConvertOptions
 from .. import dtypes
 from .._proto import load_model, pb
+from ..disk_use import memory_scratch
 from ..graph import collect_sites, subgraphs
 from ..scan import REF_KEY, TensorRef
 from .fold_bound import check_constant_folding
@@ -46,6 +47,7 @@ TAG = "weightshare.probe/"  # probe node names: "<TAG><index of the skeleton's n
 # inference read); larger ones are stand-ins mapped from the zeros file, never read at ORT_DISABLE_ALL.
 REAL_BYTES_MAX = 64 << 10
 ZEROS = "zeros.bin"
+SCRATCH_HOLD = 4  # a pair of saved windows: the original's with its fp16 weights folded to fp32, and the adopted one
 TMP = "weightshare-ortcpu-"  # $TMPDIR prefix of inspect's and check's probes (no OUTDIR there)
 
 # Runs in a fresh interpreter that imports nothing of ours: ORT loads the probe and saves what it would run.
@@ -77,9 +79,12 @@ print(json.dumps({"version": ort.__version__,
 # reference (location/offset/length, its bytes never read) and writes inline only what it computed itself (fused or
 # folded tensors). With that file it read every mapped stand-in to copy it there, and each page of the zeros file it
 # read stayed resident in the child: the child grew with the model (250 MiB for 64 MiB of fp16 weights, 650 MiB for
-# 256 MiB). The parent reads the saved graph's skeleton only (``_saved_graph``).
+# 256 MiB). The parent reads the saved graph's skeleton only (``_saved_graph``). With STEP_ENV set, the child prints
+# each saved graph's path and waits for a line on stdin before the next (``_run_stepped``): the parent reads and
+# removes each pair of windows first, so a memory-backed scratch holds one window's folded tensors, not the model's.
+STEP_ENV = "WEIGHTSHARE_CHECK_STEP"
 _CHECK_CHILD = r"""
-import ctypes, signal, sys
+import ctypes, os, signal, sys
 try:
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
     ctypes.CDLL(None).mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: a window's freed tensors go back to the system
@@ -97,6 +102,10 @@ for src, dst in zip(sys.argv[1::2], sys.argv[2::2]):
         role = src.replace("\\", "/").split("/")[-2] if "/" in src.replace("\\", "/") else ""
         print(role + ": " + " ".join(str(e).split())[:300], file=sys.stderr)
         sys.exit(3)
+    if os.environ.get("WEIGHTSHARE_CHECK_STEP") == "1":
+        print(dst, flush=True)
+        if not sys.stdin.readline():
+            sys.exit(0)
 print("{}")
 """
 
@@ -257,6 +266,82 @@ def _run_child(
         why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise InvalidModel(hit or f"onnxruntime (CPU) cannot {verb} the model: {why}", src)
     return proc.stdout
+
+
+def _create(path: Path) -> Path:
+    path.touch(exist_ok=False)
+    return path
+
+
+def _run_stepped(
+    args: list[str],
+    outs: list[Path],
+    limits: ChildLimits,
+    tmp: Path,
+    src: Path,
+    on_saved: Callable[[int], str | None],
+) -> str | None:
+    """``_run_child`` of ``_CHECK_CHILD`` one saved graph at a time: ``on_saved(k)`` once ``outs[k]`` is written,
+    before the child goes on; the first answer that is not None ends the child and is returned."""
+    import subprocess
+    import threading
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORT_")} | {STEP_ENV: "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHECK_CHILD, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=tmp,
+        preexec_fn=limits.preexec(),
+    )
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    expired = threading.Event()
+
+    def expire() -> None:
+        expired.set()
+        proc.kill()
+
+    timer = threading.Timer(limits.wall_s, expire)
+    timer.start()
+    try:
+        for k in range(len(outs)):
+            if not proc.stdout.readline():
+                break  # it failed (or was killed): its exit status says why
+            found = on_saved(k)
+            if found is not None:
+                return found
+            try:
+                proc.stdin.write("\n")
+                proc.stdin.flush()
+            except BrokenPipeError:
+                break
+        try:
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        proc.stdout.read()
+        stderr = proc.stderr.read()
+        proc.wait()
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for stream in (proc.stdin, proc.stdout, proc.stderr):
+            try:
+                stream.close()
+            except BrokenPipeError:
+                pass
+    if expired.is_set():
+        raise InvalidModel(limits.timeout_message(), src)
+    if proc.returncode != 0:
+        hit = limits.failure(proc.returncode, stderr, outs)
+        why = (stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise InvalidModel(hit or f"onnxruntime (CPU) cannot optimize the model: {why}", src)
+    return None
 
 
 def _read_saved(out: Path, src: Path) -> pb.ModelProto:
@@ -600,24 +685,37 @@ def check_rounding(
                 path = tmp / name / f"window{k}.onnx"
                 path.write_bytes(model.SerializeToString())
                 args += [str(path), str(path.with_suffix(".optimized.onnx"))]
+        count = len(pairs)
         del probes, pairs
-        outs = [Path(a) for a in args[1::2]]
         if options.stage is not None:
-            what = f"{len(outs) // 2} windows of " if len(outs) > 2 else ""
+            what = f"{count} windows of " if count > 1 else ""
             options.stage(f"onnxruntime optimizes {what}the original and the adopted graph (child process)")
-        try:
-            _run_child(_CHECK_CHILD, args, outs, limits, tmp, src, "optimize")
-        except InvalidModel as e:
-            if "adopted: " not in e.message:
-                raise
-            why = e.message.split("adopted: ", 1)[1]
-            return f"onnxruntime cannot optimize the graph with the Casts in the file: {why}"
-        for k in range(0, len(outs), 2):
-            before = _saved_graph(outs[k], src)
-            change = fp16_folded(before, given[k // 2]) or rounding_change(before, _saved_graph(outs[k + 1], src), ours)
-            if change is not None:
-                return change
-    return None
+        # the saved graphs hold what ORT folded (the original's fp16 weights cast, inline): read and removed a pair
+        # at a time from a memory-backed scratch, they are never written to disk
+        with memory_scratch(tmp, SCRATCH_HOLD * input_bytes // count) as scratch:
+            if scratch:  # each role's directory again in the scratch, its zeros file (a hole) beside the graphs
+                for role in ("original", "adopted"):
+                    (tmp / scratch / role).mkdir()
+                    os.truncate(_create(tmp / scratch / role / ZEROS), (tmp / role / ZEROS).stat().st_size)
+                args[1::2] = [str(tmp / scratch / Path(a).relative_to(tmp)) for a in args[1::2]]
+            outs = [Path(a) for a in args[1::2]]
+
+            def compare(k: int) -> str | None:
+                if k % 2 == 0:
+                    return None
+                before = _saved_graph(outs[k - 1], src)
+                after = _saved_graph(outs[k], src)
+                outs[k - 1].unlink()
+                outs[k].unlink()
+                return fp16_folded(before, given[k // 2]) or rounding_change(before, after, ours)
+
+            try:
+                return _run_stepped(args, outs, limits, tmp, src, compare)
+            except InvalidModel as e:
+                if "adopted: " not in e.message:
+                    raise
+                why = e.message.split("adopted: ", 1)[1]
+                return f"onnxruntime cannot optimize the graph with the Casts in the file: {why}"
 
 
 def fp16_folded(original: pb.GraphProto, given: set[str]) -> str | None:

@@ -111,10 +111,11 @@ class ChildLimits:
             "(constant folding?); allow it with --ort-max-growth FACTOR"
         )
 
-    def check_output(self, files: list[Path]) -> None:
+    def check_output(self, files: list[Path], appended: int = 0) -> None:
         """Everything the child wrote, against the bound (RLIMIT_FSIZE bounds each file, not their sum): the blocks
-        each file holds, not its length (a node's packed file keeps its packed copies, its weights are holes)."""
-        total = sum(min(st.st_size, st.st_blocks * 512) for f in files if f.is_file() and (st := f.stat()))
+        each file holds, not its length (a node's packed file keeps its packed copies, its weights are holes);
+        ``appended``: what it added to a file that was there before (``--prepack``'s staged blob)."""
+        total = appended + sum(min(st.st_size, st.st_blocks * 512) for f in files if f.is_file() and (st := f.stat()))
         if total > self.output_bytes:
             raise Unsupported(self.output_message(), self.where)
 

@@ -7,13 +7,16 @@ graph with reordered Conv weights as initializers, and each pre-packed copy as a
 external-data entry that later sessions map instead of packing.
 
 Steps:
-1. stage: the ordinary conversion into a staging directory (the portable model and its blob).
+1. stage: the ordinary conversion into a staging directory (the portable model and its blob, whose header
+   room is reserved for the final blob's: ``StagedBlob``).
 2. ort: a child process lets ORT optimize and pre-pack the staged model and save the result
-   (``child.py``), segment by segment for large graphs (``segments.py``); its output
-   references ORT's own external files.
-3. final: every plain payload, every ORT initializer and every packed buffer is streamed into ONE
-   safetensors blob. Identical bytes are stored once, so the ORT model's plain initializers land on
-   the portable model's payloads; only packed and reordered copies add bytes.
+   (``child.py``), segment by segment for large graphs (``segments.py``). It appends the packed buffers and
+   the initializers ORT changed to the staged blob, each where the final blob keeps it; ORT's own files (a copy
+   of every weight a session saves) go to a memory-backed scratch, one segment's or node's at a time.
+3. final: the staged blob becomes the final one in place (``StagedBlob.write``): the plain payloads and the
+   child's appended bytes are hashed where they are, never copied; only packings an earlier model of the run
+   made are copied in. Identical bytes are stored once. Where that cannot be (a header outgrowing its room,
+   a ``--shared-blob`` zoo), every payload is streamed into a new blob, as before.
 4. emit: MODEL.onnx (prepacked, default options) and MODEL.portable.onnx (any CPU, with
    ``session.disable_prepacking=1``), both pointing into the blob.
 """
@@ -26,22 +29,24 @@ import os
 import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
 from ...._atomic import OutputTransaction, locked_stage
+from ...._container import BlobContainer
 from ...._disk import DiskPeak
-from ...._pipeline import BlobPayload, Placements, PreparedModel, blob_target, write_models
-from ...._placement import PlannedTensor
-from ...._safetensors import CONTAINER
+from ...._pipeline import DIGEST_CHARS, BlobPayload, Placements, PreparedModel, blob_target, write_blob, write_models
+from ...._placement import BlobEntry, PlannedTensor
+from ...._safetensors import CONTAINER, SafetensorsBlob
 from ...._tensors import FileRange
-from ....errors import InvalidModel, Unsupported, UsageError
+from ...._write import account, write_payloads
+from ....errors import InvalidModel, OutputError, Unsupported, UsageError
 from ....options import ConvertOptions
 from ....report import ConversionReport, JsonDict
 from .. import dtypes
 from .._proto import load_model, pb
-from ..disk_use import ReleasedRange, mark_overlaps
+from ..disk_use import ReleasedRange, mark_overlaps, memory_scratch
 from ..graph import external_tensors
 from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
@@ -58,7 +63,9 @@ from .server import OrtChild, run_child
 from .unfuse import drop_unused, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
-STAGE_BLOB = "plain"
+STAGE_FILE = "plain.safetensors"  # the staged blob, which becomes the final one
+TARGET_ENV = "WEIGHTSHARE_PREPACK_TARGET"  # the child's ``Target``: JSON {"blob", "align", "scratch"}
+HEADER_SPARE = 3.0  # header room reserved in the staged blob for the packed and optimized entries
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 # ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
 # otherwise it preads the buffer into a private heap copy per session (a genai int4 folder with packed buffers
@@ -116,8 +123,8 @@ class Relocator:
             source: FileRange
             if self.stage is None or path.is_relative_to(self.stage):
                 source = ReleasedRange(str(path), offset, length)  # its blocks are freed once the blob holds them
-            else:
-                source = FileRange(str(path), offset, length)
+            else:  # read only, never freed: an earlier model's, most likely already in a zoo's blob
+                source = ReleasedRange(str(path), offset, length, releasable=False)
                 if self.cache is not None:
                     self.cache.keep(rng)
             source.check_within(path.stat().st_size)
@@ -218,7 +225,7 @@ class PackCache:
                 for buf in PackedRef.parse(value, stage).buffers:
                     rng = (file, int(buf[0]), int(buf[1]))
                     source = reloc.payloads[reloc.order[rng]].source if rng in reloc.order else None
-                    if isinstance(source, ReleasedRange):
+                    if isinstance(source, ReleasedRange) and source.releasable:
                         self.staged[rng] = source
 
     def rehome(self, blob: Path | None) -> None:
@@ -259,7 +266,78 @@ def run_cache(run: object) -> PackCache | None:
     return _caches.setdefault(run, PackCache())
 
 
-def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[ConversionReport, dict[str, str]]:
+class StagedBlob:
+    """The staged conversion's blob, kept open so that the final blob is written in its place: its header room
+    reserved for the final header (``HEADER_SPARE``), its payloads already where the final blob keeps them,
+    and the ORT child's packed and changed bytes appended after them (``child.Target``)."""
+
+    def __init__(self, path: Path, fd: int, blob: SafetensorsBlob) -> None:
+        self.path, self.fd, self.blob = path, fd, blob
+        self.plain_end = blob.writer.end
+        w = blob.writer
+        self.largest = max((w.nbytes(r) for r in range(w.rows)), default=0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def write(
+        self,
+        payloads: list[BlobPayload],
+        metadata: dict[str, str],
+        blob_path: Path,
+        tx: OutputTransaction,
+        report: ConversionReport,
+    ) -> tuple[Path, int, str, Placements] | None:
+        """The final blob in place: ``payloads`` (``Relocator``'s) found where they are in the staged blob,
+        the child's appended ones adopted in offset order (hashed, not copied), the rest (an earlier model's
+        packings) copied in; renamed to a temporary of ``tx`` for ``blob_path``. None when the header would not
+        fit its room: the caller streams a new blob from the staged one, which is left as it was but for
+        bytes appended at its end."""
+        blob, w = self.blob, self.blob.writer
+        staged = {w.offset(r): r for r in range(w.rows) if w.offset(r) < self.plain_end}
+        entries: list[BlobEntry | None] = [None] * len(payloads)
+        adopt, copy = [], []
+        for i, p in enumerate(payloads):
+            src = p.source
+            if isinstance(src, FileRange) and Path(src.path) == self.path:
+                row = staged.get(src.offset)
+                if row is not None and w.nbytes(row) == src.length:
+                    entries[i] = w.entry(row)
+                    continue
+                if src.offset >= self.plain_end:
+                    adopt.append((src.offset, i))
+                    continue
+            copy.append(i)
+        for offset, i in sorted(adopt):
+            entries[i] = blob.adopt(payloads[i].tensor, offset)
+            if entries[i] is None:  # off the writer's alignment: copied as any other
+                copy.append(i)
+        w.end = max(w.end, os.fstat(self.fd).st_size)  # past whatever else the child appended
+        for i in sorted(copy):
+            entries[i] = blob.place(payloads[i])
+        blob.metadata.update(metadata)
+        if not blob.header_fits():
+            return None
+        placements = Placements()
+        for p, e in zip(payloads, entries):
+            assert e is not None
+            placements.append(e)
+            account(report, p.nbytes_in, e)
+        if os.stat(self.path).st_dev != os.stat(blob_path.parent).st_dev:
+            return None  # the blob's directory is another file system (a mount below OUTDIR): streamed anew
+        tmp = tx.new_file(blob_path)
+        os.replace(self.path, tmp)  # the staged blob is the temporary now
+        size = blob.finish()
+        return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements
+
+
+def _stage_portable(
+    src: Path, stage: Path, options: ConvertOptions
+) -> tuple[ConversionReport, dict[str, str], StagedBlob]:
+    """The ordinary conversion into ``stage``: the portable model and its blob (``StagedBlob``, left open and
+    without its header: the final blob is written in its place)."""
     from ..convert import prepare
 
     staged = ConvertOptions(
@@ -269,17 +347,37 @@ def _stage_portable(src: Path, stage: Path, options: ConvertOptions) -> tuple[Co
         unpack=options.unpack,
     )
     prepared = prepare(src, stage, staged, unpack_for_cpu)
-    with OutputTransaction() as tx:
-        write_models([prepared], stage, blob_target(None, stage, STAGE_BLOB, CONTAINER), staged, tx)
-    return prepared.report, prepared.extra.get("blob_metadata", {})
+    metadata = prepared.extra.get("blob_metadata", {})
+    path = stage / STAGE_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        planned = [p.tensor for p in prepared.payloads]
+        blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata, spare=HEADER_SPARE)
+        placements = write_payloads(blob, prepared.payloads, prepared.report)
+        blob.writer.drop_buffers()
+        prepared.payloads = []
+        with OutputTransaction() as tx:
+            prepared.emit(STAGE_FILE, placements, tx)
+    except BaseException:
+        os.close(fd)
+        raise
+    return prepared.report, metadata, StagedBlob(path, fd, blob)
 
 
 def _run_ort(
-    model: Path, src: Path, options: ConvertOptions, cache: PackCache | None = None, child: OrtChild | None = None
+    model: Path,
+    src: Path,
+    options: ConvertOptions,
+    cache: PackCache | None = None,
+    staged: StagedBlob | None = None,
+    in_place: bool = False,
+    child: OrtChild | None = None,
 ) -> tuple[JsonDict, float]:
     """ORT's optimized graph and node-by-node packed copies, in the run's child process (``child``; None: one
     for this model alone); (its result, its peak RSS). ``cache``: the run's packings, which the child reuses
-    (None: it reuses none)."""
+    (None: it reuses none). ``staged``: the child appends what it keeps to that blob (``child.Target``);
+    ``in_place``: that blob becomes the final one, so a reused packing is copied into it as well, where the
+    child's own would go."""
     if importlib.util.find_spec("onnxruntime") is None:
         raise Unsupported("--prepack needs onnxruntime installed (it saves ONNX Runtime's packed weights)", src)
     require_floor(src)
@@ -295,7 +393,19 @@ def _run_ort(
         options.stage("onnxruntime optimizes and packs the weights (child process)")
     runner = child if child is not None else OrtChild()
     try:
-        res, fresh = _run_bounded(argv, model.parent, src, options, runner)
+        if staged is None:
+            res, fresh = _run_bounded(argv, model.parent, src, options, runner)
+        else:
+            with memory_scratch(model.parent, SCRATCH_HOLD * max(budget_from_env(), staged.largest)) as scratch:
+                doc = {
+                    "blob": STAGE_FILE,
+                    "align": options.align.render(),
+                    "scratch": scratch,
+                    "copy_reused": in_place,
+                }
+                res, fresh = _run_bounded(
+                    argv, model.parent, src, options, runner, {TARGET_ENV: json.dumps(doc)}, staged.path
+                )
     finally:
         if child is None:
             runner.close()
@@ -308,12 +418,24 @@ def _run_ort(
     return result, float(served["peak_rss_mib"])
 
 
+SCRATCH_HOLD = 4  # a session's file in the scratch: its weights and packed copies (x 2), a window's two segments
+
+
 def _run_bounded(
-    argv: list[str], stage: Path, src: Path, options: ConvertOptions, child: OrtChild
+    argv: list[str],
+    stage: Path,
+    src: Path,
+    options: ConvertOptions,
+    child: OrtChild,
+    request_env: dict[str, str] | None = None,
+    grows: Path | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], bool]:
     """``argv`` (one model) by ``child`` under the limits of ``limits`` for the staged model; a limit hit is one
-    Unsupported line. The result, and whether the child was started for it."""
+    Unsupported line. The result, and whether the child was started for it. ``request_env``: variables set in
+    the child for this model alone; ``grows``: a file of the staging the child appends to (the staged blob),
+    whose growth counts as written."""
     before = set(stage.iterdir())
+    base = grows.stat().st_size if grows is not None else 0
     limits = limits_for(
         sum(f.stat().st_size for f in before if f.is_file()),
         src,
@@ -322,14 +444,17 @@ def _run_bounded(
         options.ort_max_growth,
     )
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    # the file-size limit is per file: the staged blob may grow by what any one file may hold
+    bounds = replace(limits, output_bytes=limits.output_bytes + base)
     try:
-        res, fresh = child.request(argv, limits, env)
+        res, fresh = child.request(argv, bounds, env, request_env)
     except subprocess.TimeoutExpired:
         raise Unsupported(limits.timeout_message(), src) from None
     written = [f for f in stage.iterdir() if f not in before]
-    if res.returncode != 0 and (hit := limits.failure(res.returncode, res.stderr, written)) is not None:
+    grown = grows.stat().st_size - base if grows is not None and grows.exists() else 0
+    if res.returncode != 0 and (hit := bounds.failure(res.returncode, res.stderr, written)) is not None:
         raise Unsupported(hit, src)
-    limits.check_output(written)
+    limits.check_output(written, grown)
     return res, fresh
 
 
@@ -340,11 +465,12 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
     cache = run_cache(tx)
     with DiskPeak(out_dir) as disk:
         with staging(out_dir) as held:
-            prepared = prepare_prepacked(src, out_dir, options, held, cache, run_child(tx))
+            prepared, staged = _prepare(src, out_dir, options, held, cache, child=run_child(tx))
             disk.sample()
             try:
-                write_models([prepared], out_dir, target, options, tx)
+                write_models([prepared], out_dir, target, options, tx, _in_place(staged))
             finally:
+                staged.close()
                 if cache is not None:  # the staging goes now: what it held is in the blob (or forgotten)
                     blob = next((Path(o) for o in prepared.report.outputs if o.endswith(CONTAINER.suffix)), None)
                     cache.rehome(tx.staged(blob) if blob is not None else None)
@@ -372,6 +498,32 @@ def staging(out_dir: Path) -> AbstractContextManager[Path]:
     return locked_stage(out_dir, "prepack")
 
 
+def _in_place(staged: StagedBlob) -> Callable[..., tuple[Path, int, str, list[Placements]]]:
+    """``write_models``' blob writer for one model: the staged blob made the final one (``StagedBlob.write``),
+    or, where its header would not fit, every payload streamed into a new blob (``write_blob``)."""
+
+    def write(
+        models: list[PreparedModel],
+        blob_path: Path,
+        options: ConvertOptions,
+        tx: OutputTransaction,
+        container: BlobContainer,
+        shown: Path | None = None,
+    ) -> tuple[Path, int, str, list[Placements]]:
+        (model,) = models
+        metadata = model.extra.get("blob_metadata", {})
+        try:
+            done = staged.write(model.payloads, metadata, blob_path, tx, model.report)
+        except OSError as e:
+            raise OutputError(f"cannot write the blob: {e.strerror or e}", shown or blob_path) from None
+        if done is None:
+            return write_blob(models, blob_path, options, tx, container, shown)
+        tmp, size, digest, placements = done
+        return tmp, size, digest, [placements]
+
+    return write
+
+
 def prepare_prepacked(
     src: Path,
     out_dir: Path,
@@ -388,6 +540,22 @@ def prepare_prepacked(
     the run's onnxruntime child (``server.run_child``), which serves every model of the run; None: one for this
     model alone.
     """
+    prepared, staged = _prepare(src, out_dir, options, held, cache, in_place=False, child=child)
+    staged.close()  # read by its ranges from here on
+    return prepared
+
+
+def _prepare(
+    src: Path,
+    out_dir: Path,
+    options: ConvertOptions,
+    held: Path,
+    cache: PackCache | None = None,
+    in_place: bool = True,
+    child: OrtChild | None = None,
+) -> tuple[PreparedModel, StagedBlob]:
+    """``prepare_prepacked``, and the staged blob, still open, that the final blob may be written in place of
+    (``in_place``: it will be)."""
     if portable_name(src.name) == src.name:
         raise UsageError(
             f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
@@ -398,8 +566,28 @@ def prepare_prepacked(
     # another directory than the one held here, or the run would wait on its own lock.
     stage = held / "stage"
     stage.mkdir()
-    report, staged_metadata = _stage_portable(src, stage, options)
-    result, child_peak = _run_ort(stage / src.name, src, options, cache, child)
+    report, staged_metadata, staged = _stage_portable(src, stage, options)
+    try:
+        prepared = _plan(src, out_dir, options, stage, staged, report, staged_metadata, cache, in_place, child)
+    except BaseException:
+        staged.close()
+        raise
+    return prepared, staged
+
+
+def _plan(
+    src: Path,
+    out_dir: Path,
+    options: ConvertOptions,
+    stage: Path,
+    staged: StagedBlob,
+    report: ConversionReport,
+    staged_metadata: dict[str, str],
+    cache: PackCache | None,
+    in_place: bool,
+    child: OrtChild | None,
+) -> PreparedModel:
+    result, child_peak = _run_ort(stage / src.name, src, options, cache, staged, in_place, child)
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
@@ -571,6 +759,14 @@ def _report_packing(
         "ort_sessions": int(result.get("child", {}).get("sessions", 0)),
         "segments": result.get("segments", {}),
     }
+    if "scratch_peak_bytes" in result:
+        # memory the peak RSS does not show: ORT's files in the memory-backed scratch (``_scratch``)
+        scratch = result["scratch_peak_bytes"] / 2**20
+        report.prepack["ort_scratch_peak_mib"] = round(scratch, 1)
+        report.notes.append(
+            f"--prepack: onnxruntime's own files (a copy of the weights each session saves, then its packed "
+            f"copies) held in memory, not written: at most {scratch:.1f} MiB at a time (one segment's or node's)"
+        )
 
 
 def _op_note(op: str, tally: JsonDict) -> str:

@@ -43,18 +43,19 @@ class OrtChild:
         self.started = 0
 
     def request(
-        self, argv: list[str], limits: ChildLimits, env: dict[str, str]
+        self, argv: list[str], limits: ChildLimits, env: dict[str, str], scoped: dict[str, str] | None = None
     ) -> tuple[subprocess.CompletedProcess[str], bool]:
         """One model (``child.run``'s arguments) under ``limits``: the result as a child run for it alone gives it
         (exit status; the answer line on stdout; on failure, what the child wrote to stderr for it), and whether a
-        new child was started for it. ``subprocess.TimeoutExpired`` past the wall time (the child killed)."""
+        new child was started for it. ``subprocess.TimeoutExpired`` past the wall time (the child killed).
+        ``scoped``: variables the child sets for this model alone (a model's own, which start no new child)."""
         fresh = self.proc is None or self.proc.poll() is not None or env != self.env
         if fresh:
             self.close()
             self._start(env)
         assert self.proc is not None and self.proc.stdin is not None and self.err is not None
         errors_from = os.fstat(self.err.fileno()).st_size
-        line = json.dumps({"argv": argv, "limits": limits.to_json()}) + "\n"
+        line = json.dumps({"argv": argv, "limits": limits.to_json(), "env": scoped or {}}) + "\n"
         try:
             self.proc.stdin.write(line.encode())
             self.proc.stdin.flush()

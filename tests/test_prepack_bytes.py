@@ -1,0 +1,167 @@
+"""``convert --prepack`` writes each byte once: the bytes a conversion writes (its process tree's ``ru_oublock``,
+read with ``os.wait4``) stay within 1.3x of its outputs' size, for a model ORT optimizes in one piece and packs
+node by node, for one it optimizes segment by segment, for a MatMul+Conv model (NCHWc-reordered Conv weights
+beside packed MatMul weights), and with ``--unpack ort-cpu`` (an fp16 decoder, whose rounding check saves the
+original's weights folded to fp32).
+
+Before, the staged blob was copied into the final one and every ORT session wrote every weight it saved to a
+file of its own: 2.5-3x. A byte count, not a timing: the same on a loaded machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import model_forms as mf
+import pytest
+from prepack_samples import mixed_onnx
+
+from weightshare.formats.onnx.disk_use import SCRATCH_ENV, SCRATCH_PREFIX, sweep_scratch
+from weightshare.formats.onnx.ort.segments import BUDGET_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 1.3
+CHILD_ENV = {
+    "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    "PYTHONDONTWRITEBYTECODE": "1",  # a .pyc written on first import is not the conversion's
+}
+
+
+def written_by(cmd: list[str], env: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """Bytes the process tree of ``cmd`` wrote (its ``ru_oublock`` x 512: every descendant was waited for), and
+    its stdout (small: read once it exited)."""
+    p = subprocess.Popen(
+        cmd, env={**os.environ, **CHILD_ENV, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    _pid, status, usage = os.wait4(p.pid, 0)
+    assert p.stderr is not None and p.stdout is not None
+    assert os.waitstatus_to_exitcode(status) == 0, p.stderr.read().decode()[-2000:]
+    return usage.ru_oublock * 512, p.stdout.read()
+
+
+def outputs(out: Path) -> int:
+    return sum(f.stat().st_size for f in out.rglob("*") if f.is_file() and not f.name.startswith("."))
+
+
+@pytest.fixture
+def counted(tmp_path: Path) -> Path:
+    """``tmp_path``, where writes are counted (not a memory-backed file system, which counts none)."""
+    probe = tmp_path / "probe"
+    code = f"import os; f = open({str(probe)!r}, 'wb'); f.write(os.urandom(1 << 20)); f.flush(); os.fsync(f.fileno())"
+    if written_by([sys.executable, "-c", code])[0] < 1 << 20:
+        pytest.skip("the temporary directory's file system does not count bytes written")
+    probe.unlink()
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("form", "budget", "segments"),
+    [
+        ("merged_decoder", None, 1),  # an If: one piece, packed node by node
+        ("fp32", 1 << 20, 2),  # cut in segments, each segment's session saving its packed copies
+        ("mixed", 3 << 20, 2),  # Conv chain then MatMul/Gemm layers, in segments
+        ("llama_fp16", None, 1),  # --unpack ort-cpu: its rounding check's saved windows are never written
+    ],
+)
+def test_prepack_writes_each_byte_once(counted: Path, form: str, budget: int | None, segments: int) -> None:
+    if form == "mixed":
+        (counted / "src").mkdir()
+        src = mixed_onnx(counted / "src" / "model.onnx", conv_layers=3, channels=256, mm_layers=4, dim=768)
+    else:
+        src = mf.build(form, counted / "src" / "model.onnx", mib=8)
+    out = counted / "out"
+    env = {BUDGET_ENV: str(budget)} if budget else {}
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm")) if os.path.isdir("/dev/shm") else None
+    if shm is not None:  # a private root for the run's scratch: what it leaves behind is seen
+        env[SCRATCH_ENV] = str(shm)
+    cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "--prepack", "-q", "--json"]
+    if form == "llama_fp16":
+        cmd += ["--unpack", "ort-cpu"]
+    try:
+        written, stdout = written_by(cmd, env)
+        assert shm is None or not list(shm.iterdir())  # the scratch went with the run
+    finally:
+        if shm is not None:
+            shutil.rmtree(shm)
+    (report,) = json.loads(stdout)["reports"]
+    assert report["prepack"]["segments"]["segments"] >= segments  # the route this case is for
+    size = outputs(out)
+    assert size > 8 << 20  # the plain weights and their packed (or reordered) copies
+    assert written <= LIMIT * size, f"{written / 2**20:.1f} MiB written for {size / 2**20:.1f} MiB of outputs"
+
+
+def test_a_dead_runs_scratch_is_swept_a_live_ones_kept(tmp_path: Path) -> None:
+    """A run killed with -9 leaves its scratch in memory: the next run removes it, never one a live run holds."""
+    import fcntl
+
+    dead, live, other = tmp_path / f"{SCRATCH_PREFIX}dead", tmp_path / f"{SCRATCH_PREFIX}live", tmp_path / "other"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "ort.seg0-4.bin").write_bytes(b"x" * 4096)
+    held = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        sweep_scratch(str(tmp_path))
+        assert not dead.exists() and live.exists() and other.exists()
+    finally:
+        os.close(held)
+
+
+@pytest.mark.slow
+def test_a_header_outgrowing_its_room_streams_a_new_blob(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the final header would not fit the room the staged blob reserved, every payload is streamed into a new
+    blob, as before: the same outputs as the blob written in place."""
+    import numpy as np
+    import onnxruntime as ort
+
+    import weightshare
+    from weightshare._safetensors import SafetensorsBlob, read_safetensors_metadata
+
+    src = mf.build("fp32", tmp_path / "src" / "model.onnx", mib=1)
+    weightshare.convert(src, tmp_path / "in_place", prepack=True)
+    monkeypatch.setattr(SafetensorsBlob, "header_fits", lambda self: False)
+    streamed = weightshare.convert(src, tmp_path / "streamed", prepack=True)
+    (blob,) = [o for o in streamed.outputs if o.endswith(".safetensors")]
+    _start, tensors, _payloads = read_safetensors_metadata(blob)
+    assert any(name.startswith("ort.prepacked/") for name in tensors)
+    want = ort.InferenceSession(str(src), providers=["CPUExecutionProvider"])
+    for out in ("in_place", "streamed"):
+        got = ort.InferenceSession(str(tmp_path / out / "model.onnx"), providers=["CPUExecutionProvider"])
+        for batch in (1, 8):
+            feeds = mf.feeds(src, batch=batch)
+            assert all(np.array_equal(a, b) for a, b in zip(want.run(None, feeds), got.run(None, feeds))), out
+
+
+def _io_written() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
+
+
+def test_a_staged_duplicate_is_hashed_before_it_is_written(counted: Path) -> None:
+    """A zoo's models are staged alike: a staged range whose bytes the blob already holds is recognised before it is
+    copied, not written and truncated away (the zoo's blob then writes its shared weights once)."""
+    from weightshare._placement import BlobWriter
+    from weightshare.formats.onnx.disk_use import ReleasedRange
+
+    if not os.path.exists("/proc/self/io"):
+        pytest.skip("no per-process I/O accounting here")
+    data = os.urandom(2 << 20)
+    staged = counted / "staged"
+    staged.write_bytes(data + data)  # model 1's weight and model 2's copy of it
+    fd = os.open(counted / "blob", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        w = BlobWriter(fd)
+        first = w.add(ReleasedRange(str(staged), 0, len(data), releasable=False))
+        before = _io_written()
+        again = w.add(ReleasedRange(str(staged), len(data), len(data), releasable=False))
+        written = _io_written() - before
+    finally:
+        os.close(fd)
+    assert again.duplicate and again.offset == first.offset
+    assert written < len(data) // 2, f"{written} bytes written for a duplicate of {len(data)}"
