@@ -328,8 +328,13 @@ def bert(d: Path, form: str) -> dict:
     """optimum's feature-extraction export of a random BERT, ORT's transformer optimizer, then int8 or QDQ."""
     import numpy as np
     import torch
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic
-    from onnxruntime.quantization import quantize_static
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
     from optimum.exporters.onnx import main_export
     from transformers import BertConfig, BertModel
 
