@@ -327,6 +327,7 @@ BERT = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attenti
 def bert(d: Path, form: str) -> dict:
     """optimum's feature-extraction export of a random BERT, ORT's transformer optimizer, then int8 or QDQ."""
     import numpy as np
+    import onnx
     import torch
     from onnxruntime.quantization import (
         CalibrationDataReader,
@@ -348,8 +349,10 @@ def bert(d: Path, form: str) -> dict:
         cmd = [sys.executable, "-m", "onnxruntime.transformers.optimizer", "--input", str(work / "export/model.onnx")]
         cmd += ["--output", str(opt), "--model_type", "bert", "--num_heads", "12", "--hidden_size", "768"]
         subprocess.run(cmd, check=True)
+    # ORT's shape inference types no output of its fused contrib ops: the quantizer asks for the default
+    extra = {"DefaultTensorType": onnx.TensorProto.FLOAT}
     if form == "bert-int8":
-        quantize_dynamic(str(opt), str(d / "model.onnx"), weight_type=QuantType.QInt8)
+        quantize_dynamic(str(opt), str(d / "model.onnx"), weight_type=QuantType.QInt8, extra_options=extra)
     else:
 
         class Reader(CalibrationDataReader):
@@ -369,7 +372,7 @@ def bert(d: Path, form: str) -> dict:
 
         quantize_static(
             str(opt), str(d / "model.onnx"), Reader(), quant_format=QuantFormat.QDQ,
-            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, extra_options=extra,
         )  # fmt: skip
     return {"kind": "bert", "model": "model.onnx"}
 
