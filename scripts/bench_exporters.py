@@ -231,6 +231,9 @@ def show(results: list[dict]) -> None:
     print("\n" + head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in results:
+        if "failed" in r:
+            print(f"| {r['form']:17} | failed: {r['failed']} |")
+            continue
         o = r["original_pss"]
         print(
             f"| {r['form']:17} | {'original':26} | - | - | - | - | {_pss_cells(o, r['original_pss_arena'], r['kind'])} "
@@ -270,7 +273,14 @@ def main() -> None:
     forms = args.forms or sorted(p.name for p in forms_dir.iterdir() if (p / "form.json").exists())
     print(f"onnxruntime {ort.__version__}, {os.cpu_count()} CPUs (shared); forms: {', '.join(forms)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-exporters-", dir=args.workdir) as tmp:
-        results = [bench_form(forms_dir, f, Path(tmp), args.reps) for f in forms]
+        results = []
+        for f in forms:
+            try:
+                results.append(bench_form(forms_dir, f, Path(tmp), args.reps))
+            except (subprocess.CalledProcessError, RuntimeError) as e:  # one form's harness failing: say so, go on
+                err = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) else str(e)
+                print(f"  {f}: failed: {err[:300]}", flush=True)
+                results.append({"form": f, "failed": err[:160]})
         shutil.rmtree(tmp, ignore_errors=True)
     show(results)
     if args.json:
