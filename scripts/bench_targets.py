@@ -3,7 +3,8 @@
     PYTHONPATH=$PWD python scripts/bench_targets.py --forms FORMS_DIR [FORM ...] [--workdir DIR]
 
 FORMS_DIR is what ``scripts/build_exporter_forms.py`` built (optimum-t5, genai-phi3-int4 and matmul-conv by
-default, then optimum-bart and optimum-marian when they are there). Per form, in one run:
+default, then optimum-bart and optimum-marian when they are there: about 9 minutes on a shared 2-core machine;
+optimum-t5-base, t5-base's shapes, 2.2 GiB, takes 10 minutes alone and runs when named). Per form, in one run:
 - ``convert SRC -o OUT`` (plain) and ``convert SRC -o OUT --prepack``: CPU (user + system of the process tree,
   from wait4), bytes written (the tree's ``ru_oublock`` x 512, temporaries included), the outputs' size and the
   process-tree peak (the report's ``peak_rss_mib`` in ``--json``);
