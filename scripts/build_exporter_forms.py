@@ -45,7 +45,8 @@ Forms (each in OUTDIR/FORM; a form already built is kept):
                224 x 224, patch 16): model.onnx with pixel_values [batch_size, num_channels, height, width]
 Each form's folder gets ``form.json``: the model file name and its inputs' example shapes (for the benchmark).
 See ../shared/EXPORTERS.md for the venvs; the optimum one here: ``python3.11 -m venv``, then ``pip install`` the
-CPU torch 2.13.0 wheel, ``optimum-onnx==0.1.0`` (it brings transformers 4.57) and ``onnxruntime==1.32.0``. Weights are random (seeded); nothing is downloaded.
+CPU torch 2.13.0 wheel, ``optimum-onnx==0.1.0`` (it brings transformers 4.57) and ``onnxruntime==1.32.0``.
+Weights are random (seeded); nothing is downloaded.
 """
 
 from __future__ import annotations
