@@ -8,7 +8,8 @@ FORMS_DIR is what ``scripts/build_exporter_forms.py`` built (run that first with
   convert: exit code, wall time, process-tree peak RSS (``RUSAGE_CHILDREN``), the refusal line if any
   verify:  ``weightshare verify ORIGINAL CONVERTED`` exit code
   bits:    outputs of the converted model against ORT on the original, both at default options, np.array_equal at
-           batch 1, 8 and 64 (decoders: sequence 1 and 16)
+           batch 1, 8 and 64 (decoders: sequence 1 and 16; BERTs: 16 tokens; an optimum seq2seq folder: its
+           merged decoder, inputs made as verify makes them, the encoder run first)
   PSS:     1 and 4 sessions in one fresh process started with MALLOC_MMAP_THRESHOLD_=1048576, above a process
            that imported onnxruntime, twice: CPU arena off (``enable_cpu_mem_arena=False``: activations do not
            count) and at the default arena (what a user's session holds); genai folders: 1 and 4 ``og.Model``s at
@@ -53,9 +54,18 @@ def feeds(session, kind: str, batch: int, seq: int, seed: int = 0) -> dict:
             "attention_mask": np.ones((batch, seq), np.int64),
             "position_ids": np.tile(np.arange(seq, dtype=np.int64), (batch, 1)),
         }
+    if kind == "bert":  # an ORT-optimizer BERT (int8, QDQ): token ids, segment 0, a mask of ones
+        seq = seq or 16
+        made = {
+            "input_ids": rng.integers(0, 1000, (batch, seq)).astype(np.int64),
+            "token_type_ids": np.zeros((batch, seq), np.int64),
+        }
+        return {i.name: made.get(i.name, np.ones((batch, seq), np.int64)) for i in session.get_inputs()}
     x = session.get_inputs()[0]
     dtype = np.float16 if x.type == "tensor(float16)" else np.float32
-    return {x.name: rng.standard_normal((batch, 3, 224, 224)).astype(dtype)}
+    # the first dim is the batch; an image size where the model leaves a dim free, the model's dims elsewhere
+    shape = [batch] + [d if isinstance(d, int) else (3 if i == 0 else 224) for i, d in enumerate(x.shape[1:])]
+    return {x.name: rng.standard_normal(shape).astype(dtype)}
 
 
 def _session(path: str, arena: bool = True):
@@ -107,7 +117,7 @@ def bits(orig: Path, conv: Path, kind: str) -> tuple[bool, float]:
     a, b = _session(str(orig)), _session(str(conv))
     same, worst = True, 0.0
     for batch in (1, 8, 64):
-        for seq in (1, 16) if kind == "decoder" else (0,):
+        for seq in (1, 16) if kind == "decoder" else (0,):  # a BERT at 16 tokens
             f = feeds(a, kind, batch, seq)
             for x, y in zip(a.run(None, f), b.run(None, f), strict=True):
                 same &= bool(np.array_equal(x, y))
@@ -215,27 +225,30 @@ def _pss_cells(off: list[float], on: list[float] | None, kind: str) -> str:
 
 
 def show(results: list[dict]) -> None:
-    head = f"| {'form':12} | {'route':26} | convert | tree peak | verify | bits (b1/8/64) | PSS 1 -> 4 (x), arena off "
+    head = f"| {'form':17} | {'route':26} | convert | tree peak | verify | bits (b1/8/64) | PSS 1 -> 4 (x), arena off "
     head += "| PSS 1 -> 4 (x), default arena "
     head += "| PSS per extra session | check: exit, weights MiB/session | ms orig/conv |"
     print("\n" + head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for r in results:
+        if "failed" in r:
+            print(f"| {r['form']:17} | failed: {r['failed']} |")
+            continue
         o = r["original_pss"]
         print(
-            f"| {r['form']:12} | {'original':26} | - | - | - | - | {_pss_cells(o, r['original_pss_arena'], r['kind'])} "
+            f"| {r['form']:17} | {'original':26} | - | - | - | - | {_pss_cells(o, r['original_pss_arena'], r['kind'])} "
             f"| {(o[3] - o[0]) / 3:.1f} MiB | {_check_cell(r['original_check'])} | - |"
         )
         for name, row in r["routes"].items():
             c = row["convert"]
             if c["exit"]:
-                print(f"| {r['form']:12} | {name:26} | exit {c['exit']} | {c['tree_peak_mib']} MiB " + "| - " * 7 + "|")
+                print(f"| {r['form']:17} | {name:26} | exit {c['exit']} | {c['tree_peak_mib']} MiB " + "| - " * 7 + "|")
                 print(f"|   | refused: | {c['error'][:160]} |||||||")
                 continue
             p, (la, lb) = row["pss"], row["latency_ms"]
             bit = "equal" if row["identical"] else f"differ {row['max_diff']:.2g}"
             print(
-                f"| {r['form']:12} | {name:26} | {c['wall_s']} s | {c['tree_peak_mib']} MiB | {row['verify']} | {bit} "
+                f"| {r['form']:17} | {name:26} | {c['wall_s']} s | {c['tree_peak_mib']} MiB | {row['verify']} | {bit} "
                 f"| {_pss_cells(p, row['pss_arena'], r['kind'])} | {(p[3] - p[0]) / 3:.1f} MiB "
                 f"| {_check_cell(row['check'])} "
                 f"| {la}/{lb} |"
@@ -260,7 +273,14 @@ def main() -> None:
     forms = args.forms or sorted(p.name for p in forms_dir.iterdir() if (p / "form.json").exists())
     print(f"onnxruntime {ort.__version__}, {os.cpu_count()} CPUs (shared); forms: {', '.join(forms)}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-exporters-", dir=args.workdir) as tmp:
-        results = [bench_form(forms_dir, f, Path(tmp), args.reps) for f in forms]
+        results = []
+        for f in forms:
+            try:
+                results.append(bench_form(forms_dir, f, Path(tmp), args.reps))
+            except (subprocess.CalledProcessError, RuntimeError) as e:  # one form's harness failing: say so, go on
+                err = e.stderr.strip().splitlines()[-1] if isinstance(e, subprocess.CalledProcessError) else str(e)
+                print(f"  {f}: failed: {err[:300]}", flush=True)
+                results.append({"form": f, "failed": err[:160]})
         shutil.rmtree(tmp, ignore_errors=True)
     show(results)
     if args.json:

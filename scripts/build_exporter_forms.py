@@ -21,10 +21,32 @@ Forms (each in OUTDIR/FORM; a form already built is kept):
   optimum-whisper  optimum-onnx's ``main_export(task="automatic-speech-recognition-with-past")`` of a random
                Whisper (d_model 256, 2+2 layers, 80 mel bins, 1500 source positions, vocab 4096):
                encoder_model.onnx, decoder_model_merged.onnx (If on use_cache_branch), config.json
+  optimum-t5   optimum-onnx's ``main_export(task="text2text-generation-with-past")`` of a random T5 at t5-small's
+               shapes (d_model 512, 6+6 layers, d_ff 2048, 8 heads, vocab 32128): encoder_model.onnx,
+               decoder_model.onnx, decoder_with_past_model.onnx, decoder_model_merged.onnx (the three decoders hold
+               the same weights), config.json and generation_config.json as optimum writes them
+  optimum-t5-base  the same at t5-base's shapes (d_model 768, 12+12 layers, d_ff 3072, 12 heads)
+  optimum-bart  the same task on a random BART (d_model 512, 6+6 layers, FFN 2048, 8 heads, vocab 16000)
+  optimum-marian  the same task on a random Marian (opus-mt's widths: d_model 512, 6+6 layers, FFN 2048, 8 heads;
+               vocab 16000)
+  genai-phi3-int4 / genai-qwen2-int4 / genai-gemma2-int4 / genai-qwen2-fp32  the genai builder on random Phi-3
+               (hidden 768, 6 layers, 12 heads), Qwen2 (hidden 896, 6 layers, 14 heads, 2 KV heads) and Gemma2
+               (hidden 768, 6 layers, 4 heads of 256, 2 KV heads, a window of 8, soft-capping, tied embedding)
+               configs, the tokenizer trained here
+  bert-int8    optimum's ``feature-extraction`` export of a random BERT at bert-base's shapes (12 layers of 768,
+               vocab 30522), ``python -m onnxruntime.transformers.optimizer --model_type bert``, then
+               ``quantize_dynamic(weight_type=QInt8)``: one model.onnx, weights embedded
+  bert-qdq     the same export (before the optimizer: the quantizer cannot type the fused ops' outputs, so it
+               would leave every activation in float) through ``quant_pre_process`` and ``quantize_static`` (QDQ,
+               QInt8 activations and weights, MinMax on 4 random batches)
+  matmul-conv  no exporter: a 456 MiB fp32 Conv stem + MLP (tests/prepack_samples.mixed_onnx: 2 Conv 3x3 of 256
+               channels, a 256 x 4096 projection, 7 Gemm/MatMul of 4096 x 4096), weights in model.data
   optimum-vit  optimum-onnx's ``main_export(task="feature-extraction")`` of a random ViT (384 wide, 4 layers,
                224 x 224, patch 16): model.onnx with pixel_values [batch_size, num_channels, height, width]
 Each form's folder gets ``form.json``: the model file name and its inputs' example shapes (for the benchmark).
-See ../shared/EXPORTERS.md for the venvs. Weights are random (seeded); nothing is downloaded.
+See ../shared/EXPORTERS.md for the venvs; the optimum one here: ``python3.11 -m venv``, then ``pip install`` the
+CPU torch 2.13.0 wheel, ``optimum-onnx==0.1.0`` (it brings transformers 4.57) and ``onnxruntime==1.32.0``.
+Weights are random (seeded); nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -38,7 +60,9 @@ from pathlib import Path
 
 FORMS = (
     "genai-int4", "genai-fp32", "dynamo-fp32", "dynamo-fp16", "vit-fp16", "dynamo-fp16-wide", "vit-fp16-base",
-    "optimum-whisper", "optimum-vit",
+    "optimum-whisper", "optimum-vit", "optimum-t5", "optimum-t5-base", "optimum-bart", "optimum-marian",
+    "genai-phi3-int4", "genai-qwen2-int4", "genai-gemma2-int4", "genai-qwen2-fp32", "bert-int8", "bert-qdq",
+    "matmul-conv",
 )  # fmt: skip
 # Where the venvs live differs between machines: WS_EXVENV_TORCH_GENAI / WS_EXVENV_OPTIMUM name them (only the
 # refusal line prints them; the check is that this python imports the module).
@@ -49,6 +73,8 @@ VENVS = {  # form prefix -> the venv (../shared/EXPORTERS.md) and a module only 
     "dynamo-": (_TORCH_GENAI, "torch"),
     "vit-": (_TORCH_GENAI, "torch"),
     "optimum-": (_OPTIMUM, "optimum.exporters.onnx"),
+    "bert-": (_OPTIMUM, "optimum.exporters.onnx"),
+    "matmul-": (_OPTIMUM, "onnx"),  # any venv with onnx: built in code, no exporter
 }
 
 # Big enough that per-session copies stand out from a session's own state; every MatMulNBits buffer stays below
@@ -65,11 +91,26 @@ LLAMA = {
 }
 
 
+def _tokenizer(hf: Path, vocab: int) -> None:
+    """A byte-level BPE trained on a few lines of text, saved beside the config (the genai builder copies it)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
+    corpus = [f"sentence {i} about weights, sessions and shared pages number {i * 7 % 13}" for i in range(2000)]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
+    fast.save_pretrained(hf)
+
+
 def _hf_llama(d: Path) -> Path:
     """A random LlamaForCausalLM in HF layout plus a tokenizer trained on a few lines of text."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     hf = d / "hf"
     if (hf / "config.json").exists():
@@ -77,20 +118,48 @@ def _hf_llama(d: Path) -> Path:
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**LLAMA, bos_token_id=1, eos_token_id=2, pad_token_id=0))
     model.save_pretrained(hf)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=LLAMA["vocab_size"], special_tokens=["<pad>", "<s>", "</s>", "<unk>"])
-    corpus = [f"sentence {i} about weights, sessions and shared pages number {i * 7 % 13}" for i in range(2000)]
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
-    fast.save_pretrained(hf)
+    _tokenizer(hf, LLAMA["vocab_size"])
     return hf
 
 
-def genai(d: Path, precision: str) -> dict:
-    hf = _hf_llama(d.parent / "_llama")
+_SPECIAL = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+# Gemma2's window is 8 tokens: genai refuses a KV cache shorter than the window, and the benchmarks generate
+# 8 to 17 tokens (so the window is crossed).
+ARCHS = {  # small configs of the architectures the genai builder has its own code for
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=12, num_key_value_heads=12,
+        vocab_size=4096, max_position_embeddings=512, original_max_position_embeddings=512, tie_word_embeddings=False,
+    )),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        hidden_size=896, intermediate_size=2432, num_hidden_layers=6, num_attention_heads=14, num_key_value_heads=2,
+        vocab_size=4096, max_position_embeddings=512, tie_word_embeddings=False,
+    )),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=256, query_pre_attn_scalar=256, sliding_window=8, vocab_size=4096, max_position_embeddings=512,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
+    )),
+}  # fmt: skip
+
+
+def _hf_arch(d: Path, arch: str) -> Path:
+    """A random model of ``arch`` (a key of ARCHS) in HF layout plus the trained tokenizer."""
+    import torch
+    import transformers
+
+    hf = d / "hf"
+    if (hf / "config.json").exists():
+        return hf
+    config_cls, model_cls, cfg = ARCHS[arch]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg, **_SPECIAL))
+    model.save_pretrained(hf)
+    _tokenizer(hf, cfg["vocab_size"])
+    return hf
+
+
+def genai(d: Path, precision: str, arch: str = "llama") -> dict:
+    hf = _hf_llama(d.parent / "_llama") if arch == "llama" else _hf_arch(d.parent / f"_{arch}", arch)
     out = d / "model"
     cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out)]
     cmd += ["-p", precision, "-e", "cpu", "-c", str(d / "cache")]
@@ -214,6 +283,14 @@ def optimum(d: Path, form: str) -> dict:
         WhisperForConditionalGeneration(cfg).eval().save_pretrained(hf)
         main_export(str(hf), str(d), task="automatic-speech-recognition-with-past", no_post_process=False)
         info = {"kind": "seq2seq", "folder": ".", "model": "decoder_model_merged.onnx", "encoder": "encoder_model.onnx"}
+    elif form in SEQ2SEQ:
+        import transformers
+
+        config_cls, model_cls, cfg = SEQ2SEQ[form]
+        getattr(transformers, model_cls)(getattr(transformers, config_cls)(**cfg)).eval().save_pretrained(hf)
+        # weights embedded, as optimum writes them at these sizes; validation off: it changes no file
+        main_export(str(hf), str(d), task="text2text-generation-with-past", do_validation=False)
+        info = {"kind": "seq2seq", "folder": ".", "model": "decoder_model_merged.onnx", "encoder": "encoder_model.onnx"}
     else:
         from transformers import ViTConfig, ViTModel
 
@@ -228,6 +305,97 @@ def optimum(d: Path, form: str) -> dict:
     return info
 
 
+_T5 = dict(
+    vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8,
+    decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+)  # fmt: skip
+_BART = dict(
+    vocab_size=16000, d_model=512, encoder_layers=6, decoder_layers=6, encoder_attention_heads=8,
+    decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, max_position_embeddings=512,
+    pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+)  # fmt: skip
+SEQ2SEQ = {  # form -> (config class, model class, config)
+    "optimum-t5": ("T5Config", "T5ForConditionalGeneration", _T5),
+    "optimum-t5-base": (
+        "T5Config", "T5ForConditionalGeneration",
+        {**_T5, "d_model": 768, "d_ff": 3072, "num_layers": 12, "num_decoder_layers": 12, "num_heads": 12},
+    ),
+    "optimum-bart": ("BartConfig", "BartForConditionalGeneration", _BART),
+    "optimum-marian": (
+        "MarianConfig", "MarianMTModel",
+        {**_BART, "pad_token_id": 15999, "eos_token_id": 0, "decoder_start_token_id": 15999, "bos_token_id": 0,
+         "decoder_vocab_size": 16000, "share_encoder_decoder_embeddings": True},
+    ),
+}  # fmt: skip
+BERT = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072)
+
+
+def bert(d: Path, form: str) -> dict:
+    """optimum's feature-extraction export of a random BERT, ORT's transformer optimizer, then int8 or QDQ."""
+    import numpy as np
+    import onnx
+    import torch
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quant_pre_process,
+        quantize_dynamic,
+        quantize_static,
+    )
+    from optimum.exporters.onnx import main_export
+    from transformers import BertConfig, BertModel
+
+    work = d.parent / "_bert"
+    opt = work / "optimized.onnx"
+    if not opt.exists():
+        shutil.rmtree(work, ignore_errors=True)
+        torch.manual_seed(0)
+        BertModel(BertConfig(**BERT), add_pooling_layer=False).eval().save_pretrained(work / "hf")
+        main_export(str(work / "hf"), str(work / "export"), task="feature-extraction", do_validation=False)
+        cmd = [sys.executable, "-m", "onnxruntime.transformers.optimizer", "--input", str(work / "export/model.onnx")]
+        cmd += ["--output", str(opt), "--model_type", "bert", "--num_heads", "12", "--hidden_size", "768"]
+        subprocess.run(cmd, check=True)
+    # ORT's shape inference types no output of its fused contrib ops: the quantizer asks for the default
+    extra = {"DefaultTensorType": onnx.TensorProto.FLOAT}
+    if form == "bert-int8":
+        quantize_dynamic(str(opt), str(d / "model.onnx"), weight_type=QuantType.QInt8, extra_options=extra)
+    else:
+
+        class Reader(CalibrationDataReader):
+            def __init__(self) -> None:
+                rng = np.random.default_rng(0)
+                self.batches = iter(
+                    {
+                        "input_ids": rng.integers(0, BERT["vocab_size"], (1, 16), dtype=np.int64),
+                        "attention_mask": np.ones((1, 16), np.int64),
+                        "token_type_ids": np.zeros((1, 16), np.int64),
+                    }
+                    for _ in range(4)
+                )
+
+            def get_next(self) -> dict | None:
+                return next(self.batches, None)
+
+        pre = work / "preprocessed.onnx"
+        quant_pre_process(str(work / "export/model.onnx"), str(pre), skip_symbolic_shape=True)  # it gives up on BERT
+        quantize_static(
+            str(pre), str(d / "model.onnx"), Reader(), quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, extra_options=extra,
+        )  # fmt: skip
+    return {"kind": "bert", "model": "model.onnx"}
+
+
+def matmul_conv(d: Path) -> dict:
+    """The 456 MiB fp32 Conv + MLP model, generated in code (no exporter writes this form; it stands for the
+    vision backbones with a large classifier head)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from prepack_samples import mixed_onnx
+
+    mixed_onnx(d / "model.onnx", conv_layers=2, channels=256, mm_layers=7, dim=4096, spatial=16)
+    return {"kind": "mixed", "model": "model.onnx", "input": [256, 16, 16]}
+
+
 def _venv_for(form: str) -> tuple[str, str]:
     return next(v for prefix, v in VENVS.items() if form.startswith(prefix))
 
@@ -240,7 +408,12 @@ def build(out: Path, form: str) -> None:
         shutil.rmtree(d)
     d.mkdir(parents=True)
     if form.startswith("genai-"):
-        info = genai(d, form.split("-")[1])
+        parts = form.split("-")  # genai-PRECISION (Llama) or genai-ARCH-PRECISION
+        info = genai(d, parts[-1], parts[1] if len(parts) == 3 else "llama")
+    elif form.startswith("bert-"):
+        info = bert(d, form)
+    elif form == "matmul-conv":
+        info = matmul_conv(d)
     elif form.startswith("dynamo-"):
         info = dynamo(d, form.split("-")[1], wide=form.endswith("-wide"))
     elif form.startswith("optimum-"):
