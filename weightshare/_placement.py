@@ -242,22 +242,14 @@ class BlobWriter:
         if copied and self.dedupe and getattr(source, "likely_duplicate", False) and nbytes in self._sizes:
             # hashed where it is first: a duplicate is then never written (a zoo's models staged alike)
             assert isinstance(source, FileRange)
-            f = source.opened()
-            try:
+            with source.reading() as f:
                 digest = _hash_range(f, source.offset, source.length, self.chunk_size, self.digest, self._hash_ring)
-            finally:
-                if f is not source.file:
-                    f.close()
             first = self._find(digest, nbytes, align) if not tag else None
             if first is not None:
                 self.bytes_in += nbytes
                 return first, True
-            f = source.opened()
-            try:
+            with source.reading() as f:
                 self._copy_rest(f, source, offset, self._kernel_copy(f, source, offset, progress), progress)
-            finally:
-                if f is not source.file:
-                    f.close()
         elif copied:
             assert isinstance(source, FileRange)
             digest = self._copy_unchanged(source, offset, progress)
@@ -398,8 +390,7 @@ class BlobWriter:
     def _copy_unchanged(self, source: FileRange, offset: int, progress: Progress | None) -> bytes:
         """Bytes copied as they are: the kernel copies (``copy_file_range``) while the writer thread hashes
         the same range through its own reused buffer, so the bytes cross into user space once."""
-        f = source.opened()
-        try:
+        with source.reading() as f:
             hashing = _WRITER.submit(
                 _hash_range, f, source.offset, source.length, self.chunk_size, self.digest, self._hash_ring
             )
@@ -410,9 +401,6 @@ class BlobWriter:
                 raise
             result: bytes = hashing.result()
             self._copy_rest(f, source, offset, done, progress)
-        finally:
-            if f is not source.file:
-                f.close()
         return result
 
     def _copy_rest(self, f: InputFile, source: FileRange, offset: int, done: int, progress: Progress | None) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -118,6 +119,16 @@ class FileRange:
     def opened(self) -> InputFile:
         """The input file to read through: the kept one, or a fresh (checked) open of ``path``."""
         return self.file if self.file is not None else open_input(self.path)
+
+    @contextmanager
+    def reading(self) -> Iterator[InputFile]:
+        """``opened``, closed after the block unless it is the kept one."""
+        f = self.opened()
+        try:
+            yield f
+        finally:
+            if f is not self.file:
+                f.close()
 
     def chunks(self, chunk_size: int = CHUNK_SIZE, ring: BufferRing | None = None) -> Iterator[memoryview]:
         """The bytes in chunks of at most ``chunk_size``; read into ``ring``'s "read" buffers when given."""
