@@ -49,6 +49,7 @@ SETTINGS = (("ort-disable-prepacking", True), ("ort-default", False))
 ACTIVATION_SETTING = "ort-default"  # activations are measured at the runtime's defaults (the arena on)
 ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static estimate only
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glibc setting (see above)
+COPY_NAMED = 256 << 10  # weight bytes found copied per session from which ``ort-session-state`` names the tensors
 
 
 def _one_node_model() -> bytes:
@@ -79,6 +80,7 @@ def probe(
     activations: bool = False,
     dims: dict[str, int] | None = None,
     input_files: dict[str, str] | None = None,
+    explain: bool = False,
 ) -> JsonDict:
     """In this (child) process: PSS after each of ``sessions`` sessions under the setting (with ORT's CPU arena
     or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
@@ -86,9 +88,12 @@ def probe(
     The run's inputs are made as verify makes them (``decode.session_feeds``: ``dims``, the configs beside the
     model), those in ``input_files`` read from their files (``--input``); ``usage`` is a --dim/--input error,
     ``no_run`` why the sessions were not run (``measure_copies`` then reports no figure: the static rules judge).
-    A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions."""
+    A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions.
+    With ``explain``, a growth of ``remainder.EXPLAIN_MIN`` or more is broken down (``breakdown``: per mapping kind,
+    and what the added sessions' pages hold, ``remainder.explain``)."""
     import numpy as np
 
+    from ..._runtimes import remainder as pages
     from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
     from ..._runtimes.ort import new_session
@@ -96,7 +101,11 @@ def probe(
     from ...errors import UsageError
     from ._proto import read_tensor_proto
     from .decode import session_feeds
+    from .remainder import EXPLAIN_MIN, sources
+    from .remainder import explain as explain_growth
 
+    files = [f for f, _t in sources(Path(model_path))] if explain else []
+    snapshots: list[JsonDict] = []
     tiny: list[Any] = []
     tiny_data: list[int] = []
     model = _one_node_model()
@@ -143,9 +152,13 @@ def probe(
                 feeds, ran = None, False
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
+        if explain and len(opened) == 1:  # before the figures: what the snapshot holds is in the first one
+            snapshots.append(pages.snapshot(files))
         pss.append(smaps_rollup()["Pss"])
         data.append(data_pss())
     more: JsonDict = {}
+    if snapshots and ran and _growth(data) >= EXPLAIN_MIN:
+        snapshots.append(pages.snapshot(files))
     if activations and feeds is not None:
         with_arena: list[int] = []
         for _ in range(sessions):
@@ -159,6 +172,8 @@ def probe(
             opened.append(s)
             with_arena.append(data_pss())
         more["arena_growth"] = _growth(with_arena)
+    if len(snapshots) == 2:  # after every figure: the breakdown's own memory weighs on none
+        more["breakdown"] = explain_growth(Path(model_path), snapshots[0], snapshots[1], len(data) - 1)
     if not ran:
         more["no_run"] = no_run
     return {"pss": pss, "data_pss": data, "ran": ran, "overhead": _growth(tiny_data), "input_notes": notes, **more}
@@ -210,7 +225,7 @@ def _measure(
     from ...errors import UsageError
 
     given = feeds or MeasureInputs()
-    args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files)]
+    args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files), not arena]
     try:
         res: JsonDict = in_child(__name__, "probe", args, MALLOC_ENV, timeout=timeout, memory=memory)
     except OverBound as e:
@@ -224,7 +239,11 @@ def _measure(
     if "error" in res:
         return {"refused": str(res["error"])}, ""
     growth = _growth(res["data_pss"])  # the growth without code's PSS, which other processes move
-    return {**res, "data_growth": growth, "cost": max(0, growth - res["overhead"])}, ""
+    # ORT's own state (pointer-dense pages: graph, kernels, maps; the one-node model's is its floor) is not a
+    # weight copy: what it adds beyond that floor is reported apart (``ort-session-state``), never as weights
+    state = res.get("breakdown", {}).get("pages", {}).get("runtime objects", 0)
+    not_weights = max(res["overhead"], min(growth, state))
+    return {**res, "data_growth": growth, "cost": max(0, growth - not_weights), "state": state}, ""
 
 
 def measure_copies(
@@ -256,6 +275,7 @@ def measure_copies(
     notes: list[str] = []
     activation: dict[str, int] = {}
     refusals: dict[str, list[str]] = {}  # why -> the settings under which onnxruntime refuses the model
+    state: list[Finding] = []
     for setting, share in SETTINGS:
         activations = setting == ACTIVATION_SETTING
         res, why = _measure(path, share, False, activations, feeds, timeout, memory)
@@ -278,6 +298,8 @@ def measure_copies(
             continue
         out[setting] = res["cost"]
         one[setting] = res["pss"][0]
+        if "breakdown" in res:
+            state.append(_state_finding(path, setting, res))
         if "arena_growth" in res:  # the same sessions with the arena on: what it keeps beyond the weights
             activation[setting] = max(0, res["arena_growth"] - res["data_growth"])
         for line in res.get("input_notes", []):
@@ -291,7 +313,35 @@ def measure_copies(
         )
         for why, settings in refusals.items()
     ]
-    return out, one, notes, activation, findings
+    return out, one, notes, activation, findings + state
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _state_finding(path: Path, setting: str, res: JsonDict) -> Finding:
+    """``ort-session-state``: what one more session keeps beyond its weights, per mapping and per page content."""
+    from ..._findings import Finding
+    from .findings import OnnxCode
+
+    b = res["breakdown"]
+    kinds = ", ".join(f"{k} {'+' if n >= 0 else ''}{_mib(n)}" for k, n in b["pss"].items() if abs(n) >= 1 << 16)
+    pages = b["pages"]
+    # named when they weigh something: a few pages of small tensors match in every session (inline constants)
+    shown = b["tensors"][:3] if pages["weights"] >= COPY_NAMED else []
+    copied = ", ".join(f"{n} (read by {'/'.join(ops) or 'no node'})" for n, _k, ops in shown)
+    return Finding.of(
+        OnnxCode.ORT_SESSION_STATE,
+        str(path),
+        f"one more session under {setting} keeps {_mib(res['data_growth'])} (PSS, measured): "
+        f"{_mib(pages['runtime objects'])} of it is ONNX Runtime's own state (graph, kernels, maps: pages dense "
+        "with pointers, no weight bytes), not counted as a weight copy; per mapping: "
+        f"{kinds or 'no kind above 0.1 MiB'}; the added sessions' pages: weights {_mib(pages['weights'])}"
+        + (f" (largest: {copied})" if copied else "")
+        + f", zero-filled {_mib(pages['zero'])}, unclassified {_mib(pages['unclassified'])}; counted as weights "
+        f"and copies: {_mib(res['cost'])}",
+    )
 
 
 # What onnxruntime wraps a load error in: its status prefix, "Load model from PATH failed:", a C++ source location
