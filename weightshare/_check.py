@@ -227,10 +227,7 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
         sharing = inv.settings[0] if inv.settings else setting
         gone = setting != sharing and inv.measured.get(sharing, n) < min(gate.threshold, n / 2)
         unexplained = 2 * static < n and not gone  # neither the rules nor the sharing setting's figure explain it
-        # the static rules' own fixes for these copies; never "convert with --prepack" to a --prepack output
-        fixes = sorted(
-            {p.copy_fix for p in copying if p.copy_fix and not (inv.prepack_output and "--prepack" in p.copy_fix)}
-        )
+        fixes = sorted(f for f in {p.copy_fix for p in copying} if f and not (inv.prepack_output and "--prepack" in f))
         add(
             Code.MEASURED_COPY,
             copying if not unexplained else [],
@@ -262,19 +259,11 @@ def _measured_fix(inv: ModelInventory, setting: str, unexplained: bool) -> str:
         # the copies are this setting's own (a loader that does not read what --prepack stored): the fix is the
         # loader the output was made for, not another conversion
         return f"load it {inv.default_how}, the loader it was made for; or load with {sharing}"
-    if inv.prepack_output and inv.packed_for and judge_envelope(inv)[0] is None and inv.runtime_here:
-        # packed for this very runtime: another conversion would store the same packings (a circular fix)
-        other = f"load with {sharing} to keep no packing per session, or " if sharing and sharing != setting else ""
-        return (
-            f"{other}report it: the packings stored with this --prepack output are those of the runtime here, so "
-            "converting again does not remove this copy (ort-session-state names the weights found copied and the "
-            "kernels that read them)"
-        )
     if inv.prepack_output:
         other = f"; or load with {sharing}" if sharing and sharing != setting else ""
         return (
-            "the packed copies stored with this --prepack output are not used on this machine or runtime (re-run "
-            f"convert --prepack where the model is served){other}"
+            "report it: converting again stores the same packings (ort-session-state names the weights found copied; "
+            f"packed-for-other-runtime, when they were packed for another runtime){other}"
         )
     return (
         f"convert with --prepack (the packed copies stored beside the model, mapped by every session), or load "
