@@ -79,7 +79,10 @@ def _probe(model: Path, share: bool) -> dict:
     from weightshare.formats.onnx.measure import MALLOC_ENV, SESSIONS
 
     return in_child(
-        "weightshare.formats.onnx.measure", "probe", [str(model), share, SESSIONS, False, False, {}, {}, True], MALLOC_ENV
+        "weightshare.formats.onnx.measure",
+        "probe",
+        [str(model), share, SESSIONS, False, False, {}, {}, True],
+        MALLOC_ENV,
     )
 
 
