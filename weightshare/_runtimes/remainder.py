@@ -236,17 +236,27 @@ def breakdown(
     found = index.find(probe.ravel()).reshape(probe.shape)
     probed = (probe != 0) & ~pointer[:, ::2]
     hits = (found >= 0) & probed
-    per_page_probed = np.maximum(probed.sum(1), 1)
-    # a copy's page hits its source only at the indexed phases: 16 / stride of the probed words at best
-    expected = per_page_probed * 16 / index.stride
-    is_weight = (hits.sum(1) >= np.maximum(1, WEIGHT_SHARE * expected)) & (probed.sum(1) > 0)
+    # a copy's words sit at one distance from their source's: the longest run of hits at one distance counts (a
+    # page of small integers hits some short tensor everywhere, at as many distances as words)
+    rows, cols = np.nonzero(hits)
+    places = found[rows, cols]
+    delta = places - cols.astype(np.int64) * 16
+    order = np.lexsort((delta, rows))
+    rows, delta, places = rows[order], delta[order], places[order]
+    starts = np.ones(len(rows), bool)
+    starts[1:] = (rows[1:] != rows[:-1]) | (delta[1:] != delta[:-1])
+    runs = np.bincount(np.cumsum(starts) - 1) if len(rows) else np.zeros(0, np.int64)
+    best = np.zeros(len(new), np.int64)
+    np.maximum.at(best, rows[starts], runs)
+    at = {int(r): int(p) for r, n, p in zip(rows[starts], runs, places[starts]) if n == best[r]}
+    # the indexed words a copy covering the page hits: 16 / stride of the probed ones
+    expected = np.maximum(probed.sum(1), 1) * 16 / index.stride
+    is_weight = (best >= np.maximum(2, WEIGHT_SHARE * expected)) & (probed.sum(1) > 0)
     is_zero = zero.all(1)
     is_object = ~is_weight & ~is_zero & (pointer.sum(1) >= POINTER_SHARE * words.shape[1])
     tensor_pages: dict[str, int] = {}
     for row in np.nonzero(is_weight)[0]:
-        places = found[row][hits[row]]
-        names = [index.tensor(int(p)) for p in places]
-        name = max(set(names), key=names.count)
+        name = index.tensor(at[int(row)])
         tensor_pages[name] = tensor_pages.get(name, 0) + 1
     classes["weights"] = int(is_weight.sum()) * PAGE // added
     classes["runtime objects"] = int(is_object.sum()) * PAGE // added
