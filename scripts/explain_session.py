@@ -32,7 +32,7 @@ def main() -> int:
     args = ap.parse_args()
     print(
         "| model | setting | PSS/session | heap | anonymous | weight files | runtime state | weights | zero | "
-        "unclassified | counted as weights | weights found copied |"
+        "unclassified | check counted before | counted as weights now | weights found copied |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
