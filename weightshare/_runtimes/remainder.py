@@ -33,7 +33,8 @@ from typing import Any
 from ..report import JsonDict
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-MAX_INDEX = 4 << 20  # 8-byte words indexed over all sources: 32 MiB of index at most, whatever the model's size
+MAX_INDEX = 1 << 20  # 8-byte words indexed over all sources: 8 MiB of index at most, whatever the model's size
+BATCH = 512  # pages classified at a time
 COMMON = 4  # a word indexed more often than this is a fill, not evidence of one tensor
 WEIGHT_SHARE = 0.5  # a page is a weight copy when this share of its probed non-zero words match a source
 POINTER_SHARE = 0.05  # ... runtime objects when this share of its words are addresses in this process
@@ -137,11 +138,17 @@ def _read_pages(pages: list[int]) -> Any:
     return words
 
 
-def _pointer(words: Any) -> Any:
-    """Which of ``words`` are addresses inside one of this process's mappings."""
+def _spans() -> Any:
+    """[start, end) of every mapping of this process, sorted (a numpy array of two columns)."""
     import numpy as np
 
-    spans = np.array(sorted((lo, hi) for lo, hi, _p, _n in _mappings()), np.uint64)
+    return np.array(sorted((lo, hi) for lo, hi, _p, _n in _mappings()), np.uint64)
+
+
+def _pointer(words: Any, spans: Any) -> Any:
+    """Which of ``words`` are addresses inside one of the mappings ``spans``."""
+    import numpy as np
+
     at = np.searchsorted(spans[:, 0], words, side="right").astype(np.int64) - 1
     inside = at >= 0
     at = np.maximum(at, 0)
@@ -210,6 +217,41 @@ class _Index:
         return os.path.basename(path)
 
 
+def _classify(words: Any, spans: Any, index: _Index, counts: Any, tensor_pages: dict[str, int]) -> None:
+    """Add the pages ``words`` (one row of 8-byte words each) to ``counts`` (weights, runtime objects, zero) and the
+    weight pages to ``tensor_pages`` (the tensor each copies, by name)."""
+    import numpy as np
+
+    zero = words == 0
+    pointer = _pointer(words.ravel(), spans).reshape(words.shape)
+    probe = words[:, ::2]  # every 16-byte-aligned word
+    found = index.find(probe.ravel()).reshape(probe.shape)
+    probed = (probe != 0) & ~pointer[:, ::2]
+    hits = (found >= 0) & probed
+    # a copy's words sit at one distance from their source's: the longest run of hits at one distance counts (a
+    # page of small integers hits some short tensor everywhere, at as many distances as words)
+    rows, cols = np.nonzero(hits)
+    places = found[rows, cols]
+    delta = places - cols.astype(np.int64) * 16
+    order = np.lexsort((delta, rows))
+    rows, delta, places = rows[order], delta[order], places[order]
+    starts = np.ones(len(rows), bool)
+    starts[1:] = (rows[1:] != rows[:-1]) | (delta[1:] != delta[:-1])
+    runs = np.bincount(np.cumsum(starts) - 1) if len(rows) else np.zeros(0, np.int64)
+    best = np.zeros(len(words), np.int64)
+    np.maximum.at(best, rows[starts], runs)
+    where = {int(r): int(p) for r, n, p in zip(rows[starts], runs, places[starts]) if n == best[r]}
+    # the indexed words a copy covering the page hits: 16 / stride of the probed ones
+    expected = np.maximum(probed.sum(1), 1) * 16 / index.stride
+    is_weight = (best >= np.maximum(2, WEIGHT_SHARE * expected)) & (probed.sum(1) > 0)
+    is_zero = zero.all(1) & ~is_weight
+    is_object = ~is_weight & ~is_zero & (pointer.sum(1) >= POINTER_SHARE * words.shape[1])
+    counts += [int(is_weight.sum()), int(is_object.sum()), int(is_zero.sum())]
+    for row in np.nonzero(is_weight)[0]:
+        name = index.tensor(where[int(row)])
+        tensor_pages[name] = tensor_pages.get(name, 0) + 1
+
+
 def breakdown(
     first: JsonDict,
     last: JsonDict,
@@ -228,39 +270,13 @@ def breakdown(
     classes = {"weights": 0, "runtime objects": 0, "zero": 0, "unclassified": 0}
     if not new:
         return {"pss": pss, "pages": classes, "tensors": [], "new_pages": 0}
-    words = _read_pages(new)
-    zero = words == 0
-    pointer = _pointer(words.ravel()).reshape(words.shape)
+    spans = _spans()
     index = _Index(sources)
-    probe = words[:, ::2]  # every 16-byte-aligned word
-    found = index.find(probe.ravel()).reshape(probe.shape)
-    probed = (probe != 0) & ~pointer[:, ::2]
-    hits = (found >= 0) & probed
-    # a copy's words sit at one distance from their source's: the longest run of hits at one distance counts (a
-    # page of small integers hits some short tensor everywhere, at as many distances as words)
-    rows, cols = np.nonzero(hits)
-    places = found[rows, cols]
-    delta = places - cols.astype(np.int64) * 16
-    order = np.lexsort((delta, rows))
-    rows, delta, places = rows[order], delta[order], places[order]
-    starts = np.ones(len(rows), bool)
-    starts[1:] = (rows[1:] != rows[:-1]) | (delta[1:] != delta[:-1])
-    runs = np.bincount(np.cumsum(starts) - 1) if len(rows) else np.zeros(0, np.int64)
-    best = np.zeros(len(new), np.int64)
-    np.maximum.at(best, rows[starts], runs)
-    at = {int(r): int(p) for r, n, p in zip(rows[starts], runs, places[starts]) if n == best[r]}
-    # the indexed words a copy covering the page hits: 16 / stride of the probed ones
-    expected = np.maximum(probed.sum(1), 1) * 16 / index.stride
-    is_weight = (best >= np.maximum(2, WEIGHT_SHARE * expected)) & (probed.sum(1) > 0)
-    is_zero = zero.all(1)
-    is_object = ~is_weight & ~is_zero & (pointer.sum(1) >= POINTER_SHARE * words.shape[1])
+    counts = np.zeros(3, np.int64)  # weights, runtime objects, zero
     tensor_pages: dict[str, int] = {}
-    for row in np.nonzero(is_weight)[0]:
-        name = index.tensor(at[int(row)])
-        tensor_pages[name] = tensor_pages.get(name, 0) + 1
-    classes["weights"] = int(is_weight.sum()) * PAGE // added
-    classes["runtime objects"] = int(is_object.sum()) * PAGE // added
-    classes["zero"] = int((is_zero & ~is_weight).sum()) * PAGE // added
+    for at in range(0, len(new), BATCH):  # a batch at a time: the breakdown's memory stays small
+        _classify(_read_pages(new[at : at + BATCH]), spans, index, counts, tensor_pages)
+    classes["weights"], classes["runtime objects"], classes["zero"] = (int(n) * PAGE // added for n in counts)
     classes["unclassified"] = (len(new) * PAGE // added) - sum(classes.values())
     tensors = sorted(((n, c * PAGE // added) for n, c in tensor_pages.items()), key=lambda t: (-t[1], t[0]))
     return {"pss": pss, "pages": classes, "tensors": tensors[:top], "new_pages": len(new) * PAGE // added}
