@@ -2,8 +2,9 @@
 
 Before: deep, narrow models built in code (many nodes, few weights: ORT's per-session state grows with the node
 count, not the weights): quantize_dynamic's int8 MLP (MatMulInteger, fused to DynamicQuantizeMatMul at
-ORT_ENABLE_ALL) and an optimum-style merged decoder (both branches inside ``If`` on outer-scope weights), converted
-with ``--prepack``; the int8 original as it is (its weights embedded: copied into every session).
+ORT_ENABLE_ALL), quantize_static's QDQ one (QLinearMatMul at ORT_ENABLE_ALL) and an optimum-style merged decoder
+(both branches inside ``If`` on outer-scope weights), converted with ``--prepack``; the int8 original as it is (its
+weights embedded: copied into every session).
 Under test: the measuring child's breakdown (``measure.probe(..., explain=True)``: per-mapping PSS, the added
 sessions' pages matched against the model's tensors) and ``check`` (child processes, real onnxruntime).
 After: the breakdown accounts for the PSS growth; on the ``--prepack`` outputs it is ORT's state, no weight bytes, and
@@ -36,6 +37,30 @@ def _int8(path: Path) -> Path:
     return path
 
 
+def _qdq(path: Path) -> Path:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):  # type: ignore[misc]
+        def __init__(self, model: str) -> None:
+            self.batches = iter([mf.feeds(model, batch=1, seq=4, seed=s) for s in range(2)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = str(mf._save(mf._mlp(DIM, LAYERS, 0), Path(tmp) / "fp32.onnx", external=True))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        quantize_static(
+            src,
+            str(path),
+            Reader(src),
+            quant_format=QuantFormat.QDQ,
+            activation_type=QuantType.QUInt8,
+            weight_type=QuantType.QInt8,
+        )
+    return path
+
+
 def _merged(path: Path) -> Path:
     from onnx import TensorProto as T
     from onnx import helper as h
@@ -60,7 +85,7 @@ def _merged(path: Path) -> Path:
     return mf._save(mf._model(nodes, inits, inputs, [mf._io("y", T.FLOAT, None)]), path, external=True)
 
 
-BUILDERS = {"int8": _int8, "merged": _merged}
+BUILDERS = {"int8": _int8, "merged": _merged, "qdq": _qdq}
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))

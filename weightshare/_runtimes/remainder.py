@@ -10,9 +10,9 @@ A measured per-session growth says how much, not what. Run in the measuring proc
   classified by its content:
   ``weights``: most of its non-zero 8-byte words occur in one of ``sources`` (the files holding the model's weights
   and their packed copies) at the same relative position, i.e. a byte copy of a weight; the tensors are named;
-  ``runtime objects``: pointer-dense pages (words that are addresses inside this process's mappings), what a
-  runtime's graph, kernel objects, hash maps and allocation plans are made of; never weight bytes, whose 8-byte
-  words are almost never a valid address;
+  ``runtime objects``: pages of pointers (words that are addresses inside this process's mappings), of small
+  integers or of names: what a runtime's graph, kernel objects, hash maps, index arrays and allocation plans are
+  made of (``_bookkeeping``); never weight bytes, whose 8-byte words are almost never a valid address;
   ``zero``: nothing but zero bytes (a zeroed buffer: no content to tell);
   ``unclassified``: the rest (a weight transformed beyond a byte copy, a kernel's private packing, scratch): kept
   apart, never counted as not-weights.
@@ -217,6 +217,26 @@ class _Index:
         return os.path.basename(path)
 
 
+def _bookkeeping(words: Any, zero: Any, pointer: Any) -> Any:
+    """Which pages hold a runtime's bookkeeping: pointers (more than POINTER_SHARE of the non-zero words: objects,
+    hash maps, however sparse), arrays of small integers (value indices, offsets: 8-byte words below 2**24) or
+    names (text: printable bytes, mostly letters). What a weight's bytes never look like, however transformed
+    (packed, transposed, cast or dequantized, their words are floats or bytes spread over the whole range); an
+    integer weight copied as it is matches its source first."""
+    import numpy as np
+
+    nonzero = np.maximum((~zero).sum(1), 1)
+    pointers = pointer.sum(1)
+    small = (~zero & (words < np.uint64(1 << 24))).sum(1)
+    raw = words.view(np.uint8).reshape(len(words), -1)
+    printable = ((raw >= 0x20) & (raw < 0x7F)) | (raw == 0) | (raw == 0x0A)
+    letters = ((raw | 0x20) >= ord("a")) & ((raw | 0x20) <= ord("z"))
+    text = (printable.mean(1) >= 0.9) & (letters.mean(1) >= 0.4)
+    return (
+        ((pointers >= 2) & (pointers >= POINTER_SHARE * nonzero)) | ((small >= 0.8 * nonzero) & (nonzero >= 16)) | text
+    )
+
+
 def _classify(words: Any, spans: Any, index: _Index, counts: Any, tensor_pages: dict[str, int]) -> None:
     """Add the pages ``words`` (one row of 8-byte words each) to ``counts`` (weights, runtime objects, zero) and the
     weight pages to ``tensor_pages`` (the tensor each copies, by name)."""
@@ -245,7 +265,7 @@ def _classify(words: Any, spans: Any, index: _Index, counts: Any, tensor_pages: 
     expected = np.maximum(probed.sum(1), 1) * 16 / index.stride
     is_weight = (best >= np.maximum(2, WEIGHT_SHARE * expected)) & (probed.sum(1) > 0)
     is_zero = zero.all(1) & ~is_weight
-    is_object = ~is_weight & ~is_zero & (pointer.sum(1) >= POINTER_SHARE * words.shape[1])
+    is_object = ~is_weight & ~is_zero & _bookkeeping(words, zero, pointer)
     counts += [int(is_weight.sum()), int(is_object.sum()), int(is_zero.sum())]
     for row in np.nonzero(is_weight)[0]:
         name = index.tensor(where[int(row)])
