@@ -162,3 +162,39 @@ def test_check_passes_a_prepack_output_whose_remainder_is_runtime_state(prepacke
     assert not any("--prepack" in (f.get("fix") or "") for f in doc["findings"]), doc["findings"]
     (summary,) = doc["reports"]
     assert all(n < MiB for n in summary["copied_per_session_by_setting"].values()), summary
+
+
+@pytest.fixture(scope="module")
+def fp32_prepacked(tmp_path_factory):
+    from conftest import run_cli
+
+    d = tmp_path_factory.mktemp("fp32")
+    src = mf.build("fp32", d / "src" / "m.onnx", mib=2)
+    assert run_cli("convert", src, "-o", d / "out", "-q", "--prepack").returncode == 0
+    return d / "out"
+
+
+def _measured_fix(model: Path, measured: dict[str, int]) -> str:
+    """The fix line check gives the copy one more session of ``model`` (a real inventory) keeps at ``measured``."""
+    from weightshare._check import Gate, findings_for
+    from weightshare._dispatch import inventory
+
+    inv = inventory(model, hash_payloads=False)
+    inv.measured, inv.measured_one_session = measured, dict.fromkeys(measured, 8 * MiB)
+    (copy,) = [f for f in findings_for(inv, Gate()) if f.code.value == "copied-per-session"]
+    return copy.fix
+
+
+# a copy at default options only, none with pre-packing off: what a --prepack'd int8 BERT and its portable twin were
+# measured at before the remainder was told apart (the twin: 18.6 MiB, its sessions pre-packing what the blob stores)
+FIGURES = {"ort-disable-prepacking": 0, "ort-default": 4 * MiB}
+
+
+def test_a_prepack_output_is_never_told_to_convert_with_prepack_again(fp32_prepacked):
+    fix = _measured_fix(fp32_prepacked / "m.onnx", FIGURES)
+    assert "convert with --prepack" not in fix and "re-run convert --prepack" not in fix, fix
+
+
+def test_a_portable_twin_is_sent_to_its_packed_model_not_to_another_conversion(fp32_prepacked):
+    fix = _measured_fix(fp32_prepacked / "m.portable.onnx", FIGURES)
+    assert fix.startswith("open m.onnx") and "convert with --prepack" not in fix, fix

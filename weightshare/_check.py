@@ -227,7 +227,7 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
         sharing = inv.settings[0] if inv.settings else setting
         gone = setting != sharing and inv.measured.get(sharing, n) < min(gate.threshold, n / 2)
         unexplained = 2 * static < n and not gone  # neither the rules nor the sharing setting's figure explain it
-        fixes = sorted(f for f in {p.copy_fix for p in copying} if f and not (inv.prepack_output and "--prepack" in f))
+        fixes = sorted({p.copy_fix for p in copying if p.copy_fix})  # the static rules' own fixes for these copies
         add(
             Code.MEASURED_COPY,
             copying if not unexplained else [],
