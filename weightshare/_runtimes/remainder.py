@@ -33,7 +33,7 @@ from typing import Any
 from ..report import JsonDict
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-MAX_INDEX = 1 << 20  # 8-byte words indexed over all sources: 8 MiB of index at most, whatever the model's size
+MAX_INDEX = 1 << 19  # 8-byte words indexed over all sources: 4 MiB of index at most, whatever the model's size
 BATCH = 512  # pages classified at a time
 COMMON = 4  # a word indexed more often than this is a fill, not evidence of one tensor
 WEIGHT_SHARE = 0.5  # a page is a weight copy when this share of its probed non-zero words match a source
@@ -188,14 +188,17 @@ class _Index:
                         done += len(chunk)
         self.starts = [[b for _n, b, _l in table] for _path, table in self.files]
         key = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
+        del keys  # each step frees what the next replaces: the index's peak is a few copies of its words
         at = np.concatenate(where) if where else np.zeros(0, np.int64)
-        keep = key != 0
-        key, at = key[keep], at[keep]
+        del where
         order = np.argsort(key, kind="stable")
-        key, at = key[order], at[order]
-        uniq, first, count = np.unique(key, return_index=True, return_counts=True)
-        ok = count <= COMMON
-        self.keys, self.at = uniq[ok], at[first[ok]]
+        key = key[order]
+        at = at[order]
+        del order
+        runs = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1]))) if len(key) else np.zeros(0, np.int64)
+        count = np.diff(np.append(runs, len(key)))
+        runs = runs[(count <= COMMON) & (key[runs] != 0)]
+        self.keys, self.at = key[runs], at[runs]
 
     def find(self, words: Any) -> Any:
         """For each word: its place in the sources (file index << 48 | offset), or -1."""
