@@ -104,7 +104,12 @@ def probe(
     from .remainder import EXPLAIN_MIN, sources
     from .remainder import explain as explain_growth
 
-    files = [f for f, _t in sources(Path(model_path))] if explain else []
+    files: list[str] = []
+    if explain:
+        try:  # the breakdown explains a figure; a model it cannot list is still measured (and ORT's refusal said)
+            files = [f for f, _t in sources(Path(model_path))]
+        except Exception:  # noqa: BLE001
+            explain = False
     snapshots: list[JsonDict] = []
     tiny: list[Any] = []
     tiny_data: list[int] = []
@@ -173,7 +178,10 @@ def probe(
             with_arena.append(data_pss())
         more["arena_growth"] = _growth(with_arena)
     if len(snapshots) == 2:  # after every figure: the breakdown's own memory weighs on none
-        more["breakdown"] = explain_growth(Path(model_path), snapshots[0], snapshots[1], len(data) - 1)
+        try:
+            more["breakdown"] = explain_growth(Path(model_path), snapshots[0], snapshots[1], len(data) - 1)
+        except Exception as e:  # noqa: BLE001 -- unexplained, the whole growth stays the weight figure
+            notes.append(f"the per-session growth was not broken down: {type(e).__name__}: {e}"[:300])
     if not ran:
         more["no_run"] = no_run
     return {"pss": pss, "data_pss": data, "ran": ran, "overhead": _growth(tiny_data), "input_notes": notes, **more}
