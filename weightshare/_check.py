@@ -256,19 +256,19 @@ def _measured_fix(inv: ModelInventory, setting: str, unexplained: bool) -> str:
             "measured and static figures per setting (please report it)"
         )
     if inv.prepack_output and inv.default_how and setting != inv.default_setting:
-        # the copies are this setting's own (a loader that does not read what --prepack stored): the fix is the
-        # loader the output was made for, not another conversion
+        # the copies are this setting's own (a loader not reading what --prepack stored): the loader is the fix
         return f"load it {inv.default_how}, the loader it was made for; or load with {sharing}"
     if inv.prepack_output:
         other = f"; or load with {sharing}" if sharing and sharing != setting else ""
         return (
-            "the packed copies stored with this --prepack output are not used on this machine or runtime (re-run "
-            f"convert --prepack where the model is served){other}"
+            "report it: converting again stores the same packings (ort-session-state names the weights found copied; "
+            f"packed-for-other-runtime, when they were packed for another runtime){other}"
         )
+    if inv.fallback_of:  # a --prepack output's portable twin: the packed model is the fix, not another conversion
+        return f"open {inv.fallback_of} (this model is its fallback) where its packings fit, or load with {sharing}"
     return (
         f"convert with --prepack (the packed copies stored beside the model, mapped by every session), or load "
-        f"with {sharing}; the static findings "
-        "listed with it say which weights and how"
+        f"with {sharing}; the static findings listed with it say which weights and how"
     )
 
 

@@ -14,6 +14,7 @@ class OnnxCode(TextEnum):
     ORT_PREPACK_COPY = "ort-prepack-copy-per-session"
     BAD_PREPACKED_ENTRY = "bad-prepacked-entry"
     BAD_PREPACK_RECORD = "bad-prepack-record"
+    ORT_SESSION_STATE = "ort-session-state"
 
 
 CODES: dict[TextEnum, CodeInfo] = {
@@ -42,6 +43,15 @@ CODES: dict[TextEnum, CodeInfo] = {
         "The weightshare.ort_prepack record in the blob's metadata is malformed or names a model outside the "
         "model's directory: weightshare.ort.session refuses the model (no fallback).",
         "re-run weightshare convert MODEL -o OUT --prepack from the original model",
+    ),
+    OnnxCode.ORT_SESSION_STATE: CodeInfo(
+        Severity.INFO,
+        "Measured: beyond its weights, one more ONNX Runtime session keeps this much of its own state (the graph, "
+        "kernel objects, value maps, execution plans: pages dense with pointers, holding no weight bytes), which "
+        "grows with the node count. It is not a weight copy and is not counted as one; the line gives the "
+        "per-mapping breakdown and any weight bytes found copied.",
+        "none needed for sharing: it is the runtime's bookkeeping, not weights (it grows with the sessions "
+        "opened, so threads sharing one session cost less than one session each)",
     ),
 }
 

@@ -56,6 +56,7 @@ ACTIVATION_SETTING = "ort-default"  # activations are measured at the runtime's 
 ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static estimate only
 TRACE_ENV = "WEIGHTSHARE_MEASURE_TRACE"  # a file: each measuring call appends one line (``_trace``)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glibc setting (see above)
+COPY_NAMED = 256 << 10  # weight bytes found copied per session from which ``ort-session-state`` names the tensors
 
 
 def _one_node_model() -> bytes:
@@ -88,6 +89,7 @@ def probe(
     activations: bool = False,
     dims: dict[str, int] | None = None,
     input_files: dict[str, str] | None = None,
+    explain: bool = False,
 ) -> JsonDict:
     """In this (child) process: PSS after the first and the last of ``sessions`` sessions under the setting (with
     ORT's CPU arena or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
@@ -95,7 +97,10 @@ def probe(
     The run's inputs are made as verify makes them (``decode.session_feeds``: ``dims``, the configs beside the
     model), those in ``input_files`` read from their files (``--input``); ``usage`` is a --dim/--input error,
     ``no_run`` why the sessions were not run (``measure_copies`` then reports no figure: the static rules judge).
-    A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions."""
+    A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions.
+    With ``explain``, a growth of ``remainder.EXPLAIN_MIN`` or more is broken down (``breakdown``: per mapping kind,
+    and what the added sessions' pages hold, ``remainder.explain``)."""
+    from ..._runtimes import remainder as pages
     from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
     from ..._runtimes.ort import new_session
@@ -103,6 +108,8 @@ def probe(
     from ...errors import UsageError
     from ._proto import read_tensor_proto
     from .decode import session_feeds
+    from .remainder import EXPLAIN_MIN, sources
+    from .remainder import explain as explain_growth
 
     overhead = _overhead(share, arena)
     # what calls after this child's first left of data (freed, trimmed, but a heap keeps some) is not this model's;
@@ -110,6 +117,13 @@ def probe(
     # (11-14 MiB measured: a warm child's first session of a model costs that much less than a fresh child's)
     _CALLS.append(data_pss())
     left = _CALLS[-1] - _CALLS[1] if len(_CALLS) > 1 else 0
+    files: list[str] = []
+    if explain:
+        try:  # the breakdown explains a figure; a model it cannot list is still measured (and ORT's refusal said)
+            files = [f for f, _t in sources(Path(model_path))]
+        except Exception:  # noqa: BLE001
+            explain = False
+    snapshots: list[JsonDict] = []
     opened: list[Any] = []
     pss: list[int] = []
     data: list[int] = []
@@ -148,10 +162,14 @@ def probe(
                 feeds, ran = None, False
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
+        if explain and len(opened) == 1:  # before the figures: what the snapshot holds is in the first one
+            snapshots.append(pages.snapshot(files))
         if i in (0, sessions - 1):  # the growth is from the first to the last (a walk of smaps: 5-40 ms each)
             pss.append(smaps_rollup()["Pss"] - left)  # as in a fresh child
             data.append(data_pss())
     more: JsonDict = {}
+    if snapshots and ran and _growth(data, sessions) >= EXPLAIN_MIN:
+        snapshots.append(pages.snapshot(files))
     if activations and feeds is not None:
         # sessions - 1 more with the arena on, each run once: their growth from the last session without it, over
         # as many steps as the weights' figure has (the first arena session of a child sets up nothing the others
@@ -169,6 +187,11 @@ def probe(
             if i == sessions - 1:
                 with_arena.append(data_pss())
         more["arena_growth"] = _growth(with_arena, sessions)
+    if len(snapshots) == 2:  # after every figure: the breakdown's own memory weighs on none
+        try:
+            more["breakdown"] = explain_growth(Path(model_path), snapshots[0], snapshots[1], sessions - 1)
+        except Exception as e:  # noqa: BLE001 -- unexplained, the whole growth stays the weight figure
+            notes.append(f"the per-session growth was not broken down: {type(e).__name__}: {e}"[:300])
     if not ran:
         more["no_run"] = no_run
     _trace(model_path, share, len(opened))
@@ -276,7 +299,7 @@ def _measure(
     from ...errors import UsageError
 
     given = feeds or MeasureInputs()
-    args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files)]
+    args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files), not arena]
     try:
         # one child measures every setting and, within check's ``reused_children``, every model in turn; a model
         # over the bound there is measured again in a fresh child (``in_worker``)
@@ -294,7 +317,11 @@ def _measure(
     if "error" in res:
         return {"refused": str(res["error"])}, ""
     growth = _growth(res["data_pss"], res["sessions"])  # the growth without code's PSS, which other processes move
-    return {**res, "data_growth": growth, "cost": max(0, growth - res["overhead"])}, ""
+    # ORT's own state (pointer-dense pages: graph, kernels, maps; the one-node model's is its floor) is not a
+    # weight copy: what it adds beyond that floor is reported apart (``ort-session-state``), never as weights
+    state = res.get("breakdown", {}).get("pages", {}).get("runtime objects", 0)
+    not_weights = max(res["overhead"], min(growth, state))
+    return {**res, "data_growth": growth, "cost": max(0, growth - not_weights), "state": state}, ""
 
 
 def measure_copies(
@@ -335,6 +362,7 @@ def _measure_settings(
     notes: list[str] = []
     activation: dict[str, int] = {}
     refusals: dict[str, list[str]] = {}  # why -> the settings under which onnxruntime refuses the model
+    state: list[Finding] = []
     for setting, share in SETTINGS:
         activations = setting == ACTIVATION_SETTING
         res, why = _measure(path, share, False, activations, feeds, timeout, memory)
@@ -357,6 +385,8 @@ def _measure_settings(
             continue
         out[setting] = res["cost"]
         one[setting] = res["pss"][0]
+        if "breakdown" in res:
+            state.append(_state_finding(path, setting, res))
         if "arena_growth" in res:  # the same sessions with the arena on: what it keeps beyond the weights
             activation[setting] = max(0, res["arena_growth"] - res["data_growth"])
         for line in res.get("input_notes", []):
@@ -370,7 +400,35 @@ def _measure_settings(
         )
         for why, settings in refusals.items()
     ]
-    return out, one, notes, activation, findings
+    return out, one, notes, activation, findings + state
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def _state_finding(path: Path, setting: str, res: JsonDict) -> Finding:
+    """``ort-session-state``: what one more session keeps beyond its weights, per mapping and per page content."""
+    from ..._findings import Finding
+    from .findings import OnnxCode
+
+    b = res["breakdown"]
+    kinds = ", ".join(f"{k} {'+' if n >= 0 else ''}{_mib(n)}" for k, n in b["pss"].items() if abs(n) >= 1 << 16)
+    pages = b["pages"]
+    # named when they weigh something: a few pages of small tensors match in every session (inline constants)
+    shown = b["tensors"][:3] if pages["weights"] >= COPY_NAMED else []
+    copied = ", ".join(f"{n} (read by {'/'.join(ops) or 'no node'})" for n, _k, ops in shown)
+    return Finding.of(
+        OnnxCode.ORT_SESSION_STATE,
+        str(path),
+        f"one more session under {setting} keeps {_mib(res['data_growth'])} (PSS, measured): "
+        f"{_mib(pages['runtime objects'])} of it is ONNX Runtime's own state (graph, kernels, maps: pages dense "
+        "with pointers, no weight bytes), not counted as a weight copy; per mapping: "
+        f"{kinds or 'no kind above 0.1 MiB'}; the added sessions' pages: weights {_mib(pages['weights'])}"
+        + (f" (largest: {copied})" if copied else "")
+        + f", zero-filled {_mib(pages['zero'])}, unclassified {_mib(pages['unclassified'])}; counted as weights "
+        f"and copies: {_mib(res['cost'])}",
+    )
 
 
 # What onnxruntime wraps a load error in: its status prefix, "Load model from PATH failed:", a C++ source location

@@ -389,12 +389,13 @@ def _run_ort(
         cache.known_file(model.parent.parent / "packings.json") if cache is not None else "-",
     ]
     check_staged(model, src, options.ort_max_growth)  # a folding bomb is refused before the child starts
+    widened = _half_bytes(model)
     if options.stage is not None:
         options.stage("onnxruntime optimizes and packs the weights (child process)")
     runner = child if child is not None else OrtChild()
     try:
         if staged is None:
-            res, fresh = _run_bounded(argv, model.parent, src, options, runner)
+            res, fresh = _run_bounded(argv, model.parent, src, options, runner, widened=widened)
         else:
             with memory_scratch(model.parent, SCRATCH_HOLD * max(budget_from_env(), staged.largest)) as scratch:
                 doc = {
@@ -404,7 +405,7 @@ def _run_ort(
                     "copy_reused": in_place,
                 }
                 res, fresh = _run_bounded(
-                    argv, model.parent, src, options, runner, {TARGET_ENV: json.dumps(doc)}, staged.path
+                    argv, model.parent, src, options, runner, {TARGET_ENV: json.dumps(doc)}, staged.path, widened
                 )
     finally:
         if child is None:
@@ -421,6 +422,14 @@ def _run_ort(
 SCRATCH_HOLD = 4  # a session's file in the scratch: its weights and packed copies (x 2), a window's two segments
 
 
+def _half_bytes(model: Path) -> int:
+    """The bytes of ``model``'s external fp16/bf16 tensors."""
+    half = {pb.TensorProto.FLOAT16, pb.TensorProto.BFLOAT16}
+    return sum(
+        int(_entries(t).get("length", "0") or 0) for t in external_tensors(load_model(model)) if t.data_type in half
+    )
+
+
 def _run_bounded(
     argv: list[str],
     stage: Path,
@@ -429,15 +438,17 @@ def _run_bounded(
     child: OrtChild,
     request_env: dict[str, str] | None = None,
     grows: Path | None = None,
+    widened: int = 0,
 ) -> tuple[subprocess.CompletedProcess[str], bool]:
     """``argv`` (one model) by ``child`` under the limits of ``limits`` for the staged model; a limit hit is one
     Unsupported line. The result, and whether the child was started for it. ``request_env``: variables set in
     the child for this model alone; ``grows``: a file of the staging the child appends to (the staged blob),
-    whose growth counts as written."""
+    whose growth counts as written; ``widened``: the staged fp16/bf16 payload bytes, which the bounds count at
+    their fp32 size (ORT's CPU provider casts them: the optimized graph holds an fp32 copy and its packing)."""
     before = set(stage.iterdir())
     base = grows.stat().st_size if grows is not None else 0
     limits = limits_for(
-        sum(f.stat().st_size for f in before if f.is_file()),
+        sum(f.stat().st_size for f in before if f.is_file()) + widened,
         src,
         options.ort_child_timeout_s,
         options.ort_child_memory_mib,

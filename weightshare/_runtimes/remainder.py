@@ -1,0 +1,305 @@
+"""What the memory one more runtime instance keeps is made of: a per-mapping PSS breakdown and a content match.
+
+A measured per-session growth says how much, not what. Run in the measuring process itself (it reads its own
+``/proc/self/smaps``, ``pagemap`` and ``mem``): ``snapshot()`` after the first instance and after the last, then
+``breakdown(first, last, added, sources)``:
+
+- per mapping kind (the glibc heap, anonymous mappings (buffers of 1 MiB or more under the measuring children's
+  ``MALLOC_MMAP_THRESHOLD_``), the weight files, other files), the PSS growth per instance;
+- the anonymous pages that became resident between the two snapshots (what the added instances allocated), each
+  classified by its content:
+  ``weights``: most of its non-zero 8-byte words occur in one of ``sources`` (the files holding the model's weights
+  and their packed copies) at the same relative position, i.e. a byte copy of a weight; the tensors are named;
+  ``runtime objects``: pages of pointers (words that are addresses inside this process's mappings), of small
+  integers or of names: what a runtime's graph, kernel objects, hash maps, index arrays and allocation plans are
+  made of (``_bookkeeping``); never weight bytes, whose 8-byte words are almost never a valid address;
+  ``zero``: nothing but zero bytes (a zeroed buffer: no content to tell);
+  ``unclassified``: the rest (a weight transformed beyond a byte copy, a kernel's private packing, scratch): kept
+  apart, never counted as not-weights.
+
+Copies are found at any 16-byte phase of the copy against its source (allocators align to 16 bytes or more, and
+every payload of a weightshare blob sits at 64 bytes or more): the sources are indexed one 8-byte word every
+``stride`` bytes (a power of two, 16 or more, wide enough that the index stays within ``MAX_INDEX`` words) and every
+16-byte-aligned word of a page is looked up, so that a copy hits its source's indexed words whatever its phase.
+Words that occur many times in the sources (padding, constant fills) are no evidence and are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from ..report import JsonDict
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MAX_INDEX = 1 << 19  # 8-byte words indexed over all sources: 4 MiB of index at most, whatever the model's size
+BATCH = 512  # pages classified at a time
+COMMON = 4  # a word indexed more often than this is a fill, not evidence of one tensor
+WEIGHT_SHARE = 0.5  # a page is a weight copy when this share of its probed non-zero words match a source
+POINTER_SHARE = 0.05  # ... runtime objects when this share of its words are addresses in this process
+CHUNK = 8 << 20  # bytes of a source read at a time
+KINDS = ("heap", "anonymous", "weight files", "other files")
+
+
+def _mappings() -> list[tuple[int, int, str, str]]:
+    """(start, end, permissions, path) of every mapping of this process."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi, parts[1], parts[5] if len(parts) > 5 else ""))
+    return out
+
+
+def _kind(path: str, weight_files: set[str]) -> str:
+    if path == "[heap]":
+        return "heap"
+    if not path or path.startswith("[anon"):
+        return "anonymous"
+    return "weight files" if path in weight_files else "other files"
+
+
+def _is_code(perms: str, path: str) -> bool:
+    return bool(path) and not path.startswith("[") and ("x" in perms or ".so" in os.path.basename(path))
+
+
+def mapping_pss(weight_files: set[str]) -> dict[str, int]:
+    """PSS in bytes per mapping kind (``KINDS``), program code left out (its PSS moves with other processes)."""
+    out = dict.fromkeys(KINDS, 0)
+    kind: str | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if not parts:
+                continue
+            if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+                path = parts[5] if len(parts) > 5 else ""
+                kind = (
+                    None
+                    if _is_code(parts[1], path)
+                    else _kind(os.path.realpath(path) if path.startswith("/") else path, weight_files)
+                )
+            elif parts[0] == "Pss:" and kind is not None:
+                out[kind] += int(parts[1]) * 1024
+    return out
+
+
+def _resident_anonymous() -> Any:
+    """Addresses of the resident pages of this process's writable anonymous mappings (the heap included), a sorted
+    numpy array (8 bytes a page: the snapshot held between two PSS readings must not weigh on them)."""
+    import numpy as np
+
+    pages = []
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for lo, hi, perms, path in _mappings():
+            if "w" not in perms or (path and path != "[heap]" and not path.startswith("[anon")):
+                continue
+            n = (hi - lo) // PAGE
+            entries = np.frombuffer(os.pread(fd, 8 * n, (lo // PAGE) * 8), "<u8")
+            present = np.nonzero(entries >> np.uint64(63))[0]
+            pages.append(np.uint64(lo) + present.astype(np.uint64) * np.uint64(PAGE))
+    finally:
+        os.close(fd)
+    return np.sort(np.concatenate(pages)) if pages else np.zeros(0, np.uint64)
+
+
+def snapshot(weight_files: Sequence[str]) -> JsonDict:
+    """What ``breakdown`` compares: PSS per mapping kind and the resident anonymous pages, now."""
+    files = {os.path.realpath(f) for f in weight_files}
+    return {"pss": mapping_pss(files), "pages": _resident_anonymous()}
+
+
+def _read_pages(pages: list[int]) -> Any:
+    """The bytes of ``pages`` (sorted addresses), one row of 8-byte words per page; a page that cannot be read
+    (unmapped since) reads as zeros."""
+    import numpy as np
+
+    words = np.zeros((len(pages), PAGE // 8), np.uint64)
+    fd = os.open("/proc/self/mem", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        i = 0
+        while i < len(pages):
+            j = i + 1
+            while j < len(pages) and pages[j] == pages[j - 1] + PAGE and j - i < 256:
+                j += 1
+            try:
+                data = os.pread(fd, (j - i) * PAGE, pages[i])
+                words[i : i + len(data) // PAGE] = np.frombuffer(data[: len(data) // PAGE * PAGE], "<u8").reshape(
+                    -1, PAGE // 8
+                )
+            except OSError:
+                pass
+            i = j
+    finally:
+        os.close(fd)
+    return words
+
+
+def _spans() -> Any:
+    """[start, end) of every mapping of this process, sorted (a numpy array of two columns)."""
+    import numpy as np
+
+    return np.array(sorted((lo, hi) for lo, hi, _p, _n in _mappings()), np.uint64)
+
+
+def _pointer(words: Any, spans: Any) -> Any:
+    """Which of ``words`` are addresses inside one of the mappings ``spans``."""
+    import numpy as np
+
+    at = np.searchsorted(spans[:, 0], words, side="right").astype(np.int64) - 1
+    inside = at >= 0
+    at = np.maximum(at, 0)
+    return inside & (words >= spans[at, 0]) & (words < spans[at, 1])
+
+
+class _Index:
+    """One 8-byte word every ``stride`` bytes of each tensor of the sources, from the tensor's first byte (a copy is
+    aligned to its tensor, not to the file: a protobuf's raw_data sits at any offset), sorted, with where it came
+    from. A source without a table of its tensors is indexed as one tensor, the file."""
+
+    def __init__(self, sources: Sequence[tuple[str, list[tuple[str, int, int]]]]) -> None:
+        import numpy as np
+
+        self.files: list[tuple[str, list[tuple[str, int, int]]]] = []
+        for path, tensors in sources:
+            if os.path.isfile(path):
+                size = os.path.getsize(path)
+                spans = sorted({(b, n, k) for n, b, k in tensors if k >= 16 and 0 <= b and b + k <= size})
+                self.files.append((path, [(n, b, k) for b, n, k in spans] or [(os.path.basename(path), 0, size)]))
+        total = sum(length for _path, table in self.files for _n, _b, length in table)
+        self.stride = 16
+        while total // self.stride > MAX_INDEX:
+            self.stride *= 2
+        keys, where = [], []
+        for i, (path, table) in enumerate(self.files):
+            with open(path, "rb", buffering=0) as f:
+                for _name, begin, length in table:
+                    done = 0
+                    while done < length:  # a chunk is a multiple of the stride: the phase carries over
+                        chunk = os.pread(f.fileno(), min(CHUNK, length - done), begin + done)
+                        if not chunk:
+                            break
+                        words = np.frombuffer(chunk[: len(chunk) // 8 * 8], "<u8")[:: self.stride // 8].copy()
+                        keys.append(words)
+                        where.append((i << 48) + begin + done + np.arange(len(words), dtype=np.int64) * self.stride)
+                        done += len(chunk)
+        self.starts = [[b for _n, b, _l in table] for _path, table in self.files]
+        key = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
+        del keys  # each step frees what the next replaces: the index's peak is a few copies of its words
+        at = np.concatenate(where) if where else np.zeros(0, np.int64)
+        del where
+        order = np.argsort(key, kind="stable")
+        key = key[order]
+        at = at[order]
+        del order
+        runs = np.flatnonzero(np.concatenate(([True], key[1:] != key[:-1]))) if len(key) else np.zeros(0, np.int64)
+        count = np.diff(np.append(runs, len(key)))
+        runs = runs[(count <= COMMON) & (key[runs] != 0)]
+        self.keys, self.at = key[runs], at[runs]
+
+    def find(self, words: Any) -> Any:
+        """For each word: its place in the sources (file index << 48 | offset), or -1."""
+        import numpy as np
+
+        if not len(self.keys):
+            return np.full(words.shape, -1, np.int64)
+        i = np.minimum(np.searchsorted(self.keys, words), len(self.keys) - 1)
+        return np.where(self.keys[i] == words, self.at[i], -1)
+
+    def tensor(self, place: int) -> str:
+        import bisect
+
+        path, table = self.files[place >> 48]
+        offset = place & ((1 << 48) - 1)
+        k = bisect.bisect_right(self.starts[place >> 48], offset) - 1
+        if k >= 0 and offset < table[k][1] + table[k][2]:
+            return table[k][0]
+        return os.path.basename(path)
+
+
+def _bookkeeping(words: Any, zero: Any, pointer: Any) -> Any:
+    """Which pages hold a runtime's bookkeeping: pointers (more than POINTER_SHARE of the non-zero words: objects,
+    hash maps, however sparse), arrays of small integers (value indices, offsets: 8-byte words below 2**24) or
+    names (text: printable bytes, mostly letters). What a weight's bytes never look like, however transformed
+    (packed, transposed, cast or dequantized, their words are floats or bytes spread over the whole range); an
+    integer weight copied as it is matches its source first."""
+    import numpy as np
+
+    nonzero = np.maximum((~zero).sum(1), 1)
+    pointers = pointer.sum(1)
+    small = (~zero & (words < np.uint64(1 << 24))).sum(1)
+    raw = words.view(np.uint8).reshape(len(words), -1)
+    printable = ((raw >= 0x20) & (raw < 0x7F)) | (raw == 0) | (raw == 0x0A)
+    letters = ((raw | 0x20) >= ord("a")) & ((raw | 0x20) <= ord("z"))
+    text = (printable.mean(1) >= 0.9) & (letters.mean(1) >= 0.4)
+    return (
+        ((pointers >= 2) & (pointers >= POINTER_SHARE * nonzero)) | ((small >= 0.8 * nonzero) & (nonzero >= 16)) | text
+    )
+
+
+def _classify(words: Any, spans: Any, index: _Index, counts: Any, tensor_pages: dict[str, int]) -> None:
+    """Add the pages ``words`` (one row of 8-byte words each) to ``counts`` (weights, runtime objects, zero) and the
+    weight pages to ``tensor_pages`` (the tensor each copies, by name)."""
+    import numpy as np
+
+    zero = words == 0
+    pointer = _pointer(words.ravel(), spans).reshape(words.shape)
+    probe = words[:, ::2]  # every 16-byte-aligned word
+    found = index.find(probe.ravel()).reshape(probe.shape)
+    probed = (probe != 0) & ~pointer[:, ::2]
+    hits = (found >= 0) & probed
+    # a copy's words sit at one distance from their source's: the longest run of hits at one distance counts (a
+    # page of small integers hits some short tensor everywhere, at as many distances as words)
+    rows, cols = np.nonzero(hits)
+    places = found[rows, cols]
+    delta = places - cols.astype(np.int64) * 16
+    order = np.lexsort((delta, rows))
+    rows, delta, places = rows[order], delta[order], places[order]
+    starts = np.ones(len(rows), bool)
+    starts[1:] = (rows[1:] != rows[:-1]) | (delta[1:] != delta[:-1])
+    runs = np.bincount(np.cumsum(starts) - 1) if len(rows) else np.zeros(0, np.int64)
+    best = np.zeros(len(words), np.int64)
+    np.maximum.at(best, rows[starts], runs)
+    where = {int(r): int(p) for r, n, p in zip(rows[starts], runs, places[starts]) if n == best[r]}
+    # the indexed words a copy covering the page hits: 16 / stride of the probed ones
+    expected = np.maximum(probed.sum(1), 1) * 16 / index.stride
+    is_weight = (best >= np.maximum(2, WEIGHT_SHARE * expected)) & (probed.sum(1) > 0)
+    is_zero = zero.all(1) & ~is_weight
+    is_object = ~is_weight & ~is_zero & _bookkeeping(words, zero, pointer)
+    counts += [int(is_weight.sum()), int(is_object.sum()), int(is_zero.sum())]
+    for row in np.nonzero(is_weight)[0]:
+        name = index.tensor(where[int(row)])
+        tensor_pages[name] = tensor_pages.get(name, 0) + 1
+
+
+def breakdown(
+    first: JsonDict,
+    last: JsonDict,
+    added: int,
+    sources: Sequence[tuple[str, list[tuple[str, int, int]]]],
+    top: int = 5,
+) -> JsonDict:
+    """What each of the ``added`` instances opened between ``first`` and ``last`` (``snapshot``s) kept, per
+    instance: ``pss`` by mapping kind, ``pages`` by content class (bytes), ``tensors``: the weights copied,
+    largest first (name, bytes per instance). ``sources``: (file, [(tensor name, absolute offset, length)])."""
+    import numpy as np
+
+    added = max(1, added)
+    pss = {k: (last["pss"][k] - first["pss"][k]) // added for k in KINDS}
+    new = np.setdiff1d(last["pages"], first["pages"]).tolist()
+    classes = {"weights": 0, "runtime objects": 0, "zero": 0, "unclassified": 0}
+    if not new:
+        return {"pss": pss, "pages": classes, "tensors": [], "new_pages": 0}
+    spans = _spans()
+    index = _Index(sources)
+    counts = np.zeros(3, np.int64)  # weights, runtime objects, zero
+    tensor_pages: dict[str, int] = {}
+    for at in range(0, len(new), BATCH):  # a batch at a time: the breakdown's memory stays small
+        _classify(_read_pages(new[at : at + BATCH]), spans, index, counts, tensor_pages)
+    classes["weights"], classes["runtime objects"], classes["zero"] = (int(n) * PAGE // added for n in counts)
+    classes["unclassified"] = (len(new) * PAGE // added) - sum(classes.values())
+    tensors = sorted(((n, c * PAGE // added) for n, c in tensor_pages.items()), key=lambda t: (-t[1], t[0]))
+    return {"pss": pss, "pages": classes, "tensors": tensors[:top], "new_pages": len(new) * PAGE // added}

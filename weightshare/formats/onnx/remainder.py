@@ -1,0 +1,85 @@
+"""What the per-session remainder of an ONNX Runtime session is made of: its weights' bytes or ORT's own state.
+
+A model whose every weight is mapped from the file (a ``--prepack`` output at default options, any conversion with
+``session.disable_prepacking=1``) still grows per session: measured 2.4-6.2 MiB on graphs of 600-1200 nodes, with
+nothing of it in the weight files' mappings. ``measure.probe`` asks ``_runtimes/remainder.py`` what the pages the
+added sessions made resident hold, matched against this model's own tensors (``sources``): every payload the
+inventory lists (embedded ones at their place in the model file) and every tensor of a weightshare blob's header
+(the packed copies of a ``--prepack`` output by their ``ort.prepacked/...`` names). Pointer-dense pages are ORT's
+graph, kernels, value maps and plans (they grow with the node count, whatever the weights' size): not weights, so
+``measure_copies`` does not count them as a weight copy and reports them as ``ort-session-state``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...report import JsonDict
+
+EXPLAIN_MIN = 256 << 10  # a per-session growth below this is not worth a breakdown (the one-node floor is ~0.3 MiB)
+
+
+def sources(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]]:
+    """(file, [(tensor name, absolute offset, length)]) of every file holding the model's weights: the model file
+    itself (its embedded payloads) and each external file (its payloads, and a weightshare blob's whole header)."""
+    from ..._safetensors import read_safetensors_metadata
+    from ...errors import WeightshareError
+    from .inventory import inventory_file
+
+    inv = inventory_file(path, hash_payloads=False)
+    tables: dict[str, list[tuple[str, int, int]]] = {str(path): []}
+    for p in inv.payloads:
+        if p.offset is not None:
+            f = str(path) if p.location == "embedded" else str(path.parent / p.file)
+            tables.setdefault(f, []).append((p.name, p.offset, p.nbytes))
+    for name in inv.external_files:
+        f = str(path.parent / name)
+        try:
+            start, header, _meta = read_safetensors_metadata(f)
+        except (WeightshareError, OSError, ValueError):
+            continue  # not a weightshare blob: its payloads are listed above
+        for key, t in header.items():
+            offsets = t.get("data_offsets") if isinstance(t, dict) else None
+            if not key.startswith("__pad__") and isinstance(offsets, list) and len(offsets) == 2:
+                tables.setdefault(f, []).append((key, start + int(offsets[0]), int(offsets[1]) - int(offsets[0])))
+    return list(tables.items())
+
+
+def readers(path: Path, names: list[str]) -> dict[str, list[str]]:
+    """name -> the op types that read it (subgraphs included); a packed copy's name ``ort.prepacked/T/Kernel+h/i``
+    names its kernel."""
+    from ._proto import load_model, pb
+
+    out: dict[str, list[str]] = {}
+    for n in names:
+        if n.startswith("ort.prepacked/") and n.count("/") >= 2:
+            out[n] = [n.split("/")[2].split("+")[0]]
+    wanted = {n for n in names if n not in out}
+    if not wanted:
+        return out
+
+    def walk(g: pb.GraphProto, depth: int) -> None:
+        for node in g.node:
+            for i in node.input:
+                if i in wanted and node.op_type not in out.setdefault(i, []):
+                    out[i].append(node.op_type)
+            for a in node.attribute:
+                for sub in [a.g] if a.HasField("g") else list(a.graphs):
+                    if depth < 16:
+                        walk(sub, depth + 1)
+
+    walk(load_model(path).graph, 0)
+    return out
+
+
+def explain(path: Path, first: JsonDict, last: JsonDict, added: int) -> JsonDict:
+    """In the measuring child, after its figures are read: the breakdown of what the ``added`` sessions opened
+    between the snapshots ``first`` and ``last`` kept, per session (``_runtimes.remainder.breakdown``), with the
+    op types that read each weight it found copied."""
+    from ..._runtimes.remainder import breakdown
+
+    out = breakdown(first, last, added, sources(path))
+    names = [n for n, _b in out["tensors"]]
+    found = readers(path, names) if names else {}
+    out["tensors"] = [[n, b, found.get(n, [])] for n, b in out["tensors"]]
+    return out
