@@ -102,7 +102,12 @@ def _refusal(graph: onnx.GraphProto) -> str:
     return ""
 
 
-def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoProto]) -> Plan:
+def plan(
+    graph: onnx.GraphProto,
+    budget: int,
+    typed: dict[str, onnx.ValueInfoProto],
+    context: frozenset[str] = frozenset(),
+) -> Plan:
     """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``, where
     exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it,
     or a few that the segment before the cut makes (``_cuttable``).
@@ -115,6 +120,8 @@ def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoPro
     graph (measured). A segment starts with a weight-bearing node (a Conv re-decides its layout),
     so fusions that run forward from a node (Conv+BN/Add/Relu, MatMul+Add) stay inside.
     ``typed``: the tensors whose element type is known (``tensor_types``; the cut tensor becomes a segment input).
+    ``context``: tensors derived from the graph inputs alone (``hoist_context``), handed to every segment that reads
+    them: they do not count as crossing a cut.
     """
     inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
     weights = [sum(inits.get(i, 0) for i in _reads(n)) for n in graph.node]
@@ -123,9 +130,11 @@ def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoPro
         reason = f"within the {budget / 2**20:.1f} MiB segment budget"
     if reason:
         return Plan([0, len(graph.node)], weights, reason)
-    heavy = min(65536, max(budget // 8, 1))
+    heavy = heavy_bytes(budget)
     consts = constants(graph)
-    last_use = {name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts}
+    last_use = {
+        name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts and name not in context
+    }
     outputs = {o.name for o in graph.output}
     made = {o: k for k, node in enumerate(graph.node) for o in node.output}
     spanned = _spanned(graph, heavy)
@@ -160,9 +169,89 @@ def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoPro
         if big:
             last_big = p
         size += weights[p]
-        live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts))
+        live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts) - context)
     bounds.append(len(graph.node))
     return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, heavy=heavy)
+
+
+def heavy_bytes(budget: int) -> int:
+    """Initializers from this size on are weights to the plan (``_spanned``, ``locality``, ``hoist_context``)."""
+    return min(65536, max(budget // 8, 1))
+
+
+def _subgraphs(node: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+
+
+def hoist_context(graph: onnx.GraphProto, heavy: int, typed: dict[str, onnx.ValueInfoProto]) -> frozenset[str]:
+    """Move the nodes that compute from the graph inputs and small constants alone (a decoder's attention mask, its
+    rotary cos/sin tables and position ids, the shapes its reshapes read; a ViT's mask from the pixels' shape) to
+    the front, and return the tensors they make that later nodes read: the ``context`` every layer reads. Cut into
+    segments, each segment reads them as graph inputs, computed once in the first segment, instead of keeping
+    every layer in one piece (``locality`` forbids a tensor read beyond the segment after the one that makes it).
+
+    Only what ORT cannot fold is context: a node counts when it reads a graph input or another context tensor (a
+    tensor of constants alone would reach later segments as an input, no longer a constant ORT folds). A node of
+    constants alone that only context nodes read moves with them. Nothing when a context tensor's type is unknown
+    (it would become a segment input of no type). Whether ORT's optimization of a segment that reads context as
+    inputs is its optimization of the whole graph is checked against the whole graph (``Segmenter``'s context
+    windows), never assumed."""
+    consts = set(constants(graph))
+    small = {t.name for t in graph.initializer if _tensor_bytes(t) < heavy} | consts | {""}
+    dynamic = {i.name for i in graph.input}
+    nodes = list(graph.node)
+    # candidates: weight-free nodes whose inputs are constants, graph inputs or other candidates' outputs
+    ctx: set[int] = set()
+    made: dict[str, int] = {}
+    for k, n in enumerate(nodes):
+        if n.op_type == "Constant" and not n.input or _subgraphs(n) or not n.input:
+            continue
+        if all(i in small or i in dynamic or i in made for i in n.input):
+            ctx.add(k)
+            made.update({o: k for o in n.output if o})
+    while True:  # nodes of constants alone leave unless only context nodes read them; their readers then too
+        readers: dict[int, set[int]] = {}
+        for k, n in enumerate(nodes):
+            for i in n.input:
+                if i in made and made[i] in ctx:
+                    readers.setdefault(made[i], set()).add(k)
+        gone = set()
+        for k in ctx:
+            if any(i in made and made[i] not in ctx for i in nodes[k].input):
+                gone.add(k)  # a producer left
+            elif not _derives_from_inputs(nodes[k], dynamic, made, nodes, ctx) and not readers.get(k, set()) <= ctx:
+                gone.add(k)
+        if not gone:
+            break
+        ctx -= gone
+    outputs = {o.name for o in graph.output}
+    context = {o for k in ctx for o in nodes[k].output if o}
+    read_later = {i for k, n in enumerate(nodes) if k not in ctx for i in n.input if i in context}
+    if not read_later or read_later & outputs or any(t not in typed for t in read_later):
+        return frozenset()
+    order = sorted(ctx) + [k for k in range(len(nodes)) if k not in ctx]
+    if order != list(range(len(nodes))):
+        del graph.node[:]
+        graph.node.extend(nodes[k] for k in order)
+    return frozenset(read_later)
+
+
+def _derives_from_inputs(
+    node: onnx.NodeProto, dynamic: set[str], made: dict[str, int], nodes: list[onnx.NodeProto], ctx: set[int]
+) -> bool:
+    """Whether ``node`` reads a graph input, directly or through other ``ctx`` nodes."""
+    seen: set[int] = set()
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        for i in n.input:
+            if i in dynamic:
+                return True
+            k = made.get(i)
+            if k is not None and k in ctx and k not in seen:
+                seen.add(k)
+                todo.append(nodes[k])
+    return False
 
 
 def _spanned(graph: onnx.GraphProto, heavy: int) -> set[int]:
@@ -180,11 +269,12 @@ def _spanned(graph: onnx.GraphProto, heavy: int) -> set[int]:
     return {p for name, k in first.items() for p in range(k + 1, last[name] + 1)}
 
 
-def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> str:
+def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int, context: frozenset[str] = frozenset()) -> str:
     """Why ORT's optimization of these segments may not be its optimization of the whole graph ("" when every
     fact its decisions read is inside one pair of adjacent segments, which the pair check optimizes together):
     a graph input or a weight read by two segments, or a tensor read by a segment other than the one that makes
-    it and the next."""
+    it and the next. ``context`` (``hoist_context``): tensors of the graph inputs every segment may read, whose
+    readers' optimization the context windows check against the whole graph."""
     shared = {i.name for i in graph.input} | {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
     segment_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
     consts = constants(graph)  # each segment has its own copy (``extract``), as of a small initializer
@@ -197,11 +287,12 @@ def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> str:
     for name, where in readers.items():
         if name in shared and len(where) > 1:
             return f"the graph input or weight {name!r} would be read in {len(where)} segments"
-        if name in made and not where <= {made[name], made[name] + 1}:
+        if name in made and name not in context and not where <= {made[name], made[name] + 1}:
             return f"{name!r} would be read beyond the segment after the one that makes it"
     # nodes that read only what every segment has (initializers, constants, graph inputs, such nodes' outputs):
     # identical ones in two segments are one node in the whole graph (common-subexpression elimination)
     known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | set(constants(graph)) | {""}
+    known |= context
     twins: dict[Any, int] = {}
     for p, node in enumerate(graph.node):
         if node.op_type == "Constant" or not all(i in known for i in _reads(node)):
@@ -305,9 +396,16 @@ def extract(
     stop: int,
     types: dict[str, onnx.ValueInfoProto],
     standin: frozenset[str] = frozenset(),
+    as_inputs: frozenset[str] = frozenset(),
+    context: frozenset[str] = frozenset(),
+    unfolded: frozenset[str] = frozenset(),
 ) -> onnx.ModelProto:
     """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
-    (or the graph's outputs) read become outputs. Initializers keep their external data references.
+    (or the graph's outputs) read become outputs. Initializers keep their external data references, except those in
+    ``as_inputs``: graph inputs of their type and shape (weights ORT must not see as constants: a context window).
+    ``context`` (``hoist_context``): tensors of the graph inputs that the segment computes again from them (the
+    nodes that make them, copied in front), as the whole graph has them, rather than reading them as inputs.
+    ``unfolded``: initializers that stay initializers and become graph inputs too (``shared_scalars``).
 
     ``standin``: inputs that the whole-graph optimizer would see in NCHWc layout (the segment before
     ends them with a ReorderOutput). Each is read through an identity MaxPool (1x1) that ORT turns
@@ -320,6 +418,10 @@ def extract(
     here = {o for n in nodes for o in n.output}
     read = {i for n in nodes for i in n.input if i}
     nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
+    if context and read & context - here:
+        nodes = _recomputed(g, start, read & context - here) + nodes
+        here = {o for n in nodes for o in n.output}
+        read = {i for n in nodes for i in n.input if i}
     produced = {o for n in nodes for o in n.output if o}
     if standin:
         rewired = []
@@ -330,18 +432,53 @@ def extract(
             rewired.append(n2)
         nodes = [helper.make_node("MaxPool", [t], [f"{t}{STANDIN}"], kernel_shape=[1, 1]) for t in sorted(standin)]
         nodes += rewired
-    later = {i for n in g.node[stop:] for i in n.input if i not in consts}
+    later = {i for n in g.node[stop:] for i in n.input if i not in consts and i not in context}
     later |= {o.name for o in g.output}
-    inits = [t for t in g.initializer if t.name in read]
+    inits = [t for t in g.initializer if t.name in read and t.name not in as_inputs]
     overridable = {i.name for i in g.input}
     init_names = {t.name for t in g.initializer}
     inputs = [types[i] for i in sorted(read - produced) if i not in init_names or i in overridable]
+    inputs += [_input_like(t) for t in g.initializer if t.name in read and t.name in as_inputs - overridable]
+    inputs += [_input_like(t) for t in inits if t.name in unfolded - overridable]
     outputs = [types[o] for o in sorted(produced & later)]
     value_info = [v for v in g.value_info if v.name in produced - later]
     graph = helper.make_graph(nodes, f"{g.name}[{start}:{stop}]", inputs, outputs, inits, value_info=value_info)
     m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
     m.functions.extend(model.functions)
     return m
+
+
+def shared_scalars(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> frozenset[str]:
+    """Small fp16/bf16 initializers that nodes of more than one segment read (a decoder's attention scale). ORT's
+    CPU provider casts such a tensor to fp32 once for every reader of the whole graph; a Cast with one reader it
+    folds into a constant (FuseInitializersTransformer), with several it runs at every run, so a fusion that needs
+    the constant (MatMulScaleFusion) happens in a segment of one reader and not in the whole graph (measured, ORT
+    1.32). A segment gets them as overridable initializers, values ORT cannot fold, as the whole graph has them
+    with several readers. The context windows check the result against the whole graph."""
+    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    small = {t.name for t in graph.initializer if t.data_type in half and _tensor_bytes(t) < heavy}
+    where: dict[str, set[int]] = {}
+    for k in range(len(bounds) - 1):
+        for node in graph.node[bounds[k] : bounds[k + 1]]:
+            for i in _reads(node) & small:
+                where.setdefault(i, set()).add(k)
+    return frozenset(name for name, segments in where.items() if len(segments) > 1)
+
+
+def _recomputed(g: onnx.GraphProto, start: int, wanted: set[str]) -> list[onnx.NodeProto]:
+    """The nodes before ``start`` that make ``wanted`` from the graph inputs and constants, in graph order."""
+    producer = {o: k for k, n in enumerate(g.node[:start]) for o in n.output if o}
+    todo, take = list(wanted), set()
+    while todo:
+        k = producer.get(todo.pop(), -1)
+        if k >= 0 and k not in take:
+            take.add(k)
+            todo += list(g.node[k].input)
+    return [g.node[k] for k in sorted(take)]
+
+
+def _input_like(t: onnx.TensorProto) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -371,9 +508,11 @@ def stitch(
     name: str = "stitched",
     standins: list[frozenset[str]] | None = None,
     directory: Path | None = None,
+    context: frozenset[str] = frozenset(),
 ) -> onnx.ModelProto:
     """Optimized segments, in order, as one graph; names each segment made up are kept apart. ``directory``: where
-    the parts' external data lies (equal small constants are found by their bytes).
+    the parts' external data lies (equal small constants are found by their bytes). ``context``: tensors of the graph
+    inputs that several segments read (``hoist_context``); identical nodes of them are one (``_merge_context``).
 
     A tensor a segment passes on in NCHW (``ReorderOutput``) that the next one turns back into
     NCHWc (``ReorderInput``) is passed on in NCHWc instead: the whole-graph optimizer leaves no
@@ -384,6 +523,7 @@ def stitch(
     taken, node_names = set(boundary), set()
     nodes, inits, value_info = [], [], []
     init_names: set[str] = set()
+    part_index: dict[int, int] = {}  # id(node) -> its segment
     for k, part in enumerate(parts):
         # a segment's outputs (read by later segments) and inputs (an overridable initializer is both an
         # input and an initializer) keep their names; anything else it defines is renamed on a clash
@@ -420,6 +560,7 @@ def stitch(
                 n2.name = f"{base}__s{k}_{i}"
             node_names.add(n2.name)
             nodes.append(n2)
+            part_index[id(n2)] = k
         for v in part.graph.value_info:
             if v.name not in keep:
                 v2 = onnx.ValueInfoProto()
@@ -431,6 +572,9 @@ def stitch(
     nodes = _splice_reorders(nodes, boundary, {o.name for o in outputs})
     nodes = _splice_casts(nodes, boundary, {o.name for o in outputs})
     nodes = _merge_casts(nodes, inits, {o.name for o in outputs}, directory)
+    if context:
+        part_of = [part_index[id(n)] for n in nodes]
+        nodes = _merge_context(nodes, part_of, inits, {i.name for i in inputs}, {o.name for o in outputs}, directory)
     read = {i for n in nodes for i in n.input}
     inits = [t for t in inits if t.name in read or t.name in {i.name for i in inputs}]
     made = {o for n in nodes for o in n.output}
@@ -575,6 +719,45 @@ def _merge_casts(
                 alias[n.output[0]] = first[key]
                 continue
             first[key] = n.output[0]
+        kept.append(n)
+    if not alias:
+        return nodes
+    for n in kept:
+        n.input[:] = [alias.get(i, i) for i in n.input]
+    return kept
+
+
+def _merge_context(
+    nodes: list[onnx.NodeProto], part_of: list[int], inits: list[onnx.TensorProto], inputs: set[str],
+    outputs: set[str], directory: Path | None,
+) -> list[onnx.NodeProto]:  # fmt: skip
+    """The nodes each segment computes again from the graph inputs (``extract``'s ``context``) as one, as the whole
+    graph computes them once: a node of a later segment identical (op, attributes, inputs: graph inputs by name,
+    constants by their bytes, other such nodes' outputs) to one of the first segment that has it. Within one
+    segment ORT's own choice stands (it keeps two inserted Casts of one tensor apart). ``part_of``: each node's
+    segment. The context windows compare the result with the whole graph optimized by ORT, so a merge the whole
+    graph would not make fails that check."""
+    ids: dict[str, str] = {i: f"input:{i}" for i in inputs}
+    ids.update((t.name, repr(k)) for t in inits if (k := _content_key(t, directory)) is not None)
+    ids[""] = ""
+    first: dict[str, tuple[int, list[list[str]]]] = {}  # key -> (its first segment, the outputs of each there)
+    seen: Counter[tuple[int, str]] = Counter()  # (segment, key) -> how many so far
+    alias: dict[str, str] = {}
+    kept = []
+    for n, part in zip(nodes, part_of, strict=True):
+        ins = [alias.get(i, i) for i in n.input]
+        if ins and all(i in ids for i in ins) and not any(o in outputs for o in n.output):
+            attrs = sorted(a.SerializeToString() for a in n.attribute)
+            key = hashlib.sha256(repr((n.op_type, n.domain, attrs, [ids[i] for i in ins])).encode()).hexdigest()
+            j = seen[(part, key)]
+            seen[(part, key)] += 1
+            home, made = first.setdefault(key, (part, []))
+            if home != part and j < len(made):
+                alias.update(zip(n.output, made[j]))
+                continue
+            if home == part:
+                made.append(list(n.output))
+            ids.update((o, f"{key}:{j}:{k}") for k, o in enumerate(n.output) if o)
         kept.append(n)
     if not alias:
         return nodes
@@ -813,7 +996,10 @@ class Segmenter:
         self.model = onnx.load(str(self.src), load_external_data=False)
         sink_weight_producers(self.model.graph)
         self.types = tensor_types(self.model)
-        self.plan = plan(self.model.graph, budget, self.types)
+        self.context = hoist_context(self.model.graph, heavy_bytes(budget), self.types)
+        self.plan = plan(self.model.graph, budget, self.types, self.context)
+        # only where context crosses the cuts: without it, the graph is cut as before
+        self.shared = shared_scalars(self.model.graph, self.plan.bounds, self.plan.heavy) if self.context else frozenset()
         self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
         self.answers: dict[str, bool] = {}  # window_shape -> whether the cut in it was exact
@@ -824,10 +1010,19 @@ class Segmenter:
         return self.out.parent / f"{self.stem}.{tag}.bin"
 
     def _run(
-        self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False, window: bool = False
+        self,
+        start: int,
+        stop: int,
+        standin: frozenset[str],
+        tag: str,
+        prepack: bool = False,
+        window: bool = False,
+        as_inputs: frozenset[str] = frozenset(),
     ) -> onnx.ModelProto:
-        """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
-        part = extract(self.model, start, stop, self.types, standin)
+        """ORT's optimization of ``graph.node[start:stop]``, saved beside the output (``as_inputs``: ``extract``)."""
+        whole = (start, stop) == (0, len(self.model.graph.node))  # a context window's reference: as the graph is
+        shared = frozenset() if whole else self.shared
+        part = extract(self.model, start, stop, self.types, standin, as_inputs, self.context, shared)
         # beside the source model, so that the initializers' relative external data locations resolve
         tmp = self.src.parent / f"{self.stem}.{tag}.in.onnx"
         opt = self.out.parent / f"{self.stem}.{tag}.onnx"
@@ -890,7 +1085,7 @@ class Segmenter:
         alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights."""
         left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
-        window = extract(self.model, a, c, self.types, standin)
+        window = extract(self.model, a, c, self.types, standin, context=self.context, unfolded=self.shared)
         shape = window_shape(window, c - bounds[k + 1], standin, self.standin(bounds, k + 1), self.src.parent)
         if shape in self.answers:
             self.reused += 1
@@ -903,12 +1098,66 @@ class Segmenter:
                 window.graph.output,
                 standins=[frozenset(), self.standin(bounds, k + 1)],
                 directory=self.out.parent,
+                context=self.context,
             )
             exact = fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
         finally:
             self._bin(f"win{a}-{c}").unlink(missing_ok=True)
         self.answers[shape] = exact
         return exact
+
+    def context_windows_differ(self, bounds: list[int]) -> str:
+        """Why the segments, where they read the context tensors as inputs (``hoist_context``), may not be what ORT
+        makes of the whole graph ("" when every context window agrees, or no segment reads context made in
+        another beyond the next, which ``locality`` alone covers).
+
+        A context window is the whole graph in which the weights of two adjacent segments stay constants and every
+        other weight is a graph input of its type and shape (the rounding check's windows): its session holds two
+        segments' weights, whatever the model's size. Against it goes the stitch of those two optimized segments
+        and every other segment optimized with its weights as inputs too, node for node (``fingerprint``): every
+        fact ORT reads from the whole graph (how many nodes read a context tensor or a shared scalar, which nodes
+        its common-subexpression elimination merges, a fusion through the mask's nodes) is in both. A weight that
+        is an input can only make ORT fuse less, and a fusion of the weights of two adjacent segments sees them
+        constant in one window."""
+        graph = self.model.graph
+        if not self.context or not locality(graph, bounds, self.plan.heavy):
+            return ""
+        n = len(bounds) - 1
+        weights = [
+            {t for node in graph.node[bounds[k] : bounds[k + 1]] for t in _reads(node) if t in self._heavy_names()}
+            for k in range(n)
+        ]
+        every = frozenset().union(*weights)
+        standins = [self.standin(bounds, k) for k in range(n)]
+        bare = [
+            self._run(bounds[k], bounds[k + 1], standins[k], f"seg{bounds[k]}-{bounds[k + 1]}b", as_inputs=every)
+            for k in range(n)
+        ]
+        try:
+            for k in range(n - 1):
+                others = every - weights[k] - weights[k + 1]
+                tag = f"win{bounds[k]}-{bounds[k + 2]}c"
+                try:
+                    reference = self._run(0, len(graph.node), frozenset(), tag, as_inputs=others)
+                    parts = [self.segment(bounds, j) if j in (k, k + 1) else bare[j] for j in range(n)]
+                    stitched = stitch(
+                        parts, reference.graph.input, graph.output, standins=standins, directory=self.out.parent,
+                        context=self.context,
+                    )  # fmt: skip
+                    if fingerprint(stitched, self.out.parent) != fingerprint(reference, self.out.parent):
+                        return (
+                            f"segments {k} and {k + 1} read the tensors every layer reads (mask, rotary tables) "
+                            "otherwise than the whole graph does"
+                        )
+                finally:
+                    self._bin(tag).unlink(missing_ok=True)
+        finally:
+            for k in range(n):
+                self._bin(f"seg{bounds[k]}-{bounds[k + 1]}b").unlink(missing_ok=True)
+        return ""
+
+    def _heavy_names(self) -> set[str]:
+        return {t.name for t in self.model.graph.initializer if _tensor_bytes(t) >= self.plan.heavy}
 
     def _clean(self, keep: set[tuple[int, int, frozenset[str]]]) -> None:
         for key in [k for k in self.optimized if k not in keep]:
@@ -949,7 +1198,7 @@ class Segmenter:
     def _cut(self) -> Report:
         bounds = list(self.plan.bounds)
         report = Report(reason=self.plan.reason)
-        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy)):
+        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy, self.context)):
             bounds, report.reason = [bounds[0], bounds[-1]], why
         if len(bounds) > 2:
             k = 0
@@ -978,7 +1227,7 @@ class Segmenter:
                 if report.merged > max(8, len(self.plan.bounds) // 2) or failed > max(8, 2 * len(self.plan.bounds)):
                     # re-checking merged (ever larger) pairs would cost
                     bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
-        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy)):
+        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy, self.context)):
             bounds, report.reason = [bounds[0], bounds[-1]], why  # a moved cut: as before the checks
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())
@@ -987,6 +1236,12 @@ class Segmenter:
                 report.reason = "the cuts changed ORT's graph"
             elif len(self.plan.bounds) == 2 and not report.reason:
                 report.reason = "no place to cut (one tensor crossing, before a weight-bearing node)"
+            report.largest_bytes = sum(self.plan.weights)
+            return report
+        if len(bounds) > 2 and (why := self.context_windows_differ(bounds)):
+            self._clean(set())  # fail closed: the whole graph in one session, as without context
+            self._whole()
+            report.reason = why
             report.largest_bytes = sum(self.plan.weights)
             return report
         keys = [(bounds[k], bounds[k + 1], self.standin(bounds, k)) for k in range(len(bounds) - 1)]
@@ -999,6 +1254,7 @@ class Segmenter:
             self.model.graph.name,
             [key[2] for key in keys],
             self.out.parent,
+            self.context,
         )
         self.out.write_bytes(whole.SerializeToString())
         report.segments = len(parts)
