@@ -398,14 +398,15 @@ def extract(
     standin: frozenset[str] = frozenset(),
     as_inputs: frozenset[str] = frozenset(),
     context: frozenset[str] = frozenset(),
-    unfolded: frozenset[str] = frozenset(),
+    shared: frozenset[str] = frozenset(),
 ) -> onnx.ModelProto:
     """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
     (or the graph's outputs) read become outputs. Initializers keep their external data references, except those in
     ``as_inputs``: graph inputs of their type and shape (weights ORT must not see as constants: a context window).
     ``context`` (``hoist_context``): tensors of the graph inputs that the segment computes again from them (the
     nodes that make them, copied in front), as the whole graph has them, rather than reading them as inputs.
-    ``unfolded``: initializers that stay initializers and become graph inputs too (``shared_scalars``).
+    ``shared`` (``shared_scalars``): small initializers that other segments read too; where one node of the segment
+    reads one, a witness reads it as well (``_witnesses``), as several nodes read it in the whole graph.
 
     ``standin``: inputs that the whole-graph optimizer would see in NCHWc layout (the segment before
     ends them with a ReorderOutput). Each is read through an identity MaxPool (1x1) that ORT turns
@@ -439,8 +440,10 @@ def extract(
     init_names = {t.name for t in g.initializer}
     inputs = [types[i] for i in sorted(read - produced) if i not in init_names or i in overridable]
     inputs += [_input_like(t) for t in g.initializer if t.name in read and t.name in as_inputs - overridable]
-    inputs += [_input_like(t) for t in inits if t.name in unfolded - overridable]
     outputs = [types[o] for o in sorted(produced & later)]
+    if shared & read:
+        extra, ins, outs = _witnesses(nodes, shared & read, types)
+        nodes, inputs, outputs = nodes + extra, inputs + ins, outputs + outs
     value_info = [v for v in g.value_info if v.name in produced - later]
     graph = helper.make_graph(nodes, f"{g.name}[{start}:{stop}]", inputs, outputs, inits, value_info=value_info)
     m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
@@ -453,8 +456,8 @@ def shared_scalars(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> fro
     CPU provider casts such a tensor to fp32 once for every reader of the whole graph; a Cast with one reader it
     folds into a constant (FuseInitializersTransformer), with several it runs at every run, so a fusion that needs
     the constant (MatMulScaleFusion) happens in a segment of one reader and not in the whole graph (measured, ORT
-    1.32). A segment gets them as overridable initializers, values ORT cannot fold, as the whole graph has them
-    with several readers. The context windows check the result against the whole graph."""
+    1.32). A segment with one reader of such a tensor gets a second one (``_witnesses``). The context windows
+    check the result against the whole graph."""
     half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
     small = {t.name for t in graph.initializer if t.data_type in half and _tensor_bytes(t) < heavy}
     where: dict[str, set[int]] = {}
@@ -463,6 +466,69 @@ def shared_scalars(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> fro
             for i in _reads(node) & small:
                 where.setdefault(i, set()).add(k)
     return frozenset(name for name, segments in where.items() if len(segments) > 1)
+
+
+WITNESS = "__weightshare_witness"
+
+
+def _witnesses(
+    nodes: list[onnx.NodeProto], shared: frozenset[str], types: dict[str, onnx.ValueInfoProto]
+) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
+    """For each ``shared`` tensor that one node of ``nodes`` reads: a copy of that node whose other inputs are
+    graph inputs of their types and whose outputs are graph outputs (nodes, inputs, outputs). ORT then sees two
+    readers of the tensor's inserted Cast, as the whole graph has several, and does not fold it into a constant;
+    nothing else reads the witness, and ``stitch`` drops it. A reader of an input of unknown type gets none (the
+    context windows then see the difference)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        for i in set(n.input) & shared:
+            readers.setdefault(i, []).append(n)
+    extra, inputs, outputs = [], [], []
+    for name in sorted(readers):
+        if len(readers[name]) != 1:
+            continue
+        reader = readers[name][0]
+        others = [i for i in reader.input if i and i != name]
+        if any(i not in types for i in others) or any(o and o not in types for o in reader.output):
+            continue
+        w = onnx.NodeProto()
+        w.CopyFrom(reader)
+        w.name = f"{reader.name or reader.op_type}{WITNESS}"
+        w.input[:] = [i if i in ("", name) else f"{i}{WITNESS}" for i in reader.input]
+        w.output[:] = [f"{o}{WITNESS}" if o else "" for o in reader.output]
+        extra.append(w)
+        for i in dict.fromkeys(others):
+            v = onnx.ValueInfoProto()
+            v.CopyFrom(types[i])
+            v.name = f"{i}{WITNESS}"
+            inputs.append(v)
+        for o in reader.output:
+            if o:
+                v = onnx.ValueInfoProto()
+                v.CopyFrom(types[o])
+                v.name = f"{o}{WITNESS}"
+                outputs.append(v)
+    return extra, inputs, outputs
+
+
+def _witness_nodes(part: onnx.ModelProto) -> set[int]:
+    """Indices of the nodes of ``part`` that only its witnesses' outputs need (``_witnesses``)."""
+    nodes = part.graph.node
+    witness_out = {o.name for o in part.graph.output if o.name.endswith(WITNESS)}
+    if not witness_out:
+        return set()
+    readers: dict[str, list[int]] = {}
+    for j, n in enumerate(nodes):
+        for i in n.input:
+            readers.setdefault(i, []).append(j)
+    outputs = {o.name for o in part.graph.output}
+    only: set[int] = set()
+    for j in range(len(nodes) - 1, -1, -1):
+        outs = [o for o in nodes[j].output if o]
+        needed = [o for o in outs if o in outputs - witness_out or any(r not in only for r in readers.get(o, []))]
+        if outs and not needed and any(o in witness_out or readers.get(o) for o in outs):
+            only.add(j)
+    return only
 
 
 def _recomputed(g: onnx.GraphProto, start: int, wanted: set[str]) -> list[onnx.NodeProto]:
@@ -547,6 +613,7 @@ def stitch(
                 init_names.add(t2.name)
                 inits.append(t2)
         drop, aliases = _standin_aliases(part, standins[k] if standins else frozenset())
+        drop |= _witness_nodes(part)
         for j, n in enumerate(part.graph.node):
             if j in drop:
                 continue
@@ -1085,7 +1152,7 @@ class Segmenter:
         alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights."""
         left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
-        window = extract(self.model, a, c, self.types, standin, context=self.context, unfolded=self.shared)
+        window = extract(self.model, a, c, self.types, standin, context=self.context, shared=self.shared)
         shape = window_shape(window, c - bounds[k + 1], standin, self.standin(bounds, k + 1), self.src.parent)
         if shape in self.answers:
             self.reused += 1
@@ -1129,31 +1196,34 @@ class Segmenter:
         ]
         every = frozenset().union(*weights)
         standins = [self.standin(bounds, k) for k in range(n)]
-        bare = [
-            self._run(bounds[k], bounds[k + 1], standins[k], f"seg{bounds[k]}-{bounds[k + 1]}b", as_inputs=every)
-            for k in range(n)
-        ]
-        try:
-            for k in range(n - 1):
-                others = every - weights[k] - weights[k + 1]
-                tag = f"win{bounds[k]}-{bounds[k + 2]}c"
-                try:
-                    reference = self._run(0, len(graph.node), frozenset(), tag, as_inputs=others)
-                    parts = [self.segment(bounds, j) if j in (k, k + 1) else bare[j] for j in range(n)]
-                    stitched = stitch(
-                        parts, reference.graph.input, graph.output, standins=standins, directory=self.out.parent,
-                        context=self.context,
-                    )  # fmt: skip
-                    if fingerprint(stitched, self.out.parent) != fingerprint(reference, self.out.parent):
-                        return (
-                            f"segments {k} and {k + 1} read the tensors every layer reads (mask, rotary tables) "
-                            "otherwise than the whole graph does"
-                        )
-                finally:
+        for k in range(n - 1):
+            others = every - weights[k] - weights[k + 1]
+            a, c = bounds[k], bounds[k + 2]
+            tags = [f"win{a}-{c}c", f"seg0-{a}b", f"seg{c}-{len(graph.node)}b"]
+            try:
+                reference = self._run(0, len(graph.node), frozenset(), tags[0], as_inputs=others)
+                # the segments around the window in one session each, their weights inputs too: cuts between them
+                # would be checked with weights as inputs, which the pair checks (weights constant) do not cover
+                parts = [self.segment(bounds, k), self.segment(bounds, k + 1)]
+                kinds = [standins[k], standins[k + 1]]
+                if a > 0:
+                    parts.insert(0, self._run(0, a, frozenset(), tags[1], as_inputs=others))
+                    kinds.insert(0, frozenset())
+                if c < len(graph.node):
+                    parts.append(self._run(c, len(graph.node), standins[k + 2], tags[2], as_inputs=others))
+                    kinds.append(standins[k + 2])
+                stitched = stitch(
+                    parts, reference.graph.input, graph.output, standins=kinds, directory=self.out.parent,
+                    context=self.context,
+                )  # fmt: skip
+                if fingerprint(stitched, self.out.parent) != fingerprint(reference, self.out.parent):
+                    return (
+                        f"segments {k} and {k + 1} read the tensors every layer reads (mask, rotary tables) "
+                        "otherwise than the whole graph does"
+                    )
+            finally:
+                for tag in tags:
                     self._bin(tag).unlink(missing_ok=True)
-        finally:
-            for k in range(n):
-                self._bin(f"seg{bounds[k]}-{bounds[k + 1]}b").unlink(missing_ok=True)
         return ""
 
     def _heavy_names(self) -> set[str]:
