@@ -183,10 +183,13 @@ def _subgraphs(node: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
 
 
-def hoist_context(graph: onnx.GraphProto, heavy: int, typed: dict[str, onnx.ValueInfoProto]) -> frozenset[str]:
+def hoist_context(
+    graph: onnx.GraphProto, heavy: int, typed: dict[str, onnx.ValueInfoProto]
+) -> tuple[frozenset[str], frozenset[str]]:
     """Move the nodes that compute from the graph inputs and small constants alone (a decoder's attention mask, its
     rotary cos/sin tables and position ids, the shapes its reshapes read; a ViT's mask from the pixels' shape) to
-    the front, and return the tensors they make that later nodes read: the ``context`` every layer reads. Cut into
+    the front; return the tensors they make that later nodes read (the ``context`` every layer reads) and all they
+    make. Cut into
     segments, each segment reads them as graph inputs, computed once in the first segment, instead of keeping
     every layer in one piece (``locality`` forbids a tensor read beyond the segment after the one that makes it).
 
@@ -228,12 +231,12 @@ def hoist_context(graph: onnx.GraphProto, heavy: int, typed: dict[str, onnx.Valu
     context = {o for k in ctx for o in nodes[k].output if o}
     read_later = {i for k, n in enumerate(nodes) if k not in ctx for i in n.input if i in context}
     if not read_later or read_later & outputs or any(t not in typed for t in read_later):
-        return frozenset()
+        return frozenset(), frozenset()
     order = sorted(ctx) + [k for k in range(len(nodes)) if k not in ctx]
     if order != list(range(len(nodes))):
         del graph.node[:]
         graph.node.extend(nodes[k] for k in order)
-    return frozenset(read_later)
+    return frozenset(read_later), frozenset(context)
 
 
 def _derives_from_inputs(
@@ -398,15 +401,15 @@ def extract(
     standin: frozenset[str] = frozenset(),
     as_inputs: frozenset[str] = frozenset(),
     context: frozenset[str] = frozenset(),
-    shared: frozenset[str] = frozenset(),
+    witness: frozenset[str] | None = None,
 ) -> onnx.ModelProto:
     """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
     (or the graph's outputs) read become outputs. Initializers keep their external data references, except those in
     ``as_inputs``: graph inputs of their type and shape (weights ORT must not see as constants: a context window).
     ``context`` (``hoist_context``): tensors of the graph inputs that the segment computes again from them (the
     nodes that make them, copied in front), as the whole graph has them, rather than reading them as inputs.
-    ``shared`` (``shared_scalars``): small initializers that other segments read too; where one node of the segment
-    reads one, a witness reads it as well (``_witnesses``), as several nodes read it in the whole graph.
+    ``witness``: when given, the constants other segments read too (``shared_constants``); the segment then holds a
+    copy of its own nodes that reads them and the context as a second layer would (``_witness``).
 
     ``standin``: inputs that the whole-graph optimizer would see in NCHWc layout (the segment before
     ends them with a ReorderOutput). Each is read through an identity MaxPool (1x1) that ORT turns
@@ -418,11 +421,15 @@ def extract(
     nodes = list(g.node[start:stop])
     here = {o for n in nodes for o in n.output}
     read = {i for n in nodes for i in n.input if i}
+    foreign = {id(consts[i]) for i in read if i in consts and i not in here}  # copies, not the segment's own
     nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
     if context and read & context - here:
-        nodes = _recomputed(g, start, read & context - here) + nodes
+        again = _recomputed(g, start, read & context - here)
+        foreign |= {id(n) for n in again}
+        nodes = again + nodes
         here = {o for n in nodes for o in n.output}
         read = {i for n in nodes for i in n.input if i}
+    own = [n for n in nodes if id(n) not in foreign]
     produced = {o for n in nodes for o in n.output if o}
     if standin:
         rewired = []
@@ -441,9 +448,11 @@ def extract(
     inputs = [types[i] for i in sorted(read - produced) if i not in init_names or i in overridable]
     inputs += [_input_like(t) for t in g.initializer if t.name in read and t.name in as_inputs - overridable]
     outputs = [types[o] for o in sorted(produced & later)]
-    if shared & read:
-        extra, ins, outs = _witnesses(nodes, shared & read, types)
-        nodes, inputs, outputs = nodes + extra, inputs + ins, outputs + outs
+    if witness is not None:
+        keep = witness | context | {i.name for i in g.input} | {""}
+        copy = _witness(own, keep, types, {t.name: t for t in g.initializer}, outputs)
+        if copy is not None:
+            nodes, inputs, outputs = nodes + copy[0], inputs + copy[1], outputs + copy[2]
     value_info = [v for v in g.value_info if v.name in produced - later]
     graph = helper.make_graph(nodes, f"{g.name}[{start}:{stop}]", inputs, outputs, inits, value_info=value_info)
     m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
@@ -451,15 +460,12 @@ def extract(
     return m
 
 
-def shared_scalars(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> frozenset[str]:
-    """Small fp16/bf16 initializers that nodes of more than one segment read (a decoder's attention scale). ORT's
-    CPU provider casts such a tensor to fp32 once for every reader of the whole graph; a Cast with one reader it
-    folds into a constant (FuseInitializersTransformer), with several it runs at every run, so a fusion that needs
-    the constant (MatMulScaleFusion) happens in a segment of one reader and not in the whole graph (measured, ORT
-    1.32). A segment with one reader of such a tensor gets a second one (``_witnesses``). The context windows
-    check the result against the whole graph."""
-    half = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-    small = {t.name for t in graph.initializer if t.data_type in half and _tensor_bytes(t) < heavy}
+def shared_constants(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> frozenset[str]:
+    """Small initializers and Constant nodes' outputs that nodes of more than one segment read (a decoder's
+    attention scale, a norm's epsilon): a segment's witness (``_witness``) reads them as the segment does, as the
+    whole graph's other layers do; any other constant it reads through an input of its own (a constant of one
+    reader has one reader in the whole graph too)."""
+    small = {t.name for t in graph.initializer if _tensor_bytes(t) < heavy} | set(constants(graph))
     where: dict[str, set[int]] = {}
     for k in range(len(bounds) - 1):
         for node in graph.node[bounds[k] : bounds[k + 1]]:
@@ -471,44 +477,57 @@ def shared_scalars(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> fro
 WITNESS = "__weightshare_witness"
 
 
-def _witnesses(
-    nodes: list[onnx.NodeProto], shared: frozenset[str], types: dict[str, onnx.ValueInfoProto]
-) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
-    """For each ``shared`` tensor that one node of ``nodes`` reads: a copy of that node whose other inputs are
-    graph inputs of their types and whose outputs are graph outputs (nodes, inputs, outputs). ORT then sees two
-    readers of the tensor's inserted Cast, as the whole graph has several, and does not fold it into a constant;
-    nothing else reads the witness, and ``stitch`` drops it. A reader of an input of unknown type gets none (the
-    context windows then see the difference)."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
+def _witness(
+    nodes: list[onnx.NodeProto],
+    keep: set[str],
+    types: dict[str, onnx.ValueInfoProto],
+    inits: dict[str, onnx.TensorProto],
+    outputs: list[onnx.ValueInfoProto],
+) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]] | None:
+    """A copy of ``nodes`` (nodes, inputs, outputs) reading the tensors in ``keep`` (the context, the graph inputs
+    and the constants other segments read too) as they do, and everything else through graph inputs of its
+    type: a second reader of each tensor every layer reads. In the whole graph such a tensor (the rotary tables,
+    the Transpose ORT pushes onto them, the inserted Cast of a shared fp16 scale) has a reader in every layer,
+    and ORT decides by whether it has one or several: a Cast of one reader it folds into a constant
+    (FuseInitializersTransformer; then MatMulScaleFusion fuses the scale), a Transpose of one reader it casts
+    before rather than after (measured, ORT 1.32). Nothing outside the copy reads it; ``stitch`` drops it.
+    None when a tensor it would read has no known type."""
+    keep = set(keep)
+    made = set()
+    copies, inputs, names = [], [], {}
     for n in nodes:
-        for i in set(n.input) & shared:
-            readers.setdefault(i, []).append(n)
-    extra, inputs, outputs = [], [], []
-    for name in sorted(readers):
-        if len(readers[name]) != 1:
+        # of the context alone, or making it: one node in the whole graph, not a copy
+        if all(i in keep for i in n.input) or all(o in keep for o in n.output):
+            keep.update(n.output)
             continue
-        reader = readers[name][0]
-        others = [i for i in reader.input if i and i != name]
-        if any(i not in types for i in others) or any(o and o not in types for o in reader.output):
-            continue
-        w = onnx.NodeProto()
-        w.CopyFrom(reader)
-        w.name = f"{reader.name or reader.op_type}{WITNESS}"
-        w.input[:] = [i if i in ("", name) else f"{i}{WITNESS}" for i in reader.input]
-        w.output[:] = [f"{o}{WITNESS}" if o else "" for o in reader.output]
-        extra.append(w)
-        for i in dict.fromkeys(others):
-            v = onnx.ValueInfoProto()
-            v.CopyFrom(types[i])
-            v.name = f"{i}{WITNESS}"
-            inputs.append(v)
-        for o in reader.output:
-            if o:
+        made.update(o for o in n.output if o)
+        for i in n.input:
+            if not i or i in keep or i in made or i in names:
+                continue
+            if i in inits:
+                v = _input_like(inits[i])
+            elif i in types:
                 v = onnx.ValueInfoProto()
-                v.CopyFrom(types[o])
-                v.name = f"{o}{WITNESS}"
-                outputs.append(v)
-    return extra, inputs, outputs
+                v.CopyFrom(types[i])
+            else:
+                return None
+            v.name = names[i] = f"{i}{WITNESS}"
+            inputs.append(v)
+        w = onnx.NodeProto()
+        w.CopyFrom(n)
+        w.name = f"{n.name}{WITNESS}" if n.name else ""
+        w.input[:] = [names.get(i, i) if i not in made else f"{i}{WITNESS}" for i in n.input]
+        w.output[:] = [f"{o}{WITNESS}" if o else "" for o in n.output]
+        copies.append(w)
+    outs = []
+    for o in outputs:
+        if o.name not in made:
+            continue
+        v = onnx.ValueInfoProto()
+        v.CopyFrom(o)
+        v.name = f"{o.name}{WITNESS}"
+        outs.append(v)
+    return copies, inputs, outs
 
 
 def _witness_nodes(part: onnx.ModelProto) -> set[int]:
@@ -1063,10 +1082,14 @@ class Segmenter:
         self.model = onnx.load(str(self.src), load_external_data=False)
         sink_weight_producers(self.model.graph)
         self.types = tensor_types(self.model)
-        self.context = hoist_context(self.model.graph, heavy_bytes(budget), self.types)
+        self.context, prologue = hoist_context(self.model.graph, heavy_bytes(budget), self.types)
         self.plan = plan(self.model.graph, budget, self.types, self.context)
         # only where context crosses the cuts: without it, the graph is cut as before
-        self.shared = shared_scalars(self.model.graph, self.plan.bounds, self.plan.heavy) if self.context else frozenset()
+        # what a segment's witness reads as the segment does: the prologue's tensors and the constants of several
+        # segments (``_witness``); None: no witness, the graph is cut as before
+        self.shared = (
+            shared_constants(self.model.graph, self.plan.bounds, self.plan.heavy) | prologue if self.context else None
+        )
         self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
         self.answers: dict[str, bool] = {}  # window_shape -> whether the cut in it was exact
@@ -1088,8 +1111,8 @@ class Segmenter:
     ) -> onnx.ModelProto:
         """ORT's optimization of ``graph.node[start:stop]``, saved beside the output (``as_inputs``: ``extract``)."""
         whole = (start, stop) == (0, len(self.model.graph.node))  # a context window's reference: as the graph is
-        shared = frozenset() if whole else self.shared
-        part = extract(self.model, start, stop, self.types, standin, as_inputs, self.context, shared)
+        witness = None if whole else self.shared
+        part = extract(self.model, start, stop, self.types, standin, as_inputs, self.context, witness)
         # beside the source model, so that the initializers' relative external data locations resolve
         tmp = self.src.parent / f"{self.stem}.{tag}.in.onnx"
         opt = self.out.parent / f"{self.stem}.{tag}.onnx"
@@ -1152,7 +1175,7 @@ class Segmenter:
         alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights."""
         left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
-        window = extract(self.model, a, c, self.types, standin, context=self.context, shared=self.shared)
+        window = extract(self.model, a, c, self.types, standin, context=self.context, witness=self.shared)
         shape = window_shape(window, c - bounds[k + 1], standin, self.standin(bounds, k + 1), self.src.parent)
         if shape in self.answers:
             self.reused += 1
