@@ -550,6 +550,27 @@ def _witness_nodes(part: onnx.ModelProto) -> set[int]:
     return only
 
 
+def unwitnessed(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` without its witness (``_witness``): the nodes only it needs, its inputs and outputs."""
+    drop = _witness_nodes(model)
+    if not drop:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    kept = [n for j, n in enumerate(g.node) if j not in drop]
+    del g.node[:]
+    g.node.extend(kept)
+    outs = [o for o in g.output if not o.name.endswith(WITNESS)]
+    del g.output[:]
+    g.output.extend(outs)
+    read = {i for n in kept for i in n.input}
+    ins = [i for i in g.input if not i.name.endswith(WITNESS) or i.name in read]
+    del g.input[:]
+    g.input.extend(ins)
+    return m
+
+
 def _recomputed(g: onnx.GraphProto, start: int, wanted: set[str]) -> list[onnx.NodeProto]:
     """The nodes before ``start`` that make ``wanted`` from the graph inputs and constants, in graph order."""
     producer = {o: k for k, n in enumerate(g.node[:start]) for o in n.output if o}
@@ -1185,68 +1206,51 @@ class Segmenter:
             pair = stitch(
                 [left, right],
                 together.graph.input,
-                window.graph.output,
+                [o for o in window.graph.output if not o.name.endswith(WITNESS)],
                 standins=[frozenset(), self.standin(bounds, k + 1)],
                 directory=self.out.parent,
                 context=self.context,
             )
-            exact = fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
+            exact = fingerprint(pair, self.out.parent) == fingerprint(unwitnessed(together), self.out.parent)
         finally:
             self._bin(f"win{a}-{c}").unlink(missing_ok=True)
         self.answers[shape] = exact
         return exact
 
-    def context_windows_differ(self, bounds: list[int]) -> str:
-        """Why the segments, where they read the context tensors as inputs (``hoist_context``), may not be what ORT
-        makes of the whole graph ("" when every context window agrees, or no segment reads context made in
-        another beyond the next, which ``locality`` alone covers).
+    def context_differs(self, bounds: list[int]) -> str:
+        """Why the segments, where they read the context tensors (``hoist_context``), may not be what ORT makes of
+        the whole graph ("" when they are, or when no segment reads context made in another beyond the next, which
+        ``locality`` alone covers).
 
-        A context window is the whole graph in which the weights of two adjacent segments stay constants and every
-        other weight is a graph input of its type and shape (the rounding check's windows): its session holds two
-        segments' weights, whatever the model's size. Against it goes the stitch of those two optimized segments
-        and every other segment optimized with its weights as inputs too, node for node (``fingerprint``): every
-        fact ORT reads from the whole graph (how many nodes read a context tensor or a shared scalar, which nodes
-        its common-subexpression elimination merges, a fusion through the mask's nodes) is in both. A weight that
-        is an input can only make ORT fuse less, and a fusion of the weights of two adjacent segments sees them
-        constant in one window."""
+        The check: the whole graph in one session with every weight a graph input of its type and shape (its
+        session holds no weight, whatever the model's size) against the stitch of every segment optimized alike,
+        node for node (``fingerprint``). Every fact ORT reads from the whole graph about the context is in both:
+        how many nodes read a context tensor or a shared scalar, which nodes its common-subexpression elimination
+        merges, the layout its transpose optimizer gives the rotary tables, a fusion through the mask's nodes. The
+        pair checks cover what ORT makes of the weights (constant there) at each cut. Unchecked: a decision that
+        needs a weight constant and reads a fact of the whole graph that the segment's witness (``_witness``, a
+        second reader of each context tensor) does not reproduce."""
         graph = self.model.graph
         if not self.context or not locality(graph, bounds, self.plan.heavy):
             return ""
         n = len(bounds) - 1
-        weights = [
-            {t for node in graph.node[bounds[k] : bounds[k + 1]] for t in _reads(node) if t in self._heavy_names()}
-            for k in range(n)
-        ]
-        every = frozenset().union(*weights)
+        every = frozenset(self._heavy_names())
         standins = [self.standin(bounds, k) for k in range(n)]
-        for k in range(n - 1):
-            others = every - weights[k] - weights[k + 1]
-            a, c = bounds[k], bounds[k + 2]
-            tags = [f"win{a}-{c}c", f"seg0-{a}b", f"seg{c}-{len(graph.node)}b"]
-            try:
-                reference = self._run(0, len(graph.node), frozenset(), tags[0], as_inputs=others)
-                # the segments around the window in one session each, their weights inputs too: cuts between them
-                # would be checked with weights as inputs, which the pair checks (weights constant) do not cover
-                parts = [self.segment(bounds, k), self.segment(bounds, k + 1)]
-                kinds = [standins[k], standins[k + 1]]
-                if a > 0:
-                    parts.insert(0, self._run(0, a, frozenset(), tags[1], as_inputs=others))
-                    kinds.insert(0, frozenset())
-                if c < len(graph.node):
-                    parts.append(self._run(c, len(graph.node), standins[k + 2], tags[2], as_inputs=others))
-                    kinds.append(standins[k + 2])
-                stitched = stitch(
-                    parts, reference.graph.input, graph.output, standins=kinds, directory=self.out.parent,
-                    context=self.context,
-                )  # fmt: skip
-                if fingerprint(stitched, self.out.parent) != fingerprint(reference, self.out.parent):
-                    return (
-                        f"segments {k} and {k + 1} read the tensors every layer reads (mask, rotary tables) "
-                        "otherwise than the whole graph does"
-                    )
-            finally:
-                for tag in tags:
-                    self._bin(tag).unlink(missing_ok=True)
+        tags = ["winctx"] + [f"seg{bounds[k]}-{bounds[k + 1]}b" for k in range(n)]
+        try:
+            reference = self._run(0, len(graph.node), frozenset(), tags[0], as_inputs=every)
+            bare = [
+                self._run(bounds[k], bounds[k + 1], standins[k], tags[k + 1], as_inputs=every) for k in range(n)
+            ]
+            stitched = stitch(
+                bare, reference.graph.input, graph.output, standins=standins, directory=self.out.parent,
+                context=self.context,
+            )  # fmt: skip
+            if fingerprint(stitched, self.out.parent) != fingerprint(reference, self.out.parent):
+                return "the segments read the tensors every layer reads (mask, rotary tables) otherwise than the whole graph"
+        finally:
+            for tag in tags:
+                self._bin(tag).unlink(missing_ok=True)
         return ""
 
     def _heavy_names(self) -> set[str]:
@@ -1331,7 +1335,7 @@ class Segmenter:
                 report.reason = "no place to cut (one tensor crossing, before a weight-bearing node)"
             report.largest_bytes = sum(self.plan.weights)
             return report
-        if len(bounds) > 2 and (why := self.context_windows_differ(bounds)):
+        if len(bounds) > 2 and (why := self.context_differs(bounds)):
             self._clean(set())  # fail closed: the whole graph in one session, as without context
             self._whole()
             report.reason = why
