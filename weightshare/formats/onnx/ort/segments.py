@@ -422,11 +422,14 @@ def extract(
     here = {o for n in nodes for o in n.output}
     read = {i for n in nodes for i in n.input if i}
     foreign = {id(consts[i]) for i in read if i in consts and i not in here}  # copies, not the segment's own
+    extra: tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]] | None = None
     nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
     if context and read & context - here:
         again = _recomputed(g, start, read & context - here)
         foreign |= {id(n) for n in again}
         nodes = again + nodes
+        if witness is not None:
+            extra = _outside_readers(g, again, start, stop, types)
         here = {o for n in nodes for o in n.output}
         read = {i for n in nodes for i in n.input if i}
     own = [n for n in nodes if id(n) not in foreign]
@@ -448,6 +451,8 @@ def extract(
     inputs = [types[i] for i in sorted(read - produced) if i not in init_names or i in overridable]
     inputs += [_input_like(t) for t in g.initializer if t.name in read and t.name in as_inputs - overridable]
     outputs = [types[o] for o in sorted(produced & later)]
+    if extra is not None:
+        nodes, inputs, outputs = nodes + extra[0], inputs + extra[1], outputs + extra[2]
     if witness is not None:
         keep = witness | context | {i.name for i in g.input} | {""}
         copy = _witness(own, keep, types, {t.name: t for t in g.initializer}, outputs)
@@ -592,6 +597,45 @@ def unwitnessed(model: onnx.ModelProto) -> onnx.ModelProto:
     del g.input[:]
     g.input.extend(ins)
     return m
+
+
+def _outside_readers(
+    g: onnx.GraphProto, again: list[onnx.NodeProto], start: int, stop: int, types: dict[str, onnx.ValueInfoProto]
+) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
+    """Witnesses (nodes, inputs, outputs) for the tensors a segment computes again (``again``) that other nodes of
+    the whole graph read: for each, a copy of the first such reader, its other inputs graph inputs of their types.
+    Recomputed alone, a tensor has only the readers in the segment, and ORT simplifies what the whole graph keeps
+    (Shape of a Cast of the pixels read by the ViT's Conv: Shape of the pixels, measured, ORT 1.32)."""
+    inside = {id(n) for n in again} | {id(n) for n in g.node[start:stop]}
+    made = {o for n in again for o in n.output if o}
+    inits = {t.name: t for t in g.initializer}
+    nodes, inputs, outputs, names = [], [], [], {}
+    for t in sorted(made):
+        reader = next((n for n in g.node if id(n) not in inside and t in n.input), None)
+        if reader is None or any(o and o not in types for o in reader.output):
+            continue
+        fresh = [i for i in reader.input if i and i != t and i not in names]
+        if any(i not in inits and i not in types for i in fresh):
+            continue
+        for i in dict.fromkeys(fresh):
+            v = _input_like(inits[i]) if i in inits else onnx.ValueInfoProto()
+            if i not in inits:
+                v.CopyFrom(types[i])
+            v.name = names[i] = f"{i}_r{WITNESS}_in"
+            inputs.append(v)
+        w = onnx.NodeProto()
+        w.CopyFrom(reader)
+        w.name = f"{reader.name}_r{WITNESS}" if reader.name else ""
+        w.input[:] = [i if i == t else names.get(i, i) for i in reader.input]
+        w.output[:] = [f"{o}_r{WITNESS}" if o else "" for o in reader.output]
+        nodes.append(w)
+        for o in reader.output:
+            if o:
+                v = onnx.ValueInfoProto()
+                v.CopyFrom(types[o])
+                v.name = f"{o}_r{WITNESS}"
+                outputs.append(v)
+    return nodes, inputs, outputs
 
 
 def _recomputed(g: onnx.GraphProto, start: int, wanted: set[str]) -> list[onnx.NodeProto]:
