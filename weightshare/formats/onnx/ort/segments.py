@@ -455,7 +455,11 @@ def extract(
         nodes, inputs, outputs = nodes + extra[0], inputs + extra[1], outputs + extra[2]
     if witness is not None:
         keep = witness | context | {i.name for i in g.input} | {""}
-        copy = _witness(own, keep, types, {t.name: t for t in g.initializer}, outputs)
+        elsewhere: dict[str, set[tuple[str, str]]] = {}  # tensor -> the ops reading it outside the segment
+        for n in [*g.node[:start], *g.node[stop:]]:
+            for i in n.input:
+                elsewhere.setdefault(i, set()).add((n.op_type, n.domain))
+        copy = _witness(own, keep, types, {t.name: t for t in g.initializer}, outputs, elsewhere)
         if copy is not None:
             nodes, inputs, outputs = nodes + copy[0], inputs + copy[1], outputs + copy[2]
     half = [t.data_type for t in g.initializer if t.name in as_inputs and t.data_type in HALF]
@@ -493,6 +497,7 @@ def _witness(
     types: dict[str, onnx.ValueInfoProto],
     inits: dict[str, onnx.TensorProto],
     outputs: list[onnx.ValueInfoProto],
+    elsewhere: dict[str, set[tuple[str, str]]],
 ) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]] | None:
     """A copy of ``nodes`` (nodes, inputs, outputs) reading the tensors in ``keep`` (the context, the graph inputs
     and the constants other segments read too) as they do, and everything else through graph inputs of its
@@ -511,8 +516,12 @@ def _witness(
             keep.update(n.output)
             continue
         made.update(o for o in n.output if o)
+        # a kept tensor is read as it is only where a node of the same op reads it outside the segment: the copy
+        # stands for that reader (a SkipLayerNormalization's fp16 weight that the ViT's one LayerNormalization
+        # reads through a Cast: one reader of the Cast in the whole graph, which ORT folds)
+        alike = {i for i in n.input if (n.op_type, n.domain) in elsewhere.get(i, set())}
         for i in n.input:
-            if not i or i in keep or i in made or i in names:
+            if not i or (i in keep and i in alike) or i in made or i in names:
                 continue
             if i in inits:
                 v = _input_like(inits[i])
@@ -526,7 +535,9 @@ def _witness(
         w = onnx.NodeProto()
         w.CopyFrom(n)
         w.name = f"{n.name}{WITNESS}" if n.name else ""
-        w.input[:] = [names.get(i, i) if i not in made else f"{i}{WITNESS}" for i in n.input]
+        w.input[:] = [
+            f"{i}{WITNESS}" if i in made else i if (i in keep and i in alike) or not i else names[i] for i in n.input
+        ]
         w.output[:] = [f"{o}{WITNESS}" if o else "" for o in n.output]
         copies.append(w)
     outs = []
