@@ -48,6 +48,7 @@ from onnx import helper
 from ...._checksum import new_hasher
 from .limits import BUDGET_ENV as BUDGET_ENV  # the tests and benches set it through this module
 from .names import INSERTED_CAST, apply_saved_hook  # ORT's name for the Casts it puts around fp16/bf16 ops
+from .types import at_default
 
 NCHWC = "com.microsoft.nchwc"
 
@@ -1079,7 +1080,8 @@ def window_shape(
 
 def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
     """What a graph computes, independent of tensor and node names: every node as a hash of its op,
-    domain, attributes and (recursively) its inputs; initializers by their bytes."""
+    domain, attributes (those at their schema's default left out) and (recursively) its inputs; initializers by
+    their bytes."""
     g = model.graph
     ids = {i.name: f"input:{i.name}" for i in g.input}
     live = _live(g)
@@ -1088,10 +1090,13 @@ def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], 
             ids.setdefault(t.name, f"init:{_digest_payload(t, directory)}")
     ids[""] = ""
     nodes: Counter[str] = Counter()
+    opsets = {o.domain or "": o.version for o in model.opset_import}
     for j, n in enumerate(g.node):
         if j not in live.nodes:
             continue
-        attrs = sorted(a.SerializeToString() for a in n.attribute)
+        # an attribute at its schema's default is left out: ORT's save routes differ in writing it (``at_default``)
+        defaults = at_default(n, opsets) if n.attribute else set()
+        attrs = sorted(a.SerializeToString() for a in n.attribute if a.name not in defaults)
         h = hashlib.sha256(repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode()).hexdigest()
         nodes[h] += 1
         for k, o in enumerate(n.output):
