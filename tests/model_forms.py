@@ -430,13 +430,14 @@ def fp16_fused_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
 
 
 def _llama(fp16: bool) -> Callable[..., Path]:
-    def build(path: Path, mib: float = 2.0, seed: int = 0, shared_norm: bool = False) -> Path:
+    def build(path: Path, mib: float = 2.0, seed: int = 0, shared_norm: bool = False, causal: bool = False) -> Path:
         """A llama-like decoder as exporters leave it, unfused: RMSNorm from Pow/ReduceMean/Sqrt/Div, Q/K/V
         MatMuls, rotary embedding from cos/sin caches gathered by ``position_ids``, an additive mask from
         ``attention_mask``, Softmax attention, output projection, SiLU-gated MLP, residual Adds; the mask and
         the rotary tensors are computed once from the graph inputs and read by every layer. ``shared_norm``: every
         RMSNorm reads one all-ones weight, as torch dynamo's export of an untrained model writes it (its optimizer
-        makes equal initializers one)."""
+        makes equal initializers one). ``causal``: the mask is also causal, built from ``Range`` over the sequence
+        length read from ``attention_mask``'s shape (``LessOrEqual``, ``Where``), as torch exports write it."""
         import numpy as np
         from onnx import TensorProto as T
         from onnx import helper as h
@@ -485,6 +486,15 @@ def _llama(fp16: bool) -> Callable[..., Path]:
         bias = op("Mul", [op("Sub", ["one", m], "mask.inv"), "neg"], "mask.neg")
         bias = op("Unsqueeze", [bias, "axes12"], "mask.bias")
         inits.append(nh.from_array(np.array([1, 2], np.int64), "axes12"))
+        if causal:  # [b, 1, 1, s] + [s, s]: position j attends to positions up to j
+            inits += [nh.from_array(np.array(v, np.int64), n) for v, n in ((0, "i0"), (1, "i1"), ([0], "axes0"))]
+            length = op("Squeeze", [op("Shape", ["attention_mask"], "mask.len", start=1, end=2), "axes0"], "len")
+            steps = op("Range", ["i0", length, "i1"], "steps")
+            rows, cols = op("Unsqueeze", [steps, "axes1"], "rows"), op("Unsqueeze", [steps, "axes0"], "cols")
+            allowed = op("LessOrEqual", [cols, rows], "allowed")
+            zero = nh.from_array(np.array(0.0, ft), "zero")
+            inits.append(zero)
+            bias = op("Add", [bias, op("Where", [allowed, "zero", "neg"], "causal")], "mask.full")
         inits.append(nh.from_array(np.array([1], np.int64), "axes1"))
         rot = {}
         for t in ("cos", "sin"):
@@ -557,7 +567,7 @@ def vit_fp16(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
     f16 = np.float16
     dim, layers = _dims(mib, 2 * 12)
     heads = max(1, dim // 64)
-    hd, patch, side = dim // heads, 4, 16
+    hd, patch, side = dim // heads, 8, 32
     n = (side // patch) ** 2 + 1
     rng = np.random.default_rng(seed)
     inits = [
@@ -634,6 +644,12 @@ def vit_fp16(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
         wide = name.endswith(".gelu")
         model.graph.value_info.append(_io(name, T.FLOAT16, ["batch", n, 4 * dim if wide else dim]))
     return _save(model, Path(path), external=True)
+
+
+def causal_llama_fp16(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """``llama_fp16`` with a causal mask (``_llama``'s ``causal``). Not a ``FORMS`` entry: for the flat
+    ``--prepack`` test and bench."""
+    return _llama(True)(path, mib, seed, causal=True)
 
 
 def ms_attention(path: Path, mib: float = 2.0, seed: int = 0) -> Path:

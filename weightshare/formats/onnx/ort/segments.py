@@ -134,7 +134,10 @@ def plan(
     heavy = heavy_bytes(budget)
     consts = constants(graph)
     last_use = {
-        name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts and name not in context
+        name: k
+        for k, node in enumerate(graph.node)
+        for name in node.input
+        if name not in consts and name not in context
     }
     outputs = {o.name for o in graph.output}
     made = {o: k for k, node in enumerate(graph.node) for o in node.output}
@@ -494,7 +497,7 @@ WITNESS = "__weightshare_witness"
 
 def _witness(
     nodes: list[onnx.NodeProto],
-    keep: set[str],
+    keep: frozenset[str],
     types: dict[str, onnx.ValueInfoProto],
     inits: dict[str, onnx.TensorProto],
     outputs: list[onnx.ValueInfoProto],
@@ -508,13 +511,13 @@ def _witness(
     (FuseInitializersTransformer; then MatMulScaleFusion fuses the scale), a Transpose of one reader it casts
     before rather than after (measured, ORT 1.32). Nothing outside the copy reads it; ``stitch`` drops it.
     None when a tensor it would read has no known type."""
-    keep = set(keep)
-    made = set()
+    kept = set(keep)
+    made: set[str] = set()
     copies, inputs, names = [], [], {}
     for n in nodes:
         # of the context alone, or making it: one node in the whole graph, not a copy
-        if all(i in keep for i in n.input) or all(o in keep for o in n.output):
-            keep.update(n.output)
+        if all(i in kept for i in n.input) or all(o in kept for o in n.output):
+            kept.update(n.output)
             continue
         made.update(o for o in n.output if o)
         # a kept tensor is read as it is only where a node of the same op reads it outside the segment: the copy
@@ -522,7 +525,7 @@ def _witness(
         # reads through a Cast: one reader of the Cast in the whole graph, which ORT folds)
         alike = {i for i in n.input if (n.op_type, n.domain) in elsewhere.get(i, set())}
         for i in n.input:
-            if not i or (i in keep and i in alike) or i in made or i in names:
+            if not i or (i in kept and i in alike) or i in made or i in names:
                 continue
             if i in inits:
                 v = _input_like(inits[i])
@@ -537,7 +540,7 @@ def _witness(
         w.CopyFrom(n)
         w.name = f"{n.name}{WITNESS}" if n.name else ""
         w.input[:] = [
-            f"{i}{WITNESS}" if i in made else i if (i in keep and i in alike) or not i else names[i] for i in n.input
+            f"{i}{WITNESS}" if i in made else i if (i in kept and i in alike) or not i else names[i] for i in n.input
         ]
         w.output[:] = [f"{o}{WITNESS}" if o else "" for o in n.output]
         copies.append(w)
@@ -1322,15 +1325,13 @@ class Segmenter:
         tags = ["winctx"] + [f"seg{bounds[k]}-{bounds[k + 1]}b" for k in range(n)]
         try:
             reference = self._run(0, len(graph.node), frozenset(), tags[0], as_inputs=every)
-            bare = [
-                self._run(bounds[k], bounds[k + 1], standins[k], tags[k + 1], as_inputs=every) for k in range(n)
-            ]
+            bare = [self._run(bounds[k], bounds[k + 1], standins[k], tags[k + 1], as_inputs=every) for k in range(n)]
             stitched = stitch(
                 bare, reference.graph.input, graph.output, standins=standins, directory=self.out.parent,
                 context=self.context,
             )  # fmt: skip
             if fingerprint(stitched, self.out.parent) != fingerprint(unwitnessed(reference), self.out.parent):
-                return "the segments read the tensors every layer reads (mask, rotary tables) otherwise than the whole graph"
+                return "the segments read what every layer reads (mask, rotary tables) otherwise than the whole graph"
         finally:
             for tag in tags:
                 self._bin(tag).unlink(missing_ok=True)
