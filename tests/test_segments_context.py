@@ -111,7 +111,8 @@ def test_segments_the_whole_graph_would_not_make_fall_back_to_one_piece(tmp_path
 def test_context_is_what_the_inputs_alone_compute_and_moves_to_the_front():
     m = onnx.load(str(mf.causal_llama_fp16(Path(__import__("tempfile").mkdtemp()) / "m.onnx", mib=1)))
     g = m.graph
-    context, prologue = segs.hoist_context(g, 16384, segs.tensor_types(m))  # each weight 32 KiB
+    small = {t.name for t in g.initializer if segs._tensor_bytes(t) < 16384}  # each weight: 32 KiB
+    context, prologue = segs.hoist_context(g, small, segs.tensor_types(m))
     assert {"cos", "sin", "mask.full"} <= context and "causal" in prologue
     assert not any(t.startswith("layer") and ".norm" not in t for t in context)  # no layer's own tensor
     first_layer = next(k for k, n in enumerate(g.node) if n.op_type == "MatMul")

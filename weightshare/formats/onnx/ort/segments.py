@@ -10,9 +10,7 @@ Exactness: a cut must not change what ORT builds. ORT's fusions depend on facts 
 (how many nodes read a tensor; which nodes read the same inputs, which its common-subexpression
 elimination merges), so a segment must see every reader of what it reads and makes: no graph input
 or weight is read on both sides of a cut, and a tensor made in one segment is read by that segment
-and the next one only (``locality``; a graph where no such cut exists, such as a transformer whose
-layers all read the attention mask or rotary caches computed from the inputs, is optimized in one
-piece). Cuts go only before a weight-bearing node where
+and the next one only (``locality``). Cuts go only before a weight-bearing node where
 exactly one tensor crosses, or a few that the segment before the cut makes (a transformer layer
 boundary: the residual stream and the branch added to it), each of a known element type (``plan``).
 A cut whose check fails is first moved earlier (up to ``MAX_ALTERNATIVES`` places, back to the weight-bearing node
@@ -27,6 +25,13 @@ attributes, wiring, initializer bytes: ``fingerprint``). A cut that fails the ch
 (its segments merged) and the report says so; any failure of the cutting itself falls back to
 the whole-graph session. What this leaves unchecked is an optimizer whose effect reaches further
 than one whole segment on each side of a cut.
+
+Context: a transformer's layers all read tensors the graph inputs alone make (a decoder's attention mask,
+rotary tables; a ViT's mask), which no cut could hand over. Each segment computes them again from the inputs and
+holds witnesses of the whole graph's other readers (``context``); the stitch keeps one copy (``_merge_context``).
+Checked, not assumed: the whole graph in one session with every weight a graph input (it holds no weight)
+against the stitch of the segments optimized alike (``Segmenter.context_differs``), node for node; any difference
+puts the graph back in one piece.
 
 Memory (measured, ORT 1.32): about 90 MiB + the weights of two adjacent segments + ~3x the
 largest Conv weight (ORT's transient copies while reordering one), whatever the model's size.
@@ -46,6 +51,19 @@ import onnx
 from onnx import helper
 
 from ...._checksum import new_hasher
+from .context import (
+    HALF,
+    WITNESS,
+    hoist_context,
+    input_like,
+    outside_readers,
+    recomputed,
+    shared_constants,
+    trigger,
+    unwitnessed,
+    witness_copy,
+    witness_nodes,
+)
 from .limits import BUDGET_ENV as BUDGET_ENV  # the tests and benches set it through this module
 from .names import INSERTED_CAST, apply_saved_hook  # ORT's name for the Casts it puts around fp16/bf16 ops
 from .types import at_default
@@ -183,82 +201,9 @@ def heavy_bytes(budget: int) -> int:
     return min(65536, max(budget // 8, 1))
 
 
-def _subgraphs(node: onnx.NodeProto) -> bool:
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
-
-
-def hoist_context(
-    graph: onnx.GraphProto, heavy: int, typed: dict[str, onnx.ValueInfoProto]
-) -> tuple[frozenset[str], frozenset[str]]:
-    """Move the nodes that compute from the graph inputs and small constants alone (a decoder's attention mask, its
-    rotary cos/sin tables and position ids, the shapes its reshapes read; a ViT's mask from the pixels' shape) to
-    the front; return the tensors they make that later nodes read (the ``context`` every layer reads) and all they
-    make. Cut into
-    segments, each segment reads them as graph inputs, computed once in the first segment, instead of keeping
-    every layer in one piece (``locality`` forbids a tensor read beyond the segment after the one that makes it).
-
-    Only what ORT cannot fold is context: a node counts when it reads a graph input or another context tensor (a
-    tensor of constants alone would reach later segments as an input, no longer a constant ORT folds). A node of
-    constants alone that only context nodes read moves with them. Nothing when a context tensor's type is unknown
-    (it would become a segment input of no type). Whether ORT's optimization of a segment that reads context as
-    inputs is its optimization of the whole graph is checked against the whole graph (``Segmenter``'s context
-    windows), never assumed."""
-    consts = set(constants(graph))
-    small = {t.name for t in graph.initializer if _tensor_bytes(t) < heavy} | consts | {""}
-    dynamic = {i.name for i in graph.input}
-    nodes = list(graph.node)
-    # candidates: weight-free nodes whose inputs are constants, graph inputs or other candidates' outputs
-    ctx: set[int] = set()
-    made: dict[str, int] = {}
-    for k, n in enumerate(nodes):
-        if n.op_type == "Constant" and not n.input or _subgraphs(n) or not n.input:
-            continue
-        if all(i in small or i in dynamic or i in made for i in n.input):
-            ctx.add(k)
-            made.update({o: k for o in n.output if o})
-    while True:  # nodes of constants alone leave unless only context nodes read them; their readers then too
-        readers: dict[int, set[int]] = {}
-        for k, n in enumerate(nodes):
-            for i in n.input:
-                if i in made and made[i] in ctx:
-                    readers.setdefault(made[i], set()).add(k)
-        gone = set()
-        for k in ctx:
-            if any(i in made and made[i] not in ctx for i in nodes[k].input):
-                gone.add(k)  # a producer left
-            elif not _derives_from_inputs(nodes[k], dynamic, made, nodes, ctx) and not readers.get(k, set()) <= ctx:
-                gone.add(k)
-        if not gone:
-            break
-        ctx -= gone
-    outputs = {o.name for o in graph.output}
-    context = {o for k in ctx for o in nodes[k].output if o}
-    read_later = {i for k, n in enumerate(nodes) if k not in ctx for i in n.input if i in context}
-    if not read_later or read_later & outputs or any(t not in typed for t in read_later):
-        return frozenset(), frozenset()
-    order = sorted(ctx) + [k for k in range(len(nodes)) if k not in ctx]
-    if order != list(range(len(nodes))):
-        del graph.node[:]
-        graph.node.extend(nodes[k] for k in order)
-    return frozenset(read_later), frozenset(context)
-
-
-def _derives_from_inputs(
-    node: onnx.NodeProto, dynamic: set[str], made: dict[str, int], nodes: list[onnx.NodeProto], ctx: set[int]
-) -> bool:
-    """Whether ``node`` reads a graph input, directly or through other ``ctx`` nodes."""
-    seen: set[int] = set()
-    todo = [node]
-    while todo:
-        n = todo.pop()
-        for i in n.input:
-            if i in dynamic:
-                return True
-            k = made.get(i)
-            if k is not None and k in ctx and k not in seen:
-                seen.add(k)
-                todo.append(nodes[k])
-    return False
+def _small(graph: onnx.GraphProto, heavy: int) -> set[str]:
+    """Constants that are not weights: initializers under ``heavy`` bytes and Constant nodes' outputs."""
+    return {t.name for t in graph.initializer if _tensor_bytes(t) < heavy} | set(constants(graph))
 
 
 def _spanned(graph: onnx.GraphProto, heavy: int) -> set[int]:
@@ -413,7 +358,7 @@ def extract(
     ``context`` (``hoist_context``): tensors of the graph inputs that the segment computes again from them (the
     nodes that make them, copied in front), as the whole graph has them, rather than reading them as inputs.
     ``witness``: when given, the constants other segments read too (``shared_constants``); the segment then holds a
-    copy of its own nodes that reads them and the context as a second layer would (``_witness``).
+    copy of its own nodes that reads them and the context as a second layer would (``context.witness_copy``).
 
     ``standin``: inputs that the whole-graph optimizer would see in NCHWc layout (the segment before
     ends them with a ReorderOutput). Each is read through an identity MaxPool (1x1) that ORT turns
@@ -429,11 +374,11 @@ def extract(
     extra: tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]] | None = None
     nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
     if context and read & context - here:
-        again = _recomputed(g, start, read & context - here)
+        again = recomputed(g, start, read & context - here)
         foreign |= {id(n) for n in again}
         nodes = again + nodes
         if witness is not None:
-            extra = _outside_readers(g, again, start, stop, types)
+            extra = outside_readers(g, again, start, stop, types)
         here = {o for n in nodes for o in n.output}
         read = {i for n in nodes for i in n.input if i}
     own = [n for n in nodes if id(n) not in foreign]
@@ -453,7 +398,7 @@ def extract(
     overridable = {i.name for i in g.input}
     init_names = {t.name for t in g.initializer}
     inputs = [types[i] for i in sorted(read - produced) if i not in init_names or i in overridable]
-    inputs += [_input_like(t) for t in g.initializer if t.name in read and t.name in as_inputs - overridable]
+    inputs += [input_like(t) for t in g.initializer if t.name in read and t.name in as_inputs - overridable]
     outputs = [types[o] for o in sorted(produced & later)]
     if extra is not None:
         nodes, inputs, outputs = nodes + extra[0], inputs + extra[1], outputs + extra[2]
@@ -463,210 +408,19 @@ def extract(
         for n in [*g.node[:start], *g.node[stop:]]:
             for i in n.input:
                 elsewhere.setdefault(i, set()).add((n.op_type, n.domain))
-        copy = _witness(own, keep, types, {t.name: t for t in g.initializer}, outputs, elsewhere)
+        copy = witness_copy(own, keep, types, {t.name: t for t in g.initializer}, outputs, elsewhere)
         if copy is not None:
             nodes, inputs, outputs = nodes + copy[0], inputs + copy[1], outputs + copy[2]
     half = [t.data_type for t in g.initializer if t.name in as_inputs and t.data_type in HALF]
-    if half:  # weights made inputs: ORT's second pass as with them (``_trigger``)
-        trigger = _trigger(half[0])
-        nodes, inits = nodes + trigger[0], inits + trigger[1]
-        inputs, outputs = inputs + trigger[2], outputs + trigger[3]
+    if half:  # weights made inputs: ORT's second pass as with them (``context.trigger``)
+        extra_nodes, extra_inits, extra_in, extra_out = trigger(half[0])
+        nodes, inits = nodes + extra_nodes, inits + extra_inits
+        inputs, outputs = inputs + extra_in, outputs + extra_out
     value_info = [v for v in g.value_info if v.name in produced - later]
     graph = helper.make_graph(nodes, f"{g.name}[{start}:{stop}]", inputs, outputs, inits, value_info=value_info)
     m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
     m.functions.extend(model.functions)
     return m
-
-
-def shared_constants(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> frozenset[str]:
-    """Small initializers and Constant nodes' outputs that nodes of more than one segment read (a decoder's
-    attention scale, a norm's epsilon): a segment's witness (``_witness``) reads them as the segment does, as the
-    whole graph's other layers do; any other constant it reads through an input of its own (a constant of one
-    reader has one reader in the whole graph too)."""
-    small = {t.name for t in graph.initializer if _tensor_bytes(t) < heavy} | set(constants(graph))
-    where: dict[str, set[int]] = {}
-    for k in range(len(bounds) - 1):
-        for node in graph.node[bounds[k] : bounds[k + 1]]:
-            for i in _reads(node) & small:
-                where.setdefault(i, set()).add(k)
-    return frozenset(name for name, segments in where.items() if len(segments) > 1)
-
-
-WITNESS = "__weightshare_witness"
-
-
-def _witness(
-    nodes: list[onnx.NodeProto],
-    keep: frozenset[str],
-    types: dict[str, onnx.ValueInfoProto],
-    inits: dict[str, onnx.TensorProto],
-    outputs: list[onnx.ValueInfoProto],
-    elsewhere: dict[str, set[tuple[str, str]]],
-) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]] | None:
-    """A copy of ``nodes`` (nodes, inputs, outputs) reading the tensors in ``keep`` (the context, the graph inputs
-    and the constants other segments read too) as they do, and everything else through graph inputs of its
-    type: a second reader of each tensor every layer reads. In the whole graph such a tensor (the rotary tables,
-    the Transpose ORT pushes onto them, the inserted Cast of a shared fp16 scale) has a reader in every layer,
-    and ORT decides by whether it has one or several: a Cast of one reader it folds into a constant
-    (FuseInitializersTransformer; then MatMulScaleFusion fuses the scale), a Transpose of one reader it casts
-    before rather than after (measured, ORT 1.32). Nothing outside the copy reads it; ``stitch`` drops it.
-    None when a tensor it would read has no known type."""
-    kept = set(keep)
-    made: set[str] = set()
-    copies, inputs, names = [], [], {}
-    for n in nodes:
-        # of the context alone, or making it: one node in the whole graph, not a copy
-        if all(i in kept for i in n.input) or all(o in kept for o in n.output):
-            kept.update(n.output)
-            continue
-        made.update(o for o in n.output if o)
-        # a kept tensor is read as it is only where a node of the same op reads it outside the segment: the copy
-        # stands for that reader (a SkipLayerNormalization's fp16 weight that the ViT's one LayerNormalization
-        # reads through a Cast: one reader of the Cast in the whole graph, which ORT folds)
-        alike = {i for i in n.input if (n.op_type, n.domain) in elsewhere.get(i, set())}
-        for i in n.input:
-            if not i or (i in kept and i in alike) or i in made or i in names:
-                continue
-            if i in inits:
-                v = _input_like(inits[i])
-            elif i in types:
-                v = onnx.ValueInfoProto()
-                v.CopyFrom(types[i])
-            else:
-                return None
-            v.name = names[i] = f"{i}{WITNESS}_in"
-            inputs.append(v)
-        w = onnx.NodeProto()
-        w.CopyFrom(n)
-        w.name = f"{n.name}{WITNESS}" if n.name else ""
-        w.input[:] = [
-            f"{i}{WITNESS}" if i in made else i if (i in kept and i in alike) or not i else names[i] for i in n.input
-        ]
-        w.output[:] = [f"{o}{WITNESS}" if o else "" for o in n.output]
-        copies.append(w)
-    outs = []
-    for o in outputs:
-        if o.name not in made:
-            continue
-        v = onnx.ValueInfoProto()
-        v.CopyFrom(o)
-        v.name = f"{o.name}{WITNESS}"
-        outs.append(v)
-    return copies, inputs, outs
-
-
-def _witness_nodes(part: onnx.ModelProto) -> set[int]:
-    """Indices of the nodes of ``part`` that only its witnesses' outputs need (``_witnesses``)."""
-    nodes = part.graph.node
-    witness_out = {o.name for o in part.graph.output if o.name.endswith(WITNESS)}
-    if not witness_out:
-        return set()
-    readers: dict[str, list[int]] = {}
-    for j, n in enumerate(nodes):
-        for i in n.input:
-            readers.setdefault(i, []).append(j)
-    outputs = {o.name for o in part.graph.output}
-    only: set[int] = set()
-    for j in range(len(nodes) - 1, -1, -1):
-        outs = [o for o in nodes[j].output if o]
-        needed = [o for o in outs if o in outputs - witness_out or any(r not in only for r in readers.get(o, []))]
-        if outs and not needed and any(o in witness_out or readers.get(o) for o in outs):
-            only.add(j)
-    return only
-
-
-HALF = (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-
-
-def _trigger(
-    dtype: int,
-) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
-    """An fp16 (``dtype``) initializer read by one Add of a graph input (nodes, initializers, inputs, outputs).
-
-    ORT 1.32 optimizes a graph once more at its default loop level only when it folded an fp16 initializer into an
-    fp32 reader (FuseFp16InitializerToFp32NodeTransformer, its level 4), and fusions that need that second pass
-    (QuickGelu of a SiLU computed in fp32) follow from it: a graph of fp16 weights always has such an initializer,
-    the same graph with its weights as inputs may not. This one stands in for them; ``stitch`` drops it."""
-    c = helper.make_tensor(f"trigger{WITNESS}_c", dtype, [1], [0.0])
-    node = helper.make_node("Add", [c.name, f"trigger{WITNESS}_in"], [f"trigger{WITNESS}"])
-    io = [helper.make_tensor_value_info(n, dtype, [1]) for n in (f"trigger{WITNESS}_in", f"trigger{WITNESS}")]
-    return [node], [c], io[:1], io[1:]
-
-
-def unwitnessed(model: onnx.ModelProto) -> onnx.ModelProto:
-    """``model`` without its witness (``_witness``): the nodes only it needs, its inputs and outputs."""
-    drop = _witness_nodes(model)
-    if not drop:
-        return model
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    g = m.graph
-    kept = [n for j, n in enumerate(g.node) if j not in drop]
-    del g.node[:]
-    g.node.extend(kept)
-    outs = [o for o in g.output if not o.name.endswith(WITNESS)]
-    del g.output[:]
-    g.output.extend(outs)
-    read = {i for n in kept for i in n.input}
-    ins = [i for i in g.input if WITNESS not in i.name or i.name in read]
-    del g.input[:]
-    g.input.extend(ins)
-    return m
-
-
-def _outside_readers(
-    g: onnx.GraphProto, again: list[onnx.NodeProto], start: int, stop: int, types: dict[str, onnx.ValueInfoProto]
-) -> tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]]:
-    """Witnesses (nodes, inputs, outputs) for the tensors a segment computes again (``again``) that other nodes of
-    the whole graph read: for each, a copy of the first such reader, its other inputs graph inputs of their types.
-    Recomputed alone, a tensor has only the readers in the segment, and ORT simplifies what the whole graph keeps
-    (Shape of a Cast of the pixels read by the ViT's Conv: Shape of the pixels, measured, ORT 1.32)."""
-    inside = {id(n) for n in again} | {id(n) for n in g.node[start:stop]}
-    made = {o for n in again for o in n.output if o}
-    inits = {t.name: t for t in g.initializer}
-    nodes, inputs, outputs, names = [], [], [], {}
-    for t in sorted(made):
-        reader = next((n for n in g.node if id(n) not in inside and t in n.input), None)
-        if reader is None or any(o and o not in types for o in reader.output):
-            continue
-        fresh = [i for i in reader.input if i and i != t and i not in names]
-        if any(i not in inits and i not in types for i in fresh):
-            continue
-        for i in dict.fromkeys(fresh):
-            v = _input_like(inits[i]) if i in inits else onnx.ValueInfoProto()
-            if i not in inits:
-                v.CopyFrom(types[i])
-            v.name = names[i] = f"{i}_r{WITNESS}_in"
-            inputs.append(v)
-        w = onnx.NodeProto()
-        w.CopyFrom(reader)
-        w.name = f"{reader.name}_r{WITNESS}" if reader.name else ""
-        w.input[:] = [i if i == t else names.get(i, i) for i in reader.input]
-        w.output[:] = [f"{o}_r{WITNESS}" if o else "" for o in reader.output]
-        nodes.append(w)
-        for o in reader.output:
-            if o:
-                v = onnx.ValueInfoProto()
-                v.CopyFrom(types[o])
-                v.name = f"{o}_r{WITNESS}"
-                outputs.append(v)
-    return nodes, inputs, outputs
-
-
-def _recomputed(g: onnx.GraphProto, start: int, wanted: set[str]) -> list[onnx.NodeProto]:
-    """The nodes before ``start`` that make ``wanted`` from the graph inputs and constants, in graph order."""
-    producer = {o: k for k, n in enumerate(g.node[:start]) for o in n.output if o}
-    todo, take = list(wanted), set()
-    while todo:
-        k = producer.get(todo.pop(), -1)
-        if k >= 0 and k not in take:
-            take.add(k)
-            todo += list(g.node[k].input)
-    return [g.node[k] for k in sorted(take)]
-
-
-def _input_like(t: onnx.TensorProto) -> onnx.ValueInfoProto:
-    return helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
 
 
 def tensor_types(model: onnx.ModelProto) -> dict[str, onnx.ValueInfoProto]:
@@ -735,7 +489,7 @@ def stitch(
                 init_names.add(t2.name)
                 inits.append(t2)
         drop, aliases = _standin_aliases(part, standins[k] if standins else frozenset())
-        drop |= _witness_nodes(part)
+        drop |= witness_nodes(part)
         for j, n in enumerate(part.graph.node):
             if j in drop:
                 continue
@@ -1189,14 +943,13 @@ class Segmenter:
         self.model = onnx.load(str(self.src), load_external_data=False)
         sink_weight_producers(self.model.graph)
         self.types = tensor_types(self.model)
-        self.context, prologue = hoist_context(self.model.graph, heavy_bytes(budget), self.types)
+        small = _small(self.model.graph, heavy_bytes(budget))
+        self.context, prologue = hoist_context(self.model.graph, small, self.types)
         self.plan = plan(self.model.graph, budget, self.types, self.context)
         # only where context crosses the cuts: without it, the graph is cut as before
         # what a segment's witness reads as the segment does: the prologue's tensors and the constants of several
-        # segments (``_witness``); None: no witness, the graph is cut as before
-        self.shared = (
-            shared_constants(self.model.graph, self.plan.bounds, self.plan.heavy) | prologue if self.context else None
-        )
+        # segments (``context.witness_copy``); None: no witness, the graph is cut as before
+        self.shared = shared_constants(self.model.graph, self.plan.bounds, small) | prologue if self.context else None
         self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
         self.answers: dict[str, bool] = {}  # window_shape -> whether the cut in it was exact
@@ -1259,10 +1012,8 @@ class Segmenter:
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            # a segment's session saves its weights again even where it packs nothing. Not as references: ORT 1.32
-            # then leaves out attributes at their defaults that its file route writes (com.microsoft Attention's
-            # ``unidirectional``), and ``fingerprint`` compares attributes as written, so a referenced segment
-            # beside a packing one (file route) fails its pair check (the attention form: one more cut dropped)
+            # a segment's session saves its weights again even where it packs nothing (ORT 1.32's reference route
+            # leaves out attributes at their defaults that its file route writes: ``fingerprint`` ignores those)
             part = self._run(*key, tag=self._tag(key), prepack=self.packs_itself(key))
             if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
                 self.files[key] = self.settle(part, self._tag(key))
@@ -1314,8 +1065,8 @@ class Segmenter:
         how many nodes read a context tensor or a shared scalar, which nodes its common-subexpression elimination
         merges, the layout its transpose optimizer gives the rotary tables, a fusion through the mask's nodes. The
         pair checks cover what ORT makes of the weights (constant there) at each cut. Unchecked: a decision that
-        needs a weight constant and reads a fact of the whole graph that the segment's witness (``_witness``, a
-        second reader of each context tensor) does not reproduce."""
+        needs a weight constant and reads a fact of the whole graph that the segment's witnesses (``context``: a
+        second reader of each context tensor) do not reproduce."""
         graph = self.model.graph
         if not self.context or not locality(graph, bounds, self.plan.heavy):
             return ""
