@@ -38,7 +38,8 @@ def _convert(tree: Path, src: Path, out: Path) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(HERE / "tests")])}
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     cmd = [sys.executable, "-m", "weightshare", "convert", str(src), "-o", str(out), "--prepack", "--json", "-q"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    # from the checkout's own directory: `python -m` puts the working directory first on the path
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tree)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     if res.returncode != 0:

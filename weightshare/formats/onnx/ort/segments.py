@@ -943,18 +943,40 @@ class Segmenter:
         self.model = onnx.load(str(self.src), load_external_data=False)
         sink_weight_producers(self.model.graph)
         self.types = tensor_types(self.model)
-        small = _small(self.model.graph, heavy_bytes(budget))
-        self.context, prologue = hoist_context(self.model.graph, small, self.types)
-        self.plan = plan(self.model.graph, budget, self.types, self.context)
-        # only where context crosses the cuts: without it, the graph is cut as before
-        # what a segment's witness reads as the segment does: the prologue's tensors and the constants of several
-        # segments (``context.witness_copy``); None: no witness, the graph is cut as before
-        self.shared = shared_constants(self.model.graph, self.plan.bounds, small) | prologue if self.context else None
+        self.plan = plan(self.model.graph, budget, self.types)
+        self.context: frozenset[str] = frozenset()  # what every segment computes again (``context``)
+        # what a segment's witness reads as the segment does (``context.witness_copy``); None: no witness
+        self.shared: frozenset[str] | None = None
+        self.plain = (self.model, self.plan)  # the cut without context, where the context check fails
+        self._with_context(budget)
         self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
         self.answers: dict[str, bool] = {}  # window_shape -> whether the cut in it was exact
         self.reused = 0  # cut checks answered by an earlier window of the same shape
         self.files: dict[tuple[int, int, frozenset[str]], list[str]] = {}
+
+    def _with_context(self, budget: int) -> None:
+        """Cut where the context crosses (``context``), when that gives cuts the plain plan cannot make: the graph's
+        nodes that make the context first, each segment computing it again and holding its witnesses. Otherwise
+        the graph is cut as without context, node for node the same sessions."""
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        small = _small(model.graph, heavy_bytes(budget))
+        context, prologue = hoist_context(model.graph, small, self.types)
+        if not context:
+            return
+        cut = plan(model.graph, budget, self.types, context)
+        if len(cut.bounds) <= len(self.plan.bounds) or not locality(model.graph, cut.bounds, cut.heavy):
+            return  # nothing gained, or the context does not cross a cut: the plain plan
+        self.model, self.plan, self.context = model, cut, context
+        self.shared = shared_constants(model.graph, cut.bounds, small) | prologue
+
+    def _without_context(self) -> None:
+        """Back to the plain plan (the context check failed): every session made with context is dropped."""
+        self._clean(set())
+        self.model, self.plan = self.plain
+        self.context, self.shared = frozenset(), None
+        self.answers.clear()
 
     def _bin(self, tag: str) -> Path:
         return self.out.parent / f"{self.stem}.{tag}.bin"
@@ -1055,9 +1077,8 @@ class Segmenter:
         return exact
 
     def context_differs(self, bounds: list[int]) -> str:
-        """Why the segments, where they read the context tensors (``hoist_context``), may not be what ORT makes of
-        the whole graph ("" when they are, or when no segment reads context made in another beyond the next, which
-        ``locality`` alone covers).
+        """Why the segments, where they compute the context again (``hoist_context``), may not be what ORT makes of
+        the whole graph ("" when they are, or when the graph is cut without context).
 
         The check: the whole graph in one session with every weight a graph input of its type and shape (its
         session holds no weight, whatever the model's size) against the stitch of every segment optimized alike,
@@ -1068,7 +1089,7 @@ class Segmenter:
         needs a weight constant and reads a fact of the whole graph that the segment's witnesses (``context``: a
         second reader of each context tensor) do not reproduce."""
         graph = self.model.graph
-        if not self.context or not locality(graph, bounds, self.plan.heavy):
+        if not self.context:
             return ""
         n = len(bounds) - 1
         every = frozenset(self._heavy_names())
@@ -1171,10 +1192,10 @@ class Segmenter:
             report.largest_bytes = sum(self.plan.weights)
             return report
         if len(bounds) > 2 and (why := self.context_differs(bounds)):
-            self._clean(set())  # fail closed: the whole graph in one session, as without context
-            self._whole()
-            report.reason = why
-            report.largest_bytes = sum(self.plan.weights)
+            self._without_context()  # fail closed: cut as without context (a graph of context: one piece, mostly)
+            report = self._cut()
+            report.details.insert(0, why)
+            report.reason = why if report.segments == 1 else report.reason
             return report
         keys = [(bounds[k], bounds[k + 1], self.standin(bounds, k)) for k in range(len(bounds) - 1)]
         parts = [self.segment(bounds, k) for k in range(len(bounds) - 1)]
