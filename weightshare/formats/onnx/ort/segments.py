@@ -957,9 +957,10 @@ class Segmenter:
 
     def _with_context(self, budget: int) -> None:
         """Cut where the context crosses (``context``), when that gives cuts the plain plan cannot make: the graph's
-        nodes that make the context first, and where a cut hands it beyond the next segment, each segment computing
-        it again and holding its witnesses (where it does not, ``locality`` and the pair checks cover the cuts as
-        they do any other). Otherwise the graph is cut as without context, node for node the same sessions."""
+        nodes that make the context first, each segment computing it again and holding its witnesses (handed over
+        as an input instead, even to the next segment only, ORT casts and transposes the rotary tables otherwise
+        than in the whole graph: a pair check fails). Otherwise the graph is cut as without context, node for node
+        the same sessions."""
         model = onnx.ModelProto()
         model.CopyFrom(self.model)
         small = _small(model.graph, heavy_bytes(budget))
@@ -969,10 +970,8 @@ class Segmenter:
         cut = plan(model.graph, budget, self.types, context)
         if len(cut.bounds) <= len(self.plan.bounds):
             return  # nothing gained: the plain plan
-        self.model, self.plan = model, cut
-        if locality(model.graph, cut.bounds, cut.heavy):  # else the context crosses into the next segment only
-            self.context = context
-            self.shared = shared_constants(model.graph, cut.bounds, small) | prologue
+        self.model, self.plan, self.context = model, cut, context
+        self.shared = shared_constants(model.graph, cut.bounds, small) | prologue
 
     def _without_context(self) -> None:
         """Back to the plain plan (the context check failed): every session made with context is dropped."""
