@@ -430,13 +430,14 @@ def fp16_fused_transformer(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
 
 
 def _llama(fp16: bool) -> Callable[..., Path]:
-    def build(path: Path, mib: float = 2.0, seed: int = 0, shared_norm: bool = False) -> Path:
+    def build(path: Path, mib: float = 2.0, seed: int = 0, shared_norm: bool = False, causal: bool = False) -> Path:
         """A llama-like decoder as exporters leave it, unfused: RMSNorm from Pow/ReduceMean/Sqrt/Div, Q/K/V
         MatMuls, rotary embedding from cos/sin caches gathered by ``position_ids``, an additive mask from
         ``attention_mask``, Softmax attention, output projection, SiLU-gated MLP, residual Adds; the mask and
         the rotary tensors are computed once from the graph inputs and read by every layer. ``shared_norm``: every
         RMSNorm reads one all-ones weight, as torch dynamo's export of an untrained model writes it (its optimizer
-        makes equal initializers one)."""
+        makes equal initializers one). ``causal``: the mask is also causal, built from ``Range`` over the sequence
+        length read from ``attention_mask``'s shape (``LessOrEqual``, ``Where``), as torch exports write it."""
         import numpy as np
         from onnx import TensorProto as T
         from onnx import helper as h
@@ -485,6 +486,15 @@ def _llama(fp16: bool) -> Callable[..., Path]:
         bias = op("Mul", [op("Sub", ["one", m], "mask.inv"), "neg"], "mask.neg")
         bias = op("Unsqueeze", [bias, "axes12"], "mask.bias")
         inits.append(nh.from_array(np.array([1, 2], np.int64), "axes12"))
+        if causal:  # [b, 1, 1, s] + [s, s]: position j attends to positions up to j
+            inits += [nh.from_array(np.array(v, np.int64), n) for v, n in ((0, "i0"), (1, "i1"), ([0], "axes0"))]
+            length = op("Squeeze", [op("Shape", ["attention_mask"], "mask.len", start=1, end=2), "axes0"], "len")
+            steps = op("Range", ["i0", length, "i1"], "steps")
+            rows, cols = op("Unsqueeze", [steps, "axes1"], "rows"), op("Unsqueeze", [steps, "axes0"], "cols")
+            allowed = op("LessOrEqual", [cols, rows], "allowed")
+            zero = nh.from_array(np.array(0.0, ft), "zero")
+            inits.append(zero)
+            bias = op("Add", [bias, op("Where", [allowed, "zero", "neg"], "causal")], "mask.full")
         inits.append(nh.from_array(np.array([1], np.int64), "axes1"))
         rot = {}
         for t in ("cos", "sin"):
@@ -539,6 +549,107 @@ def _llama(fp16: bool) -> Callable[..., Path]:
         return _save(_model(nodes, inits, *io), Path(path), external=True)
 
     return build
+
+
+def vit_fp16(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """An fp16 ViT as ORT's transformers optimizer leaves a torch-dynamo export (``/work/forms``-style ``vit-fp16``):
+    fp32 pixels cast to fp16, a patch Conv, a class token expanded to the batch read from the pixels' shape,
+    position embeddings, one LayerNormalization, then per layer Q/K/V MatMul + Add, scaled attention with an
+    additive mask built from the pixels' shape (Where of an Expand: every layer reads it), output MatMul,
+    SkipLayerNormalization, MatMul + BiasGelu, MatMul, SkipLayerNormalization; every norm reads one shared weight
+    and bias (the exporter's optimizer makes equal initializers one). Not a ``FORMS`` entry: the corpus tests run
+    every form, this one is for the flat ``--prepack`` test and bench. External data."""
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+    from onnx import numpy_helper as nh
+
+    f16 = np.float16
+    dim, layers = _dims(mib, 2 * 12)
+    heads = max(1, dim // 64)
+    hd, patch, side = dim // heads, 8, 32
+    n = (side // patch) ** 2 + 1
+    rng = np.random.default_rng(seed)
+    inits = [
+        nh.from_array(_arr(rng, (dim, 3, patch, patch), 0.05, f16), "patch.w"),
+        nh.from_array(_arr(rng, (1, 1, dim), 0.5, f16), "cls"),
+        nh.from_array(_arr(rng, (1, n, dim), 0.5, f16), "pos"),
+        nh.from_array(np.ones(dim, f16), "norm.g"),
+        nh.from_array(np.zeros(dim, f16), "norm.b"),
+        nh.from_array(np.array(hd**-0.25, f16), "scale"),
+        nh.from_array(np.array([0, dim, -1], np.int64), "flat_shape"),
+        nh.from_array(np.array([0, 0, heads, hd], np.int64), "heads_shape"),
+        nh.from_array(np.array([0, 0, dim], np.int64), "merge_shape"),
+        nh.from_array(np.array([1], np.int64), "one"),
+        nh.from_array(np.array([n], np.int64), "tokens"),
+        nh.from_array(np.ones((1, 1, 1, 1), bool), "ge"),
+        nh.from_array(np.array(0.0, f16), "zero"),
+        nh.from_array(np.array(-10000.0, f16), "neg"),
+    ]
+    nodes: list[onnx.NodeProto] = []
+
+    def op(kind: str, ins: list[str], out: str | list[str], **attrs: Any) -> str:
+        outs = [out] if isinstance(out, str) else out
+        nodes.append(h.make_node(kind, ins, outs, **attrs))
+        return outs[0]
+
+    def op_ms(kind: str, ins: list[str], outs: list[str], **attrs: Any) -> str:
+        nodes.append(h.make_node(kind, ins, outs, domain="com.microsoft", **attrs))
+        return outs[0]
+
+    def linear(x: str, name: str, k: int, m: int, bias: bool = True) -> str:
+        inits.append(nh.from_array(_arr(rng, (k, m), k**-0.5, f16), f"{name}.w"))
+        y = op("MatMul", [x, f"{name}.w"], f"{name}.mm")
+        if not bias:
+            return y
+        inits.append(nh.from_array(_arr(rng, (m,), 0.02, f16), f"{name}.b"))
+        return op("Add", [y, f"{name}.b"], name)
+
+    px = op("Cast", ["pixel_values"], "px", to=T.FLOAT16)
+    batch = op("Shape", [px], "batch", start=0, end=1)
+    grid = op("Conv", [px, "patch.w"], "grid", kernel_shape=[patch, patch], strides=[patch, patch])
+    flat = op("Transpose", [op("Reshape", [grid, "flat_shape"], "flat")], "patches", perm=[0, 2, 1])
+    cls = op("Expand", ["cls", op("Concat", [batch, "one", "one"], "cls_shape", axis=0)], "cls_b")
+    x = op("Add", [op("Concat", [cls, flat], "tokens_in", axis=1), "pos"], "embedded")
+    mask_shape = op("Concat", [batch, "one", "tokens", "tokens"], "mask_shape", axis=0)
+    mask = op("Where", [op("Expand", ["ge", mask_shape], "mask_on"), "zero", "neg"], "mask")
+    hidden = op("LayerNormalization", [x, "norm.g", "norm.b"], "ln0", axis=-1, epsilon=1e-5)
+    residual = x
+    for i in range(layers):
+        p = f"layer{i}"
+        q, k, v = (op("Reshape", [linear(hidden, f"{p}.{t}", dim, dim), "heads_shape"], f"{p}.{t}.r") for t in "qkv")
+        q = op("Mul", [op("Transpose", [q], f"{p}.q.t", perm=[0, 2, 1, 3]), "scale"], f"{p}.q.s")
+        k = op("Mul", [op("Transpose", [k], f"{p}.k.t", perm=[0, 2, 3, 1]), "scale"], f"{p}.k.s")
+        v = op("Transpose", [v], f"{p}.v.t", perm=[0, 2, 1, 3])
+        scores = op("Add", [op("MatMul", [q, k], f"{p}.qk"), mask], f"{p}.scores")
+        ctx = op("MatMul", [op("Softmax", [scores], f"{p}.probs", axis=-1), v], f"{p}.ctx")
+        ctx = op("Reshape", [op("Transpose", [ctx], f"{p}.ctx.t", perm=[0, 2, 1, 3]), "merge_shape"], f"{p}.ctx.m")
+        inits.append(nh.from_array(_arr(rng, (dim,), 0.02, f16), f"{p}.o.b"))
+        o = linear(ctx, f"{p}.o", dim, dim, bias=False)
+        ins = [o, residual, "norm.g", "norm.b", f"{p}.o.b"]
+        hidden = op_ms("SkipLayerNormalization", ins, [f"{p}.ln1", "", "", f"{p}.res1"], epsilon=1e-5)
+        residual = f"{p}.res1"
+        inits.append(nh.from_array(_arr(rng, (4 * dim,), 0.02, f16), f"{p}.fc1.b"))
+        mid = op_ms("BiasGelu", [linear(hidden, f"{p}.fc1", dim, 4 * dim, bias=False), f"{p}.fc1.b"], [f"{p}.gelu"])
+        inits.append(nh.from_array(_arr(rng, (dim,), 0.02, f16), f"{p}.fc2.b"))
+        out = linear(mid, f"{p}.fc2", 4 * dim, dim, bias=False)
+        ins = [out, residual, "norm.g", "norm.b", f"{p}.fc2.b"]
+        hidden = op_ms("SkipLayerNormalization", ins, [f"{p}.ln2", "", "", f"{p}.res2"], epsilon=1e-5)
+        residual = f"{p}.res2"
+    nodes.append(h.make_node("Cast", [hidden], ["y"], to=T.FLOAT))
+    io = [_io("pixel_values", T.FLOAT, ["batch", 3, side, side])], [_io("y", T.FLOAT, ["batch", n, dim])]
+    model = _model(nodes, inits, *io, ms_domain=True)
+    # the exporter writes the types of what its optimizer fused (ONNX's shape inference does not know those ops)
+    for name in (o for n in nodes if n.domain == "com.microsoft" for o in n.output if o):
+        wide = name.endswith(".gelu")
+        model.graph.value_info.append(_io(name, T.FLOAT16, ["batch", n, 4 * dim if wide else dim]))
+    return _save(model, Path(path), external=True)
+
+
+def causal_llama_fp16(path: Path, mib: float = 2.0, seed: int = 0) -> Path:
+    """``llama_fp16`` with a causal mask (``_llama``'s ``causal``). Not a ``FORMS`` entry: for the flat
+    ``--prepack`` test and bench."""
+    return _llama(True)(path, mib, seed, causal=True)
 
 
 def ms_attention(path: Path, mib: float = 2.0, seed: int = 0) -> Path:

@@ -10,9 +10,7 @@ Exactness: a cut must not change what ORT builds. ORT's fusions depend on facts 
 (how many nodes read a tensor; which nodes read the same inputs, which its common-subexpression
 elimination merges), so a segment must see every reader of what it reads and makes: no graph input
 or weight is read on both sides of a cut, and a tensor made in one segment is read by that segment
-and the next one only (``locality``; a graph where no such cut exists, such as a transformer whose
-layers all read the attention mask or rotary caches computed from the inputs, is optimized in one
-piece). Cuts go only before a weight-bearing node where
+and the next one only (``locality``). Cuts go only before a weight-bearing node where
 exactly one tensor crosses, or a few that the segment before the cut makes (a transformer layer
 boundary: the residual stream and the branch added to it), each of a known element type (``plan``).
 A cut whose check fails is first moved earlier (up to ``MAX_ALTERNATIVES`` places, back to the weight-bearing node
@@ -27,6 +25,13 @@ attributes, wiring, initializer bytes: ``fingerprint``). A cut that fails the ch
 (its segments merged) and the report says so; any failure of the cutting itself falls back to
 the whole-graph session. What this leaves unchecked is an optimizer whose effect reaches further
 than one whole segment on each side of a cut.
+
+Context: a transformer's layers all read tensors the graph inputs alone make (a decoder's attention mask,
+rotary tables; a ViT's mask), which no cut could hand over. Each segment computes them again from the inputs and
+holds witnesses of the whole graph's other readers (``context``); the stitch keeps one copy (``_merge_context``).
+Checked, not assumed: the whole graph in one session with every weight a graph input (it holds no weight)
+against the stitch of the segments optimized alike (``Segmenter.context_differs``), node for node; any difference
+puts the graph back in one piece.
 
 Memory (measured, ORT 1.32): about 90 MiB + the weights of two adjacent segments + ~3x the
 largest Conv weight (ORT's transient copies while reordering one), whatever the model's size.
@@ -46,8 +51,22 @@ import onnx
 from onnx import helper
 
 from ...._checksum import new_hasher
+from .context import (
+    HALF,
+    WITNESS,
+    hoist_context,
+    input_like,
+    outside_readers,
+    recomputed,
+    shared_constants,
+    trigger,
+    unwitnessed,
+    witness_copy,
+    witness_nodes,
+)
 from .limits import BUDGET_ENV as BUDGET_ENV  # the tests and benches set it through this module
 from .names import INSERTED_CAST, apply_saved_hook  # ORT's name for the Casts it puts around fp16/bf16 ops
+from .types import at_default
 
 NCHWC = "com.microsoft.nchwc"
 
@@ -102,7 +121,12 @@ def _refusal(graph: onnx.GraphProto) -> str:
     return ""
 
 
-def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoProto]) -> Plan:
+def plan(
+    graph: onnx.GraphProto,
+    budget: int,
+    typed: dict[str, onnx.ValueInfoProto],
+    context: frozenset[str] = frozenset(),
+) -> Plan:
     """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``, where
     exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it,
     or a few that the segment before the cut makes (``_cuttable``).
@@ -115,6 +139,8 @@ def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoPro
     graph (measured). A segment starts with a weight-bearing node (a Conv re-decides its layout),
     so fusions that run forward from a node (Conv+BN/Add/Relu, MatMul+Add) stay inside.
     ``typed``: the tensors whose element type is known (``tensor_types``; the cut tensor becomes a segment input).
+    ``context``: tensors derived from the graph inputs alone (``hoist_context``), handed to every segment that reads
+    them: they do not count as crossing a cut.
     """
     inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
     weights = [sum(inits.get(i, 0) for i in _reads(n)) for n in graph.node]
@@ -123,9 +149,14 @@ def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoPro
         reason = f"within the {budget / 2**20:.1f} MiB segment budget"
     if reason:
         return Plan([0, len(graph.node)], weights, reason)
-    heavy = min(65536, max(budget // 8, 1))
+    heavy = heavy_bytes(budget)
     consts = constants(graph)
-    last_use = {name: k for k, node in enumerate(graph.node) for name in node.input if name not in consts}
+    last_use = {
+        name: k
+        for k, node in enumerate(graph.node)
+        for name in node.input
+        if name not in consts and name not in context
+    }
     outputs = {o.name for o in graph.output}
     made = {o: k for k, node in enumerate(graph.node) for o in node.output}
     spanned = _spanned(graph, heavy)
@@ -160,9 +191,19 @@ def plan(graph: onnx.GraphProto, budget: int, typed: dict[str, onnx.ValueInfoPro
         if big:
             last_big = p
         size += weights[p]
-        live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts))
+        live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts) - context)
     bounds.append(len(graph.node))
     return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, heavy=heavy)
+
+
+def heavy_bytes(budget: int) -> int:
+    """Initializers from this size on are weights to the plan (``_spanned``, ``locality``, ``hoist_context``)."""
+    return min(65536, max(budget // 8, 1))
+
+
+def _small(graph: onnx.GraphProto, heavy: int) -> set[str]:
+    """Constants that are not weights: initializers under ``heavy`` bytes and Constant nodes' outputs."""
+    return {t.name for t in graph.initializer if _tensor_bytes(t) < heavy} | set(constants(graph))
 
 
 def _spanned(graph: onnx.GraphProto, heavy: int) -> set[int]:
@@ -180,11 +221,12 @@ def _spanned(graph: onnx.GraphProto, heavy: int) -> set[int]:
     return {p for name, k in first.items() for p in range(k + 1, last[name] + 1)}
 
 
-def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> str:
+def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int, context: frozenset[str] = frozenset()) -> str:
     """Why ORT's optimization of these segments may not be its optimization of the whole graph ("" when every
     fact its decisions read is inside one pair of adjacent segments, which the pair check optimizes together):
     a graph input or a weight read by two segments, or a tensor read by a segment other than the one that makes
-    it and the next."""
+    it and the next. ``context`` (``hoist_context``): tensors of the graph inputs every segment may read, whose
+    readers' optimization the context windows check against the whole graph."""
     shared = {i.name for i in graph.input} | {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
     segment_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
     consts = constants(graph)  # each segment has its own copy (``extract``), as of a small initializer
@@ -197,11 +239,12 @@ def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int) -> str:
     for name, where in readers.items():
         if name in shared and len(where) > 1:
             return f"the graph input or weight {name!r} would be read in {len(where)} segments"
-        if name in made and not where <= {made[name], made[name] + 1}:
+        if name in made and name not in context and not where <= {made[name], made[name] + 1}:
             return f"{name!r} would be read beyond the segment after the one that makes it"
     # nodes that read only what every segment has (initializers, constants, graph inputs, such nodes' outputs):
     # identical ones in two segments are one node in the whole graph (common-subexpression elimination)
     known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | set(constants(graph)) | {""}
+    known |= context
     twins: dict[Any, int] = {}
     for p, node in enumerate(graph.node):
         if node.op_type == "Constant" or not all(i in known for i in _reads(node)):
@@ -305,9 +348,17 @@ def extract(
     stop: int,
     types: dict[str, onnx.ValueInfoProto],
     standin: frozenset[str] = frozenset(),
+    as_inputs: frozenset[str] = frozenset(),
+    context: frozenset[str] = frozenset(),
+    witness: frozenset[str] | None = None,
 ) -> onnx.ModelProto:
     """``graph.node[start:stop]`` as a model: earlier tensors it reads become inputs, tensors later nodes
-    (or the graph's outputs) read become outputs. Initializers keep their external data references.
+    (or the graph's outputs) read become outputs. Initializers keep their external data references, except those in
+    ``as_inputs``: graph inputs of their type and shape (weights ORT must not see as constants: a context window).
+    ``context`` (``hoist_context``): tensors of the graph inputs that the segment computes again from them (the
+    nodes that make them, copied in front), as the whole graph has them, rather than reading them as inputs.
+    ``witness``: when given, the constants other segments read too (``shared_constants``); the segment then holds a
+    copy of its own nodes that reads them and the context as a second layer would (``context.witness_copy``).
 
     ``standin``: inputs that the whole-graph optimizer would see in NCHWc layout (the segment before
     ends them with a ReorderOutput). Each is read through an identity MaxPool (1x1) that ORT turns
@@ -319,7 +370,18 @@ def extract(
     nodes = list(g.node[start:stop])
     here = {o for n in nodes for o in n.output}
     read = {i for n in nodes for i in n.input if i}
+    foreign = {id(consts[i]) for i in read if i in consts and i not in here}  # copies, not the segment's own
+    extra: tuple[list[onnx.NodeProto], list[onnx.ValueInfoProto], list[onnx.ValueInfoProto]] | None = None
     nodes = [consts[i] for i in sorted(read) if i in consts and i not in here] + nodes
+    if context and read & context - here:
+        again = recomputed(g, start, read & context - here)
+        foreign |= {id(n) for n in again}
+        nodes = again + nodes
+        if witness is not None:
+            extra = outside_readers(g, again, start, stop, types)
+        here = {o for n in nodes for o in n.output}
+        read = {i for n in nodes for i in n.input if i}
+    own = [n for n in nodes if id(n) not in foreign]
     produced = {o for n in nodes for o in n.output if o}
     if standin:
         rewired = []
@@ -330,13 +392,30 @@ def extract(
             rewired.append(n2)
         nodes = [helper.make_node("MaxPool", [t], [f"{t}{STANDIN}"], kernel_shape=[1, 1]) for t in sorted(standin)]
         nodes += rewired
-    later = {i for n in g.node[stop:] for i in n.input if i not in consts}
+    later = {i for n in g.node[stop:] for i in n.input if i not in consts and i not in context}
     later |= {o.name for o in g.output}
-    inits = [t for t in g.initializer if t.name in read]
+    inits = [t for t in g.initializer if t.name in read and t.name not in as_inputs]
     overridable = {i.name for i in g.input}
     init_names = {t.name for t in g.initializer}
     inputs = [types[i] for i in sorted(read - produced) if i not in init_names or i in overridable]
+    inputs += [input_like(t) for t in g.initializer if t.name in read and t.name in as_inputs - overridable]
     outputs = [types[o] for o in sorted(produced & later)]
+    if extra is not None:
+        nodes, inputs, outputs = nodes + extra[0], inputs + extra[1], outputs + extra[2]
+    if witness is not None:
+        keep = witness | context | {i.name for i in g.input} | {""}
+        elsewhere: dict[str, set[tuple[str, str]]] = {}  # tensor -> the ops reading it outside the segment
+        for n in [*g.node[:start], *g.node[stop:]]:
+            for i in n.input:
+                elsewhere.setdefault(i, set()).add((n.op_type, n.domain))
+        copy = witness_copy(own, keep, types, {t.name: t for t in g.initializer}, outputs, elsewhere)
+        if copy is not None:
+            nodes, inputs, outputs = nodes + copy[0], inputs + copy[1], outputs + copy[2]
+    half = [t.data_type for t in g.initializer if t.name in as_inputs and t.data_type in HALF]
+    if half:  # weights made inputs: ORT's second pass as with them (``context.trigger``)
+        extra_nodes, extra_inits, extra_in, extra_out = trigger(half[0])
+        nodes, inits = nodes + extra_nodes, inits + extra_inits
+        inputs, outputs = inputs + extra_in, outputs + extra_out
     value_info = [v for v in g.value_info if v.name in produced - later]
     graph = helper.make_graph(nodes, f"{g.name}[{start}:{stop}]", inputs, outputs, inits, value_info=value_info)
     m = helper.make_model(graph, opset_imports=model.opset_import, ir_version=model.ir_version)
@@ -371,9 +450,11 @@ def stitch(
     name: str = "stitched",
     standins: list[frozenset[str]] | None = None,
     directory: Path | None = None,
+    context: frozenset[str] = frozenset(),
 ) -> onnx.ModelProto:
     """Optimized segments, in order, as one graph; names each segment made up are kept apart. ``directory``: where
-    the parts' external data lies (equal small constants are found by their bytes).
+    the parts' external data lies (equal small constants are found by their bytes). ``context``: tensors of the graph
+    inputs that several segments read (``hoist_context``); identical nodes of them are one (``_merge_context``).
 
     A tensor a segment passes on in NCHW (``ReorderOutput``) that the next one turns back into
     NCHWc (``ReorderInput``) is passed on in NCHWc instead: the whole-graph optimizer leaves no
@@ -384,6 +465,7 @@ def stitch(
     taken, node_names = set(boundary), set()
     nodes, inits, value_info = [], [], []
     init_names: set[str] = set()
+    part_index: dict[int, int] = {}  # id(node) -> its segment
     for k, part in enumerate(parts):
         # a segment's outputs (read by later segments) and inputs (an overridable initializer is both an
         # input and an initializer) keep their names; anything else it defines is renamed on a clash
@@ -407,6 +489,7 @@ def stitch(
                 init_names.add(t2.name)
                 inits.append(t2)
         drop, aliases = _standin_aliases(part, standins[k] if standins else frozenset())
+        drop |= witness_nodes(part)
         for j, n in enumerate(part.graph.node):
             if j in drop:
                 continue
@@ -420,6 +503,7 @@ def stitch(
                 n2.name = f"{base}__s{k}_{i}"
             node_names.add(n2.name)
             nodes.append(n2)
+            part_index[id(n2)] = k
         for v in part.graph.value_info:
             if v.name not in keep:
                 v2 = onnx.ValueInfoProto()
@@ -431,6 +515,9 @@ def stitch(
     nodes = _splice_reorders(nodes, boundary, {o.name for o in outputs})
     nodes = _splice_casts(nodes, boundary, {o.name for o in outputs})
     nodes = _merge_casts(nodes, inits, {o.name for o in outputs}, directory)
+    if context:
+        part_of = [part_index[id(n)] for n in nodes]
+        nodes = _merge_context(nodes, part_of, inits, {i.name for i in inputs}, {o.name for o in outputs}, directory)
     read = {i for n in nodes for i in n.input}
     inits = [t for t in inits if t.name in read or t.name in {i.name for i in inputs}]
     made = {o for n in nodes for o in n.output}
@@ -583,6 +670,45 @@ def _merge_casts(
     return kept
 
 
+def _merge_context(
+    nodes: list[onnx.NodeProto], part_of: list[int], inits: list[onnx.TensorProto], inputs: set[str],
+    outputs: set[str], directory: Path | None,
+) -> list[onnx.NodeProto]:  # fmt: skip
+    """The nodes each segment computes again from the graph inputs (``extract``'s ``context``) as one, as the whole
+    graph computes them once: a node of a later segment identical (op, attributes, inputs: graph inputs by name,
+    constants by their bytes, other such nodes' outputs) to one of the first segment that has it. Within one
+    segment ORT's own choice stands (it keeps two inserted Casts of one tensor apart). ``part_of``: each node's
+    segment. The context windows compare the result with the whole graph optimized by ORT, so a merge the whole
+    graph would not make fails that check."""
+    ids: dict[str, str] = {i: f"input:{i}" for i in inputs}
+    ids.update((t.name, repr(k)) for t in inits if (k := _content_key(t, directory)) is not None)
+    ids[""] = ""
+    first: dict[str, tuple[int, list[list[str]]]] = {}  # key -> (its first segment, the outputs of each there)
+    seen: Counter[tuple[int, str]] = Counter()  # (segment, key) -> how many so far
+    alias: dict[str, str] = {}
+    kept = []
+    for n, part in zip(nodes, part_of, strict=True):
+        ins = [alias.get(i, i) for i in n.input]
+        if ins and all(i in ids for i in ins) and not any(o in outputs for o in n.output):
+            attrs = sorted(a.SerializeToString() for a in n.attribute)
+            key = hashlib.sha256(repr((n.op_type, n.domain, attrs, [ids[i] for i in ins])).encode()).hexdigest()
+            j = seen[(part, key)]
+            seen[(part, key)] += 1
+            home, made = first.setdefault(key, (part, []))
+            if home != part and j < len(made):
+                alias.update(zip(n.output, made[j]))
+                continue
+            if home == part:
+                made.append(list(n.output))
+            ids.update((o, f"{key}:{j}:{k}") for k, o in enumerate(n.output) if o)
+        kept.append(n)
+    if not alias:
+        return nodes
+    for n in kept:
+        n.input[:] = [alias.get(i, i) for i in n.input]
+    return kept
+
+
 # ---------------------------------------------------------------- comparing graphs
 
 
@@ -711,7 +837,8 @@ def window_shape(
 
 def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
     """What a graph computes, independent of tensor and node names: every node as a hash of its op,
-    domain, attributes and (recursively) its inputs; initializers by their bytes."""
+    domain, attributes (those at their schema's default left out) and (recursively) its inputs; initializers by
+    their bytes."""
     g = model.graph
     ids = {i.name: f"input:{i.name}" for i in g.input}
     live = _live(g)
@@ -720,10 +847,13 @@ def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], 
             ids.setdefault(t.name, f"init:{_digest_payload(t, directory)}")
     ids[""] = ""
     nodes: Counter[str] = Counter()
+    opsets = {o.domain or "": o.version for o in model.opset_import}
     for j, n in enumerate(g.node):
         if j not in live.nodes:
             continue
-        attrs = sorted(a.SerializeToString() for a in n.attribute)
+        # an attribute at its schema's default is left out: ORT's save routes differ in writing it (``at_default``)
+        defaults = at_default(n, opsets) if n.attribute else set()
+        attrs = sorted(a.SerializeToString() for a in n.attribute if a.name not in defaults)
         h = hashlib.sha256(repr((n.op_type, n.domain or "", attrs, [ids[i] for i in n.input])).encode()).hexdigest()
         nodes[h] += 1
         for k, o in enumerate(n.output):
@@ -814,20 +944,59 @@ class Segmenter:
         sink_weight_producers(self.model.graph)
         self.types = tensor_types(self.model)
         self.plan = plan(self.model.graph, budget, self.types)
+        self.context: frozenset[str] = frozenset()  # what every segment computes again (``context``)
+        # what a segment's witness reads as the segment does (``context.witness_copy``); None: no witness
+        self.shared: frozenset[str] | None = None
+        self.plain = (self.model, self.plan)  # the cut without context, where the context check fails
+        self._with_context(budget)
         self.stem = self.out.name.removesuffix(".onnx")
         self.optimized: dict[tuple[int, int, frozenset[str]], onnx.ModelProto] = {}
         self.answers: dict[str, bool] = {}  # window_shape -> whether the cut in it was exact
         self.reused = 0  # cut checks answered by an earlier window of the same shape
         self.files: dict[tuple[int, int, frozenset[str]], list[str]] = {}
 
+    def _with_context(self, budget: int) -> None:
+        """Cut where the context crosses (``context``), when that gives cuts the plain plan cannot make: the graph's
+        nodes that make the context first, each segment computing it again and holding its witnesses (handed over
+        as an input instead, even to the next segment only, ORT casts and transposes the rotary tables otherwise
+        than in the whole graph: a pair check fails). Otherwise the graph is cut as without context, node for node
+        the same sessions."""
+        model = onnx.ModelProto()
+        model.CopyFrom(self.model)
+        small = _small(model.graph, heavy_bytes(budget))
+        context, prologue = hoist_context(model.graph, small, self.types)
+        if not context:
+            return
+        cut = plan(model.graph, budget, self.types, context)
+        if len(cut.bounds) <= len(self.plan.bounds):
+            return  # nothing gained: the plain plan
+        self.model, self.plan, self.context = model, cut, context
+        self.shared = shared_constants(model.graph, cut.bounds, small) | prologue
+
+    def _without_context(self) -> None:
+        """Back to the plain plan (the context check failed): every session made with context is dropped."""
+        self._clean(set())
+        self.model, self.plan = self.plain
+        self.context, self.shared = frozenset(), None
+        self.answers.clear()
+
     def _bin(self, tag: str) -> Path:
         return self.out.parent / f"{self.stem}.{tag}.bin"
 
     def _run(
-        self, start: int, stop: int, standin: frozenset[str], tag: str, prepack: bool = False, window: bool = False
+        self,
+        start: int,
+        stop: int,
+        standin: frozenset[str],
+        tag: str,
+        prepack: bool = False,
+        window: bool = False,
+        as_inputs: frozenset[str] = frozenset(),
     ) -> onnx.ModelProto:
-        """ORT's optimization of ``graph.node[start:stop]``, saved beside the output."""
-        part = extract(self.model, start, stop, self.types, standin)
+        """ORT's optimization of ``graph.node[start:stop]``, saved beside the output (``as_inputs``: ``extract``)."""
+        whole = (start, stop) == (0, len(self.model.graph.node))  # a context window's reference: as the graph is
+        witness = None if whole else self.shared
+        part = extract(self.model, start, stop, self.types, standin, as_inputs, self.context, witness)
         # beside the source model, so that the initializers' relative external data locations resolve
         tmp = self.src.parent / f"{self.stem}.{tag}.in.onnx"
         opt = self.out.parent / f"{self.stem}.{tag}.onnx"
@@ -867,10 +1036,8 @@ class Segmenter:
     def segment(self, bounds: list[int], k: int) -> onnx.ModelProto:
         key = (bounds[k], bounds[k + 1], self.standin(bounds, k))
         if key not in self.optimized:
-            # a segment's session saves its weights again even where it packs nothing. Not as references: ORT 1.32
-            # then leaves out attributes at their defaults that its file route writes (com.microsoft Attention's
-            # ``unidirectional``), and ``fingerprint`` compares attributes as written, so a referenced segment
-            # beside a packing one (file route) fails its pair check (the attention form: one more cut dropped)
+            # a segment's session saves its weights again even where it packs nothing (ORT 1.32's reference route
+            # leaves out attributes at their defaults that its file route writes: ``fingerprint`` ignores those)
             part = self._run(*key, tag=self._tag(key), prepack=self.packs_itself(key))
             if self.settle is not None:  # ORT's copy of the segment's weights leaves the disk now
                 self.files[key] = self.settle(part, self._tag(key))
@@ -890,7 +1057,7 @@ class Segmenter:
         alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights."""
         left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
-        window = extract(self.model, a, c, self.types, standin)
+        window = extract(self.model, a, c, self.types, standin, context=self.context, witness=self.shared)
         shape = window_shape(window, c - bounds[k + 1], standin, self.standin(bounds, k + 1), self.src.parent)
         if shape in self.answers:
             self.reused += 1
@@ -900,15 +1067,53 @@ class Segmenter:
             pair = stitch(
                 [left, right],
                 together.graph.input,
-                window.graph.output,
+                [o for o in window.graph.output if not o.name.endswith(WITNESS)],
                 standins=[frozenset(), self.standin(bounds, k + 1)],
                 directory=self.out.parent,
+                context=self.context,
             )
-            exact = fingerprint(pair, self.out.parent) == fingerprint(together, self.out.parent)
+            exact = fingerprint(pair, self.out.parent) == fingerprint(unwitnessed(together), self.out.parent)
         finally:
             self._bin(f"win{a}-{c}").unlink(missing_ok=True)
         self.answers[shape] = exact
         return exact
+
+    def context_differs(self, bounds: list[int]) -> str:
+        """Why the segments, where they compute the context again (``hoist_context``), may not be what ORT makes of
+        the whole graph ("" when they are, or when the graph is cut without context).
+
+        The check: the whole graph in one session with every weight a graph input of its type and shape (its
+        session holds no weight, whatever the model's size) against the stitch of every segment optimized alike,
+        node for node (``fingerprint``). Every fact ORT reads from the whole graph about the context is in both:
+        how many nodes read a context tensor or a shared scalar, which nodes its common-subexpression elimination
+        merges, the layout its transpose optimizer gives the rotary tables, a fusion through the mask's nodes. The
+        pair checks cover what ORT makes of the weights (constant there) at each cut. Unchecked: a decision that
+        needs a weight constant and reads a fact of the whole graph that the segment's witnesses (``context``: a
+        second reader of each context tensor) do not reproduce."""
+        graph = self.model.graph
+        if not self.context:
+            return ""
+        n = len(bounds) - 1
+        every = frozenset(self._heavy_names())
+        standins = [self.standin(bounds, k) for k in range(n)]
+        # not "win...": the scratch drops a window's file (".win" in its name) before the next session
+        tags = ["wholectx"] + [f"seg{bounds[k]}-{bounds[k + 1]}b" for k in range(n)]
+        try:
+            reference = self._run(0, len(graph.node), frozenset(), tags[0], as_inputs=every)
+            bare = [self._run(bounds[k], bounds[k + 1], standins[k], tags[k + 1], as_inputs=every) for k in range(n)]
+            stitched = stitch(
+                bare, reference.graph.input, graph.output, standins=standins, directory=self.out.parent,
+                context=self.context,
+            )  # fmt: skip
+            if fingerprint(stitched, self.out.parent) != fingerprint(unwitnessed(reference), self.out.parent):
+                return "the segments read what every layer reads (mask, rotary tables) otherwise than the whole graph"
+        finally:
+            for tag in tags:
+                self._bin(tag).unlink(missing_ok=True)
+        return ""
+
+    def _heavy_names(self) -> set[str]:
+        return {t.name for t in self.model.graph.initializer if _tensor_bytes(t) >= self.plan.heavy}
 
     def _clean(self, keep: set[tuple[int, int, frozenset[str]]]) -> None:
         for key in [k for k in self.optimized if k not in keep]:
@@ -949,7 +1154,7 @@ class Segmenter:
     def _cut(self) -> Report:
         bounds = list(self.plan.bounds)
         report = Report(reason=self.plan.reason)
-        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy)):
+        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy, self.context)):
             bounds, report.reason = [bounds[0], bounds[-1]], why
         if len(bounds) > 2:
             k = 0
@@ -978,7 +1183,7 @@ class Segmenter:
                 if report.merged > max(8, len(self.plan.bounds) // 2) or failed > max(8, 2 * len(self.plan.bounds)):
                     # re-checking merged (ever larger) pairs would cost
                     bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
-        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy)):
+        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy, self.context)):
             bounds, report.reason = [bounds[0], bounds[-1]], why  # a moved cut: as before the checks
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())
@@ -988,6 +1193,12 @@ class Segmenter:
             elif len(self.plan.bounds) == 2 and not report.reason:
                 report.reason = "no place to cut (one tensor crossing, before a weight-bearing node)"
             report.largest_bytes = sum(self.plan.weights)
+            return report
+        if len(bounds) > 2 and (why := self.context_differs(bounds)):
+            self._without_context()  # fail closed: cut as without context (a graph of context: one piece, mostly)
+            report = self._cut()
+            report.details.insert(0, why)
+            report.reason = why if report.segments == 1 else report.reason
             return report
         keys = [(bounds[k], bounds[k + 1], self.standin(bounds, k)) for k in range(len(bounds) - 1)]
         parts = [self.segment(bounds, k) for k in range(len(bounds) - 1)]
@@ -999,6 +1210,7 @@ class Segmenter:
             self.model.graph.name,
             [key[2] for key in keys],
             self.out.parent,
+            self.context,
         )
         self.out.write_bytes(whole.SerializeToString())
         report.segments = len(parts)

@@ -41,6 +41,26 @@ def _schema(node: onnx.NodeProto, opsets: dict[str, int]) -> Any:
     return fitting[-1] if fitting else (versions[-1][1] if versions else None)
 
 
+def at_default(node: onnx.NodeProto, opsets: dict[str, int]) -> set[str]:
+    """Names of ``node``'s attributes whose value is the default ORT's schema of it gives. ORT 1.32 writes such an
+    attribute in one save route and leaves it out in another (com.microsoft Attention's ``unidirectional``): the
+    same node either way."""
+    schema = _schema(node, opsets)
+    if schema is None:
+        return set()
+    found = set()
+    for a in node.attribute:
+        formal = schema.attributes.get(a.name)
+        raw = getattr(formal, "_default_value", b"") if formal is not None else b""
+        if not raw:
+            continue
+        default = onnx.AttributeProto()
+        default.ParseFromString(raw)
+        if default.type == a.type and onnx.helper.get_attribute_value(default) == onnx.helper.get_attribute_value(a):
+            found.add(a.name)
+    return found
+
+
 def _elem(type_str: str) -> int | None:
     """'tensor(float16)' -> TensorProto.FLOAT16; None for a type variable or a non-tensor type."""
     if not type_str.startswith("tensor(") or not type_str.endswith(")"):
