@@ -1,4 +1,4 @@
-"""`weightshare.check` and `weightshare check` are one implementation (``_check.run_gate``): same verdict, same
+"""`weightshare.check` and `weightshare check` are one implementation (``_gate.run_gate``): same verdict, same
 exit code, same findings on the same inputs.
 
 Before: the API failed info-only findings with ``strict=True`` where the CLI exits 0, accepted a bogus target the

@@ -147,7 +147,7 @@ def test_help_names_every_registered_format(cli, command):
 
 
 def test_check_target_lists_every_setting_id_it_accepts(cli):
-    from weightshare._check import setting_ids
+    from weightshare._gate import setting_ids
 
     text = _flat(cli("check", "--help", env=WIDE).stdout)
     target = text.split("--target", 1)[1]

@@ -43,7 +43,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "weightshare._samples",
         ),
     ),
-    ("over the registry", ("weightshare._check", "weightshare._dispatch", "weightshare._format_options")),
+    (
+        "over the registry",
+        ("weightshare._gate", "weightshare._check", "weightshare._dispatch", "weightshare._format_options"),
+    ),
     # children started by name from a format's measuring code (never imported by it): they open a model through a
     # loader, so they sit above the loaders and the formats
     ("measuring through the loaders", ("weightshare._loader_probes",)),

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ._check import exit_code
 from ._checksum import split_digest
 from ._findings import Code, Finding, Severity
+from ._gate import exit_code
 from ._paid import paid_scenarios
 from .report import ConversionReport, JsonDict, ZooReport
 

@@ -92,14 +92,15 @@ def check(
         UsageError: no model found, a target that is not a setting id, a negative threshold, a dim or input no
             measured model has, an unreadable input file. A model that cannot
             be read is an ``unreadable-model`` finding (``exit_code`` 2), and the others are still checked, as
-            with the CLI (one implementation: ``_check.run_gate``).
+            with the CLI (one implementation: ``_gate.run_gate``).
 
     Example:
         >>> result = weightshare.check(["out/"])
         >>> result.ok, [f.line() for f in result.findings]
         (True, [])
     """
-    from ._check import Gate, run_gate
+    from ._check import Gate
+    from ._gate import run_gate
     from ._inventory import MeasureInputs
 
     feeds = MeasureInputs(

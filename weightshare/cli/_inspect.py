@@ -134,8 +134,9 @@ def check(
     unreadable-model finding, the rest are still checked, and the exit code is 2.
     docs/ci.md lists every finding code and the JSON schema.
     """
-    from .._check import Gate, run_gate
+    from .._check import Gate
     from .._contract import check_document, github_annotations, sarif_document, unreadable_lines
+    from .._gate import run_gate
     from .._inventory import MeasureInputs
 
     quiet(quiet_)
