@@ -56,6 +56,12 @@ ACTIVATION_SETTING = "ort-default"  # activations are measured at the runtime's 
 ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static estimate only
 TRACE_ENV = "WEIGHTSHARE_MEASURE_TRACE"  # a file: each measuring call appends one line (``_trace``)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glibc setting (see above)
+# One more session's step from its first session to its second at least this large, and this share of one
+# session's PSS (twice check's ratio line, 0.1 / 3 of it), is measured by those 2 sessions, not 4: a copy as large as
+# the model (an fp32 MatMul model's portable twin, B pre-packed per session) held 7 times took a 456 MiB model's
+# measuring child to 3.5 GiB; held twice, it stays within 2 x the model + the floor (``_runtimes/bound.py``).
+LARGE_STEP = 16 << 20
+LARGE_SHARE = 1 / 16
 
 
 def _one_node_model() -> bytes:
@@ -148,15 +154,30 @@ def probe(
                 feeds, ran = None, False
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
-        if i in (0, sessions - 1):  # the growth is from the first to the last (a walk of smaps: 5-40 ms each)
+        if i in (0, sessions - 1) or (i == 1 and sessions > 2):  # (a walk of smaps: 5-40 ms each)
             pss.append(smaps_rollup()["Pss"] - left)  # as in a fresh child
             data.append(data_pss())
+        if i == 1 and _large_step(data[1] - data[0], pss[0]):
+            # a copy this large is decided by one step (far from check's lines; a figure near one is measured
+            # again there), and two more sessions of it would hold two more copies: 2 sessions, not 4
+            sessions = 2
+            break
+    if len(data) > 2:  # the step from 1 to 2 read only to decide the above
+        del pss[1], data[1]
+    most = len(opened)
     more: JsonDict = {}
     if activations and feeds is not None:
         # sessions - 1 more with the arena on, each run once: their growth from the last session without it, over
         # as many steps as the weights' figure has (the first arena session of a child sets up nothing the others
         # do not: measured, its step within the others' spread), one packing session fewer per model
         with_arena: list[int] = [data[-1]]
+        if sessions == 2:
+            # the sessions of a large copy: all but the first closed before the arena's opens, whose growth is then
+            # from what that one session holds (its mapped weights stay mapped): 2 sessions alive at most
+            del opened[1:]
+            s = None
+            _collect()
+            with_arena = [data_pss()]
         for i in range(1, sessions):
             try:
                 s = new_session(model_path, share=share, log_level=4, arena=True, spinning=False)
@@ -166,12 +187,13 @@ def probe(
                     return {"oom": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
                 raise
             opened.append(s)
+            most = max(most, len(opened))
             if i == sessions - 1:
                 with_arena.append(data_pss())
         more["arena_growth"] = _growth(with_arena, sessions)
     if not ran:
         more["no_run"] = no_run
-    _trace(model_path, share, len(opened))
+    _trace(model_path, share, len(opened), most)
     return {
         "pss": pss,
         "data_pss": data,
@@ -211,10 +233,27 @@ def _overhead(share: bool, arena: bool) -> int:
     return _TINY[share, arena][1]
 
 
-def _trace(model_path: str, share: bool, sessions: int) -> None:
+def _large_step(step: int, one: int) -> bool:
+    """Whether one more session's step ``step`` (data PSS) is a copy large enough to be measured by 2 sessions
+    instead of 4: ``LARGE_STEP`` or more and at least ``LARGE_SHARE`` of one session's PSS ``one``."""
+    return step >= LARGE_STEP and step >= LARGE_SHARE * one
+
+
+def _collect() -> None:
+    """What closed sessions held given back before the next figure is read (as between two calls of ``probe``)."""
+    import gc
+
+    from ..._platform import malloc_trim
+
+    gc.collect()
+    malloc_trim()
+
+
+def _trace(model_path: str, share: bool, sessions: int, most: int) -> None:
     """With ``TRACE_ENV`` set to a file: one line per call of ``probe`` (this child's pid, the model, the setting,
-    the model sessions it opened and those still open from earlier calls, which must be none): how many children
-    and sessions `check` spends, counted without timing (tests/test_check_cost.py)."""
+    the model sessions it left open, the most of them open at once, and those still open from earlier calls, which
+    must be none): how many children and sessions `check` spends, counted without timing
+    (tests/test_check_cost.py)."""
     import gc
     import json
 
@@ -225,7 +264,14 @@ def _trace(model_path: str, share: bool, sessions: int) -> None:
 
     # the sessions of earlier calls that are still alive: this call's are in ``opened`` (one per session opened)
     alive = sum(1 for o in gc.get_objects() if isinstance(o, ort.InferenceSession)) - sessions - SESSIONS * len(_TINY)
-    line = {"pid": os.getpid(), "model": model_path, "share": share, "sessions": sessions, "earlier_alive": alive}
+    line = {
+        "pid": os.getpid(),
+        "model": model_path,
+        "share": share,
+        "sessions": sessions,
+        "most_alive": most,
+        "earlier_alive": alive,
+    }
     with open(trace, "a") as f:
         f.write(json.dumps(line) + "\n")
 
