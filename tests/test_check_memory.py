@@ -46,3 +46,25 @@ def test_a_model_copied_whole_per_session_is_measured_with_two_sessions_alive(tm
     assert "ort-default" in inv.measured_activation, inv.measure_notes  # the arena still measured apart
     assert report.exit_code == 1  # the verdict on such a model: fail, as before
     assert any(f.code == "copied-per-session" for f in report.findings), [f.line() for f in report.findings]
+
+
+@pytest.mark.slow
+def test_a_large_mapped_model_is_measured_with_two_sessions_alive_to_the_same_figures(tmp_path, monkeypatch):
+    """Each session maps the weights again and RSS counts every mapping: a model mapping ROTATE_FROM or more is
+    measured with its first session open and each later one closed before the next opens (here: every model,
+    ROTATE_FROM 0, in the parent that decides it). The figures are those of 4 sessions open at once."""
+    from weightshare.formats.onnx import measure
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("WEIGHTSHARE_MEASURE_TRACE", str(trace))
+    model = mf.build("merged_decoder", tmp_path / "decoder_model_merged.onnx", 2)
+    at_once = measure.measure_copies(model)
+    monkeypatch.setattr(measure, "ROTATE_FROM", 0, raising=False)
+    trace.unlink()
+    rotated = measure.measure_copies(model)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [line.get("most_alive", line["sessions"]) for line in lines] == [2, 2], lines  # da762d9: [4, 7]
+    assert set(rotated[0]) == set(at_once[0]) == {"ort-disable-prepacking", "ort-default"}
+    for setting, n in at_once[0].items():  # the same copies, to the noise of the runtime's per-session state
+        assert abs(rotated[0][setting] - n) <= max(0.25 * n, MiB // 2), (setting, rotated[0], at_once[0])
+    assert set(rotated[3]) == {"ort-default"}  # the arena's activation memory still measured apart

@@ -62,6 +62,8 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glib
 # measuring child to 3.5 GiB; held twice, it stays within 2 x the model + the floor (``_runtimes/bound.py``).
 LARGE_STEP = 16 << 20
 LARGE_SHARE = 1 / 16
+# A model that maps this much is measured with 2 sessions open at once, whatever its copies (``probe``'s ``rotate``)
+ROTATE_FROM = 64 << 20
 
 
 def _one_node_model() -> bytes:
@@ -94,6 +96,7 @@ def probe(
     activations: bool = False,
     dims: dict[str, int] | None = None,
     input_files: dict[str, str] | None = None,
+    rotate: bool = False,
 ) -> JsonDict:
     """In this (child) process: PSS after the first and the last of ``sessions`` sessions under the setting (with
     ORT's CPU arena or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
@@ -101,7 +104,11 @@ def probe(
     The run's inputs are made as verify makes them (``decode.session_feeds``: ``dims``, the configs beside the
     model), those in ``input_files`` read from their files (``--input``); ``usage`` is a --dim/--input error,
     ``no_run`` why the sessions were not run (``measure_copies`` then reports no figure: the static rules judge).
-    A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions."""
+    A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions.
+    With ``rotate`` (a model that maps ``ROTATE_FROM`` bytes or more: each session maps its weights again, and
+    the process's RSS counts every mapping) 2 model sessions are open at once: the first stays, each later one's
+    step is read and it is closed before the next opens; the growth is the mean of the steps.
+    A step to the second session of ``_large_step`` decides the figure with those 2 sessions."""
     from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
     from ..._runtimes.ort import new_session
@@ -117,6 +124,7 @@ def probe(
     _CALLS.append(data_pss())
     left = _CALLS[-1] - _CALLS[1] if len(_CALLS) > 1 else 0
     opened: list[Any] = []
+    most = 0
     pss: list[int] = []
     data: list[int] = []
     feeds: dict[str, Any] | None = None
@@ -127,6 +135,7 @@ def probe(
         given = {name: read_input(name, file, {".pb": read_tensor_proto}) for name, file in (input_files or {}).items()}
     except UsageError as e:
         return {"usage": e.message}
+    steps: list[int] = []  # with ``rotate``: what each session after the first added, the first still open
     for i in range(sessions):
         try:
             s = new_session(model_path, share=share, log_level=4, arena=arena, spinning=False)
@@ -154,30 +163,40 @@ def probe(
                 feeds, ran = None, False
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
-        if i in (0, sessions - 1) or (i == 1 and sessions > 2):  # (a walk of smaps: 5-40 ms each)
+        most = max(most, len(opened))
+        if i == 0:
             pss.append(smaps_rollup()["Pss"] - left)  # as in a fresh child
             data.append(data_pss())
-        if i == 1 and _large_step(data[1] - data[0], pss[0]):
-            # a copy this large is decided by one step (far from check's lines; a figure near one is measured
-            # again there), and two more sessions of it would hold two more copies: 2 sessions, not 4
-            sessions = 2
-            break
-    if len(data) > 2:  # the step from 1 to 2 read only to decide the above
-        del pss[1], data[1]
-    most = len(opened)
+            before = data[0]
+        elif rotate or i == 1 or i == sessions - 1:  # (a walk of smaps: 5-40 ms each)
+            now = data_pss()
+            steps.append(now - before)
+            if i == 1 and _large_step(steps[0], pss[0]):
+                # a copy this large is decided by one step (far from check's lines; a figure near one is measured
+                # again there), and more sessions of it would hold more copies: 2 sessions, not 4
+                sessions = 2
+            if rotate and i < sessions - 1:
+                s = None
+                before = _close_after_first(opened)
+            if i == sessions - 1:
+                break
+    if steps and not rotate:  # the growth from the first session to the last: the step to the second decided above
+        steps = [steps[-1] // (sessions - 1)] * (sessions - 1)
+    if steps:  # the figures as if the sessions had all been open: the first, and the first plus every step
+        pss.append(pss[0] + sum(steps))
+        data.append(data[0] + sum(steps))
     more: JsonDict = {}
     if activations and feeds is not None:
         # sessions - 1 more with the arena on, each run once: their growth from the last session without it, over
         # as many steps as the weights' figure has (the first arena session of a child sets up nothing the others
-        # do not: measured, its step within the others' spread), one packing session fewer per model
-        with_arena: list[int] = [data[-1]]
-        if sessions == 2:
-            # the sessions of a large copy: all but the first closed before the arena's opens, whose growth is then
-            # from what that one session holds (its mapped weights stay mapped): 2 sessions alive at most
-            del opened[1:]
+        # do not: measured, its step within the others' spread), one packing session fewer per model; with
+        # ``rotate`` (or a large copy) each opened once the one before it is closed, the first session still open
+        if rotate or sessions == 2:
             s = None
-            _collect()
-            with_arena = [data_pss()]
+            before = _close_after_first(opened)
+        else:
+            before = data_pss()
+        arena_steps: list[int] = []
         for i in range(1, sessions):
             try:
                 s = new_session(model_path, share=share, log_level=4, arena=True, spinning=False)
@@ -188,9 +207,14 @@ def probe(
                 raise
             opened.append(s)
             most = max(most, len(opened))
-            if i == sessions - 1:
-                with_arena.append(data_pss())
-        more["arena_growth"] = _growth(with_arena, sessions)
+            if rotate or sessions == 2:
+                arena_steps.append(data_pss() - before)
+                if i < sessions - 1:
+                    s = None
+                    before = _close_after_first(opened)
+            elif i == sessions - 1:
+                arena_steps = [data_pss() - before]
+        more["arena_growth"] = max(0, sum(arena_steps) // (sessions - 1))
     if not ran:
         more["no_run"] = no_run
     _trace(model_path, share, len(opened), most)
@@ -237,6 +261,16 @@ def _large_step(step: int, one: int) -> bool:
     """Whether one more session's step ``step`` (data PSS) is a copy large enough to be measured by 2 sessions
     instead of 4: ``LARGE_STEP`` or more and at least ``LARGE_SHARE`` of one session's PSS ``one``."""
     return step >= LARGE_STEP and step >= LARGE_SHARE * one
+
+
+def _close_after_first(opened: list[Any]) -> int:
+    """Close every session of ``opened`` but the first (the caller holds no other reference) and give back what
+    they held; the data PSS then, from which the next session's step is read."""
+    from ..._runtimes.memory import data_pss
+
+    del opened[1:]
+    _collect()
+    return data_pss()
 
 
 def _collect() -> None:
@@ -314,6 +348,7 @@ def _measure(
     feeds: MeasureInputs | None = None,
     timeout: float | None = None,
     memory: ChildMemory | None = None,
+    rotate: bool = False,
 ) -> tuple[JsonDict, str]:
     """One child's answer (``cost``: bytes one more session keeps beyond a one-node model's, ``data_growth``: its
     whole growth), or ({"refused": why}, "") when onnxruntime refuses the model, or ({}, why not measured)."""
@@ -322,7 +357,7 @@ def _measure(
     from ...errors import UsageError
 
     given = feeds or MeasureInputs()
-    args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files)]
+    args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files), rotate]
     try:
         # one child measures every setting and, within check's ``reused_children``, every model in turn; a model
         # over the bound there is measured again in a fresh child (``in_worker``)
@@ -344,14 +379,15 @@ def _measure(
 
 
 def measure_copies(
-    path: Path, feeds: MeasureInputs | None = None
+    path: Path, feeds: MeasureInputs | None = None, only: list[str] | None = None
 ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding]]:
     """(setting id -> bytes of weights and their copies one more session keeps, setting id -> PSS of the child with
     one session (what `check` weighs the growth against), notes, setting id -> activation memory one more session
     keeps at default options (its CPU arena), findings: ``runtime-refuses-model`` when onnxruntime refuses to
     load the model); ({}, {}, [why not], {}, []) when ORT is not installed. Each child runs under the memory bound
     of ``_runtimes/bound.py``; one that runs into it leaves its setting "not measured" (a note naming the option
-    that raises the bound), never a finding."""
+    that raises the bound), never a finding. ``only``: those settings, without their activation memory (check's
+    repeats of a figure near a line: the other settings' figures and the activations are not repeated)."""
     from ..._runtimes.bound import child_memory
     from ..._runtimes.memory import reused_children
 
@@ -367,11 +403,16 @@ def measure_copies(
     if refused:
         return {}, {}, [f"per-session copies are the static estimate: not given to onnxruntime: {refused}"], {}, []
     with reused_children():
-        return _measure_settings(path, feeds, timeout, child_memory(mapped))
+        return _measure_settings(path, feeds, timeout, child_memory(mapped), only, mapped >= ROTATE_FROM)
 
 
 def _measure_settings(
-    path: Path, feeds: MeasureInputs | None, timeout: float, memory: ChildMemory
+    path: Path,
+    feeds: MeasureInputs | None,
+    timeout: float,
+    memory: ChildMemory,
+    only: list[str] | None = None,
+    rotate: bool = False,
 ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding]]:
     """``measure_copies`` once the model's bounds are known: each setting in turn, in one child."""
     from ..._findings import Code, Finding
@@ -382,8 +423,10 @@ def _measure_settings(
     activation: dict[str, int] = {}
     refusals: dict[str, list[str]] = {}  # why -> the settings under which onnxruntime refuses the model
     for setting, share in SETTINGS:
-        activations = setting == ACTIVATION_SETTING
-        res, why = _measure(path, share, False, activations, feeds, timeout, memory)
+        if only is not None and setting not in only:
+            continue
+        activations = setting == ACTIVATION_SETTING and only is None
+        res, why = _measure(path, share, False, activations, feeds, timeout, memory, rotate)
         if why:
             notes.append(f"{setting}: {why}")
             continue
