@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -117,6 +118,7 @@ def probe(
     from ._proto import read_tensor_proto
     from .decode import session_feeds
 
+    started = time.process_time()
     overhead = _overhead(share, arena)
     # what calls after this child's first left of data (freed, trimmed, but a heap keeps some) is not this model's;
     # what its first call left stays counted: the runtime's set-up a fresh child's first model session makes too
@@ -217,7 +219,7 @@ def probe(
         more["arena_growth"] = max(0, sum(arena_steps) // (sessions - 1))
     if not ran:
         more["no_run"] = no_run
-    _trace(model_path, share, len(opened), most)
+    _trace(model_path, share, len(opened), most, time.process_time() - started)
     return {
         "pss": pss,
         "data_pss": data,
@@ -283,10 +285,10 @@ def _collect() -> None:
     malloc_trim()
 
 
-def _trace(model_path: str, share: bool, sessions: int, most: int) -> None:
+def _trace(model_path: str, share: bool, sessions: int, most: int, cpu_s: float) -> None:
     """With ``TRACE_ENV`` set to a file: one line per call of ``probe`` (this child's pid, the model, the setting,
-    the model sessions it left open, the most of them open at once, and those still open from earlier calls, which
-    must be none): how many children and sessions `check` spends, counted without timing
+    the model sessions it left open, the most of them open at once, those still open from earlier calls, which
+    must be none, and the CPU seconds it took): how many children and sessions `check` spends, counted without timing
     (tests/test_check_cost.py)."""
     import gc
     import json
@@ -305,6 +307,7 @@ def _trace(model_path: str, share: bool, sessions: int, most: int) -> None:
         "sessions": sessions,
         "most_alive": most,
         "earlier_alive": alive,
+        "cpu_s": round(cpu_s, 3),
     }
     with open(trace, "a") as f:
         f.write(json.dumps(line) + "\n")
