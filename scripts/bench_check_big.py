@@ -52,7 +52,10 @@ def _verdicts(out: Path, cache: Path, code: Path) -> tuple[int, dict[str, list[s
     for f in doc["findings"]:
         found.setdefault(Path(f["model"] or f["file"]).name, []).append(f"{f['severity']} {f['code']}")
     figures = {
-        Path(r["model"]).name: {s: round(n / MiB, 1) for s, n in sorted(r["copied_per_session_by_setting"].items())}
+        Path(r["model"]).name: {
+            **{s: round(n / MiB, 1) for s, n in sorted(r["copied_per_session_by_setting"].items())},
+            **{f"activation {s}": round(n / MiB, 1) for s, n in sorted(r["activation_per_session_by_setting"].items())},
+        }
         for r in doc["reports"]
     }
     return doc["exit_code"], {k: sorted(v) for k, v in sorted(found.items())}, figures
@@ -88,11 +91,19 @@ def bench(forms: Path, form: str, before: Path, after: Path, t: Path) -> None:
         if rc > 1:
             print(f"    {err.splitlines()[-1:]}")
     (_, rc0, _, _, found0, fig0), (_, rc1, _, _, found1, fig1) = rows
-    print(f"  verdicts equal (exit, each model's findings): {'yes' if (rc0, found0) == (rc1, found1) else 'NO'}")
+
+    def gate(found: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {k: [f for f in v if not f.startswith("info ")] for k, v in found.items()}
+
+    print(
+        f"  verdicts equal: exit and errors/warnings {'yes' if (rc0, gate(found0)) == (rc1, gate(found1)) else 'NO'}"
+        f", info findings too {'yes' if found0 == found1 else 'NO'}"
+    )
     for name in sorted(set(fig0) | set(fig1)):
         a, b = fig0.get(name, {}), fig1.get(name, {})
         cells = ", ".join(f"{s} {a.get(s, '-')} -> {b.get(s, '-')}" for s in sorted(set(a) | set(b)))
-        print(f"    {name}: measured MiB/session {cells}; findings {', '.join(found1.get(name, [])) or 'none'}")
+        listed = ", ".join(found1.get(name, [])) or "none"
+        print(f"    {name}: measured MiB/session (before -> after) {cells}; findings {listed}")
         if found0.get(name) != found1.get(name):
             print(f"      before: {', '.join(found0.get(name, [])) or 'none'}")
 
