@@ -110,9 +110,8 @@ def probe(
     With ``rotate`` (a model that maps ``ROTATE_FROM`` bytes or more: each session maps its weights again, and
     the process's RSS counts every mapping) the sessions but the first are closed before the arena's open: 4 open at
     once, not 7. The weights' sessions stay open together: what they cost together (a heap's fragments included) is
-    the figure; one closed before the next opens would leave its freed memory to the next (measured: 1.4-4 MiB less
-    per session on T5 decoders than 4 open at once). A step to the second session of ``_large_step`` decides the
-    figure with those 2 sessions."""
+    the figure (one closed before the next opens could leave the heap it freed to the next, a figure too low). A
+    step to the second session of ``_large_step`` decides the figure with those 2 sessions."""
     from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
     from ..._runtimes.ort import new_session
