@@ -93,7 +93,8 @@ def bench(forms: Path, form: str, before: Path, after: Path, t: Path) -> None:
     (_, rc0, _, _, found0, fig0), (_, rc1, _, _, found1, fig1) = rows
 
     def gate(found: dict[str, list[str]]) -> dict[str, list[str]]:
-        return {k: [f for f in v if not f.startswith("info ")] for k, v in found.items()}
+        kept = {k: [f for f in v if not f.startswith("info ")] for k, v in found.items()}
+        return {k: v for k, v in kept.items() if v}
 
     print(
         f"  verdicts equal: exit and errors/warnings {'yes' if (rc0, gate(found0)) == (rc1, gate(found1)) else 'NO'}"
