@@ -3,7 +3,7 @@
 Before: the measuring child opened 4 sessions per setting and, at the defaults, 3 more with the arena on, all alive
 at once: for a model whose per-session copy is as large as itself (an fp32 MatMul model at the defaults, B
 pre-packed by MLAS per session; the portable twin of a 456 MiB MatMul+Conv `--prepack` output) that is 7 copies in
-one process (3.5 GiB measured, scripts/bench_check_big.txt). After: a step from the first session to the second
+one process (3.3 GiB measured, scripts/bench_check_big.txt). After: a step from the first session to the second
 that large decides the figure with those 2 sessions; the arena's session opens once the second is closed. Counted
 through the measuring child's trace (``WEIGHTSHARE_MEASURE_TRACE``: the most model sessions alive at once), and
 the figures stay real measurements: the copy measured at the model's size, the setting without pre-packing still

@@ -60,7 +60,7 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glib
 # One more session's step from its first session to its second at least this large, and this share of one
 # session's PSS (twice check's ratio line, 0.1 / 3 of it), is measured by those 2 sessions, not 4: a copy as large as
 # the model (an fp32 MatMul model's portable twin, B pre-packed per session) held 7 times took a 456 MiB model's
-# measuring child to 3.5 GiB; held twice, it stays within 2 x the model + the floor (``_runtimes/bound.py``).
+# measuring child to 3.3 GiB; held twice, it stays within 2 x the model + the floor (``_runtimes/bound.py``).
 LARGE_STEP = 16 << 20
 LARGE_SHARE = 1 / 16
 # A model that maps this much has its sessions but the first closed before the arena's open (``probe``'s ``rotate``):
