@@ -104,6 +104,7 @@ PUBLIC = {
         "FormatOptions",
         "KeepsAsIs",
         "MeasuresCopies",
+        "MeasuresSettings",
         "MeasurementKey",
         "QuietExit",
         "ReadsInputs",

@@ -22,7 +22,7 @@ from ._recorded import blob_metadata
 from ._safetensors import ALIGN_KEY
 from .errors import UsageError, WeightshareError
 from .formats import get
-from .formats.base import MeasuresCopies
+from .formats.base import MeasuresCopies, MeasuresSettings
 from .options import INLINE_THRESHOLD
 
 COPY_THRESHOLD = 1 << 20  # bytes per session a copy may cost before `check` fails on it (--threshold)
@@ -178,11 +178,16 @@ def settle(inv: ModelInventory, gate: Gate, path: str | os.PathLike[str]) -> Non
     near = near_a_line(inv, gate)
     if not isinstance(fmt, MeasuresCopies) or not near:
         return
-    measure_copies = fmt.measure_copies
+    feeds = [gate.feeds] if gate.feeds != MeasureInputs() else []
     samples: dict[str, list[int]] = {s: [inv.measured[s]] for s in near}
     ones: dict[str, list[int]] = {s: [inv.measured_one_session.get(s, 0)] for s in near}
     for _ in range(REPEATS - 1):
-        again = measure_copies(Path(path), gate.feeds) if gate.feeds != MeasureInputs() else measure_copies(Path(path))
+        # the settings near a line only, where the format can (the others' figures decide nothing here)
+        again = (
+            fmt.measure_settings(Path(path), near, *feeds)
+            if isinstance(fmt, MeasuresSettings)
+            else fmt.measure_copies(Path(path), *feeds)
+        )
         for s, values in samples.items():
             if s in again[0]:
                 values.append(again[0][s])

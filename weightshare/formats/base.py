@@ -43,6 +43,7 @@ __all__ = [
     "FormatOptions",
     "KeepsAsIs",
     "MeasuresCopies",
+    "MeasuresSettings",
     "MeasurementKey",
     "QuietExit",
     "ReadsInputs",
@@ -203,6 +204,15 @@ class MeasuresCopies(Protocol):
         findings about the model itself: the runtime refuses it[, what a user pays converted and original:
         ``ModelInventory.paid``]]]); ``feeds``: what the user said of the inputs
         (``check --dim/--input``)."""
+        ...
+
+
+@runtime_checkable
+class MeasuresSettings(Protocol):
+    """``measure_copies`` of some of the format's settings only: ``check``'s repeats of the figures near a line."""
+
+    def measure_settings(self, path: Path, settings: list[str], feeds: MeasureInputs | None = None) -> tuple[Any, ...]:
+        """``measure_copies``' first two figures (bytes copied, one session's bytes) for ``settings`` only."""
         ...
 
 

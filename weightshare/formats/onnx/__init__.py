@@ -119,6 +119,14 @@ class OnnxFormat(FormatDefaults):
 
         return measure_copies(path, feeds)
 
+    def measure_settings(
+        self, path: Path, settings: list[str], feeds: MeasureInputs | None = None
+    ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding]]:
+        """``measure_copies`` of ``settings`` only, their activation memory not measured (``measure.py``)."""
+        from .measure import measure_copies
+
+        return measure_copies(path, feeds, settings)
+
     def measurement_key(self, path: Path) -> tuple[dict[str, str], list[Path]] | None:
         """What ``measure_copies`` depends on besides the model's bytes (``measure.measurement_key``)."""
         from .measure import measurement_key

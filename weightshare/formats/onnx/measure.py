@@ -38,6 +38,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +58,15 @@ ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static es
 TRACE_ENV = "WEIGHTSHARE_MEASURE_TRACE"  # a file: each measuring call appends one line (``_trace``)
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576"}  # the measuring child's glibc setting (see above)
 COPY_NAMED = 256 << 10  # weight bytes found copied per session from which ``ort-session-state`` names the tensors
+# One more session's step from its first session to its second at least this large, and this share of one
+# session's PSS (twice check's ratio line, 0.1 / 3 of it), is measured by those 2 sessions, not 4: a copy as large as
+# the model (an fp32 MatMul model's portable twin, B pre-packed per session) held 7 times took a 456 MiB model's
+# measuring child to 3.3 GiB; held twice, it stays within 2 x the model + the floor (``_runtimes/bound.py``).
+LARGE_STEP = 16 << 20
+LARGE_SHARE = 1 / 16
+# A model that maps this much has its sessions but the first closed before the arena's open (``probe``'s ``rotate``):
+# each session maps the weights again and RSS counts every mapping (7 sessions of a 381 MiB T5 decoder: 1.5 GiB)
+ROTATE_FROM = 64 << 20
 
 
 def _one_node_model() -> bytes:
@@ -90,6 +100,7 @@ def probe(
     dims: dict[str, int] | None = None,
     input_files: dict[str, str] | None = None,
     explain: bool = False,
+    rotate: bool = False,
 ) -> JsonDict:
     """In this (child) process: PSS after the first and the last of ``sessions`` sessions under the setting (with
     ORT's CPU arena or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
@@ -99,7 +110,12 @@ def probe(
     ``no_run`` why the sessions were not run (``measure_copies`` then reports no figure: the static rules judge).
     A run that fails stops the runs of the sessions after it, so that their growth is that of unrun sessions.
     With ``explain``, a growth of ``remainder.EXPLAIN_MIN`` or more is broken down (``breakdown``: per mapping kind,
-    and what the added sessions' pages hold, ``remainder.explain``)."""
+    and what the added sessions' pages hold, ``remainder.explain``).
+    With ``rotate`` (a model that maps ``ROTATE_FROM`` bytes or more: each session maps its weights again, and
+    the process's RSS counts every mapping) the sessions but the first are closed before the arena's open: 4 open at
+    once, not 7. The weights' sessions stay open together: what they cost together (a heap's fragments included) is
+    the figure (one closed before the next opens could leave the heap it freed to the next, a figure too low). A
+    step to the second session of ``_large_step`` decides the figure with those 2 sessions."""
     from ..._runtimes import remainder as pages
     from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
@@ -111,6 +127,7 @@ def probe(
     from .remainder import EXPLAIN_MIN, sources
     from .remainder import explain as explain_growth
 
+    started = time.process_time()
     overhead = _overhead(share, arena)
     # what calls after this child's first left of data (freed, trimmed, but a heap keeps some) is not this model's;
     # what its first call left stays counted: the runtime's set-up a fresh child's first model session makes too
@@ -125,6 +142,7 @@ def probe(
             explain = False
     snapshots: list[JsonDict] = []
     opened: list[Any] = []
+    most = 0
     pss: list[int] = []
     data: list[int] = []
     feeds: dict[str, Any] | None = None
@@ -135,6 +153,7 @@ def probe(
         given = {name: read_input(name, file, {".pb": read_tensor_proto}) for name, file in (input_files or {}).items()}
     except UsageError as e:
         return {"usage": e.message}
+    steps: list[int] = []  # the growth from the first session to the second, then to the last
     for i in range(sessions):
         try:
             s = new_session(model_path, share=share, log_level=4, arena=arena, spinning=False)
@@ -164,17 +183,36 @@ def probe(
         opened.append(s)
         if explain and len(opened) == 1:  # before the figures: what the snapshot holds is in the first one
             snapshots.append(pages.snapshot(files))
-        if i in (0, sessions - 1):  # the growth is from the first to the last (a walk of smaps: 5-40 ms each)
+        most = max(most, len(opened))
+        if i == 0:
             pss.append(smaps_rollup()["Pss"] - left)  # as in a fresh child
             data.append(data_pss())
+            before = data[0]
+        elif i == 1 or i == sessions - 1:  # (a walk of smaps: 5-40 ms each)
+            now = data_pss()
+            steps.append(now - before)
+            if i == 1 and _large_step(steps[0], pss[0]):
+                # a copy this large is decided by one step (far from check's lines; a figure near one is measured
+                # again there), and more sessions of it would hold more copies: 2 sessions, not 4
+                sessions = 2
+            if i == sessions - 1:
+                break
+    if steps:  # the first and the last (the step to the second read only to decide the above)
+        pss.append(pss[0] + steps[-1])
+        data.append(data[0] + steps[-1])
     more: JsonDict = {}
     if snapshots and ran and _growth(data, sessions) >= EXPLAIN_MIN:
         snapshots.append(pages.snapshot(files))
     if activations and feeds is not None:
         # sessions - 1 more with the arena on, each run once: their growth from the last session without it, over
         # as many steps as the weights' figure has (the first arena session of a child sets up nothing the others
-        # do not: measured, its step within the others' spread), one packing session fewer per model
-        with_arena: list[int] = [data[-1]]
+        # do not: measured, its step within the others' spread), one packing session fewer per model; with
+        # ``rotate`` (or a large copy) from the first session alone, the others closed: 4 open at most (2)
+        if rotate or sessions == 2:
+            s = None
+            before = _close_after_first(opened)
+        else:
+            before = data_pss()
         for i in range(1, sessions):
             try:
                 s = new_session(model_path, share=share, log_level=4, arena=True, spinning=False)
@@ -184,9 +222,9 @@ def probe(
                     return {"oom": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
                 raise
             opened.append(s)
+            most = max(most, len(opened))
             if i == sessions - 1:
-                with_arena.append(data_pss())
-        more["arena_growth"] = _growth(with_arena, sessions)
+                more["arena_growth"] = max(0, (data_pss() - before) // (sessions - 1))
     if len(snapshots) == 2:  # after every figure: the breakdown's own memory weighs on none
         try:
             more["breakdown"] = explain_growth(Path(model_path), snapshots[0], snapshots[1], sessions - 1)
@@ -194,7 +232,7 @@ def probe(
             notes.append(f"the per-session growth was not broken down: {type(e).__name__}: {e}"[:300])
     if not ran:
         more["no_run"] = no_run
-    _trace(model_path, share, len(opened))
+    _trace(model_path, share, len(opened), most, time.process_time() - started)
     return {
         "pss": pss,
         "data_pss": data,
@@ -234,10 +272,37 @@ def _overhead(share: bool, arena: bool) -> int:
     return _TINY[share, arena][1]
 
 
-def _trace(model_path: str, share: bool, sessions: int) -> None:
+def _large_step(step: int, one: int) -> bool:
+    """Whether one more session's step ``step`` (data PSS) is a copy large enough to be measured by 2 sessions
+    instead of 4: ``LARGE_STEP`` or more and at least ``LARGE_SHARE`` of one session's PSS ``one``."""
+    return step >= LARGE_STEP and step >= LARGE_SHARE * one
+
+
+def _close_after_first(opened: list[Any]) -> int:
+    """Close every session of ``opened`` but the first (the caller holds no other reference) and give back what
+    they held; the data PSS then, from which the next session's step is read."""
+    from ..._runtimes.memory import data_pss
+
+    del opened[1:]
+    _collect()
+    return data_pss()
+
+
+def _collect() -> None:
+    """What closed sessions held given back before the next figure is read (as between two calls of ``probe``)."""
+    import gc
+
+    from ..._platform import malloc_trim
+
+    gc.collect()
+    malloc_trim()
+
+
+def _trace(model_path: str, share: bool, sessions: int, most: int, cpu_s: float) -> None:
     """With ``TRACE_ENV`` set to a file: one line per call of ``probe`` (this child's pid, the model, the setting,
-    the model sessions it opened and those still open from earlier calls, which must be none): how many children
-    and sessions `check` spends, counted without timing (tests/test_check_cost.py)."""
+    the model sessions it left open, the most of them open at once, those still open from earlier calls, which
+    must be none, and the CPU seconds it took): how many children and sessions `check` spends, counted without timing
+    (tests/test_check_cost.py)."""
     import gc
     import json
 
@@ -248,7 +313,15 @@ def _trace(model_path: str, share: bool, sessions: int) -> None:
 
     # the sessions of earlier calls that are still alive: this call's are in ``opened`` (one per session opened)
     alive = sum(1 for o in gc.get_objects() if isinstance(o, ort.InferenceSession)) - sessions - SESSIONS * len(_TINY)
-    line = {"pid": os.getpid(), "model": model_path, "share": share, "sessions": sessions, "earlier_alive": alive}
+    line = {
+        "pid": os.getpid(),
+        "model": model_path,
+        "share": share,
+        "sessions": sessions,
+        "most_alive": most,
+        "earlier_alive": alive,
+        "cpu_s": round(cpu_s, 3),
+    }
     with open(trace, "a") as f:
         f.write(json.dumps(line) + "\n")
 
@@ -291,6 +364,7 @@ def _measure(
     feeds: MeasureInputs | None = None,
     timeout: float | None = None,
     memory: ChildMemory | None = None,
+    rotate: bool = False,
 ) -> tuple[JsonDict, str]:
     """One child's answer (``cost``: bytes one more session keeps beyond a one-node model's, ``data_growth``: its
     whole growth), or ({"refused": why}, "") when onnxruntime refuses the model, or ({}, why not measured)."""
@@ -300,6 +374,7 @@ def _measure(
 
     given = feeds or MeasureInputs()
     args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files), not arena]
+    args.append(rotate)
     try:
         # one child measures every setting and, within check's ``reused_children``, every model in turn; a model
         # over the bound there is measured again in a fresh child (``in_worker``)
@@ -325,14 +400,15 @@ def _measure(
 
 
 def measure_copies(
-    path: Path, feeds: MeasureInputs | None = None
+    path: Path, feeds: MeasureInputs | None = None, only: list[str] | None = None
 ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding]]:
     """(setting id -> bytes of weights and their copies one more session keeps, setting id -> PSS of the child with
     one session (what `check` weighs the growth against), notes, setting id -> activation memory one more session
     keeps at default options (its CPU arena), findings: ``runtime-refuses-model`` when onnxruntime refuses to
     load the model); ({}, {}, [why not], {}, []) when ORT is not installed. Each child runs under the memory bound
     of ``_runtimes/bound.py``; one that runs into it leaves its setting "not measured" (a note naming the option
-    that raises the bound), never a finding."""
+    that raises the bound), never a finding. ``only``: those settings, without their activation memory (check's
+    repeats of a figure near a line: the other settings' figures and the activations are not repeated)."""
     from ..._runtimes.bound import child_memory
     from ..._runtimes.memory import reused_children
 
@@ -348,11 +424,16 @@ def measure_copies(
     if refused:
         return {}, {}, [f"per-session copies are the static estimate: not given to onnxruntime: {refused}"], {}, []
     with reused_children():
-        return _measure_settings(path, feeds, timeout, child_memory(mapped))
+        return _measure_settings(path, feeds, timeout, child_memory(mapped), only, mapped >= ROTATE_FROM)
 
 
 def _measure_settings(
-    path: Path, feeds: MeasureInputs | None, timeout: float, memory: ChildMemory
+    path: Path,
+    feeds: MeasureInputs | None,
+    timeout: float,
+    memory: ChildMemory,
+    only: list[str] | None = None,
+    rotate: bool = False,
 ) -> tuple[dict[str, int], dict[str, int], list[str], dict[str, int], list[Finding]]:
     """``measure_copies`` once the model's bounds are known: each setting in turn, in one child."""
     from ..._findings import Code, Finding
@@ -364,8 +445,10 @@ def _measure_settings(
     refusals: dict[str, list[str]] = {}  # why -> the settings under which onnxruntime refuses the model
     state: list[Finding] = []
     for setting, share in SETTINGS:
-        activations = setting == ACTIVATION_SETTING
-        res, why = _measure(path, share, False, activations, feeds, timeout, memory)
+        if only is not None and setting not in only:
+            continue
+        activations = setting == ACTIVATION_SETTING and only is None
+        res, why = _measure(path, share, False, activations, feeds, timeout, memory, rotate)
         if why:
             notes.append(f"{setting}: {why}")
             continue

@@ -1,0 +1,71 @@
+"""check measures a model whose every session copies its weights with 2 sessions alive, not 7; a large one with 4.
+
+Before: the measuring child opened 4 sessions per setting and, at the defaults, 3 more with the arena on, all alive
+at once: for a model whose per-session copy is as large as itself (an fp32 MatMul model at the defaults, B
+pre-packed by MLAS per session; the portable twin of a 456 MiB MatMul+Conv `--prepack` output) that is 7 copies in
+one process (3.3 GiB measured, scripts/bench_check_big.txt). After: a step from the first session to the second
+that large decides the figure with those 2 sessions; the arena's session opens once the second is closed. Counted
+through the measuring child's trace (``WEIGHTSHARE_MEASURE_TRACE``: the most model sessions alive at once), and
+the figures stay real measurements: the copy measured at the model's size, the setting without pre-packing still
+measured with 4 sessions, the verdict unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import weightshare
+
+sys.path.insert(0, str(Path(__file__).parent))
+import model_forms as mf  # noqa: E402
+
+pytest.importorskip("onnxruntime")
+
+MiB = 1 << 20
+
+
+@pytest.mark.slow
+def test_a_model_copied_whole_per_session_is_measured_with_two_sessions_alive(tmp_path, monkeypatch):
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("WEIGHTSHARE_MEASURE_TRACE", str(trace))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache-home"))
+    model = mf.build("fp32", tmp_path / "m.onnx", 24)
+    weights = sum(f.stat().st_size for f in tmp_path.iterdir() if f.is_file())
+    report = weightshare.check([model])
+    (inv,) = report.models
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    most = {line["share"]: line.get("most_alive", line["sessions"]) for line in lines}
+    assert most == {True: 4, False: 2}, lines  # da762d9: {True: 4, False: 7}
+    # the copy is measured as what it is: the model's weights once more per session, under the defaults only
+    assert 0.85 * weights <= inv.measured["ort-default"] <= 1.15 * weights, (inv.measured, weights)
+    assert inv.measured["ort-disable-prepacking"] < MiB, inv.measured
+    assert "ort-default" in inv.measured_activation, inv.measure_notes  # the arena still measured apart
+    assert report.exit_code == 1  # the verdict on such a model: fail, as before
+    assert any(f.code == "copied-per-session" for f in report.findings), [f.line() for f in report.findings]
+
+
+@pytest.mark.slow
+def test_a_large_mapped_model_has_its_sessions_closed_before_the_arenas_open(tmp_path, monkeypatch):
+    """Each session maps the weights again and RSS counts every mapping: a model mapping ROTATE_FROM or more has
+    its weights' sessions but the first closed before the arena's 3 open (here: every model, ROTATE_FROM 0, in the
+    parent that decides it): 4 open at once, not 7. The weights' 4 stay open together (what they cost together is
+    the figure), and the figures are those of the sessions all open at once."""
+    from weightshare.formats.onnx import measure
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("WEIGHTSHARE_MEASURE_TRACE", str(trace))
+    model = mf.build("merged_decoder", tmp_path / "decoder_model_merged.onnx", 2)
+    at_once = measure.measure_copies(model)
+    monkeypatch.setattr(measure, "ROTATE_FROM", 0, raising=False)
+    trace.unlink()
+    rotated = measure.measure_copies(model)
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert [line.get("most_alive", line["sessions"]) for line in lines] == [4, 4], lines  # da762d9: [4, 7]
+    assert set(rotated[0]) == set(at_once[0]) == {"ort-disable-prepacking", "ort-default"}
+    for setting, n in at_once[0].items():  # the same copies, to the noise of the runtime's per-session state
+        assert abs(rotated[0][setting] - n) <= max(0.25 * n, MiB // 2), (setting, rotated[0], at_once[0])
+    assert set(rotated[3]) == {"ort-default"}  # the arena's activation memory still measured apart
