@@ -353,7 +353,9 @@ def _stage_portable(
     try:
         planned = [p.tensor for p in prepared.payloads]
         blob = SafetensorsBlob(fd, planned, options.align, metadata=metadata, spare=HEADER_SPARE)
-        placements = write_payloads(blob, prepared.payloads, prepared.report)
+        if options.progress_total is not None:  # the bulk of the final blob's bytes: it is written in place of this
+            options.progress_total(sum(t.nbytes for t in planned))
+        placements = write_payloads(blob, prepared.payloads, prepared.report, options.progress)
         blob.writer.drop_buffers()
         prepared.payloads = []
         with OutputTransaction() as tx:
