@@ -151,8 +151,26 @@ def _one_node_model(
     used = [inits[i] for i in dict.fromkeys(node.input) if i in inits]
     g = h.make_graph([node], "one_node", inputs, outputs, used)
     m = h.make_model(g, opset_imports=graph.opset_import)
-    m.ir_version = graph.ir_version
+    m.ir_version = _node_ir_version(m)
     return m
+
+
+# IR versions that first carry an element type (float8: 9, 4-bit ints: 10, float4: 11, float8e8m0: 12)
+_TYPE_IR = {17: 9, 18: 9, 19: 9, 20: 9, 21: 10, 22: 10, 23: 11, 24: 12}
+
+
+def _node_ir_version(one: onnx.ModelProto) -> int:
+    """The IR version a one-node model is stamped with: the lowest (from 8) its opsets and element types need,
+    not its graph's. It is part of what ORT is given, hence of ``packing_key``: the same node in two exports of a
+    family that differ only in their IR stamp (optimum's merged decoder: 9, its decoders: 8) gets one session."""
+    from onnx.helper import find_min_ir_version_for
+
+    used = [
+        v.type.tensor_type.elem_type for v in [*one.graph.input, *one.graph.output] if v.type.HasField("tensor_type")
+    ]
+    used += [t.data_type for t in one.graph.initializer]
+    floor = max([_TYPE_IR.get(int(t), 8) for t in used], default=8)
+    return max(8, floor, find_min_ir_version_for(list(one.opset_import), ignore_unknown=True))
 
 
 @dataclass
@@ -859,7 +877,7 @@ def serve() -> int:
         scoped = {str(k): str(v) for k, v in (request.get("env") or {}).items()}  # this model's alone
         os.environ.update(scoped)
         try:
-            result = run([str(a) for a in request["argv"]])
+            result = _profiled(run, [str(a) for a in request["argv"]])
         finally:
             for key in scoped:
                 os.environ.pop(key, None)
@@ -869,6 +887,23 @@ def serve() -> int:
         gc.collect()
         malloc_trim()  # the model's heap goes back before the next one
     return 0
+
+
+PROFILE_ENV = "WEIGHTSHARE_CHILD_PROFILE"  # a directory: each model's cProfile stats written there (diagnostics)
+
+
+def _profiled(fn: Any, argv: list[str]) -> dict[str, Any]:
+    """``fn(argv)``, under cProfile when PROFILE_ENV names a directory (one ``<model>.prof`` per request)."""
+    where = os.environ.get(PROFILE_ENV, "")
+    if not where:
+        return dict(fn(argv))
+    import cProfile
+
+    prof = cProfile.Profile()
+    try:
+        return dict(prof.runcall(fn, argv))
+    finally:
+        prof.dump_stats(os.path.join(where, os.path.basename(argv[0]) + ".prof"))
 
 
 def _reset_peak() -> None:
