@@ -258,7 +258,11 @@ def _move_packed(value: str, src: BinaryIO, dst: BinaryIO, target: Target | None
 
 
 def pack(
-    opt_model: str, min_external: int, known: dict[str, Packing] | None = None, target: Target | None = None
+    opt_model: str,
+    min_external: int,
+    known: dict[str, Packing] | None = None,
+    target: Target | None = None,
+    digests: dict[tuple[str, int, int], str] | None = None,
 ) -> tuple[dict[str, list[list[str]]], dict[str, OpTally], dict[str, Packing]]:
     """Pre-pack node by node: each weight-bearing node of the optimized graph (subgraph bodies
     included, their outer-scope weights as the node's own) alone in a session.
@@ -283,7 +287,7 @@ def pack(
     found: dict[str, list[list[str]]] = {}
     tally: dict[str, OpTally] = {}
     made: dict[str, Packing] = {}
-    digests: dict[tuple[str, int, int], str] = {}
+    digests = {} if digests is None else digests  # (file, offset, length) -> content digest (``_content_digest``)
     packed_name = target.blob if target is not None else PACKED_BIN
     packed_bin = os.path.join(stage, packed_name)
     if not os.path.exists(packed_bin):
@@ -664,6 +668,19 @@ class Sharer:
         open(os.path.join(self.stage, self.REST), "wb").close()
         open(os.path.join(self.stage, PACKED_BIN), "wb").close()
 
+    def staged_digests(self, digests: dict[tuple[str, int, int], bytes]) -> dict[tuple[str, int, int], str]:
+        """The cut checks' digests (``segments.fingerprint``) of the staged blob's payloads the parent wrote, for
+        ``pack``'s keys: the same bytes hashed once (a decoder's weights: 0.15 s). Only below ``start``: past it
+        the blob's bytes are this child's, cut off and written again when a cut is dropped."""
+        if self.target is None:
+            return {}
+        blob = os.path.abspath(os.path.join(self.stage, self.target.blob))
+        return {
+            (self.target.blob, offset, length): digest.hex()
+            for (path, offset, length), digest in digests.items()
+            if os.path.abspath(path) == blob and 0 <= length and offset + length <= self.start
+        }
+
     def _mark(self, tag: str) -> str:
         return os.path.join(self.stage, f"ort.{tag}.kept")
 
@@ -829,6 +846,9 @@ def run(argv: list[str]) -> dict[str, Any]:
     stage = os.path.dirname(os.path.abspath(out_model))
     target = Target.from_env(stage)  # the request's environment (``serve``) or the process's (``main``)
     sharer = Sharer(model, stage, int(min_external), target)
+    from .segments import digested
+
+    digested.clear()  # this model's files alone (a staging path of an earlier model holds other bytes)
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
     sharer.drop_settled()
     share_unchanged(model, out_model, sharer)
@@ -837,7 +857,7 @@ def run(argv: list[str]) -> dict[str, Any]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
     else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
-        packed, tally, made = pack(out_model, int(min_external), known, target)
+        packed, tally, made = pack(out_model, int(min_external), known, target, sharer.staged_digests(digested))
     binding = _binding(os.path.dirname(os.path.abspath(out_model)))  # in the staging, not $TMPDIR
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
     packings = {k: v.to_json() for k, v in made.items()}
