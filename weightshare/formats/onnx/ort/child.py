@@ -622,7 +622,7 @@ def _same_bytes(a: str, a_at: int, b: str, b_at: int, length: int) -> bool:
     return True
 
 
-def _fill(f: BinaryIO, buf: bytearray) -> int:
+def _fill(f: Any, buf: bytearray) -> int:
     """``buf`` read full from ``f``'s position (fewer bytes only at its end): how many were read."""
     view, got = memoryview(buf), 0
     while got < len(buf):
