@@ -156,6 +156,7 @@ def test_a_model_stamped_with_another_ir_version_reuses_the_packing(tmp_path, mo
     reports = weightshare.convert([a, b], tmp_path / "out", prepack=True)
     assert [(r.prepack["node_sessions"], r.prepack["nodes_reused"]) for r in reports] == [(1, 0), (0, 1)]
     assert [r.prepack["ort_sessions"] for r in reports] == [2, 1]  # b: its graph's optimization alone
+    assert all(set(r.prepack["ort_child_cpu_s"]) == {"optimize", "settle", "pack"} for r in reports)
     monkeypatch.setenv(REUSE_ENV, "0")
     weightshare.convert([a, b], tmp_path / "alone", prepack=True)
     assert _files(tmp_path / "out") == _files(tmp_path / "alone")

@@ -849,24 +849,45 @@ def run(argv: list[str]) -> dict[str, Any]:
     from .segments import digested
 
     digested.clear()  # this model's files alone (a staging path of an earlier model holds other bytes)
+    clock = _Phases()
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
+    clock.lap("optimize")  # the graph's, its segments' and its cut checks' sessions, with their settling
     sharer.drop_settled()
     share_unchanged(model, out_model, sharer)
+    clock.lap("settle")
     made: dict[str, Packing] = {}
     if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
     else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
         packed, tally, made = pack(out_model, int(min_external), known, target, sharer.staged_digests(digested))
+    clock.lap("pack")  # node by node: keys, sessions, packed copies moved (or the segments' tallied)
     binding = _binding(os.path.dirname(os.path.abspath(out_model)))  # in the staging, not $TMPDIR
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
     packings = {k: v.to_json() for k, v in made.items()}
     result: dict[str, Any] = {"binding": binding, "packed": packed, "segments": segments, "ops": ops}
     result["packings"] = packings
+    result["cpu_s"] = clock.laps
     if target is not None and target.scratch:
         target.sample(drop=".win")
         result["scratch_peak_bytes"] = target.scratch_peak
     return result
+
+
+class _Phases:
+    """This process's CPU seconds (user + system) per phase of ``run``: where a model's packing cost goes."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.process_time
+        self._at = self._clock()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = self._clock()
+        self.laps[name] = round(now - self._at, 3)
+        self._at = now
 
 
 _bindings: list[dict[str, Any]] = []  # this process's: measured once, whatever number of models it packs
