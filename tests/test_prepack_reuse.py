@@ -137,3 +137,28 @@ def test_the_same_bytes_read_by_another_kernel_are_packed_again(tmp_path, monkey
         for n in (1, 8, 64):
             feeds = {"x": rng.standard_normal((n, k), dtype=np.float32)}
             assert _exact(m, tmp_path / "out" / m.name, feeds), (m.name, n)
+
+
+def test_a_model_stamped_with_another_ir_version_reuses_the_packing(tmp_path, monkeypatch):
+    """optimum stamps its merged decoder IR 9 and the decoders it merged IR 8: the same node reads the same weight
+    in both. The one-node model ORT packs carries the IR version its opsets and types need, not its graph's, so the
+    second model runs no session (the T5 folder's merged decoder: 64 sessions before), and its files are those a run
+    without reuse writes."""
+    w = (np.random.default_rng(0).standard_normal((256, 128)) / 16).astype(np.float32)
+    src = tmp_path / "src"
+    src.mkdir()
+    matmul = h.make_node("MatMul", ["x", "W"], ["y"])
+    a = _one_weight(src / "a.onnx", w, matmul, ["n", 256], ["n", 128])
+    b = _one_weight(src / "b.onnx", w, matmul, ["n", 256], ["n", 128])
+    stamped = onnx.load(str(b))
+    stamped.ir_version = 9
+    onnx.save(stamped, str(b))
+    reports = weightshare.convert([a, b], tmp_path / "out", prepack=True)
+    assert [(r.prepack["node_sessions"], r.prepack["nodes_reused"]) for r in reports] == [(1, 0), (0, 1)]
+    assert [r.prepack["ort_sessions"] for r in reports] == [2, 1]  # b: its graph's optimization alone
+    assert all(set(r.prepack["ort_child_cpu_s"]) == {"optimize", "settle", "pack"} for r in reports)
+    monkeypatch.setenv(REUSE_ENV, "0")
+    weightshare.convert([a, b], tmp_path / "alone", prepack=True)
+    assert _files(tmp_path / "out") == _files(tmp_path / "alone")
+    feeds = {"x": np.random.default_rng(1).standard_normal((8, 256), dtype=np.float32)}
+    assert _exact(b, tmp_path / "out" / b.name, feeds)

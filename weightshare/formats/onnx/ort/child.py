@@ -151,8 +151,26 @@ def _one_node_model(
     used = [inits[i] for i in dict.fromkeys(node.input) if i in inits]
     g = h.make_graph([node], "one_node", inputs, outputs, used)
     m = h.make_model(g, opset_imports=graph.opset_import)
-    m.ir_version = graph.ir_version
+    m.ir_version = _node_ir_version(m)
     return m
+
+
+# IR versions that first carry an element type (float8: 9, 4-bit ints: 10, float4: 11, float8e8m0: 12)
+_TYPE_IR = {17: 9, 18: 9, 19: 9, 20: 9, 21: 10, 22: 10, 23: 11, 24: 12}
+
+
+def _node_ir_version(one: onnx.ModelProto) -> int:
+    """The IR version a one-node model is stamped with: the lowest (from 8) its opsets and element types need,
+    not its graph's. It is part of what ORT is given, hence of ``packing_key``: the same node in two exports of a
+    family that differ only in their IR stamp (optimum's merged decoder: 9, its decoders: 8) gets one session."""
+    from onnx.helper import find_min_ir_version_for
+
+    used = [
+        v.type.tensor_type.elem_type for v in [*one.graph.input, *one.graph.output] if v.type.HasField("tensor_type")
+    ]
+    used += [t.data_type for t in one.graph.initializer]
+    floor = max([_TYPE_IR.get(int(t), 8) for t in used], default=8)
+    return max(8, floor, find_min_ir_version_for(list(one.opset_import), ignore_unknown=True))
 
 
 @dataclass
@@ -176,6 +194,16 @@ def _scope_inits(scope: list[onnx.GraphProto]) -> dict[str, onnx.TensorProto]:
     for g in scope:
         found.update({t.name: t for t in g.initializer})
     return found
+
+
+def _scoped(
+    cache: dict[tuple[int, ...], dict[str, onnx.TensorProto]], scope: list[onnx.GraphProto]
+) -> dict[str, onnx.TensorProto]:
+    """``_scope_inits(scope)``, made once per graph of the model (a merged decoder's 1,000 nodes: 0.05 s)."""
+    key = tuple(map(id, scope))
+    if key not in cache:
+        cache[key] = _scope_inits(scope)
+    return cache[key]
 
 
 def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -> str:
@@ -230,7 +258,11 @@ def _move_packed(value: str, src: BinaryIO, dst: BinaryIO, target: Target | None
 
 
 def pack(
-    opt_model: str, min_external: int, known: dict[str, Packing] | None = None, target: Target | None = None
+    opt_model: str,
+    min_external: int,
+    known: dict[str, Packing] | None = None,
+    target: Target | None = None,
+    digests: dict[tuple[str, int, int], str] | None = None,
 ) -> tuple[dict[str, list[list[str]]], dict[str, OpTally], dict[str, Packing]]:
     """Pre-pack node by node: each weight-bearing node of the optimized graph (subgraph bodies
     included, their outer-scope weights as the node's own) alone in a session.
@@ -255,13 +287,14 @@ def pack(
     found: dict[str, list[list[str]]] = {}
     tally: dict[str, OpTally] = {}
     made: dict[str, Packing] = {}
-    digests: dict[tuple[str, int, int], str] = {}
+    digests = {} if digests is None else digests  # (file, offset, length) -> content digest (``_content_digest``)
     packed_name = target.blob if target is not None else PACKED_BIN
     packed_bin = os.path.join(stage, packed_name)
     if not os.path.exists(packed_bin):
         open(packed_bin, "wb").close()
+    scopes: dict[tuple[int, ...], dict[str, onnx.TensorProto]] = {}  # per enclosing graphs: not per node
     for n, (node, scope) in enumerate(all_nodes(model.graph)):
-        inits = _scope_inits(scope)
+        inits = _scoped(scopes, scope)
         weights = [i for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
         if not weights:
             continue
@@ -487,8 +520,9 @@ def tally_packed(opt_model: str) -> dict[str, OpTally]:
 
     model = onnx.load(opt_model, load_external_data=False)
     tally: dict[str, OpTally] = {}
+    scopes: dict[tuple[int, ...], dict[str, onnx.TensorProto]] = {}
     for node, scope in all_nodes(model.graph):
-        inits = _scope_inits(scope)
+        inits = _scoped(scopes, scope)
         weights = [inits[i] for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
         if not weights:
             continue
@@ -570,15 +604,33 @@ def _external(t: onnx.TensorProto) -> tuple[str, int, int] | None:
 
 
 def _same_bytes(a: str, a_at: int, b: str, b_at: int, length: int) -> bool:
-    with open(a, "rb") as fa, open(b, "rb") as fb:
+    # two buffers read into again and again: a fresh 1 MiB bytes object per read cost 5x the CPU of the compare
+    # itself (its pages faulted in each time; a decoder's weights: 0.28 s against 0.05 s)
+    size = min(length, 1 << 20)
+    ba, bb = bytearray(size), bytearray(size)
+    with open(a, "rb", buffering=0) as fa, open(b, "rb", buffering=0) as fb:
         fa.seek(a_at)
         fb.seek(b_at)
         while length:
-            n = min(length, 1 << 20)
-            if fa.read(n) != fb.read(n):
+            n = min(length, size)
+            if n < len(ba):
+                ba, bb = bytearray(n), bytearray(n)
+            got_a, got_b = _fill(fa, ba), _fill(fb, bb)
+            if got_a != got_b or (ba if got_a == n else ba[:got_a]) != (bb if got_b == n else bb[:got_b]):
                 return False
             length -= n
     return True
+
+
+def _fill(f: Any, buf: bytearray) -> int:
+    """``buf`` read full from ``f``'s position (fewer bytes only at its end): how many were read."""
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
 
 
 class Sharer:
@@ -615,6 +667,19 @@ class Sharer:
             return
         open(os.path.join(self.stage, self.REST), "wb").close()
         open(os.path.join(self.stage, PACKED_BIN), "wb").close()
+
+    def staged_digests(self, digests: dict[tuple[str, int, int], bytes]) -> dict[tuple[str, int, int], str]:
+        """The cut checks' digests (``segments.fingerprint``) of the staged blob's payloads the parent wrote, for
+        ``pack``'s keys: the same bytes hashed once (a decoder's weights: 0.15 s). Only below ``start``: past it
+        the blob's bytes are this child's, cut off and written again when a cut is dropped."""
+        if self.target is None:
+            return {}
+        blob = os.path.abspath(os.path.join(self.stage, self.target.blob))
+        return {
+            (self.target.blob, offset, length): digest.hex()
+            for (path, offset, length), digest in digests.items()
+            if os.path.abspath(path) == blob and 0 <= length and offset + length <= self.start
+        }
 
     def _mark(self, tag: str) -> str:
         return os.path.join(self.stage, f"ort.{tag}.kept")
@@ -747,12 +812,14 @@ def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO, short: s
     """``length`` bytes of ``src`` from ``offset`` appended to ``out`` in 1 MiB pieces; ``short``: the error when
     ``src`` ends first."""
     src.seek(offset)
+    buf = bytearray(min(length, 1 << 20))  # one buffer read into again (``_same_bytes``)
     while length:
-        chunk = src.read(min(length, 1 << 20))
-        if not chunk:
+        n = min(length, len(buf))
+        got = _fill(src, buf) if n == len(buf) else _fill(src, buf := bytearray(n))
+        if got < n:
             raise OSError(short)
-        out.write(chunk)
-        length -= len(chunk)
+        out.write(buf)
+        length -= n
 
 
 def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) -> None:
@@ -779,24 +846,48 @@ def run(argv: list[str]) -> dict[str, Any]:
     stage = os.path.dirname(os.path.abspath(out_model))
     target = Target.from_env(stage)  # the request's environment (``serve``) or the process's (``main``)
     sharer = Sharer(model, stage, int(min_external), target)
+    from .segments import digested
+
+    digested.clear()  # this model's files alone (a staging path of an earlier model holds other bytes)
+    clock = _Phases()
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
+    clock.lap("optimize")  # the graph's, its segments' and its cut checks' sessions, with their settling
     sharer.drop_settled()
     share_unchanged(model, out_model, sharer)
+    clock.lap("settle")
     made: dict[str, Packing] = {}
     if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
     else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
-        packed, tally, made = pack(out_model, int(min_external), known, target)
+        packed, tally, made = pack(out_model, int(min_external), known, target, sharer.staged_digests(digested))
+    clock.lap("pack")  # node by node: keys, sessions, packed copies moved (or the segments' tallied)
     binding = _binding(os.path.dirname(os.path.abspath(out_model)))  # in the staging, not $TMPDIR
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
     packings = {k: v.to_json() for k, v in made.items()}
     result: dict[str, Any] = {"binding": binding, "packed": packed, "segments": segments, "ops": ops}
     result["packings"] = packings
+    result["cpu_s"] = clock.laps
     if target is not None and target.scratch:
         target.sample(drop=".win")
         result["scratch_peak_bytes"] = target.scratch_peak
     return result
+
+
+class _Phases:
+    """This process's CPU seconds (user + system) per phase of ``run``: where a model's packing cost goes."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.process_time
+        self._at = self._clock()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, name: str) -> None:
+        now = self._clock()
+        self.laps[name] = round(now - self._at, 3)
+        self._at = now
 
 
 _bindings: list[dict[str, Any]] = []  # this process's: measured once, whatever number of models it packs
@@ -859,7 +950,7 @@ def serve() -> int:
         scoped = {str(k): str(v) for k, v in (request.get("env") or {}).items()}  # this model's alone
         os.environ.update(scoped)
         try:
-            result = run([str(a) for a in request["argv"]])
+            result = _profiled(run, [str(a) for a in request["argv"]])
         finally:
             for key in scoped:
                 os.environ.pop(key, None)
@@ -869,6 +960,24 @@ def serve() -> int:
         gc.collect()
         malloc_trim()  # the model's heap goes back before the next one
     return 0
+
+
+PROFILE_ENV = "WEIGHTSHARE_CHILD_PROFILE"  # a directory: each model's cProfile stats written there (diagnostics)
+
+
+def _profiled(fn: Any, argv: list[str]) -> dict[str, Any]:
+    """``fn(argv)``, under cProfile when PROFILE_ENV names a directory (one ``<model>.prof`` per request)."""
+    where = os.environ.get(PROFILE_ENV, "")
+    if not where:
+        return dict(fn(argv))
+    import cProfile
+    import time
+
+    prof = cProfile.Profile(time.process_time)  # CPU, not wall: the figure the benchmarks compare
+    try:
+        return dict(prof.runcall(fn, argv))
+    finally:
+        prof.dump_stats(os.path.join(where, os.path.basename(argv[0]) + ".prof"))
 
 
 def _reset_peak() -> None:

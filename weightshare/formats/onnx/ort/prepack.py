@@ -770,6 +770,8 @@ def _report_packing(
         # first after a failed one), and every ORT session it ran to optimize and pack (node sessions included)
         "ort_child_started": bool(result.get("child", {}).get("started", True)),
         "ort_sessions": int(result.get("child", {}).get("sessions", 0)),
+        # the child's CPU seconds per phase (optimize: its graph/segment/cut-check sessions; settle; pack: node by node)
+        "ort_child_cpu_s": dict(result.get("cpu_s", {})),
         "segments": result.get("segments", {}),
     }
     if "scratch_peak_bytes" in result:

@@ -713,6 +713,7 @@ def _merge_context(
 
 
 _digests: dict[tuple[str, int, int], bytes] = {}  # payloads of files that never change (not a window's file)
+digested = _digests  # the child's: cleared per model, read for its packing keys (``Sharer.staged_digests``)
 
 
 def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
