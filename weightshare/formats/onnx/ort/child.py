@@ -659,7 +659,7 @@ class Sharer:
     def reset(self) -> None:
         """Nothing settled so far is kept (the graph is optimized in one piece after all)."""
         if self.target is not None:
-            os.truncate(os.path.join(self.stage, self.target.blob), self.start)
+            self._cut_off(self.start)
             for tag in self.marks:
                 if os.path.exists(self._mark(tag)):
                     os.unlink(self._mark(tag))
@@ -681,6 +681,18 @@ class Sharer:
             if os.path.abspath(path) == blob and 0 <= length and offset + length <= self.start
         }
 
+    def _cut_off(self, size: int) -> None:
+        """The staged blob cut back to ``size``; the cut checks' digests of what was past it forgotten (the bytes
+        written there next are other bytes at the same offsets: a digest kept would vouch for them)."""
+        from .segments import digested
+
+        assert self.target is not None
+        path = os.path.join(self.stage, self.target.blob)
+        os.truncate(path, size)
+        blob = os.path.abspath(path)
+        for key in [k for k in digested if os.path.abspath(k[0]) == blob and (k[2] < 0 or k[1] + k[2] > size)]:
+            del digested[key]
+
     def _mark(self, tag: str) -> str:
         return os.path.join(self.stage, f"ort.{tag}.kept")
 
@@ -692,7 +704,7 @@ class Sharer:
             return
         cut = min(self.marks[tag] for tag in dropped)
         if all(self.marks[tag] < cut for tag in self.marks if tag not in dropped):
-            os.truncate(os.path.join(self.stage, self.target.blob), cut)
+            self._cut_off(cut)
         for tag in dropped:  # else their bytes stay, unreferenced: the final blob's padding
             del self.marks[tag]
 
