@@ -69,3 +69,23 @@ def test_a_large_mapped_model_has_its_sessions_closed_before_the_arenas_open(tmp
     for setting, n in at_once[0].items():  # the same copies, to the noise of the runtime's per-session state
         assert abs(rotated[0][setting] - n) <= max(0.25 * n, MiB // 2), (setting, rotated[0], at_once[0])
     assert set(rotated[3]) == {"ort-default"}  # the arena's activation memory still measured apart
+
+
+@pytest.mark.slow
+def test_a_copy_far_above_the_runtimes_own_state_is_counted_whole_not_broken_down(tmp_path):
+    """The per-session breakdown tells ORT's own state (a few MiB) from weights; a growth above ``EXPLAIN_MAX`` is
+    counted whole as weights without classifying its pages (a 457 MiB copy per session: ~10 CPU s of breakdown)."""
+    from weightshare._runtimes.memory import in_child
+    from weightshare.formats.onnx.measure import MALLOC_ENV, SESSIONS
+    from weightshare.formats.onnx.remainder import EXPLAIN_MAX
+
+    model = mf.build("fp32", tmp_path / "m.onnx", 40)
+    res = in_child(
+        "weightshare.formats.onnx.measure",
+        "probe",
+        [str(model), False, SESSIONS, False, False, {}, {}, True],  # the defaults: B pre-packed per session
+        MALLOC_ENV,
+    )
+    data = res["data_pss"]
+    assert (data[-1] - data[0]) // (res["sessions"] - 1) > EXPLAIN_MAX, res
+    assert "breakdown" not in res, sorted(res)

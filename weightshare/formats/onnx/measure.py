@@ -124,7 +124,7 @@ def probe(
     from ...errors import UsageError
     from ._proto import read_tensor_proto
     from .decode import session_feeds
-    from .remainder import EXPLAIN_MIN, sources
+    from .remainder import EXPLAIN_MAX, EXPLAIN_MIN, sources
     from .remainder import explain as explain_growth
 
     started = time.process_time()
@@ -201,7 +201,7 @@ def probe(
         pss.append(pss[0] + steps[-1])
         data.append(data[0] + steps[-1])
     more: JsonDict = {}
-    if snapshots and ran and _growth(data, sessions) >= EXPLAIN_MIN:
+    if snapshots and ran and EXPLAIN_MIN <= _growth(data, sessions) <= EXPLAIN_MAX:
         snapshots.append(pages.snapshot(files))
     if activations and feeds is not None:
         # sessions - 1 more with the arena on, each run once: their growth from the last session without it, over

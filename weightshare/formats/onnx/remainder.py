@@ -17,6 +17,10 @@ from pathlib import Path
 from ...report import JsonDict
 
 EXPLAIN_MIN = 256 << 10  # a per-session growth below this is not worth a breakdown (the one-node floor is ~0.3 MiB)
+# ... and above this it is not broken down either: ORT's own state measured at most ~8.3 MiB per session on exporter
+# output (a BART merged decoder); a growth of 4x that is counted whole as weights (the conservative figure) instead
+# of classifying every page it made (a 457 MiB copy per session took the breakdown ~10 CPU s)
+EXPLAIN_MAX = 32 << 20
 
 
 def sources(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]]:
