@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 from ._atomic import TMP_PREFIX, OutputTransaction, clean_stale_temporaries
 from ._format_options import check_unpack
 from ._paths import check_no_overlap
-from ._platform import TreePeak
+from ._platform import TreePeak, own_peak_mib
 from .errors import OutputError, UsageError
 from .formats import Format, model_suffixes, registered
 from .options import ConvertOptions
@@ -36,21 +36,6 @@ def reset_peak_rss() -> None:
             f.write("5")
     except OSError:
         pass
-
-
-def _peak_rss_mib() -> float:
-    """This process's own peak RSS: VmHWM. Not getrusage's ru_maxrss, which a child inherits from the parent
-    that forked it (a converter started by a 1.7 GB parent reported 1708 MiB while /proc showed 73 MiB)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource  # not on Windows, where nothing gets this far (require_posix)
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def prepare_out_dir(out_dir: str | os.PathLike[str], tx: OutputTransaction | None = None) -> Path:
@@ -92,7 +77,7 @@ def finish(report: _Timed, start: float) -> _Timed:
     """Time and peak since ``start``: the process tree's (the converter and every child it ran, summed at each
     sample), never below this process's own high-water mark or a child's own peak."""
     report.wall_time_s = round(time.perf_counter() - start, 3)
-    own = _peak_rss_mib()
+    own = own_peak_mib()
     tree = _tree.peak_since(start) / 2**20 if _tree is not None else 0.0
     report.peak_rss_mib = round(max(own, tree), 1)
     if isinstance(report, ConversionReport):

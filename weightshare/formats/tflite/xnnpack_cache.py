@@ -38,6 +38,7 @@ from ..._checksum import Hasher
 from ..._findings import Finding
 from ..._outputs_record import NEEDED
 from ..._paths import resolve_inside
+from ..._platform import own_peak_mib
 from ...errors import InvalidModel, OutputError, Unsupported, WeightshareError
 from . import cache_record
 from .findings import TfliteCode
@@ -550,21 +551,6 @@ def inventory_notes(model: str | os.PathLike[str]) -> tuple[list[str], list[Find
     return notes, findings
 
 
-def _own_peak_mib() -> float:
-    """Peak RSS of this process's own address space (VmHWM).
-
-    Not ru_maxrss: Linux carries the spawning process's high-water mark across vfork + exec into it, so
-    the child would report the converter's peak whenever that is the larger one.
-    """
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _child(model: str, cache: str) -> int:
     """Runs in the build process: open the model with the cache twice, print the cache size and peak RSS.
 
@@ -590,7 +576,7 @@ def _child(model: str, cache: str) -> int:
         print("ERROR: the XNNPACK weight cache changed when the model was opened again (incomplete cache)")
         return 3
     del first, second
-    print(json.dumps({"nbytes": again.st_size, "peak_rss_mib": round(_own_peak_mib(), 1)}))
+    print(json.dumps({"nbytes": again.st_size, "peak_rss_mib": round(own_peak_mib(), 1)}))
     return 0
 
 

@@ -948,7 +948,7 @@ def serve() -> int:
     exit 1, as ``main``): the next model gets a new child, never one whose heap a failure left behind."""
     import gc
 
-    from ...._platform import malloc_trim
+    from ...._platform import malloc_trim, own_peak_mib
     from .limits import apply_limits, die_with_parent
 
     die_with_parent()
@@ -966,7 +966,7 @@ def serve() -> int:
         finally:
             for key in scoped:
                 os.environ.pop(key, None)
-        result["child"] = {"peak_rss_mib": _peak_mib(), "sessions": SESSIONS.count - before}
+        result["child"] = {"peak_rss_mib": own_peak_mib(), "sessions": SESSIONS.count - before}
         answers.write(json.dumps(result) + "\n")
         answers.flush()
         gc.collect()
@@ -999,21 +999,6 @@ def _reset_peak() -> None:
             f.write("5")
     except OSError:
         pass  # the peak then spans the earlier models too: an upper bound
-
-
-def _peak_mib() -> float:
-    """This process's RSS high-water mark (``VmHWM``; elsewhere ``ru_maxrss``), in MiB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return float(peak / 1024 if sys.platform != "darwin" else peak / 2**20)
 
 
 if __name__ == "__main__":
