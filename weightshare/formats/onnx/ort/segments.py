@@ -663,6 +663,11 @@ def _merge_casts(
                 continue
             first[key] = n.output[0]
         kept.append(n)
+    return _aliased(nodes, kept, alias)
+
+
+def _aliased(nodes: list[onnx.NodeProto], kept: list[onnx.NodeProto], alias: dict[str, str]) -> list[onnx.NodeProto]:
+    """``kept`` reading each merged output under the name of the one it merged into; ``nodes`` when none was."""
     if not alias:
         return nodes
     for n in kept:
@@ -702,11 +707,7 @@ def _merge_context(
                 made.append(list(n.output))
             ids.update((o, f"{key}:{j}:{k}") for k, o in enumerate(n.output) if o)
         kept.append(n)
-    if not alias:
-        return nodes
-    for n in kept:
-        n.input[:] = [alias.get(i, i) for i in n.input]
-    return kept
+    return _aliased(nodes, kept, alias)
 
 
 # ---------------------------------------------------------------- comparing graphs
