@@ -51,6 +51,7 @@ Weights are random (seeded); nothing is downloaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -332,17 +333,8 @@ BERT = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12, num_attenti
 
 def bert(d: Path, form: str) -> dict:
     """optimum's feature-extraction export of a random BERT, ORT's transformer optimizer, then int8 or QDQ."""
-    import numpy as np
     import onnx
     import torch
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        QuantType,
-        quant_pre_process,
-        quantize_dynamic,
-        quantize_static,
-    )
     from optimum.exporters.onnx import main_export
     from transformers import BertConfig, BertModel
 
@@ -358,6 +350,24 @@ def bert(d: Path, form: str) -> dict:
         subprocess.run(cmd, check=True)
     # ORT's shape inference types no output of its fused contrib ops: the quantizer asks for the default
     extra = {"DefaultTensorType": onnx.TensorProto.FLOAT}
+    # the quantizers write their temporaries (sym_shape_infer_temp.onnx, <uuid>.data: 415 MiB) into the current
+    # directory: the build's work directory, never the checkout
+    with contextlib.chdir(work):
+        _quantize(form, d, work, opt, extra)
+    return {"kind": "bert", "model": "model.onnx"}
+
+
+def _quantize(form: str, d: Path, work: Path, opt: Path, extra: dict) -> None:
+    import numpy as np
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quant_pre_process,
+        quantize_dynamic,
+        quantize_static,
+    )
+
     if form == "bert-int8":
         quantize_dynamic(str(opt), str(d / "model.onnx"), weight_type=QuantType.QInt8, extra_options=extra)
     else:
@@ -383,7 +393,6 @@ def bert(d: Path, form: str) -> dict:
             str(pre), str(d / "model.onnx"), Reader(), quant_format=QuantFormat.QDQ,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, extra_options=extra,
         )  # fmt: skip
-    return {"kind": "bert", "model": "model.onnx"}
 
 
 def matmul_conv(d: Path) -> dict:

@@ -163,6 +163,21 @@ def test_no_module_over_500_lines_outside_the_formats():
     assert not long, long
 
 
+def test_no_tracked_file_over_2_mib():
+    """Fixtures are generated in code: a model or a tool's temporary committed by accident (a quantizer's 415 MiB
+    external data once was) is caught here."""
+    root = Path(weightshare.__file__).resolve().parents[1]
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    big = {
+        name: size
+        for name in listed.stdout.decode().split("\0")
+        if name and (size := (root / name).stat().st_size) > 2 << 20
+    }
+    assert not big, big
+
+
 def test_format_only_options_are_declared_by_the_formats_and_read_only_there():
     """Format.options: each format-only ConvertOptions field is declared by a format and read by no shared module."""
     import dataclasses
