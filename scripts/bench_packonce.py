@@ -35,6 +35,7 @@ from pathlib import Path
 import _builders  # noqa: F401  (tests/ on the path: the model builders)
 import model_forms as mf
 import numpy as np
+from bench_family import identical  # every output of every model, batch 1 and 8, both branches
 
 NAMES = ("decoder_model.onnx", "decoder_with_past_model.onnx", "decoder_model_merged.onnx")
 REUSE_ENV = "WEIGHTSHARE_PREPACK_REUSE"
@@ -112,19 +113,6 @@ def convert(
     elif any(r.get("prepack") for r in reports):  # before: one child per model
         figures["children"] = sum(1 for r in reports if r.get("prepack"))
     return figures
-
-
-def identical(src: Path, out: Path) -> bool:
-    import onnxruntime as ort
-
-    ok = True
-    for name in NAMES:
-        a, b = ort.InferenceSession(str(src / name)), ort.InferenceSession(str(out / name))
-        for batch in (1, 8):
-            for branch in (True, False):
-                feeds = mf.feeds(src / name, batch=batch, use_cache_branch=branch)
-                ok = ok and all(np.array_equal(x, y) for x, y in zip(a.run(None, feeds), b.run(None, feeds)))
-    return ok
 
 
 def same_files(a: Path, b: Path) -> bool:

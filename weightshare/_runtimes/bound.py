@@ -28,6 +28,9 @@ import signal
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from ..errors import WeightshareError
 
 __all__ = ["ENV", "FLOOR_BYTES", "PER_CPU_BYTES", "ChildMemory", "OverBound", "child_memory", "child_memory_bytes"]
 
@@ -88,6 +91,16 @@ def mapped_bytes(model: Path, data_files: Iterable[str] = ()) -> int:
         if f.is_file() and not (model.is_file() and os.path.samefile(f, model)):
             total += f.stat().st_size
     return total
+
+
+def mapped_by(model: Path, inventory: Callable[..., Any]) -> int:
+    """``mapped_bytes`` of ``model`` with the data files its format's ``inventory`` (``inventory_file``) lists; an
+    unreadable model: its file alone (the runtime will say why it refuses it)."""
+    try:
+        files = inventory(model, hash_payloads=False).external_files
+    except (WeightshareError, OSError):
+        files = []
+    return mapped_bytes(model, files)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..._tensors import FileRange, PayloadSource
 from ..._verify import OriginalFails, VerifyReport, compare_names, compare_outputs, first_difference, first_line
-from ...errors import UsageError, WeightshareError
+from ...errors import UsageError
 from ...options import ConvertOptions
 from .inventory import inventory_file
 from .unpack import ORT_CPU
@@ -120,13 +120,9 @@ def _outside_envelope(converted: Path) -> str | None:
 
 def mapped(path: Path) -> int:
     """Bytes the runtime maps of the model at ``path``: its file and the data files it references."""
-    from ..._runtimes.bound import mapped_bytes
+    from ..._runtimes.bound import mapped_by
 
-    try:
-        files = inventory_file(path, hash_payloads=False).external_files
-    except (WeightshareError, OSError):
-        files = []
-    return mapped_bytes(path, files)
+    return mapped_by(path, inventory_file)
 
 
 def verify_in_runtime(

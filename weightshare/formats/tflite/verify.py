@@ -22,13 +22,9 @@ _HINT = "give real inputs with --input NAME=FILE.npy, or dynamic shapes with --s
 
 def mapped(path: Path) -> int:
     """Bytes the runtime maps of the model at ``path``: its file and the data files it references."""
-    from ..._runtimes.bound import mapped_bytes
+    from ..._runtimes.bound import mapped_by
 
-    try:
-        files = inventory_file(path, hash_payloads=False).external_files
-    except (WeightshareError, OSError):
-        files = []
-    return mapped_bytes(path, files)
+    return mapped_by(path, inventory_file)
 
 
 def verify_in_runtime(
