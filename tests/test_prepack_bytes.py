@@ -104,11 +104,13 @@ def test_a_dead_runs_scratch_is_swept_a_live_ones_kept(tmp_path: Path) -> None:
     for d in (dead, live, other):
         d.mkdir()
         (d / "ort.seg0-4.bin").write_bytes(b"x" * 4096)
+    (tmp_path / f"{SCRATCH_PREFIX}link").symlink_to(other)  # a name like a scratch's, a directory it never made
     held = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
     try:
         fcntl.flock(held, fcntl.LOCK_EX)
         sweep_scratch(str(tmp_path))
         assert not dead.exists() and live.exists() and other.exists()
+        assert (other / "ort.seg0-4.bin").exists()  # nothing removed through the link
     finally:
         os.close(held)
 

@@ -149,7 +149,9 @@ def sweep_scratch(root: str) -> None:
             os.close(fd)
             continue  # a live run's
         try:
-            if os.stat(path, follow_symlinks=False).st_uid == os.getuid():
+            held, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
+            # the directory locked is the one named (not swapped since), and this user's: only then removed
+            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino) and named.st_uid == os.getuid():
                 shutil.rmtree(path, ignore_errors=True)
         finally:
             os.close(fd)
