@@ -68,6 +68,25 @@ def test_case1_a_directory_of_out_replaced_by_a_link_is_never_entered(tmp_path):
     assert any("kept sub/a.txt" in n for n in report.models[-1].notes)
 
 
+def test_a_link_in_outdir_where_the_tree_writes_is_refused_and_its_target_untouched(tmp_path):
+    """A run that writes into OUT/onnx, which the user made a link to another directory, wrote the outputs there
+    (over a file of the same name, outside OUTDIR); now it refuses in one line and writes nothing."""
+    from conftest import run_cli
+
+    repo, out, elsewhere = tmp_path / "repo", tmp_path / "out", tmp_path / "elsewhere"
+    model(repo / "onnx" / "model.onnx", 1)
+    (repo / "config.json").write_text("{}")
+    elsewhere.mkdir()
+    (elsewhere / "model.onnx").write_text("the user's file")
+    out.mkdir()
+    (out / "onnx").symlink_to(elsewhere, target_is_directory=True)
+    before = {p.name: digest(p) for p in elsewhere.iterdir()}
+    res = run_cli("convert", repo, "-o", out)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "is a link" in res.stderr, res.stderr
+    assert {p.name: digest(p) for p in elsewhere.iterdir()} == before
+    assert sorted(p.name for p in out.iterdir()) == ["onnx"]  # nothing else written in OUT either
+
+
 def test_case1_an_edited_record_naming_a_file_through_a_link_removes_nothing(tmp_path):
     repo, out = tmp_path / "repo", tmp_path / "out"
     model(repo / "model.onnx", 1)

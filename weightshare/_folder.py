@@ -98,7 +98,7 @@ def run_folder(
         roots = source_roots(folder)
         (models_step or _convert_each)(folder, plan.models, out_dir, opts, tx, report)
         for rel in plan.copies:
-            tx.make_dirs(out_dir / rel.parent)
+            tx.make_dirs(out_dir / rel.parent, under=out_dir)
             report.copied_bytes += copy_file(folder / rel, out_dir / rel, tx, roots)
             report.copied.append(str(out_dir / rel))
         record.add(run_key("folder", [folder]), tx.finals(), [folder])  # what a later run may drop
@@ -112,7 +112,7 @@ def _convert_each(
     """Each model at its relative path, with its own blob beside it."""
     for rel in models:
         model, where = folder / rel, out_dir / rel.parent
-        tx.make_dirs(where)
+        tx.make_dirs(where, under=out_dir)
         t0 = time.perf_counter()
         # opened once, checked against the plan; every read of it goes through that
         with hold(model), stages_named(opts, rel, len(models) > 1):

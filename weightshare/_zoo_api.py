@@ -117,7 +117,7 @@ def run_family_folder(folder: Path, out: Path, options: ConvertOptions) -> ZooRe
         for rel in models:
             groups.setdefault(rel.parent, []).append(rel)
         for where, rels in groups.items():
-            tx.make_dirs(out_dir / where)
+            tx.make_dirs(out_dir / where, under=out_dir)
             sources, formats = [], []
             for rel in rels:
                 with hold(folder / rel):
