@@ -23,13 +23,13 @@ import ctypes
 import os
 import secrets
 import shutil
-import stat
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
+from ._paths import no_link_below
 from ._platform import require_posix, same_file
 from .errors import OutputError, UsageError
 
@@ -212,20 +212,6 @@ class CommitHook:
         pass
 
 
-def _no_link_below(root: Path, path: Path) -> None:
-    """``UsageError`` naming the first component of ``path`` below ``root`` that is a link or not a directory."""
-    p = root
-    for part in path.relative_to(root).parts:
-        p = p / part
-        try:
-            st = os.lstat(p)
-        except FileNotFoundError:
-            return  # made here, as a directory
-        if not stat.S_ISDIR(st.st_mode):
-            what = "a link" if stat.S_ISLNK(st.st_mode) else "not a directory"
-            raise UsageError(f"is {what}: outputs are written only in directories below OUTDIR itself", p)
-
-
 class OutputTransaction:
     """Collects temporary outputs and renames them into place together.
 
@@ -319,12 +305,10 @@ class OutputTransaction:
         return self._create(final, True)
 
     def make_dirs(self, path: Path, under: Path | None = None) -> None:
-        """``mkdir -p path``; the directories created here are removed again (when empty) on abort. ``under``
-        (OUTDIR, followed if it is a link): every directory from it down to ``path`` must be a directory itself,
-        not a link, or nothing is written through it (a link would put the outputs, and overwrite files, outside
-        OUTDIR)."""
+        """``mkdir -p path``; the directories created here are removed again (when empty) on abort. ``under``:
+        OUTDIR, below which no directory may be a link (``_paths.no_link_below``)."""
         if under is not None:
-            _no_link_below(Path(under), Path(path))
+            no_link_below(Path(under), Path(path))
         missing = []
         p = Path(path)
         while not p.exists() and p != p.parent:

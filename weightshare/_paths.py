@@ -9,6 +9,7 @@ before anything is opened: a hostile ``location`` such as ``/etc/shadow`` or
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
@@ -130,3 +131,18 @@ def model_file_suffixes() -> tuple[str, ...] | None:
     """Every registered format's model suffixes, or None when no format was ever imported: then every file counts
     as a model that may reference a blob (the careful side: an old blob is kept, never removed early)."""
     return _model_suffixes[0]() if _model_suffixes else None
+
+
+def no_link_below(root: Path, path: Path) -> None:
+    """``UsageError`` naming the first component of ``path`` below ``root`` that is a link or not a directory: a
+    link would put the outputs, and overwrite files, outside OUTDIR (``root`` itself may be one, followed once)."""
+    p = root
+    for part in path.relative_to(root).parts:
+        p = p / part
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            return  # made here, as a directory
+        if not stat.S_ISDIR(st.st_mode):
+            what = "a link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise UsageError(f"is {what}: outputs are written only in directories below OUTDIR itself", p)
