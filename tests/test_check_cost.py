@@ -92,7 +92,13 @@ def test_a_prepack_folder_is_measured_by_one_child_one_model_at_a_time(tmp_path,
     assert all(line["earlier_alive"] == 0 for line in lines), lines
     for m in report.models:
         mine = [(line["share"], line["sessions"]) for line in lines if Path(line["model"]).name == Path(m.model).name]
-        assert mine[:2] == [(True, 4), (False, 7)], mine  # 4 per setting, 3 more: arena on
+        if ".portable." in m.model:
+            # a twin is not packed again at default options: its packed model's blob holds what this runtime
+            # packs of it (f3774c5: [(True, 4), (False, 2)], its copy held twice)
+            assert mine[:1] == [(True, 4)] and (False, 2) not in mine, mine
+            assert any("not measured again" in n for n in m.measure_notes), m.measure_notes
+            continue
+        assert mine[:2] == [(True, 4), (False, 5)], mine  # 4 per setting, 1 more: arena on (f3774c5: 3 more)
         assert all(n == 4 for _, n in mine[2:]), mine  # repeats near a line: those settings only, arena off
     # warm: the verdicts reused, no child at all, for check and for inspect after it
     started.clear()

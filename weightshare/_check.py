@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ._dispatch import inventory, measure_or_reuse
 from ._findings import Code, Finding, Severity, TextEnum, code_named
-from ._inventory import MeasureInputs, ModelInventory, PayloadInfo, judge_envelope
+from ._inventory import MeasureInputs, ModelInventory, PayloadInfo, judge_envelope, known_how
 from ._paid import paid_verdict
 from ._placement import AlignPolicy
 from ._recorded import blob_metadata
@@ -236,7 +236,8 @@ def _measured(inv: ModelInventory, add: Callable[..., None], gate: Gate) -> None
         add(
             Code.MEASURED_COPY,
             copying if not unexplained else [],
-            f"one more session under {setting}{how} keeps {_mib(n)} of weights (measured; static rules: {_mib(static)}"
+            f"one more session under {setting}{how} keeps {_mib(n)} of weights "
+            f"({known_how(inv.measure_notes, setting)}; static rules: {_mib(static)}"
             + (f"; largest: {_names(copying)}" if copying else "")
             + (
                 f"; {_mib(n - static)} no static rule explains"

@@ -168,6 +168,19 @@ def mark_duplicates(payloads: list[PayloadInfo]) -> None:
             first[key] = p.name
 
 
+# What a measure note says of a setting's figure that the runtime itself saved at conversion instead of being measured
+# again (a ``--prepack`` output's portable twin at default options: its packed model's packings); `check` then says
+# so instead of "measured"
+NOT_MEASURED_AGAIN = "not measured again"
+
+
+def known_how(measure_notes: list[str], setting: str) -> str:
+    """How a setting's figure is known: "measured", or that the runtime saved it at conversion."""
+    if any(n.startswith(f"{setting}: ") and NOT_MEASURED_AGAIN in n for n in measure_notes):
+        return "what the runtime saved of its packings at conversion, not measured again"
+    return "measured"
+
+
 @dataclass(frozen=True)
 class MeasureInputs:
     """What the user told ``check`` about a model's inputs (``--dim NAME=N``, ``--input NAME=FILE``), handed to

@@ -275,6 +275,11 @@ def _classify(words: Any, spans: Any, index: _Index, counts: Any, tensor_pages: 
         tensor_pages[name] = tensor_pages.get(name, 0) + 1
 
 
+# The last sources indexed, with their index (the caller lists a model's sources once while its files are
+# unchanged, ``formats/onnx/remainder.sources``): at most ``MAX_INDEX`` words, 8 MiB with their places.
+_INDEX: list[tuple[Any, _Index]] = []
+
+
 def breakdown(
     first: JsonDict,
     last: JsonDict,
@@ -294,7 +299,9 @@ def breakdown(
     if not new:
         return {"pss": pss, "pages": classes, "tensors": [], "new_pages": 0}
     spans = _spans()
-    index = _Index(sources)
+    if not _INDEX or _INDEX[0][0] is not sources:  # the same model's sources under another setting: indexed once
+        _INDEX[:] = [(sources, _Index(sources))]
+    index = _INDEX[0][1]
     counts = np.zeros(3, np.int64)  # weights, runtime objects, zero
     tensor_pages: dict[str, int] = {}
     for at in range(0, len(new), BATCH):  # a batch at a time: the breakdown's memory stays small

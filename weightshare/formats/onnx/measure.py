@@ -16,8 +16,8 @@ Weights, not activations: the sessions that measure weight copies run with ORT's
 (``enable_cpu_mem_arena=False``), so the activations, kernel scratch and outputs of a run are freed after it and
 what a session keeps is its weights and what it made of them (pre-packed, reordered, cast copies). The arena a
 session keeps at default options (measured: 40 MiB per session for a YOLO-like detector with 0.3 MiB of weights)
-is measured apart, in the same child at default options: three sessions more with the arena on, their growth
-from the last session without it over three, and the difference of the two growths is the session's activation
+is measured apart, in the same child at default options: one session more with the arena on, its growth
+from the last session without it, less the weights' growth per session, is the session's activation
 memory, reported as its own figure, never as a weight copy. What any session costs whatever its model (its
 thread pool, per-session state: 0.1-0.4 MiB measured) is measured in the same child on a one-node model, once
 per setting, and taken off.
@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..._inventory import MeasureInputs
+from ..._inventory import NOT_MEASURED_AGAIN, MeasureInputs
 from ...report import JsonDict
 
 if TYPE_CHECKING:
@@ -52,7 +52,8 @@ if TYPE_CHECKING:
 SESSIONS = 4  # growth from 1 to 4 sessions, over 3: the sharing criterion of a PSS benchmark (4 vs 1), less noisy
 FOLD_CHECK_MAX = 64 << 20  # model files up to this size are parsed for fold_bound (a folding bomb is a small file)
 CHILD_SESSIONS = 3 * SESSIONS  # a child's sessions of the model: arena off, arena on, and room for a slow load
-SETTINGS = (("ort-disable-prepacking", True), ("ort-default", False))
+SHARE, DEFAULT = "ort-disable-prepacking", "ort-default"
+SETTINGS = ((SHARE, True), (DEFAULT, False))
 ACTIVATION_SETTING = "ort-default"  # activations are measured at the runtime's defaults (the arena on)
 ENV_SKIP = "WEIGHTSHARE_NO_MEASURE"  # set to 1: inspect/check use the static estimate only
 TRACE_ENV = "WEIGHTSHARE_MEASURE_TRACE"  # a file: each measuring call appends one line (``_trace``)
@@ -104,7 +105,7 @@ def probe(
 ) -> JsonDict:
     """In this (child) process: PSS after the first and the last of ``sessions`` sessions under the setting (with
     ORT's CPU arena or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
-    ``activations``, then ``sessions`` - 1 more with the arena on: ``arena_growth``, what one more of them keeps.
+    ``activations``, then one more with the arena on: ``arena_growth``, what it keeps.
     The run's inputs are made as verify makes them (``decode.session_feeds``: ``dims``, the configs beside the
     model), those in ``input_files`` read from their files (``--input``); ``usage`` is a --dim/--input error,
     ``no_run`` why the sessions were not run (``measure_copies`` then reports no figure: the static rules judge).
@@ -204,27 +205,25 @@ def probe(
     if snapshots and ran and EXPLAIN_MIN <= _growth(data, sessions) <= EXPLAIN_MAX:
         snapshots.append(pages.snapshot(files))
     if activations and feeds is not None:
-        # sessions - 1 more with the arena on, each run once: their growth from the last session without it, over
-        # as many steps as the weights' figure has (the first arena session of a child sets up nothing the others
-        # do not: measured, its step within the others' spread), one packing session fewer per model; with
-        # ``rotate`` (or a large copy) from the first session alone, the others closed: 4 open at most (2)
+        # one more session with the arena on, run once: its growth from the last session without it (measured: the
+        # first arena session of a child sets up nothing the others do not, its step within their spread; one
+        # session, not ``sessions`` - 1: a cold check's arena sessions were a third of its sessions); with
+        # ``rotate`` (or a large copy) from the first session alone, the others closed
         if rotate or sessions == 2:
             s = None
             before = _close_after_first(opened)
         else:
             before = data_pss()
-        for i in range(1, sessions):
-            try:
-                s = new_session(model_path, share=share, log_level=4, arena=True, spinning=False)
-                s.run(None, feeds)
-            except Exception as e:  # noqa: BLE001
-                if is_oom(str(e)):  # arenas of large activations, kept per session: over the bound
-                    return {"oom": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
-                raise
-            opened.append(s)
-            most = max(most, len(opened))
-            if i == sessions - 1:
-                more["arena_growth"] = max(0, (data_pss() - before) // (sessions - 1))
+        try:
+            s = new_session(model_path, share=share, log_level=4, arena=True, spinning=False)
+            s.run(None, feeds)
+        except Exception as e:  # noqa: BLE001
+            if is_oom(str(e)):  # arenas of large activations, kept per session: over the bound
+                return {"oom": (str(e).strip().splitlines() or [type(e).__name__])[0][:300]}
+            raise
+        opened.append(s)
+        most = max(most, len(opened))
+        more["arena_growth"] = max(0, data_pss() - before)
     if len(snapshots) == 2:  # after every figure: the breakdown's own memory weighs on none
         try:
             more["breakdown"] = explain_growth(Path(model_path), snapshots[0], snapshots[1], sessions - 1)
@@ -423,8 +422,50 @@ def measure_copies(
     timeout, mapped, refused = _bounds(path)
     if refused:
         return {}, {}, [f"per-session copies are the static estimate: not given to onnxruntime: {refused}"], {}, []
+    twin = _twin_packings(path) if only is None else None
     with reused_children():
-        return _measure_settings(path, feeds, timeout, child_memory(mapped), only, mapped >= ROTATE_FROM)
+        measured = _measure_settings(
+            path, feeds, timeout, child_memory(mapped), [SHARE] if twin else only, mapped >= ROTATE_FROM
+        )
+    out, one, notes = measured[:3]
+    if twin and SHARE in out:
+        # what each session packs at default options is what this runtime saved of it at conversion, in the packed
+        # model's blob: not packed again here (2 sessions of a 456 MiB MatMul+Conv twin held 2 GiB, and a
+        # third of a cold check's CPU went to packing the twins)
+        out[DEFAULT], one[DEFAULT] = twin[1], one[SHARE] + twin[1]
+        notes.append(
+            f"{DEFAULT}: {_mib(twin[1])} per session, {NOT_MEASURED_AGAIN}: onnxruntime's own packings of this "
+            f"model, which {twin[0]} maps from its blob (saved by this onnxruntime on this CPU kind at conversion); "
+            "every session of this portable model at default options makes them"
+        )
+    return measured
+
+
+def _twin_packings(path: Path) -> tuple[str, int] | None:
+    """(the packed model, the bytes of its packed copies) when ``path`` is the portable twin of a ``convert
+    --prepack`` output whose blob holds that one model's packings, made by the onnxruntime installed here on this
+    CPU kind: a session of the twin at default options packs exactly those (the same graph, the same runtime). Else
+    None: measured."""
+    from ..._recorded import blob_metadata
+    from .inventory import _envelope
+    from .ort.prepack_record import METADATA_KEY, parse_record
+    from .ort.probe import external_locations
+
+    try:
+        files = [f for f in external_locations(path.read_bytes()) if "/" not in f and "\\" not in f]
+        for name in files:
+            raw = blob_metadata(str(path.parent / name)).get(METADATA_KEY)
+            if raw is None:
+                continue
+            record = parse_record(raw, name)
+            if list(record["portable_models"].values()) != [path.name]:
+                return None  # not a twin, or a blob holding other models' packings too
+            made, here = _envelope(path, [name])
+            same = bool(here) and all(made.get(k) == here.get(k) for k in ("runtime", "version", "cpu_kind"))
+            return (str(record["prepacked_model"]), int(made["packed_bytes"])) if same else None
+    except Exception:  # noqa: BLE001 -- anything unread: measured, as any model
+        return None
+    return None
 
 
 def _measure_settings(
