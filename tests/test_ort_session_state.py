@@ -198,3 +198,28 @@ def test_a_prepack_output_is_never_told_to_convert_with_prepack_again(fp32_prepa
 def test_a_portable_twin_is_sent_to_its_packed_model_not_to_another_conversion(fp32_prepacked):
     fix = _measured_fix(fp32_prepacked / "m.portable.onnx", FIGURES)
     assert fix.startswith("open m.onnx") and "convert with --prepack" not in fix, fix
+
+
+@pytest.mark.slow
+def test_a_sampled_breakdown_tells_the_same_shares_as_the_whole(tmp_path, monkeypatch):
+    """Beyond ``SAMPLE`` pages, evenly spread pages are classified and stand for all: on the embedded int8 model
+    (weights copied into every session, and ORT's state) the classes come out within a few percent of all pages'."""
+    from weightshare._runtimes import remainder as r
+    from weightshare._runtimes.ort import new_session
+    from weightshare.formats.onnx.remainder import sources
+
+    src = _int8(tmp_path / "model.onnx")
+    found = sources(src)
+    first = r.snapshot([f for f, _t in found])
+    sessions = [new_session(str(src), share=True, log_level=4, arena=False) for _ in range(3)]
+    last = r.snapshot([f for f, _t in found])
+    whole = r.breakdown(first, last, len(sessions), found)
+    monkeypatch.setattr(r, "SAMPLE", max(64, whole["new_pages"] * len(sessions) // r.PAGE // 8))
+    sampled = r.breakdown(first, last, len(sessions), found)
+    assert sampled["new_pages"] == whole["new_pages"]
+    for k, n in whole["pages"].items():
+        assert abs(sampled["pages"][k] - n) <= 0.08 * whole["new_pages"], (k, sampled["pages"], whole["pages"])
+    assert [t[0] for t in sampled["tensors"]][:1] and set(t[0] for t in sampled["tensors"]) & {
+        t[0] for t in whole["tensors"]
+    }
+    del sessions
