@@ -44,3 +44,37 @@ def test_a_whisper_export_s_plain_conversion_fails_at_ort_defaults_and_its_prepa
 
     report = weightshare.check([tmp_path / "prepack" / "decoder_model_merged.onnx"])
     assert report.exit_code == 0, report.findings
+
+
+def test_a_familys_decoders_are_fed_by_one_encoder_run_until_the_encoder_changes(tmp_path, monkeypatch):
+    """check measures a family's decoders one after another, each setting in turn: the encoder beside them runs
+    once for all (same files, same sizes), and again once one of its files changes."""
+    import os
+
+    import onnxruntime as ort
+
+    from weightshare.formats.onnx import decode
+
+    files = whisper_family(tmp_path)
+    decoder = next(f for f in files if f.name == "decoder_model_merged.onnx")
+    opened: list[str] = []
+    real = ort.InferenceSession.__init__
+
+    def counting(self, path, *a, **k):  # the real session, counted
+        opened.append(str(path))
+        real(self, path, *a, **k)
+
+    monkeypatch.setattr(ort.InferenceSession, "__init__", counting)
+    inputs = ort.InferenceSession(str(decoder)).get_inputs()
+    opened.clear()
+    first = decode.encoder_states(decoder, inputs, {}, {})
+    again = decode.encoder_states(decoder, inputs, {}, {})
+    assert len(opened) == 1 and opened[0].endswith("encoder_model.onnx"), opened  # f3774c5: 2 runs
+    assert again[0]["encoder_hidden_states"] is first[0]["encoder_hidden_states"] and again[1] == first[1]
+    other = decode.encoder_states(decoder, inputs, {}, {"batch_size": 2})
+    assert len(opened) == 2 and other[0]["encoder_hidden_states"].shape != first[0]["encoder_hidden_states"].shape
+    encoder = tmp_path / "encoder_model.onnx"
+    st = encoder.stat()
+    os.utime(encoder, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # a file changed: run again
+    decode.encoder_states(decoder, inputs, {}, {"batch_size": 2})
+    assert len(opened) == 3, opened
