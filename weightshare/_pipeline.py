@@ -80,7 +80,10 @@ def write_blob(
         blob = container.open(fd, planned, options.align, metadata, prefixes)
         if options.progress_total is not None:
             options.progress_total(sum(t.nbytes for t in planned))
-        placements = [write_payloads(blob, m.payloads, m.report, progress) for m in models]
+        placements = []
+        for m in models:
+            placements.append(write_payloads(blob, m.payloads, m.report, progress))
+            blob.expect_duplicates()  # a family's next model holds the same weights: none written twice
         size = blob.finish()
         # The header lists every payload's digest, dtype, shape and offset: equal digests, equal files.
         return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements

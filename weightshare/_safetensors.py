@@ -227,6 +227,10 @@ class SafetensorsBlob:
             self._planned.append(tensor)
         return w.entry(row, duplicate)
 
+    def expect_duplicates(self) -> None:
+        """``BlobFile``: a zoo's next model (``BlobWriter.expect_duplicates``)."""
+        self.writer.expect_duplicates()
+
     def header_fits(self) -> bool:
         """Whether the header of what is stored now fits the room reserved before the data."""
         return sum(len(piece.encode()) for piece in self._header_pieces()) <= self.data_start - 8
