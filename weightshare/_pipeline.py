@@ -37,6 +37,7 @@ class PreparedExtra(TypedDict, total=False):
 
     blob_metadata: dict[str, str]  # written into the blob's metadata (a safetensors blob: its ``__metadata__``)
     plans: list[Any]  # the format's own plan, read back by that format only (TFLite: its BufferPlans)
+    write_blob: WriteBlob  # what writes a zoo's blob instead of ``write_blob`` (a staged blob made it in place)
 
 
 # (blob location relative to the model, where each payload landed, the transaction) -> files written
