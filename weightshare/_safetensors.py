@@ -232,6 +232,11 @@ class SafetensorsBlob:
         tensor.st_name = name
         tensor.st_dtype, tensor.st_shape = _safetensors_view(tensor)
 
+    def alias(self, tensor: PlannedTensor, row: int, prefix: str = "") -> None:
+        """Name ``tensor`` in the header as another name of the payload stored in the writer's ``row``."""
+        self.name_unplanned(tensor, prefix)
+        self._aliases.setdefault(row, []).append(tensor.st_name)
+
     def expect_duplicates(self) -> None:
         """``BlobFile``: a zoo's next model (``BlobWriter.expect_duplicates``)."""
         self.writer.expect_duplicates()

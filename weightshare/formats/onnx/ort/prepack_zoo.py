@@ -19,15 +19,15 @@ from __future__ import annotations
 
 import os
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from weakref import WeakKeyDictionary
 
 from ...._atomic import OutputTransaction
 from ...._container import BlobContainer
 from ...._inputs import hold
-from ...._pipeline import DIGEST_CHARS, Placements, PreparedModel, write_blob
-from ...._placement import BlobEntry, PlannedTensor
+from ...._pipeline import DIGEST_CHARS, BlobPayload, Placements, PreparedModel, write_blob
+from ...._placement import BlobEntry
 from ...._safetensors import SafetensorsBlob
 from ...._tensors import FileRange
 from ...._write import account, write_payloads
@@ -39,6 +39,8 @@ from .cpu import unpack_for_cpu
 from .prepack import (
     HEADER_SPARE,
     STAGE_FILE,
+    PackCache,
+    PackedRef,
     StagedBlob,
     _plan,
     check_portable_name,
@@ -53,14 +55,18 @@ __all__ = ["SharedStage", "prepare_staged", "stage_zoo"]
 
 @dataclass
 class SharedStage:
-    """A zoo's one staging: its staged blob (``staged``, open), each model's staged report and blob metadata, and
-    every range of the blob the writer holds, by (offset, length), with where the final blob keeps it."""
+    """A zoo's one staging: its staged blob (``staged``, open), each model's staged report, blob metadata and size,
+    the writer's row of every range of the blob it holds (by offset and length; ``plain``: how many rows the
+    models' own payloads took), and the payloads the header names as they were staged or adopted (their tensor's
+    ``id``)."""
 
     stage: Path
     staged: StagedBlob
     prefixes: dict[Path, str]
-    models: dict[Path, tuple[ConversionReport, dict[str, str], int]] = field(default_factory=dict)
-    found: dict[tuple[int, int], BlobEntry] = field(default_factory=dict)
+    models: dict[Path, tuple[ConversionReport, dict[str, str], int]]
+    plain: int
+    found: dict[tuple[int, int], int] = field(default_factory=dict)
+    named: set[int] = field(default_factory=set)
 
     def write(
         self,
@@ -72,26 +78,25 @@ class SharedStage:
         shown: Path | None = None,
     ) -> tuple[Path, int, str, list[Placements]]:
         """``_pipeline.write_models``' blob writer for the zoo: each payload found where it is in the staged blob
-        (the first model to name a range stores it, the others take it as a duplicate), any other one copied in;
-        the staged blob renamed to a temporary of ``tx`` for ``blob_path`` and its header written."""
-        blob, claimed = self.staged.blob, set()
+        (the first model to take a row stores it, the others take it as a duplicate, under a name of theirs), any
+        other one copied in; the staged blob renamed to a temporary of ``tx`` for ``blob_path``, its header
+        written."""
+        blob, w = self.staged.blob, self.staged.blob.writer
+        claimed: set[int] = set()
         chosen: list[list[BlobEntry]] = []
         try:
             for m in models:
                 entries = []
                 for p in m.payloads:
-                    src = p.source
-                    staged = isinstance(src, FileRange) and Path(src.path) == self.staged.path
-                    key = (src.offset, src.length) if isinstance(src, FileRange) and staged else None
-                    entry = self.found.get(key) if key is not None else None
-                    if entry is None:  # not in the staged blob's rows (an off-alignment range): copied in
+                    row = self._row(p.source)
+                    if row is None:  # not in the staged blob's rows (an off-alignment range): copied in
                         blob.name_unplanned(p.tensor, m.name_prefix)
-                        entry = blob.place(p)
-                    elif key in claimed:
-                        entry = replace(entry, duplicate=True)
-                    else:
-                        claimed.add(key)
-                    entries.append(entry)
+                        entries.append(blob.place(p))
+                        continue
+                    if row in claimed and id(p.tensor) not in self.named:  # a packing an earlier model made
+                        blob.alias(p.tensor, row, m.name_prefix)
+                    entries.append(w.entry(row, row in claimed))
+                    claimed.add(row)
                 chosen.append(entries)
                 blob.metadata.update(m.extra.get("blob_metadata", {}))
         except OSError as e:
@@ -114,22 +119,52 @@ class SharedStage:
             raise OutputError(f"cannot write the blob: {e.strerror or e}", shown or blob_path) from None
         return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements
 
-    def adopt(self, prepared: PreparedModel, prefix: str) -> None:
-        """What the model's child appended (its packed copies, the initializers ORT changed), hashed where it is
-        and named in the blob; every range of the model kept unfreed."""
-        w = self.staged.blob.writer
-        appended: dict[tuple[int, int], PlannedTensor] = {}
+    def _row(self, source: object) -> int | None:
+        if isinstance(source, FileRange) and Path(source.path) == self.staged.path:
+            return self.found.get((source.offset, source.length))
+        return None
+
+    def adopt(self, prepared: PreparedModel, prefix: str, start: int, cache: PackCache | None) -> None:
+        """What the model's child appended past ``start`` (its packed copies, the initializers ORT changed), hashed
+        where it is and named in the blob. A range equal to a stored one is read from there; when all the child
+        appended repeats what is stored and no packing of the run reads it, it is cut off, so that the blob is
+        the same whether a packing was reused or made again. No range of the staged blob is freed early."""
+        blob = self.staged.blob
+        w = blob.writer
+        appended: dict[tuple[int, int], BlobPayload] = {}
         for p in prepared.payloads:
             src = p.source
             if isinstance(src, ReleasedRange):
                 src.releasable = False  # another model may read the same range
-            if isinstance(src, FileRange) and Path(src.path) == self.staged.path and src.offset >= w.end:
-                appended.setdefault((src.offset, src.length), p.tensor)
+            if isinstance(src, FileRange) and Path(src.path) == self.staged.path and src.offset >= start:
+                appended.setdefault((src.offset, src.length), p)
+            elif (row := self._row(src)) is not None and row < self.plain:
+                self.named.add(id(p.tensor))  # named in the header when it was staged
+        fresh = False
         for key in sorted(appended):  # in offset order: the writer's rows stay in it
-            entry = self.staged.blob.adopt(appended[key], key[0], prefix)
-            if entry is not None:
-                self.found[key] = entry
-        w.end = max(w.end, os.fstat(self.staged.fd).st_size)  # past what else the child appended (padding)
+            p = appended[key]
+            entry = blob.adopt(p.tensor, key[0], prefix)
+            if entry is None:
+                continue
+            self.named.add(id(p.tensor))
+            fresh = fresh or not entry.duplicate
+            self.found.setdefault((entry.offset, entry.nbytes), w.rows - 1)
+            if entry.duplicate:  # read from the stored copy (by the streamed blob too, if it comes to that)
+                p.source = ReleasedRange(str(self.staged.path), entry.offset, entry.nbytes, releasable=False)
+        size = os.fstat(self.staged.fd).st_size
+        if not fresh and size > start and not _reads_past(cache, self.staged.path, start):
+            os.ftruncate(self.staged.fd, start)
+            size = start
+        w.end = max(w.end, size)  # past what else the child appended (the final blob's padding)
+
+
+def _reads_past(cache: PackCache | None, path: Path, start: int) -> bool:
+    """Whether a packing of the run reads ``path`` past ``start``."""
+    for packing in (cache.packings if cache is not None else {}).values():
+        for _p, value, file in packing["entries"]:
+            if Path(file) == path and any(int(b[0]) + int(b[1]) > start for b in PackedRef.parse(value, path).buffers):
+                return True
+    return False
 
 
 _shared: WeakKeyDictionary[object, SharedStage] = WeakKeyDictionary()
@@ -169,8 +204,8 @@ def stage_zoo(sources: list[Path], out_dir: Path, options: ConvertOptions, stage
         models[src] = (plan.report, plan.extra.get("blob_metadata", {}), own + (stage / src.name).stat().st_size)
     blob.writer.drop_buffers()
     w = blob.writer
-    shared = SharedStage(stage, StagedBlob(path, fd, blob), prefixes, models)
-    shared.found = {(w.offset(r), w.nbytes(r)): w.entry(r) for r in range(w.rows)}
+    shared = SharedStage(stage, StagedBlob(path, fd, blob), prefixes, models, w.rows)
+    shared.found = {(w.offset(r), w.nbytes(r)): r for r in range(w.rows)}
     _shared[stages] = shared
 
 
@@ -182,18 +217,8 @@ def prepare_staged(src: Path, out_dir: Path, options: ConvertOptions, stages: Ex
         return None
     report, metadata, own = shared.models.pop(src)
     shared.staged.own = own
-    prepared = _plan(
-        src,
-        out_dir,
-        options,
-        shared.stage,
-        shared.staged,
-        report,
-        metadata,
-        run_cache(stages),
-        False,
-        run_child(stages),
-    )
-    shared.adopt(prepared, shared.prefixes[src])
+    start, cache, child = os.fstat(shared.staged.fd).st_size, run_cache(stages), run_child(stages)
+    prepared = _plan(src, out_dir, options, shared.stage, shared.staged, report, metadata, cache, False, child)
+    shared.adopt(prepared, shared.prefixes[src], start, cache)
     prepared.extra["write_blob"] = shared.write
     return prepared
