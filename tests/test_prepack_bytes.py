@@ -210,3 +210,41 @@ def test_a_shared_blob_writes_each_byte_once(counted: Path, route: str, prepack:
                 for want, got in pairs:
                     for a, b in zip(want.run(None, feeds), got.run(None, feeds)):
                         assert np.array_equal(a, b), (name, batch, cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fits", [True, False], ids=["in_place", "streamed"])
+def test_a_zoo_packing_again_what_it_holds_keeps_the_same_blob(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fits: bool
+) -> None:
+    """A zoo whose later models pack again what an earlier one packed (no packing reused): what their children
+    append only repeats the staged blob and is cut off, so the outputs are the files of a run that reused the
+    packings, byte for byte. Where the header would not fit its room, every payload is streamed into a new blob
+    from the staged one (the repeated ranges read where their first copy is): the same outputs as the originals."""
+    import numpy as np
+    import onnxruntime as ort
+
+    import weightshare
+    from weightshare._safetensors import SafetensorsBlob
+    from weightshare.formats.onnx.ort.prepack import REUSE_ENV
+
+    src = tmp_path / "src"
+    mf.decoder_family(src, mib=1)
+    models = [src / n for n in FAMILY]
+    weightshare.convert(models, tmp_path / "reused", prepack=True, shared_blob="fam")
+    monkeypatch.setenv(REUSE_ENV, "0")
+    if not fits:
+        monkeypatch.setattr(SafetensorsBlob, "header_fits", lambda self: False)
+    again = weightshare.convert(models, tmp_path / "again", prepack=True, shared_blob="fam")
+    assert all(m.prepack["nodes_reused"] == 0 for m in again.models)
+
+    def files(out: Path) -> dict[str, bytes]:
+        return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.is_file() and not p.name.startswith(".")}
+
+    if fits:
+        assert files(tmp_path / "reused") == files(tmp_path / "again")
+    for name in FAMILY:
+        want, got = ort.InferenceSession(str(src / name)), ort.InferenceSession(str(tmp_path / "again" / name))
+        for batch in (1, 8):
+            feeds = mf.feeds(src / name, batch=batch)
+            assert all(np.array_equal(a, b) for a, b in zip(want.run(None, feeds), got.run(None, feeds))), name
