@@ -15,8 +15,9 @@ Steps:
    of every weight a session saves) go to a memory-backed scratch, one segment's or node's at a time.
 3. final: the staged blob becomes the final one in place (``StagedBlob.write``): the plain payloads and the
    child's appended bytes are hashed where they are, never copied; only packings an earlier model of the run
-   made are copied in. Identical bytes are stored once. Where that cannot be (a header outgrowing its room,
-   a ``--shared-blob`` zoo), every payload is streamed into a new blob, as before.
+   made are copied in. Identical bytes are stored once. Where that cannot be (a header outgrowing its room),
+   every payload is streamed into a new blob, as before. A ``--shared-blob`` zoo stages all its models into one
+   blob, which becomes the zoo's in place (``prepack_zoo``).
 4. emit: MODEL.onnx (prepacked, default options) and MODEL.portable.onnx (any CPU, with
    ``session.disable_prepacking=1``), both pointing into the blob.
 """
