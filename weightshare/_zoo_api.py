@@ -95,7 +95,7 @@ def write_zoo(
             if join is not None:
                 join([p for p, f in zip(prepared, formats) if f is fmt], options)
         writers = [p.extra.get("write_blob") for p in prepared]
-        whole = all(w is not None and w == writers[0] for w in writers)  # one staging holds every model
+        whole = bool(writers) and all(w is not None and w == writers[0] for w in writers)  # one staging, every model
         write_models(prepared, out, target, options, tx, writers[0] if whole else None)
     blob = next((o for p in prepared for o in p.report.outputs if o.endswith(target.container.suffix)), "")
     report = ZooReport(blob=blob, models=[p.report for p in prepared], blob_bytes=prepared[0].report.blob_bytes)

@@ -67,6 +67,7 @@ class SharedStage:
     plain: int
     found: dict[tuple[int, int], int] = field(default_factory=dict)
     named: set[int] = field(default_factory=set)
+    read: set[str] = field(default_factory=lambda: {STAGE_FILE})  # the staging's files payloads are read from
 
     def write(
         self,
@@ -220,5 +221,10 @@ def prepare_staged(src: Path, out_dir: Path, options: ConvertOptions, stages: Ex
     start, cache, child = os.fstat(shared.staged.fd).st_size, run_cache(stages), run_child(stages)
     prepared = _plan(src, out_dir, options, shared.stage, shared.staged, report, metadata, cache, False, child)
     shared.adopt(prepared, shared.prefixes[src], start, cache)
+    shared.read |= {Path(p.source.path).name for p in prepared.payloads if isinstance(p.source, FileRange)}
+    keep = shared.read | {s.name for s in shared.models}  # and the models still to pack
+    for f in shared.stage.iterdir():  # the child's files and the staged model, read: the next child's are its own
+        if f.name not in keep and f.is_file() and not f.is_symlink():
+            f.unlink()
     prepared.extra["write_blob"] = shared.write
     return prepared
