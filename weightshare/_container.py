@@ -20,6 +20,10 @@ class BlobFile(Protocol):
         """Write one payload; return where it landed."""
         ...
 
+    def expect_duplicates(self) -> None:
+        """What is placed from here on may repeat what is placed (a zoo's next model): recognised before written."""
+        ...
+
     def finish(self) -> int:
         """Write what goes after the payloads (a header, an index); return the file's size."""
         ...

@@ -37,6 +37,7 @@ class PreparedExtra(TypedDict, total=False):
 
     blob_metadata: dict[str, str]  # written into the blob's metadata (a safetensors blob: its ``__metadata__``)
     plans: list[Any]  # the format's own plan, read back by that format only (TFLite: its BufferPlans)
+    write_blob: WriteBlob  # what writes a zoo's blob instead of ``write_blob`` (a staged blob made it in place)
 
 
 # (blob location relative to the model, where each payload landed, the transaction) -> files written
@@ -80,7 +81,10 @@ def write_blob(
         blob = container.open(fd, planned, options.align, metadata, prefixes)
         if options.progress_total is not None:
             options.progress_total(sum(t.nbytes for t in planned))
-        placements = [write_payloads(blob, m.payloads, m.report, progress) for m in models]
+        placements = []
+        for m in models:
+            placements.append(write_payloads(blob, m.payloads, m.report, progress))
+            blob.expect_duplicates()  # a family's next model holds the same weights: none written twice
         size = blob.finish()
         # The header lists every payload's digest, dtype, shape and offset: equal digests, equal files.
         return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements

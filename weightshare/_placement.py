@@ -17,15 +17,11 @@ from array import array
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from . import _checksum
 from ._checksum import Hasher, new_hasher, tagged
 from ._tensors import CHUNK_SIZE, BufferRing, FileRange, InputFile, PayloadSource, chunks_of, stable_chunks
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "ALIGN_THRESHOLD",
@@ -124,11 +120,13 @@ def _kernel_copy_works() -> bool:
     return _KERNEL_COPY
 
 
-def _hash_range(f: InputFile, pos: int, length: int, chunk_size: int, kind: str, ring: BufferRing) -> bytes:
-    """The raw digest of ``length`` bytes at ``pos`` of ``f``, read through reused buffers."""
-    h = new_hasher(kind)
-    for chunk in FileRange(f.path, pos, length, f).chunks(chunk_size, ring=ring):
+def _hash_range(source: PayloadSource, chunk_size: int, kind: str, ring: BufferRing) -> bytes:
+    """The raw digest of ``source``'s bytes, read through reused buffers (b"" past ``source.nbytes``)."""
+    h, n = new_hasher(kind), 0
+    for chunk in chunks_of(source, chunk_size, ring):
         h.update(chunk)
+        if (n := n + len(chunk)) > source.nbytes:
+            return b""
     return h.digest()
 
 
@@ -178,6 +176,7 @@ class BlobWriter:
         self._table = array("q", [-1]) * 1024
         self._tagged: dict[tuple[str, int, bytes], int] = {}
         self._sizes: set[int] = set()  # the stored payloads' lengths (``likely_duplicate`` sources)
+        self._expected: set[int] = set()  # lengths stored before ``expect_duplicates``: hashed before written
         self.bytes_in = 0
         self.bytes_written = 0
         self._wb_start = start  # first byte whose writeback has not been started
@@ -239,15 +238,17 @@ class BlobWriter:
         else:
             offset = align_up(self.end, align)
         copied = isinstance(source, FileRange) and nbytes >= KERNEL_COPY_MIN and _kernel_copy_works()
-        if copied and self.dedupe and getattr(source, "likely_duplicate", False) and nbytes in self._sizes:
-            # hashed where it is first: a duplicate is then never written (a zoo's models staged alike)
-            assert isinstance(source, FileRange)
-            with source.reading() as f:
-                digest = _hash_range(f, source.offset, source.length, self.chunk_size, self.digest, self._hash_ring)
-            first = self._find(digest, nbytes, align) if not tag else None
-            if first is not None:
+        expected = nbytes in self._expected or (copied and getattr(source, "likely_duplicate", False))
+        likely = self.dedupe and not tag and expected and nbytes in self._sizes
+        if likely:  # hashed where it is first: a duplicate is then never written (a zoo's models staged alike)
+            digest = _hash_range(source, self.chunk_size, self.digest, self._ring)
+            if (first := self._find(digest, nbytes, align)) is not None:
                 self.bytes_in += nbytes
+                if progress is not None:
+                    progress(nbytes)
                 return first, True
+        if likely and copied:
+            assert isinstance(source, FileRange)
             with source.reading() as f:
                 self._copy_rest(f, source, offset, self._kernel_copy(f, source, offset, progress), progress)
         elif copied:
@@ -285,6 +286,11 @@ class BlobWriter:
         self.bytes_written += nbytes
         self._sizes.add(nbytes)
         return row, False
+
+    def expect_duplicates(self) -> None:
+        """What is added from here on may repeat what is stored (a zoo's next model): a payload of a stored length
+        is hashed before it is written, so a duplicate is never written (truncated away, it counts as written)."""
+        self._expected = set(self._sizes)
 
     def drop_buffers(self) -> None:
         """Give back the reused read buffers (a few chunks) while the writer waits to go on (``--prepack``'s
@@ -391,9 +397,8 @@ class BlobWriter:
         """Bytes copied as they are: the kernel copies (``copy_file_range``) while the writer thread hashes
         the same range through its own reused buffer, so the bytes cross into user space once."""
         with source.reading() as f:
-            hashing = _WRITER.submit(
-                _hash_range, f, source.offset, source.length, self.chunk_size, self.digest, self._hash_ring
-            )
+            rng = FileRange(f.path, source.offset, source.length, f)
+            hashing = _WRITER.submit(_hash_range, rng, self.chunk_size, self.digest, self._hash_ring)
             try:
                 done = self._kernel_copy(f, source, offset, progress)
             except BaseException:

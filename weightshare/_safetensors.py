@@ -203,17 +203,27 @@ class SafetensorsBlob:
             self._planned.append(tensor)
         return w.entry(row, duplicate)
 
-    def adopt(self, tensor: PlannedTensor, offset: int) -> BlobEntry | None:
+    def adopt(self, tensor: PlannedTensor, offset: int, prefix: str = "") -> BlobEntry | None:
         """A payload the file already holds at ``offset`` (appended by another process: ``--prepack``'s ORT child):
         hashed where it is, not written. None when it cannot stay there (below a stored payload's end, or off its
         alignment): the caller places it as any other. Bytes equal to a stored payload's become that one's
-        alias; theirs stay in the file, under a padding entry."""
+        alias; theirs stay in the file, under a padding entry. ``prefix``: before its name (a zoo's model stem)."""
         w = self.writer
         align = max(w.policy.for_size(tensor.nbytes), tensor.min_align)
         if offset < w.end or offset % align:
             return None
         row, duplicate = w.adopt_row(offset, tensor.nbytes, align)
-        name, n = tensor.name if tensor.name and not tensor.name.startswith("__") else f"tensor{tensor.name}", 1
+        self.name_unplanned(tensor, prefix)
+        if duplicate:
+            self._aliases.setdefault(row, []).append(tensor.st_name)
+        else:
+            self._planned.append(tensor)
+        return w.entry(row, duplicate)
+
+    def name_unplanned(self, tensor: PlannedTensor, prefix: str = "") -> None:
+        """Give a tensor the planned list did not hold (``adopt``, a payload copied in) a name of its own."""
+        full = prefix + tensor.name
+        name, n = full if full and not full.startswith("__") else f"tensor{full}", 1
         base = name
         while name in self._names:
             n += 1
@@ -221,11 +231,15 @@ class SafetensorsBlob:
         self._names.add(name)
         tensor.st_name = name
         tensor.st_dtype, tensor.st_shape = _safetensors_view(tensor)
-        if duplicate:
-            self._aliases.setdefault(row, []).append(tensor.st_name)
-        else:
-            self._planned.append(tensor)
-        return w.entry(row, duplicate)
+
+    def alias(self, tensor: PlannedTensor, row: int, prefix: str = "") -> None:
+        """Name ``tensor`` in the header as another name of the payload stored in the writer's ``row``."""
+        self.name_unplanned(tensor, prefix)
+        self._aliases.setdefault(row, []).append(tensor.st_name)
+
+    def expect_duplicates(self) -> None:
+        """``BlobFile``: a zoo's next model (``BlobWriter.expect_duplicates``)."""
+        self.writer.expect_duplicates()
 
     def header_fits(self) -> bool:
         """Whether the header of what is stored now fits the room reserved before the data."""

@@ -80,6 +80,9 @@ def write_zoo(
     target = blob_target(None, out, options.shared_blob, _shared_container(sources, formats))
     with ExitStack() as stages:
         disk = stages.enter_context(DiskPeak(out)) if options.prepack else None  # entered first: exits last
+        plan = getattr(formats[0], "plan_shared", None)
+        if plan is not None and all(f is formats[0] for f in formats):  # one staged blob for every model
+            plan(sources, out, options, stages)
         prepared = []
         for fmt, src in zip(formats, sources):
             # opened once, checked against the plan; its payload sources keep that descriptor
@@ -91,7 +94,9 @@ def write_zoo(
             join = getattr(fmt, "join_shared", None)
             if join is not None:
                 join([p for p, f in zip(prepared, formats) if f is fmt], options)
-        write_models(prepared, out, target, options, tx)
+        writers = [p.extra.get("write_blob") for p in prepared]
+        whole = bool(writers) and all(w is not None and w == writers[0] for w in writers)  # one staging, every model
+        write_models(prepared, out, target, options, tx, writers[0] if whole else None)
     blob = next((o for p in prepared for o in p.report.outputs if o.endswith(target.container.suffix)), "")
     report = ZooReport(blob=blob, models=[p.report for p in prepared], blob_bytes=prepared[0].report.blob_bytes)
     report.blobs = [blob] if blob else []

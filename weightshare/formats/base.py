@@ -245,6 +245,11 @@ class SharesPrepared(Protocol):
         """``prepare`` for a zoo; what it stages, ``stages`` removes once the zoo is written."""
         ...
 
+    def plan_shared(self, sources: list[Path], out_dir: Path, options: ConvertOptions, stages: ExitStack) -> None:
+        """Before any model is prepared, when the zoo's models are all of this format: what they stage together
+        (ONNX --prepack: one staged blob, which becomes the zoo's)."""
+        ...
+
     def join_shared(self, prepared: list[PreparedModel], options: ConvertOptions) -> None:
         """Once every model is prepared: what the zoo's models share (one blob record)."""
         ...

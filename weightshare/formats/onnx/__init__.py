@@ -76,12 +76,23 @@ class OnnxFormat(FormatDefaults):
         if not options.prepack:
             return self.prepare(src, out_dir, options)
         from .ort.prepack import prepare_prepacked, run_cache, staging
+        from .ort.prepack_zoo import prepare_staged
         from .ort.server import run_child
 
+        staged = prepare_staged(src, out_dir, options, stages)  # staged with the zoo's others (``plan_shared``)
+        if staged is not None:
+            return staged
         # the zoo's packings are reused across its models, and one onnxruntime child serves them (``stages`` spans
         # the run: the child ends with it)
         held = stages.enter_context(staging(out_dir))
         return prepare_prepacked(src, out_dir, options, held, run_cache(stages), run_child(stages))
+
+    def plan_shared(self, sources: list[Path], out_dir: Path, options: ConvertOptions, stages: ExitStack) -> None:
+        """Zoo mode with --prepack: every model staged into one blob, which becomes the zoo's in place."""
+        if options.prepack and sources:
+            from .ort.prepack_zoo import stage_zoo
+
+            stage_zoo(sources, out_dir, options, stages)
 
     def join_shared(self, prepared: list[PreparedModel], options: ConvertOptions) -> None:
         """Zoo mode with --prepack: one blob record naming every model's portable twin."""

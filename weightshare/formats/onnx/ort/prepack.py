@@ -15,8 +15,9 @@ Steps:
    of every weight a session saves) go to a memory-backed scratch, one segment's or node's at a time.
 3. final: the staged blob becomes the final one in place (``StagedBlob.write``): the plain payloads and the
    child's appended bytes are hashed where they are, never copied; only packings an earlier model of the run
-   made are copied in. Identical bytes are stored once. Where that cannot be (a header outgrowing its room,
-   a ``--shared-blob`` zoo), every payload is streamed into a new blob, as before.
+   made are copied in. Identical bytes are stored once. Where that cannot be (a header outgrowing its room),
+   every payload is streamed into a new blob, as before. A ``--shared-blob`` zoo stages all its models into one
+   blob, which becomes the zoo's in place (``prepack_zoo``).
 4. emit: MODEL.onnx (prepacked, default options) and MODEL.portable.onnx (any CPU, with
    ``session.disable_prepacking=1``), both pointing into the blob.
 """
@@ -218,7 +219,8 @@ class PackCache:
     def add(self, made: dict[str, JsonDict], stage: Path, reloc: Relocator) -> None:
         """Record the packings a model's child made (files relative to ``stage``) and the ranges they read."""
         for key, packing in made.items():
-            entries = [[p, v, str(stage / f)] for p, v, f in packing["entries"]]
+            # absolute: the child reads them from its own directory (a relative OUTDIR named them twice over)
+            entries = [[p, v, str((stage / f).absolute())] for p, v, f in packing["entries"]]
             self.packings[key] = {"entries": entries, "skip": packing["skip"]}
             self.pending.append((key, reloc))
             for _p, value, file in entries:
@@ -274,6 +276,7 @@ class StagedBlob:
     def __init__(self, path: Path, fd: int, blob: SafetensorsBlob) -> None:
         self.path, self.fd, self.blob = path, fd, blob
         self.plain_end = blob.writer.end
+        self.own: int | None = None  # a zoo's staging: the staged bytes of the model packed now (its child's bounds)
         w = blob.writer
         self.largest = max((w.nbytes(r) for r in range(w.rows)), default=0)
 
@@ -333,6 +336,25 @@ class StagedBlob:
         return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements
 
 
+def staged_options(options: ConvertOptions) -> ConvertOptions:
+    """The staged (portable) conversion's options: the run's layout and unpacking, nothing else."""
+    return ConvertOptions(
+        align=options.align,
+        inline_threshold=options.inline_threshold,
+        keep_packed=options.keep_packed,
+        unpack=options.unpack,
+    )
+
+
+def check_portable_name(src: Path) -> None:
+    if portable_name(src.name) == src.name:
+        raise UsageError(
+            f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
+            "model; rename the model",
+            src,
+        )
+
+
 def _stage_portable(
     src: Path, stage: Path, options: ConvertOptions
 ) -> tuple[ConversionReport, dict[str, str], StagedBlob]:
@@ -340,13 +362,7 @@ def _stage_portable(
     without its header: the final blob is written in its place)."""
     from ..convert import prepare
 
-    staged = ConvertOptions(
-        align=options.align,
-        inline_threshold=options.inline_threshold,
-        keep_packed=options.keep_packed,
-        unpack=options.unpack,
-    )
-    prepared = prepare(src, stage, staged, unpack_for_cpu)
+    prepared = prepare(src, stage, staged_options(options), unpack_for_cpu)
     metadata = prepared.extra.get("blob_metadata", {})
     path = stage / STAGE_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -406,8 +422,9 @@ def _run_ort(
                     "scratch": scratch,
                     "copy_reused": in_place,
                 }
+                env = {TARGET_ENV: json.dumps(doc)}
                 res, fresh = _run_bounded(
-                    argv, model.parent, src, options, runner, {TARGET_ENV: json.dumps(doc)}, staged.path, widened
+                    argv, model.parent, src, options, runner, env, staged.path, widened, staged.own
                 )
     finally:
         if child is None:
@@ -441,16 +458,18 @@ def _run_bounded(
     request_env: dict[str, str] | None = None,
     grows: Path | None = None,
     widened: int = 0,
+    own: int | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], bool]:
     """``argv`` (one model) by ``child`` under the limits of ``limits`` for the staged model; a limit hit is one
     Unsupported line. The result, and whether the child was started for it. ``request_env``: variables set in
     the child for this model alone; ``grows``: a file of the staging the child appends to (the staged blob),
     whose growth counts as written; ``widened``: the staged fp16/bf16 payload bytes, which the bounds count at
-    their fp32 size (ORT's CPU provider casts them: the optimized graph holds an fp32 copy and its packing)."""
+    their fp32 size (ORT's CPU provider casts them: the optimized graph holds an fp32 copy and its packing); ``own``:
+    the staged model's bytes, where the staging holds other models' too (a zoo's)."""
     before = set(stage.iterdir())
     base = grows.stat().st_size if grows is not None else 0
     limits = limits_for(
-        sum(f.stat().st_size for f in before if f.is_file()) + widened,
+        (own if own is not None else sum(f.stat().st_size for f in before if f.is_file())) + widened,
         src,
         options.ort_child_timeout_s,
         options.ort_child_memory_mib,
@@ -569,12 +588,7 @@ def _prepare(
 ) -> tuple[PreparedModel, StagedBlob]:
     """``prepare_prepacked``, and the staged blob, still open, that the final blob may be written in place of
     (``in_place``: it will be)."""
-    if portable_name(src.name) == src.name:
-        raise UsageError(
-            f"with --prepack the portable model {portable_name(src.name)!r} would overwrite the "
-            "model; rename the model",
-            src,
-        )
+    check_portable_name(src)
     # The staged conversion commits into its own directory and flocks it while renaming: that must be
     # another directory than the one held here, or the run would wait on its own lock.
     stage = held / "stage"
