@@ -164,16 +164,44 @@ def plan(
     crossings: list[list[str]] = []  # by node: the tensors a cut before it would hand over
     alternatives: dict[int, list[int]] = {}
     last_big = -1
+    bigs = [max((inits.get(i, 0) for i in n.input), default=0) >= heavy for n in graph.node]
+    readers: dict[str, list[int]] = {}
+    for k, node in enumerate(graph.node):
+        for name in node.input:
+            readers.setdefault(name, []).append(k)
 
+    # with context only (its whole-graph check compares the stitch with ORT's whole graph): the residual stream
+    # between two weight-free nodes may pass over the segment between them (``_passes_over``)
     def cuttable(q: int, start: int) -> bool:
-        return q not in spanned and _cuttable(crossings[q], typed, made, start)
+        def passes(t: str) -> bool:
+            return bool(context) and _passes_over(t, q, start, bounds, made, readers, bigs)
+
+        return q not in spanned and _cuttable(crossings[q], typed, made, start, passes)
+
+    def splits(q: int, start: int) -> bool:
+        """Whether a weight-bearing node before ``q`` in the segment and one from ``q`` on read the same
+        tensor (two projections of one activation): ORT handles such a tensor by its readers (the fp16
+        activation's inserted Cast), which a cut between them divides; a place that splits none comes first."""
+        return any(
+            any(start <= r < q and bigs[r] for r in readers.get(t, ())) and any(r >= q and bigs[r] for r in readers[t])
+            for t in crossings[q]
+        )
 
     for p, node in enumerate(graph.node):
-        big = max((inits.get(i, 0) for i in node.input), default=0) >= heavy
+        big = bigs[p]
         crossing = [t for t in live if last_use.get(t, -1) >= p or t in outputs]
         crossings.append(crossing)
-        if p > bounds[-1] and big and size + weights[p] > budget and cuttable(p, bounds[-1]):
+        at = -1
+        if p > bounds[-1] and big and size + weights[p] > budget:
             start = bounds[-1]
+            at = p if cuttable(p, start) else -1
+            if context:  # the latest place in the segment that splits no activation's readers, where there is one
+                fits = (q for q in range(p, start, -1) if bigs[q] and cuttable(q, start) and not splits(q, start))
+                at = next(fits, at)
+        if 0 <= at < p:
+            bounds.append(at)
+            size = sum(weights[at:p])
+        elif at == p:
             # where a failing cut moves: back towards the last weight-bearing node, and past it to a place where
             # only integer tensors cross (a QDQ graph's quantized activations: each DequantizeLinear stays with
             # the nodes it feeds, so ORT fuses them as in the whole graph), those first
@@ -232,6 +260,10 @@ def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int, context: fro
     consts = constants(graph)  # each segment has its own copy (``extract``), as of a small initializer
     made: dict[str, int] = {}
     readers: dict[str, set[int]] = {}
+    # tensors no weight-bearing node makes or reads: with context, one may pass over a segment (``_passes_over``)
+    big = {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
+    heavy_io = {o for n in graph.node if _reads(n) & big for o in [*n.input, *n.output]}
+    light = {o for n in graph.node for o in n.output if o and o not in heavy_io}
     for p, node in enumerate(graph.node):
         for name in _reads(node) - set(consts):
             readers.setdefault(name, set()).add(segment_of[p])
@@ -239,8 +271,10 @@ def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int, context: fro
     for name, where in readers.items():
         if name in shared and len(where) > 1:
             return f"the graph input or weight {name!r} would be read in {len(where)} segments"
-        if name in made and name not in context and not where <= {made[name], made[name] + 1}:
-            return f"{name!r} would be read beyond the segment after the one that makes it"
+        k = made.get(name, -1)
+        if name in made and name not in context and not where <= {k, k + 1}:
+            if not (context and name in light and where <= {k, k + 2} and k + 1 not in where):  # passes over k + 1
+                return f"{name!r} would be read beyond the segment after the one that makes it"
     # nodes that read only what every segment has (initializers, constants, graph inputs, such nodes' outputs):
     # identical ones in two segments are one node in the whole graph (common-subexpression elimination)
     known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | set(constants(graph)) | {""}
@@ -309,16 +343,43 @@ def _integral(crossing: list[str], typed: dict[str, onnx.ValueInfoProto]) -> boo
 MAX_CROSSING = 4  # tensors a cut may hand over (a pre-norm transformer layer boundary: the residual and a branch)
 
 
-def _cuttable(crossing: list[str], typed: dict[str, onnx.ValueInfoProto], made: dict[str, int], start: int) -> bool:
+def _cuttable(
+    crossing: list[str],
+    typed: dict[str, onnx.ValueInfoProto],
+    made: dict[str, int],
+    start: int,
+    passes: Callable[[str], bool] | None = None,
+) -> bool:
     """Whether a cut may hand ``crossing`` to the next segment: one tensor, or a few (transformer layers: the
     residual stream next to the attention or MLP branch it is added to, so that the Add and the norm after it
     stay together and fuse as in the whole graph), each of a known element type. Several only when every one
     is made in the segment that ends at the cut (starting at node ``start``): then the pair check, which
     optimizes that segment and the next together, sees every node that makes a crossing tensor; a tensor
-    from further back (a long skip connection) would reach the later segment unseen."""
+    from further back (a long skip connection) would reach the later segment unseen, unless ``passes`` says it
+    passes over the segment (``_passes_over``)."""
     if not crossing or len(crossing) > MAX_CROSSING or any(t not in typed for t in crossing):
         return False
-    return len(crossing) == 1 or all(made.get(t, -1) >= start for t in crossing)
+    return len(crossing) == 1 or all(made.get(t, -1) >= start or (passes and passes(t)) for t in crossing)
+
+
+def _passes_over(
+    t: str, q: int, start: int, bounds: list[int], made: dict[str, int], readers: dict[str, list[int]], bigs: list[bool]
+) -> bool:
+    """Whether ``t``, crossing a cut before node ``q`` that ends the segment starting at ``start``, is the residual
+    stream passing over that segment: made in the segment before it, read by none of its nodes, and neither its
+    maker nor any reader holds a weight (the Add or norm after one layer's attention and the one after its MLP).
+    What ORT makes of such a tensor depends on no weight's values, so the context check, ORT's whole graph with
+    every weight an input against the segments stitched, sees it as the whole graph has it
+    (``Segmenter.context_differs``); a weight-bearing maker or reader (a Conv fusing the residual Add) would not
+    be seen there."""
+    k = made.get(t, -1)
+    return (
+        len(bounds) >= 2
+        and bounds[-2] <= k < start
+        and not bigs[k]
+        and not any(start <= r < q for r in readers.get(t, ()))
+        and not any(bigs[r] for r in readers.get(t, ()))
+    )
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:
