@@ -206,7 +206,13 @@ def plan(
             # only integer tensors cross (a QDQ graph's quantized activations: each DequantizeLinear stays with
             # the nodes it feeds, so ORT fuses them as in the whole graph), those first
             back = range(p - 1, max(start, p - ALTERNATIVE_REACH), -1)
-            places = [q for q in back if (q > last_big or _integral(crossings[q], typed))]
+            # (past it only while the segment from there stays within the budget: a mask's bool input before a whole
+            # layer is no quantized activation)
+            places = [
+                q
+                for q in back
+                if q > last_big or (_integral(crossings[q], typed) and sum(weights[q : p + 1]) <= budget)
+            ]
             places = [q for q in places if cuttable(q, start)]
             places.sort(key=lambda q: not _integral(crossings[q], typed))
             cut = p
