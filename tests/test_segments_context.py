@@ -155,6 +155,8 @@ def test_the_residual_stream_passes_over_a_segment_so_no_segment_outgrows_the_bu
     report = _optimized(src, tmp_path / "split" / "ort.onnx", budget)
     assert report["single_reason"] == "" and report["unsafe_cuts"] == 0, report
     assert report["largest_segment_bytes"] <= budget, report
+    # the layers' windows alike: checked once (shape inference names each layer's unknown dimensions apart)
+    assert report["checks_reused"] >= report["checked_cuts"] // 3, report
     _optimized(src, tmp_path / "whole" / "ort.onnx", 1 << 40)
     assert _fingerprint(tmp_path / "split" / "ort.onnx") == _fingerprint(tmp_path / "whole" / "ort.onnx")
     assert _same_outputs(tmp_path / "whole" / "ort.onnx", tmp_path / "split" / "ort.onnx", feeds_of=src)

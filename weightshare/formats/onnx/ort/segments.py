@@ -856,7 +856,8 @@ def window_shape(
 ) -> str:
     """What ORT's decisions about a window can depend on, independent of tensor and node names: every node's op,
     domain, attributes, inputs and side of the cut (the last ``right`` nodes are the segment after it), graph inputs
-    by type and shape in the order nodes first read them; initializers: integer ones and floats of up to
+    by type and shape in the order nodes first read them (symbolic dimensions by which are equal), the shapes
+    the window gives its inner tensors; initializers: integer ones and floats of up to
     ``EXACT_FLOATS`` elements under ``HEAVY_BYTES`` by their bytes, longer float vectors by type, shape and which of
     them are equal to each other (ORT compares scales, it does not read a bias), weights by type and shape; the
     tensors each side reads in NCHWc (``standin``, ``standin_right``) and the outputs. Weights are numbered in
@@ -871,6 +872,7 @@ def window_shape(
 
     classes: dict[str, int] = {}  # a float vector's digest -> its class: which ones are equal, not their values
     weights: list[str] = []
+    symbols: dict[str, int] = {}  # a symbolic dimension's name -> its number here (``_canonical``)
 
     def ident(name: str) -> str:
         if name not in ids:
@@ -885,7 +887,7 @@ def window_shape(
                 else:  # scalars (epsilon, exponents, scales), zero points, shapes, axes, indices: their values
                     ids[name] = f"init:{_digest_payload(t, directory)}"
             elif name in inputs:
-                ids[name] = f"input{len(ids)}:{inputs[name].type.SerializeToString().hex()}"
+                ids[name] = f"input{len(ids)}:{_canonical(inputs[name].type, symbols)}"
             else:
                 ids[name] = f"unknown:{name}"  # not from this window: never equal to another window's
         return ids[name]
@@ -899,9 +901,24 @@ def window_shape(
         h.update(node.digest())
         for k, o in enumerate(n.output):
             ids[o] = f"{node.hexdigest()}:{k}"
+    typed = {v.name: v.type for v in g.value_info}  # shapes ORT reads inside the window, numbered alike
+    inner = [(ids[o], _canonical(typed[o], symbols)) for n in g.node for o in n.output if o in typed]
+    h.update(repr(inner).encode())
     ends = (sorted(ident(o.name) for o in g.output), sorted(ident(t) for t in standin))
     h.update(repr((*ends, sorted(ident(t) for t in standin_right))).encode())
     return h.hexdigest()
+
+
+def _canonical(t: onnx.TypeProto, symbols: dict[str, int]) -> str:
+    """``t`` with each symbolic dimension named by the order it first appears in a window (``symbols``): shape
+    inference names unknown dimensions one by one ("unk__4" in one layer, "unk__13" in the next), while ORT reads
+    only which of them are equal, so a window of one layer is a window of the next."""
+    c = onnx.TypeProto()
+    c.CopyFrom(t)
+    for d in c.tensor_type.shape.dim:
+        if d.HasField("dim_param"):
+            d.dim_param = f"s{symbols.setdefault(d.dim_param, len(symbols))}"
+    return c.SerializeToString().hex()
 
 
 def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
