@@ -99,6 +99,7 @@ class Plan:
     # with them, so the cut goes before it)
     alternatives: dict[int, list[int]] = field(default_factory=dict)
     heavy: int = 65536  # initializers from this size on are weights (``_spanned``, ``locality``)
+    reach: bool = False  # the residual stream may pass over a segment (``_passes_over``)
 
     def segment_bytes(self, k: int) -> int:
         return sum(self.weights[self.bounds[k] : self.bounds[k + 1]])
@@ -126,6 +127,7 @@ def plan(
     budget: int,
     typed: dict[str, onnx.ValueInfoProto],
     context: frozenset[str] = frozenset(),
+    reach: bool = False,
 ) -> Plan:
     """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``, where
     exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it,
@@ -140,7 +142,9 @@ def plan(
     so fusions that run forward from a node (Conv+BN/Add/Relu, MatMul+Add) stay inside.
     ``typed``: the tensors whose element type is known (``tensor_types``; the cut tensor becomes a segment input).
     ``context``: tensors derived from the graph inputs alone (``hoist_context``), handed to every segment that reads
-    them: they do not count as crossing a cut.
+    them: they do not count as crossing a cut. ``reach`` (with context): the residual stream may pass over a
+    segment (``_passes_over``), and an over-full segment is cut at its latest place that splits no activation's
+    readers (``Segmenter._with_context`` takes that plan where its largest segment is smaller).
     """
     inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
     weights = [sum(inits.get(i, 0) for i in _reads(n)) for n in graph.node]
@@ -174,7 +178,7 @@ def plan(
     # between two weight-free nodes may pass over the segment between them (``_passes_over``)
     def cuttable(q: int, start: int) -> bool:
         def passes(t: str) -> bool:
-            return bool(context) and _passes_over(t, q, start, bounds, made, readers, bigs)
+            return reach and bool(context) and _passes_over(t, q, start, bounds, made, readers, bigs)
 
         return q not in spanned and _cuttable(crossings[q], typed, made, start, passes)
 
@@ -195,7 +199,7 @@ def plan(
         if p > bounds[-1] and big and size + weights[p] > budget:
             start = bounds[-1]
             at = p if cuttable(p, start) else -1
-            if context:  # the latest place in the segment that splits no activation's readers, where there is one
+            if reach and context:  # the latest place in the segment that splits no activation's readers, if any
                 fits = (q for q in range(p, start, -1) if bigs[q] and cuttable(q, start) and not splits(q, start))
                 at = next(fits, at)
         if 0 <= at < p:
@@ -227,7 +231,12 @@ def plan(
         size += weights[p]
         live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts) - context)
     bounds.append(len(graph.node))
-    return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, heavy=heavy)
+    alternatives = {p: a for p, a in alternatives.items() if a}
+    return Plan(bounds, weights, alternatives=alternatives, heavy=heavy, reach=reach and bool(context))
+
+
+def _largest(p: Plan) -> int:
+    return max(p.segment_bytes(k) for k in range(len(p.bounds) - 1))
 
 
 def heavy_bytes(budget: int) -> int:
@@ -255,18 +264,22 @@ def _spanned(graph: onnx.GraphProto, heavy: int) -> set[int]:
     return {p for name, k in first.items() for p in range(k + 1, last[name] + 1)}
 
 
-def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int, context: frozenset[str] = frozenset()) -> str:
+def locality(
+    graph: onnx.GraphProto, bounds: list[int], heavy: int, context: frozenset[str] = frozenset(), reach: bool = False
+) -> str:
     """Why ORT's optimization of these segments may not be its optimization of the whole graph ("" when every
     fact its decisions read is inside one pair of adjacent segments, which the pair check optimizes together):
     a graph input or a weight read by two segments, or a tensor read by a segment other than the one that makes
     it and the next. ``context`` (``hoist_context``): tensors of the graph inputs every segment may read, whose
-    readers' optimization the context windows check against the whole graph."""
+    readers' optimization the context windows check against the whole graph; ``reach``: a tensor that no
+    weight-bearing node makes or reads may also be read two segments on, none reading it in between
+    (``_passes_over``)."""
     shared = {i.name for i in graph.input} | {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
     segment_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
     consts = constants(graph)  # each segment has its own copy (``extract``), as of a small initializer
     made: dict[str, int] = {}
     readers: dict[str, set[int]] = {}
-    # tensors no weight-bearing node makes or reads: with context, one may pass over a segment (``_passes_over``)
+    # tensors no weight-bearing node makes or reads: with ``reach``, one may pass over a segment (``_passes_over``)
     big = {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
     heavy_io = {o for n in graph.node if _reads(n) & big for o in [*n.input, *n.output]}
     light = {o for n in graph.node for o in n.output if o and o not in heavy_io}
@@ -279,7 +292,7 @@ def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int, context: fro
             return f"the graph input or weight {name!r} would be read in {len(where)} segments"
         k = made.get(name, -1)
         if name in made and name not in context and not where <= {k, k + 1}:
-            if not (context and name in light and where <= {k, k + 2} and k + 1 not in where):  # passes over k + 1
+            if not (reach and context and name in light and where <= {k, k + 2} and k + 1 not in where):
                 return f"{name!r} would be read beyond the segment after the one that makes it"
     # nodes that read only what every segment has (initializers, constants, graph inputs, such nodes' outputs):
     # identical ones in two segments are one node in the whole graph (common-subexpression elimination)
@@ -1054,10 +1067,19 @@ class Segmenter:
         if not context:
             return
         cut = plan(model.graph, budget, self.types, context)
+        # the residual stream passing over a segment where that makes the largest segment smaller (an fp16
+        # decoder's or ViT's MLP, more than the budget in one piece otherwise); elsewhere the cuts as they were (a
+        # dynamic-int8 decoder's: its DynamicQuantizeLinear must stay with the MatMulInteger after it)
+        reach = plan(model.graph, budget, self.types, context, reach=True)
+        if _largest(reach) < _largest(cut):
+            cut = reach
         if len(cut.bounds) <= len(self.plan.bounds):
             return  # nothing gained: the plain plan
         self.model, self.plan, self.context = model, cut, context
         self.shared = shared_constants(model.graph, cut.bounds, small) | prologue
+
+    def _locality(self, bounds: list[int]) -> str:
+        return locality(self.model.graph, bounds, self.plan.heavy, self.context, self.plan.reach)
 
     def _without_context(self) -> None:
         """Back to the plain plan (the context check failed): every session made with context is dropped."""
@@ -1240,7 +1262,7 @@ class Segmenter:
     def _cut(self) -> Report:
         bounds = list(self.plan.bounds)
         report = Report(reason=self.plan.reason)
-        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy, self.context)):
+        if len(bounds) > 2 and (why := self._locality(bounds)):
             bounds, report.reason = [bounds[0], bounds[-1]], why
         if len(bounds) > 2:
             k = 0
@@ -1269,7 +1291,7 @@ class Segmenter:
                 if report.merged > max(8, len(self.plan.bounds) // 2) or failed > max(8, 2 * len(self.plan.bounds)):
                     # re-checking merged (ever larger) pairs would cost
                     bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
-        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy, self.context)):
+        if len(bounds) > 2 and (why := self._locality(bounds)):
             bounds, report.reason = [bounds[0], bounds[-1]], why  # a moved cut: as before the checks
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())
