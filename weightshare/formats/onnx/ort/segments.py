@@ -31,7 +31,9 @@ rotary tables; a ViT's mask), which no cut could hand over. Each segment compute
 holds witnesses of the whole graph's other readers (``context``); the stitch keeps one copy (``_merge_context``).
 Checked, not assumed: the whole graph in one session with every weight a graph input (it holds no weight)
 against the stitch of the segments optimized alike (``Segmenter.context_differs``), node for node; any difference
-puts the graph back in one piece.
+puts the graph back in one piece. With context, the residual stream may also pass over one segment, made and
+read by weight-free nodes (the Adds or norms after a layer's attention and after its MLP), so that an MLP larger
+than the budget is cut between its projections; that check, not the pair checks, sees it as the whole graph does.
 
 Memory (measured, ORT 1.32): about 90 MiB + the weights of two adjacent segments + ~3x the
 largest Conv weight (ORT's transient copies while reordering one), whatever the model's size.
