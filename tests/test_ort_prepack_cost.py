@@ -88,8 +88,8 @@ def _packs_and_ops(path: Path) -> tuple[set[tuple[str, str]], Counter[str]]:
     "form,unpack,budget",
     [
         ("llama", (), BUDGET),
-        # 3 segments, 2 of them over a quarter of the weights: packed node by node, the other by its session
-        ("llama", (), {segs.BUDGET_ENV: "131072"}),
+        # 4 segments, 2 of them over a quarter of the weights: packed node by node, the others by their session
+        ("llama", (), {segs.BUDGET_ENV: "393216"}),
         ("matmulnbits4", (), BUDGET),
         ("dynamic", (), BUDGET),
         # ("fp16", ()): its attention mask, derived from the inputs, is read by every layer: one piece

@@ -31,7 +31,9 @@ rotary tables; a ViT's mask), which no cut could hand over. Each segment compute
 holds witnesses of the whole graph's other readers (``context``); the stitch keeps one copy (``_merge_context``).
 Checked, not assumed: the whole graph in one session with every weight a graph input (it holds no weight)
 against the stitch of the segments optimized alike (``Segmenter.context_differs``), node for node; any difference
-puts the graph back in one piece.
+puts the graph back in one piece. With context, the residual stream may also pass over one segment, made and
+read by weight-free nodes (the Adds or norms after a layer's attention and after its MLP), so that an MLP larger
+than the budget is cut between its projections; that check, not the pair checks, sees it as the whole graph does.
 
 Memory (measured, ORT 1.32): about 90 MiB + the weights of two adjacent segments + ~3x the
 largest Conv weight (ORT's transient copies while reordering one), whatever the model's size.
@@ -99,6 +101,7 @@ class Plan:
     # with them, so the cut goes before it)
     alternatives: dict[int, list[int]] = field(default_factory=dict)
     heavy: int = 65536  # initializers from this size on are weights (``_spanned``, ``locality``)
+    reach: bool = False  # the residual stream may pass over a segment (``_passes_over``)
 
     def segment_bytes(self, k: int) -> int:
         return sum(self.weights[self.bounds[k] : self.bounds[k + 1]])
@@ -126,6 +129,7 @@ def plan(
     budget: int,
     typed: dict[str, onnx.ValueInfoProto],
     context: frozenset[str] = frozenset(),
+    reach: bool = False,
 ) -> Plan:
     """Greedy cuts: before a weight-bearing node, once the segment would grow past ``budget``, where
     exactly one tensor (besides graph inputs and initializers) flows from before the cut to after it,
@@ -140,7 +144,9 @@ def plan(
     so fusions that run forward from a node (Conv+BN/Add/Relu, MatMul+Add) stay inside.
     ``typed``: the tensors whose element type is known (``tensor_types``; the cut tensor becomes a segment input).
     ``context``: tensors derived from the graph inputs alone (``hoist_context``), handed to every segment that reads
-    them: they do not count as crossing a cut.
+    them: they do not count as crossing a cut. ``reach`` (with context): the residual stream may pass over a
+    segment (``_passes_over``), and an over-full segment is cut at its latest place that splits no activation's
+    readers (``Segmenter._with_context`` takes that plan where its largest segment is smaller).
     """
     inits = {t.name: _tensor_bytes(t) for t in graph.initializer}
     weights = [sum(inits.get(i, 0) for i in _reads(n)) for n in graph.node]
@@ -164,21 +170,55 @@ def plan(
     crossings: list[list[str]] = []  # by node: the tensors a cut before it would hand over
     alternatives: dict[int, list[int]] = {}
     last_big = -1
+    bigs = [max((inits.get(i, 0) for i in n.input), default=0) >= heavy for n in graph.node]
+    readers: dict[str, list[int]] = {}
+    for k, node in enumerate(graph.node):
+        for name in node.input:
+            readers.setdefault(name, []).append(k)
 
+    # with context only (its whole-graph check compares the stitch with ORT's whole graph): the residual stream
+    # between two weight-free nodes may pass over the segment between them (``_passes_over``)
     def cuttable(q: int, start: int) -> bool:
-        return q not in spanned and _cuttable(crossings[q], typed, made, start)
+        def passes(t: str) -> bool:
+            return reach and bool(context) and _passes_over(t, q, start, bounds, made, readers, bigs)
+
+        return q not in spanned and _cuttable(crossings[q], typed, made, start, passes)
+
+    def splits(q: int, start: int) -> bool:
+        """Whether a weight-bearing node before ``q`` in the segment and one from ``q`` on read the same
+        tensor (two projections of one activation): ORT handles such a tensor by its readers (the fp16
+        activation's inserted Cast), which a cut between them divides; a place that splits none comes first."""
+        return any(
+            any(start <= r < q and bigs[r] for r in readers.get(t, ())) and any(r >= q and bigs[r] for r in readers[t])
+            for t in crossings[q]
+        )
 
     for p, node in enumerate(graph.node):
-        big = max((inits.get(i, 0) for i in node.input), default=0) >= heavy
+        big = bigs[p]
         crossing = [t for t in live if last_use.get(t, -1) >= p or t in outputs]
         crossings.append(crossing)
-        if p > bounds[-1] and big and size + weights[p] > budget and cuttable(p, bounds[-1]):
+        at = -1
+        if p > bounds[-1] and big and size + weights[p] > budget:
             start = bounds[-1]
+            at = p if cuttable(p, start) else -1
+            if reach and context:  # the latest place in the segment that splits no activation's readers, if any
+                fits = (q for q in range(p, start, -1) if bigs[q] and cuttable(q, start) and not splits(q, start))
+                at = next(fits, at)
+        if 0 <= at < p:
+            bounds.append(at)
+            size = sum(weights[at:p])
+        elif at == p:
             # where a failing cut moves: back towards the last weight-bearing node, and past it to a place where
             # only integer tensors cross (a QDQ graph's quantized activations: each DequantizeLinear stays with
             # the nodes it feeds, so ORT fuses them as in the whole graph), those first
             back = range(p - 1, max(start, p - ALTERNATIVE_REACH), -1)
-            places = [q for q in back if (q > last_big or _integral(crossings[q], typed))]
+            # (past it only while the segment from there stays within the budget: a mask's bool input before a whole
+            # layer is no quantized activation)
+            places = [
+                q
+                for q in back
+                if q > last_big or (_integral(crossings[q], typed) and sum(weights[q : p + 1]) <= budget)
+            ]
             places = [q for q in places if cuttable(q, start)]
             places.sort(key=lambda q: not _integral(crossings[q], typed))
             cut = p
@@ -193,7 +233,12 @@ def plan(
         size += weights[p]
         live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts) - context)
     bounds.append(len(graph.node))
-    return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, heavy=heavy)
+    alternatives = {p: a for p, a in alternatives.items() if a}
+    return Plan(bounds, weights, alternatives=alternatives, heavy=heavy, reach=reach and bool(context))
+
+
+def _largest(p: Plan) -> int:
+    return max(p.segment_bytes(k) for k in range(len(p.bounds) - 1))
 
 
 def heavy_bytes(budget: int) -> int:
@@ -221,17 +266,25 @@ def _spanned(graph: onnx.GraphProto, heavy: int) -> set[int]:
     return {p for name, k in first.items() for p in range(k + 1, last[name] + 1)}
 
 
-def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int, context: frozenset[str] = frozenset()) -> str:
+def locality(
+    graph: onnx.GraphProto, bounds: list[int], heavy: int, context: frozenset[str] = frozenset(), reach: bool = False
+) -> str:
     """Why ORT's optimization of these segments may not be its optimization of the whole graph ("" when every
     fact its decisions read is inside one pair of adjacent segments, which the pair check optimizes together):
     a graph input or a weight read by two segments, or a tensor read by a segment other than the one that makes
     it and the next. ``context`` (``hoist_context``): tensors of the graph inputs every segment may read, whose
-    readers' optimization the context windows check against the whole graph."""
+    readers' optimization the context windows check against the whole graph; ``reach``: a tensor that no
+    weight-bearing node makes or reads may also be read two segments on, none reading it in between
+    (``_passes_over``)."""
     shared = {i.name for i in graph.input} | {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
     segment_of = [k for k in range(len(bounds) - 1) for _ in range(bounds[k], bounds[k + 1])]
     consts = constants(graph)  # each segment has its own copy (``extract``), as of a small initializer
     made: dict[str, int] = {}
     readers: dict[str, set[int]] = {}
+    # tensors no weight-bearing node makes or reads: with ``reach``, one may pass over a segment (``_passes_over``)
+    big = {t.name for t in graph.initializer if _tensor_bytes(t) >= heavy}
+    heavy_io = {o for n in graph.node if _reads(n) & big for o in [*n.input, *n.output]}
+    light = {o for n in graph.node for o in n.output if o and o not in heavy_io}
     for p, node in enumerate(graph.node):
         for name in _reads(node) - set(consts):
             readers.setdefault(name, set()).add(segment_of[p])
@@ -239,8 +292,10 @@ def locality(graph: onnx.GraphProto, bounds: list[int], heavy: int, context: fro
     for name, where in readers.items():
         if name in shared and len(where) > 1:
             return f"the graph input or weight {name!r} would be read in {len(where)} segments"
-        if name in made and name not in context and not where <= {made[name], made[name] + 1}:
-            return f"{name!r} would be read beyond the segment after the one that makes it"
+        k = made.get(name, -1)
+        if name in made and name not in context and not where <= {k, k + 1}:
+            if not (reach and context and name in light and where <= {k, k + 2} and k + 1 not in where):
+                return f"{name!r} would be read beyond the segment after the one that makes it"
     # nodes that read only what every segment has (initializers, constants, graph inputs, such nodes' outputs):
     # identical ones in two segments are one node in the whole graph (common-subexpression elimination)
     known = {i.name for i in graph.input} | {t.name for t in graph.initializer} | set(constants(graph)) | {""}
@@ -309,16 +364,43 @@ def _integral(crossing: list[str], typed: dict[str, onnx.ValueInfoProto]) -> boo
 MAX_CROSSING = 4  # tensors a cut may hand over (a pre-norm transformer layer boundary: the residual and a branch)
 
 
-def _cuttable(crossing: list[str], typed: dict[str, onnx.ValueInfoProto], made: dict[str, int], start: int) -> bool:
+def _cuttable(
+    crossing: list[str],
+    typed: dict[str, onnx.ValueInfoProto],
+    made: dict[str, int],
+    start: int,
+    passes: Callable[[str], bool] | None = None,
+) -> bool:
     """Whether a cut may hand ``crossing`` to the next segment: one tensor, or a few (transformer layers: the
     residual stream next to the attention or MLP branch it is added to, so that the Add and the norm after it
     stay together and fuse as in the whole graph), each of a known element type. Several only when every one
     is made in the segment that ends at the cut (starting at node ``start``): then the pair check, which
     optimizes that segment and the next together, sees every node that makes a crossing tensor; a tensor
-    from further back (a long skip connection) would reach the later segment unseen."""
+    from further back (a long skip connection) would reach the later segment unseen, unless ``passes`` says it
+    passes over the segment (``_passes_over``)."""
     if not crossing or len(crossing) > MAX_CROSSING or any(t not in typed for t in crossing):
         return False
-    return len(crossing) == 1 or all(made.get(t, -1) >= start for t in crossing)
+    return len(crossing) == 1 or all(made.get(t, -1) >= start or (passes and passes(t)) for t in crossing)
+
+
+def _passes_over(
+    t: str, q: int, start: int, bounds: list[int], made: dict[str, int], readers: dict[str, list[int]], bigs: list[bool]
+) -> bool:
+    """Whether ``t``, crossing a cut before node ``q`` that ends the segment starting at ``start``, is the residual
+    stream passing over that segment: made in the segment before it, read by none of its nodes, and neither its
+    maker nor any reader holds a weight (the Add or norm after one layer's attention and the one after its MLP).
+    What ORT makes of such a tensor depends on no weight's values, so the context check, ORT's whole graph with
+    every weight an input against the segments stitched, sees it as the whole graph has it
+    (``Segmenter.context_differs``); a weight-bearing maker or reader (a Conv fusing the residual Add) would not
+    be seen there."""
+    k = made.get(t, -1)
+    return (
+        len(bounds) >= 2
+        and bounds[-2] <= k < start
+        and not bigs[k]
+        and not any(start <= r < q for r in readers.get(t, ()))
+        and not any(bigs[r] for r in readers.get(t, ()))
+    )
 
 
 def _reads(node: onnx.NodeProto) -> set[str]:
@@ -789,7 +871,8 @@ def window_shape(
 ) -> str:
     """What ORT's decisions about a window can depend on, independent of tensor and node names: every node's op,
     domain, attributes, inputs and side of the cut (the last ``right`` nodes are the segment after it), graph inputs
-    by type and shape in the order nodes first read them; initializers: integer ones and floats of up to
+    by type and shape in the order nodes first read them (symbolic dimensions by which are equal), the shapes
+    the window gives its inner tensors; initializers: integer ones and floats of up to
     ``EXACT_FLOATS`` elements under ``HEAVY_BYTES`` by their bytes, longer float vectors by type, shape and which of
     them are equal to each other (ORT compares scales, it does not read a bias), weights by type and shape; the
     tensors each side reads in NCHWc (``standin``, ``standin_right``) and the outputs. Weights are numbered in
@@ -804,6 +887,7 @@ def window_shape(
 
     classes: dict[str, int] = {}  # a float vector's digest -> its class: which ones are equal, not their values
     weights: list[str] = []
+    symbols: dict[str, int] = {}  # a symbolic dimension's name -> its number here (``_canonical``)
 
     def ident(name: str) -> str:
         if name not in ids:
@@ -818,7 +902,7 @@ def window_shape(
                 else:  # scalars (epsilon, exponents, scales), zero points, shapes, axes, indices: their values
                     ids[name] = f"init:{_digest_payload(t, directory)}"
             elif name in inputs:
-                ids[name] = f"input{len(ids)}:{inputs[name].type.SerializeToString().hex()}"
+                ids[name] = f"input{len(ids)}:{_canonical(inputs[name].type, symbols)}"
             else:
                 ids[name] = f"unknown:{name}"  # not from this window: never equal to another window's
         return ids[name]
@@ -832,9 +916,24 @@ def window_shape(
         h.update(node.digest())
         for k, o in enumerate(n.output):
             ids[o] = f"{node.hexdigest()}:{k}"
+    typed = {v.name: v.type for v in g.value_info}  # shapes ORT reads inside the window, numbered alike
+    inner = [(ids[o], _canonical(typed[o], symbols)) for n in g.node for o in n.output if o in typed]
+    h.update(repr(inner).encode())
     ends = (sorted(ident(o.name) for o in g.output), sorted(ident(t) for t in standin))
     h.update(repr((*ends, sorted(ident(t) for t in standin_right))).encode())
     return h.hexdigest()
+
+
+def _canonical(t: onnx.TypeProto, symbols: dict[str, int]) -> str:
+    """``t`` with each symbolic dimension named by the order it first appears in a window (``symbols``): shape
+    inference names unknown dimensions one by one ("unk__4" in one layer, "unk__13" in the next), while ORT reads
+    only which of them are equal, so a window of one layer is a window of the next."""
+    c = onnx.TypeProto()
+    c.CopyFrom(t)
+    for d in c.tensor_type.shape.dim:
+        if d.HasField("dim_param"):
+            d.dim_param = f"s{symbols.setdefault(d.dim_param, len(symbols))}"
+    return c.SerializeToString().hex()
 
 
 def fingerprint(model: onnx.ModelProto, directory: Path) -> tuple[Counter[str], list[str]]:
@@ -970,10 +1069,19 @@ class Segmenter:
         if not context:
             return
         cut = plan(model.graph, budget, self.types, context)
+        # the residual stream passing over a segment where that makes the largest segment smaller (an fp16
+        # decoder's or ViT's MLP, more than the budget in one piece otherwise); elsewhere the cuts as they were (a
+        # dynamic-int8 decoder's: its DynamicQuantizeLinear must stay with the MatMulInteger after it)
+        reach = plan(model.graph, budget, self.types, context, reach=True)
+        if _largest(reach) < _largest(cut):
+            cut = reach
         if len(cut.bounds) <= len(self.plan.bounds):
             return  # nothing gained: the plain plan
         self.model, self.plan, self.context = model, cut, context
         self.shared = shared_constants(model.graph, cut.bounds, small) | prologue
+
+    def _locality(self, bounds: list[int]) -> str:
+        return locality(self.model.graph, bounds, self.plan.heavy, self.context, self.plan.reach)
 
     def _without_context(self) -> None:
         """Back to the plain plan (the context check failed): every session made with context is dropped."""
@@ -1156,7 +1264,7 @@ class Segmenter:
     def _cut(self) -> Report:
         bounds = list(self.plan.bounds)
         report = Report(reason=self.plan.reason)
-        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy, self.context)):
+        if len(bounds) > 2 and (why := self._locality(bounds)):
             bounds, report.reason = [bounds[0], bounds[-1]], why
         if len(bounds) > 2:
             k = 0
@@ -1185,7 +1293,7 @@ class Segmenter:
                 if report.merged > max(8, len(self.plan.bounds) // 2) or failed > max(8, 2 * len(self.plan.bounds)):
                     # re-checking merged (ever larger) pairs would cost
                     bounds = [bounds[0], bounds[-1]]  # more than it saves: this graph does not cut
-        if len(bounds) > 2 and (why := locality(self.model.graph, bounds, self.plan.heavy, self.context)):
+        if len(bounds) > 2 and (why := self._locality(bounds)):
             bounds, report.reason = [bounds[0], bounds[-1]], why  # a moved cut: as before the checks
         if len(bounds) == 2:  # one piece (small, uncuttable, or no cut was exact): the whole-graph session
             self._clean(set())
