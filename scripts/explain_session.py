@@ -8,7 +8,9 @@ session without code (what check weighs), per mapping kind (heap, anonymous, wei
 pages the added sessions made resident classified by content (``weightshare/_runtimes/remainder.py``): byte copies
 of the model's weights (named), ONNX Runtime's own state (pointer-dense pages), zero-filled, unclassified; then
 what check counted as weights and copies before (the whole growth but a one-node model's) and what it counts now
-(the growth but ORT's own state). Figures in MiB per session; scripts/explain_session.txt is one run's output.
+(the growth but ORT's own state); and the allocator's free pages the measuring child handed back before reading
+each figure (``measure._trim``: held by no session, never counted). Figures in MiB per session;
+scripts/explain_session.txt is one run's output.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ def main() -> int:
     args = ap.parse_args()
     print(
         "| model | setting | PSS/session | heap | anonymous | weight files | runtime state | weights | zero | "
-        "unclassified | check counted before | counted as weights now | weights found copied |"
+        "unclassified | check counted before | counted as weights now | freed heap | weights found copied |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in args.models:
         for setting, share in SETTINGS:
             res = in_child(
@@ -47,7 +49,7 @@ def main() -> int:
                 print(f"| {model} | {setting} | not measured: {res} |")
                 continue
             data = res["data_pss"]
-            growth = max(0, (data[-1] - data[0]) // (len(data) - 1))
+            growth = max(0, (data[-1] - data[0]) // (res["sessions"] - 1))  # data: after the first and the last
             b = res.get("breakdown")
             if b is None:
                 print(f"| {model} | {setting} | {_mib(growth)} | (below the breakdown's floor) |")
@@ -61,7 +63,7 @@ def main() -> int:
                 f"| {model} | {setting} | {_mib(growth)} | {_mib(pss['heap'])} | {_mib(pss['anonymous'])} | "
                 f"{_mib(pss['weight files'])} | {_mib(state)} | {_mib(pages['weights'])} | {_mib(pages['zero'])} | "
                 f"{_mib(pages['unclassified'])} | {_mib(max(0, growth - res['overhead']))} | {_mib(counted)} | "
-                f"{named or '-'} |"
+                f"{_mib(res.get('freed', 0))} | {named or '-'} |"
             )
     return 0
 

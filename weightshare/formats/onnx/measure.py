@@ -27,9 +27,14 @@ weights are told to (``weightshare.ort``): buffers of 1 MiB or more that ORT all
 a pre-pack replaced, validation copies, activations without the arena) are then mmapped and returned to the
 kernel when freed, so what remains is what ORT keeps per session. Without it glibc's heap keeps some of them and
 the figure depends on the sizes involved (measured, 4 MiB MatMulNBits int8: 0.5 MiB per session with it, 2.9 MiB
-without; docs/ci.md). The cost of one more session is the growth from the first to the fourth session, over 3, of
-the PSS of everything but program code (``data_pss``: code is not per session, and its PSS moves with other
-processes): form-agnostic, subgraphs included, and what a PSS benchmark would show. A figure near ``check``'s
+without; docs/ci.md). Smaller freed buffers (a run's outputs and activations, a load's graph rewrites) stay in the
+heap's free lists whenever a live block sits above them, by chance of the allocation order: each figure is read
+after ``malloc_trim`` hands those pages back (``_trim``), else a --prepack QDQ BERT's 9.0 MiB per session read
+between 7 and 17 MiB from one run to the next, and a model returning 32 outputs of 0.5 MiB 1.4-5.0 MiB instead of
+0.3 (how much was handed back is reported, ``freed``, never counted). The cost of one more session is the
+growth from the first to the fourth session, over 3, of the PSS of everything but program code (``data_pss``:
+code is not per session, and its PSS moves with other processes): form-agnostic, subgraphs included, and what a
+PSS benchmark of what the sessions hold would show. A figure near ``check``'s
 gate is measured again there (``_check.settle``), so that the verdict does not flip between runs.
 """
 
@@ -133,6 +138,7 @@ def probe(
     # what calls after this child's first left of data (freed, trimmed, but a heap keeps some) is not this model's;
     # what its first call left stays counted: the runtime's set-up a fresh child's first model session makes too
     # (11-14 MiB measured: a warm child's first session of a model costs that much less than a fresh child's)
+    _trim()
     _CALLS.append(data_pss())
     left = _CALLS[-1] - _CALLS[1] if len(_CALLS) > 1 else 0
     files: list[str] = []
@@ -155,6 +161,7 @@ def probe(
     except UsageError as e:
         return {"usage": e.message}
     steps: list[int] = []  # the growth from the first session to the second, then to the last
+    freed: list[int] = []  # what the allocator's free lists held at each reading, handed back before it (``_trim``)
     for i in range(sessions):
         try:
             s = new_session(model_path, share=share, log_level=4, arena=arena, spinning=False)
@@ -182,15 +189,20 @@ def probe(
                 feeds, ran = None, False
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
+        most = max(most, len(opened))
+        if i in (0, 1, sessions - 1):  # (a walk of smaps: 5-40 ms each)
+            raw = data_pss()
+            _trim()
         if explain and len(opened) == 1:  # before the figures: what the snapshot holds is in the first one
             snapshots.append(pages.snapshot(files))
-        most = max(most, len(opened))
         if i == 0:
             pss.append(smaps_rollup()["Pss"] - left)  # as in a fresh child
             data.append(data_pss())
             before = data[0]
-        elif i == 1 or i == sessions - 1:  # (a walk of smaps: 5-40 ms each)
+            freed.append(max(0, raw - data[0]))
+        elif i == 1 or i == sessions - 1:
             now = data_pss()
+            freed.append(max(0, raw - now))
             steps.append(now - before)
             if i == 1 and _large_step(steps[0], pss[0]):
                 # a copy this large is decided by one step (far from check's lines; a figure near one is measured
@@ -201,9 +213,18 @@ def probe(
     if steps:  # the first and the last (the step to the second read only to decide the above)
         pss.append(pss[0] + steps[-1])
         data.append(data[0] + steps[-1])
-    more: JsonDict = {}
+    # what readings without the trims would have added per session: free heap pages, held by no session
+    more: JsonDict = {"freed": max(0, sum(freed[1:]) // (sessions - 1))} if len(freed) > 1 else {}
     if snapshots and ran and EXPLAIN_MIN <= _growth(data, sessions) <= EXPLAIN_MAX:
         snapshots.append(pages.snapshot(files))
+        # the pages read now, before the arena's sessions: their runs fill what the weights' sessions freed since
+        # with activations (a --prepack QDQ BERT: 1.3 MiB of ORT's state read back as zero and unclassified
+        # pages); its own memory is handed back before the arena's figure (``_trim``), read as a difference
+        try:
+            more["breakdown"] = explain_growth(Path(model_path), snapshots[0], snapshots[1], sessions - 1)
+        except Exception as e:  # noqa: BLE001 -- unexplained, the whole growth stays the weight figure
+            notes.append(f"the per-session growth was not broken down: {type(e).__name__}: {e}"[:300])
+        del snapshots[:]
     if activations and feeds is not None:
         # one more session with the arena on, run once: its growth from the last session without it (measured: the
         # first arena session of a child sets up nothing the others do not, its step within their spread; one
@@ -213,6 +234,7 @@ def probe(
             s = None
             before = _close_after_first(opened)
         else:
+            _trim()
             before = data_pss()
         try:
             s = new_session(model_path, share=share, log_level=4, arena=True, spinning=False)
@@ -223,12 +245,8 @@ def probe(
             raise
         opened.append(s)
         most = max(most, len(opened))
+        _trim()
         more["arena_growth"] = max(0, data_pss() - before)
-    if len(snapshots) == 2:  # after every figure: the breakdown's own memory weighs on none
-        try:
-            more["breakdown"] = explain_growth(Path(model_path), snapshots[0], snapshots[1], sessions - 1)
-        except Exception as e:  # noqa: BLE001 -- unexplained, the whole growth stays the weight figure
-            notes.append(f"the per-session growth was not broken down: {type(e).__name__}: {e}"[:300])
     if not ran:
         more["no_run"] = no_run
     _trace(model_path, share, len(opened), most, time.process_time() - started)
@@ -266,6 +284,7 @@ def _overhead(share: bool, arena: bool) -> int:
             t.run(None, {"x": np.zeros(1, np.float32)})
             tiny.append(t)
             if i in (0, SESSIONS - 1):
+                _trim()
                 tiny_data.append(data_pss())
         _TINY[share, arena] = (tiny, _growth(tiny_data, SESSIONS))
     return _TINY[share, arena][1]
@@ -285,6 +304,17 @@ def _close_after_first(opened: list[Any]) -> int:
     del opened[1:]
     _collect()
     return data_pss()
+
+
+def _trim() -> None:
+    """Hand the allocator's free pages back (glibc's ``malloc_trim``, which also releases whole free pages inside
+    the heap, not only at its top) before a figure is read. What glibc's free lists hold is no session's: an
+    untrimmed reading counts whatever freed temporaries (a load's graph rewrites, a run's activations) happen to sit
+    below a live block when it is read, which moved a --prepack QDQ BERT's figure between 7 and 17 MiB per session
+    from one run of a child to the next (its sessions keep 9.0 MiB each, every run)."""
+    from ..._platform import malloc_trim
+
+    malloc_trim()
 
 
 def _collect() -> None:
@@ -551,7 +581,13 @@ def _state_finding(path: Path, setting: str, res: JsonDict) -> Finding:
         f"{kinds or 'no kind above 0.1 MiB'}; the added sessions' pages: weights {_mib(pages['weights'])}"
         + (f" (largest: {copied})" if copied else "")
         + f", zero-filled {_mib(pages['zero'])}, unclassified {_mib(pages['unclassified'])}; counted as weights "
-        f"and copies: {_mib(res['cost'])}",
+        f"and copies: {_mib(res['cost'])}"
+        + (
+            f"; not counted either: {_mib(res['freed'])} of freed heap the allocator kept resident (memory no "
+            "session holds, handed back with malloc_trim before each reading)"
+            if res.get("freed", 0) >= 1 << 17
+            else ""
+        ),
     )
 
 

@@ -102,9 +102,10 @@ def readers(path: Path, names: list[str]) -> dict[str, list[str]]:
 
 
 def explain(path: Path, first: JsonDict, last: JsonDict, added: int) -> JsonDict:
-    """In the measuring child, after its figures are read: the breakdown of what the ``added`` sessions opened
-    between the snapshots ``first`` and ``last`` kept, per session (``_runtimes.remainder.breakdown``), with the
-    op types that read each weight it found copied."""
+    """In the measuring child, once the weights' figures are read (before the arena's sessions run and reuse what
+    they freed): the breakdown of what the ``added`` sessions opened between the snapshots ``first`` and ``last``
+    kept, per session (``_runtimes.remainder.breakdown``), with the op types that read each weight it found
+    copied."""
     from ..._runtimes.remainder import breakdown
 
     out = breakdown(first, last, added, sources(path))
