@@ -232,6 +232,39 @@ def downsample_onnx(
     return _save(path, "downsample", nodes, inits, ["N", 3, spatial, spatial], ["N", 10])
 
 
+def upsample_onnx(path: str | os.PathLike[str], channels: int = 8, spatial: int = 8, seed: int = 0) -> Path:
+    """A CNN with an FPN-like neck as exporters write ``interpolate(top, size=lateral.shape)``: a stride-2 Conv's
+    output Resized (nearest) to the shape of the lateral feature map and added to it, the Resize's ``roi`` an
+    empty initializer (a zero-length payload, stored first); then Conv, GlobalAveragePool, Flatten, Gemm. No
+    other constant than the weights. Input ``x`` is [N, 3, spatial, spatial]."""
+    path = Path(path)
+    roi = onnx.numpy_helper.from_array(np.zeros((0,), np.float32), "roi")
+    with open(path.parent / f"{path.stem}.data", "wb") as data:
+        w = _Weights(path, seed, data)
+        c = channels
+
+        def conv(name: str, x: str, cin: int, stride: int = 1) -> list[onnx.NodeProto]:
+            ins = [x, w(f"{name}.w", (c, cin, 3, 3), (2 / (9 * cin)) ** 0.5), w(f"{name}.b", (c,), 0.01)]
+            return [
+                h.make_node("Conv", ins, [name], pads=[1] * 4, strides=[stride] * 2),
+                h.make_node("Relu", [name], [f"{name}.relu"]),
+            ]
+
+        nodes = [
+            *conv("lateral", "x", 3),
+            *conv("top", "lateral.relu", c, 2),
+            h.make_node("Shape", ["lateral.relu"], ["lateral.shape"]),
+            h.make_node("Resize", ["top.relu", "roi", "", "lateral.shape"], ["up"], mode="nearest"),
+            h.make_node("Add", ["up", "lateral.relu"], ["merged"]),
+            *conv("neck", "merged", c),
+            h.make_node("GlobalAveragePool", ["neck.relu"], ["gap"]),
+            h.make_node("Flatten", ["gap"], ["flat"]),
+            h.make_node("Gemm", ["flat", w("fc.w", (10, c), c**-0.5), w("fc.b", (10,), 0.01)], ["y"], transB=1),
+        ]
+        inits = [roi, *w.inits]
+    return _save(path, "upsample", nodes, inits, ["N", 3, spatial, spatial], ["N", 10])
+
+
 def sample_input(model_path: str | os.PathLike[str], batch: int, seed: int = 1) -> dict[str, np.ndarray]:
     """A seeded input of ``batch`` rows for a ``mixed_onnx`` model."""
     model = onnx.load(str(model_path), load_external_data=False)

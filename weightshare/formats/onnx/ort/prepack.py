@@ -294,19 +294,21 @@ class StagedBlob:
         report: ConversionReport,
     ) -> tuple[Path, int, str, Placements] | None:
         """The final blob in place: ``payloads`` (``Relocator``'s) found where they are in the staged blob,
-        the child's appended ones adopted in offset order (hashed, not copied), the rest (an earlier model's
-        packings) copied in; renamed to a temporary of ``tx`` for ``blob_path``. None when the header would not
-        fit its room: the caller streams a new blob from the staged one, which is left as it was but for
-        bytes appended at its end."""
+        the child's appended ones adopted in offset order (hashed, not copied), the rest (a range of another
+        file, or one ``adopt`` cannot keep where it is) copied in under a name of its own; renamed to a
+        temporary of ``tx`` for ``blob_path``. None when the header would not fit its room: the caller streams
+        a new blob from the staged one, which is left as it was but for bytes appended at its end."""
         blob, w = self.blob, self.blob.writer
-        staged = {w.offset(r): r for r in range(w.rows) if w.offset(r) < self.plain_end}
+        # by offset and length: a zero-length payload's row starts where the next payload's does (an empty
+        # Resize roi stored first), and by offset alone it was copied in as a nameless alias
+        staged = {(w.offset(r), w.nbytes(r)): r for r in range(w.rows)}
         entries: list[BlobEntry | None] = [None] * len(payloads)
         adopt, copy = [], []
         for i, p in enumerate(payloads):
             src = p.source
             if isinstance(src, FileRange) and Path(src.path) == self.path:
-                row = staged.get(src.offset)
-                if row is not None and w.nbytes(row) == src.length:
+                row = staged.get((src.offset, src.length))
+                if row is not None:
                     entries[i] = w.entry(row)
                     continue
                 if src.offset >= self.plain_end:
@@ -319,6 +321,7 @@ class StagedBlob:
                 copy.append(i)
         w.end = max(w.end, os.fstat(self.fd).st_size)  # past whatever else the child appended
         for i in sorted(copy):
+            blob.name_unplanned(payloads[i].tensor)  # not in the staged blob's plan: else its header name is ""
             entries[i] = blob.place(payloads[i])
         blob.metadata.update(metadata)
         if not blob.header_fits():
