@@ -118,8 +118,14 @@ class OnnxFormat(FormatDefaults):
 
     def inventory(self, path: Path, hash_payloads: bool) -> ModelInventory:
         from .inventory import inventory_file
+        from .remainder import remember
 
-        return inventory_file(path, hash_payloads)
+        inv = inventory_file(path, hash_payloads)
+        try:  # what check's measuring child is given instead of parsing the model again (``remainder.sources``)
+            remember(path, inv)
+        except OSError:
+            pass
+        return inv
 
     def measure_copies(
         self, path: Path, feeds: MeasureInputs | None = None

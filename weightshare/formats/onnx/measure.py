@@ -107,6 +107,7 @@ def probe(
     input_files: dict[str, str] | None = None,
     explain: bool = False,
     rotate: bool = False,
+    listed: JsonDict | None = None,
 ) -> JsonDict:
     """In this (child) process: PSS after the first and the last of ``sessions`` sessions under the setting (with
     ORT's CPU arena or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
@@ -121,7 +122,8 @@ def probe(
     the process's RSS counts every mapping) the sessions but the first are closed before the arena's open: 4 open at
     once, not 7. The weights' sessions stay open together: what they cost together (a heap's fragments included) is
     the figure (one closed before the next opens could leave the heap it freed to the next, a figure too low). A
-    step to the second session of ``_large_step`` decides the figure with those 2 sessions."""
+    step to the second session of ``_large_step`` decides the figure with those 2 sessions. ``listed``: the
+    model's ``remainder.sources`` as the parent listed them (not listed again here while its files are those)."""
     from ..._runtimes import remainder as pages
     from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
@@ -130,7 +132,7 @@ def probe(
     from ...errors import UsageError
     from ._proto import read_tensor_proto
     from .decode import session_feeds
-    from .remainder import EXPLAIN_MAX, EXPLAIN_MIN, sources
+    from .remainder import EXPLAIN_MAX, EXPLAIN_MIN, adopt, sources
     from .remainder import explain as explain_growth
 
     started = time.process_time()
@@ -144,6 +146,8 @@ def probe(
     files: list[str] = []
     if explain:
         try:  # the breakdown explains a figure; a model it cannot list is still measured (and ORT's refusal said)
+            if listed:
+                adopt(Path(model_path), listed)
             files = [f for f, _t in sources(Path(model_path))]
         except Exception:  # noqa: BLE001
             explain = False
@@ -402,8 +406,10 @@ def _measure(
     from ...errors import UsageError
 
     given = feeds or MeasureInputs()
+    from .remainder import handed
+
     args = [str(path), share, SESSIONS, arena, activations, dict(given.dims), dict(given.input_files), not arena]
-    args.append(rotate)
+    args += [rotate, handed(path) if not arena else None]
     try:
         # one child measures every setting and, within check's ``reused_children``, every model in turn; a model
         # over the bound there is measured again in a fresh child (``in_worker``)

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...report import JsonDict
+
+if TYPE_CHECKING:
+    from ..._inventory import ModelInventory
 
 EXPLAIN_MIN = 256 << 10  # a per-session growth below this is not worth a breakdown (the one-node floor is ~0.3 MiB)
 # ... and above this it is not broken down either: ORT's own state measured at most ~8.3 MiB per session on exporter
@@ -39,23 +43,56 @@ def sources(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]]:
     """(file, [(tensor name, absolute offset, length)]) of every file holding the model's weights: the model file
     itself (its embedded payloads) and each external file (its payloads, and a weightshare blob's whole header).
     Kept for the next call on the same model while neither it nor its weight files changed."""
-    for files, found in _LAST:
-        try:
-            if files == [_identity(str(path))] + [_identity(f) for f, _t in found if f != str(path)]:
-                return found
-        except OSError:
-            break
-    found = _sources(path)
-    _LAST[:] = [([_identity(str(path))] + [_identity(f) for f, _t in found if f != str(path)], found)]
+    found = known(path)
+    if found is None:
+        from .inventory import inventory_file
+
+        found = remember(path, inventory_file(path, hash_payloads=False))
     return found
 
 
-def _sources(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]]:
+def known(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]] | None:
+    """The sources listed last, when they are this model's and none of its files changed since; else None."""
+    for files, found in _LAST:
+        try:
+            if files == _identities(path, found):
+                return found
+        except OSError:
+            break
+    return None
+
+
+def remember(path: Path, inv: ModelInventory) -> list[tuple[str, list[tuple[str, int, int]]]]:
+    """``sources`` from the model's inventory (``check`` has it before it measures: the measuring child is given
+    the list instead of parsing the model again, 0.2 CPU s a T5 decoder), kept as the last listed."""
+    found = _table(path, inv)
+    _LAST[:] = [(_identities(path, found), found)]
+    return found
+
+
+def handed(path: Path) -> JsonDict | None:
+    """``known`` with the files' identities it was listed for, as JSON for the measuring child (``adopt``)."""
+    found = known(path)
+    return {"files": [list(i) for i in _LAST[0][0]], "table": found} if found is not None else None
+
+
+def adopt(path: Path, listed: JsonDict) -> None:
+    """In the measuring child: the parent's ``sources`` of the model (``handed``), kept as the last listed when
+    the files they were listed from are the ones here, unchanged."""
+    table = [(str(f), [(str(n), int(b), int(k)) for n, b, k in tensors]) for f, tensors in listed["table"]]
+    files = _identities(path, table)
+    if [list(i) for i in files] == listed["files"]:
+        _LAST[:] = [(files, table)]
+
+
+def _identities(path: Path, found: list[tuple[str, list[tuple[str, int, int]]]]) -> list[tuple[object, ...]]:
+    return [_identity(str(path))] + [_identity(f) for f, _t in found if f != str(path)]
+
+
+def _table(path: Path, inv: ModelInventory) -> list[tuple[str, list[tuple[str, int, int]]]]:
     from ..._safetensors import read_safetensors_metadata
     from ...errors import WeightshareError
-    from .inventory import inventory_file
 
-    inv = inventory_file(path, hash_payloads=False)
     tables: dict[str, list[tuple[str, int, int]]] = {str(path): []}
     for p in inv.payloads:
         if p.offset is not None:
