@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .errors import Unsupported
 
-__all__ = ["TreePeak", "require_posix", "same_file", "tree_rss_bytes"]
+__all__ = ["TreePeak", "require_posix", "rss_bytes", "same_file", "tree_rss_bytes"]
 
 
 def _missing() -> list[str]:
@@ -98,7 +98,8 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int | str) -> int:
+    """The resident set of ``pid`` ("self": this process) in bytes, from its kernel counters (no page walk)."""
     try:
         with open(f"/proc/{pid}/statm") as f:
             return int(f.read().split()[1]) * _PAGE
@@ -118,7 +119,7 @@ def tree_rss_bytes(root: int | None = None) -> int:
         if pid in seen:
             continue
         seen.add(pid)
-        total += _rss_bytes(pid)
+        total += rss_bytes(pid)
         pids += _children(pid)
     return total
 

@@ -124,6 +124,7 @@ def probe(
     the figure (one closed before the next opens could leave the heap it freed to the next, a figure too low). A
     step to the second session of ``_large_step`` decides the figure with those 2 sessions. ``listed``: the
     model's ``remainder.sources`` as the parent listed them (not listed again here while its files are those)."""
+    from ..._platform import rss_bytes
     from ..._runtimes import remainder as pages
     from ..._runtimes.bound import is_oom
     from ..._runtimes.memory import data_pss, smaps_rollup
@@ -194,19 +195,18 @@ def probe(
                 no_run = "the run failed: " + (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         opened.append(s)
         most = max(most, len(opened))
-        if i in (0, 1, sessions - 1):  # (a walk of smaps: 5-40 ms each)
-            raw = data_pss()
+        if i in (0, 1, sessions - 1):  # (a walk of smaps: 5-40 ms each; the resident counter: none)
+            raw = rss_bytes("self")
             _trim()
+            freed.append(max(0, raw - rss_bytes("self")))  # anonymous pages: trimmed ones leave RSS as they go
         if explain and len(opened) == 1:  # before the figures: what the snapshot holds is in the first one
             snapshots.append(pages.snapshot(files))
         if i == 0:
             pss.append(smaps_rollup()["Pss"] - left)  # as in a fresh child
             data.append(data_pss())
             before = data[0]
-            freed.append(max(0, raw - data[0]))
         elif i == 1 or i == sessions - 1:
             now = data_pss()
-            freed.append(max(0, raw - now))
             steps.append(now - before)
             if i == 1 and _large_step(steps[0], pss[0]):
                 # a copy this large is decided by one step (far from check's lines; a figure near one is measured
