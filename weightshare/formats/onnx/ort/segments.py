@@ -915,6 +915,16 @@ class Report:
         }
 
 
+def _handed_over(prev: onnx.ModelProto) -> frozenset[str]:
+    """What the optimized segment ``prev`` hands the next one through a ReorderOutput (``Segmenter.standin``)."""
+    made = {o: n for n in prev.graph.node for o in n.output}
+    return frozenset(
+        v.name
+        for v in prev.graph.output
+        if v.name in made and made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput"
+    )
+
+
 class Segmenter:
     """Optimizes ``model_path`` segment by segment into ``out_model`` (external data beside it)."""
 
@@ -1019,13 +1029,7 @@ class Segmenter:
         """Inputs of segment k that the segment before hands over through a ReorderOutput."""
         if k == 0:
             return frozenset()
-        prev = self.segment(bounds, k - 1)
-        made = {o: n for n in prev.graph.node for o in n.output}
-        return frozenset(
-            v.name
-            for v in prev.graph.output
-            if v.name in made and made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput"
-        )
+        return _handed_over(self.segment(bounds, k - 1))
 
     def packs_itself(self, key: tuple[int, int, frozenset[str]]) -> bool:
         """Whether the segment's session saves its packed copies. That session writes the segment's weights and
@@ -1056,7 +1060,14 @@ class Segmenter:
         A window of the same shape as one already checked (``window_shape``: ops, attributes, wiring, tensor
         types and shapes, the bytes of every small initializer; the large weights by type and shape) gets that
         check's answer without a session of its own: a transformer's or a Conv chain's layer boundaries are all
-        alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights."""
+        alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights.
+
+        A cut that fails is known before its segments' own sessions run (``probe``)."""
+        together = None
+        if (probed := self.probe(bounds, k)) is not None:
+            together, exact = probed
+            if not exact:
+                return False
         left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
         window = extract(self.model, a, c, self.types, standin, context=self.context, witness=self.shared)
@@ -1064,7 +1075,8 @@ class Segmenter:
         if shape in self.answers:
             self.reused += 1
             return self.answers[shape]
-        together = self._run(a, c, standin, f"win{a}-{c}", window=True)
+        if together is None:
+            together = self._run(a, c, standin, f"win{a}-{c}", window=True)
         try:
             pair = stitch(
                 [left, right],
@@ -1079,6 +1091,51 @@ class Segmenter:
             self._bin(f"win{a}-{c}").unlink(missing_ok=True)
         self.answers[shape] = exact
         return exact
+
+    def probe(self, bounds: list[int], k: int) -> tuple[onnx.ModelProto | None, bool] | None:
+        """The cut check of ``cut_is_exact`` on segments optimized by sessions that save no weights (ORT 1.32 saves
+        each weight it left as it was as its reference, as the window's session does: ``window_references``):
+        (the window's optimization, whether the stitch equals it). A segment's own session writes its weights
+        and their packed copies and has them compared byte for byte (``settle``): a decoder whose one cut fails
+        at each place tried (BART's, Marian's: a fusion through the cut) paid that for nothing, three times. Only
+        a failing answer is taken: where it passes, the segments' own sessions run and the check is made on
+        them, as without the probe; a window answered before (``window_shape``) gives its answer. None where
+        it does not apply: both segments optimized already, no referencing session (a Conv, fp16 weights)."""
+        done = {key[:2]: model for key, model in self.optimized.items()}
+        spans = [(bounds[j], bounds[j + 1]) for j in (k, k + 1)]
+        if self.optimize_referenced is None or all(span in done for span in spans):
+            return None
+        a, b, c, standin = bounds[k], bounds[k + 1], bounds[k + 2], self.standin(bounds, k)
+        window = extract(self.model, a, c, self.types, standin, context=self.context, witness=self.shared)
+        if not window_references(window):
+            return None
+        tags = [f"probe{a}-{b}", f"probe{b}-{c}", f"win{a}-{c}"]
+        try:
+            left = done[a, b] if (a, b) in done else self._run(a, b, standin, tags[0], window=True)
+            right_standin = _handed_over(left)
+            shape = window_shape(window, c - b, standin, right_standin, self.src.parent)
+            if shape in self.answers:
+                if self.answers[shape]:
+                    return None
+                self.reused += 1
+                return None, False
+            right = done[b, c] if (b, c) in done else self._run(b, c, right_standin, tags[1], window=True)
+            together = self._run(a, c, standin, tags[2], window=True)
+            pair = stitch(
+                [left, right],
+                together.graph.input,
+                [o for o in window.graph.output if not o.name.endswith(WITNESS)],
+                standins=[frozenset(), right_standin],
+                directory=self.out.parent,
+                context=self.context,
+            )
+            exact = fingerprint(pair, self.out.parent) == fingerprint(unwitnessed(together), self.out.parent)
+        finally:
+            for tag in tags:  # a session that saved its weights after all (a part ORT could not reference)
+                self._bin(tag).unlink(missing_ok=True)
+        if not exact:
+            self.answers[shape] = False
+        return together, exact
 
     def context_differs(self, bounds: list[int]) -> str:
         """Why the segments, where they compute the context again (``hoist_context``), may not be what ORT makes of
