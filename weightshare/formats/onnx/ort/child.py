@@ -56,6 +56,9 @@ class Target:
     stage: str = ""
     copy_reused: bool = False  # a packing an earlier model made is copied in too (the final blob is this one)
     scratch_peak: int = 0  # the most bytes the scratch held after a session
+    # the parent's digests of the staged blob's payloads (offset, length, hex digest of kind DIGEST): the bytes the
+    # writer hashed as it staged them, not read and hashed again here for the cut checks and the packing keys
+    digests: tuple[tuple[int, int, str], ...] = ()
 
     @classmethod
     def from_env(cls, stage: str) -> Target | None:
@@ -67,7 +70,13 @@ class Target:
         policy = AlignPolicy.parse(doc.get("align"))
         if policy is None or not isinstance(doc.get("blob"), str):
             return None
-        return cls(doc["blob"], policy, str(doc.get("scratch") or ""), stage, bool(doc.get("copy_reused")))
+        digests = doc.get("digests")
+        known = tuple(
+            (int(d[0]), int(d[1]), str(d[2]))
+            for d in (digests if isinstance(digests, list) else [])
+            if isinstance(d, list) and len(d) == 3
+        )
+        return cls(doc["blob"], policy, str(doc.get("scratch") or ""), stage, bool(doc.get("copy_reused")), 0, known)
 
     def scratch_name(self, bin_name: str) -> str:
         return f"{self.scratch}/{bin_name}" if self.scratch else bin_name
@@ -893,6 +902,11 @@ def run(argv: list[str]) -> dict[str, Any]:
     from .segments import digested
 
     digested.clear()  # this model's files alone (a staging path of an earlier model holds other bytes)
+    if target is not None:  # keyed as ``segments._digest_payload`` keys them
+        from pathlib import Path
+
+        blob = str(Path(out_model).parent / target.blob)
+        digested.update({(blob, offset, length): bytes.fromhex(hex_) for offset, length, hex_ in target.digests})
     clock = _Phases()
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
     clock.lap("optimize")  # the graph's, its segments' and its cut checks' sessions, with their settling

@@ -966,6 +966,10 @@ class Segmenter:
         self.answers: dict[str, bool] = {}  # window_shape -> whether the cut in it was exact
         self.reused = 0  # cut checks answered by an earlier window of the same shape
         self.files: dict[tuple[int, int, frozenset[str]], list[str]] = {}
+        # the last probed window (its nodes, standin), its optimization and fingerprint: a cut moved within it (the
+        # window of a graph's one cut is the whole graph) is probed again against the same window, which the same
+        # session would make again
+        self.last_window: tuple[tuple[int, int, frozenset[str]], onnx.ModelProto, Any] | None = None
 
     def _with_context(self, budget: int) -> None:
         """Cut where the context crosses (``context``), when that gives cuts the plain plan cannot make: the graph's
@@ -991,6 +995,7 @@ class Segmenter:
         self.model, self.plan = self.plain
         self.context, self.shared = frozenset(), None
         self.answers.clear()
+        self.last_window = None  # of the graph with context
 
     def _bin(self, tag: str) -> Path:
         return self.out.parent / f"{self.stem}.{tag}.bin"
@@ -1120,7 +1125,10 @@ class Segmenter:
                 self.reused += 1
                 return None, False
             right = done[b, c] if (b, c) in done else self._run(b, c, right_standin, tags[1], window=True)
-            together = self._run(a, c, standin, tags[2], window=True)
+            if self.last_window is None or self.last_window[0] != (a, c, standin):
+                together = self._run(a, c, standin, tags[2], window=True)
+                self.last_window = ((a, c, standin), together, fingerprint(unwitnessed(together), self.out.parent))
+            together, whole = self.last_window[1:]
             pair = stitch(
                 [left, right],
                 together.graph.input,
@@ -1129,7 +1137,7 @@ class Segmenter:
                 directory=self.out.parent,
                 context=self.context,
             )
-            exact = fingerprint(pair, self.out.parent) == fingerprint(unwitnessed(together), self.out.parent)
+            exact = fingerprint(pair, self.out.parent) == whole
         finally:
             for tag in tags:  # a session that saved its weights after all (a part ORT could not reference)
                 self._bin(tag).unlink(missing_ok=True)
