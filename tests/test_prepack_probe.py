@@ -4,6 +4,7 @@ again (``child.Target.digests``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from onnx import helper as h
 from onnx import numpy_helper as nh
 
 from weightshare._checksum import new_hasher
+from weightshare._placement import AlignPolicy
 from weightshare.formats.onnx.ort import segments as segs
 from weightshare.formats.onnx.ort.child import optimize as ort_optimize
 
@@ -105,10 +107,10 @@ def test_a_cut_moved_within_one_window_is_probed_against_one_window_session(tmp_
     assert sessions.count(f"ort.win0-{bounds[2]}.in.onnx") == 1, sessions
 
 
-def test_the_parents_digests_are_the_childs(tmp_path):
+def test_the_parents_digests_are_the_childs(tmp_path, monkeypatch):
     """The staged blob's digests the parent hands the child are those the child would make of the same bytes
     (``segments._digest_payload``, the packing keys): the same key for the same bytes, with or without them."""
-    from weightshare.formats.onnx.ort import prepack
+    from weightshare.formats.onnx.ort import child, prepack
 
     src = _mlp(tmp_path / "mlp.onnx")
     stage = tmp_path / "stage"
@@ -128,3 +130,8 @@ def test_the_parents_digests_are_the_childs(tmp_path):
             assert hasher.hexdigest() == hex_
     finally:
         staged.close()
+    # as the child reads them from its request: a malformed entry is left out, not trusted
+    doc = {"blob": prepack.STAGE_FILE, "align": AlignPolicy().render(), "digests": [*digests, ["x"], 7, ["1", 2, "ab"]]}
+    monkeypatch.setenv(prepack.TARGET_ENV, json.dumps(doc))
+    target = child.Target.from_env(str(stage))
+    assert target is not None and [list(d) for d in target.digests] == digests

@@ -72,9 +72,9 @@ class Target:
             return None
         digests = doc.get("digests")
         known = tuple(
-            (int(d[0]), int(d[1]), str(d[2]))
+            (d[0], d[1], d[2])
             for d in (digests if isinstance(digests, list) else [])
-            if isinstance(d, list) and len(d) == 3
+            if isinstance(d, list) and len(d) == 3 and [type(x) for x in d] == [int, int, str]
         )
         return cls(doc["blob"], policy, str(doc.get("scratch") or ""), stage, bool(doc.get("copy_reused")), 0, known)
 
