@@ -135,3 +135,24 @@ def test_the_parents_digests_are_the_childs(tmp_path, monkeypatch):
     monkeypatch.setenv(prepack.TARGET_ENV, json.dumps(doc))
     target = child.Target.from_env(str(stage))
     assert target is not None and [list(d) for d in target.digests] == digests
+
+
+def test_a_cut_does_not_move_across_a_constant_alone():
+    """Before the bias Add's Constant and after it: the same segments (each holds its own copy of a constant it
+    reads), so a failing cut moves to one of the two places, not both (BART's decoder tried both)."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        h.make_node("MatMul", ["x", "w0"], ["m0"]),
+        h.make_node("Constant", [], ["c"], value=nh.from_array(np.ones(64, np.float32), "c")),
+        h.make_node("Add", ["m0", "c"], ["a0"]),
+        h.make_node("MatMul", ["a0", "w1"], ["y"]),
+    ]
+    shapes = {"w0": (4, 64), "w1": (64, 4)}
+    weights = [nh.from_array(rng.standard_normal(s).astype(np.float32), n) for n, s in shapes.items()]
+    graph = h.make_graph(
+        nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, ["n", 4])], [h.make_tensor_value_info("y", T.FLOAT, None)],
+        weights,
+    )  # fmt: skip
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    p = segs.plan(model.graph, 1100, segs.tensor_types(model))
+    assert p.bounds == [0, 3, 4] and p.alternatives == {3: [2]}, (p.bounds, p.alternatives)

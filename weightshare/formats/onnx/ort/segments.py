@@ -187,13 +187,28 @@ def plan(
                 places = [q for q in places if q < cut]
             bounds.append(cut)
             size = sum(weights[cut:p])
-            alternatives[cut] = places[:MAX_ALTERNATIVES]
+            alternatives[cut] = _distinct([cut, *places[:MAX_ALTERNATIVES]], graph)[1:]
         if big:
             last_big = p
         size += weights[p]
         live = {t for t in live if last_use.get(t, -1) > p or t in outputs} | (set(node.output) - set(consts) - context)
     bounds.append(len(graph.node))
     return Plan(bounds, weights, alternatives={p: a for p, a in alternatives.items() if a}, heavy=heavy)
+
+
+def _distinct(places: list[int], graph: onnx.GraphProto) -> list[int]:
+    """``places`` (a cut and where it moves, in the order tried) without a place right before a Constant node of
+    no inputs whose next place was tried before it: the two cuts differ only by that node's side, and a segment
+    holds its own copy of each constant it reads (``extract``), so ORT is given the same segments (BART's decoder:
+    its cut moved from before the position Add to before its Constant, checked again for nothing)."""
+    tried = set()
+    kept = []
+    for q in places:
+        node = graph.node[q]
+        if not (node.op_type == "Constant" and not node.domain and not node.input and q + 1 in tried):
+            kept.append(q)
+        tried.add(q)
+    return kept
 
 
 def heavy_bytes(budget: int) -> int:
