@@ -23,8 +23,10 @@ Everything else is checked, not assumed: for every cut, the two segments around 
 together in one session and the result must equal the stitched pair node for node (op, domain,
 attributes, wiring, initializer bytes: ``fingerprint``). A cut that fails the check is removed
 (its segments merged) and the report says so; any failure of the cutting itself falls back to
-the whole-graph session. What this leaves unchecked is an optimizer whose effect reaches further
-than one whole segment on each side of a cut.
+the whole-graph session. A cut is first checked on segments optimized by sessions that save no weights
+(``Segmenter.probe``): one that fails there costs none of the sessions that write a segment's weights and packed
+copies; where it holds, those sessions run and the check is made again on what they made. What this leaves
+unchecked is an optimizer whose effect reaches further than one whole segment on each side of a cut.
 
 Context: a transformer's layers all read tensors the graph inputs alone make (a decoder's attention mask,
 rotary tables; a ViT's mask), which no cut could hand over. Each segment computes them again from the inputs and
