@@ -280,7 +280,7 @@ class StagedBlob:
 
     def digests(self) -> list[list[int | str]]:
         """(offset, length, hex digest) of each payload the staging wrote, where the digests are of the kind the
-        child hashes with (``child.Target.digests``); none where they are not (``--digest sha256``)."""
+        child hashes with (``child.Target.digests``); none from a writer of another kind."""
         w = self.blob.writer
         if w.digest != DIGEST:
             return []
