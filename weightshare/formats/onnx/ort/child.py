@@ -56,6 +56,9 @@ class Target:
     stage: str = ""
     copy_reused: bool = False  # a packing an earlier model made is copied in too (the final blob is this one)
     scratch_peak: int = 0  # the most bytes the scratch held after a session
+    # the parent's digests of the staged blob's payloads (offset, length, hex digest of kind DIGEST): the bytes the
+    # writer hashed as it staged them, not read and hashed again here for the cut checks and the packing keys
+    digests: tuple[tuple[int, int, str], ...] = ()
 
     @classmethod
     def from_env(cls, stage: str) -> Target | None:
@@ -67,7 +70,13 @@ class Target:
         policy = AlignPolicy.parse(doc.get("align"))
         if policy is None or not isinstance(doc.get("blob"), str):
             return None
-        return cls(doc["blob"], policy, str(doc.get("scratch") or ""), stage, bool(doc.get("copy_reused")))
+        digests = doc.get("digests")
+        known = tuple(
+            (d[0], d[1], d[2])
+            for d in (digests if isinstance(digests, list) else [])
+            if isinstance(d, list) and len(d) == 3 and [type(x) for x in d] == [int, int, str]
+        )
+        return cls(doc["blob"], policy, str(doc.get("scratch") or ""), stage, bool(doc.get("copy_reused")), 0, known)
 
     def scratch_name(self, bin_name: str) -> str:
         return f"{self.scratch}/{bin_name}" if self.scratch else bin_name
@@ -821,8 +830,17 @@ def _append(path: str, offset: int, length: int, out: BinaryIO) -> None:
 
 
 def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO, short: str) -> None:
-    """``length`` bytes of ``src`` from ``offset`` appended to ``out`` in 1 MiB pieces; ``short``: the error when
-    ``src`` ends first."""
+    """``length`` bytes of ``src`` from ``offset`` appended to ``out``; ``short``: the error when ``src`` ends first.
+
+    Copied by the kernel (``sendfile``: ORT's file in the memory-backed scratch to the staged blob, a reused packing
+    from an earlier blob), not through this process's buffers: a family's packed copies, read and written again
+    here, were a tenth of its child's CPU. ``out`` is opened to append, which ``sendfile`` refuses: it writes through
+    a second descriptor of the same file, at its end; in 1 MiB pieces where the kernel cannot."""
+    out.flush()
+    done = _sendfile_at_end(src, offset, length, out)
+    if done == length:
+        return
+    offset, length = offset + done, length - done
     src.seek(offset)
     buf = bytearray(min(length, 1 << 20))  # one buffer read into again (``_same_bytes``)
     while length:
@@ -832,6 +850,29 @@ def _copy_range(src: BinaryIO, offset: int, length: int, out: BinaryIO, short: s
             raise OSError(short)
         out.write(buf)
         length -= n
+
+
+def _sendfile_at_end(src: BinaryIO, offset: int, length: int, out: BinaryIO) -> int:
+    """How many bytes of ``src`` from ``offset`` the kernel appended to ``out`` (fewer than ``length``: ``src``
+    ended, or the kernel copies none between these files); ``out`` flushed, left at its end."""
+    try:
+        fd = os.open(f"/proc/self/fd/{out.fileno()}", os.O_WRONLY)  # not O_APPEND: sendfile's condition
+    except OSError:
+        return 0
+    done = 0
+    try:
+        os.lseek(fd, 0, os.SEEK_END)
+        while done < length:
+            n = os.sendfile(fd, src.fileno(), offset + done, length - done)
+            if not n:
+                break
+            done += n
+    except OSError:
+        pass  # the rest through this process's buffers, from where the kernel stopped
+    finally:
+        os.close(fd)
+        out.seek(0, 2)
+    return done
 
 
 def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) -> None:
@@ -861,6 +902,11 @@ def run(argv: list[str]) -> dict[str, Any]:
     from .segments import digested
 
     digested.clear()  # this model's files alone (a staging path of an earlier model holds other bytes)
+    if target is not None:  # keyed as ``segments._digest_payload`` keys them
+        from pathlib import Path
+
+        blob = str(Path(out_model).parent / target.blob)
+        digested.update({(blob, offset, length): bytes.fromhex(hex_) for offset, length, hex_ in target.digests})
     clock = _Phases()
     segments = optimize_bounded(model, out_model, min_external, int(budget), sharer)
     clock.lap("optimize")  # the graph's, its segments' and its cut checks' sessions, with their settling

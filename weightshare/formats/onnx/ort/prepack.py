@@ -35,6 +35,7 @@ from pathlib import Path
 from weakref import WeakKeyDictionary
 
 from ...._atomic import OutputTransaction, locked_stage
+from ...._checksum import DIGEST
 from ...._container import BlobContainer
 from ...._disk import DiskPeak
 from ...._pipeline import DIGEST_CHARS, BlobPayload, Placements, PreparedModel, blob_target, write_blob, write_models
@@ -280,6 +281,14 @@ class StagedBlob:
         w = blob.writer
         self.largest = max((w.nbytes(r) for r in range(w.rows)), default=0)
 
+    def digests(self) -> list[list[int | str]]:
+        """(offset, length, hex digest) of each payload the staging wrote, where the digests are of the kind the
+        child hashes with (``child.Target.digests``); none from a writer of another kind."""
+        w = self.blob.writer
+        if w.digest != DIGEST:
+            return []
+        return [[w.offset(r), w.nbytes(r), w.hexdigest(r)] for r in range(w.rows) if w.offset(r) < self.plain_end]
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
@@ -424,6 +433,7 @@ def _run_ort(
                     "align": options.align.render(),
                     "scratch": scratch,
                     "copy_reused": in_place,
+                    "digests": staged.digests(),
                 }
                 env = {TARGET_ENV: json.dumps(doc)}
                 res, fresh = _run_bounded(

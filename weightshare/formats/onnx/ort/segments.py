@@ -23,8 +23,10 @@ Everything else is checked, not assumed: for every cut, the two segments around 
 together in one session and the result must equal the stitched pair node for node (op, domain,
 attributes, wiring, initializer bytes: ``fingerprint``). A cut that fails the check is removed
 (its segments merged) and the report says so; any failure of the cutting itself falls back to
-the whole-graph session. What this leaves unchecked is an optimizer whose effect reaches further
-than one whole segment on each side of a cut.
+the whole-graph session. A cut is first checked on segments optimized by sessions that save no weights
+(``Segmenter.probe``): one that fails there costs none of the sessions that write a segment's weights and packed
+copies; where it holds, those sessions run and the check is made again on what they made. What this leaves
+unchecked is an optimizer whose effect reaches further than one whole segment on each side of a cut.
 
 Context: a transformer's layers all read tensors the graph inputs alone make (a decoder's attention mask,
 rotary tables; a ViT's mask), which no cut could hand over. Each segment computes them again from the inputs and
@@ -227,7 +229,7 @@ def plan(
                 places = [q for q in places if q < cut]
             bounds.append(cut)
             size = sum(weights[cut:p])
-            alternatives[cut] = places[:MAX_ALTERNATIVES]
+            alternatives[cut] = _distinct([cut, *places[:MAX_ALTERNATIVES]], graph)[1:]
         if big:
             last_big = p
         size += weights[p]
@@ -239,6 +241,21 @@ def plan(
 
 def _largest(p: Plan) -> int:
     return max(p.segment_bytes(k) for k in range(len(p.bounds) - 1))
+
+
+def _distinct(places: list[int], graph: onnx.GraphProto) -> list[int]:
+    """``places`` (a cut and where it moves, in the order tried) without a place right before a Constant node of
+    no inputs whose next place was tried before it: the two cuts differ only by that node's side, and a segment
+    holds its own copy of each constant it reads (``extract``), so ORT is given the same segments (BART's decoder:
+    its cut moved from before the position Add to before its Constant, checked again for nothing)."""
+    tried = set()
+    kept = []
+    for q in places:
+        node = graph.node[q]
+        if not (node.op_type == "Constant" and not node.domain and not node.input and q + 1 in tried):
+            kept.append(q)
+        tried.add(q)
+    return kept
 
 
 def heavy_bytes(budget: int) -> int:
@@ -1014,6 +1031,16 @@ class Report:
         }
 
 
+def _handed_over(prev: onnx.ModelProto) -> frozenset[str]:
+    """What the optimized segment ``prev`` hands the next one through a ReorderOutput (``Segmenter.standin``)."""
+    made = {o: n for n in prev.graph.node for o in n.output}
+    return frozenset(
+        v.name
+        for v in prev.graph.output
+        if v.name in made and made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput"
+    )
+
+
 class Segmenter:
     """Optimizes ``model_path`` segment by segment into ``out_model`` (external data beside it)."""
 
@@ -1055,6 +1082,12 @@ class Segmenter:
         self.answers: dict[str, bool] = {}  # window_shape -> whether the cut in it was exact
         self.reused = 0  # cut checks answered by an earlier window of the same shape
         self.files: dict[tuple[int, int, frozenset[str]], list[str]] = {}
+        # the last probed window (its nodes, standin), its optimization and fingerprint: a cut moved within it (the
+        # window of a graph's one cut is the whole graph) is probed again against the same window, which the same
+        # session would make again
+        self.last_window: (
+            tuple[tuple[int, int, frozenset[str]], onnx.ModelProto, tuple[Counter[str], list[str]]] | None
+        ) = None
 
     def _with_context(self, budget: int) -> None:
         """Cut where the context crosses (``context``), when that gives cuts the plain plan cannot make: the graph's
@@ -1089,6 +1122,7 @@ class Segmenter:
         self.model, self.plan = self.plain
         self.context, self.shared = frozenset(), None
         self.answers.clear()
+        self.last_window = None  # of the graph with context
 
     def _bin(self, tag: str) -> Path:
         return self.out.parent / f"{self.stem}.{tag}.bin"
@@ -1127,13 +1161,7 @@ class Segmenter:
         """Inputs of segment k that the segment before hands over through a ReorderOutput."""
         if k == 0:
             return frozenset()
-        prev = self.segment(bounds, k - 1)
-        made = {o: n for n in prev.graph.node for o in n.output}
-        return frozenset(
-            v.name
-            for v in prev.graph.output
-            if v.name in made and made[v.name].domain == NCHWC and made[v.name].op_type == "ReorderOutput"
-        )
+        return _handed_over(self.segment(bounds, k - 1))
 
     def packs_itself(self, key: tuple[int, int, frozenset[str]]) -> bool:
         """Whether the segment's session saves its packed copies. That session writes the segment's weights and
@@ -1164,7 +1192,14 @@ class Segmenter:
         A window of the same shape as one already checked (``window_shape``: ops, attributes, wiring, tensor
         types and shapes, the bytes of every small initializer; the large weights by type and shape) gets that
         check's answer without a session of its own: a transformer's or a Conv chain's layer boundaries are all
-        alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights."""
+        alike, and ORT decides its fusions and layouts from that shape, not from the values of large weights.
+
+        A cut that fails is known before its segments' own sessions run (``probe``)."""
+        together = None
+        if (probed := self.probe(bounds, k)) is not None:
+            together, exact = probed
+            if not exact:
+                return False
         left, right = self.segment(bounds, k), self.segment(bounds, k + 1)
         a, c, standin = bounds[k], bounds[k + 2], self.standin(bounds, k)
         window = extract(self.model, a, c, self.types, standin, context=self.context, witness=self.shared)
@@ -1172,7 +1207,8 @@ class Segmenter:
         if shape in self.answers:
             self.reused += 1
             return self.answers[shape]
-        together = self._run(a, c, standin, f"win{a}-{c}", window=True)
+        if together is None:
+            together = self._run(a, c, standin, f"win{a}-{c}", window=True)
         try:
             pair = stitch(
                 [left, right],
@@ -1182,11 +1218,64 @@ class Segmenter:
                 directory=self.out.parent,
                 context=self.context,
             )
-            exact = fingerprint(pair, self.out.parent) == fingerprint(unwitnessed(together), self.out.parent)
+            seen = self.last_window
+            if seen is not None and seen[0] == (a, c, standin) and seen[1] is together:
+                reference = seen[2]  # the probe's fingerprint of this window
+            else:
+                reference = fingerprint(unwitnessed(together), self.out.parent)
+            exact = fingerprint(pair, self.out.parent) == reference
         finally:
             self._bin(f"win{a}-{c}").unlink(missing_ok=True)
         self.answers[shape] = exact
         return exact
+
+    def probe(self, bounds: list[int], k: int) -> tuple[onnx.ModelProto | None, bool] | None:
+        """The cut check of ``cut_is_exact`` on segments optimized by sessions that save no weights (ORT 1.32 saves
+        each weight it left as it was as its reference, as the window's session does: ``window_references``):
+        (the window's optimization, whether the stitch equals it). A segment's own session writes its weights
+        and their packed copies and has them compared byte for byte (``settle``): a decoder whose one cut fails
+        at each place tried (BART's, Marian's: a fusion through the cut) paid that for nothing, three times. Only
+        a failing answer is taken: where it passes, the segments' own sessions run and the check is made on
+        them, as without the probe; a window answered before (``window_shape``) gives its answer. None where
+        it does not apply: both segments optimized already, no referencing session (a Conv, fp16 weights)."""
+        done = {key[:2]: model for key, model in self.optimized.items()}
+        spans = [(bounds[j], bounds[j + 1]) for j in (k, k + 1)]
+        if self.optimize_referenced is None or all(span in done for span in spans):
+            return None
+        a, b, c, standin = bounds[k], bounds[k + 1], bounds[k + 2], self.standin(bounds, k)
+        window = extract(self.model, a, c, self.types, standin, context=self.context, witness=self.shared)
+        if not window_references(window):
+            return None
+        tags = [f"probe{a}-{b}", f"probe{b}-{c}", f"win{a}-{c}"]
+        try:
+            left = done[a, b] if (a, b) in done else self._run(a, b, standin, tags[0], window=True)
+            right_standin = _handed_over(left)
+            shape = window_shape(window, c - b, standin, right_standin, self.src.parent)
+            if shape in self.answers:
+                if self.answers[shape]:
+                    return None
+                self.reused += 1
+                return None, False
+            right = done[b, c] if (b, c) in done else self._run(b, c, right_standin, tags[1], window=True)
+            if self.last_window is None or self.last_window[0] != (a, c, standin):
+                together = self._run(a, c, standin, tags[2], window=True)
+                self.last_window = ((a, c, standin), together, fingerprint(unwitnessed(together), self.out.parent))
+            together, whole = self.last_window[1:]
+            pair = stitch(
+                [left, right],
+                together.graph.input,
+                [o for o in window.graph.output if not o.name.endswith(WITNESS)],
+                standins=[frozenset(), right_standin],
+                directory=self.out.parent,
+                context=self.context,
+            )
+            exact = fingerprint(pair, self.out.parent) == whole
+        finally:
+            for tag in tags:  # a session that saved its weights after all (a part ORT could not reference)
+                self._bin(tag).unlink(missing_ok=True)
+        if not exact:
+            self.answers[shape] = False
+        return together, exact
 
     def context_differs(self, bounds: list[int]) -> str:
         """Why the segments, where they compute the context again (``hoist_context``), may not be what ORT makes of

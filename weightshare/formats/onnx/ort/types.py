@@ -35,10 +35,23 @@ def _schemas() -> dict[tuple[str, str], list[tuple[int, Any]]]:
 
 def _schema(node: onnx.NodeProto, opsets: dict[str, int]) -> Any:
     domain = "" if node.domain in ("", "ai.onnx") else node.domain
-    versions = _schemas().get((domain, node.op_type), [])
     opset = opsets.get(domain, opsets.get("ai.onnx", 1) if domain == "" else 1)
+    return _schema_at(domain, node.op_type, opset)
+
+
+@cache
+def _schema_at(domain: str, op_type: str, opset: int) -> Any:
+    versions = _schemas().get((domain, op_type), [])
     fitting = [s for v, s in versions if v <= opset]
     return fitting[-1] if fitting else (versions[-1][1] if versions else None)
+
+
+@cache
+def _signature(schema: Any) -> tuple[list[Any], list[Any], dict[str, list[str]]]:
+    """(formal inputs, formal outputs, allowed types per type variable) of ``schema``: read from ORT's objects once
+    per schema, not once per node (a family's thousands of nodes)."""
+    allowed = {c.type_param_str: list(c.allowed_type_strs) for c in schema.type_constraints}
+    return list(schema.inputs), list(schema.outputs), allowed
 
 
 def at_default(node: onnx.NodeProto, opsets: dict[str, int]) -> set[str]:
@@ -84,10 +97,10 @@ def node_types(node: onnx.NodeProto, opsets: dict[str, int], known: Types) -> tu
     ins = {i: known[i] for i in node.input if i and i in known}
     if schema is None:
         return ins, {}
-    allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+    formal_ins, formal_outs, allowed = _signature(schema)
     bound: dict[str, int] = {}
     for i, name in enumerate(node.input):
-        formal = _formal(list(schema.inputs), i)
+        formal = _formal(formal_ins, i)
         if formal is not None and name in known and formal.typeStr in allowed:
             bound.setdefault(formal.typeStr, known[name])
 
@@ -101,13 +114,13 @@ def node_types(node: onnx.NodeProto, opsets: dict[str, int], known: Types) -> tu
         return _elem(only[0]) if len(only) == 1 else None
 
     for i, name in enumerate(node.input):
-        formal = _formal(list(schema.inputs), i)
+        formal = _formal(formal_ins, i)
         if name and name not in ins and formal is not None and (t := resolve(formal.typeStr)) is not None:
             ins[name] = t
     outs: Types = {}
     to = next((a.i for a in node.attribute if a.name == "to"), None)  # Cast and its kin: the attribute decides
     for i, name in enumerate(node.output):
-        formal = _formal(list(schema.outputs), i)
+        formal = _formal(formal_outs, i)
         if not name or formal is None:
             continue
         t = resolve(formal.typeStr)
