@@ -59,7 +59,7 @@ from .names import apply_saved_hook, unknown_entry_message, unknown_keys
 from .opened import require_floor
 from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
 from .probe import STAMP_DOMAIN
-from .reload import reload_change
+from .reload import inline_load_reads, reload_change, require_loads
 from .server import OrtChild, run_child
 from .unfuse import drop_unused, unfuse_scales
 
@@ -621,6 +621,7 @@ def _plan(
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
+    inline_load_reads(optimized, stage)  # what ORT reads at load, inline whatever --inline-threshold says
     # a Cast of a constant left in ORT's graph ran at every run of the original (a shared fp16 weight or scalar):
     # a session loading the saved graph would fold it, and its readers would take a constant
     at_run = keep_casts_at_run(optimized.graph)
@@ -632,6 +633,15 @@ def _plan(
             "changes the outputs)"
         )
     _settle(optimized, stage, src, options, binding, report)
+    _stamp(optimized, binding)
+    # fail closed: a pair the installed onnxruntime refuses is never written
+    require_loads(
+        [(optimized, src.name, False), (portable, portable_name(src.name), True)],
+        stage,
+        src,
+        options,
+        str(binding["onnxruntime"]),
+    )
     reloc = Relocator(stage, cache)
     for t in external_tensors(portable):
         reloc.add_tensor(t, stage, t.name)
@@ -664,7 +674,6 @@ def _plan(
             report.prepack["model_file_bytes"] = report.prepack.get("model_file_bytes", 0) + len(data)
         return written
 
-    _stamp(optimized, binding)
     _report_packing(report, src, binding, packed, child_peak, result, _inserted_casts(optimized))
     # what the staged conversion recorded (``--unpack ort-cpu``): verify compares the portable model's payloads
     # with the original under the unpacking the blob says was used

@@ -16,6 +16,7 @@ dimension, every element the same value (the same products, element by element),
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ....options import ConvertOptions
@@ -109,3 +110,107 @@ def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOp
 def reload_change(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOptions) -> str | None:
     """What ORT fuses when it loads ``model`` that ``model`` does not hold (None: it runs ``model`` as written)."""
     return rounding_change(model.graph, reoptimized(model, stage, src, options))
+
+
+def inline_load_reads(model: pb.ModelProto, stage: Path) -> int:
+    """Write back inline (from their bytes in ``stage``) the external initializers ONNX shape inference reads when
+    ORT loads ``model`` (``fold.LOAD_READ_INPUTS``: a Reshape's shape, Slice's starts, Resize's scales): ORT saves
+    an optimized graph with every initializer above a size external, below ``--inline-threshold`` included, and
+    refuses to load what it saved. The plain conversion keeps the same tensors inline whatever the threshold
+    (``convert.MAX_INLINE_SHAPE`` bounds both). How many were written back."""
+    from ..convert import MAX_INLINE_SHAPE
+    from ..fold import LOAD_READ_INPUTS, shape_tensor_names
+    from ..graph import iter_scopes
+
+    read = shape_tensor_names(model, LOAD_READ_INPUTS)
+    count = 0
+    for scope in iter_scopes(model):
+        for t in getattr(scope, "initializer", ()):
+            if t.name not in read or t.data_location != pb.TensorProto.EXTERNAL:
+                continue
+            e = {x.key: x.value for x in t.external_data}
+            if set(e) - {"location", "offset", "length"} or not e.get("length", "").isdigit():
+                continue  # a packed or unsized entry: left as it is, the load check refuses it if ORT does
+            length, offset = int(e["length"]), int(e.get("offset", "0"))
+            if length > MAX_INLINE_SHAPE:
+                continue
+            with open(stage / e["location"], "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+            if len(data) != length:
+                continue
+            del t.external_data[:]
+            t.data_location = pb.TensorProto.DEFAULT
+            t.raw_data = data
+            count += 1
+    return count
+
+
+# Loads each probe as a session does (the portable one with pre-packing off): ORT reads what shape inference
+# needs and refuses a graph it cannot read. The first refusal is the last stderr line, paths left out.
+_LOAD_CHILD = r"""
+import ctypes, signal, sys
+try:
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+except (OSError, AttributeError):
+    pass
+import onnxruntime as ort
+args = sys.argv[1:]
+for path, label, portable in zip(args[0::3], args[1::3], args[2::3]):
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if portable == "1":
+        so.add_session_config_entry("session.disable_prepacking", "1")
+    try:
+        ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    except Exception as e:
+        why = " ".join(str(e).split())
+        why = why.split(" failed:", 1)[1] if " failed:" in why else why.replace(path, label)
+        print(label + ": " + why[:300], file=sys.stderr)
+        sys.exit(3)
+print("{}")
+"""
+
+
+def require_loads(
+    models: list[tuple[pb.ModelProto, str, bool]], stage: Path, src: Path, options: ConvertOptions, version: str
+) -> None:
+    """Fail closed: every (model, its file name, portable) must load in the installed onnxruntime (``version``), its
+    external data
+    relative to ``stage`` (large weights stood in for as in ``reload_change``, small ones read: what ORT reads at
+    load). A refusal is one Unsupported line naming the model and ORT's reason; nothing is written."""
+    from ....errors import InvalidModel, Unsupported
+
+    stage = stage.absolute()
+    args: list[str] = []
+    probes: list[Path] = []
+    longest = 0
+    try:
+        for k, (model, name, portable) in enumerate(models):
+            probe, size = _probe(model, stage)
+            longest = max(longest, size)
+            path = probe.rename(stage / f"load{k}.probe.onnx")
+            probes.append(path)
+            args += [str(path), name, "1" if portable else "0"]
+        os.truncate(stage / ZEROS, longest)  # each probe wrote its own: the longest serves every one
+        limits = limits_for(
+            src.stat().st_size + sum(f.stat().st_size for f in stage.iterdir() if f.is_file() and f.name != ZEROS),
+            src,
+            options.ort_child_timeout_s,
+            options.ort_child_memory_mib,
+            options.ort_max_growth,
+        )
+        if options.stage is not None:
+            options.stage("onnxruntime loads the models to be written (child process)")
+        try:
+            _run_child(_LOAD_CHILD, args, [], limits, stage, src, "load")
+        except InvalidModel as e:
+            why = e.message.removeprefix("onnxruntime (CPU) cannot load the model: ")
+            raise Unsupported(
+                f"--prepack: refused: onnxruntime {version} cannot load the model it would write, {why}; "
+                "convert without --prepack",
+                src,
+            ) from None
+    finally:
+        for p in [*probes, stage / PROBE, stage / ZEROS]:
+            p.unlink(missing_ok=True)
