@@ -35,7 +35,7 @@ from . import dtypes
 from ._proto import pb
 from .convert import load_skeleton, plan
 from .findings import OnnxCode
-from .fold import fold_fp16_casts, shape_tensor_names
+from .fold import LOAD_READ_INPUTS, fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
 from .ort.cpu import inventory_notes
 from .ort.prepack_record import METADATA_KEY as PREPACK_KEY
@@ -138,7 +138,7 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     folded, _ = fold_fp16_casts(model, sites)  # on this private copy: tells which Casts ORT would fold per session
     inv.notes += inventory_notes(pristine, refs, folded, path)
     shapes = shape_tensor_names(model)
-    placements = plan(refs, sites, folded, shapes, ConvertOptions())
+    placements = plan(refs, sites, folded, shape_tensor_names(model, LOAD_READ_INPUTS), ConvertOptions())
     external_files = set()
     inv.settings = [ORT_SHARE, ORT_DEFAULT]
     uses_by_scope: dict[int, dict[str, list[tuple[pb.NodeProto, int]]]] = {}
