@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ....errors import InvalidModel, Unsupported
 from ....options import ConvertOptions
 from .._proto import pb
 from .cpu import _CHECK_CHILD, REAL_BYTES_MAX, _run_child, _saved_graph, add_input_like, rounding_change
@@ -100,7 +101,11 @@ def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOp
     try:
         if options.stage is not None:
             options.stage("onnxruntime loads the written graph as a session would (child process)")
-        _run_child(_CHECK_CHILD, [str(probe), str(out)], [out], limits, stage, src, "load")
+        try:
+            _run_child(_CHECK_CHILD, [str(probe), str(out)], [out], limits, stage, src, "load")
+        except InvalidModel as e:  # ORT names the probe it loaded: an internal path, not the user's
+            why = e.message.replace(f"Load model from {probe} failed:", "").replace("stage: ", "", 1)
+            raise Unsupported(f"--prepack: refused: {why}; convert without --prepack", src) from None
         return _saved_graph(out, src)
     finally:
         for name in (PROBE, ZEROS, OUT, OUT_DATA):
@@ -179,7 +184,6 @@ def require_loads(
     external data
     relative to ``stage`` (large weights stood in for as in ``reload_change``, small ones read: what ORT reads at
     load). A refusal is one Unsupported line naming the model and ORT's reason; nothing is written."""
-    from ....errors import InvalidModel, Unsupported
 
     stage = stage.absolute()
     args: list[str] = []
