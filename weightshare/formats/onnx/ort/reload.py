@@ -151,70 +151,18 @@ def inline_load_reads(model: pb.ModelProto, stage: Path) -> int:
     return count
 
 
-# Loads each probe as a session does (the portable one with pre-packing off): ORT reads what shape inference
-# needs and refuses a graph it cannot read. The first refusal is the last stderr line, paths left out.
-_LOAD_CHILD = r"""
-import ctypes, signal, sys
-try:
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
-except (OSError, AttributeError):
-    pass
-import onnxruntime as ort
-args = sys.argv[1:]
-for path, label, portable in zip(args[0::3], args[1::3], args[2::3]):
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if portable == "1":
-        so.add_session_config_entry("session.disable_prepacking", "1")
-    try:
-        ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    except Exception as e:
-        why = " ".join(str(e).split())
-        why = why.split(" failed:", 1)[1] if " failed:" in why else why.replace(path, label)
-        print(label + ": " + why[:300], file=sys.stderr)
-        sys.exit(3)
-print("{}")
-"""
-
-
-def require_loads(
-    models: list[tuple[pb.ModelProto, str, bool]], stage: Path, src: Path, options: ConvertOptions, version: str
-) -> None:
-    """Fail closed: every (model, its file name, portable) must load in the installed onnxruntime (``version``), its
-    external data
-    relative to ``stage`` (large weights stood in for as in ``reload_change``, small ones read: what ORT reads at
-    load). A refusal is one Unsupported line naming the model and ORT's reason; nothing is written."""
-
+def load_probes(models: list[tuple[pb.ModelProto, str, bool]], stage: Path) -> tuple[list[str], list[Path]]:
+    """Probes of every (model, its file name, portable), its external data relative to ``stage`` (large weights
+    stood in for as in ``reload_change``, small ones read: what ORT reads at load): ``child.load``'s arguments,
+    and the files to remove once it ran (the probes and the zeros file)."""
     stage = stage.absolute()
     args: list[str] = []
-    probes: list[Path] = []
+    files: list[Path] = [stage / ZEROS]
     longest = 0
-    try:
-        for k, (model, name, portable) in enumerate(models):
-            probe, size = _probe(model, stage)
-            longest = max(longest, size)
-            path = probe.rename(stage / f"load{k}.probe.onnx")
-            probes.append(path)
-            args += [str(path), name, "1" if portable else "0"]
-        os.truncate(stage / ZEROS, longest)  # each probe wrote its own: the longest serves every one
-        limits = limits_for(
-            src.stat().st_size + sum(f.stat().st_size for f in stage.iterdir() if f.is_file() and f.name != ZEROS),
-            src,
-            options.ort_child_timeout_s,
-            options.ort_child_memory_mib,
-            options.ort_max_growth,
-        )
-        if options.stage is not None:
-            options.stage("onnxruntime loads the models to be written (child process)")
-        try:
-            _run_child(_LOAD_CHILD, args, [], limits, stage, src, "load")
-        except InvalidModel as e:
-            why = e.message.removeprefix("onnxruntime (CPU) cannot load the model: ")
-            raise Unsupported(
-                f"--prepack: refused: onnxruntime {version} cannot load the model it would write, {why}; "
-                "convert without --prepack",
-                src,
-            ) from None
-    finally:
-        for p in [*probes, stage / PROBE, stage / ZEROS]:
-            p.unlink(missing_ok=True)
+    for k, (model, name, portable) in enumerate(models):
+        probe, size = _probe(model, stage)
+        longest = max(longest, size)
+        files.append(probe.rename(stage / f"load{k}.probe.onnx"))
+        args += [str(files[-1]), name, "1" if portable else "0"]
+    os.truncate(stage / ZEROS, longest)  # each probe wrote its own: the longest serves every one
+    return args, files
