@@ -133,3 +133,32 @@ def test_a_pair_onnxruntime_refuses_is_never_written(form, tmp_path, monkeypatch
         assert "model.onnx: " in line and "starts" in line
     assert ".weightshare-tmp" not in line and "probe" not in line and str(tmp_path / "out") not in line
     assert not out.exists() or not any(out.iterdir())
+
+
+def _all_external(src: Path, dst: Path) -> Path:
+    """``src`` saved with every initializer in external data, the shape constants included."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(onnx.load(str(src)), str(dst), save_as_external_data=True, location="w.data", size_threshold=0)
+    return dst
+
+
+def _range_model(path: Path) -> Path:
+    """Range(x, limit, delta) with the constants external: ONNX shape inference does not read them (x is not
+    constant), and onnxruntime loads the model."""
+    inits = [nh.from_array(np.array(5.0, np.float32), "limit"), nh.from_array(np.array(1.0, np.float32), "delta")]
+    return _save(path, [h.make_node("Range", ["x", "limit", "delta"], ["z"])], inits, [])
+
+
+def test_check_names_a_shape_constant_onnxruntime_cannot_read(tmp_path, cli):
+    src = shape_chain(tmp_path / "src" / "model.onnx")
+    bad = _all_external(src, tmp_path / "bad" / "model.onnx")
+    with pytest.raises(Exception, match="Cannot parse data from external tensors"):
+        ort.InferenceSession(str(bad))
+    res = cli("check", "--no-measure", bad)
+    assert res.returncode == 1
+    refused = [line for line in res.stdout.splitlines() if ": error: runtime-refuses-model: " in line]
+    assert [line.split(": ")[3].split()[0] for line in refused] == ["'starts'", "'ends'"]  # not the Concat's 'tail'
+    # the rule is as narrow as onnxruntime: an external constant its shape inference does not read is no finding
+    fine = _all_external(_range_model(tmp_path / "range" / "src.onnx"), tmp_path / "range" / "model.onnx")
+    ort.InferenceSession(str(fine))
+    assert "runtime-refuses-model" not in cli("check", "--no-measure", fine).stdout
