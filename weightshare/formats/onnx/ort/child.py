@@ -845,15 +845,15 @@ def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) ->
 
 
 def load(argv: list[str]) -> dict[str, Any]:
-    """PATH LABEL PORTABLE...: load each model as a session does (PORTABLE "1": pre-packing off); the first that
-    onnxruntime refuses raises ``LoadRefused`` naming its LABEL and ORT's reason (not PATH, a staging file)."""
+    """PATH LABEL...: load each model as a session does, pre-packing off (a probe's packed entries are dropped:
+    packing its stand-ins would only cost memory); the first that onnxruntime refuses raises ``LoadRefused`` naming
+    its LABEL and ORT's reason (not PATH, a staging file)."""
     import onnxruntime as ort
 
-    for path, label, portable in zip(argv[0::3], argv[1::3], argv[2::3]):
+    for path, label in zip(argv[0::2], argv[1::2]):
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        if portable == "1":
-            so.add_session_config_entry("session.disable_prepacking", "1")
+        so.add_session_config_entry("session.disable_prepacking", "1")
         try:
             ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
         except Exception as e:

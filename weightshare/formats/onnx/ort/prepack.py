@@ -635,7 +635,7 @@ def _plan(
     _settle(optimized, stage, src, options, binding, report)
     _stamp(optimized, binding)
     # fail closed: a pair the installed onnxruntime refuses is never written
-    pair = [(optimized, src.name, False), (portable, portable_name(src.name), True)]
+    pair = [(optimized, src.name), (portable, portable_name(src.name))]
     _require_loads(pair, stage, src, options, str(binding["onnxruntime"]), child)
     reloc = Relocator(stage, cache)
     for t in external_tensors(portable):
@@ -677,14 +677,14 @@ def _plan(
 
 
 def _require_loads(
-    models: list[tuple[pb.ModelProto, str, bool]],
+    models: list[tuple[pb.ModelProto, str]],
     stage: Path,
     src: Path,
     options: ConvertOptions,
     version: str,
     child: OrtChild | None,
 ) -> None:
-    """Every (model, its file name, portable) loads in the installed onnxruntime (``version``), by the run's child
+    """Every (model, its file name) loads in the installed onnxruntime (``version``), by the run's child
     (``child``; None: one for this check alone), or one Unsupported line names the model and ORT's reason."""
     args, files = load_probes(models, stage)
     runner = child if child is not None else OrtChild()

@@ -151,18 +151,18 @@ def inline_load_reads(model: pb.ModelProto, stage: Path) -> int:
     return count
 
 
-def load_probes(models: list[tuple[pb.ModelProto, str, bool]], stage: Path) -> tuple[list[str], list[Path]]:
-    """Probes of every (model, its file name, portable), its external data relative to ``stage`` (large weights
-    stood in for as in ``reload_change``, small ones read: what ORT reads at load): ``child.load``'s arguments,
-    and the files to remove once it ran (the probes and the zeros file)."""
+def load_probes(models: list[tuple[pb.ModelProto, str]], stage: Path) -> tuple[list[str], list[Path]]:
+    """Probes of every (model, its file name), its external data relative to ``stage`` (large weights stood in for
+    as in ``reload_change``, small ones read: what ORT reads at load): ``child.load``'s arguments, and the files
+    to remove once it ran (the probes and the zeros file)."""
     stage = stage.absolute()
     args: list[str] = []
     files: list[Path] = [stage / ZEROS]
     longest = 0
-    for k, (model, name, portable) in enumerate(models):
+    for k, (model, name) in enumerate(models):
         probe, size = _probe(model, stage)
         longest = max(longest, size)
         files.append(probe.rename(stage / f"load{k}.probe.onnx"))
-        args += [str(files[-1]), name, "1" if portable else "0"]
+        args += [str(files[-1]), name]
     os.truncate(stage / ZEROS, longest)  # each probe wrote its own: the longest serves every one
     return args, files
