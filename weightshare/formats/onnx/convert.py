@@ -31,7 +31,7 @@ from ...options import ConvertOptions
 from ...report import ConversionReport
 from . import dtypes
 from ._proto import pb
-from .fold import fold_fp16_casts, protected_names, shape_tensor_names
+from .fold import LOAD_READ_INPUTS, fold_fp16_casts, protected_names, shape_tensor_names
 from .fold_shape import Layout, TransposedSource, fold_shape_ops
 from .graph import Site, check_unique_constants, collect_sites, iter_scopes
 from .ort.prepack_record import refuse_prepacked_model
@@ -197,8 +197,9 @@ def iter_plan(
         p.out_nbytes = ref.native_nbytes * (2 if fold else 1)
         if ref.typed and options.keep_packed:
             p.reason = "typed field kept packed"
-        elif ref.data_type == dtypes.INT64 and site.name in shape_names and p.out_nbytes <= MAX_INLINE_SHAPE:
-            p.reason = "int64 shape tensor"
+        elif site.name in shape_names and p.out_nbytes <= MAX_INLINE_SHAPE:
+            # onnxruntime refuses to load a model whose shape inference reads external data, whatever its type
+            p.reason = "int64 shape tensor" if ref.data_type == dtypes.INT64 else "read by onnxruntime at load"
         elif site.kind == "sparse indices":
             p.reason = "sparse indices (onnx.checker validates them and cannot read external data)"
         elif p.out_nbytes < options.inline_threshold:
@@ -278,7 +279,7 @@ def prepare(src: Path, out_dir: Path, options: ConvertOptions, cpu_unpack: CpuUn
     # payload (200,000 tensors). The names go into one buffer while the model lives (the conversion's
     # peak): a str object each only once the model is gone.
     ext_index, ext_fold, ext_names, name_ends = array("q"), bytearray(), bytearray(), array("q")
-    for p in iter_plan(refs, sites, folded, shape_tensor_names(model), options, folds.layouts):
+    for p in iter_plan(refs, sites, folded, shape_tensor_names(model, LOAD_READ_INPUTS), options, folds.layouts):
         if p.fold or (p.ref.typed and not options.keep_packed):
             report.unpacked += 1
             report.unpacked_bytes_in += p.ref.nbytes_in

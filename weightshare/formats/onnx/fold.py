@@ -52,11 +52,32 @@ SHAPE_INPUTS = {
 }
 
 
-def shape_tensor_names(model: pb.ModelProto) -> set[str]:
+# SHAPE_INPUTS and the other (op_type, input index) pairs whose data ONNX shape inference reads when ONNX Runtime
+# loads a graph, whatever their element type (Resize's float scales): ORT refuses the model when such a tensor is
+# external ("Cannot parse data from external tensors"). ``--prepack`` keeps these inline in ORT's saved graph.
+LOAD_READ_INPUTS = {
+    **SHAPE_INPUTS,
+    "Resize": {2, 3},
+    "Upsample": {1},
+    "CenterCropPad": {1, 2},
+    "Col2Im": {1, 2},
+    "AffineGrid": {1},
+    "DFT": {1, 2},
+    "STFT": {1, 3},
+    "BlackmanWindow": {0},
+    "HannWindow": {0},
+    "HammingWindow": {0},
+    "MelWeightMatrix": {0, 1},
+    "SplitToSequence": {1},
+}
+
+
+def shape_tensor_names(model: pb.ModelProto, inputs: Mapping[str, set[int]] = SHAPE_INPUTS) -> set[str]:
+    """The names read at ``inputs``' (op_type, input index) pairs, in every scope."""
     names = set()
     for scope in iter_scopes(model):
         for node in scope.node:
-            for i in SHAPE_INPUTS.get(node.op_type, ()):
+            for i in inputs.get(node.op_type, ()):
                 if i < len(node.input) and node.input[i]:
                     names.add(node.input[i])
     return names

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ..._findings import Finding, problem_code
+from ..._findings import Code, Finding, problem_code
 from ..._inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ..._paths import external_data_roots, model_dir
 from ..._recorded import blob_metadata, recorded_payloads, recorded_records
@@ -35,7 +35,7 @@ from . import dtypes
 from ._proto import pb
 from .convert import load_skeleton, plan
 from .findings import OnnxCode
-from .fold import fold_fp16_casts, shape_tensor_names
+from .fold import LOAD_READ_INPUTS, fold_fp16_casts, shape_tensor_names
 from .graph import Site, collect_sites
 from .ort.cpu import inventory_notes
 from .ort.prepack_record import METADATA_KEY as PREPACK_KEY
@@ -124,6 +124,67 @@ def _ort_copies(site: Site, uses: list[tuple[pb.NodeProto, int]], packed: bool) 
     return 0, 0, "", ""
 
 
+# (op_type, input index) pairs whose initializer ONNX shape inference parses when onnxruntime loads the graph
+# (checked one op at a time: an external tensor there is refused, "Cannot parse data from external tensors").
+# A narrower table than ``fold.LOAD_READ_INPUTS``, which the converter keeps inline for safety: Range or CumSum
+# with an external constant load (their inference reads the data only when every input is constant, or never).
+REFUSED_EXTERNAL = {
+    "Reshape": {1},
+    "Expand": {1},
+    "Tile": {1},
+    "Unsqueeze": {1},
+    "Squeeze": {1},
+    "Pad": {1},
+    "Resize": {2, 3},
+    "Upsample": {1},
+    "Split": {1},
+    **{f"Reduce{r}": {1} for r in ("Sum", "Mean", "Max", "Min", "Prod", "L1", "L2", "LogSum", "LogSumExp")},
+    "ReduceSumSquare": {1},
+}
+SLICE_BOUNDS = (1, 2)  # Slice's starts and ends: parsed (with axes and steps) when both are initializers
+
+
+def load_read_findings(refs: Sequence[TensorRef], sites: Mapping[int, Site], path: Path) -> list[Finding]:
+    """``runtime-refuses-model`` for each external initializer ONNX shape inference reads at load in its own graph
+    (a graph input of that name is overridable: not read), one per tensor."""
+    external: dict[int, set[str]] = {}
+    scopes: dict[int, pb.GraphProto] = {}
+    for ref in refs:
+        site = sites.get(ref.index)
+        if ref.field == 0 and site is not None and site.kind == "initializer" and isinstance(site.scope, pb.GraphProto):
+            external.setdefault(id(site.scope), set()).add(site.name)
+            scopes[id(site.scope)] = site.scope
+    findings: list[Finding] = []
+    for key, names in external.items():
+        scope = scopes[key]
+        names -= {i.name for i in scope.input}
+        # ORT makes Constant nodes initializers before it infers shapes
+        made = {o for n in scope.node if n.op_type == "Constant" for o in n.output}
+        constant = names | made | {t.name for t in scope.initializer} - {i.name for i in scope.input}
+        flagged: set[str] = set()
+        for node in scope.node:
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            read = REFUSED_EXTERNAL.get(node.op_type, set())
+            if node.op_type == "Slice" and all(k < len(node.input) and node.input[k] in constant for k in SLICE_BOUNDS):
+                read = {1, 2, 3, 4}
+            for k in sorted(read):
+                name = node.input[k] if k < len(node.input) else ""
+                if name in names and name not in flagged:
+                    flagged.add(name)
+                    findings.append(
+                        Finding.of(
+                            Code.RUNTIME_REFUSES_MODEL,
+                            str(path),
+                            f"{name!r} ({node.op_type} input {k}) is in external data, and onnxruntime's shape "
+                            "inference reads it when it loads the model: it refuses the model (Cannot parse data "
+                            "from external tensors); keep it inline (weightshare convert does)",
+                            name,
+                        )
+                    )
+    return findings
+
+
 def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     inv = ModelInventory(model=str(path), format="onnx", file_bytes=path.stat().st_size)
     with WireFile(path) as wf:
@@ -133,12 +194,13 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     model = load_skeleton(skeleton, path)
     sites = collect_sites(model)
     names = {i: site.name for i, site in sites.items()}  # before folding renames them
+    inv.findings += load_read_findings(refs, sites, path)
     pristine = pb.ModelProto()
     pristine.CopyFrom(model)  # the probe needs the graph before the fold below rewrites it
     folded, _ = fold_fp16_casts(model, sites)  # on this private copy: tells which Casts ORT would fold per session
     inv.notes += inventory_notes(pristine, refs, folded, path)
     shapes = shape_tensor_names(model)
-    placements = plan(refs, sites, folded, shapes, ConvertOptions())
+    placements = plan(refs, sites, folded, shape_tensor_names(model, LOAD_READ_INPUTS), ConvertOptions())
     external_files = set()
     inv.settings = [ORT_SHARE, ORT_DEFAULT]
     uses_by_scope: dict[int, dict[str, list[tuple[pb.NodeProto, int]]]] = {}

@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 import onnx
 
 from ...._placement import AlignPolicy, align_up
-from .names import apply_saved_hook, unknown_entries, unknown_entry_message
+from .names import LOAD, LoadRefused, apply_saved_hook, unknown_entries, unknown_entry_message
 from .probe import cpu_features, cpu_kind, nchwc_block_size, opset_stamp
 
 
@@ -885,10 +885,31 @@ def share_unchanged(model: str, out_model: str, sharer: Sharer | None = None) ->
         f.write(opt.SerializeToString())
 
 
+def load(argv: list[str]) -> dict[str, Any]:
+    """PATH LABEL...: load each model as a session does, pre-packing off (a probe's packed entries are dropped:
+    packing its stand-ins would only cost memory); the first that onnxruntime refuses raises ``LoadRefused`` naming
+    its LABEL and ORT's reason (not PATH, a staging file)."""
+    import onnxruntime as ort
+
+    for path, label in zip(argv[0::2], argv[1::2]):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.disable_prepacking", "1")
+        try:
+            ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            why = " ".join(str(e).split())
+            why = why.split(" failed:", 1)[1].strip() if " failed:" in why else why.replace(path, label)
+            raise LoadRefused(f"{label}: {why[:300]}") from None
+    return {}
+
+
 def run(argv: list[str]) -> dict[str, Any]:
     """MODEL OUT_MODEL MIN_EXTERNAL_BYTES SEGMENT_BYTES [KNOWN]: KNOWN, a JSON file of the packings this run
     made before (``packing_key`` -> ``Packing``), or "-" to reuse none. The result ``main`` prints: what the
     packed data is bound to, the packed entries, the segments, per op type what was packed, the packings made."""
+    if argv[:1] == [LOAD]:
+        return load(argv[1:])
     model, out_model, min_external, budget, *rest = argv
     known: dict[str, Packing] | None = {}
     if rest and rest[0] == "-":

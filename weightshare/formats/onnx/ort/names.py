@@ -55,8 +55,10 @@ __all__ = [
     "INLINED_FUNCTION",
     "INSERTED_CAST",
     "KNOWN_COMPUTED",
+    "LOAD",
     "PACKED_FILE_KEY",
     "PREPACKED_ENTRY",
+    "LoadRefused",
     "saved_hook",
 ]
 
@@ -95,3 +97,10 @@ def unknown_entry_message(key: str) -> str:
         f"onnxruntime wrote an external-data entry weightshare does not know ({key!r}; onnxruntime {CHECKED_ON} "
         f"writes {PREPACKED_ENTRY}N, ort/names.py): refused rather than drop what it packed"
     )
+
+
+LOAD = "--load"  # a child request's first argument: load models (``child.load``), not optimize one
+
+
+class LoadRefused(Exception):
+    """In the child: the installed onnxruntime refuses a model the converter would write."""

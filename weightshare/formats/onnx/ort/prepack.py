@@ -54,13 +54,13 @@ from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
 from .limits import budget_from_env, limits_for
+from .names import LOAD, LoadRefused, apply_saved_hook, unknown_entry_message, unknown_keys
 from .names import PACKED_FILE_KEY as PACKED_FILE_KEY  # the child's: the file its prepacked_N entries point into
 from .names import PREPACKED_ENTRY as PREPACKED_ENTRY  # the tests read it here
-from .names import apply_saved_hook, unknown_entry_message, unknown_keys
 from .opened import require_floor
 from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
 from .probe import STAMP_DOMAIN
-from .reload import reload_change
+from .reload import inline_load_reads, load_probes, reload_change
 from .server import OrtChild, run_child
 from .unfuse import drop_unused, unfuse_scales
 
@@ -631,6 +631,7 @@ def _plan(
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
+    inline_load_reads(optimized, stage)  # what ORT reads at load, inline whatever --inline-threshold says
     # a Cast of a constant left in ORT's graph ran at every run of the original (a shared fp16 weight or scalar):
     # a session loading the saved graph would fold it, and its readers would take a constant
     at_run = keep_casts_at_run(optimized.graph)
@@ -642,6 +643,10 @@ def _plan(
             "changes the outputs)"
         )
     _settle(optimized, stage, src, options, binding, report)
+    _stamp(optimized, binding)
+    # fail closed: a pair the installed onnxruntime refuses is never written
+    pair = [(optimized, src.name), (portable, portable_name(src.name))]
+    _require_loads(pair, stage, src, options, str(binding["onnxruntime"]), child)
     reloc = Relocator(stage, cache)
     for t in external_tensors(portable):
         reloc.add_tensor(t, stage, t.name)
@@ -674,12 +679,41 @@ def _plan(
             report.prepack["model_file_bytes"] = report.prepack.get("model_file_bytes", 0) + len(data)
         return written
 
-    _stamp(optimized, binding)
     _report_packing(report, src, binding, packed, child_peak, result, _inserted_casts(optimized))
     # what the staged conversion recorded (``--unpack ort-cpu``): verify compares the portable model's payloads
     # with the original under the unpacking the blob says was used
     metadata = {**staged_metadata, METADATA_KEY: json.dumps({**binding, **names})}
     return PreparedModel(report, reloc.payloads, emit, extra={"blob_metadata": metadata})
+
+
+def _require_loads(
+    models: list[tuple[pb.ModelProto, str]],
+    stage: Path,
+    src: Path,
+    options: ConvertOptions,
+    version: str,
+    child: OrtChild | None,
+) -> None:
+    """Every (model, its file name) loads in the installed onnxruntime (``version``), by the run's child
+    (``child``; None: one for this check alone), or one Unsupported line names the model and ORT's reason."""
+    args, files = load_probes(models, stage)
+    runner = child if child is not None else OrtChild()
+    try:
+        if options.stage is not None:
+            options.stage("onnxruntime loads the models to be written (child process)")
+        res, _ = _run_bounded([LOAD, *args], stage, src, options, runner)
+    finally:
+        if child is None:
+            runner.close()
+        for f in files:
+            f.unlink(missing_ok=True)
+    if res.returncode != 0:
+        why = (res.stderr.strip().splitlines() or ["no output"])[-1].removeprefix(f"{LoadRefused.__name__}: ")
+        raise Unsupported(
+            f"--prepack: refused: onnxruntime {version} cannot load the model it would write, {why}; "
+            "convert without --prepack",
+            src,
+        )
 
 
 def _stamp(optimized: pb.ModelProto, binding: JsonDict) -> None:

@@ -16,8 +16,10 @@ dimension, every element the same value (the same products, element by element),
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+from ....errors import InvalidModel, Unsupported
 from ....options import ConvertOptions
 from .._proto import pb
 from .cpu import _CHECK_CHILD, REAL_BYTES_MAX, _run_child, _saved_graph, add_input_like, rounding_change
@@ -99,7 +101,11 @@ def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOp
     try:
         if options.stage is not None:
             options.stage("onnxruntime loads the written graph as a session would (child process)")
-        _run_child(_CHECK_CHILD, [str(probe), str(out)], [out], limits, stage, src, "load")
+        try:
+            _run_child(_CHECK_CHILD, [str(probe), str(out)], [out], limits, stage, src, "load")
+        except InvalidModel as e:  # ORT names the probe it loaded: an internal path, not the user's
+            why = e.message.replace(f"Load model from {probe} failed:", "").replace("stage: ", "", 1)
+            raise Unsupported(f"--prepack: refused: {why}; convert without --prepack", src) from None
         return _saved_graph(out, src)
     finally:
         for name in (PROBE, ZEROS, OUT, OUT_DATA):
@@ -109,3 +115,54 @@ def reoptimized(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOp
 def reload_change(model: pb.ModelProto, stage: Path, src: Path, options: ConvertOptions) -> str | None:
     """What ORT fuses when it loads ``model`` that ``model`` does not hold (None: it runs ``model`` as written)."""
     return rounding_change(model.graph, reoptimized(model, stage, src, options))
+
+
+def inline_load_reads(model: pb.ModelProto, stage: Path) -> int:
+    """Write back inline (from their bytes in ``stage``) the external initializers ONNX shape inference reads when
+    ORT loads ``model`` (``fold.LOAD_READ_INPUTS``: a Reshape's shape, Slice's starts, Resize's scales): ORT saves
+    an optimized graph with every initializer above a size external, below ``--inline-threshold`` included, and
+    refuses to load what it saved. The plain conversion keeps the same tensors inline whatever the threshold
+    (``convert.MAX_INLINE_SHAPE`` bounds both). How many were written back."""
+    from ..convert import MAX_INLINE_SHAPE
+    from ..fold import LOAD_READ_INPUTS, shape_tensor_names
+    from ..graph import iter_scopes
+
+    read = shape_tensor_names(model, LOAD_READ_INPUTS)
+    count = 0
+    for scope in iter_scopes(model):
+        for t in getattr(scope, "initializer", ()):
+            if t.name not in read or t.data_location != pb.TensorProto.EXTERNAL:
+                continue
+            e = {x.key: x.value for x in t.external_data}
+            if set(e) - {"location", "offset", "length"} or not e.get("length", "").isdigit():
+                continue  # a packed or unsized entry: left as it is, the load check refuses it if ORT does
+            length, offset = int(e["length"]), int(e.get("offset", "0"))
+            if length > MAX_INLINE_SHAPE:
+                continue
+            with open(stage / e["location"], "rb") as f:
+                f.seek(offset)
+                data = f.read(length)
+            if len(data) != length:
+                continue
+            del t.external_data[:]
+            t.data_location = pb.TensorProto.DEFAULT
+            t.raw_data = data
+            count += 1
+    return count
+
+
+def load_probes(models: list[tuple[pb.ModelProto, str]], stage: Path) -> tuple[list[str], list[Path]]:
+    """Probes of every (model, its file name), its external data relative to ``stage`` (large weights stood in for
+    as in ``reload_change``, small ones read: what ORT reads at load): ``child.load``'s arguments, and the files
+    to remove once it ran (the probes and the zeros file)."""
+    stage = stage.absolute()
+    args: list[str] = []
+    files: list[Path] = [stage / ZEROS]
+    longest = 0
+    for k, (model, name) in enumerate(models):
+        probe, size = _probe(model, stage)
+        longest = max(longest, size)
+        files.append(probe.rename(stage / f"load{k}.probe.onnx"))
+        args += [str(files[-1]), name]
+    os.truncate(stage / ZEROS, longest)  # each probe wrote its own: the longest serves every one
+    return args, files
