@@ -93,5 +93,7 @@ def test_eight_interpreters_share_the_converted_weights(tmp_path):
     subprocess.run([sys.executable, "-c", _CONVERT, str(src), str(convert_out)], check=True)
     one, eight = (_pss_growth_mib(convert_out / src.name, n) for n in (1, 8))
     original_eight = _pss_growth_mib(src, 8)
-    assert eight <= 1.1 * one, f"8 interpreters: {eight:.1f} MiB, one: {one:.1f} MiB"
+    # each interpreter past the first keeps its own state (tensor arena, op data: ~0.2 MiB here), never the weights:
+    # below check's 1 MiB per-instance line, whatever the run's noise (a 1.10x bound on the total: 18.1 vs 16.4 failed)
+    assert (eight - one) / 7 < 1.0, f"8 interpreters: {eight:.1f} MiB, one: {one:.1f} MiB"
     assert original_eight > 4 * one  # the original pays a private fp32 copy per interpreter
