@@ -444,18 +444,19 @@ def encoder_states(
 
 # The last encoder run's states, for the next decoder fed from the same encoder files at the same sizes (check
 # measures a family's decoders one after another, each setting in turn: one encoder session and run each, 0.1
-# CPU s for T5's). Keyed by the encoder's files (path, inode, size, mtime) and the sizes: a file replaced runs again.
+# CPU s for T5's). Keyed by the encoder's files (path and ``probe.path_identity``) and the sizes: a file
+# replaced runs again.
 _ENCODED: list[tuple[tuple[object, ...], tuple[dict[str, Any], str]]] = []
 
 
 def _identity(encoder: Path, dims: dict[str, int]) -> tuple[object, ...] | None:
-    from .ort.probe import external_locations
+    from .ort.probe import external_locations, path_identity
 
     try:
         if encoder.stat().st_size > 64 << 20:  # its weights inside: not read again to key them, run each time
             return None
         files = [encoder] + [encoder.parent / f for f in sorted(set(external_locations(encoder.read_bytes())))]
-        stats = [(str(f), st.st_ino, st.st_size, st.st_mtime_ns) for f in files for st in [f.stat()]]
+        stats = [(str(f), *path_identity(f)) for f in files]
     except Exception:  # noqa: BLE001 -- unreadable: run, not reused
         return None
     return (*stats, tuple(sorted(dims.items())))

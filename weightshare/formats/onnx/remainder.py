@@ -12,7 +12,6 @@ graph, kernels, value maps and plans (they grow with the node count, whatever th
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,8 +34,9 @@ _LAST: list[tuple[list[tuple[object, ...]], list[tuple[str, list[tuple[str, int,
 
 
 def _identity(path: str) -> tuple[object, ...]:
-    st = os.stat(path)
-    return (path, st.st_ino, st.st_size, st.st_mtime_ns)
+    from .ort.probe import path_identity
+
+    return (path, *path_identity(path))
 
 
 def sources(path: Path) -> list[tuple[str, list[tuple[str, int, int]]]]:

@@ -314,7 +314,15 @@ def nchwc_convs(data: bytes) -> int:
 
 def fd_identity(fd: int) -> tuple[int, int, int, int, int]:
     """(dev, inode, size, mtime_ns, ctime_ns) of the file open on ``fd``: ctime cannot be set back by a writer."""
-    st = os.fstat(fd)
+    return _identity(os.fstat(fd))
+
+
+def path_identity(path: str | os.PathLike[str]) -> tuple[int, int, int, int, int]:
+    """``fd_identity`` of the file at ``path`` (followed as ``os.stat`` follows it)."""
+    return _identity(os.stat(path))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
