@@ -267,3 +267,35 @@ def test_check_flags_a_zoo_members_damaged_packed_entry(family, damage, tmp_path
     assert res.returncode == 1, res.stdout + res.stderr
     flagged = [f for f in doc["findings"] if f["code"] == code]
     assert len(flagged) == 1 and tensor in flagged[0]["message"], doc["findings"]
+
+
+def test_the_loader_checks_a_zoo_blobs_reordered_conv_weights(tmp_path, monkeypatch, caplog):
+    """Before: the loader hashed only names starting "ort.prepacked/" or "ort.optimized/", none of a zoo's
+    ("<model>/ort.optimized/..."), and ORT never validates NCHWc-reordered Conv weights: a flipped byte in one
+    changed the zoo model's outputs silently. After: it is found, and the model falls back to its portable twin,
+    whose outputs are the original's."""
+    from conftest import run_cli
+    from prepack_samples import mixed_onnx, sample_input
+
+    (tmp_path / "src").mkdir()
+    src = [mixed_onnx(tmp_path / "src" / f"{n}.onnx", mm_layers=1, dim=64, seed=i) for i, n in enumerate("ab")]
+    res = run_cli("convert", *src, "-o", tmp_path / "out", "--prepack", "--shared-blob", "zoo", "-q")
+    assert res.returncode == 0, res.stderr
+    (blob,) = (tmp_path / "out").glob("zoo*.safetensors")
+    start, header, _meta = read_safetensors_metadata(blob)
+    reordered = [v["data_offsets"][0] for n, v in header.items() if n.startswith("a/ort.optimized/")]
+    assert reordered, list(header)
+    with open(blob, "r+b") as f:
+        f.seek(start + reordered[0] + 16)
+        byte = f.read(1)
+        f.seek(start + reordered[0] + 16)
+        f.write(bytes([byte[0] ^ 0x40]))
+    monkeypatch.setattr(wort, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        sess = wort.session(tmp_path / "out" / "a.onnx")
+    said = [r.getMessage() for r in caplog.records if r.name == "weightshare.ort"]
+    assert said and "a/ort.optimized/" in said[0] and "digest" in said[0], said
+    original = ort.InferenceSession(str(src[0]), providers=["CPUExecutionProvider"])
+    for batch in (1, 4):
+        feeds = sample_input(src[0], batch)
+        assert all(np.array_equal(x, y) for x, y in zip(original.run(None, feeds), sess.run(None, feeds)))

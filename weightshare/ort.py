@@ -133,7 +133,8 @@ def _hash_packed_payloads(path: str, info: JsonDict, size: int) -> str | None:
         return "its blob header cannot be read"
     records = {name: (offset, length, digest) for name, offset, length, digest in recorded_records(path)}
     for name in header:
-        if not isinstance(name, str) or not name.startswith(prefixes):
+        # a zoo's (--shared-blob) are "<model stem>/ort.prepacked/...": every model's, checked alike
+        if not isinstance(name, str) or not (name.startswith(prefixes) or name.partition("/")[2].startswith(prefixes)):
             continue
         if name not in records:
             return f"{name} has no recorded digest"
