@@ -175,3 +175,127 @@ def test_verify_runs_each_model_against_its_own_portable_twin(family, tmp_path, 
     shutil.copyfile(tampered / portable_name(NAMES[0]), tampered / portable_name(second))
     res = cli("verify", src / second, tampered / second, "--runs", "1")
     assert res.returncode != 0, res.stdout
+
+
+def _own_packed_bytes(model_path: Path) -> int:
+    """The bytes the model's own ``prepacked_N`` entries point at (each buffer once), read with onnx."""
+    buffers = set()
+    for t in external_tensors(onnx.load(str(model_path), load_external_data=False)):
+        e = {x.key: x.value for x in t.external_data}
+        for k, v in e.items():
+            if k.startswith(PREPACKED_ENTRY):
+                buffers |= {(e["location"], *map(int, b.split(";")[:2])) for b in v.split("|")[1:]}
+    return sum(n for _loc, _off, n in buffers)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fallback_line_names_the_models_own_packed_bytes(family, name, monkeypatch, caplog):
+    """Before: the zoo's packed copies are named "<model>/ort.prepacked/...", and the loader summed only names
+    starting "ort.prepacked/": "+0.0 MiB per session" for a model whose twin pre-packs 1 MiB per session. After:
+    the sum of the model's own entries."""
+    _, out, _ = family
+    expected = _own_packed_bytes(out / name)
+    assert expected >= 2**19, expected  # both MatMul weights of the 1 MiB family, packed
+    monkeypatch.setattr(wort, "_machine", {**wort.this_machine(), "onnxruntime": "1.99.0"})
+    monkeypatch.setattr(wort, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        wort.session(out / name)
+    (said,) = [r.getMessage() for r in caplog.records if r.name == "weightshare.ort"]
+    assert f"+{expected / 2**20:.1f} MiB per session" in said, said
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inventory_envelope_names_the_models_own_packed_bytes(family, name):
+    """The same figure in what check reports of the envelope (``packed_for``; before: "0" for every member)."""
+    from weightshare.formats.onnx.inventory import inventory_file
+
+    _, out, _ = family
+    inv = inventory_file(out / name, hash_payloads=False)
+    assert inv.packed_for["packed_bytes"] == str(_own_packed_bytes(out / name))
+
+
+def _damage(model_path: Path, tensor: str, rewrite) -> None:
+    """Rewrite the first buffer (offset, length) of ``tensor``'s prepacked_0 entry with ``rewrite``."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    (t,) = [t for t in external_tensors(model) if t.name == tensor]
+    entries = {x.key: x for x in t.external_data}
+    plain = int(entries["offset"].value), int(entries["length"].value)
+    key, first, *rest = entries[f"{PREPACKED_ENTRY}0"].value.split("|")
+    offset, length, *more = first.split(";")
+    offset, length = rewrite(int(offset), int(length), plain)
+    entries[f"{PREPACKED_ENTRY}0"].value = "|".join([key, ";".join([str(offset), str(length), *more]), *rest])
+    onnx.save(model, str(model_path))
+
+
+DAMAGE = {
+    "another weight's packed copy": lambda o, n, plain: (o + n, n),  # the next copy in the blob: layer0.down.w's
+    "its plain payload": lambda o, n, plain: plain,
+    "a range of another length": lambda o, n, plain: (o, n - 64),
+    "past the blob's end": lambda o, n, plain: (o + 2**30, n),
+}
+
+
+def test_check_vouches_for_every_entry_of_the_undamaged_zoo(family, cli):
+    """The rule that flags a damaged entry passes every entry of every model as written (no false alarm)."""
+    from weightshare.formats.onnx.findings import OnnxCode
+
+    _, out, _ = family
+    res = cli("check", out, "--json")
+    doc = json.loads(res.stdout)
+    assert len(doc["reports"]) == 2 * len(NAMES), res.stdout + res.stderr
+    assert OnnxCode.BAD_PREPACKED_ENTRY.value not in {f["code"] for f in doc["findings"]}, doc["findings"]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_check_flags_a_zoo_members_damaged_packed_entry(family, damage, tmp_path, cli):
+    """Before: a blob with no name starting "ort.prepacked/" (a zoo's: "<model>/ort.prepacked/...") had its
+    entries skipped, so a zoo member's wrong entry was never flagged statically. After: every entry into the
+    blob must be one its records vouch for (the packing of that tensor's payload, under any model's name)."""
+    import shutil
+
+    from weightshare.formats.onnx.findings import OnnxCode
+
+    _, out, _ = family
+    code = OnnxCode.BAD_PREPACKED_ENTRY.value
+    damaged = tmp_path / "out"
+    shutil.copytree(out, damaged)
+    target = damaged / "decoder_with_past_model.onnx"
+    tensor = next(t for t, _key in _ranges(target)[1] if t.endswith("up.w"))
+    _damage(target, tensor, DAMAGE[damage])
+    res = cli("check", target, "--json")
+    doc = json.loads(res.stdout)
+    assert res.returncode == 1, res.stdout + res.stderr
+    flagged = [f for f in doc["findings"] if f["code"] == code]
+    assert len(flagged) == 1 and tensor in flagged[0]["message"], doc["findings"]
+
+
+def test_the_loader_checks_a_zoo_blobs_reordered_conv_weights(tmp_path, monkeypatch, caplog):
+    """Before: the loader hashed only names starting "ort.prepacked/" or "ort.optimized/", none of a zoo's
+    ("<model>/ort.optimized/..."), and ORT never validates NCHWc-reordered Conv weights: a flipped byte in one
+    changed the zoo model's outputs silently. After: it is found, and the model falls back to its portable twin,
+    whose outputs are the original's."""
+    from conftest import run_cli
+    from prepack_samples import mixed_onnx, sample_input
+
+    (tmp_path / "src").mkdir()
+    src = [mixed_onnx(tmp_path / "src" / f"{n}.onnx", mm_layers=1, dim=64, seed=i) for i, n in enumerate("ab")]
+    res = run_cli("convert", *src, "-o", tmp_path / "out", "--prepack", "--shared-blob", "zoo", "-q")
+    assert res.returncode == 0, res.stderr
+    (blob,) = (tmp_path / "out").glob("zoo*.safetensors")
+    start, header, _meta = read_safetensors_metadata(blob)
+    reordered = [v["data_offsets"][0] for n, v in header.items() if n.startswith("a/ort.optimized/")]
+    assert reordered, list(header)
+    with open(blob, "r+b") as f:
+        f.seek(start + reordered[0] + 16)
+        byte = f.read(1)
+        f.seek(start + reordered[0] + 16)
+        f.write(bytes([byte[0] ^ 0x40]))
+    monkeypatch.setattr(wort, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="weightshare.ort"):
+        sess = wort.session(tmp_path / "out" / "a.onnx")
+    said = [r.getMessage() for r in caplog.records if r.name == "weightshare.ort"]
+    assert said and "a/ort.optimized/" in said[0] and "digest" in said[0], said
+    original = ort.InferenceSession(str(src[0]), providers=["CPUExecutionProvider"])
+    for batch in (1, 4):
+        feeds = sample_input(src[0], batch)
+        assert all(np.array_equal(x, y) for x, y in zip(original.run(None, feeds), sess.run(None, feeds)))

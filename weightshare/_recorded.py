@@ -24,11 +24,21 @@ def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
     """(name, absolute offset, length, tagged digest (``_checksum.tagged``: SHA-256 bare, "blake3:<hex>")) of every
     payload a weightshare blob records; [] for any other file (not safetensors, no weightshare metadata, or a
     header too odd to trust for a lookup)."""
+    return [(key, offset, length, digest) for key, offset, length, digest, _aliases in _records(path)]
+
+
+def recorded_names(path: str) -> dict[tuple[int, int], list[str]]:
+    """(absolute offset, length) -> every name a weightshare blob records for the payload there (its own, then its
+    aliases: the names of the models and tensors that share it); {} for any other file."""
+    return {(offset, length): [key, *aliases] for key, offset, length, _digest, aliases in _records(path)}
+
+
+def _records(path: str) -> list[tuple[str, int, int, str, list[str]]]:
     try:
         data_start, header, meta = read_safetensors_metadata(path)
     except (WeightshareError, OSError, ValueError, RecursionError):
         return []
-    out: list[tuple[str, int, int, str]] = []
+    out: list[tuple[str, int, int, str, list[str]]] = []
     if not isinstance(meta, dict):
         return out
     for key, entry in meta.items():
@@ -44,7 +54,9 @@ def recorded_records(path: str) -> list[tuple[str, int, int, str]]:
             and offsets[0] <= offsets[1]
         ):
             continue
-        out.append((key, data_start + offsets[0], offsets[1] - offsets[0], tagged(kind, digest.lower())))
+        aliases = entry.get("aliases") if isinstance(entry, dict) else None
+        names = [a for a in aliases if isinstance(a, str)] if isinstance(aliases, list) else []
+        out.append((key, data_start + offsets[0], offsets[1] - offsets[0], tagged(kind, digest.lower()), names))
     return out
 
 

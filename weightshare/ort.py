@@ -133,7 +133,8 @@ def _hash_packed_payloads(path: str, info: JsonDict, size: int) -> str | None:
         return "its blob header cannot be read"
     records = {name: (offset, length, digest) for name, offset, length, digest in recorded_records(path)}
     for name in header:
-        if not isinstance(name, str) or not name.startswith(prefixes):
+        # a zoo's (--shared-blob) are "<model stem>/ort.prepacked/...": every model's, checked alike
+        if not isinstance(name, str) or not (name.startswith(prefixes) or name.partition("/")[2].startswith(prefixes)):
             continue
         if name not in records:
             return f"{name} has no recorded digest"
@@ -263,23 +264,16 @@ def envelope_problem(
     return None
 
 
-def _packed_bytes(blob_fd: int, info: JsonDict) -> int:
-    """Bytes of the packed copies in the blob: what each session of the portable model pre-packs for itself."""
-    import json
-
-    from ._safetensors import read_header
+def _packed_bytes(data: bytes) -> int:
+    """Bytes of the packed copies the model ``data`` maps (its own ``prepacked_N`` entries, not the blob's names: a
+    zoo's blob holds every model's, under the stem of the model that packed them first): what each session of the
+    portable model pre-packs for itself."""
+    from .formats.onnx.ort.probe import WireError, packed_bytes, packed_entries
 
     try:
-        header = json.loads(read_header(blob_fd)[1])
-    except (InvalidModel, ValueError, RecursionError):
+        return packed_bytes(packed_entries(data))
+    except WireError:
         return 0
-    total = 0
-    for name, entry in header.items():
-        if isinstance(name, str) and name.startswith(str(info["packed_prefix"])) and isinstance(entry, dict):
-            offsets = entry.get("data_offsets")
-            if isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets):
-                total += offsets[1] - offsets[0]
-    return total
 
 
 def _say_once(path: Path, message: str, level: int = logging.WARNING) -> None:
@@ -343,7 +337,7 @@ def session(
         if found is None:
             return _open_plain(opened, sess_options, providers, kwargs)
         info, location = found
-        cost = _packed_bytes(opened.blobs[location], info)
+        cost = _packed_bytes(opened.data)
         pair = _metadata_props(opened.data).get(PAIR_KEY)
         why = outside or mismatch(info) or check_packed_payloads(fd_path(opened.blobs[location]), info)
         if why is None:

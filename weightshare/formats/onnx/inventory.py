@@ -27,7 +27,7 @@ from pathlib import Path
 from ..._findings import Code, Finding, problem_code
 from ..._inventory import ModelInventory, PayloadInfo, alignment_of, payload_digest
 from ..._paths import external_data_roots, model_dir
-from ..._recorded import blob_metadata, recorded_payloads, recorded_records
+from ..._recorded import blob_metadata, recorded_names, recorded_payloads
 from ..._tensors import FileRange
 from ...errors import UnsafePath, WeightshareError
 from ...options import ConvertOptions
@@ -40,6 +40,7 @@ from .graph import Site, collect_sites
 from .ort.cpu import inventory_notes
 from .ort.prepack_record import METADATA_KEY as PREPACK_KEY
 from .ort.prepack_record import PACKED_PREFIX, parse_record
+from .ort.probe import packed_buffers, packed_bytes
 from .scan import Scanner, TensorRef
 from .wire import WireFile
 
@@ -264,9 +265,10 @@ def inventory_file(path: Path, hash_payloads: bool = True) -> ModelInventory:
     inv.findings += bad_records
     inv.default_setting, inv.default_how = default_setting(path, inv.fallback_of)
     inv.prepack_output = _is_prepack_output(path, inv.external_files)
-    if inv.prepack_output and not inv.fallback_of:
-        inv.packed_for, inv.runtime_here = _envelope(path, inv.external_files)
     by_index = {ref.index: info for ref, info in zip((p.ref for p in placements), inv.payloads)}
+    if inv.prepack_output and not inv.fallback_of:
+        own = [(by_index[i].file, v) for i, values in scanner.packed_entries.items() if i in by_index for v in values]
+        inv.packed_for, inv.runtime_here = _envelope(path, inv.external_files, packed_bytes(own))
     inv.findings += packed_entry_findings(inv, scanner.packed_entries, by_index, model_dir(path))
     return inv
 
@@ -328,24 +330,24 @@ def _is_prepack_output(path: Path, files: list[str]) -> bool:
     return False
 
 
-def _envelope(path: Path, files: list[str]) -> tuple[dict[str, str], dict[str, str]]:
-    """The onnxruntime version and CPU kind the packed model was made for (its blob's record), and this
-    machine's (the onnxruntime installed, read from its metadata: no import)."""
+def _envelope(path: Path, files: list[str], packed: int) -> tuple[dict[str, str], dict[str, str]]:
+    """The onnxruntime version and CPU kind the packed model was made for (its blob's record), with ``packed``,
+    the bytes of the packed copies its own ``prepacked_N`` entries map (``probe.packed_bytes``; not the blob's
+    ``ort.prepacked/`` names: a zoo's blob holds every model's, named after the model that packed them first);
+    and this machine's (the onnxruntime installed, read from its metadata: no import)."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
     from .ort.probe import cpu_features, cpu_kind
 
     for name in files:
-        blob = str(model_dir(path) / name)
-        raw = blob_metadata(blob).get(PREPACK_KEY)
+        raw = blob_metadata(str(model_dir(path) / name)).get(PREPACK_KEY)
         if raw is None:
             continue
         try:
             record = parse_record(raw, name)
         except WeightshareError:
             continue
-        packed = sum(n for rec, _o, n, _d in recorded_records(blob) if rec.startswith(str(record["packed_prefix"])))
         made = {
             "runtime": "onnxruntime",
             "version": str(record["onnxruntime"]),
@@ -389,50 +391,74 @@ def packed_entry_findings(
 ) -> list[Finding]:
     """``prepacked_N`` entries that do not point at the packed copy ``convert --prepack`` recorded for their tensor.
 
-    ``--prepack`` stores each packed buffer under ``ort.prepacked/<tensor>/<kernel key>/<i>`` with its digest;
-    an entry pointing elsewhere (another tensor's copy, a plain payload, past the end) maps bytes ORT refuses at
-    load ("ValidatePrePackedWeights ... do not match") or, worse, bytes of another weight. Blobs weightshare did
-    not write carry no such records: their entries are left to ORT.
+    ``--prepack`` stores each packed buffer under ``ort.prepacked/<tensor>/<kernel key>/<i>`` with its digest, a
+    zoo's (``--shared-blob``) under ``<model stem>/ort.prepacked/...``, the stem of the model that packed it first,
+    the others' names as its aliases. An entry pointing elsewhere (another tensor's copy, a plain payload, a range
+    of another length, past the end) maps bytes ORT refuses at load ("ValidatePrePackedWeights ... do not match")
+    or, worse, bytes of another weight. Every entry into a blob weightshare wrote must be vouched for by its
+    records, whatever its names are; files weightshare did not write carry no records: their entries are ORT's
+    own, left to ORT.
 
-    Tied weights (two tensors with the same bytes, such as an embedding and its LM head, or two equal initializers)
-    are stored once, and so is their packed copy, recorded under the first tensor's name: an entry of the second
-    pointing at it is right (the bytes ORT validates are the same)."""
+    A packed copy is named after the payload it was packed from, with the prefix of the model that named it:
+    ``A + "ort.prepacked/" + B`` is the copy of the payload named ``A + B``. Tied weights (two tensors with the
+    same bytes, such as an embedding and its LM head, or two equal initializers) are stored once, and so is their
+    packed copy, recorded under the first tensor's name: an entry of the second pointing at it is right (the bytes
+    ORT validates are the same)."""
     bad: list[str] = []
-    records: dict[str, dict[tuple[int, int], str]] = {}
-    # tensors whose plain bytes are one payload (the same place in the blob, or the same digest): tied weights
-    same_bytes: dict[tuple[str, int | None, int] | tuple[str, int], set[str]] = {}
+    records: dict[str, dict[tuple[int, int], list[str]]] = {}
+    # payloads whose plain bytes are one (the same place in the blob, or the same digest): tied weights
+    same_bytes: dict[tuple[str, int | None, int] | tuple[str, int], list[PayloadInfo]] = {}
     for p in by_index.values():
         if p.file and not p.problem:
-            same_bytes.setdefault((p.file, p.offset, p.nbytes), set()).add(p.name)
+            same_bytes.setdefault((p.file, p.offset, p.nbytes), []).append(p)
         if p.sha256:
-            same_bytes.setdefault((p.sha256, p.nbytes), set()).add(p.name)
+            same_bytes.setdefault((p.sha256, p.nbytes), []).append(p)
 
-    def tied(info: PayloadInfo) -> set[str]:
-        return same_bytes.get((info.file, info.offset, info.nbytes), set()) | (
-            same_bytes.get((info.sha256, info.nbytes), set()) if info.sha256 else set()
+    def plain_names(info: PayloadInfo, recs: dict[tuple[int, int], list[str]]) -> set[str]:
+        """Every name the blob or the model gives the plain bytes ``info``'s tensor reads."""
+        tied = same_bytes.get((info.file, info.offset, info.nbytes), []) + (
+            same_bytes.get((info.sha256, info.nbytes), []) if info.sha256 else []
         )
+        names = {info.name}
+        for t in [info, *tied]:
+            names.add(t.name)
+            if t.file == info.file and t.offset is not None:
+                names.update(recs.get((t.offset, t.nbytes), []))
+        return names
+
+    def packed_from(name: str, key: str, i: int, plain: set[str]) -> bool:
+        """Whether ``name`` is the blob's name of buffer ``i`` of ``key``'s packing of a payload named in ``plain``."""
+        suffix = f"/{key}/{i}"
+        if not name.endswith(suffix):
+            return False
+        at = name.find(PACKED_PREFIX)
+        while at >= 0:
+            if name[:at] + name[at + len(PACKED_PREFIX) : -len(suffix)] in plain:
+                return True
+            at = name.find(PACKED_PREFIX, at + 1)
+        return False
 
     for index, values in sorted(entries.items()):
         info = by_index.get(index)
         if info is None or info.problem or not info.file:
             continue
         if info.file not in records:
-            records[info.file] = {(o, n): k for k, o, n, _d in recorded_records(str(base / info.file))}
+            records[info.file] = recorded_names(str(base / info.file))
         recs = records[info.file]
-        if not any(k.startswith(PACKED_PREFIX) for k in recs.values()):
+        if not recs:
             continue
+        plain = plain_names(info, recs)
         for value in values:
-            key, *parts = value.split("|")
-            for i, part in enumerate(parts):
-                fields = part.split(";")
-                where = (
-                    (int(fields[0]), int(fields[1]))
-                    if len(fields) >= 2 and all(f.isdigit() for f in fields[:2])
-                    else None
+            key = value.split("|")[0]
+            buffers = packed_buffers(value)
+            if (
+                not key
+                or buffers is None
+                or not all(
+                    any(packed_from(n, key, i, plain) for n in recs.get(where, [])) for i, where in enumerate(buffers)
                 )
-                names = tied(info) | {info.name}
-                if where is None or recs.get(where) not in {f"{PACKED_PREFIX}{n}/{key}/{i}" for n in names}:
-                    bad.append(f"{info.name!r} ({value[:80]})")
+            ):
+                bad.append(f"{info.name!r} ({value[:80]})")
     if not bad:
         return []
     more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""

@@ -485,7 +485,7 @@ def _twin_packings(path: Path) -> tuple[str, int] | None:
     from ..._recorded import blob_metadata
     from .inventory import _envelope
     from .ort.prepack_record import METADATA_KEY, parse_record
-    from .ort.probe import external_locations
+    from .ort.probe import external_locations, packed_bytes, packed_entries
 
     try:
         files = [f for f in external_locations(path.read_bytes()) if "/" not in f and "\\" not in f]
@@ -496,7 +496,8 @@ def _twin_packings(path: Path) -> tuple[str, int] | None:
             record = parse_record(raw, name)
             if list(record["portable_models"].values()) != [path.name]:
                 return None  # not a twin, or a blob holding other models' packings too
-            made, here = _envelope(path, [name])
+            packed = (path.parent / str(record["prepacked_model"])).read_bytes()
+            made, here = _envelope(path, [name], packed_bytes(packed_entries(packed)))
             same = bool(here) and all(made.get(k) == here.get(k) for k in ("runtime", "version", "cpu_kind"))
             return (str(record["prepacked_model"]), int(made["packed_bytes"])) if same else None
     except Exception:  # noqa: BLE001 -- anything unread: measured, as any model

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+
+from .names import PREPACKED_ENTRY
 
 # /proc/cpuinfo flags that select MLAS kernels (SGEMM packing, NCHWc block size, int8 paths).
 CPU_FLAGS = (
@@ -240,20 +242,18 @@ def _fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int, 
             raise WireError(f"wire type {wire} (groups are not ONNX)")
 
 
-def external_locations(data: bytes) -> list[str]:
-    """The ``location`` of every external-data tensor in the serialized ModelProto ``data`` (initializers,
-    attributes, sparse tensors, subgraphs, functions, training graphs), first seen first, read from the wire
-    without protobuf. A tensor counts as external as protobuf reads it (its last ``data_location`` is
-    EXTERNAL); every ``location`` entry it carries is listed, not only the one ORT would pick.
+def _tensor_entries(data: bytes) -> Iterator[tuple[bool, list[tuple[str, str]]]]:
+    """(external, its ``external_data`` (key, value) entries) of every TensorProto in the serialized ModelProto
+    ``data`` (initializers, attributes, sparse tensors, subgraphs, functions, training graphs), first seen first.
+    A tensor counts as external as protobuf reads it (its last ``data_location`` is EXTERNAL).
     Raises WireError for bytes that are not a well-formed message."""
-    found: dict[str, None] = {}
     stack = [(_MODEL, 0, len(data), 0)]
     while stack:
         kind, start, end, depth = stack.pop()
         if depth > 64:
             raise WireError("messages nested too deep")
         if kind == _TENSOR:
-            external, locations = False, []
+            external, entries = False, []
             for number, wire, a, b in _fields(data, start, end):
                 if number == 14 and wire == 0:
                     external = b == 1
@@ -262,16 +262,56 @@ def external_locations(data: bytes) -> list[str]:
                     for n2, w2, a2, b2 in _fields(data, a, b):
                         if w2 == 2 and n2 in (1, 2):
                             key, value = (data[a2:b2], value) if n2 == 1 else (key, data[a2:b2])
-                    if key == b"location":
-                        locations.append(value.decode("utf-8", "surrogateescape"))
-            if external:  # no location at all: "" (which resolves to no file and is refused)
-                found.update(dict.fromkeys(locations or [""]))
+                    entries.append((key.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
+            yield external, entries
             continue
         children = _CHILDREN[kind]
         for number, wire, a, b in reversed(list(_fields(data, start, end))):
             if wire == 2 and number in children:
                 stack.append((children[number], a, b, depth + 1))
+
+
+def external_locations(data: bytes) -> list[str]:
+    """The ``location`` of every external-data tensor in the serialized ModelProto ``data``, first seen first,
+    read from the wire without protobuf (``_tensor_entries``); every ``location`` entry a tensor carries is
+    listed, not only the one ORT would pick. Raises WireError for bytes that are not a well-formed message."""
+    found: dict[str, None] = {}
+    for external, entries in _tensor_entries(data):
+        if external:  # no location at all: "" (which resolves to no file and is refused)
+            found.update(dict.fromkeys([v for k, v in entries if k == "location"] or [""]))
     return list(found)
+
+
+def packed_entries(data: bytes) -> list[tuple[str, str]]:
+    """(location, value) of every ``prepacked_N`` entry of an external-data tensor in the serialized ModelProto
+    ``data``: the packed copies a session of this model maps. Raises WireError for bytes that are not a
+    well-formed message."""
+    out = []
+    for external, entries in _tensor_entries(data):
+        location = next((v for k, v in reversed(entries) if k == "location"), "")
+        if external:
+            out += [(location, v) for k, v in entries if k.startswith(PREPACKED_ENTRY)]
+    return out
+
+
+def packed_buffers(value: str) -> list[tuple[int, int]] | None:
+    """(offset, length) of each buffer of a ``prepacked_N`` entry (``<kernel>+<hash>|<offset>;<size>;...|...``),
+    or None when it is not one."""
+    _key, *parts = value.split("|")
+    fields = [part.split(";") for part in parts]
+    if not fields or any(len(f) < 2 or not (f[0].isdigit() and f[1].isdigit()) for f in fields):
+        return None
+    return [(int(f[0]), int(f[1])) for f in fields]
+
+
+def packed_bytes(entries: Iterable[tuple[str, str]]) -> int:
+    """Bytes of the packed copies ``(location, value)`` ``prepacked_N`` entries point at (``packed_entries``), each
+    buffer counted once (tied weights and nodes of one kernel share theirs): what a session of the model maps
+    from them, and what each session of its portable twin pre-packs for itself. Malformed entries count nothing."""
+    seen: set[tuple[str, int, int]] = set()
+    for location, value in entries:
+        seen.update((location, *buf) for buf in packed_buffers(value) or [])
+    return sum(length for _location, _offset, length in seen)
 
 
 def nchwc_convs(data: bytes) -> int:
