@@ -299,3 +299,30 @@ def test_the_loader_checks_a_zoo_blobs_reordered_conv_weights(tmp_path, monkeypa
     for batch in (1, 4):
         feeds = sample_input(src[0], batch)
         assert all(np.array_equal(x, y) for x, y in zip(original.run(None, feeds), sess.run(None, feeds)))
+
+
+def test_a_zoo_members_packed_copy_names_its_kernel_as_a_single_models_does(tmp_path):
+    """The remainder's breakdown says which kernel made a packed copy from its name; in a --shared-blob zoo the
+    name carries the model's stem first. A tensor merely named like one (no / before it) is not a packed copy."""
+    from weightshare.formats.onnx.remainder import readers
+
+    names = ["ort.prepacked/w/MatMul+3/0", "decoder_model/ort.prepacked/w/Gemm+1/0", "xort.prepacked/w/MatMul+1/0"]
+    found = readers(_one_matmul(tmp_path, "xort.prepacked/w/MatMul+1/0"), names)
+    assert found == {names[0]: ["MatMul"], names[1]: ["Gemm"], names[2]: ["MatMul"]}
+
+
+def _one_matmul(tmp_path, weight: str):
+    import onnx
+    from onnx import TensorProto, helper
+
+    w = helper.make_tensor(weight, TensorProto.FLOAT, [2, 2], [1.0, 2.0, 3.0, 4.0])
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", weight], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+        [w],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g), path)
+    return path

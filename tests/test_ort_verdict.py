@@ -322,3 +322,18 @@ def test_an_external_tensor_without_a_location_is_refused(tmp_path):
     assert external_locations(model.read_bytes()) == [""]
     with pytest.raises(WeightshareError, match="empty or invalid path"):
         wort.session(model)
+
+
+def test_a_verdict_written_under_the_former_rule_is_not_read(tmp_path, monkeypatch):
+    """The former rule hashed none of a --shared-blob zoo's packed payloads: its "intact" vouches for nothing
+    they hold, so an entry it wrote is a miss and the blob is hashed again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    identity, header = (1, 2, 3, 4, 5), "ab" * 32
+    monkeypatch.setattr(ort_verdict, "_FORMAT", "weightshare-ort-verdict/1")
+    ort_verdict.remember_intact(identity, header)
+    assert ort_verdict.is_intact(identity, header)  # the cache works: the former rule reads its own entry
+    monkeypatch.undo()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert not ort_verdict.is_intact(identity, header)
+    ort_verdict.remember_intact(identity, header)
+    assert ort_verdict.is_intact(identity, header)

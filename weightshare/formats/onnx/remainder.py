@@ -113,13 +113,15 @@ def _table(path: Path, inv: ModelInventory) -> list[tuple[str, list[tuple[str, i
 
 def readers(path: Path, names: list[str]) -> dict[str, list[str]]:
     """name -> the op types that read it (subgraphs included); a packed copy's name ``ort.prepacked/T/Kernel+h/i``
-    names its kernel."""
+    (in a --shared-blob zoo ``<model stem>/ort.prepacked/...``) names its kernel."""
     from ._proto import load_model, pb
 
     out: dict[str, list[str]] = {}
     for n in names:
-        if n.startswith("ort.prepacked/") and n.count("/") >= 2:
-            out[n] = [n.split("/")[2].split("+")[0]]
+        at = n.find("ort.prepacked/")
+        packed = n[at:].split("/") if at == 0 or (at > 0 and n[at - 1] == "/") else []
+        if len(packed) >= 3:
+            out[n] = [packed[2].split("+")[0]]
     wanted = {n for n in names if n not in out}
     if not wanted:
         return out

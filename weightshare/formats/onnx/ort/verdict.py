@@ -33,7 +33,9 @@ from ....errors import InvalidModel
 
 log = logging.getLogger("weightshare.ort")
 
-_FORMAT = "weightshare-ort-verdict/1"
+# the rule's version: /2 hashes a --shared-blob zoo's packed payloads too (/1 hashed none of them), so a verdict
+# written under /1 vouches for nothing a zoo holds and is not read
+_FORMAT = "weightshare-ort-verdict/2"
 _MAX_ENTRY = 4096
 MAX_ENTRIES = 128
 MAX_AGE_S = 30 * 86400
