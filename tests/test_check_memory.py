@@ -181,3 +181,37 @@ def test_the_figures_read_with_the_weights_pages_dropped_are_those_read_without(
     assert abs(growth(dropped) - growth(kept)) < MiB // 2, (dropped, kept)
     assert abs(dropped["arena_growth"] - kept["arena_growth"]) < MiB // 2, (dropped, kept)
     assert abs(dropped["pss"][0] - kept["pss"][0]) < 0.05 * kept["pss"][0], (dropped, kept)
+
+
+def test_dropping_a_files_pages_keeps_every_byte_and_never_drops_a_written_page(tmp_path):
+    """onnxruntime maps external data private and writable: its pages are dropped only while none was written (a
+    written page of a private mapping is the process's own copy, which dropping would lose); a mapping of another
+    file is never touched, and what was dropped reads back the same."""
+    import mmap
+    import os
+
+    import numpy  # noqa: F401 -- imported before the RSS readings (drop_file_pages works with it)
+
+    from weightshare._platform import rss_bytes
+    from weightshare._runtimes.memory import drop_file_pages
+
+    size = 8 * MiB
+    mine, other = tmp_path / "w.bin", tmp_path / "other.bin"
+    for p in (mine, other):
+        p.write_bytes(os.urandom(size))
+    maps = []
+    for p in (mine, other):
+        with open(p, "r+b") as f:
+            maps.append(mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+    m, o = maps
+    page = mmap.PAGESIZE
+    first = bytes(m[i] for i in range(0, size, page)) + bytes(o[i] for i in range(0, size, page))
+    before = rss_bytes("self")
+    assert drop_file_pages([str(mine)]) == size  # every page resident, none written: all dropped
+    assert abs(before - rss_bytes("self") - size) < MiB  # and only they: the other file's pages stay
+    assert bytes(m[i] for i in range(0, size, page)) + bytes(o[i] for i in range(0, size, page)) == first
+    m[page] = (m[page] + 1) % 256  # a private copy of one page
+    assert drop_file_pages([str(mine), str(tmp_path / "absent.bin")]) == 0
+    assert m[page] == (mine.read_bytes()[page] + 1) % 256
+    for x in maps:
+        x.close()

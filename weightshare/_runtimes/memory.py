@@ -101,8 +101,9 @@ MADV_DONTNEED = 4  # the same number on every Linux architecture
 
 
 def drop_file_pages(files: list[str]) -> int:
-    """Drop from this process's page tables the resident pages of its mappings of ``files`` (matched by device and
-    inode, as ``/proc/self/maps`` names them) with ``madvise(MADV_DONTNEED)``; the bytes dropped.
+    """Drop from this process's page tables the resident pages of its mappings of ``files`` (matched by inode and
+    device, or inode and real path, as ``/proc/self/maps`` names them) with ``madvise(MADV_DONTNEED)``; the bytes
+    dropped.
 
     Pages of a file mapping that were never written are the page cache's: dropped, they stay cached, and a later
     touch maps the same bytes again. RSS counts such a page once per mapping holding it, PSS once: dropping them
@@ -115,13 +116,13 @@ def drop_file_pages(files: list[str]) -> int:
     import mmap
     import os
 
-    wanted: set[tuple[int, int]] = set()
+    wanted: dict[int, set[object]] = {}  # inode -> the file's device and its real path
     for name in files:
         try:
             st = os.stat(name)
         except OSError:
             continue
-        wanted.add((st.st_dev, st.st_ino))
+        wanted.setdefault(st.st_ino, set()).update((st.st_dev, os.path.realpath(name)))
     if not wanted:
         return 0
     page = os.sysconf("SC_PAGE_SIZE")
@@ -132,7 +133,9 @@ def drop_file_pages(files: list[str]) -> int:
             if len(parts) < 6 or "x" in parts[1] or (parts[1][3] == "s" and "w" in parts[1]):
                 continue
             major, minor = (int(n, 16) for n in parts[3].split(":"))
-            if (os.makedev(major, minor), int(parts[4])) in wanted:
+            # the inode and the device, or the path where the maps' device is not stat's (btrfs, overlayfs)
+            same = wanted.get(int(parts[4]), set())
+            if os.makedev(major, minor) in same or " ".join(parts[5:]) in same:
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 spans.append((lo, hi, parts[1]))
     if not spans:
