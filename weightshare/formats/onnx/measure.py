@@ -71,7 +71,9 @@ COPY_NAMED = 256 << 10  # weight bytes found copied per session from which ``ort
 LARGE_STEP = 16 << 20
 LARGE_SHARE = 1 / 16
 # A model that maps this much has its sessions but the first closed before the arena's open (``probe``'s ``rotate``):
-# each session maps the weights again and RSS counts every mapping (7 sessions of a 381 MiB T5 decoder: 1.5 GiB)
+# each session maps the weights again and RSS counts every mapping (7 sessions of a 381 MiB T5 decoder: 1.5 GiB);
+# and the pages of those read are dropped before the next opens (``_drop_read``: 4 sessions of a 913 MiB --prepack
+# MatMul+Conv output held 2.0 GiB of RSS, one copy of PSS)
 ROTATE_FROM = 64 << 20
 
 
@@ -241,9 +243,9 @@ def probe(
         # first arena session of a child sets up nothing the others do not, its step within their spread; one
         # session, not ``sessions`` - 1: a cold check's arena sessions were a third of its sessions); with
         # ``rotate`` (or a large copy) from the first session alone, the others closed
+        _drop_read(mapped)  # both readings of the arena's growth without the weights' pages (see below)
         if rotate or sessions == 2:
             s = None
-            _drop_read(mapped)  # (both readings of the arena's growth without the weights' pages: see below)
             before = _close_after_first(opened)
         else:
             _trim()
@@ -257,8 +259,8 @@ def probe(
             raise
         opened.append(s)
         most = max(most, len(opened))
-        # the arena's session maps the pages the first session mapped (its PSS, a page shared by both mappings,
-        # counted once without the drop): read without them, as they were before it opened
+        # the arena's session maps the pages the first session mapped (a page both map is counted once in PSS,
+        # so without the drop the growth holds none of them): read without them, as they were before it opened
         _drop_read(mapped)
         _trim()
         more["arena_growth"] = max(0, data_pss() - before)
@@ -329,8 +331,9 @@ def _drop_read(files: list[str]) -> None:
     """Drop the resident pages of this process's mappings of ``files`` (``memory.drop_file_pages``): each session
     maps the weights again and a process's RSS counts every mapping's pages (4 sessions of a 913 MiB MatMul+Conv
     ``--prepack`` output: 2.0 GiB of RSS, one copy of PSS). A session that is run again faults them back from the
-    page cache. The weights' PSS is the same with one mapping holding a page as with four: the figures (data PSS)
-    are read as they would be, save the arena's (``probe``)."""
+    page cache. PSS counts a page once however many of the process's mappings hold it, so while every session of
+    the model touches the same pages (one model, the same run) the figures (data PSS) read as without the drop; the
+    arena's is read without the weights' pages in both its readings (``probe``)."""
     if files:
         from ..._runtimes.memory import drop_file_pages
 
