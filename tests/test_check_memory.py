@@ -89,3 +89,129 @@ def test_a_copy_far_above_the_runtimes_own_state_is_counted_whole_not_broken_dow
     data = res["data_pss"]
     assert (data[-1] - data[0]) // (res["sessions"] - 1) > EXPLAIN_MAX, res
     assert "breakdown" not in res, sorted(res)
+
+
+def _mapped_matmul(directory: Path, n: int) -> Path:
+    """A model whose only weight, n x n fp32 in an external file, is MatMul's A (MLAS pre-packs B only): each session
+    maps it and its run reads it all, nothing is copied."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    directory.mkdir()
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((n, n), dtype=np.float32) * 0.01, "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["w", "x"], ["y"])],
+        "mapped",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, 1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, 1])],
+        [w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    path = directory / "m.onnx"
+    onnx.save(model, path, save_as_external_data=True, location="m.data", size_threshold=0)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mapped_models(tmp_path_factory):
+    """(a model mapping ``ROTATE_FROM`` bytes of weights, its weights' bytes, the same model at 16 KiB)."""
+    from weightshare.formats.onnx.measure import ROTATE_FROM
+
+    root = tmp_path_factory.mktemp("mapped")
+    big = _mapped_matmul(root / "big", 4096)
+    weights = (root / "big" / "m.data").stat().st_size
+    assert weights + big.stat().st_size >= ROTATE_FROM
+    return big, weights, _mapped_matmul(root / "tiny", 64)
+
+
+def _peak(code: str, *args: str) -> tuple[object, float]:
+    """(what ``code`` printed last, as JSON; the peak RSS in MiB of its largest process, the measuring child
+    included): in a fresh process, so that no earlier child of this one is counted."""
+    from weightshare._runtimes.memory import run_child_peak
+
+    res, peak = run_child_peak([sys.executable, "-c", code, *args])
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1]), peak
+
+
+@pytest.mark.slow
+def test_checks_measuring_child_holds_a_large_models_mapped_weights_once(mapped_models):
+    """Each session maps the weights again and a process's RSS counts every mapping's pages: the measuring child of
+    a model mapping 64 MiB held them 4 times over (4 sessions open at once), 2.0 GiB for the 913 MiB MatMul+Conv
+    --prepack output. The pages of the sessions already read are dropped from its page tables (they stay in the page
+    cache): the child's peak is the small model's plus the weights once (e5b74e5: plus 4 times)."""
+    big, weights, tiny = mapped_models
+    code = (
+        "import json, sys; from pathlib import Path; from weightshare.formats.onnx.measure import measure_copies\n"
+        "out, one, notes, activation, findings = measure_copies(Path(sys.argv[1]))\n"
+        "print(json.dumps([out, activation, notes]))"
+    )
+    (out, activation, notes), peak = _peak(code, str(big))
+    _small, floor = _peak(code, str(tiny))
+    assert peak - floor < 1.5 * weights / MiB, (peak, floor, weights / MiB)
+    # and what it measures is what it did: nothing copied per session, under either setting
+    assert set(out) == {"ort-disable-prepacking", "ort-default"}, notes
+    assert all(n < MiB for n in out.values()), out
+    assert set(activation) == {"ort-default"} and activation["ort-default"] < MiB, activation
+
+
+@pytest.mark.slow
+def test_the_figures_read_with_the_weights_pages_dropped_are_those_read_without(mapped_models):
+    """PSS counts a page of the page cache once whichever of the process's mappings holds it: the data growth per
+    session, the first session's PSS and the arena's growth are read as when every session's pages stay resident."""
+    from weightshare.formats.onnx.measure import SESSIONS
+
+    big, weights, _tiny = mapped_models
+    code = (
+        "import json, sys; from weightshare.formats.onnx.measure import probe\n"
+        "kw = {} if sys.argv[2] == 'default' else {'drop': sys.argv[2] == 'drop'}\n"
+        f"print(json.dumps(probe(sys.argv[1], False, {SESSIONS}, False, True, {{}}, {{}}, True, True, None, **kw)))"
+    )
+    dropped, peak = _peak(code, str(big), "default")  # as check calls it: rotate, the pages dropped
+    kept, peak_kept = _peak(code, str(big), "keep")
+    assert peak_kept - peak > 2 * weights / MiB, (peak_kept, peak)  # 4 mappings resident at once, not 1
+
+    def growth(res):
+        data = res["data_pss"]
+        return (data[-1] - data[0]) // (res["sessions"] - 1)
+
+    assert dropped["sessions"] == kept["sessions"] == SESSIONS
+    assert abs(growth(dropped) - growth(kept)) < MiB // 2, (dropped, kept)
+    assert abs(dropped["arena_growth"] - kept["arena_growth"]) < MiB // 2, (dropped, kept)
+    assert abs(dropped["pss"][0] - kept["pss"][0]) < 0.05 * kept["pss"][0], (dropped, kept)
+
+
+def test_dropping_a_files_pages_keeps_every_byte_and_never_drops_a_written_page(tmp_path):
+    """onnxruntime maps external data private and writable: its pages are dropped only while none was written (a
+    written page of a private mapping is the process's own copy, which dropping would lose); a mapping of another
+    file is never touched, and what was dropped reads back the same."""
+    import mmap
+    import os
+
+    import numpy  # noqa: F401 -- imported before the RSS readings (drop_file_pages works with it)
+
+    from weightshare._platform import rss_bytes
+    from weightshare._runtimes.memory import drop_file_pages
+
+    size = 8 * MiB
+    mine, other = tmp_path / "w.bin", tmp_path / "other.bin"
+    for p in (mine, other):
+        p.write_bytes(os.urandom(size))
+    maps = []
+    for p in (mine, other):
+        with open(p, "r+b") as f:
+            maps.append(mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+    m, o = maps
+    page = mmap.PAGESIZE
+    first = bytes(m[i] for i in range(0, size, page)) + bytes(o[i] for i in range(0, size, page))
+    before = rss_bytes("self")
+    assert drop_file_pages([str(mine)]) == size  # every page resident, none written: all dropped
+    assert abs(before - rss_bytes("self") - size) < MiB  # and only they: the other file's pages stay
+    assert bytes(m[i] for i in range(0, size, page)) + bytes(o[i] for i in range(0, size, page)) == first
+    m[page] = (m[page] + 1) % 256  # a private copy of one page
+    assert drop_file_pages([str(mine), str(tmp_path / "absent.bin")]) == 0
+    assert m[page] == (mine.read_bytes()[page] + 1) % 256
+    for x in maps:
+        x.close()

@@ -97,6 +97,95 @@ def resident_bytes(spans: list[tuple[int, int]]) -> int:
     return present * page
 
 
+MADV_DONTNEED = 4  # the same number on every Linux architecture
+
+
+def drop_file_pages(files: list[str]) -> int:
+    """Drop from this process's page tables the resident pages of its mappings of ``files`` (matched by inode and
+    device, or inode and real path, as ``/proc/self/maps`` names them) with ``madvise(MADV_DONTNEED)``; the bytes
+    dropped.
+
+    Pages of a file mapping that were never written are the page cache's: dropped, they stay cached, and a later
+    touch maps the same bytes again. RSS counts such a page once per mapping holding it, PSS once: dropping them
+    changes what the process's RSS says, never its PSS while another of its mappings still holds the page.
+    ONNX Runtime maps external data private and writable (``rw-p``), so a mapping is only touched when nothing in it
+    was ever written: every resident page a file page and none swapped (``/proc/self/pagemap``; a private mapping's
+    written pages are anonymous copies, which ``MADV_DONTNEED`` would discard). Program code and writable shared
+    mappings are never touched."""
+    import ctypes
+    import mmap
+    import os
+
+    wanted: dict[int, set[object]] = {}  # inode -> the file's device and its real path
+    for name in files:
+        try:
+            st = os.stat(name)
+        except OSError:
+            continue
+        wanted.setdefault(st.st_ino, set()).update((st.st_dev, os.path.realpath(name)))
+    if not wanted:
+        return 0
+    page = os.sysconf("SC_PAGE_SIZE")
+    spans: list[tuple[int, int, str]] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) < 6 or "x" in parts[1] or (parts[1][3] == "s" and "w" in parts[1]):
+                continue
+            major, minor = (int(n, 16) for n in parts[3].split(":"))
+            # the inode and the device, or the path where the maps' device is not stat's (btrfs, overlayfs)
+            same = wanted.get(int(parts[4]), set())
+            if os.makedev(major, minor) in same or " ".join(parts[5:]) in same:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                spans.append((lo, hi, parts[1]))
+    if not spans:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    dropped = 0
+    # the page-table entries are read into and worked on in anonymous mappings, never the heap: what this left in
+    # the allocator's free lists would be counted as freed heap by the readings that follow
+    most = max(hi - lo for lo, hi, _p in spans) // page * 8
+    with mmap.mmap(-1, most) as raw, mmap.mmap(-1, most) as spare:
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            for lo, hi, perms in spans:
+                present, written = _file_pages(fd, lo // page, (hi - lo) // page, raw, spare)
+                if present and not (perms[3] == "p" and written):
+                    if libc.madvise(lo, hi - lo, MADV_DONTNEED) == 0:
+                        dropped += present * page
+        finally:
+            os.close(fd)
+    return dropped
+
+
+def _file_pages(fd: int, first: int, n: int, raw: Any, spare: Any) -> tuple[int, bool]:
+    """(the resident pages of the ``n`` pages from page number ``first``, whether one of them is no page of the
+    mapped file or swapped out: a private copy made by a write), from ``pagemap`` (``fd``), worked on in place in
+    the buffers ``raw`` and ``spare``."""
+    import numpy as np
+
+    if _preadv(fd, raw, 8 * n, first * 8) != 8 * n:
+        return 0, True
+    entries = np.frombuffer(raw, "<u8", n)
+    bits = np.frombuffer(spare, "<u8", n)
+    np.right_shift(entries, np.uint64(61), out=entries)  # bits 63 present, 62 swapped, 61 file page: 2, 1, 0
+    swapped = bool(int(np.bitwise_or.reduce(entries)) & 2)
+    np.right_shift(entries, np.uint64(2), out=bits)
+    present = int(np.add.reduce(bits))
+    np.invert(entries, out=entries)
+    np.bitwise_and(bits, entries, out=bits)  # present, and not a page of the file
+    return present, swapped or bool(int(np.bitwise_or.reduce(bits)) & 1)
+
+
+def _preadv(fd: int, buffer: Any, size: int, offset: int) -> int:
+    """``os.preadv`` of ``size`` bytes into the start of ``buffer`` (an mmap), the bytes read."""
+    import os
+
+    with memoryview(buffer) as whole, whole[:size] as view:
+        return os.preadv(fd, [view], offset)
+
+
 def memory_now(pid: int | str = "self") -> dict[str, float]:
     s = smaps_rollup(pid)
     mib = 1 << 20

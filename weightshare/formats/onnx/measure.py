@@ -71,7 +71,9 @@ COPY_NAMED = 256 << 10  # weight bytes found copied per session from which ``ort
 LARGE_STEP = 16 << 20
 LARGE_SHARE = 1 / 16
 # A model that maps this much has its sessions but the first closed before the arena's open (``probe``'s ``rotate``):
-# each session maps the weights again and RSS counts every mapping (7 sessions of a 381 MiB T5 decoder: 1.5 GiB)
+# each session maps the weights again and RSS counts every mapping (7 sessions of a 381 MiB T5 decoder: 1.5 GiB);
+# and the pages of those read are dropped before the next opens (``_drop_read``: 4 sessions of a 913 MiB --prepack
+# MatMul+Conv output held 2.0 GiB of RSS, one copy of PSS)
 ROTATE_FROM = 64 << 20
 
 
@@ -108,6 +110,7 @@ def probe(
     explain: bool = False,
     rotate: bool = False,
     listed: JsonDict | None = None,
+    drop: bool | None = None,
 ) -> JsonDict:
     """In this (child) process: PSS after the first and the last of ``sessions`` sessions under the setting (with
     ORT's CPU arena or not), and ``overhead``, what one more session of a one-node model costs; or why ORT refused. With
@@ -123,7 +126,10 @@ def probe(
     once, not 7. The weights' sessions stay open together: what they cost together (a heap's fragments included) is
     the figure (one closed before the next opens could leave the heap it freed to the next, a figure too low). A
     step to the second session of ``_large_step`` decides the figure with those 2 sessions. ``listed``: the
-    model's ``remainder.sources`` as the parent listed them (not listed again here while its files are those)."""
+    model's ``remainder.sources`` as the parent listed them (not listed again here while its files are those).
+    ``drop`` (by default with ``rotate``): the pages of the weight files the sessions already read map are dropped
+    from this process's page tables before the next session opens (``_drop_read``), so that RSS holds the weights
+    once, not once per session open; every figure is read as without it."""
     from ..._platform import rss_bytes
     from ..._runtimes import remainder as pages
     from ..._runtimes.bound import is_oom
@@ -138,6 +144,7 @@ def probe(
 
     started = time.process_time()
     overhead = _overhead(share, arena)
+    mapped = _weight_files(model_path) if (rotate if drop is None else drop) else []
     # what calls after this child's first left of data (freed, trimmed, but a heap keeps some) is not this model's;
     # what its first call left stays counted: the runtime's set-up a fresh child's first model session makes too
     # (11-14 MiB measured: a warm child's first session of a model costs that much less than a fresh child's)
@@ -168,6 +175,8 @@ def probe(
     steps: list[int] = []  # the growth from the first session to the second, then to the last
     freed: list[int] = []  # what the allocator's free lists held at each reading, handed back before it (``_trim``)
     for i in range(sessions):
+        if i and mapped:  # the sessions read so far are run no more: their weights' pages need not stay in RSS
+            _drop_read(mapped)
         try:
             s = new_session(model_path, share=share, log_level=4, arena=arena, spinning=False)
         except Exception as e:  # noqa: BLE001 -- any refusal is the answer
@@ -234,6 +243,7 @@ def probe(
         # first arena session of a child sets up nothing the others do not, its step within their spread; one
         # session, not ``sessions`` - 1: a cold check's arena sessions were a third of its sessions); with
         # ``rotate`` (or a large copy) from the first session alone, the others closed
+        _drop_read(mapped)  # both readings of the arena's growth without the weights' pages (see below)
         if rotate or sessions == 2:
             s = None
             before = _close_after_first(opened)
@@ -249,6 +259,9 @@ def probe(
             raise
         opened.append(s)
         most = max(most, len(opened))
+        # the arena's session maps the pages the first session mapped (a page both map is counted once in PSS,
+        # so without the drop the growth holds none of them): read without them, as they were before it opened
+        _drop_read(mapped)
         _trim()
         more["arena_growth"] = max(0, data_pss() - before)
     if not ran:
@@ -298,6 +311,33 @@ def _large_step(step: int, one: int) -> bool:
     """Whether one more session's step ``step`` (data PSS) is a copy large enough to be measured by 2 sessions
     instead of 4: ``LARGE_STEP`` or more and at least ``LARGE_SHARE`` of one session's PSS ``one``."""
     return step >= LARGE_STEP and step >= LARGE_SHARE * one
+
+
+def _weight_files(model_path: str) -> list[str]:
+    """The files the model's sessions map its weights from: its external data files (none for a model whose weights
+    are in its protobuf, which onnxruntime reads, not maps; nor for one too large to be read again here)."""
+    from .ort.probe import external_locations
+
+    path = Path(model_path)
+    try:
+        if path.stat().st_size > FOLD_CHECK_MAX:
+            return []
+        return [str(path.parent / loc) for loc in external_locations(path.read_bytes())]
+    except Exception:  # noqa: BLE001 -- unread: nothing dropped, RSS as without it
+        return []
+
+
+def _drop_read(files: list[str]) -> None:
+    """Drop the resident pages of this process's mappings of ``files`` (``memory.drop_file_pages``): each session
+    maps the weights again and a process's RSS counts every mapping's pages (4 sessions of a 913 MiB MatMul+Conv
+    ``--prepack`` output: 2.0 GiB of RSS, one copy of PSS). A session that is run again faults them back from the
+    page cache. PSS counts a page once however many of the process's mappings hold it, so while every session of
+    the model touches the same pages (one model, the same run) the figures (data PSS) read as without the drop; the
+    arena's is read without the weights' pages in both its readings (``probe``)."""
+    if files:
+        from ..._runtimes.memory import drop_file_pages
+
+        drop_file_pages(files)
 
 
 def _close_after_first(opened: list[Any]) -> int:
