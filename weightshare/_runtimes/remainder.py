@@ -39,7 +39,7 @@ SAMPLE = 4096  # pages classified at most (evenly spread over those the added in
 COMMON = 4  # a word indexed more often than this is a fill, not evidence of one tensor
 WEIGHT_SHARE = 0.5  # a page is a weight copy when this share of its probed non-zero words match a source
 POINTER_SHARE = 0.05  # ... runtime objects when this share of its words are addresses in this process
-CHUNK = 8 << 20  # bytes of a source read at a time
+WINDOW = 8 << 20  # bytes of a source mapped at a time: indexing leaves the RSS within this, whatever its size
 KINDS = ("heap", "anonymous", "weight files", "other files")
 
 
@@ -156,6 +156,50 @@ def _pointer(words: Any, spans: Any) -> Any:
     return inside & (words >= spans[at, 0]) & (words < spans[at, 1])
 
 
+def _gather(
+    path: str, table: list[tuple[str, int, int]], stride: int, tag: int, keys: list[Any], where: list[Any]
+) -> None:
+    """Append to ``keys`` the 8-byte words of ``path`` at each tensor's first byte and every ``stride`` bytes
+    after it (those wholly inside the tensor) and to ``where`` their places (``tag`` + offset), in the order of
+    ``table`` (sorted by offset). The file is mapped a window at a time and each word gathered by a strided view:
+    read whole, a source cost one fresh buffer per chunk under the measuring child's ``MALLOC_MMAP_THRESHOLD_``
+    (mapped, zeroed, unmapped: 0.43 CPU s a T5 decoder's sources, 0.04 s this way); each window unmapped before
+    the next is mapped, so that the child's RSS does not grow by the sources' size."""
+    import mmap
+
+    import numpy as np
+
+    per = max(1, WINDOW // stride)  # words gathered from one window at most
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        mm: mmap.mmap | None = None
+        lo = hi = 0
+        try:
+            for _name, begin, length in table:
+                count = (length - 8) // stride + 1 if length >= 8 else 0
+                done = 0
+                while done < count:
+                    first = begin + done * stride
+                    n = min(count - done, per)
+                    last = first + (n - 1) * stride + 8
+                    if last > size:  # shorter than when listed: what is left is not this tensor
+                        return
+                    if mm is None or first < lo or last > hi:
+                        if mm is not None:
+                            mm.close()
+                        lo = first - first % mmap.ALLOCATIONGRANULARITY
+                        hi = min(size, max(last, lo + WINDOW))
+                        mm = mmap.mmap(f.fileno(), hi - lo, access=mmap.ACCESS_READ, offset=lo)
+                    view = np.ndarray((n,), "<u8", buffer=mm, offset=first - lo, strides=(stride,))
+                    keys.append(view.copy())
+                    del view  # the window is closed with no view of it left
+                    where.append(tag + first + np.arange(n, dtype=np.int64) * stride)
+                    done += n
+        finally:
+            if mm is not None:
+                mm.close()
+
+
 class _Index:
     """One 8-byte word every ``stride`` bytes of each tensor of the sources, from the tensor's first byte (a copy is
     aligned to its tensor, not to the file: a protobuf's raw_data sits at any offset), sorted, with where it came
@@ -174,19 +218,10 @@ class _Index:
         self.stride = 16
         while total // self.stride > MAX_INDEX:
             self.stride *= 2
-        keys, where = [], []
+        keys: list[Any] = []
+        where: list[Any] = []
         for i, (path, table) in enumerate(self.files):
-            with open(path, "rb", buffering=0) as f:
-                for _name, begin, length in table:
-                    done = 0
-                    while done < length:  # a chunk is a multiple of the stride: the phase carries over
-                        chunk = os.pread(f.fileno(), min(CHUNK, length - done), begin + done)
-                        if not chunk:
-                            break
-                        words = np.frombuffer(chunk[: len(chunk) // 8 * 8], "<u8")[:: self.stride // 8].copy()
-                        keys.append(words)
-                        where.append((i << 48) + begin + done + np.arange(len(words), dtype=np.int64) * self.stride)
-                        done += len(chunk)
+            _gather(path, table, self.stride, (i << 48), keys, where)
         self.starts = [[b for _n, b, _l in table] for _path, table in self.files]
         key = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
         del keys  # each step frees what the next replaces: the index's peak is a few copies of its words
