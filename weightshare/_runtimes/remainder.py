@@ -150,10 +150,16 @@ def _pointer(words: Any, spans: Any) -> Any:
     """Which of ``words`` are addresses inside one of the mappings ``spans``."""
     import numpy as np
 
-    at = np.searchsorted(spans[:, 0], words, side="right").astype(np.int64) - 1
+    out = np.zeros(words.shape, bool)
+    # only a word between the lowest mapping and the highest can be one: looked up alone (most words of a page of
+    # floats or small integers are not)
+    maybe = np.flatnonzero((words >= spans[0, 0]) & (words < spans[:, 1].max()))
+    near = words[maybe]
+    at = np.searchsorted(spans[:, 0], near, side="right").astype(np.int64) - 1
     inside = at >= 0
     at = np.maximum(at, 0)
-    return inside & (words >= spans[at, 0]) & (words < spans[at, 1])
+    out[maybe] = inside & (near >= spans[at, 0]) & (near < spans[at, 1])
+    return out
 
 
 def _gather(
@@ -267,13 +273,14 @@ def _bookkeeping(words: Any, zero: Any, pointer: Any) -> Any:
     nonzero = np.maximum((~zero).sum(1), 1)
     pointers = pointer.sum(1)
     small = (~zero & (words < np.uint64(1 << 24))).sum(1)
-    raw = words.view(np.uint8).reshape(len(words), -1)
-    printable = ((raw >= 0x20) & (raw < 0x7F)) | (raw == 0) | (raw == 0x0A)
-    letters = ((raw | 0x20) >= ord("a")) & ((raw | 0x20) <= ord("z"))
-    text = (printable.mean(1) >= 0.9) & (letters.mean(1) >= 0.4)
-    return (
-        ((pointers >= 2) & (pointers >= POINTER_SHARE * nonzero)) | ((small >= 0.8 * nonzero) & (nonzero >= 16)) | text
-    )
+    out = ((pointers >= 2) & (pointers >= POINTER_SHARE * nonzero)) | ((small >= 0.8 * nonzero) & (nonzero >= 16))
+    rest = np.flatnonzero(~out)  # text is looked for on the pages not already told apart (a byte-wise pass)
+    if len(rest):
+        raw = words[rest].view(np.uint8).reshape(len(rest), -1)
+        printable = ((raw >= 0x20) & (raw < 0x7F)) | (raw == 0) | (raw == 0x0A)
+        letters = ((raw | 0x20) >= ord("a")) & ((raw | 0x20) <= ord("z"))
+        out[rest] = (printable.mean(1) >= 0.9) & (letters.mean(1) >= 0.4)
+    return out
 
 
 def _classify(words: Any, spans: Any, index: _Index, counts: Any, tensor_pages: dict[str, int]) -> None:
@@ -284,9 +291,10 @@ def _classify(words: Any, spans: Any, index: _Index, counts: Any, tensor_pages: 
     zero = words == 0
     pointer = _pointer(words.ravel(), spans).reshape(words.shape)
     probe = words[:, ::2]  # every 16-byte-aligned word
-    found = index.find(probe.ravel()).reshape(probe.shape)
     probed = (probe != 0) & ~pointer[:, ::2]
-    hits = (found >= 0) & probed
+    found = np.full(probe.shape, -1, np.int64)
+    found[probed] = index.find(probe[probed])  # only the words that count are looked up
+    hits = found >= 0
     # a copy's words sit at one distance from their source's: the longest run of hits at one distance counts (a
     # page of small integers hits some short tensor everywhere, at as many distances as words)
     rows, cols = np.nonzero(hits)
@@ -299,13 +307,18 @@ def _classify(words: Any, spans: Any, index: _Index, counts: Any, tensor_pages: 
     runs = np.bincount(np.cumsum(starts) - 1) if len(rows) else np.zeros(0, np.int64)
     best = np.zeros(len(words), np.int64)
     np.maximum.at(best, rows[starts], runs)
-    where = {int(r): int(p) for r, n, p in zip(rows[starts], runs, places[starts]) if n == best[r]}
     # the indexed words a copy covering the page hits: 16 / stride of the probed ones
     expected = np.maximum(probed.sum(1), 1) * 16 / index.stride
     is_weight = (best >= np.maximum(2, WEIGHT_SHARE * expected)) & (probed.sum(1) > 0)
     is_zero = zero.all(1) & ~is_weight
-    is_object = ~is_weight & ~is_zero & _bookkeeping(words, zero, pointer)
+    rest = np.flatnonzero(~is_weight & ~is_zero)  # told apart by their bytes alone
+    is_object = np.zeros(len(words), bool)
+    is_object[rest] = _bookkeeping(words[rest], zero[rest], pointer[rest])
     counts += [int(is_weight.sum()), int(is_object.sum()), int(is_zero.sum())]
+    first_rows = rows[starts]
+    # each weight page's source: its longest run (the last of equally long ones)
+    named = is_weight[first_rows] & (runs == best[first_rows])
+    where = dict(zip(first_rows[named].tolist(), places[starts][named].tolist()))
     for row in np.nonzero(is_weight)[0]:
         name = index.tensor(where[int(row)])
         tensor_pages[name] = tensor_pages.get(name, 0) + 1
