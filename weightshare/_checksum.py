@@ -83,16 +83,28 @@ def digests_kept() -> Iterator[None]:
 
 
 def file_range_digest(
-    path: str, offset: int, length: int, kind: str, chunks: Callable[[], Iterable[bytes | memoryview]]
+    path: str,
+    offset: int,
+    length: int,
+    kind: str,
+    chunks: Callable[[], Iterable[bytes | memoryview]],
+    fd: int | None = None,
 ) -> str:
-    """``digest_of(chunks(), kind)``, the digest of ``length`` bytes at ``offset`` of ``path``; within
-    ``digests_kept``, the one computed earlier for the same range of the same file, unchanged since (its device,
-    inode, size, modification and change times)."""
+    """``digest_of(chunks(), kind)``, the digest of ``length`` bytes at ``offset`` of ``path`` (read through ``fd``
+    when given); within ``digests_kept``, the one computed earlier for the same range of the same file, unchanged
+    since (its device, inode, size, modification and change times, the same before and after the read)."""
     kept = _KEPT.get()
     if kept is None:
         return digest_of(chunks(), kind)
-    st = os.stat(path)
-    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, offset, length, kind)
-    if key not in kept:
-        kept[key] = digest_of(chunks(), kind)
-    return kept[key]
+
+    def identity() -> tuple[int, ...]:
+        st = os.fstat(fd) if fd is not None else os.stat(path)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    key = (*identity(), offset, length, kind)
+    if key in kept:
+        return kept[key]
+    digest = digest_of(chunks(), kind)
+    if identity() == key[:5]:  # not kept when the file changed while it was read
+        kept[key] = digest
+    return digest

@@ -154,7 +154,8 @@ def payload_digest(source: PayloadSource, like: str = "") -> str:
     so that it can be compared with that recorded digest."""
     kind = split_digest(like)[0] if like else "sha256"
     if isinstance(source, FileRange):
-        return file_range_digest(source.path, source.offset, source.length, kind, lambda: source.chunks(CHUNK_SIZE))
+        fd = source.file.fd if source.file is not None else None
+        return file_range_digest(source.path, source.offset, source.length, kind, lambda: source.chunks(CHUNK_SIZE), fd)
     return digest_of(source.chunks(CHUNK_SIZE), kind)
 
 
