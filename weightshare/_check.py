@@ -421,9 +421,12 @@ def check(
     """Inventory and findings of every model. A model that cannot be read raises its ``WeightshareError``, or with
     ``keep_going`` (the CLI's batch) is one ``unreadable-model`` finding, and the others are still checked.
     ``on_model(path, i, n)`` is called before the i-th of n models is read and measured (the CLI's stage line)."""
+    from ._checksum import digests_kept
     from ._runtimes.memory import reused_children
 
-    with reused_children():  # one runtime child measures the models one after another (``in_worker``)
+    # one runtime child measures the models one after another (``in_worker``); a blob two models read (a --prepack
+    # output and its portable twin) hashed once
+    with reused_children(), digests_kept():
         return _check_each(paths, gate or Gate(), keep_going, on_model)
 
 

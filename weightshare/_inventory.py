@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ._checksum import digest_of, split_digest
+from ._checksum import digest_of, file_range_digest, split_digest
 from ._findings import Finding
-from ._tensors import CHUNK_SIZE, PayloadSource
+from ._tensors import CHUNK_SIZE, FileRange, PayloadSource
 from .report import JsonDict
 
 
@@ -152,8 +152,11 @@ def alignment_of(offset: int | None) -> int | None:
 def payload_digest(source: PayloadSource, like: str = "") -> str:
     """The payload's digest, SHA-256 unless ``like`` (a recorded digest) names another kind ("blake3:..."),
     so that it can be compared with that recorded digest."""
-
-    return digest_of(source.chunks(CHUNK_SIZE), split_digest(like)[0] if like else "sha256")
+    kind = split_digest(like)[0] if like else "sha256"
+    if isinstance(source, FileRange):
+        fd = source.file.fd if source.file is not None else None
+        return file_range_digest(source.path, source.offset, source.length, kind, lambda: source.chunks(CHUNK_SIZE), fd)
+    return digest_of(source.chunks(CHUNK_SIZE), kind)
 
 
 def mark_duplicates(payloads: list[PayloadInfo]) -> None:

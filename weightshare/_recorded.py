@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ._checksum import digest_of, new_hasher, split_digest, tagged
+from ._checksum import file_range_digest, new_hasher, split_digest, tagged
 from ._safetensors import METADATA_KEY, read_header_at, read_safetensors_metadata
 from ._tensors import CHUNK_SIZE, FileRange, PayloadSource
 from .errors import InvalidModel, WeightshareError
@@ -106,7 +106,8 @@ def record_problem(path: str, offset: int, length: int, digest: str, file_size: 
     ``recorded_records``), or None when they do."""
     if offset + length > file_size:
         return "runs past the end of the file"
-    if digest_of(FileRange(path, offset, length).chunks(CHUNK_SIZE), split_digest(digest)[0]) != digest:
+    chunks = FileRange(path, offset, length).chunks
+    if file_range_digest(path, offset, length, split_digest(digest)[0], lambda: chunks(CHUNK_SIZE)) != digest:
         return "its checksum differs from the one recorded in the blob"
     return None
 
