@@ -180,7 +180,9 @@ def test_the_figures_read_with_the_weights_pages_dropped_are_those_read_without(
     assert dropped["sessions"] == kept["sessions"] == SESSIONS
     assert abs(growth(dropped) - growth(kept)) < MiB // 2, (dropped, kept)
     assert abs(dropped["arena_growth"] - kept["arena_growth"]) < MiB // 2, (dropped, kept)
-    assert abs(dropped["pss"][0] - kept["pss"][0]) < 0.05 * kept["pss"][0], (dropped, kept)
+    # the first session's PSS is read before anything is dropped; two fresh children differ by the runtime's one-time
+    # set-up (8% of 132 MiB seen under load), not by the drop
+    assert abs(dropped["pss"][0] - kept["pss"][0]) < 16 * MiB, (dropped, kept)
 
 
 def test_dropping_a_files_pages_keeps_every_byte_and_never_drops_a_written_page(tmp_path):
