@@ -644,8 +644,12 @@ def _plan(
         )
     _settle(optimized, stage, src, options, binding, report)
     _stamp(optimized, binding)
-    # fail closed: a pair the installed onnxruntime refuses is never written
-    pair = [(optimized, src.name), (portable, portable_name(src.name))]
+    # fail closed: a pair the installed onnxruntime refuses is never written. The portable model is the staged
+    # one, which the child opened whole at level ALL with pre-packing off when it optimized it in one piece (the
+    # probe would stand its weights in: it checks the graph, which that session loaded as written)
+    pair = [(optimized, src.name)]
+    if not result.get("loaded_whole"):
+        pair.append((portable, portable_name(src.name)))
     _require_loads(pair, stage, src, options, str(binding["onnxruntime"]), child)
     reloc = Relocator(stage, cache)
     for t in external_tensors(portable):
