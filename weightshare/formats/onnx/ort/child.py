@@ -62,7 +62,7 @@ class Target:
 
     @classmethod
     def from_env(cls, stage: str) -> Target | None:
-        from .prepack import TARGET_ENV
+        from .limits import TARGET_ENV
 
         doc = json.loads(os.environ.get(TARGET_ENV, "") or "null")
         if not isinstance(doc, dict):
@@ -235,6 +235,7 @@ def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -
     return ""
 
 
+BATCH_ENV = "WEIGHTSHARE_ORT_PACK_BATCH_BYTES"  # weight bytes per packing session ("0": each node alone)
 PACKED_BIN = "packed.bin"  # packed buffers moved out of ORT's files (segments'; nodes' where no holes are made)
 PACKED_ALIGN = 4096  # the final blob's alignment of a packed buffer (``prepack.PACKED_ALIGN``)
 
@@ -1124,12 +1125,18 @@ def run(argv: list[str]) -> dict[str, Any]:
     share_unchanged(model, out_model, sharer)
     clock.lap("settle")
     made: dict[str, Packing] = {}
+    result_sessions = 0
     if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
     else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
         digests = sharer.staged_digests(digested)
-        packed, tally, made = pack(out_model, int(min_external), known, target, digests, int(budget))
+        batch = os.environ.get(BATCH_ENV, "")
+        before = SESSIONS.count
+        packed, tally, made = pack(
+            out_model, int(min_external), known, target, digests, int(batch) if batch.isdigit() else int(budget)
+        )
+        result_sessions = SESSIONS.count - before
     clock.lap("pack")  # node by node: keys, sessions, packed copies moved (or the segments' tallied)
     binding = _binding(os.path.dirname(os.path.abspath(out_model)))  # in the staging, not $TMPDIR
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
@@ -1139,6 +1146,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     # pre-packing off; ``segments.Segmenter._whole``, or its fallback when cutting failed)
     result["loaded_whole"] = segments["segments"] == 1
     result["packings"] = packings
+    result["pack_sessions"] = result_sessions  # the packing sessions (a batch of nodes is one)
     result["cpu_s"] = clock.laps
     if target is not None and target.scratch:
         target.sample(drop=".win")

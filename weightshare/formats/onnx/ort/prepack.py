@@ -53,6 +53,7 @@ from ..graph import external_tensors
 from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
+from .limits import TARGET_ENV as TARGET_ENV  # the tests set it through this module
 from .limits import budget_from_env, limits_for
 from .names import LOAD, LoadRefused, apply_saved_hook, unknown_entry_message, unknown_keys
 from .names import PACKED_FILE_KEY as PACKED_FILE_KEY  # the child's: the file its prepacked_N entries point into
@@ -66,7 +67,6 @@ from .unfuse import drop_unused, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 STAGE_FILE = "plain.safetensors"  # the staged blob, which becomes the final one
-TARGET_ENV = "WEIGHTSHARE_PREPACK_TARGET"  # the child's ``Target``: JSON {"blob", "align", "scratch"}
 HEADER_SPARE = 3.0  # header room reserved in the staged blob for the packed and optimized entries
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 # ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
@@ -826,6 +826,7 @@ def _report_packing(
         )
     report.prepack = {
         "node_sessions": sessions,
+        "pack_sessions": int(result.get("pack_sessions", sessions)),  # the sessions that packed them (batched)
         "nodes_reused": reused,
         "ops": ops,
         "packed_buffers": len(packed),
