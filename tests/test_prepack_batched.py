@@ -72,3 +72,27 @@ def test_a_portable_model_opened_whole_by_the_child_is_not_probed_again(tmp_path
     reports = _reports(src, tmp_path / "out")
     assert all(r["segments"]["segments"] == 1 for r in reports.values())  # each optimized in one piece
     assert sorted(probed) == sorted(reports)  # the prepacked models only (base: their portable twins too)
+
+
+def test_packings_a_later_model_copies_are_not_hashed_again(tmp_path, monkeypatch):
+    """The merged decoder and decoder_with_past take the decoder's packings, copied into their blobs: adopted
+    with the digest the decoder's blob computed (``StagedBlob.known``), not read back and hashed again."""
+    from weightshare import _safetensors
+
+    adopted: list[tuple[str, int]] = []
+    real = _safetensors.SafetensorsBlob.adopt
+
+    def counting(self, tensor, offset, prefix="", digest=None):  # noqa: ANN001, ANN202 - adopt's own signature
+        adopted.append(("known" if digest else "hashed", tensor.nbytes))
+        return real(self, tensor, offset, prefix, **({"digest": digest} if digest else {}))
+
+    monkeypatch.setattr(_safetensors.SafetensorsBlob, "adopt", counting)
+    src = tmp_path / "src"
+    src.mkdir()
+    decoder_family(src)
+    reports = _reports(src, tmp_path / "out")
+    assert reports[FIRST]["node_sessions"] >= 5 and reports["decoder_with_past_model.onnx"]["node_sessions"] == 0
+    known = sum(n for how, n in adopted if how == "known")
+    # every packed byte of the two later models is a copy of the first's (base: all hashed again)
+    later = sum(reports[m]["packed_bytes"] for m in ("decoder_model_merged.onnx", "decoder_with_past_model.onnx"))
+    assert known == later > 0, (known, later)

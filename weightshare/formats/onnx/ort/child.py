@@ -59,6 +59,8 @@ class Target:
     # the parent's digests of the staged blob's payloads (offset, length, hex digest of kind DIGEST): the bytes the
     # writer hashed as it staged them, not read and hashed again here for the cut checks and the packing keys
     digests: tuple[tuple[int, int, str], ...] = ()
+    # packings an earlier model made, copied in (``_reuse``): [offset here, length, their file, offset there]
+    copies: list[list[Any]] = field(default_factory=list)
 
     @classmethod
     def from_env(cls, stage: str) -> Target | None:
@@ -644,7 +646,10 @@ def _reuse(
             continue
         if target is not None and target.copy_reused and file != target.blob:
             with open(file, "rb") as src, open(os.path.join(target.stage, target.blob), "ab") as dst:
-                value, file = _move_packed(value, src, dst, target)[0], target.blob
+                copied = _move_packed(value, src, dst, target)[0]
+            for was, now in zip(value.split("|")[1:], copied.split("|")[1:]):  # the parent knows their digests
+                target.copies.append([int(now.split(";")[0]), int(was.split(";")[1]), file, int(was.split(";")[0])])
+            value, file = copied, target.blob
         found.setdefault(name, []).append([value, file])
         op.packed_bytes += sum(int(b.split(";")[1]) for b in value.split("|")[1:])
     _tally(op, earlier, node)
@@ -1148,6 +1153,8 @@ def run(argv: list[str]) -> dict[str, Any]:
     result["packings"] = packings
     result["pack_sessions"] = result_sessions  # the packing sessions (a batch of nodes is one)
     result["cpu_s"] = clock.laps
+    if target is not None:
+        result["copied"] = target.copies
     if target is not None and target.scratch:
         target.sample(drop=".win")
         result["scratch_peak_bytes"] = target.scratch_peak

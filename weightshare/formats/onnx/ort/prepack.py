@@ -211,6 +211,9 @@ class PackCache:
         self.packings: dict[str, JsonDict] = {}
         self.staged: dict[tuple[str, int, int], ReleasedRange] = {}  # ranges of a staging that packings read
         self.pending: list[tuple[str, Relocator]] = []  # packings still in a staging, and its model's relocator
+        # (blob, offset, length) -> tagged digest of a packed buffer in a written blob: a later model's copy of it
+        # is not hashed again (``StagedBlob.known``)
+        self.digests: dict[tuple[str, int, int], str] = {}
 
     def keep(self, rng: tuple[str, int, int]) -> None:
         """A later model reads ``rng`` from an earlier model's staging: its blocks stay until the staging goes."""
@@ -231,9 +234,10 @@ class PackCache:
                     if isinstance(source, ReleasedRange) and source.releasable:
                         self.staged[rng] = source
 
-    def rehome(self, blob: Path | None) -> None:
+    def rehome(self, blob: Path | None, digests: Sequence[str] = ()) -> None:
         """The blob holding the pending packings is written (at ``blob``, until the run commits): they point
-        there now; None: it is not to be read (the packings are forgotten)."""
+        there now; None: it is not to be read (the packings are forgotten). ``digests``: the digests of that
+        model's payloads by position (``StagedBlob.placed``)."""
         for key, reloc in self.pending:
             entries: list[list[object]] | None = []
             for p, value, file in self.packings[key]["entries"]:
@@ -243,6 +247,9 @@ class PackCache:
                     entries = None
                     continue
                 for b, at in zip(ref.buffers, places):
+                    i = reloc.order.get((file, int(b[0]), int(b[1])))
+                    if i is not None and i < len(digests) and at is not None:
+                        self.digests[(str(blob), at, int(b[1]))] = digests[i]
                     b[0] = str(at)
                 entries.append([p, ref.render(), str(blob)])
             if entries is None:
@@ -278,6 +285,8 @@ class StagedBlob:
         self.path, self.fd, self.blob = path, fd, blob
         self.plain_end = blob.writer.end
         self.own: int | None = None  # a zoo's staging: the staged bytes of the model packed now (its child's bounds)
+        self.known: dict[tuple[int, int], str] = {}  # (offset, length) -> digest of bytes the child copied in
+        self.placed: list[str] = []  # once written: each payload's digest, by position
         w = blob.writer
         self.largest = max((w.nbytes(r) for r in range(w.rows)), default=0)
 
@@ -312,6 +321,7 @@ class StagedBlob:
         # Resize roi stored first), and by offset alone it was copied in as a nameless alias
         staged = {(w.offset(r), w.nbytes(r)): r for r in range(w.rows)}
         entries: list[BlobEntry | None] = [None] * len(payloads)
+        src_len = [p.tensor.nbytes for p in payloads]
         adopt, copy = [], []
         for i, p in enumerate(payloads):
             src = p.source
@@ -325,7 +335,7 @@ class StagedBlob:
                     continue
             copy.append(i)
         for offset, i in sorted(adopt):
-            entries[i] = blob.adopt(payloads[i].tensor, offset)
+            entries[i] = blob.adopt(payloads[i].tensor, offset, digest=self.known.get((offset, src_len[i])))
             if entries[i] is None:  # off the writer's alignment: copied as any other
                 copy.append(i)
         w.end = max(w.end, os.fstat(self.fd).st_size)  # past whatever else the child appended
@@ -344,6 +354,7 @@ class StagedBlob:
             return None  # the blob's directory is another file system (a mount below OUTDIR): streamed anew
         tmp = tx.new_file(blob_path)
         os.replace(self.path, tmp)  # the staged blob is the temporary now
+        self.placed = [e.digest for e in entries if e is not None]
         size = blob.finish()
         return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements
 
@@ -520,7 +531,7 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
                 staged.close()
                 if cache is not None:  # the staging goes now: what it held is in the blob (or forgotten)
                     blob = next((Path(o) for o in prepared.report.outputs if o.endswith(CONTAINER.suffix)), None)
-                    cache.rehome(tx.staged(blob) if blob is not None else None)
+                    cache.rehome(tx.staged(blob) if blob is not None else None, staged.placed)
             disk.sample()
     report_disk(prepared.report, disk.peak)
     return prepared.report
@@ -630,6 +641,10 @@ def _plan(
     child: OrtChild | None,
 ) -> PreparedModel:
     result, child_peak = _run_ort(stage / src.name, src, options, cache, staged, in_place, child)
+    if cache is not None:  # the packings the child copied from an earlier model's blob: hashed there already
+        for at, length, file, there in result.get("copied", []):
+            if (digest := cache.digests.get((file, there, length))) is not None:
+                staged.known[(at, length)] = digest
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
