@@ -298,14 +298,18 @@ class BlobWriter:
         self._ring, self._hash_ring = BufferRing(), BufferRing()
 
     def adopt_row(self, offset: int, nbytes: int, align: int, known: str | None = None) -> tuple[int, bool]:
-        """Record ``nbytes`` the file already holds at ``offset`` (at or past ``end``, a multiple of ``align``),
-        hashed by reading them back, unless ``known`` is their tagged digest of this writer's kind; (its row,
-        whether it duplicates that row) as ``add_row``."""
+        """Record ``nbytes`` the file holds at ``offset`` (at or past ``end``, a multiple of ``align``), hashed by
+        reading them back unless ``known`` is their tagged digest; (its row, whether a duplicate) as ``add_row``."""
         kind, hexdigest = split_digest(known) if known else ("", "")
-        if kind == self.digest:
-            digest = bytes.fromhex(hexdigest)
-        else:
-            digest = self._hash_back(offset, nbytes)
+        h = new_hasher(self.digest)
+        pos, stop = offset, offset + (0 if kind == self.digest else nbytes)
+        while pos < stop:
+            chunk = os.pread(self.fd, min(self.chunk_size, stop - pos), pos)
+            if not chunk:
+                raise OutputError(f"the blob ends at {pos}, inside a payload adopted up to {stop}")
+            h.update(chunk)
+            pos += len(chunk)
+        digest = bytes.fromhex(hexdigest) if kind == self.digest else h.digest()
         self.bytes_in += nbytes
         first = self._find(digest, nbytes, align) if self.dedupe else None
         if first is not None:
@@ -322,17 +326,6 @@ class BlobWriter:
         self.bytes_written += nbytes
         self._sizes.add(nbytes)
         return row, False
-
-    def _hash_back(self, offset: int, nbytes: int) -> bytes:
-        h = new_hasher(self.digest)
-        pos, stop = offset, offset + nbytes
-        while pos < stop:
-            chunk = os.pread(self.fd, min(self.chunk_size, stop - pos), pos)
-            if not chunk:
-                raise OutputError(f"the blob ends at {pos}, inside a payload adopted up to {stop}")
-            h.update(chunk)
-            pos += len(chunk)
-        return h.digest()
 
     def _find(self, digest: bytes, nbytes: int, align: int = 1) -> int | None:
         """The row holding these bytes (same digest, same length) at a multiple of ``align``, if any."""
