@@ -105,7 +105,10 @@ def convert(
     figures["peak_mib"] = max(max(r["peak_rss_mib"], (r.get("folder") or {}).get("peak_rss_mib", 0)) for r in reports)
     figures["outputs_mib"] = size_mib(out)
     if any("node_sessions" in r.get("prepack", {}) for r in reports):  # counted since the reuse
-        figures["sessions"] = sum(r["prepack"].get("node_sessions", 0) for r in reports if r.get("prepack"))
+        # the packing sessions (several nodes' since they are batched: ``pack_sessions``), one per node before
+        figures["sessions"] = sum(
+            r["prepack"].get("pack_sessions", r["prepack"].get("node_sessions", 0)) for r in reports if r.get("prepack")
+        )
         figures["reused"] = sum(r["prepack"].get("nodes_reused", 0) for r in reports if r.get("prepack"))
     if any("ort_child_started" in r.get("prepack", {}) for r in reports):  # counted since one child per run
         figures["children"] = sum(bool(r["prepack"]["ort_child_started"]) for r in reports if r.get("prepack"))

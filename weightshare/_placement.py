@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from . import _checksum
-from ._checksum import Hasher, new_hasher, tagged
+from ._checksum import Hasher, new_hasher, split_digest, tagged
 from ._tensors import CHUNK_SIZE, BufferRing, FileRange, InputFile, PayloadSource, chunks_of, stable_chunks
 from .errors import InvalidModel, OutputError, Unsupported, UsageError
 
@@ -297,18 +297,19 @@ class BlobWriter:
         staged blob waits for the ORT child: the converter's buffers would add to the process tree's peak)."""
         self._ring, self._hash_ring = BufferRing(), BufferRing()
 
-    def adopt_row(self, offset: int, nbytes: int, align: int) -> tuple[int, bool]:
-        """Record ``nbytes`` the file already holds at ``offset`` (at or past ``end``, a multiple of ``align``),
-        hashed by reading them back; (its row, whether it duplicates that row) as ``add_row``."""
+    def adopt_row(self, offset: int, nbytes: int, align: int, known: str | None = None) -> tuple[int, bool]:
+        """Record ``nbytes`` the file holds at ``offset`` (at or past ``end``, a multiple of ``align``), hashed by
+        reading them back unless ``known`` is their tagged digest; (its row, whether a duplicate) as ``add_row``."""
+        kind, hexdigest = split_digest(known) if known else ("", "")
         h = new_hasher(self.digest)
-        pos, stop = offset, offset + nbytes
+        pos, stop = offset, offset + (0 if kind == self.digest else nbytes)
         while pos < stop:
             chunk = os.pread(self.fd, min(self.chunk_size, stop - pos), pos)
             if not chunk:
                 raise OutputError(f"the blob ends at {pos}, inside a payload adopted up to {stop}")
             h.update(chunk)
             pos += len(chunk)
-        digest = h.digest()
+        digest = bytes.fromhex(hexdigest) if kind == self.digest else h.digest()
         self.bytes_in += nbytes
         first = self._find(digest, nbytes, align) if self.dedupe else None
         if first is not None:

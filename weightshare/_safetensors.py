@@ -203,16 +203,19 @@ class SafetensorsBlob:
             self._planned.append(tensor)
         return w.entry(row, duplicate)
 
-    def adopt(self, tensor: PlannedTensor, offset: int, prefix: str = "") -> BlobEntry | None:
+    def adopt(
+        self, tensor: PlannedTensor, offset: int, prefix: str = "", digest: str | None = None
+    ) -> BlobEntry | None:
         """A payload the file already holds at ``offset`` (appended by another process: ``--prepack``'s ORT child):
         hashed where it is, not written. None when it cannot stay there (below a stored payload's end, or off its
         alignment): the caller places it as any other. Bytes equal to a stored payload's become that one's
-        alias; theirs stay in the file, under a padding entry. ``prefix``: before its name (a zoo's model stem)."""
+        alias; theirs stay in the file, under a padding entry. ``prefix``: before its name (a zoo's model stem).
+        ``digest``: the bytes' tagged digest, known (a copy of bytes hashed before): not read again."""
         w = self.writer
         align = max(w.policy.for_size(tensor.nbytes), tensor.min_align)
         if offset < w.end or offset % align:
             return None
-        row, duplicate = w.adopt_row(offset, tensor.nbytes, align)
+        row, duplicate = w.adopt_row(offset, tensor.nbytes, align, digest)
         self.name_unplanned(tensor, prefix)
         if duplicate:
             self._aliases.setdefault(row, []).append(tensor.st_name)

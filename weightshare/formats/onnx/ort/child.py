@@ -59,10 +59,12 @@ class Target:
     # the parent's digests of the staged blob's payloads (offset, length, hex digest of kind DIGEST): the bytes the
     # writer hashed as it staged them, not read and hashed again here for the cut checks and the packing keys
     digests: tuple[tuple[int, int, str], ...] = ()
+    # packings an earlier model made, copied in (``_reuse``): [offset here, length, their file, offset there]
+    copies: list[list[Any]] = field(default_factory=list)
 
     @classmethod
     def from_env(cls, stage: str) -> Target | None:
-        from .prepack import TARGET_ENV
+        from .limits import TARGET_ENV
 
         doc = json.loads(os.environ.get(TARGET_ENV, "") or "null")
         if not isinstance(doc, dict):
@@ -235,6 +237,7 @@ def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -
     return ""
 
 
+BATCH_ENV = "WEIGHTSHARE_ORT_PACK_BATCH_BYTES"  # weight bytes per packing session ("0": each node alone)
 PACKED_BIN = "packed.bin"  # packed buffers moved out of ORT's files (segments'; nodes' where no holes are made)
 PACKED_ALIGN = 4096  # the final blob's alignment of a packed buffer (``prepack.PACKED_ALIGN``)
 
@@ -272,22 +275,22 @@ def pack(
     known: dict[str, Packing] | None = None,
     target: Target | None = None,
     digests: dict[tuple[str, int, int], str] | None = None,
+    batch_bytes: int = 0,
 ) -> tuple[dict[str, list[list[str]]], dict[str, OpTally], dict[str, Packing]]:
     """Pre-pack node by node: each weight-bearing node of the optimized graph (subgraph bodies
-    included, their outer-scope weights as the node's own) alone in a session.
+    included, their outer-scope weights as the node's own) as if alone in a session.
 
     ``known``: packings of one-node models this run already made (``packing_key`` -> ``Packing``, files
     absolute), reused without a session; None: none reused, not even between this graph's own nodes (the
     bench's "before"). Returns (initializer name -> [[prepacked entry value, file], ...], per op type what was
     packed, the packings made here by a session, files relative to the staging).
-    Peak memory is one node's weights and packed copies, whatever the model's size. ``target``: the packed
-    copies go straight to the staged blob, ORT's per-node files to its scratch.
+    ``target``: the packed copies go straight to the staged blob, ORT's per-node files to its scratch; then the
+    one-node models still to pack are opened together, up to ``batch_bytes`` of their weights per session
+    (``_Batch``): a session costs ~7 ms whatever it packs, and a kernel packs its node the same beside others.
+    Peak memory is one batch's weights and packed copies, whatever the model's size.
     """
-    import gc
     import os
 
-    from ...._platform import malloc_trim
-    from ..disk_use import can_punch
     from .types import all_nodes, infer
 
     model = onnx.load(opt_model, load_external_data=False)
@@ -301,6 +304,8 @@ def pack(
     packed_bin = os.path.join(stage, packed_name)
     if not os.path.exists(packed_bin):
         open(packed_bin, "wb").close()
+    work = _PackWork(stage, min_external, known, target, found, made, packed_bin, packed_name)
+    batch = _Batch(work, batch_bytes if target is not None else 0)
     scopes: dict[tuple[int, ...], dict[str, onnx.TensorProto]] = {}  # per enclosing graphs: not per node
     for n, (node, scope) in enumerate(all_nodes(model.graph)):
         inits = _scoped(scopes, scope)
@@ -324,16 +329,66 @@ def pack(
             op.skip(one)
             continue
         key = packing_key(one, stage, digests) if known is not None else ""
-        earlier = (made.get(key) or known.get(key)) if known is not None else None
+        nbytes = sum(w[2] for i in dict.fromkeys(weights) if (w := _external(inits[i])))
+        batch.add(_Node(n, node, op, one, key, nbytes))
+    batch.flush()
+    return found, tally, (made if known is not None else {})
+
+
+@dataclass
+class _Node:
+    """A weight-bearing node waiting for its packing: its position in the graph, its one-node model and key."""
+
+    n: int
+    node: onnx.NodeProto
+    op: OpTally
+    one: onnx.ModelProto
+    key: str
+    nbytes: int  # its external weights' bytes
+    # what a batch's session saved for it: per initializer (its name in the node, [prepacked entry values]), in
+    # the order its own session saves them, in the batch's file ``saved_in``; None: packed alone
+    saved: list[tuple[str, list[str]]] | None = None
+    saved_in: str = ""
+
+
+@dataclass
+class _PackWork:
+    """What ``pack`` settles node after node, in graph order (the staged blob's appends follow it)."""
+
+    stage: str
+    min_external: int
+    known: dict[str, Packing] | None
+    target: Target | None
+    found: dict[str, list[list[str]]]
+    made: dict[str, Packing]
+    packed_bin: str
+    packed_name: str
+
+    def settle(self, item: _Node) -> None:
+        """``item``'s packing: an earlier node's with its key, its batch's, or its own session's."""
+        earlier = (self.made.get(item.key) or self.known.get(item.key)) if self.known is not None else None
         if earlier is not None:  # the same one-node model packed before in this run: its session's result
-            _reuse(earlier, node, found, op, target)
-            continue
+            _reuse(earlier, item.node, self.found, item.op, self.target)
+            return
+        item.op.sessions += 1  # nodes packed by a session (``SESSIONS``: the sessions themselves)
+        if item.saved is not None:
+            self._keep(item, item.saved, item.saved_in)
+        else:
+            self._alone(item)
+
+    def _alone(self, item: _Node) -> None:
+        import gc
+
+        from ...._platform import malloc_trim
+
+        stage, n = self.stage, item.n
         name, packed_model = os.path.join(stage, f"node{n}.onnx"), os.path.join(stage, f"node{n}.packed.onnx")
+        target = self.target
         node_bin = target.scratch_name(f"node{n}.packed.bin") if target is not None else f"node{n}.packed.bin"
         with open(name, "wb") as f:
-            f.write(one.SerializeToString())
+            f.write(item.one.SerializeToString())
         try:
-            refused = _pack_node(name, packed_model, node_bin, min_external)
+            refused = _pack_node(name, packed_model, node_bin, self.min_external)
             if target is not None:
                 target.sample()
         finally:
@@ -342,54 +397,191 @@ def pack(
             # merged decoder's 24 nodes: 0.57 of its child's 1.96 s CPU), the young generation catches the rest
             gc.collect(0)
             malloc_trim()
-        op.sessions += 1
         if refused:
-            op.skip(refused)
-            made[key] = Packing(skip=refused)
+            item.op.skip(refused)
+            self.made[item.key] = Packing(skip=refused)
             for left in (packed_model, os.path.join(stage, node_bin)):
                 if os.path.exists(left):
                     os.unlink(left)
-            continue
-        packed = onnx.load(packed_model, load_external_data=False)
-        os.unlink(packed_model)
-        apply_saved_hook(packed)  # tests rename what ORT emits here (``names``)
-        unknown = unknown_entries(packed)
-        if unknown:  # what ORT packed under a key we do not read would be dropped: the parent's one line
-            raise ValueError(unknown_entry_message(unknown[0]))
+            return
+        packed = _load_saved(packed_model)
+        saved = [(t.name, _packed_values(t)) for t in packed.graph.initializer]
+        self._keep(item, saved, node_bin, alone=True)
+
+    def _keep(self, item: _Node, saved: list[tuple[str, list[str]]], node_bin: str, alone: bool = False) -> None:
+        """Record (and move to the staged blob) what ``item``'s session saved: ``saved`` in ``node_bin``."""
+        from ..disk_use import can_punch
+
+        node, op, stage = item.node, item.op, self.stage
         packing = Packing()
         # ORT's file holds the node's weights, then their packed copies: where blocks can be freed, the packed
         # bytes stay where ORT wrote them (written once) and the weights' blocks go; else they are moved out
         # (into the staged blob with a ``target``: written there once, ORT's file in memory)
-        in_place, kept = can_punch() and target is None, []
-        with open(os.path.join(stage, node_bin), "rb") as src, open(packed_bin, "ab") as dst:
-            for t in packed.graph.initializer:
-                for e in t.external_data:
-                    if e.key.startswith("prepacked_"):
-                        kernel = e.value.split("|")[0]
-                        same = [(v, f) for v, f in found.get(t.name, []) if v.split("|")[0] == kernel]
-                        if same:
-                            # another node, one kernel (the branches of a merged decoder's If): the same packed
-                            # bytes under the same key, which the blob keeps once; not written twice to the staging
-                            packing.add(list(node.input).index(t.name), *same[0])
-                            continue
-                        if in_place:
-                            value, file = e.value, node_bin
-                            size = sum(int(b.split(";")[1]) for b in value.split("|")[1:])
-                            kept.append(value)
-                        else:
-                            (value, size), file = _move_packed(e.value, src, dst, target), packed_name
-                        found.setdefault(t.name, []).append([value, file])
-                        packing.add(list(node.input).index(t.name), value, file)
-                        op.packed_bytes += size
-        if kept:
-            _free_all_but(os.path.join(stage, node_bin), kept)
-        else:
-            os.unlink(os.path.join(stage, node_bin))  # its copy of the node's weights goes at once
+        in_place, kept = alone and can_punch() and self.target is None, []
+        with open(os.path.join(stage, node_bin), "rb") as src, open(self.packed_bin, "ab") as dst:
+            for init, values in saved:
+                for value in values:
+                    kernel = value.split("|")[0]
+                    same = [(v, f) for v, f in self.found.get(init, []) if v.split("|")[0] == kernel]
+                    if same:
+                        # another node, one kernel (the branches of a merged decoder's If): the same packed
+                        # bytes under the same key, which the blob keeps once; not written twice to the staging
+                        packing.add(list(node.input).index(init), *same[0])
+                        continue
+                    if in_place:
+                        file = node_bin
+                        size = sum(int(b.split(";")[1]) for b in value.split("|")[1:])
+                        kept.append(value)
+                    else:
+                        (value, size), file = _move_packed(value, src, dst, self.target), self.packed_name
+                    self.found.setdefault(init, []).append([value, file])
+                    packing.add(list(node.input).index(init), value, file)
+                    op.packed_bytes += size
+        if alone:
+            if kept:
+                _free_all_but(os.path.join(stage, node_bin), kept)
+            else:
+                os.unlink(os.path.join(stage, node_bin))  # its copy of the node's weights goes at once
         if not packing.entries:
             packing.skip = _packs_nothing(node)
-        made[key] = packing
+        self.made[item.key] = packing
         _tally(op, packing, node)
-    return found, tally, (made if known is not None else {})
+
+
+def _load_saved(packed_model: str) -> onnx.ModelProto:
+    """The model a packing session saved, removed once read; refused when ORT recorded an entry not read here."""
+    packed = onnx.load(packed_model, load_external_data=False)
+    os.unlink(packed_model)
+    apply_saved_hook(packed)  # tests rename what ORT emits here (``names``)
+    unknown = unknown_entries(packed)
+    if unknown:  # what ORT packed under a key we do not read would be dropped: the parent's one line
+        raise ValueError(unknown_entry_message(unknown[0]))
+    return packed
+
+
+def _packed_values(t: onnx.TensorProto) -> list[str]:
+    return [e.value for e in t.external_data if e.key.startswith("prepacked_")]
+
+
+_BATCH_SEP = "/"  # a batched node's names: "<its place in the batch>/<its name>"
+
+
+class _Batch:
+    """Nodes in graph order, settled a window at a time: the window's nodes that need a session of their own
+    (a key neither this run nor this window packed) are first opened together, one session per IR version up to
+    ``limit`` bytes of their weights, then every node of the window is settled in order (``_PackWork.settle``)
+    as node-by-node sessions would be: the same appends to the staged blob, in the same order. Each node's names
+    take a prefix of their own (``_BATCH_SEP``), so that no two nodes share a tensor; a node with a subgraph runs
+    alone, and so does every node of a batch ORT refuses. ``limit`` 0: every node alone."""
+
+    def __init__(self, work: _PackWork, limit: int) -> None:
+        self.work = work
+        self.limit = limit
+        self.window: list[_Node] = []
+        self.fresh: list[_Node] = []
+        self.keys: set[str] = set()
+        self.nbytes = 0
+
+    def add(self, item: _Node) -> None:
+        w = self.work
+        new = w.known is None or not (item.key in w.made or item.key in w.known or item.key in self.keys)
+        if new and self.fresh and self.nbytes + item.nbytes > self.limit:
+            self.flush()
+        self.window.append(item)
+        if new:
+            self.fresh.append(item)
+            self.keys.add(item.key)
+            self.nbytes += item.nbytes
+
+    def flush(self) -> None:
+        from .types import subgraphs
+
+        by_ir: dict[int, list[_Node]] = {}
+        for item in self.fresh:
+            if self.limit > 0 and not any(True for _ in subgraphs(item.node)):
+                by_ir.setdefault(item.one.ir_version, []).append(item)
+        files = [f for group in by_ir.values() if len(group) > 1 and (f := self._open_together(group))]
+        try:
+            for item in self.window:
+                self.work.settle(item)
+        finally:
+            for f in files:
+                path = os.path.join(self.work.stage, f)
+                if os.path.exists(path):
+                    os.unlink(path)
+        self.window, self.fresh, self.keys, self.nbytes = [], [], set(), 0
+
+    def _open_together(self, group: list[_Node]) -> str:
+        """One session packing every node of ``group``; its file's name in the staging, each node's ``saved``
+        set; "" when ORT refused the batch (its nodes are packed alone)."""
+        import gc
+
+        from ...._platform import malloc_trim
+
+        w, first = self.work, group[0].n
+        name = os.path.join(w.stage, f"batch{first}.onnx")
+        packed_model = os.path.join(w.stage, f"batch{first}.packed.onnx")
+        bin_name = f"batch{first}.packed.bin"
+        bin_name = w.target.scratch_name(bin_name) if w.target is not None else bin_name
+        with open(name, "wb") as f:
+            f.write(_together([i.one for i in group]).SerializeToString())
+        try:
+            refused = _pack_node(name, packed_model, bin_name, w.min_external)
+            if w.target is not None:
+                w.target.sample()
+        finally:
+            os.unlink(name)
+            gc.collect(0)
+            malloc_trim()
+        if refused:
+            for left in (packed_model, os.path.join(w.stage, bin_name)):
+                if os.path.exists(left):
+                    os.unlink(left)
+            return ""
+        saved: dict[str, list[tuple[str, list[str]]]] = {}
+        for t in _load_saved(packed_model).graph.initializer:
+            place, _, init = t.name.partition(_BATCH_SEP)
+            saved.setdefault(place, []).append((init, _packed_values(t)))
+        for j, item in enumerate(group):
+            item.saved, item.saved_in = saved.get(str(j), []), bin_name
+        return bin_name
+
+
+def _together(ones: list[onnx.ModelProto]) -> onnx.ModelProto:
+    """The one-node models ``ones`` (of one IR version and opsets) as one graph, each node's names prefixed with
+    its place (``_BATCH_SEP``): no tensor is shared, each node reads and packs what it reads alone."""
+    from onnx import helper as h
+
+    nodes: list[onnx.NodeProto] = []
+    inputs: list[onnx.ValueInfoProto] = []
+    outputs: list[onnx.ValueInfoProto] = []
+    inits: list[onnx.TensorProto] = []
+    for j, one in enumerate(ones):
+
+        def named(s: str, j: int = j) -> str:
+            return f"{j}{_BATCH_SEP}{s}" if s else s
+
+        g = one.graph
+        node = onnx.NodeProto()
+        node.CopyFrom(g.node[0])
+        node.input[:] = [named(i) for i in node.input]
+        node.output[:] = [named(o) for o in node.output]
+        node.name = named(node.name)
+        nodes.append(node)
+        for src, dst in ((g.input, inputs), (g.output, outputs)):
+            for v in src:
+                copy = onnx.ValueInfoProto()
+                copy.CopyFrom(v)
+                copy.name = named(v.name)
+                dst.append(copy)
+        for t in g.initializer:
+            copy_t = onnx.TensorProto()
+            copy_t.CopyFrom(t)
+            copy_t.name = named(t.name)
+            inits.append(copy_t)
+    m = h.make_model(h.make_graph(nodes, "batch", inputs, outputs, inits), opset_imports=ones[0].opset_import)
+    m.ir_version = ones[0].ir_version
+    return m
 
 
 def _free_all_but(path: str, values: list[str]) -> None:
@@ -454,7 +646,10 @@ def _reuse(
             continue
         if target is not None and target.copy_reused and file != target.blob:
             with open(file, "rb") as src, open(os.path.join(target.stage, target.blob), "ab") as dst:
-                value, file = _move_packed(value, src, dst, target)[0], target.blob
+                copied = _move_packed(value, src, dst, target)[0]
+            for was, now in zip(value.split("|")[1:], copied.split("|")[1:]):  # the parent knows their digests
+                target.copies.append([int(now.split(";")[0]), int(was.split(";")[1]), file, int(was.split(";")[0])])
+            value, file = copied, target.blob
         found.setdefault(name, []).append([value, file])
         op.packed_bytes += sum(int(b.split(";")[1]) for b in value.split("|")[1:])
     _tally(op, earlier, node)
@@ -935,18 +1130,31 @@ def run(argv: list[str]) -> dict[str, Any]:
     share_unchanged(model, out_model, sharer)
     clock.lap("settle")
     made: dict[str, Packing] = {}
+    result_sessions = 0
     if segments["segments"] > 1 and not segments["segments_packed_node_by_node"]:
         packed: dict[str, list[list[str]]] = {}  # each segment's session saved its packed copies (Sharer moved them)
         tally = tally_packed(out_model)
     else:  # one piece, or segments too large to pack in their session: node by node, in bounded memory
-        packed, tally, made = pack(out_model, int(min_external), known, target, sharer.staged_digests(digested))
+        digests = sharer.staged_digests(digested)
+        batch = os.environ.get(BATCH_ENV, "")
+        before = SESSIONS.count
+        packed, tally, made = pack(
+            out_model, int(min_external), known, target, digests, int(batch) if batch.isdigit() else int(budget)
+        )
+        result_sessions = SESSIONS.count - before
     clock.lap("pack")  # node by node: keys, sessions, packed copies moved (or the segments' tallied)
     binding = _binding(os.path.dirname(os.path.abspath(out_model)))  # in the staging, not $TMPDIR
     ops = {k: asdict(v) for k, v in sorted(tally.items())}
     packings = {k: v.to_json() for k, v in made.items()}
     result: dict[str, Any] = {"binding": binding, "packed": packed, "segments": segments, "ops": ops}
+    # one piece: a session of this child opened MODEL itself, whole, as a portable session does (level ALL,
+    # pre-packing off; ``segments.Segmenter._whole``, or its fallback when cutting failed)
+    result["loaded_whole"] = segments["segments"] == 1
     result["packings"] = packings
+    result["pack_sessions"] = result_sessions  # the packing sessions (a batch of nodes is one)
     result["cpu_s"] = clock.laps
+    if target is not None:
+        result["copied"] = target.copies
     if target is not None and target.scratch:
         target.sample(drop=".win")
         result["scratch_peak_bytes"] = target.scratch_peak

@@ -182,12 +182,15 @@ def check_constant_folding(
         )
 
 
-def check_staged(model: os.PathLike[str], where: str | os.PathLike[str], growth: float | None) -> None:
-    """``check_constant_folding`` of a staged model file (its directory holds it and its weights)."""
+def check_staged(
+    model: os.PathLike[str], where: str | os.PathLike[str], growth: float | None, loaded: pb.ModelProto | None = None
+) -> None:
+    """``check_constant_folding`` of a staged model file (its directory holds it and its weights); ``loaded``: the
+    file already parsed."""
     from pathlib import Path
 
     from .._proto import load_model
 
     staged = Path(model)
     input_bytes = sum(f.stat().st_size for f in staged.parent.iterdir() if f.is_file())
-    check_constant_folding(load_model(staged), input_bytes, where, growth)
+    check_constant_folding(loaded if loaded is not None else load_model(staged), input_bytes, where, growth)

@@ -32,6 +32,9 @@ from ....errors import Unsupported
 
 DEFAULT_BUDGET = 32 << 20  # weight bytes per ORT segment (``segments``); a window (two segments) is optimized at once
 BUDGET_ENV = "WEIGHTSHARE_ORT_SEGMENT_BYTES"  # smaller budgets, to exercise the cuts on small models
+# the child's ``Target``: JSON {"blob", "align", "scratch", ...}; here, not in ``prepack``, which the child would
+# import for it with the whole writing side (0.2-0.3 s of CPU per run where no bytecode is cached)
+TARGET_ENV = "WEIGHTSHARE_PREPACK_TARGET"
 
 
 def budget_from_env() -> int:

@@ -53,6 +53,7 @@ from ..graph import external_tensors
 from .cpu import PREFIX as INSERTED_CAST
 from .cpu import keep_casts_at_run, unpack_for_cpu
 from .fold_bound import check_staged
+from .limits import TARGET_ENV as TARGET_ENV  # the tests set it through this module
 from .limits import budget_from_env, limits_for
 from .names import LOAD, LoadRefused, apply_saved_hook, unknown_entry_message, unknown_keys
 from .names import PACKED_FILE_KEY as PACKED_FILE_KEY  # the child's: the file its prepacked_N entries point into
@@ -66,7 +67,6 @@ from .unfuse import drop_unused, unfuse_scales
 
 OPTIMIZED_PREFIX = "ort.optimized/"  # ORT initializers not identical to a plain payload (NCHWc Conv weights, fusions)
 STAGE_FILE = "plain.safetensors"  # the staged blob, which becomes the final one
-TARGET_ENV = "WEIGHTSHARE_PREPACK_TARGET"  # the child's ``Target``: JSON {"blob", "align", "scratch"}
 HEADER_SPARE = 3.0  # header room reserved in the staged blob for the packed and optimized entries
 ORT_MODEL = "ort.onnx"  # its initializers: ort.bin, or ort.seg<a>-<b>.bin per segment
 # ORT maps a saved pre-packed buffer only when its address is aligned (onnxruntime 1.32 on x86-64: 256 bytes);
@@ -211,6 +211,9 @@ class PackCache:
         self.packings: dict[str, JsonDict] = {}
         self.staged: dict[tuple[str, int, int], ReleasedRange] = {}  # ranges of a staging that packings read
         self.pending: list[tuple[str, Relocator]] = []  # packings still in a staging, and its model's relocator
+        # (blob, offset, length) -> tagged digest of a packed buffer in a written blob: a later model's copy of it
+        # is not hashed again (``StagedBlob.known``)
+        self.digests: dict[tuple[str, int, int], str] = {}
 
     def keep(self, rng: tuple[str, int, int]) -> None:
         """A later model reads ``rng`` from an earlier model's staging: its blocks stay until the staging goes."""
@@ -231,9 +234,10 @@ class PackCache:
                     if isinstance(source, ReleasedRange) and source.releasable:
                         self.staged[rng] = source
 
-    def rehome(self, blob: Path | None) -> None:
+    def rehome(self, blob: Path | None, digests: Sequence[str] = ()) -> None:
         """The blob holding the pending packings is written (at ``blob``, until the run commits): they point
-        there now; None: it is not to be read (the packings are forgotten)."""
+        there now; None: it is not to be read (the packings are forgotten). ``digests``: the digests of that
+        model's payloads by position (``StagedBlob.placed``)."""
         for key, reloc in self.pending:
             entries: list[list[object]] | None = []
             for p, value, file in self.packings[key]["entries"]:
@@ -243,6 +247,9 @@ class PackCache:
                     entries = None
                     continue
                 for b, at in zip(ref.buffers, places):
+                    i = reloc.order.get((file, int(b[0]), int(b[1])))
+                    if i is not None and i < len(digests) and at is not None:
+                        self.digests[(str(blob), at, int(b[1]))] = digests[i]
                     b[0] = str(at)
                 entries.append([p, ref.render(), str(blob)])
             if entries is None:
@@ -278,6 +285,8 @@ class StagedBlob:
         self.path, self.fd, self.blob = path, fd, blob
         self.plain_end = blob.writer.end
         self.own: int | None = None  # a zoo's staging: the staged bytes of the model packed now (its child's bounds)
+        self.known: dict[tuple[int, int], str] = {}  # (offset, length) -> digest of bytes the child copied in
+        self.placed: list[str] = []  # once written: each payload's digest, by position
         w = blob.writer
         self.largest = max((w.nbytes(r) for r in range(w.rows)), default=0)
 
@@ -312,6 +321,7 @@ class StagedBlob:
         # Resize roi stored first), and by offset alone it was copied in as a nameless alias
         staged = {(w.offset(r), w.nbytes(r)): r for r in range(w.rows)}
         entries: list[BlobEntry | None] = [None] * len(payloads)
+        src_len = [p.tensor.nbytes for p in payloads]
         adopt, copy = [], []
         for i, p in enumerate(payloads):
             src = p.source
@@ -325,7 +335,7 @@ class StagedBlob:
                     continue
             copy.append(i)
         for offset, i in sorted(adopt):
-            entries[i] = blob.adopt(payloads[i].tensor, offset)
+            entries[i] = blob.adopt(payloads[i].tensor, offset, digest=self.known.get((offset, src_len[i])))
             if entries[i] is None:  # off the writer's alignment: copied as any other
                 copy.append(i)
         w.end = max(w.end, os.fstat(self.fd).st_size)  # past whatever else the child appended
@@ -344,6 +354,7 @@ class StagedBlob:
             return None  # the blob's directory is another file system (a mount below OUTDIR): streamed anew
         tmp = tx.new_file(blob_path)
         os.replace(self.path, tmp)  # the staged blob is the temporary now
+        self.placed = [e.digest for e in entries if e is not None]
         size = blob.finish()
         return tmp, size, blob.name_digest()[:DIGEST_CHARS], placements
 
@@ -418,8 +429,9 @@ def _run_ort(
         str(budget_from_env()),
         cache.known_file(model.parent.parent / "packings.json") if cache is not None else "-",
     ]
-    check_staged(model, src, options.ort_max_growth)  # a folding bomb is refused before the child starts
-    widened = _half_bytes(model)
+    staged_model = load_model(model)  # parsed once for both checks
+    check_staged(model, src, options.ort_max_growth, staged_model)  # a folding bomb is refused before the child
+    widened = _half_bytes(staged_model)
     if options.stage is not None:
         options.stage("onnxruntime optimizes and packs the weights (child process)")
     runner = child if child is not None else OrtChild()
@@ -454,12 +466,10 @@ def _run_ort(
 SCRATCH_HOLD = 4  # a session's file in the scratch: its weights and packed copies (x 2), a window's two segments
 
 
-def _half_bytes(model: Path) -> int:
+def _half_bytes(model: pb.ModelProto) -> int:
     """The bytes of ``model``'s external fp16/bf16 tensors."""
     half = {pb.TensorProto.FLOAT16, pb.TensorProto.BFLOAT16}
-    return sum(
-        int(_entries(t).get("length", "0") or 0) for t in external_tensors(load_model(model)) if t.data_type in half
-    )
+    return sum(int(_entries(t).get("length", "0") or 0) for t in external_tensors(model) if t.data_type in half)
 
 
 def _run_bounded(
@@ -488,7 +498,10 @@ def _run_bounded(
         options.ort_child_memory_mib,
         options.ort_max_growth,
     )
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    # glibc's own allocation thresholds: a fixed MALLOC_MMAP_THRESHOLD_ made every packing buffer a fresh mapping,
+    # faulted in and zeroed page by page (an optimum BART folder: 0.15 s of the child's CPU), for no lower peak (the
+    # child trims its heap after each session: ``malloc_trim``)
+    env = dict(os.environ)
     # the file-size limit is per file: the staged blob may grow by what any one file may hold
     bounds = replace(limits, output_bytes=limits.output_bytes + base)
     try:
@@ -518,7 +531,7 @@ def convert_prepacked(src: Path, out_dir: Path, options: ConvertOptions, tx: Out
                 staged.close()
                 if cache is not None:  # the staging goes now: what it held is in the blob (or forgotten)
                     blob = next((Path(o) for o in prepared.report.outputs if o.endswith(CONTAINER.suffix)), None)
-                    cache.rehome(tx.staged(blob) if blob is not None else None)
+                    cache.rehome(tx.staged(blob) if blob is not None else None, staged.placed)
             disk.sample()
     report_disk(prepared.report, disk.peak)
     return prepared.report
@@ -628,6 +641,10 @@ def _plan(
     child: OrtChild | None,
 ) -> PreparedModel:
     result, child_peak = _run_ort(stage / src.name, src, options, cache, staged, in_place, child)
+    if cache is not None:  # the packings the child copied from an earlier model's blob: hashed there already
+        for at, length, file, there in result.get("copied", []):
+            if (digest := cache.digests.get((file, there, length))) is not None:
+                staged.known[(at, length)] = digest
     binding = result["binding"]
     portable, optimized = load_model(stage / src.name), load_model(stage / ORT_MODEL)
     apply_saved_hook(optimized)  # tests rename what ORT emits here (``names``)
@@ -644,8 +661,12 @@ def _plan(
         )
     _settle(optimized, stage, src, options, binding, report)
     _stamp(optimized, binding)
-    # fail closed: a pair the installed onnxruntime refuses is never written
-    pair = [(optimized, src.name), (portable, portable_name(src.name))]
+    # fail closed: a pair the installed onnxruntime refuses is never written. The portable model is the staged
+    # one, which the child opened whole at level ALL with pre-packing off when it optimized it in one piece (the
+    # probe would stand its weights in: it checks the graph, which that session loaded as written)
+    pair = [(optimized, src.name)]
+    if not result.get("loaded_whole"):
+        pair.append((portable, portable_name(src.name)))
     _require_loads(pair, stage, src, options, str(binding["onnxruntime"]), child)
     reloc = Relocator(stage, cache)
     for t in external_tensors(portable):
@@ -822,6 +843,7 @@ def _report_packing(
         )
     report.prepack = {
         "node_sessions": sessions,
+        "pack_sessions": int(result.get("pack_sessions", sessions)),  # the sessions that packed them (batched)
         "nodes_reused": reused,
         "ops": ops,
         "packed_buffers": len(packed),
