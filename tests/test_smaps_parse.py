@@ -19,17 +19,25 @@ pytest.importorskip("onnxruntime")
 _CODE = re.compile(r"\.so(\.[0-9.]+)?$")
 
 
-def _reference_sum(text: str, dirty_code: bool) -> int:
-    total, code = 0, False
+def _fields(text: str):
+    """(permissions, path, field, kB) of every field line of smaps, with the mapping it belongs to, line by line."""
+    perms, path = "", ""
     for line in text.splitlines():
         parts = line.split()
         if not parts:
             continue
         if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
-            path = parts[5] if len(parts) > 5 else ""
-            code = bool(path) and not path.startswith("[") and ("x" in parts[1] or bool(_CODE.search(path)))
-        elif (parts[0] == "Pss:" and not code) or (dirty_code and parts[0] == "Private_Dirty:" and code):
-            total += int(parts[1]) * 1024
+            perms, path = parts[1], parts[5] if len(parts) > 5 else ""
+        else:
+            yield perms, path, parts[0], int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def _reference_sum(text: str, dirty_code: bool) -> int:
+    total = 0
+    for perms, path, field, kb in _fields(text):
+        code = bool(path) and not path.startswith("[") and ("x" in perms or bool(_CODE.search(path)))
+        if (field == "Pss:" and not code) or (dirty_code and field == "Private_Dirty:" and code):
+            total += kb * 1024
     return total
 
 
@@ -37,20 +45,9 @@ def _reference_kinds(text: str, weight_files: set[str]) -> dict[str, int]:
     from weightshare._runtimes import remainder as r
 
     out = dict.fromkeys(r.KINDS, 0)
-    kind = None
-    for line in text.splitlines():
-        parts = line.split()
-        if not parts:
-            continue
-        if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
-            path = parts[5] if len(parts) > 5 else ""
-            kind = (
-                None
-                if r._is_code(parts[1], path)
-                else r._kind(os.path.realpath(path) if path.startswith("/") else path, weight_files)
-            )
-        elif parts[0] == "Pss:" and kind is not None:
-            out[kind] += int(parts[1]) * 1024
+    for perms, path, field, kb in _fields(text):
+        if field == "Pss:" and not r._is_code(perms, path):
+            out[r._kind(os.path.realpath(path) if path.startswith("/") else path, weight_files)] += kb * 1024
     return out
 
 
