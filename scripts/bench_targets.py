@@ -1,6 +1,7 @@
 """The --prepack, check and verify targets on real exporter output, every figure and its target side by side.
 
     PYTHONPATH=$PWD python scripts/bench_targets.py --forms FORMS_DIR [FORM ...] [--workdir DIR] [--repeat N]
+                                                    [--before REV]
 
 FORMS_DIR is what ``scripts/build_exporter_forms.py`` built (optimum-t5, genai-phi3-int4 and matmul-conv by
 default, then optimum-bart and optimum-marian when they are there: about 9 minutes on a shared 2-core machine;
@@ -16,7 +17,9 @@ Targets: --prepack CPU <= 1.0x the anchor for a family (a folder of several mode
 model; bytes written <= 1.3x the outputs; process-tree peak <= 300 MiB; check's CPU <= the --prepack
 conversion's and its largest process <= 1 GiB; verify's largest process <= 2x the larger model + 300 MiB.
 With ``--repeat N`` the conversions, the anchor and check run N times each, interleaved, and the run with the least
-CPU is kept (what neighbours on a shared machine add is never less than nothing). Helpers are bench_packonce's
+CPU is kept (what neighbours on a shared machine add is never less than nothing). ``--before REV``: the same
+``--prepack`` conversion by the package as of REV (``git archive``), interleaved with this tree's, side by side,
+and which output files differ between the two. Helpers are bench_packonce's
 (convert, anchor) and bench_check's (one costed run); the machine is shared, so CPU
 seconds, not wall, are the figure.
 """
@@ -24,6 +27,7 @@ seconds, not wall, are the figure.
 from __future__ import annotations
 
 import argparse
+import filecmp
 import json
 import os
 import shutil
@@ -34,7 +38,7 @@ from pathlib import Path
 
 import _builders  # noqa: F401  (tests/ on the path: the model builders the imported benches use)
 from bench_check import _costed
-from bench_packonce import ANCHOR, measured, size_mib
+from bench_packonce import ANCHOR, checkout, measured, size_mib
 from bench_packonce import convert as ws_convert
 
 from weightshare.formats.onnx.verify import mapped
@@ -62,23 +66,30 @@ def _least(r: dict, key: str, run: dict) -> None:
         r[key] = run
 
 
-def bench_form(forms: Path, form: str, t: Path, repeat: int = 1) -> dict:
-    """Every route and target of one form; a failing step is recorded with its error line, the others still run."""
+def bench_form(
+    forms: Path, form: str, t: Path, repeat: int = 1, before: Path | None = None, before_rev: str = ""
+) -> dict:
+    """Every route and target of one form; a failing step is recorded with its error line, the others still run.
+    ``before``: a package tree (as of ``before_rev``) whose ``--prepack`` conversion runs beside this one's."""
     src, folder = _source(forms, form)
     models = sorted(src.rglob("*.onnx")) if src.is_dir() else [src]
     family = len(models) > 1
     r: dict = {"form": form, "models": len(models), "mib": size_mib(folder), "family": family, "errors": []}
+    r["before_rev"] = before_rev
     head = f"{len(models)} models (a family)" if family else "one model"
     print(f"\n== {form}: {head}, {r['mib']:.0f} MiB ==", flush=True)
     start = time.perf_counter()
     # each run ``repeat`` times, interleaved (plain, --prepack, anchor, check), the least CPU kept: a shared
     # machine's neighbours add to a run's CPU seconds, never take from them (one-run ratios moved by 0.25x)
     for _ in range(repeat):
-        for d in ("plain", "prepack", "anchor"):
+        for d in ("plain", "prepack", "before", "anchor"):
             shutil.rmtree(t / d, ignore_errors=True)
         try:
             _least(r, "plain", ws_convert(src, t / "plain"))
             _least(r, "prepack", ws_convert(src, t / "prepack", "--prepack"))
+            if before is not None:  # its ORT child imports the same tree (PYTHONPATH)
+                run = ws_convert(src, t / "before", "--prepack", env={"PYTHONPATH": str(before)}, cwd=before)
+                _least(r, "before", run)
         except SystemExit as e:  # bench_packonce's runner exits with the failing command's stderr
             r["errors"].append(f"convert: {str(e)[-600:]}")
             print(f"convert failed: {str(e)[-600:]}", flush=True)
@@ -100,6 +111,8 @@ def bench_form(forms: Path, form: str, t: Path, repeat: int = 1) -> dict:
                 "error": err.splitlines()[-1:] if rc > 1 else [],
             }
     out = t / "prepack"
+    if before is not None:
+        r["differ"] = _differing(t / "before", out)
     original = max(models, key=mapped)
     converted = out / original.relative_to(src) if src.is_dir() else out / src.name
     larger = max(mapped(original), mapped(converted))
@@ -111,6 +124,12 @@ def bench_form(forms: Path, form: str, t: Path, repeat: int = 1) -> dict:
     r["bench_s"] = time.perf_counter() - start
     show(r)
     return r
+
+
+def _differing(a: Path, b: Path) -> list[str]:
+    """The output files (by name, the run's own bookkeeping left out) that are not the same bytes in ``a`` and ``b``."""
+    names = {f.name for d in (a, b) for f in d.iterdir() if f.is_file() and not f.name.startswith(".")}
+    return sorted(n for n in names if not ((a / n).exists() and (b / n).exists() and filecmp.cmp(a / n, b / n, False)))
 
 
 def _row(label: str, f: dict) -> str:
@@ -163,12 +182,20 @@ def show(r: dict) -> None:
     print(head + f"{'sessions/reused':>16}")
     print(_row("convert (plain)", r["plain"]))
     print(_row("convert --prepack", r["prepack"]))
+    if "before" in r:
+        print(_row(f"convert --prepack, before ({r['before_rev']})", r["before"]))
     if "anchor" in r:
         print(_row("ORT save-prepacked, 1 session/model", r["anchor"]) + "  (peak: its one process)")
     for e in r["errors"] + r["check"]["error"] + r["verify"]["error"]:
         print(f"  error: {e}")
     for target, figures, ok in targets(r):
         print(f"  {target}: {figures}: {_met(ok)}")
+    if "before" in r:
+        b, p = r["before"], r["prepack"]
+        sessions = f"ORT sessions {b.get('ort_sessions', 0):.0f} -> {p.get('ort_sessions', 0):.0f}"
+        differ = f"differ: {', '.join(r['differ'])}" if r["differ"] else "every file the same bytes"
+        print(f"  --prepack vs before: CPU {b['cpu_s']:.1f} -> {p['cpu_s']:.1f} s ({p['cpu_s'] / b['cpu_s']:.2f}x), "
+              f"{sessions}; outputs: {differ}")  # fmt: skip
     print(f"  (this form's runs: {r['bench_s']:.0f} s wall)", flush=True)
 
 
@@ -191,6 +218,7 @@ def main() -> None:
     ap.add_argument("--forms", dest="forms_dir", required=True, help="what build_exporter_forms.py built")
     ap.add_argument("--workdir", default=None, help="a disk, not tmpfs (bytes written)")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each step, the least CPU kept (default 1)")
+    ap.add_argument("--before", default=None, help="a git revision whose --prepack runs beside this tree's")
     args = ap.parse_args()
     import onnxruntime as ort
 
@@ -208,9 +236,11 @@ def main() -> None:
     )
     start = time.perf_counter()
     results = []
-    for form in names:
-        with tempfile.TemporaryDirectory(prefix=f"bench-targets-{form}-", dir=args.workdir) as tmp:
-            results.append(bench_form(forms_dir, form, Path(tmp), max(1, args.repeat)))
+    with tempfile.TemporaryDirectory(prefix="bench-targets-before-") as old:
+        before = checkout(args.before, Path(old) / "tree") if args.before else None
+        for form in names:
+            with tempfile.TemporaryDirectory(prefix=f"bench-targets-{form}-", dir=args.workdir) as tmp:
+                results.append(bench_form(forms_dir, form, Path(tmp), max(1, args.repeat), before, args.before or ""))
     summary(results)
     print(f"\n{len(results)} forms in {time.perf_counter() - start:.0f} s wall")
 

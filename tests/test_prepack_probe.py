@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
 from onnx import numpy_helper as nh
@@ -156,3 +157,53 @@ def test_a_cut_does_not_move_across_a_constant_alone():
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
     p = segs.plan(model.graph, 1100, segs.tensor_types(model))
     assert p.bounds == [0, 3, 4] and p.alternatives == {3: [2]}, (p.bounds, p.alternatives)
+
+
+def _scaled_embedding(path: Path) -> Path:
+    """An optimum decoder's prologue: token embedding (``Gather``), ``Mul`` by its scale of 1 (Marian's
+    ``scale_embedding: false``), then the first projection. ORT drops the ``Mul`` in the whole graph and keeps it
+    where its output is a segment's: a cut before the projection fails."""
+    rng = np.random.default_rng(0)
+    inits = [
+        nh.from_array(rng.standard_normal((16, 64)).astype(np.float32), "table"),
+        nh.from_array(np.array(1.0, np.float32), "scale"),
+        nh.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w"),
+    ]
+    nodes = [
+        h.make_node("Gather", ["table", "ids"], ["e"]),
+        h.make_node("Mul", ["e", "scale"], ["s"]),
+        h.make_node("MatMul", ["s", "w"], ["y"]),
+    ]
+    graph = h.make_graph(
+        nodes, "g", [h.make_tensor_value_info("ids", T.INT64, ["n"])],
+        [h.make_tensor_value_info("y", T.FLOAT, ["n", 64])], inits,
+    )  # fmt: skip
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data", size_threshold=0)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("form", "cuts"),
+    [("embedding", {2: False}), ("mlp", {1: False, 2: False, 3: True})],
+)
+def test_a_failing_cut_is_answered_before_the_segment_after_it_is_optimized(tmp_path, form, cuts):
+    """Where the segment before a cut makes a node the window does not have (the embedding's ``Mul`` by 1, a Gemm's
+    MatMul without its bias), the pair check must fail: the segment after the cut (a decoder's: ~80% of its
+    weights) is not optimized for it. A cut that holds is checked on both segments, as before."""
+    src = _scaled_embedding(tmp_path / "emb.onnx") if form == "embedding" else _mlp(tmp_path / "mlp.onnx", (4, 64, 4))
+    seg = segs.Segmenter(str(src), str(tmp_path / "ort.onnx"), lambda a, b, c: None, 1 << 30)
+    sessions: list[str] = []
+
+    def referenced(model: str, opt: str, bin_name: str) -> None:
+        sessions.append(Path(model).name)
+        ort_optimize(model, opt, bin_name, "1024", referenced=True)
+
+    seg.optimize_referenced = referenced
+    end = len(seg.model.graph.node)
+    for cut, holds in cuts.items():
+        probed = seg.probe([0, cut, end], 0)
+        assert probed is not None and probed[1] == holds, cut
+        assert f"ort.probe0-{cut}.in.onnx" in sessions
+        assert (f"ort.probe{cut}-{end}.in.onnx" in sessions) == holds, (cut, sessions)

@@ -20,6 +20,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
@@ -139,16 +140,18 @@ def optimize(
 
 
 def _one_node_model(
-    node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto], types: dict[str, int]
+    node: onnx.NodeProto, graph: onnx.ModelProto, inits: dict[str, onnx.TensorProto], types: Mapping[str, int]
 ) -> onnx.ModelProto | str:
     """``node`` alone, its constant inputs as (external) initializers, the others as inputs of the
-    types ORT's schemas give them in the graph (``types``); or why it cannot be built."""
+    types ORT's schemas give them in the graph (``types``: those seen in the node's scope); or why it cannot be
+    built."""
     from onnx import helper as h
 
     from .types import node_types
 
     opsets = {o.domain or "": o.version for o in graph.opset_import}
-    ins, outs = node_types(node, opsets, {**types, **{k: v.data_type for k, v in inits.items()}})
+    known = {i: inits[i].data_type if i in inits else types[i] for i in node.input if i in inits or i in types}
+    ins, outs = node_types(node, opsets, known)
     loose = [i for i in dict.fromkeys(node.input) if i and i not in inits]
     untyped = [i for i in loose if i not in ins]
     if untyped:
@@ -291,11 +294,11 @@ def pack(
     """
     import os
 
-    from .types import all_nodes, infer
+    from .types import ScopeTypes, all_nodes
 
     model = onnx.load(opt_model, load_external_data=False)
     stage = os.path.dirname(opt_model)
-    types = infer(model)
+    types = ScopeTypes(model)
     found: dict[str, list[list[str]]] = {}
     tally: dict[str, OpTally] = {}
     made: dict[str, Packing] = {}
@@ -324,7 +327,7 @@ def pack(
             op.packed += 1
             op.packed_bytes += sum(done)
             continue
-        one = _one_node_model(node, model, inits, types)
+        one = _one_node_model(node, model, inits, types.of(scope))
         if isinstance(one, str):
             op.skip(one)
             continue

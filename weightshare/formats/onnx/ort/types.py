@@ -7,12 +7,15 @@ weights, QLinearMatMul uint8/int8 next to float scales, and a wrong guess makes 
 and onnx's type inference does not know ORT's contrib and NCHWc ops, so the types are propagated
 here through the schemas ORT registers (``get_all_operator_schema``): an output's type variable is
 bound by the inputs that share it, or is the one type it allows. Subgraph bodies (If/Loop/Scan)
-see the types of their enclosing graphs. Runs in the ORT child (imports onnxruntime).
+see the types of their enclosing graphs, never a sibling body's: optimum's merged decoders name tensors alike in
+both branches (Marian's ``/model/decoder/Add_4_output_0``: int64 positions in one, the float embeddings its
+MatMuls read in the other). Runs in the ORT child (imports onnxruntime).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import ChainMap
+from collections.abc import Iterator, Mapping
 from functools import cache
 from typing import Any
 
@@ -91,7 +94,7 @@ def _formal(params: list[Any], i: int) -> Any | None:
     return None
 
 
-def node_types(node: onnx.NodeProto, opsets: dict[str, int], known: Types) -> tuple[Types, Types]:
+def node_types(node: onnx.NodeProto, opsets: dict[str, int], known: Mapping[str, int]) -> tuple[Types, Types]:
     """(the types of ``node``'s inputs, of its outputs) that ``known`` and ORT's schema of it determine."""
     schema = _schema(node, opsets)
     ins = {i: known[i] for i in node.input if i and i in known}
@@ -141,22 +144,40 @@ def _declared(graph: onnx.GraphProto) -> Types:
     return found
 
 
-def infer(model: onnx.ModelProto) -> Types:
-    """Every tensor's element type that can be told, in the main graph and all subgraphs."""
-    opsets = {o.domain or "": o.version for o in model.opset_import}
-    known: Types = {}
-    _walk(model.graph, opsets, known)
-    return known
+class ScopeTypes:
+    """Every tensor's element type that can be told, per scope: a graph's own over its enclosing graphs'.
+
+    Each graph is typed once, when a node of it is first asked about (``of``)."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        self._opsets = {o.domain or "": o.version for o in model.opset_import}
+        # keyed by the ids of the scope's graphs; the scope is held so that no other graph takes one of those ids
+        self._scopes: dict[tuple[int, ...], tuple[list[onnx.GraphProto], ChainMap[str, int]]] = {}
+
+    def of(self, scope: list[onnx.GraphProto]) -> Mapping[str, int]:
+        """The types visible in the innermost graph of ``scope`` (outermost first, as ``all_nodes`` gives it)."""
+        return self._chain(scope)
+
+    def _chain(self, scope: list[onnx.GraphProto]) -> ChainMap[str, int]:
+        key = tuple(map(id, scope))
+        held = self._scopes.get(key)
+        if held is None:
+            outer: ChainMap[str, int] = self._chain(scope[:-1]) if len(scope) > 1 else ChainMap()
+            held = (scope, outer.new_child(_graph_types(scope[-1], self._opsets, outer)))
+            self._scopes[key] = held
+        return held[1]
 
 
-def _walk(graph: onnx.GraphProto, opsets: dict[str, int], known: Types) -> None:
-    known.update(_declared(graph))
+def _graph_types(graph: onnx.GraphProto, opsets: dict[str, int], outer: ChainMap[str, int]) -> Types:
+    """The types of the tensors ``graph`` itself declares or computes, its enclosing graphs' ``outer`` seen."""
+    own = _declared(graph)
+    seen = outer.new_child(own)
     for node in graph.node:
-        for sub in subgraphs(node):
-            _walk(sub, opsets, known)  # outer-scope tensors are typed by now (topological order)
-        _, outs = node_types(node, opsets, known)
+        _, outs = node_types(node, opsets, seen)
         for name, t in outs.items():
-            known.setdefault(name, t)
+            if name not in seen:
+                own[name] = t
+    return own
 
 
 def subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
