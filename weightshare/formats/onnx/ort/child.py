@@ -210,14 +210,17 @@ def _scope_inits(scope: list[onnx.GraphProto]) -> dict[str, onnx.TensorProto]:
     return found
 
 
-def _scoped(
-    cache: dict[tuple[int, ...], dict[str, onnx.TensorProto]], scope: list[onnx.GraphProto]
-) -> dict[str, onnx.TensorProto]:
-    """``_scope_inits(scope)``, made once per graph of the model (a merged decoder's 1,000 nodes: 0.05 s)."""
+Scopes = dict[tuple[int, ...], tuple[list[onnx.GraphProto], dict[str, onnx.TensorProto]]]
+
+
+def _scoped(cache: Scopes, scope: list[onnx.GraphProto]) -> dict[str, onnx.TensorProto]:
+    """``_scope_inits(scope)``, made once per graph of the model (a merged decoder's 1,000 nodes: 0.05 s). Keyed by
+    the graphs' ids, so the entry holds the graphs: an id is only unique while its object lives (a freed branch's
+    wrapper could hand its id to another branch's, which would then get the first one's initializers)."""
     key = tuple(map(id, scope))
     if key not in cache:
-        cache[key] = _scope_inits(scope)
-    return cache[key]
+        cache[key] = (list(scope), _scope_inits(scope))
+    return cache[key][1]
 
 
 def _pack_node(path: str, packed_model: str, bin_name: str, min_external: int) -> str:
@@ -309,7 +312,7 @@ def pack(
         open(packed_bin, "wb").close()
     work = _PackWork(stage, min_external, known, target, found, made, packed_bin, packed_name)
     batch = _Batch(work, batch_bytes if target is not None else 0)
-    scopes: dict[tuple[int, ...], dict[str, onnx.TensorProto]] = {}  # per enclosing graphs: not per node
+    scopes: Scopes = {}  # per enclosing graphs: not per node
     for n, (node, scope) in enumerate(all_nodes(model.graph)):
         inits = _scoped(scopes, scope)
         weights = [i for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
@@ -727,7 +730,7 @@ def tally_packed(opt_model: str) -> dict[str, OpTally]:
 
     model = onnx.load(opt_model, load_external_data=False)
     tally: dict[str, OpTally] = {}
-    scopes: dict[tuple[int, ...], dict[str, onnx.TensorProto]] = {}
+    scopes: Scopes = {}
     for node, scope in all_nodes(model.graph):
         inits = _scoped(scopes, scope)
         weights = [inits[i] for i in node.input if i in inits and inits[i].data_location == onnx.TensorProto.EXTERNAL]
