@@ -424,3 +424,29 @@ def test_a_failure_while_cutting_falls_back_to_the_whole_graph(tmp_path):
     assert whole["segments"] == 1
     assert _fingerprint(tmp_path / "s" / "ort.onnx") == _fingerprint(tmp_path / "whole" / "ort.onnx")
     assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["ort.bin", "ort.onnx"]
+
+
+def test_a_full_disk_while_cutting_fails_the_run_and_leaves_nothing(tmp_path):
+    """A segment's file that does not fit is no reason to optimize the whole graph in one piece (more memory, and
+    its files would not fit either): the error goes up, the cutting's files are gone. Any other OSError falls back."""
+    import errno
+
+    src = cnn_onnx(tmp_path / "cnn.onnx", channels=32, blocks=3, spatial=6)
+    for code, falls_back in ((errno.ENOSPC, False), (errno.EDQUOT, False), (errno.EACCES, True)):
+        out = tmp_path / f"s{code}"
+        out.mkdir()
+
+        def full(model: str, to: str, bin_name: str, code: int = code) -> None:
+            if model.endswith(".in.onnx"):  # a segment or pair model
+                raise OSError(code, os.strerror(code))
+            ort_optimize(model, to, bin_name, "1024")
+
+        seg = segs.Segmenter(str(src), str(out / "ort.onnx"), full, 20000)
+        if falls_back:
+            assert seg.run().as_dict()["single_reason"] == "cutting failed: PermissionError"
+            assert sorted(p.name for p in out.iterdir()) == ["ort.bin", "ort.onnx"]
+        else:
+            with pytest.raises(OSError) as raised:
+                seg.run()
+            assert raised.value.errno == code
+            assert not list(out.iterdir()), sorted(p.name for p in out.iterdir())

@@ -43,6 +43,7 @@ largest Conv weight (ORT's transient copies while reordering one), whatever the 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import math
 from collections import Counter
@@ -71,6 +72,10 @@ from .context import (
 from .limits import BUDGET_ENV as BUDGET_ENV  # the tests and benches set it through this module
 from .names import INSERTED_CAST, apply_saved_hook  # ORT's name for the Casts it puts around fp16/bf16 ops
 from .types import at_default
+
+# a disk or quota that is full: the cutting's files did not fit, the whole graph's would not either, and it would
+# trade the child's memory bound for nothing
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 NCHWC = "com.microsoft.nchwc"
 
@@ -1358,10 +1363,18 @@ class Segmenter:
     def run(self) -> Report:
         try:
             return self._segmented()
+        except OSError as e:
+            self._clean(set())
+            if e.errno in _NO_ROOM:  # the whole graph would need more of it, and more memory: the run fails
+                raise
+            return self._whole_after(e)
         except Exception as e:  # noqa: BLE001 - any failure of the cutting itself: the whole graph, as before
             self._clean(set())
-            self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
-            return Report(reason=f"cutting failed: {type(e).__name__}", largest_bytes=sum(self.plan.weights))
+            return self._whole_after(e)
+
+    def _whole_after(self, e: Exception) -> Report:
+        self.optimize(str(self.src), str(self.out), f"{self.stem}.bin")
+        return Report(reason=f"cutting failed: {type(e).__name__}", largest_bytes=sum(self.plan.weights))
 
     def _whole(self) -> None:
         if self.settles_inline and self.optimize_referenced is not None and whole_references(self.model):
