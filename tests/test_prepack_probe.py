@@ -207,3 +207,27 @@ def test_a_failing_cut_is_answered_before_the_segment_after_it_is_optimized(tmp_
         assert probed is not None and probed[1] == holds, cut
         assert f"ort.probe0-{cut}.in.onnx" in sessions
         assert (f"ort.probe{cut}-{end}.in.onnx" in sessions) == holds, (cut, sessions)
+
+
+def test_a_digest_of_a_file_the_cut_checks_rewrite_is_never_kept(tmp_path):
+    """The cut checks' files (windows, segments, the probes of a failing cut) are rewritten under the same name with
+    other bytes: a digest kept from the first would make the second window's weights look like the first's. The
+    staged model's blob is written once: its digests are kept."""
+    import onnx
+
+    from weightshare.formats.onnx.ort import segments as segs
+
+    def weight(location: str) -> onnx.TensorProto:
+        t = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=[4])
+        t.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", location), ("offset", "0"), ("length", "16")):
+            t.external_data.add(key=k, value=v)
+        return t
+
+    segs._digests.clear()
+    for name, kept in (("m.probe3-7.bin", False), ("m.win3-9.bin", False), ("m.seg3-7.bin", False), ("m.bin", True)):
+        (tmp_path / name).write_bytes(bytes(16))
+        first = segs._digest_payload(weight(name), tmp_path)
+        (tmp_path / name).write_bytes(bytes(range(16)))  # the same size, other bytes
+        assert (segs._digest_payload(weight(name), tmp_path) == first) is kept, name
+    segs._digests.clear()

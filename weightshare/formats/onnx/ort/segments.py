@@ -819,6 +819,7 @@ def _merge_context(
 
 _digests: dict[tuple[str, int, int], bytes] = {}  # payloads of files that never change (not a window's file)
 digested = _digests  # the child's: cleared per model, read for its packing keys (``Sharer.staged_digests``)
+REWRITTEN = ("win", "seg", "probe")  # the tags (``Segmenter._tag``, the cut checks') of files rewritten in place
 
 
 def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
@@ -841,7 +842,7 @@ def _digest_payload(t: onnx.TensorProto, directory: Path) -> str:
                     break
                 h.update(chunk)
                 remaining -= len(chunk)
-        if ".win" not in path.name and ".seg" not in path.name:  # ORT rewrites these under the same name
+        if not any(f".{t}" in path.name for t in REWRITTEN):  # ORT rewrites these under the same name
             _digests[key] = h.digest()
         return head + h.hexdigest()
     # small: whether ORT stored it inline or outside must not matter
