@@ -19,9 +19,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto as T
 from onnx import helper as h
+from test_ort_prepack_forms import _packed, ort_saved_session
 
-from weightshare.formats.onnx.graph import external_tensors
-from weightshare.formats.onnx.ort.prepack import PREPACKED_ENTRY
 from weightshare.formats.onnx.ort.types import ScopeTypes, all_nodes
 
 DIM = 64
@@ -90,28 +89,6 @@ def _feeds(batch: int, cache: bool) -> dict[str, np.ndarray]:
     return {"x": x, "past": past, "use_cache_branch": np.array([cache])}
 
 
-def _packed(path: Path) -> set[tuple[str, str]]:
-    model = onnx.load(str(path), load_external_data=False)
-    return {
-        (t.name, e.value.split("|")[0])
-        for t in external_tensors(model)
-        for e in t.external_data
-        if e.key.startswith(PREPACKED_ENTRY)
-    }
-
-
-def _ort_saved(src: Path, tmp: Path) -> Path:
-    """ORT's own default-option session of ``src``, saved with its pre-packed copies."""
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp / "ort.onnx")
-    so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
-    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "ort.bin")
-    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-    so.log_severity_level = 3
-    ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
-    return tmp / "ort.onnx"
-
-
 def test_each_branch_sees_its_own_type_of_a_shared_name(tmp_path):
     src = _clashing_merged_decoder(tmp_path / "src" / "model.onnx")
     model = onnx.load(str(src), load_external_data=False)
@@ -119,7 +96,7 @@ def test_each_branch_sees_its_own_type_of_a_shared_name(tmp_path):
     seen = {scope[-1].name: types.of(scope)[CLASH] for node, scope in all_nodes(model.graph) if CLASH in node.output}
     assert seen == {"with_past": T.INT64, "no_past": T.FLOAT}
     # and in ORT's optimized graph, the one --prepack packs node by node
-    optimized = onnx.load(str(_ort_saved(src, tmp_path)), load_external_data=False)
+    optimized = onnx.load(str(ort_saved_session(src, tmp_path)), load_external_data=False)
     types = ScopeTypes(optimized)
     readers = [(n, s) for n, s in all_nodes(optimized.graph) if n.op_type == "MatMul" and CLASH in n.input]
     assert len(readers) == 3
@@ -137,7 +114,7 @@ def test_branch_matmuls_reading_a_clashing_name_are_packed_and_exact(tmp_path):
     matmuls = report["prepack"]["ops"]["MatMul"]
     assert matmuls["nodes"] == 4 and matmuls["packed"] == 4, matmuls
     prepacked = Path(report["outputs"][0])
-    expected = _packed(_ort_saved(src, tmp_path))
+    expected = _packed(ort_saved_session(src, tmp_path))
     assert len(expected) == 3  # w_q, w_k, w_v: the no-past MatMuls' weights among them
     assert _packed(prepacked) == expected
 
