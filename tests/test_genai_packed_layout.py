@@ -7,8 +7,9 @@ cost 1.58x one, 4 sessions the same (scripts/bench_genai.py --folder). Under tes
 layout option on the structure the model builder writes for a small Llama (`-p int4 -e cpu`: fused qkv_proj
 MatMulNBits into GroupQueryAttention's packed QKV input, K=512 / N=768, 512, 1536 and K=1536 / N=512, bits 4,
 block 32, accuracy_level 4, 2-D scales, int4 lm_head). After: every packed buffer is page-aligned in the blob
-(so the mapping ORT makes is page-aligned too), 4 default-option sessions cost <= 1.10x one (PSS above a
-baseline, CPU arena off, MALLOC_MMAP_THRESHOLD_=1048576), and genai generates the original's tokens and logits.
+(so the mapping ORT makes is page-aligned too), each default-option session past the first adds what the runtime
+keeps of its own, not the packed weights the original's sessions copy (data PSS, CPU arena off,
+MALLOC_MMAP_THRESHOLD_=1048576), and genai generates the original's tokens and logits.
 """
 
 from __future__ import annotations
@@ -74,11 +75,20 @@ def test_four_default_sessions_cost_what_one_does(converted):
     from weightshare._runtimes.ort import measure_sessions
     from weightshare.formats.onnx.measure import MALLOC_ENV
 
-    _, out = converted
-    rows = {r["sessions"]: r for r in measure_sessions(str(out / "model.onnx"), [1, 4], share=False, env=MALLOC_ENV)}
-    growth = rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]
-    ratio = (rows[1]["pss_mib"] + growth) / rows[1]["pss_mib"]
-    assert ratio <= 1.10, (ratio, growth, rows)
+    src, out = converted
+
+    def per_session(model) -> float:
+        """MiB each of sessions 2-4 adds to the first (data PSS: what one process's libraries weigh, which moves
+        with whatever else maps them, is no part of it)."""
+        rows = {r["sessions"]: r for r in measure_sessions(str(model), [1, 4], share=False, env=MALLOC_ENV)}
+        return (rows[4]["data_pss_mib"] - rows[1]["data_pss_mib"]) / 3
+
+    packed = sum(size for _n, _o, size in _packed_buffers(out / "model.onnx")) / MiB
+    original, shared = per_session(src / "model.onnx"), per_session(out / "model.onnx")
+    # the original's sessions each pre-pack every packed weight again; the converted model's map the blob's, and
+    # keep only the runtime's own state (1.2-2.0 MiB per session measured): not a quarter of the packed bytes more
+    assert original - shared >= 0.5 * packed, (original, shared, packed)
+    assert shared <= 0.25 * packed + 2.5, (shared, packed)
 
 
 @pytest.mark.slow
