@@ -68,21 +68,22 @@ def _is_code(perms: str, path: str) -> bool:
 
 def mapping_pss(weight_files: set[str]) -> dict[str, int]:
     """PSS in bytes per mapping kind (``KINDS``), program code left out (its PSS moves with other processes)."""
-    with open("/proc/self/smaps") as f:
-        return _kinds_pss(f.read(), weight_files)
-
-
-def _kinds_pss(text: str, weight_files: set[str]) -> dict[str, int]:
-    from .memory import smaps_entries
-
     out = dict.fromkeys(KINDS, 0)
-    real: dict[str, str] = {}  # a file mapped many times (a weight file per session) resolved once
-    for perms, path, (pss,) in smaps_entries(text, ("Pss",)):
-        if _is_code(perms, path):
-            continue
-        if path.startswith("/") and path not in real:
-            real[path] = os.path.realpath(path)
-        out[_kind(real.get(path, path), weight_files)] += pss
+    kind: str | None = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if not parts:
+                continue
+            if "-" in parts[0] and len(parts) >= 5 and not parts[0].endswith(":"):
+                path = parts[5] if len(parts) > 5 else ""
+                kind = (
+                    None
+                    if _is_code(parts[1], path)
+                    else _kind(os.path.realpath(path) if path.startswith("/") else path, weight_files)
+                )
+            elif parts[0] == "Pss:" and kind is not None:
+                out[kind] += int(parts[1]) * 1024
     return out
 
 
