@@ -36,7 +36,7 @@ from .errors import InvalidModel
 from .formats.onnx.ort.opened import OpenedModel as _OpenedModel
 from .formats.onnx.ort.opened import prepack_info
 from .formats.onnx.ort.opened import set_entry as _set_entry
-from .formats.onnx.ort.prepack_record import METADATA_KEY, PAIR_KEY, portable_of
+from .formats.onnx.ort.prepack_record import METADATA_KEY, PAIR_KEY, name_from_prefix, portable_of
 from .report import JsonDict
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def _hash_packed_payloads(path: str, info: JsonDict, size: int) -> str | None:
     records = {name: (offset, length, digest) for name, offset, length, digest in recorded_records(path)}
     for name in header:
         # a zoo's (--shared-blob) are "<model stem>/ort.prepacked/...": every model's, checked alike
-        if not isinstance(name, str) or not (name.startswith(prefixes) or name.partition("/")[2].startswith(prefixes)):
+        if not isinstance(name, str) or name_from_prefix(name, prefixes) is None:
             continue
         if name not in records:
             return f"{name} has no recorded digest"

@@ -117,11 +117,11 @@ def readers(path: Path, names: list[str]) -> dict[str, list[str]]:
     """name -> the op types that read it (subgraphs included); a packed copy's name ``ort.prepacked/T/Kernel+h/i``
     (in a --shared-blob zoo ``<model stem>/ort.prepacked/...``) names its kernel."""
     from ._proto import load_model, pb
+    from .ort.prepack_record import PACKED_PREFIX, name_from_prefix
 
     out: dict[str, list[str]] = {}
     for n in names:
-        at = n.find("ort.prepacked/")
-        packed = n[at:].split("/") if at == 0 or (at > 0 and n[at - 1] == "/") else []
+        packed = (name_from_prefix(n, (PACKED_PREFIX,)) or "").split("/")
         if len(packed) >= 3:
             out[n] = [packed[2].split("+")[0]]
     wanted = {n for n in names if n not in out}

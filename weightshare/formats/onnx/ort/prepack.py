@@ -60,7 +60,7 @@ from .names import PACKED_FILE_KEY as PACKED_FILE_KEY  # the child's: the file i
 from .names import PREPACKED_ENTRY as PREPACKED_ENTRY  # the tests read it here
 from .opened import require_floor
 from .prepack_record import METADATA_KEY, PACKED_PREFIX, PAIR_KEY
-from .probe import STAMP_DOMAIN
+from .probe import STAMP_DOMAIN, packed_buffers
 from .reload import inline_load_reads, load_probes, reload_change
 from .server import OrtChild, run_child
 from .unfuse import drop_unused, unfuse_scales
@@ -95,11 +95,10 @@ class PackedRef:
 
     @classmethod
     def parse(cls, value: str, path: Path) -> PackedRef:
-        key, *parts = value.split("|")
-        buffers = [p.split(";") for p in parts]
-        if not parts or any(len(b) < 2 or not b[0].isdigit() or not b[1].isdigit() for b in buffers):
+        if packed_buffers(value) is None:
             raise InvalidModel(f"unexpected pre-packed entry {value[:80]!r} from onnxruntime", path)
-        return cls(key, buffers)
+        key, *parts = value.split("|")
+        return cls(key, [p.split(";") for p in parts])
 
     def render(self) -> str:
         return "|".join([self.key, *(";".join(b) for b in self.buffers)])

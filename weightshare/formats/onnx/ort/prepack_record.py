@@ -28,6 +28,15 @@ _OPTIONAL_STRINGS = ("optimization_level", "packed_prefix", "optimized_prefix", 
 _DEFAULTS = {"packed_prefix": "ort.prepacked/", "optimized_prefix": "ort.optimized/"}
 
 
+def name_from_prefix(name: str, prefixes: tuple[str, ...]) -> str | None:
+    """``name`` from its packed or optimized prefix on: a model's own blob names start with one, a --shared-blob
+    zoo's with the model's stem and "/" before it (``<stem>/ort.prepacked/...``); None for any other name."""
+    if name.startswith(prefixes):
+        return name
+    tail = name.partition("/")[2]
+    return tail if tail.startswith(prefixes) else None
+
+
 def parse_record(raw: Any, where: str | os.PathLike[str]) -> JsonDict:
     """The validated record (``raw`` as found in the metadata: a JSON string), prefixes defaulted.
 
