@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import subprocess
@@ -111,20 +112,44 @@ def test_a_good_and_a_bad_model_leave_nothing(tmp_path, cli):
     assert tree(out) == {"keep.txt": hashlib.sha256(b"mine").hexdigest()}
 
 
-def test_a_rename_error_at_commit_undoes_the_renames_already_done(tmp_path):
+def test_a_rename_error_at_commit_undoes_the_renames_already_done(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    a = mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=1)
+    b = mlp_onnx(src / "b.onnx", layers=2, dim=128, seed=2)
+    out = tmp_path / "out"
+    weightshare.api.convert_many([a, b], out)  # an earlier a.onnx, b.onnx and their blobs, recorded
+    before = tree(out)
+    mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=3)  # a changes: its new output would replace the old one
+    mlp_onnx(src / "b.onnx", layers=2, dim=128, seed=4)
+    replace = os.replace
+
+    def failing(src_path, dst, *args, **kwargs):  # the disk refuses b's rename, after a's was done
+        if Path(dst).name == "b.onnx":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(dst))
+        return replace(src_path, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(weightshare.WeightshareError, match="cannot move output into place"):
+        weightshare.api.convert_many([a, b], out)
+    monkeypatch.undo()
+    assert tree(out) == before  # old a.onnx back in place, no new blob, no temporary
+
+
+def test_a_directory_at_an_output_path_stops_the_run_before_any_rename(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     a = mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=1)
     b = mlp_onnx(src / "b.onnx", layers=2, dim=128, seed=2)
     out = tmp_path / "out"
     weightshare.convert(a, out)  # an earlier a.onnx and its blob
-    (out / "b.onnx").mkdir()  # b's output cannot be renamed over a non-empty directory
+    (out / "b.onnx").mkdir()  # a directory of the user's where b's output would go
     (out / "b.onnx" / "x").write_text("x")
     before = tree(out)
-    mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=3)  # a changes: its new output would replace the old one
-    with pytest.raises(weightshare.WeightshareError, match="cannot move output into place"):
+    mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=3)
+    with pytest.raises(weightshare.UsageError, match="b.onnx: exists, and no weightshare record says it wrote it"):
         weightshare.api.convert_many([a, b], out)
-    assert tree(out) == before  # old a.onnx back in place, no new blob, no temporary
+    assert tree(out) == before  # a.onnx not replaced, no new blob, no temporary
 
 
 def test_blob_in_subdirectories_leaves_no_empty_directories_on_failure(tmp_path, cli):

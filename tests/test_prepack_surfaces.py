@@ -75,11 +75,24 @@ def _zoo(tmp_path, listed):
     return src, out, marker
 
 
+def _refused_then_moved(src: Path, out: Path, marker: Path) -> None:
+    """An edited marker is no longer the file weightshare wrote: the re-run replaces nothing, in one error; the
+    marker moved away as the error asks, the next run goes on."""
+    from weightshare.api import convert_zoo
+
+    text = marker.read_bytes()
+    with pytest.raises(UsageError, match="was changed or replaced since weightshare wrote it"):
+        convert_zoo([src], out, "w")
+    assert marker.read_bytes() == text
+    marker.rename(out.parent / "marker.moved")
+
+
 def test_a_zoo_marker_listing_a_nul_name_is_no_internal_error(tmp_path):
     """Before: the committed run ended in "internal error: ValueError" (os.unlink of a name with a NUL)."""
     from weightshare.api import convert_zoo
 
-    src, out, _marker = _zoo(tmp_path, ["a\x00b.onnx", "m.onnx", "keep.txt"])
+    src, out, marker = _zoo(tmp_path, ["a\x00b.onnx", "m.onnx", "keep.txt"])
+    _refused_then_moved(src, out, marker)
     convert_zoo([src], out, "w")
     assert (out / "m.onnx").exists() and (out / "keep.txt").exists()  # and a listed non-model is not removed
 
@@ -88,6 +101,7 @@ def test_a_zoo_marker_listing_itself_keeps_the_new_marker(tmp_path):
     from weightshare.api import convert_zoo
 
     src, out, marker = _zoo(tmp_path, [".weightshare-zoo.json", "m.onnx"])
+    _refused_then_moved(src, out, marker)
     convert_zoo([src], out, "w")
     assert json.loads(marker.read_text())["models"] == ["m.onnx"]
 

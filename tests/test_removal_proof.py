@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -44,6 +45,20 @@ def fresh(src: Path, tmp_path: Path) -> set[str]:
     out = tmp_path / f"fresh-{len(list(tmp_path.iterdir()))}"
     weightshare.convert_folder(src, out)
     return files(out)
+
+
+def refused_then_cleared(repo: Path, out: Path, void: str) -> None:
+    """A re-run into ``out`` whose record vouches for nothing (``void``: why) replaces none of the files there:
+    refused in one error, nothing changed; then the earlier outputs (every file the record's runs listed, read
+    from the tree) are moved away, as the error asks, so that the next run can show what the void record removes."""
+    before = {p: digest(p) for p in out.rglob("*") if p.is_file() and not p.is_symlink() and p.name != RECORD}
+    void_record = re.escape(f"exists, and {RECORD} {void}") + ".*, so nothing proves"
+    with pytest.raises(weightshare.UsageError, match=void_record):
+        weightshare.convert_folder(repo, out, blob_grace=0)
+    assert {p: digest(p) for p in before} == before
+    for p in before:
+        if p.name != "mine.txt":
+            p.unlink()
 
 
 def sealed(runs: dict) -> str:
@@ -99,6 +114,7 @@ def test_case1_an_edited_record_naming_a_file_through_a_link_removes_nothing(tmp
         entry["dropped"] = {"link/config.json": 0}
     data["runs"][os.path.abspath(repo)] = {"outputs": ["link/config.json"], "dropped": {"link/config.json": 0}}
     (out / RECORD).write_text(json.dumps(data))
+    refused_then_cleared(repo, out, "was edited or is damaged")
     report = weightshare.convert_folder(repo, out, blob_grace=0)
     assert digest(repo / "config.json") == before
     assert [n for n in report.models[-1].notes if n.startswith("warning:")] == [
@@ -128,10 +144,11 @@ def test_case1_a_forged_sealed_record_cannot_reach_through_a_link_or_name_anothe
         }
     (out / RECORD).write_text(sealed(runs))
     before = {p: digest(p) for p in (repo / "config.json", out / "mine.txt")}
+    refused_then_cleared(repo, out, "was edited or is damaged")  # sub/../ makes it malformed
     report = weightshare.convert_folder(repo, out, blob_grace=0)
     assert {p: digest(p) for p in before} == before
     notes = report.models[-1].notes
-    assert any(n.startswith("warning:") and "edited" in n for n in notes)  # sub/../ makes it malformed
+    assert any(n.startswith("warning:") and "edited" in n for n in notes)
     runs = json.loads((out / RECORD).read_text())["runs"]
     for entry in runs.values():
         entry["dropped"] = {
@@ -309,6 +326,11 @@ def test_a_malformed_record_removes_nothing_with_one_warning(tmp_path, garbage):
     weightshare.convert_folder(repo, out)
     os.unlink(repo / "side.txt")
     (out / RECORD).write_bytes(garbage)
+    void = "is not JSON" if garbage == b"\xff\xfe" else "is not a record of this weightshare version"
+    void = "was edited or is damaged" if b"runs" in garbage else void
+    before = digest(out / "side.txt")
+    refused_then_cleared(repo, out, void)
+    (out / "side.txt").write_text("side")  # a file no longer written: what a sound record would drop
     before = digest(out / "side.txt")
     report = weightshare.convert_folder(repo, out, blob_grace=0)
     assert digest(out / "side.txt") == before

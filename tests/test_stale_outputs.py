@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from test_removal_proof import refused_then_cleared
 
 import weightshare
 from weightshare import _outputs_record as outputs_record
@@ -103,6 +104,7 @@ def test_a_file_the_record_names_outside_outdir_is_never_removed(tmp_path):
         entry["dropped"] = {"../victim.txt": 0, str(victim): 0, "model.onnx": 0}
         entry["outputs"] = ["../victim.txt", str(victim)]
     record.write_text(json.dumps(data))
+    refused_then_cleared(repo, out, "was edited or is damaged")  # the record vouches for none of OUT's files
     weightshare.convert_folder(repo, out, blob_grace=0)
     assert victim.read_text() == "keep me"
     assert (out / "model.onnx").exists()  # written by this run: never dropped

@@ -19,6 +19,10 @@ a blob of unknown origin) is never a candidate. The record is read, merged and w
 lock, after the renames, so concurrent runs keep each other's entries. It carries a seal (SHA-256 of its runs):
 a record that is malformed, of another format, or edited by hand removes nothing (one warning note) and is
 replaced by this run's entry alone.
+
+The same proof decides replacement (``OutputsRecord.vet``, run first at commit): a run renames its outputs only over
+nothing or over files the record names with their identity; a user's file, link or directory at an output path, an
+output edited since, or any file when the record vouches for nothing stops the run, with nothing written.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import os
 import re
 import stat
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction
+from .errors import OutputError, UsageError
 
 RECORD = ".weightshare-folder.json"  # at OUTDIR's root; also skipped when a converted folder is converted again
 FORMAT = "weightshare-outputs/2"
@@ -147,6 +153,7 @@ class OutputsRecord(CommitHook):
         self.out, self.grace_s, self.notes = Path(out), grace_s, notes
         self.runs: dict[str, list[Path]] = {}  # key -> this run's files for it
         self.inputs: list[Path] = []
+        self.void = ""  # why the record read last vouches for nothing ("" when it is sound or absent)
 
     def add(self, key: str, finals: list[Path], inputs: list[Path]) -> None:
         self.runs.setdefault(key, []).extend(finals)
@@ -155,6 +162,35 @@ class OutputsRecord(CommitHook):
     def _rel(self, final: Path) -> str | None:
         rel = os.path.relpath(os.path.abspath(final), os.path.abspath(self.out)).replace(os.sep, "/")
         return rel if _valid(rel) else None
+
+    def vet(self, finals: list[Path]) -> None:
+        """Refuse to replace what weightshare cannot prove it wrote (run first at commit, ``_Vet``):
+        a file, link or directory at one of this run's output paths must be one the record names at that path with
+        its identity (a user's file, one an earlier version wrote, one edited since, or one reached through a link
+        below OUTDIR stops the run: nothing is written, the file is kept). Read under the commit's OUTDIR lock, so
+        a concurrent run's outputs, recorded before this one commits, are its to replace."""
+        try:
+            out_fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # OUTDIR as named: followed once
+        except OSError as e:
+            raise OutputError(f"cannot open output directory: {e.strerror}", self.out) from None
+        try:
+            recorded: dict[str, list[Identity]] = {}
+            for entry in self._read(out_fd, quiet=True).values():
+                for r, i in (*entry["outputs"].items(), *entry["dropped"].items()):
+                    recorded.setdefault(r, []).append(i[:4])
+            for final in finals:
+                rel = self._rel(final)
+                why = _unproven(out_fd, rel, recorded) if rel is not None else _unproven_outside(final)
+                if why == _UNRECORDED and self.void:
+                    why = f"exists, and {RECORD} {self.void}, so nothing proves weightshare wrote it"
+                if why is not None:
+                    raise UsageError(
+                        f"{why}: nothing was written (weightshare replaces only the outputs its {RECORD} records; "
+                        "move it away or choose another output directory)",
+                        final,
+                    )
+        finally:
+            os.close(out_fd)
 
     def after(self) -> None:
         try:
@@ -219,36 +255,42 @@ class OutputsRecord(CommitHook):
         before_record_write()
         self._write(out_fd, runs)
 
-    def _read(self, out_fd: int) -> dict[str, dict[str, Any]]:
+    def _read(self, out_fd: int, quiet: bool = False) -> dict[str, dict[str, Any]]:
+        """The record's runs; {} when there is none or it vouches for nothing (noted unless ``quiet``)."""
         try:
             fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=out_fd)
         except FileNotFoundError:
             return {}
         except OSError:
-            return self._foreign("is not a regular file")
+            return self._foreign("is not a regular file", quiet)
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_RECORD:
-                return self._foreign("is not a regular file of a plausible size")
+                return self._foreign("is not a regular file of a plausible size", quiet)
             raw = os.read(fd, MAX_RECORD + 1)
         finally:
             os.close(fd)
         try:
             data = json.loads(raw.decode("utf-8"))
         except (ValueError, UnicodeDecodeError):
-            return self._foreign("is not JSON")
+            return self._foreign("is not JSON", quiet)
         if isinstance(data, dict) and data.get("format") == OLD_FORMAT:
-            self._note_old(data.get("runs"))
+            self.void = "is an earlier weightshare version's, with no file identities"
+            if not quiet:
+                self._note_old(data.get("runs"))
             return {}
         if not isinstance(data, dict) or data.get("format") != FORMAT:
-            return self._foreign("is not a record of this weightshare version")
+            return self._foreign("is not a record of this weightshare version", quiet)
         runs = data.get("runs")
         if not _well_formed(runs) or data.get("seal") != _seal(runs):
-            return self._foreign("was edited or is damaged (its seal does not match)")
+            return self._foreign("was edited or is damaged (its seal does not match)", quiet)
         assert isinstance(runs, dict)
         return runs
 
-    def _foreign(self, why: str) -> dict[str, dict[str, Any]]:
+    def _foreign(self, why: str, quiet: bool = False) -> dict[str, dict[str, Any]]:
+        self.void = why
+        if quiet:
+            return {}
         self.notes.append(
             f"warning: {self.out / RECORD} {why}: nothing was removed; it is replaced by this run's record"
         )
@@ -374,6 +416,54 @@ class OutputsRecord(CommitHook):
     tmp_name = ""  # set by ``attach``: a name this transaction's guard protects
 
 
+_UNRECORDED = "exists, and no weightshare record says it wrote it (your file, or an earlier version's)"
+
+
+class _Vet(CommitHook):
+    """``OutputsRecord.vet`` of every output of ``tx``, under the commit's locks before anything is renamed."""
+
+    def __init__(self, record: OutputsRecord, tx: OutputTransaction) -> None:
+        self.record, self.tx = record, weakref.ref(tx)  # not a cycle: the run's ORT child ends when ``tx`` goes
+
+    def before(self) -> None:
+        tx = self.tx()
+        assert tx is not None  # it is committing
+        self.record.vet(tx.finals())
+
+
+def _unproven(out_fd: int, rel: str, recorded: dict[str, list[Identity]]) -> str | None:
+    """Why OUTDIR/``rel`` may not be replaced: something is there that the record does not name with its identity
+    (None: nothing is there, or the record proves weightshare wrote it)."""
+    parts = PurePosixPath(rel).parts
+    try:
+        fds = _open_dir(out_fd, parts[:-1])
+    except FileNotFoundError:
+        return None  # its directory is still to be made: nothing can be there
+    except OSError:
+        return "lies below a link or a file in the output directory"
+    try:
+        st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be examined ({e.strerror})"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if any(_ident(st) == i for i in recorded.get(rel, [])):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "is a link weightshare did not write"
+    if rel in recorded:
+        return "was changed or replaced since weightshare wrote it"
+    return _UNRECORDED
+
+
+def _unproven_outside(final: Path) -> str | None:
+    """An output outside OUTDIR (none is planned there): refused if anything is at its path."""
+    return "exists (outside the output directory)" if os.path.lexists(final) else None
+
+
 def _at(entry: dict[str, Any], rel: str) -> list[Identity]:
     i = entry["dropped"].get(rel)
     return [i] if i is not None else []
@@ -393,5 +483,6 @@ def attach(tx: OutputTransaction, out: Path, grace_s: float, notes: list[str]) -
     tx.guard(out)  # the record's temporary is this transaction's: a concurrent run's cleanup leaves it alone
     record.tmp_name = tx.temp_name(Path(out) / RECORD).name
     tx.record_dir = Path(out)
+    tx.add_hook(_Vet(record, tx))  # the first hook: before any rename, refuse to replace what it did not write
     tx.after_commit(record.after)  # after every hook: nothing else touches the outputs once they are recorded
     return record
