@@ -1,11 +1,9 @@
 """All-or-nothing outputs.
 
-Every output file (or directory) is first written under a temporary name in its
-final directory, so the final ``os.replace`` is a same-filesystem rename. Until
-``commit()`` nothing exists under a final name; an exception, Ctrl-C, SIGTERM or a
-full disk removes the temporaries and leaves earlier outputs untouched. One
-transaction holds every output of a run, so a run with several models commits
-all of them or none.
+Every output file (or directory) is first written under a temporary name in its final directory, so the final
+``os.replace`` is a same-filesystem rename. Until ``commit()`` nothing exists under a final name; an exception,
+Ctrl-C, SIGTERM or a full disk removes the temporaries and leaves earlier outputs untouched. One transaction holds
+every output of a run, so a run with several models commits all of them or none.
 
 Temporaries are named ``.weightshare-tmp-<pid>-<token>-...`` (``token``: the transaction's) and are protected
 by an exclusive ``flock`` held by the process writing them, from creation to the end of the transaction: a
@@ -155,13 +153,9 @@ def locked_stage(directory: Path, label: str) -> Iterator[Path]:
 
 @contextmanager
 def locked_dirs(directories: Iterable[Path]) -> Iterator[None]:
-    """Hold an exclusive flock on each output directory while renaming.
-
-    Two conversions into the same OUTDIR then commit one after the other, so the
-    last one wins with a model and a blob that belong together, never a mix.
-    Directories are resolved and deduplicated first: flock-ing one directory
-    through two open file descriptions (``out`` and ``/abs/out``) would wait on itself.
-    """
+    """Hold an exclusive flock on each output directory while renaming: two conversions into one OUTDIR commit
+    one after the other, the last one winning with a model and a blob that belong together, never a mix. Resolved
+    and deduplicated first: flock-ing one directory through ``out`` and ``/abs/out`` would wait on itself."""
     fds = []
     try:
         for d in sorted({str(Path(x).resolve()) for x in directories}):
@@ -203,12 +197,16 @@ class _Done:
 
 
 class CommitHook:
-    """Work done under the OUTDIR locks around the renames (e.g. collecting old blobs)."""
+    """Work done under the OUTDIR locks around the renames (e.g. collecting old blobs); ``undone``: after a rename
+    failed and what the renames replaced was put back (the put-back files were linked and renamed: new ctimes)."""
 
     def before(self) -> None:
         pass
 
     def after(self) -> None:
+        pass
+
+    def undone(self) -> None:
         pass
 
 
@@ -349,10 +347,9 @@ class OutputTransaction:
     def commit(self) -> None:
         """Rename every temporary into place: files in the order they were created, then directories.
 
-        A model file should be created after the blob it references, so a reader
-        never sees a model whose blob is not there yet. Files inside a staged
-        directory are renamed within it before the directory itself moves. If a
-        rename fails, the renames already done are undone.
+        A model file should be created after the blob it references, so a reader never sees a model whose blob is
+        not there yet. Files inside a staged directory are renamed within it before the directory itself moves. If
+        a rename fails, the renames already done are undone.
         """
         mode_file = 0o666 & ~_umask()
         try:
@@ -404,6 +401,8 @@ class OutputTransaction:
         except BaseException:
             for d in reversed(done):
                 _undo(d)
+            for hook in self._hooks:
+                hook.undone()
             raise
         for d in done:  # every rename succeeded: drop what they replaced
             if d.old is not None:

@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
 from . import _inputs
 from ._atomic import OutputTransaction
-from ._outputs_record import attach, run_key
+from ._outputs_record import run_key
 from ._paths import check_no_overlap
+from ._replacement import attach
 from ._run import (
     check_input,
     check_options,

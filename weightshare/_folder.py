@@ -20,8 +20,9 @@ from typing import Any
 from . import _inputs
 from ._atomic import TMP_PREFIX, OutputTransaction, sweep_temporaries
 from ._inputs import PlannedInput, hold, open_input, plan_input, planned_inputs
-from ._outputs_record import RECORD, attach, run_key
+from ._outputs_record import RECORD, run_key
 from ._paths import check_no_overlap, check_utf8_path
+from ._replacement import attach
 from ._run import convert_one, finish, peak_window, prepare_out_dir, stages_named
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import Format, detect, model_suffixes

@@ -20,7 +20,7 @@ lock, after the renames, so concurrent runs keep each other's entries. It carrie
 a record that is malformed, of another format, or edited by hand removes nothing (one warning note) and is
 replaced by this run's entry alone.
 
-The same proof decides replacement (``OutputsRecord.vet``, run first at commit): a run renames its outputs only over
+The same proof decides replacement (``_replacement``, run first at commit): a run renames its outputs only over
 nothing or over files the record names with their identity; a user's file, link or directory at an output path, an
 output edited since, or any file when the record vouches for nothing stops the run, with nothing written.
 """
@@ -33,13 +33,11 @@ import os
 import re
 import stat
 import time
-import weakref
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from ._atomic import TMP_PREFIX, CommitHook, OutputTransaction
-from .errors import OutputError, UsageError
+from ._atomic import TMP_PREFIX, CommitHook
 
 RECORD = ".weightshare-folder.json"  # at OUTDIR's root; also skipped when a converted folder is converted again
 FORMAT = "weightshare-outputs/2"
@@ -113,7 +111,7 @@ def _well_formed(runs: object) -> bool:
     return True
 
 
-def _open_dir(out_fd: int, parts: tuple[str, ...]) -> list[int]:
+def open_dir_nofollow(out_fd: int, parts: tuple[str, ...]) -> list[int]:
     """Descriptors of each directory from OUTDIR down to ``parts``, none reached through a link (the caller
     closes them). Raises OSError (ELOOP, ENOTDIR) at a link or a file in the way."""
     fds = [os.dup(out_fd)]
@@ -127,10 +125,10 @@ def _open_dir(out_fd: int, parts: tuple[str, ...]) -> list[int]:
     return fds
 
 
-def _stat(out_fd: int, rel: str) -> os.stat_result | None:
+def stat_below(out_fd: int, rel: str) -> os.stat_result | None:
     parts = PurePosixPath(rel).parts
     try:
-        fds = _open_dir(out_fd, parts[:-1])
+        fds = open_dir_nofollow(out_fd, parts[:-1])
     except OSError:
         return None
     try:
@@ -142,7 +140,7 @@ def _stat(out_fd: int, rel: str) -> os.stat_result | None:
             os.close(fd)
 
 
-def _ident(st: os.stat_result) -> Identity:
+def identity_of(st: os.stat_result) -> Identity:
     return [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns]
 
 
@@ -159,38 +157,9 @@ class OutputsRecord(CommitHook):
         self.runs.setdefault(key, []).extend(finals)
         self.inputs += inputs
 
-    def _rel(self, final: Path) -> str | None:
+    def relative(self, final: Path) -> str | None:
         rel = os.path.relpath(os.path.abspath(final), os.path.abspath(self.out)).replace(os.sep, "/")
         return rel if _valid(rel) else None
-
-    def vet(self, finals: list[Path]) -> None:
-        """Refuse to replace what weightshare cannot prove it wrote (run first at commit, ``_Vet``):
-        a file, link or directory at one of this run's output paths must be one the record names at that path with
-        its identity (a user's file, one an earlier version wrote, one edited since, or one reached through a link
-        below OUTDIR stops the run: nothing is written, the file is kept). Read under the commit's OUTDIR lock, so
-        a concurrent run's outputs, recorded before this one commits, are its to replace."""
-        try:
-            out_fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # OUTDIR as named: followed once
-        except OSError as e:
-            raise OutputError(f"cannot open output directory: {e.strerror}", self.out) from None
-        try:
-            recorded: dict[str, list[Identity]] = {}
-            for entry in self._read(out_fd, quiet=True).values():
-                for r, i in (*entry["outputs"].items(), *entry["dropped"].items()):
-                    recorded.setdefault(r, []).append(i[:4])
-            for final in finals:
-                rel = self._rel(final)
-                why = _unproven(out_fd, rel, recorded) if rel is not None else _unproven_outside(final)
-                if why == _UNRECORDED and self.void:
-                    why = f"exists, and {RECORD} {self.void}, so nothing proves weightshare wrote it"
-                if why is not None:
-                    raise UsageError(
-                        f"{why}: nothing was written (weightshare replaces only the outputs its {RECORD} records; "
-                        "move it away or choose another output directory)",
-                        final,
-                    )
-        finally:
-            os.close(out_fd)
 
     def after(self) -> None:
         try:
@@ -206,19 +175,19 @@ class OutputsRecord(CommitHook):
 
     def _update(self, out_fd: int) -> None:
         now = time.time()
-        runs = self._read(out_fd)
+        runs = self.read_runs(out_fd)
         mine: dict[str, dict[str, Identity]] = {}
         written: set[str] = set()
         for key, finals in self.runs.items():
             mine[key] = {}
             for final in finals:
-                rel = self._rel(final)
+                rel = self.relative(final)
                 if rel is None:
                     continue
                 written.add(rel)
-                st = _stat(out_fd, rel)
+                st = stat_below(out_fd, rel)
                 if st is not None:  # else written through a link below OUTDIR: never ours to remove
-                    mine[key][rel] = _ident(st)
+                    mine[key][rel] = identity_of(st)
         for key, entry in runs.items():  # what this run wrote is its own now: the old identities are stale
             if key in mine:
                 continue
@@ -253,9 +222,9 @@ class OutputsRecord(CommitHook):
         keep = max(0, MAX_RUNS - len(mine))  # this run's entries always stay: forgetting them would keep their files
         runs = dict(others[len(others) - keep :] if keep else []) | {k: runs[k] for k in mine}
         before_record_write()
-        self._write(out_fd, runs)
+        self.write_runs(out_fd, runs)
 
-    def _read(self, out_fd: int, quiet: bool = False) -> dict[str, dict[str, Any]]:
+    def read_runs(self, out_fd: int, quiet: bool = False) -> dict[str, dict[str, Any]]:
         """The record's runs; {} when there is none or it vouches for nothing (noted unless ``quiet``)."""
         try:
             fd = os.open(RECORD, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=out_fd)
@@ -318,7 +287,7 @@ class OutputsRecord(CommitHook):
         it names it). None when removed or already gone."""
         parts = PurePosixPath(rel).parts
         try:
-            fds = _open_dir(out_fd, parts[:-1])
+            fds = open_dir_nofollow(out_fd, parts[:-1])
         except FileNotFoundError:
             return None
         except OSError:
@@ -330,7 +299,7 @@ class OutputsRecord(CommitHook):
                 return None
             if not stat.S_ISREG(st.st_mode):
                 return "not a regular file (a link or a directory)"
-            if not any(_ident(st) == i[:4] for i in recorded):
+            if not any(identity_of(st) == i[:4] for i in recorded):
                 return "changed or replaced since weightshare wrote it"
             if (st.st_dev, st.st_ino) in self._input_ids():
                 return "an input of this run"
@@ -373,7 +342,7 @@ class OutputsRecord(CommitHook):
         for d in sorted(dirs):
             parts = () if d == "." else PurePosixPath(d).parts
             try:
-                fds = _open_dir(out_fd, parts)
+                fds = open_dir_nofollow(out_fd, parts)
             except OSError:
                 continue
             try:
@@ -385,7 +354,7 @@ class OutputsRecord(CommitHook):
                 rel = name if d == "." else f"{d}/{name}"
                 if rel in known or not _DIGEST_NAMED.fullmatch(name) or name.startswith(TMP_PREFIX):
                     continue
-                st = _stat(out_fd, rel)
+                st = stat_below(out_fd, rel)
                 if st is not None and stat.S_ISREG(st.st_mode) and not self._named(rel):
                     found.append(rel)
         if found:
@@ -395,7 +364,7 @@ class OutputsRecord(CommitHook):
                 "earlier version, or not by weightshare) and no model references it; remove by hand if not needed"
             )
 
-    def _write(self, out_fd: int, runs: dict[str, dict[str, Any]]) -> None:
+    def write_runs(self, out_fd: int, runs: dict[str, dict[str, Any]]) -> None:
         text = json.dumps({"format": FORMAT, "runs": runs, "seal": _seal(runs)}, indent=1, sort_keys=True) + "\n"
         tmp = self.tmp_name
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666, dir_fd=out_fd)
@@ -416,54 +385,6 @@ class OutputsRecord(CommitHook):
     tmp_name = ""  # set by ``attach``: a name this transaction's guard protects
 
 
-_UNRECORDED = "exists, and no weightshare record says it wrote it (your file, or an earlier version's)"
-
-
-class _Vet(CommitHook):
-    """``OutputsRecord.vet`` of every output of ``tx``, under the commit's locks before anything is renamed."""
-
-    def __init__(self, record: OutputsRecord, tx: OutputTransaction) -> None:
-        self.record, self.tx = record, weakref.ref(tx)  # not a cycle: the run's ORT child ends when ``tx`` goes
-
-    def before(self) -> None:
-        tx = self.tx()
-        assert tx is not None  # it is committing
-        self.record.vet(tx.finals())
-
-
-def _unproven(out_fd: int, rel: str, recorded: dict[str, list[Identity]]) -> str | None:
-    """Why OUTDIR/``rel`` may not be replaced: something is there that the record does not name with its identity
-    (None: nothing is there, or the record proves weightshare wrote it)."""
-    parts = PurePosixPath(rel).parts
-    try:
-        fds = _open_dir(out_fd, parts[:-1])
-    except FileNotFoundError:
-        return None  # its directory is still to be made: nothing can be there
-    except OSError:
-        return "lies below a link or a file in the output directory"
-    try:
-        st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        return f"cannot be examined ({e.strerror})"
-    finally:
-        for fd in fds:
-            os.close(fd)
-    if any(_ident(st) == i for i in recorded.get(rel, [])):
-        return None
-    if stat.S_ISLNK(st.st_mode):
-        return "is a link weightshare did not write"
-    if rel in recorded:
-        return "was changed or replaced since weightshare wrote it"
-    return _UNRECORDED
-
-
-def _unproven_outside(final: Path) -> str | None:
-    """An output outside OUTDIR (none is planned there): refused if anything is at its path."""
-    return "exists (outside the output directory)" if os.path.lexists(final) else None
-
-
 def _at(entry: dict[str, Any], rel: str) -> list[Identity]:
     i = entry["dropped"].get(rel)
     return [i] if i is not None else []
@@ -475,14 +396,3 @@ def _is_model(rel: str) -> bool:
     suffixes = model_file_suffixes()  # first: it imports the formats, which declare their DATA_SUFFIXES
     suffix = PurePosixPath(rel).suffix
     return (suffixes is None or suffix in suffixes) and suffix not in DATA_SUFFIXES
-
-
-def attach(tx: OutputTransaction, out: Path, grace_s: float, notes: list[str]) -> OutputsRecord:
-    """The run's record update, run last at ``tx``'s commit under the OUTDIR lock; the caller ``add``s its files."""
-    record = OutputsRecord(out, grace_s, notes)
-    tx.guard(out)  # the record's temporary is this transaction's: a concurrent run's cleanup leaves it alone
-    record.tmp_name = tx.temp_name(Path(out) / RECORD).name
-    tx.record_dir = Path(out)
-    tx.add_hook(_Vet(record, tx))  # the first hook: before any rename, refuse to replace what it did not write
-    tx.after_commit(record.after)  # after every hook: nothing else touches the outputs once they are recorded
-    return record

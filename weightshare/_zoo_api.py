@@ -13,8 +13,9 @@ from ._atomic import OutputTransaction
 from ._disk import DiskPeak
 from ._folder import FolderReport, copied_as_is, is_model_folder, run_folder
 from ._inputs import hold, plan_inputs, planned_inputs
-from ._outputs_record import RECORD, attach, named_key
+from ._outputs_record import RECORD, named_key
 from ._pipeline import PreparedModel, blob_target, write_models
+from ._replacement import attach
 from ._run import check_input, check_outputs, convert_one, finish, peak_window, prepare_out_dir, stages_named
 from .errors import Unsupported, UsageError
 from .formats import Format, detect

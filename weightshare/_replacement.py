@@ -1,0 +1,133 @@
+"""What a run may replace in OUTDIR: only what the outputs record (``_outputs_record``) proves weightshare wrote.
+
+At commit, under the OUTDIR lock and before any rename (``ReplacementProof.before``, the transaction's first hook),
+each output path must hold nothing, or a file, directory or link that the record names at that path with the
+identity it had right after weightshare wrote it (device, inode, size, ctime: the removal rule's proof). Anything
+else stops the run with nothing written: a user's file, link or directory at an output path, an output edited,
+chmod-ed or replaced since, a path below a link or a file in OUTDIR, and every file when the record vouches for
+nothing (missing, edited, damaged, an earlier version's). The record is read under the lock, so a concurrent run's
+outputs, recorded before this one commits, are this run's to replace.
+
+A rename that fails at commit puts back what the renames replaced, each through a link and a rename (same inode,
+new ctime); ``ReplacementProof.undone`` records the new identities, so that they stay provably weightshare's.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import weakref
+from pathlib import Path, PurePosixPath
+
+from ._atomic import CommitHook, OutputTransaction
+from ._outputs_record import RECORD, Identity, OutputsRecord, identity_of, open_dir_nofollow, stat_below
+from .errors import OutputError, UsageError
+
+_UNRECORDED = "exists, and no weightshare record says it wrote it (your file, or an earlier version's)"
+
+
+def attach(tx: OutputTransaction, out: Path, grace_s: float, notes: list[str]) -> OutputsRecord:
+    """The run's record update, run last at ``tx``'s commit under the OUTDIR lock (the caller ``add``s its files),
+    and before it, ahead of any rename, the proof that every output path may be replaced."""
+    record = OutputsRecord(out, grace_s, notes)
+    tx.guard(out)  # the record's temporary is this transaction's: a concurrent run's cleanup leaves it alone
+    record.tmp_name = tx.temp_name(Path(out) / RECORD).name
+    tx.record_dir = Path(out)
+    tx.add_hook(ReplacementProof(record, tx))  # the first hook: before any rename
+    tx.after_commit(record.after)  # after every hook: nothing else touches the outputs once they are recorded
+    return record
+
+
+class ReplacementProof(CommitHook):
+    """``before``: refuse to replace what ``record`` does not prove weightshare wrote; ``undone``: restamp."""
+
+    def __init__(self, record: OutputsRecord, tx: OutputTransaction) -> None:
+        self.record, self.tx = record, weakref.ref(tx)  # not a cycle: the run's ORT child ends when ``tx`` goes
+        self.vetted: dict[str, Identity] = {}  # what this run's outputs replace, as recorded
+
+    def before(self) -> None:
+        tx = self.tx()
+        assert tx is not None  # it is committing
+        out, rec = self.record.out, self.record
+        try:
+            out_fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # OUTDIR as named: followed once
+        except OSError as e:
+            raise OutputError(f"cannot open output directory: {e.strerror}", out) from None
+        try:
+            recorded: dict[str, list[Identity]] = {}
+            for entry in rec.read_runs(out_fd, quiet=True).values():
+                for r, i in (*entry["outputs"].items(), *entry["dropped"].items()):
+                    recorded.setdefault(r, []).append(i[:4])
+            for final in tx.finals():
+                rel = rec.relative(final)
+                why = _unproven(out_fd, rel, recorded) if rel is not None else _unproven_outside(final)
+                st = stat_below(out_fd, rel) if rel is not None and why is None else None
+                if rel is not None and st is not None:
+                    self.vetted[rel] = identity_of(st)
+                if why == _UNRECORDED and rec.void:
+                    why = f"exists, and {RECORD} {rec.void}, so nothing proves weightshare wrote it"
+                if why is not None:
+                    raise UsageError(
+                        f"{why}: nothing was written (weightshare replaces only the outputs its {RECORD} records; "
+                        "move it away or choose another output directory)",
+                        final,
+                    )
+        finally:
+            os.close(out_fd)
+
+    def undone(self) -> None:
+        """The files the failed commit put back: their new identities recorded (best effort, as the undo)."""
+        try:
+            out_fd = os.open(self.record.out, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            runs, moved = self.record.read_runs(out_fd, quiet=True), {}
+            for rel, old in self.vetted.items():
+                st = stat_below(out_fd, rel)
+                if st is not None and identity_of(st)[:3] == old[:3] and identity_of(st) != old:
+                    moved[rel] = (old, identity_of(st))
+            for entry in runs.values():
+                for part in (entry["outputs"], entry["dropped"]):
+                    for rel, (old, new) in moved.items():
+                        if rel in part and part[rel][:4] == old:
+                            part[rel] = new + part[rel][4:]
+            if moved and runs:
+                self.record.write_runs(out_fd, runs)
+        except OSError:
+            pass  # a file the record no longer vouches for is only kept, and the next run says so
+        finally:
+            os.close(out_fd)
+
+
+def _unproven(out_fd: int, rel: str, recorded: dict[str, list[Identity]]) -> str | None:
+    """Why OUTDIR/``rel`` may not be replaced: something is there that the record does not name with its identity
+    (None: nothing is there, or the record proves weightshare wrote it)."""
+    parts = PurePosixPath(rel).parts
+    try:
+        fds = open_dir_nofollow(out_fd, parts[:-1])
+    except FileNotFoundError:
+        return None  # its directory is still to be made: nothing can be there
+    except OSError:
+        return "lies below a link or a file in the output directory"
+    try:
+        st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return f"cannot be examined ({e.strerror})"
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if any(identity_of(st) == i for i in recorded.get(rel, [])):
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return "is a link weightshare did not write"
+    if rel in recorded:
+        return "was changed or replaced since weightshare wrote it"
+    return _UNRECORDED
+
+
+def _unproven_outside(final: Path) -> str | None:
+    """An output outside OUTDIR (none is planned there): refused if anything is at its path."""
+    return "exists (outside the output directory)" if os.path.lexists(final) else None
