@@ -165,18 +165,59 @@ def test_bench_plot_without_matplotlib_is_a_one_line_hint(two, cli, tmp_path):
 
 
 def test_demo_clean_removes_only_what_the_demo_wrote(cli, tmp_path):
+    """Before: --clean removed any mlp_fp16.onnx, converted/ and prepacked/ in --dir, a user's own included, and
+    the demo wrote its model over a user's mlp_fp16.onnx. Now: only what the outputs records prove it wrote."""
+    from weightshare._demo import clean_demo
+
     demo = tmp_path / "demo"
     (demo / "converted").mkdir(parents=True)
-    (demo / "mlp_fp16.onnx").write_bytes(b"x")
+    (demo / "mlp_fp16.onnx").write_bytes(b"x")  # named like the demo's files, written by nobody's demo
     (demo / "converted" / "mlp_fp16.onnx").write_bytes(b"x")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "e.txt").write_text("outside")
+    (demo / "prepacked").symlink_to(elsewhere)
     res = cli("demo", "--clean", "--dir", demo)
-    assert res.returncode == 0 and not demo.exists() and "removed" in res.stdout
+    assert res.returncode == 0 and "nothing the demo wrote to remove" in res.stdout, res.stdout
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == [
+        "demo",
+        "demo/converted",
+        "demo/converted/mlp_fp16.onnx",
+        "demo/mlp_fp16.onnx",
+        "demo/prepacked",
+        "elsewhere",
+        "elsewhere/e.txt",
+    ]
+    # the demo itself refuses to write over the user's model of that name, in one line
+    res = cli("demo", "--dir", demo, "--layers", "1", "--sessions", "1")
+    assert res.returncode == 2 and "mlp_fp16.onnx: exists, and no weightshare record" in res.stderr, res.stderr
+    assert (demo / "mlp_fp16.onnx").read_bytes() == b"x"
+    # what a demo run wrote goes, the user's files beside it stay (the conversion steps alone: no sessions needed)
     mine = tmp_path / "mine"
     mine.mkdir()
-    (mine / "mlp_fp16.onnx").write_bytes(b"x")
     (mine / "notes.txt").write_text("keep me")
-    assert cli("demo", "--clean", "--dir", mine).returncode == 0
-    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    (mine / "converted").mkdir()
+    (mine / "converted" / "user.txt").write_text("keep me too")
+    from weightshare import api
+    from weightshare._atomic import OutputTransaction
+    from weightshare._outputs_record import run_key
+    from weightshare._replacement import attach
+    from weightshare._samples import mlp_onnx
+
+    with OutputTransaction() as tx:  # as run_demo writes its model
+        record = attach(tx, mine, 0, [])
+        mlp_onnx(tx.new_file(mine / "mlp_fp16.onnx"), layers=1, dim=64)
+        record.add(run_key("demo", [mine / "mlp_fp16.onnx"]), tx.finals(), [])
+    api.convert(mine / "mlp_fp16.onnx", mine / "converted")
+    (mine / "converted" / "edited.onnx").write_bytes(b"y")
+    removed, kept = clean_demo(mine)
+    assert removed and kept == [], kept
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == [
+        "converted",
+        "converted/edited.onnx",
+        "converted/user.txt",
+        "notes.txt",
+    ]
 
 
 @pytest.mark.slow

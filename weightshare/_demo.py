@@ -9,34 +9,39 @@ from pathlib import Path
 import numpy as np
 
 from . import api
+from ._atomic import OutputTransaction
+from ._outputs_record import OutputsRecord, run_key
+from ._replacement import attach
 from ._samples import mlp_onnx
 from .options import ConvertOptions
 from .report import JsonDict
 
-DEMO_FILES = ("mlp_fp16.onnx", "converted", "prepacked")
 
-
-def clean_demo(workdir: Path) -> bool:
-    """Remove what ``run_demo`` wrote in ``workdir``; only a directory holding nothing but demo files is removed
-    (``--dir`` may name a user's folder, which must not be deleted wholesale)."""
-    import shutil
-
+def clean_demo(workdir: Path) -> tuple[bool, list[str]]:
+    """Remove what ``run_demo`` wrote in ``workdir``: every file the outputs records of ``workdir`` and of its
+    ``converted``/``prepacked`` OUTDIRs prove it wrote, then each of these directories if that left it empty
+    (``--dir`` may name a user's folder: a file of the same name that the demo did not write is kept, and said so).
+    (whether anything was removed, a note for each file kept)."""
     workdir = Path(workdir)
-    if not workdir.is_dir():
-        return False
+    notes: list[str] = []
+    if not workdir.is_dir() or workdir.is_symlink():
+        return False, notes
     removed = False
-    for name in DEMO_FILES:
-        target = workdir / name
-        if target.is_dir():
-            shutil.rmtree(target)
-            removed = True
-        elif target.exists():
-            target.unlink()
-            removed = True
-    if not any(workdir.iterdir()):
-        workdir.rmdir()
-        removed = True
-    return removed
+    for d in (workdir / "converted", workdir / "prepacked", workdir):
+        if d.is_symlink() or not d.is_dir():
+            continue
+        removed = OutputsRecord(d, 0, notes).remove_recorded() or removed
+        if d != workdir:
+            _rmdir_if_empty(d)
+    _rmdir_if_empty(workdir)
+    return removed or not workdir.exists(), notes
+
+
+def _rmdir_if_empty(d: Path) -> None:
+    try:
+        os.rmdir(d)
+    except OSError:
+        pass  # not empty (a file kept), or gone
 
 
 def run_demo(
@@ -48,7 +53,10 @@ def run_demo(
     workdir.mkdir(parents=True, exist_ok=True)
     original = workdir / "mlp_fp16.onnx"
     progress(f"building {original} ({layers} layers of 2048x2048 fp16 behind Cast)")
-    mlp_onnx(original, layers=layers, dim=2048, weights="float16")
+    with OutputTransaction() as tx:  # recorded, so that --clean removes it and a user's file of its name is kept
+        record = attach(tx, workdir, 0, [])
+        mlp_onnx(tx.new_file(original), layers=layers, dim=2048, weights="float16")
+        record.add(run_key("demo", [original]), tx.finals(), [])
     progress("converting")
     report = api.convert(original, workdir / "converted")
     converted = Path(report.outputs[0])

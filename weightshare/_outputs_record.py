@@ -384,6 +384,32 @@ class OutputsRecord(CommitHook):
 
     tmp_name = ""  # set by ``attach``: a name this transaction's guard protects
 
+    def remove_recorded(self) -> bool:
+        """Remove every file the record proves weightshare wrote in OUTDIR (models first), then the record itself
+        if nothing it names is kept (``weightshare demo --clean``); each file kept is a note. True if any went."""
+        try:
+            out_fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:
+            runs, gone = self.read_runs(out_fd), False
+            named = sorted({r for e in runs.values() for r in (*e["outputs"], *e["dropped"])})
+            for r in sorted(named, key=lambda r: (not _is_model(r), r)):
+                ids = [
+                    i for e in runs.values() for i in (*_at(e, r), *([e["outputs"][r]] if r in e["outputs"] else []))
+                ]
+                kept = self._remove(out_fd, r, ids)
+                if kept is not None:
+                    self.notes.append(
+                        f"kept {self.out / r}: {'a model beside it names it' if kept == 'named' else kept}"
+                    )
+                gone = gone or kept is None
+            if runs and len(self.notes) == 0:
+                os.unlink(RECORD, dir_fd=out_fd)
+            return gone
+        finally:
+            os.close(out_fd)
+
 
 def _at(entry: dict[str, Any], rel: str) -> list[Identity]:
     i = entry["dropped"].get(rel)

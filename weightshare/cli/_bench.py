@@ -111,8 +111,17 @@ def demo(
     as_json = how != "text"
     with user_errors():
         if clean:
-            removed = clean_demo(workdir)
-            info(f"removed {workdir.resolve()}" if removed else f"nothing to remove at {workdir.resolve()}")
+            removed, kept = clean_demo(workdir)
+            where = workdir.resolve()
+            info(
+                f"removed {where}"
+                if not workdir.exists()
+                else f"removed the demo's files in {where}"
+                if removed
+                else f"nothing the demo wrote to remove at {where}"
+            )
+            for note in kept:
+                info(note)
             return
         # the fp16 original, the fp32 blob, and the --prepack blob (fp32 payloads plus ORT's packed copies)
         nbytes = layers * (2048 * 2048 + 2048) * (2 + 4 + 8)
