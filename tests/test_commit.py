@@ -113,12 +113,16 @@ def test_a_good_and_a_bad_model_leave_nothing(tmp_path, cli):
     assert tree(out) == {"keep.txt": hashlib.sha256(b"mine").hexdigest()}
 
 
-def test_a_rename_error_at_commit_undoes_the_renames_already_done(tmp_path, monkeypatch):
+def two_models(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
+    """(src, src/a.onnx, src/b.onnx, out): two small models and where they go."""
     src = tmp_path / "src"
     src.mkdir()
     a = mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=1)
-    b = mlp_onnx(src / "b.onnx", layers=2, dim=128, seed=2)
-    out = tmp_path / "out"
+    return src, a, mlp_onnx(src / "b.onnx", layers=2, dim=128, seed=2), tmp_path / "out"
+
+
+def test_a_rename_error_at_commit_undoes_the_renames_already_done(tmp_path, monkeypatch):
+    src, a, b, out = two_models(tmp_path)
     weightshare.api.convert_many([a, b], out)  # an earlier a.onnx, b.onnx and their blobs, recorded
     before = tree(out)
     mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=3)  # a changes: its new output would replace the old one
@@ -144,11 +148,7 @@ def test_a_rename_error_at_commit_undoes_the_renames_already_done(tmp_path, monk
 
 
 def test_a_directory_at_an_output_path_stops_the_run_before_any_rename(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    a = mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=1)
-    b = mlp_onnx(src / "b.onnx", layers=2, dim=128, seed=2)
-    out = tmp_path / "out"
+    src, a, b, out = two_models(tmp_path)
     weightshare.convert(a, out)  # an earlier a.onnx and its blob
     (out / "b.onnx").mkdir()  # a directory of the user's where b's output would go
     (out / "b.onnx" / "x").write_text("x")
@@ -273,11 +273,7 @@ def test_readme_zoo_example_with_relative_paths_from_a_cwd(tmp_path, cli):
 
 
 def test_zoo_rerun_drops_models_no_longer_listed(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    a = mlp_onnx(src / "a.onnx", layers=2, dim=128, seed=1)
-    b = mlp_onnx(src / "b.onnx", layers=2, dim=128, seed=2)
-    out = tmp_path / "out"
+    src, a, b, out = two_models(tmp_path)
     weightshare.api.convert_zoo([a, b], out, "zoo")
     weightshare.api.convert_zoo([a], out, "zoo", blob_grace=0)  # a dropped model waits the grace period too
     assert not (out / "b.onnx").exists() and (out / "a.onnx").exists()
