@@ -10,6 +10,7 @@ import pytest
 
 import weightshare
 from weightshare._atomic import TMP_PREFIX, clean_stale_temporaries
+from weightshare._outputs_record import RECORD
 from weightshare._samples import mlp_onnx
 
 DEAD = f"{TMP_PREFIX}4000000-0123456789ab"  # a transaction of a PID above pid_max: killed, its lock gone
@@ -78,3 +79,87 @@ def test_a_dead_guard_stays_while_a_temporary_below_it_is_left(tmp_path):
     assert clean_stale_temporaries(out) == []  # OUTDIR alone: the temporary below still needs the guard
     assert clean_stale_temporaries(out / "sub") == [below]
     assert clean_stale_temporaries(out) == [out / f"{DEAD}.guard"]
+
+
+@pytest.mark.parametrize("way", ["model", "folder"])
+@pytest.mark.parametrize("kind", ["link", "directory"])
+def test_a_users_link_or_directory_at_the_records_name_stays(tmp_path, cli, way, kind):
+    """Before: a user's link there was replaced by the record (exit 0); a directory there made the run commit
+    its outputs with no record (exit 0, a warning), outputs the next run then refused as nobody's."""
+    src = tmp_path / "in"
+    src.mkdir()
+    mlp_onnx(src / "m.onnx", layers=1, dim=16)
+    out = tmp_path / "out"
+    out.mkdir()
+    target = tmp_path / "mine.json"
+    target.write_text('{"mine": 1}')
+    if kind == "link":
+        (out / RECORD).symlink_to(target)
+    else:
+        (out / RECORD).mkdir()
+        (out / RECORD / "f").write_text("mine")
+    res = cli("convert", src / "m.onnx" if way == "model" else src, "-o", out)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert RECORD in res.stderr and "Traceback" not in res.stderr
+    assert sorted(p.name for p in out.iterdir()) == [RECORD]  # nothing written
+    assert target.read_text() == '{"mine": 1}'
+    if kind == "link":
+        assert os.readlink(out / RECORD) == str(target)
+    else:
+        assert (out / RECORD / "f").read_text() == "mine"
+
+
+@pytest.mark.parametrize("change", ["added", "edited", "removed"])
+def test_a_file_changed_deep_inside_a_recorded_core_ml_package_stops_its_replacement(tmp_path, cli, change):
+    """A package's directory keeps its ctime when a file two levels down is added, edited or removed: before,
+    the re-run swapped the package and removed the old tree, the user's file in it included (exit 0)."""
+    from coreml_fixtures import mlp
+
+    pkg = mlp(tmp_path / "m" / "net.mlpackage", hidden=64)
+    out = tmp_path / "out"
+    assert cli("convert", pkg, "-o", out).returncode == 0
+    assert cli("convert", pkg, "-o", out).returncode == 0  # untouched: its own output, replaced
+    inner = out / "net.mlpackage" / "Data" / "com.apple.CoreML"
+    if change == "added":
+        (inner / "mine.txt").write_text("the user's")
+    elif change == "edited":
+        with open(inner / "model.mlmodel", "ab") as f:
+            f.write(b"the user's")
+    else:
+        (inner / "weights" / "weight.bin").unlink()
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    res = cli("convert", pkg, "-o", out)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "net.mlpackage: was changed or replaced since weightshare wrote it" in res.stderr, res.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("theirs", ["directory", "file", "link"])
+def test_merge_replaces_only_a_package_it_wrote(tmp_path, cli, theirs):
+    """Before: ``merge -o X.mlpackage`` swapped out a user's X.mlpackage and removed the whole tree, their files
+    in it included (exit 0); a file or link there failed naming a temporary. Now ``merge`` records its package
+    like any output: a re-merge replaces it; anything else at its name stays, in one line, exit 2."""
+    from coreml_fixtures import mlp
+
+    a, b = mlp(tmp_path / "a.mlpackage", hidden=64), mlp(tmp_path / "b.mlpackage", hidden=64, seed=1)
+    out = tmp_path / "out"
+    out.mkdir()
+    target = out / "X.mlpackage"
+    if theirs == "directory":
+        (target / "sub").mkdir(parents=True)
+        (target / "sub" / "notes.txt").write_text("the user's")
+    elif theirs == "file":
+        target.write_text("the user's")
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        target.symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    res = cli("merge", a, b, "-o", target)
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert f"{target}: " in res.stderr and ".weightshare-tmp-" not in res.stderr, res.stderr
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in out.iterdir()) == ["X.mlpackage"]
+    assert theirs != "link" or not list((tmp_path / "elsewhere").iterdir())
+    assert cli("merge", a, b, "-o", out / "Y.mlpackage").returncode == 0
+    res = cli("merge", b, a, "-o", out / "Y.mlpackage")  # its own package: replaced
+    assert res.returncode == 0, res.stderr
