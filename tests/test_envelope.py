@@ -163,3 +163,34 @@ def test_merge_replaces_only_a_package_it_wrote(tmp_path, cli, theirs):
     assert cli("merge", a, b, "-o", out / "Y.mlpackage").returncode == 0
     res = cli("merge", b, a, "-o", out / "Y.mlpackage")  # its own package: replaced
     assert res.returncode == 0, res.stderr
+
+
+def test_demo_clean_keeps_a_users_own_conversion_in_converted(tmp_path, cli):
+    """Before: ``demo --clean --dir X`` removed every file the record of X/converted named, so a user's own
+    ``convert u.onnx -o X/converted`` went (and X with it). Now only the demo's runs' files go."""
+    from weightshare import api
+    from weightshare._atomic import OutputTransaction
+    from weightshare._outputs_record import run_key
+    from weightshare._replacement import attach
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    with OutputTransaction() as tx:  # as run_demo writes its model (the sessions' part needs no files)
+        record = attach(tx, demo, 0, [])
+        mlp_onnx(tx.new_file(demo / "mlp_fp16.onnx"), layers=1, dim=16)
+        record.add(run_key("demo", [demo / "mlp_fp16.onnx"]), tx.finals(), [])
+    api.convert(demo / "mlp_fp16.onnx", demo / "converted")
+    api.convert(demo / "mlp_fp16.onnx", demo / "prepacked")
+    mlp_onnx(tmp_path / "u.onnx", layers=1, dim=16, seed=3)
+    assert cli("convert", tmp_path / "u.onnx", "-o", demo / "converted").returncode == 0
+    mine = {p: p.read_bytes() for p in (demo / "converted").glob("u*")}
+    assert len(mine) == 2
+    res = cli("demo", "--clean", "--dir", demo)
+    assert res.returncode == 0, res.stderr
+    assert {p: p.read_bytes() for p in mine} == mine
+    assert sorted(p.relative_to(demo).as_posix() for p in demo.rglob("*") if p.name != RECORD) == [
+        "converted",
+        *sorted(p.relative_to(demo).as_posix() for p in mine),
+    ]
+    res = cli("convert", tmp_path / "u.onnx", "-o", demo / "converted")  # still provably weightshare's
+    assert res.returncode == 0, res.stderr

@@ -26,11 +26,13 @@ def clean_demo(workdir: Path) -> tuple[bool, list[str]]:
     notes: list[str] = []
     if not workdir.is_dir() or workdir.is_symlink():
         return False, notes
-    removed = False
+    removed, original = False, workdir / "mlp_fp16.onnx"
     for d in (workdir / "converted", workdir / "prepacked", workdir):
         if d.is_symlink() or not d.is_dir():
             continue
-        removed = OutputsRecord(d, 0, notes).remove_recorded() or removed
+        # the demo's runs only: a conversion of the user's own into converted/ is not the demo's to remove
+        key = run_key("demo" if d == workdir else "model", [original])
+        removed = OutputsRecord(d, 0, notes).remove_recorded({key}) or removed
         if d != workdir:
             _rmdir_if_empty(d)
     _rmdir_if_empty(workdir)

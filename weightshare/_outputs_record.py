@@ -404,15 +404,17 @@ class OutputsRecord(CommitHook):
 
     tmp_name = ""  # set by ``attach``: a name this transaction's guard protects
 
-    def remove_recorded(self) -> bool:
-        """Remove every file the record proves weightshare wrote in OUTDIR (models first), then the record itself
-        if nothing it names is kept (``weightshare demo --clean``); each file kept is a note. True if any went."""
+    def remove_recorded(self, keys: set[str]) -> bool:
+        """Remove every file the record proves the runs ``keys`` wrote in OUTDIR (models first), then the record
+        itself if it names no other run and nothing was kept (``weightshare demo --clean``: a user's own
+        conversion into the same OUTDIR is another run, and stays); each file kept is a note. True if any went."""
         try:
             out_fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return False
         try:
-            runs, gone = self.read_runs(out_fd), False
+            every = self.read_runs(out_fd)
+            runs, gone, noted = {k: e for k, e in every.items() if k in keys}, False, len(self.notes)
             named = sorted({r for e in runs.values() for r in (*e["outputs"], *e["dropped"])})
             for r in sorted(named, key=lambda r: (not _is_model(r), r)):
                 ids = [
@@ -424,7 +426,7 @@ class OutputsRecord(CommitHook):
                         f"kept {self.out / r}: {'a model beside it names it' if kept == 'named' else kept}"
                     )
                 gone = gone or kept is None
-            if runs and len(self.notes) == 0:
+            if runs and len(runs) == len(every) and len(self.notes) == noted:
                 os.unlink(RECORD, dir_fd=out_fd)
             return gone
         finally:
