@@ -194,3 +194,16 @@ def test_demo_clean_keeps_a_users_own_conversion_in_converted(tmp_path, cli):
     ]
     res = cli("convert", tmp_path / "u.onnx", "-o", demo / "converted")  # still provably weightshare's
     assert res.returncode == 0, res.stderr
+
+
+def test_a_side_file_named_like_a_temporary_is_named_not_silently_left_out(tmp_path):
+    """A model folder's own ``.weightshare-tmp-notes.txt`` (or directory) is not copied, like the temporaries the
+    prefix marks; before, it was left out of OUTDIR without a word. A real temporary there is skipped quietly."""
+    src = tmp_path / "in"
+    src.mkdir()
+    mlp_onnx(src / "m.onnx", layers=1, dim=16)
+    (src / f"{TMP_PREFIX}notes.txt").write_text("mine")
+    (src / f"{TMP_PREFIX}4000000-0123456789ab-89abcdef-c.json").write_text("a dead run's")
+    report = weightshare.convert_folder(src, tmp_path / "out")
+    said = [n for n in report.notes if TMP_PREFIX in n]
+    assert len(said) == 1 and said[0].startswith(f"{TMP_PREFIX}notes.txt: not copied"), report.notes

@@ -48,6 +48,11 @@ _TX_NAME = re.compile(r"\.weightshare-tmp-(\d+)-([0-9a-f]{12})(?:-[0-9a-f]{8}-.|
 _STAGE_NAME = re.compile(r"\.weightshare-tmp-[0-9a-f]{16}-[a-z][a-z-]*")
 
 
+def temporary(name: str) -> bool:
+    """``name`` is one weightshare gives its temporaries (whoever's, alive or dead)."""
+    return bool(_TX_NAME.match(name) or _STAGE_NAME.fullmatch(name))
+
+
 def _guard_dead(entry: Path, name: str) -> bool:
     """The transaction guard ``name`` (in the entry's directory or an ancestor) exists and no live writer holds
     it: the proof that ``entry`` is a dead run's. A missing guard proves nothing; a held one protects it."""
