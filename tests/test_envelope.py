@@ -207,3 +207,53 @@ def test_a_side_file_named_like_a_temporary_is_named_not_silently_left_out(tmp_p
     report = weightshare.convert_folder(src, tmp_path / "out")
     said = [n for n in report.notes if TMP_PREFIX in n]
     assert len(said) == 1 and said[0].startswith(f"{TMP_PREFIX}notes.txt: not copied"), report.notes
+
+
+def _waiting_on(pid: int, directory: Path) -> bool:
+    """``pid`` waits for an flock of ``directory`` (a blocked entry in /proc/locks)."""
+    ino = os.stat(directory).st_ino
+    for line in Path("/proc/locks").read_text().splitlines():
+        f = line.split()
+        if "->" in f and f[f.index("->") + 4] == str(pid) and f[f.index("->") + 5].endswith(f":{ino}"):
+            return True
+    return False
+
+
+def test_a_run_of_other_inputs_waiting_on_a_commit_replaces_only_its_outputs(tmp_path, monkeypatch):
+    """Another folder's run into OUTDIR starts while this run's commit holds the lock (between its renames and
+    its record's write): it waits, then replaces the shared name as the recorded output it is; a user's file
+    stays; the first run's blob, named by no model now, goes (grace 0)."""
+    import subprocess
+    import sys
+    import time
+
+    from weightshare import _outputs_record
+
+    for i in (1, 2):
+        (tmp_path / f"in{i}").mkdir()
+        mlp_onnx(tmp_path / f"in{i}" / "a.onnx", layers=1, dim=16, seed=i)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "mine.txt").write_text("mine")
+    other: list[subprocess.Popen[str]] = []
+
+    def start_the_other_run() -> None:
+        if other:
+            return
+        cmd = [sys.executable, "-m", "weightshare", "convert", tmp_path / "in2", "-o", out, "--blob-grace", "0"]
+        other.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        deadline = time.monotonic() + 60
+        while not _waiting_on(other[0].pid, out):  # it reached its commit and waits for ours
+            assert other[0].poll() is None and time.monotonic() < deadline, other[0].communicate()
+            time.sleep(0.01)
+
+    monkeypatch.setattr(_outputs_record, "before_record_write", start_the_other_run)
+    weightshare.convert_folder(tmp_path / "in1", out, blob_grace=0)
+    _, err = other[0].communicate(timeout=120)
+    assert other[0].returncode == 0, err
+    names = sorted(p.name for p in out.iterdir() if p.name != RECORD)
+    assert names[0] == "a.onnx" and names[2] == "mine.txt" and len(names) == 3, names
+    assert (out / "mine.txt").read_text() == "mine"
+    ref = weightshare.convert_folder(tmp_path / "in2", tmp_path / "ref")  # the second run's outputs, alone
+    assert (out / "a.onnx").read_bytes() == (tmp_path / "ref" / "a.onnx").read_bytes()
+    assert names[1] == Path(ref.models[0].outputs[1]).name
