@@ -257,3 +257,38 @@ def test_a_run_of_other_inputs_waiting_on_a_commit_replaces_only_its_outputs(tmp
     ref = weightshare.convert_folder(tmp_path / "in2", tmp_path / "ref")  # the second run's outputs, alone
     assert (out / "a.onnx").read_bytes() == (tmp_path / "ref" / "a.onnx").read_bytes()
     assert names[1] == Path(ref.models[0].outputs[1]).name
+
+
+def test_demo_refuses_a_link_below_its_dir(tmp_path, cli):
+    """Before: with converted/ a link, the demo wrote its conversion into the link's target, where --clean never
+    looks (exit 0)."""
+    demo, elsewhere = tmp_path / "demo", tmp_path / "elsewhere"
+    demo.mkdir()
+    elsewhere.mkdir()
+    (demo / "converted").symlink_to(elsewhere)
+    res = cli("demo", "--dir", demo, "--layers", "1", "--sessions", "1")
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "converted: is a link" in res.stderr, res.stderr
+    assert sorted(p.name for p in demo.iterdir()) == ["converted"] and not list(elsewhere.iterdir())
+
+
+def test_demo_clean_through_a_linked_dir(tmp_path, cli):
+    """Before: with --dir a link (followed once by the demo's run, as OUTDIR is), --clean removed nothing and said
+    the demo wrote nothing there."""
+    from weightshare import api
+    from weightshare._atomic import OutputTransaction
+    from weightshare._outputs_record import run_key
+    from weightshare._replacement import attach
+
+    real, link = tmp_path / "real", tmp_path / "link"
+    real.mkdir()
+    link.symlink_to(real)
+    (real / "notes.txt").write_text("mine")
+    with OutputTransaction() as tx:  # as run_demo writes its model, through the link as named
+        record = attach(tx, link, 0, [])
+        mlp_onnx(tx.new_file(link / "mlp_fp16.onnx"), layers=1, dim=16)
+        record.add(run_key("demo", [link / "mlp_fp16.onnx"]), tx.finals(), [])
+    api.convert(link / "mlp_fp16.onnx", link / "converted")
+    res = cli("demo", "--clean", "--dir", link)
+    assert res.returncode == 0 and "removed the demo's files" in res.stdout, res.stdout
+    assert sorted(p.name for p in real.iterdir()) == ["notes.txt"] and link.is_symlink()
