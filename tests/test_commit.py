@@ -319,9 +319,11 @@ def test_a_locked_temporary_of_a_pid_that_looks_dead_is_kept(tmp_path, cli):
     out = tmp_path / "out"
     out.mkdir()
     pid = 4_000_000  # above pid_max (2^22): no such process here
-    tmp = out / f"{TMP_PREFIX}{pid}-abcd1234-m.onnx"
+    guard = out / f"{TMP_PREFIX}{pid}-abcd12345678.guard"  # its transaction's guard: what it holds
+    tmp = out / f"{TMP_PREFIX}{pid}-abcd12345678-0000abcd-m.onnx"
+    tmp.write_bytes(b"half")
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(tmp)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", HOLDER, str(guard)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -331,7 +333,7 @@ def test_a_locked_temporary_of_a_pid_that_looks_dead_is_kept(tmp_path, cli):
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    assert clean_stale_temporaries(out) == [tmp] and not tmp.exists()  # lock released: stale now
+    assert clean_stale_temporaries(out) == [tmp, guard] and not tmp.exists()  # lock released: stale now
 
 
 def test_an_interrupt_between_creating_and_locking_a_temporary_leaves_nothing(tmp_path, monkeypatch):

@@ -100,9 +100,12 @@ def test_a_dead_runs_scratch_is_swept_a_live_ones_kept(tmp_path: Path) -> None:
     """A run killed with -9 leaves its scratch in memory: the next run removes it, never one a live run holds."""
     import fcntl
 
-    dead, live, other = tmp_path / f"{SCRATCH_PREFIX}dead", tmp_path / f"{SCRATCH_PREFIX}live", tmp_path / "other"
-    for d in (dead, live, other):
+    live, other = tmp_path / f"{SCRATCH_PREFIX}live", tmp_path / "other"
+    dead = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=tmp_path))  # as a run makes it
+    yours = tmp_path / f"{SCRATCH_PREFIX}notes"  # named like one, but not as a run makes it: a user's
+    for d in (live, other, yours):
         d.mkdir()
+    for d in (dead, live, other, yours):
         (d / "ort.seg0-4.bin").write_bytes(b"x" * 4096)
     (tmp_path / f"{SCRATCH_PREFIX}link").symlink_to(other)  # a name like a scratch's, a directory it never made
     held = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
@@ -110,6 +113,7 @@ def test_a_dead_runs_scratch_is_swept_a_live_ones_kept(tmp_path: Path) -> None:
         fcntl.flock(held, fcntl.LOCK_EX)
         sweep_scratch(str(tmp_path))
         assert not dead.exists() and live.exists() and other.exists()
+        assert (yours / "ort.seg0-4.bin").exists()
         assert (other / "ort.seg0-4.bin").exists()  # nothing removed through the link
     finally:
         os.close(held)

@@ -10,9 +10,9 @@ by an exclusive ``flock`` held by the process writing them, from creation to the
 temporary directory by a lock on itself, the temporary files by one guard file per transaction,
 ``.weightshare-tmp-<pid>-<token>.guard``, in their directory or an ancestor of it (a folder conversion guards
 OUTDIR once for its whole tree), so that a run staging thousands of files holds a few descriptors, not one per
-file. A later run removes only temporaries no live lock protects (neither their guard's nor their own): a PID
-from another PID namespace (another container sharing the volume) may look dead here, but its lock is still
-visible through the shared file.
+file. A later run removes only temporaries no live lock protects (neither their guard's nor their own), and only
+what is provably weightshare's (``_stale``): a PID from another PID namespace (another container sharing the
+volume) may look dead here, but its lock is still visible through the shared file.
 """
 
 from __future__ import annotations
@@ -29,95 +29,29 @@ from types import TracebackType
 
 from ._paths import no_link_below
 from ._platform import require_posix, same_file
+from ._stale import TMP_PREFIX, clean_stale_temporaries, guard_name, sweep_temporaries
 from .errors import OutputError, UsageError
+
+__all__ = [
+    "TMP_PREFIX",
+    "CommitHook",
+    "OutputTransaction",
+    "clean_stale_temporaries",
+    "locked_dirs",
+    "locked_stage",
+    "sweep_temporaries",
+]
 
 try:
     import fcntl
 except ImportError:  # Windows: the package still imports; an OutputTransaction refuses (require_posix)
     fcntl = None  # type: ignore[assignment]
 
-TMP_PREFIX = ".weightshare-tmp-"
-
 
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _try_lock(path: Path) -> int | None:
-    """An fd holding an exclusive flock on ``path``, or None when another process holds it (or it vanished)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def _guard_name(pid: int | str, token: str) -> str:
-    return f"{TMP_PREFIX}{pid}-{token}.guard"
-
-
-def _guarded(entry: Path) -> bool:
-    """A live transaction's guard (in the entry's directory or an ancestor) protects this temporary."""
-    parts = entry.name[len(TMP_PREFIX) :].split("-", 2)
-    if len(parts) < 3 or not parts[0].isdigit() or not parts[1]:
-        return False
-    name = _guard_name(parts[0], parts[1])
-    for d in (entry.parent, *entry.parent.parents):
-        guard = d / name
-        try:
-            fd = os.open(guard, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except OSError:
-            return True  # its writer holds it
-        finally:
-            os.close(fd)
-        return False
-    return False
-
-
-def clean_stale_temporaries(directory: Path) -> list[Path]:
-    """Remove temporaries that no live process holds (their writer's flock is gone)."""
-    removed: list[Path] = []
-    if not directory.is_dir():
-        return removed
-    for entry in directory.iterdir():
-        if not entry.name.startswith(TMP_PREFIX) or entry.is_symlink() or _guarded(entry):
-            continue
-        fd = _try_lock(entry)
-        if fd is None:  # a live writer holds it, whatever its PID looks like from here
-            continue
-        try:
-            if entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
-        finally:
-            os.close(fd)
-        removed.append(entry)
-    return removed
-
-
-def sweep_temporaries(root: Path) -> list[Path]:
-    """``clean_stale_temporaries`` in ``root`` and every directory below it (links not followed; temporary
-    directories are removed whole, not entered): a run killed in a subdirectory of OUTDIR that holds no model
-    left its temporaries where no later run would otherwise look."""
-    removed: list[Path] = []
-    if not root.is_dir() or root.is_symlink():
-        return removed
-    for here, dirs, _names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(TMP_PREFIX)]
-        removed += clean_stale_temporaries(Path(here))
-    return removed
 
 
 @contextmanager
@@ -240,7 +174,7 @@ class OutputTransaction:
         directory = Path(directory)
         if directory in self._guards:
             return
-        path = directory / _guard_name(os.getpid(), self._token)
+        path = directory / guard_name(os.getpid(), self._token)
         for _attempt in range(10):
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -271,7 +205,7 @@ class OutputTransaction:
         A temporary file is protected by its directory's guard (``guard``), taken before it exists, and holds
         no descriptor of its own; a temporary directory holds a lock on itself."""
         final = Path(final)
-        if not is_dir and not self._guarded_dir(final.parent):
+        if not self._guarded_dir(final.parent):  # a directory too: the guard proves it a dead run's (``_stale``)
             self.guard(final.parent)
         for _attempt in range(10):
             t = _Temp(self.temp_name(final), final, is_dir)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, Unpack, overload
 
 from . import _inputs
 from ._atomic import OutputTransaction
-from ._outputs_record import run_key
+from ._outputs_record import named_key, run_key
 from ._paths import check_no_overlap
 from ._replacement import attach
 from ._run import (
@@ -428,7 +428,12 @@ def merge(
     if merge_models is None:
         raise Unsupported(f"{fmt.name} models cannot be merged into one multifunction model", paths[0])
     start = time.perf_counter()
+    notes: list[str] = []
     with peak_window(), OutputTransaction() as tx:
-        prepare_out_dir(out.parent if str(out.parent) else Path("."), tx)
+        parent = prepare_out_dir(out.parent if str(out.parent) else Path("."), tx)
+        # recorded in its directory like any output: a later merge replaces it, and only it, never a user's tree
+        record = attach(tx, parent, options.blob_grace_s, notes)
         report: ConversionReport = merge_models(paths, list(function_names or []), default_function, out, options, tx)
+        record.add(named_key("merge", out.name), tx.finals(), paths)
+    report.notes += notes
     return finish(report, start)

@@ -11,6 +11,7 @@ import numpy as np
 from . import api
 from ._atomic import OutputTransaction
 from ._outputs_record import OutputsRecord, run_key
+from ._paths import no_link_below
 from ._replacement import attach
 from ._samples import mlp_onnx
 from .options import ConvertOptions
@@ -24,16 +25,20 @@ def clean_demo(workdir: Path) -> tuple[bool, list[str]]:
     (whether anything was removed, a note for each file kept)."""
     workdir = Path(workdir)
     notes: list[str] = []
-    if not workdir.is_dir() or workdir.is_symlink():
+    if not workdir.is_dir():
         return False, notes
-    removed = False
-    for d in (workdir / "converted", workdir / "prepacked", workdir):
+    real = workdir.resolve()  # --dir itself, as named, is followed once (as the demo's run did); nothing below it
+    removed, original = False, workdir / "mlp_fp16.onnx"
+    for d in (real / "converted", real / "prepacked", real):
         if d.is_symlink() or not d.is_dir():
             continue
-        removed = OutputsRecord(d, 0, notes).remove_recorded() or removed
-        if d != workdir:
+        # the demo's runs only (keyed by its model's path as named): a user's own conversion into converted/ stays
+        key = run_key("demo" if d == real else "model", [original])
+        removed = OutputsRecord(d, 0, notes).remove_recorded({key}) or removed
+        if d != real:
             _rmdir_if_empty(d)
-    _rmdir_if_empty(workdir)
+    if not workdir.is_symlink():
+        _rmdir_if_empty(workdir)
     return removed or not workdir.exists(), notes
 
 
@@ -50,6 +55,8 @@ def run_demo(
     from ._runtimes.ort import measure_sessions, new_session
 
     workdir = Path(workdir)
+    for d in (workdir / "converted", workdir / "prepacked"):  # a link there would put them where --clean never looks
+        no_link_below(workdir, d)
     workdir.mkdir(parents=True, exist_ok=True)
     original = workdir / "mlp_fp16.onnx"
     progress(f"building {original} ({layers} layers of 2048x2048 fp16 behind Cast)")

@@ -24,6 +24,7 @@ from ._outputs_record import RECORD, run_key
 from ._paths import check_no_overlap, check_utf8_path
 from ._replacement import attach
 from ._run import convert_one, finish, peak_window, prepare_out_dir, stages_named
+from ._stale import temporary
 from .errors import OutputError, UnsafePath, Unsupported, UsageError
 from .formats import Format, detect, model_suffixes
 from .formats.base import KeepsAsIs
@@ -89,6 +90,9 @@ def run_folder(
     # a directory of OUT swapped for a link into the folder would have its outputs written over the inputs
     check_no_overlap([folder], [out_dir / rel for rel in plan.models + plan.copies])
     report = FolderReport(str(folder))
+    report.notes += [
+        f"{rel}: not copied: its name starts like weightshare's temporaries; rename it" for rel in plan.unlike
+    ]
     start = time.perf_counter()
     notes: list[str] = []  # what the outputs record kept, and why
     with peak_window(), planned_inputs(plan.inputs), OutputTransaction() as tx:
@@ -147,6 +151,7 @@ class FolderPlan:
     copies: list[Path] = field(default_factory=list)
     weight_files: list[Path] = field(default_factory=list)  # referenced by a model: converted, not copied
     inputs: list[PlannedInput] = field(default_factory=list)  # every model and file as planned: their identities
+    unlike: list[Path] = field(default_factory=list)  # named with the temporaries' prefix, not as one: not copied
 
 
 def plan_folder(folder: Path) -> FolderPlan:
@@ -182,6 +187,7 @@ def plan_folder(folder: Path) -> FolderPlan:
             if Path(d).suffix in suffixes:
                 plan.models.append(rel / d)  # a model package: converted, not walked
                 _plan_one(plan, here / d, roots)
+        plan.unlike += [rel / n for n in sorted((*dirs, *names)) if n.startswith(TMP_PREFIX) and not temporary(n)]
         dirs[:] = sorted(d for d in dirs if Path(d).suffix not in suffixes and not d.startswith(TMP_PREFIX))
         for name in sorted(names):
             if name.startswith(TMP_PREFIX) or name == RECORD:

@@ -144,6 +144,26 @@ def identity_of(st: os.stat_result) -> Identity:
     return [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns]
 
 
+def identity_at(out_fd: int, rel: str, st: os.stat_result) -> Identity:
+    """``identity_of`` OUTDIR/``rel`` (``st``: its lstat); a directory's (a Core ML package) covers its whole tree,
+    in place of its size: a file added, edited or removed deep inside changes no ctime of the directory itself."""
+    if not stat.S_ISDIR(st.st_mode):
+        return identity_of(st)
+    tree = hashlib.sha256()
+    fds = open_dir_nofollow(out_fd, PurePosixPath(rel).parts)
+    try:
+        for root, dirs, files, root_fd in os.fwalk(".", dir_fd=fds[-1], follow_symlinks=False):
+            dirs.sort()  # links to directories are listed here, stat-ed below as links, never entered
+            for name in sorted((*dirs, *files)):
+                e = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
+                line = f"{root}/{name}\0{e.st_mode} {e.st_ino} {e.st_size} {e.st_ctime_ns}\n"
+                tree.update(line.encode("utf-8", "surrogateescape"))
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return [st.st_dev, st.st_ino, int.from_bytes(tree.digest()[:7], "big"), st.st_ctime_ns]
+
+
 class OutputsRecord(CommitHook):
     """The record's update, run last at commit (``attach``), under the OUTDIR lock."""
 
@@ -187,7 +207,7 @@ class OutputsRecord(CommitHook):
                 written.add(rel)
                 st = stat_below(out_fd, rel)
                 if st is not None:  # else written through a link below OUTDIR: never ours to remove
-                    mine[key][rel] = identity_of(st)
+                    mine[key][rel] = identity_at(out_fd, rel, st)
         for key, entry in runs.items():  # what this run wrote is its own now: the old identities are stale
             if key in mine:
                 continue
@@ -384,15 +404,17 @@ class OutputsRecord(CommitHook):
 
     tmp_name = ""  # set by ``attach``: a name this transaction's guard protects
 
-    def remove_recorded(self) -> bool:
-        """Remove every file the record proves weightshare wrote in OUTDIR (models first), then the record itself
-        if nothing it names is kept (``weightshare demo --clean``); each file kept is a note. True if any went."""
+    def remove_recorded(self, keys: set[str]) -> bool:
+        """Remove every file the record proves the runs ``keys`` wrote in OUTDIR (models first), then the record
+        itself if it names no other run and nothing was kept (``weightshare demo --clean``: a user's own
+        conversion into the same OUTDIR is another run, and stays); each file kept is a note. True if any went."""
         try:
             out_fd = os.open(self.out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             return False
         try:
-            runs, gone = self.read_runs(out_fd), False
+            every = self.read_runs(out_fd)
+            runs, gone, noted = {k: e for k, e in every.items() if k in keys}, False, len(self.notes)
             named = sorted({r for e in runs.values() for r in (*e["outputs"], *e["dropped"])})
             for r in sorted(named, key=lambda r: (not _is_model(r), r)):
                 ids = [
@@ -404,7 +426,7 @@ class OutputsRecord(CommitHook):
                         f"kept {self.out / r}: {'a model beside it names it' if kept == 'named' else kept}"
                     )
                 gone = gone or kept is None
-            if runs and len(self.notes) == 0:
+            if runs and len(runs) == len(every) and len(self.notes) == noted:
                 os.unlink(RECORD, dir_fd=out_fd)
             return gone
         finally:

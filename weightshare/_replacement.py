@@ -20,7 +20,7 @@ import weakref
 from pathlib import Path, PurePosixPath
 
 from ._atomic import CommitHook, OutputTransaction
-from ._outputs_record import RECORD, Identity, OutputsRecord, identity_of, open_dir_nofollow, stat_below
+from ._outputs_record import RECORD, Identity, OutputsRecord, identity_at, open_dir_nofollow, stat_below
 from .errors import OutputError, UsageError
 
 _UNRECORDED = "exists, and no weightshare record says it wrote it (your file, or an earlier version's)"
@@ -54,6 +54,7 @@ class ReplacementProof(CommitHook):
         except OSError as e:
             raise OutputError(f"cannot open output directory: {e.strerror}", out) from None
         try:
+            _refuse_a_non_record(out_fd, out)
             recorded: dict[str, list[Identity]] = {}
             for entry in rec.read_runs(out_fd, quiet=True).values():
                 for r, i in (*entry["outputs"].items(), *entry["dropped"].items()):
@@ -63,7 +64,7 @@ class ReplacementProof(CommitHook):
                 why = _unproven(out_fd, rel, recorded) if rel is not None else _unproven_outside(final)
                 st = stat_below(out_fd, rel) if rel is not None and why is None else None
                 if rel is not None and st is not None:
-                    self.vetted[rel] = identity_of(st)
+                    self.vetted[rel] = identity_at(out_fd, rel, st)
                 if why == _UNRECORDED and rec.void:
                     why = f"exists, and {RECORD} {rec.void}, so nothing proves weightshare wrote it"
                 if why is not None:
@@ -85,8 +86,9 @@ class ReplacementProof(CommitHook):
             runs, moved = self.record.read_runs(out_fd, quiet=True), {}
             for rel, old in self.vetted.items():
                 st = stat_below(out_fd, rel)
-                if st is not None and identity_of(st)[:3] == old[:3] and identity_of(st) != old:
-                    moved[rel] = (old, identity_of(st))
+                now = identity_at(out_fd, rel, st) if st is not None else None
+                if now is not None and now[:3] == old[:3] and now != old:
+                    moved[rel] = (old, now)
             for entry in runs.values():
                 for part in (entry["outputs"], entry["dropped"]):
                     for rel, (old, new) in moved.items():
@@ -98,6 +100,22 @@ class ReplacementProof(CommitHook):
             pass  # a file the record no longer vouches for is only kept, and the next run says so
         finally:
             os.close(out_fd)
+
+
+def _refuse_a_non_record(out_fd: int, out: Path) -> None:
+    """The record's own path is written too: a link, directory or other non-file there is never weightshare's
+    record (it writes a regular file, by a rename), so it stays; a regular file there is a record, sound or void."""
+    try:
+        st = os.stat(RECORD, dir_fd=out_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        what = "a link" if stat.S_ISLNK(st.st_mode) else "a directory" if stat.S_ISDIR(st.st_mode) else "not a file"
+        raise UsageError(
+            f"is {what}, not weightshare's record: nothing was written (move it away or choose another output "
+            "directory)",
+            Path(out) / RECORD,
+        )
 
 
 def _unproven(out_fd: int, rel: str, recorded: dict[str, list[Identity]]) -> str | None:
@@ -119,7 +137,11 @@ def _unproven(out_fd: int, rel: str, recorded: dict[str, list[Identity]]) -> str
     finally:
         for fd in fds:
             os.close(fd)
-    if any(identity_of(st) == i for i in recorded.get(rel, [])):
+    try:
+        now = identity_at(out_fd, rel, st)
+    except OSError as e:
+        return f"cannot be examined ({e.strerror})"
+    if any(now == i for i in recorded.get(rel, [])):
         return None
     if stat.S_ISLNK(st.st_mode):
         return "is a link weightshare did not write"

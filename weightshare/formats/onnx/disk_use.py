@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -94,6 +95,7 @@ def mark_overlaps(ranges: list[ReleasedRange]) -> None:
 SCRATCH = "scratch"  # in a staging: a link to an ORT child's memory-backed directory
 SCRATCH_ENV = "WEIGHTSHARE_ORT_SCRATCH"  # where that directory is made ("0": none, the files stay on disk)
 SCRATCH_PREFIX = "weightshare-ort-"
+_MKDTEMP_NAME = re.compile(re.escape(SCRATCH_PREFIX) + r"[a-z0-9_]{8}")  # tempfile's names
 
 
 @contextmanager
@@ -150,8 +152,14 @@ def sweep_scratch(root: str) -> None:
             continue  # a live run's
         try:
             held, named = os.fstat(fd), os.stat(path, follow_symlinks=False)
-            # the directory locked is the one named (not swapped since), and this user's: only then removed
-            if (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino) and named.st_uid == os.getuid():
+            # the directory locked is the one named (not swapped since), this user's, and as mkdtemp makes one
+            # (its name's shape, mode 0o700): only then removed; a directory of yours named like one stays
+            if (
+                (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+                and named.st_uid == os.getuid()
+                and not named.st_mode & 0o077
+                and _MKDTEMP_NAME.fullmatch(name)
+            ):
                 shutil.rmtree(path, ignore_errors=True)
         finally:
             os.close(fd)
