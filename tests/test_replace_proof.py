@@ -21,6 +21,7 @@ import onnxruntime as ort
 import pytest
 from test_commit import one_line_error
 
+import weightshare
 from weightshare._outputs_record import RECORD
 from weightshare._samples import mlp_onnx
 
@@ -46,6 +47,19 @@ def source(tmp_path: Path) -> Path:
 def args(mode: str, src: Path, out: Path) -> list[str]:
     given, _ = MODES[mode]
     return ["convert", *(a.format(src=src) for a in given), "-o", str(out), "--blob-grace", "0"]
+
+
+def convert(mode: str, src: Path, out: Path) -> None:
+    """The run ``args`` names, through the library (no interpreter start per run; the CLI's one line is checked
+    once per mode)."""
+    given, _ = MODES[mode]
+    inputs = [Path(a.format(src=src)) for a in given if not a.startswith("--") and a != "z"]
+    if mode == "folder":
+        weightshare.convert_folder(src, out, blob_grace=0)
+    elif "--shared-blob" in given:
+        weightshare.convert_zoo(inputs, out, "z", blob_grace=0)
+    else:
+        weightshare.convert(inputs if len(inputs) > 1 else inputs[0], out, blob_grace=0)
 
 
 def snapshot(*roots: Path) -> dict[str, str]:
@@ -83,7 +97,12 @@ def test_a_users_entry_at_an_output_path_stops_the_run_and_is_kept(tmp_path, cli
     intrude(kind, target, elsewhere)
     (out / "mine.txt").write_text("another file of the user's")
     before = snapshot(out, elsewhere, src)
-    line = one_line_error(cli(*args(mode, src, out)))
+    if kind == "file":  # as a user runs it: one line, exit 2
+        line = one_line_error(cli(*args(mode, src, out)))
+    else:
+        with pytest.raises(weightshare.UsageError) as refused:
+            convert(mode, src, out)
+        line = str(refused.value)
     assert snapshot(out, elsewhere, src) == before  # nothing replaced, nothing written (no record, no blob)
     if mode != "zoo":  # a zoo refuses a directory no zoo wrote before it looks at names
         assert f"{target}: " in line and "nothing was written" in line, line
@@ -93,9 +112,8 @@ def test_a_users_entry_at_an_output_path_stops_the_run_and_is_kept(tmp_path, cli
 @pytest.mark.parametrize("mode", list(MODES))
 def test_an_output_changed_since_weightshare_wrote_it_is_kept(tmp_path, cli, mode, change):
     src, out = source(tmp_path), tmp_path / "out"
-    assert cli(*args(mode, src, out)).returncode == 0
-    rerun = cli(*args(mode, src, out))
-    assert rerun.returncode == 0, rerun.stderr  # its own untouched outputs: replaced
+    convert(mode, src, out)
+    convert(mode, src, out)  # its own untouched outputs: replaced
     target = out / MODES[mode][1]
     if change == "edited":
         with open(target, "r+b") as f:  # same inode, same size: another ctime
@@ -109,12 +127,17 @@ def test_an_output_changed_since_weightshare_wrote_it_is_kept(tmp_path, cli, mod
         os.replace(target, tmp_path / "moved")
         target.symlink_to(tmp_path / "moved")
     before = snapshot(out, src) | snapshot(tmp_path / "moved") if change == "link" else snapshot(out, src)
-    line = one_line_error(cli(*args(mode, src, out)))
+    if change == "edited":  # as a user runs it: one line, exit 2
+        line = one_line_error(cli(*args(mode, src, out)))
+    else:
+        with pytest.raises(weightshare.UsageError) as refused:
+            convert(mode, src, out)
+        line = str(refused.value)
     why = "is a link weightshare did not write" if change == "link" else "was changed or replaced since"
     assert f"{target}: {why}" in line, line
     assert (snapshot(out, src) | snapshot(tmp_path / "moved") if change == "link" else snapshot(out, src)) == before
     target.unlink()  # moved away, as the error asks: the run goes on
-    assert cli(*args(mode, src, out)).returncode == 0
+    convert(mode, src, out)
     if target.suffix == ".onnx":
         feeds = {"x": np.random.default_rng(0).standard_normal((4, 64), dtype=np.float32)}
         original = ort.InferenceSession(str(src / "onnx" / target.name)).run(None, feeds)[0]
