@@ -291,3 +291,24 @@ def test_demo_clean_through_a_linked_dir(tmp_path, cli):
     res = cli("demo", "--clean", "--dir", link)
     assert res.returncode == 0 and "removed the demo's files" in res.stdout, res.stdout
     assert sorted(p.name for p in real.iterdir()) == ["notes.txt"] and link.is_symlink()
+
+
+def test_a_temporary_its_run_could_not_remove_keeps_its_guard_and_goes_with_the_next_run(tmp_path):
+    """Before: a failed run's guard was removed even when one of its temporaries could not be (here a directory
+    put where its file was), so no later run could prove that leftover a dead run's: it stayed for good."""
+    from weightshare._atomic import OutputTransaction, clean_stale_temporaries
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(RuntimeError), OutputTransaction() as tx:
+        tmp = tx.new_file(out / "model.onnx")
+        tmp.unlink()
+        tmp.mkdir()  # unlink() of it fails at abort: EISDIR
+        (tmp / "inside").write_bytes(b"half-written")
+        raise RuntimeError("the run fails")
+    left = {p.name for p in out.iterdir()}
+    assert tmp.name in left and len(left) == 2  # the guard stays beside it, unlocked
+    (guard_name,) = left - {tmp.name}
+    assert guard_name.endswith(".guard")
+    assert [p.name for p in clean_stale_temporaries(out)] == [tmp.name, guard_name]  # the guard last
+    assert list(out.iterdir()) == []

@@ -371,10 +371,14 @@ class OutputTransaction:
             if t.fd is not None:
                 os.close(t.fd)
                 t.fd = None
+        left = [t.tmp for t in self._pending if os.path.lexists(t.tmp)]  # a removal that failed (abort)
         self._pending.clear()
         for path, fd in self._guards.values():  # after every temporary is renamed or removed
             try:
-                os.unlink(path)
+                if not any(
+                    path.parent in p.parents for p in left
+                ):  # else it stays: the proof that they are a dead run's
+                    os.unlink(path)
             except OSError:
                 pass
             os.close(fd)
