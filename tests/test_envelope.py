@@ -3,6 +3,7 @@ weightshare writes, and the temporaries it cleans."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -312,3 +313,22 @@ def test_a_temporary_its_run_could_not_remove_keeps_its_guard_and_goes_with_the_
     assert guard_name.endswith(".guard")
     assert [p.name for p in clean_stale_temporaries(out)] == [tmp.name, guard_name]  # the guard last
     assert list(out.iterdir()) == []
+
+
+def test_a_package_recorded_by_the_earlier_rule_is_named_as_such(tmp_path):
+    """A record written before a directory's identity covered its tree names the package by its own size: it
+    cannot vouch for the files inside, so the package is kept, and the error says why (not "changed")."""
+    from coreml_fixtures import mlp
+
+    from weightshare._outputs_record import FORMAT, _seal
+
+    pkg = mlp(tmp_path / "m" / "net.mlpackage", hidden=64)
+    out = tmp_path / "out"
+    weightshare.convert(pkg, out)
+    data = json.loads((out / RECORD).read_text())
+    st = os.lstat(out / "net.mlpackage")
+    for entry in data["runs"].values():
+        entry["outputs"]["net.mlpackage"] = [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns]
+    (out / RECORD).write_text(json.dumps({"format": FORMAT, "runs": data["runs"], "seal": _seal(data["runs"])}))
+    with pytest.raises(weightshare.UsageError, match="recorded by an earlier weightshare version"):
+        weightshare.convert(pkg, out)

@@ -145,6 +145,9 @@ def _unproven(out_fd: int, rel: str, recorded: dict[str, list[Identity]]) -> str
         return None
     if stat.S_ISLNK(st.st_mode):
         return "is a link weightshare did not write"
+    old_style = [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns]  # a directory as recorded before its tree counted
+    if stat.S_ISDIR(st.st_mode) and old_style in recorded.get(rel, []):
+        return "was recorded by an earlier weightshare version, whose record cannot vouch for the files inside it"
     if rel in recorded:
         return "was changed or replaced since weightshare wrote it"
     return _UNRECORDED
