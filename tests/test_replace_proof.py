@@ -62,6 +62,15 @@ def convert(mode: str, src: Path, out: Path) -> None:
         weightshare.convert(inputs if len(inputs) > 1 else inputs[0], out, blob_grace=0)
 
 
+def refusal(cli, mode: str, src: Path, out: Path, by_cli: bool) -> str:
+    """The refused run's error: as a user runs it (one line, exit 2) when ``by_cli``, else through the library."""
+    if by_cli:
+        return one_line_error(cli(*args(mode, src, out)))
+    with pytest.raises(weightshare.UsageError) as refused:
+        convert(mode, src, out)
+    return str(refused.value)
+
+
 def snapshot(*roots: Path) -> dict[str, str]:
     """Every entry below ``roots``, links not followed: a file's content hash, a link's target, a directory."""
     seen = {}
@@ -97,12 +106,7 @@ def test_a_users_entry_at_an_output_path_stops_the_run_and_is_kept(tmp_path, cli
     intrude(kind, target, elsewhere)
     (out / "mine.txt").write_text("another file of the user's")
     before = snapshot(out, elsewhere, src)
-    if kind == "file":  # as a user runs it: one line, exit 2
-        line = one_line_error(cli(*args(mode, src, out)))
-    else:
-        with pytest.raises(weightshare.UsageError) as refused:
-            convert(mode, src, out)
-        line = str(refused.value)
+    line = refusal(cli, mode, src, out, by_cli=kind == "file")
     assert snapshot(out, elsewhere, src) == before  # nothing replaced, nothing written (no record, no blob)
     if mode != "zoo":  # a zoo refuses a directory no zoo wrote before it looks at names
         assert f"{target}: " in line and "nothing was written" in line, line
@@ -127,12 +131,7 @@ def test_an_output_changed_since_weightshare_wrote_it_is_kept(tmp_path, cli, mod
         os.replace(target, tmp_path / "moved")
         target.symlink_to(tmp_path / "moved")
     before = snapshot(out, src) | snapshot(tmp_path / "moved") if change == "link" else snapshot(out, src)
-    if change == "edited":  # as a user runs it: one line, exit 2
-        line = one_line_error(cli(*args(mode, src, out)))
-    else:
-        with pytest.raises(weightshare.UsageError) as refused:
-            convert(mode, src, out)
-        line = str(refused.value)
+    line = refusal(cli, mode, src, out, by_cli=change == "edited")
     why = "is a link weightshare did not write" if change == "link" else "was changed or replaced since"
     assert f"{target}: {why}" in line, line
     assert (snapshot(out, src) | snapshot(tmp_path / "moved") if change == "link" else snapshot(out, src)) == before
