@@ -375,9 +375,7 @@ class OutputTransaction:
         self._pending.clear()
         for path, fd in self._guards.values():  # after every temporary is renamed or removed
             try:
-                if not any(
-                    path.parent in p.parents for p in left
-                ):  # else it stays: the proof that they are a dead run's
+                if not any(path.parent in p.parents for p in left):  # else kept: the proof they are a dead run's
                     os.unlink(path)
             except OSError:
                 pass

@@ -61,10 +61,9 @@ class ReplacementProof(CommitHook):
                     recorded.setdefault(r, []).append(i[:4])
             for final in tx.finals():
                 rel = rec.relative(final)
-                why = _unproven(out_fd, rel, recorded) if rel is not None else _unproven_outside(final)
-                st = stat_below(out_fd, rel) if rel is not None and why is None else None
-                if rel is not None and st is not None:
-                    self.vetted[rel] = identity_at(out_fd, rel, st)
+                why, now = _unproven(out_fd, rel, recorded) if rel is not None else (_unproven_outside(final), None)
+                if rel is not None and now is not None:
+                    self.vetted[rel] = now  # what this run replaces, as recorded
                 if why == _UNRECORDED and rec.void:
                     why = f"exists, and {RECORD} {rec.void}, so nothing proves weightshare wrote it"
                 if why is not None:
@@ -118,39 +117,39 @@ def _refuse_a_non_record(out_fd: int, out: Path) -> None:
         )
 
 
-def _unproven(out_fd: int, rel: str, recorded: dict[str, list[Identity]]) -> str | None:
-    """Why OUTDIR/``rel`` may not be replaced: something is there that the record does not name with its identity
-    (None: nothing is there, or the record proves weightshare wrote it)."""
+def _unproven(out_fd: int, rel: str, recorded: dict[str, list[Identity]]) -> tuple[str | None, Identity | None]:
+    """(why OUTDIR/``rel`` may not be replaced: something is there that the record does not name with its
+    identity, or None when nothing is there or the record proves weightshare wrote it; that identity, if any)."""
     parts = PurePosixPath(rel).parts
     try:
         fds = open_dir_nofollow(out_fd, parts[:-1])
     except FileNotFoundError:
-        return None  # its directory is still to be made: nothing can be there
+        return None, None  # its directory is still to be made: nothing can be there
     except OSError:
-        return "lies below a link or a file in the output directory"
+        return "lies below a link or a file in the output directory", None
     try:
         st = os.stat(parts[-1], dir_fd=fds[-1], follow_symlinks=False)
     except FileNotFoundError:
-        return None
+        return None, None
     except OSError as e:
-        return f"cannot be examined ({e.strerror})"
+        return f"cannot be examined ({e.strerror})", None
     finally:
         for fd in fds:
             os.close(fd)
     try:
         now = identity_at(out_fd, rel, st)
     except OSError as e:
-        return f"cannot be examined ({e.strerror})"
+        return f"cannot be examined ({e.strerror})", None
     if any(now == i for i in recorded.get(rel, [])):
-        return None
+        return None, now
     if stat.S_ISLNK(st.st_mode):
-        return "is a link weightshare did not write"
+        return "is a link weightshare did not write", now
     old_style = [st.st_dev, st.st_ino, st.st_size, st.st_ctime_ns]  # a directory as recorded before its tree counted
     if stat.S_ISDIR(st.st_mode) and old_style in recorded.get(rel, []):
-        return "was recorded by an earlier weightshare version, whose record cannot vouch for the files inside it"
+        return "was recorded by an earlier weightshare version, whose record cannot vouch for the files inside it", now
     if rel in recorded:
-        return "was changed or replaced since weightshare wrote it"
-    return _UNRECORDED
+        return "was changed or replaced since weightshare wrote it", now
+    return _UNRECORDED, now
 
 
 def _unproven_outside(final: Path) -> str | None:
